@@ -1,0 +1,21 @@
+// Internal: what every attention backend implements. Not part of the public API.
+#pragma once
+
+#include <memory>
+
+#include "attention/mla.h"
+
+namespace mlarun {
+
+// Backend-specific plan state behind MlaPlan::impl.
+struct MlaPlanImpl {
+  virtual ~MlaPlanImpl() = default;
+};
+
+namespace cpu {
+// REQUIRES: MlaCheck(p) and MlaCheckConfig(c) are OK.
+StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan);
+Status RunMla(const MlaParams& p, const MlaPlanImpl& plan, WorkspaceView ws);
+}  // namespace cpu
+
+}  // namespace mlarun

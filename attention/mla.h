@@ -1,0 +1,105 @@
+// MLA attention entry points: validation, planning, running, dispatch.
+//
+// Two formulations over one paged latent cache (DESIGN.md "Attention"):
+//  * absorbed: q_nope is folded through W_UK^T into latent space, attention
+//    runs MQA-shaped against the [L + R]-wide cached rows (values: their first L
+//    columns), and the [L]-wide result is folded through W_UV. Cheap per
+//    context token; its fixed cost is per query token. Decode.
+//  * expanded: the context's latents are up-projected through W_UK / W_UV into
+//    per-head keys [P + R] (k_pe broadcast to every head) and values [V], then
+//    ordinary causal MHA. The up-projection is per context token and shared by
+//    all queries of the block. Prefill. Long contexts are up-projected in
+//    bounded chunks whose partial results are merged by log-sum-exp.
+// The dispatch is per sequence within one call: query blocks shorter than
+// MlaConfig::absorb_below_query_len take the absorbed path.
+//
+// Lifecycle (host side): MlaCheck -> MlaMakePlan -> reserve
+// plan.workspace_bytes -> MlaRun. Kernels never allocate. MlaForward does the
+// three steps with a caller-owned Workspace.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+
+#include "attention/mla_params.h"
+#include "runtime/base/status.h"
+#include "runtime/base/workspace.h"
+
+namespace mlarun {
+
+enum class Backend : uint8_t { kCpu = 0, kCuda = 1 };
+std::string_view BackendName(Backend b);
+
+enum class MlaPath : uint8_t {
+  kAuto = 0,      // per sequence, by absorb_below_query_len
+  kAbsorbed = 1,  // every sequence absorbed
+  kExpanded = 2,  // every sequence expanded
+};
+
+// Measured on the development machine (docs/attention-bench.md): below this
+// query length the absorbed path wins at every context length measured.
+inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 64;
+
+struct MlaConfig {
+  Backend backend = Backend::kCpu;
+  MlaPath path = MlaPath::kAuto;
+  // Sequences whose query length is below this take the absorbed path.
+  // Default: kDefaultAbsorbBelowQueryLen.
+  int64_t absorb_below_query_len = kDefaultAbsorbBelowQueryLen;
+  // Expanded path: context rows up-projected at once (bounds its K/V
+  // workspace; 64k rows as vLLM's chunked-prefill workspace). Default 65536.
+  int64_t expand_chunk_rows = 65536;
+  // CPU: keys per attention tile (scores stay in L2). Multiple of 64. Default 1024.
+  int64_t kv_tile_rows = 1024;
+  // CPU: query rows (token x head) per attention tile. Default 256.
+  int64_t q_tile_rows = 256;
+  // CPU threads; 0 means the OpenMP default.
+  int num_threads = 0;
+
+  friend bool operator==(const MlaConfig&, const MlaConfig&) = default;
+};
+std::ostream& operator<<(std::ostream& os, const MlaConfig& c);
+
+// Checks shapes, dtypes, strides and the batch description, naming the first
+// field that is wrong. Reads the host batch arrays; never the tensors.
+Status MlaCheck(const MlaParams& p);
+Status MlaCheckConfig(const MlaConfig& c);
+
+// Which path a sequence of `query_len` tokens takes under `c`.
+MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len);
+
+struct MlaPlanImpl;  // backend-specific
+
+// Host-side plan for one batch description. Valid for any MlaParams whose
+// shape, dtypes, strides and batch arrays equal those it was made from (the
+// data pointers may differ).
+struct MlaPlan {
+  MlaPlan();
+  ~MlaPlan();
+  MlaPlan(MlaPlan&&) noexcept;
+  MlaPlan& operator=(MlaPlan&&) noexcept;
+
+  Backend backend = Backend::kCpu;
+  size_t workspace_bytes = 0;
+  int64_t absorbed_seqs = 0;
+  int64_t expanded_seqs = 0;
+  std::unique_ptr<MlaPlanImpl> impl;
+};
+
+StatusOr<MlaPlan> MlaMakePlan(const MlaParams& p, const MlaConfig& c);
+
+// Runs the plan. Blocks until done. `ws` must hold plan.workspace_bytes.
+Status MlaRun(const MlaParams& p, const MlaPlan& plan, WorkspaceView ws);
+
+// Check, plan, reserve and run.
+Status MlaForward(const MlaParams& p, const MlaConfig& c, Workspace& ws);
+
+// FLOPs of the attention as each path computes it (multiply-add = 2), for
+// benchmarks: absorbed counts the two folds and the MQA-shaped core over the
+// visible keys, expanded counts the up-projection of every context row and the
+// causal MHA over the visible keys.
+double MlaAbsorbedFlops(const MlaShape& s, int64_t query_len, int64_t seq_len);
+double MlaExpandedFlops(const MlaShape& s, int64_t query_len, int64_t seq_len);
+
+}  // namespace mlarun

@@ -1,0 +1,17 @@
+# Third-party libraries, all from Debian packages (scripts/install-deps).
+find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_package(CLI11 CONFIG REQUIRED)
+find_package(nlohmann_json 3 CONFIG REQUIRED)
+
+# oneDNN: Debian's dnnl CMake config requires the OpenCL ICD package because the
+# library was built with OpenCL; the plain library and headers work without it.
+find_path(DNNL_INCLUDE_DIR NAMES oneapi/dnnl/dnnl.hpp REQUIRED)
+find_library(DNNL_LIBRARY NAMES dnnl REQUIRED)
+add_library(mlarun_dnnl INTERFACE)
+target_include_directories(mlarun_dnnl SYSTEM INTERFACE ${DNNL_INCLUDE_DIR})
+target_link_libraries(mlarun_dnnl INTERFACE ${DNNL_LIBRARY})
+
+if(MLARUN_BUILD_TESTS)
+  find_package(GTest CONFIG REQUIRED)
+endif()
+find_package(benchmark CONFIG REQUIRED)

@@ -1,0 +1,283 @@
+#include "kv/latent_cache.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+namespace mlarun {
+namespace {
+
+constexpr uint64_t kChainSeed = 0x6d6c6172756e2d31ull;  // parent "hash" of the first block
+
+uint64_t Mix64(uint64_t x) {  // splitmix64 finalizer
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+}  // namespace
+
+uint64_t LatentCache::ChainHash(uint64_t parent, std::span<const int32_t> tokens) {
+  uint64_t h = Mix64(parent ^ 0x9e3779b97f4a7c15ull);
+  for (int32_t t : tokens) h = Mix64(h ^ static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ull;
+  return h;
+}
+
+StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConfig& c) {
+  if (c.num_layers <= 0) return InvalidArgumentError("latent cache: num_layers must be positive, got ", c.num_layers);
+  if (c.kv_lora_rank <= 0) return InvalidArgumentError("latent cache: kv_lora_rank must be positive, got ", c.kv_lora_rank);
+  if (c.rope_dim < 0) return InvalidArgumentError("latent cache: rope_dim must be >= 0, got ", c.rope_dim);
+  if (c.block_size <= 0) return InvalidArgumentError("latent cache: block_size must be positive, got ", c.block_size);
+  if (c.dtype != DType::kBF16 && c.dtype != DType::kF32)
+    return InvalidArgumentError("latent cache: dtype must be bf16 or f32, got ", DTypeName(c.dtype));
+  const int64_t bytes_per_token =
+      c.num_layers * (c.kv_lora_rank + c.rope_dim) * static_cast<int64_t>(DTypeSize(c.dtype));
+  const int64_t block_bytes = bytes_per_token * c.block_size;
+  const int64_t num_blocks = c.budget_bytes / block_bytes;
+  if (num_blocks < 1)
+    return InvalidArgumentError("latent cache: budget_bytes ", c.budget_bytes, " is smaller than one block (",
+                                block_bytes, " bytes = block_size ", c.block_size, " x ", bytes_per_token,
+                                " bytes per token)");
+  if (num_blocks > INT32_MAX) return InvalidArgumentError("latent cache: more than 2^31 blocks");
+  const size_t bytes = static_cast<size_t>(num_blocks * block_bytes);
+  void* pool = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  if (pool == nullptr) return ResourceExhaustedError("latent cache: cannot allocate ", bytes, " bytes");
+  return std::unique_ptr<LatentCache>(new LatentCache(c, num_blocks, pool));
+}
+
+LatentCache::LatentCache(const LatentCacheConfig& config, int64_t num_blocks, void* pool)
+    : config_(config),
+      num_blocks_(num_blocks),
+      layer_stride_(num_blocks * config.block_size * (config.kv_lora_rank + config.rope_dim)),
+      pool_(pool),
+      blocks_(static_cast<size_t>(num_blocks)) {
+  // Taken from the back: block 0 first, so a fresh cache hands out ascending ids.
+  free_.reserve(static_cast<size_t>(num_blocks));
+  for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
+}
+
+LatentCache::~LatentCache() { std::free(pool_); }
+
+LatentCacheStats LatentCache::stats() const {
+  LatentCacheStats s;
+  s.bytes_per_token = config_.num_layers * row_width() * static_cast<int64_t>(DTypeSize(config_.dtype));
+  s.block_bytes = s.bytes_per_token * config_.block_size;
+  s.blocks_total = num_blocks_;
+  s.blocks_free = static_cast<int64_t>(free_.size());
+  s.blocks_cached = static_cast<int64_t>(evictable_.size());
+  s.blocks_used = num_blocks_ - s.blocks_free - s.blocks_cached;
+  s.bytes_capacity = s.blocks_total * s.block_bytes;
+  s.bytes_used = s.blocks_used * s.block_bytes;
+  s.prefix_hit_tokens = prefix_hit_tokens_;
+  s.evictions = evictions_;
+  return s;
+}
+
+LatentCache::Sequence* LatentCache::Find(SeqId id) {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+const LatentCache::Sequence* LatentCache::Find(SeqId id) const {
+  auto it = seqs_.find(id);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+
+int64_t LatentCache::BlocksFor(int64_t tokens) const {
+  return (tokens + config_.block_size - 1) / config_.block_size;
+}
+
+Status LatentCache::AddSequence(SeqId id) {
+  if (!seqs_.try_emplace(id).second) return InvalidArgumentError("latent cache: sequence ", id, " already exists");
+  return Status::Ok();
+}
+
+int32_t LatentCache::Lookup(uint64_t parent, std::span<const int32_t> tokens, uint64_t* hash) const {
+  *hash = ChainHash(parent, tokens);
+  auto it = index_.find(*hash);
+  if (it == index_.end()) return -1;
+  const BlockMeta& m = blocks_[static_cast<size_t>(it->second)];
+  // Exact check: a hash collision must never hand out another prompt's rows.
+  if (m.parent_hash != parent || !std::equal(m.tokens.begin(), m.tokens.end(), tokens.begin(), tokens.end()))
+    return -1;
+  return it->second;
+}
+
+int64_t LatentCache::MatchPrefix(std::span<const int32_t> tokens) const {
+  const int64_t bs = config_.block_size;
+  uint64_t parent = kChainSeed, h = 0;
+  int64_t n = 0;
+  while (config_.enable_prefix_caching && n + bs <= static_cast<int64_t>(tokens.size())) {
+    if (Lookup(parent, tokens.subspan(static_cast<size_t>(n), static_cast<size_t>(bs)), &h) < 0) break;
+    parent = h;
+    n += bs;
+  }
+  return n;
+}
+
+StatusOr<int64_t> LatentCache::AttachPrefix(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens) {
+  Sequence* s = Find(id);
+  if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
+  if (!s->tokens.empty())
+    return FailedPreconditionError("latent cache: AttachPrefix on sequence ", id, " which already has ",
+                                   s->tokens.size(), " tokens");
+  const int64_t bs = config_.block_size;
+  const int64_t limit = std::min<int64_t>(max_tokens, static_cast<int64_t>(tokens.size()));
+  uint64_t parent = kChainSeed, h = 0;
+  int64_t n = 0;
+  while (config_.enable_prefix_caching && n + bs <= limit) {
+    auto block_tokens = tokens.subspan(static_cast<size_t>(n), static_cast<size_t>(bs));
+    const int32_t b = Lookup(parent, block_tokens, &h);
+    if (b < 0) break;
+    BlockMeta& m = blocks_[static_cast<size_t>(b)];
+    if (m.ref_count++ == 0) evictable_.erase(m.lru_pos);
+    s->blocks.push_back(b);
+    s->tokens.insert(s->tokens.end(), block_tokens.begin(), block_tokens.end());
+    s->chain.push_back(h);
+    parent = h;
+    n += bs;
+  }
+  prefix_hit_tokens_ += n;
+  return n;
+}
+
+StatusOr<int64_t> LatentCache::BlocksNeeded(SeqId id, int64_t n_tokens) const {
+  const Sequence* s = Find(id);
+  if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
+  if (n_tokens < 0) return InvalidArgumentError("latent cache: negative token count ", n_tokens);
+  return BlocksFor(static_cast<int64_t>(s->tokens.size()) + n_tokens) - static_cast<int64_t>(s->blocks.size());
+}
+
+int32_t LatentCache::TakeBlock() {
+  int32_t b;
+  if (!free_.empty()) {
+    b = free_.back();
+    free_.pop_back();
+  } else {
+    b = evictable_.front();
+    evictable_.pop_front();
+    BlockMeta& m = blocks_[static_cast<size_t>(b)];
+    auto it = index_.find(m.hash);
+    if (it != index_.end() && it->second == b) index_.erase(it);
+    m.published = false;
+    m.tokens.clear();
+    ++evictions_;
+  }
+  blocks_[static_cast<size_t>(b)].ref_count = 1;
+  return b;
+}
+
+Status LatentCache::Append(SeqId id, std::span<const int32_t> tokens) {
+  Sequence* s = Find(id);
+  if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
+  const int64_t need = BlocksFor(static_cast<int64_t>(s->tokens.size() + tokens.size())) -
+                       static_cast<int64_t>(s->blocks.size());
+  const int64_t have = static_cast<int64_t>(free_.size() + evictable_.size());
+  if (need > have)
+    return ResourceExhaustedError("latent cache: sequence ", id, " needs ", need, " more blocks for ",
+                                  tokens.size(), " tokens, ", have, " of ", num_blocks_, " are allocatable");
+  for (int64_t i = 0; i < need; ++i) s->blocks.push_back(TakeBlock());
+  s->tokens.insert(s->tokens.end(), tokens.begin(), tokens.end());
+  return Status::Ok();
+}
+
+Status LatentCache::Commit(SeqId id) {
+  Sequence* s = Find(id);
+  if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
+  const int64_t bs = config_.block_size;
+  const int64_t total = static_cast<int64_t>(s->tokens.size());
+  if (config_.enable_prefix_caching) {
+    // Extend the sequence's hash chain over the blocks that are now full and
+    // written, and publish each unless another sequence published it first.
+    for (int64_t j = static_cast<int64_t>(s->chain.size()); (j + 1) * bs <= total; ++j) {
+      auto block_tokens = std::span<const int32_t>(s->tokens).subspan(static_cast<size_t>(j * bs),
+                                                                      static_cast<size_t>(bs));
+      const uint64_t parent = j == 0 ? kChainSeed : s->chain.back();
+      const uint64_t h = ChainHash(parent, block_tokens);
+      s->chain.push_back(h);
+      BlockMeta& m = blocks_[static_cast<size_t>(s->blocks[static_cast<size_t>(j)])];
+      if (m.published || index_.count(h)) continue;
+      m.published = true;
+      m.hash = h;
+      m.parent_hash = parent;
+      m.tokens.assign(block_tokens.begin(), block_tokens.end());
+      index_[h] = s->blocks[static_cast<size_t>(j)];
+    }
+  }
+  return Status::Ok();
+}
+
+void LatentCache::DropRef(int32_t b) {
+  BlockMeta& m = blocks_[static_cast<size_t>(b)];
+  if (--m.ref_count > 0) return;
+  if (m.published) {
+    m.lru_pos = evictable_.insert(evictable_.end(), b);
+  } else {
+    free_.push_back(b);
+  }
+}
+
+Status LatentCache::Release(SeqId id) {
+  auto it = seqs_.find(id);
+  if (it == seqs_.end()) return NotFoundError("latent cache: unknown sequence ", id);
+  // Tail blocks first, so the LRU evicts a prompt's tail before its head.
+  for (auto b = it->second.blocks.rbegin(); b != it->second.blocks.rend(); ++b) DropRef(*b);
+  seqs_.erase(it);
+  return Status::Ok();
+}
+
+std::span<const int32_t> LatentCache::BlockTable(SeqId id) const {
+  const Sequence* s = Find(id);
+  return s ? std::span<const int32_t>(s->blocks) : std::span<const int32_t>();
+}
+
+int64_t LatentCache::NumTokens(SeqId id) const {
+  const Sequence* s = Find(id);
+  return s ? static_cast<int64_t>(s->tokens.size()) : -1;
+}
+
+void* LatentCache::LayerData(int64_t layer) const {
+  return static_cast<std::byte*>(pool_) + layer * layer_stride_ * static_cast<int64_t>(DTypeSize(config_.dtype));
+}
+
+PagedRowsView LatentCache::Layer(int64_t layer) const {
+  PagedRowsView v;
+  v.data = LayerData(layer);
+  v.dtype = config_.dtype;
+  v.num_blocks = num_blocks_;
+  v.block_size = config_.block_size;
+  v.row_width = row_width();
+  v.stride_token = row_width();
+  v.stride_block = config_.block_size * row_width();
+  return v;
+}
+
+Status LatentCache::WriteRows(int64_t layer, SeqId id, int64_t pos, int64_t n, const float* kv_c,
+                              int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride) {
+  const Sequence* s = Find(id);
+  if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
+  if (layer < 0 || layer >= config_.num_layers)
+    return OutOfRangeError("latent cache: layer ", layer, " outside [0, ", config_.num_layers, ")");
+  if (pos < 0 || n < 0 || pos + n > static_cast<int64_t>(s->tokens.size()))
+    return OutOfRangeError("latent cache: rows [", pos, ", ", pos + n, ") of sequence ", id, " which has ",
+                           s->tokens.size(), " appended tokens");
+  const PagedRowsView v = Layer(layer);
+  const int64_t L = config_.kv_lora_rank, R = config_.rope_dim, bs = config_.block_size;
+  const size_t esize = DTypeSize(config_.dtype);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = pos + t;
+    const int32_t b = s->blocks[static_cast<size_t>(p / bs)];
+    const BlockMeta& m = blocks_[static_cast<size_t>(b)];
+    if (m.ref_count > 1 || m.published)
+      return FailedPreconditionError("latent cache: row ", p, " of sequence ", id, " lies in block ", b,
+                                     " which is shared or published; its rows are immutable");
+    std::byte* row = static_cast<std::byte*>(LayerData(layer)) + (b * v.stride_block + (p % bs) * v.stride_token) * esize;
+    StoreFromF32(kv_c + t * kv_c_stride, row, config_.dtype, L);
+    StoreFromF32(k_pe + t * k_pe_stride, row + L * esize, config_.dtype, R);
+  }
+  return Status::Ok();
+}
+
+}  // namespace mlarun

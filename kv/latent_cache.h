@@ -1,0 +1,169 @@
+// The paged latent cache: one [kv_c | k_pe] row of width L + R per token per
+// layer, stored in fixed-size blocks of tokens, with per-sequence block tables
+// and reuse of finished prefixes between sequences.
+//
+// Memory layout (one allocation): [layer][block][token in block][L + R], so the
+// rows of one block of one layer are contiguous and a layer is a strided view
+// (see LayerView). bf16 (default) or f32.
+//
+// Prefix reuse: every full block that a sequence has committed is published
+// under a hash chain over the token ids of all blocks up to and including it.
+// A later sequence whose prompt starts with the same full blocks attaches them
+// (reference-counted) instead of recomputing them. Released blocks that hold a
+// published prefix stay cached and are evicted least-recently-used first when
+// free blocks run out.
+//
+// Running out of blocks is an ordinary event: Append returns RESOURCE_EXHAUSTED
+// and changes nothing, so a scheduler can queue or preempt.
+//
+// Not thread-safe: one owner (a DP group's scheduler) drives it.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/base/dtype.h"
+#include "runtime/base/status.h"
+#include "runtime/base/tensor_view.h"
+
+namespace mlarun {
+
+struct LatentCacheConfig {
+  int64_t num_layers = 1;
+  int64_t kv_lora_rank = 512;  // L: width of kv_c
+  int64_t rope_dim = 64;       // R: width of k_pe
+  int64_t block_size = 64;     // tokens per block
+  DType dtype = DType::kBF16;  // bf16 or f32
+  // Capacity: as many whole blocks as fit in this many bytes.
+  int64_t budget_bytes = int64_t{1} << 30;
+  // Publish full blocks for reuse by later sequences with the same prefix.
+  bool enable_prefix_caching = true;
+
+  friend bool operator==(const LatentCacheConfig&, const LatentCacheConfig&) = default;
+};
+
+struct LatentCacheStats {
+  int64_t bytes_per_token = 0;  // num_layers * (L + R) * dtype size
+  int64_t block_bytes = 0;      // block_size * bytes_per_token
+  int64_t blocks_total = 0;
+  int64_t blocks_used = 0;    // referenced by at least one sequence
+  int64_t blocks_cached = 0;  // unreferenced, holding a reusable prefix (evictable)
+  int64_t blocks_free = 0;    // unreferenced and empty
+  int64_t bytes_capacity = 0;  // blocks_total * block_bytes
+  int64_t bytes_used = 0;      // blocks_used * block_bytes
+  int64_t prefix_hit_tokens = 0;  // tokens attached from cached prefixes, cumulative
+  int64_t evictions = 0;          // cached blocks reclaimed, cumulative
+
+  int64_t blocks_allocatable() const { return blocks_free + blocks_cached; }
+};
+
+using SeqId = int64_t;
+
+class LatentCache {
+ public:
+  // Allocates the pool. Errors name the bad field (e.g. a budget smaller than one block).
+  static StatusOr<std::unique_ptr<LatentCache>> Create(const LatentCacheConfig& config);
+
+  ~LatentCache();
+  LatentCache(const LatentCache&) = delete;
+  LatentCache& operator=(const LatentCache&) = delete;
+
+  const LatentCacheConfig& config() const { return config_; }
+  int64_t row_width() const { return config_.kv_lora_rank + config_.rope_dim; }
+  LatentCacheStats stats() const;
+
+  // ---- Sequences ---------------------------------------------------------
+  // Registers an empty sequence. INVALID_ARGUMENT if the id is in use.
+  Status AddSequence(SeqId id);
+  bool HasSequence(SeqId id) const { return seqs_.count(id) != 0; }
+
+  // Tokens of `tokens` that a new sequence could reuse: the longest run of
+  // leading full blocks present in the cache. A multiple of block_size. No side
+  // effects.
+  int64_t MatchPrefix(std::span<const int32_t> tokens) const;
+
+  // For a sequence that has no tokens yet: attaches the cached blocks of the
+  // longest reusable prefix of `tokens`, at most `max_tokens` tokens (pass
+  // tokens.size() - 1 to keep at least one token to compute). Returns the
+  // number of tokens attached; their rows are already in the cache.
+  StatusOr<int64_t> AttachPrefix(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens);
+
+  // Free blocks that appending `n_tokens` to `id` would take.
+  StatusOr<int64_t> BlocksNeeded(SeqId id, int64_t n_tokens) const;
+
+  // Reserves slots for `tokens` after the sequence's current tokens and records
+  // their ids (for prefix hashing). All or nothing: RESOURCE_EXHAUSTED, with no
+  // change, when the allocatable blocks do not suffice.
+  Status Append(SeqId id, std::span<const int32_t> tokens);
+
+  // Declares the rows of every appended token written. Full blocks become
+  // reusable by later sequences.
+  Status Commit(SeqId id);
+
+  // Ends the sequence. Blocks nobody else references return to the pool;
+  // those holding a published prefix stay cached until evicted.
+  Status Release(SeqId id);
+
+  // Block ids of the sequence, in token order. Empty span for unknown ids.
+  std::span<const int32_t> BlockTable(SeqId id) const;
+  // Tokens appended so far (attached prefix included); -1 for unknown ids.
+  int64_t NumTokens(SeqId id) const;
+
+  // ---- Rows ----------------------------------------------------------------
+  // One layer as a paged view (rows of width L + R). The pointer is writable:
+  // tests and the model's cache writer may fill rows through it.
+  PagedRowsView Layer(int64_t layer) const;
+  void* LayerData(int64_t layer) const;
+
+  // Writes rows for positions [pos, pos + n) of `id` in `layer`, converting from
+  // fp32: row t = [kv_c[t * kv_c_stride .. + L) | k_pe[t * k_pe_stride .. + R)].
+  // The positions must have been appended and must not lie in a block shared
+  // with another sequence (such rows are immutable).
+  Status WriteRows(int64_t layer, SeqId id, int64_t pos, int64_t n, const float* kv_c,
+                   int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride);
+
+ private:
+  struct BlockMeta {
+    int32_t ref_count = 0;
+    bool published = false;
+    uint64_t hash = 0;         // valid when published
+    uint64_t parent_hash = 0;  // hash of the previous block in the chain (0 for the first)
+    std::vector<int32_t> tokens;  // the block's token ids, for exact match on lookup
+    std::list<int32_t>::iterator lru_pos;  // valid while in evictable_
+  };
+  struct Sequence {
+    std::vector<int32_t> blocks;
+    std::vector<int32_t> tokens;
+    std::vector<uint64_t> chain;  // chain hash of each full, committed block
+  };
+
+  LatentCache(const LatentCacheConfig& config, int64_t num_blocks, void* pool);
+  Sequence* Find(SeqId id);
+  const Sequence* Find(SeqId id) const;
+  static uint64_t ChainHash(uint64_t parent, std::span<const int32_t> tokens);
+  // Cached block holding `tokens` whose parent hash is `parent`, or -1.
+  int32_t Lookup(uint64_t parent, std::span<const int32_t> tokens, uint64_t* hash) const;
+  int32_t TakeBlock();  // REQUIRES: an allocatable block exists
+  void DropRef(int32_t block);
+  int64_t BlocksFor(int64_t tokens) const;
+
+  // Constant after construction.
+  const LatentCacheConfig config_;
+  const int64_t num_blocks_;
+  const int64_t layer_stride_;  // elements
+  void* const pool_;
+
+  std::vector<BlockMeta> blocks_;
+  std::vector<int32_t> free_;       // empty blocks; back() is taken first
+  std::list<int32_t> evictable_;    // cached, unreferenced; front() is evicted first
+  std::unordered_map<uint64_t, int32_t> index_;  // chain hash -> published block
+  std::unordered_map<SeqId, Sequence> seqs_;
+  int64_t prefix_hit_tokens_ = 0;
+  int64_t evictions_ = 0;
+};
+
+}  // namespace mlarun

@@ -1,0 +1,208 @@
+#include "kv/latent_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <random>
+#include <set>
+
+namespace mlarun {
+namespace {
+
+std::vector<int32_t> Tokens(int n, int32_t start = 100) {
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  std::iota(t.begin(), t.end(), start);
+  return t;
+}
+
+LatentCacheConfig SmallConfig(int64_t blocks, DType dtype = DType::kF32) {
+  LatentCacheConfig c{.num_layers = 3, .kv_lora_rank = 8, .rope_dim = 4, .block_size = 4, .dtype = dtype};
+  c.budget_bytes = blocks * c.block_size * c.num_layers * (c.kv_lora_rank + c.rope_dim) * DTypeSize(dtype);
+  return c;
+}
+
+TEST(LatentCache, Accounting) {
+  LatentCacheConfig c{.num_layers = 61, .kv_lora_rank = 512, .rope_dim = 64, .block_size = 64,
+                      .dtype = DType::kBF16, .budget_bytes = 100 << 20};
+  auto cache = LatentCache::Create(c);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const LatentCacheStats s = (*cache)->stats();
+  EXPECT_EQ(s.bytes_per_token, 61 * 576 * 2);  // 70,272 B: DeepSeek-V3
+  EXPECT_EQ(s.block_bytes, 64 * 70272);
+  EXPECT_EQ(s.blocks_total, (100 << 20) / (64 * 70272));
+  EXPECT_EQ(s.blocks_free, s.blocks_total);
+  EXPECT_EQ(s.bytes_used, 0);
+  c.dtype = DType::kF32;
+  EXPECT_EQ((*LatentCache::Create(c))->stats().bytes_per_token, 61 * 576 * 4);
+}
+
+TEST(LatentCache, BadConfig) {
+  LatentCacheConfig c = SmallConfig(4);
+  c.budget_bytes = 10;
+  Status st = LatentCache::Create(c).status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("budget_bytes"), std::string::npos) << st;
+  c = SmallConfig(4);
+  c.dtype = DType::kF16;
+  EXPECT_EQ(LatentCache::Create(c).status().code(), StatusCode::kInvalidArgument);
+  c = SmallConfig(4);
+  c.block_size = 0;
+  EXPECT_EQ(LatentCache::Create(c).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(LatentCache, AppendAcrossBlocksAndWriteRows) {
+  auto cache = std::move(LatentCache::Create(SmallConfig(8))).value();
+  ASSERT_TRUE(cache->AddSequence(1).ok());
+  EXPECT_EQ(cache->AddSequence(1).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(cache->Append(1, Tokens(3)).ok());
+  EXPECT_EQ(cache->BlockTable(1).size(), 1u);
+  ASSERT_TRUE(cache->Append(1, Tokens(1, 103)).ok());  // fills block 0 exactly
+  EXPECT_EQ(cache->BlockTable(1).size(), 1u);
+  EXPECT_EQ(*cache->BlocksNeeded(1, 5), 2);
+  ASSERT_TRUE(cache->Append(1, Tokens(5, 104)).ok());  // crosses into blocks 1 and 2
+  EXPECT_EQ(cache->BlockTable(1).size(), 3u);
+  EXPECT_EQ(cache->NumTokens(1), 9);
+  const auto table = cache->BlockTable(1);
+  EXPECT_EQ(std::set<int32_t>(table.begin(), table.end()).size(), 3u);
+  EXPECT_EQ(cache->stats().blocks_used, 3);
+  EXPECT_EQ(cache->stats().bytes_used, 3 * cache->stats().block_bytes);
+
+  // Rows go where the block table says, in every layer.
+  std::mt19937 rng(1);
+  std::normal_distribution<float> d;
+  std::vector<float> kv(9 * 8), pe(9 * 4);
+  for (float& v : kv) v = d(rng);
+  for (float& v : pe) v = d(rng);
+  for (int64_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(cache->WriteRows(layer, 1, 0, 9, kv.data(), 8, pe.data(), 4).ok());
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    const PagedRowsView v = cache->Layer(layer);
+    EXPECT_EQ(v.row_width, 12);
+    for (int64_t pos = 0; pos < 9; ++pos) {
+      const float* row = static_cast<const float*>(v.data) + table[static_cast<size_t>(pos / 4)] * v.stride_block + pos % 4 * v.stride_token;
+      for (int c = 0; c < 8; ++c) ASSERT_EQ(row[c], kv[static_cast<size_t>(pos * 8 + c)]);
+      for (int c = 0; c < 4; ++c) ASSERT_EQ(row[8 + c], pe[static_cast<size_t>(pos * 4 + c)]);
+    }
+  }
+  EXPECT_EQ(cache->WriteRows(0, 1, 7, 3, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(cache->WriteRows(3, 1, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(cache->WriteRows(0, 2, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(cache->Release(1).ok());
+  EXPECT_EQ(cache->stats().blocks_used, 0);
+  EXPECT_EQ(cache->Release(1).code(), StatusCode::kNotFound);
+}
+
+TEST(LatentCache, Bf16Rows) {
+  auto cache = std::move(LatentCache::Create(SmallConfig(2, DType::kBF16))).value();
+  ASSERT_TRUE(cache->AddSequence(0).ok());
+  ASSERT_TRUE(cache->Append(0, Tokens(1)).ok());
+  std::vector<float> kv = {1.f, -2.5f, 3.14159f, 0.1f, 5, 6, 7, 8}, pe = {0.333f, 1e-3f, -7, 9};
+  ASSERT_TRUE(cache->WriteRows(2, 0, 0, 1, kv.data(), 8, pe.data(), 4).ok());
+  const PagedRowsView v = cache->Layer(2);
+  const bf16_t* row = static_cast<const bf16_t*>(v.data) + cache->BlockTable(0)[0] * v.stride_block;
+  for (int c = 0; c < 8; ++c) EXPECT_EQ(row[c], FloatToBf16(kv[static_cast<size_t>(c)]));
+  for (int c = 0; c < 4; ++c) EXPECT_EQ(row[8 + c], FloatToBf16(pe[static_cast<size_t>(c)]));
+}
+
+TEST(LatentCache, ExhaustionIsAStatusAndChangesNothing) {
+  auto cache = std::move(LatentCache::Create(SmallConfig(3))).value();
+  ASSERT_TRUE(cache->AddSequence(1).ok());
+  ASSERT_TRUE(cache->AddSequence(2).ok());
+  ASSERT_TRUE(cache->Append(1, Tokens(9)).ok());  // 3 blocks: all of them
+  const auto before = cache->stats();
+  const Status st = cache->Append(2, Tokens(1));
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st;
+  EXPECT_EQ(cache->NumTokens(2), 0);
+  EXPECT_EQ(cache->stats().blocks_used, before.blocks_used);
+  EXPECT_EQ(cache->Append(1, Tokens(4, 200)).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(cache->NumTokens(1), 9);
+  ASSERT_TRUE(cache->Append(1, Tokens(3, 200)).ok());  // still room in the last block
+  ASSERT_TRUE(cache->Release(1).ok());
+  EXPECT_TRUE(cache->Append(2, Tokens(12)).ok());  // everything is free again
+}
+
+TEST(LatentCache, PrefixSharing) {
+  auto cache = std::move(LatentCache::Create(SmallConfig(8))).value();
+  const auto prompt = Tokens(10);
+  ASSERT_TRUE(cache->AddSequence(1).ok());
+  ASSERT_TRUE(cache->Append(1, prompt).ok());
+  EXPECT_EQ(cache->MatchPrefix(prompt), 0) << "uncommitted blocks must not be shared";
+  ASSERT_TRUE(cache->Commit(1).ok());
+  EXPECT_EQ(cache->MatchPrefix(prompt), 8);  // two full blocks of 4
+  auto other = prompt;
+  other[5] = 999;
+  EXPECT_EQ(cache->MatchPrefix(other), 4);   // diverges in the second block
+  other = prompt;
+  other[0] = 999;
+  EXPECT_EQ(cache->MatchPrefix(other), 0);   // a later block never matches without its parent
+
+  // A second request with the same prompt attaches the two full blocks.
+  ASSERT_TRUE(cache->AddSequence(2).ok());
+  EXPECT_EQ(*cache->AttachPrefix(2, prompt, static_cast<int64_t>(prompt.size()) - 1), 8);
+  EXPECT_EQ(cache->BlockTable(2)[0], cache->BlockTable(1)[0]);
+  EXPECT_EQ(cache->BlockTable(2)[1], cache->BlockTable(1)[1]);
+  EXPECT_EQ(cache->stats().blocks_used, 3);
+  EXPECT_EQ(cache->stats().prefix_hit_tokens, 8);
+  std::vector<float> kv(8), pe(4);
+  EXPECT_EQ(cache->WriteRows(0, 2, 3, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(cache->Append(2, std::vector<int32_t>(prompt.begin() + 8, prompt.end())).ok());
+  EXPECT_NE(cache->BlockTable(2)[2], cache->BlockTable(1)[2]);
+  EXPECT_TRUE(cache->WriteRows(0, 2, 8, 2, kv.data(), 0, pe.data(), 0).ok());
+
+  // The first request ends: shared blocks stay in use by the second.
+  ASSERT_TRUE(cache->Release(1).ok());
+  EXPECT_EQ(cache->stats().blocks_used, 3);
+  ASSERT_TRUE(cache->Release(2).ok());
+  EXPECT_EQ(cache->stats().blocks_used, 0);
+  EXPECT_EQ(cache->stats().blocks_cached, 2);  // the published prefix stays reusable
+  EXPECT_EQ(cache->MatchPrefix(prompt), 8);
+  // max_tokens caps the reuse to whole blocks below it.
+  ASSERT_TRUE(cache->AddSequence(3).ok());
+  EXPECT_EQ(*cache->AttachPrefix(3, prompt, 7), 4);
+  EXPECT_EQ(cache->AttachPrefix(3, prompt, 7).status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST(LatentCache, LruEvictionOfCachedBlocks) {
+  auto cache = std::move(LatentCache::Create(SmallConfig(4))).value();
+  const auto a = Tokens(8, 0), b = Tokens(8, 1000);
+  for (auto [id, toks] : {std::pair{1, a}, std::pair{2, b}}) {
+    ASSERT_TRUE(cache->AddSequence(id).ok());
+    ASSERT_TRUE(cache->Append(id, toks).ok());
+    ASSERT_TRUE(cache->Commit(id).ok());
+  }
+  ASSERT_TRUE(cache->Release(1).ok());
+  ASSERT_TRUE(cache->Release(2).ok());
+  EXPECT_EQ(cache->stats().blocks_cached, 4);
+  EXPECT_EQ(cache->stats().blocks_free, 0);
+  // Touch `a` again so `b` becomes the least recently used prompt.
+  ASSERT_TRUE(cache->AddSequence(3).ok());
+  EXPECT_EQ(*cache->AttachPrefix(3, a, 8), 8);
+  ASSERT_TRUE(cache->Release(3).ok());
+  // One new block: evicts b's tail block first, so b keeps its head.
+  ASSERT_TRUE(cache->AddSequence(4).ok());
+  ASSERT_TRUE(cache->Append(4, Tokens(1, 5000)).ok());
+  EXPECT_EQ(cache->stats().evictions, 1);
+  EXPECT_EQ(cache->MatchPrefix(b), 4);
+  EXPECT_EQ(cache->MatchPrefix(a), 8);
+  // Two more: b's head goes, then a's tail.
+  ASSERT_TRUE(cache->Append(4, Tokens(8, 6000)).ok());
+  EXPECT_EQ(cache->MatchPrefix(b), 0);
+  EXPECT_EQ(cache->MatchPrefix(a), 4);
+  // Cached blocks count as allocatable, referenced ones never do.
+  EXPECT_EQ(cache->stats().blocks_allocatable(), 1);
+  EXPECT_EQ(cache->Append(4, Tokens(8, 7000)).code(), StatusCode::kResourceExhausted);
+}
+
+TEST(LatentCache, PrefixCachingOff) {
+  LatentCacheConfig c = SmallConfig(4);
+  c.enable_prefix_caching = false;
+  auto cache = std::move(LatentCache::Create(c)).value();
+  ASSERT_TRUE(cache->AddSequence(1).ok());
+  ASSERT_TRUE(cache->Append(1, Tokens(8)).ok());
+  ASSERT_TRUE(cache->Commit(1).ok());
+  ASSERT_TRUE(cache->Release(1).ok());
+  EXPECT_EQ(cache->MatchPrefix(Tokens(8)), 0);
+  EXPECT_EQ(cache->stats().blocks_free, 4);
+}
+
+}  // namespace
+}  // namespace mlarun
