@@ -22,6 +22,7 @@ std::string_view BackendName(Backend b) {
 std::ostream& operator<<(std::ostream& os, const MlaConfig& c) {
   return os << "mla_config{backend=" << BackendName(c.backend) << " path=" << static_cast<int>(c.path)
             << " absorb_below_query_len=" << c.absorb_below_query_len
+            << " expand_without_prefix=" << c.expand_without_prefix
             << " expand_chunk_rows=" << c.expand_chunk_rows << " kv_tile_rows=" << c.kv_tile_rows
             << " q_tile_rows=" << c.q_tile_rows << " num_threads=" << c.num_threads << "}";
 }
@@ -115,8 +116,9 @@ Status MlaCheck(const MlaParams& p) {
   return Status::Ok();
 }
 
-MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len) {
+MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len, int64_t prefix_len) {
   if (c.path != MlaPath::kAuto) return c.path;
+  if (prefix_len == 0 && c.expand_without_prefix) return MlaPath::kExpanded;
   return query_len < c.absorb_below_query_len ? MlaPath::kAbsorbed : MlaPath::kExpanded;
 }
 

@@ -11,7 +11,9 @@
 //    all queries of the block. Prefill. Long contexts are up-projected in
 //    bounded chunks whose partial results are merged by log-sum-exp.
 // The dispatch is per sequence within one call: query blocks shorter than
-// MlaConfig::absorb_below_query_len take the absorbed path.
+// MlaConfig::absorb_below_query_len over a cached prefix take the absorbed
+// path; blocks without a cached prefix (cold prefills) take the expanded path,
+// whose up-projection then covers only the new tokens.
 //
 // Lifecycle (host side): MlaCheck -> MlaMakePlan -> reserve
 // plan.workspace_bytes -> MlaRun. Kernels never allocate. MlaForward does the
@@ -37,9 +39,9 @@ enum class MlaPath : uint8_t {
   kExpanded = 2,  // every sequence expanded
 };
 
-// Measured on the development machine (docs/attention-bench.md): below this
-// query length the absorbed path wins at every context length measured.
-inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 64;
+// Measured on the development machine (docs/attention-bench.md): the
+// threshold with the smallest worst-case slowdown over the Q x S grid.
+inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 256;
 
 struct MlaConfig {
   Backend backend = Backend::kCpu;
@@ -47,6 +49,10 @@ struct MlaConfig {
   // Sequences whose query length is below this take the absorbed path.
   // Default: kDefaultAbsorbBelowQueryLen.
   int64_t absorb_below_query_len = kDefaultAbsorbBelowQueryLen;
+  // Sequences with no cached prefix take the expanded path whatever their
+  // length: with nothing cached, up-projecting the block costs what the two
+  // folds would, and its MHA core is 3.4x cheaper per pair. Default true.
+  bool expand_without_prefix = true;
   // Expanded path: context rows up-projected at once (bounds its K/V
   // workspace; 64k rows as vLLM's chunked-prefill workspace). Default 65536.
   int64_t expand_chunk_rows = 65536;
@@ -66,8 +72,9 @@ std::ostream& operator<<(std::ostream& os, const MlaConfig& c);
 Status MlaCheck(const MlaParams& p);
 Status MlaCheckConfig(const MlaConfig& c);
 
-// Which path a sequence of `query_len` tokens takes under `c`.
-MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len);
+// Which path a block of `query_len` tokens over `prefix_len` cached tokens
+// takes under `c`.
+MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len, int64_t prefix_len);
 
 struct MlaPlanImpl;  // backend-specific
 

@@ -38,6 +38,8 @@ inline float Exp2NonPositive(float t) {
 __attribute__((target_clones("avx512f", "avx2", "default")))
 float RowMax(const float* x, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
+  // The simd reduction lets the compiler reorder the maximum across lanes.
+#pragma omp simd reduction(max : m)
   for (int64_t j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
   return m;
 }
@@ -47,6 +49,7 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 float ExpInPlace(float* x, int64_t n, float mx, float scale) {
   const float k = scale * kLog2e;
   float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; ++j) {
     const float e = Exp2NonPositive((x[j] - mx) * k);
     x[j] = e;

@@ -502,7 +502,7 @@ StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const Mla
   for (int32_t i = 0; i < p.num_seqs; ++i) {
     const int64_t q_len = p.query_start[i + 1] - p.query_start[i], seq_len = p.seq_lens[i];
     if (q_len == 0) continue;  // nothing to compute for this sequence
-    if (MlaPathFor(c, q_len) == MlaPath::kAbsorbed) {
+    if (MlaPathFor(c, q_len, seq_len - q_len) == MlaPath::kAbsorbed) {
       pl->abs.push_back(AbsSeq{i, q_len, seq_len, seq_len - q_len, pl->t_abs});
       pl->t_abs += q_len;
     } else {

@@ -18,7 +18,7 @@ nlohmann::json LoadFixture() {
 }
 
 RopeConfig ConfigOf(const nlohmann::json& c, RopeLayout layout) {
-  RopeConfig r{.dim = c["dim"].get<int64_t>(), .theta = c["theta"].get<double>(), .layout = layout};
+  RopeConfig r{.dim = c["dim"].get<int64_t>(), .theta = c["theta"].get<double>(), .layout = layout, .scaling = {}};
   if (!c["scaling"].is_null()) {
     const auto& s = c["scaling"];
     r.scaling.type = RopeScaling::Type::kYarn;
@@ -81,9 +81,9 @@ TEST(Rope, YarnCorrectionsSeparate) {
 }
 
 TEST(Rope, BadConfigIsAnError) {
-  EXPECT_EQ(Rope::Create(RopeConfig{.dim = 63}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(Rope::Create(RopeConfig{.dim = 64, .theta = 0}).status().code(), StatusCode::kInvalidArgument);
-  RopeConfig bad{.dim = 64};
+  EXPECT_EQ(Rope::Create(RopeConfig{.dim = 63, .scaling = {}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rope::Create(RopeConfig{.dim = 64, .theta = 0, .scaling = {}}).status().code(), StatusCode::kInvalidArgument);
+  RopeConfig bad{.dim = 64, .scaling = {}};
   bad.scaling = RopeScaling{.type = RopeScaling::Type::kYarn, .factor = -2};
   const Status st = Rope::Create(bad).status();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);

@@ -1,0 +1,499 @@
+#include "launcher/bench/attention_bench.h"
+
+#include <benchmark/benchmark.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <sstream>
+
+#include "attention/mla.h"
+#include "attention/synthetic_batch.h"
+#include "runtime/base/cpu_gemm.h"
+
+namespace mlarun {
+namespace {
+
+using Json = nlohmann::json;
+
+// ---- Timing through Google Benchmark ---------------------------------------
+
+// Keeps the median (or the single run) per-iteration real time, in ms.
+class MedianReporter : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& r : runs) {
+      if (r.error_occurred) continue;
+      const bool single = r.run_type == Run::RT_Iteration && r.repetitions <= 1;
+      if (single || (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median"))
+        median_ms = r.GetAdjustedRealTime();  // in the benchmark's unit: ms
+    }
+  }
+  double median_ms = NAN;
+};
+
+struct Timing {
+  int repetitions;
+  double min_time_s;
+  // Run once untimed first (warm caches, fault in memory, size iterations).
+  // Heavy runs skip it: one iteration per repetition, after the run that
+  // verified them has already warmed everything.
+  bool warm_up = true;
+};
+
+// Times `fn` with Google Benchmark: `repetitions` repetitions of enough
+// iterations to fill min_time_s (one when there is no warm-up run to size them).
+StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& fn, const Timing& t) {
+  int64_t iterations = 1;
+  if (t.warm_up) {
+    const auto t0 = std::chrono::steady_clock::now();
+    MLARUN_RETURN_IF_ERROR(fn());
+    const double first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    iterations = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(t.min_time_s / std::max(first_s, 1e-6))), 1, 100000);
+  }
+  Status err;
+  auto* b = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& state) {
+    for (auto _ : state) {
+      Status s = fn();
+      if (!s.ok()) {
+        err = s;
+        state.SkipWithError(s.ToString().c_str());
+        break;
+      }
+    }
+  });
+  b->Iterations(iterations)->Repetitions(t.repetitions)->UseRealTime()->Unit(benchmark::kMillisecond);
+  if (t.repetitions > 1) b->ReportAggregatesOnly(true);
+  MedianReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::ClearRegisteredBenchmarks();
+  MLARUN_RETURN_IF_ERROR(err);
+  if (!std::isfinite(reporter.median_ms)) return InternalError("benchmark ", name, " produced no timing");
+  return reporter.median_ms;
+}
+
+// ---- Attention runs ---------------------------------------------------------
+
+// One batch of `batch` sequences, each `q_len` new tokens over `context`
+// cached tokens, and prepared plans for both paths.
+class PathPair {
+ public:
+  PathPair(const AttentionBenchOptions& o, int64_t batch, int64_t q_len, int64_t context, uint64_t seed)
+      : shape_(DeepSeekV3MlaShape(o.heads)), q_len_(q_len), context_(context), batch_size_(batch),
+        batch_(SyntheticSpec{.shape = shape_, .dtype = o.dtype, .block_size = 64,
+                             .seqs = std::vector<SyntheticSeq>(static_cast<size_t>(batch), SyntheticSeq{q_len, context + q_len}),
+                             .seed = seed, .shuffle_blocks = true, .poison = false, .spare_blocks = 0}) {}
+
+  Status Prepare(MlaPath path) {
+    MlaConfig c{.path = path};
+    const MlaParams p = batch_.params();
+    MLARUN_ASSIGN_OR_RETURN(plans_[Index(path)], MlaMakePlan(p, c));
+    return Status::Ok();
+  }
+  Status Run(MlaPath path) {
+    const MlaPlan& plan = *plans_[Index(path)];
+    WorkspaceView ws = workspace_.Reserve(plan.workspace_bytes);
+    if (plan.workspace_bytes > 0 && ws.data == nullptr)
+      return ResourceExhaustedError("cannot allocate ", plan.workspace_bytes, " bytes of workspace");
+    return MlaRun(batch_.params(), plan, ws);
+  }
+  // All outputs of the batch, as the last run left them.
+  std::vector<double> Outputs() const {
+    std::vector<double> all;
+    for (int64_t i = 0; i < batch_size_; ++i) {
+      auto o = batch_.SeqOut(i);
+      all.insert(all.end(), o.begin(), o.end());
+    }
+    return all;
+  }
+  double AbsorbedFlops() const { return static_cast<double>(batch_size_) * MlaAbsorbedFlops(shape_, q_len_, context_ + q_len_); }
+  double ExpandedFlops() const { return static_cast<double>(batch_size_) * MlaExpandedFlops(shape_, q_len_, context_ + q_len_); }
+
+ private:
+  static int Index(MlaPath p) { return p == MlaPath::kAbsorbed ? 0 : 1; }
+  MlaShape shape_;
+  int64_t q_len_, context_, batch_size_;
+  SyntheticBatch batch_;
+  std::optional<MlaPlan> plans_[2];
+  Workspace workspace_;
+};
+
+double MaxRelDiff(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, std::abs(a[i] - b[i]));
+    den = std::max(den, std::abs(b[i]));
+  }
+  return den > 0 ? num / den : num;
+}
+
+double VerifyTolerance(DType t) { return t == DType::kBF16 ? 3e-2 : 1e-4; }
+
+// ---- The GEMM library on the same shapes ------------------------------------
+
+struct GemmCall {
+  std::shared_ptr<const CpuGemm> gemm;
+  const void *a, *b;
+  void* c;
+};
+
+// GEMM rate of the library on the absorbed decode path's own matrix shapes
+// (folds per head; scores [N, L+R] x [L+R, S] and values [N, S] x [S, L] per
+// sequence), operands contiguous, spread over the cores the way the kernel
+// spreads them (heads or sequences over threads when there are enough, else
+// each product on all threads).
+StatusOr<double> SameShapesGflops(const MlaShape& s, DType dt, int64_t batch, int64_t keys, const Timing& t) {
+  const int64_t N = s.h_q, L = s.d_latent, W = s.d_cache(), P = s.d_nope, V = s.d_v;
+  const size_t es = DTypeSize(dt);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist;
+  auto random_buf = [&](int64_t n) {
+    std::vector<float> f(static_cast<size_t>(n));
+    for (float& v : f) v = dist(rng);
+    std::vector<std::byte> out(f.size() * es);
+    StoreFromF32(f.data(), out.data(), dt, n);
+    return out;
+  };
+  auto q_nope = random_buf(batch * N * P), w_uk = random_buf(N * P * L), q_abs = random_buf(batch * N * W);
+  auto keys_buf = random_buf(batch * keys * W), probs = random_buf(batch * N * keys), o_lat = random_buf(batch * N * L);
+  auto w_uv = random_buf(N * L * V);
+  std::vector<float> scores(static_cast<size_t>(batch * N * keys)), out_lat(static_cast<size_t>(batch * N * L)),
+      out(static_cast<size_t>(batch * N * V));
+  std::vector<std::byte> q_fold(static_cast<size_t>(batch * N * W) * es);
+
+  auto get = [&](const GemmDesc& d) { return CpuGemm::Get(d); };
+  MLARUN_ASSIGN_OR_RETURN(auto fold1, get(GemmDesc{.m = batch, .n = L, .k = P, .a_type = dt, .b_type = dt, .c_type = dt,
+                                                   .lda = N * P, .b_stride_k = L, .b_stride_n = 1, .ldc = N * W}));
+  MLARUN_ASSIGN_OR_RETURN(auto fold2, get(GemmDesc{.m = batch, .n = V, .k = L, .a_type = dt, .b_type = dt,
+                                                   .c_type = DType::kF32, .lda = N * L, .b_stride_k = V, .b_stride_n = 1, .ldc = N * V}));
+  MLARUN_ASSIGN_OR_RETURN(auto qk, get(GemmDesc{.m = N, .n = keys, .k = W, .a_type = dt, .b_type = dt,
+                                                .c_type = DType::kF32, .lda = W, .b_stride_k = 1, .b_stride_n = W, .ldc = keys}));
+  MLARUN_ASSIGN_OR_RETURN(auto pv, get(GemmDesc{.m = N, .n = L, .k = keys, .a_type = dt, .b_type = dt,
+                                                .c_type = DType::kF32, .lda = keys, .b_stride_k = W, .b_stride_n = 1, .ldc = L}));
+  const int threads = omp_get_max_threads();
+  size_t scratch_bytes = 0;
+  for (const auto& g : {fold1, fold2, qk, pv}) scratch_bytes = std::max(scratch_bytes, g->scratch_bytes());
+  std::vector<std::byte> scratch((scratch_bytes + 64) * static_cast<size_t>(threads));
+  auto scratch_of = [&](int th) { return scratch.data() + (scratch_bytes + 64) * static_cast<size_t>(th); };
+
+  auto at = [es](const std::vector<std::byte>& v, int64_t elems) { return v.data() + elems * static_cast<int64_t>(es); };
+  const bool per_seq_parallel = batch >= threads;
+  auto run = [&]() -> Status {
+    Status err;
+#pragma omp parallel for schedule(static)
+    for (int64_t h = 0; h < N; ++h) {
+      Status st = fold1->Run(at(q_nope, h * P), at(w_uk, h * P * L), q_fold.data() + h * W * static_cast<int64_t>(es), scratch_of(omp_get_thread_num()));
+      if (!st.ok()) {
+#pragma omp critical
+        err = st;
+      }
+    }
+    auto seq = [&](int64_t i, int th) {
+      Status st = qk->Run(at(q_abs, i * N * W), at(keys_buf, i * keys * W), scores.data() + i * N * keys, scratch_of(th));
+      if (st.ok()) st = pv->Run(at(probs, i * N * keys), at(keys_buf, i * keys * W), out_lat.data() + i * N * L, scratch_of(th));
+      return st;
+    };
+    if (per_seq_parallel) {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < batch; ++i) {
+        Status st = seq(i, omp_get_thread_num());
+        if (!st.ok()) {
+#pragma omp critical
+          err = st;
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < batch && err.ok(); ++i) err = seq(i, 0);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t h = 0; h < N; ++h) {
+      Status st = fold2->Run(at(o_lat, h * L), at(w_uv, h * L * V), out.data() + h * V, scratch_of(omp_get_thread_num()));
+      if (!st.ok()) {
+#pragma omp critical
+        err = st;
+      }
+    }
+    return err;
+  };
+  const double flops = 2.0 * batch * N * P * L + batch * (2.0 * N * keys * W + 2.0 * N * keys * L) + 2.0 * batch * N * L * V;
+  MLARUN_ASSIGN_OR_RETURN(double ms, TimeMs("gemm_same_shapes", run, t));
+  return flops / (ms * 1e-3) / 1e9;
+}
+
+StatusOr<double> SquareGemmPeak(DType dt, const Timing& t) {
+  const int64_t n = 2048;
+  MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(GemmDesc{.m = n, .n = n, .k = n, .a_type = dt, .b_type = dt,
+                                                        .c_type = DType::kF32, .lda = n, .b_stride_k = n, .b_stride_n = 1, .ldc = n}));
+  std::vector<float> f(static_cast<size_t>(n * n));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> dist;
+  for (float& v : f) v = dist(rng);
+  std::vector<std::byte> a(f.size() * DTypeSize(dt)), scratch(g->scratch_bytes() + 64);
+  StoreFromF32(f.data(), a.data(), dt, n * n);
+  std::vector<float> c(static_cast<size_t>(n * n));
+  MLARUN_ASSIGN_OR_RETURN(double ms, TimeMs("gemm_square_2048", [&] { return g->Run(a.data(), a.data(), c.data(), scratch.data()); }, t));
+  return 2.0 * n * n * n / (ms * 1e-3) / 1e9;
+}
+
+// ---- Report helpers -----------------------------------------------------------
+
+std::string CpuModel() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+std::string Today() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+std::string Fmt(double v, int prec = 2) {
+  if (!std::isfinite(v)) return "-";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(prec) << v;
+  return os.str();
+}
+
+Json OrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
+
+struct GridCell {
+  int64_t context, q_len;
+  double absorbed_ms = NAN, expanded_ms = NAN;
+};
+
+void WriteSvg(const std::string& path, const std::vector<int64_t>& contexts, const std::vector<int64_t>& qs,
+              const std::vector<GridCell>& cells, const std::string& title) {
+  const int cw = 76, ch = 44, left = 90, top = 60;
+  const int width = left + cw * static_cast<int>(qs.size()) + 20, height = top + ch * static_cast<int>(contexts.size()) + 70;
+  std::ofstream f(path);
+  f << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='" << height
+    << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n";
+  f << "<text x='" << left << "' y='20' font-size='14'>" << title << "</text>\n";
+  f << "<text x='" << left << "' y='40'>query length Q &#8594;  (cell: winner, and how many times faster)</text>\n";
+  for (size_t j = 0; j < qs.size(); ++j)
+    f << "<text x='" << left + cw * static_cast<int>(j) + cw / 2 << "' y='" << top - 6 << "' text-anchor='middle'>" << qs[j] << "</text>\n";
+  for (size_t i = 0; i < contexts.size(); ++i) {
+    const int y = top + ch * static_cast<int>(i);
+    f << "<text x='" << left - 8 << "' y='" << y + ch / 2 + 4 << "' text-anchor='end'>S=" << contexts[i] << "</text>\n";
+    for (size_t j = 0; j < qs.size(); ++j) {
+      const int x = left + cw * static_cast<int>(j);
+      const GridCell* c = nullptr;
+      for (const auto& g : cells)
+        if (g.context == contexts[i] && g.q_len == qs[j]) c = &g;
+      std::string fill = "#dddddd", label = "-";
+      if (c && std::isfinite(c->absorbed_ms) && std::isfinite(c->expanded_ms)) {
+        const bool abs_wins = c->absorbed_ms <= c->expanded_ms;
+        const double ratio = abs_wins ? c->expanded_ms / c->absorbed_ms : c->absorbed_ms / c->expanded_ms;
+        const double k = std::min(1.0, std::log10(ratio) / 2.0);  // saturates at 100x
+        const int shade = static_cast<int>(235 - 150 * k);
+        std::ostringstream col;
+        col << "rgb(" << (abs_wins ? shade - 60 : 255) << "," << shade << "," << (abs_wins ? 255 : shade - 60) << ")";
+        fill = col.str();
+        label = std::string(abs_wins ? "abs " : "exp ") + Fmt(ratio, ratio < 10 ? 1 : 0) + "x";
+      } else if (c && std::isfinite(c->expanded_ms)) {
+        fill = "rgb(255,200,140)";
+        label = "exp (abs skipped)";
+      }
+      f << "<rect x='" << x << "' y='" << y << "' width='" << cw - 2 << "' height='" << ch - 2 << "' fill='" << fill << "'/>\n";
+      f << "<text x='" << x + cw / 2 << "' y='" << y + ch / 2 + 4 << "' text-anchor='middle' font-size='"
+        << (label.size() > 10 ? 9 : 12) << "'>" << label << "</text>\n";
+    }
+  }
+  f << "<text x='" << left << "' y='" << height - 20
+    << "'>blue: absorbed faster; orange: expanded faster; gray: not measured (Q &gt; max or absorbed already &gt;2x slower)</text>\n";
+  f << "</svg>\n";
+}
+
+}  // namespace
+
+Status RunAttentionBench(const AttentionBenchOptions& o) {
+  const Timing timing{.repetitions = o.repetitions > 0 ? o.repetitions : (o.quick ? 1 : 3),
+                      .min_time_s = o.min_time_s > 0 ? o.min_time_s : (o.quick ? 0.05 : 0.3)};
+  const Timing heavy{.repetitions = timing.repetitions, .min_time_s = 0, .warm_up = false};
+  std::vector<int64_t> contexts = o.contexts, qs = o.query_lens;
+  if (contexts.empty())
+    contexts = o.quick ? std::vector<int64_t>{0, 256, 1024} : std::vector<int64_t>{0, 256, 1024, 4096, 16384};
+  if (qs.empty())
+    qs = o.quick ? std::vector<int64_t>{1, 4, 16, 64, 256} : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+  for (int64_t v : contexts)
+    if (v < 0) return InvalidArgumentError("--contexts must be >= 0, got ", v);
+  for (int64_t v : qs)
+    if (v <= 0) return InvalidArgumentError("--query-lens must be positive, got ", v);
+  std::sort(qs.begin(), qs.end());
+  std::ostream& table = o.json ? std::cerr : std::cout;
+
+  int argc = 1;
+  char arg0[] = "mlarun";
+  char* argv[] = {arg0, nullptr};
+  benchmark::Initialize(&argc, argv);
+
+  const MlaShape shape = DeepSeekV3MlaShape(o.heads);
+  const int threads = omp_get_max_threads();
+  Json doc;
+  doc["machine"] = {{"cpu", CpuModel()}, {"threads", threads}};
+  doc["date"] = Today();
+  doc["dtype"] = std::string(DTypeName(o.dtype));
+  doc["shape"] = {{"heads", shape.h_q}, {"kv_lora_rank", shape.d_latent}, {"qk_rope_head_dim", shape.d_rope},
+                  {"qk_nope_head_dim", shape.d_nope}, {"v_head_dim", shape.d_v}};
+  doc["timing"] = {{"repetitions", timing.repetitions}, {"statistic", "median"}, {"min_time_s", timing.min_time_s}};
+  table << "mlarun bench attention: " << shape << " dtype " << DTypeName(o.dtype) << ", " << threads
+        << " threads, " << CpuModel() << ", " << Today() << "\n";
+
+  MLARUN_ASSIGN_OR_RETURN(const double peak, SquareGemmPeak(o.dtype, timing));
+  doc["gemm_peak_gflops"] = peak;
+  table << "GEMM peak (2048^3, " << DTypeName(o.dtype) << ", oneDNN): " << Fmt(peak, 1) << " GFLOP/s\n\n";
+
+  // Decode: one token over 4096 cached tokens.
+  const double per_token_abs = MlaAbsorbedFlops(shape, 1, 1) - 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
+  const double per_token_naive = 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
+  table << "decode, context 4096 (FLOP per context token: absorbed " << Fmt(per_token_abs, 0) << ", naive up-projection "
+        << Fmt(per_token_naive, 0) << ")\n";
+  table << "  batch  absorbed_ms  naive_ms  measured_ratio  predicted_ratio  absorbed_GFLOP/s  gemm_same_shapes_GFLOP/s  fraction\n";
+  doc["decode"] = Json::array();
+  for (int64_t batch : {int64_t{1}, int64_t{32}}) {
+    const int64_t context = 4096;
+    PathPair pair(o, batch, 1, context, 100 + static_cast<uint64_t>(batch));
+    MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kAbsorbed));
+    MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kExpanded));
+    MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
+    const auto naive_out = pair.Outputs();
+    MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
+    const double diff = MaxRelDiff(pair.Outputs(), naive_out);
+    if (diff > VerifyTolerance(o.dtype))
+      return InternalError("decode batch ", batch, ": absorbed and naive outputs differ by ", diff);
+    MLARUN_ASSIGN_OR_RETURN(const double abs_ms, TimeMs("decode_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, timing));
+    MLARUN_ASSIGN_OR_RETURN(const double naive_ms, TimeMs("decode_naive", [&] { return pair.Run(MlaPath::kExpanded); }, heavy));
+    MLARUN_ASSIGN_OR_RETURN(const double same, SameShapesGflops(shape, o.dtype, batch, context + 1, timing));
+    const double abs_gflops = pair.AbsorbedFlops() / (abs_ms * 1e-3) / 1e9;
+    const double predicted = pair.ExpandedFlops() / pair.AbsorbedFlops();
+    doc["decode"].push_back({{"batch", batch}, {"context", context}, {"absorbed_ms", abs_ms}, {"naive_ms", naive_ms},
+                             {"measured_ratio", naive_ms / abs_ms}, {"predicted_ratio", predicted},
+                             {"absorbed_gflops", abs_gflops}, {"gemm_same_shapes_gflops", same},
+                             {"fraction_of_same_shapes", abs_gflops / same}, {"paths_max_rel_diff", diff}});
+    table << "  " << std::setw(5) << batch << "  " << std::setw(11) << Fmt(abs_ms, 3) << "  " << std::setw(8)
+          << Fmt(naive_ms, 1) << "  " << std::setw(14) << Fmt(naive_ms / abs_ms, 1) << "  " << std::setw(15)
+          << Fmt(predicted, 1) << "  " << std::setw(16) << Fmt(abs_gflops, 1) << "  " << std::setw(24) << Fmt(same, 1)
+          << "  " << std::setw(8) << Fmt(abs_gflops / same * 100, 0) << "%\n";
+  }
+
+  // The Q x S grid, batch 1. Past the crossover the absorbed path is skipped
+  // once it is more than 2x slower twice in a row (its cost grows as Q x S).
+  table << "\ngrid, batch 1 (ms; context S = cached tokens before the query block)\n";
+  table << "  S      Q      absorbed_ms   expanded_ms   winner\n";
+  std::vector<GridCell> cells;
+  doc["grid"] = Json::array();
+  doc["crossover"] = Json::array();
+  for (int64_t S : contexts) {
+    int slower = 0;
+    int64_t crossover = -1;  // none yet
+    for (int64_t Q : qs) {
+      GridCell cell{S, Q};
+      PathPair pair(o, 1, Q, S, static_cast<uint64_t>(S * 7919 + Q));
+      const bool run_abs = slower < 2;
+      MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kExpanded));
+      if (run_abs) MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kAbsorbed));
+      MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
+      const auto exp_out = pair.Outputs();
+      const bool expanded_heavy = pair.ExpandedFlops() > 2e10;
+      MLARUN_ASSIGN_OR_RETURN(cell.expanded_ms, TimeMs("grid_expanded", [&] { return pair.Run(MlaPath::kExpanded); }, expanded_heavy ? heavy : timing));
+      double diff = NAN;
+      if (run_abs) {
+        MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
+        diff = MaxRelDiff(pair.Outputs(), exp_out);
+        if (diff > VerifyTolerance(o.dtype))
+          return InternalError("grid S=", S, " Q=", Q, ": absorbed and expanded outputs differ by ", diff);
+        const bool absorbed_heavy = pair.AbsorbedFlops() > 2e10;
+        MLARUN_ASSIGN_OR_RETURN(cell.absorbed_ms, TimeMs("grid_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, absorbed_heavy ? heavy : timing));
+        slower = cell.absorbed_ms > 2 * cell.expanded_ms ? slower + 1 : 0;
+      }
+      const bool exp_wins = !(cell.absorbed_ms <= cell.expanded_ms);
+      if (exp_wins && crossover < 0) crossover = Q;
+      if (!exp_wins) crossover = -1;  // the crossover is where expanded starts winning for good
+      cells.push_back(cell);
+      doc["grid"].push_back({{"context", S}, {"query_len", Q}, {"absorbed_ms", OrNull(cell.absorbed_ms)},
+                             {"expanded_ms", cell.expanded_ms}, {"paths_max_rel_diff", OrNull(diff)}});
+      table << "  " << std::setw(6) << S << " " << std::setw(5) << Q << "  " << std::setw(12) << Fmt(cell.absorbed_ms, 3)
+            << "  " << std::setw(12) << Fmt(cell.expanded_ms, 3) << "   " << (exp_wins ? "expanded" : "absorbed") << "\n";
+    }
+    doc["crossover"].push_back({{"context", S}, {"query_len", crossover < 0 ? Json(nullptr) : Json(crossover)}});
+  }
+  // Suggested threshold: of the measured query lengths (and "never"), the one
+  // whose choice of path is slowest, relative to the faster path, by the
+  // smallest factor anywhere on the grid with a cached prefix; ties within 2%
+  // go to the smaller geometric-mean slowdown. Blocks without a prefix always
+  // take the expanded path (MlaConfig::expand_without_prefix): the S = 0 row
+  // checks that rule.
+  struct Choice {
+    int64_t threshold;
+    double worst, geomean;
+  };
+  std::vector<int64_t> candidates = qs;
+  candidates.push_back(qs.back() + 1);
+  std::optional<Choice> best;
+  for (int64_t T : candidates) {
+    double worst = 1, log_sum = 0;
+    int n = 0;
+    for (const GridCell& c : cells) {
+      if (c.context == 0) continue;
+      const double abs_ms = std::isfinite(c.absorbed_ms) ? c.absorbed_ms : INFINITY;
+      const double chosen = c.q_len < T ? abs_ms : c.expanded_ms;
+      const double r = chosen / std::min(abs_ms, c.expanded_ms);
+      worst = std::max(worst, r);
+      log_sum += std::log(r);
+      ++n;
+    }
+    const Choice ch{T, worst, n ? std::exp(log_sum / n) : 1.0};
+    if (!best || ch.worst < best->worst / 1.02 || (ch.worst <= best->worst * 1.02 && ch.geomean < best->geomean))
+      best = ch;
+  }
+  bool cold_rule_holds = true;
+  double cold_worst = 1;
+  for (const GridCell& c : cells) {
+    if (c.context != 0 || c.q_len < 2 || !std::isfinite(c.absorbed_ms)) continue;
+    cold_worst = std::max(cold_worst, c.expanded_ms / c.absorbed_ms);
+    if (c.expanded_ms > 1.05 * c.absorbed_ms) cold_rule_holds = false;
+  }
+  if (best) {
+    doc["suggested_absorb_below_query_len"] = best->threshold;
+    doc["suggested_worst_slowdown"] = best->worst;
+    doc["suggested_geomean_slowdown"] = best->geomean;
+  }
+  doc["configured_absorb_below_query_len"] = kDefaultAbsorbBelowQueryLen;
+  doc["expand_without_prefix_holds"] = cold_rule_holds;
+  table << "\ncrossover (smallest Q from which the expanded path wins):";
+  for (const auto& c : doc["crossover"])
+    table << "  S=" << c["context"] << ": " << (c["query_len"].is_null() ? std::string("none measured") : "Q=" + c["query_len"].dump());
+  if (best)
+    table << "\nsuggested absorb_below_query_len: " << best->threshold << " (worst slowdown on the grid "
+          << Fmt(best->worst, 3) << "x, geometric mean " << Fmt(best->geomean, 4) << "x; configured default "
+          << kDefaultAbsorbBelowQueryLen << ")";
+  table << "\nno cached prefix -> expanded: " << (cold_rule_holds ? "holds" : "does NOT hold")
+        << " on the S=0 row (expanded at most " << Fmt(cold_worst, 2) << "x the absorbed time for Q >= 2)\n";
+
+  if (!o.svg_path.empty()) {
+    WriteSvg(o.svg_path, contexts, qs, cells,
+             "MLA absorbed vs expanded, " + std::string(DTypeName(o.dtype)) + ", " + std::to_string(shape.h_q) +
+                 " heads, batch 1, " + std::to_string(threads) + " threads, " + Today());
+    table << "grid drawn to " << o.svg_path << "\n";
+  }
+  if (o.json) std::cout << doc.dump(2) << std::endl;
+  return Status::Ok();
+}
+
+}  // namespace mlarun

@@ -1,0 +1,28 @@
+// What the CUDA runtime sees, when the build has one. Plain C++: no CUDA
+// headers, so every folder may include it. Never crashes on a machine without
+// a GPU or driver: it reports none and says why.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+struct CudaDevice {
+  int index = 0;
+  std::string name;
+  int sm_major = 0, sm_minor = 0;
+  int64_t total_bytes = 0;
+};
+
+// True when this build compiled the CUDA backend.
+bool CudaBuilt();
+
+// Visible devices; UNAVAILABLE with the reason (no CUDA in the build, no
+// driver, no device) when there are none.
+StatusOr<std::vector<CudaDevice>> CudaDevices();
+
+}  // namespace mlarun

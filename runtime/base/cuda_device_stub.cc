@@ -1,0 +1,12 @@
+// Built when the CUDA backend is not: the same API, reporting its absence.
+#include "runtime/base/cuda_device.h"
+
+namespace mlarun {
+
+bool CudaBuilt() { return false; }
+
+StatusOr<std::vector<CudaDevice>> CudaDevices() {
+  return UnavailableError("this build has no CUDA backend (configure with nvcc available, or -DMLARUN_CUDA=ON)");
+}
+
+}  // namespace mlarun
