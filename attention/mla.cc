@@ -22,7 +22,7 @@ std::string_view BackendName(Backend b) {
 std::ostream& operator<<(std::ostream& os, const MlaConfig& c) {
   return os << "mla_config{backend=" << BackendName(c.backend) << " path=" << static_cast<int>(c.path)
             << " absorb_below_query_len=" << c.absorb_below_query_len
-            << " expand_without_prefix=" << c.expand_without_prefix
+            << " absorb_below_query_len_no_prefix=" << c.absorb_below_query_len_no_prefix
             << " expand_chunk_rows=" << c.expand_chunk_rows << " kv_tile_rows=" << c.kv_tile_rows
             << " q_tile_rows=" << c.q_tile_rows << " num_threads=" << c.num_threads << "}";
 }
@@ -37,8 +37,10 @@ Status MlaCheckConfig(const MlaConfig& c) {
     return InvalidArgumentError("mla config: unknown backend ", static_cast<int>(c.backend));
   if (c.path != MlaPath::kAuto && c.path != MlaPath::kAbsorbed && c.path != MlaPath::kExpanded)
     return InvalidArgumentError("mla config: unknown path ", static_cast<int>(c.path));
-  if (c.absorb_below_query_len < 0)
-    return InvalidArgumentError("mla config: absorb_below_query_len must be >= 0, got ", c.absorb_below_query_len);
+  if (c.absorb_below_query_len < 0 || c.absorb_below_query_len_no_prefix < 0)
+    return InvalidArgumentError("mla config: absorb_below_query_len (", c.absorb_below_query_len,
+                                ") and absorb_below_query_len_no_prefix (", c.absorb_below_query_len_no_prefix,
+                                ") must be >= 0");
   if (c.expand_chunk_rows <= 0)
     return InvalidArgumentError("mla config: expand_chunk_rows must be positive, got ", c.expand_chunk_rows);
   if (c.kv_tile_rows <= 0 || c.kv_tile_rows % 64 != 0)
@@ -118,8 +120,8 @@ Status MlaCheck(const MlaParams& p) {
 
 MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len, int64_t prefix_len) {
   if (c.path != MlaPath::kAuto) return c.path;
-  if (prefix_len == 0 && c.expand_without_prefix) return MlaPath::kExpanded;
-  return query_len < c.absorb_below_query_len ? MlaPath::kAbsorbed : MlaPath::kExpanded;
+  const int64_t threshold = prefix_len == 0 ? c.absorb_below_query_len_no_prefix : c.absorb_below_query_len;
+  return query_len < threshold ? MlaPath::kAbsorbed : MlaPath::kExpanded;
 }
 
 StatusOr<MlaPlan> MlaMakePlan(const MlaParams& p, const MlaConfig& c) {

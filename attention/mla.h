@@ -10,10 +10,10 @@
 //    ordinary causal MHA. The up-projection is per context token and shared by
 //    all queries of the block. Prefill. Long contexts are up-projected in
 //    bounded chunks whose partial results are merged by log-sum-exp.
-// The dispatch is per sequence within one call: query blocks shorter than
-// MlaConfig::absorb_below_query_len over a cached prefix take the absorbed
-// path; blocks without a cached prefix (cold prefills) take the expanded path,
-// whose up-projection then covers only the new tokens.
+// The dispatch is per sequence within one call: query blocks shorter than a
+// threshold take the absorbed path. Blocks over a cached prefix and blocks
+// without one (cold prefills, where the expanded path up-projects only the new
+// tokens) have separate thresholds, both measured by `mlarun bench attention`.
 //
 // Lifecycle (host side): MlaCheck -> MlaMakePlan -> reserve
 // plan.workspace_bytes -> MlaRun. Kernels never allocate. MlaForward does the
@@ -40,19 +40,23 @@ enum class MlaPath : uint8_t {
 };
 
 // Measured on the development machine (docs/attention-bench.md): the
-// threshold with the smallest worst-case slowdown over the Q x S grid.
-inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 256;
+// thresholds with the smallest worst-case slowdown over the Q x S grid, for
+// blocks over a cached prefix and for blocks without one.
+inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 128;
+inline constexpr int64_t kDefaultAbsorbBelowQueryLenNoPrefix = 16;
 
 struct MlaConfig {
   Backend backend = Backend::kCpu;
   MlaPath path = MlaPath::kAuto;
-  // Sequences whose query length is below this take the absorbed path.
-  // Default: kDefaultAbsorbBelowQueryLen.
+  // Blocks over a cached prefix whose query length is below this take the
+  // absorbed path. Default: kDefaultAbsorbBelowQueryLen.
   int64_t absorb_below_query_len = kDefaultAbsorbBelowQueryLen;
-  // Sequences with no cached prefix take the expanded path whatever their
-  // length: with nothing cached, up-projecting the block costs what the two
-  // folds would, and its MHA core is 3.4x cheaper per pair. Default true.
-  bool expand_without_prefix = true;
+  // The same for blocks without a cached prefix. Lower: with nothing cached
+  // the expanded path up-projects only the block itself, which costs what the
+  // folds would, and its MHA core is 3.4x cheaper per pair; only tiny blocks,
+  // where both paths are bound by reading W_UK / W_UV, favour absorption.
+  // Default: kDefaultAbsorbBelowQueryLenNoPrefix.
+  int64_t absorb_below_query_len_no_prefix = kDefaultAbsorbBelowQueryLenNoPrefix;
   // Expanded path: context rows up-projected at once (bounds its K/V
   // workspace; 64k rows as vLLM's chunked-prefill workspace). Default 65536.
   int64_t expand_chunk_rows = 65536;

@@ -320,6 +320,35 @@ void WriteSvg(const std::string& path, const std::vector<int64_t>& contexts, con
   f << "</svg>\n";
 }
 
+// Of the measured query lengths (and "never"), the threshold whose choice of
+// path is slowest relative to the faster path by the smallest factor over the
+// grid rows it governs (S = 0 for no_prefix, S > 0 otherwise); ties within 2%
+// go to the smaller geometric-mean slowdown. Null when no row applies.
+Json SuggestThreshold(const std::vector<GridCell>& cells, const std::vector<int64_t>& qs, bool no_prefix) {
+  std::vector<int64_t> candidates = qs;
+  candidates.push_back(qs.back() + 1);
+  Json best = nullptr;
+  for (int64_t T : candidates) {
+    double worst = 1, log_sum = 0;
+    int n = 0;
+    for (const GridCell& c : cells) {
+      if ((c.context == 0) != no_prefix) continue;
+      const double abs_ms = std::isfinite(c.absorbed_ms) ? c.absorbed_ms : INFINITY;
+      const double chosen = c.q_len < T ? abs_ms : c.expanded_ms;
+      const double r = chosen / std::min(abs_ms, c.expanded_ms);
+      worst = std::max(worst, r);
+      log_sum += std::log(r);
+      ++n;
+    }
+    if (n == 0) return nullptr;
+    const double geomean = std::exp(log_sum / n);
+    if (best.is_null() || worst < best["worst_slowdown"].get<double>() / 1.02 ||
+        (worst <= best["worst_slowdown"].get<double>() * 1.02 && geomean < best["geomean_slowdown"].get<double>()))
+      best = {{"threshold", T}, {"worst_slowdown", worst}, {"geomean_slowdown", geomean}};
+  }
+  return best;
+}
+
 }  // namespace
 
 Status RunAttentionBench(const AttentionBenchOptions& o) {
@@ -433,58 +462,30 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
     }
     doc["crossover"].push_back({{"context", S}, {"query_len", crossover < 0 ? Json(nullptr) : Json(crossover)}});
   }
-  // Suggested threshold: of the measured query lengths (and "never"), the one
-  // whose choice of path is slowest, relative to the faster path, by the
-  // smallest factor anywhere on the grid with a cached prefix; ties within 2%
-  // go to the smaller geometric-mean slowdown. Blocks without a prefix always
-  // take the expanded path (MlaConfig::expand_without_prefix): the S = 0 row
-  // checks that rule.
-  struct Choice {
-    int64_t threshold;
-    double worst, geomean;
-  };
-  std::vector<int64_t> candidates = qs;
-  candidates.push_back(qs.back() + 1);
-  std::optional<Choice> best;
-  for (int64_t T : candidates) {
-    double worst = 1, log_sum = 0;
-    int n = 0;
-    for (const GridCell& c : cells) {
-      if (c.context == 0) continue;
-      const double abs_ms = std::isfinite(c.absorbed_ms) ? c.absorbed_ms : INFINITY;
-      const double chosen = c.q_len < T ? abs_ms : c.expanded_ms;
-      const double r = chosen / std::min(abs_ms, c.expanded_ms);
-      worst = std::max(worst, r);
-      log_sum += std::log(r);
-      ++n;
-    }
-    const Choice ch{T, worst, n ? std::exp(log_sum / n) : 1.0};
-    if (!best || ch.worst < best->worst / 1.02 || (ch.worst <= best->worst * 1.02 && ch.geomean < best->geomean))
-      best = ch;
-  }
-  bool cold_rule_holds = true;
-  double cold_worst = 1;
-  for (const GridCell& c : cells) {
-    if (c.context != 0 || c.q_len < 2 || !std::isfinite(c.absorbed_ms)) continue;
-    cold_worst = std::max(cold_worst, c.expanded_ms / c.absorbed_ms);
-    if (c.expanded_ms > 1.05 * c.absorbed_ms) cold_rule_holds = false;
-  }
-  if (best) {
-    doc["suggested_absorb_below_query_len"] = best->threshold;
-    doc["suggested_worst_slowdown"] = best->worst;
-    doc["suggested_geomean_slowdown"] = best->geomean;
-  }
+  // Suggested thresholds, for blocks over a cached prefix (S > 0) and for
+  // blocks without one (S = 0).
+  const Json with_prefix = SuggestThreshold(cells, qs, /*no_prefix=*/false);
+  const Json no_prefix = SuggestThreshold(cells, qs, /*no_prefix=*/true);
+  doc["suggested_absorb_below_query_len"] = with_prefix;
+  doc["suggested_absorb_below_query_len_no_prefix"] = no_prefix;
   doc["configured_absorb_below_query_len"] = kDefaultAbsorbBelowQueryLen;
-  doc["expand_without_prefix_holds"] = cold_rule_holds;
+  doc["configured_absorb_below_query_len_no_prefix"] = kDefaultAbsorbBelowQueryLenNoPrefix;
   table << "\ncrossover (smallest Q from which the expanded path wins):";
   for (const auto& c : doc["crossover"])
     table << "  S=" << c["context"] << ": " << (c["query_len"].is_null() ? std::string("none measured") : "Q=" + c["query_len"].dump());
-  if (best)
-    table << "\nsuggested absorb_below_query_len: " << best->threshold << " (worst slowdown on the grid "
-          << Fmt(best->worst, 3) << "x, geometric mean " << Fmt(best->geomean, 4) << "x; configured default "
-          << kDefaultAbsorbBelowQueryLen << ")";
-  table << "\nno cached prefix -> expanded: " << (cold_rule_holds ? "holds" : "does NOT hold")
-        << " on the S=0 row (expanded at most " << Fmt(cold_worst, 2) << "x the absorbed time for Q >= 2)\n";
+  auto describe = [&](const char* what, const Json& j, int64_t configured) {
+    table << "\nsuggested " << what << ": ";
+    if (j.is_null()) {
+      table << "- (no such row measured)";
+    } else {
+      table << j["threshold"] << " (worst slowdown on those rows " << Fmt(j["worst_slowdown"].get<double>(), 3)
+            << "x, geometric mean " << Fmt(j["geomean_slowdown"].get<double>(), 4) << "x)";
+    }
+    table << "; configured default " << configured;
+  };
+  describe("absorb_below_query_len", with_prefix, kDefaultAbsorbBelowQueryLen);
+  describe("absorb_below_query_len_no_prefix", no_prefix, kDefaultAbsorbBelowQueryLenNoPrefix);
+  table << "\n";
 
   if (!o.svg_path.empty()) {
     WriteSvg(o.svg_path, contexts, qs, cells,

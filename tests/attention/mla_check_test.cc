@@ -121,14 +121,13 @@ namespace mlarun {
 namespace {
 
 TEST(MlaDispatch, PathPerSequence) {
-  const MlaConfig c{.absorb_below_query_len = 64};
+  const MlaConfig c{.absorb_below_query_len = 64, .absorb_below_query_len_no_prefix = 8};
   EXPECT_EQ(MlaPathFor(c, 1, 4096), MlaPath::kAbsorbed);
   EXPECT_EQ(MlaPathFor(c, 63, 10), MlaPath::kAbsorbed);
   EXPECT_EQ(MlaPathFor(c, 64, 10), MlaPath::kExpanded);
-  EXPECT_EQ(MlaPathFor(c, 8, 0), MlaPath::kExpanded) << "a cold prefill has nothing cached to absorb over";
-  MlaConfig keep = c;
-  keep.expand_without_prefix = false;
-  EXPECT_EQ(MlaPathFor(keep, 8, 0), MlaPath::kAbsorbed);
+  EXPECT_EQ(MlaPathFor(c, 7, 0), MlaPath::kAbsorbed);
+  EXPECT_EQ(MlaPathFor(c, 8, 0), MlaPath::kExpanded) << "a cold block has its own threshold";
+  EXPECT_EQ(MlaPathFor(c, 1, 0), MlaPath::kAbsorbed);
   EXPECT_EQ(MlaPathFor(MlaConfig{.path = MlaPath::kAbsorbed}, 5000, 0), MlaPath::kAbsorbed);
   EXPECT_EQ(MlaPathFor(MlaConfig{.path = MlaPath::kExpanded}, 1, 5000), MlaPath::kExpanded);
 }
@@ -137,10 +136,12 @@ TEST(MlaDispatch, PlanCountsEachPath) {
   SyntheticBatch batch(SyntheticSpec{.shape = MlaShape{.h_q = 2, .d_latent = 16, .d_rope = 4, .d_nope = 8, .d_v = 8},
                                      .dtype = DType::kF32, .block_size = 16,
                                      .seqs = {{1, 20}, {3, 10}, {5, 5}, {40, 90}}});
-  auto plan = MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len = 4});
+  auto plan = MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len = 4, .absorb_below_query_len_no_prefix = 2});
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->absorbed_seqs, 2);  // q 1 and 3 over a prefix
-  EXPECT_EQ(plan->expanded_seqs, 2);  // the cold prefill and the long block
+  EXPECT_EQ(plan->expanded_seqs, 2);  // the 5-token cold prefill and the 40-token block
+  EXPECT_EQ(MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len_no_prefix = -1}).status().code(),
+            StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -92,7 +92,8 @@ TEST_P(MlaVsReference, AllPathsMatch) {
       {"absorbed", MlaConfig{.path = MlaPath::kAbsorbed}},
       {"expanded", MlaConfig{.path = MlaPath::kExpanded}},
       // Dispatch: a threshold in the middle of the batch's query lengths.
-      {"dispatch", MlaConfig{.path = MlaPath::kAuto, .absorb_below_query_len = std::max<int64_t>(2, max_q / 2 + 1)}},
+      {"dispatch", MlaConfig{.path = MlaPath::kAuto, .absorb_below_query_len = std::max<int64_t>(2, max_q / 2 + 1),
+                             .absorb_below_query_len_no_prefix = std::max<int64_t>(2, max_q / 4 + 1)}},
       // Small tiles and chunks: many LSE merges, key splits across 4 threads.
       {"absorbed-small-tiles", MlaConfig{.path = MlaPath::kAbsorbed, .kv_tile_rows = 64, .q_tile_rows = 37, .num_threads = 4}},
       {"expanded-chunked", MlaConfig{.path = MlaPath::kExpanded, .expand_chunk_rows = 100, .kv_tile_rows = 64,
