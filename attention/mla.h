@@ -42,7 +42,7 @@ enum class MlaPath : uint8_t {
 // Measured on the development machine (docs/attention-bench.md): the
 // thresholds with the smallest worst-case slowdown over the Q x S grid, for
 // blocks over a cached prefix and for blocks without one.
-inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 128;
+inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 256;
 inline constexpr int64_t kDefaultAbsorbBelowQueryLenNoPrefix = 16;
 
 struct MlaConfig {

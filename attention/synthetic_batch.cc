@@ -138,15 +138,19 @@ std::vector<double> SyntheticBatch::SeqRows(int64_t seq) const {
   return out;
 }
 
-std::vector<double> SyntheticBatch::SeqQueries(int64_t seq) const {
-  const MlaShape& s = spec_.shape;
+std::vector<double> SyntheticBatch::SeqTokens(const std::vector<float>& buf, int64_t seq, int64_t stride_token,
+                                              int64_t stride_head, int64_t width) const {
   const int64_t q_len = spec_.seqs[static_cast<size_t>(seq)].q_len, t0 = query_start_[static_cast<size_t>(seq)];
   std::vector<double> out;
   for (int64_t j = 0; j < q_len; ++j)
-    for (int64_t h = 0; h < s.h_q; ++h)
-      for (int64_t c = 0; c < s.d_qk(); ++c)
-        out.push_back(q_[static_cast<size_t>((t0 + j) * q_stride_token_ + h * q_stride_head_ + c)]);
+    for (int64_t h = 0; h < spec_.shape.h_q; ++h)
+      for (int64_t c = 0; c < width; ++c)
+        out.push_back(buf[static_cast<size_t>((t0 + j) * stride_token + h * stride_head + c)]);
   return out;
+}
+
+std::vector<double> SyntheticBatch::SeqQueries(int64_t seq) const {
+  return SeqTokens(q_, seq, q_stride_token_, q_stride_head_, spec_.shape.d_qk());
 }
 
 static std::vector<double> ToDouble(const std::vector<std::byte>& v, DType t) {
@@ -160,14 +164,7 @@ std::vector<double> SyntheticBatch::WukT() const { return ToDouble(w_uk_t_, spec
 std::vector<double> SyntheticBatch::Wuv() const { return ToDouble(w_uv_, spec_.dtype); }
 
 std::vector<double> SyntheticBatch::SeqOut(int64_t seq) const {
-  const MlaShape& s = spec_.shape;
-  const int64_t q_len = spec_.seqs[static_cast<size_t>(seq)].q_len, t0 = query_start_[static_cast<size_t>(seq)];
-  std::vector<double> out;
-  for (int64_t j = 0; j < q_len; ++j)
-    for (int64_t h = 0; h < s.h_q; ++h)
-      for (int64_t c = 0; c < s.d_v; ++c)
-        out.push_back(out_[static_cast<size_t>((t0 + j) * out_stride_token_ + h * out_stride_head_ + c)]);
-  return out;
+  return SeqTokens(out_, seq, out_stride_token_, out_stride_head_, spec_.shape.d_v);
 }
 
 std::vector<double> SyntheticBatch::SeqLse(int64_t seq) const {

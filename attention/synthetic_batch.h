@@ -58,7 +58,9 @@ class SyntheticBatch {
   std::vector<int32_t>& block_table() { return block_table_; }
 
  private:
-  double CacheAt(int64_t elem) const;
+  // [q_len, h_q, width] of sequence `seq` from a strided per-token buffer.
+  std::vector<double> SeqTokens(const std::vector<float>& buf, int64_t seq, int64_t stride_token,
+                                int64_t stride_head, int64_t width) const;
   const std::byte* RowPtr(int64_t seq, int64_t pos) const;
 
   SyntheticSpec spec_;
