@@ -511,9 +511,11 @@ StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const Mla
   }
   if (!pl->abs.empty()) MLARUN_RETURN_IF_ERROR(PlanAbsorbed(*pl));
   if (!pl->exp.empty()) MLARUN_RETURN_IF_ERROR(PlanExpanded(*pl));
-  WorkspaceCarver per_thread(WorkspaceView{});
-  CarveThread(*pl, per_thread);
-  pl->thread_bytes = per_thread.used_bytes();
+  if (!pl->abs.empty() || !pl->exp.empty()) {
+    WorkspaceCarver per_thread(WorkspaceView{});
+    CarveThread(*pl, per_thread);
+    pl->thread_bytes = per_thread.used_bytes();
+  }
   WorkspaceCarver total(WorkspaceView{});
   Carve(*pl, total);
   plan->workspace_bytes = total.used_bytes();
