@@ -43,7 +43,7 @@ enum class MlaPath : uint8_t {
 // thresholds with the smallest worst-case slowdown over the Q x S grid, for
 // blocks over a cached prefix and for blocks without one.
 inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 256;
-inline constexpr int64_t kDefaultAbsorbBelowQueryLenNoPrefix = 16;
+inline constexpr int64_t kDefaultAbsorbBelowQueryLenNoPrefix = 32;
 
 struct MlaConfig {
   Backend backend = Backend::kCpu;
