@@ -2,6 +2,7 @@
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(nlohmann_json 3 CONFIG REQUIRED)
+find_package(yaml-cpp CONFIG REQUIRED)  # target: yaml-cpp (no namespace in 0.7)
 
 # oneDNN: Debian's dnnl CMake config requires the OpenCL ICD package because the
 # library was built with OpenCL; the plain library and headers work without it.

@@ -1,0 +1,95 @@
+// The architecture of a DeepSeek-V2/V3 model, read from a Hugging Face
+// config.json or from a YAML file in configs/models/ with the same field names.
+//
+// Absent fields take the defaults transformers uses for the model_type
+// (DeepseekV2Config / DeepseekV3Config, transformers 5.x). A field of the wrong
+// type, an unknown model_type or inconsistent values is an error naming the
+// file and the field.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "attention/mla_params.h"
+#include "attention/rope.h"
+#include "runtime/base/dtype.h"
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+enum class ModelType : uint8_t { kDeepSeekV2 = 0, kDeepSeekV3 = 1 };
+enum class TopkMethod : uint8_t { kGreedy = 0, kGroupLimitedGreedy = 1, kNoauxTc = 2 };
+enum class ScoringFunc : uint8_t { kSoftmax = 0, kSigmoid = 1 };
+
+struct ModelConfig {
+  ModelType model_type = ModelType::kDeepSeekV3;
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;       // dense MLP
+  int64_t moe_intermediate_size = 0;   // per expert
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  // MLA
+  int64_t q_lora_rank = 0;  // 0: unset (q_proj instead of q_a_proj / q_b_proj)
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  // MoE
+  int64_t n_routed_experts = 0;  // 0: no MoE layers
+  int64_t n_shared_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t first_k_dense_replace = 0;
+  int64_t moe_layer_freq = 1;
+  int64_t n_group = 1;     // expert groups (absent/null: 1)
+  int64_t topk_group = 1;  // groups kept per token (absent/null: 1)
+  TopkMethod topk_method = TopkMethod::kGreedy;
+  ScoringFunc scoring_func = ScoringFunc::kSoftmax;
+  bool norm_topk_prob = false;
+  double routed_scaling_factor = 1.0;
+  // Norms, positions, tokens
+  double rms_norm_eps = 1e-6;
+  RopeConfig rope;  // dim = qk_rope_head_dim; layout: V3 interleave-to-half (rope_interleave), V2 interleaved
+  int64_t max_position_embeddings = 0;
+  int64_t bos_token_id = -1;               // -1: none
+  std::vector<int64_t> eos_token_ids;      // config's eos_token_id (int or list)
+  bool tie_word_embeddings = false;
+  std::string hidden_act = "silu";         // only silu is supported
+  bool attention_bias = false;             // only false is supported
+  // Storage
+  DType weight_dtype = DType::kBF16;  // compute weights (torch_dtype / dtype): f32 or bf16
+  DType kv_dtype = DType::kBF16;      // latent cache (mlarun field kv_dtype; default bf16)
+
+  // Derived.
+  bool IsMoeLayer(int64_t layer) const;  // n_routed_experts > 0, layer >= first_k_dense_replace, layer % moe_layer_freq == 0
+  MlaShape mla_shape() const;            // h_q = num_attention_heads
+  double softmax_scale() const;          // MlaSoftmaxScale(qk_nope, qk_rope, rope.scaling)
+  int64_t q_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+
+  friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
+};
+std::ostream& operator<<(std::ostream& os, const ModelConfig& c);
+
+// Checks value ranges and consistency (positive sizes, even rope dim,
+// num_experts_per_tok <= n_routed_experts, n_routed_experts divisible by
+// n_group, topk_group <= n_group, supported hidden_act, ...).
+Status ValidateModelConfig(const ModelConfig& c);
+
+// Parses a Hugging Face config.json (text). `origin` names the file in errors.
+StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text, std::string_view origin);
+// Reads <dir>/config.json.
+StatusOr<ModelConfig> LoadHfConfig(const std::string& dir);
+
+// A YAML model description: the config.json fields, plus
+//   seed: <int>                     random weights from this seed (default 0)
+//   num_hidden_layers may be overridden by the caller for reduced depth.
+struct YamlModel {
+  ModelConfig config;
+  uint64_t seed = 0;
+};
+StatusOr<YamlModel> ParseModelYaml(std::string_view yaml_text, std::string_view origin);
+StatusOr<YamlModel> LoadModelYaml(const std::string& path);
+
+}  // namespace mlarun

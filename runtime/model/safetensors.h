@@ -1,0 +1,107 @@
+// Memory-mapped safetensors files and Hugging Face checkpoint directories.
+//
+// This parser faces files from the internet: every offset, size and shape in a
+// header is checked against the mapped file before any tensor byte is touched,
+// and every error names the file (and the tensor). No read ever leaves the
+// mapping.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON
+//   {"name": {"dtype": "BF16", "shape": [..], "data_offsets": [begin, end]}, ...,
+//    "__metadata__": {"k": "v"}}
+// then the data section; offsets are relative to its start.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "runtime/base/dtype.h"
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+// Element types a safetensors header may declare. Only F32, BF16, F16 and
+// F8_E4M3 can be loaded; the others are accepted in a header (so a checkpoint
+// with, e.g., an I64 buffer opens) but rejected by the loaders.
+enum class SafetensorsDType : uint8_t {
+  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64, kF8E4M3, kF8E5M2,
+};
+size_t SafetensorsDTypeSize(SafetensorsDType t);
+std::string_view SafetensorsDTypeName(SafetensorsDType t);
+
+// One tensor of a mapped file. A view: valid while its SafetensorsFile lives.
+struct TensorRef {
+  std::string name;
+  SafetensorsDType dtype = SafetensorsDType::kF32;
+  std::vector<int64_t> shape;
+  const std::byte* data = nullptr;  // inside the mapping
+  size_t bytes = 0;                 // == numel * element size (checked at open)
+  const std::string* file = nullptr;  // path, for messages
+
+  int64_t numel() const;
+};
+
+// A read-only memory mapping of one .safetensors file (RAII: unmapped on
+// destruction). Thread-safe after Open (immutable).
+class SafetensorsFile {
+ public:
+  // Maps and validates the whole header: header length within the file, valid
+  // JSON object, known dtypes, non-negative shapes whose byte size matches
+  // data_offsets, offsets within the data section, no two tensors overlapping.
+  static StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+  SafetensorsFile(const SafetensorsFile&) = delete;
+  SafetensorsFile& operator=(const SafetensorsFile&) = delete;
+
+  const std::string& path() const { return path_; }
+  const std::vector<TensorRef>& tensors() const { return tensors_; }
+  const TensorRef* Find(std::string_view name) const;  // nullptr if absent
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  std::vector<TensorRef> tensors_;
+  std::map<std::string, size_t, std::less<>> index_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// A Hugging Face checkpoint directory: `model.safetensors`, or the shards that
+// `model.safetensors.index.json` lists (its weight_map must name only files
+// that exist inside the directory, and every tensor must be in the shard the
+// map says). Thread-safe after Open.
+class Checkpoint {
+ public:
+  static StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
+  ~Checkpoint();
+
+  const std::string& dir() const { return dir_; }
+  // nullptr if absent.
+  const TensorRef* Find(std::string_view name) const;
+  // All tensor names, sorted.
+  std::vector<std::string> Names() const;
+
+  // Copies tensor `name` into `out` as `out_dtype` (kF32 or kBF16), after
+  // checking that its shape equals `expected_shape`. F8_E4M3 tensors are
+  // dequantized with the tensor `<name>_scale_inv` (fp32 or bf16,
+  // [ceil(rows/128), ceil(cols/128)] block scales for a 2-D weight:
+  // w[i][j] = fp8[i][j] * scale_inv[i/128][j/128]), as DeepSeek-V3 ships them.
+  // Errors name the file and tensor: missing, wrong shape, unsupported dtype,
+  // missing or mis-shaped scale.
+  Status Load(std::string_view name, std::span<const int64_t> expected_shape, DType out_dtype, void* out) const;
+
+ private:
+  Checkpoint() = default;
+  std::string dir_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorRef*, std::less<>> tensors_;
+};
+
+}  // namespace mlarun
