@@ -5,6 +5,9 @@
 #include <cstdio>
 
 #include "launcher/bench/attention_bench.h"
+#include "launcher/generate.h"
+
+#include <iostream>
 
 int main(int argc, char** argv) {
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
@@ -26,7 +29,38 @@ int main(int argc, char** argv) {
   attn->add_option("--contexts", ab.contexts, "Grid contexts S (cached tokens before the query block)")->delimiter(',');
   attn->add_option("--query-lens", ab.query_lens, "Grid query lengths Q")->delimiter(',');
 
+  mlarun::GenerateOptions gen;
+  auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
+  generate->add_option("--model", gen.model, "Hugging Face checkpoint directory, or configs/models/*.yaml")->required();
+  auto* ids_opt = generate->add_option("--prompt-ids", gen.prompt_ids, "One prompt as token ids: 1,2,3")->delimiter(',');
+  auto* file_opt = generate->add_option("--prompts", gen.prompts_path, "JSON lines: prompt_ids and sampling fields");
+  ids_opt->excludes(file_opt);
+  generate->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate at most")->capture_default_str();
+  generate->add_option("--temperature", gen.sampling.temperature, "0: greedy")->capture_default_str();
+  generate->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass")->capture_default_str();
+  generate->add_option("--top-k", gen.sampling.top_k, "Keep the k most likely tokens (0: off)")->capture_default_str();
+  generate->add_option("--seed", gen.sampling.seed, "Per-request random seed")->capture_default_str();
+  generate->add_option("--stop-token-ids", gen.sampling.stop_token_ids, "Stop at any of these ids")->delimiter(',');
+  generate->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Do not stop at the model's eos_token_id");
+  generate->add_flag("--json", gen.json, "One JSON object per request, in input order");
+  generate->add_option("--kv-dtype", gen.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
+  generate->add_option("--num-layers", gen.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
+  generate->add_option("--threads", gen.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  generate->add_option("--max-batched-tokens", gen.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
+  generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Running requests at once")->capture_default_str();
+  generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")->capture_default_str();
+  generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
+
   CLI11_PARSE(app, argc, argv);
+
+  if (generate->parsed()) {
+    if (gen.prompt_ids.empty() && gen.prompts_path.empty()) {
+      std::fprintf(stderr, "mlarun generate: give --prompt-ids or --prompts\n");
+      return 2;
+    }
+    if (gen.threads > 0) omp_set_num_threads(gen.threads);
+    return mlarun::RunGenerate(gen, std::cout, std::cerr);
+  }
 
   if (attn->parsed()) {
     auto dt = mlarun::ParseDType(dtype);

@@ -1,1 +1,474 @@
-// placeholder
+#include "runtime/engine/sampler.h"
+
+#include <algorithm>
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <limits>
+
+// Every token costs a few passes over the vocabulary (129k on DeepSeek-V3),
+// so those loops must vectorize:
+// - They select with ?: on float compares, which GCC will not if-convert
+//   under its default -ftrapping-math. Nothing here reads FP exception flags.
+// - fp-contract=off keeps a*b+c from becoming an FMA in some builds or clones
+//   and not others: every variant performs the same correctly rounded IEEE
+//   operations in the same order, so a seed gives the same tokens everywhere.
+// The pragma covers the whole file so that inlining never mixes option sets.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("no-trapping-math", "fp-contract=off")
+#endif
+
+// The hot loops also get AVX2 and AVX-512 clones, chosen once at load time
+// (the default build targets baseline x86-64, where they run 3-4x slower).
+// -DMLARUN_SAMPLER_CLONES= turns that off.
+#if !defined(MLARUN_SAMPLER_CLONES)
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define MLARUN_SAMPLER_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MLARUN_SAMPLER_CLONES
+#endif
+#endif
+
+namespace mlarun {
+
+namespace internal {
+
+uint64_t SplitMix64Next(uint64_t& state) {
+  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+uint64_t Xoshiro256StarStarNext(uint64_t (&state)[4]) {
+  const uint64_t result = std::rotl(state[1] * 5, 7) * 9;
+  const uint64_t t = state[1] << 17;
+  state[2] ^= state[0];
+  state[3] ^= state[1];
+  state[1] ^= state[2];
+  state[0] ^= state[3];
+  state[2] ^= t;
+  state[3] = std::rotl(state[3], 45);
+  return result;
+}
+
+}  // namespace internal
+
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
+constexpr double kMaxTemperature = 100.0;
+// The top-p search sorts a range outright once it is this small.
+constexpr int64_t kTopPSortBelow = 64;
+// Weights are summed per block so the draw can skip whole blocks instead of
+// walking a serial running sum over the vocabulary.
+constexpr int64_t kBlock = 256;
+// At most vocab / kSparseKeptRatio kept tokens are drawn from directly (sorted
+// by id); more, and zeroing the rest of the dense weights is cheaper.
+constexpr int64_t kSparseKeptRatio = 16;
+
+// NaN would break every comparison below (and the strict weak order the
+// selections need), so it counts as -inf. +inf would make the logsumexp
+// inf - inf = NaN; clamping it to the largest float keeps the arithmetic
+// finite and gives all +inf tokens equal shares. `d != d` rather than
+// std::isnan, and no std::min: header functions are compiled without the
+// options above, are not inlined into these loops, and stop vectorization.
+inline double CleanLogit(float x) {
+  const double d = x;
+  return d != d ? kNegInf : (d > FLT_MAX ? FLT_MAX : d);
+}
+inline float CleanKey(float x) { return x != x ? kNegInfF : x; }
+
+// memcpy rather than std::bit_cast, for the same reason.
+inline int64_t BitsOf(double x) {
+  int64_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+inline double DoubleOf(uint64_t bits) {
+  double x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// Float bits as an int32 that orders like the float: -inf < ... < -0 < +0 <
+// ... < +inf. NaNs land outside: positive ones above +inf, negative ones
+// below -inf. Integer max reductions vectorize; float ones need -ffast-math.
+inline int32_t OrderedBits(float x) {
+  int32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits ^ ((bits >> 31) & 0x7fffffff);
+}
+// The same with -0 read as +0 (x + 0 does that), so that keys equal as
+// floats are equal here too.
+inline int32_t OrderedKey(float x) { return OrderedBits(x + 0.0f); }
+constexpr int32_t kPosInfKey = 0x7f800000;  // +inf: positive floats keep their bits
+inline float FromOrderedBits(int32_t ordered) {
+  const int32_t bits = ordered ^ ((ordered >> 31) & 0x7fffffff);
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// exp(x) for x <= 0 (including -inf), within 1 ulp like libm (this is
+// fdlibm's e_exp.c reduction and rational approximation), but branch-free so
+// that the weight loops vectorize; glibc's scalar exp is several times slower.
+// Arguments below -708 (results under about 3e-308, the edge of the normal
+// range) give 0: next to the maximum term, exactly 1, they cannot change a sum.
+inline double ExpNonPositive(double x) {
+  constexpr double kMinArg = -708.0;
+  constexpr double kInvLn2 = 1.44269504088896338700e+00;
+  constexpr double kLn2Hi = 6.93147180369123816490e-01;
+  constexpr double kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kP1 = 1.66666666666666019037e-01;
+  constexpr double kP2 = -2.77777777770155933842e-03;
+  constexpr double kP3 = 6.61375632143793436117e-05;
+  constexpr double kP4 = -1.65339022054652515390e-06;
+  constexpr double kP5 = 4.13813679705723846039e-08;
+  // Adding 1.5 * 2^52 rounds to an integer held in the low mantissa bits.
+  constexpr double kShifter = 0x1.8p52;
+  const bool tiny = !(x >= kMinArg);
+  const double xc = tiny ? kMinArg : x;
+  const double kd = xc * kInvLn2 + kShifter;
+  const double k = kd - kShifter;  // round(x / ln 2), in [-1022, 0]
+  const double hi = xc - k * kLn2Hi;
+  const double lo = k * kLn2Lo;
+  const double r = hi - lo;  // |r| <= ln(2) / 2
+  const double t = r * r;
+  const double c = r - t * (kP1 + t * (kP2 + t * (kP3 + t * (kP4 + t * kP5))));
+  const double y = 1.0 - ((lo - (r * c) / (2.0 - c)) - hi);  // exp(r)
+  const int64_t ki = BitsOf(kd) - BitsOf(kShifter);
+  const double two_to_k = DoubleOf(static_cast<uint64_t>(ki + 1023) << 52);
+  return tiny ? 0.0 : y * two_to_k;
+}
+
+inline int32_t MaxKey(const float* logits, int64_t n) {
+  int32_t m = std::numeric_limits<int32_t>::min();
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t b = OrderedKey(logits[i]);
+    m = b > m ? b : m;
+  }
+  return m;
+}
+
+MLARUN_SAMPLER_CLONES int32_t RowMaxKey(const float* logits, int64_t n) {
+  return MaxKey(logits, n);
+}
+
+// out[b] = max OrderedKey over logits[b * block, (b + 1) * block).
+MLARUN_SAMPLER_CLONES void BlockMaxKeys(const float* logits, int64_t n, int64_t block,
+                                        int32_t* out) {
+  for (int64_t start = 0, b = 0; start < n; start += block, ++b)
+    out[b] = MaxKey(logits + start, std::min(block, n - start));
+}
+
+struct MaxLogit {
+  double value;           // CleanLogit of the max; -inf when there is no finite-or-+inf logit
+  int64_t index;          // lowest index holding it
+  bool has_positive_nan;  // such NaNs sort above +inf in OrderedKey
+};
+
+MaxLogit FindMax(std::span<const float> logits) {
+  const int64_t n = static_cast<int64_t>(logits.size());
+  const int32_t ordered = RowMaxKey(logits.data(), n);
+  const bool has_positive_nan = ordered > kPosInfKey;
+  float max_key;
+  if (has_positive_nan) {
+    // A positive NaN is in the row (it sorts above +inf): rare, so a scalar
+    // scan that skips NaNs (x > m is false for them) is good enough.
+    max_key = kNegInfF;
+    for (float x : logits) max_key = x > max_key ? x : max_key;
+  } else {
+    max_key = FromOrderedBits(ordered);  // a negative NaN if the row is all NaN
+  }
+  if (!(max_key > kNegInfF)) return {kNegInf, 0, has_positive_nan};
+  // Lowest index on ties; float == also ties -0 with +0.
+  int64_t index = 0;
+  while (logits[index] != max_key) ++index;
+  return {CleanLogit(max_key), index, has_positive_nan};
+}
+
+// out[i] = exp((logit_i - max_logit) * scale), scale > 0.
+MLARUN_SAMPLER_CLONES void FillWeights(const float* logits, int64_t n, double max_logit,
+                                       double scale, double* out) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = ExpNonPositive((CleanLogit(logits[i]) - max_logit) * scale);
+}
+
+// Zeroes the weights of tokens ordered after `worst` (see Sampler::SelectKept).
+MLARUN_SAMPLER_CLONES void DropAfter(const float* logits, int64_t n, float worst_key,
+                                     int64_t worst_id, double* weights) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float key = CleanKey(logits[i]);
+    const bool kept = key > worst_key || (key == worst_key && i <= worst_id);
+    weights[i] = kept ? weights[i] : 0.0;
+  }
+}
+
+// Per-block sums (four accumulators each: one running sum is bound by add
+// latency) and the total over blocks, in a fixed order.
+MLARUN_SAMPLER_CLONES double BlockSums(const double* weights, int64_t n, double* block_sums) {
+  double total = 0.0;
+  for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
+    const int64_t end = std::min(n, start + kBlock);
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t i = start;
+    for (; i + 4 <= end; i += 4) {
+      acc[0] += weights[i];
+      acc[1] += weights[i + 1];
+      acc[2] += weights[i + 2];
+      acc[3] += weights[i + 3];
+    }
+    for (; i < end; ++i) acc[0] += weights[i];
+    block_sums[b] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    total += block_sums[b];
+  }
+  return total;
+}
+
+// Inverse CDF in id order: the first token whose running mass exceeds target,
+// found block by block. The running sums are rounded differently from the
+// block sums, so a target can fall just past a block's or the row's end; it
+// then takes the last token with weight there.
+int64_t InverseCdf(const double* weights, int64_t n, const double* block_sums, double target) {
+  double cum = 0.0;
+  for (int64_t start = 0, b = 0; start < n; start += kBlock, ++b) {
+    if (!(target < cum + block_sums[b])) {
+      cum += block_sums[b];
+      continue;
+    }
+    const int64_t end = std::min(n, start + kBlock);
+    int64_t last_positive = -1;
+    for (int64_t i = start; i < end; ++i) {
+      if (weights[i] > 0.0) {
+        cum += weights[i];
+        if (target < cum) return i;
+        last_positive = i;
+      }
+    }
+    if (last_positive >= 0) return last_positive;
+  }
+  int64_t i = n - 1;
+  while (i > 0 && !(weights[i] > 0.0)) --i;
+  return i;
+}
+
+}  // namespace
+
+Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
+                              int64_t max_tokens_limit) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0.0 || p.temperature > kMaxTemperature) {
+    return InvalidArgumentError("temperature must be finite and in [0, ", kMaxTemperature,
+                                "], got ", p.temperature);
+  }
+  // Written so that NaN fails too.
+  if (!(p.top_p > 0.0 && p.top_p <= 1.0)) {
+    return InvalidArgumentError("top_p must be in (0, 1], got ", p.top_p);
+  }
+  if (p.top_k < -1) {
+    return InvalidArgumentError("top_k must be >= -1 (-1 or 0: off), got ", p.top_k);
+  }
+  if (p.max_tokens < 1 || p.max_tokens > max_tokens_limit) {
+    return InvalidArgumentError("max_tokens must be in [1, ", max_tokens_limit, "], got ",
+                                p.max_tokens);
+  }
+  for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
+    const int64_t id = p.stop_token_ids[i];
+    if (id < 0 || id >= vocab_size) {
+      return InvalidArgumentError("stop_token_ids[", i, "] must be in [0, ", vocab_size, "), got ",
+                                  id);
+    }
+  }
+  return Status::Ok();
+}
+
+Sampler::Sampler(const SamplingParams& p) : params_(p) {
+  // splitmix64 turns any seed (0 included) into a well-mixed, never all-zero
+  // xoshiro state, as the xoshiro authors recommend.
+  uint64_t seed_state = p.seed;
+  for (uint64_t& word : state_) word = internal::SplitMix64Next(seed_state);
+}
+
+SampledToken Sampler::Sample(std::span<const float> logits) {
+  // Draw first and unconditionally: the stream position must depend only on
+  // how many tokens this request has sampled, whatever path is taken below.
+  const uint64_t bits = internal::Xoshiro256StarStarNext(state_);
+  const double u = static_cast<double>(bits >> 11) * 0x1.0p-53;  // [0, 1)
+
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  if (vocab == 0) return {0, kNegInf};
+  const MaxLogit max = FindMax(logits);
+  if (max.value == kNegInf) return {0, kNegInf};  // no distribution at all
+
+  // The reported logprob uses the unmodified distribution whatever the
+  // sampling parameters. Weights are relative to the max token's, which is
+  // exactly 1, so every sum below is >= 1.
+  probs_.resize(static_cast<size_t>(vocab));
+  block_sums_.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
+  FillWeights(logits.data(), vocab, max.value, 1.0, probs_.data());
+  const double raw_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
+  const double log_normalizer = std::log(raw_sum);
+  auto result = [&](int64_t token) {
+    return SampledToken{token, (CleanLogit(logits[token]) - max.value) - log_normalizer};
+  };
+
+  const double temperature = params_.temperature;
+  if (!(temperature >= kMinSamplingTemperature)) return result(max.index);  // NaN too: greedy
+  const double inv_temperature = 1.0 / temperature;
+
+  // Tempered weights of every token, except under top-k, which only needs
+  // (and SelectKept computes) those of its k candidates.
+  const bool top_k_on = params_.top_k > 0 && params_.top_k < vocab;
+  const bool top_p_on = params_.top_p < 1.0;
+  double scaled_sum = raw_sum;
+  if (!top_k_on && temperature != 1.0) {
+    FillWeights(logits.data(), vocab, max.value, inv_temperature, probs_.data());
+    scaled_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
+  }
+  if (!top_k_on && !top_p_on)
+    return result(InverseCdf(probs_.data(), vocab, block_sums_.data(), u * scaled_sum));
+
+  const int64_t kept =
+      SelectKept(logits, max.value, max.has_positive_nan, inv_temperature, scaled_sum);
+  if (kept * kSparseKeptRatio <= vocab) {
+    // Few kept tokens: put them in id order and walk them directly.
+    auto first = candidates_.begin();
+    std::sort(first, first + kept,
+              [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
+    double kept_sum = 0.0;
+    for (int64_t j = 0; j < kept; ++j) kept_sum += probs_[candidates_[j].id];
+    const double target = u * kept_sum;
+    double cum = 0.0;
+    int64_t last_positive = candidates_[0].id;
+    for (int64_t j = 0; j < kept; ++j) {
+      const int32_t id = candidates_[j].id;
+      if (probs_[id] > 0.0) {
+        cum += probs_[id];
+        if (target < cum) return result(id);
+        last_positive = id;
+      }
+    }
+    return result(last_positive);
+  }
+  // Many: zero the rest and draw as without filters (same order, same result
+  // up to rounding in the sums).
+  const Candidate worst = candidates_[kept - 1];
+  DropAfter(logits.data(), vocab, worst.key, worst.id, probs_.data());
+  scaled_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
+  return result(InverseCdf(probs_.data(), vocab, block_sums_.data(), u * scaled_sum));
+}
+
+int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,
+                            double inv_temperature, double scaled_sum) {
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  // Larger logit first, then lower id: a strict total order, so the kept set
+  // is exact even with ties at a boundary. Logit order is probability order
+  // at any temperature.
+  auto before = [](const Candidate& a, const Candidate& b) {
+    return a.key > b.key || (a.key == b.key && a.id < b.id);
+  };
+  auto weight = [&](const Candidate& c) { return probs_[c.id]; };
+  const bool top_k_on = params_.top_k > 0 && params_.top_k < vocab;
+
+  // Stage 1: candidates_[0, n) is the top-k set with its worst member last,
+  // or (top-k off) every token that can be in the top-p set.
+  int64_t n = 0;
+  if (top_k_on) {
+    n = params_.top_k;
+    // Only tokens at or above a threshold go to the selection: the n-th
+    // largest of at least n block maxima. Those n maxima are n tokens at or
+    // above it, so the top n are among them; with about 4n blocks few others
+    // reach it, and the selection runs on a few times n tokens, not 129k.
+    // (A positive NaN would pose as a block maximum: then all tokens go.)
+    int64_t count = 0;
+    candidates_.resize(static_cast<size_t>(vocab));
+    if (!has_positive_nan) {
+      const int64_t block = std::clamp<int64_t>(vocab / (4 * n), 1, kBlock);
+      block_keys_.resize(static_cast<size_t>((vocab + block - 1) / block));
+      BlockMaxKeys(logits.data(), vocab, block, block_keys_.data());
+      std::nth_element(block_keys_.begin(), block_keys_.begin() + (n - 1), block_keys_.end(),
+                       std::greater<>());
+      const int32_t threshold = block_keys_[n - 1];
+      for (int64_t start = 0; start < vocab; start += block) {
+        const int64_t end = std::min(vocab, start + block);
+        if (RowMaxKey(logits.data() + start, end - start) < threshold) continue;  // most blocks
+        for (int64_t i = start; i < end; ++i) {
+          if (OrderedKey(logits[i]) >= threshold)
+            candidates_[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+        }
+      }
+    } else {
+      for (int64_t i = 0; i < vocab; ++i)
+        candidates_[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+    }
+    // The n best, worst of them last.
+    std::nth_element(candidates_.begin(), candidates_.begin() + (n - 1),
+                     candidates_.begin() + count, before);
+    candidates_.resize(static_cast<size_t>(n));
+    // probs_ still holds untempered weights; only the candidates need theirs.
+    if (inv_temperature != 1.0) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int32_t id = candidates_[j].id;
+        probs_[id] = ExpNonPositive((CleanLogit(logits[id]) - max_logit) * inv_temperature);
+      }
+    }
+    if (!(params_.top_p < 1.0)) return n;
+  } else {
+    // Tokens lighter than min_weight can never be in the top-p set: together
+    // they weigh less than vocab * min_weight <= (1 - top_p) * total, so the
+    // tokens above them already reach top_p. Real model outputs put nearly
+    // all of a large vocabulary below it, so the search below stays small.
+    // (Half the bound, so rounding cannot matter.)
+    const double min_weight = 0.5 * (1.0 - params_.top_p) * scaled_sum / static_cast<double>(vocab);
+    candidates_.resize(static_cast<size_t>(vocab));
+    for (int64_t i = 0; i < vocab; ++i) {
+      if (probs_[i] >= min_weight)
+        candidates_[n++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+    }
+    candidates_.resize(static_cast<size_t>(n));  // n >= 1: the max token weighs 1 > min_weight
+  }
+
+  // Stage 2, top-p: the smallest best-first prefix of candidates_[0, n)
+  // whose mass reaches top_p of the renormalized total (over the top-k set,
+  // or over the whole vocabulary). Instead of sorting (the prefix can be most
+  // of the vocabulary) this is a quickselect on mass: partition around the
+  // median, keep whichever side holds the crossing point.
+  // Invariant: candidates_[0, lo) are the best lo, with mass `above` short of
+  // `needed`; the crossing lies in [lo, hi).
+  double total = scaled_sum;
+  if (top_k_on) {
+    total = 0.0;
+    for (int64_t j = 0; j < n; ++j) total += weight(candidates_[j]);
+  }
+  const double needed = params_.top_p * total;
+  auto first = candidates_.begin();
+  int64_t lo = 0;
+  int64_t hi = n;
+  double above = 0.0;
+  while (hi - lo > kTopPSortBelow) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    std::nth_element(first + lo, first + mid, first + hi, before);
+    double left = 0.0;
+    for (int64_t j = lo; j < mid; ++j) left += weight(candidates_[j]);
+    if (above + left >= needed) {
+      hi = mid;
+    } else {
+      above += left;
+      lo = mid;
+    }
+  }
+  std::sort(first + lo, first + hi, before);
+  for (int64_t j = lo; j < hi; ++j) {
+    above += weight(candidates_[j]);
+    if (above >= needed) return j + 1;
+  }
+  // Only rounding gets here (the partition sums said the crossing is before
+  // hi): keep all of [lo, hi).
+  return hi;
+}
+
+}  // namespace mlarun

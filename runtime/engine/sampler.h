@@ -30,8 +30,9 @@ struct SamplingParams {
 };
 
 // Rejects negative or absurd values with a message naming the field:
-// temperature < 0 or > 100 or not finite, top_p outside (0, 1], max_tokens < 1
-// or > max_tokens_limit, stop ids outside [0, vocab_size).
+// temperature < 0 or > 100 or not finite, top_p outside (0, 1], top_k < -1
+// (-1 and 0 both mean off, as vLLM accepts -1), max_tokens < 1 or >
+// max_tokens_limit, stop ids outside [0, vocab_size).
 Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64_t max_tokens_limit);
 
 struct SampledToken {
@@ -39,10 +40,27 @@ struct SampledToken {
   double logprob = 0.0;  // natural log, unmodified distribution
 };
 
+// Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): the
+// tempered distribution is the argmax to double precision anyway.
+inline constexpr double kMinSamplingTemperature = 1e-5;
+
 // Per-request sampler: holds the request's random stream (seeded from
 // SamplingParams::seed), so the k-th draw of a request depends only on its seed,
 // k and the logits, never on other requests in the batch. Not thread-safe;
 // one per request.
+//
+// Random stream: xoshiro256** seeded with four splitmix64 outputs of the seed;
+// u in [0, 1) is the top 53 bits of one 64-bit draw.
+// Order: top-k and top-p rank tokens by probability descending, lower id first
+// on ties (so exactly k survive a tie at the boundary, and top-p's prefix is
+// well defined). The draw itself is an inverse CDF over the kept tokens in
+// token id order, which needs no sort of the kept set (top-p alone can keep
+// most of a 129k vocabulary). Top-p's prefix test (mass >= top_p) holds up to
+// double rounding in the summation order.
+// Non-finite logits: NaN counts as -inf; +inf counts as the largest finite
+// float, so several +inf tokens share the mass equally. If every logit is -inf
+// (or NaN) there is no distribution: the result is token 0 with logprob -inf.
+// An empty row gives the same. Vocabularies must fit in int32.
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
@@ -50,10 +68,30 @@ class Sampler {
   SampledToken Sample(std::span<const float> logits);
 
  private:
+  struct Candidate {
+    float key;  // the logit, NaN as -inf
+    int32_t id;
+  };
+  // Top-k / top-p: leaves the kept set in candidates_[0, m), its worst member
+  // last (kept tokens are exactly those ordered no later than it), with the
+  // tempered weight of each in probs_[id]; returns m.
+  int64_t SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,
+                     double inv_temperature, double scaled_sum);
+
   SamplingParams params_;
   uint64_t state_[4];  // xoshiro256** state
-  std::vector<int32_t> order_;  // scratch
-  std::vector<double> probs_;   // scratch
+  std::vector<Candidate> candidates_;  // scratch
+  std::vector<double> probs_;          // scratch: weight by token id
+  std::vector<double> block_sums_;     // scratch: sums of probs_ per block of ids
+  std::vector<int32_t> block_keys_;    // scratch: top-k's per-block maxima
 };
+
+namespace internal {
+// Exposed for the published test vectors; Sampler uses them.
+// splitmix64: advances `state` and returns the next output.
+uint64_t SplitMix64Next(uint64_t& state);
+// xoshiro256** (Blackman and Vigna): advances `state` and returns the next output.
+uint64_t Xoshiro256StarStarNext(uint64_t (&state)[4]);
+}  // namespace internal
 
 }  // namespace mlarun

@@ -43,6 +43,9 @@ struct ModelConfig {
   int64_t num_experts_per_tok = 0;
   int64_t first_k_dense_replace = 0;
   int64_t moe_layer_freq = 1;
+  // Multi-token-prediction modules the checkpoint ships after the decoder
+  // layers (DeepSeek-V3: 1, as model.layers.61.*). Not used for decoding.
+  int64_t num_nextn_predict_layers = 0;
   int64_t n_group = 1;     // expert groups (absent/null: 1)
   int64_t topk_group = 1;  // groups kept per token (absent/null: 1)
   TopkMethod topk_method = TopkMethod::kGreedy;

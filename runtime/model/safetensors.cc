@@ -1,1 +1,603 @@
-// placeholder
+#include "runtime/model/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <new>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <utility>
+
+#include "runtime/base/float8.h"
+
+namespace mlarun {
+namespace {
+
+using json = nlohmann::json;
+
+// The Rust safetensors crate refuses headers above 100 MB; a real header (one
+// entry per tensor) stays far below that, and the cap bounds what a hostile
+// length can make us parse.
+constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
+// Same cap for index.json, which we read into memory.
+constexpr uint64_t kMaxIndexBytes = 100ull << 20;
+// DeepSeek-V3 fp8 weights carry one scale per 128 x 128 block.
+constexpr int64_t kFp8BlockSize = 128;
+// Elements converted per step when loading: big enough to amortize the loop,
+// small enough that the scratch stays in L2 and no second full copy exists.
+constexpr int64_t kChunkElements = int64_t{1} << 16;
+
+constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+constexpr std::string_view kSingleFileName = "model.safetensors";
+
+struct DTypeEntry {
+  SafetensorsDType dtype;
+  std::string_view name;
+  size_t size;
+};
+
+constexpr std::array<DTypeEntry, 15> kDTypes = {{
+    {SafetensorsDType::kBool, "BOOL", 1},
+    {SafetensorsDType::kU8, "U8", 1},
+    {SafetensorsDType::kI8, "I8", 1},
+    {SafetensorsDType::kI16, "I16", 2},
+    {SafetensorsDType::kU16, "U16", 2},
+    {SafetensorsDType::kF16, "F16", 2},
+    {SafetensorsDType::kBF16, "BF16", 2},
+    {SafetensorsDType::kI32, "I32", 4},
+    {SafetensorsDType::kU32, "U32", 4},
+    {SafetensorsDType::kF32, "F32", 4},
+    {SafetensorsDType::kF64, "F64", 8},
+    {SafetensorsDType::kI64, "I64", 8},
+    {SafetensorsDType::kU64, "U64", 8},
+    {SafetensorsDType::kF8E4M3, "F8_E4M3", 1},
+    {SafetensorsDType::kF8E5M2, "F8_E5M2", 1},
+}};
+
+bool ParseSafetensorsDType(std::string_view name, SafetensorsDType* out) {
+  for (const DTypeEntry& e : kDTypes) {
+    if (e.name == name) {
+      *out = e.dtype;
+      return true;
+    }
+  }
+  return false;
+}
+
+std::string ShapeString(std::span<const int64_t> shape) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
+
+// A non-negative JSON integer as uint64; floats, negatives and anything else are rejected.
+bool GetUnsigned(const json& j, uint64_t* out) {
+  if (j.is_number_unsigned()) {
+    *out = j.get<uint64_t>();
+    return true;
+  }
+  if (j.is_number_integer()) {
+    const int64_t v = j.get<int64_t>();
+    if (v < 0) return false;
+    *out = static_cast<uint64_t>(v);
+    return true;
+  }
+  return false;
+}
+
+// Exact IEEE binary16 -> binary32: every half value is representable in fp32.
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h >> 15) << 31;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1f) {
+    // Inf stays inf; NaN keeps its payload (shifted into the fp32 mantissa), quieted.
+    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13) |
+                                (mantissa ? 0x00400000u : 0u));
+  }
+  if (exponent == 0) {
+    // Subnormal (or zero): mantissa * 2^-24, exact in fp32; sign kept for -0.
+    const float magnitude = static_cast<float>(mantissa) * (1.0f / 16777216.0f);
+    return sign ? -magnitude : magnitude;
+  }
+  return std::bit_cast<float>(sign | ((exponent - 15u + 127u) << 23) | (mantissa << 13));
+}
+
+std::string Quoted(std::string_view s) { return internal::StrCat('\'', s, '\''); }
+
+// Tensor names and file names in messages: "tensor 'x' in /path/f.safetensors".
+std::string Where(const TensorRef& t) {
+  return internal::StrCat("tensor ", Quoted(t.name), " in ", *t.file);
+}
+
+Status ReadSmallFile(const std::string& path, std::string* out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return FailedPreconditionError("cannot open ", path, ": ", std::strerror(errno));
+  in.seekg(0, std::ios::end);
+  const std::streamoff size = in.tellg();
+  if (size < 0) return InvalidArgumentError("cannot read ", path);
+  if (static_cast<uint64_t>(size) > kMaxIndexBytes) {
+    return InvalidArgumentError(path, ": ", size, " bytes is larger than the ", kMaxIndexBytes,
+                                "-byte limit");
+  }
+  out->assign(static_cast<size_t>(size), '\0');
+  in.seekg(0, std::ios::beg);
+  if (!in.read(out->data(), size)) return InvalidArgumentError("cannot read ", path);
+  return Status::Ok();
+}
+
+bool IsRegularFile(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string JoinPath(const std::string& dir, std::string_view name) {
+  if (dir.empty()) return std::string(name);
+  return dir.back() == '/' ? dir + std::string(name) : internal::StrCat(dir, '/', name);
+}
+
+// A shard must be a plain file name inside the checkpoint directory: a hostile
+// index could otherwise point us at any file on the machine.
+bool IsPlainFileName(std::string_view name) {
+  return !name.empty() && name.find('/') == std::string_view::npos &&
+         name.find('\\') == std::string_view::npos && name.find("..") == std::string_view::npos &&
+         name != "." && name.find('\0') == std::string_view::npos;
+}
+
+}  // namespace
+
+size_t SafetensorsDTypeSize(SafetensorsDType t) {
+  for (const DTypeEntry& e : kDTypes) {
+    if (e.dtype == t) return e.size;
+  }
+  return 0;
+}
+
+std::string_view SafetensorsDTypeName(SafetensorsDType t) {
+  for (const DTypeEntry& e : kDTypes) {
+    if (e.dtype == t) return e.name;
+  }
+  return "INVALID";
+}
+
+int64_t TensorRef::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape)
+    n *= d;  // cannot overflow: Open checked the same product times the element size
+  return n;
+}
+
+// ---------------------------------------------------------------------------
+// SafetensorsFile
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+}
+
+StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
+  std::unique_ptr<SafetensorsFile> file(new SafetensorsFile());
+  file->path_ = path;
+
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR)
+      return NotFoundError("safetensors file ", path, " not found");
+    return FailedPreconditionError("cannot open safetensors file ", path, ": ", std::strerror(err));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    return FailedPreconditionError("cannot stat ", path, ": ", std::strerror(err));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return InvalidArgumentError(path, " is not a regular file");
+  }
+  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  if (file_bytes < 8) {
+    ::close(fd);
+    return InvalidArgumentError(path, ": ", file_bytes,
+                                " bytes is too small for a safetensors file (need 8 + header)");
+  }
+  void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int mmap_errno = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (map == MAP_FAILED)
+    return FailedPreconditionError("cannot mmap ", path, ": ", std::strerror(mmap_errno));
+  file->map_ = map;
+  file->map_bytes_ = file_bytes;
+  const auto* base = static_cast<const std::byte*>(map);
+
+  uint64_t header_bytes = 0;
+  for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | static_cast<uint8_t>(base[i]);
+  if (header_bytes > file_bytes - 8) {
+    return InvalidArgumentError(path, ": header length ", header_bytes, " exceeds the ",
+                                file_bytes - 8, " bytes after the length field");
+  }
+  if (header_bytes > kMaxHeaderBytes) {
+    return InvalidArgumentError(path, ": header length ", header_bytes, " exceeds the ",
+                                kMaxHeaderBytes, "-byte limit");
+  }
+  const uint64_t data_bytes = file_bytes - 8 - header_bytes;
+  const std::byte* data = base + 8 + header_bytes;
+  const char* header_begin = reinterpret_cast<const char*>(base + 8);
+
+  // nlohmann's std::map objects would silently keep only one of two entries
+  // with the same name; a parse callback sees every top-level key first.
+  std::set<std::string> seen;
+  std::string duplicate;
+  const json::parser_callback_t on_event = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key && parsed.is_string()) {
+      const std::string& key = parsed.get_ref<const std::string&>();
+      if (!seen.insert(key).second && duplicate.empty()) duplicate = key;
+    }
+    return true;
+  };
+
+  try {
+    const json header = json::parse(header_begin, header_begin + header_bytes, on_event,
+                                    /*allow_exceptions=*/false);
+    if (header.is_discarded()) return InvalidArgumentError(path, ": header is not valid JSON");
+    if (!header.is_object()) return InvalidArgumentError(path, ": header is not a JSON object");
+    if (!duplicate.empty())
+      return InvalidArgumentError(path, ": header lists ", Quoted(duplicate), " twice");
+
+    struct Range {
+      uint64_t begin, end;
+      size_t tensor;
+    };
+    std::vector<Range> ranges;
+    for (const auto& [name, entry] : header.items()) {
+      if (name == "__metadata__") {
+        if (!entry.is_object())
+          return InvalidArgumentError(path, ": __metadata__ is not a JSON object");
+        for (const auto& [key, value] : entry.items()) {
+          if (!value.is_string()) {
+            return InvalidArgumentError(path, ": __metadata__ value for ", Quoted(key),
+                                        " is not a string");
+          }
+          file->metadata_.emplace(key, value.get<std::string>());
+        }
+        continue;
+      }
+      const std::string where = internal::StrCat("tensor ", Quoted(name), " in ", path);
+      if (!entry.is_object()) return InvalidArgumentError(where, ": entry is not a JSON object");
+      const auto dtype_it = entry.find("dtype");
+      const auto shape_it = entry.find("shape");
+      const auto offsets_it = entry.find("data_offsets");
+      if (dtype_it == entry.end() || shape_it == entry.end() || offsets_it == entry.end()) {
+        return InvalidArgumentError(where, ": entry needs dtype, shape and data_offsets");
+      }
+
+      TensorRef t;
+      t.name = name;
+      if (!dtype_it->is_string()) return InvalidArgumentError(where, ": dtype is not a string");
+      const std::string& dtype_name = dtype_it->get_ref<const std::string&>();
+      if (!ParseSafetensorsDType(dtype_name, &t.dtype)) {
+        return InvalidArgumentError(where, ": unknown dtype ", Quoted(dtype_name));
+      }
+
+      if (!shape_it->is_array()) return InvalidArgumentError(where, ": shape is not an array");
+      // Track numel * element size with overflow checks: the product must fit
+      // in the file anyway, so anything that overflows is rejected.
+      uint64_t bytes = SafetensorsDTypeSize(t.dtype);
+      for (const json& d : *shape_it) {
+        uint64_t dim = 0;
+        if (!GetUnsigned(d, &dim) ||
+            dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          return InvalidArgumentError(where, ": shape ", shape_it->dump(),
+                                      " is not a list of non-negative integers");
+        }
+        if (__builtin_mul_overflow(bytes, dim, &bytes)) {
+          return InvalidArgumentError(where, ": shape ", shape_it->dump(),
+                                      " overflows the byte size");
+        }
+        t.shape.push_back(static_cast<int64_t>(dim));
+      }
+
+      uint64_t begin = 0, end = 0;
+      if (!offsets_it->is_array() || offsets_it->size() != 2 ||
+          !GetUnsigned((*offsets_it)[0], &begin) || !GetUnsigned((*offsets_it)[1], &end)) {
+        return InvalidArgumentError(where, ": data_offsets ", offsets_it->dump(),
+                                    " is not a pair of non-negative integers");
+      }
+      if (begin > end) {
+        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end,
+                                    "] begin after end");
+      }
+      if (end > data_bytes) {
+        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] run past the ",
+                                    data_bytes, "-byte data section (file truncated?)");
+      }
+      if (end - begin != bytes) {
+        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] span ",
+                                    end - begin, " bytes but dtype ", dtype_name, " and shape ",
+                                    ShapeString(t.shape), " need ", bytes);
+      }
+      t.data = data + begin;
+      t.bytes = static_cast<size_t>(bytes);
+      t.file = &file->path_;
+      // Empty ranges cannot overlap anything.
+      if (begin != end) ranges.push_back({begin, end, file->tensors_.size()});
+      file->tensors_.push_back(std::move(t));
+    }
+
+    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    for (size_t i = 1; i < ranges.size(); ++i) {
+      if (ranges[i].begin < ranges[i - 1].end) {
+        const TensorRef& a = file->tensors_[ranges[i - 1].tensor];
+        const TensorRef& b = file->tensors_[ranges[i].tensor];
+        return InvalidArgumentError(path, ": tensors ", Quoted(a.name), " [", ranges[i - 1].begin,
+                                    ", ", ranges[i - 1].end, ") and ", Quoted(b.name), " [",
+                                    ranges[i].begin, ", ", ranges[i].end, ") overlap");
+      }
+    }
+    for (size_t i = 0; i < file->tensors_.size(); ++i)
+      file->index_.emplace(file->tensors_[i].name, i);
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError(path, ": out of memory parsing the header");
+  } catch (const std::exception& e) {
+    // allow_exceptions=false covers parse errors; this guards accessors.
+    return InvalidArgumentError(path, ": malformed header: ", e.what());
+  }
+  return file;
+}
+
+const TensorRef* SafetensorsFile::Find(std::string_view name) const {
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+// ---------------------------------------------------------------------------
+// Checkpoint
+
+Checkpoint::~Checkpoint() = default;
+
+StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
+  std::unique_ptr<Checkpoint> ckpt(new Checkpoint());
+  ckpt->dir_ = dir;
+  const std::string index_path = JoinPath(dir, kIndexFileName);
+  const std::string single_path = JoinPath(dir, kSingleFileName);
+
+  if (!IsRegularFile(index_path)) {
+    if (!IsRegularFile(single_path)) {
+      return NotFoundError("checkpoint directory ", dir, " has neither ", kSingleFileName, " nor ",
+                           kIndexFileName);
+    }
+    MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
+                            SafetensorsFile::Open(single_path));
+    for (const TensorRef& t : file->tensors()) ckpt->tensors_.emplace(t.name, &t);
+    ckpt->files_.push_back(std::move(file));
+    return ckpt;
+  }
+
+  std::string text;
+  MLARUN_RETURN_IF_ERROR(ReadSmallFile(index_path, &text));
+  // tensor name -> shard file name, as the index says.
+  std::map<std::string, std::string, std::less<>> weight_map;
+  try {
+    const json index = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (index.is_discarded()) return InvalidArgumentError(index_path, ": not valid JSON");
+    if (!index.is_object()) return InvalidArgumentError(index_path, ": not a JSON object");
+    const auto map_it = index.find("weight_map");
+    if (map_it == index.end() || !map_it->is_object()) {
+      return InvalidArgumentError(index_path, ": no \"weight_map\" object");
+    }
+    const auto meta_it = index.find("metadata");
+    if (meta_it != index.end() && !meta_it->is_object() && !meta_it->is_null()) {
+      return InvalidArgumentError(index_path, ": \"metadata\" is not an object");
+    }
+    for (const auto& [tensor, shard] : map_it->items()) {
+      if (!shard.is_string()) {
+        return InvalidArgumentError(index_path, ": weight_map entry for tensor ", Quoted(tensor),
+                                    " is not a file name string");
+      }
+      const std::string& shard_name = shard.get_ref<const std::string&>();
+      if (!IsPlainFileName(shard_name)) {
+        return InvalidArgumentError(index_path, ": weight_map places tensor ", Quoted(tensor),
+                                    " in ", Quoted(shard_name),
+                                    ", which is not a plain file name inside ", dir);
+      }
+      weight_map.emplace(tensor, shard_name);
+    }
+  } catch (const std::bad_alloc&) {
+    return ResourceExhaustedError(index_path, ": out of memory parsing the index");
+  } catch (const std::exception& e) {
+    return InvalidArgumentError(index_path, ": malformed index: ", e.what());
+  }
+  if (weight_map.empty()) return InvalidArgumentError(index_path, ": weight_map is empty");
+
+  std::map<std::string, const SafetensorsFile*> shards;  // shard name -> opened file
+  for (const auto& [tensor, shard_name] : weight_map) {
+    if (shards.count(shard_name)) continue;
+    auto file = SafetensorsFile::Open(JoinPath(dir, shard_name));
+    if (!file.ok()) {
+      return file.status().WithContext(
+          internal::StrCat(index_path, " lists shard ", Quoted(shard_name)));
+    }
+    shards.emplace(shard_name, file->get());
+    ckpt->files_.push_back(std::move(file).value());
+  }
+
+  for (const auto& [tensor, shard_name] : weight_map) {
+    const SafetensorsFile* shard = shards.at(shard_name);
+    if (shard->Find(tensor) == nullptr) {
+      return InvalidArgumentError(index_path, " places tensor ", Quoted(tensor), " in ",
+                                  shard->path(), ", which does not contain it");
+    }
+  }
+  for (const auto& file : ckpt->files_) {
+    for (const TensorRef& t : file->tensors()) {
+      const auto it = weight_map.find(t.name);
+      if (it == weight_map.end()) {
+        return InvalidArgumentError(Where(t), " is not listed in ", index_path);
+      }
+      const auto [pos, inserted] = ckpt->tensors_.emplace(t.name, &t);
+      if (!inserted) {
+        return InvalidArgumentError(Where(t), " is also in ", *pos->second->file,
+                                    " (duplicate tensor name across shards)");
+      }
+    }
+  }
+  // Both directions hold and names are unique, so the maps now agree exactly.
+  return ckpt;
+}
+
+const TensorRef* Checkpoint::Find(std::string_view name) const {
+  const auto it = tensors_.find(name);
+  return it == tensors_.end() ? nullptr : it->second;
+}
+
+std::vector<std::string> Checkpoint::Names() const {
+  std::vector<std::string> names;
+  names.reserve(tensors_.size());
+  for (const auto& [name, t] : tensors_) names.push_back(name);
+  return names;
+}
+
+namespace {
+
+// Converts elements [0, n) of `t` (F32/BF16/F16) to fp32 `chunk` by chunks and
+// hands each chunk to StoreFromF32. Source bytes are copied to aligned scratch
+// first: a crafted header may put a tensor at any byte offset.
+void LoadFloatChunked(const TensorRef& t, DType out_dtype, void* out) {
+  const int64_t n = t.numel();
+  const size_t in_size = SafetensorsDTypeSize(t.dtype);
+  const size_t out_size = DTypeSize(out_dtype);
+  const int64_t chunk = std::min(n, kChunkElements);
+  std::vector<float> f32(static_cast<size_t>(chunk));
+  std::vector<uint16_t> u16(t.dtype == SafetensorsDType::kF32 ? 0 : static_cast<size_t>(chunk));
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t m = std::min(chunk, n - start);
+    const std::byte* src = t.data + static_cast<size_t>(start) * in_size;
+    switch (t.dtype) {
+      case SafetensorsDType::kF32:
+        std::memcpy(f32.data(), src, static_cast<size_t>(m) * 4);
+        break;
+      case SafetensorsDType::kBF16:
+        std::memcpy(u16.data(), src, static_cast<size_t>(m) * 2);
+        ConvertBf16ToF32(u16.data(), f32.data(), m);
+        break;
+      default:  // kF16
+        std::memcpy(u16.data(), src, static_cast<size_t>(m) * 2);
+        for (int64_t i = 0; i < m; ++i)
+          f32[static_cast<size_t>(i)] = HalfToFloat(u16[static_cast<size_t>(i)]);
+        break;
+    }
+    StoreFromF32(f32.data(), static_cast<std::byte*>(out) + static_cast<size_t>(start) * out_size,
+                 out_dtype, m);
+  }
+}
+
+}  // namespace
+
+Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected_shape,
+                        DType out_dtype, void* out) const {
+  if (out_dtype != DType::kF32 && out_dtype != DType::kBF16) {
+    return InvalidArgumentError("loading tensor ", Quoted(name), " from ", dir_,
+                                ": output dtype must be f32 or bf16", ", not ",
+                                IsValidDType(out_dtype) ? DTypeName(out_dtype) : "invalid");
+  }
+  const TensorRef* t = Find(name);
+  if (t == nullptr)
+    return NotFoundError("tensor ", Quoted(name), " not found in checkpoint ", dir_);
+  if (!std::equal(t->shape.begin(), t->shape.end(), expected_shape.begin(), expected_shape.end())) {
+    return InvalidArgumentError(Where(*t), " has shape ", ShapeString(t->shape), ", expected ",
+                                ShapeString(expected_shape));
+  }
+  const int64_t n = t->numel();
+
+  switch (t->dtype) {
+    case SafetensorsDType::kF32:
+    case SafetensorsDType::kBF16:
+    case SafetensorsDType::kF16:
+      if (n == 0) return Status::Ok();
+      if (out == nullptr)
+        return InvalidArgumentError("loading ", Where(*t), ": output buffer is null");
+      if ((t->dtype == SafetensorsDType::kF32 && out_dtype == DType::kF32) ||
+          (t->dtype == SafetensorsDType::kBF16 && out_dtype == DType::kBF16)) {
+        std::memcpy(out, t->data, t->bytes);  // same type: bit-exact copy
+      } else {
+        LoadFloatChunked(*t, out_dtype, out);
+      }
+      return Status::Ok();
+    case SafetensorsDType::kF8E4M3:
+      break;
+    default:
+      return InvalidArgumentError("unsupported dtype for loading: ", Where(*t), " is ",
+                                  SafetensorsDTypeName(t->dtype),
+                                  " (loadable: F32, BF16, F16, F8_E4M3)");
+  }
+
+  // F8_E4M3: block-scaled dequantization. The scale is checked even for an
+  // empty weight so a broken checkpoint fails the same way whatever its shape.
+  if (t->shape.size() != 2) {
+    return InvalidArgumentError(Where(*t), " is F8_E4M3 with shape ", ShapeString(t->shape),
+                                "; block-scaled dequantization needs a 2-D weight");
+  }
+  const std::string scale_name = internal::StrCat(name, "_scale_inv");
+  const TensorRef* scale = Find(scale_name);
+  if (scale == nullptr) {
+    // Not NotFound: that code means "no such tensor", and the weight exists.
+    return InvalidArgumentError(Where(*t), " is F8_E4M3 but its scale tensor ", Quoted(scale_name),
+                                " is not in checkpoint ", dir_);
+  }
+  const int64_t rows = t->shape[0], cols = t->shape[1];
+  const std::array<int64_t, 2> scale_shape = {(rows + kFp8BlockSize - 1) / kFp8BlockSize,
+                                              (cols + kFp8BlockSize - 1) / kFp8BlockSize};
+  if (scale->dtype != SafetensorsDType::kF32 && scale->dtype != SafetensorsDType::kBF16) {
+    return InvalidArgumentError("scale ", Where(*scale), " for F8_E4M3 tensor ", Quoted(name),
+                                " is ", SafetensorsDTypeName(scale->dtype),
+                                "; expected F32 or BF16");
+  }
+  if (!std::equal(scale->shape.begin(), scale->shape.end(), scale_shape.begin(),
+                  scale_shape.end())) {
+    return InvalidArgumentError("scale ", Where(*scale), " has shape ", ShapeString(scale->shape),
+                                ", expected ", ShapeString(scale_shape), " (128x128 blocks of ",
+                                Quoted(name), " with shape ", ShapeString(t->shape), ")");
+  }
+  if (n == 0) return Status::Ok();
+  if (out == nullptr) return InvalidArgumentError("loading ", Where(*t), ": output buffer is null");
+  std::vector<float> scales(static_cast<size_t>(scale_shape[0] * scale_shape[1]));
+  LoadFloatChunked(*scale, DType::kF32, scales.data());
+
+  // Whole rows per step (at least one), so each row's block-row scale is fixed.
+  const size_t ucols = static_cast<size_t>(cols);
+  const int64_t rows_per_chunk = std::max<int64_t>(1, kChunkElements / cols);
+  std::vector<float> f32(static_cast<size_t>(std::min(rows, rows_per_chunk)) * ucols);
+  const auto* w = reinterpret_cast<const uint8_t*>(t->data);
+  const size_t out_size = DTypeSize(out_dtype);
+  for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk) {
+    const int64_t nr = std::min(rows_per_chunk, rows - r0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* s = &scales[static_cast<size_t>((r0 + r) / kFp8BlockSize * scale_shape[1])];
+      const uint8_t* src = w + static_cast<size_t>(r0 + r) * ucols;
+      float* dst = &f32[static_cast<size_t>(r) * ucols];
+      ConvertF8E4M3ToF32(src, dst, cols);
+      for (size_t c = 0; c < ucols; ++c) dst[c] *= s[c / kFp8BlockSize];
+    }
+    StoreFromF32(f32.data(),
+                 static_cast<std::byte*>(out) + static_cast<size_t>(r0) * ucols * out_size,
+                 out_dtype, nr * cols);
+  }
+  return Status::Ok();
+}
+
+}  // namespace mlarun

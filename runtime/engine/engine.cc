@@ -1,0 +1,224 @@
+#include "runtime/engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+
+namespace mlarun {
+
+std::string_view FinishReasonName(FinishReason r) {
+  switch (r) {
+    case FinishReason::kNone: return "none";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kStop: return "stop";
+  }
+  return "none";
+}
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineConfig& config) {
+  if (config.max_num_batched_tokens < 1)
+    return InvalidArgumentError("engine: max_num_batched_tokens must be >= 1, got ", config.max_num_batched_tokens);
+  if (config.max_num_seqs < 1) return InvalidArgumentError("engine: max_num_seqs must be >= 1, got ", config.max_num_seqs);
+  LatentCacheConfig cc = model.CacheConfig(config.cache_budget_bytes, config.block_size);
+  cc.enable_prefix_caching = config.enable_prefix_caching;
+  MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
+  return std::unique_ptr<Engine>(new Engine(model, config, std::move(cache)));
+}
+
+Engine::Engine(Model& model, const EngineConfig& config, std::unique_ptr<LatentCache> cache)
+    : model_(model), config_(config), cache_(std::move(cache)) {}
+
+StatusOr<int64_t> Engine::Add(GenerationRequest request) {
+  const ModelConfig& c = model_.config();
+  if (request.prompt.empty()) return InvalidArgumentError("request: prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i)
+    if (request.prompt[i] < 0 || request.prompt[i] >= c.vocab_size)
+      return InvalidArgumentError("request: prompt token ", i, " is ", request.prompt[i], ", outside the vocabulary [0, ",
+                                  c.vocab_size, ")");
+  MLARUN_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, c.vocab_size, c.max_position_embeddings));
+  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
+  if (total > c.max_position_embeddings)
+    return InvalidArgumentError("request: prompt (", request.prompt.size(), " tokens) + max_tokens (",
+                                request.sampling.max_tokens, ") = ", total, " exceeds the model's max_position_embeddings ",
+                                c.max_position_embeddings);
+  const LatentCacheStats s = cache_->stats();
+  const int64_t blocks = (total + config_.block_size - 1) / config_.block_size;
+  if (blocks > s.blocks_total)
+    return InvalidArgumentError("request: prompt + max_tokens needs ", blocks, " cache blocks, the whole cache has ",
+                                s.blocks_total);
+  auto r = std::make_unique<Req>();
+  r->id = next_id_++;
+  r->tokens = request.prompt;
+  r->sampler = std::make_unique<Sampler>(request.sampling);
+  r->request = std::move(request);
+  waiting_.push_back(r.get());
+  const int64_t id = r->id;
+  requests_[id] = std::move(r);
+  return id;
+}
+
+const GenerationOutput* Engine::Output(int64_t id) const {
+  auto it = requests_.find(id);
+  return it == requests_.end() ? nullptr : &it->second->out;
+}
+
+void Engine::Preempt(Req& r) {
+  (void)cache_->Release(r.id);
+  r.in_cache = false;
+  r.computed = 0;
+  running_.erase(std::find(running_.begin(), running_.end(), &r));
+  waiting_.push_front(&r);  // first in line to come back
+  ++r.out.preemptions;
+  ++stats_.preemptions;
+}
+
+StatusOr<bool> Engine::Reserve(Req& r, int64_t n) {
+  for (;;) {
+    MLARUN_ASSIGN_OR_RETURN(const int64_t need, cache_->BlocksNeeded(r.id, n));
+    if (need <= cache_->stats().blocks_allocatable()) {
+      MLARUN_RETURN_IF_ERROR(cache_->Append(
+          r.id, std::span<const int32_t>(r.tokens).subspan(static_cast<size_t>(r.computed), static_cast<size_t>(n))));
+      return true;
+    }
+    Req* victim = running_.back();
+    Preempt(*victim);
+    if (victim == &r) return false;
+  }
+}
+
+Status Engine::Admit(Req& r) {
+  MLARUN_RETURN_IF_ERROR(cache_->AddSequence(r.id));
+  r.in_cache = true;
+  // Reuse cached full blocks of the prompt, keeping at least one token to
+  // compute so the step produces logits.
+  MLARUN_ASSIGN_OR_RETURN(r.computed,
+                          cache_->AttachPrefix(r.id, r.tokens, static_cast<int64_t>(r.tokens.size()) - 1));
+  r.out.prefix_hit_tokens += r.computed;
+  return Status::Ok();
+}
+
+StatusOr<std::vector<int64_t>> Engine::Step() {
+  struct Scheduled {
+    Req* r;
+    int64_t n;
+  };
+  std::vector<Scheduled> scheduled;
+  int64_t budget = config_.max_num_batched_tokens;
+  // 1. Running requests, oldest first: a decode token or the next prompt chunk.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Req& r = *running_[i];
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(r.tokens.size()) - r.computed, budget);
+    MLARUN_ASSIGN_OR_RETURN(const bool kept, Reserve(r, n));
+    if (!kept) continue;  // r was the newest and got preempted; running_ shrank
+    scheduled.push_back({&r, n});
+    budget -= n;
+    ++i;
+  }
+  // 2. Waiting requests, in order, while the budget and the cache allow.
+  while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
+    Req& r = *waiting_.front();
+    MLARUN_RETURN_IF_ERROR(Admit(r));
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(r.tokens.size()) - r.computed, budget);
+    MLARUN_ASSIGN_OR_RETURN(const int64_t need, cache_->BlocksNeeded(r.id, n));
+    if (need > cache_->stats().blocks_allocatable()) {  // wait for running requests to free blocks
+      MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
+      r.in_cache = false;
+      r.out.prefix_hit_tokens -= r.computed;
+      r.computed = 0;
+      break;
+    }
+    MLARUN_RETURN_IF_ERROR(cache_->Append(
+        r.id, std::span<const int32_t>(r.tokens).subspan(static_cast<size_t>(r.computed), static_cast<size_t>(n))));
+    waiting_.pop_front();
+    running_.push_back(&r);
+    scheduled.push_back({&r, n});
+    budget -= n;
+  }
+  if (scheduled.empty()) {
+    if (HasWork()) return InternalError("engine: no request could be scheduled although work is pending");
+    return std::vector<int64_t>{};
+  }
+
+  // 3. The forward step.
+  std::vector<ForwardSeq> seqs;
+  for (const Scheduled& s : scheduled) {
+    const bool last = s.r->computed + s.n == static_cast<int64_t>(s.r->tokens.size());
+    seqs.push_back(ForwardSeq{.id = s.r->id,
+                              .tokens = std::span<const int32_t>(s.r->tokens).subspan(static_cast<size_t>(s.r->computed),
+                                                                                      static_cast<size_t>(s.n)),
+                              .start_pos = s.r->computed,
+                              .logits = last ? ForwardSeq::Logits::kLast : ForwardSeq::Logits::kNone});
+    (s.n == 1 && s.r->computed >= static_cast<int64_t>(s.r->request.prompt.size()) ? stats_.decode_tokens
+                                                                                     : stats_.prefill_tokens) += s.n;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  MLARUN_ASSIGN_OR_RETURN(const std::vector<float> logits, model_.Forward(seqs, *cache_));
+  stats_.forward_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const Model::StepTimes& st = model_.last_step_times();
+  stats_.time.attention += st.attention;
+  stats_.time.moe += st.moe;
+  stats_.time.dense_mlp += st.dense_mlp;
+  stats_.time.other += st.other;
+  ++stats_.steps;
+
+  // 4. Sample where a step reached the end of a request's known tokens.
+  const ModelConfig& c = model_.config();
+  const int64_t vocab = c.vocab_size;
+  std::vector<int64_t> finished;
+  int64_t row = 0;
+  for (size_t i = 0; i < scheduled.size(); ++i) {
+    Req& r = *scheduled[i].r;
+    r.computed += scheduled[i].n;
+    MLARUN_RETURN_IF_ERROR(cache_->Commit(r.id));
+    if (seqs[i].logits != ForwardSeq::Logits::kLast) continue;
+    const SampledToken tok = r.sampler->Sample(std::span<const float>(logits).subspan(static_cast<size_t>(row * vocab),
+                                                                                     static_cast<size_t>(vocab)));
+    ++row;
+    r.out.tokens.push_back(tok.token);
+    r.out.logprobs.push_back(tok.logprob);
+    r.tokens.push_back(static_cast<int32_t>(tok.token));
+    const SamplingParams& sp = r.request.sampling;
+    const bool stop_id = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok.token) != sp.stop_token_ids.end();
+    const bool eos = !sp.ignore_eos && std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), tok.token) != c.eos_token_ids.end();
+    if (stop_id || eos) {
+      r.out.finish_reason = FinishReason::kStop;
+    } else if (static_cast<int64_t>(r.out.tokens.size()) >= sp.max_tokens) {
+      r.out.finish_reason = FinishReason::kLength;
+    } else {
+      continue;
+    }
+    MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
+    r.in_cache = false;
+    running_.erase(std::find(running_.begin(), running_.end(), &r));
+    finished.push_back(r.id);
+  }
+  return finished;
+}
+
+std::vector<StatusOr<GenerationOutput>> Engine::Generate(std::vector<GenerationRequest> requests) {
+  std::vector<StatusOr<GenerationOutput>> out;
+  std::vector<int64_t> ids;
+  for (GenerationRequest& r : requests) {
+    auto id = Add(std::move(r));
+    ids.push_back(id.ok() ? *id : -1);
+    out.emplace_back(id.ok() ? StatusOr<GenerationOutput>(GenerationOutput{}) : StatusOr<GenerationOutput>(id.status()));
+  }
+  Status failure;
+  while (HasWork()) {
+    auto step = Step();
+    if (!step.ok()) {
+      failure = step.status();
+      break;
+    }
+  }
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0) continue;
+    if (!failure.ok() && Output(ids[i])->finish_reason == FinishReason::kNone) {
+      out[i] = failure;
+    } else {
+      out[i] = *Output(ids[i]);
+    }
+  }
+  return out;
+}
+
+}  // namespace mlarun

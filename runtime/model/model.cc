@@ -1,0 +1,317 @@
+#include "runtime/model/model.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <optional>
+
+namespace mlarun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Indices of the k largest values (ties: the lower index first), in
+// descending order of value.
+void TopK(const float* v, int64_t n, int64_t k, std::vector<int32_t>& idx) {
+  idx.resize(static_cast<size_t>(n));
+  std::iota(idx.begin(), idx.end(), 0);
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [v](int32_t a, int32_t b) {
+    return v[a] > v[b] || (v[a] == v[b] && a < b);
+  });
+  idx.resize(static_cast<size_t>(k));
+}
+
+// The routed experts of one token and their weights, as transformers'
+// DeepseekV2TopkRouter / DeepseekV3TopkRouter compute them.
+void Route(const ModelConfig& c, const float* logits, const std::vector<float>& bias, int32_t* experts,
+           float* weights) {
+  const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok, G = c.n_group, per_group = E / G;
+  std::vector<float> scores(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), group_scores(static_cast<size_t>(G));
+  std::vector<int32_t> idx;
+  if (c.scoring_func == ScoringFunc::kSigmoid) {
+    for (int64_t e = 0; e < E; ++e) scores[static_cast<size_t>(e)] = 1.f / (1.f + std::exp(-logits[e]));
+  } else {
+    const float mx = *std::max_element(logits, logits + E);
+    float sum = 0.f;
+    for (int64_t e = 0; e < E; ++e) sum += scores[static_cast<size_t>(e)] = std::exp(logits[e] - mx);
+    for (float& s : scores) s /= sum;
+  }
+  choice = scores;
+  if (!bias.empty())
+    for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += bias[static_cast<size_t>(e)];
+  const bool grouped = c.topk_method == TopkMethod::kNoauxTc || c.topk_method == TopkMethod::kGroupLimitedGreedy;
+  if (grouped && G > 1) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* s = choice.data() + g * per_group;
+      if (c.topk_method == TopkMethod::kNoauxTc) {  // sum of the group's two best (biased) scores
+        TopK(s, per_group, std::min<int64_t>(2, per_group), idx);
+        float sum = 0.f;
+        for (int32_t i : idx) sum += s[i];
+        group_scores[static_cast<size_t>(g)] = sum;
+      } else {  // V2 group_limited_greedy: the group's best score
+        group_scores[static_cast<size_t>(g)] = *std::max_element(s, s + per_group);
+      }
+    }
+    TopK(group_scores.data(), G, c.topk_group, idx);
+    std::vector<bool> keep(static_cast<size_t>(G), false);
+    for (int32_t g : idx) keep[static_cast<size_t>(g)] = true;
+    // V3 masks dropped groups to -inf, V2 to 0 (scores are positive there).
+    const float masked = c.topk_method == TopkMethod::kNoauxTc ? -INFINITY : 0.f;
+    for (int64_t e = 0; e < E; ++e)
+      if (!keep[static_cast<size_t>(e / per_group)]) choice[static_cast<size_t>(e)] = masked;
+  }
+  TopK(choice.data(), E, K, idx);
+  float sum = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    experts[k] = idx[static_cast<size_t>(k)];
+    weights[k] = scores[static_cast<size_t>(idx[static_cast<size_t>(k)])];  // unbiased score
+    sum += weights[k];
+  }
+  if (c.norm_topk_prob && K > 1)
+    for (int64_t k = 0; k < K; ++k) weights[k] /= sum + 1e-20f;
+  for (int64_t k = 0; k < K; ++k) weights[k] *= static_cast<float>(c.routed_scaling_factor);
+}
+
+// transformers (and DeepSeek's reference code) build q_a_layernorm and
+// kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
+constexpr double kLatentNormEps = 1e-6;
+
+}  // namespace
+
+Model::Model(const ModelConfig& c, const ModelOptions& o) : config_(c), options_(o) {}
+
+Status Model::Init() {
+  MLARUN_RETURN_IF_ERROR(ValidateModelConfig(config_));
+  if (config_.weight_dtype != DType::kF32 && config_.weight_dtype != DType::kBF16)
+    return InvalidArgumentError("model: weight dtype must be f32 or bf16, got ", DTypeName(config_.weight_dtype));
+  if (config_.kv_dtype != DType::kF32 && config_.kv_dtype != DType::kBF16)
+    return InvalidArgumentError("model: kv dtype must be f32 or bf16, got ", DTypeName(config_.kv_dtype));
+  MLARUN_ASSIGN_OR_RETURN(Rope rope, Rope::Create(config_.rope));
+  rope_ = std::make_unique<Rope>(std::move(rope));
+  return MlaCheckConfig(options_.attention);
+}
+
+WeightBytes Model::weight_bytes() const {
+  WeightBytes b;
+  auto vec = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * sizeof(float)); };
+  auto mlp = [](const Mlp& m) { return m.gate_up.bytes() + m.down.bytes(); };
+  b.embedding_and_head = embed_.bytes() + lm_head_.bytes() + vec(final_norm_);
+  for (const DecoderLayer& l : layers_) {
+    const AttentionLayer& a = l.attn;
+    b.attention += a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + vec(a.q_a_norm) + a.kv_a.bytes() + vec(a.kv_a_norm) +
+                   static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size()) + a.o.bytes() + vec(l.input_norm) +
+                   vec(l.post_attention_norm);
+    if (!l.moe) {
+      b.dense_mlp += mlp(l.mlp);
+      continue;
+    }
+    b.moe += l.moe_mlp.router.bytes() + vec(l.moe_mlp.score_bias) + (l.moe_mlp.has_shared ? mlp(l.moe_mlp.shared) : 0);
+    for (const Mlp& e : l.moe_mlp.experts) b.moe += mlp(e);
+  }
+  return b;
+}
+
+LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) const {
+  return LatentCacheConfig{.num_layers = config_.num_hidden_layers, .kv_lora_rank = config_.kv_lora_rank,
+                           .rope_dim = config_.qk_rope_head_dim, .block_size = block_size, .dtype = config_.kv_dtype,
+                           .budget_bytes = budget_bytes};
+}
+
+StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentCache& cache) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, N = c.num_attention_heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim(), vocab = c.vocab_size;
+  times_ = {};
+  routing_.clear();
+  const auto t_start = Clock::now();
+  if (cache.config().num_layers != c.num_hidden_layers || cache.config().kv_lora_rank != L ||
+      cache.config().rope_dim != R || cache.config().dtype != c.kv_dtype)
+    return InvalidArgumentError("model forward: the latent cache does not match the model (layers, widths, dtype)");
+
+  // The batch: flat tokens and positions, the attention's batch description.
+  const int32_t S = static_cast<int32_t>(seqs.size());
+  std::vector<int32_t> query_start(static_cast<size_t>(S) + 1, 0), seq_lens(static_cast<size_t>(S));
+  int64_t max_blocks = 1, logit_rows = 0;
+  for (int32_t i = 0; i < S; ++i) {
+    const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+    const int64_t n = static_cast<int64_t>(s.tokens.size()), end = s.start_pos + n;
+    if (!cache.HasSequence(s.id)) return InvalidArgumentError("model forward: sequence ", s.id, " is not in the cache");
+    if (s.start_pos < 0 || cache.NumTokens(s.id) < end)
+      return InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
+                                  ") but the cache holds slots for ", cache.NumTokens(s.id));
+    if (end > c.max_position_embeddings)
+      return InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
+                                  ", beyond max_position_embeddings ", c.max_position_embeddings);
+    for (int32_t t : s.tokens)
+      if (t < 0 || t >= vocab) return InvalidArgumentError("model forward: token id ", t, " outside [0, ", vocab, ")");
+    query_start[static_cast<size_t>(i) + 1] = query_start[static_cast<size_t>(i)] + static_cast<int32_t>(n);
+    seq_lens[static_cast<size_t>(i)] = static_cast<int32_t>(end);
+    max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(cache.BlockTable(s.id).size()));
+    logit_rows += s.logits == ForwardSeq::Logits::kAll ? n : (s.logits == ForwardSeq::Logits::kLast && n > 0 ? 1 : 0);
+  }
+  const int64_t T = query_start.back();
+  std::vector<int32_t> block_table(static_cast<size_t>(S * max_blocks), 0);
+  std::vector<int32_t> positions(static_cast<size_t>(T));
+  for (int32_t i = 0; i < S; ++i) {
+    const auto table = cache.BlockTable(seqs[static_cast<size_t>(i)].id);
+    std::copy(table.begin(), table.end(), block_table.begin() + i * max_blocks);
+    for (int64_t j = 0; j < static_cast<int64_t>(seqs[static_cast<size_t>(i)].tokens.size()); ++j)
+      positions[static_cast<size_t>(query_start[static_cast<size_t>(i)] + j)] =
+          static_cast<int32_t>(seqs[static_cast<size_t>(i)].start_pos + j);
+  }
+
+  // Embeddings.
+  std::vector<float> h(static_cast<size_t>(T * H)), x(static_cast<size_t>(T * H));
+  const size_t wes = DTypeSize(c.weight_dtype);
+  for (int32_t i = 0; i < S; ++i)
+    for (size_t j = 0; j < seqs[static_cast<size_t>(i)].tokens.size(); ++j) {
+      const int64_t t = query_start[static_cast<size_t>(i)] + static_cast<int64_t>(j);
+      LoadToF32(embed_.data.data() + seqs[static_cast<size_t>(i)].tokens[j] * H * static_cast<int64_t>(wes),
+                c.weight_dtype, h.data() + t * H, H);
+    }
+
+  std::vector<float> q(static_cast<size_t>(T * N * Dq)), qa(static_cast<size_t>(T * std::max<int64_t>(c.q_lora_rank, 1)));
+  std::vector<float> kv(static_cast<size_t>(T * (L + R))), kv_c(static_cast<size_t>(T * L)), k_pe(static_cast<size_t>(T * R));
+  std::vector<float> attn(static_cast<size_t>(T * N * V)), mlp_hidden;
+  std::vector<float> router_logits, slot_out;
+  std::vector<int32_t> route_experts;
+  std::vector<float> route_weights;
+
+  MlaParams ap;
+  ap.shape = c.mla_shape();
+  ap.q = q.data();
+  ap.num_tokens = T;
+  ap.q_stride_token = N * Dq;
+  ap.q_stride_head = Dq;
+  ap.w_dtype = c.kv_dtype;
+  ap.num_seqs = S;
+  ap.query_start = query_start.data();
+  ap.seq_lens = seq_lens.data();
+  ap.block_table = block_table.data();
+  ap.block_table_stride = max_blocks;
+  ap.softmax_scale = static_cast<float>(c.softmax_scale());
+  ap.out = attn.data();
+  ap.out_stride_token = N * V;
+  ap.out_stride_head = V;
+  std::optional<MlaPlan> plan;
+
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    const DecoderLayer& layer = layers_[static_cast<size_t>(li)];
+    const AttentionLayer& a = layer.attn;
+    auto t0 = Clock::now();
+    RmsNormTo(h.data(), T, H, layer.input_norm.data(), H, c.rms_norm_eps, x.data(), H);
+    if (c.q_lora_rank > 0) {
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_a, x.data(), T, H, qa.data(), c.q_lora_rank));
+      RmsNorm(qa.data(), T, c.q_lora_rank, a.q_a_norm.data(), c.q_lora_rank, kLatentNormEps);
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_b, qa.data(), T, c.q_lora_rank, q.data(), N * Dq));
+    } else {
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q, x.data(), T, H, q.data(), N * Dq));
+    }
+    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.kv_a, x.data(), T, H, kv.data(), L + R));
+    RmsNormTo(kv.data(), T, L + R, a.kv_a_norm.data(), L, kLatentNormEps, kv_c.data(), L);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(&k_pe[static_cast<size_t>(t * R)], &kv[static_cast<size_t>(t * (L + R) + L)], static_cast<size_t>(R) * sizeof(float));
+    rope_->Apply(q.data() + P, T, N, N * Dq, Dq, positions.data());
+    rope_->Apply(k_pe.data(), T, 1, R, 0, positions.data());
+    for (int32_t i = 0; i < S; ++i) {
+      const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+      const int64_t t = query_start[static_cast<size_t>(i)];
+      MLARUN_RETURN_IF_ERROR(cache.WriteRows(li, s.id, s.start_pos, static_cast<int64_t>(s.tokens.size()),
+                                             kv_c.data() + t * L, L, k_pe.data() + t * R, R));
+    }
+    ap.w_uk_t = a.w_uk_t.data();
+    ap.w_uv = a.w_uv.data();
+    ap.cache = cache.Layer(li);
+    if (!plan) {
+      MLARUN_ASSIGN_OR_RETURN(MlaPlan made, MlaMakePlan(ap, options_.attention));
+      plan = std::move(made);
+    }
+    WorkspaceView ws = attn_ws_.Reserve(plan->workspace_bytes);
+    if (plan->workspace_bytes > 0 && ws.data == nullptr)
+      return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
+    MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
+    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, h.data(), H, /*accumulate=*/true));
+    times_.attention += Since(t0);
+
+    t0 = Clock::now();
+    RmsNormTo(h.data(), T, H, layer.post_attention_norm.data(), H, c.rms_norm_eps, x.data(), H);
+    if (!layer.moe) {
+      MLARUN_RETURN_IF_ERROR(ApplyMlp(layer.mlp, x.data(), T, H, h.data(), H, /*accumulate=*/true, mlp_hidden));
+      times_.dense_mlp += Since(t0);
+      continue;
+    }
+    // MoE: route every token, group tokens by expert so each expert runs one
+    // product over its tokens, write each (token, k) result into its own slot
+    // (no two threads add into one row), then sum the slots in k order.
+    const MoeLayer& moe = layer.moe_mlp;
+    const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok;
+    router_logits.resize(static_cast<size_t>(T * E));
+    MLARUN_RETURN_IF_ERROR(ApplyLinear(moe.router, x.data(), T, H, router_logits.data(), E));
+    route_experts.resize(static_cast<size_t>(T * K));
+    route_weights.resize(static_cast<size_t>(T * K));
+    for (int64_t t = 0; t < T; ++t)
+      Route(c, router_logits.data() + t * E, moe.score_bias, route_experts.data() + t * K, route_weights.data() + t * K);
+    routing_.push_back(route_experts);
+    for (int64_t t = 0; t < T; ++t) std::sort(routing_.back().begin() + t * K, routing_.back().begin() + (t + 1) * K);
+    std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));  // slot ids (t * K + k)
+    for (int64_t sl = 0; sl < T * K; ++sl) by_expert[static_cast<size_t>(route_experts[static_cast<size_t>(sl)])].push_back(static_cast<int32_t>(sl));
+    std::vector<int32_t> active;
+    for (int64_t e = 0; e < E; ++e)
+      if (!by_expert[static_cast<size_t>(e)].empty()) active.push_back(static_cast<int32_t>(e));
+    slot_out.resize(static_cast<size_t>(T * K * H));
+    Status moe_status;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t ai = 0; ai < active.size(); ++ai) {
+      thread_local std::vector<float> xe, ye, hidden;
+      const std::vector<int32_t>& slots = by_expert[static_cast<size_t>(active[ai])];
+      const int64_t n = static_cast<int64_t>(slots.size());
+      xe.resize(static_cast<size_t>(n * H));
+      ye.resize(static_cast<size_t>(n * H));
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(&xe[static_cast<size_t>(r * H)], &x[static_cast<size_t>(slots[static_cast<size_t>(r)] / K * H)], static_cast<size_t>(H) * sizeof(float));
+      const Status st = ApplyMlp(moe.experts[static_cast<size_t>(active[ai])], xe.data(), n, H, ye.data(), H, false, hidden);
+      if (!st.ok()) {
+#pragma omp critical(mlarun_moe_status)
+        moe_status = st;
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int32_t sl = slots[static_cast<size_t>(r)];
+        const float w = route_weights[static_cast<size_t>(sl)];
+        float* dst = &slot_out[static_cast<size_t>(sl) * static_cast<size_t>(H)];
+        for (int64_t j = 0; j < H; ++j) dst[j] = ye[static_cast<size_t>(r * H + j)] * w;
+      }
+    }
+    MLARUN_RETURN_IF_ERROR(moe_status);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k) {
+        const float* src = &slot_out[static_cast<size_t>((t * K + k) * H)];
+        float* dst = &h[static_cast<size_t>(t * H)];
+        for (int64_t j = 0; j < H; ++j) dst[j] += src[j];
+      }
+    if (moe.has_shared)
+      MLARUN_RETURN_IF_ERROR(ApplyMlp(moe.shared, x.data(), T, H, h.data(), H, /*accumulate=*/true, mlp_hidden));
+    times_.moe += Since(t0);
+  }
+
+  // Logits for the rows asked for.
+  std::vector<float> rows(static_cast<size_t>(logit_rows * H)), logits(static_cast<size_t>(logit_rows * vocab));
+  int64_t r = 0;
+  for (int32_t i = 0; i < S; ++i) {
+    const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+    const int64_t n = static_cast<int64_t>(s.tokens.size()), t0 = query_start[static_cast<size_t>(i)];
+    const int64_t first = s.logits == ForwardSeq::Logits::kAll ? 0 : n - 1;
+    if (s.logits == ForwardSeq::Logits::kNone || n == 0) continue;
+    for (int64_t j = first; j < n; ++j, ++r)
+      std::memcpy(&rows[static_cast<size_t>(r * H)], &h[static_cast<size_t>((t0 + j) * H)], static_cast<size_t>(H) * sizeof(float));
+  }
+  RmsNorm(rows.data(), logit_rows, H, final_norm_.data(), H, c.rms_norm_eps);
+  MLARUN_RETURN_IF_ERROR(ApplyLinear(lm_head_, rows.data(), logit_rows, H, logits.data(), vocab));
+  times_.other = Since(t_start) - times_.attention - times_.moe - times_.dense_mlp;
+  return logits;
+}
+
+}  // namespace mlarun

@@ -1,0 +1,144 @@
+// A DeepSeek-V2/V3 model on one process: weights in compute layouts and the
+// forward pass over a batch of sequences whose latent rows live in a
+// LatentCache.
+//
+// Compute is fp32 (norms, RoPE, softmax, residual stream, router). Linear
+// layers keep their weights in ModelConfig::weight_dtype: f32 weights run f32
+// products; bf16 weights run bf16 products (the activations are rounded to bf16
+// on the way in, fp32 accumulation) so they use the CPU's bf16 units. The
+// attention's W_UK^T / W_UV are stored in the cache dtype, split out of
+// kv_b_proj at load (as vLLM and SGLang do).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "attention/mla.h"
+#include "attention/rope.h"
+#include "kv/latent_cache.h"
+#include "runtime/base/status.h"
+#include "runtime/model/layers.h"
+#include "runtime/model/model_config.h"
+#include "runtime/model/safetensors.h"
+
+namespace mlarun {
+
+struct MoeLayer {
+  Linear router;                         // [E, H], always f32 (HF computes the router in fp32)
+  std::vector<float> score_bias;         // [E] e_score_correction_bias (V3), empty for V2
+  std::vector<Mlp> experts;              // [E]
+  Mlp shared;                            // n_shared_experts fused into one MLP (empty if none)
+  bool has_shared = false;
+};
+
+struct AttentionLayer {
+  Linear q_a, q_b, q;            // q_a + q_b when q_lora_rank > 0, else q
+  std::vector<float> q_a_norm;   // [q_lora_rank]
+  Linear kv_a;                   // [L + R, H]
+  std::vector<float> kv_a_norm;  // [L]
+  std::vector<std::byte> w_uk_t; // [N, P, L] in the cache dtype
+  std::vector<std::byte> w_uv;   // [N, L, V] in the cache dtype
+  Linear o;                      // [H, N * V]
+};
+
+struct DecoderLayer {
+  std::vector<float> input_norm, post_attention_norm;  // [H]
+  AttentionLayer attn;
+  bool moe = false;
+  Mlp mlp;      // dense layers
+  MoeLayer moe_mlp;
+};
+
+// Memory held by the weights, by category.
+struct WeightBytes {
+  int64_t attention = 0;  // projections, norms, W_UK/W_UV
+  int64_t dense_mlp = 0;
+  int64_t moe = 0;        // routed + shared experts and routers
+  int64_t embedding_and_head = 0;
+  int64_t total() const { return attention + dense_mlp + moe + embedding_and_head; }
+};
+
+// One sequence's part of a forward step. Its tokens sit at positions
+// [start_pos, start_pos + tokens.size()); the cache already holds rows for
+// [0, start_pos) and has slots appended for the new tokens.
+struct ForwardSeq {
+  SeqId id = 0;
+  std::span<const int32_t> tokens;
+  int64_t start_pos = 0;
+  enum class Logits : uint8_t { kNone, kLast, kAll } logits = Logits::kLast;
+};
+
+struct ModelOptions {
+  MlaConfig attention;        // dispatch thresholds, tiles, backend
+  std::function<void(const std::string&)> progress;  // loading progress (may be empty)
+};
+
+// Overrides applied to a model's config when loading it.
+struct ModelOverrides {
+  std::optional<DType> kv_dtype;        // --kv-dtype
+  std::optional<int64_t> num_layers;    // reduced depth (YAML models only)
+};
+
+class Model {
+ public:
+  // A Hugging Face checkpoint directory (config.json + safetensors), or a YAML
+  // file from configs/models/ (random weights from its seed).
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir_or_yaml, const ModelOverrides& overrides = {},
+                                               const ModelOptions& options = {});
+
+  // Loads every weight from a Hugging Face checkpoint, checking names and
+  // shapes; missing and unexpected tensors are errors naming the tensor.
+  static StatusOr<std::unique_ptr<Model>> FromCheckpoint(const ModelConfig& config, const Checkpoint& ckpt,
+                                                         const ModelOptions& options = {});
+  // Random weights from a seed (YAML models): deterministic, scaled like a
+  // trained model (linear N(0, 1/fan_in)-like, norms near 1).
+  static StatusOr<std::unique_ptr<Model>> Random(const ModelConfig& config, uint64_t seed,
+                                                 const ModelOptions& options = {});
+
+  const ModelConfig& config() const { return config_; }
+  WeightBytes weight_bytes() const;
+  // A cache configuration matching this model (layers, widths, dtype).
+  LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = 64) const;
+
+  // Runs one step: writes the new tokens' latent rows into `cache` and
+  // returns logits [rows, vocab] for the rows the sequences ask for, in
+  // sequence order (kLast: one row, kAll: one per token). Not thread-safe
+  // (it reuses internal buffers); blocks until done.
+  StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentCache& cache);
+
+  // Per-step time breakdown of the last Forward (seconds), for benchmarks.
+  struct StepTimes {
+    double attention = 0, moe = 0, dense_mlp = 0, other = 0;
+  };
+  const StepTimes& last_step_times() const { return times_; }
+
+  // Experts the MoE layers of the last Forward chose: per MoE layer (in layer
+  // order), [tokens, num_experts_per_tok] ids, each token's ids ascending.
+  // For tests and debugging.
+  const std::vector<std::vector<int32_t>>& last_routing() const { return routing_; }
+
+ private:
+  explicit Model(const ModelConfig& c, const ModelOptions& o);
+  Status Init();  // shapes, rope
+
+  ModelConfig config_;
+  ModelOptions options_;
+  std::unique_ptr<Rope> rope_;
+  Linear embed_;    // [vocab, H] in the weight dtype; rows are looked up, never multiplied
+  Linear lm_head_;  // [vocab, H]; a copy of embed_ when tie_word_embeddings
+  std::vector<float> final_norm_;
+  std::vector<DecoderLayer> layers_;
+  StepTimes times_;
+  std::vector<std::vector<int32_t>> routing_;
+  Workspace attn_ws_;
+
+  friend class ModelLoader;
+  friend class ModelForward;
+};
+
+}  // namespace mlarun

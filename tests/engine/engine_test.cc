@@ -1,0 +1,175 @@
+// The serving loop on the tiny DeepSeek-V3-shaped model (configs/models/tiny.yaml).
+#include "runtime/engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace mlarun {
+namespace {
+
+std::string TinyYaml() { return std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml"; }
+
+std::unique_ptr<Model> Tiny(DType kv = DType::kF32) {
+  auto m = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = kv, .num_layers = std::nullopt});
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+std::vector<int32_t> RandomPrompt(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> d(2, 511);
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (auto& t : p) t = d(rng);
+  return p;
+}
+
+SamplingParams Greedy(int64_t max_tokens) {
+  return SamplingParams{.max_tokens = max_tokens, .stop_token_ids = {}, .ignore_eos = true};
+}
+SamplingParams Sampled(int64_t max_tokens, uint64_t seed) {
+  return SamplingParams{.temperature = 0.8, .top_k = 50, .top_p = 0.9, .seed = seed, .max_tokens = max_tokens,
+                        .stop_token_ids = {}, .ignore_eos = true};
+}
+
+std::vector<GenerationRequest> MixedRequests() {
+  return {
+      {RandomPrompt(1, 1), Greedy(6)},        {RandomPrompt(7, 2), Sampled(9, 11)},
+      {RandomPrompt(70, 3), Greedy(4)},       {RandomPrompt(150, 4), Sampled(5, 12)},
+      {RandomPrompt(3, 5), Sampled(12, 13)},  {RandomPrompt(33, 6), Greedy(10)},
+  };
+}
+
+std::vector<GenerationOutput> RunAll(Model& m, const EngineConfig& ec, std::vector<GenerationRequest> reqs,
+                                     EngineStats* stats = nullptr) {
+  auto engine = std::move(Engine::Create(m, ec)).value();
+  std::vector<GenerationOutput> out;
+  for (auto& r : engine->Generate(std::move(reqs))) {
+    EXPECT_TRUE(r.ok()) << r.status();
+    out.push_back(r.ok() ? *r : GenerationOutput{});
+  }
+  if (stats) *stats = engine->stats();
+  return out;
+}
+
+TEST(Engine, MixedBatchGivesEachRequestItsTokensAlone) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const auto reqs = MixedRequests();
+  std::vector<GenerationOutput> alone;
+  for (const auto& r : reqs) alone.push_back(RunAll(*m, EngineConfig{.cache_budget_bytes = 16 << 20}, {r})[0]);
+  // Together, with a small token budget: prompts are chunked and mixed with
+  // other requests' decodes.
+  EngineStats stats;
+  const auto together = RunAll(*m, EngineConfig{.max_num_batched_tokens = 24, .cache_budget_bytes = 16 << 20}, reqs, &stats);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(together[i].tokens, alone[i].tokens) << "request " << i;
+    EXPECT_EQ(together[i].tokens.size(), static_cast<size_t>(reqs[i].sampling.max_tokens));
+    EXPECT_EQ(together[i].finish_reason, FinishReason::kLength);
+    for (size_t k = 0; k < together[i].logprobs.size(); ++k) {
+      EXPECT_LE(together[i].logprobs[k], 0.0);
+      EXPECT_NEAR(together[i].logprobs[k], alone[i].logprobs[k], 1e-4);
+    }
+  }
+  EXPECT_GT(stats.steps, 20);  // the 150-token prompt alone takes 7 steps of 24
+}
+
+TEST(Engine, SameSeedSameOutputOtherSeedOtherOutput) {
+  auto m = Tiny(DType::kBF16);
+  ASSERT_TRUE(m);
+  const auto p = RandomPrompt(12, 9);
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20};
+  const auto a = RunAll(*m, ec, {{p, Sampled(16, 5)}, {p, Sampled(16, 5)}, {p, Sampled(16, 6)}});
+  EXPECT_EQ(a[0].tokens, a[1].tokens);
+  EXPECT_NE(a[0].tokens, a[2].tokens);
+}
+
+TEST(Engine, PreemptionKeepsOutputs) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  // Four prompts of one full 16-token block each, all admitted at once, then
+  // growing to three blocks each while decoding: 12 blocks wanted, 8 exist.
+  std::vector<GenerationRequest> reqs;
+  for (uint32_t i = 0; i < 4; ++i) reqs.push_back({RandomPrompt(16, 40 + i), i % 2 ? Sampled(20, i) : Greedy(20)});
+  const auto free_run = RunAll(*m, EngineConfig{.cache_budget_bytes = 16 << 20, .block_size = 16}, reqs);
+  const LatentCacheConfig cc = m->CacheConfig(0, 16);
+  const int64_t block_bytes = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * 4 * 16;
+  EngineStats stats;
+  const auto tight = RunAll(*m, EngineConfig{.cache_budget_bytes = 8 * block_bytes, .block_size = 16}, reqs, &stats);
+  EXPECT_GT(stats.preemptions, 0) << "the cache was meant to run out";
+  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(tight[i].tokens, free_run[i].tokens) << "request " << i;
+}
+
+TEST(Engine, PrefixBlocksAreReused) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  auto engine = std::move(Engine::Create(*m, EngineConfig{.cache_budget_bytes = 16 << 20, .block_size = 16})).value();
+  const auto p = RandomPrompt(70, 21);
+  auto first = engine->Generate({{p, Greedy(5)}});
+  auto second = engine->Generate({{p, Greedy(5)}});
+  ASSERT_TRUE(first[0].ok() && second[0].ok());
+  EXPECT_EQ(first[0]->prefix_hit_tokens, 0);
+  EXPECT_EQ(second[0]->prefix_hit_tokens, 64);  // four full blocks of the 70-token prompt
+  EXPECT_EQ(second[0]->tokens, first[0]->tokens);
+  EXPECT_EQ(engine->cache().stats().blocks_used, 0);  // everything released
+}
+
+TEST(Engine, BadRequestsAreRejectedOthersComplete) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  auto engine = std::move(Engine::Create(*m, EngineConfig{.cache_budget_bytes = 16 << 20})).value();
+  auto bad_sampling = Greedy(4);
+  bad_sampling.temperature = -1;
+  auto bad_top_p = Greedy(4);
+  bad_top_p.top_p = 0;
+  std::vector<GenerationRequest> reqs = {
+      {RandomPrompt(5, 1), Greedy(4)},
+      {{}, Greedy(4)},                              // empty prompt
+      {{3, 512, 4}, Greedy(4)},                     // id == vocab size
+      {RandomPrompt(4090, 2), Greedy(10)},          // beyond max_position_embeddings (4096)
+      {RandomPrompt(5, 3), bad_sampling},
+      {RandomPrompt(5, 4), bad_top_p},
+      {RandomPrompt(6, 5), Greedy(3)},
+  };
+  const auto out = engine->Generate(reqs);
+  const std::vector<std::string> field = {"", "empty", "vocabulary", "max_position_embeddings", "temperature", "top_p", ""};
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (field[i].empty()) {
+      ASSERT_TRUE(out[i].ok()) << i << ": " << out[i].status();
+      EXPECT_EQ(out[i]->tokens.size(), static_cast<size_t>(reqs[i].sampling.max_tokens));
+    } else {
+      ASSERT_FALSE(out[i].ok()) << i;
+      EXPECT_EQ(out[i].status().code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(out[i].status().message().find(field[i]), std::string::npos) << out[i].status();
+    }
+  }
+}
+
+TEST(Engine, StopTokensAndEos) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const auto p = RandomPrompt(9, 31);
+  const auto base = RunAll(*m, EngineConfig{.cache_budget_bytes = 16 << 20}, {{p, Greedy(8)}})[0];
+  ASSERT_EQ(base.tokens.size(), 8u);
+  // A stop id: generation ends with it (included, as vLLM reports it).
+  auto stop = Greedy(8);
+  stop.stop_token_ids = {base.tokens[2]};
+  const auto stopped = RunAll(*m, EngineConfig{.cache_budget_bytes = 16 << 20}, {{p, stop}})[0];
+  const auto first = std::find(base.tokens.begin(), base.tokens.end(), base.tokens[2]) - base.tokens.begin();
+  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(base.tokens.begin(), base.tokens.begin() + first + 1));
+  EXPECT_EQ(stopped.finish_reason, FinishReason::kStop);
+  // The config's eos stops generation unless ignore_eos.
+  ModelConfig c = m->config();
+  c.eos_token_ids = {base.tokens[3]};
+  auto m_eos = std::move(Model::Random(c, 1234)).value();
+  auto no_ignore = Greedy(8);
+  no_ignore.ignore_eos = false;
+  const auto outs = RunAll(*m_eos, EngineConfig{.cache_budget_bytes = 16 << 20}, {{p, no_ignore}, {p, Greedy(8)}});
+  const auto eos_at = std::find(base.tokens.begin(), base.tokens.end(), base.tokens[3]) - base.tokens.begin();
+  EXPECT_EQ(outs[0].tokens.size(), static_cast<size_t>(eos_at + 1));
+  EXPECT_EQ(outs[0].finish_reason, FinishReason::kStop);
+  EXPECT_EQ(outs[1].tokens, base.tokens) << "ignore_eos runs to max_tokens";
+}
+
+}  // namespace
+}  // namespace mlarun

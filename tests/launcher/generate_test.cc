@@ -1,0 +1,85 @@
+// `mlarun generate` as a user sees it: JSON lines in input order, errors in
+// their slots, the exit code.
+#include "launcher/generate.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace mlarun {
+namespace {
+
+std::string TinyYaml() { return std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml"; }
+
+std::vector<nlohmann::json> Lines(const std::string& text) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(Generate, ParseRequestLine) {
+  const SamplingParams defaults{.max_tokens = 7};
+  auto r = ParseRequestLine(R"({"prompt_ids": [4, 5], "temperature": 0.5, "top_k": 3, "seed": 9,
+                                 "stop_token_ids": [8], "ignore_eos": true})", defaults);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(r->sampling.max_tokens, 7);
+  EXPECT_EQ(r->sampling.temperature, 0.5);
+  EXPECT_EQ(r->sampling.top_k, 3);
+  EXPECT_EQ(r->sampling.seed, 9u);
+  EXPECT_EQ(r->sampling.stop_token_ids, (std::vector<int64_t>{8}));
+  EXPECT_TRUE(r->sampling.ignore_eos);
+  for (const auto& [line, field] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"max_tokens": 3})", "prompt_ids"},
+           {R"({"prompt_ids": "1,2"})", "prompt_ids"},
+           {R"({"prompt_ids": [1, 2.5]})", "prompt_ids"},
+           {R"({"prompt_ids": [1], "max_tokens": 2.5})", "max_tokens"},
+           {R"({"prompt_ids": [1], "seed": -1})", "seed"},
+           {R"({"prompt_ids": [1], "ignore_eos": 1})", "ignore_eos"},
+           {R"(not json)", "JSON"}}) {
+    const Status st = ParseRequestLine(line, defaults).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << line;
+    EXPECT_NE(st.message().find(field), std::string::npos) << st;
+  }
+}
+
+TEST(Generate, JsonLinesInInputOrder) {
+  const std::string path = testing::TempDir() + "/prompts.jsonl";
+  std::ofstream(path) << R"({"prompt_ids": [3, 4, 5], "max_tokens": 4, "ignore_eos": true})" << "\n"
+                      << R"({"prompt_ids": [], "max_tokens": 3})" << "\n\n"
+                      << R"({"prompt_ids": [9, 10], "max_tokens": 5, "temperature": 0.7, "seed": 3, "ignore_eos": true})"
+                      << "\n"
+                      << R"({"prompt_ids": [7, 99999]})" << "\n";
+  GenerateOptions o{.model = TinyYaml(), .prompts_path = path, .json = true};
+  std::ostringstream out, log;
+  EXPECT_EQ(RunGenerate(o, out, log), 1) << "a rejected request makes the exit code 1";
+  const auto lines = Lines(out.str());
+  ASSERT_EQ(lines.size(), 4u) << out.str();
+  EXPECT_EQ(lines[0]["tokens"].size(), 4u);
+  EXPECT_EQ(lines[0]["logprobs"].size(), 4u);
+  EXPECT_EQ(lines[0]["finish_reason"], "length");
+  EXPECT_NE(lines[1]["error"].get<std::string>().find("empty"), std::string::npos);
+  EXPECT_EQ(lines[2]["tokens"].size(), 5u);
+  EXPECT_NE(lines[3]["error"].get<std::string>().find("vocabulary"), std::string::npos);
+  // The same request alone gives the same tokens.
+  GenerateOptions one{.model = TinyYaml(), .prompt_ids = {3, 4, 5}, .json = true};
+  one.sampling.max_tokens = 4;
+  one.sampling.ignore_eos = true;
+  std::ostringstream out1;
+  EXPECT_EQ(RunGenerate(one, out1, log), 0);
+  EXPECT_EQ(Lines(out1.str())[0]["tokens"], lines[0]["tokens"]);
+}
+
+TEST(Generate, UnloadableModelIsExitCode2) {
+  GenerateOptions o{.model = "/nonexistent/model", .prompt_ids = {1, 2}};
+  std::ostringstream out, log;
+  EXPECT_EQ(RunGenerate(o, out, log), 2);
+  EXPECT_NE(log.str().find("/nonexistent/model"), std::string::npos) << log.str();
+}
+
+}  // namespace
+}  // namespace mlarun
