@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "launcher/bench/attention_bench.h"
+#include "launcher/bench/decode_bench.h"
 #include "launcher/generate.h"
 
 #include <iostream>
@@ -28,6 +29,20 @@ int main(int argc, char** argv) {
   attn->add_option("--min-time", ab.min_time_s, "Seconds per repetition")->check(CLI::NonNegativeNumber);
   attn->add_option("--contexts", ab.contexts, "Grid contexts S (cached tokens before the query block)")->delimiter(',');
   attn->add_option("--query-lens", ab.query_lens, "Grid query lengths Q")->delimiter(',');
+
+  mlarun::DecodeBenchOptions db;
+  int decode_threads = 0;
+  auto* dec = bench->add_subcommand("decode", "Decode and prefill throughput of one process, and where a step goes");
+  dec->add_option("--model", db.model, "Checkpoint directory or configs/models/*.yaml")->capture_default_str();
+  dec->add_option("--num-layers", db.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
+  dec->add_option("--experts", db.experts, "Routed experts kept (YAML models), so large shapes fit in memory")->check(CLI::PositiveNumber);
+  dec->add_option("--batch", db.batches, "Batch sizes")->delimiter(',')->capture_default_str();
+  dec->add_option("--context", db.contexts, "Context lengths (tokens already cached per sequence)")->delimiter(',')->capture_default_str();
+  dec->add_option("--prefill-tokens", db.prefill_tokens, "Tokens per prefill chunk")->capture_default_str()->check(CLI::PositiveNumber);
+  dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")->capture_default_str()->check(CLI::PositiveNumber);
+  dec->add_option("--kv-dtype", db.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
 
   mlarun::GenerateOptions gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
@@ -53,6 +68,15 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
 
+  if (dec->parsed()) {
+    if (decode_threads > 0) omp_set_num_threads(decode_threads);
+    const mlarun::Status st = mlarun::RunDecodeBench(db);
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench decode: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  }
   if (generate->parsed()) {
     if (gen.prompt_ids.empty() && gen.prompts_path.empty()) {
       std::fprintf(stderr, "mlarun generate: give --prompt-ids or --prompts\n");

@@ -19,69 +19,13 @@
 
 #include "attention/mla.h"
 #include "attention/synthetic_batch.h"
+#include "launcher/bench/timing.h"
 #include "runtime/base/cpu_gemm.h"
 
 namespace mlarun {
 namespace {
 
 using Json = nlohmann::json;
-
-// ---- Timing through Google Benchmark ---------------------------------------
-
-// Keeps the median (or the single run) per-iteration real time, in ms.
-class MedianReporter : public benchmark::BenchmarkReporter {
- public:
-  bool ReportContext(const Context&) override { return true; }
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const Run& r : runs) {
-      if (r.error_occurred) continue;
-      const bool single = r.run_type == Run::RT_Iteration && r.repetitions <= 1;
-      if (single || (r.run_type == Run::RT_Aggregate && r.aggregate_name == "median"))
-        median_ms = r.GetAdjustedRealTime();  // in the benchmark's unit: ms
-    }
-  }
-  double median_ms = NAN;
-};
-
-struct Timing {
-  int repetitions;
-  double min_time_s;
-  // Run once untimed first (warm caches, fault in memory, size iterations).
-  // Heavy runs skip it: one iteration per repetition, after the run that
-  // verified them has already warmed everything.
-  bool warm_up = true;
-};
-
-// Times `fn` with Google Benchmark: `repetitions` repetitions of enough
-// iterations to fill min_time_s (one when there is no warm-up run to size them).
-StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& fn, const Timing& t) {
-  int64_t iterations = 1;
-  if (t.warm_up) {
-    const auto t0 = std::chrono::steady_clock::now();
-    MLARUN_RETURN_IF_ERROR(fn());
-    const double first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    iterations = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(t.min_time_s / std::max(first_s, 1e-6))), 1, 100000);
-  }
-  Status err;
-  auto* b = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& state) {
-    for (auto _ : state) {
-      Status s = fn();
-      if (!s.ok()) {
-        err = s;
-        state.SkipWithError(s.ToString().c_str());
-        break;
-      }
-    }
-  });
-  b->Iterations(iterations)->Repetitions(t.repetitions)->UseRealTime()->Unit(benchmark::kMillisecond);
-  if (t.repetitions > 1) b->ReportAggregatesOnly(true);
-  MedianReporter reporter;
-  benchmark::RunSpecifiedBenchmarks(&reporter);
-  benchmark::ClearRegisteredBenchmarks();
-  MLARUN_RETURN_IF_ERROR(err);
-  if (!std::isfinite(reporter.median_ms)) return InternalError("benchmark ", name, " produced no timing");
-  return reporter.median_ms;
-}
 
 // ---- Attention runs ---------------------------------------------------------
 
@@ -388,10 +332,7 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   std::sort(qs.begin(), qs.end());
   std::ostream& table = o.json ? std::cerr : std::cout;
 
-  int argc = 1;
-  char arg0[] = "mlarun";
-  char* argv[] = {arg0, nullptr};
-  benchmark::Initialize(&argc, argv);
+  InitBenchmarkLibrary();
 
   const MlaShape shape = DeepSeekV3MlaShape(o.heads);
   const int threads = omp_get_max_threads();

@@ -116,6 +116,29 @@ WeightBytes Model::weight_bytes() const {
   return b;
 }
 
+WeightBytes PredictWeightBytes(const ModelConfig& c) {
+  const int64_t w = static_cast<int64_t>(DTypeSize(c.weight_dtype)), kv = static_cast<int64_t>(DTypeSize(c.kv_dtype));
+  const int64_t f = 4;  // norms, router, score bias: fp32
+  const int64_t H = c.hidden_size, N = c.num_attention_heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t Dq = c.q_head_dim(), P = c.qk_nope_head_dim, V = c.v_head_dim;
+  auto mlp = [&](int64_t inter) { return 3 * H * inter * w; };
+  WeightBytes b;
+  b.embedding_and_head = 2 * c.vocab_size * H * w + H * f;  // lm_head is a copy when tied
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const int64_t q = c.q_lora_rank > 0 ? (c.q_lora_rank * H + N * Dq * c.q_lora_rank) * w + c.q_lora_rank * f
+                                        : N * Dq * H * w;
+    b.attention += q + (L + R) * H * w + L * f + N * (P + V) * L * kv + H * N * V * w + 2 * H * f;
+    if (!c.IsMoeLayer(i)) {
+      b.dense_mlp += mlp(c.intermediate_size);
+      continue;
+    }
+    b.moe += c.n_routed_experts * H * f + (c.model_type == ModelType::kDeepSeekV3 ? c.n_routed_experts * f : 0) +
+             c.n_routed_experts * mlp(c.moe_intermediate_size) +
+             (c.n_shared_experts > 0 ? mlp(c.moe_intermediate_size * c.n_shared_experts) : 0);
+  }
+  return b;
+}
+
 LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) const {
   return LatentCacheConfig{.num_layers = config_.num_hidden_layers, .kv_lora_rank = config_.kv_lora_rank,
                            .rope_dim = config_.qk_rope_head_dim, .block_size = block_size, .dtype = config_.kv_dtype,

@@ -63,6 +63,10 @@ struct WeightBytes {
   int64_t total() const { return attention + dense_mlp + moe + embedding_and_head; }
 };
 
+// What the weights of `config` occupy, from the shapes alone (no allocation):
+// equals Model::weight_bytes() of the loaded model.
+WeightBytes PredictWeightBytes(const ModelConfig& config);
+
 // One sequence's part of a forward step. Its tokens sit at positions
 // [start_pos, start_pos + tokens.size()); the cache already holds rows for
 // [0, start_pos) and has slots appended for the new tokens.

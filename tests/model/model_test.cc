@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <unistd.h>
+
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -187,6 +190,76 @@ TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Transformers, HfFixture, ::testing::ValuesIn(Cases()));
+
+}  // namespace
+}  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// A checkpoint directory whose config.json is the fixture's with `edit` applied.
+std::string EditedCheckpoint(const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+  static int counter = 0;
+  const fs::path dir = fs::path(testing::TempDir()) /
+                       ("edited_" + name + "_" + std::to_string(getpid()) + "_" + std::to_string(counter++));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::copy_file(fs::path(FixtureDir(name)) / "model.safetensors", dir / "model.safetensors");
+  nlohmann::json c = nlohmann::json::parse(std::ifstream(FixtureDir(name) + "/config.json"));
+  edit(c);
+  std::ofstream(dir / "config.json") << c.dump();
+  return dir.string();
+}
+
+void ExpectLoadError(const std::string& dir, const std::string& needle) {
+  auto m = Model::Load(dir);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code() == StatusCode::kInvalidArgument || m.status().code() == StatusCode::kNotFound, true)
+      << m.status();
+  EXPECT_NE(m.status().message().find(needle), std::string::npos) << m.status();
+}
+
+TEST(ModelLoad, CheckpointAndConfigMustAgree) {
+  // Fewer layers than the checkpoint has: the extra layer's tensors are named.
+  ExpectLoadError(EditedCheckpoint("v3_fp32", [](auto& c) { c["num_hidden_layers"] = 2; }), "model.layers.2.");
+  // More experts than stored: the first missing one is named.
+  ExpectLoadError(EditedCheckpoint("v3_fp32", [](auto& c) { c["n_routed_experts"] = 16; }), "mlp.gate.weight");
+  // A wrong width: the shape mismatch names the tensor.
+  ExpectLoadError(EditedCheckpoint("v2_greedy", [](auto& c) { c["kv_lora_rank"] = 16; }), "kv_a_proj_with_mqa");
+  // q_lora_rank set where the checkpoint has q_proj.
+  ExpectLoadError(EditedCheckpoint("v2_greedy", [](auto& c) { c["q_lora_rank"] = 32; }), "q_a_proj");
+  // A config field of the wrong type names the field.
+  ExpectLoadError(EditedCheckpoint("v3_fp32", [](auto& c) { c["hidden_size"] = "wide"; }), "hidden_size");
+}
+
+TEST(ModelLoad, RandomModelFromYamlIsDeterministic) {
+  const std::string yaml = std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/tiny.yaml";
+  auto a = Model::Load(yaml), b = Model::Load(yaml);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status();
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  EXPECT_EQ(FullForward(**a, prompt), FullForward(**b, prompt));
+  const WeightBytes wb = (*a)->weight_bytes();
+  EXPECT_GT(wb.moe, wb.dense_mlp);
+  EXPECT_GT(wb.attention, 0);
+  EXPECT_EQ(wb.total(), wb.attention + wb.dense_mlp + wb.moe + wb.embedding_and_head);
+  const WeightBytes predicted = PredictWeightBytes((*a)->config());
+  EXPECT_EQ(predicted.attention, wb.attention);
+  EXPECT_EQ(predicted.dense_mlp, wb.dense_mlp);
+  EXPECT_EQ(predicted.moe, wb.moe);
+  EXPECT_EQ(predicted.embedding_and_head, wb.embedding_and_head);
+}
+
+TEST(ModelLoad, PredictedWeightBytesMatchLoadedCheckpoints) {
+  for (const std::string& name : Cases()) {
+    auto m = Model::Load(FixtureDir(name));
+    ASSERT_TRUE(m.ok()) << m.status();
+    const WeightBytes got = (*m)->weight_bytes(), want = PredictWeightBytes((*m)->config());
+    EXPECT_EQ(got.attention, want.attention) << name;
+    EXPECT_EQ(got.dense_mlp, want.dense_mlp) << name;
+    EXPECT_EQ(got.moe, want.moe) << name;
+    EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << name;
+  }
+}
 
 }  // namespace
 }  // namespace mlarun

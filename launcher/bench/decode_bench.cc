@@ -1,0 +1,190 @@
+#include "launcher/bench/decode_bench.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "launcher/bench/timing.h"
+#include "runtime/model/model.h"
+
+namespace mlarun {
+namespace {
+
+using Json = nlohmann::json;
+
+struct Shares {
+  double attention = 0, moe = 0, dense = 0, other = 0;
+  void Add(const Model::StepTimes& t) {
+    attention += t.attention, moe += t.moe, dense += t.dense_mlp, other += t.other;
+  }
+  Json ToJson() const {
+    const double total = attention + moe + dense + other;
+    return {{"attention", attention / total}, {"moe", moe / total}, {"dense_mlp", dense / total}, {"other", other / total}};
+  }
+};
+
+std::string Pct(double v) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(0) << 100 * v << "%";
+  return os.str();
+}
+
+// Fills positions [0, n) of every layer of `id` with random rows.
+Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
+  const LatentCacheConfig& c = cache.config();
+  std::normal_distribution<float> d;
+  std::vector<float> kv(static_cast<size_t>(n * c.kv_lora_rank)), pe(static_cast<size_t>(n * c.rope_dim));
+  for (float& v : kv) v = d(rng);
+  for (float& v : pe) v = d(rng);
+  std::vector<int32_t> tokens(static_cast<size_t>(n), 2);
+  MLARUN_RETURN_IF_ERROR(cache.Append(id, tokens));
+  for (int64_t layer = 0; layer < c.num_layers; ++layer)
+    MLARUN_RETURN_IF_ERROR(cache.WriteRows(layer, id, 0, n, kv.data(), c.kv_lora_rank, pe.data(), c.rope_dim));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunDecodeBench(const DecodeBenchOptions& o) {
+  const bool yaml = o.model.ends_with(".yaml") || o.model.ends_with(".yml");
+  if (!yaml && (o.num_layers > 0 || o.experts > 0))
+    return InvalidArgumentError("--num-layers and --experts apply to YAML models only");
+  std::ostream& table = o.json ? std::cerr : std::cout;
+
+  // The configuration first, to check the memory before allocating anything.
+  ModelConfig config;
+  uint64_t seed = 0;
+  if (yaml) {
+    MLARUN_ASSIGN_OR_RETURN(YamlModel ym, LoadModelYaml(o.model));
+    config = ym.config;
+    seed = ym.seed;
+    if (o.num_layers > 0) {
+      if (o.num_layers > config.num_hidden_layers)
+        return InvalidArgumentError("--num-layers ", o.num_layers, " exceeds the model's ", config.num_hidden_layers);
+      config.num_hidden_layers = o.num_layers;
+      config.first_k_dense_replace = std::min(config.first_k_dense_replace, o.num_layers);
+    }
+    if (o.experts > 0) {
+      if (o.experts % config.n_group != 0 || o.experts < config.num_experts_per_tok)
+        return InvalidArgumentError("--experts ", o.experts, " must be a multiple of n_group (", config.n_group,
+                                    ") and at least num_experts_per_tok (", config.num_experts_per_tok, ")");
+      config.n_routed_experts = o.experts;
+    }
+    MLARUN_RETURN_IF_ERROR(ValidateModelConfig(config));
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(config, LoadHfConfig(o.model));
+  }
+  if (!o.kv_dtype.empty()) {
+    MLARUN_ASSIGN_OR_RETURN(config.kv_dtype, ParseDType(o.kv_dtype));
+  }
+  const WeightBytes predicted = PredictWeightBytes(config);
+  if (predicted.total() > o.max_weight_bytes)
+    return ResourceExhaustedError("the model's weights would take ", predicted.total() >> 20, " MiB (limit ",
+                                  o.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
+  std::unique_ptr<Model> model;
+  if (yaml) {
+    MLARUN_ASSIGN_OR_RETURN(model, Model::Random(config, seed));
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(o.model));
+    MLARUN_ASSIGN_OR_RETURN(model, Model::FromCheckpoint(config, *ckpt));
+  }
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) moe_layers += config.IsMoeLayer(i);
+  InitBenchmarkLibrary();
+
+  Json doc;
+  doc["model"] = o.model;
+  doc["layers"] = config.num_hidden_layers;
+  doc["moe_layers"] = moe_layers;
+  doc["routed_experts"] = config.n_routed_experts;
+  doc["weight_dtype"] = std::string(DTypeName(config.weight_dtype));
+  doc["kv_dtype"] = std::string(DTypeName(config.kv_dtype));
+  doc["weight_bytes"] = predicted.total();
+  doc["threads"] = omp_get_max_threads();
+  doc["prefill_chunk_tokens"] = o.prefill_tokens;
+  doc["rows"] = Json::array();
+  table << "mlarun bench decode: " << o.model << ", " << config.num_hidden_layers << " layers (" << moe_layers
+        << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok << "), weights "
+        << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
+        << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads\n";
+  table << "  batch context | decode tok/s  step ms  attn   moe  dense  other | prefill tok/s (" << o.prefill_tokens
+        << "-token chunks)  attn   moe  dense  other\n";
+
+  const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
+  std::mt19937 rng(7);
+  for (int64_t batch : o.batches) {
+    for (int64_t context : o.contexts) {
+      if (batch < 1 || context < 1) return InvalidArgumentError("--batch and --context values must be positive");
+      // Room for the context, the timed decode steps and the prefill chunks.
+      const int64_t per_seq = context + o.repetitions + 2 + (o.repetitions + 1) * o.prefill_tokens;
+      LatentCacheConfig cc = model->CacheConfig(0, 64);
+      cc.enable_prefix_caching = false;
+      const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
+      cc.budget_bytes = (batch * ((per_seq + 63) / 64 + 1) * 64) * bytes_per_token;
+      MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
+      std::vector<int64_t> len(static_cast<size_t>(batch), context);
+      for (int64_t s = 0; s < batch; ++s) {
+        MLARUN_RETURN_IF_ERROR(cache->AddSequence(s));
+        MLARUN_RETURN_IF_ERROR(FillContext(*cache, s, context, rng));
+      }
+      // Decode: one new token per sequence per step.
+      std::vector<int32_t> tok(static_cast<size_t>(batch), 3);
+      Shares decode_shares;
+      auto decode_step = [&]() -> Status {
+        std::vector<ForwardSeq> seqs;
+        for (int64_t s = 0; s < batch; ++s) {
+          MLARUN_RETURN_IF_ERROR(cache->Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1)));
+          seqs.push_back(ForwardSeq{.id = s, .tokens = std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
+                                    .start_pos = len[static_cast<size_t>(s)]++});
+        }
+        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->Forward(seqs, *cache));
+        for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
+          const float* row = logits.data() + s * config.vocab_size;
+          tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
+        }
+        decode_shares.Add(model->last_step_times());
+        return Status::Ok();
+      };
+      MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
+      decode_shares = {};
+      MLARUN_ASSIGN_OR_RETURN(const double step_ms, TimeMs("decode_step", decode_step, timing));
+      // Prefill: chunks of new tokens for sequence 0, over its context.
+      Shares prefill_shares;
+      std::vector<int32_t> chunk(static_cast<size_t>(o.prefill_tokens));
+      for (auto& t : chunk) t = static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(config.vocab_size - 2));
+      auto prefill_step = [&]() -> Status {
+        MLARUN_RETURN_IF_ERROR(cache->Append(0, chunk));
+        const ForwardSeq s{.id = 0, .tokens = chunk, .start_pos = len[0]};
+        len[0] += o.prefill_tokens;
+        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->Forward(std::span<const ForwardSeq>(&s, 1), *cache));
+        prefill_shares.Add(model->last_step_times());
+        return Status::Ok();
+      };
+      MLARUN_RETURN_IF_ERROR(prefill_step());  // warm-up
+      prefill_shares = {};
+      MLARUN_ASSIGN_OR_RETURN(const double prefill_ms, TimeMs("prefill_chunk", prefill_step, timing));
+
+      const double decode_tps = static_cast<double>(batch) / (step_ms * 1e-3);
+      const double prefill_tps = static_cast<double>(o.prefill_tokens) / (prefill_ms * 1e-3);
+      const Json ds = decode_shares.ToJson(), ps = prefill_shares.ToJson();
+      doc["rows"].push_back({{"batch", batch}, {"context", context}, {"decode_tokens_per_s", decode_tps},
+                             {"decode_step_ms", step_ms}, {"decode_share", ds}, {"prefill_tokens_per_s", prefill_tps},
+                             {"prefill_chunk_ms", prefill_ms}, {"prefill_share", ps}});
+      table << "  " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(12) << std::fixed
+            << std::setprecision(2) << decode_tps << " " << std::setw(8) << std::setprecision(1) << step_ms << "  "
+            << std::setw(4) << Pct(ds["attention"]) << " " << std::setw(5) << Pct(ds["moe"]) << " " << std::setw(6)
+            << Pct(ds["dense_mlp"]) << " " << std::setw(6) << Pct(ds["other"]) << " | " << std::setw(13)
+            << std::setprecision(1) << prefill_tps << "                      " << std::setw(4) << Pct(ps["attention"])
+            << " " << std::setw(5) << Pct(ps["moe"]) << " " << std::setw(6) << Pct(ps["dense_mlp"]) << " "
+            << std::setw(6) << Pct(ps["other"]) << "\n";
+    }
+  }
+  if (o.json) std::cout << doc.dump(2) << std::endl;
+  return Status::Ok();
+}
+
+}  // namespace mlarun

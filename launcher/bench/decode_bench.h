@@ -1,0 +1,36 @@
+// `mlarun bench decode`: decode and prefill throughput of one process, and
+// where a step's time goes (attention, MoE, dense MLP, the rest), for a model
+// from a checkpoint or a configs/models/*.yaml file (optionally at reduced
+// depth and with fewer routed experts, so DeepSeek-V3 shapes fit in memory).
+//
+// The context of each sequence is written into the latent cache directly
+// (random rows): a decode step's cost does not depend on the values it
+// attends over, and prefilling 32 x 4096 tokens first would take longer than
+// the measurement. Prefill throughput is measured separately as chunks of new
+// tokens over that context.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+struct DecodeBenchOptions {
+  std::string model = "configs/models/deepseek-v3.yaml";
+  int64_t num_layers = 0;    // 0: the model's (YAML only)
+  int64_t experts = 0;       // 0: the model's; else routed experts kept (YAML only)
+  std::vector<int64_t> batches = {1, 8, 32};
+  std::vector<int64_t> contexts = {512, 4096};
+  int64_t prefill_tokens = 256;  // tokens per prefill chunk
+  int repetitions = 5;           // timed steps per point (median)
+  std::string kv_dtype;          // "" keeps the model's
+  bool json = false;
+  int64_t max_weight_bytes = int64_t{16} << 30;  // refuse larger models (they would not fit next to the cache)
+};
+
+Status RunDecodeBench(const DecodeBenchOptions& o);
+
+}  // namespace mlarun
