@@ -25,3 +25,10 @@ if(NOT MLARUN_CUDA STREQUAL "OFF")
   endif()
 endif()
 message(STATUS "mlarun CUDA backend: ${MLARUN_HAVE_CUDA}")
+
+# NCCL ships with the CUDA toolkit here but has no CMake config.
+if(MLARUN_HAVE_CUDA)
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+  find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
+  message(STATUS "mlarun NCCL: ${NCCL_LIBRARY}")
+endif()

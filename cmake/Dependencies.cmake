@@ -16,3 +16,6 @@ if(MLARUN_BUILD_TESTS)
   find_package(GTest CONFIG REQUIRED)
 endif()
 find_package(benchmark CONFIG REQUIRED)
+
+# Open MPI: ranks under mpirun. MPIEXEC_EXECUTABLE runs the multi-rank tests.
+find_package(MPI REQUIRED COMPONENTS CXX)

@@ -97,6 +97,16 @@ class Checkpoint {
   // missing or mis-shaped scale.
   Status Load(std::string_view name, std::span<const int64_t> expected_shape, DType out_dtype, void* out) const;
 
+  // A rectangular piece of a 2-D tensor: rows [row_begin, row_end) and
+  // columns [col_begin, col_end) of `name` (whose full shape must equal
+  // `expected_shape`), into `out` ([rows, cols] row-major) as `out_dtype`.
+  // F8_E4M3 tensors are dequantized with the block scales of the selected
+  // elements. Reads only the bytes of the selected rows (a rank loading its
+  // shard touches only its shard's pages). Errors as Load, plus ranges
+  // outside the tensor.
+  Status LoadSlice(std::string_view name, std::span<const int64_t> expected_shape, int64_t row_begin, int64_t row_end,
+                   int64_t col_begin, int64_t col_end, DType out_dtype, void* out) const;
+
  private:
   Checkpoint() = default;
   std::string dir_;

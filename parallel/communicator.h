@@ -1,0 +1,78 @@
+// Collectives over a group of ranks, behind one interface with two backends:
+// MPI (parallel/mpi/) for host buffers and NCCL (parallel/nccl/, CUDA builds)
+// for device buffers. No MPI or NCCL header is visible here.
+//
+// Every operation is collective: each rank of the group calls it with the
+// same operation, element type and (where stated) counts, in the same order.
+// Calls block until this rank's part is complete. A rank with nothing to
+// contribute still calls, with a count of 0: that is how idle ranks keep
+// lockstep. While waiting for slower ranks the MPI backend sleeps in short
+// back-off steps instead of spinning a core.
+//
+// Not thread-safe: one thread per communicator.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+// Element types of collective buffers. Values are frozen.
+enum class CommType : uint8_t { kF32 = 0, kBF16 = 1, kI32 = 2, kI64 = 3, kU8 = 4 };
+size_t CommTypeSize(CommType t);
+
+// Bytes this rank sent into each kind of collective (its own contribution:
+// count x element size; for a broadcast, the root counts the buffer, the
+// others 0), and how many calls. For benchmarks that compare against the
+// layout's prediction.
+struct CommStats {
+  struct Entry {
+    int64_t calls = 0;
+    int64_t bytes = 0;
+  };
+  Entry all_reduce, all_gather, reduce_scatter, broadcast, barrier;
+  void Clear() { *this = CommStats{}; }
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "mpi" or "nccl".
+  virtual std::string_view backend() const = 0;
+
+  // buf[0, count) <- sum over ranks, in place, on every rank. kF32 and kBF16
+  // (bf16 sums are accumulated in fp32 by the MPI backend).
+  virtual Status AllReduceSum(void* buf, int64_t count, CommType t) = 0;
+
+  // recv[r * count, (r + 1) * count) <- rank r's send[0, count).
+  virtual Status AllGather(const void* send, int64_t count, void* recv, CommType t) = 0;
+
+  // Variable counts: counts[r] is rank r's contribution (every rank passes
+  // the same counts); rank r's elements land at offset sum(counts[0..r)).
+  virtual Status AllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
+
+  // send holds sum(counts) elements on every rank; rank r receives, in
+  // recv[0, counts[r]), the element-wise sum over ranks of the slice at offset
+  // sum(counts[0..r)). kF32 and kBF16.
+  virtual Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
+
+  // buf[0, count) <- root's buf.
+  virtual Status Broadcast(void* buf, int64_t count, CommType t, int root) = 0;
+
+  virtual Status Barrier() = 0;
+
+  const CommStats& stats() const { return stats_; }
+  CommStats& mutable_stats() { return stats_; }
+
+ protected:
+  CommStats stats_;
+};
+
+}  // namespace mlarun

@@ -1,0 +1,44 @@
+// The MPI process world: initialization, the world communicator, and the
+// process groups of a layout. The MPI headers stay inside mpi_world.cc.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "parallel/communicator.h"
+#include "parallel/layout.h"
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+// RAII owner of MPI_Init / MPI_Finalize. One per process.
+class MpiSession {
+ public:
+  // Initializes MPI (with MPI_THREAD_FUNNELED). Safe to call when the process
+  // was not started by mpirun: it is then a world of one rank.
+  static StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv);
+  ~MpiSession();  // MPI_Finalize
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  std::string host() const { return host_; }
+
+  // MPI_COMM_WORLD as a Communicator (a duplicate; owned by the caller).
+  StatusOr<std::unique_ptr<Communicator>> World() const;
+
+  // Splits the world into the layout's groups. The layout's world size must
+  // equal size(): otherwise INVALID_ARGUMENT naming both, on every rank.
+  StatusOr<ProcessGroups> Groups(const ParallelLayout& layout) const;
+
+  // Ends the whole job (MPI_Abort) with `code` after printing `message` with
+  // this rank and host. For start-up errors that must not leave other ranks
+  // waiting in a collective. Only launcher/ calls it.
+  [[noreturn]] void Abort(const std::string& message, int code) const;
+
+ private:
+  MpiSession() = default;
+  int rank_ = 0, size_ = 1;
+  std::string host_;
+};
+
+}  // namespace mlarun
