@@ -3,9 +3,15 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <iomanip>
+#include <sstream>
 #include <fstream>
+#include <map>
 #include <iostream>
 #include <nlohmann/json.hpp>
+
+#include "parallel/mpi/mpi_world.h"
+#include "runtime/engine/rank_runner.h"
 
 namespace mlarun {
 namespace {
@@ -74,46 +80,92 @@ StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const Samp
   return r;
 }
 
-int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) {
-  // Requests first: a bad file is reported before spending time on the model.
-  std::vector<StatusOr<GenerationRequest>> parsed;
-  if (!o.prompts_path.empty()) {
-    std::ifstream f(o.prompts_path);
-    if (!f) {
-      log << "mlarun generate: cannot read " << o.prompts_path << "\n";
-      return 2;
-    }
-    std::string line;
-    int64_t line_no = 0;
-    while (std::getline(f, line)) {
-      ++line_no;
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-      auto r = ParseRequestLine(line, o.sampling);
-      parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(o.prompts_path + ":" + std::to_string(line_no))));
-    }
-  } else {
-    GenerationRequest r;
-    r.sampling = o.sampling;
-    for (int64_t id : o.prompt_ids) r.prompt.push_back(static_cast<int32_t>(std::clamp<int64_t>(id, INT32_MIN, INT32_MAX)));
-    parsed.push_back(std::move(r));
-  }
+namespace {
 
+// The request text: the --prompts file, or one JSON line built from --prompt-ids
+// (an empty list stays empty, so the engine rejects it as every empty prompt).
+StatusOr<std::string> RequestText(const GenerateOptions& o) {
+  if (o.prompts_path.empty()) {
+    Json j{{"prompt_ids", o.prompt_ids}};
+    return j.dump() + "\n";
+  }
+  std::ifstream f(o.prompts_path, std::ios::binary);
+  if (!f) return NotFoundError("cannot read ", o.prompts_path);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// One request per non-blank line; errors carry "file:line".
+std::vector<StatusOr<GenerationRequest>> ParseRequests(const std::string& text, const GenerateOptions& o) {
+  std::vector<StatusOr<GenerationRequest>> parsed;
+  std::istringstream in(text);
+  std::string line;
+  int64_t line_no = 0;
+  const std::string origin = o.prompts_path.empty() ? "--prompt-ids" : o.prompts_path;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    auto r = ParseRequestLine(line, o.sampling);
+    parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(origin + ":" + std::to_string(line_no))));
+  }
+  return parsed;
+}
+
+std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
+  std::ostringstream out;
+  if (!r.ok()) {
+    if (json) {
+      out << Json{{"error", r.status().ToString()}}.dump();
+    } else {
+      out << "error: " << r.status();
+    }
+    return out.str();
+  }
+  if (json) {
+    out << Json{{"tokens", r->tokens}, {"logprobs", r->logprobs},
+                {"finish_reason", std::string(FinishReasonName(r->finish_reason))}}.dump();
+  } else {
+    out << "tokens:";
+    for (int64_t t : r->tokens) out << " " << t;
+    out << "  (finish: " << FinishReasonName(r->finish_reason) << ")";
+  }
+  return out.str();
+}
+
+StatusOr<ModelOverrides> Overrides(const GenerateOptions& o) {
   ModelOverrides ov;
   if (!o.kv_dtype.empty()) {
     auto dt = ParseDType(o.kv_dtype);
-    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32)) {
-      log << "mlarun generate: --kv-dtype must be bf16 or fp32, got '" << o.kv_dtype << "'\n";
-      return 2;
-    }
+    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
+      return InvalidArgumentError("--kv-dtype must be bf16 or fp32, got '", o.kv_dtype, "'");
     ov.kv_dtype = *dt;
   }
   if (o.num_layers > 0) ov.num_layers = o.num_layers;
+  return ov;
+}
+
+}  // namespace
+
+int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) {
+  // Requests first: a bad file is reported before spending time on the model.
+  auto text = RequestText(o);
+  if (!text.ok()) {
+    log << "mlarun generate: " << text.status().message() << "\n";
+    return 2;
+  }
+  // --prompt-ids becomes one JSON line; the sampling flags are every line's defaults.
+  std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(*text, o);
+
+  auto ov = Overrides(o);
+  if (!ov.ok()) {
+    log << "mlarun generate: " << ov.status().message() << "\n";
+    return 2;
+  }
   ModelOptions mo;
   // Loading progress rewrites one line on a terminal; logs get only the summary.
   const bool tty = &log == &std::cerr && isatty(STDERR_FILENO);
   if (tty) mo.progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
   const auto t0 = std::chrono::steady_clock::now();
-  auto model = Model::Load(o.model, ov, mo);
+  auto model = Model::Load(o.model, *ov, mo);
   if (tty) log << "\n";
   if (!model.ok()) {
     log << "mlarun generate: " << model.status() << "\n";
@@ -169,28 +221,159 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
 
   int code = 0;
   for (const auto& r : results) {
-    if (!r.ok()) {
-      code = 1;
-      if (o.json) {
-        out << Json{{"error", r.status().ToString()}}.dump() << "\n";
-      } else {
-        out << "error: " << r.status() << "\n";
-      }
-      continue;
-    }
-    if (o.json) {
-      out << Json{{"tokens", r->tokens}, {"logprobs", r->logprobs},
-                  {"finish_reason", std::string(FinishReasonName(r->finish_reason))}}.dump() << "\n";
-    } else {
-      out << "tokens:";
-      for (int64_t t : r->tokens) out << " " << t;
-      out << "  (finish: " << FinishReasonName(r->finish_reason) << ")\n";
-    }
+    if (!r.ok()) code = 1;
+    out << ResultLine(r, o.json) << "\n";
   }
   const EngineStats& s = (*engine)->stats();
   log << "done: " << s.steps << " steps, " << s.prefill_tokens << " prompt tokens, " << s.decode_tokens
       << " generated tokens, " << s.preemptions << " preemptions, " << s.forward_seconds << " s in the model\n";
   return code;
+}
+
+namespace {
+
+// Bytes from every rank to every rank, in rank order.
+StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& world, const std::string& mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> counts(static_cast<size_t>(world.size()));
+  MLARUN_RETURN_IF_ERROR(world.AllGather(&n, 1, counts.data(), CommType::kI64));
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::string flat(static_cast<size_t>(total), '\0');
+  MLARUN_RETURN_IF_ERROR(world.AllGatherV(mine.data(), counts, flat.data(), CommType::kU8));
+  std::vector<std::string> out;
+  int64_t off = 0;
+  for (int64_t c : counts) {
+    out.push_back(flat.substr(static_cast<size_t>(off), static_cast<size_t>(c)));
+    off += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostream& out, std::ostream& log) {
+  const bool root = session.rank() == 0;
+  // Failures every rank detects alike (layout, world size) end every rank the
+  // same way; a failure of one rank takes the job down through Abort.
+  auto layout = ParseParallelLayout(o.parallel);
+  if (!layout.ok()) {
+    if (root) log << "mlarun generate: --parallel: " << layout.status().message() << "\n";
+    return 2;
+  }
+  auto groups = session.Groups(*layout);
+  if (!groups.ok()) {
+    if (root) log << "mlarun generate: " << groups.status().message() << "\n";
+    return 2;
+  }
+  // Rank 0 reads the requests and sends the text to every rank.
+  std::string text;
+  int64_t length = -1;
+  if (root) {
+    auto t = RequestText(o);
+    if (t.ok()) {
+      text = std::move(*t);
+      length = static_cast<int64_t>(text.size());
+    } else {
+      log << "mlarun generate: " << t.status().message() << "\n";
+    }
+  }
+  Communicator& world = *groups->world;
+  if (!world.Broadcast(&length, 1, CommType::kI64, 0).ok()) session.Abort("cannot broadcast the requests", 2);
+  if (length < 0) return 2;
+  text.resize(static_cast<size_t>(length));
+  if (!world.Broadcast(text.data(), length, CommType::kU8, 0).ok()) session.Abort("cannot broadcast the requests", 2);
+  std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(text, o);
+
+  auto ov = Overrides(o);
+  if (!ov.ok()) {
+    if (root) log << "mlarun generate: " << ov.status().message() << "\n";
+    return 2;
+  }
+  ModelOptions mo;
+  mo.shard = ModelShard::For(*layout, session.rank());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto model = Model::Load(o.model, *ov, mo);
+  if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
+  auto runner = RankRunner::Create(**model, o.engine, *groups);
+  if (!runner.ok()) session.Abort(runner.status().ToString(), 2);
+  if (!world.Barrier().ok()) session.Abort("start-up barrier failed", 2);
+  if (root)
+    log << "loaded " << o.model << " on " << session.size() << " ranks (" << *layout << ") in "
+        << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+
+  // Request i goes to DP group i % dp; its leader queues it.
+  std::map<size_t, StatusOr<GenerationOutput>> mine;  // this leader's results by input index
+  std::map<size_t, int64_t> queued;
+  if ((*runner)->is_leader()) {
+    for (size_t i = 0; i < parsed.size(); ++i) {
+      if (static_cast<int>(i % static_cast<size_t>(layout->dp)) != groups->dp_rank() || !parsed[i].ok()) continue;
+      auto id = (*runner)->Add(std::move(*parsed[i]));
+      if (id.ok()) {
+        queued[i] = *id;
+      } else {
+        mine.emplace(i, id.status());
+      }
+    }
+  }
+  for (;;) {
+    auto more = (*runner)->Step();
+    if (!more.ok()) session.Abort("step failed: " + more.status().ToString(), 1);
+    if (!*more) break;
+  }
+  // Leaders send "index\tline\n" per request; rank 0 prints them in order.
+  std::string lines;
+  for (const auto& [i, id] : queued) mine.emplace(i, *(*runner)->Output(id));
+  for (const auto& [i, r] : mine) lines += std::to_string(i) + "\t" + ResultLine(r, o.json) + "\n";
+  // The memory each rank holds, by category.
+  const WeightBytes wb = (*model)->weight_bytes();
+  const RankCacheStats& cs = (*runner)->cache_stats();
+  std::ostringstream mem;
+  mem << session.rank() << " " << groups->dp_rank() << " " << groups->attn_tp_rank() << " " << wb.attention << " "
+      << wb.moe << " " << wb.dense_mlp << " " << wb.embedding_and_head << " " << cs.now.bytes_capacity << " "
+      << cs.peak_bytes_used << " " << cs.bytes_written;
+  auto all_lines = AllGatherStrings(world, lines);
+  auto all_mem = AllGatherStrings(world, mem.str());
+  if (!all_lines.ok() || !all_mem.ok()) session.Abort("cannot gather the results", 1);
+  int code = 0;
+  if (root) {
+    std::map<size_t, std::string> by_index;
+    for (const std::string& chunk : *all_lines) {
+      std::istringstream in(chunk);
+      std::string line;
+      while (std::getline(in, line)) {
+        const size_t tab = line.find('\t');
+        by_index[std::stoul(line.substr(0, tab))] = line.substr(tab + 1);
+      }
+    }
+    for (size_t i = 0; i < parsed.size(); ++i) {
+      if (!parsed[i].ok()) {
+        out << ResultLine(parsed[i].status(), o.json) << "\n";
+        code = 1;
+        continue;
+      }
+      const std::string& line = by_index[i];
+      if (line.rfind(o.json ? "{\"error\"" : "error:", 0) == 0) code = 1;
+      out << line << "\n";
+    }
+    auto mib = [](const std::string& bytes) {
+      std::ostringstream os;
+      const double b = static_cast<double>(std::stoll(bytes));
+      os << std::fixed << std::setprecision(b < (1 << 20) ? 3 : 1) << b / (1 << 20);
+      return os.str();
+    };
+    log << "memory per rank (MiB): rank dp tp | attention moe dense emb+head | cache capacity peak written\n";
+    for (const std::string& m : *all_mem) {
+      std::istringstream in(m);
+      std::string f[10];
+      for (auto& x : f) in >> x;
+      log << "  " << f[0] << " " << f[1] << " " << f[2] << " | " << mib(f[3]) << " " << mib(f[4]) << " " << mib(f[5])
+          << " " << mib(f[6]) << " | " << mib(f[7]) << " " << mib(f[8]) << " " << mib(f[9]) << "\n";
+    }
+  }
+  int64_t code64 = code;
+  (void)world.Broadcast(&code64, 1, CommType::kI64, 0);
+  return static_cast<int>(code64);
 }
 
 }  // namespace mlarun

@@ -21,6 +21,7 @@ struct GenerateOptions {
   int64_t num_layers = 0;             // 0 keeps the model's (YAML only)
   EngineConfig engine;
   int threads = 0;
+  std::string parallel;               // "dp=D,attn_tp=T[,moe=...]": run on the ranks of mpirun
 };
 
 // Parses one JSON line into a request; `defaults` fill absent fields. Errors
@@ -32,5 +33,14 @@ StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const Samp
 // `log`. Returns the process exit code: 0 when every request completed, 1
 // when any was rejected or failed, 2 when the model could not be loaded.
 int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log);
+
+class MpiSession;
+// The same under mpirun, on every rank: requests are spread over the DP groups
+// (request i to group i % dp); rank 0 alone prints the results, in input order,
+// in the format above, then a per-rank memory table on `log`. Every rank
+// returns the same exit code. A rank that cannot start (bad layout, model or
+// shard) ends the whole job with a message instead of leaving the others
+// waiting.
+int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostream& out, std::ostream& log);
 
 }  // namespace mlarun

@@ -7,6 +7,7 @@
 #include "launcher/bench/attention_bench.h"
 #include "launcher/bench/decode_bench.h"
 #include "launcher/generate.h"
+#include "parallel/mpi/mpi_world.h"
 
 #include <iostream>
 
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
   generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Running requests at once")->capture_default_str();
   generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")->capture_default_str();
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
+  generate->add_option("--parallel", gen.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
 
   CLI11_PARSE(app, argc, argv);
 
@@ -83,7 +85,13 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (gen.threads > 0) omp_set_num_threads(gen.threads);
-    return mlarun::RunGenerate(gen, std::cout, std::cerr);
+    if (gen.parallel.empty()) return mlarun::RunGenerate(gen, std::cout, std::cerr);
+    auto session = mlarun::MpiSession::Init(&argc, &argv);
+    if (!session.ok()) {
+      std::fprintf(stderr, "mlarun generate: %s\n", session.status().ToString().c_str());
+      return 2;
+    }
+    return mlarun::RunGenerateParallel(gen, **session, std::cout, std::cerr);
   }
 
   if (attn->parsed()) {

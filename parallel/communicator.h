@@ -47,8 +47,8 @@ class Communicator {
   // "mpi" or "nccl".
   virtual std::string_view backend() const = 0;
 
-  // buf[0, count) <- sum over ranks, in place, on every rank. kF32 and kBF16
-  // (bf16 sums are accumulated in fp32 by the MPI backend).
+  // buf[0, count) <- sum over ranks, in place, on every rank. Any type (bf16
+  // sums are accumulated in fp32 by the MPI backend, per step by NCCL).
   virtual Status AllReduceSum(void* buf, int64_t count, CommType t) = 0;
 
   // recv[r * count, (r + 1) * count) <- rank r's send[0, count).
@@ -60,7 +60,7 @@ class Communicator {
 
   // send holds sum(counts) elements on every rank; rank r receives, in
   // recv[0, counts[r]), the element-wise sum over ranks of the slice at offset
-  // sum(counts[0..r)). kF32 and kBF16.
+  // sum(counts[0..r)). Any type, as AllReduceSum.
   virtual Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
 
   // buf[0, count) <- root's buf.

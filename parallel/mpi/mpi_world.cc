@@ -1,1 +1,350 @@
-// placeholder
+// The MPI backend: MpiSession and MpiCommunicator (host buffers). The only
+// translation unit that includes <mpi.h>.
+#include "parallel/mpi/mpi_world.h"
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <vector>
+
+#include "runtime/base/dtype.h"
+
+namespace mlarun {
+namespace {
+
+// Set once by MpiSession::Init; error messages name this rank.
+int g_world_rank = -1;
+
+const std::string& LocalHostName() {
+  static const std::string host = [] {
+    char buf[256] = {};
+    if (gethostname(buf, sizeof(buf) - 1) != 0) return std::string("unknown-host");
+    return std::string(buf);
+  }();
+  return host;
+}
+
+Status MpiCallError(int code, const char* expr, const char* file, int line) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  return InternalError(expr, " failed at ", file, ":", line, ": ",
+                       len > 0 ? std::string(text, len) : "MPI error " + std::to_string(code), " (rank ",
+                       g_world_rank, " on ", LocalHostName(), ")");
+}
+
+}  // namespace
+}  // namespace mlarun
+
+// Every MPI call goes through this. It relies on MPI_ERRORS_RETURN being set on
+// the communicator (the default, MPI_ERRORS_ARE_FATAL, would end the job first).
+#define MLARUN_MPI_RETURN_IF_ERROR(expr)                                                  \
+  do {                                                                                    \
+    const int mlarun_mpi_rc_ = (expr);                                                    \
+    if (mlarun_mpi_rc_ != MPI_SUCCESS)                                                    \
+      return ::mlarun::MpiCallError(mlarun_mpi_rc_, #expr, __FILE__, __LINE__);           \
+  } while (0)
+
+namespace mlarun {
+namespace {
+
+// Tests of a request before the waiter starts sleeping: a collective whose
+// peers are already there completes within a few microseconds, and sleeping
+// would only add latency to it.
+constexpr int kBusyTests = 50;
+// Back-off between tests once sleeping: doubles from the first to the last
+// step. A rank waiting for a slow peer (weight loading, a longer prefill)
+// wakes ~1000 times a second for a few microseconds each, so it costs ~no
+// CPU; the price is up to 1 ms of extra latency on a long wait.
+constexpr long kFirstSleepNs = 20'000;
+constexpr long kMaxSleepNs = 1'000'000;
+
+// Completes `request` without spinning a core (see the constants above).
+// MPI progresses non-blocking collectives inside MPI_Test, so this loop is
+// also what drives the transfer.
+Status WaitForRequest(MPI_Request* request) {
+  int done = 0;
+  for (int i = 0; i < kBusyTests; ++i) {
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Test(request, &done, MPI_STATUS_IGNORE));
+    if (done) return Status::Ok();
+  }
+  long sleep_ns = kFirstSleepNs;
+  while (true) {
+    timespec ts{.tv_sec = 0, .tv_nsec = sleep_ns};
+    // An early wake-up (EINTR) only means one more test.
+    nanosleep(&ts, nullptr);
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Test(request, &done, MPI_STATUS_IGNORE));
+    if (done) return Status::Ok();
+    sleep_ns = std::min(sleep_ns * 2, kMaxSleepNs);
+  }
+}
+
+// The MPI datatype carrying `t`. bf16 has none: it travels as 16-bit words
+// (gathers, broadcast) or is widened to fp32 (sums).
+MPI_Datatype MpiType(CommType t) {
+  switch (t) {
+    case CommType::kF32: return MPI_FLOAT;
+    case CommType::kBF16: return MPI_UINT16_T;
+    case CommType::kI32: return MPI_INT32_T;
+    case CommType::kI64: return MPI_INT64_T;
+    case CommType::kU8: return MPI_UINT8_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+Status CheckType(CommType t) {
+  if (CommTypeSize(t) == 0) return InvalidArgumentError("unknown CommType ", static_cast<int>(t));
+  return Status::Ok();
+}
+
+// MPI counts are int. Larger counts are refused rather than truncated: no
+// single collective in this project comes near 2^31 elements.
+Status CheckCount(int64_t count, const char* what) {
+  if (count < 0) return InvalidArgumentError(what, " count ", count, " is negative");
+  if (count > INT_MAX) return InvalidArgumentError(what, " count ", count, " exceeds the MPI limit ", INT_MAX);
+  return Status::Ok();
+}
+
+// Validates per-rank counts; fills `ints` (the counts) and `displs` (their
+// prefix sums), both as MPI ints, and returns the total in `total`.
+Status CheckCountsV(std::span<const int64_t> counts, int comm_size, const char* what, std::vector<int>* ints,
+                    std::vector<int>* displs, int64_t* total) {
+  if (static_cast<int64_t>(counts.size()) != comm_size) {
+    return InvalidArgumentError(what, ": ", counts.size(), " counts for a group of ", comm_size, " ranks");
+  }
+  ints->resize(counts.size());
+  displs->resize(counts.size());
+  int64_t sum = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    MLARUN_RETURN_IF_ERROR(CheckCount(counts[r], what));
+    (*ints)[r] = static_cast<int>(counts[r]);
+    (*displs)[r] = static_cast<int>(sum);
+    sum += counts[r];
+    // Displacements are ints too.
+    if (sum > INT_MAX) return InvalidArgumentError(what, ": total count ", sum, " exceeds the MPI limit ", INT_MAX);
+  }
+  *total = sum;
+  return Status::Ok();
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Takes ownership of `comm`. Its error handler must already be MPI_ERRORS_RETURN.
+  MpiCommunicator(MPI_Comm comm, int rank, int size) : comm_(comm), rank_(rank), size_(size) {}
+  ~MpiCommunicator() override {
+    // A communicator that outlives the session must not call into a
+    // finalized MPI (erroneous); the handle is gone with it anyway.
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  }
+  MpiCommunicator(const MpiCommunicator&) = delete;
+  MpiCommunicator& operator=(const MpiCommunicator&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string_view backend() const override { return "mpi"; }
+
+  Status AllReduceSum(void* buf, int64_t count, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(CheckType(t));
+    MLARUN_RETURN_IF_ERROR(CheckCount(count, "AllReduceSum"));
+    Count(stats_.all_reduce, count * static_cast<int64_t>(CommTypeSize(t)));
+    MPI_Request request;
+    if (t == CommType::kBF16) {
+      // Sum in fp32: exact for the partial sums bf16 can hold, and one
+      // rounding at the end instead of one per rank.
+      std::vector<float> wide(count);
+      ConvertBf16ToF32(static_cast<const bf16_t*>(buf), wide.data(), count);
+      MLARUN_MPI_RETURN_IF_ERROR(
+          MPI_Iallreduce(MPI_IN_PLACE, wide.data(), static_cast<int>(count), MPI_FLOAT, MPI_SUM, comm_, &request));
+      MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
+      ConvertF32ToBf16(wide.data(), static_cast<bf16_t*>(buf), count);
+      return Status::Ok();
+    }
+    MLARUN_MPI_RETURN_IF_ERROR(
+        MPI_Iallreduce(MPI_IN_PLACE, buf, static_cast<int>(count), MpiType(t), MPI_SUM, comm_, &request));
+    return WaitForRequest(&request);
+  }
+
+  Status AllGather(const void* send, int64_t count, void* recv, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(CheckType(t));
+    MLARUN_RETURN_IF_ERROR(CheckCount(count, "AllGather"));
+    Count(stats_.all_gather, count * static_cast<int64_t>(CommTypeSize(t)));
+    MPI_Request request;
+    const int n = static_cast<int>(count);
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Iallgather(send, n, MpiType(t), recv, n, MpiType(t), comm_, &request));
+    return WaitForRequest(&request);
+  }
+
+  Status AllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(CheckType(t));
+    std::vector<int> ints, displs;
+    int64_t total = 0;
+    MLARUN_RETURN_IF_ERROR(CheckCountsV(counts, size_, "AllGatherV", &ints, &displs, &total));
+    Count(stats_.all_gather, counts[rank_] * static_cast<int64_t>(CommTypeSize(t)));
+    MPI_Request request;
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Iallgatherv(send, ints[rank_], MpiType(t), recv, ints.data(), displs.data(),
+                                               MpiType(t), comm_, &request));
+    return WaitForRequest(&request);
+  }
+
+  Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(CheckType(t));
+    std::vector<int> ints, displs;
+    int64_t total = 0;
+    MLARUN_RETURN_IF_ERROR(CheckCountsV(counts, size_, "ReduceScatterSumV", &ints, &displs, &total));
+    Count(stats_.reduce_scatter, total * static_cast<int64_t>(CommTypeSize(t)));
+    MPI_Request request;
+    if (t == CommType::kBF16) {
+      // As in AllReduceSum: widen, reduce in fp32, round once.
+      std::vector<float> wide_send(total), wide_recv(counts[rank_]);
+      ConvertBf16ToF32(static_cast<const bf16_t*>(send), wide_send.data(), total);
+      MLARUN_MPI_RETURN_IF_ERROR(MPI_Ireduce_scatter(wide_send.data(), wide_recv.data(), ints.data(), MPI_FLOAT,
+                                                     MPI_SUM, comm_, &request));
+      MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
+      ConvertF32ToBf16(wide_recv.data(), static_cast<bf16_t*>(recv), counts[rank_]);
+      return Status::Ok();
+    }
+    MLARUN_MPI_RETURN_IF_ERROR(
+        MPI_Ireduce_scatter(send, recv, ints.data(), MpiType(t), MPI_SUM, comm_, &request));
+    return WaitForRequest(&request);
+  }
+
+  Status Broadcast(void* buf, int64_t count, CommType t, int root) override {
+    MLARUN_RETURN_IF_ERROR(CheckType(t));
+    MLARUN_RETURN_IF_ERROR(CheckCount(count, "Broadcast"));
+    if (root < 0 || root >= size_) {
+      return InvalidArgumentError("Broadcast root ", root, " is outside a group of ", size_, " ranks");
+    }
+    Count(stats_.broadcast, rank_ == root ? count * static_cast<int64_t>(CommTypeSize(t)) : 0);
+    MPI_Request request;
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibcast(buf, static_cast<int>(count), MpiType(t), root, comm_, &request));
+    return WaitForRequest(&request);
+  }
+
+  Status Barrier() override {
+    Count(stats_.barrier, 0);
+    MPI_Request request;
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibarrier(comm_, &request));
+    return WaitForRequest(&request);
+  }
+
+ private:
+  // Stats count the collectives that were issued: a call refused for its
+  // arguments never reached the other ranks.
+  static void Count(CommStats::Entry& entry, int64_t bytes) {
+    ++entry.calls;
+    entry.bytes += bytes;
+  }
+
+  MPI_Comm comm_;
+  int rank_, size_;
+};
+
+// Wraps a communicator this process just created, after switching it to
+// error codes. Frees it if anything fails.
+StatusOr<std::unique_ptr<Communicator>> Adopt(MPI_Comm comm) {
+  int rank = 0, size = 0;
+  Status st = [&]() -> Status {
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_rank(comm, &rank));
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_size(comm, &size));
+    return Status::Ok();
+  }();
+  if (!st.ok()) {
+    MPI_Comm_free(&comm);
+    return st;
+  }
+  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(comm, rank, size));
+}
+
+// MPI_Comm_split is blocking and spins; waiting at a sleeping barrier first
+// means the split itself only starts once every rank has arrived.
+StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) {
+  MPI_Request request;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibarrier(MPI_COMM_WORLD, &request));
+  MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
+  MPI_Comm comm = MPI_COMM_NULL;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
+  return Adopt(comm);
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) {
+  int initialized = 0;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Initialized(&initialized));
+  if (initialized) return FailedPreconditionError("MPI is already initialized: one MpiSession per process");
+  int finalized = 0;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Finalized(&finalized));
+  if (finalized) return FailedPreconditionError("MPI was already finalized: it cannot be initialized again");
+  // FUNNELED: the engine may run threads (OpenMP, gRPC), but only the thread
+  // that initialized MPI calls into it.
+  int provided = 0;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
+  std::unique_ptr<MpiSession> session(new MpiSession());
+  // From here on the session's destructor finalizes MPI on every error path.
+  if (provided < MPI_THREAD_FUNNELED) {
+    return FailedPreconditionError("MPI provides thread level ", provided, ", below MPI_THREAD_FUNNELED");
+  }
+  // Errors come back as codes (and then as a Status) instead of ending the job.
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_rank(MPI_COMM_WORLD, &session->rank_));
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_size(MPI_COMM_WORLD, &session->size_));
+  g_world_rank = session->rank_;
+  char name[MPI_MAX_PROCESSOR_NAME] = {};
+  int len = 0;
+  if (MPI_Get_processor_name(name, &len) == MPI_SUCCESS && len > 0) {
+    session->host_.assign(name, len);
+  } else {
+    session->host_ = LocalHostName();
+  }
+  return session;
+}
+
+MpiSession::~MpiSession() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+StatusOr<std::unique_ptr<Communicator>> MpiSession::World() const {
+  // The non-blocking dup lets ranks that arrive early sleep instead of spin.
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Request request;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_idup(MPI_COMM_WORLD, &comm, &request));
+  MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
+  return Adopt(comm);
+}
+
+StatusOr<ProcessGroups> MpiSession::Groups(const ParallelLayout& layout) const {
+  // Every rank has the same layout and world size, so every rank returns this
+  // error before any collective: nobody is left waiting.
+  if (layout.dp < 1 || layout.attn_tp < 1 || layout.world() != size_) {
+    return InvalidArgumentError("layout dp=", layout.dp, " x attn_tp=", layout.attn_tp, " needs ", layout.world(),
+                                " ranks, mpirun started ", size_);
+  }
+  ProcessGroups groups;
+  groups.layout = layout;
+  groups.rank = rank_;
+  MLARUN_ASSIGN_OR_RETURN(groups.world, World());
+  MLARUN_ASSIGN_OR_RETURN(groups.attn_tp, Split(layout.dp_rank(rank_), layout.attn_tp_rank(rank_)));
+  MLARUN_ASSIGN_OR_RETURN(groups.dp_peers, Split(layout.attn_tp_rank(rank_), layout.dp_rank(rank_)));
+  return groups;
+}
+
+void MpiSession::Abort(const std::string& message, int code) const {
+  std::fprintf(stderr, "mlarun: rank %d on %s: %s\n", rank_, host_.c_str(), message.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, code);
+  // MPI_Abort does not return in Open MPI; the standard does not promise it.
+  std::_Exit(code != 0 ? code : 1);
+}
+
+}  // namespace mlarun

@@ -59,6 +59,31 @@ struct EngineStats {
   double forward_seconds = 0;
 };
 
+// One step as the DP group's leader decided it: the latent-cache mutations it
+// made since the previous plan (which the group's other members replay on
+// their identical caches) and the batch to run.
+struct StepPlan {
+  struct Seq {
+    SeqId id = 0;
+    int64_t start_pos = 0;
+    std::vector<int32_t> tokens;
+    bool logits = false;  // the step samples this sequence's next token
+  };
+  std::vector<int64_t> cache_ops;  // encoded, see ApplyCacheOps
+  std::vector<Seq> seqs;
+  bool has_work = false;  // requests remain after this step
+
+  int64_t num_tokens() const;
+  std::vector<ForwardSeq> ForwardSeqs() const;
+  // A flat int64 encoding, for broadcasting within the group.
+  std::vector<int64_t> Encode() const;
+  static StatusOr<StepPlan> Decode(std::span<const int64_t> data);
+};
+
+// Replays a plan's cache mutations on `cache` (a member's copy of the leader's
+// cache): AddSequence, AttachPrefix, Append, Commit, Release, in order.
+Status ApplyCacheOps(LatentCache& cache, std::span<const int64_t> ops);
+
 class Engine {
  public:
   static StatusOr<std::unique_ptr<Engine>> Create(Model& model, const EngineConfig& config);
@@ -72,6 +97,16 @@ class Engine {
   // One step: schedule, run the model, sample. Returns the ids of the requests
   // that finished in this step (their outputs are in Output()).
   StatusOr<std::vector<int64_t>> Step();
+
+  // The two halves of Step, for ranks that run the model together: decide the
+  // step (plan.seqs may be empty), then sample from the logits of the plan's
+  // sequences that asked for them (in order) and retire finished requests.
+  StatusOr<StepPlan> Schedule();
+  StatusOr<std::vector<int64_t>> Finish(const StepPlan& plan, std::span<const float> logits);
+  // Adds the model's last step times to stats().
+  void RecordStepTimes(double forward_seconds);
+  LatentCache& mutable_cache() { return *cache_; }
+  const EngineConfig& config() const { return config_; }
 
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
   // Output so far of request `id` (complete once it finished). nullptr if unknown.
@@ -101,6 +136,12 @@ class Engine {
   StatusOr<bool> Reserve(Req& r, int64_t n);
   void Preempt(Req& r);
   Status Admit(Req& r);
+  // Cache mutations, recorded for the plan.
+  Status CacheAdd(SeqId id);
+  StatusOr<int64_t> CacheAttach(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens);
+  Status CacheAppend(SeqId id, std::span<const int32_t> tokens);
+  Status CacheCommit(SeqId id);
+  Status CacheRelease(SeqId id);
 
   Model& model_;
   EngineConfig config_;
@@ -109,6 +150,7 @@ class Engine {
   std::map<int64_t, std::unique_ptr<Req>> requests_;
   std::deque<Req*> waiting_;
   std::vector<Req*> running_;  // in admission order: the back is the newest
+  std::vector<int64_t> cache_ops_;  // mutations since the last plan
   EngineStats stats_;
 };
 

@@ -116,38 +116,81 @@ WeightBytes Model::weight_bytes() const {
   return b;
 }
 
-WeightBytes PredictWeightBytes(const ModelConfig& c) {
-  const int64_t w = static_cast<int64_t>(DTypeSize(c.weight_dtype)), kv = static_cast<int64_t>(DTypeSize(c.kv_dtype));
-  const int64_t f = 4;  // norms, router, score bias: fp32
-  const int64_t H = c.hidden_size, N = c.num_attention_heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
-  const int64_t Dq = c.q_head_dim(), P = c.qk_nope_head_dim, V = c.v_head_dim;
-  auto mlp = [&](int64_t inter) { return 3 * H * inter * w; };
-  WeightBytes b;
-  b.embedding_and_head = 2 * c.vocab_size * H * w + H * f;  // lm_head is a copy when tied
-  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const int64_t q = c.q_lora_rank > 0 ? (c.q_lora_rank * H + N * Dq * c.q_lora_rank) * w + c.q_lora_rank * f
-                                        : N * Dq * H * w;
-    b.attention += q + (L + R) * H * w + L * f + N * (P + V) * L * kv + H * N * V * w + 2 * H * f;
-    if (!c.IsMoeLayer(i)) {
-      b.dense_mlp += mlp(c.intermediate_size);
-      continue;
-    }
-    b.moe += c.n_routed_experts * H * f + (c.model_type == ModelType::kDeepSeekV3 ? c.n_routed_experts * f : 0) +
-             c.n_routed_experts * mlp(c.moe_intermediate_size) +
-             (c.n_shared_experts > 0 ? mlp(c.moe_intermediate_size * c.n_shared_experts) : 0);
-  }
-  return b;
-}
-
 LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) const {
   return LatentCacheConfig{.num_layers = config_.num_hidden_layers, .kv_lora_rank = config_.kv_lora_rank,
                            .rope_dim = config_.qk_rope_head_dim, .block_size = block_size, .dtype = config_.kv_dtype,
                            .budget_bytes = budget_bytes};
 }
 
-StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentCache& cache) {
+// Y = this rank's part of the MoE for rows X [T, H]: the routed experts it
+// holds (all experts, narrowed, when sharded by intermediate size) and its
+// slice of the shared experts. Tokens are grouped by expert so each expert runs
+// one product over its tokens; each (token, k) result goes to its own slot (no
+// two threads add into one row), and the slots are summed in k order.
+Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y) {
   const ModelConfig& c = config_;
-  const int64_t H = c.hidden_size, N = c.num_attention_heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t H = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
+  std::vector<float> router_logits(static_cast<size_t>(T * E));
+  MLARUN_RETURN_IF_ERROR(ApplyLinear(moe.router, X, T, H, router_logits.data(), E));
+  std::vector<int32_t> route_experts(static_cast<size_t>(T * K));
+  std::vector<float> route_weights(static_cast<size_t>(T * K));
+  for (int64_t t = 0; t < T; ++t)
+    Route(c, router_logits.data() + t * E, moe.score_bias, route_experts.data() + t * K, route_weights.data() + t * K);
+  routing_.push_back(route_experts);
+  for (int64_t t = 0; t < T; ++t) std::sort(routing_.back().begin() + t * K, routing_.back().begin() + (t + 1) * K);
+
+  const int64_t e0 = moe.expert_begin, e1 = e0 + static_cast<int64_t>(moe.experts.size());
+  std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));  // slot ids (t * K + k)
+  for (int64_t sl = 0; sl < T * K; ++sl) by_expert[static_cast<size_t>(route_experts[static_cast<size_t>(sl)])].push_back(static_cast<int32_t>(sl));
+  std::vector<int32_t> active;
+  for (int64_t e = e0; e < e1; ++e)
+    if (!by_expert[static_cast<size_t>(e)].empty()) active.push_back(static_cast<int32_t>(e));
+  std::vector<float> slot_out(static_cast<size_t>(T * K * H), 0.f);  // routes to other ranks' experts stay 0
+  Status status;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t ai = 0; ai < active.size(); ++ai) {
+    thread_local std::vector<float> xe, ye, hidden;
+    const std::vector<int32_t>& slots = by_expert[static_cast<size_t>(active[ai])];
+    const int64_t n = static_cast<int64_t>(slots.size());
+    xe.resize(static_cast<size_t>(n * H));
+    ye.resize(static_cast<size_t>(n * H));
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(&xe[static_cast<size_t>(r * H)], X + slots[static_cast<size_t>(r)] / K * H, static_cast<size_t>(H) * sizeof(float));
+    const Status st = ApplyMlp(moe.experts[static_cast<size_t>(active[ai] - e0)], xe.data(), n, H, ye.data(), H, false, hidden);
+    if (!st.ok()) {
+#pragma omp critical(mlarun_moe_status)
+      status = st;
+    }
+    for (int64_t r = 0; r < n; ++r) {
+      const int32_t sl = slots[static_cast<size_t>(r)];
+      const float w = route_weights[static_cast<size_t>(sl)];
+      float* dst = &slot_out[static_cast<size_t>(sl) * static_cast<size_t>(H)];
+      for (int64_t j = 0; j < H; ++j) dst[j] = ye[static_cast<size_t>(r * H + j)] * w;
+    }
+  }
+  MLARUN_RETURN_IF_ERROR(status);
+  for (int64_t t = 0; t < T; ++t) {
+    float* dst = Y + t * H;
+    std::fill(dst, dst + H, 0.f);
+    for (int64_t k = 0; k < K; ++k) {
+      const float* src = &slot_out[static_cast<size_t>((t * K + k) * H)];
+      for (int64_t j = 0; j < H; ++j) dst[j] += src[j];
+    }
+  }
+  if (moe.has_shared) {
+    std::vector<float> hidden;
+    MLARUN_RETURN_IF_ERROR(ApplyMlp(moe.shared, X, T, H, Y, H, /*accumulate=*/true, hidden));
+  }
+  return Status::Ok();
+}
+
+StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
+                                            const ParallelStep* parallel) {
+  const ModelConfig& c = config_;
+  const ModelShard& shard = options_.shard;
+  // N: this rank's heads.
+  const int64_t H = c.hidden_size, N = c.num_attention_heads / shard.attn_tp_size, L = c.kv_lora_rank;
+  const int64_t R = c.qk_rope_head_dim;
   const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim(), vocab = c.vocab_size;
   times_ = {};
   routing_.clear();
@@ -178,6 +221,26 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
     logit_rows += s.logits == ForwardSeq::Logits::kAll ? n : (s.logits == ForwardSeq::Logits::kLast && n > 0 ? 1 : 0);
   }
   const int64_t T = query_start.back();
+  // Across ranks: the attn-TP group sums o_proj's partial products; the MLP /
+  // MoE runs on every DP group's tokens (gathered over the DP peers), and its
+  // partial outputs come back summed over the world (reduce-scatter over the
+  // peers, then all-reduce in the group).
+  Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
+  Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
+  if ((shard.attn_tp_size > 1 || shard.mlp_size > 1) && parallel == nullptr)
+    return FailedPreconditionError("model forward: a sharded model needs the step's communicators");
+  int64_t T_all = T;
+  std::vector<int64_t> hidden_counts;
+  if (peers) {
+    if (static_cast<int>(parallel->dp_tokens.size()) != peers->size() ||
+        parallel->dp_tokens[static_cast<size_t>(parallel->dp_rank)] != T)
+      return InternalError("model forward: DP token counts disagree with this group's batch (", T, " tokens)");
+    T_all = 0;
+    for (int64_t n : parallel->dp_tokens) {
+      hidden_counts.push_back(n * H);
+      T_all += n;
+    }
+  }
   std::vector<int32_t> block_table(static_cast<size_t>(S * max_blocks), 0);
   std::vector<int32_t> positions(static_cast<size_t>(T));
   for (int32_t i = 0; i < S; ++i) {
@@ -200,13 +263,12 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
 
   std::vector<float> q(static_cast<size_t>(T * N * Dq)), qa(static_cast<size_t>(T * std::max<int64_t>(c.q_lora_rank, 1)));
   std::vector<float> kv(static_cast<size_t>(T * (L + R))), kv_c(static_cast<size_t>(T * L)), k_pe(static_cast<size_t>(T * R));
-  std::vector<float> attn(static_cast<size_t>(T * N * V)), mlp_hidden;
-  std::vector<float> router_logits, slot_out;
-  std::vector<int32_t> route_experts;
-  std::vector<float> route_weights;
+  std::vector<float> attn(static_cast<size_t>(T * N * V)), o_out(static_cast<size_t>(T * H)), mlp_hidden;
+  std::vector<float> x_all, y_all(static_cast<size_t>(T_all * H)), y_local(static_cast<size_t>(T * H));
 
   MlaParams ap;
   ap.shape = c.mla_shape();
+  ap.shape.h_q = N;
   ap.q = q.data();
   ap.num_tokens = T;
   ap.q_stride_token = N * Dq;
@@ -227,97 +289,68 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
     const DecoderLayer& layer = layers_[static_cast<size_t>(li)];
     const AttentionLayer& a = layer.attn;
     auto t0 = Clock::now();
-    RmsNormTo(h.data(), T, H, layer.input_norm.data(), H, c.rms_norm_eps, x.data(), H);
-    if (c.q_lora_rank > 0) {
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_a, x.data(), T, H, qa.data(), c.q_lora_rank));
-      RmsNorm(qa.data(), T, c.q_lora_rank, a.q_a_norm.data(), c.q_lora_rank, kLatentNormEps);
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_b, qa.data(), T, c.q_lora_rank, q.data(), N * Dq));
-    } else {
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q, x.data(), T, H, q.data(), N * Dq));
+    if (T > 0) {
+      RmsNormTo(h.data(), T, H, layer.input_norm.data(), H, c.rms_norm_eps, x.data(), H);
+      if (c.q_lora_rank > 0) {
+        MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_a, x.data(), T, H, qa.data(), c.q_lora_rank));
+        RmsNorm(qa.data(), T, c.q_lora_rank, a.q_a_norm.data(), c.q_lora_rank, kLatentNormEps);
+        MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_b, qa.data(), T, c.q_lora_rank, q.data(), N * Dq));
+      } else {
+        MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q, x.data(), T, H, q.data(), N * Dq));
+      }
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.kv_a, x.data(), T, H, kv.data(), L + R));
+      RmsNormTo(kv.data(), T, L + R, a.kv_a_norm.data(), L, kLatentNormEps, kv_c.data(), L);
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(&k_pe[static_cast<size_t>(t * R)], &kv[static_cast<size_t>(t * (L + R) + L)], static_cast<size_t>(R) * sizeof(float));
+      rope_->Apply(q.data() + P, T, N, N * Dq, Dq, positions.data());
+      rope_->Apply(k_pe.data(), T, 1, R, 0, positions.data());
+      for (int32_t i = 0; i < S; ++i) {
+        const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+        const int64_t t = query_start[static_cast<size_t>(i)];
+        MLARUN_RETURN_IF_ERROR(cache.WriteRows(li, s.id, s.start_pos, static_cast<int64_t>(s.tokens.size()),
+                                               kv_c.data() + t * L, L, k_pe.data() + t * R, R));
+      }
+      ap.w_uk_t = a.w_uk_t.data();
+      ap.w_uv = a.w_uv.data();
+      ap.cache = cache.Layer(li);
+      if (!plan) {
+        MLARUN_ASSIGN_OR_RETURN(MlaPlan made, MlaMakePlan(ap, options_.attention));
+        plan = std::move(made);
+      }
+      WorkspaceView ws = attn_ws_.Reserve(plan->workspace_bytes);
+      if (plan->workspace_bytes > 0 && ws.data == nullptr)
+        return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
+      MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, o_out.data(), H));
     }
-    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.kv_a, x.data(), T, H, kv.data(), L + R));
-    RmsNormTo(kv.data(), T, L + R, a.kv_a_norm.data(), L, kLatentNormEps, kv_c.data(), L);
-    for (int64_t t = 0; t < T; ++t) std::memcpy(&k_pe[static_cast<size_t>(t * R)], &kv[static_cast<size_t>(t * (L + R) + L)], static_cast<size_t>(R) * sizeof(float));
-    rope_->Apply(q.data() + P, T, N, N * Dq, Dq, positions.data());
-    rope_->Apply(k_pe.data(), T, 1, R, 0, positions.data());
-    for (int32_t i = 0; i < S; ++i) {
-      const ForwardSeq& s = seqs[static_cast<size_t>(i)];
-      const int64_t t = query_start[static_cast<size_t>(i)];
-      MLARUN_RETURN_IF_ERROR(cache.WriteRows(li, s.id, s.start_pos, static_cast<int64_t>(s.tokens.size()),
-                                             kv_c.data() + t * L, L, k_pe.data() + t * R, R));
-    }
-    ap.w_uk_t = a.w_uk_t.data();
-    ap.w_uv = a.w_uv.data();
-    ap.cache = cache.Layer(li);
-    if (!plan) {
-      MLARUN_ASSIGN_OR_RETURN(MlaPlan made, MlaMakePlan(ap, options_.attention));
-      plan = std::move(made);
-    }
-    WorkspaceView ws = attn_ws_.Reserve(plan->workspace_bytes);
-    if (plan->workspace_bytes > 0 && ws.data == nullptr)
-      return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
-    MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
-    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, h.data(), H, /*accumulate=*/true));
+    // o_proj is row-parallel over heads: its partial sums meet in the group.
+    if (tp) MLARUN_RETURN_IF_ERROR(tp->AllReduceSum(o_out.data(), T * H, CommType::kF32));
+    for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += o_out[static_cast<size_t>(k)];
     times_.attention += Since(t0);
 
     t0 = Clock::now();
     RmsNormTo(h.data(), T, H, layer.post_attention_norm.data(), H, c.rms_norm_eps, x.data(), H);
+    // Every DP group's tokens, in dp_rank order.
+    const float* X = x.data();
+    if (peers) {
+      x_all.resize(static_cast<size_t>(T_all * H));
+      MLARUN_RETURN_IF_ERROR(peers->AllGatherV(x.data(), hidden_counts, x_all.data(), CommType::kF32));
+      X = x_all.data();
+    }
     if (!layer.moe) {
-      MLARUN_RETURN_IF_ERROR(ApplyMlp(layer.mlp, x.data(), T, H, h.data(), H, /*accumulate=*/true, mlp_hidden));
-      times_.dense_mlp += Since(t0);
-      continue;
+      MLARUN_RETURN_IF_ERROR(ApplyMlp(layer.mlp, X, T_all, H, y_all.data(), H, /*accumulate=*/false, mlp_hidden));
+    } else {
+      MLARUN_RETURN_IF_ERROR(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));
     }
-    // MoE: route every token, group tokens by expert so each expert runs one
-    // product over its tokens, write each (token, k) result into its own slot
-    // (no two threads add into one row), then sum the slots in k order.
-    const MoeLayer& moe = layer.moe_mlp;
-    const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok;
-    router_logits.resize(static_cast<size_t>(T * E));
-    MLARUN_RETURN_IF_ERROR(ApplyLinear(moe.router, x.data(), T, H, router_logits.data(), E));
-    route_experts.resize(static_cast<size_t>(T * K));
-    route_weights.resize(static_cast<size_t>(T * K));
-    for (int64_t t = 0; t < T; ++t)
-      Route(c, router_logits.data() + t * E, moe.score_bias, route_experts.data() + t * K, route_weights.data() + t * K);
-    routing_.push_back(route_experts);
-    for (int64_t t = 0; t < T; ++t) std::sort(routing_.back().begin() + t * K, routing_.back().begin() + (t + 1) * K);
-    std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));  // slot ids (t * K + k)
-    for (int64_t sl = 0; sl < T * K; ++sl) by_expert[static_cast<size_t>(route_experts[static_cast<size_t>(sl)])].push_back(static_cast<int32_t>(sl));
-    std::vector<int32_t> active;
-    for (int64_t e = 0; e < E; ++e)
-      if (!by_expert[static_cast<size_t>(e)].empty()) active.push_back(static_cast<int32_t>(e));
-    slot_out.resize(static_cast<size_t>(T * K * H));
-    Status moe_status;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (size_t ai = 0; ai < active.size(); ++ai) {
-      thread_local std::vector<float> xe, ye, hidden;
-      const std::vector<int32_t>& slots = by_expert[static_cast<size_t>(active[ai])];
-      const int64_t n = static_cast<int64_t>(slots.size());
-      xe.resize(static_cast<size_t>(n * H));
-      ye.resize(static_cast<size_t>(n * H));
-      for (int64_t r = 0; r < n; ++r)
-        std::memcpy(&xe[static_cast<size_t>(r * H)], &x[static_cast<size_t>(slots[static_cast<size_t>(r)] / K * H)], static_cast<size_t>(H) * sizeof(float));
-      const Status st = ApplyMlp(moe.experts[static_cast<size_t>(active[ai])], xe.data(), n, H, ye.data(), H, false, hidden);
-      if (!st.ok()) {
-#pragma omp critical(mlarun_moe_status)
-        moe_status = st;
-      }
-      for (int64_t r = 0; r < n; ++r) {
-        const int32_t sl = slots[static_cast<size_t>(r)];
-        const float w = route_weights[static_cast<size_t>(sl)];
-        float* dst = &slot_out[static_cast<size_t>(sl) * static_cast<size_t>(H)];
-        for (int64_t j = 0; j < H; ++j) dst[j] = ye[static_cast<size_t>(r * H + j)] * w;
-      }
+    // This rank's partial outputs for this group's tokens, summed over the world.
+    if (peers) {
+      MLARUN_RETURN_IF_ERROR(peers->ReduceScatterSumV(y_all.data(), hidden_counts, y_local.data(), CommType::kF32));
+    } else {
+      std::copy(y_all.begin(), y_all.begin() + T * H, y_local.begin());
     }
-    MLARUN_RETURN_IF_ERROR(moe_status);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) {
-        const float* src = &slot_out[static_cast<size_t>((t * K + k) * H)];
-        float* dst = &h[static_cast<size_t>(t * H)];
-        for (int64_t j = 0; j < H; ++j) dst[j] += src[j];
-      }
-    if (moe.has_shared)
-      MLARUN_RETURN_IF_ERROR(ApplyMlp(moe.shared, x.data(), T, H, h.data(), H, /*accumulate=*/true, mlp_hidden));
-    times_.moe += Since(t0);
+    if (tp) MLARUN_RETURN_IF_ERROR(tp->AllReduceSum(y_local.data(), T * H, CommType::kF32));
+    for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += y_local[static_cast<size_t>(k)];
+    (layer.moe ? times_.moe : times_.dense_mlp) += Since(t0);
   }
 
   // Logits for the rows asked for.

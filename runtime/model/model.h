@@ -21,6 +21,8 @@
 #include "attention/mla.h"
 #include "attention/rope.h"
 #include "kv/latent_cache.h"
+#include "parallel/communicator.h"
+#include "parallel/layout.h"
 #include "runtime/base/status.h"
 #include "runtime/model/layers.h"
 #include "runtime/model/model_config.h"
@@ -31,7 +33,8 @@ namespace mlarun {
 struct MoeLayer {
   Linear router;                         // [E, H], always f32 (HF computes the router in fp32)
   std::vector<float> score_bias;         // [E] e_score_correction_bias (V3), empty for V2
-  std::vector<Mlp> experts;              // [E]
+  int64_t expert_begin = 0;              // global id of experts[0] (sharding by expert)
+  std::vector<Mlp> experts;              // this rank's experts (all of them, narrowed, by intermediate)
   Mlp shared;                            // n_shared_experts fused into one MLP (empty if none)
   bool has_shared = false;
 };
@@ -63,10 +66,6 @@ struct WeightBytes {
   int64_t total() const { return attention + dense_mlp + moe + embedding_and_head; }
 };
 
-// What the weights of `config` occupy, from the shapes alone (no allocation):
-// equals Model::weight_bytes() of the loaded model.
-WeightBytes PredictWeightBytes(const ModelConfig& config);
-
 // One sequence's part of a forward step. Its tokens sit at positions
 // [start_pos, start_pos + tokens.size()); the cache already holds rows for
 // [0, start_pos) and has slots appended for the new tokens.
@@ -77,8 +76,42 @@ struct ForwardSeq {
   enum class Logits : uint8_t { kNone, kLast, kAll } logits = Logits::kLast;
 };
 
+// The part of the weights one rank holds (ParallelLayout): attention heads
+// split over the attn-TP group, the dense MLP and the MoE split over the whole
+// world (by expert, or by intermediate dimension). Embeddings, head, norms,
+// q_a / kv_a projections and the router are replicated.
+struct ModelShard {
+  int attn_tp_size = 1, attn_tp_rank = 0;
+  int mlp_size = 1, mlp_rank = 0;
+  MoeSharding moe = MoeSharding::kByExpert;
+
+  static ModelShard For(const ParallelLayout& layout, int rank) {
+    return ModelShard{.attn_tp_size = layout.attn_tp, .attn_tp_rank = layout.attn_tp_rank(rank),
+                      .mlp_size = layout.world(), .mlp_rank = rank, .moe = layout.moe};
+  }
+  friend bool operator==(const ModelShard&, const ModelShard&) = default;
+};
+// Checks that `config` can be split as `shard` says: heads divisible by the
+// attn-TP size, experts (or their intermediate dimension) by the world, the
+// dense and shared-expert intermediate dimensions by the world. Errors name
+// the field and the numbers.
+Status ValidateModelShard(const ModelConfig& config, const ModelShard& shard);
+
+// What one rank's weights of `config` occupy under `shard`, from the shapes
+// alone (no allocation): equals Model::weight_bytes() of the loaded model.
+WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard = {});
+
+// The collectives and token counts of one step across ranks.
+struct ParallelStep {
+  Communicator* attn_tp = nullptr;    // this DP group (all-reduce of o_proj and MLP outputs)
+  Communicator* dp_peers = nullptr;   // one rank per DP group (gather / reduce-scatter of hidden states)
+  std::vector<int64_t> dp_tokens;     // tokens of every DP group this step, by dp_rank
+  int dp_rank = 0;
+};
+
 struct ModelOptions {
   MlaConfig attention;        // dispatch thresholds, tiles, backend
+  ModelShard shard;           // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
 };
 
@@ -113,7 +146,14 @@ class Model {
   // returns logits [rows, vocab] for the rows the sequences ask for, in
   // sequence order (kLast: one row, kAll: one per token). Not thread-safe
   // (it reuses internal buffers); blocks until done.
-  StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentCache& cache);
+  //
+  // With `parallel`, the step is one rank's part of a step of all ranks:
+  // `seqs` are this DP group's (possibly none: the rank still joins every
+  // collective), attention runs on this rank's heads, and the MLP / MoE runs
+  // on this rank's shard for every DP group's tokens.
+  StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
+                                       const ParallelStep* parallel = nullptr);
+  const ModelShard& shard() const { return options_.shard; }
 
   // Per-step time breakdown of the last Forward (seconds), for benchmarks.
   struct StepTimes {
@@ -129,6 +169,7 @@ class Model {
  private:
   explicit Model(const ModelConfig& c, const ModelOptions& o);
   Status Init();  // shapes, rope
+  Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
 
   ModelConfig config_;
   ModelOptions options_;

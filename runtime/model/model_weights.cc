@@ -1,6 +1,6 @@
 // Building a Model's weights: one walk over the architecture, fed either by a
 // Hugging Face checkpoint or by a seeded random generator, so the two can never
-// disagree on names, shapes or layouts.
+// disagree on names, shapes, layouts or shards.
 #include <omp.h>
 
 #include <algorithm>
@@ -16,27 +16,37 @@ namespace {
 class WeightSource {
  public:
   virtual ~WeightSource() = default;
-  // [rows, cols] row-major into `out` as `dtype`. `random_std`: the standard
-  // deviation a random source uses (checkpoints ignore it).
-  virtual Status Matrix(const std::string& name, int64_t rows, int64_t cols, DType dtype, void* out,
-                        double random_std) = 0;
+  // Rows [r0, r1) x columns [c0, c1) of the [rows, cols] tensor `name`, into
+  // `out` row-major as `dtype`. `random_std`: what a random source draws with.
+  virtual Status Slice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
+                       int64_t c1, DType dtype, void* out, double random_std) = 0;
   // [n] fp32. Random sources draw `center + spread * U`, U of unit variance.
   virtual Status Vector(const std::string& name, int64_t n, float* out, double center, double spread) = 0;
+  // A tensor another rank holds: part of the architecture, not loaded here.
+  virtual void Skip(const std::string& name) {}
+
+  Status Matrix(const std::string& name, int64_t rows, int64_t cols, DType dtype, void* out, double random_std) {
+    return Slice(name, rows, cols, 0, rows, 0, cols, dtype, out, random_std);
+  }
 };
 
 class CheckpointSource final : public WeightSource {
  public:
   explicit CheckpointSource(const Checkpoint& c) : ckpt_(c) {}
-  Status Matrix(const std::string& name, int64_t rows, int64_t cols, DType dtype, void* out, double) override {
+  Status Slice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+               DType dtype, void* out, double) override {
     used_.insert(name);
     const int64_t shape[2] = {rows, cols};
-    return ckpt_.Load(name, shape, dtype, out);
+    if (r0 == 0 && r1 == rows && c0 == 0 && c1 == cols) return ckpt_.Load(name, shape, dtype, out);
+    return ckpt_.LoadSlice(name, shape, r0, r1, c0, c1, dtype, out);
   }
   Status Vector(const std::string& name, int64_t n, float* out, double, double) override {
     used_.insert(name);
     const int64_t shape[1] = {n};
     return ckpt_.Load(name, shape, DType::kF32, out);
   }
+  void Skip(const std::string& name) override { used_.insert(name); }
+
   // Tensors the checkpoint has that the architecture does not use.
   Status CheckNoneLeft(const ModelConfig& c) const {
     for (const std::string& name : ckpt_.Names()) {
@@ -60,47 +70,49 @@ class CheckpointSource final : public WeightSource {
   std::set<std::string> used_;
 };
 
-// Deterministic uniform draws (unit variance scaled), independent of thread
-// count: each tensor gets a stream from (seed, name), each chunk of it a
-// sub-stream from the chunk index.
+// Deterministic uniform draws (unit variance, scaled): element k of a tensor is
+// a hash of (seed, name, k), so any shard of a random model equals the same
+// piece of the whole model, whatever the thread count.
 class RandomSource final : public WeightSource {
  public:
   explicit RandomSource(uint64_t seed) : seed_(seed) {}
-  Status Matrix(const std::string& name, int64_t rows, int64_t cols, DType dtype, void* out, double std) override {
-    Fill(name, rows * cols, 0.0, std, dtype, out);
+  Status Slice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+               DType dtype, void* out, double std) override {
+    const uint64_t h = NameHash(name);
+    const double a = std::sqrt(3.0) * std;  // U(-a, a) has standard deviation `std`
+    const int64_t w = c1 - c0;
+    const size_t es = DTypeSize(dtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = r0; i < r1; ++i) {
+      float buf[256];
+      for (int64_t j = c0; j < c1; j += 256) {
+        const int64_t m = std::min<int64_t>(256, c1 - j);
+        for (int64_t t = 0; t < m; ++t) buf[t] = static_cast<float>(a * Unit(h, static_cast<uint64_t>(i * cols + j + t)));
+        StoreFromF32(buf, static_cast<std::byte*>(out) + ((i - r0) * w + (j - c0)) * static_cast<int64_t>(es), dtype, m);
+      }
+    }
     return Status::Ok();
   }
   Status Vector(const std::string& name, int64_t n, float* out, double center, double spread) override {
-    Fill(name, n, center, spread, DType::kF32, out);
+    const uint64_t h = NameHash(name);
+    for (int64_t k = 0; k < n; ++k)
+      out[k] = static_cast<float>(center + std::sqrt(3.0) * spread * Unit(h, static_cast<uint64_t>(k)));
     return Status::Ok();
   }
 
  private:
-  static uint64_t SplitMix(uint64_t& x) {
-    uint64_t z = (x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-  void Fill(const std::string& name, int64_t n, double center, double stddev, DType dtype, void* out) const {
+  uint64_t NameHash(const std::string& name) const {
     uint64_t h = seed_ ^ 0x6d6c6172756e5f77ull;
     for (char ch : name) h = (h ^ static_cast<unsigned char>(ch)) * 0x100000001b3ull;
-    constexpr int64_t kChunk = 1 << 16;
-    const double a = std::sqrt(3.0) * stddev;  // U(-a, a) has standard deviation `stddev`
-    const size_t es = DTypeSize(dtype);
-#pragma omp parallel for schedule(static)
-    for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
-      uint64_t state = h ^ (static_cast<uint64_t>(c0) * 0x9e3779b97f4a7c15ull);
-      float buf[256];
-      for (int64_t i = c0; i < std::min(n, c0 + kChunk); i += 256) {
-        const int64_t m = std::min<int64_t>(256, std::min(n, c0 + kChunk) - i);
-        for (int64_t j = 0; j < m; ++j) {
-          const double u = static_cast<double>(SplitMix(state) >> 11) * 0x1.0p-53;  // [0, 1)
-          buf[j] = static_cast<float>(center + a * (2.0 * u - 1.0));
-        }
-        StoreFromF32(buf, static_cast<std::byte*>(out) + i * static_cast<int64_t>(es), dtype, m);
-      }
-    }
+    return h;
+  }
+  // Uniform in [-1, 1) from (tensor hash, element index): splitmix64's finalizer.
+  static double Unit(uint64_t h, uint64_t k) {
+    uint64_t z = h + (k + 1) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return 2.0 * (static_cast<double>(z >> 11) * 0x1.0p-53) - 1.0;
   }
   uint64_t seed_;
 };
@@ -111,19 +123,38 @@ Linear MakeLinear(int64_t out, int64_t in, DType dtype) {
   return l;
 }
 
-Status LoadLinear(WeightSource& src, const std::string& name, int64_t out, int64_t in, DType dtype, Linear* l) {
-  *l = MakeLinear(out, in, dtype);
-  return src.Matrix(name, out, in, dtype, l->data.data(), 1.0 / std::sqrt(static_cast<double>(in)));
+// Rows [r0, r1) of the [rows, in] weight `name` (a column-parallel shard).
+Status LoadRows(WeightSource& src, const std::string& name, int64_t rows, int64_t in, int64_t r0, int64_t r1,
+                DType dtype, Linear* l) {
+  *l = MakeLinear(r1 - r0, in, dtype);
+  return src.Slice(name, rows, in, r0, r1, 0, in, dtype, l->data.data(), 1.0 / std::sqrt(static_cast<double>(in)));
 }
 
-Status LoadMlp(WeightSource& src, const std::string& prefix, int64_t hidden, int64_t inter, DType dtype, Mlp* m) {
+// Columns [c0, c1) of the [out, cols] weight `name` (a row-parallel shard: its
+// partial products are summed across ranks).
+Status LoadCols(WeightSource& src, const std::string& name, int64_t out, int64_t cols, int64_t c0, int64_t c1,
+                DType dtype, Linear* l) {
+  *l = MakeLinear(out, c1 - c0, dtype);
+  return src.Slice(name, out, cols, 0, out, c0, c1, dtype, l->data.data(), 1.0 / std::sqrt(static_cast<double>(cols)));
+}
+
+// The MLP `prefix` {gate,up,down}_proj with intermediate size `inter`, this
+// rank's intermediate slice [i0, i1).
+Status LoadMlp(WeightSource& src, const std::string& prefix, int64_t hidden, int64_t inter, int64_t i0, int64_t i1,
+               DType dtype, Mlp* m) {
+  const int64_t part = i1 - i0;
   const size_t es = DTypeSize(dtype);
   const double std_in = 1.0 / std::sqrt(static_cast<double>(hidden));
-  m->gate_up = MakeLinear(2 * inter, hidden, dtype);
-  MLARUN_RETURN_IF_ERROR(src.Matrix(prefix + "gate_proj.weight", inter, hidden, dtype, m->gate_up.data.data(), std_in));
-  MLARUN_RETURN_IF_ERROR(src.Matrix(prefix + "up_proj.weight", inter, hidden, dtype,
-                                    m->gate_up.data.data() + static_cast<size_t>(inter * hidden) * es, std_in));
-  return LoadLinear(src, prefix + "down_proj.weight", hidden, inter, dtype, &m->down);
+  m->gate_up = MakeLinear(2 * part, hidden, dtype);
+  MLARUN_RETURN_IF_ERROR(
+      src.Slice(prefix + "gate_proj.weight", inter, hidden, i0, i1, 0, hidden, dtype, m->gate_up.data.data(), std_in));
+  MLARUN_RETURN_IF_ERROR(src.Slice(prefix + "up_proj.weight", inter, hidden, i0, i1, 0, hidden, dtype,
+                                   m->gate_up.data.data() + static_cast<size_t>(part * hidden) * es, std_in));
+  return LoadCols(src, prefix + "down_proj.weight", hidden, inter, i0, i1, dtype, &m->down);
+}
+
+void SkipMlp(WeightSource& src, const std::string& prefix) {
+  for (const char* p : {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}) src.Skip(prefix + p);
 }
 
 Status LoadNorm(WeightSource& src, const std::string& name, int64_t n, std::vector<float>* v) {
@@ -131,17 +162,78 @@ Status LoadNorm(WeightSource& src, const std::string& name, int64_t n, std::vect
   return src.Vector(name, n, v->data(), 1.0, 0.1);
 }
 
+// [begin, end) of `n` split in `parts` equal pieces.
+std::pair<int64_t, int64_t> Piece(int64_t n, int parts, int index) {
+  return {n / parts * index, n / parts * (index + 1)};
+}
+
 }  // namespace
+
+Status ValidateModelShard(const ModelConfig& c, const ModelShard& s) {
+  if (s.attn_tp_size < 1 || s.attn_tp_rank < 0 || s.attn_tp_rank >= s.attn_tp_size || s.mlp_size < 1 ||
+      s.mlp_rank < 0 || s.mlp_rank >= s.mlp_size)
+    return InvalidArgumentError("shard: ranks outside their groups");
+  if (c.num_attention_heads % s.attn_tp_size != 0)
+    return InvalidArgumentError("num_attention_heads (", c.num_attention_heads, ") is not divisible by attn_tp (",
+                                s.attn_tp_size, ")");
+  const int64_t W = s.mlp_size;
+  bool dense = false;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) dense |= !c.IsMoeLayer(i);
+  if (dense && c.intermediate_size % W != 0)
+    return InvalidArgumentError("intermediate_size (", c.intermediate_size, ") is not divisible by the ", W,
+                                " ranks that share the dense MLP");
+  if (c.n_routed_experts > 0) {
+    if (s.moe == MoeSharding::kByExpert && c.n_routed_experts % W != 0)
+      return InvalidArgumentError("n_routed_experts (", c.n_routed_experts, ") cannot be split over ", W,
+                                  " ranks by expert; use moe=intermediate");
+    if (s.moe == MoeSharding::kByIntermediate && c.moe_intermediate_size % W != 0)
+      return InvalidArgumentError("moe_intermediate_size (", c.moe_intermediate_size, ") is not divisible by ", W,
+                                  " ranks (moe=intermediate)");
+    if (c.n_shared_experts > 0 && (c.moe_intermediate_size * c.n_shared_experts) % W != 0)
+      return InvalidArgumentError("the shared experts' intermediate size (", c.moe_intermediate_size * c.n_shared_experts,
+                                  ") is not divisible by ", W, " ranks");
+  }
+  return Status::Ok();
+}
+
+WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s) {
+  const int64_t w = static_cast<int64_t>(DTypeSize(c.weight_dtype)), kv = static_cast<int64_t>(DTypeSize(c.kv_dtype));
+  const int64_t f = 4;  // norms, router, score bias: fp32
+  const int64_t H = c.hidden_size, N = c.num_attention_heads / s.attn_tp_size, L = c.kv_lora_rank;
+  const int64_t R = c.qk_rope_head_dim, Dq = c.q_head_dim(), P = c.qk_nope_head_dim, V = c.v_head_dim;
+  const int64_t W = s.mlp_size;
+  auto mlp = [&](int64_t inter) { return 3 * H * inter * w; };
+  WeightBytes b;
+  b.embedding_and_head = 2 * c.vocab_size * H * w + H * f;  // lm_head is a copy when tied
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const int64_t q = c.q_lora_rank > 0 ? (c.q_lora_rank * H + N * Dq * c.q_lora_rank) * w + c.q_lora_rank * f
+                                        : N * Dq * H * w;
+    b.attention += q + (L + R) * H * w + L * f + N * (P + V) * L * kv + H * N * V * w + 2 * H * f;
+    if (!c.IsMoeLayer(i)) {
+      b.dense_mlp += mlp(c.intermediate_size / W);
+      continue;
+    }
+    const int64_t experts = s.moe == MoeSharding::kByExpert ? c.n_routed_experts / W : c.n_routed_experts;
+    const int64_t inter = s.moe == MoeSharding::kByExpert ? c.moe_intermediate_size : c.moe_intermediate_size / W;
+    b.moe += c.n_routed_experts * H * f + (c.model_type == ModelType::kDeepSeekV3 ? c.n_routed_experts * f : 0) +
+             experts * mlp(inter) + (c.n_shared_experts > 0 ? mlp(c.moe_intermediate_size * c.n_shared_experts / W) : 0);
+  }
+  return b;
+}
 
 class ModelLoader {
  public:
   static Status Build(Model& m, WeightSource& src) {
     const ModelConfig& c = m.config_;
+    const ModelShard& s = m.options_.shard;
+    MLARUN_RETURN_IF_ERROR(ValidateModelShard(c, s));
     const DType wt = c.weight_dtype, kv = c.kv_dtype;
     const int64_t H = c.hidden_size, N = c.num_attention_heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
     const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim();
-    auto progress = [&](const std::string& s) {
-      if (m.options_.progress) m.options_.progress(s);
+    const auto [h0, h1] = Piece(N, s.attn_tp_size, s.attn_tp_rank);
+    const int64_t n_local = h1 - h0;
+    auto progress = [&](const std::string& msg) {
+      if (m.options_.progress) m.options_.progress(msg);
     };
     m.embed_ = MakeLinear(c.vocab_size, H, wt);
     MLARUN_RETURN_IF_ERROR(src.Matrix("model.embed_tokens.weight", c.vocab_size, H, wt, m.embed_.data.data(), 1.0));
@@ -149,7 +241,7 @@ class ModelLoader {
     if (c.tie_word_embeddings) {
       m.lm_head_ = m.embed_;
     } else {
-      MLARUN_RETURN_IF_ERROR(LoadLinear(src, "lm_head.weight", c.vocab_size, H, wt, &m.lm_head_));
+      MLARUN_RETURN_IF_ERROR(LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_));
     }
     m.layers_.resize(static_cast<size_t>(c.num_hidden_layers));
     std::vector<float> kv_b;
@@ -161,24 +253,25 @@ class ModelLoader {
       MLARUN_RETURN_IF_ERROR(LoadNorm(src, p + "post_attention_layernorm.weight", H, &layer.post_attention_norm));
       AttentionLayer& a = layer.attn;
       const std::string ap = p + "self_attn.";
+      // Replicated: q_a, kv_a and their norms. Split by head: q_b (or q), W_UK, W_UV, o_proj.
       if (c.q_lora_rank > 0) {
-        MLARUN_RETURN_IF_ERROR(LoadLinear(src, ap + "q_a_proj.weight", c.q_lora_rank, H, wt, &a.q_a));
+        MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_a_proj.weight", c.q_lora_rank, H, 0, c.q_lora_rank, wt, &a.q_a));
         MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "q_a_layernorm.weight", c.q_lora_rank, &a.q_a_norm));
-        MLARUN_RETURN_IF_ERROR(LoadLinear(src, ap + "q_b_proj.weight", N * Dq, c.q_lora_rank, wt, &a.q_b));
+        MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_b_proj.weight", N * Dq, c.q_lora_rank, h0 * Dq, h1 * Dq, wt, &a.q_b));
       } else {
-        MLARUN_RETURN_IF_ERROR(LoadLinear(src, ap + "q_proj.weight", N * Dq, H, wt, &a.q));
+        MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_proj.weight", N * Dq, H, h0 * Dq, h1 * Dq, wt, &a.q));
       }
-      MLARUN_RETURN_IF_ERROR(LoadLinear(src, ap + "kv_a_proj_with_mqa.weight", L + R, H, wt, &a.kv_a));
+      MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "kv_a_proj_with_mqa.weight", L + R, H, 0, L + R, wt, &a.kv_a));
       MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "kv_a_layernorm.weight", L, &a.kv_a_norm));
-      // kv_b_proj [N * (P + V), L]: per head P rows of W_UK^T, then V rows of W_UV^T.
-      kv_b.resize(static_cast<size_t>(N * (P + V) * L));
-      MLARUN_RETURN_IF_ERROR(src.Matrix(ap + "kv_b_proj.weight", N * (P + V), L, DType::kF32, kv_b.data(),
-                                        1.0 / std::sqrt(static_cast<double>(L))));
+      // kv_b_proj [N (P + V), L]: per head P rows of W_UK^T, then V rows of W_UV^T.
+      kv_b.resize(static_cast<size_t>(n_local * (P + V) * L));
+      MLARUN_RETURN_IF_ERROR(src.Slice(ap + "kv_b_proj.weight", N * (P + V), L, h0 * (P + V), h1 * (P + V), 0, L,
+                                       DType::kF32, kv_b.data(), 1.0 / std::sqrt(static_cast<double>(L))));
       const size_t kes = DTypeSize(kv);
-      a.w_uk_t.resize(static_cast<size_t>(N * P * L) * kes);
-      a.w_uv.resize(static_cast<size_t>(N * L * V) * kes);
+      a.w_uk_t.resize(static_cast<size_t>(n_local * P * L) * kes);
+      a.w_uv.resize(static_cast<size_t>(n_local * L * V) * kes);
       std::vector<float> col(static_cast<size_t>(V));
-      for (int64_t h = 0; h < N; ++h) {
+      for (int64_t h = 0; h < n_local; ++h) {
         const float* head = kv_b.data() + h * (P + V) * L;
         StoreFromF32(head, a.w_uk_t.data() + static_cast<size_t>(h * P * L) * kes, kv, P * L);
         for (int64_t l = 0; l < L; ++l) {  // W_UV[h][l][v] = kv_b[h * (P + V) + P + v][l]
@@ -186,29 +279,42 @@ class ModelLoader {
           StoreFromF32(col.data(), a.w_uv.data() + static_cast<size_t>((h * L + l) * V) * kes, kv, V);
         }
       }
-      MLARUN_RETURN_IF_ERROR(LoadLinear(src, ap + "o_proj.weight", H, N * V, wt, &a.o));
+      MLARUN_RETURN_IF_ERROR(LoadCols(src, ap + "o_proj.weight", H, N * V, h0 * V, h1 * V, wt, &a.o));
 
+      // The MLP / MoE, split over the world.
       const std::string mp = p + "mlp.";
       layer.moe = c.IsMoeLayer(i);
       if (!layer.moe) {
-        MLARUN_RETURN_IF_ERROR(LoadMlp(src, mp, H, c.intermediate_size, wt, &layer.mlp));
+        const auto [i0, i1] = Piece(c.intermediate_size, s.mlp_size, s.mlp_rank);
+        MLARUN_RETURN_IF_ERROR(LoadMlp(src, mp, H, c.intermediate_size, i0, i1, wt, &layer.mlp));
         continue;
       }
       MoeLayer& moe = layer.moe_mlp;
-      const int64_t E = c.n_routed_experts;
-      MLARUN_RETURN_IF_ERROR(LoadLinear(src, mp + "gate.weight", E, H, DType::kF32, &moe.router));
+      const int64_t E = c.n_routed_experts, Im = c.moe_intermediate_size;
+      MLARUN_RETURN_IF_ERROR(LoadRows(src, mp + "gate.weight", E, H, 0, E, DType::kF32, &moe.router));
       if (c.model_type == ModelType::kDeepSeekV3) {
         moe.score_bias.resize(static_cast<size_t>(E));
         MLARUN_RETURN_IF_ERROR(src.Vector(mp + "gate.e_score_correction_bias", E, moe.score_bias.data(), 0.0, 0.1));
       }
-      moe.experts.resize(static_cast<size_t>(E));
-      for (int64_t e = 0; e < E; ++e)
-        MLARUN_RETURN_IF_ERROR(LoadMlp(src, mp + "experts." + std::to_string(e) + ".", H, c.moe_intermediate_size, wt,
-                                       &moe.experts[static_cast<size_t>(e)]));
+      const bool by_expert = s.moe == MoeSharding::kByExpert;
+      const auto [e0, e1] = by_expert ? Piece(E, s.mlp_size, s.mlp_rank) : std::pair<int64_t, int64_t>{0, E};
+      const auto [i0, i1] = by_expert ? std::pair<int64_t, int64_t>{0, Im} : Piece(Im, s.mlp_size, s.mlp_rank);
+      moe.expert_begin = e0;
+      moe.experts.resize(static_cast<size_t>(e1 - e0));
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string ep = mp + "experts." + std::to_string(e) + ".";
+        if (e < e0 || e >= e1) {
+          SkipMlp(src, ep);
+          continue;
+        }
+        MLARUN_RETURN_IF_ERROR(LoadMlp(src, ep, H, Im, i0, i1, wt, &moe.experts[static_cast<size_t>(e - e0)]));
+      }
       moe.has_shared = c.n_shared_experts > 0;
-      if (moe.has_shared)
-        MLARUN_RETURN_IF_ERROR(
-            LoadMlp(src, mp + "shared_experts.", H, c.moe_intermediate_size * c.n_shared_experts, wt, &moe.shared));
+      if (moe.has_shared) {
+        const int64_t Is = Im * c.n_shared_experts;
+        const auto [s0, s1] = Piece(Is, s.mlp_size, s.mlp_rank);
+        MLARUN_RETURN_IF_ERROR(LoadMlp(src, mp + "shared_experts.", H, Is, s0, s1, wt, &moe.shared));
+      }
     }
     return Status::Ok();
   }

@@ -474,96 +474,184 @@ std::vector<std::string> Checkpoint::Names() const {
 
 namespace {
 
-// Converts elements [0, n) of `t` (F32/BF16/F16) to fp32 `chunk` by chunks and
-// hands each chunk to StoreFromF32. Source bytes are copied to aligned scratch
-// first: a crafted header may put a tensor at any byte offset.
-void LoadFloatChunked(const TensorRef& t, DType out_dtype, void* out) {
-  const int64_t n = t.numel();
-  const size_t in_size = SafetensorsDTypeSize(t.dtype);
-  const size_t out_size = DTypeSize(out_dtype);
-  const int64_t chunk = std::min(n, kChunkElements);
-  std::vector<float> f32(static_cast<size_t>(chunk));
-  std::vector<uint16_t> u16(t.dtype == SafetensorsDType::kF32 ? 0 : static_cast<size_t>(chunk));
-  for (int64_t start = 0; start < n; start += chunk) {
-    const int64_t m = std::min(chunk, n - start);
-    const std::byte* src = t.data + static_cast<size_t>(start) * in_size;
-    switch (t.dtype) {
-      case SafetensorsDType::kF32:
-        std::memcpy(f32.data(), src, static_cast<size_t>(m) * 4);
-        break;
-      case SafetensorsDType::kBF16:
-        std::memcpy(u16.data(), src, static_cast<size_t>(m) * 2);
-        ConvertBf16ToF32(u16.data(), f32.data(), m);
-        break;
-      default:  // kF16
-        std::memcpy(u16.data(), src, static_cast<size_t>(m) * 2);
-        for (int64_t i = 0; i < m; ++i)
-          f32[static_cast<size_t>(i)] = HalfToFloat(u16[static_cast<size_t>(i)]);
-        break;
-    }
-    StoreFromF32(f32.data(), static_cast<std::byte*>(out) + static_cast<size_t>(start) * out_size,
-                 out_dtype, m);
+// A rectangle of a row-major matrix: rows [row_begin, row_end) x columns
+// [col_begin, col_end), in the matrix's own (global) indices.
+struct Region {
+  int64_t row_begin = 0, row_end = 0, col_begin = 0, col_end = 0;
+
+  int64_t rows() const { return row_end - row_begin; }
+  int64_t cols() const { return col_end - col_begin; }
+  bool empty() const { return rows() == 0 || cols() == 0; }
+};
+
+// The fp8 block scales a region needs: block rows [first_block_row, ..) and
+// block columns [first_block_col, first_block_col + block_cols) of the
+// `_scale_inv` tensor, as fp32, row-major.
+struct BlockScales {
+  std::vector<float> values;
+  int64_t first_block_row = 0, first_block_col = 0, block_cols = 0;
+};
+
+// m elements of `dtype` (F32/BF16/F16/F8_E4M3) at `src` to fp32 `dst`. Wider
+// types are copied to aligned scratch (`u16`, or `dst` itself for F32) before
+// they are read as numbers: a crafted header may put a tensor at any byte offset.
+void ConvertToF32(SafetensorsDType dtype, const std::byte* src, int64_t m, uint16_t* u16,
+                  float* dst) {
+  switch (dtype) {
+    case SafetensorsDType::kF32:
+      std::memcpy(dst, src, static_cast<size_t>(m) * 4);
+      break;
+    case SafetensorsDType::kBF16:
+      std::memcpy(u16, src, static_cast<size_t>(m) * 2);
+      ConvertBf16ToF32(u16, dst, m);
+      break;
+    case SafetensorsDType::kF16:
+      std::memcpy(u16, src, static_cast<size_t>(m) * 2);
+      for (int64_t i = 0; i < m; ++i) dst[i] = HalfToFloat(u16[i]);
+      break;
+    default:  // kF8E4M3: bytes need no alignment
+      ConvertF8E4M3ToF32(reinterpret_cast<const uint8_t*>(src), dst, m);
+      break;
   }
 }
 
-}  // namespace
+// Copies `region` of `t`, viewed as a row-major matrix with `cols` columns,
+// into `out` ([region.rows(), region.cols()] row-major) as `out_dtype`.
+// `scales` is set exactly for F8_E4M3 and holds the blocks the region touches.
+// Every source address is computed from a selected row and column, so only
+// the selected columns of the selected rows are read: a rank loading its
+// shard touches only its shard's pages of the mapping.
+// REQUIRES: t is F32/BF16/F16/F8_E4M3, the region is non-empty and inside the
+// matrix, out_dtype is kF32 or kBF16, out is not null.
+void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const BlockScales* scales,
+                DType out_dtype, std::byte* out) {
+  const size_t in_size = SafetensorsDTypeSize(t.dtype);
+  const size_t out_size = DTypeSize(out_dtype);
+  // First byte of the first selected row; rows below are relative to it.
+  const std::byte* base = t.data + static_cast<size_t>(region.row_begin * cols) * in_size;
+  int64_t rows = region.rows(), col_begin = region.col_begin, col_end = region.col_end;
+  if (scales == nullptr && col_begin == 0 && col_end == cols) {
+    // A full-width band is one contiguous run: treat it as a single row so
+    // copies and conversion chunks stay long even for narrow rows (fp8 keeps
+    // its rows: each row's block-row scale is looked up per row).
+    col_end = cols = rows * cols;
+    rows = 1;
+  }
+  const int64_t width = col_end - col_begin;
 
-Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected_shape,
-                        DType out_dtype, void* out) const {
+  if ((t.dtype == SafetensorsDType::kF32 && out_dtype == DType::kF32) ||
+      (t.dtype == SafetensorsDType::kBF16 && out_dtype == DType::kBF16)) {
+    // Same type: bit-exact copy, one memcpy per row.
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out + static_cast<size_t>(r * width) * out_size,
+                  base + static_cast<size_t>(r * cols + col_begin) * in_size,
+                  static_cast<size_t>(width) * in_size);
+    }
+    return;
+  }
+
+  // Converted elements gather in `f32` across row boundaries (the output is
+  // contiguous) and are stored whenever it fills, so narrow slices still
+  // store in long runs and no second full-size copy ever exists.
+  const int64_t capacity = std::min(rows * width, kChunkElements);
+  std::vector<float> f32(static_cast<size_t>(capacity));
+  std::vector<uint16_t> u16(in_size == 2 ? static_cast<size_t>(capacity) : 0);
+  int64_t filled = 0;  // converted elements in f32 not yet stored
+  std::byte* dst = out;
+  for (int64_t r = 0; r < rows; ++r) {
+    // The global row picks the block row: a slice starting at row 100 uses
+    // block row 0 up to row 127 and block row 1 from row 128.
+    const float* row_scales =
+        scales == nullptr ? nullptr
+                          : scales->values.data() +
+                                ((region.row_begin + r) / kFp8BlockSize - scales->first_block_row) *
+                                    scales->block_cols;
+    for (int64_t c = col_begin; c < col_end;) {
+      const int64_t m = std::min(col_end - c, capacity - filled);
+      float* piece = f32.data() + filled;
+      ConvertToF32(t.dtype, base + static_cast<size_t>(r * cols + c) * in_size, m, u16.data(),
+                   piece);
+      if (row_scales != nullptr) {
+        // Global column j is in block column j / 128. One fp32 multiply per
+        // element (the rounding torch's dequantization does), one lookup per block.
+        for (int64_t j = c; j < c + m;) {
+          const int64_t block = j / kFp8BlockSize;
+          const int64_t block_end = std::min(c + m, (block + 1) * kFp8BlockSize);
+          const float s = row_scales[block - scales->first_block_col];
+          for (; j < block_end; ++j) piece[j - c] *= s;
+        }
+      }
+      filled += m;
+      c += m;
+      if (filled == capacity) {
+        StoreFromF32(f32.data(), dst, out_dtype, filled);
+        dst += static_cast<size_t>(filled) * out_size;
+        filled = 0;
+      }
+    }
+  }
+  if (filled > 0) StoreFromF32(f32.data(), dst, out_dtype, filled);
+}
+
+// The checks Load and LoadSlice make before any range: the output dtype, that
+// the tensor exists and that its full shape is the expected one.
+StatusOr<const TensorRef*> FindForLoad(const Checkpoint& ckpt, std::string_view name,
+                                       std::span<const int64_t> expected_shape, DType out_dtype) {
   if (out_dtype != DType::kF32 && out_dtype != DType::kBF16) {
-    return InvalidArgumentError("loading tensor ", Quoted(name), " from ", dir_,
+    return InvalidArgumentError("loading tensor ", Quoted(name), " from ", ckpt.dir(),
                                 ": output dtype must be f32 or bf16", ", not ",
                                 IsValidDType(out_dtype) ? DTypeName(out_dtype) : "invalid");
   }
-  const TensorRef* t = Find(name);
+  const TensorRef* t = ckpt.Find(name);
   if (t == nullptr)
-    return NotFoundError("tensor ", Quoted(name), " not found in checkpoint ", dir_);
+    return NotFoundError("tensor ", Quoted(name), " not found in checkpoint ", ckpt.dir());
   if (!std::equal(t->shape.begin(), t->shape.end(), expected_shape.begin(), expected_shape.end())) {
     return InvalidArgumentError(Where(*t), " has shape ", ShapeString(t->shape), ", expected ",
                                 ShapeString(expected_shape));
   }
-  const int64_t n = t->numel();
+  return t;
+}
 
-  switch (t->dtype) {
+// The rest of Load and LoadSlice, one implementation for both: checks the
+// dtype (and for F8_E4M3 its block scales), then copies `region` of `t`,
+// viewed as a row-major matrix with `cols` columns (a 2-D tensor's own shape;
+// [1, numel] for a whole tensor of another rank).
+Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, const Region& region,
+                  DType out_dtype, void* out) {
+  switch (t.dtype) {
     case SafetensorsDType::kF32:
     case SafetensorsDType::kBF16:
     case SafetensorsDType::kF16:
-      if (n == 0) return Status::Ok();
+      if (region.empty()) return Status::Ok();
       if (out == nullptr)
-        return InvalidArgumentError("loading ", Where(*t), ": output buffer is null");
-      if ((t->dtype == SafetensorsDType::kF32 && out_dtype == DType::kF32) ||
-          (t->dtype == SafetensorsDType::kBF16 && out_dtype == DType::kBF16)) {
-        std::memcpy(out, t->data, t->bytes);  // same type: bit-exact copy
-      } else {
-        LoadFloatChunked(*t, out_dtype, out);
-      }
+        return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
+      CopyRegion(t, cols, region, /*scales=*/nullptr, out_dtype, static_cast<std::byte*>(out));
       return Status::Ok();
     case SafetensorsDType::kF8E4M3:
       break;
     default:
-      return InvalidArgumentError("unsupported dtype for loading: ", Where(*t), " is ",
-                                  SafetensorsDTypeName(t->dtype),
+      return InvalidArgumentError("unsupported dtype for loading: ", Where(t), " is ",
+                                  SafetensorsDTypeName(t.dtype),
                                   " (loadable: F32, BF16, F16, F8_E4M3)");
   }
 
   // F8_E4M3: block-scaled dequantization. The scale is checked even for an
-  // empty weight so a broken checkpoint fails the same way whatever its shape.
-  if (t->shape.size() != 2) {
-    return InvalidArgumentError(Where(*t), " is F8_E4M3 with shape ", ShapeString(t->shape),
+  // empty region so a broken checkpoint fails the same way whatever is asked.
+  if (t.shape.size() != 2) {
+    return InvalidArgumentError(Where(t), " is F8_E4M3 with shape ", ShapeString(t.shape),
                                 "; block-scaled dequantization needs a 2-D weight");
   }
-  const std::string scale_name = internal::StrCat(name, "_scale_inv");
-  const TensorRef* scale = Find(scale_name);
+  const std::string scale_name = internal::StrCat(t.name, "_scale_inv");
+  const TensorRef* scale = ckpt.Find(scale_name);
   if (scale == nullptr) {
     // Not NotFound: that code means "no such tensor", and the weight exists.
-    return InvalidArgumentError(Where(*t), " is F8_E4M3 but its scale tensor ", Quoted(scale_name),
-                                " is not in checkpoint ", dir_);
+    return InvalidArgumentError(Where(t), " is F8_E4M3 but its scale tensor ", Quoted(scale_name),
+                                " is not in checkpoint ", ckpt.dir());
   }
-  const int64_t rows = t->shape[0], cols = t->shape[1];
-  const std::array<int64_t, 2> scale_shape = {(rows + kFp8BlockSize - 1) / kFp8BlockSize,
-                                              (cols + kFp8BlockSize - 1) / kFp8BlockSize};
+  const std::array<int64_t, 2> scale_shape = {(t.shape[0] + kFp8BlockSize - 1) / kFp8BlockSize,
+                                              (t.shape[1] + kFp8BlockSize - 1) / kFp8BlockSize};
   if (scale->dtype != SafetensorsDType::kF32 && scale->dtype != SafetensorsDType::kBF16) {
-    return InvalidArgumentError("scale ", Where(*scale), " for F8_E4M3 tensor ", Quoted(name),
+    return InvalidArgumentError("scale ", Where(*scale), " for F8_E4M3 tensor ", Quoted(t.name),
                                 " is ", SafetensorsDTypeName(scale->dtype),
                                 "; expected F32 or BF16");
   }
@@ -571,33 +659,62 @@ Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected
                   scale_shape.end())) {
     return InvalidArgumentError("scale ", Where(*scale), " has shape ", ShapeString(scale->shape),
                                 ", expected ", ShapeString(scale_shape), " (128x128 blocks of ",
-                                Quoted(name), " with shape ", ShapeString(t->shape), ")");
+                                Quoted(t.name), " with shape ", ShapeString(t.shape), ")");
   }
-  if (n == 0) return Status::Ok();
-  if (out == nullptr) return InvalidArgumentError("loading ", Where(*t), ": output buffer is null");
-  std::vector<float> scales(static_cast<size_t>(scale_shape[0] * scale_shape[1]));
-  LoadFloatChunked(*scale, DType::kF32, scales.data());
+  if (region.empty()) return Status::Ok();
+  if (out == nullptr) return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
 
-  // Whole rows per step (at least one), so each row's block-row scale is fixed.
-  const size_t ucols = static_cast<size_t>(cols);
-  const int64_t rows_per_chunk = std::max<int64_t>(1, kChunkElements / cols);
-  std::vector<float> f32(static_cast<size_t>(std::min(rows, rows_per_chunk)) * ucols);
-  const auto* w = reinterpret_cast<const uint8_t*>(t->data);
-  const size_t out_size = DTypeSize(out_dtype);
-  for (int64_t r0 = 0; r0 < rows; r0 += rows_per_chunk) {
-    const int64_t nr = std::min(rows_per_chunk, rows - r0);
-    for (int64_t r = 0; r < nr; ++r) {
-      const float* s = &scales[static_cast<size_t>((r0 + r) / kFp8BlockSize * scale_shape[1])];
-      const uint8_t* src = w + static_cast<size_t>(r0 + r) * ucols;
-      float* dst = &f32[static_cast<size_t>(r) * ucols];
-      ConvertF8E4M3ToF32(src, dst, cols);
-      for (size_t c = 0; c < ucols; ++c) dst[c] *= s[c / kFp8BlockSize];
-    }
-    StoreFromF32(f32.data(),
-                 static_cast<std::byte*>(out) + static_cast<size_t>(r0) * ucols * out_size,
-                 out_dtype, nr * cols);
-  }
+  // Only the blocks the region touches, loaded by the same copy (the scale is
+  // a 2-D F32/BF16 tensor), so a shard reads only its own scale rows too.
+  const Region blocks = {region.row_begin / kFp8BlockSize, (region.row_end - 1) / kFp8BlockSize + 1,
+                         region.col_begin / kFp8BlockSize,
+                         (region.col_end - 1) / kFp8BlockSize + 1};
+  BlockScales scales;
+  scales.first_block_row = blocks.row_begin;
+  scales.first_block_col = blocks.col_begin;
+  scales.block_cols = blocks.cols();
+  scales.values.resize(static_cast<size_t>(blocks.rows() * blocks.cols()));
+  CopyRegion(*scale, scale_shape[1], blocks, /*scales=*/nullptr, DType::kF32,
+             reinterpret_cast<std::byte*>(scales.values.data()));
+  CopyRegion(t, cols, region, &scales, out_dtype, static_cast<std::byte*>(out));
   return Status::Ok();
+}
+
+}  // namespace
+
+Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected_shape,
+                        DType out_dtype, void* out) const {
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, out_dtype));
+  // A 2-D tensor loads as its whole slice. Any other rank is one contiguous
+  // run, loaded as a single row (LoadRegion refuses it for F8_E4M3, whose
+  // block scales need two dimensions).
+  if (t->shape.size() == 2) {
+    return LoadRegion(*this, *t, t->shape[1], {0, t->shape[0], 0, t->shape[1]}, out_dtype, out);
+  }
+  const int64_t n = t->numel();
+  return LoadRegion(*this, *t, n, {0, 1, 0, n}, out_dtype, out);
+}
+
+Status Checkpoint::LoadSlice(std::string_view name, std::span<const int64_t> expected_shape,
+                             int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t col_end,
+                             DType out_dtype, void* out) const {
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, out_dtype));
+  if (t->shape.size() != 2) {
+    return InvalidArgumentError("slicing ", Where(*t), ": it has shape ", ShapeString(t->shape),
+                                "; LoadSlice needs a 2-D tensor");
+  }
+  const int64_t rows = t->shape[0], cols = t->shape[1];
+  if (row_begin < 0 || row_begin > row_end || row_end > rows) {
+    return InvalidArgumentError("slicing ", Where(*t), " with shape ", ShapeString(t->shape),
+                                ": rows [", row_begin, ", ", row_end,
+                                ") are not an ordered range within [0, ", rows, ")");
+  }
+  if (col_begin < 0 || col_begin > col_end || col_end > cols) {
+    return InvalidArgumentError("slicing ", Where(*t), " with shape ", ShapeString(t->shape),
+                                ": columns [", col_begin, ", ", col_end,
+                                ") are not an ordered range within [0, ", cols, ")");
+  }
+  return LoadRegion(*this, *t, cols, {row_begin, row_end, col_begin, col_end}, out_dtype, out);
 }
 
 }  // namespace mlarun

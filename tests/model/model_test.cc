@@ -263,3 +263,48 @@ TEST(ModelLoad, PredictedWeightBytesMatchLoadedCheckpoints) {
 
 }  // namespace
 }  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+TEST(ModelShard, ValidationNamesTheField) {
+  const std::string yaml = std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/tiny.yaml";
+  auto ym = LoadModelYaml(yaml);
+  ASSERT_TRUE(ym.ok()) << ym.status();
+  const ModelConfig& c = ym->config;  // 4 heads, 8 experts of width 32, dense width 128, shared width 32
+  EXPECT_TRUE(ValidateModelShard(c, ModelShard{.attn_tp_size = 4, .attn_tp_rank = 3, .mlp_size = 4, .mlp_rank = 3}).ok());
+  auto err = [&](const ModelShard& s) { return ValidateModelShard(c, s).message(); };
+  EXPECT_NE(err({.attn_tp_size = 3, .mlp_size = 3}).find("num_attention_heads (4)"), std::string::npos);
+  ModelConfig no_dense = c;
+  no_dense.first_k_dense_replace = 0;
+  EXPECT_NE(ValidateModelShard(no_dense, {.mlp_size = 16}).message().find("n_routed_experts (8) cannot be split over 16"),
+            std::string::npos);
+  EXPECT_TRUE(ValidateModelShard(no_dense, {.mlp_size = 16, .moe = MoeSharding::kByIntermediate}).ok());
+  ModelConfig odd_shared = no_dense;
+  odd_shared.moe_intermediate_size = 36;  // whole experts split 8 ways, but the shared expert's 36 does not
+  EXPECT_NE(ValidateModelShard(odd_shared, {.mlp_size = 8}).message().find("shared experts' intermediate size (36)"),
+            std::string::npos);
+  EXPECT_NE(ValidateModelShard(no_dense, {.mlp_size = 64, .moe = MoeSharding::kByIntermediate}).message().find("moe_intermediate_size"),
+            std::string::npos);
+  EXPECT_NE(err({.mlp_size = 3}).find("intermediate_size (128)"), std::string::npos);
+}
+
+// A shard of a random model equals the same piece of the whole model, so the
+// sharded runs compute the same function.
+TEST(ModelShard, PredictedBytesPerShard) {
+  const std::string yaml = std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/tiny.yaml";
+  for (const ModelShard& s : {ModelShard{.attn_tp_size = 2, .attn_tp_rank = 1, .mlp_size = 4, .mlp_rank = 2},
+                              ModelShard{.mlp_size = 4, .mlp_rank = 1, .moe = MoeSharding::kByIntermediate}}) {
+    ModelOptions o;
+    o.shard = s;
+    auto m = Model::Load(yaml, {}, o);
+    ASSERT_TRUE(m.ok()) << m.status();
+    const WeightBytes got = (*m)->weight_bytes(), want = PredictWeightBytes((*m)->config(), s);
+    EXPECT_EQ(got.attention, want.attention);
+    EXPECT_EQ(got.moe, want.moe);
+    EXPECT_EQ(got.dense_mlp, want.dense_mlp);
+  }
+}
+
+}  // namespace
+}  // namespace mlarun

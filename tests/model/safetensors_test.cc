@@ -1,19 +1,24 @@
 #include "runtime/model/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cctype>
 #include <cmath>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "runtime/base/float8.h"
 
@@ -524,6 +529,15 @@ TEST_F(SafetensorsTest, CorruptedFilesFailCleanly) {
       if (!st.ok()) {
         ASSERT_TRUE(IsError(st, StatusCode::kInvalidArgument, {name})) << "iteration " << iter;
       }
+      if (t->shape.size() == 2) {
+        // A slice from an interior row and column goes through the same checks.
+        const int64_t rows = t->shape[0], cols = t->shape[1];
+        const Status slice = (*ckpt)->LoadSlice(name, t->shape, rows / 3, rows, cols / 2, cols,
+                                                DType::kF32, out.data());
+        if (!slice.ok()) {
+          ASSERT_TRUE(IsError(slice, StatusCode::kInvalidArgument, {name})) << "iteration " << iter;
+        }
+      }
     }
   }
   EXPECT_GT(opened, 10);  // the loop did exercise loading
@@ -810,6 +824,344 @@ TEST_F(CheckpointTest, Fp8ScaleProblems) {
   EXPECT_TRUE(IsError((*ckpt)->Load("e5m2.weight", s22, DType::kF32, out.data()),
                       StatusCode::kInvalidArgument,
                       {"unsupported dtype for loading", "'e5m2.weight'", "F8_E5M2"}));
+}
+
+// ---------------------------------------------------------------------------
+// LoadSlice
+
+// Rows [row_begin, row_end) x columns [col_begin, col_end).
+struct SliceCase {
+  int64_t row_begin, row_end, col_begin, col_end;
+
+  int64_t rows() const { return row_end - row_begin; }
+  int64_t cols() const { return col_end - col_begin; }
+  size_t numel() const { return static_cast<size_t>(rows() * cols()); }
+};
+
+std::ostream& operator<<(std::ostream& os, const SliceCase& s) {
+  return os << "rows [" << s.row_begin << ", " << s.row_end << ") x columns [" << s.col_begin
+            << ", " << s.col_end << ")";
+}
+
+// Slices of a [rows, cols] tensor with rows > 200, cols > 200, chosen around
+// the 128 boundaries of the fp8 blocks.
+std::vector<SliceCase> SliceCases(int64_t rows, int64_t cols) {
+  return {
+      {100, 200, 0, cols},               // rows crossing 128, full width
+      {100, 128, 0, cols},               // rows ending on the block boundary
+      {0, rows, 100, 200},               // columns crossing 128, every row
+      {120, 140, 125, 131},              // a window across both boundaries
+      {1, rows - 1, 1, cols - 1},        // > 65536 elements: chunks split rows
+      {rows - 1, rows, cols - 1, cols},  // one element: the ragged corner
+      {129, 130, 3, 4},                  // one element
+      {0, rows, 0, cols},                // the full tensor
+      {5, 5, 0, cols},                   // empty: no rows
+      {0, rows, 7, 7},                   // empty: no columns
+  };
+}
+
+// LoadSlice into a buffer with guard elements on both sides: fails the test if
+// it errors or writes outside the [rows, cols] output. `Bits` is uint32_t for
+// f32 output, uint16_t for bf16.
+template <typename Bits>
+void LoadSliceGuarded(const Checkpoint& ckpt, const std::string& name,
+                      const std::vector<int64_t>& shape, const SliceCase& s, DType out_dtype,
+                      std::vector<Bits>* out) {
+  constexpr size_t kGuard = 64;
+  constexpr Bits kSentinel = static_cast<Bits>(0x7fa5a5a5u);
+  std::vector<Bits> buf(s.numel() + 2 * kGuard, kSentinel);
+  const Status st = ckpt.LoadSlice(name, shape, s.row_begin, s.row_end, s.col_begin, s.col_end,
+                                   out_dtype, buf.data() + kGuard);
+  ASSERT_TRUE(st.ok()) << st;
+  for (size_t i = 0; i < kGuard; ++i) {
+    ASSERT_EQ(buf[i], kSentinel) << "wrote before the output";
+    ASSERT_EQ(buf[buf.size() - 1 - i], kSentinel) << "wrote past the output";
+  }
+  out->assign(buf.begin() + kGuard, buf.end() - kGuard);
+}
+
+// Loads every SliceCases region of the 2-D tensor `name`, as f32 and as bf16,
+// and compares each element with the same element of the full Load (bit for
+// bit) and with reference(i, j), computed from the raw bytes at the global
+// indices.
+void ExpectSlicesMatch(const Checkpoint& ckpt, const std::string& name, int64_t rows, int64_t cols,
+                       const std::function<double(int64_t, int64_t)>& reference) {
+  const std::vector<int64_t> shape = {rows, cols};
+  std::vector<uint32_t> full_f32(static_cast<size_t>(rows * cols));
+  std::vector<uint16_t> full_bf16(full_f32.size());
+  ASSERT_TRUE(ckpt.Load(name, shape, DType::kF32, full_f32.data()).ok());
+  ASSERT_TRUE(ckpt.Load(name, shape, DType::kBF16, full_bf16.data()).ok());
+  for (const SliceCase& s : SliceCases(rows, cols)) {
+    SCOPED_TRACE(testing::Message() << name << ", " << s);
+    std::vector<uint32_t> got_f32;
+    std::vector<uint16_t> got_bf16;
+    ASSERT_NO_FATAL_FAILURE(LoadSliceGuarded(ckpt, name, shape, s, DType::kF32, &got_f32));
+    ASSERT_NO_FATAL_FAILURE(LoadSliceGuarded(ckpt, name, shape, s, DType::kBF16, &got_bf16));
+    for (int64_t i = 0; i < s.rows(); ++i) {
+      for (int64_t j = 0; j < s.cols(); ++j) {
+        const int64_t gi = s.row_begin + i, gj = s.col_begin + j;
+        const size_t at = static_cast<size_t>(i * s.cols() + j);
+        const size_t full_at = static_cast<size_t>(gi * cols + gj);
+        ASSERT_EQ(got_f32[at], full_f32[full_at]) << "element (" << gi << ", " << gj << ")";
+        ASSERT_EQ(got_bf16[at], full_bf16[full_at]) << "element (" << gi << ", " << gj << ")";
+        const double want = reference(gi, gj);
+        ASSERT_TRUE(SameFloat(std::bit_cast<float>(got_f32[at]), want))
+            << "element (" << gi << ", " << gj << ")";
+        if (std::isnan(want)) {
+          ASSERT_TRUE(std::isnan(Bf16Reference(got_bf16[at])));
+        } else {
+          ASSERT_EQ(got_bf16[at], FloatToBf16(static_cast<float>(want)))
+              << "element (" << gi << ", " << gj << ")";
+        }
+      }
+    }
+  }
+  // An empty slice needs no buffer at all.
+  EXPECT_TRUE(ckpt.LoadSlice(name, shape, 3, 3, 0, cols, DType::kF32, nullptr).ok());
+}
+
+TEST_F(CheckpointTest, SliceFloatTensors) {
+  constexpr int64_t kF32Rows = 300, kF32Cols = 260;
+  constexpr int64_t kBf16Rows = 290, kBf16Cols = 201;
+  constexpr int64_t kF16Rows = 257, kF16Cols = 270;
+  const std::vector<float> f32 = RandomFloats(kF32Rows * kF32Cols, 50, 3.0f);
+  std::vector<uint16_t> bf16;
+  for (float x : RandomFloats(kBf16Rows * kBf16Cols, 51, 100.0f)) bf16.push_back(FloatToBf16(x));
+  // Any binary16 pattern: subnormals, infinities and NaNs included.
+  std::vector<uint16_t> f16(kF16Rows * kF16Cols);
+  std::mt19937 rng(52);
+  std::uniform_int_distribution<int> any16(0, 0xffff);
+  for (uint16_t& h : f16) h = static_cast<uint16_t>(any16(rng));
+
+  FileBuilder b;
+  b.Add("odd", "U8", {3}, "xyz");  // every tensor after it sits at an odd offset
+  b.Add("w.f32", "F32", {kF32Rows, kF32Cols}, RawBytes(f32));
+  b.Add("w.bf16", "BF16", {kBf16Rows, kBf16Cols}, RawBytes(bf16));
+  b.Add("w.f16", "F16", {kF16Rows, kF16Cols}, RawBytes(f16));
+  Write("ckpt/model.safetensors", b.Build());
+  auto ckpt = Checkpoint::Open(ckpt_dir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+
+  ExpectSlicesMatch(**ckpt, "w.f32", kF32Rows, kF32Cols, [&](int64_t i, int64_t j) {
+    return f32[static_cast<size_t>(i * kF32Cols + j)];
+  });
+  ExpectSlicesMatch(**ckpt, "w.bf16", kBf16Rows, kBf16Cols, [&](int64_t i, int64_t j) {
+    return Bf16Reference(bf16[static_cast<size_t>(i * kBf16Cols + j)]);
+  });
+  ExpectSlicesMatch(**ckpt, "w.f16", kF16Rows, kF16Cols, [&](int64_t i, int64_t j) {
+    return F16Reference(f16[static_cast<size_t>(i * kF16Cols + j)]);
+  });
+}
+
+TEST_F(CheckpointTest, SliceFp8UsesGlobalBlockIndices) {
+  // Ragged blocks in both dimensions; one weight with F32 scales, one with BF16.
+  constexpr int64_t kRows = 300, kCols = 260;
+  const std::vector<uint8_t> w = RandomFp8(kRows * kCols, 60);
+  std::vector<float> scale;
+  for (float x : RandomFloats(9, 61)) scale.push_back(std::abs(x) * 1e-3f + 1e-5f);
+  constexpr int64_t kRows2 = 257, kCols2 = 201;
+  const std::vector<uint8_t> w2 = RandomFp8(kRows2 * kCols2, 62);
+  std::vector<uint16_t> scale2_bf16;
+  for (float x : RandomFloats(6, 63)) scale2_bf16.push_back(FloatToBf16(std::abs(x) + 0.1f));
+
+  FileBuilder b;
+  b.Add("odd", "U8", {1}, "x");
+  b.Add("a.weight", "F8_E4M3", {kRows, kCols}, RawBytes(w));
+  b.Add("a.weight_scale_inv", "F32", {3, 3}, RawBytes(scale));
+  b.Add("b.weight", "F8_E4M3", {kRows2, kCols2}, RawBytes(w2));
+  b.Add("b.weight_scale_inv", "BF16", {3, 2}, RawBytes(scale2_bf16));
+  Write("ckpt/model.safetensors", b.Build());
+  auto ckpt = Checkpoint::Open(ckpt_dir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+
+  // In double from the raw bytes: the fp8 value has 4 significant bits and the
+  // scale 24, so the product is exact and its rounding to float is the one
+  // rounding an fp32 multiply does.
+  const auto reference_a = [&](int64_t i, int64_t j) {
+    return E4M3Reference(w[static_cast<size_t>(i * kCols + j)]) *
+           scale[static_cast<size_t>(i / 128 * 3 + j / 128)];
+  };
+  ExpectSlicesMatch(**ckpt, "a.weight", kRows, kCols, reference_a);
+  ExpectSlicesMatch(**ckpt, "b.weight", kRows2, kCols2, [&](int64_t i, int64_t j) {
+    return E4M3Reference(w2[static_cast<size_t>(i * kCols2 + j)]) *
+           Bf16Reference(scale2_bf16[static_cast<size_t>(i / 128 * 2 + j / 128)]);
+  });
+
+  // The comparisons above have teeth: scales indexed from the slice's own
+  // origin (block 0 for slice rows 0..127) disagree with the global ones on
+  // most of rows [100, 200) and columns [100, 200).
+  int64_t local_differs = 0;
+  for (int64_t i = 100; i < 200; ++i) {
+    for (int64_t j = 100; j < 200; ++j) {
+      const double local = E4M3Reference(w[static_cast<size_t>(i * kCols + j)]) *
+                           scale[static_cast<size_t>((i - 100) / 128 * 3 + (j - 100) / 128)];
+      local_differs += local != reference_a(i, j);
+    }
+  }
+  EXPECT_GT(local_differs, 5000);
+}
+
+TEST_F(CheckpointTest, SliceErrors) {
+  FileBuilder b;
+  b.Add("w.2d", "F32", {6, 5}, RawBytes(RandomFloats(30, 70)));
+  b.Add("w.1d", "F32", {6}, RawBytes(RandomFloats(6, 71)));
+  b.Add("ids", "I64", {2, 2}, RawBytes(std::vector<int64_t>{1, 2, 3, 4}));
+  b.Add("fp8.weight", "F8_E4M3", {4, 4}, RawBytes(RandomFp8(16, 72)));  // no scale
+  b.Add("empty", "F32", {0, 5}, "");
+  const std::string path = Write("ckpt/model.safetensors", b.Build());
+  auto ckpt = Checkpoint::Open(ckpt_dir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const Checkpoint& c = **ckpt;
+
+  std::vector<float> out(64, 0.0f);
+  const std::vector<int64_t> s65 = {6, 5}, s56 = {5, 6}, s6 = {6}, s22 = {2, 2}, s44 = {4, 4},
+                             s05 = {0, 5};
+  struct BadRange {
+    int64_t row_begin, row_end, col_begin, col_end;
+    std::string needle;
+  };
+  for (const BadRange& r : std::vector<BadRange>{
+           {-1, 3, 0, 5, "rows [-1, 3)"},     // row_begin < 0
+           {4, 3, 0, 5, "rows [4, 3)"},       // row_begin > row_end
+           {0, 7, 0, 5, "rows [0, 7)"},       // row_end > rows
+           {7, 7, 0, 5, "rows [7, 7)"},       // empty, but outside
+           {0, 6, -2, 5, "columns [-2, 5)"},  // col_begin < 0
+           {0, 6, 3, 2, "columns [3, 2)"},    // col_begin > col_end
+           {0, 6, 0, 6, "columns [0, 6)"},    // col_end > cols
+           {2, 3, 6, 6, "columns [6, 6)"},    // empty, but outside
+       }) {
+    EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, r.row_begin, r.row_end, r.col_begin, r.col_end,
+                                    DType::kF32, out.data()),
+                        StatusCode::kInvalidArgument, {"'w.2d'", path, r.needle}))
+        << r.needle;
+  }
+  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s56, 0, 1, 0, 1, DType::kF32, out.data()),
+                      StatusCode::kInvalidArgument, {"'w.2d'", path, "[6, 5]", "[5, 6]"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("nope", s65, 0, 1, 0, 1, DType::kF32, out.data()),
+                      StatusCode::kNotFound, {"'nope'", ckpt_dir()}));
+  EXPECT_TRUE(IsError(c.LoadSlice("w.1d", s6, 0, 1, 0, 1, DType::kF32, out.data()),
+                      StatusCode::kInvalidArgument, {"'w.1d'", path, "[6]", "2-D"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, 0, 1, 0, 1, DType::kF16, out.data()),
+                      StatusCode::kInvalidArgument, {"'w.2d'", "f16"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("ids", s22, 0, 1, 0, 1, DType::kF32, out.data()),
+                      StatusCode::kInvalidArgument, {"'ids'", path, "I64", "unsupported"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("fp8.weight", s44, 0, 1, 0, 1, DType::kF32, out.data()),
+                      StatusCode::kInvalidArgument,
+                      {"'fp8.weight'", "'fp8.weight_scale_inv'", path}));
+  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, 0, 1, 0, 1, DType::kF32, nullptr),
+                      StatusCode::kInvalidArgument, {"'w.2d'", "null"}));
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(),
+                          [](float x) { return x == 0.0f; }));  // untouched on error
+
+  // A tensor with no rows: only the empty row range exists.
+  EXPECT_TRUE(c.LoadSlice("empty", s05, 0, 0, 1, 4, DType::kF32, nullptr).ok());
+  EXPECT_TRUE(IsError(c.LoadSlice("empty", s05, 0, 1, 0, 5, DType::kF32, out.data()),
+                      StatusCode::kInvalidArgument, {"'empty'", "rows [0, 1)"}));
+}
+
+// Marks PROT_NONE every page of the mapping that lies wholly inside `t`'s
+// bytes and holds none of the bytes of slice `s` (of a [rows, cols] tensor).
+// Returns the number of pages protected, or -1 if mprotect fails.
+int64_t ProtectUnselectedPages(const TensorRef& t, const SliceCase& s) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data), end = begin + t.bytes;
+  const uintptr_t element = SafetensorsDTypeSize(t.dtype);
+  const uintptr_t row_bytes = static_cast<uintptr_t>(t.shape[1]) * element;
+  int64_t protected_pages = 0;
+  for (uintptr_t p = (begin + page - 1) / page * page; p + page <= end; p += page) {
+    bool selected = false;
+    const int64_t first_row = static_cast<int64_t>((p - begin) / row_bytes);
+    const int64_t last_row = static_cast<int64_t>((p + page - 1 - begin) / row_bytes);
+    for (int64_t r = std::max(first_row, s.row_begin);
+         r <= std::min(last_row, s.row_end - 1) && !selected; ++r) {
+      const uintptr_t row = begin + static_cast<uintptr_t>(r) * row_bytes;
+      const uintptr_t sel_begin = row + static_cast<uintptr_t>(s.col_begin) * element;
+      const uintptr_t sel_end = row + static_cast<uintptr_t>(s.col_end) * element;
+      selected = sel_begin < sel_end && sel_begin < p + page && p < sel_end;
+    }
+    if (selected) continue;
+    if (::mprotect(reinterpret_cast<void*>(p), page, PROT_NONE) != 0) return -1;
+    ++protected_pages;
+  }
+  return protected_pages;
+}
+
+// LoadSlice computes every source address from a selected row and column
+// (the memcpy per row, or the conversion of each piece of a row), so no other
+// byte of the tensor is read. Here that is enforced by the MMU: in a forked
+// child, every page of the tensor's mapping that holds no selected byte is made
+// unreadable, and the slice must still load and match the unprotected full
+// Load. Reading one protected byte kills the child with SIGSEGV; the control
+// at the end shows a full Load under the same protection does exactly that.
+using CheckpointDeathTest = CheckpointTest;
+
+TEST_F(CheckpointDeathTest, SliceReadsOnlySelectedBytes) {
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  // Rows of three pages, so the columns of one page leave two pages per row
+  // unread; F32 takes the memcpy path, BF16 the conversion, fp8 the scaling.
+  const int64_t f32_cols = 3 * page / 4, bf16_cols = 3 * page / 2, fp8_cols = 3 * page;
+  constexpr int64_t kRows = 40, kFp8Rows = 260;
+  std::vector<uint16_t> bf16;
+  for (float x : RandomFloats(static_cast<size_t>(kRows * bf16_cols), 81))
+    bf16.push_back(FloatToBf16(x));
+  const int64_t scale_cols = (fp8_cols + 127) / 128;
+  std::vector<float> scale;
+  for (float x : RandomFloats(static_cast<size_t>(3 * scale_cols), 83))
+    scale.push_back(std::abs(x) + 0.5f);
+  FileBuilder b;
+  b.Add("f32", "F32", {kRows, f32_cols},
+        RawBytes(RandomFloats(static_cast<size_t>(kRows * f32_cols), 80)));
+  b.Add("bf16", "BF16", {kRows, bf16_cols}, RawBytes(bf16));
+  b.Add("fp8", "F8_E4M3", {kFp8Rows, fp8_cols},
+        RawBytes(RandomFp8(static_cast<size_t>(kFp8Rows * fp8_cols), 82)));
+  b.Add("fp8_scale_inv", "F32", {3, scale_cols}, RawBytes(scale));
+  Write("ckpt/model.safetensors", b.Build());
+  auto ckpt = Checkpoint::Open(ckpt_dir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const Checkpoint& c = **ckpt;
+
+  for (const auto& [name, rows, cols] : std::vector<std::tuple<std::string, int64_t, int64_t>>{
+           {"f32", kRows, f32_cols}, {"bf16", kRows, bf16_cols}, {"fp8", kFp8Rows, fp8_cols}}) {
+    const std::vector<int64_t> shape = {rows, cols};
+    std::vector<uint32_t> full(static_cast<size_t>(rows * cols));
+    ASSERT_TRUE(c.Load(name, shape, DType::kF32, full.data()).ok());
+    const int64_t mid = rows / 2;
+    for (const SliceCase& s : std::vector<SliceCase>{
+             {mid - 10, mid + 10, 0, cols},                         // whole rows
+             {mid - 10, mid + 10, cols / 3 + 1, 2 * cols / 3 - 1},  // the middle of each row
+             {mid, mid + 1, cols / 2, cols / 2 + 1},                // one element
+         }) {
+      SCOPED_TRACE(testing::Message() << name << ", " << s);
+      // Exit codes: 0 match, 1 mismatch, 2 LoadSlice failed, 3 nothing protected.
+      const auto slice_under_protection = [&]() -> int {
+        if (ProtectUnselectedPages(*c.Find(name), s) <= 0) return 3;
+        std::vector<uint32_t> got(s.numel());
+        if (!c.LoadSlice(name, shape, s.row_begin, s.row_end, s.col_begin, s.col_end, DType::kF32,
+                         got.data())
+                 .ok()) {
+          return 2;
+        }
+        for (int64_t i = 0; i < s.rows(); ++i) {
+          for (int64_t j = 0; j < s.cols(); ++j) {
+            if (got[static_cast<size_t>(i * s.cols() + j)] !=
+                full[static_cast<size_t>((s.row_begin + i) * cols + s.col_begin + j)]) {
+              return 1;
+            }
+          }
+        }
+        return 0;
+      };
+      EXPECT_EXIT(std::exit(slice_under_protection()), testing::ExitedWithCode(0), "");
+    }
+    // Control: the protection of the narrowest slice above is really in force.
+    const auto full_load_under_protection = [&]() {
+      const SliceCase s = {mid, mid + 1, cols / 2, cols / 2 + 1};
+      if (ProtectUnselectedPages(*c.Find(name), s) <= 0) std::exit(3);
+      std::vector<uint32_t> got(full.size());
+      std::exit(c.Load(name, shape, DType::kF32, got.data()).ok() ? 0 : 2);
+    };
+    EXPECT_EXIT(full_load_under_protection(), testing::KilledBySignal(SIGSEGV), "") << name;
+  }
 }
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // CUDA error handling for .cu files: every runtime call goes through
 // MLARUN_CUDA_RETURN_IF_ERROR, which turns a failure into a Status naming the
-// expression, file and line. Include only from .cu files.
+// expression, file and line. Include only from sources of CUDA builds (.cu, or
+// .cc files that link the CUDA runtime): it needs cuda_runtime.h.
 #pragma once
 
 #include <cuda_runtime.h>

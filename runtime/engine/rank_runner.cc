@@ -1,0 +1,78 @@
+#include "runtime/engine/rank_runner.h"
+
+#include <chrono>
+
+namespace mlarun {
+
+StatusOr<std::unique_ptr<RankRunner>> RankRunner::Create(Model& model, const EngineConfig& config,
+                                                         ProcessGroups& groups) {
+  if (!(model.shard() == ModelShard::For(groups.layout, groups.rank)))
+    return InvalidArgumentError("rank runner: the model was not loaded as this rank's shard of ", groups.layout);
+  if (!groups.world || !groups.attn_tp || !groups.dp_peers)
+    return InvalidArgumentError("rank runner: process groups are missing communicators");
+  MLARUN_ASSIGN_OR_RETURN(auto engine, Engine::Create(model, config));
+  return std::unique_ptr<RankRunner>(new RankRunner(model, groups, std::move(engine)));
+}
+
+StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
+  if (!is_leader()) return FailedPreconditionError("rank runner: only a DP group's leader takes requests");
+  return engine_->Add(std::move(request));
+}
+
+const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_->Output(id); }
+
+void RankRunner::UpdateCacheStats(const StepPlan& plan) {
+  cache_stats_.now = engine_->cache().stats();
+  cache_stats_.peak_bytes_used = std::max(cache_stats_.peak_bytes_used, cache_stats_.now.bytes_used);
+  cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
+}
+
+StatusOr<bool> RankRunner::Step() {
+  // 1. The plan: made by the leader, replayed by the group.
+  StepPlan plan;
+  if (is_leader()) {
+    MLARUN_ASSIGN_OR_RETURN(plan, engine_->Schedule());
+  }
+  Communicator& group = *groups_.attn_tp;
+  if (group.size() > 1) {
+    std::vector<int64_t> encoded;
+    if (is_leader()) encoded = plan.Encode();
+    int64_t n = static_cast<int64_t>(encoded.size());
+    MLARUN_RETURN_IF_ERROR(group.Broadcast(&n, 1, CommType::kI64, 0));
+    encoded.resize(static_cast<size_t>(n));
+    MLARUN_RETURN_IF_ERROR(group.Broadcast(encoded.data(), n, CommType::kI64, 0));
+    if (!is_leader()) {
+      MLARUN_ASSIGN_OR_RETURN(plan, StepPlan::Decode(encoded));
+      MLARUN_RETURN_IF_ERROR(ApplyCacheOps(engine_->mutable_cache(), plan.cache_ops));
+      for (StepPlan::Seq& s : plan.seqs) s.logits = false;  // only the leader samples
+    }
+  }
+  // 2. Lockstep: every rank's [tokens, work left].
+  Communicator& world = *groups_.world;
+  const int64_t mine[2] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0};
+  std::vector<int64_t> all(static_cast<size_t>(2 * world.size()));
+  MLARUN_RETURN_IF_ERROR(world.AllGather(mine, 2, all.data(), CommType::kI64));
+  bool any_work = false;
+  for (int r = 0; r < world.size(); ++r) any_work |= all[static_cast<size_t>(2 * r + 1)] != 0;
+  if (!any_work) return false;
+  const ParallelLayout& layout = groups_.layout;
+  dp_tokens_.assign(static_cast<size_t>(layout.dp), 0);
+  for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(2 * layout.leader_of(g))];
+  // 3. The model step, on every rank, idle or not.
+  const ParallelStep step{.attn_tp = groups_.attn_tp.get(), .dp_peers = groups_.dp_peers.get(),
+                          .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank()};
+  const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
+  const auto t0 = std::chrono::steady_clock::now();
+  MLARUN_ASSIGN_OR_RETURN(const std::vector<float> logits, model_.Forward(seqs, engine_->mutable_cache(), &step));
+  engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  ++steps_;
+  // 4. Sampling, on the leader. Members mirror the cache commits through the
+  //    next plan's cache operations.
+  if (is_leader()) {
+    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, logits).status());
+  }
+  UpdateCacheStats(plan);
+  return true;
+}
+
+}  // namespace mlarun

@@ -1,0 +1,66 @@
+// One rank's part of serving under mpirun, in lockstep with every other rank.
+//
+// Each step:
+//  1. the DP group's leader (attn_tp_rank 0) schedules with its Engine and
+//     broadcasts the step plan to its group; the other members replay the
+//     plan's cache mutations on their identical copies of the group's cache;
+//  2. all ranks exchange [this group's tokens, work left] (one small
+//     all-gather over the world): every rank learns every DP group's token
+//     count, and when no rank has work they all stop together;
+//  3. every rank runs the model step: attention for its group's tokens on its
+//     heads, the MLP / MoE on its shard for every group's tokens. A group with
+//     nothing to do runs an empty batch, so no collective misses a rank;
+//  4. the leader samples and retires finished requests; only the leader
+//     samples, and the next plan carries the sampled tokens to the members.
+//
+// Not thread-safe; every rank must call Step() the same number of times.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "parallel/layout.h"
+#include "runtime/engine/engine.h"
+
+namespace mlarun {
+
+struct RankCacheStats {
+  LatentCacheStats now;
+  int64_t peak_bytes_used = 0;
+  int64_t bytes_written = 0;  // rows appended x bytes per token, cumulative
+};
+
+class RankRunner {
+ public:
+  // `model` is this rank's shard (ModelShard::For(groups.layout, groups.rank)).
+  static StatusOr<std::unique_ptr<RankRunner>> Create(Model& model, const EngineConfig& config, ProcessGroups& groups);
+
+  bool is_leader() const { return groups_.is_leader(); }
+  // Leaders only: queue a request for this DP group.
+  StatusOr<int64_t> Add(GenerationRequest request);
+  const GenerationOutput* Output(int64_t id) const;
+
+  // One lockstep step on every rank. Returns false, on every rank at once,
+  // when no rank had work (nothing ran).
+  StatusOr<bool> Step();
+
+  const RankCacheStats& cache_stats() const { return cache_stats_; }
+  int64_t steps() const { return steps_; }
+  // Last step's tokens per DP group.
+  const std::vector<int64_t>& last_dp_tokens() const { return dp_tokens_; }
+  Engine* engine() { return engine_.get(); }  // leaders; the members' is never scheduled
+
+ private:
+  RankRunner(Model& model, ProcessGroups& groups, std::unique_ptr<Engine> engine)
+      : model_(model), groups_(groups), engine_(std::move(engine)) {}
+  void UpdateCacheStats(const StepPlan& plan);
+
+  Model& model_;
+  ProcessGroups& groups_;
+  std::unique_ptr<Engine> engine_;  // every rank owns one (its cache); only leaders schedule
+  std::vector<int64_t> dp_tokens_;
+  RankCacheStats cache_stats_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace mlarun

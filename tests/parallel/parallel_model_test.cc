@@ -1,0 +1,227 @@
+// The tiny DeepSeek-V3-shaped model on W ranks (run by ctest under mpirun,
+// one entry per layout) against the same model on one rank: logits, tokens
+// and where the latent cache lives.
+//
+//   mpirun -np W parallel_model_test --layout dp=D,attn_tp=T[,moe=...]
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "parallel/mpi/mpi_world.h"
+#include "runtime/engine/rank_runner.h"
+
+namespace mlarun {
+namespace {
+
+MpiSession* g_session = nullptr;
+ParallelLayout g_layout;
+
+std::string TinyYaml() { return std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml"; }
+
+std::unique_ptr<Model> LoadTiny(const ModelShard& shard) {
+  ModelOptions o;
+  o.shard = shard;
+  auto m = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = DType::kF32}, o);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+std::vector<int32_t> Prompt(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> p(static_cast<size_t>(n));
+  for (auto& t : p) t = static_cast<int32_t>(2 + rng() % 500);
+  return p;
+}
+
+ProcessGroups Groups() {
+  auto g = g_session->Groups(g_layout);
+  EXPECT_TRUE(g.ok()) << g.status();
+  return std::move(g).value();
+}
+
+// Gathers every rank's int64/float vector to all ranks, in rank order.
+template <typename T>
+std::vector<std::vector<T>> GatherAll(Communicator& world, const std::vector<T>& mine, CommType t) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> counts(static_cast<size_t>(world.size()));
+  EXPECT_TRUE(world.AllGather(&n, 1, counts.data(), CommType::kI64).ok());
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::vector<T> flat(static_cast<size_t>(total));
+  EXPECT_TRUE(world.AllGatherV(mine.data(), counts, flat.data(), t).ok());
+  std::vector<std::vector<T>> out;
+  int64_t off = 0;
+  for (int64_t c : counts) {
+    out.emplace_back(flat.begin() + off, flat.begin() + off + c);
+    off += c;
+  }
+  return out;
+}
+
+// Every DP group runs a full forward of its own prompts (the last group has
+// none when dp > 1: an idle group still joins every collective). Rank 0 checks
+// each group's logits against the whole model on one rank.
+TEST(Parallel, LogitsMatchOneRank) {
+  ProcessGroups g = Groups();
+  auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
+  ASSERT_TRUE(model);
+  const int D = g_layout.dp;
+  auto prompts_of = [&](int group) {
+    std::vector<std::vector<int32_t>> p;
+    if (D > 1 && group == D - 1) return p;
+    for (int k = 0; k <= group; ++k) p.push_back(Prompt(3 + 5 * k + group, static_cast<uint32_t>(100 * group + k)));
+    return p;
+  };
+  auto cache = std::move(LatentCache::Create(model->CacheConfig(16 << 20, 16))).value();
+  const auto mine = prompts_of(g.dp_rank());
+  std::vector<ForwardSeq> seqs;
+  for (size_t k = 0; k < mine.size(); ++k) {
+    ASSERT_TRUE(cache->AddSequence(static_cast<SeqId>(k)).ok());
+    ASSERT_TRUE(cache->Append(static_cast<SeqId>(k), mine[k]).ok());
+    seqs.push_back(ForwardSeq{.id = static_cast<SeqId>(k), .tokens = mine[k], .logits = ForwardSeq::Logits::kAll});
+  }
+  ParallelStep step{.attn_tp = g.attn_tp.get(), .dp_peers = g.dp_peers.get(), .dp_rank = g.dp_rank()};
+  for (int grp = 0; grp < D; ++grp) {
+    int64_t n = 0;
+    for (const auto& p : prompts_of(grp)) n += static_cast<int64_t>(p.size());
+    step.dp_tokens.push_back(n);
+  }
+  auto logits = model->Forward(seqs, *cache, &step);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  const auto all = GatherAll(*g.world, g.is_leader() ? *logits : std::vector<float>{}, CommType::kF32);
+  if (g.rank != 0) return;
+  auto whole = LoadTiny(ModelShard{});
+  ASSERT_TRUE(whole);
+  for (int grp = 0; grp < D; ++grp) {
+    const auto prompts = prompts_of(grp);
+    auto ref_cache = std::move(LatentCache::Create(whole->CacheConfig(16 << 20, 16))).value();
+    std::vector<ForwardSeq> ref_seqs;
+    for (size_t k = 0; k < prompts.size(); ++k) {
+      ASSERT_TRUE(ref_cache->AddSequence(static_cast<SeqId>(k)).ok());
+      ASSERT_TRUE(ref_cache->Append(static_cast<SeqId>(k), prompts[k]).ok());
+      ref_seqs.push_back(ForwardSeq{.id = static_cast<SeqId>(k), .tokens = prompts[k], .logits = ForwardSeq::Logits::kAll});
+    }
+    auto ref = whole->Forward(ref_seqs, *ref_cache);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+    const auto& got = all[static_cast<size_t>(g_layout.leader_of(grp))];
+    ASSERT_EQ(got.size(), ref->size()) << "group " << grp;
+    double err = 0, scale = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      err = std::max(err, double{std::abs(got[i] - (*ref)[i])});
+      scale = std::max(scale, double{std::abs((*ref)[i])});
+    }
+    EXPECT_LE(err, 1e-5 * std::max(scale, 1.0)) << "group " << grp << " of " << g_layout;
+  }
+}
+
+std::vector<GenerationRequest> Requests() {
+  // Different lengths and max_tokens: groups finish on different steps, and
+  // with more groups than requests some groups never get one.
+  std::vector<GenerationRequest> r;
+  const int lens[] = {5, 40, 3, 17, 9};
+  const int max_tokens[] = {12, 3, 7, 20, 5};
+  for (int i = 0; i < 5; ++i) {
+    SamplingParams sp{.max_tokens = max_tokens[i], .ignore_eos = true};
+    if (i == 3) sp.temperature = 0.7, sp.top_p = 0.9, sp.seed = 42;
+    r.push_back({Prompt(lens[i], static_cast<uint32_t>(7 + i)), sp});
+  }
+  return r;
+}
+
+TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
+  ProcessGroups g = Groups();
+  auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
+  ASSERT_TRUE(model);
+  const EngineConfig ec{.max_num_batched_tokens = 16, .cache_budget_bytes = 16 << 20, .block_size = 16,
+                        .enable_prefix_caching = false};
+  auto runner = RankRunner::Create(*model, ec, g);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  const auto reqs = Requests();
+  // Request i goes to DP group i % dp (only its leader queues it).
+  std::vector<std::pair<int, int64_t>> mine;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    if (static_cast<int>(i) % g_layout.dp != g.dp_rank() || !g.is_leader()) continue;
+    auto id = (*runner)->Add(reqs[i]);
+    ASSERT_TRUE(id.ok()) << id.status();
+    mine.emplace_back(static_cast<int>(i), *id);
+  }
+  for (;;) {
+    auto more = (*runner)->Step();
+    ASSERT_TRUE(more.ok()) << more.status();
+    if (!*more) break;
+  }
+  // Leaders send [index, n, tokens...] per request.
+  std::vector<int64_t> out;
+  for (const auto& [i, id] : mine) {
+    const GenerationOutput* o = (*runner)->Output(id);
+    out.push_back(i);
+    out.push_back(static_cast<int64_t>(o->tokens.size()));
+    out.insert(out.end(), o->tokens.begin(), o->tokens.end());
+  }
+  const auto all = GatherAll(*g.world, out, CommType::kI64);
+  const auto written = GatherAll(*g.world, std::vector<int64_t>{(*runner)->cache_stats().bytes_written}, CommType::kI64);
+  if (g.rank != 0) return;
+  std::vector<std::vector<int64_t>> tokens(reqs.size());
+  for (const auto& v : all)
+    for (size_t k = 0; k < v.size(); k += 2 + static_cast<size_t>(v[k + 1]))
+      tokens[static_cast<size_t>(v[k])].assign(v.begin() + static_cast<int64_t>(k) + 2,
+                                               v.begin() + static_cast<int64_t>(k) + 2 + v[k + 1]);
+  auto whole = LoadTiny(ModelShard{});
+  auto engine = std::move(Engine::Create(*whole, ec)).value();
+  const auto ref = engine->Generate(reqs);
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(ref[i].ok());
+    EXPECT_EQ(tokens[i], ref[i]->tokens) << "request " << i << " under " << g_layout;
+  }
+  // The latent cache: every member of a DP group holds the group's rows; the
+  // groups' copies add up to one copy of the whole set.
+  int64_t total = 0;
+  for (const auto& req : reqs)
+    total += static_cast<int64_t>(req.prompt.size()) + req.sampling.max_tokens - 1;  // the last token is never fed back
+  const int64_t per_token = whole->CacheConfig(0).num_layers *
+                            (whole->config().kv_lora_rank + whole->config().qk_rope_head_dim) * 4;
+  int64_t sum_over_groups = 0;
+  for (int grp = 0; grp < g_layout.dp; ++grp) {
+    const int64_t leader = written[static_cast<size_t>(g_layout.leader_of(grp))][0];
+    for (int t = 0; t < g_layout.attn_tp; ++t)
+      EXPECT_EQ(written[static_cast<size_t>(g_layout.leader_of(grp) + t)][0], leader) << "group " << grp << " member " << t;
+    sum_over_groups += leader;
+  }
+  EXPECT_EQ(sum_over_groups, total * per_token);
+  if (g_layout.dp == 1) {
+    for (const auto& w : written) EXPECT_EQ(w[0], total * per_token) << "under pure TP every rank holds the whole set";
+  }
+}
+
+}  // namespace
+}  // namespace mlarun
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  auto session = mlarun::MpiSession::Init(&argc, &argv);
+  if (!session.ok()) {
+    fprintf(stderr, "%s\n", session.status().ToString().c_str());
+    return 2;
+  }
+  std::string layout = "dp=1";
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::strcmp(argv[i], "--layout") == 0) layout = argv[i + 1];
+  auto parsed = mlarun::ParseParallelLayout(layout);
+  if (!parsed.ok()) (*session)->Abort(parsed.status().ToString(), 2);
+  mlarun::g_session = session->get();
+  mlarun::g_layout = *parsed;
+  if ((*session)->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int failed = RUN_ALL_TESTS();
+  // Every rank reports the job's verdict.
+  auto world = (*session)->World();
+  if (world.ok()) {
+    float f = static_cast<float>(failed);
+    (void)(*world)->AllReduceSum(&f, 1, mlarun::CommType::kF32);
+    failed = f != 0.f;
+  }
+  return failed;
+}
