@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
   dec->add_option("--kv-dtype", db.kv_dtype, "Latent cache dtype: bf16 or fp32");
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
+  dec->add_option("--parallel", db.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
 
   mlarun::GenerateOptions gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
@@ -72,7 +73,13 @@ int main(int argc, char** argv) {
 
   if (dec->parsed()) {
     if (decode_threads > 0) omp_set_num_threads(decode_threads);
-    const mlarun::Status st = mlarun::RunDecodeBench(db);
+    mlarun::Status st;
+    if (db.parallel.empty()) {
+      st = mlarun::RunDecodeBench(db);
+    } else {
+      auto session = mlarun::MpiSession::Init(&argc, &argv);
+      st = session.ok() ? mlarun::RunDecodeBenchParallel(db, **session) : session.status();
+    }
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun bench decode: %s\n", st.ToString().c_str());
       return 1;

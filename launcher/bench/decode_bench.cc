@@ -9,6 +9,7 @@
 #include <random>
 
 #include "launcher/bench/timing.h"
+#include "parallel/mpi/mpi_world.h"
 #include "runtime/model/model.h"
 
 namespace mlarun {
@@ -47,16 +48,20 @@ Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
   return Status::Ok();
 }
 
-}  // namespace
+struct BenchModel {
+  ModelConfig config;
+  WeightBytes predicted;
+  std::unique_ptr<Model> model;
+};
 
-Status RunDecodeBench(const DecodeBenchOptions& o) {
+// The configuration first (reduced depth and experts applied), to check the
+// memory before allocating anything; then this rank's shard of the weights.
+StatusOr<BenchModel> LoadBenchModel(const DecodeBenchOptions& o, const ModelShard& shard) {
   const bool yaml = o.model.ends_with(".yaml") || o.model.ends_with(".yml");
   if (!yaml && (o.num_layers > 0 || o.experts > 0))
     return InvalidArgumentError("--num-layers and --experts apply to YAML models only");
-  std::ostream& table = o.json ? std::cerr : std::cout;
-
-  // The configuration first, to check the memory before allocating anything.
-  ModelConfig config;
+  BenchModel bm;
+  ModelConfig& config = bm.config;
   uint64_t seed = 0;
   if (yaml) {
     MLARUN_ASSIGN_OR_RETURN(YamlModel ym, LoadModelYaml(o.model));
@@ -81,17 +86,31 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   if (!o.kv_dtype.empty()) {
     MLARUN_ASSIGN_OR_RETURN(config.kv_dtype, ParseDType(o.kv_dtype));
   }
-  const WeightBytes predicted = PredictWeightBytes(config);
-  if (predicted.total() > o.max_weight_bytes)
-    return ResourceExhaustedError("the model's weights would take ", predicted.total() >> 20, " MiB (limit ",
+  MLARUN_RETURN_IF_ERROR(ValidateModelShard(config, shard));
+  bm.predicted = PredictWeightBytes(config, shard);
+  if (bm.predicted.total() > o.max_weight_bytes)
+    return ResourceExhaustedError("the model's weights would take ", bm.predicted.total() >> 20, " MiB (limit ",
                                   o.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
-  std::unique_ptr<Model> model;
+  ModelOptions mo;
+  mo.shard = shard;
   if (yaml) {
-    MLARUN_ASSIGN_OR_RETURN(model, Model::Random(config, seed));
+    MLARUN_ASSIGN_OR_RETURN(bm.model, Model::Random(config, seed, mo));
   } else {
     MLARUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(o.model));
-    MLARUN_ASSIGN_OR_RETURN(model, Model::FromCheckpoint(config, *ckpt));
+    MLARUN_ASSIGN_OR_RETURN(bm.model, Model::FromCheckpoint(config, *ckpt, mo));
   }
+  return bm;
+}
+
+}  // namespace
+
+Status RunDecodeBench(const DecodeBenchOptions& o) {
+  std::ostream& table = o.json ? std::cerr : std::cout;
+
+  MLARUN_ASSIGN_OR_RETURN(BenchModel bm, LoadBenchModel(o, ModelShard{}));
+  const ModelConfig& config = bm.config;
+  const WeightBytes& predicted = bm.predicted;
+  std::unique_ptr<Model>& model = bm.model;
   int64_t moe_layers = 0;
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) moe_layers += config.IsMoeLayer(i);
   InitBenchmarkLibrary();
@@ -184,6 +203,100 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
     }
   }
   if (o.json) std::cout << doc.dump(2) << std::endl;
+  return Status::Ok();
+}
+
+Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) {
+  MLARUN_ASSIGN_OR_RETURN(const ParallelLayout layout, ParseParallelLayout(o.parallel));
+  MLARUN_ASSIGN_OR_RETURN(ProcessGroups groups, session.Groups(layout));
+  const bool root = groups.rank == 0;
+  std::ostream& table = o.json ? std::cerr : std::cout;
+  auto bm = LoadBenchModel(o, ModelShard::For(layout, groups.rank));
+  if (!bm.ok()) session.Abort(bm.status().ToString(), 2);
+  const ModelConfig& config = bm->config;
+  Model& model = *bm->model;
+  InitBenchmarkLibrary();
+  const int64_t H = config.hidden_size, layers = config.num_hidden_layers;
+  Json doc;
+  doc["model"] = o.model;
+  doc["layout"] = o.parallel;
+  doc["world"] = layout.world();
+  doc["layers"] = layers;
+  doc["weight_bytes_rank0"] = bm->predicted.total();
+  doc["rows"] = Json::array();
+  if (root)
+    table << "mlarun bench decode --parallel " << layout << ": " << o.model << ", " << layers << " layers, "
+          << layout.world() << " ranks on " << omp_get_max_threads()
+          << " threads each (oversubscribed cores show the shape of the costs, not their speed)\n"
+          << "  batch context | decode tok/s  step ms | bytes/step on rank 0, measured (predicted): all-reduce  "
+             "all-gather  reduce-scatter\n";
+  const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
+  std::mt19937 rng(7 + static_cast<uint32_t>(groups.dp_rank()));
+  for (int64_t batch : o.batches) {
+    if (batch % layout.dp != 0)
+      return InvalidArgumentError("--batch ", batch, " is not divisible by dp=", layout.dp);
+    const int64_t b = batch / layout.dp;  // this DP group's sequences
+    for (int64_t context : o.contexts) {
+      LatentCacheConfig cc = model.CacheConfig(0, 64);
+      cc.enable_prefix_caching = false;
+      const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
+      cc.budget_bytes = b * ((context + o.repetitions + 2 + 63) / 64 + 1) * 64 * bytes_per_token;
+      MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
+      std::vector<int64_t> len(static_cast<size_t>(b), context);
+      for (int64_t s = 0; s < b; ++s) {
+        MLARUN_RETURN_IF_ERROR(cache->AddSequence(s));
+        MLARUN_RETURN_IF_ERROR(FillContext(*cache, s, context, rng));
+      }
+      std::vector<int32_t> tok(static_cast<size_t>(b), 3);
+      const ParallelStep step{.attn_tp = groups.attn_tp.get(), .dp_peers = groups.dp_peers.get(),
+                              .dp_tokens = std::vector<int64_t>(static_cast<size_t>(layout.dp), b),
+                              .dp_rank = groups.dp_rank()};
+      auto decode_step = [&]() -> Status {
+        std::vector<ForwardSeq> seqs;
+        for (int64_t s = 0; s < b; ++s) {
+          MLARUN_RETURN_IF_ERROR(cache->Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1)));
+          seqs.push_back(ForwardSeq{.id = s, .tokens = std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
+                                    .start_pos = len[static_cast<size_t>(s)]++});
+        }
+        return model.Forward(seqs, *cache, &step).status();
+      };
+      MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
+      groups.attn_tp->mutable_stats().Clear();
+      groups.dp_peers->mutable_stats().Clear();
+      MLARUN_ASSIGN_OR_RETURN(const double step_ms, TimeMs("parallel_decode_step", decode_step, timing));
+      // Bytes this rank put into each kind of collective, per step, and the
+      // layout's prediction: per layer, the attn-TP group all-reduces the
+      // o_proj and MLP outputs of its b tokens; across DP groups each rank
+      // contributes its b hidden rows to the gather and sends all B rows of
+      // partial MLP output into the reduce-scatter.
+      const double steps = o.repetitions;
+      auto per_step = [&](auto member) {
+        return static_cast<double>((groups.attn_tp->stats().*member).bytes + (groups.dp_peers->stats().*member).bytes) / steps;
+      };
+      const double ar = per_step(&CommStats::all_reduce), ag = per_step(&CommStats::all_gather),
+                   rs = per_step(&CommStats::reduce_scatter);
+      const int64_t fp = 4;
+      const double ar_pred = layout.attn_tp > 1 ? static_cast<double>(layers * 2 * b * H * fp) : 0;
+      const double ag_pred = layout.dp > 1 ? static_cast<double>(layers * b * H * fp) : 0;
+      const double rs_pred = layout.dp > 1 ? static_cast<double>(layers * batch * H * fp) : 0;
+      const bool agree = ar == ar_pred && ag == ag_pred && rs == rs_pred;
+      // Every rank checks its own; the job agrees on the verdict.
+      float mismatches = agree ? 0.f : 1.f;
+      MLARUN_RETURN_IF_ERROR(groups.world->AllReduceSum(&mismatches, 1, CommType::kF32));
+      doc["rows"].push_back({{"batch", batch}, {"context", context}, {"decode_tokens_per_s", batch / (step_ms * 1e-3)},
+                             {"decode_step_ms", step_ms},
+                             {"bytes_per_step", {{"all_reduce", ar}, {"all_gather", ag}, {"reduce_scatter", rs}}},
+                             {"predicted_bytes_per_step", {{"all_reduce", ar_pred}, {"all_gather", ag_pred}, {"reduce_scatter", rs_pred}}},
+                             {"ranks_disagreeing_with_prediction", static_cast<int>(mismatches)}});
+      if (root)
+        table << "  " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(12) << std::fixed
+              << std::setprecision(2) << batch / (step_ms * 1e-3) << " " << std::setw(8) << std::setprecision(1) << step_ms
+              << " | " << std::setprecision(0) << ar << " (" << ar_pred << ")  " << ag << " (" << ag_pred << ")  " << rs
+              << " (" << rs_pred << ")" << (mismatches > 0 ? "  MISMATCH on some rank" : "") << "\n";
+      if (mismatches > 0) return InternalError("communication bytes differ from the layout's prediction on ", mismatches, " ranks");
+    }
+  }
+  if (o.json && root) std::cout << doc.dump(2) << std::endl;
   return Status::Ok();
 }
 

@@ -29,8 +29,16 @@ struct DecodeBenchOptions {
   std::string kv_dtype;          // "" keeps the model's
   bool json = false;
   int64_t max_weight_bytes = int64_t{16} << 30;  // refuse larger models (they would not fit next to the cache)
+  std::string parallel;      // "dp=D,attn_tp=T[,moe=...]": under mpirun (decode only)
 };
 
 Status RunDecodeBench(const DecodeBenchOptions& o);
+
+// Under mpirun: every rank loads its shard, each DP group decodes batch / dp
+// sequences, and rank 0 reports decode tokens/s per layout and this rank's
+// communication bytes per step by collective next to what the layout predicts
+// (every rank checks its own against the prediction).
+class MpiSession;
+Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session);
 
 }  // namespace mlarun
