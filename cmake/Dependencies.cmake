@@ -19,3 +19,8 @@ find_package(benchmark CONFIG REQUIRED)
 
 # Open MPI: ranks under mpirun. MPIEXEC_EXECUTABLE runs the multi-rank tests.
 find_package(MPI REQUIRED COMPONENTS CXX)
+
+# gRPC and Protobuf: the coordinator service. Protobuf has no CMake config on
+# Debian ("Could NOT find c-ares" from gRPC's config is harmless).
+find_package(Protobuf REQUIRED)
+find_package(gRPC CONFIG REQUIRED)

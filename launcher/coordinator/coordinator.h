@@ -1,0 +1,61 @@
+// The coordinator: the gRPC service that takes requests from clients, routes
+// each to exactly one DP group of the registered workers, and streams the
+// tokens back (launcher/proto/mlarun.proto documents every message).
+//
+// Start() binds and serves on its own threads; the object is thread-safe.
+// No gRPC header is visible here.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+enum class RoutingPolicy : uint8_t {
+  kRoundRobin = 0,
+  kLeastLoaded = 1,     // fewest queued tokens, then most free blocks
+  kPrefixAffinity = 2,  // longest cached prompt prefix, unless too loaded
+};
+std::string_view RoutingPolicyName(RoutingPolicy p);
+StatusOr<RoutingPolicy> ParseRoutingPolicy(std::string_view name);  // round_robin | least_loaded | prefix_affinity
+
+struct CoordinatorOptions {
+  // host:port; port 0 picks a free port (see Coordinator::address()).
+  std::string listen = "127.0.0.1:50051";
+  RoutingPolicy policy = RoutingPolicy::kPrefixAffinity;
+  // Requests accepted but not yet routed (no group registered, or all groups
+  // full); more are RESOURCE_EXHAUSTED. Default 4096.
+  int64_t max_queued = 4096;
+  // Requests routed and not finished, per group; beyond this they wait in the
+  // coordinator's queue. Default 256.
+  int64_t max_in_flight_per_group = 256;
+  // prefix_affinity: take the group with the longest cached prefix unless its
+  // queued tokens exceed the least loaded group's by more than this many
+  // tokens (SGLang's router uses a similar absolute-plus-relative threshold).
+  int64_t balance_abs_tokens = 2048;
+  double balance_rel = 1.5;  // ... and by more than this factor
+  // Without any registered group, a request waits until its deadline; this
+  // caps the wait when the client set none. Default 30 s.
+  double default_deadline_s = 30;
+};
+
+class Coordinator {
+ public:
+  // Binds `listen` and starts serving. INVALID_ARGUMENT for a bad address,
+  // UNAVAILABLE if the port cannot be bound.
+  static StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options);
+  virtual ~Coordinator() = default;
+
+  // The bound address (host:port, with the real port when 0 was asked).
+  virtual std::string address() const = 0;
+  // Stops accepting, ends every stream (clients get UNAVAILABLE), returns when
+  // the server is down.
+  virtual void Shutdown() = 0;
+  // Blocks until Shutdown() (or a signal handler calling it).
+  virtual void Wait() = 0;
+};
+
+}  // namespace mlarun
