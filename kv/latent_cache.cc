@@ -26,6 +26,18 @@ uint64_t LatentCache::ChainHash(uint64_t parent, std::span<const int32_t> tokens
   return h;
 }
 
+std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size) {
+  std::vector<uint64_t> chain;
+  if (block_size <= 0) return chain;
+  const size_t bs = static_cast<size_t>(block_size);
+  uint64_t parent = kChainSeed;
+  for (size_t n = 0; n + bs <= tokens.size(); n += bs) {
+    parent = LatentCache::ChainHash(parent, tokens.subspan(n, bs));
+    chain.push_back(parent);
+  }
+  return chain;
+}
+
 StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConfig& c) {
   if (c.num_layers <= 0) return InvalidArgumentError("latent cache: num_layers must be positive, got ", c.num_layers);
   if (c.kv_lora_rank <= 0) return InvalidArgumentError("latent cache: kv_lora_rank must be positive, got ", c.kv_lora_rank);

@@ -63,6 +63,12 @@ struct LatentCacheStats {
 
 using SeqId = int64_t;
 
+// The hash chain the cache publishes full blocks under: element i hashes
+// blocks 0..i of `tokens` (only whole blocks of `block_size`). A router that
+// wants to know which group already caches a prompt's prefix computes exactly
+// these (launcher/coordinator).
+std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size);
+
 class LatentCache {
  public:
   // Allocates the pool. Errors name the bad field (e.g. a budget smaller than one block).
@@ -126,6 +132,9 @@ class LatentCache {
   Status WriteRows(int64_t layer, SeqId id, int64_t pos, int64_t n, const float* kv_c,
                    int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride);
 
+  // One link of the chain: the hash of a full block given its parent's.
+  static uint64_t ChainHash(uint64_t parent, std::span<const int32_t> tokens);
+
  private:
   struct BlockMeta {
     int32_t ref_count = 0;
@@ -144,7 +153,6 @@ class LatentCache {
   LatentCache(const LatentCacheConfig& config, int64_t num_blocks, void* pool);
   Sequence* Find(SeqId id);
   const Sequence* Find(SeqId id) const;
-  static uint64_t ChainHash(uint64_t parent, std::span<const int32_t> tokens);
   // Cached block holding `tokens` whose parent hash is `parent`, or -1.
   int32_t Lookup(uint64_t parent, std::span<const int32_t> tokens, uint64_t* hash) const;
   int32_t TakeBlock();  // REQUIRES: an allocatable block exists

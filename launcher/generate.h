@@ -24,10 +24,6 @@ struct GenerateOptions {
   std::string parallel;               // "dp=D,attn_tp=T[,moe=...]": run on the ranks of mpirun
 };
 
-// Parses one JSON line into a request; `defaults` fill absent fields. Errors
-// name the field.
-StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const SamplingParams& defaults);
-
 // Prints one line per request: with `json`, {"tokens", "logprobs",
 // "finish_reason"} or {"error"}; otherwise a readable line. Progress goes to
 // `log`. Returns the process exit code: 0 when every request completed, 1

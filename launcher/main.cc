@@ -6,10 +6,16 @@
 
 #include "launcher/bench/attention_bench.h"
 #include "launcher/bench/decode_bench.h"
+#include "launcher/bench/serve_bench.h"
+#include "launcher/client/client.h"
+#include "launcher/coordinator/coordinator.h"
 #include "launcher/generate.h"
+#include "launcher/worker/worker.h"
 #include "parallel/mpi/mpi_world.h"
 
+#include <csignal>
 #include <iostream>
+#include <thread>
 
 int main(int argc, char** argv) {
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
@@ -46,6 +52,20 @@ int main(int argc, char** argv) {
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
 
+  mlarun::ServeBenchOptions sb;
+  auto* serve = bench->add_subcommand("serve", "The serving path over loopback: client load, coordinator overhead, routing");
+  serve->add_option("--clients", sb.clients, "Concurrent client threads (default 64; load rows use at least 4 per group)")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--requests", sb.requests, "Requests per load row (default 512)")->check(CLI::PositiveNumber);
+  serve->add_option("--max-tokens", sb.max_tokens, "Tokens per request (default 16)")->check(CLI::Range(1, 1024));
+  serve->add_option("--groups", sb.groups, "Simulated DP groups of the load rows (default 4,64,256)")->delimiter(',');
+  serve->add_option("--tokens-per-s", sb.tokens_per_s, "Per simulated group; 0: as fast as possible")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  serve->add_option("--policy", sb.policies, "round_robin,least_loaded,prefix_affinity or all (default all)")->delimiter(',');
+  serve->add_option("--coordinator", sb.coordinator, "Drive this running deployment (host:port) instead of an in-process one");
+  serve->add_flag("--quick", sb.quick, "Small numbers (well under a minute)");
+  serve->add_flag("--json", sb.json, "One JSON document on stdout (the tables go to stderr)");
+
   mlarun::GenerateOptions gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
   generate->add_option("--model", gen.model, "Hugging Face checkpoint directory, or configs/models/*.yaml")->required();
@@ -69,7 +89,149 @@ int main(int argc, char** argv) {
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
   generate->add_option("--parallel", gen.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
 
-  CLI11_PARSE(app, argc, argv);
+  // ---- Serving: coordinator, workers, clients -------------------------------
+  std::string config_path;
+  mlarun::CoordinatorOptions co;
+  std::string policy = "prefix_affinity";
+  auto* coord = app.add_subcommand("coordinator", "Serve the client API and route requests to the workers' DP groups");
+  auto* c_listen = coord->add_option("--listen", co.listen, "host:port to bind (loopback by default)")->capture_default_str();
+  auto* c_policy = coord->add_option("--policy", policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
+  coord->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")->capture_default_str();
+  coord->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+
+  mlarun::WorkerOptions wo;
+  auto* worker = app.add_subcommand("worker", "Serve a model on the ranks of mpirun for a coordinator");
+  auto* w_coord = worker->add_option("--coordinator", wo.coordinator, "Coordinator host:port")->capture_default_str();
+  auto* w_model = worker->add_option("--model", wo.model, "Checkpoint directory or configs/models/*.yaml");
+  auto* w_par = worker->add_option("--parallel", wo.parallel, "dp=D,attn_tp=T[,moe=expert|intermediate]")->capture_default_str();
+  auto* w_kv = worker->add_option("--kv-dtype", wo.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  worker->add_option("--num-layers", wo.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
+  auto* w_cache = worker->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank")->capture_default_str();
+  auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
+  worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
+  worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
+  int worker_threads = 0;
+  worker->add_option("--threads", worker_threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
+  worker->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+
+  mlarun::SimWorkerOptions so;
+  auto* sim = app.add_subcommand("sim-worker", "Simulated DP groups without a model (tests, examples, benchmarks)");
+  sim->add_option("--coordinator", so.coordinator, "Coordinator host:port")->capture_default_str();
+  sim->add_option("--groups", so.groups, "DP groups to simulate")->capture_default_str()->check(CLI::PositiveNumber);
+  sim->add_option("--tokens-per-s", so.tokens_per_s, "Per group; 0: as fast as possible")->capture_default_str();
+  sim->add_option("--worker-id", so.worker_id, "Worker id to register with")->capture_default_str();
+  sim->add_option("--vocab-size", so.vocab_size, "Vocabulary size")->capture_default_str();
+  sim->add_option("--block-size", so.block_size, "Tokens per cache block")->capture_default_str();
+  sim->add_option("--cache-blocks", so.cache_blocks, "Simulated cache blocks per group")->capture_default_str();
+  sim->add_option("--max-position-embeddings", so.max_position_embeddings, "Longest prompt + max_tokens accepted")->capture_default_str();
+  sim->add_option("--eos-token-id", so.eos_token_id, "Stop at this id unless ignore_eos (-1: never)")->capture_default_str();
+
+  mlarun::SubmitOptions sub;
+  auto* submit = app.add_subcommand("submit", "Send one request to a coordinator");
+  auto* s_coord = submit->add_option("--coordinator", sub.coordinator, "Coordinator host:port")->capture_default_str();
+  auto* s_ids = submit->add_option("--prompt-ids", sub.prompt_ids, "Prompt token ids: 1,2,3")->delimiter(',');
+  auto* s_file = submit->add_option("--prompts", sub.prompts_path, "JSON lines, sent --concurrency at a time");
+  s_ids->excludes(s_file);
+  submit->add_option("--concurrency", sub.concurrency, "Requests in flight at once (with --prompts)")->capture_default_str();
+  submit->add_option("--max-tokens", sub.sampling.max_tokens, "Tokens to generate at most")->capture_default_str();
+  submit->add_option("--temperature", sub.sampling.temperature, "0: greedy")->capture_default_str();
+  submit->add_option("--top-p", sub.sampling.top_p, "Nucleus sampling mass")->capture_default_str();
+  submit->add_option("--top-k", sub.sampling.top_k, "Keep the k most likely tokens (0: off)")->capture_default_str();
+  submit->add_option("--seed", sub.sampling.seed, "Per-request random seed")->capture_default_str();
+  submit->add_option("--stop-token-ids", sub.sampling.stop_token_ids, "Stop at any of these ids")->delimiter(',');
+  submit->add_flag("--ignore-eos", sub.sampling.ignore_eos, "Do not stop at the model's eos_token_id");
+  submit->add_option("--request-id", sub.request_id, "Request id (default: the coordinator picks one)");
+  submit->add_flag("--stream", sub.stream, "Print each token as it arrives");
+  submit->add_flag("--json", sub.json, "The object mlarun generate prints, plus dp_group");
+  submit->add_option("--timeout", sub.timeout_s, "Deadline in seconds")->capture_default_str();
+  submit->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+
+  mlarun::StatsOptions st;
+  auto* stats = app.add_subcommand("stats", "Per-rank memory and load, per-group routing, from a coordinator");
+  auto* t_coord = stats->add_option("--coordinator", st.coordinator, "Coordinator host:port")->capture_default_str();
+  stats->add_flag("--json", st.json, "The GetStats response as JSON");
+  stats->add_option("--timeout", st.timeout_s, "Deadline in seconds")->capture_default_str();
+  stats->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help is 0; every usage error is 2
+  }
+
+  // A deployment file fills what the flags left unset.
+  mlarun::DeploymentConfig dc;
+  if (!config_path.empty()) {
+    auto loaded = mlarun::LoadDeploymentConfig(config_path);
+    if (!loaded.ok()) {
+      std::fprintf(stderr, "mlarun: %s\n", loaded.status().ToString().c_str());
+      return 2;
+    }
+    dc = *loaded;
+  }
+  auto fill = [](CLI::Option* opt, std::string& target, const std::string& from) {
+    if (opt->count() == 0 && !from.empty()) target = from;
+  };
+  if (coord->parsed()) {
+    fill(c_listen, co.listen, dc.listen);
+    fill(c_policy, policy, dc.policy);
+    auto p = mlarun::ParseRoutingPolicy(policy);
+    if (!p.ok()) {
+      std::fprintf(stderr, "mlarun coordinator: %s\n", p.status().ToString().c_str());
+      return 2;
+    }
+    co.policy = *p;
+    auto server = mlarun::Coordinator::Start(co);
+    if (!server.ok()) {
+      std::fprintf(stderr, "mlarun coordinator: %s\n", server.status().ToString().c_str());
+      return 1;
+    }
+    std::fprintf(stderr, "mlarun coordinator: listening on %s, policy %s\n", (*server)->address().c_str(),
+                 std::string(mlarun::RoutingPolicyName(co.policy)).c_str());
+    static mlarun::Coordinator* running = nullptr;
+    running = server->get();
+    std::signal(SIGINT, [](int) { std::thread([] { running->Shutdown(); }).detach(); });
+    std::signal(SIGTERM, [](int) { std::thread([] { running->Shutdown(); }).detach(); });
+    (*server)->Wait();
+    return 0;
+  }
+  if (worker->parsed()) {
+    fill(w_coord, wo.coordinator, dc.coordinator);
+    fill(w_model, wo.model, dc.model);
+    fill(w_par, wo.parallel, dc.parallel);
+    fill(w_kv, wo.kv_dtype, dc.kv_dtype);
+    if (w_cache->count() == 0 && dc.cache_bytes > 0) wo.engine.cache_budget_bytes = dc.cache_bytes;
+    if (w_mbt->count() == 0 && dc.max_batched_tokens > 0) wo.engine.max_num_batched_tokens = dc.max_batched_tokens;
+    if (wo.model.empty()) {
+      std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");
+      return 2;
+    }
+    if (worker_threads > 0) omp_set_num_threads(worker_threads);
+    auto session = mlarun::MpiSession::Init(&argc, &argv);
+    if (!session.ok()) {
+      std::fprintf(stderr, "mlarun worker: %s\n", session.status().ToString().c_str());
+      return 2;
+    }
+    return mlarun::RunWorker(wo, **session);
+  }
+  if (sim->parsed()) {
+    static volatile bool stop = false;
+    std::signal(SIGINT, [](int) { stop = true; });
+    std::signal(SIGTERM, [](int) { stop = true; });
+    return mlarun::RunSimWorker(so, &stop, std::cerr);
+  }
+  if (submit->parsed()) {
+    fill(s_coord, sub.coordinator, dc.coordinator);
+    if (sub.prompt_ids.empty() && sub.prompts_path.empty()) {
+      std::fprintf(stderr, "mlarun submit: give --prompt-ids or --prompts\n");
+      return 2;
+    }
+    return mlarun::RunSubmit(sub, std::cout, std::cerr);
+  }
+  if (stats->parsed()) {
+    fill(t_coord, st.coordinator, dc.coordinator);
+    return mlarun::RunStats(st, std::cout, std::cerr);
+  }
 
   if (dec->parsed()) {
     if (decode_threads > 0) omp_set_num_threads(decode_threads);
@@ -101,6 +263,14 @@ int main(int argc, char** argv) {
     return mlarun::RunGenerateParallel(gen, **session, std::cout, std::cerr);
   }
 
+  if (serve->parsed()) {
+    const mlarun::Status st = mlarun::RunServeBench(sb, std::cout, sb.json ? std::cerr : std::cout);
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench serve: %s\n", st.ToString().c_str());
+      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
+    }
+    return 0;
+  }
   if (attn->parsed()) {
     auto dt = mlarun::ParseDType(dtype);
     if (!dt.ok() || (*dt != mlarun::DType::kBF16 && *dt != mlarun::DType::kF32)) {

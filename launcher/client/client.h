@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,13 +35,19 @@ StatusOr<DeploymentConfig> LoadDeploymentConfig(const std::string& path);
 struct SubmitOptions {
   std::string coordinator = "127.0.0.1:50051";
   std::vector<int64_t> prompt_ids;
+  // Batch mode instead of prompt_ids: JSON lines as `mlarun generate
+  // --prompts` reads them (sampling flags are every line's defaults), sent
+  // `concurrency` at a time; results print in input order, one line each
+  // (`{"error": ...}` for a failed one), with a progress line on `err`.
+  std::string prompts_path;
+  int concurrency = 16;
   SamplingParams sampling;
   std::string request_id;  // empty: the coordinator generates one
   bool stream = false;     // print each token as it arrives
   bool json = false;       // the same object as `mlarun generate`, plus "dp_group"
   double timeout_s = 60;   // the call's deadline
 };
-// Exit code: 0 done, 1 the request failed (the gRPC status is printed on `err`), 2 bad usage.
+// Exit code: 0 done, 1 a request failed (its gRPC status is printed), 2 bad usage.
 int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err);
 
 struct StatsOptions {
@@ -67,6 +74,36 @@ struct SimWorkerOptions {
   int64_t cache_blocks = 1024;   // per group
   int64_t eos_token_id = -1;     // -1: never stops early
 };
+// In detail: each group registers as (worker_id, dp_group = i) with dp = groups, attn_tp =
+// 1 and one synthetic rank (rank = dp_group = i, attn_tp_rank 0, host =
+// gethostname()) whose fixed numbers are recognizably fake: weights 16 MiB
+// attention, 64 MiB MoE, 8 MiB dense MLP, 4 MiB embedding + head;
+// cache_bytes_per_token 1 KiB, so cache_block_bytes = block_size KiB. Cache
+// used/peak/running/waiting/tokens_per_s are the simulation's real values.
+// Routed requests get Engine::Add's checks (RequestDone with error_code 3 and
+// its message), then wait FIFO until their blocks (prompt + max_tokens - 1
+// rows) fit and fewer than 256 run. The cache is a LatentCache with tiny rows,
+// so prefix hits follow the engine's rules exactly (ChainHash over full
+// blocks, LRU of released blocks, at least one prompt token recomputed). A
+// step emits one TokenBatch with one token of every running request, then
+// the RequestDone of those that finished; steps are paced so a group makes
+// `tokens_per_s` tokens per second in total. WorkerStats every 200 ms
+// (free_blocks = allocatable blocks not reserved by running requests). A
+// CancelRoute drops the request before the next step. When the stream breaks,
+// the group drops its in-flight requests and reconnects with back-off 100 ms
+// doubling to 2 s. Returns 0 once `*stop` is seen (polled every 20 ms), 2 for
+// bad options (message on `log`). Blocks; thread-safe to call concurrently.
 int RunSimWorker(const SimWorkerOptions& o, const volatile bool* stop, std::ostream& log);
+
+// The simulated worker's output, exposed so tests and benchmarks can predict
+// it: token `index` (0 = the first generated token) of a request is a
+// splitmix64 fold h of (seed, prompt ids, index), token = h % vocab_size and
+// logprob = -8 * (the top 53 bits of h as a fraction in [0, 1)). Temperature,
+// top-k and top-p are validated but otherwise ignored (there are no logits).
+struct SimToken {
+  int64_t token = 0;
+  double logprob = 0.0;
+};
+SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t index, int64_t vocab_size);
 
 }  // namespace mlarun

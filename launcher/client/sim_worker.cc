@@ -1,1 +1,572 @@
-// placeholder
+// `mlarun sim-worker`: DP groups without a model, speaking WorkerLink.
+//
+// Threads: RunSimWorker's own thread only watches `*stop`; each group has one
+// thread that owns all of the group's state (requests, simulated cache) and is
+// the only writer of its stream, plus one reader thread per connection that
+// moves incoming messages into the group's inbox. Keeping every state change
+// on one thread is what lets a CancelRoute take effect between two steps
+// without locks around the cache.
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <ostream>
+#include <thread>
+
+#include "kv/latent_cache.h"
+#include "launcher/client/client.h"
+#include "launcher/client/grpc_util.h"
+#include "mlarun.grpc.pb.h"
+
+namespace mlarun {
+
+namespace {
+
+uint64_t Mix64(uint64_t x) {  // splitmix64 finalizer, as kv/latent_cache.cc
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+}  // namespace
+
+SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t index, int64_t vocab_size) {
+  uint64_t h = Mix64(seed ^ 0x73696d2d776f726bull);  // "sim-work"
+  for (int32_t t : prompt) h = Mix64(h ^ static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ull;
+  h = Mix64(h ^ (static_cast<uint64_t>(index) * 0xd1b54a32d192ed03ull + 1));
+  return {.token = static_cast<int64_t>(h % static_cast<uint64_t>(std::max<int64_t>(vocab_size, 1))),
+          .logprob = -8.0 * static_cast<double>(h >> 11) * 0x1p-53};
+}
+
+namespace {
+
+namespace v1 = ::mlarun::v1;
+using Clock = std::chrono::steady_clock;
+using Stream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
+
+// Synthetic per-rank numbers (a simulated group is one rank, attn_tp = 1).
+// Round values, so `mlarun stats` output is recognizably simulated.
+constexpr int64_t kSimAttentionWeightBytes = int64_t{16} << 20;
+constexpr int64_t kSimMoeWeightBytes = int64_t{64} << 20;
+constexpr int64_t kSimDenseMlpWeightBytes = int64_t{8} << 20;
+constexpr int64_t kSimEmbeddingHeadWeightBytes = int64_t{4} << 20;
+constexpr int64_t kSimCacheBytesPerToken = 1024;
+// Running requests per group at most (vLLM's max_num_seqs default); more wait.
+constexpr size_t kMaxRunning = 256;
+constexpr auto kStatsPeriod = std::chrono::milliseconds(200);
+constexpr auto kMinBackoff = std::chrono::milliseconds(100);
+constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
+
+// Log lines from every group thread, whole lines at a time.
+class Logger {
+ public:
+  explicit Logger(std::ostream& os) : os_(os) {}
+  template <typename... Args>
+  void operator()(const Args&... args) {
+    const std::string line = internal::StrCat(args...) + "\n";
+    std::lock_guard<std::mutex> lock(mu_);
+    os_ << line << std::flush;
+  }
+
+ private:
+  std::mutex mu_;
+  std::ostream& os_;
+};
+
+std::string HostName() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown";
+  return buf;
+}
+
+struct SimRequest {
+  std::string id;
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  SeqId seq = -1;
+  bool in_cache = false;
+  int64_t prefix_hit_tokens = 0;
+  int64_t generated = 0;
+  int64_t last_token = -1;
+  // Cache blocks this request may still take (its prompt + max_tokens - 1
+  // rows were reserved at admission, so decoding never runs out of blocks).
+  int64_t reserved_blocks = 0;
+};
+
+class SimGroup {
+ public:
+  SimGroup(const SimWorkerOptions& o, int index, std::unique_ptr<LatentCache> cache, const std::atomic<bool>* stopping,
+           Logger* log)
+      : o_(o), index_(index), host_(HostName()), stopping_(stopping), log_(*log), cache_(std::move(cache)) {}
+
+  // The group's thread: connect, serve, and on failure reconnect with
+  // back-off, until `stopping`.
+  void Run();
+
+  // From another thread: ends the live call (if any) and wakes the group so
+  // it notices `stopping`. Thread-safe.
+  void Interrupt() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ctx_ != nullptr) ctx_->TryCancel();
+    cv_.notify_all();
+  }
+
+ private:
+  // One connection: register, then serve until the stream breaks or
+  // `stopping`. Returns whether the coordinator acknowledged the
+  // registration (which resets the back-off).
+  bool Session(const std::shared_ptr<grpc::Channel>& channel);
+  // Serves an open, registered stream. Returns when a write fails, the reader
+  // saw the end of the stream, or `stopping`.
+  void Serve(Stream& stream);
+  // Handles one message from the coordinator; false if a write failed.
+  bool Handle(v1::CoordinatorMessage& m, Stream& stream);
+  Status Validate(const v1::RouteRequest& r, SamplingParams* p) const;
+  // Moves waiting requests into the running set while there is room.
+  void Admit();
+  // One decode step over every running request; false if a write failed.
+  bool Step(Stream& stream);
+  void Drop(SimRequest& r);
+  void DropAll();
+  v1::RankStats Rank() const;
+  bool Send(Stream& stream, const v1::WorkerMessage& m) { return stream.Write(m); }
+
+  // ---- Constant after construction.
+  const SimWorkerOptions o_;
+  const int index_;
+  const std::string host_;
+  const std::atomic<bool>* stopping_;
+  Logger& log_;
+
+  // ---- Owned by the group thread.
+  std::unique_ptr<LatentCache> cache_;
+  std::map<std::string, std::unique_ptr<SimRequest>> live_;  // by request id
+  std::deque<SimRequest*> waiting_;
+  std::vector<SimRequest*> running_;
+  int64_t reserved_blocks_ = 0;  // sum of running requests' reserved_blocks
+  SeqId next_seq_ = 1;
+  int64_t peak_blocks_used_ = 0;
+  int64_t tokens_since_stats_ = 0;
+  double tokens_per_s_ = 0;
+  Clock::time_point next_step_;
+  std::string last_failure_;  // of the previous attempt, if it never registered
+
+  // ---- Protected by mu_: handed between the group, reader and stop threads.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  grpc::ClientContext* ctx_ = nullptr;  // the live call, for Interrupt()
+  std::deque<v1::CoordinatorMessage> inbox_;
+  bool reader_done_ = false;  // the live call's stream has ended
+  bool registered_ = false;   // the live call got Registered
+};
+
+v1::RankStats SimGroup::Rank() const {
+  const LatentCacheStats s = cache_->stats();
+  const int64_t block_bytes = kSimCacheBytesPerToken * o_.block_size;
+  v1::RankStats r;
+  r.set_worker_id(o_.worker_id);
+  r.set_rank(index_);
+  r.set_dp_group(index_);
+  r.set_attn_tp_rank(0);
+  r.set_host(host_);
+  r.set_attention_weight_bytes(kSimAttentionWeightBytes);
+  r.set_moe_weight_bytes(kSimMoeWeightBytes);
+  r.set_dense_mlp_weight_bytes(kSimDenseMlpWeightBytes);
+  r.set_embedding_head_weight_bytes(kSimEmbeddingHeadWeightBytes);
+  r.set_cache_bytes_per_token(kSimCacheBytesPerToken);
+  r.set_cache_block_bytes(block_bytes);
+  r.set_cache_blocks_total(s.blocks_total);
+  r.set_cache_blocks_used(s.blocks_used);
+  r.set_cache_bytes_capacity(s.blocks_total * block_bytes);
+  r.set_cache_bytes_used(s.blocks_used * block_bytes);
+  r.set_cache_bytes_peak(peak_blocks_used_ * block_bytes);
+  r.set_requests_running(static_cast<int64_t>(running_.size()));
+  r.set_requests_waiting(static_cast<int64_t>(waiting_.size()));
+  r.set_tokens_per_s(tokens_per_s_);
+  return r;
+}
+
+void SimGroup::Run() {
+  auto backoff = kMinBackoff;
+  while (!stopping_->load()) {
+    // A fresh channel per attempt: its connection starts now instead of
+    // whenever an old channel's own back-off allows.
+    const bool registered = Session(client_internal::MakeChannel(o_.coordinator));
+    if (registered) backoff = kMinBackoff;
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, backoff, [this] { return stopping_->load(); });
+    backoff = std::min(backoff * 2, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxBackoff));
+  }
+}
+
+bool SimGroup::Session(const std::shared_ptr<grpc::Channel>& channel) {
+  auto stub = v1::WorkerLink::NewStub(channel);
+  grpc::ClientContext ctx;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_->load()) return false;
+    ctx_ = &ctx;
+    inbox_.clear();
+    reader_done_ = false;
+    registered_ = false;
+  }
+  std::unique_ptr<Stream> stream = stub->Connect(&ctx);
+
+  v1::WorkerMessage reg_msg;
+  v1::Register* reg = reg_msg.mutable_register_();
+  reg->set_worker_id(o_.worker_id);
+  reg->set_dp_group(index_);
+  reg->set_dp(o_.groups);
+  reg->set_attn_tp(1);
+  reg->set_vocab_size(o_.vocab_size);
+  reg->set_max_position_embeddings(o_.max_position_embeddings);
+  reg->set_block_size(o_.block_size);
+  reg->set_cache_blocks_total(cache_->stats().blocks_total);
+  *reg->add_ranks() = Rank();
+
+  std::thread reader;
+  if (stream->Write(reg_msg)) {
+    reader = std::thread([this, s = stream.get()] {
+      v1::CoordinatorMessage m;
+      while (s->Read(&m)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (m.has_registered()) {
+          registered_ = true;
+          log_("sim-worker ", o_.worker_id, " group ", index_, ": registered with coordinator ",
+               m.registered().coordinator_id(), " at ", o_.coordinator);
+        } else {
+          inbox_.push_back(std::move(m));
+        }
+        cv_.notify_all();
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      reader_done_ = true;
+      cv_.notify_all();
+    });
+    Serve(*stream);
+  }
+  // Finish needs every read to have returned; cancel only a call the server
+  // has not ended itself, so a real status (say, a rejected registration)
+  // reaches the log.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!reader_done_ || stopping_->load()) ctx.TryCancel();
+  }
+  if (reader.joinable()) reader.join();
+  const grpc::Status st = stream->Finish();
+  bool registered;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ctx_ = nullptr;
+    inbox_.clear();
+    registered = registered_;
+  }
+  // The coordinator ends (or re-routes) every request of a broken stream, so
+  // nothing in flight here may continue on the next connection.
+  if (!live_.empty())
+    log_("sim-worker ", o_.worker_id, " group ", index_, ": dropping ", live_.size(), " in-flight requests");
+  DropAll();
+  // While the coordinator is down every attempt fails alike; one line per
+  // distinct failure keeps the log readable at a retry every 2 s.
+  std::string why = internal::StrCat(client_internal::GrpcCodeName(st.error_code()), ": ", st.error_message());
+  if (!stopping_->load() && (registered || why != last_failure_))
+    log_("sim-worker ", o_.worker_id, " group ", index_, ": connection to ", o_.coordinator, " ended (", why,
+         "), reconnecting");
+  last_failure_ = registered ? std::string() : std::move(why);
+  return registered;
+}
+
+void SimGroup::Serve(Stream& stream) {
+  auto next_stats = Clock::now() + kStatsPeriod;
+  auto last_stats = Clock::now();
+  next_step_ = Clock::now();
+  while (true) {
+    std::deque<v1::CoordinatorMessage> msgs;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (reader_done_ || stopping_->load()) return;
+      msgs.swap(inbox_);
+    }
+    for (auto& m : msgs)
+      if (!Handle(m, stream)) return;
+    Admit();
+    auto now = Clock::now();
+    if (!running_.empty() && now >= next_step_) {
+      const int64_t n = static_cast<int64_t>(running_.size());
+      if (!Step(stream)) return;
+      if (o_.tokens_per_s > 0) {
+        // The group's throughput is tokens_per_s: a step of n tokens takes
+        // n / tokens_per_s. Lateness up to 20 ms is caught up; more (after
+        // idling) is forgiven, so there is no burst.
+        next_step_ = std::max(next_step_, now - std::chrono::milliseconds(20)) +
+                     std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(static_cast<double>(n) / o_.tokens_per_s));
+      } else {
+        next_step_ = now;
+      }
+    }
+    now = Clock::now();
+    if (now >= next_stats) {
+      const double dt = std::chrono::duration<double>(now - last_stats).count();
+      tokens_per_s_ = dt > 0 ? static_cast<double>(tokens_since_stats_) / dt : 0;
+      tokens_since_stats_ = 0;
+      last_stats = now;
+      next_stats = std::max(next_stats + kStatsPeriod, now);
+      const LatentCacheStats cs = cache_->stats();
+      v1::WorkerMessage m;
+      v1::WorkerStats* s = m.mutable_stats();
+      s->set_free_blocks(std::max<int64_t>(0, cs.blocks_allocatable() - reserved_blocks_));
+      s->set_running(static_cast<int64_t>(running_.size()));
+      s->set_waiting(static_cast<int64_t>(waiting_.size()));
+      s->set_tokens_per_s(tokens_per_s_);
+      *s->add_ranks() = Rank();
+      if (!Send(stream, m)) return;
+    }
+    auto wake = next_stats;
+    if (!running_.empty()) wake = std::min(wake, next_step_);
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_until(lock, wake, [this] { return !inbox_.empty() || reader_done_ || stopping_->load(); });
+  }
+}
+
+Status SimGroup::Validate(const v1::RouteRequest& r, SamplingParams* p) const {
+  // The checks of Engine::Add, with its messages.
+  if (r.prompt_ids_size() == 0) return InvalidArgumentError("request: prompt is empty");
+  for (int i = 0; i < r.prompt_ids_size(); ++i) {
+    if (r.prompt_ids(i) < 0 || r.prompt_ids(i) >= o_.vocab_size)
+      return InvalidArgumentError("request: prompt token ", i, " is ", r.prompt_ids(i), ", outside the vocabulary [0, ",
+                                  o_.vocab_size, ")");
+  }
+  const v1::SamplingParams& s = r.sampling();
+  p->temperature = s.temperature();
+  p->top_k = s.top_k();
+  p->top_p = s.has_top_p() ? s.top_p() : 1.0;
+  p->seed = s.seed();
+  p->max_tokens = s.has_max_tokens() ? s.max_tokens() : 16;
+  p->stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  p->ignore_eos = s.ignore_eos();
+  MLARUN_RETURN_IF_ERROR(ValidateSamplingParams(*p, o_.vocab_size, o_.max_position_embeddings));
+  const int64_t total = r.prompt_ids_size() + p->max_tokens;
+  if (total > o_.max_position_embeddings)
+    return InvalidArgumentError("request: prompt (", r.prompt_ids_size(), " tokens) + max_tokens (", p->max_tokens,
+                                ") = ", total, " exceeds the model's max_position_embeddings ",
+                                o_.max_position_embeddings);
+  const int64_t blocks = (total + o_.block_size - 1) / o_.block_size;
+  if (blocks > cache_->stats().blocks_total)
+    return InvalidArgumentError("request: prompt + max_tokens needs ", blocks, " cache blocks, the whole cache has ",
+                                cache_->stats().blocks_total);
+  return Status::Ok();
+}
+
+bool SimGroup::Handle(v1::CoordinatorMessage& m, Stream& stream) {
+  if (m.has_cancel()) {
+    auto it = live_.find(m.cancel().request_id());
+    if (it != live_.end()) Drop(*it->second);  // unknown ids finished already: nothing to do
+    return true;
+  }
+  if (!m.has_route()) return true;
+  v1::RouteRequest& r = *m.mutable_route();
+  if (live_.count(r.request_id())) {
+    // The coordinator keeps ids unique; answering would end the live request
+    // on its side, so the duplicate is only logged.
+    log_("sim-worker ", o_.worker_id, " group ", index_, ": ignoring a second route of live request ", r.request_id());
+    return true;
+  }
+  auto req = std::make_unique<SimRequest>();
+  const Status st = Validate(r, &req->sampling);
+  if (!st.ok()) {
+    v1::WorkerMessage d;
+    v1::RequestDone* done = d.mutable_done();
+    done->set_request_id(r.request_id());
+    done->set_error_code(static_cast<int32_t>(st.code()));
+    done->set_error_message(st.message());
+    done->set_prompt_tokens(r.prompt_ids_size());
+    return Send(stream, d);
+  }
+  req->id = r.request_id();
+  req->prompt.assign(r.prompt_ids().begin(), r.prompt_ids().end());
+  waiting_.push_back(req.get());
+  live_[req->id] = std::move(req);
+  return true;
+}
+
+void SimGroup::Admit() {
+  while (!waiting_.empty() && running_.size() < kMaxRunning) {
+    SimRequest& r = *waiting_.front();
+    const int64_t len = static_cast<int64_t>(r.prompt.size());
+    r.seq = next_seq_++;
+    // The cache calls cannot fail here (fresh id, no tokens yet, blocks
+    // checked first); a failure would be a bug in this file, so it drops the
+    // request rather than continue with a wrong cache.
+    Status st = cache_->AddSequence(r.seq);
+    if (!st.ok()) {
+      log_("sim-worker: internal: ", st);
+      Drop(r);
+      continue;
+    }
+    r.in_cache = true;
+    // As Engine::Admit: reuse cached full blocks, keeping one prompt token to compute.
+    auto hit = cache_->AttachPrefix(r.seq, r.prompt, len - 1);
+    // Rows written over the request's life: the rest of the prompt and every
+    // generated token but the last (its row is never computed).
+    auto need = hit.ok() ? cache_->BlocksNeeded(r.seq, len - *hit + r.sampling.max_tokens - 1) : hit.status();
+    if (!need.ok()) {
+      log_("sim-worker: internal: ", need.status());
+      Drop(r);
+      continue;
+    }
+    if (*need > cache_->stats().blocks_allocatable() - reserved_blocks_) {
+      // Wait for running requests to free blocks; the attached prefix goes
+      // back to the LRU meanwhile.
+      (void)cache_->Release(r.seq);
+      r.in_cache = false;
+      break;
+    }
+    const auto rest = std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(*hit));
+    st = cache_->Append(r.seq, rest);
+    if (st.ok()) st = cache_->Commit(r.seq);
+    auto left = cache_->BlocksNeeded(r.seq, r.sampling.max_tokens - 1);
+    if (!st.ok() || !left.ok()) {
+      log_("sim-worker: internal: ", st.ok() ? left.status() : st);
+      Drop(r);
+      continue;
+    }
+    r.prefix_hit_tokens = *hit;
+    r.reserved_blocks = *left;
+    reserved_blocks_ += *left;
+    waiting_.pop_front();
+    if (running_.empty()) next_step_ = std::max(next_step_, Clock::now());
+    running_.push_back(&r);
+    peak_blocks_used_ = std::max(peak_blocks_used_, cache_->stats().blocks_used);
+  }
+}
+
+bool SimGroup::Step(Stream& stream) {
+  v1::WorkerMessage batch_msg;
+  v1::TokenBatch* batch = batch_msg.mutable_tokens();
+  std::vector<v1::WorkerMessage> dones;
+  std::vector<SimRequest*> finished;
+  for (SimRequest* r : running_) {
+    if (r->generated > 0) {
+      // This step computes the previous token's row, as a decode step does.
+      const size_t before = cache_->BlockTable(r->seq).size();
+      const int32_t t = static_cast<int32_t>(r->last_token);
+      if (cache_->Append(r->seq, std::span<const int32_t>(&t, 1)).ok()) (void)cache_->Commit(r->seq);
+      const int64_t taken = static_cast<int64_t>(cache_->BlockTable(r->seq).size() - before);
+      r->reserved_blocks -= taken;
+      reserved_blocks_ -= taken;
+    }
+    const SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
+    v1::TokenEvent* e = batch->add_events();
+    e->set_request_id(r->id);
+    e->set_token_id(tok.token);
+    e->set_logprob(tok.logprob);
+    ++r->generated;
+    r->last_token = tok.token;
+    const auto& stops = r->sampling.stop_token_ids;
+    const bool stop = (o_.eos_token_id >= 0 && tok.token == o_.eos_token_id && !r->sampling.ignore_eos) ||
+                      std::find(stops.begin(), stops.end(), tok.token) != stops.end();
+    if (stop || r->generated >= r->sampling.max_tokens) {
+      v1::WorkerMessage d;
+      v1::RequestDone* done = d.mutable_done();
+      done->set_request_id(r->id);
+      done->set_finish_reason(stop ? "stop" : "length");
+      done->set_prefix_hit_tokens(r->prefix_hit_tokens);
+      done->set_prompt_tokens(static_cast<int64_t>(r->prompt.size()));
+      dones.push_back(std::move(d));
+      finished.push_back(r);
+    }
+  }
+  peak_blocks_used_ = std::max(peak_blocks_used_, cache_->stats().blocks_used);
+  tokens_since_stats_ += batch->events_size();
+  for (SimRequest* r : finished) Drop(*r);
+  // Tokens first: a request's RequestDone must follow its last token.
+  if (!Send(stream, batch_msg)) return false;
+  for (const auto& d : dones)
+    if (!Send(stream, d)) return false;
+  return true;
+}
+
+void SimGroup::Drop(SimRequest& r) {
+  if (r.in_cache) (void)cache_->Release(r.seq);
+  reserved_blocks_ -= r.reserved_blocks;
+  running_.erase(std::remove(running_.begin(), running_.end(), &r), running_.end());
+  waiting_.erase(std::remove(waiting_.begin(), waiting_.end(), &r), waiting_.end());
+  live_.erase(r.id);  // destroys r
+}
+
+void SimGroup::DropAll() {
+  while (!live_.empty()) Drop(*live_.begin()->second);
+  reserved_blocks_ = 0;
+}
+
+Status CheckOptions(const SimWorkerOptions& o) {
+  MLARUN_RETURN_IF_ERROR(client_internal::CheckAddress(o.coordinator).WithContext("--coordinator"));
+  if (o.worker_id.empty()) return InvalidArgumentError("--worker-id must not be empty");
+  if (o.groups < 1 || o.groups > 1024) return InvalidArgumentError("--groups must be in [1, 1024], got ", o.groups);
+  if (!(o.tokens_per_s >= 0)) return InvalidArgumentError("--tokens-per-s must be >= 0, got ", o.tokens_per_s);
+  if (o.vocab_size < 1 || o.vocab_size > INT32_MAX)
+    return InvalidArgumentError("--vocab-size must be in [1, 2^31), got ", o.vocab_size);
+  if (o.max_position_embeddings < 2 || o.max_position_embeddings > INT32_MAX)
+    return InvalidArgumentError("--max-position-embeddings must be in [2, 2^31), got ", o.max_position_embeddings);
+  if (o.block_size < 1) return InvalidArgumentError("--block-size must be positive, got ", o.block_size);
+  if (o.cache_blocks < 1 || o.cache_blocks > INT32_MAX)
+    return InvalidArgumentError("--cache-blocks must be in [1, 2^31), got ", o.cache_blocks);
+  if (o.eos_token_id >= o.vocab_size)
+    return InvalidArgumentError("--eos-token-id ", o.eos_token_id, " is outside the vocabulary [0, ", o.vocab_size, ")");
+  return Status::Ok();
+}
+
+}  // namespace
+
+int RunSimWorker(const SimWorkerOptions& o, const volatile bool* stop, std::ostream& log_stream) {
+  Logger log(log_stream);
+  if (Status st = CheckOptions(o); !st.ok()) {
+    log("mlarun sim-worker: ", st.message());
+    return 2;
+  }
+  // The simulated cache is a real LatentCache (so prefix hits, LRU eviction
+  // and block accounting are the engine's own) with one f32 value per token:
+  // cache_blocks * block_size * 4 bytes, allocated but never touched.
+  std::atomic<bool> stopping{false};
+  std::vector<std::unique_ptr<SimGroup>> groups;
+  for (int i = 0; i < o.groups; ++i) {
+    LatentCacheConfig cc{.num_layers = 1,
+                         .kv_lora_rank = 1,
+                         .rope_dim = 0,
+                         .block_size = o.block_size,
+                         .dtype = DType::kF32,
+                         .budget_bytes = o.cache_blocks * o.block_size * 4,
+                         .enable_prefix_caching = true};
+    auto cache = LatentCache::Create(cc);
+    if (!cache.ok()) {
+      log("mlarun sim-worker: ", cache.status());
+      return 2;
+    }
+    groups.push_back(std::make_unique<SimGroup>(o, i, std::move(*cache), &stopping, &log));
+  }
+  log("sim-worker ", o.worker_id, ": ", o.groups, " groups connecting to ", o.coordinator, " (vocab ", o.vocab_size,
+      ", block size ", o.block_size, ", ", o.cache_blocks, " cache blocks, ", o.tokens_per_s, " tokens/s per group)");
+  std::vector<std::thread> threads;
+  for (auto& g : groups) threads.emplace_back([g = g.get()] { g->Run(); });
+  // `stop` is a plain flag (a signal handler may set it); poll it here, and
+  // hand the group threads an atomic they can wait on.
+  while (!*stop) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  stopping.store(true);
+  for (auto& g : groups) g->Interrupt();
+  for (auto& t : threads) t.join();
+  log("sim-worker ", o.worker_id, ": stopped");
+  return 0;
+}
+
+}  // namespace mlarun

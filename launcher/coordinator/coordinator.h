@@ -40,6 +40,9 @@ struct CoordinatorOptions {
   // Without any registered group, a request waits until its deadline; this
   // caps the wait when the client set none. Default 30 s.
   double default_deadline_s = 30;
+  // prefix_affinity: block hashes remembered per group (least recently routed
+  // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
+  int64_t prefix_hashes_per_group = 100000;
 };
 
 class Coordinator {

@@ -20,15 +20,21 @@ namespace mlarun {
 enum class StatusCode : int {
   kOk = 0,
   kCancelled = 1,
+  kUnknown = 2,
   kInvalidArgument = 3,
   kDeadlineExceeded = 4,
   kNotFound = 5,
+  kAlreadyExists = 6,
+  kPermissionDenied = 7,
   kResourceExhausted = 8,
   kFailedPrecondition = 9,
+  kAborted = 10,
   kOutOfRange = 11,
   kUnimplemented = 12,
   kInternal = 13,
   kUnavailable = 14,
+  kDataLoss = 15,
+  kUnauthenticated = 16,
 };
 
 std::string_view StatusCodeName(StatusCode code);

@@ -10,6 +10,7 @@ std::string_view FinishReasonName(FinishReason r) {
     case FinishReason::kNone: return "none";
     case FinishReason::kLength: return "length";
     case FinishReason::kStop: return "stop";
+    case FinishReason::kCancelled: return "cancelled";
   }
   return "none";
 }
@@ -183,6 +184,19 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
 const GenerationOutput* Engine::Output(int64_t id) const {
   auto it = requests_.find(id);
   return it == requests_.end() ? nullptr : &it->second->out;
+}
+
+Status Engine::Cancel(int64_t id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->out.finish_reason != FinishReason::kNone)
+    return NotFoundError("engine: no live request ", id);
+  Req& r = *it->second;
+  if (r.in_cache) MLARUN_RETURN_IF_ERROR(CacheRelease(r.id));
+  r.in_cache = false;
+  if (auto w = std::find(waiting_.begin(), waiting_.end(), &r); w != waiting_.end()) waiting_.erase(w);
+  if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
+  r.out.finish_reason = FinishReason::kCancelled;
+  return Status::Ok();
 }
 
 void Engine::Preempt(Req& r) {

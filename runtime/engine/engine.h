@@ -21,6 +21,7 @@
 
 #include "kv/latent_cache.h"
 #include "runtime/base/status.h"
+#include "runtime/engine/request.h"
 #include "runtime/engine/sampler.h"
 #include "runtime/model/model.h"
 
@@ -34,13 +35,8 @@ struct EngineConfig {
   bool enable_prefix_caching = true;
 };
 
-enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2 };
-std::string_view FinishReasonName(FinishReason r);  // "length", "stop"
-
-struct GenerationRequest {
-  std::vector<int32_t> prompt;
-  SamplingParams sampling;
-};
+enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2, kCancelled = 3 };
+std::string_view FinishReasonName(FinishReason r);  // "length", "stop", "cancelled"
 
 struct GenerationOutput {
   std::vector<int64_t> tokens;    // generated ids only
@@ -109,6 +105,12 @@ class Engine {
   const EngineConfig& config() const { return config_; }
 
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
+  // Ends a queued or running request now: its blocks are released and it will
+  // produce no more tokens (finish_reason kCancelled). NOT_FOUND if it is
+  // unknown or already finished.
+  Status Cancel(int64_t id);
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   // Output so far of request `id` (complete once it finished). nullptr if unknown.
   const GenerationOutput* Output(int64_t id) const;
   const EngineStats& stats() const { return stats_; }

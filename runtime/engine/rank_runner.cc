@@ -27,7 +27,7 @@ void RankRunner::UpdateCacheStats(const StepPlan& plan) {
   cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
 }
 
-StatusOr<bool> RankRunner::Step() {
+StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   // 1. The plan: made by the leader, replayed by the group.
   StepPlan plan;
   if (is_leader()) {
@@ -47,17 +47,21 @@ StatusOr<bool> RankRunner::Step() {
       for (StepPlan::Seq& s : plan.seqs) s.logits = false;  // only the leader samples
     }
   }
-  // 2. Lockstep: every rank's [tokens, work left].
+  // 2. Lockstep: every rank's [tokens, work left, stop vote].
   Communicator& world = *groups_.world;
-  const int64_t mine[2] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0};
-  std::vector<int64_t> all(static_cast<size_t>(2 * world.size()));
-  MLARUN_RETURN_IF_ERROR(world.AllGather(mine, 2, all.data(), CommType::kI64));
-  bool any_work = false;
-  for (int r = 0; r < world.size(); ++r) any_work |= all[static_cast<size_t>(2 * r + 1)] != 0;
-  if (!any_work) return false;
+  const int64_t mine[3] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0, stop ? 1 : 0};
+  std::vector<int64_t> all(static_cast<size_t>(3 * world.size()));
+  MLARUN_RETURN_IF_ERROR(world.AllGather(mine, 3, all.data(), CommType::kI64));
+  bool any_work = false, any_stop = false;
+  for (int r = 0; r < world.size(); ++r) {
+    any_work |= all[static_cast<size_t>(3 * r + 1)] != 0;
+    any_stop |= all[static_cast<size_t>(3 * r + 2)] != 0;
+  }
+  if (any_stop) return StepResult::kStop;
+  if (!any_work) return StepResult::kIdle;
   const ParallelLayout& layout = groups_.layout;
   dp_tokens_.assign(static_cast<size_t>(layout.dp), 0);
-  for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(2 * layout.leader_of(g))];
+  for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(3 * layout.leader_of(g))];
   // 3. The model step, on every rank, idle or not.
   const ParallelStep step{.attn_tp = groups_.attn_tp.get(), .dp_peers = groups_.dp_peers.get(),
                           .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank()};
@@ -72,7 +76,7 @@ StatusOr<bool> RankRunner::Step() {
     MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, logits).status());
   }
   UpdateCacheStats(plan);
-  return true;
+  return StepResult::kWorked;
 }
 
 }  // namespace mlarun

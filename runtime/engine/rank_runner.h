@@ -42,7 +42,16 @@ class RankRunner {
 
   // One lockstep step on every rank. Returns false, on every rank at once,
   // when no rank had work (nothing ran).
-  StatusOr<bool> Step();
+  StatusOr<bool> Step() {
+    MLARUN_ASSIGN_OR_RETURN(const StepResult r, StepOrStop(false));
+    return r == StepResult::kWorked;
+  }
+
+  // The same, with a vote to stop: when any rank votes (a signal, a lost
+  // coordinator), every rank returns kStop at the same step, before running
+  // it, so none is left waiting in a collective.
+  enum class StepResult : uint8_t { kWorked, kIdle, kStop };
+  StatusOr<StepResult> StepOrStop(bool stop);
 
   const RankCacheStats& cache_stats() const { return cache_stats_; }
   int64_t steps() const { return steps_; }

@@ -206,3 +206,30 @@ TEST(LatentCache, PrefixCachingOff) {
 
 }  // namespace
 }  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// The published chain is what PrefixBlockHashes computes: a prompt matches
+// exactly as many blocks as its chain shares with a cached one.
+TEST(LatentCache, PrefixBlockHashesAreThePublishedChain) {
+  auto cache = std::move(LatentCache::Create(SmallConfig(8))).value();
+  const auto a = Tokens(12);
+  ASSERT_TRUE(cache->AddSequence(1).ok());
+  ASSERT_TRUE(cache->Append(1, a).ok());
+  ASSERT_TRUE(cache->Commit(1).ok());
+  auto b = a;
+  b[9] = 7777;  // differs in the third block
+  const auto ha = PrefixBlockHashes(a, 4), hb = PrefixBlockHashes(b, 4);
+  ASSERT_EQ(ha.size(), 3u);
+  ASSERT_EQ(hb.size(), 3u);
+  int64_t shared = 0;
+  while (shared < 3 && ha[static_cast<size_t>(shared)] == hb[static_cast<size_t>(shared)]) ++shared;
+  EXPECT_EQ(shared, 2);
+  EXPECT_EQ(cache->MatchPrefix(b), shared * 4);
+  EXPECT_EQ(PrefixBlockHashes(std::span<const int32_t>(a).first(7), 4).size(), 1u);
+  EXPECT_TRUE(PrefixBlockHashes(a, 0).empty());
+}
+
+}  // namespace
+}  // namespace mlarun

@@ -1,0 +1,60 @@
+#include "launcher/client/grpc_util.h"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+
+namespace mlarun::client_internal {
+
+Status CheckAddress(std::string_view address) {
+  if (address.empty()) return InvalidArgumentError("the address is empty (want host:port)");
+  for (std::string_view scheme : {"dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:"}) {
+    if (address.substr(0, scheme.size()) == scheme) {
+      if (address.size() == scheme.size()) return InvalidArgumentError("'", address, "' names no target after the scheme");
+      return Status::Ok();
+    }
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string_view::npos)
+    return InvalidArgumentError("cannot parse address '", address, "': want host:port");
+  std::string_view host = address.substr(0, colon);
+  std::string_view port = address.substr(colon + 1);
+  if (host.empty()) return InvalidArgumentError("cannot parse address '", address, "': the host is empty");
+  // An IPv6 literal must be bracketed, or its own colons would be taken for the port's.
+  if (host.find(':') != std::string_view::npos && !(host.front() == '[' && host.back() == ']'))
+    return InvalidArgumentError("cannot parse address '", address, "': put IPv6 hosts in brackets, [::1]:50051");
+  if (port.empty() || port.size() > 5 ||
+      !std::all_of(port.begin(), port.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
+    return InvalidArgumentError("cannot parse address '", address, "': the port must be a number");
+  const int p = std::stoi(std::string(port));
+  if (p < 1 || p > 65535) return InvalidArgumentError("cannot parse address '", address, "': port ", p, " is out of range");
+  return Status::Ok();
+}
+
+std::string_view GrpcCodeName(grpc::StatusCode code) {
+  static constexpr std::array<std::string_view, 17> kNames = {
+      "OK",        "CANCELLED",          "UNKNOWN",        "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
+      "OUT_OF_RANGE", "UNIMPLEMENTED",    "INTERNAL",       "UNAVAILABLE",      "DATA_LOSS",         "UNAUTHENTICATED"};
+  const int i = static_cast<int>(code);
+  return i >= 0 && i < static_cast<int>(kNames.size()) ? kNames[static_cast<size_t>(i)] : "UNKNOWN";
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+void SetDeadline(grpc::ClientContext& ctx, double timeout_s) {
+  constexpr double kYear_s = 365.0 * 24 * 3600;
+  const double s = std::isfinite(timeout_s) ? std::clamp(timeout_s, 0.0, kYear_s) : kYear_s;
+  ctx.set_deadline(std::chrono::system_clock::now() +
+                   std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(s)));
+}
+
+}  // namespace mlarun::client_internal

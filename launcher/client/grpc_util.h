@@ -1,0 +1,38 @@
+// Internal to launcher/client/ (and its test): the gRPC glue shared by
+// `submit`, `stats` and the simulated worker. Includes gRPC, so no header
+// outside launcher/client/ may include it (STYLE.md: gRPC stays out of
+// public headers).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "runtime/base/status.h"
+
+namespace mlarun::client_internal {
+
+// Checks that `address` is something gRPC can dial: host:port (port 1-65535,
+// IPv6 hosts in brackets), or a target with a scheme (dns:, ipv4:, ipv6:,
+// unix:). gRPC itself accepts nearly any string and only fails at connect
+// time with a vague UNAVAILABLE, so a typo like "localhost" (no port) is
+// caught here as bad usage instead.
+Status CheckAddress(std::string_view address);
+
+// The canonical name of a gRPC status code: "INVALID_ARGUMENT", ...
+std::string_view GrpcCodeName(grpc::StatusCode code);
+
+// An insecure channel whose reconnect back-off is 100 ms to 2 s (gRPC's
+// default grows to 120 s, far too slow to notice a restarted coordinator) and
+// which does not share subchannels with other channels of the process, so a
+// fresh channel really opens a fresh connection.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+
+// Sets a deadline `timeout_s` from now, clamped to a year so huge values do
+// not overflow the clock arithmetic.
+void SetDeadline(grpc::ClientContext& ctx, double timeout_s);
+
+}  // namespace mlarun::client_internal

@@ -1,0 +1,710 @@
+#include "launcher/coordinator/dispatcher.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+namespace mlarun::coord {
+namespace {
+
+constexpr int64_t kDefaultMaxTokens = 16;  // SamplingParams.max_tokens when absent
+
+// A client that set a deadline gets the "no DP group registered" UNAVAILABLE a
+// little before it, or its own deadline timer would win and it would only ever
+// see DEADLINE_EXCEEDED: 10% of its budget, at most 100 ms.
+constexpr auto kUnavailableMarginMax = std::chrono::milliseconds(100);
+constexpr double kUnavailableMarginFraction = 0.1;
+// gRPC cancels a call at its deadline on its own (ClientGone); a cancellation
+// this close to the deadline is counted as the deadline, not the client.
+constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
+
+double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+
+bool IsRejection(grpc::StatusCode code) {
+  return code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::ALREADY_EXISTS ||
+         code == grpc::StatusCode::RESOURCE_EXHAUSTED;
+}
+
+template <typename... Args>
+std::string Cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+}  // namespace
+
+struct Dispatcher::Request {
+  uint64_t serial = 0;
+  std::string id;
+  v1::RouteRequest route;  // what the group gets: id, prompt, sampling with max_tokens filled in
+  int64_t prompt_tokens = 0;
+  int64_t max_tokens = 0;
+  int64_t cost = 0;  // prompt + max_tokens: its weight in its group's queued_tokens
+  std::shared_ptr<ClientOutlet> client;
+  bool client_deadline = false;  // the call carried a gRPC deadline
+  Clock::time_point arrival, routed_at, first_token_at;
+  Clock::time_point unavailable_at;  // queued with no connected group: UNAVAILABLE from here
+  Clock::time_point deadline;        // DEADLINE_EXCEEDED from here
+  std::multimap<Clock::time_point, Request*>::iterator timer;  // valid while armed
+  bool armed = false;
+  bool queued = false;
+  std::list<Request*>::iterator queue_pos;  // valid while queued
+  int group = -1;                           // routed to groups_[group]; -1 while queued
+  int64_t tokens_sent = 0;
+  std::vector<int32_t> completion;  // generated ids, kept for prefix_affinity only
+  // Block-hash chains of the prompt, per block size seen (one in practice).
+  std::vector<std::pair<int64_t, std::vector<uint64_t>>> chains;
+};
+
+struct Dispatcher::Group {
+  Group(std::string w, int32_t dp, int64_t prefix_capacity)
+      : worker_id(std::move(w)), dp_group(dp), prefix(prefix_capacity) {}
+  const std::string worker_id;
+  const int32_t dp_group;
+  std::shared_ptr<WorkerOutlet> link;  // nullptr while disconnected
+  int64_t vocab_size = 0, max_position_embeddings = 0, block_size = 0;
+  int64_t free_blocks = 0;
+  int64_t queued_tokens = 0;  // cost of its requests routed and not done, counted when routed
+  int64_t in_flight = 0;
+  int64_t routed = 0, completed = 0, tokens_generated = 0;
+  std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
+  PrefixIndex prefix;                // prefix_affinity only
+};
+
+// Outlets that got messages while mu_ was held; flushed after it is released.
+// Holding the shared_ptrs also keeps a finished call's reactor alive until its
+// final status is handed to gRPC.
+class Dispatcher::Pending {
+ public:
+  void Add(std::shared_ptr<ClientOutlet> o) { clients_.push_back(std::move(o)); }
+  void Add(std::shared_ptr<WorkerOutlet> o) { links_.push_back(std::move(o)); }
+  void Flush() {
+    for (auto& o : links_) o->Flush();
+    for (auto& o : clients_) o->Flush();
+  }
+
+ private:
+  std::vector<std::shared_ptr<ClientOutlet>> clients_;
+  std::vector<std::shared_ptr<WorkerOutlet>> links_;
+};
+
+namespace {
+
+const std::vector<uint64_t>& ChainFor(
+    std::vector<std::pair<int64_t, std::vector<uint64_t>>>& chains, const v1::RouteRequest& route,
+    int64_t block_size) {
+  for (auto& [bs, chain] : chains) {
+    if (bs == block_size) return chain;
+  }
+  const auto& prompt = route.prompt_ids();
+  chains.emplace_back(
+      block_size,
+      BlockHashChain(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())),
+                     block_size));
+  return chains.back().second;
+}
+
+}  // namespace
+
+Dispatcher::Dispatcher(const CoordinatorOptions& options, std::string coordinator_id)
+    : options_(options),
+      coordinator_id_(std::move(coordinator_id)),
+      router_(options.policy, options.balance_abs_tokens, options.balance_rel) {
+  timer_thread_ = std::thread([this] { TimerLoop(); });
+}
+
+Dispatcher::~Dispatcher() { Shutdown(); }
+
+// ---- Client API -------------------------------------------------------------
+
+std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request) const {
+  const auto& prompt = request.prompt_ids();
+  if (prompt.empty()) return "prompt_ids: must not be empty";
+  for (int i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] < 0) return Cat("prompt_ids[", i, "]: token id ", prompt[i], " is negative");
+  }
+  const v1::SamplingParams& s = request.sampling();
+  if (!(s.temperature() >= 0 && s.temperature() <= 100))  // NaN fails both
+    return Cat("sampling.temperature: must be in [0, 100], got ", s.temperature());
+  if (s.has_top_p() && !(s.top_p() > 0 && s.top_p() <= 1))
+    return Cat("sampling.top_p: must be in (0, 1], got ", s.top_p());
+  if (s.has_max_tokens() && s.max_tokens() < 1)
+    return Cat("sampling.max_tokens: must be >= 1, got ", s.max_tokens());
+  for (int i = 0; i < s.stop_token_ids_size(); ++i) {
+    if (s.stop_token_ids(i) < 0)
+      return Cat("sampling.stop_token_ids[", i, "]: token id ", s.stop_token_ids(i),
+                 " is negative");
+  }
+  // Limits of the model the groups serve. A deployment serves one model; if
+  // the groups disagree the most permissive limit is checked here (no false
+  // rejection) and the group that gets the request re-checks its own.
+  int64_t vocab = 0, max_pos = 0;
+  const bool any_connected = ConnectedGroups() > 0;
+  for (const auto& g : groups_) {
+    if (any_connected && g->link == nullptr) continue;
+    vocab = std::max(vocab, g->vocab_size);
+    max_pos = std::max(max_pos, g->max_position_embeddings);
+  }
+  if (vocab > 0) {
+    for (int i = 0; i < prompt.size(); ++i) {
+      if (prompt[i] >= vocab)
+        return Cat("prompt_ids[", i, "]: token id ", prompt[i], " >= vocab_size ", vocab,
+                   " of the registered DP groups");
+    }
+  }
+  const int64_t max_tokens = s.has_max_tokens() ? s.max_tokens() : kDefaultMaxTokens;
+  if (max_pos > 0 && static_cast<int64_t>(prompt.size()) > max_pos - max_tokens)
+    return Cat("sampling.max_tokens: prompt_ids (", prompt.size(), " tokens) + max_tokens (",
+               max_tokens, ") exceeds max_position_embeddings ", max_pos,
+               " of the registered DP groups");
+  return std::nullopt;
+}
+
+std::optional<Dispatcher::Accepted> Dispatcher::Submit(
+    std::shared_ptr<ClientOutlet> client, const v1::GenerateRequest& request,
+    std::chrono::system_clock::time_point grpc_deadline) {
+  const Clock::time_point now = Clock::now();
+  // The gRPC deadline is wall-clock; the dispatcher works in steady time.
+  const bool has_deadline = grpc_deadline != std::chrono::system_clock::time_point::max();
+  Clock::duration budget = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(options_.default_deadline_s));
+  if (has_deadline) {
+    budget =
+        std::max(Clock::duration::zero(), std::chrono::duration_cast<Clock::duration>(
+                                              grpc_deadline - std::chrono::system_clock::now()));
+  }
+
+  Pending pending;
+  std::optional<Accepted> accepted;
+  {
+    std::lock_guard lock(mu_);
+    ++counters_.received;
+    auto reject = [&](grpc::StatusCode code, std::string message, Outcome outcome) {
+      ++(outcome == Outcome::kRejected ? counters_.rejected : counters_.failed);
+      client->Close(code, std::move(message));
+      pending.Add(client);
+    };
+    if (shutting_down_) {
+      reject(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down", Outcome::kFailed);
+    } else if (auto error = Validate(request)) {
+      reject(grpc::StatusCode::INVALID_ARGUMENT, std::move(*error), Outcome::kRejected);
+    } else if (!request.request_id().empty() && requests_.contains(request.request_id())) {
+      reject(grpc::StatusCode::ALREADY_EXISTS,
+             Cat("request_id: '", request.request_id(), "' is in use by a live request"),
+             Outcome::kRejected);
+    } else {
+      auto owned = std::make_unique<Request>();
+      Request* r = owned.get();
+      r->serial = ++next_serial_;
+      r->id = request.request_id();
+      // A generated id skips ids that clients chose themselves.
+      while (r->id.empty() || requests_.contains(r->id)) r->id = Cat("req-", ++next_generated_id_);
+      r->route.set_request_id(r->id);
+      *r->route.mutable_prompt_ids() = request.prompt_ids();
+      *r->route.mutable_sampling() = request.sampling();
+      r->max_tokens =
+          request.sampling().has_max_tokens() ? request.sampling().max_tokens() : kDefaultMaxTokens;
+      r->route.mutable_sampling()->set_max_tokens(r->max_tokens);
+      r->prompt_tokens = request.prompt_ids_size();
+      r->cost = r->prompt_tokens + r->max_tokens;
+      r->client = client;
+      r->client_deadline = has_deadline;
+      r->arrival = now;
+      r->deadline = now + budget;
+      r->unavailable_at = r->deadline;
+      if (has_deadline) {
+        r->unavailable_at -= std::min<Clock::duration>(
+            kUnavailableMarginMax,
+            std::chrono::duration_cast<Clock::duration>(budget * kUnavailableMarginFraction));
+      }
+      requests_.emplace(r->id, std::move(owned));
+      if (!TryRoute(r, pending)) {
+        if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
+          requests_.erase(requests_.find(r->id));  // by iterator: r->id dies with the node
+          reject(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                 Cat("queue full: ", queue_.size(), " requests wait for a DP group (max_queued ",
+                     options_.max_queued, ")"),
+                 Outcome::kRejected);
+          r = nullptr;
+        } else {
+          r->queued = true;
+          r->queue_pos = queue_.insert(queue_.end(), r);
+        }
+      }
+      if (r != nullptr) {
+        ArmTimer(r, r->unavailable_at);
+        accepted = Accepted{r->id, r->serial};
+      }
+    }
+  }
+  pending.Flush();
+  return accepted;
+}
+
+void Dispatcher::ClientGone(const std::string& id, uint64_t serial) {
+  Pending pending;
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(id);
+    if (it == requests_.end() || it->second->serial != serial) return;
+    Request* r = it->second.get();
+    if (r->client_deadline && Clock::now() + kDeadlineSlack >= r->deadline) {
+      Fail(r, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded", Outcome::kFailed, true,
+           pending);
+    } else {
+      Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", Outcome::kCancelled, true,
+           pending);
+    }
+    DrainQueue(pending);
+  }
+  pending.Flush();
+}
+
+bool Dispatcher::Cancel(const std::string& id) {
+  Pending pending;
+  {
+    std::lock_guard lock(mu_);
+    auto it = requests_.find(id);
+    if (it == requests_.end()) return false;
+    Fail(it->second.get(), grpc::StatusCode::CANCELLED, "cancelled by a Cancel call",
+         Outcome::kCancelled, true, pending);
+    DrainQueue(pending);
+  }
+  pending.Flush();
+  return true;
+}
+
+void Dispatcher::FillStats(v1::GetStatsResponse* out) const {
+  std::lock_guard lock(mu_);
+  for (const auto& g : groups_) {
+    for (const auto& rank : g->ranks) *out->add_ranks() = rank;
+    v1::GroupStats* s = out->add_groups();
+    s->set_worker_id(g->worker_id);
+    s->set_dp_group(g->dp_group);
+    s->set_connected(g->link != nullptr);
+    s->set_requests_routed(g->routed);
+    s->set_requests_completed(g->completed);
+    s->set_requests_in_flight(g->in_flight);
+    s->set_tokens_generated(g->tokens_generated);
+    s->set_free_blocks(g->free_blocks);
+    s->set_queued_tokens(g->queued_tokens);
+  }
+  v1::CoordinatorStats* c = out->mutable_coordinator();
+  c->set_policy(std::string(RoutingPolicyName(options_.policy)));
+  c->set_requests_received(counters_.received);
+  c->set_requests_completed(counters_.completed);
+  c->set_requests_rejected(counters_.rejected);
+  c->set_requests_failed(counters_.failed);
+  c->set_requests_cancelled(counters_.cancelled);
+  c->set_requests_queued(static_cast<int64_t>(queue_.size()));
+  c->set_requests_rerouted(counters_.rerouted);
+}
+
+void Dispatcher::FillHealth(v1::HealthResponse* out) const {
+  std::lock_guard lock(mu_);
+  out->set_serving(!shutting_down_);
+  out->set_groups_connected(static_cast<int32_t>(ConnectedGroups()));
+}
+
+// ---- Worker link --------------------------------------------------------------
+
+bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg) {
+  Pending pending;
+  bool attached = false;
+  {
+    std::lock_guard lock(mu_);
+    std::string error;
+    grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
+    if (shutting_down_) {
+      code = grpc::StatusCode::UNAVAILABLE;
+      error = "coordinator shutting down";
+    } else if (reg.worker_id().empty()) {
+      error = "register.worker_id: must not be empty";
+    } else if (reg.dp_group() < 0) {
+      error = Cat("register.dp_group: must be >= 0, got ", reg.dp_group());
+    } else if (reg.vocab_size() < 0 || reg.max_position_embeddings() < 0 || reg.block_size() < 0 ||
+               reg.cache_blocks_total() < 0) {
+      error =
+          "register: vocab_size, max_position_embeddings, block_size and cache_blocks_total must "
+          "be >= 0";
+    }
+    if (!error.empty()) {
+      link->Close(code, std::move(error));
+      pending.Add(link);
+    } else {
+      const auto key = std::make_pair(reg.worker_id(), reg.dp_group());
+      auto [it, inserted] = group_index_.try_emplace(key, static_cast<int>(groups_.size()));
+      if (inserted) {
+        groups_.push_back(std::make_unique<Group>(reg.worker_id(), reg.dp_group(),
+                                                  options_.prefix_hashes_per_group));
+      }
+      const int index = it->second;
+      Group& g = *groups_[static_cast<size_t>(index)];
+      if (g.link != nullptr) {
+        // The worker restarted before its old stream was seen to break.
+        std::shared_ptr<WorkerOutlet> old = g.link;
+        Disconnect(index, pending);
+        old->Close(grpc::StatusCode::ABORTED,
+                   "replaced by a new registration of the same DP group");
+        pending.Add(old);
+      }
+      g.link = link;
+      link_group_[link.get()] = index;
+      g.vocab_size = reg.vocab_size();
+      g.max_position_embeddings = reg.max_position_embeddings();
+      g.block_size = reg.block_size();
+      g.free_blocks = reg.cache_blocks_total();
+      g.ranks.assign(reg.ranks().begin(), reg.ranks().end());
+      for (auto& rank : g.ranks) {
+        if (rank.worker_id().empty()) rank.set_worker_id(reg.worker_id());
+      }
+      // A (re)registering group starts with whatever its cache holds now; the
+      // coordinator cannot know, and an empty guess costs at most one miss.
+      g.prefix.Clear();
+      v1::CoordinatorMessage registered;
+      registered.mutable_registered()->set_coordinator_id(coordinator_id_);
+      link->Queue(std::move(registered));
+      pending.Add(link);
+      attached = true;
+      DrainQueue(pending);
+    }
+  }
+  pending.Flush();
+  return attached;
+}
+
+bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg) {
+  Pending pending;
+  bool attached = true;
+  {
+    std::lock_guard lock(mu_);
+    auto it = link_group_.find(link);
+    if (it == link_group_.end()) return false;
+    const int index = it->second;
+    Group& g = *groups_[static_cast<size_t>(index)];
+    switch (msg.msg_case()) {
+      case v1::WorkerMessage::kTokens:
+        OnTokens(g, index, msg.tokens(), pending);
+        break;
+      case v1::WorkerMessage::kDone:
+        OnDone(index, msg.done(), pending);
+        break;
+      case v1::WorkerMessage::kStats:
+        g.free_blocks = msg.stats().free_blocks();
+        if (msg.stats().ranks_size() > 0) {
+          g.ranks.assign(msg.stats().ranks().begin(), msg.stats().ranks().end());
+          for (auto& rank : g.ranks) {
+            if (rank.worker_id().empty()) rank.set_worker_id(g.worker_id);
+          }
+        }
+        break;
+      case v1::WorkerMessage::kRegister: {
+        std::shared_ptr<WorkerOutlet> owned = g.link;
+        Disconnect(index, pending);
+        owned->Close(grpc::StatusCode::FAILED_PRECONDITION, "register: sent twice on one stream");
+        pending.Add(owned);
+        attached = false;
+        break;
+      }
+      case v1::WorkerMessage::MSG_NOT_SET:
+        break;
+    }
+    DrainQueue(pending);
+  }
+  pending.Flush();
+  return attached;
+}
+
+void Dispatcher::OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending) {
+  const Clock::time_point now = Clock::now();
+  for (const v1::TokenEvent& ev : batch.events()) {
+    auto it = requests_.find(ev.request_id());
+    // Tokens of a request this group no longer serves (cancelled, timed out)
+    // are expected in flight: CancelRoute and the tokens crossed.
+    if (it == requests_.end() || it->second->group != group) continue;
+    Request* r = it->second.get();
+    if (r->tokens_sent == 0) r->first_token_at = now;
+    v1::GenerateResponse out;
+    out.set_request_id(r->id);
+    v1::Token* t = out.mutable_token();
+    t->set_token_id(ev.token_id());
+    t->set_logprob(ev.logprob());
+    t->set_index(r->tokens_sent++);
+    r->client->Queue(std::move(out));
+    pending.Add(r->client);
+    ++g.tokens_generated;
+    if (router_.policy() == RoutingPolicy::kPrefixAffinity && r->tokens_sent <= r->max_tokens)
+      r->completion.push_back(static_cast<int32_t>(ev.token_id()));
+  }
+}
+
+void Dispatcher::OnDone(int group, const v1::RequestDone& done, Pending& pending) {
+  auto it = requests_.find(done.request_id());
+  if (it == requests_.end() || it->second->group != group) return;
+  Request* r = it->second.get();
+  if (done.error_code() != 0) {
+    // The group's own checks rejected it: forward its status unchanged.
+    const auto code = static_cast<grpc::StatusCode>(done.error_code());
+    const Outcome outcome = IsRejection(code)                     ? Outcome::kRejected
+                            : code == grpc::StatusCode::CANCELLED ? Outcome::kCancelled
+                                                                  : Outcome::kFailed;
+    Fail(r, code, done.error_message(), outcome, false, pending);
+    return;
+  }
+  Complete(r, done, pending);
+}
+
+void Dispatcher::Detach(const WorkerOutlet* link) {
+  Pending pending;
+  {
+    std::lock_guard lock(mu_);
+    auto it = link_group_.find(link);
+    if (it == link_group_.end()) return;
+    Disconnect(it->second, pending);
+    DrainQueue(pending);
+  }
+  pending.Flush();
+}
+
+void Dispatcher::Shutdown() {
+  {
+    Pending pending;
+    {
+      std::lock_guard lock(mu_);
+      if (!shutting_down_) {
+        shutting_down_ = true;
+        std::vector<Request*> live;
+        for (auto& [id, r] : requests_) live.push_back(r.get());
+        for (Request* r : live) {
+          Fail(r, grpc::StatusCode::UNAVAILABLE, "coordinator shutting down", Outcome::kFailed,
+               false, pending);
+        }
+        for (auto& g : groups_) {
+          if (g->link == nullptr) continue;
+          g->link->Close(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
+          pending.Add(g->link);
+          g->link = nullptr;
+          g->in_flight = 0;
+          g->queued_tokens = 0;
+        }
+        link_group_.clear();
+      }
+      stop_timer_ = true;
+    }
+    timer_cv_.notify_all();
+    pending.Flush();
+  }
+  if (timer_thread_.joinable() && timer_thread_.get_id() != std::this_thread::get_id())
+    timer_thread_.join();
+}
+
+// ---- Internals (REQUIRE mu_) ---------------------------------------------------
+
+int64_t Dispatcher::ConnectedGroups() const {
+  int64_t n = 0;
+  for (const auto& g : groups_) n += g->link != nullptr;
+  return n;
+}
+
+bool Dispatcher::Eligible(const Group& g) const {
+  return g.link != nullptr && g.in_flight < options_.max_in_flight_per_group;
+}
+
+bool Dispatcher::TryRoute(Request* r, Pending& pending) {
+  std::vector<Candidate> candidates;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (!Eligible(g)) continue;
+    Candidate c{.index = static_cast<int>(i),
+                .queued_tokens = g.queued_tokens,
+                .free_blocks = g.free_blocks};
+    if (router_.policy() == RoutingPolicy::kPrefixAffinity)
+      c.prefix_blocks = g.prefix.LeadingMatch(ChainFor(r->chains, r->route, g.block_size));
+    candidates.push_back(c);
+  }
+  if (candidates.empty()) return false;
+  const int index = candidates[router_.Pick(candidates)].index;
+  Group& g = *groups_[static_cast<size_t>(index)];
+
+  if (r->queued) {
+    queue_.erase(r->queue_pos);
+    r->queued = false;
+  }
+  r->group = index;
+  r->routed_at = Clock::now();
+  g.queued_tokens += r->cost;  // now, not when the group next reports (sglang #21699)
+  ++g.in_flight;
+  ++g.routed;
+  if (router_.policy() == RoutingPolicy::kPrefixAffinity)
+    g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
+  v1::CoordinatorMessage msg;
+  *msg.mutable_route() = r->route;
+  g.link->Queue(std::move(msg));
+  pending.Add(g.link);
+  return true;
+}
+
+void Dispatcher::DrainQueue(Pending& pending) {
+  // FIFO: eligibility does not depend on the request, so if the head cannot
+  // be routed, nothing behind it can.
+  while (!queue_.empty() && TryRoute(queue_.front(), pending)) {
+  }
+}
+
+void Dispatcher::ArmTimer(Request* r, Clock::time_point at) {
+  if (r->armed) timers_.erase(r->timer);
+  r->timer = timers_.emplace(at, r);
+  r->armed = true;
+  if (r->timer == timers_.begin()) timer_cv_.notify_one();
+}
+
+void Dispatcher::OnTimer(Request* r, Clock::time_point now, Pending& pending) {
+  if (r->queued && ConnectedGroups() == 0) {
+    Fail(r, grpc::StatusCode::UNAVAILABLE,
+         Cat("no DP group registered before the deadline (waited ", Ms(now - r->arrival), " ms)"),
+         Outcome::kFailed, false, pending);
+  } else if (now >= r->deadline) {
+    Fail(
+        r, grpc::StatusCode::DEADLINE_EXCEEDED,
+        r->group >= 0 ? "deadline exceeded" : "deadline exceeded while waiting for a free DP group",
+        Outcome::kFailed, true, pending);
+  } else {
+    ArmTimer(r, r->deadline);
+  }
+}
+
+void Dispatcher::ReleaseFromGroup(Request* r) {
+  if (r->group < 0) return;
+  Group& g = *groups_[static_cast<size_t>(r->group)];
+  g.queued_tokens -= r->cost;
+  --g.in_flight;
+  r->group = -1;
+}
+
+void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, Outcome outcome,
+                      bool cancel_route, Pending& pending) {
+  if (cancel_route && r->group >= 0) {
+    Group& g = *groups_[static_cast<size_t>(r->group)];
+    if (g.link != nullptr) {
+      v1::CoordinatorMessage msg;
+      msg.mutable_cancel()->set_request_id(r->id);
+      g.link->Queue(std::move(msg));
+      pending.Add(g.link);
+    }
+  }
+  switch (outcome) {
+    case Outcome::kCompleted:
+      ++counters_.completed;
+      break;
+    case Outcome::kRejected:
+      ++counters_.rejected;
+      break;
+    case Outcome::kFailed:
+      ++counters_.failed;
+      break;
+    case Outcome::kCancelled:
+      ++counters_.cancelled;
+      break;
+  }
+  r->client->Close(code, std::move(message));
+  pending.Add(r->client);
+  Forget(r);
+}
+
+void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pending) {
+  const Clock::time_point now = Clock::now();
+  Group& g = *groups_[static_cast<size_t>(r->group)];
+  ++g.completed;
+  ++counters_.completed;
+  if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() &&
+      g.block_size > 0) {
+    // The group's cache now also holds the generated tokens' blocks (all but
+    // the last token, whose row is never written): a follow-up turn that
+    // resends prompt + answer should find them.
+    std::vector<int32_t> seq(r->route.prompt_ids().begin(), r->route.prompt_ids().end());
+    seq.insert(seq.end(), r->completion.begin(), r->completion.end() - 1);
+    g.prefix.Insert(BlockHashChain(seq, g.block_size));
+  }
+  v1::GenerateResponse out;
+  out.set_request_id(r->id);
+  v1::Finished* f = out.mutable_finished();
+  f->set_finish_reason(done.finish_reason());
+  f->set_dp_group(g.dp_group);
+  f->set_prompt_tokens(done.prompt_tokens() > 0 ? done.prompt_tokens() : r->prompt_tokens);
+  f->set_completion_tokens(r->tokens_sent);
+  f->set_prefix_hit_tokens(done.prefix_hit_tokens());
+  v1::Timings* t = f->mutable_timings();
+  t->set_queued_ms(Ms(r->routed_at - r->arrival));
+  t->set_first_token_ms(Ms((r->tokens_sent > 0 ? r->first_token_at : now) - r->arrival));
+  t->set_total_ms(Ms(now - r->arrival));
+  r->client->Queue(std::move(out));
+  r->client->Close(grpc::StatusCode::OK, "");
+  pending.Add(r->client);
+  Forget(r);
+}
+
+void Dispatcher::Forget(Request* r) {
+  ReleaseFromGroup(r);
+  if (r->queued) queue_.erase(r->queue_pos);
+  if (r->armed) timers_.erase(r->timer);
+  requests_.erase(requests_.find(r->id));  // destroys r (by iterator: the key dies with it)
+}
+
+void Dispatcher::Disconnect(int group, Pending& pending) {
+  Group& g = *groups_[static_cast<size_t>(group)];
+  link_group_.erase(g.link.get());
+  g.link = nullptr;
+  std::vector<Request*> affected;
+  for (auto& [id, r] : requests_) {
+    if (r->group == group) affected.push_back(r.get());
+  }
+  // Oldest first, so the re-routed keep their arrival order at the queue's head.
+  std::sort(affected.begin(), affected.end(),
+            [](Request* a, Request* b) { return a->serial < b->serial; });
+  auto head = queue_.begin();
+  for (Request* r : affected) {
+    if (r->tokens_sent > 0) {
+      // The client saw part of the answer: another group cannot continue it.
+      Fail(r, grpc::StatusCode::UNAVAILABLE,
+           Cat("DP group ", g.dp_group, " of worker '", g.worker_id, "' broke after sending ",
+               r->tokens_sent, " tokens"),
+           Outcome::kFailed, false, pending);
+    } else {
+      ReleaseFromGroup(r);
+      ++counters_.rerouted;
+      r->queued = true;
+      r->queue_pos = queue_.insert(head, r);
+    }
+  }
+  // Nothing of the group is in flight any more (ReleaseFromGroup / Fail).
+}
+
+void Dispatcher::TimerLoop() {
+  std::unique_lock lock(mu_);
+  while (!stop_timer_) {
+    if (timers_.empty()) {
+      timer_cv_.wait(lock);
+      continue;
+    }
+    const Clock::time_point next = timers_.begin()->first;
+    if (Clock::now() < next) {
+      timer_cv_.wait_until(lock, next);
+      continue;
+    }
+    Pending pending;
+    const Clock::time_point now = Clock::now();
+    while (!timers_.empty() && timers_.begin()->first <= now) {
+      Request* r = timers_.begin()->second;
+      timers_.erase(timers_.begin());
+      r->armed = false;
+      OnTimer(r, now, pending);
+    }
+    DrainQueue(pending);
+    lock.unlock();
+    pending.Flush();
+    lock.lock();
+  }
+}
+
+}  // namespace mlarun::coord

@@ -1,0 +1,169 @@
+// The coordinator's state machine, apart from the gRPC plumbing: the registry
+// of DP groups, the table of live requests, the FIFO queue of requests waiting
+// for a group, deadlines, routing, and the counters behind GetStats.
+//
+// Internal to launcher/coordinator (it includes the generated protobuf
+// header; coordinator.cc adds the gRPC reactors around it).
+//
+// Threading. Every public method is thread-safe and never blocks on the
+// network: each takes mu_, updates the tables, queues the messages it decides
+// to send on the streams' Outlets, releases mu_ and only then Flush()es those
+// outlets (a flush starts a gRPC write, and gRPC may run reactions inline, so it
+// must never happen under mu_). Because messages are queued under mu_, the
+// order in which the dispatcher decides them is the order in which each stream
+// sends them. One internal thread sleeps on a condition variable until the
+// earliest request deadline; there is no thread per request.
+//
+// Lock order: Dispatcher::mu_, then an outlet's own lock (Queue/Close). An
+// outlet never calls into the dispatcher while holding its lock.
+//
+// Invariant (at every release of mu_): the wait queue is empty or no group is
+// eligible (connected and below max_in_flight_per_group), so FIFO order holds.
+#pragma once
+
+#include <grpcpp/support/status_code_enum.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "launcher/coordinator/coordinator.h"
+#include "launcher/coordinator/router.h"
+#include "mlarun.pb.h"
+
+namespace mlarun::coord {
+
+using Clock = std::chrono::steady_clock;
+
+// The sending half of one gRPC stream, as the dispatcher sees it.
+template <class Msg>
+class Outlet {
+ public:
+  virtual ~Outlet() = default;
+  // Appends `msg` to the stream's send queue. Never blocks and never calls
+  // into the dispatcher (the dispatcher calls it with mu_ held). Ignored once
+  // Close() was called.
+  virtual void Queue(Msg msg) = 0;
+  // Ends the stream with this status once everything queued is written. Later
+  // Queue/Close calls are ignored. Same constraints as Queue.
+  virtual void Close(grpc::StatusCode code, std::string message) = 0;
+  // Starts writing what is queued (one write in flight per stream). Never
+  // blocks; must be called without the dispatcher's mutex.
+  virtual void Flush() = 0;
+};
+using ClientOutlet = Outlet<v1::GenerateResponse>;
+using WorkerOutlet = Outlet<v1::CoordinatorMessage>;
+
+class Dispatcher {
+ public:
+  // Starts the deadline thread.
+  Dispatcher(const CoordinatorOptions& options, std::string coordinator_id);
+  // Calls Shutdown().
+  ~Dispatcher();
+  Dispatcher(const Dispatcher&) = delete;
+  Dispatcher& operator=(const Dispatcher&) = delete;
+
+  // ---- Client API ----------------------------------------------------------
+  struct Accepted {
+    std::string id;   // the request id (the client's, or "req-<n>")
+    uint64_t serial;  // unique per accepted request, even when ids are reused
+  };
+  // A Generate call. On acceptance the request owns `client` and ends it
+  // exactly once (Finished then OK, or an error status); on rejection
+  // `client` is closed with the error and nullopt is returned. `grpc_deadline`
+  // is the call's deadline (time_point::max() when the client set none).
+  std::optional<Accepted> Submit(std::shared_ptr<ClientOutlet> client,
+                                 const v1::GenerateRequest& request,
+                                 std::chrono::system_clock::time_point grpc_deadline);
+  // The client cancelled the call, disconnected, or its deadline passed inside
+  // gRPC. Ends the request (if still live) and sends CancelRoute to its group.
+  void ClientGone(const std::string& id, uint64_t serial);
+  // The Cancel RPC: false if no live request has this id.
+  bool Cancel(const std::string& id);
+  void FillStats(v1::GetStatsResponse* out) const;
+  void FillHealth(v1::HealthResponse* out) const;
+
+  // ---- Worker link ---------------------------------------------------------
+  // The first message of a WorkerLink stream. On success the link is the
+  // group's: Registered is queued on it, then any requests routed there; on a
+  // bad Register (or after Shutdown) the link is closed and false is returned.
+  // A link registering a group that is still connected through another link
+  // replaces it (the old link is closed with ABORTED and treated as broken).
+  bool Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg);
+  // A later message of an attached link. False if `link` is not (or no
+  // longer) attached; the caller stops reading.
+  bool OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg);
+  // The link's stream ended or broke: the group is disconnected, its requests
+  // without a token are re-routed, the others end with UNAVAILABLE.
+  // Idempotent; a no-op for a link that is not attached.
+  void Detach(const WorkerOutlet* link);
+
+  // Ends every live request and every link with UNAVAILABLE, refuses new ones,
+  // and joins the deadline thread. Idempotent. Blocks only for that join.
+  void Shutdown();
+
+ private:
+  struct Request;
+  struct Group;
+  class Pending;  // outlets to flush once mu_ is released
+
+  enum class Outcome : uint8_t { kCompleted, kRejected, kFailed, kCancelled };
+
+  // All of these REQUIRE mu_.
+  std::optional<std::string> Validate(const v1::GenerateRequest& request) const;
+  int64_t ConnectedGroups() const;
+  bool Eligible(const Group& g) const;
+  bool TryRoute(Request* r, Pending& pending);
+  void DrainQueue(Pending& pending);
+  void ArmTimer(Request* r, Clock::time_point at);
+  void OnTimer(Request* r, Clock::time_point now, Pending& pending);
+  void ReleaseFromGroup(Request* r);
+  // Ends `r` with an error status (destroys it). CancelRoute goes to its group
+  // when `cancel_route` and it is routed.
+  void Fail(Request* r, grpc::StatusCode code, std::string message, Outcome outcome,
+            bool cancel_route, Pending& pending);
+  void Complete(Request* r, const v1::RequestDone& done, Pending& pending);
+  void Forget(Request* r);  // unlinks and destroys r
+  void Disconnect(int group, Pending& pending);
+  void OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending);
+  void OnDone(int group, const v1::RequestDone& done, Pending& pending);
+  void TimerLoop();
+
+  // Constant after construction.
+  const CoordinatorOptions options_;
+  const std::string coordinator_id_;
+
+  // mu_ guards everything below: the group registry, the request table, the
+  // wait queue, the deadline timers, the router (round-robin cursor, prefix
+  // indexes) and the counters.
+  mutable std::mutex mu_;
+  std::condition_variable timer_cv_;  // wakes TimerLoop for an earlier deadline or stop
+  bool shutting_down_ = false;
+  bool stop_timer_ = false;
+  Router router_;
+  std::vector<std::unique_ptr<Group>> groups_;                  // index = group id; never shrinks
+  std::map<std::pair<std::string, int32_t>, int> group_index_;  // (worker_id, dp_group) -> index
+  std::unordered_map<const WorkerOutlet*, int> link_group_;     // attached links
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_;  // live, by id
+  std::list<Request*> queue_;                                           // waiting for a group, FIFO
+  std::multimap<Clock::time_point, Request*> timers_;  // one entry per live request
+  uint64_t next_serial_ = 0;
+  uint64_t next_generated_id_ = 0;
+  struct Counters {
+    int64_t received = 0, completed = 0, rejected = 0, failed = 0, cancelled = 0, rerouted = 0;
+  } counters_;
+
+  std::thread timer_thread_;  // started in the constructor, joined by Shutdown
+};
+
+}  // namespace mlarun::coord

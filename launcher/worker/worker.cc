@@ -1,0 +1,384 @@
+#include "launcher/worker/worker.h"
+
+#include <grpcpp/grpcpp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <csignal>
+#include <deque>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "mlarun.grpc.pb.h"
+#include "parallel/mpi/mpi_world.h"
+#include "runtime/engine/rank_runner.h"
+
+namespace mlarun {
+namespace {
+
+std::atomic<bool> g_stop{false};
+extern "C" void OnSignal(int) { g_stop = true; }
+
+// Static facts of one rank, gathered once at start-up so a leader can report
+// its whole group (members mirror the leader's cache block for block, so the
+// leader's cache numbers are theirs; parallel_model_test checks that).
+struct RankInfo {
+  int64_t rank = 0, dp_group = 0, attn_tp_rank = 0;
+  WeightBytes weights;
+  std::string host;
+};
+
+// The leader's end of the WorkerLink stream, on its own thread. Incoming
+// messages queue in an inbox the step loop drains; Send() writes from the step
+// loop (one writer), the thread only reads.
+class Link {
+ public:
+  Link(std::string target, v1::Register reg) : target_(std::move(target)), reg_(std::move(reg)) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Link() {
+    stopping_ = true;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (context_) context_->TryCancel();
+    }
+    thread_.join();
+  }
+
+  struct Event {
+    enum Kind { kRoute, kCancel, kDisconnected } kind;
+    v1::RouteRequest route;
+    std::string request_id;
+  };
+  std::deque<Event> Drain() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::deque<Event> out;
+    out.swap(inbox_);
+    return out;
+  }
+  // False when there is no live stream (the message is dropped: the
+  // coordinator ends that stream's requests itself).
+  bool Send(const v1::WorkerMessage& m) {
+    std::lock_guard<std::mutex> lock(write_mu_);
+    std::shared_ptr<Stream> s;
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      s = stream_;
+    }
+    return s && s->Write(m);
+  }
+  void UpdateRanks(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    *reg_.mutable_ranks() = ranks;
+  }
+  bool connected() const { return connected_; }
+  // Blocks until something arrives in the inbox or `timeout_s` passes.
+  void WaitForEvent(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    arrived_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !inbox_.empty(); });
+  }
+
+ private:
+  using Stream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
+
+  void Run() {
+    auto channel = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
+    auto stub = v1::WorkerLink::NewStub(channel);
+    double backoff_s = 0.1;
+    while (!stopping_) {
+      auto context = std::make_shared<grpc::ClientContext>();
+      std::shared_ptr<Stream> stream(stub->Connect(context.get()));
+      v1::WorkerMessage hello;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        *hello.mutable_register_() = reg_;
+        context_ = context;
+      }
+      v1::CoordinatorMessage in;
+      if (stream->Write(hello) && stream->Read(&in) && in.has_registered()) {
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          stream_ = stream;
+        }
+        connected_ = true;
+        backoff_s = 0.1;
+        while (stream->Read(&in)) {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (in.has_route()) inbox_.push_back({Event::kRoute, in.route(), in.route().request_id()});
+          if (in.has_cancel()) inbox_.push_back({Event::kCancel, {}, in.cancel().request_id()});
+          arrived_.notify_all();
+        }
+        connected_ = false;
+        std::lock_guard<std::mutex> lock(mu_);
+        stream_.reset();
+        inbox_.push_back({Event::kDisconnected, {}, {}});
+      }
+      {
+        std::lock_guard<std::mutex> lock(write_mu_);
+        stream->WritesDone();
+      }
+      (void)stream->Finish();
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        context_.reset();
+      }
+      for (double waited = 0; waited < backoff_s && !stopping_; waited += 0.05)
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      backoff_s = std::min(2.0, backoff_s * 2);
+    }
+  }
+
+  const std::string target_;
+  std::atomic<bool> stopping_{false}, connected_{false};
+  std::mutex mu_;        // guards reg_, inbox_, stream_, context_
+  std::condition_variable arrived_;
+  std::mutex write_mu_;  // one writer at a time on the stream
+  v1::Register reg_;
+  std::deque<Event> inbox_;
+  std::shared_ptr<Stream> stream_;
+  std::shared_ptr<grpc::ClientContext> context_;
+  std::thread thread_;
+};
+
+SamplingParams FromProto(const v1::SamplingParams& p) {
+  SamplingParams s;
+  s.temperature = p.temperature();
+  s.top_k = p.top_k();
+  s.top_p = p.has_top_p() ? p.top_p() : 1.0;
+  s.seed = p.seed();
+  s.max_tokens = p.has_max_tokens() ? p.max_tokens() : 16;
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  return s;
+}
+
+// Bytes of one rank's facts: rank, group, tp rank, 4 weight categories, host.
+std::string EncodeInfo(const RankInfo& r) {
+  std::ostringstream os;
+  os << r.rank << " " << r.dp_group << " " << r.attn_tp_rank << " " << r.weights.attention << " " << r.weights.moe
+     << " " << r.weights.dense_mlp << " " << r.weights.embedding_and_head << " " << r.host;
+  return os.str();
+}
+
+RankInfo DecodeInfo(const std::string& s) {
+  std::istringstream in(s);
+  RankInfo r;
+  in >> r.rank >> r.dp_group >> r.attn_tp_rank >> r.weights.attention >> r.weights.moe >> r.weights.dense_mlp >>
+      r.weights.embedding_and_head >> r.host;
+  return r;
+}
+
+StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& world, const std::string& mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  std::vector<int64_t> counts(static_cast<size_t>(world.size()));
+  MLARUN_RETURN_IF_ERROR(world.AllGather(&n, 1, counts.data(), CommType::kI64));
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  std::string flat(static_cast<size_t>(total), '\0');
+  MLARUN_RETURN_IF_ERROR(world.AllGatherV(mine.data(), counts, flat.data(), CommType::kU8));
+  std::vector<std::string> out;
+  int64_t off = 0;
+  for (int64_t c : counts) {
+    out.push_back(flat.substr(static_cast<size_t>(off), static_cast<size_t>(c)));
+    off += c;
+  }
+  return out;
+}
+
+}  // namespace
+
+int RunWorker(const WorkerOptions& o, MpiSession& session) {
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
+  auto layout = ParseParallelLayout(o.parallel);
+  if (!layout.ok()) session.Abort("--parallel: " + layout.status().ToString(), 2);
+  auto groups = session.Groups(*layout);
+  if (!groups.ok()) session.Abort(groups.status().ToString(), 2);
+  ModelOverrides ov;
+  if (!o.kv_dtype.empty()) {
+    auto dt = ParseDType(o.kv_dtype);
+    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32)) session.Abort("--kv-dtype must be bf16 or fp32", 2);
+    ov.kv_dtype = *dt;
+  }
+  if (o.num_layers > 0) ov.num_layers = o.num_layers;
+  ModelOptions mo;
+  mo.shard = ModelShard::For(*layout, session.rank());
+  auto model = Model::Load(o.model, ov, mo);
+  if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
+  auto runner_or = RankRunner::Create(**model, o.engine, *groups);
+  if (!runner_or.ok()) session.Abort(runner_or.status().ToString(), 2);
+  RankRunner& runner = **runner_or;
+  Communicator& world = *groups->world;
+
+  // Every rank's static facts, and one worker id for the job.
+  RankInfo me{.rank = session.rank(), .dp_group = groups->dp_rank(), .attn_tp_rank = groups->attn_tp_rank(),
+              .weights = (*model)->weight_bytes(), .host = session.host()};
+  auto infos = AllGatherStrings(world, EncodeInfo(me));
+  if (!infos.ok()) session.Abort("start-up exchange failed: " + infos.status().ToString(), 2);
+  std::string worker_id = session.host() + ":" + std::to_string(getpid());
+  auto ids = AllGatherStrings(world, session.rank() == 0 ? worker_id : std::string());
+  if (!ids.ok()) session.Abort("start-up exchange failed", 2);
+  worker_id = (*ids)[0];
+  std::vector<RankInfo> group_ranks;
+  for (const std::string& s : *infos) {
+    RankInfo r = DecodeInfo(s);
+    if (r.dp_group == groups->dp_rank()) group_ranks.push_back(r);
+  }
+
+  const ModelConfig& mc = (*model)->config();
+  const LatentCache& cache = runner.engine()->cache();
+  auto rank_stats = [&](double tokens_per_s) {
+    google::protobuf::RepeatedPtrField<v1::RankStats> out;
+    const LatentCacheStats cs = cache.stats();
+    for (const RankInfo& r : group_ranks) {
+      v1::RankStats* s = out.Add();
+      s->set_worker_id(worker_id);
+      s->set_rank(static_cast<int32_t>(r.rank));
+      s->set_dp_group(static_cast<int32_t>(r.dp_group));
+      s->set_attn_tp_rank(static_cast<int32_t>(r.attn_tp_rank));
+      s->set_host(r.host);
+      s->set_attention_weight_bytes(r.weights.attention);
+      s->set_moe_weight_bytes(r.weights.moe);
+      s->set_dense_mlp_weight_bytes(r.weights.dense_mlp);
+      s->set_embedding_head_weight_bytes(r.weights.embedding_and_head);
+      s->set_cache_bytes_per_token(cs.bytes_per_token);
+      s->set_cache_block_bytes(cs.block_bytes);
+      s->set_cache_blocks_total(cs.blocks_total);
+      s->set_cache_blocks_used(cs.blocks_used);
+      s->set_cache_bytes_capacity(cs.bytes_capacity);
+      s->set_cache_bytes_used(cs.bytes_used);
+      s->set_cache_bytes_peak(runner.cache_stats().peak_bytes_used);
+      s->set_requests_running(runner.engine()->num_running());
+      s->set_requests_waiting(runner.engine()->num_waiting());
+      s->set_tokens_per_s(tokens_per_s);
+    }
+    return out;
+  };
+
+  std::unique_ptr<Link> link;
+  if (runner.is_leader()) {
+    v1::Register reg;
+    reg.set_worker_id(worker_id);
+    reg.set_dp_group(groups->dp_rank());
+    reg.set_dp(layout->dp);
+    reg.set_attn_tp(layout->attn_tp);
+    reg.set_vocab_size(mc.vocab_size);
+    reg.set_max_position_embeddings(mc.max_position_embeddings);
+    reg.set_block_size(o.engine.block_size);
+    reg.set_cache_blocks_total(cache.stats().blocks_total);
+    *reg.mutable_ranks() = rank_stats(0);
+    link = std::make_unique<Link>(o.coordinator, reg);
+  }
+  if (session.rank() == 0)
+    std::cerr << "mlarun worker " << worker_id << ": " << *layout << ", " << o.model << ", coordinator "
+              << o.coordinator << "\n";
+
+  // The step loop, on every rank.
+  struct Live {
+    std::string request_id;
+    size_t sent = 0;
+  };
+  std::map<int64_t, Live> live;                   // engine id -> request (leaders)
+  std::map<std::string, int64_t> by_request_id;
+  auto last_stats = std::chrono::steady_clock::now();
+  int64_t tokens_since_stats = 0;
+  double idle_sleep_s = 0.0005;
+  for (;;) {
+    if (link) {
+      for (Link::Event& e : link->Drain()) {
+        if (e.kind == Link::Event::kRoute) {
+          const std::string rid = e.route.request_id();
+          GenerationRequest req{.prompt = std::vector<int32_t>(e.route.prompt_ids().begin(), e.route.prompt_ids().end()),
+                                .sampling = FromProto(e.route.sampling())};
+          auto id = runner.Add(std::move(req));
+          if (!id.ok()) {
+            v1::WorkerMessage m;
+            v1::RequestDone* d = m.mutable_done();
+            d->set_request_id(rid);
+            d->set_error_code(static_cast<int32_t>(id.status().code()));
+            d->set_error_message(id.status().message());
+            link->Send(m);
+            continue;
+          }
+          live[*id] = Live{rid, 0};
+          by_request_id[rid] = *id;
+        } else if (e.kind == Link::Event::kCancel) {
+          auto it = by_request_id.find(e.request_id);
+          if (it == by_request_id.end()) continue;
+          (void)runner.engine()->Cancel(it->second);
+          live.erase(it->second);
+          by_request_id.erase(it);
+        } else {  // the stream broke: the coordinator has ended or re-routed these
+          for (const auto& [id, l] : live) (void)runner.engine()->Cancel(id);
+          live.clear();
+          by_request_id.clear();
+        }
+      }
+    }
+    auto step = runner.StepOrStop(g_stop.load());
+    if (!step.ok()) session.Abort("step failed: " + step.status().ToString(), 1);
+    if (*step == RankRunner::StepResult::kStop) break;
+    if (link) {
+      // New tokens, completions.
+      v1::WorkerMessage tokens;
+      std::vector<int64_t> done;
+      for (auto& [id, l] : live) {
+        const GenerationOutput* out = runner.Output(id);
+        for (; l.sent < out->tokens.size(); ++l.sent) {
+          v1::TokenEvent* t = tokens.mutable_tokens()->add_events();
+          t->set_request_id(l.request_id);
+          t->set_token_id(out->tokens[l.sent]);
+          t->set_logprob(out->logprobs[l.sent]);
+          ++tokens_since_stats;
+        }
+        if (out->finish_reason == FinishReason::kLength || out->finish_reason == FinishReason::kStop) done.push_back(id);
+      }
+      if (tokens.tokens().events_size() > 0) link->Send(tokens);
+      for (int64_t id : done) {
+        const GenerationOutput* out = runner.Output(id);
+        v1::WorkerMessage m;
+        v1::RequestDone* d = m.mutable_done();
+        d->set_request_id(live[id].request_id);
+        d->set_finish_reason(std::string(FinishReasonName(out->finish_reason)));
+        d->set_prefix_hit_tokens(out->prefix_hit_tokens);
+        link->Send(m);
+        by_request_id.erase(live[id].request_id);
+        live.erase(id);
+      }
+      const auto now = std::chrono::steady_clock::now();
+      const double since = std::chrono::duration<double>(now - last_stats).count();
+      if (since >= o.stats_period_s) {
+        v1::WorkerMessage m;
+        v1::WorkerStats* ws = m.mutable_stats();
+        ws->set_free_blocks(cache.stats().blocks_allocatable());
+        ws->set_running(runner.engine()->num_running());
+        ws->set_waiting(runner.engine()->num_waiting());
+        ws->set_tokens_per_s(static_cast<double>(tokens_since_stats) / since);
+        *ws->mutable_ranks() = rank_stats(ws->tokens_per_s());
+        link->UpdateRanks(ws->ranks());
+        link->Send(m);
+        tokens_since_stats = 0;
+        last_stats = now;
+      }
+    }
+    if (*step == RankRunner::StepResult::kIdle) {
+      // Nobody has work. A leader waits for a request (woken as one arrives),
+      // at most a few ms so the other groups' leaders meet it at the next
+      // exchange soon; members just enter that exchange, whose wait sleeps.
+      if (link) link->WaitForEvent(idle_sleep_s);
+      idle_sleep_s = std::min(0.005, idle_sleep_s * 2);
+    } else {
+      idle_sleep_s = 0.0005;
+    }
+  }
+  link.reset();
+  if (session.rank() == 0) std::cerr << "mlarun worker " << worker_id << ": stopped\n";
+  return 0;
+}
+
+}  // namespace mlarun

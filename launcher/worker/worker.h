@@ -1,0 +1,35 @@
+// `mpirun -np W mlarun worker --coordinator HOST:PORT --model ... --parallel dp=D,attn_tp=T`
+//
+// Every rank loads its shard and joins the lockstep loop (RankRunner). Each DP
+// group's leader also holds a WorkerLink stream to the coordinator, on a
+// thread of its own: it registers the group, receives routed requests and
+// cancellations, and sends tokens after every step, completions, and stats
+// every stats_period_s. If the coordinator is not up yet, or goes away, the
+// leader keeps retrying (back-off up to 2 s) and re-registers; requests of a
+// broken stream are cancelled locally (the coordinator has already ended or
+// re-routed them). When no rank has work the loop sleeps instead of spinning.
+// SIGINT/SIGTERM on any rank stops every rank at the same step.
+#pragma once
+
+#include <string>
+
+#include "runtime/engine/engine.h"
+
+namespace mlarun {
+
+class MpiSession;
+
+struct WorkerOptions {
+  std::string coordinator = "127.0.0.1:50051";
+  std::string model;
+  std::string parallel = "dp=1";
+  std::string kv_dtype;    // "" keeps the model's
+  int64_t num_layers = 0;  // YAML models only
+  EngineConfig engine;
+  double stats_period_s = 0.5;
+};
+
+// Runs until a signal; returns the process exit code (0 on a clean stop).
+int RunWorker(const WorkerOptions& o, MpiSession& session);
+
+}  // namespace mlarun

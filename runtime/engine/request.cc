@@ -1,0 +1,72 @@
+#include "runtime/engine/request.h"
+
+#include <nlohmann/json.hpp>
+
+namespace mlarun {
+namespace {
+
+using Json = nlohmann::json;
+
+// Reads an integer field that must be an integer (not a float or a string).
+template <typename T>
+Status ReadInt(const Json& j, const char* field, T* out) {
+  if (!j.contains(field)) return Status::Ok();
+  const Json& v = j[field];
+  if (!v.is_number_integer()) return InvalidArgumentError("field '", field, "' must be an integer, got ", v.dump());
+  *out = v.get<T>();
+  return Status::Ok();
+}
+
+Status ReadNumber(const Json& j, const char* field, double* out) {
+  if (!j.contains(field)) return Status::Ok();
+  const Json& v = j[field];
+  if (!v.is_number()) return InvalidArgumentError("field '", field, "' must be a number, got ", v.dump());
+  *out = v.get<double>();
+  return Status::Ok();
+}
+
+Status ReadIntList(const Json& j, const char* field, std::vector<int64_t>* out) {
+  if (!j.contains(field)) return Status::Ok();
+  const Json& v = j[field];
+  if (!v.is_array()) return InvalidArgumentError("field '", field, "' must be a list of integers");
+  out->clear();
+  for (const Json& e : v) {
+    if (!e.is_number_integer()) return InvalidArgumentError("field '", field, "' must be a list of integers, found ", e.dump());
+    out->push_back(e.get<int64_t>());
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const SamplingParams& defaults) {
+  Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return InvalidArgumentError("not a JSON object: ", line.substr(0, 80));
+  GenerationRequest r;
+  r.sampling = defaults;
+  if (!j.contains("prompt_ids")) return InvalidArgumentError("field 'prompt_ids' is missing");
+  std::vector<int64_t> ids;
+  MLARUN_RETURN_IF_ERROR(ReadIntList(j, "prompt_ids", &ids));
+  for (int64_t id : ids) {
+    if (id < INT32_MIN || id > INT32_MAX) return InvalidArgumentError("field 'prompt_ids' has an out-of-range id ", id);
+    r.prompt.push_back(static_cast<int32_t>(id));
+  }
+  MLARUN_RETURN_IF_ERROR(ReadInt(j, "max_tokens", &r.sampling.max_tokens));
+  MLARUN_RETURN_IF_ERROR(ReadNumber(j, "temperature", &r.sampling.temperature));
+  MLARUN_RETURN_IF_ERROR(ReadNumber(j, "top_p", &r.sampling.top_p));
+  MLARUN_RETURN_IF_ERROR(ReadInt(j, "top_k", &r.sampling.top_k));
+  if (j.contains("seed")) {
+    int64_t seed = 0;
+    MLARUN_RETURN_IF_ERROR(ReadInt(j, "seed", &seed));
+    if (seed < 0) return InvalidArgumentError("field 'seed' must be >= 0, got ", seed);
+    r.sampling.seed = static_cast<uint64_t>(seed);
+  }
+  MLARUN_RETURN_IF_ERROR(ReadIntList(j, "stop_token_ids", &r.sampling.stop_token_ids));
+  if (j.contains("ignore_eos")) {
+    if (!j["ignore_eos"].is_boolean()) return InvalidArgumentError("field 'ignore_eos' must be true or false");
+    r.sampling.ignore_eos = j["ignore_eos"].get<bool>();
+  }
+  return r;
+}
+
+}  // namespace mlarun

@@ -1,0 +1,1044 @@
+// The coordinator over real gRPC on 127.0.0.1 (port 0), with fake DP groups:
+// in-process WorkerLink clients that answer routed requests with tokens
+// derived from the prompt and seed. Every client call carries a deadline, so
+// a bug shows up as a failure, never as a hang.
+#include "launcher/coordinator/coordinator.h"
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "launcher/coordinator/router.h"
+#include "mlarun.grpc.pb.h"
+
+namespace mlarun {
+namespace {
+
+using namespace std::chrono_literals;
+using Ms = std::chrono::milliseconds;
+using SysClock = std::chrono::system_clock;
+
+// The fake groups' tokens: a function of prompt, seed and index only.
+int64_t ExpectedToken(const std::vector<int32_t>& prompt, uint64_t seed, int64_t index,
+                      int64_t vocab) {
+  int64_t sum = 0;
+  for (int32_t t : prompt) sum += t;
+  return static_cast<int64_t>((static_cast<uint64_t>(sum) + seed + static_cast<uint64_t>(index)) %
+                              static_cast<uint64_t>(vocab));
+}
+
+std::vector<int32_t> ToVector(const google::protobuf::RepeatedField<int32_t>& f) {
+  return {f.begin(), f.end()};
+}
+
+// ---- A fake DP group --------------------------------------------------------
+
+struct FakeWorkerOptions {
+  std::string worker_id = "fake";
+  int32_t dp_group = 0;
+  int64_t vocab_size = 1000;
+  int64_t max_position_embeddings = 4096;
+  int64_t block_size = 4;
+  int64_t cache_blocks = 256;
+  int ranks = 1;             // RankStats sent at registration (worker_id left empty on purpose)
+  Ms token_delay{0};         // between steps (one token for every running request per step)
+  int64_t stall_after = -1;  // tokens per request before going silent forever; -1: never
+  bool hold = false;         // routed requests stay silent until Release()
+  int32_t reject_code = 0;   // answer every request with this error (RequestDone.error_code)
+  std::string reject_message;
+};
+
+// One WorkerLink stream: a reader thread (routes, cancels) and a stepper
+// thread that emits one token per running request per step, in one TokenBatch.
+class FakeWorker {
+ public:
+  FakeWorker(const std::string& address, FakeWorkerOptions o)
+      : options_(std::move(o)),
+        stub_(v1::WorkerLink::NewStub(
+            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+  ~FakeWorker() { Stop(); }
+
+  FakeWorkerOptions& options() { return options_; }  // change only while disconnected
+
+  // Opens the stream, registers, and waits for Registered.
+  bool Connect() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = reader_done_ = registered_ = false;
+      hold_ = options_.hold;
+      jobs_.clear();
+    }
+    ctx_ = std::make_unique<grpc::ClientContext>();
+    ctx_->set_deadline(SysClock::now() + 60s);
+    stream_ = stub_->Connect(ctx_.get());
+    v1::WorkerMessage reg;
+    v1::Register* r = reg.mutable_register_();
+    r->set_worker_id(options_.worker_id);
+    r->set_dp_group(options_.dp_group);
+    r->set_dp(1);
+    r->set_attn_tp(options_.ranks);
+    r->set_vocab_size(options_.vocab_size);
+    r->set_max_position_embeddings(options_.max_position_embeddings);
+    r->set_block_size(options_.block_size);
+    r->set_cache_blocks_total(options_.cache_blocks);
+    for (int i = 0; i < options_.ranks; ++i) {
+      v1::RankStats* s = r->add_ranks();
+      s->set_rank(options_.dp_group * options_.ranks + i);
+      s->set_dp_group(options_.dp_group);
+      s->set_attn_tp_rank(i);
+      s->set_cache_blocks_total(options_.cache_blocks);
+    }
+    if (!Write(reg)) return false;
+    reader_ = std::thread([this] { ReadLoop(); });
+    stepper_ = std::thread([this] { StepLoop(); });
+    connected_ = true;
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, 5s, [this] { return registered_ || reader_done_; }) && registered_;
+  }
+
+  // Breaks the stream as a crashing worker would.
+  void Break() {
+    if (!connected_) return;
+    ctx_->TryCancel();
+    Join();
+    stream_->Finish();
+  }
+
+  // Closes the stream cleanly (the coordinator sees the end of the reads).
+  void Stop() {
+    if (!connected_) return;
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (stepper_.joinable()) stepper_.join();
+    {
+      std::lock_guard lock(write_mu_);
+      stream_->WritesDone();
+    }
+    Join();
+    stream_->Finish();
+  }
+
+  void SendStats(int64_t free_blocks) {
+    v1::WorkerMessage m;
+    m.mutable_stats()->set_free_blocks(free_blocks);
+    Write(m);
+  }
+  // While set, newly routed requests stay silent; clearing it releases them.
+  void SetHold(bool hold) {
+    {
+      std::lock_guard lock(mu_);
+      hold_ = hold;
+    }
+    cv_.notify_all();
+  }
+
+  bool WaitRoutes(size_t n, Ms timeout = 5s) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return routes_.size() >= n; });
+  }
+  bool WaitCancel(const std::string& id, Ms timeout = 5s) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return cancels_.count(id) > 0; });
+  }
+  std::vector<std::string> routes() {
+    std::lock_guard lock(mu_);
+    return routes_;
+  }
+  std::set<std::string> cancels() {
+    std::lock_guard lock(mu_);
+    return cancels_;
+  }
+  std::string coordinator_id() {
+    std::lock_guard lock(mu_);
+    return coordinator_id_;
+  }
+
+ private:
+  struct Job {
+    std::string id;
+    std::vector<int32_t> prompt;
+    uint64_t seed = 0;
+    int64_t max_tokens = 0;
+    int64_t sent = 0;
+    bool held = false;
+  };
+
+  bool Write(const v1::WorkerMessage& m) {
+    std::lock_guard lock(write_mu_);
+    return stream_->Write(m);
+  }
+
+  void Join() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (reader_.joinable()) reader_.join();
+    if (stepper_.joinable()) stepper_.join();
+    connected_ = false;
+  }
+
+  // REQUIRES mu_. A held job runs once SetHold(false) was called.
+  bool Runnable(const Job& j) const {
+    return (!j.held || !hold_) && (options_.stall_after < 0 || j.sent < options_.stall_after);
+  }
+
+  void ReadLoop() {
+    v1::CoordinatorMessage m;
+    while (stream_->Read(&m)) {
+      std::unique_lock lock(mu_);
+      if (m.has_registered()) {
+        registered_ = true;
+        coordinator_id_ = m.registered().coordinator_id();
+      } else if (m.has_route()) {
+        routes_.push_back(m.route().request_id());
+        if (options_.reject_code != 0) {
+          lock.unlock();
+          v1::WorkerMessage done;
+          done.mutable_done()->set_request_id(m.route().request_id());
+          done.mutable_done()->set_error_code(options_.reject_code);
+          done.mutable_done()->set_error_message(options_.reject_message);
+          Write(done);
+          lock.lock();
+        } else {
+          jobs_.push_back(Job{.id = m.route().request_id(),
+                              .prompt = ToVector(m.route().prompt_ids()),
+                              .seed = m.route().sampling().seed(),
+                              .max_tokens = m.route().sampling().max_tokens(),
+                              .held = hold_});
+        }
+      } else if (m.has_cancel()) {
+        cancels_.insert(m.cancel().request_id());
+        std::erase_if(jobs_, [&](const Job& j) { return j.id == m.cancel().request_id(); });
+      }
+      cv_.notify_all();
+    }
+    std::lock_guard lock(mu_);
+    reader_done_ = true;
+    cv_.notify_all();
+  }
+
+  void StepLoop() {
+    std::unique_lock lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] {
+        return stop_ || reader_done_ ||
+               std::any_of(jobs_.begin(), jobs_.end(),
+                           [this](const Job& j) { return Runnable(j); });
+      });
+      if (stop_ || reader_done_) return;
+      v1::WorkerMessage batch;
+      std::vector<v1::WorkerMessage> dones;
+      for (auto it = jobs_.begin(); it != jobs_.end();) {
+        if (!Runnable(*it)) {
+          ++it;
+          continue;
+        }
+        v1::TokenEvent* ev = batch.mutable_tokens()->add_events();
+        ev->set_request_id(it->id);
+        ev->set_token_id(ExpectedToken(it->prompt, it->seed, it->sent, options_.vocab_size));
+        ev->set_logprob(-0.5);
+        if (++it->sent == it->max_tokens) {
+          v1::WorkerMessage& d = dones.emplace_back();
+          d.mutable_done()->set_request_id(it->id);
+          d.mutable_done()->set_finish_reason("length");
+          d.mutable_done()->set_prompt_tokens(static_cast<int64_t>(it->prompt.size()));
+          d.mutable_done()->set_prefix_hit_tokens(0);
+          it = jobs_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      lock.unlock();
+      Write(batch);
+      for (const auto& d : dones) Write(d);
+      if (options_.token_delay.count() > 0) std::this_thread::sleep_for(options_.token_delay);
+      lock.lock();
+    }
+  }
+
+  FakeWorkerOptions options_;
+  std::unique_ptr<v1::WorkerLink::Stub> stub_;
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
+  std::thread reader_, stepper_;
+  bool connected_ = false;  // touched by the test thread only
+  std::mutex write_mu_;     // one writer at a time on the stream
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false, reader_done_ = false, registered_ = false, hold_ = false;
+  std::string coordinator_id_;
+  std::vector<Job> jobs_;
+  std::vector<std::string> routes_;
+  std::set<std::string> cancels_;
+};
+
+// ---- Client helpers ------------------------------------------------------------
+
+v1::GenerateRequest MakeRequest(std::vector<int32_t> prompt, int64_t max_tokens, uint64_t seed = 0,
+                                std::string id = "") {
+  v1::GenerateRequest r;
+  r.set_request_id(std::move(id));
+  for (int32_t t : prompt) r.add_prompt_ids(t);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  r.mutable_sampling()->set_seed(seed);
+  return r;
+}
+
+struct GenResult {
+  grpc::Status status;
+  std::vector<v1::Token> tokens;
+  std::optional<v1::Finished> finished;
+  std::set<std::string> ids;  // request_id of every response
+  int after_finished = 0;     // responses after Finished (must be 0)
+  double elapsed_ms = 0;
+};
+
+GenResult Generate(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, Ms timeout = 10s) {
+  GenResult res;
+  const auto start = std::chrono::steady_clock::now();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(SysClock::now() + timeout);
+  auto reader = stub.Generate(&ctx, req);
+  v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+    res.ids.insert(resp.request_id());
+    if (res.finished) ++res.after_finished;
+    if (resp.has_token()) res.tokens.push_back(resp.token());
+    if (resp.has_finished()) res.finished = resp.finished();
+  }
+  res.status = reader->Finish();
+  res.elapsed_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  return res;
+}
+
+// Checks a successful result against the fake groups' token function.
+void ExpectServed(const GenResult& r, const std::vector<int32_t>& prompt, uint64_t seed,
+                  int64_t max_tokens, int64_t vocab = 1000) {
+  ASSERT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
+  ASSERT_EQ(static_cast<int64_t>(r.tokens.size()), max_tokens);
+  for (int64_t i = 0; i < max_tokens; ++i) {
+    EXPECT_EQ(r.tokens[static_cast<size_t>(i)].index(), i);
+    EXPECT_EQ(r.tokens[static_cast<size_t>(i)].token_id(), ExpectedToken(prompt, seed, i, vocab))
+        << i;
+  }
+  ASSERT_TRUE(r.finished.has_value());
+  EXPECT_EQ(r.finished->finish_reason(), "length");
+  EXPECT_EQ(r.finished->completion_tokens(), max_tokens);
+  EXPECT_EQ(r.finished->prompt_tokens(), static_cast<int64_t>(prompt.size()));
+  EXPECT_EQ(r.after_finished, 0);
+  EXPECT_EQ(r.ids.size(), 1u);
+}
+
+// Runs a Generate call on its own thread (for calls that wait).
+class AsyncGenerate {
+ public:
+  AsyncGenerate(v1::Mlarun::Stub& stub, v1::GenerateRequest req, Ms timeout = 10s)
+      : thread_([this, &stub, req = std::move(req), timeout] {
+          result_ = Generate(stub, req, timeout);
+        }) {}
+  ~AsyncGenerate() {
+    if (thread_.joinable()) thread_.join();
+  }
+  const GenResult& Get() {
+    if (thread_.joinable()) thread_.join();
+    return result_;
+  }
+
+ private:
+  GenResult result_;
+  std::thread thread_;
+};
+
+class CoordinatorTest : public ::testing::Test {
+ protected:
+  void StartCoordinator(CoordinatorOptions o = {}) {
+    o.listen = "127.0.0.1:0";
+    auto c = Coordinator::Start(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    coord_ = std::move(*c);
+    stub_ = v1::Mlarun::NewStub(
+        grpc::CreateChannel(coord_->address(), grpc::InsecureChannelCredentials()));
+  }
+  FakeWorker& AddWorker(FakeWorkerOptions o) {
+    workers_.push_back(std::make_unique<FakeWorker>(coord_->address(), std::move(o)));
+    EXPECT_TRUE(workers_.back()->Connect());
+    return *workers_.back();
+  }
+  void TearDown() override {
+    workers_.clear();
+    if (coord_) coord_->Shutdown();
+  }
+
+  v1::GetStatsResponse Stats() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(SysClock::now() + 5s);
+    v1::GetStatsResponse resp;
+    const grpc::Status s = stub_->GetStats(&ctx, v1::GetStatsRequest(), &resp);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    return resp;
+  }
+  v1::HealthResponse Health() {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(SysClock::now() + 5s);
+    v1::HealthResponse resp;
+    EXPECT_TRUE(stub_->Health(&ctx, v1::HealthRequest(), &resp).ok());
+    return resp;
+  }
+  bool CancelRpc(const std::string& id) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(SysClock::now() + 5s);
+    v1::CancelRequest req;
+    req.set_request_id(id);
+    v1::CancelResponse resp;
+    EXPECT_TRUE(stub_->Cancel(&ctx, req, &resp).ok());
+    return resp.found();
+  }
+  // Polls GetStats until `pred` holds.
+  bool WaitStats(const std::function<bool(const v1::GetStatsResponse&)>& pred, Ms timeout = 5s) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      if (pred(Stats())) return true;
+      std::this_thread::sleep_for(2ms);
+    }
+    return false;
+  }
+  static int64_t Routed(const v1::GetStatsResponse& s) {
+    int64_t n = 0;
+    for (const auto& g : s.groups()) n += g.requests_routed();
+    return n;
+  }
+  static const v1::GroupStats* FindGroup(const v1::GetStatsResponse& s, const std::string& worker,
+                                         int dp) {
+    for (const auto& g : s.groups()) {
+      if (g.worker_id() == worker && g.dp_group() == dp) return &g;
+    }
+    return nullptr;
+  }
+
+  std::unique_ptr<Coordinator> coord_;
+  std::unique_ptr<v1::Mlarun::Stub> stub_;
+  std::vector<std::unique_ptr<FakeWorker>> workers_;
+};
+
+// ---- Tests ------------------------------------------------------------------------
+
+TEST_F(CoordinatorTest, StreamsTokensThenFinished) {
+  StartCoordinator();
+  AddWorker({.dp_group = 3});
+  const std::vector<int32_t> prompt = {5, 6, 7, 8, 9};
+  const GenResult r = Generate(*stub_, MakeRequest(prompt, 6, 11, "abc"));
+  ExpectServed(r, prompt, 11, 6);
+  EXPECT_EQ(*r.ids.begin(), "abc");
+  EXPECT_EQ(r.finished->dp_group(), 3);
+  const v1::Timings& t = r.finished->timings();
+  EXPECT_GE(t.queued_ms(), 0);
+  EXPECT_GE(t.first_token_ms(), t.queued_ms());
+  EXPECT_GE(t.total_ms(), t.first_token_ms());
+
+  // Without an id the coordinator names it; max_tokens defaults to 16.
+  v1::GenerateRequest req = MakeRequest(prompt, 1);
+  req.mutable_sampling()->clear_max_tokens();
+  const GenResult r2 = Generate(*stub_, req);
+  ExpectServed(r2, prompt, 0, 16);
+  EXPECT_EQ(r2.ids.begin()->rfind("req-", 0), 0u) << *r2.ids.begin();
+}
+
+TEST_F(CoordinatorTest, SixtyFourConcurrentClientsOverFourGroups) {
+  StartCoordinator();  // prefix_affinity; distinct prompts fall back to least loaded
+  for (int g = 0; g < 4; ++g) AddWorker({.worker_id = "job", .dp_group = g, .token_delay = 2ms});
+  constexpr int kClients = 64;
+  constexpr int64_t kMaxTokens = 8;
+  std::vector<GenResult> results(kClients);
+  std::vector<std::vector<int32_t>> prompts(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    prompts[i] = {i + 1, 2 * i + 3, 7, 11, i % 5};
+    threads.emplace_back([&, i] {
+      results[i] = Generate(*stub_, MakeRequest(prompts[i], kMaxTokens, static_cast<uint64_t>(i),
+                                                "c" + std::to_string(i)));
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::map<int, int64_t> per_group;
+  for (int i = 0; i < kClients; ++i) {
+    ExpectServed(results[i], prompts[i], static_cast<uint64_t>(i), kMaxTokens);
+    if (results[i].finished) ++per_group[results[i].finished->dp_group()];
+  }
+  ASSERT_EQ(per_group.size(), 4u) << "every group serves some";
+  // Exactly once: each id reached exactly one group, once.
+  std::multiset<std::string> routed;
+  for (auto& w : workers_) {
+    for (const auto& id : w->routes()) routed.insert(id);
+  }
+  EXPECT_EQ(routed.size(), static_cast<size_t>(kClients));
+  EXPECT_EQ(std::set<std::string>(routed.begin(), routed.end()).size(),
+            static_cast<size_t>(kClients));
+
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_received(), kClients);
+  EXPECT_EQ(s.coordinator().requests_completed(), kClients);
+  EXPECT_EQ(s.coordinator().requests_failed(), 0);
+  EXPECT_EQ(s.coordinator().requests_queued(), 0);
+  int64_t completed = 0, tokens = 0;
+  for (const auto& g : s.groups()) {
+    EXPECT_EQ(g.requests_completed(), per_group[g.dp_group()]);
+    EXPECT_EQ(g.requests_routed(), g.requests_completed());
+    EXPECT_EQ(g.requests_in_flight(), 0);
+    EXPECT_EQ(g.queued_tokens(), 0);
+    completed += g.requests_completed();
+    tokens += g.tokens_generated();
+  }
+  EXPECT_EQ(completed, kClients);
+  EXPECT_EQ(tokens, kClients * kMaxTokens);
+}
+
+TEST_F(CoordinatorTest, RoundRobinSpreadsEvenly) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin});
+  for (int g = 0; g < 3; ++g) AddWorker({.dp_group = g});
+  std::vector<int> order;
+  for (int i = 0; i < 30; ++i) {
+    const GenResult r = Generate(*stub_, MakeRequest({1, 2, 3}, 2, 0));
+    ASSERT_TRUE(r.finished.has_value()) << r.status.error_message();
+    order.push_back(r.finished->dp_group());
+  }
+  for (int i = 3; i < 30; ++i) EXPECT_EQ(order[i], order[i - 3]) << "a fixed rotation";
+  for (int g = 0; g < 3; ++g) EXPECT_EQ(std::count(order.begin(), order.end(), g), 10) << g;
+  EXPECT_EQ(Stats().coordinator().policy(), "round_robin");
+}
+
+// A burst with no stats in between must not all land on the group that looked
+// idle at the last report: load is counted the moment a request is routed.
+TEST_F(CoordinatorTest, LeastLoadedCountsRequestsWhenRouted) {
+  StartCoordinator({.policy = RoutingPolicy::kLeastLoaded});
+  FakeWorker& a = AddWorker({.dp_group = 0, .hold = true});
+  FakeWorker& b = AddWorker({.dp_group = 1, .hold = true});
+  constexpr int kBurst = 8;
+  std::vector<std::unique_ptr<AsyncGenerate>> calls;
+  for (int i = 0; i < kBurst; ++i)
+    calls.push_back(std::make_unique<AsyncGenerate>(
+        *stub_, MakeRequest({1, 2, 3, 4}, 4, 0, "ll" + std::to_string(i))));
+  ASSERT_TRUE(WaitStats([&](const auto& s) { return Routed(s) == kBurst; }));
+  const v1::GetStatsResponse s = Stats();
+  ASSERT_EQ(s.groups_size(), 2);
+  EXPECT_EQ(s.groups(0).requests_in_flight(), kBurst / 2);
+  EXPECT_EQ(s.groups(1).requests_in_flight(), kBurst / 2);
+  EXPECT_EQ(s.groups(0).queued_tokens(), kBurst / 2 * 8);
+  EXPECT_EQ(s.groups(1).queued_tokens(), kBurst / 2 * 8);
+  // The Cancel RPC ends each with CANCELLED and frees the groups' blocks.
+  for (int i = 0; i < kBurst; ++i) EXPECT_TRUE(CancelRpc("ll" + std::to_string(i)));
+  for (auto& c : calls) EXPECT_EQ(c->Get().status.error_code(), grpc::StatusCode::CANCELLED);
+  for (FakeWorker* w : {&a, &b}) {
+    ASSERT_TRUE(w->WaitRoutes(kBurst / 2));
+    for (const auto& id : w->routes()) EXPECT_TRUE(w->WaitCancel(id)) << id;
+  }
+  const v1::GetStatsResponse after = Stats();
+  EXPECT_EQ(after.coordinator().requests_cancelled(), kBurst);
+  for (const auto& g : after.groups()) EXPECT_EQ(g.queued_tokens(), 0);
+}
+
+TEST_F(CoordinatorTest, PrefixAffinityKeepsSharedPrefixOnOneGroupUntilTooLoaded) {
+  StartCoordinator(
+      {.policy = RoutingPolicy::kPrefixAffinity, .balance_abs_tokens = 100, .balance_rel = 1.5});
+  FakeWorker& a = AddWorker({.dp_group = 0, .block_size = 4, .hold = true});
+  FakeWorker& b = AddWorker({.dp_group = 1, .block_size = 4, .hold = true});
+  std::vector<int32_t> shared;
+  for (int i = 0; i < 32; ++i) shared.push_back(100 + i);  // 8 full blocks
+  std::vector<std::unique_ptr<AsyncGenerate>> calls;
+  // Each costs 34 + 16 = 50 queued tokens. One at a time, so the order is known.
+  for (int i = 0; i < 4; ++i) {
+    std::vector<int32_t> prompt = shared;
+    prompt.push_back(500 + i);
+    prompt.push_back(600 + i);
+    calls.push_back(std::make_unique<AsyncGenerate>(
+        *stub_, MakeRequest(prompt, 16, 0, "p" + std::to_string(i))));
+    ASSERT_TRUE(WaitStats([&](const auto& s) { return Routed(s) == i + 1; }));
+  }
+  // p0: no match anywhere, both idle -> group 0. p1, p2: group 0 holds the
+  // prefix and is only 50 / 100 tokens ahead (not > 100) -> group 0 although
+  // group 1 is idle. p3: group 0 at 150 is > 100 ahead and > 1.5x -> group 1.
+  ASSERT_TRUE(a.WaitRoutes(3));
+  ASSERT_TRUE(b.WaitRoutes(1));
+  EXPECT_EQ(a.routes(), (std::vector<std::string>{"p0", "p1", "p2"}));
+  EXPECT_EQ(b.routes(), (std::vector<std::string>{"p3"}));
+  // An unrelated prompt goes to the least loaded (group 1 at 50 < 150).
+  calls.push_back(
+      std::make_unique<AsyncGenerate>(*stub_, MakeRequest({7, 7, 7, 7, 7}, 16, 0, "other")));
+  ASSERT_TRUE(b.WaitRoutes(2));
+  EXPECT_EQ(b.routes().back(), "other");
+  a.SetHold(false);
+  b.SetHold(false);
+  for (auto& c : calls) EXPECT_TRUE(c->Get().status.ok()) << c->Get().status.error_message();
+}
+
+TEST_F(CoordinatorTest, PrefixAffinityReturnsToTheGroupHoldingThePrefix) {
+  StartCoordinator({.policy = RoutingPolicy::kPrefixAffinity});
+  AddWorker({.dp_group = 0});
+  AddWorker({.dp_group = 1});
+  // Both idle: least loaded breaks the tie on free blocks. Group 0 reports
+  // fewer, so the first prompt goes to group 1 ...
+  workers_[0]->SendStats(10);
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.groups(0).free_blocks() == 10; }));
+  const std::vector<int32_t> p(40, 9);
+  ASSERT_EQ(Generate(*stub_, MakeRequest(p, 4)).finished->dp_group(), 1);
+  // ... then group 1 reports even fewer: least loaded would now pick group 0,
+  // but prompts extending p go back to group 1, which holds its blocks.
+  workers_[1]->SendStats(5);
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.groups(1).free_blocks() == 5; }));
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> q = p;
+    q.push_back(i);
+    EXPECT_EQ(Generate(*stub_, MakeRequest(q, 4, static_cast<uint64_t>(i))).finished->dp_group(),
+              1);
+  }
+  // A prompt without a cached prefix goes to the least loaded.
+  EXPECT_EQ(Generate(*stub_, MakeRequest({1, 2, 3, 4, 5}, 4)).finished->dp_group(), 0);
+}
+
+TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
+  StartCoordinator();
+  AddWorker({.vocab_size = 100, .max_position_embeddings = 64});
+  struct Case {
+    std::function<void(v1::GenerateRequest&)> mutate;
+    std::string field;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& r) { r.clear_prompt_ids(); }, "prompt_ids"},
+      {[](auto& r) { r.set_prompt_ids(1, -4); }, "prompt_ids[1]"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(-0.1); }, "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(100.5); }, "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(std::nan("")); },
+       "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_top_p(0); }, "sampling.top_p"},
+      {[](auto& r) { r.mutable_sampling()->set_top_p(1.01); }, "sampling.top_p"},
+      {[](auto& r) { r.mutable_sampling()->set_max_tokens(0); }, "sampling.max_tokens"},
+      {[](auto& r) { r.mutable_sampling()->add_stop_token_ids(-1); }, "sampling.stop_token_ids[0]"},
+      {[](auto& r) { r.set_prompt_ids(2, 100); }, "vocab_size"},
+      {[](auto& r) { r.mutable_sampling()->set_max_tokens(62); }, "max_position_embeddings"},
+  };
+  for (const Case& c : cases) {
+    v1::GenerateRequest req = MakeRequest({1, 2, 3}, 4);
+    c.mutate(req);
+    const GenResult r = Generate(*stub_, req);
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
+    EXPECT_NE(r.status.error_message().find(c.field), std::string::npos)
+        << r.status.error_message();
+    EXPECT_TRUE(r.tokens.empty());
+  }
+  // Still serving; 3 + 61 = 64 positions is the limit and fits.
+  ExpectServed(Generate(*stub_, MakeRequest({1, 2, 3}, 61)), {1, 2, 3}, 0, 61, 100);
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_rejected(), static_cast<int64_t>(cases.size()));
+  EXPECT_EQ(s.coordinator().requests_completed(), 1);
+}
+
+TEST_F(CoordinatorTest, GroupErrorIsForwarded) {
+  StartCoordinator();
+  AddWorker({.reject_code = 3, .reject_message = "sampling.top_k: 100000 exceeds the vocabulary"});
+  const GenResult r = Generate(*stub_, MakeRequest({1, 2}, 4));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(r.status.error_message(), "sampling.top_k: 100000 exceeds the vocabulary");
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_rejected(), 1);
+  EXPECT_EQ(s.groups(0).requests_in_flight(), 0);
+  EXPECT_EQ(s.groups(0).queued_tokens(), 0);
+}
+
+TEST_F(CoordinatorTest, DuplicateLiveIdIsAlreadyExistsAndCancelRpcEndsTheStream) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.hold = true});
+  AsyncGenerate first(*stub_, MakeRequest({1, 2, 3}, 4, 0, "dup"));
+  ASSERT_TRUE(w.WaitRoutes(1));
+  const GenResult second = Generate(*stub_, MakeRequest({1, 2, 3}, 4, 0, "dup"));
+  EXPECT_EQ(second.status.error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_NE(second.status.error_message().find("dup"), std::string::npos);
+  EXPECT_FALSE(CancelRpc("nope"));
+  EXPECT_TRUE(CancelRpc("dup"));
+  EXPECT_EQ(first.Get().status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(w.WaitCancel("dup"));
+  EXPECT_FALSE(CancelRpc("dup"));
+  // Once ended, the id may be used again.
+  w.SetHold(false);
+  ExpectServed(Generate(*stub_, MakeRequest({1, 2, 3}, 4, 0, "dup")), {1, 2, 3}, 0, 4);
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_rejected(), 1);
+  EXPECT_EQ(s.coordinator().requests_cancelled(), 1);
+  EXPECT_EQ(s.coordinator().requests_completed(), 1);
+}
+
+TEST_F(CoordinatorTest, FullQueueIsResourceExhausted) {
+  StartCoordinator({.max_queued = 2});
+  AsyncGenerate a(*stub_, MakeRequest({1}, 1), 600ms);
+  AsyncGenerate b(*stub_, MakeRequest({2}, 1), 600ms);
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_queued() == 2; }));
+  const GenResult c = Generate(*stub_, MakeRequest({3}, 1), 600ms);
+  EXPECT_EQ(c.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_LT(c.elapsed_ms, 300);
+  EXPECT_EQ(a.Get().status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(b.Get().status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_rejected(), 1);
+  EXPECT_EQ(s.coordinator().requests_failed(), 2);
+  EXPECT_EQ(s.coordinator().requests_queued(), 0);
+}
+
+TEST_F(CoordinatorTest, NoGroupBeforeDeadlineIsUnavailable) {
+  StartCoordinator();
+  const GenResult r = Generate(*stub_, MakeRequest({1, 2}, 2), 300ms);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("no DP group registered"), std::string::npos)
+      << r.status.error_message();
+  EXPECT_GT(r.elapsed_ms, 200);
+  EXPECT_TRUE(Health().serving());
+  EXPECT_EQ(Health().groups_connected(), 0);
+}
+
+// A call without a gRPC deadline waits default_deadline_s at most. The call
+// itself has no deadline, so a watchdog cancels it if the coordinator hangs.
+TEST_F(CoordinatorTest, NoClientDeadlineUsesDefaultDeadline) {
+  StartCoordinator({.default_deadline_s = 0.3});
+  grpc::ClientContext ctx;  // no deadline on purpose
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 300 && !done; ++i) std::this_thread::sleep_for(10ms);
+    if (!done) ctx.TryCancel();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto reader = stub_->Generate(&ctx, MakeRequest({1, 2}, 2));
+  v1::GenerateResponse resp;
+  while (reader->Read(&resp)) {
+  }
+  const grpc::Status status = reader->Finish();
+  done = true;
+  watchdog.join();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(elapsed, 290ms);
+  EXPECT_LT(elapsed, 2s);
+}
+
+TEST_F(CoordinatorTest, RequestQueuedBeforeAnyGroupIsServedWhenOneRegisters) {
+  StartCoordinator();
+  AsyncGenerate call(*stub_, MakeRequest({4, 5, 6}, 5, 2), 5s);
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_queued() == 1; }));
+  std::this_thread::sleep_for(20ms);
+  AddWorker({.dp_group = 1});
+  const GenResult& r = call.Get();
+  ExpectServed(r, {4, 5, 6}, 2, 5);
+  EXPECT_EQ(r.finished->dp_group(), 1);
+  EXPECT_GE(r.finished->timings().queued_ms(), 20);
+}
+
+TEST_F(CoordinatorTest, ClientCancellationMidStreamSendsCancelRoute) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.token_delay = 5ms});
+  grpc::ClientContext ctx;
+  ctx.set_deadline(SysClock::now() + 10s);
+  auto reader = stub_->Generate(&ctx, MakeRequest({1, 2, 3}, 1000, 0, "mid"));
+  v1::GenerateResponse resp;
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(reader->Read(&resp));
+    ASSERT_TRUE(resp.has_token());
+    EXPECT_EQ(resp.token().index(), i);
+  }
+  ctx.TryCancel();
+  while (reader->Read(&resp)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(w.WaitCancel("mid"));
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_cancelled() == 1; }));
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.groups(0).requests_in_flight(), 0);
+  EXPECT_EQ(s.groups(0).queued_tokens(), 0);
+}
+
+TEST_F(CoordinatorTest, DeadlineAfterRoutingIsDeadlineExceededAndCancelsTheRoute) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.hold = true});
+  const GenResult r = Generate(*stub_, MakeRequest({1, 2, 3}, 4, 0, "late"), 300ms);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_TRUE(w.WaitCancel("late"));
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_failed() == 1; }));
+  EXPECT_EQ(Stats().groups(0).requests_in_flight(), 0);
+}
+
+TEST_F(CoordinatorTest, BrokenGroupFailsStartedRequestsAndReroutesTheOthers) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin});
+  FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .stall_after = 2});
+  // r1 gets 2 tokens from group a, then a goes silent.
+  std::atomic<int> r1_tokens{0};
+  grpc::Status r1_status;
+  std::thread r1([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(SysClock::now() + 10s);
+    auto reader = stub_->Generate(&ctx, MakeRequest({1, 2, 3}, 8, 0, "r1"));
+    v1::GenerateResponse resp;
+    while (reader->Read(&resp)) r1_tokens += resp.has_token();
+    r1_status = reader->Finish();
+  });
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (r1_tokens < 2 && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(r1_tokens, 2);
+  // r2 reaches a but gets no token before a breaks.
+  a.SetHold(true);
+  AsyncGenerate r2(*stub_, MakeRequest({7, 8, 9}, 5, 3, "r2"));
+  ASSERT_TRUE(a.WaitRoutes(2));
+  AddWorker({.worker_id = "b", .dp_group = 1});
+  a.Break();
+  r1.join();
+  EXPECT_EQ(r1_status.error_code(), grpc::StatusCode::UNAVAILABLE) << r1_status.error_message();
+  EXPECT_EQ(r1_tokens, 2);
+  const GenResult& g2 = r2.Get();
+  ExpectServed(g2, {7, 8, 9}, 3, 5);
+  EXPECT_EQ(g2.finished->dp_group(), 1);
+  v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_rerouted(), 1);
+  EXPECT_EQ(s.coordinator().requests_failed(), 1);
+  ASSERT_NE(FindGroup(s, "a", 0), nullptr);
+  EXPECT_FALSE(FindGroup(s, "a", 0)->connected());
+  EXPECT_EQ(FindGroup(s, "a", 0)->requests_in_flight(), 0);
+  EXPECT_EQ(Health().groups_connected(), 1);
+
+  // a comes back: same group (counters kept), serving again.
+  a.options().stall_after = -1;
+  a.options().hold = false;
+  ASSERT_TRUE(a.Connect());
+  s = Stats();
+  EXPECT_EQ(s.groups_size(), 2);
+  EXPECT_TRUE(FindGroup(s, "a", 0)->connected());
+  EXPECT_EQ(FindGroup(s, "a", 0)->requests_routed(), 2);
+  std::set<int> served;
+  for (int i = 0; i < 2; ++i)
+    served.insert(Generate(*stub_, MakeRequest({1}, 2, i)).finished->dp_group());
+  EXPECT_EQ(served, (std::set<int>{0, 1}));
+  EXPECT_EQ(FindGroup(Stats(), "a", 0)->requests_completed(), 1);
+}
+
+// Completions, deadlines, client cancellations, Cancel calls and a group
+// breaking and coming back, all at once: every request still ends exactly
+// once and the books balance.
+TEST_F(CoordinatorTest, MixedTrafficKeepsTheBooksBalanced) {
+  StartCoordinator({.policy = RoutingPolicy::kLeastLoaded, .max_in_flight_per_group = 4});
+  for (int g = 0; g < 3; ++g) AddWorker({.dp_group = g, .token_delay = 1ms});
+  constexpr int kClients = 48;
+  std::vector<grpc::StatusCode> codes(kClients);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      const std::string id = "m" + std::to_string(i);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(SysClock::now() + (i % 4 == 1 ? 40ms : Ms(5000)));
+      auto reader = stub_->Generate(&ctx, MakeRequest({i + 1, 2, 3}, 20, 0, id));
+      v1::GenerateResponse resp;
+      int64_t next = 0;
+      while (reader->Read(&resp)) {
+        if (resp.has_token()) {
+          EXPECT_EQ(resp.token().index(), next++);
+        }
+        if (i % 4 == 2 && next == 2) ctx.TryCancel();
+        if (i % 4 == 3 && next == 1) {
+          grpc::ClientContext c;
+          c.set_deadline(SysClock::now() + 5s);
+          v1::CancelRequest req;
+          req.set_request_id(id);
+          v1::CancelResponse cr;
+          EXPECT_TRUE(stub_->Cancel(&c, req, &cr).ok());
+        }
+      }
+      codes[i] = reader->Finish().error_code();
+    });
+  }
+  std::this_thread::sleep_for(15ms);
+  workers_[1]->Break();
+  std::this_thread::sleep_for(15ms);
+  ASSERT_TRUE(workers_[1]->Connect());
+  for (auto& t : threads) t.join();
+  std::map<grpc::StatusCode, int> by_code;
+  for (grpc::StatusCode c : codes) ++by_code[c];
+  EXPECT_GT(by_code[grpc::StatusCode::OK], 0);
+  for (const auto& [code, n] : by_code) {
+    EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED ||
+                code == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                code == grpc::StatusCode::UNAVAILABLE)
+        << code;
+  }
+  // Client-side deadlines can beat the coordinator's answer, so compare the
+  // coordinator's books with themselves: nothing live, nothing lost.
+  ASSERT_TRUE(WaitStats([](const auto& s) {
+    int64_t in_flight = 0;
+    for (const auto& g : s.groups()) in_flight += g.requests_in_flight();
+    return in_flight == 0;
+  }));
+  const v1::GetStatsResponse s = Stats();
+  const v1::CoordinatorStats& c = s.coordinator();
+  EXPECT_EQ(c.requests_received(), kClients);
+  EXPECT_EQ(
+      c.requests_completed() + c.requests_rejected() + c.requests_failed() + c.requests_cancelled(),
+      kClients);
+  EXPECT_EQ(c.requests_queued(), 0);
+  int64_t completed = 0;
+  for (const auto& g : s.groups()) {
+    EXPECT_EQ(g.queued_tokens(), 0);
+    EXPECT_TRUE(g.connected());
+    completed += g.requests_completed();
+  }
+  EXPECT_EQ(completed, c.requests_completed());
+  EXPECT_GE(c.requests_completed(), by_code[grpc::StatusCode::OK]);
+}
+
+TEST_F(CoordinatorTest, HealthAndStatsReportGroupsAndRanks) {
+  StartCoordinator();
+  FakeWorker& w0 = AddWorker({.worker_id = "job", .dp_group = 0, .cache_blocks = 300, .ranks = 2});
+  AddWorker({.worker_id = "job", .dp_group = 1, .cache_blocks = 300, .ranks = 2});
+  EXPECT_FALSE(w0.coordinator_id().empty());
+  const v1::HealthResponse h = Health();
+  EXPECT_TRUE(h.serving());
+  EXPECT_EQ(h.groups_connected(), 2);
+  v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().policy(), "prefix_affinity");
+  ASSERT_EQ(s.ranks_size(), 4);
+  std::set<int> ranks;
+  for (const auto& r : s.ranks()) {
+    EXPECT_EQ(r.worker_id(), "job") << "filled in by the coordinator";
+    ranks.insert(r.rank());
+  }
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2, 3}));
+  ASSERT_EQ(s.groups_size(), 2);
+  for (const auto& g : s.groups()) {
+    EXPECT_TRUE(g.connected());
+    EXPECT_EQ(g.worker_id(), "job");
+    EXPECT_EQ(g.free_blocks(), 300);
+  }
+  w0.SendStats(123);
+  EXPECT_TRUE(WaitStats([](const auto& st) { return st.groups(0).free_blocks() == 123; }));
+  w0.Stop();
+  EXPECT_TRUE(WaitStats([](const auto& st) { return !st.groups(0).connected(); }));
+  EXPECT_EQ(Health().groups_connected(), 1);
+  s = Stats();
+  EXPECT_EQ(s.groups_size(), 2) << "a disconnected group stays known";
+  EXPECT_EQ(s.ranks_size(), 4);
+}
+
+TEST_F(CoordinatorTest, ShutdownEndsLiveStreamsWithUnavailable) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.hold = true});
+  AsyncGenerate call(*stub_, MakeRequest({1, 2}, 4), 10s);
+  ASSERT_TRUE(w.WaitRoutes(1));
+  const auto start = std::chrono::steady_clock::now();
+  coord_->Shutdown();
+  coord_->Wait();  // returns at once after Shutdown
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms);
+  EXPECT_EQ(call.Get().status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+TEST(CoordinatorStart, RejectsBadOptions) {
+  auto bad = Coordinator::Start({.listen = "no-port"});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:99999"}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      Coordinator::Start({.listen = "127.0.0.1:0", .max_in_flight_per_group = 0}).status().code(),
+      StatusCode::kInvalidArgument);
+  auto first = Coordinator::Start({.listen = "127.0.0.1:0"});
+  ASSERT_TRUE(first.ok());
+  auto second = Coordinator::Start({.listen = (*first)->address()});
+  EXPECT_EQ(second.status().code(), StatusCode::kUnavailable) << second.status();
+}
+
+TEST(RoutingPolicyNames, RoundTrip) {
+  for (RoutingPolicy p :
+       {RoutingPolicy::kRoundRobin, RoutingPolicy::kLeastLoaded, RoutingPolicy::kPrefixAffinity}) {
+    auto parsed = ParseRoutingPolicy(RoutingPolicyName(p));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, p);
+  }
+  EXPECT_EQ(ParseRoutingPolicy("random").status().code(), StatusCode::kInvalidArgument);
+}
+
+// ---- Router, without gRPC ---------------------------------------------------------
+
+TEST(BlockHashChain, IsAChainOverFullBlocks) {
+  const std::vector<int32_t> t = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+  const auto chain = coord::BlockHashChain(t, 4);
+  ASSERT_EQ(chain.size(), 2u);  // the partial block has no hash
+  const auto prefix = coord::BlockHashChain(std::span(t).first(8), 4);
+  EXPECT_EQ(prefix, chain);
+  std::vector<int32_t> u = t;
+  u[0] = 99;  // a different first block changes every later hash
+  const auto other = coord::BlockHashChain(u, 4);
+  EXPECT_NE(other[0], chain[0]);
+  EXPECT_NE(other[1], chain[1]);
+  u = t;
+  u[5] = 99;  // only the second block differs
+  EXPECT_EQ(coord::BlockHashChain(u, 4)[0], chain[0]);
+  EXPECT_TRUE(coord::BlockHashChain(t, 0).empty());
+}
+
+TEST(PrefixIndex, MatchesLeadingRunAndStaysBounded) {
+  coord::PrefixIndex index(16);
+  const std::vector<uint64_t> chain = {10, 11, 12, 13};
+  index.Insert(chain);
+  EXPECT_EQ(index.LeadingMatch(chain), 4);
+  EXPECT_EQ(index.LeadingMatch(std::vector<uint64_t>{10, 11, 99, 13}), 2);
+  EXPECT_EQ(index.LeadingMatch(std::vector<uint64_t>{99, 10}), 0);
+  for (uint64_t i = 0; i < 100; ++i) {
+    index.Insert(std::vector<uint64_t>{1000 + 4 * i, 1001 + 4 * i, 1002 + 4 * i, 1003 + 4 * i});
+    EXPECT_LE(index.size(), 16 + 16 / 8);
+  }
+  EXPECT_EQ(index.LeadingMatch(chain), 0) << "least recently routed forgotten";
+  EXPECT_EQ(index.LeadingMatch(std::vector<uint64_t>{1396, 1397, 1398, 1399}), 4)
+      << "most recent kept";
+}
+
+TEST(Router, Policies) {
+  using coord::Candidate;
+  coord::Router rr(RoutingPolicy::kRoundRobin, 0, 0);
+  std::vector<Candidate> c = {{.index = 0}, {.index = 2}, {.index = 5}};
+  std::vector<int> picks;
+  for (int i = 0; i < 6; ++i) picks.push_back(c[rr.Pick(c)].index);
+  EXPECT_EQ(picks, (std::vector<int>{0, 2, 5, 0, 2, 5}));
+
+  coord::Router ll(RoutingPolicy::kLeastLoaded, 0, 0);
+  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 5},
+                                           {.index = 1, .queued_tokens = 3}}),
+            1u);
+  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 3, .free_blocks = 1},
+                                           {.index = 1, .queued_tokens = 3, .free_blocks = 9}}),
+            1u);
+  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 3},
+                                           {.index = 1, .queued_tokens = 3}}),
+            0u);
+
+  coord::Router pa(RoutingPolicy::kPrefixAffinity, 2048, 1.5);
+  auto pick = [&](int64_t q_hit, int64_t q_other) {
+    return pa.Pick(
+        std::vector<Candidate>{{.index = 0, .queued_tokens = q_hit, .prefix_blocks = 3},
+                               {.index = 1, .queued_tokens = q_other, .prefix_blocks = 1}});
+  };
+  EXPECT_EQ(pick(3000, 2500), 0u) << "500 ahead: within the absolute threshold";
+  EXPECT_EQ(pick(3000, 500), 1u) << "2500 ahead and 6x: too loaded";
+  EXPECT_EQ(pick(10000, 7500), 0u) << "2500 ahead but only 1.33x";
+  EXPECT_EQ(pick(20000, 7500), 1u);
+  // No prefix anywhere: least loaded.
+  EXPECT_EQ(pa.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 9},
+                                           {.index = 1, .queued_tokens = 1}}),
+            1u);
+}
+
+}  // namespace
+}  // namespace mlarun

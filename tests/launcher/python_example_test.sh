@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# examples/python/submit.py end to end: the real `mlarun coordinator`, a
+# simulated worker with 2 groups, stubs generated from the .proto, one
+# streaming request and GetStats.
+#
+#   python_example_test.sh MLARUN_BINARY SOURCE_DIR
+#
+# Exit 0 on success, 77 (skipped) when no python3 can import grpc (the Debian
+# packages python3-grpcio and python3-protobuf), anything else on failure.
+# Everything runs under `timeout`, and the servers die with the script.
+set -euo pipefail
+
+if [ $# -ne 2 ]; then
+  echo "usage: $0 MLARUN_BINARY SOURCE_DIR" >&2
+  exit 2
+fi
+mlarun=$1
+src=$2
+
+# The whole test under one limit (below ctest's TIMEOUT of 120 s), so a hang
+# is reported by this script, with the servers' logs, rather than killed blind.
+if [ -z "${MLARUN_PY_EXAMPLE_INNER:-}" ]; then
+  MLARUN_PY_EXAMPLE_INNER=1 timeout -k 5 100 bash "$0" "$@" && rc=0 || rc=$?
+  [ "$rc" -eq 124 ] && echo "python_example_test: timed out" >&2
+  exit "$rc"
+fi
+
+skip() {
+  echo "python_example_test: SKIPPED: $*"
+  exit 77
+}
+
+# The first python3 that has grpc: a pyenv or venv python3 earlier on PATH may
+# lack the Debian packages that /usr/bin/python3 has.
+python=""
+for p in python3 /usr/bin/python3; do
+  if command -v "$p" >/dev/null && "$p" -c 'import grpc, google.protobuf' 2>/dev/null; then
+    python=$(command -v "$p")
+    break
+  fi
+done
+[ -n "$python" ] || skip "python3 cannot import grpc (install python3-grpcio python3-protobuf)"
+# The rest is part of every build machine (scripts/install-deps): missing, it fails.
+early_fail() {
+  echo "python_example_test: FAILED: $*" >&2
+  exit 1
+}
+command -v protoc >/dev/null || early_fail "protoc not found (protobuf-compiler)"
+plugin=$(command -v grpc_python_plugin) || early_fail "grpc_python_plugin not found (protobuf-compiler-grpc)"
+[ -x "$mlarun" ] || early_fail "$mlarun is not executable"
+for sub in coordinator sim-worker; do
+  "$mlarun" "$sub" --help >/dev/null 2>&1 || early_fail "$mlarun has no '$sub' subcommand"
+done
+
+tmp=$(mktemp -d)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 124' TERM INT
+fail() {
+  echo "python_example_test: FAILED: $*" >&2
+  for log in "$tmp"/*.log; do
+    [ -f "$log" ] && { echo "--- $(basename "$log")" >&2; tail -30 "$log" >&2; }
+  done
+  exit 1
+}
+
+# Stubs, exactly as examples/python/README.md generates them.
+protoc --python_out="$tmp" --grpc_python_out="$tmp" --plugin=protoc-gen-grpc_python="$plugin" \
+  -I "$src/launcher/proto" "$src/launcher/proto/mlarun.proto" || fail "protoc could not generate the stubs"
+
+# A free port: bind port 0, read it back, release it. (Another process could
+# take it in between; the coordinator then fails to bind and the test says so.)
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')
+addr="127.0.0.1:$port"
+
+timeout 90 "$mlarun" coordinator --listen "$addr" >"$tmp/coordinator.log" 2>&1 &
+pids+=($!)
+timeout 90 "$mlarun" sim-worker --coordinator "$addr" --groups 2 >"$tmp/sim-worker.log" 2>&1 &
+pids+=($!)
+
+# Wait (up to 20 s) until both simulated groups have registered.
+PYTHONPATH="$tmp" timeout 30 "$python" - "$addr" <<'EOF' || fail "the 2 simulated groups did not register"
+import sys, time
+import grpc
+import mlarun_pb2, mlarun_pb2_grpc
+stub = mlarun_pb2_grpc.MlarunStub(grpc.insecure_channel(sys.argv[1]))
+end = time.time() + 20
+while time.time() < end:
+    try:
+        if stub.Health(mlarun_pb2.HealthRequest(), timeout=1).groups_connected == 2:
+            sys.exit(0)
+    except grpc.RpcError:
+        pass
+    time.sleep(0.1)
+sys.exit(1)
+EOF
+
+PYTHONPATH="$tmp" timeout 30 "$python" "$src/examples/python/submit.py" "$addr" 8 3 4 5 >"$tmp/submit.out" 2>"$tmp/submit.log" ||
+  fail "submit.py exited with $?: $(cat "$tmp/submit.out")"
+out=$(cat "$tmp/submit.out")
+echo "$out"
+
+[ "$(grep -c '^token [0-9]*: [0-9]* (logprob ' "$tmp/submit.out")" -eq 8 ] || fail "expected 8 token lines"
+for i in 0 1 2 3 4 5 6 7; do
+  grep -q "^token $i: " "$tmp/submit.out" || fail "token $i missing"
+done
+grep -qx 'finish_reason: length' "$tmp/submit.out" || fail "no 'finish_reason: length'"
+grep -qE '^dp_group: [01]$' "$tmp/submit.out" || fail "no dp_group of the 2 groups"
+grep -qx 'groups connected: 2' "$tmp/submit.out" || fail "GetStats did not report 2 connected groups"
+echo "python_example_test: OK"
