@@ -85,6 +85,7 @@ LatentCacheStats LatentCache::stats() const {
   s.bytes_used = s.blocks_used * s.block_bytes;
   s.prefix_hit_tokens = prefix_hit_tokens_;
   s.evictions = evictions_;
+  s.blocks_released = blocks_released_;
   return s;
 }
 
@@ -234,6 +235,7 @@ void LatentCache::DropRef(int32_t b) {
 Status LatentCache::Release(SeqId id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return NotFoundError("latent cache: unknown sequence ", id);
+  blocks_released_ += static_cast<int64_t>(it->second.blocks.size());
   // Tail blocks first, so the LRU evicts a prompt's tail before its head.
   for (auto b = it->second.blocks.rbegin(); b != it->second.blocks.rend(); ++b) DropRef(*b);
   seqs_.erase(it);

@@ -57,6 +57,10 @@ struct LatentCacheStats {
   int64_t bytes_used = 0;      // blocks_used * block_bytes
   int64_t prefix_hit_tokens = 0;  // tokens attached from cached prefixes, cumulative
   int64_t evictions = 0;          // cached blocks reclaimed, cumulative
+  // Blocks in the block tables of released sequences, summed at release:
+  // each sequence's footprint, ceil(tokens / block_size), cumulative. A
+  // request set's total is predictable from its lengths alone.
+  int64_t blocks_released = 0;
 
   int64_t blocks_allocatable() const { return blocks_free + blocks_cached; }
 };
@@ -172,6 +176,7 @@ class LatentCache {
   std::unordered_map<SeqId, Sequence> seqs_;
   int64_t prefix_hit_tokens_ = 0;
   int64_t evictions_ = 0;
+  int64_t blocks_released_ = 0;
 };
 
 }  // namespace mlarun

@@ -10,6 +10,7 @@
 #include "launcher/client/client.h"
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/generate.h"
+#include "launcher/memory/memory.h"
 #include "launcher/worker/worker.h"
 #include "parallel/mpi/mpi_world.h"
 
@@ -89,8 +90,32 @@ int main(int argc, char** argv) {
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
   generate->add_option("--parallel", gen.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
 
-  // ---- Serving: coordinator, workers, clients -------------------------------
   std::string config_path;
+  mlarun::MemoryOptions mem;
+  auto* memory = app.add_subcommand("memory", "Per-rank memory under TP and DP-attention layouts: predicted, or beside a live run");
+  memory->add_option("--model", mem.model, "Checkpoint directory, config.json, or configs/models/*.yaml");
+  memory->add_option("--world", mem.world, "Ranks")->capture_default_str()->check(CLI::PositiveNumber);
+  memory->add_option("--layouts", mem.layouts, "tpN, dpN, dpAxtpB or dp=A,attn_tp=B (default: tpW, dpW, dp2xtpW/2)")
+      ->delimiter(',');
+  memory->add_option("--hbm-gib,--memory-gib", mem.memory_gib, "Memory per rank in GiB (H200: 141)")->capture_default_str();
+  memory->add_option("--kv-dtype", mem.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
+  memory->add_option("--weight-dtype", mem.weight_dtype,
+                     "Projection weights: bf16 or fp32 (what mlarun holds; default the model's) or fp8 (the release's block-fp8)");
+  memory->add_option("--num-layers", mem.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
+  memory->add_option("--block-size", mem.block_size, "Tokens per cache block")->capture_default_str()->check(CLI::PositiveNumber);
+  memory->add_option("--chunk-rows", mem.chunk_rows, "Rows of the expanded path's up-projection chunk")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  memory->add_flag("--json", mem.json, "One JSON document instead of the tables");
+  memory->add_option("--svg", mem.svg_path, "Draw per-rank memory by category and the max cached tokens into this SVG file");
+  memory->add_flag("--measure", mem.measure, "Compare with a live deployment (GetStats from --coordinator)");
+  auto* m_coord = memory->add_option("--coordinator", mem.coordinator, "Coordinator host:port (with --measure)");
+  memory->add_option("--requests", mem.requests_path, "With --measure: the request set submitted (JSON lines)");
+  memory->add_option("--results", mem.results_path, "With --measure: its `mlarun submit --json` output");
+  memory->add_option("--timeout", mem.timeout_s, "With --measure: seconds to wait for the ranks' reports to settle")
+      ->capture_default_str();
+  memory->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml): the coordinator address");
+
+  // ---- Serving: coordinator, workers, clients -------------------------------
   mlarun::CoordinatorOptions co;
   std::string policy = "prefix_affinity";
   auto* coord = app.add_subcommand("coordinator", "Serve the client API and route requests to the workers' DP groups");
@@ -107,6 +132,9 @@ int main(int argc, char** argv) {
   auto* w_kv = worker->add_option("--kv-dtype", wo.kv_dtype, "Latent cache dtype: bf16 or fp32");
   worker->add_option("--num-layers", wo.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
   auto* w_cache = worker->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank")->capture_default_str();
+  worker->add_option("--memory-gib", wo.memory_gib,
+                     "Memory per rank: the cache gets what the weights and the prefill workspace leave (as mlarun memory predicts)")
+      ->check(CLI::PositiveNumber)->excludes(w_cache);
   auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
   worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
@@ -227,6 +255,19 @@ int main(int argc, char** argv) {
       return 2;
     }
     return mlarun::RunSubmit(sub, std::cout, std::cerr);
+  }
+  if (memory->parsed()) {
+    fill(m_coord, mem.coordinator, dc.coordinator);
+    if (mem.measure && mem.coordinator.empty()) {
+      std::fprintf(stderr, "mlarun memory: --measure needs --coordinator (or coordinator: in --config)\n");
+      return 2;
+    }
+    const mlarun::Status st = mem.measure ? mlarun::RunMemoryMeasure(mem, std::cout) : mlarun::RunMemory(mem, std::cout);
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun memory: %s\n", st.ToString().c_str());
+      return st.code() == mlarun::StatusCode::kInvalidArgument || st.code() == mlarun::StatusCode::kNotFound ? 2 : 1;
+    }
+    return 0;
   }
   if (stats->parsed()) {
     fill(t_coord, st.coordinator, dc.coordinator);

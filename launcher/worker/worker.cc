@@ -17,6 +17,7 @@
 #include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
+#include "runtime/model/memory_plan.h"
 
 namespace mlarun {
 namespace {
@@ -30,6 +31,7 @@ extern "C" void OnSignal(int) { g_stop = true; }
 struct RankInfo {
   int64_t rank = 0, dp_group = 0, attn_tp_rank = 0;
   WeightBytes weights;
+  int64_t blocks_total = 0, block_bytes = 0, bytes_per_token = 0;  // this rank's own cache
   std::string host;
 };
 
@@ -157,19 +159,23 @@ SamplingParams FromProto(const v1::SamplingParams& p) {
   return s;
 }
 
-// Bytes of one rank's facts: rank, group, tp rank, 4 weight categories, host.
+// One rank's facts as text: rank, group, tp rank, weight categories, cache
+// geometry, host.
 std::string EncodeInfo(const RankInfo& r) {
   std::ostringstream os;
-  os << r.rank << " " << r.dp_group << " " << r.attn_tp_rank << " " << r.weights.attention << " " << r.weights.moe
-     << " " << r.weights.dense_mlp << " " << r.weights.embedding_and_head << " " << r.host;
+  os << r.rank << " " << r.dp_group << " " << r.attn_tp_rank << " " << r.weights.attention << " "
+     << r.weights.attention_replicated << " " << r.weights.moe << " " << r.weights.dense_mlp << " "
+     << r.weights.embedding_and_head << " " << r.blocks_total << " " << r.block_bytes << " " << r.bytes_per_token << " "
+     << r.host;
   return os.str();
 }
 
 RankInfo DecodeInfo(const std::string& s) {
   std::istringstream in(s);
   RankInfo r;
-  in >> r.rank >> r.dp_group >> r.attn_tp_rank >> r.weights.attention >> r.weights.moe >> r.weights.dense_mlp >>
-      r.weights.embedding_and_head >> r.host;
+  in >> r.rank >> r.dp_group >> r.attn_tp_rank >> r.weights.attention >> r.weights.attention_replicated >>
+      r.weights.moe >> r.weights.dense_mlp >> r.weights.embedding_and_head >> r.blocks_total >> r.block_bytes >>
+      r.bytes_per_token >> r.host;
   return r;
 }
 
@@ -210,14 +216,34 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   mo.shard = ModelShard::For(*layout, session.rank());
   auto model = Model::Load(o.model, ov, mo);
   if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
-  auto runner_or = RankRunner::Create(**model, o.engine, *groups);
+  // The cache budget: given, or what the memory per rank leaves after the
+  // weights this rank loaded and the prefill workspace.
+  EngineConfig engine = o.engine;
+  const ModelConfig& mc = (*model)->config();
+  const PrefillWorkspace workspace = PredictPrefillWorkspace(mc, layout->attn_tp, mo.attention.expand_chunk_rows);
+  const WeightBytes weights = (*model)->weight_bytes();
+  int64_t memory_bytes = 0;
+  if (o.memory_gib > 0) {
+    memory_bytes = static_cast<int64_t>(o.memory_gib * double(int64_t{1} << 30));
+    engine.cache_budget_bytes = memory_bytes - weights.total() - workspace.total();
+    const int64_t block_bytes = CacheBytesPerToken(mc) * engine.block_size;
+    if (CacheBlocksFor(engine.cache_budget_bytes, block_bytes) == 0)
+      session.Abort("--memory-gib " + std::to_string(o.memory_gib) + ": " + std::to_string(memory_bytes) +
+                        " B per rank minus weights (" + std::to_string(weights.total()) + " B) and prefill workspace (" +
+                        std::to_string(workspace.total()) + " B) leaves " + std::to_string(engine.cache_budget_bytes) +
+                        " B, less than one cache block (" + std::to_string(block_bytes) + " B)",
+                    2);
+  }
+  auto runner_or = RankRunner::Create(**model, engine, *groups);
   if (!runner_or.ok()) session.Abort(runner_or.status().ToString(), 2);
   RankRunner& runner = **runner_or;
   Communicator& world = *groups->world;
 
   // Every rank's static facts, and one worker id for the job.
+  const LatentCacheStats own = runner.engine()->cache().stats();
   RankInfo me{.rank = session.rank(), .dp_group = groups->dp_rank(), .attn_tp_rank = groups->attn_tp_rank(),
-              .weights = (*model)->weight_bytes(), .host = session.host()};
+              .weights = weights, .blocks_total = own.blocks_total, .block_bytes = own.block_bytes,
+              .bytes_per_token = own.bytes_per_token, .host = session.host()};
   auto infos = AllGatherStrings(world, EncodeInfo(me));
   if (!infos.ok()) session.Abort("start-up exchange failed: " + infos.status().ToString(), 2);
   std::string worker_id = session.host() + ":" + std::to_string(getpid());
@@ -230,8 +256,10 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     if (r.dp_group == groups->dp_rank()) group_ranks.push_back(r);
   }
 
-  const ModelConfig& mc = (*model)->config();
   const LatentCache& cache = runner.engine()->cache();
+  std::ostringstream layout_os;
+  layout_os << *layout;
+  const std::string layout_text = layout_os.str();
   auto rank_stats = [&](double tokens_per_s) {
     google::protobuf::RepeatedPtrField<v1::RankStats> out;
     const LatentCacheStats cs = cache.stats();
@@ -243,16 +271,33 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       s->set_attn_tp_rank(static_cast<int32_t>(r.attn_tp_rank));
       s->set_host(r.host);
       s->set_attention_weight_bytes(r.weights.attention);
+      s->set_attention_replicated_weight_bytes(r.weights.attention_replicated);
       s->set_moe_weight_bytes(r.weights.moe);
       s->set_dense_mlp_weight_bytes(r.weights.dense_mlp);
       s->set_embedding_head_weight_bytes(r.weights.embedding_and_head);
-      s->set_cache_bytes_per_token(cs.bytes_per_token);
-      s->set_cache_block_bytes(cs.block_bytes);
-      s->set_cache_blocks_total(cs.blocks_total);
-      s->set_cache_blocks_used(cs.blocks_used);
-      s->set_cache_bytes_capacity(cs.bytes_capacity);
-      s->set_cache_bytes_used(cs.bytes_used);
-      s->set_cache_bytes_peak(runner.cache_stats().peak_bytes_used);
+      // Each rank's own cache: its geometry from start-up, its use from the
+      // last lockstep exchange (the leader's own numbers before the first).
+      const bool seen = static_cast<size_t>(r.rank) < runner.world_cache().size();
+      const RankCacheSnapshot snap = seen ? runner.world_cache()[static_cast<size_t>(r.rank)]
+                                          : RankCacheSnapshot{cs.blocks_used, cs.blocks_used, cs.blocks_released};
+      s->set_cache_bytes_per_token(r.bytes_per_token);
+      s->set_cache_block_bytes(r.block_bytes);
+      s->set_cache_blocks_total(r.blocks_total);
+      s->set_cache_blocks_used(snap.blocks_used);
+      s->set_cache_bytes_capacity(r.blocks_total * r.block_bytes);
+      s->set_cache_bytes_used(snap.blocks_used * r.block_bytes);
+      s->set_cache_bytes_peak(snap.peak_blocks_used * r.block_bytes);
+      s->set_cache_blocks_peak(snap.peak_blocks_used);
+      s->set_cache_blocks_released(snap.blocks_released);
+      s->set_memory_budget_bytes(memory_bytes);
+      s->set_cache_budget_bytes(engine.cache_budget_bytes);
+      s->set_workspace_bytes(workspace.total());
+      s->set_block_size(engine.block_size);
+      s->set_model(o.model);
+      s->set_num_layers(mc.num_hidden_layers);
+      s->set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
+      s->set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
+      s->set_parallel(layout_text);
       s->set_requests_running(runner.engine()->num_running());
       s->set_requests_waiting(runner.engine()->num_waiting());
       s->set_tokens_per_s(tokens_per_s);
@@ -269,7 +314,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     reg.set_attn_tp(layout->attn_tp);
     reg.set_vocab_size(mc.vocab_size);
     reg.set_max_position_embeddings(mc.max_position_embeddings);
-    reg.set_block_size(o.engine.block_size);
+    reg.set_block_size(engine.block_size);
     reg.set_cache_blocks_total(cache.stats().blocks_total);
     *reg.mutable_ranks() = rank_stats(0);
     link = std::make_unique<Link>(o.coordinator, reg);

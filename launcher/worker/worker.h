@@ -25,6 +25,10 @@ struct WorkerOptions {
   std::string parallel = "dp=1";
   std::string kv_dtype;    // "" keeps the model's
   int64_t num_layers = 0;  // YAML models only
+  // Memory per rank (GiB). When set, the cache gets what this leaves after
+  // the rank's weights and its prefill workspace (runtime/model/memory_plan.h,
+  // as `mlarun memory` predicts it), instead of engine.cache_budget_bytes.
+  double memory_gib = 0;
   EngineConfig engine;
   double stats_period_s = 0.5;
 };

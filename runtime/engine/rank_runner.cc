@@ -23,7 +23,8 @@ const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_->O
 
 void RankRunner::UpdateCacheStats(const StepPlan& plan) {
   cache_stats_.now = engine_->cache().stats();
-  cache_stats_.peak_bytes_used = std::max(cache_stats_.peak_bytes_used, cache_stats_.now.bytes_used);
+  peak_blocks_used_ = std::max(peak_blocks_used_, cache_stats_.now.blocks_used);
+  cache_stats_.peak_bytes_used = peak_blocks_used_ * cache_stats_.now.block_bytes;
   cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
 }
 
@@ -47,21 +48,30 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
       for (StepPlan::Seq& s : plan.seqs) s.logits = false;  // only the leader samples
     }
   }
-  // 2. Lockstep: every rank's [tokens, work left, stop vote].
+  // 2. Lockstep: every rank's [tokens, work left, stop vote] and its cache
+  //    (blocks used now, the peak, blocks released), with this step's blocks
+  //    already taken.
   Communicator& world = *groups_.world;
-  const int64_t mine[3] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0, stop ? 1 : 0};
-  std::vector<int64_t> all(static_cast<size_t>(3 * world.size()));
-  MLARUN_RETURN_IF_ERROR(world.AllGather(mine, 3, all.data(), CommType::kI64));
+  const LatentCacheStats cs = engine_->cache().stats();
+  peak_blocks_used_ = std::max(peak_blocks_used_, cs.blocks_used);
+  constexpr int kFields = 6;
+  const int64_t mine[kFields] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0, stop ? 1 : 0,
+                                 cs.blocks_used, peak_blocks_used_, cs.blocks_released};
+  std::vector<int64_t> all(static_cast<size_t>(kFields * world.size()));
+  MLARUN_RETURN_IF_ERROR(world.AllGather(mine, kFields, all.data(), CommType::kI64));
   bool any_work = false, any_stop = false;
+  world_cache_.resize(static_cast<size_t>(world.size()));
   for (int r = 0; r < world.size(); ++r) {
-    any_work |= all[static_cast<size_t>(3 * r + 1)] != 0;
-    any_stop |= all[static_cast<size_t>(3 * r + 2)] != 0;
+    const int64_t* f = &all[static_cast<size_t>(kFields * r)];
+    any_work |= f[1] != 0;
+    any_stop |= f[2] != 0;
+    world_cache_[static_cast<size_t>(r)] = {.blocks_used = f[3], .peak_blocks_used = f[4], .blocks_released = f[5]};
   }
   if (any_stop) return StepResult::kStop;
   if (!any_work) return StepResult::kIdle;
   const ParallelLayout& layout = groups_.layout;
   dp_tokens_.assign(static_cast<size_t>(layout.dp), 0);
-  for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(3 * layout.leader_of(g))];
+  for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(kFields * layout.leader_of(g))];
   // 3. The model step, on every rank, idle or not.
   const ParallelStep step{.attn_tp = groups_.attn_tp.get(), .dp_peers = groups_.dp_peers.get(),
                           .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank()};

@@ -30,6 +30,14 @@ struct RankCacheStats {
   int64_t bytes_written = 0;  // rows appended x bytes per token, cumulative
 };
 
+// One rank's own cache, as every rank learns it at each lockstep exchange
+// (the numbers ride on the step's all-gather, so they cost no extra message).
+struct RankCacheSnapshot {
+  int64_t blocks_used = 0;
+  int64_t peak_blocks_used = 0;  // highest blocks_used seen at an exchange or after a step
+  int64_t blocks_released = 0;   // LatentCacheStats::blocks_released
+};
+
 class RankRunner {
  public:
   // `model` is this rank's shard (ModelShard::For(groups.layout, groups.rank)).
@@ -54,6 +62,8 @@ class RankRunner {
   StatusOr<StepResult> StepOrStop(bool stop);
 
   const RankCacheStats& cache_stats() const { return cache_stats_; }
+  // Every rank's snapshot, by world rank, as of the last exchange.
+  const std::vector<RankCacheSnapshot>& world_cache() const { return world_cache_; }
   int64_t steps() const { return steps_; }
   // Last step's tokens per DP group.
   const std::vector<int64_t>& last_dp_tokens() const { return dp_tokens_; }
@@ -69,6 +79,8 @@ class RankRunner {
   std::unique_ptr<Engine> engine_;  // every rank owns one (its cache); only leaders schedule
   std::vector<int64_t> dp_tokens_;
   RankCacheStats cache_stats_;
+  std::vector<RankCacheSnapshot> world_cache_;
+  int64_t peak_blocks_used_ = 0;
   int64_t steps_ = 0;
 };
 

@@ -87,6 +87,12 @@ Model::Model(const ModelConfig& c, const ModelOptions& o) : config_(c), options_
 
 Status Model::Init() {
   MLARUN_RETURN_IF_ERROR(ValidateModelConfig(config_));
+  // A V3.2 config parses (so memory planning can size it), but decoding it
+  // with dense MLA would silently compute a different function than the
+  // checkpoint was trained for: refuse it here rather than in each caller.
+  if (config_.has_indexer())
+    return UnimplementedError("model: DeepSeek Sparse Attention (the DeepSeek-V3.2 indexer, index_n_heads=",
+                              config_.index_n_heads, ") is not implemented; `mlarun memory` can still size this model");
   if (config_.weight_dtype != DType::kF32 && config_.weight_dtype != DType::kBF16)
     return InvalidArgumentError("model: weight dtype must be f32 or bf16, got ", DTypeName(config_.weight_dtype));
   if (config_.kv_dtype != DType::kF32 && config_.kv_dtype != DType::kBF16)
@@ -103,9 +109,11 @@ WeightBytes Model::weight_bytes() const {
   b.embedding_and_head = embed_.bytes() + lm_head_.bytes() + vec(final_norm_);
   for (const DecoderLayer& l : layers_) {
     const AttentionLayer& a = l.attn;
-    b.attention += a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + vec(a.q_a_norm) + a.kv_a.bytes() + vec(a.kv_a_norm) +
-                   static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size()) + a.o.bytes() + vec(l.input_norm) +
-                   vec(l.post_attention_norm);
+    const int64_t replicated = a.q_a.bytes() + vec(a.q_a_norm) + a.kv_a.bytes() + vec(a.kv_a_norm) +
+                               vec(l.input_norm) + vec(l.post_attention_norm);
+    b.attention_replicated += replicated;
+    b.attention += replicated + a.q_b.bytes() + a.q.bytes() + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size()) +
+                   a.o.bytes();
     if (!l.moe) {
       b.dense_mlp += mlp(l.mlp);
       continue;

@@ -60,6 +60,10 @@ struct DecoderLayer {
 // Memory held by the weights, by category.
 struct WeightBytes {
   int64_t attention = 0;  // projections, norms, W_UK/W_UV
+  // The part of `attention` every attn-TP rank holds whole: the q_a / kv_a
+  // projections, their norms and the layer norms (and a V3.2 indexer). The
+  // rest (q_b, W_UK / W_UV, o_proj) is split by head.
+  int64_t attention_replicated = 0;
   int64_t dense_mlp = 0;
   int64_t moe = 0;        // routed + shared experts and routers
   int64_t embedding_and_head = 0;
@@ -99,7 +103,15 @@ Status ValidateModelShard(const ModelConfig& config, const ModelShard& shard);
 
 // What one rank's weights of `config` occupy under `shard`, from the shapes
 // alone (no allocation): equals Model::weight_bytes() of the loaded model.
-WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard = {});
+//
+// `projection_dtype`: a what-if for the decoder layers' projection matrices
+// (q / kv / o projections, dense MLP, experts). kF8E4M3 sizes them as the
+// DeepSeek-V3 release stores them, e4m3 plus one fp32 scale per 128 x 128
+// block (how GPU runtimes serve it); mlarun itself dequantizes them to
+// config.weight_dtype at load, which is the default. W_UK / W_UV stay in the
+// cache dtype, embeddings and head in weight_dtype, norms and router in fp32.
+WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard = {},
+                               std::optional<DType> projection_dtype = std::nullopt);
 
 // The collectives and token counts of one step across ranks.
 struct ParallelStep {
@@ -127,6 +139,11 @@ class Model {
   // file from configs/models/ (random weights from its seed).
   static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir_or_yaml, const ModelOverrides& overrides = {},
                                                const ModelOptions& options = {});
+  // The config alone, overrides applied, as Load would use it: from a
+  // checkpoint directory, its config.json (or any config.json file), or a
+  // YAML file (whose weight seed goes to `seed` if given). Reads no weights.
+  static StatusOr<ModelConfig> LoadConfig(const std::string& path, const ModelOverrides& overrides = {},
+                                          uint64_t* seed = nullptr);
 
   // Loads every weight from a Hugging Face checkpoint, checking names and
   // shapes; missing and unexpected tensors are errors naming the tensor.

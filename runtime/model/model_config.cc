@@ -18,6 +18,12 @@ namespace {
 
 using Json = nlohmann::json;
 
+// DeepseekV32Config's indexer defaults (transformers 5.x,
+// models/deepseek_v32/configuration_deepseek_v32.py).
+constexpr int64_t kDefaultIndexNHeads = 64;
+constexpr int64_t kDefaultIndexHeadDim = 128;
+constexpr int64_t kDefaultIndexTopk = 2048;
+
 // transformers' RotaryEmbeddingConfigMixin.default_theta (modeling_rope_utils.py).
 constexpr double kDefaultRopeTheta = 10000.0;
 // YaRN ramp bounds when the config leaves them out (or sets them to 0/null):
@@ -381,16 +387,19 @@ StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origi
 
   std::string model_type_name;
   if (!f.HasNonNull("model_type"))
-    return f.Error("model_type", "missing (expected 'deepseek_v3' or 'deepseek_v2')");
+    return f.Error("model_type", "missing (expected 'deepseek_v3', 'deepseek_v32' or 'deepseek_v2')");
   MLARUN_RETURN_IF_ERROR(f.String("model_type", &model_type_name));
   ModelType model_type;
-  if (model_type_name == "deepseek_v3") {
+  // DeepseekV32Config subclasses DeepseekV3Config and only adds the indexer
+  // fields, so a V3.2 config is a V3 one (same defaults and checks) plus those.
+  const bool v32 = model_type_name == "deepseek_v32";
+  if (model_type_name == "deepseek_v3" || v32) {
     model_type = ModelType::kDeepSeekV3;
   } else if (model_type_name == "deepseek_v2") {
     model_type = ModelType::kDeepSeekV2;
   } else {
     return f.Error("model_type", "unsupported model type '", model_type_name,
-                   "' (expected 'deepseek_v3' or 'deepseek_v2')");
+                   "' (expected 'deepseek_v3', 'deepseek_v32' or 'deepseek_v2')");
   }
   ModelConfig c = TransformersDefaults(model_type);
   const bool v3 = model_type == ModelType::kDeepSeekV3;
@@ -432,7 +441,8 @@ StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origi
   MLARUN_RETURN_IF_ERROR(f.String("topk_method", &topk_method));
   if (v3) {
     if (topk_method != "noaux_tc")
-      return f.Error("topk_method", "unsupported value '", topk_method, "' for deepseek_v3 (expected 'noaux_tc')");
+      return f.Error("topk_method", "unsupported value '", topk_method, "' for ", model_type_name,
+                     " (expected 'noaux_tc')");
   } else if (topk_method == "greedy") {
     c.topk_method = TopkMethod::kGreedy;
   } else if (topk_method == "group_limited_greedy") {
@@ -440,6 +450,25 @@ StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origi
   } else {
     return f.Error("topk_method", "unsupported value '", topk_method,
                    "' for deepseek_v2 (expected 'greedy' or 'group_limited_greedy')");
+  }
+
+  // DeepSeek Sparse Attention's indexer. Only deepseek_v32 has the fields;
+  // DeepseekV2Config/DeepseekV3Config do not, so index_* keys in those configs
+  // are ignored like any unknown key (left 0: no indexer).
+  if (v32) {
+    c.index_n_heads = kDefaultIndexNHeads;
+    c.index_head_dim = kDefaultIndexHeadDim;
+    c.index_topk = kDefaultIndexTopk;
+    const std::pair<std::string_view, int64_t*> index_fields[] = {
+        {"index_n_heads", &c.index_n_heads},
+        {"index_head_dim", &c.index_head_dim},
+        {"index_topk", &c.index_topk},
+    };
+    for (const auto& [key, value] : index_fields) {
+      MLARUN_RETURN_IF_ERROR(f.Int(key, value));
+      // Checked here, where the key is known: 0 would silently mean "no indexer".
+      if (*value <= 0) return f.Error(key, "must be positive, got ", *value);
+    }
   }
 
   MLARUN_RETURN_IF_ERROR(f.Double("rms_norm_eps", &c.rms_norm_eps));
@@ -584,6 +613,8 @@ std::ostream& operator<<(std::ostream& os, const ModelConfig& c) {
      << " first_dense=" << c.first_k_dense_replace << " freq=" << c.moe_layer_freq << " "
      << TopkMethodName(c.topk_method) << " " << ScoringFuncName(c.scoring_func) << " norm=" << c.norm_topk_prob
      << " scale=" << c.routed_scaling_factor << "}";
+  if (c.has_indexer())
+    os << " indexer{heads=" << c.index_n_heads << " dim=" << c.index_head_dim << " topk=" << c.index_topk << "}";
   os << " " << c.rope << " max_pos=" << c.max_position_embeddings << " eps=" << c.rms_norm_eps
      << " bos=" << c.bos_token_id << " eos=[";
   for (size_t i = 0; i < c.eos_token_ids.size(); ++i) os << (i ? "," : "") << c.eos_token_ids[i];
@@ -620,11 +651,21 @@ Status ValidateModelConfig(const ModelConfig& c) {
       {"first_k_dense_replace", c.first_k_dense_replace},
       {"moe_intermediate_size", c.moe_intermediate_size},
       {"num_nextn_predict_layers", c.num_nextn_predict_layers},
+      {"index_n_heads", c.index_n_heads},
   };
   for (const auto& [name, value] : non_negative)
     if (value < 0) return InvalidArgumentError(name, " must be non-negative, got ", value);
   if (c.qk_rope_head_dim % 2 != 0)
     return InvalidArgumentError("qk_rope_head_dim must be even (rotary pairs), got ", c.qk_rope_head_dim);
+  // DeepSeek Sparse Attention: an indexer needs a key width and a token budget.
+  if (c.has_indexer()) {
+    if (c.index_head_dim <= 0)
+      return InvalidArgumentError("index_head_dim must be positive with an indexer (index_n_heads ", c.index_n_heads,
+                                  "), got ", c.index_head_dim);
+    if (c.index_topk <= 0)
+      return InvalidArgumentError("index_topk must be positive with an indexer (index_n_heads ", c.index_n_heads,
+                                  "), got ", c.index_topk);
+  }
   if (c.first_k_dense_replace > c.num_hidden_layers)
     return InvalidArgumentError("first_k_dense_replace (", c.first_k_dense_replace,
                                 ") must not exceed num_hidden_layers (", c.num_hidden_layers, ")");

@@ -1,10 +1,12 @@
-// The architecture of a DeepSeek-V2/V3 model, read from a Hugging Face
+// The architecture of a DeepSeek-V2/V3/V3.2 model, read from a Hugging Face
 // config.json or from a YAML file in configs/models/ with the same field names.
 //
 // Absent fields take the defaults transformers uses for the model_type
-// (DeepseekV2Config / DeepseekV3Config, transformers 5.x). A field of the wrong
-// type, an unknown model_type or inconsistent values is an error naming the
-// file and the field.
+// (DeepseekV2Config / DeepseekV3Config / DeepseekV32Config, transformers 5.x).
+// "deepseek_v32" is a V3 config plus the indexer fields of DeepSeek Sparse
+// Attention: it parses to ModelType::kDeepSeekV3 with has_indexer(). A field
+// of the wrong type, an unknown model_type or inconsistent values is an error
+// naming the file and the field.
 #pragma once
 
 #include <cstdint>
@@ -52,6 +54,14 @@ struct ModelConfig {
   ScoringFunc scoring_func = ScoringFunc::kSoftmax;
   bool norm_topk_prob = false;
   double routed_scaling_factor = 1.0;
+  // DeepSeek Sparse Attention (DeepSeek-V3.2): the "lightning indexer" that
+  // picks, per query token, the index_topk cached tokens MLA attends to. 0 means
+  // no indexer (V2/V3 configs, where any index_* keys are ignored); a
+  // deepseek_v32 config without the keys gets transformers' defaults 64/128/2048.
+  // Parsed so memory planning can size such a model; Model refuses to run it.
+  int64_t index_n_heads = 0;
+  int64_t index_head_dim = 0;
+  int64_t index_topk = 0;
   // Norms, positions, tokens
   double rms_norm_eps = 1e-6;
   RopeConfig rope;  // dim = qk_rope_head_dim; layout: V3 interleave-to-half (rope_interleave), V2 interleaved
@@ -70,6 +80,7 @@ struct ModelConfig {
   MlaShape mla_shape() const;            // h_q = num_attention_heads
   double softmax_scale() const;          // MlaSoftmaxScale(qk_nope, qk_rope, rope.scaling)
   int64_t q_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
+  bool has_indexer() const { return index_n_heads > 0; }  // a DeepSeek-V3.2 (sparse attention) config
 
   friend bool operator==(const ModelConfig&, const ModelConfig&) = default;
 };
@@ -77,7 +88,8 @@ std::ostream& operator<<(std::ostream& os, const ModelConfig& c);
 
 // Checks value ranges and consistency (positive sizes, even rope dim,
 // num_experts_per_tok <= n_routed_experts, n_routed_experts divisible by
-// n_group, topk_group <= n_group, supported hidden_act, ...).
+// n_group, topk_group <= n_group, supported hidden_act, positive indexer sizes
+// with has_indexer(), ...).
 Status ValidateModelConfig(const ModelConfig& c);
 
 // Parses a Hugging Face config.json (text). `origin` names the file in errors.

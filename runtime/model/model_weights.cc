@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <set>
+#include <sstream>
 
 #include "runtime/model/model.h"
 
@@ -196,19 +198,38 @@ Status ValidateModelShard(const ModelConfig& c, const ModelShard& s) {
   return Status::Ok();
 }
 
-WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s) {
+WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, std::optional<DType> projection_dtype) {
   const int64_t w = static_cast<int64_t>(DTypeSize(c.weight_dtype)), kv = static_cast<int64_t>(DTypeSize(c.kv_dtype));
   const int64_t f = 4;  // norms, router, score bias: fp32
   const int64_t H = c.hidden_size, N = c.num_attention_heads / s.attn_tp_size, L = c.kv_lora_rank;
   const int64_t R = c.qk_rope_head_dim, Dq = c.q_head_dim(), P = c.qk_nope_head_dim, V = c.v_head_dim;
   const int64_t W = s.mlp_size;
-  auto mlp = [&](int64_t inter) { return 3 * H * inter * w; };
+  // One projection matrix of [rows, cols] as this rank holds it.
+  const bool fp8 = projection_dtype == DType::kF8E4M3;
+  const int64_t pw = projection_dtype ? static_cast<int64_t>(DTypeSize(*projection_dtype)) : w;
+  auto proj = [&](int64_t rows, int64_t cols) {
+    constexpr int64_t kBlock = 128;  // fp8 scale blocks of the V3 release
+    const int64_t scales = fp8 ? ((rows + kBlock - 1) / kBlock) * ((cols + kBlock - 1) / kBlock) * f : 0;
+    return rows * cols * pw + scales;
+  };
+  auto mlp = [&](int64_t inter) { return 2 * proj(inter, H) + proj(H, inter); };  // gate, up; down
   WeightBytes b;
   b.embedding_and_head = 2 * c.vocab_size * H * w + H * f;  // lm_head is a copy when tied
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    const int64_t q = c.q_lora_rank > 0 ? (c.q_lora_rank * H + N * Dq * c.q_lora_rank) * w + c.q_lora_rank * f
-                                        : N * Dq * H * w;
-    b.attention += q + (L + R) * H * w + L * f + N * (P + V) * L * kv + H * N * V * w + 2 * H * f;
+    int64_t replicated = proj(L + R, H) + L * f + 2 * H * f;  // kv_a, its norm, the layer norms
+    int64_t split = N * (P + V) * L * kv + proj(H, N * V);   // W_UK, W_UV, o_proj
+    if (c.q_lora_rank > 0) {
+      replicated += proj(c.q_lora_rank, H) + c.q_lora_rank * f;
+      split += proj(N * Dq, c.q_lora_rank);
+    } else {
+      split += proj(N * Dq, H);
+    }
+    if (c.has_indexer()) {  // wq_b, wk, k_norm (weight and bias), weights_proj
+      const int64_t ih = c.index_n_heads, id = c.index_head_dim;
+      replicated += proj(ih * id, c.q_lora_rank) + proj(id, H) + 2 * id * f + proj(ih, H);
+    }
+    b.attention += replicated + split;
+    b.attention_replicated += replicated;
     if (!c.IsMoeLayer(i)) {
       b.dense_mlp += mlp(c.intermediate_size / W);
       continue;
@@ -338,25 +359,42 @@ StatusOr<std::unique_ptr<Model>> Model::Random(const ModelConfig& config, uint64
   return m;
 }
 
-StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelOverrides& overrides,
-                                             const ModelOptions& options) {
+StatusOr<ModelConfig> Model::LoadConfig(const std::string& path, const ModelOverrides& overrides, uint64_t* seed) {
+  ModelConfig config;
   const bool yaml = path.ends_with(".yaml") || path.ends_with(".yml");
   if (yaml) {
     MLARUN_ASSIGN_OR_RETURN(YamlModel ym, LoadModelYaml(path));
-    if (overrides.kv_dtype) ym.config.kv_dtype = *overrides.kv_dtype;
-    if (overrides.num_layers) {
-      if (*overrides.num_layers < 1 || *overrides.num_layers > ym.config.num_hidden_layers)
-        return InvalidArgumentError("model ", path, ": --num-layers must be in [1, ", ym.config.num_hidden_layers,
-                                    "], got ", *overrides.num_layers);
-      ym.config.num_hidden_layers = *overrides.num_layers;
-      ym.config.first_k_dense_replace = std::min(ym.config.first_k_dense_replace, ym.config.num_hidden_layers);
-    }
-    return Random(ym.config, ym.seed, options);
+    config = ym.config;
+    if (seed) *seed = ym.seed;
+  } else if (path.ends_with(".json")) {
+    std::ifstream in(path);
+    if (!in) return NotFoundError("model ", path, ": cannot open the file");
+    std::ostringstream text;
+    text << in.rdbuf();
+    MLARUN_ASSIGN_OR_RETURN(config, ParseHfConfigJson(text.str(), path));
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(config, LoadHfConfig(path));
   }
-  if (overrides.num_layers)
-    return InvalidArgumentError("model ", path, ": --num-layers applies to YAML models only (a checkpoint has all its layers)");
-  MLARUN_ASSIGN_OR_RETURN(ModelConfig config, LoadHfConfig(path));
   if (overrides.kv_dtype) config.kv_dtype = *overrides.kv_dtype;
+  if (overrides.num_layers) {
+    if (!yaml)
+      return InvalidArgumentError("model ", path, ": --num-layers applies to YAML models only (a checkpoint has all its layers)");
+    if (*overrides.num_layers < 1 || *overrides.num_layers > config.num_hidden_layers)
+      return InvalidArgumentError("model ", path, ": --num-layers must be in [1, ", config.num_hidden_layers, "], got ",
+                                  *overrides.num_layers);
+    config.num_hidden_layers = *overrides.num_layers;
+    config.first_k_dense_replace = std::min(config.first_k_dense_replace, config.num_hidden_layers);
+  }
+  return config;
+}
+
+StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelOverrides& overrides,
+                                             const ModelOptions& options) {
+  uint64_t seed = 0;
+  MLARUN_ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(path, overrides, &seed));
+  if (path.ends_with(".yaml") || path.ends_with(".yml")) return Random(config, seed, options);
+  if (path.ends_with(".json"))
+    return InvalidArgumentError("model ", path, ": a config.json alone has no weights; give its checkpoint directory");
   MLARUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(path));
   return FromCheckpoint(config, *ckpt, options);
 }

@@ -564,6 +564,12 @@ TEST(ModelConfig, ModelTypeErrors) {
   ExpectFieldError(ParseHfConfigJson(R"({"hidden_size": 64})", "a.json").status(), "a.json", "model_type");
   ExpectFieldError(ParseHfConfigJson(R"({"model_type": 3})", "a.json").status(), "a.json", "model_type");
   ExpectFieldError(ParseModelYaml("model_type: mixtral\n", "m.yaml").status(), "m.yaml", "model_type");
+  // The message lists every accepted model_type.
+  for (const char* text : {R"({"model_type": "llama"})", R"({"hidden_size": 64})"}) {
+    const std::string message = ParseHfConfigJson(text, "a.json").status().message();
+    for (const char* type : {"'deepseek_v3'", "'deepseek_v32'", "'deepseek_v2'"})
+      EXPECT_NE(message.find(type), std::string::npos) << type << " not in " << message;
+  }
 }
 
 TEST(ModelConfig, MalformedFiles) {
@@ -680,6 +686,137 @@ seed: 9
   EXPECT_FALSE(other == from_json);
 }
 
+// DeepSeek-V3.2's config.json: the V3 architecture plus the lightning indexer
+// of DeepSeek Sparse Attention (DeepseekV32Config, transformers 5.x).
+const char kDeepSeekV32Json[] = R"({
+  "model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+  "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "q_lora_rank": 1536,
+  "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+  "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
+  "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true, "routed_scaling_factor": 2.5,
+  "first_k_dense_replace": 3, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048})";
+
+// kDeepSeekV32Json with its model_type replaced.
+std::string WithModelType(const std::string& type) {
+  std::string text = kDeepSeekV32Json;
+  const std::string from = R"("model_type": "deepseek_v32")";
+  text.replace(text.find(from), from.size(), R"("model_type": ")" + type + R"(")");
+  return text;
+}
+
+TEST(ModelConfig, DeepSeekV32ConfigJson) {
+  const ModelConfig c = MustParseJson(kDeepSeekV32Json);
+  EXPECT_EQ(c.model_type, ModelType::kDeepSeekV3);
+  EXPECT_TRUE(c.has_indexer());
+  EXPECT_EQ(c.index_n_heads, 64);
+  EXPECT_EQ(c.index_head_dim, 128);
+  EXPECT_EQ(c.index_topk, 2048);
+  EXPECT_EQ(c.vocab_size, 129280);
+  EXPECT_EQ(c.hidden_size, 7168);
+  EXPECT_EQ(c.intermediate_size, 18432);
+  EXPECT_EQ(c.moe_intermediate_size, 2048);
+  EXPECT_EQ(c.num_hidden_layers, 61);
+  EXPECT_EQ(c.num_attention_heads, 128);
+  EXPECT_EQ(c.q_lora_rank, 1536);
+  EXPECT_EQ(c.kv_lora_rank, 512);
+  EXPECT_EQ(c.qk_nope_head_dim, 128);
+  EXPECT_EQ(c.qk_rope_head_dim, 64);
+  EXPECT_EQ(c.v_head_dim, 128);
+  EXPECT_EQ(c.n_routed_experts, 256);
+  EXPECT_EQ(c.n_shared_experts, 1);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.n_group, 8);
+  EXPECT_EQ(c.topk_group, 4);
+  EXPECT_EQ(c.topk_method, TopkMethod::kNoauxTc);
+  EXPECT_EQ(c.scoring_func, ScoringFunc::kSigmoid);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_DOUBLE_EQ(c.routed_scaling_factor, 2.5);
+  EXPECT_EQ(c.first_k_dense_replace, 3);
+  EXPECT_EQ(c.rope.layout, RopeLayout::kInterleavedToHalf);
+  EXPECT_TRUE(ValidateModelConfig(c).ok());
+
+  // The same text as deepseek_v3: the index_* keys are ignored there, and
+  // everything else parses identically.
+  const ModelConfig v3 = MustParseJson(WithModelType("deepseek_v3"));
+  EXPECT_FALSE(v3.has_indexer());
+  EXPECT_EQ(v3.index_n_heads, 0);
+  EXPECT_EQ(v3.index_head_dim, 0);
+  EXPECT_EQ(v3.index_topk, 0);
+  ModelConfig without_indexer = c;
+  without_indexer.index_n_heads = without_indexer.index_head_dim = without_indexer.index_topk = 0;
+  EXPECT_EQ(without_indexer, v3) << without_indexer << "\n" << v3;
+  EXPECT_FALSE(c == v3);  // the index fields take part in equality
+
+  // YAML goes through the same parser.
+  const ModelConfig y = MustParseYaml(
+      "model_type: deepseek_v32\nindex_n_heads: 16\nindex_head_dim: 64\nindex_topk: 512\n").config;
+  EXPECT_TRUE(y.has_indexer());
+  EXPECT_EQ(y.index_n_heads, 16);
+  EXPECT_EQ(y.index_head_dim, 64);
+  EXPECT_EQ(y.index_topk, 512);
+}
+
+// DeepseekV32Config: index_head_dim=128, index_n_heads=64, index_topk=2048;
+// the rest are DeepseekV3Config's defaults.
+TEST(ModelConfig, TransformersDefaultsV32) {
+  const ModelConfig c = MustParseJson(R"({"model_type": "deepseek_v32"})");
+  EXPECT_TRUE(c.has_indexer());
+  EXPECT_EQ(c.index_n_heads, 64);
+  EXPECT_EQ(c.index_head_dim, 128);
+  EXPECT_EQ(c.index_topk, 2048);
+  ModelConfig without_indexer = c;
+  without_indexer.index_n_heads = without_indexer.index_head_dim = without_indexer.index_topk = 0;
+  EXPECT_EQ(without_indexer, MustParseJson(R"({"model_type": "deepseek_v3"})"));
+  // One key given, the others defaulted.
+  const ModelConfig partial = MustParseJson(R"({"model_type": "deepseek_v32", "index_topk": 1024})");
+  EXPECT_EQ(partial.index_n_heads, 64);
+  EXPECT_EQ(partial.index_head_dim, 128);
+  EXPECT_EQ(partial.index_topk, 1024);
+  EXPECT_TRUE(MustParseYaml("model_type: deepseek_v32\n").config.has_indexer());
+}
+
+TEST(ModelConfig, DeepSeekV32ErrorsNameFileAndField) {
+  const BadCase cases[] = {
+      {R"("index_n_heads": "64")", "index_n_heads"},
+      {R"("index_n_heads": 0)", "index_n_heads"},
+      {R"("index_n_heads": -1)", "index_n_heads"},
+      {R"("index_n_heads": null)", "index_n_heads"},
+      {R"("index_head_dim": "wide")", "index_head_dim"},
+      {R"("index_head_dim": 0)", "index_head_dim"},
+      {R"("index_head_dim": 64.5)", "index_head_dim"},
+      {R"("index_topk": "all")", "index_topk"},
+      {R"("index_topk": 0)", "index_topk"},
+      // Everything else is checked as for deepseek_v3.
+      {R"("scoring_func": "softmax")", "scoring_func"},
+      {R"("topk_method": "greedy")", "topk_method"},
+  };
+  for (const BadCase& bad : cases) {
+    const std::string text = std::string(R"({"model_type": "deepseek_v32", )") + bad.json + "}";
+    SCOPED_TRACE(text);
+    ExpectFieldError(ParseHfConfigJson(text, "/models/v32/config.json").status(), "/models/v32/config.json",
+                     bad.field);
+  }
+  ExpectFieldError(ParseModelYaml("model_type: deepseek_v32\nindex_topk: 0\n", "v32.yaml").status(), "v32.yaml",
+                   "index_topk");
+  ExpectFieldError(ParseModelYaml("model_type: deepseek_v32\nindex_head_dim: '128'\n", "v32.yaml").status(),
+                   "v32.yaml", "index_head_dim");
+}
+
+TEST(ModelConfig, IndexKeysIgnoredOutsideV32) {
+  const ModelConfig v3 = MustParseJson(
+      R"({"model_type": "deepseek_v3", "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048})");
+  EXPECT_FALSE(v3.has_indexer());
+  EXPECT_EQ(v3.index_n_heads, 0);
+  EXPECT_EQ(v3.index_head_dim, 0);
+  EXPECT_EQ(v3.index_topk, 0);
+  EXPECT_EQ(v3, MustParseJson(R"({"model_type": "deepseek_v3"})"));
+  // Not even read there, so a value that deepseek_v32 would refuse is no error.
+  EXPECT_FALSE(MustParseJson(R"({"model_type": "deepseek_v3", "index_n_heads": "x", "index_topk": 0})").has_indexer());
+  EXPECT_FALSE(MustParseJson(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 6, "index_n_heads": 64})")
+                   .has_indexer());
+  EXPECT_FALSE(MustParseYaml("model_type: deepseek_v3\nindex_n_heads: 64\n").config.has_indexer());
+}
+
 TEST(ModelConfig, ValidateCodeBuiltConfigs) {
   ModelConfig c = MustParseJson(R"({"model_type": "deepseek_v3"})");
   ASSERT_TRUE(ValidateModelConfig(c).ok());
@@ -700,6 +837,15 @@ TEST(ModelConfig, ValidateCodeBuiltConfigs) {
   bad.rope.scaling.factor = 0.0;
   EXPECT_NE(ValidateModelConfig(bad).message().find("factor"), std::string::npos);
   bad = c;
+  bad.index_n_heads = 64;  // an indexer without a key width or token budget
+  EXPECT_NE(ValidateModelConfig(bad).message().find("index_head_dim"), std::string::npos);
+  bad.index_head_dim = 128;
+  EXPECT_NE(ValidateModelConfig(bad).message().find("index_topk"), std::string::npos);
+  bad.index_topk = 2048;
+  EXPECT_TRUE(ValidateModelConfig(bad).ok());
+  bad.index_n_heads = -1;
+  EXPECT_NE(ValidateModelConfig(bad).message().find("index_n_heads"), std::string::npos);
+  bad = c;
   bad.moe_layer_freq = 0;
   EXPECT_EQ(ValidateModelConfig(bad).code(), StatusCode::kInvalidArgument);
   EXPECT_FALSE(bad.IsMoeLayer(4));  // no division by zero
@@ -715,6 +861,11 @@ TEST(ModelConfig, PrintsOneLine) {
   for (const char* part : {"deepseek_v3", "hidden=7168", "layers=61", "kv_lora=512", "routed=256", "noaux_tc",
                            "sigmoid", "yarn", "factor=40", "eos=[1]", "weights=bf16", "kv=bf16"})
     EXPECT_NE(s.find(part), std::string::npos) << part << " not in " << s;
+  EXPECT_EQ(s.find("indexer"), std::string::npos) << s;
+  std::ostringstream v32;
+  v32 << MustParseJson(kDeepSeekV32Json);
+  EXPECT_NE(v32.str().find("deepseek_v3 "), std::string::npos) << v32.str();
+  EXPECT_NE(v32.str().find("indexer{heads=64 dim=128 topk=2048}"), std::string::npos) << v32.str();
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <iterator>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -232,6 +233,30 @@ TEST(ModelLoad, CheckpointAndConfigMustAgree) {
   ExpectLoadError(EditedCheckpoint("v3_fp32", [](auto& c) { c["hidden_size"] = "wide"; }), "hidden_size");
 }
 
+// A DeepSeek-V3.2 config parses (memory planning sizes it) but the model
+// refuses it before reading any weight: dense MLA is not DeepSeek Sparse Attention.
+TEST(ModelLoad, DeepSeekV32IsRefused) {
+  auto expect_refused = [](const std::string& path) {
+    auto m = Model::Load(path);
+    ASSERT_FALSE(m.ok()) << path;
+    EXPECT_EQ(m.status().code(), StatusCode::kUnimplemented) << m.status();
+    EXPECT_NE(m.status().message().find("indexer"), std::string::npos) << m.status();
+    EXPECT_NE(m.status().message().find("index_n_heads=64"), std::string::npos) << m.status();
+  };
+  expect_refused(EditedCheckpoint("v3_fp32", [](auto& c) { c["model_type"] = "deepseek_v32"; }));
+
+  // The same for a YAML model: tiny.yaml as deepseek_v32 (default indexer).
+  std::ifstream in(std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/tiny.yaml");
+  std::string yaml((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string from = "model_type: deepseek_v3\n";
+  ASSERT_NE(yaml.find(from), std::string::npos);
+  yaml.replace(yaml.find(from), from.size(), "model_type: deepseek_v32\n");
+  const fs::path path = fs::path(testing::TempDir()) / ("tiny_v32_" + std::to_string(getpid()) + ".yaml");
+  std::ofstream(path) << yaml;
+  ASSERT_TRUE(LoadModelYaml(path.string()).ok());  // the config itself is fine
+  expect_refused(path.string());
+}
+
 TEST(ModelLoad, RandomModelFromYamlIsDeterministic) {
   const std::string yaml = std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/tiny.yaml";
   auto a = Model::Load(yaml), b = Model::Load(yaml);
@@ -244,6 +269,9 @@ TEST(ModelLoad, RandomModelFromYamlIsDeterministic) {
   EXPECT_EQ(wb.total(), wb.attention + wb.dense_mlp + wb.moe + wb.embedding_and_head);
   const WeightBytes predicted = PredictWeightBytes((*a)->config());
   EXPECT_EQ(predicted.attention, wb.attention);
+  EXPECT_EQ(predicted.attention_replicated, wb.attention_replicated);
+  EXPECT_GT(wb.attention_replicated, 0);
+  EXPECT_LT(wb.attention_replicated, wb.attention);
   EXPECT_EQ(predicted.dense_mlp, wb.dense_mlp);
   EXPECT_EQ(predicted.moe, wb.moe);
   EXPECT_EQ(predicted.embedding_and_head, wb.embedding_and_head);
@@ -255,6 +283,7 @@ TEST(ModelLoad, PredictedWeightBytesMatchLoadedCheckpoints) {
     ASSERT_TRUE(m.ok()) << m.status();
     const WeightBytes got = (*m)->weight_bytes(), want = PredictWeightBytes((*m)->config());
     EXPECT_EQ(got.attention, want.attention) << name;
+    EXPECT_EQ(got.attention_replicated, want.attention_replicated) << name;
     EXPECT_EQ(got.dense_mlp, want.dense_mlp) << name;
     EXPECT_EQ(got.moe, want.moe) << name;
     EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << name;
@@ -301,6 +330,7 @@ TEST(ModelShard, PredictedBytesPerShard) {
     ASSERT_TRUE(m.ok()) << m.status();
     const WeightBytes got = (*m)->weight_bytes(), want = PredictWeightBytes((*m)->config(), s);
     EXPECT_EQ(got.attention, want.attention);
+    EXPECT_EQ(got.attention_replicated, want.attention_replicated);
     EXPECT_EQ(got.moe, want.moe);
     EXPECT_EQ(got.dense_mlp, want.dense_mlp);
   }

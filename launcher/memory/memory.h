@@ -1,0 +1,47 @@
+// `mlarun memory`: what each rank holds under tensor-parallel and
+// data-parallel attention layouts, predicted from the model's shapes
+// (runtime/model/memory_plan.h); and `mlarun memory --measure`, the same
+// prediction set beside what a live deployment's ranks report through the
+// coordinator's GetStats.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+struct MemoryOptions {
+  std::string model;                 // checkpoint dir, config.json, or configs/models/*.yaml
+  int world = 8;                     // ranks
+  std::vector<std::string> layouts;  // "tp8", "dp8", "dp2xtp4" or "dp=2,attn_tp=4"; empty: tpW, dpW and a mix
+  double memory_gib = 141;           // per rank (H200: 141)
+  std::string kv_dtype;              // "" keeps the model's
+  std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8
+  int64_t num_layers = 0;            // YAML models: reduced depth
+  int64_t block_size = 64;
+  int64_t chunk_rows = 65536;        // expanded-path workspace rows
+  bool json = false;                 // one JSON document instead of the tables
+  std::string svg_path;              // the chart, if set
+
+  // --measure: compare with a live deployment.
+  bool measure = false;
+  std::string coordinator;
+  std::string requests_path;  // the request set submitted (JSON lines with prompt_ids)
+  std::string results_path;   // `mlarun submit --json` output for it, same order (tokens, dp_group)
+  double timeout_s = 15;      // waiting for the ranks' reports to settle
+};
+
+// Prints the prediction for opt.layouts. Errors (a bad model file, a layout
+// that does not match the world or the model) name what was wrong.
+Status RunMemory(const MemoryOptions& opt, std::ostream& out);
+
+// Reads GetStats from opt.coordinator, predicts every reporting rank from the
+// model and its job's layout, and prints both side by side. Returns
+// FAILED_PRECONDITION (after printing) when any latent-cache figure differs.
+Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out);
+
+}  // namespace mlarun

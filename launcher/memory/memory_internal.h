@@ -1,0 +1,25 @@
+// Internal to launcher/memory/: the pieces the prediction and the measurement
+// share.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "parallel/layout.h"
+#include "runtime/base/dtype.h"
+#include "runtime/base/status.h"
+#include "runtime/model/model_config.h"
+
+namespace mlarun::memory_internal {
+
+// "tp8", "dp8", "dp2xtp4", or the --parallel form "dp=2,attn_tp=4[,moe=...]".
+// With world > 0 the layout must have that many ranks.
+StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world);
+// The short name: tp8, dp8, dp2xtp4 (plus "(moe=intermediate)").
+std::string LayoutName(const ParallelLayout& l);
+// The model's config with --kv-dtype / --num-layers applied, validated.
+StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string& kv_dtype, int64_t num_layers);
+// "" (what mlarun holds), bf16, fp32, fp8.
+StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name);
+
+}  // namespace mlarun::memory_internal

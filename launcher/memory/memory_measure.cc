@@ -1,0 +1,258 @@
+// `mlarun memory --measure`: the prediction beside what a live deployment's
+// ranks report through the coordinator.
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "launcher/client/grpc_util.h"
+#include "launcher/memory/format.h"
+#include "launcher/memory/memory.h"
+#include "launcher/memory/memory_internal.h"
+#include "mlarun.grpc.pb.h"
+#include "runtime/model/memory_plan.h"
+
+namespace mlarun {
+namespace {
+
+namespace v1 = ::mlarun::v1;
+using Json = nlohmann::json;
+using memory_internal::Thousands;
+
+StatusOr<v1::GetStatsResponse> FetchStats(v1::Mlarun::Stub& stub, double timeout_s) {
+  grpc::ClientContext ctx;
+  client_internal::SetDeadline(ctx, timeout_s);
+  v1::GetStatsResponse resp;
+  const grpc::Status st = stub.GetStats(&ctx, v1::GetStatsRequest(), &resp);
+  if (!st.ok())
+    return UnavailableError("GetStats: ", client_internal::GrpcCodeName(st.error_code()), ": ", st.error_message());
+  return resp;
+}
+
+// The ranks' reports settle once nothing runs or waits and two reads a stats
+// period apart agree on every rank's cache counters.
+std::string Fingerprint(const v1::GetStatsResponse& r) {
+  std::ostringstream os;
+  for (const v1::RankStats& k : r.ranks())
+    os << k.worker_id() << "/" << k.rank() << ":" << k.cache_blocks_used() << "," << k.cache_blocks_released() << ","
+       << k.requests_running() << "," << k.requests_waiting() << ";";
+  return os.str();
+}
+bool Idle(const v1::GetStatsResponse& r) {
+  for (const v1::RankStats& k : r.ranks())
+    if (k.requests_running() != 0 || k.requests_waiting() != 0) return false;
+  return r.ranks_size() > 0;
+}
+
+// Blocks each DP group's requests held, from the request set alone: a request
+// caches its prompt and every generated token but the last (which is sampled,
+// never fed back), in whole blocks.
+struct RequestSet {
+  int64_t requests = 0, errors = 0;
+  std::map<int64_t, int64_t> blocks_by_group;
+  int64_t blocks_total = 0;
+};
+
+StatusOr<RequestSet> ReadRequestSet(const std::string& requests_path, const std::string& results_path, int64_t block_size) {
+  std::ifstream rq(requests_path), rs(results_path);
+  if (!rq) return NotFoundError("--requests ", requests_path, ": cannot open the file");
+  if (!rs) return NotFoundError("--results ", results_path, ": cannot open the file");
+  RequestSet set;
+  std::string a, b;
+  int64_t line = 0;
+  while (std::getline(rq, a)) {
+    ++line;
+    if (a.find_first_not_of(" \t\r") == std::string::npos) continue;
+    if (!std::getline(rs, b))
+      return InvalidArgumentError("--results ", results_path, " has fewer lines than --requests (", line, " and on)");
+    Json req, res;
+    try {
+      req = Json::parse(a);
+      res = Json::parse(b);
+    } catch (const Json::exception& e) {
+      return InvalidArgumentError("line ", line, " of --requests or --results is not JSON: ", e.what());
+    }
+    if (!req.contains("prompt_ids") || !req["prompt_ids"].is_array())
+      return InvalidArgumentError("--requests ", requests_path, ":", line, ": no prompt_ids array");
+    ++set.requests;
+    if (res.contains("error") || !res.contains("tokens") || !res.contains("dp_group")) {
+      ++set.errors;
+      continue;
+    }
+    const int64_t cached = static_cast<int64_t>(req["prompt_ids"].size() + res["tokens"].size()) - 1;
+    const int64_t blocks = (cached + block_size - 1) / block_size;
+    set.blocks_by_group[res["dp_group"].get<int64_t>()] += blocks;
+    set.blocks_total += blocks;
+  }
+  return set;
+}
+
+struct Side {
+  WeightBytes weights;
+  int64_t workspace = 0, bytes_per_token = 0, block_bytes = 0, blocks_total = 0, request_blocks = -1;
+};
+
+Json SideJson(const Side& s) {
+  Json j{{"attention_replicated", s.weights.attention_replicated},
+         {"attention_split", s.weights.attention - s.weights.attention_replicated},
+         {"moe", s.weights.moe},
+         {"dense_mlp", s.weights.dense_mlp},
+         {"embedding_and_head", s.weights.embedding_and_head},
+         {"weights_total", s.weights.total()},
+         {"cache_bytes_per_token", s.bytes_per_token},
+         {"cache_block_bytes", s.block_bytes},
+         {"cache_blocks_total", s.blocks_total},
+         {"cache_bytes_capacity", s.blocks_total * s.block_bytes}};
+  if (s.request_blocks >= 0) j["request_blocks"] = s.request_blocks;
+  return j;
+}
+
+}  // namespace
+
+Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
+  MLARUN_RETURN_IF_ERROR(client_internal::CheckAddress(opt.coordinator));
+  if (opt.requests_path.empty() != opt.results_path.empty())
+    return InvalidArgumentError("--requests and --results go together (the request set and its `mlarun submit --json` output)");
+  auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel(opt.coordinator));
+  // Wait for the reports to settle (or the timeout), then take the last one.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt.timeout_s);
+  MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse stats, FetchStats(*stub, opt.timeout_s));
+  bool settled = false;
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse next, FetchStats(*stub, opt.timeout_s));
+    settled = Idle(next) && Fingerprint(next) == Fingerprint(stats);
+    stats = std::move(next);
+    if (settled) break;
+  }
+  if (stats.ranks_size() == 0) return UnavailableError("the coordinator at ", opt.coordinator, " has no ranks registered");
+
+  // One prediction per worker job (one mpirun).
+  std::map<std::string, std::vector<const v1::RankStats*>> jobs;
+  for (const v1::RankStats& k : stats.ranks()) jobs[k.worker_id()].push_back(&k);
+  if (!opt.requests_path.empty() && jobs.size() > 1)
+    return InvalidArgumentError("--requests/--results: the coordinator has ", jobs.size(),
+                                " worker jobs, and submit's dp_group does not say which; measure one job at a time");
+
+  bool all_agree = true;
+  Json jobs_json = Json::array();
+  std::ostringstream text;
+  for (auto& [worker_id, ranks] : jobs) {
+    std::sort(ranks.begin(), ranks.end(), [](auto* a, auto* b) { return a->rank() < b->rank(); });
+    const v1::RankStats& first = *ranks.front();
+    const std::string model = opt.model.empty() ? first.model() : opt.model;
+    const std::string kv = opt.kv_dtype.empty() ? first.kv_dtype() : opt.kv_dtype;
+    MLARUN_ASSIGN_OR_RETURN(ModelConfig full, memory_internal::LoadMemoryModel(model, kv, 0));
+    int64_t layers = opt.num_layers;
+    if (layers == 0 && first.num_layers() > 0 && first.num_layers() != full.num_hidden_layers) layers = first.num_layers();
+    MLARUN_ASSIGN_OR_RETURN(const ModelConfig c, memory_internal::LoadMemoryModel(model, kv, layers));
+    MLARUN_ASSIGN_OR_RETURN(const ParallelLayout layout, ParseParallelLayout(first.parallel()));
+    if (static_cast<int>(ranks.size()) != layout.world())
+      return FailedPreconditionError("worker job ", worker_id, " (", first.parallel(), ") reported ", ranks.size(),
+                                     " of its ", layout.world(), " ranks");
+    std::optional<RequestSet> set;
+    if (!opt.requests_path.empty()) {
+      MLARUN_ASSIGN_OR_RETURN(RequestSet s, ReadRequestSet(opt.requests_path, opt.results_path, first.block_size()));
+      set = std::move(s);
+    }
+    text << "mlarun memory --measure: " << opt.coordinator << ", job " << worker_id << ", " << model << " ("
+         << c.num_hidden_layers << " layers, cache " << DTypeName(c.kv_dtype) << "), " << memory_internal::LayoutName(layout)
+         << " (" << first.parallel() << ")\n";
+    if (first.memory_budget_bytes() > 0) {
+      text << "  cache sized from " << Thousands(first.memory_budget_bytes())
+           << " B per rank minus weights and prefill workspace\n";
+    } else {
+      text << "  cache sized by a budget of " << Thousands(first.cache_budget_bytes()) << " B per rank\n";
+    }
+    text << "  " << std::left << std::setw(6) << "rank" << std::setw(7) << "group" << std::setw(4) << "tp" << std::right
+         << std::setw(14) << "weights pred" << std::setw(14) << "weights meas" << std::setw(10) << "B/token"
+         << std::setw(12) << "blocks pred" << std::setw(12) << "blocks meas" << std::setw(11) << "req. pred"
+         << std::setw(11) << "req. meas" << std::setw(11) << "peak used" << "  agree\n";
+    Json ranks_json = Json::array();
+    int64_t measured_request_blocks = 0;
+    for (const v1::RankStats* k : ranks) {
+      Side p, m;
+      const ModelShard shard = ModelShard::For(layout, k->rank());
+      p.weights = PredictWeightBytes(c, shard);
+      p.workspace = PredictPrefillWorkspace(c, layout.attn_tp, opt.chunk_rows).total();
+      p.bytes_per_token = LatentBytesPerToken(c);
+      p.block_bytes = p.bytes_per_token * k->block_size();
+      const int64_t budget = k->memory_budget_bytes() > 0 ? k->memory_budget_bytes() - p.weights.total() - p.workspace
+                                                          : k->cache_budget_bytes();
+      p.blocks_total = CacheBlocksFor(budget, p.block_bytes);
+      m.weights = WeightBytes{.attention = k->attention_weight_bytes(),
+                              .attention_replicated = k->attention_replicated_weight_bytes(),
+                              .dense_mlp = k->dense_mlp_weight_bytes(),
+                              .moe = k->moe_weight_bytes(),
+                              .embedding_and_head = k->embedding_head_weight_bytes()};
+      m.workspace = k->workspace_bytes();
+      m.bytes_per_token = k->cache_bytes_per_token();
+      m.block_bytes = k->cache_block_bytes();
+      m.blocks_total = k->cache_blocks_total();
+      if (set) {
+        auto it = set->blocks_by_group.find(k->dp_group());
+        p.request_blocks = it == set->blocks_by_group.end() ? 0 : it->second;
+        m.request_blocks = k->cache_blocks_released();
+        measured_request_blocks += m.request_blocks;
+      }
+      const bool weights_agree = p.weights.attention == m.weights.attention &&
+                                 p.weights.attention_replicated == m.weights.attention_replicated &&
+                                 p.weights.moe == m.weights.moe && p.weights.dense_mlp == m.weights.dense_mlp &&
+                                 p.weights.embedding_and_head == m.weights.embedding_and_head;
+      const bool cache_agree = p.bytes_per_token == m.bytes_per_token && p.block_bytes == m.block_bytes &&
+                               p.blocks_total == m.blocks_total && p.request_blocks == m.request_blocks;
+      const bool agree = weights_agree && cache_agree && p.workspace == m.workspace;
+      all_agree &= agree;
+      text << "  " << std::left << std::setw(6) << k->rank() << std::setw(7) << k->dp_group() << std::setw(4)
+           << k->attn_tp_rank() << std::right << std::setw(14) << Thousands(p.weights.total()) << std::setw(14)
+           << Thousands(m.weights.total()) << std::setw(10) << Thousands(m.bytes_per_token) << std::setw(12)
+           << Thousands(p.blocks_total) << std::setw(12) << Thousands(m.blocks_total) << std::setw(11)
+           << (set ? Thousands(p.request_blocks) : "-") << std::setw(11) << (set ? Thousands(m.request_blocks) : "-")
+           << std::setw(11) << Thousands(k->cache_blocks_peak()) << "  "
+           << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace)") << "\n";
+      ranks_json.push_back(Json{{"rank", k->rank()},
+                                {"dp_group", k->dp_group()},
+                                {"attn_tp_rank", k->attn_tp_rank()},
+                                {"predicted", SideJson(p)},
+                                {"measured", SideJson(m)},
+                                {"workspace_bytes", {{"predicted", p.workspace}, {"measured", m.workspace}}},
+                                {"cache_blocks_peak", k->cache_blocks_peak()},
+                                {"cache_bytes_peak", k->cache_bytes_peak()},
+                                {"agree", agree}});
+    }
+    Json job{{"worker_id", worker_id}, {"model", model}, {"parallel", first.parallel()},
+             {"layout", memory_internal::LayoutName(layout)}, {"block_size", first.block_size()},
+             {"memory_budget_bytes", first.memory_budget_bytes()}, {"ranks", ranks_json}};
+    if (set) {
+      const int64_t predicted = set->blocks_total * layout.attn_tp;
+      job["request_set"] = Json{{"requests", set->requests},
+                                {"errors", set->errors},
+                                {"blocks_once", set->blocks_total},
+                                {"blocks_predicted_all_ranks", predicted},
+                                {"blocks_measured_all_ranks", measured_request_blocks}};
+      text << "  the request set (" << set->requests << " requests" << (set->errors ? ", " + std::to_string(set->errors) + " failed" : "")
+           << "): " << Thousands(set->blocks_total) << " blocks of latent cache; held " << layout.attn_tp
+           << (layout.attn_tp == 1 ? " time" : " times") << " over the ranks: " << Thousands(predicted)
+           << " blocks predicted, " << Thousands(measured_request_blocks) << " measured\n";
+      all_agree &= predicted == measured_request_blocks;
+    }
+    jobs_json.push_back(job);
+  }
+  text << (all_agree ? "predicted and measured agree: weights to the byte, latent cache to the block, on every rank\n"
+                     : "predicted and measured DISAGREE (see the rows marked NO)\n");
+  if (!settled) text << "note: the ranks' reports had not settled within " << opt.timeout_s << " s\n";
+  if (opt.json) {
+    out << Json{{"coordinator", opt.coordinator}, {"settled", settled}, {"agree", all_agree}, {"jobs", jobs_json}}.dump(2)
+        << "\n";
+  } else {
+    out << text.str();
+  }
+  if (!all_agree) return FailedPreconditionError("predicted and measured memory differ");
+  return Status::Ok();
+}
+
+}  // namespace mlarun

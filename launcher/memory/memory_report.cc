@@ -1,0 +1,471 @@
+// `mlarun memory`: the prediction, as tables, JSON and an SVG chart.
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "launcher/memory/format.h"
+#include "launcher/memory/memory.h"
+#include "launcher/memory/memory_internal.h"
+#include "runtime/model/memory_plan.h"
+
+namespace mlarun {
+namespace memory_internal {
+
+StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world) {
+  static const std::regex kShort(R"((?:dp(\d+))?(?:x)?(?:tp(\d+))?)");
+  std::smatch m;
+  ParallelLayout l;
+  if (name.find('=') != std::string::npos) {
+    MLARUN_ASSIGN_OR_RETURN(l, ParseParallelLayout(name));
+  } else if (!name.empty() && std::regex_match(name, m, kShort) && (m[1].matched || m[2].matched) &&
+             (name.find('x') == std::string::npos || (m[1].matched && m[2].matched))) {
+    try {
+      l.dp = m[1].matched ? std::stoi(m[1].str()) : 1;
+      l.attn_tp = m[2].matched ? std::stoi(m[2].str()) : 1;
+    } catch (const std::exception&) {
+      return InvalidArgumentError("layout '", name, "': a number is out of range");
+    }
+    if (l.dp < 1 || l.attn_tp < 1) return InvalidArgumentError("layout '", name, "': sizes must be at least 1");
+  } else {
+    return InvalidArgumentError("layout '", name, "': expected tpN, dpN, dpAxtpB or dp=A,attn_tp=B[,moe=expert|intermediate]");
+  }
+  if (world > 0 && l.world() != world)
+    return InvalidArgumentError("layout '", name, "' has ", l.world(), " ranks (dp ", l.dp, " x attn_tp ", l.attn_tp,
+                                ") but --world is ", world);
+  return l;
+}
+
+std::string LayoutName(const ParallelLayout& l) {
+  std::string s = l.dp == 1 ? "tp" + std::to_string(l.attn_tp)
+                  : l.attn_tp == 1 ? "dp" + std::to_string(l.dp)
+                                   : "dp" + std::to_string(l.dp) + "xtp" + std::to_string(l.attn_tp);
+  return l.moe == MoeSharding::kByIntermediate ? s + "(moe=intermediate)" : s;
+}
+
+StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string& kv_dtype, int64_t num_layers) {
+  if (path.empty()) return InvalidArgumentError("--model is required (a checkpoint directory, config.json or YAML file)");
+  if (!std::filesystem::exists(path)) return NotFoundError("--model ", path, ": no such file or directory");
+  ModelOverrides ov;
+  if (!kv_dtype.empty()) {
+    auto dt = ParseDType(kv_dtype);
+    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
+      return InvalidArgumentError("--kv-dtype must be bf16 or fp32, got '", kv_dtype, "'");
+    ov.kv_dtype = *dt;
+  }
+  if (num_layers > 0) ov.num_layers = num_layers;
+  MLARUN_ASSIGN_OR_RETURN(ModelConfig c, Model::LoadConfig(path, ov));
+  MLARUN_RETURN_IF_ERROR(ValidateModelConfig(c));
+  return c;
+}
+
+StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
+  if (name.empty()) return std::optional<DType>();
+  if (name == "fp8" || name == "f8_e4m3" || name == "e4m3") return std::optional<DType>(DType::kF8E4M3);
+  auto dt = ParseDType(name);
+  if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
+    return InvalidArgumentError("--weight-dtype must be bf16, fp32 or fp8, got '", name, "'");
+  return std::optional<DType>(*dt);
+}
+
+}  // namespace memory_internal
+
+namespace {
+
+using Json = nlohmann::json;
+using memory_internal::Decimal;
+using memory_internal::Human;
+using memory_internal::LayoutName;
+using memory_internal::Thousands;
+
+std::string ModelName(const std::string& path) {
+  std::filesystem::path p(path);
+  if (p.filename() == "config.json") p = p.parent_path();
+  std::string name = p.filename().string();
+  if (name.empty()) name = p.parent_path().filename().string();
+  for (const char* ext : {".yaml", ".yml", ".json"}) {
+    if (name.ends_with(ext)) name.resize(name.size() - std::strlen(ext));
+  }
+  return name;
+}
+
+// Everything the report shows, computed once.
+struct Report {
+  std::string model_name, model_path;
+  ModelConfig config;
+  std::string weight_dtype_name;  // as held
+  MemoryOptions opt;
+  int64_t memory_bytes = 0;
+  std::vector<std::string> names;
+  std::vector<RankMemory> plans;
+  // Cache per token.
+  int64_t latent_layer = 0, latent_token = 0, expanded_token = 0, cache_token = 0;
+  int64_t indexer_layer = 0, indexer_token = 0;  // V3.2's key, over this model's layers
+  PrefillWorkspace workspace_tp1;
+  GqaModel gqa;
+  int64_t gqa_token = 0;
+  double tp_break_even = 0;
+};
+
+constexpr double kKiB = 1024.0, kMiB = 1024.0 * 1024.0, kGiB = 1024.0 * 1024.0 * 1024.0;
+
+StatusOr<Report> Build(const MemoryOptions& o) {
+  Report r;
+  r.opt = o;
+  r.model_path = o.model;
+  r.model_name = ModelName(o.model);
+  MLARUN_ASSIGN_OR_RETURN(r.config, memory_internal::LoadMemoryModel(o.model, o.kv_dtype, o.num_layers));
+  MLARUN_ASSIGN_OR_RETURN(const std::optional<DType> proj, memory_internal::ParseWeightDType(o.weight_dtype));
+  r.weight_dtype_name = proj == DType::kF8E4M3 ? "fp8 e4m3 projections (128x128 fp32 block scales), " +
+                                                     std::string(DTypeName(r.config.weight_dtype)) + " embeddings"
+                                               : std::string(DTypeName(proj.value_or(r.config.weight_dtype)));
+  if (o.world < 1) return InvalidArgumentError("--world must be at least 1, got ", o.world);
+  if (!(o.memory_gib > 0) || o.memory_gib > 1e6) return InvalidArgumentError("--hbm-gib must be in (0, 1e6], got ", o.memory_gib);
+  r.memory_bytes = static_cast<int64_t>(o.memory_gib * kGiB);
+  // Split on commas by the CLI: rejoin the parts of "dp=2,attn_tp=4,moe=..."
+  // (a key=value part continues the layout before it unless it repeats a key).
+  std::vector<std::string> names;
+  for (const std::string& part : o.layouts) {
+    const size_t eq = part.find('=');
+    if (eq != std::string::npos && !names.empty() && names.back().find('=') != std::string::npos &&
+        names.back().find(part.substr(0, eq + 1)) == std::string::npos) {
+      names.back() += "," + part;
+    } else {
+      names.push_back(part);
+    }
+  }
+  if (names.empty()) {
+    names = {"tp" + std::to_string(o.world), "dp" + std::to_string(o.world)};
+    if (o.world >= 4 && o.world % 2 == 0) names.push_back("dp2xtp" + std::to_string(o.world / 2));
+  }
+  const MemoryPlanOptions mo{.memory_bytes = r.memory_bytes, .block_size = o.block_size, .chunk_rows = o.chunk_rows,
+                             .projection_dtype = proj};
+  for (const std::string& n : names) {
+    MLARUN_ASSIGN_OR_RETURN(const ParallelLayout l, memory_internal::ParseLayoutName(n, o.world));
+    auto plan = PlanRankMemory(r.config, l, mo);
+    if (!plan.ok()) return InvalidArgumentError("layout ", n, ": ", plan.status().message());
+    r.names.push_back(LayoutName(l));
+    r.plans.push_back(*plan);
+  }
+  const ModelConfig& c = r.config;
+  r.latent_layer = LatentBytesPerTokenLayer(c);
+  r.latent_token = LatentBytesPerToken(c);
+  r.expanded_token = ExpandedKvBytesPerToken(c);
+  r.cache_token = CacheBytesPerToken(c);
+  r.indexer_layer = IndexerKeyBytesPerTokenLayer(c.has_indexer() ? c.index_head_dim : kV32IndexHeadDim);
+  r.indexer_token = r.indexer_layer * c.num_hidden_layers;
+  r.workspace_tp1 = PredictPrefillWorkspace(c, 1, o.chunk_rows);
+  r.gqa = Llama3_70B();
+  r.gqa_token = GqaKvBytesPerToken(r.gqa);
+  r.tp_break_even = MlaTpBreakEven(r.gqa_token, r.latent_token);
+  return r;
+}
+
+// ---- JSON ----------------------------------------------------------------------
+
+Json WeightsJson(const WeightBytes& w) {
+  return Json{{"attention_replicated", w.attention_replicated},
+              {"attention_split", w.attention - w.attention_replicated},
+              {"moe", w.moe},
+              {"dense_mlp", w.dense_mlp},
+              {"embedding_and_head", w.embedding_and_head},
+              {"total", w.total()}};
+}
+
+Json ToJson(const Report& r) {
+  const ModelConfig& c = r.config;
+  Json layouts = Json::array();
+  for (size_t i = 0; i < r.plans.size(); ++i) {
+    const RankMemory& p = r.plans[i];
+    layouts.push_back(Json{
+        {"name", r.names[i]}, {"dp", p.layout.dp}, {"attn_tp", p.layout.attn_tp},
+        {"moe", p.layout.moe == MoeSharding::kByExpert ? "expert" : "intermediate"},
+        {"per_rank",
+         {{"weights", WeightsJson(p.weights)},
+          {"prefill_workspace_bytes", p.workspace.total()},
+          {"prefill_workspace", {{"rows", p.workspace.rows}, {"heads", p.workspace.heads},
+                                 {"latent_bytes", p.workspace.latent_bytes}, {"key_bytes", p.workspace.key_bytes},
+                                 {"value_bytes", p.workspace.value_bytes}}},
+          {"cache_bytes_per_token", p.cache_bytes_per_token},
+          {"cache_budget_bytes", p.cache_budget_bytes},
+          {"cache_blocks", p.cache_blocks},
+          {"max_cached_tokens", p.max_cached_tokens},
+          {"fits", p.fits()}}},
+        {"cluster",
+         {{"distinct_cached_tokens", p.cluster_cached_tokens()},
+          {"copies_per_token", p.layout.attn_tp},
+          {"cache_bytes_per_distinct_token", p.cache_bytes_per_token * p.layout.attn_tp}}}});
+  }
+  Json break_even = Json::array();
+  for (size_t a = 0; a < r.plans.size(); ++a) {
+    for (size_t b = 0; b < r.plans.size(); ++b) {
+      auto m = BreakEvenMemoryBytes(r.plans[a], r.plans[b]);
+      if (!m.ok()) continue;
+      const RankMemory &A = r.plans[a], &B = r.plans[b];
+      break_even.push_back(Json{
+          {"less_dp", r.names[a]}, {"more_dp", r.names[b]},
+          {"extra_replicated_bytes_per_rank",
+           (B.weights.total() + B.workspace.total()) - (A.weights.total() + A.workspace.total())},
+          {"break_even_memory_bytes", *m},
+          {"distinct_tokens_ratio", A.cluster_cached_tokens() > 0
+                                        ? Json(static_cast<double>(B.cluster_cached_tokens()) / A.cluster_cached_tokens())
+                                        : Json(nullptr)}});
+    }
+  }
+  Json gqa_rows = Json::array();
+  for (int tp : {1, 2, 4, 8}) {
+    gqa_rows.push_back(Json{{"tp", tp},
+                            {"mla_bytes_per_rank", r.latent_token},
+                            {"mla_bytes_per_group", r.latent_token * tp},
+                            {"gqa_bytes_per_rank", GqaKvBytesPerTokenPerRank(r.gqa, tp)},
+                            {"gqa_bytes_per_group", GqaKvBytesPerTokenPerRank(r.gqa, tp) * tp}});
+  }
+  return Json{
+      {"model", {{"name", r.model_name}, {"path", r.model_path}, {"layers", c.num_hidden_layers},
+                 {"heads", c.num_attention_heads}, {"kv_lora_rank", c.kv_lora_rank}, {"qk_rope_head_dim", c.qk_rope_head_dim},
+                 {"weights", r.weight_dtype_name}, {"kv_dtype", DTypeName(c.kv_dtype)}, {"indexer", c.has_indexer()}}},
+      {"world", r.opt.world},
+      {"memory_bytes_per_rank", r.memory_bytes},
+      {"block_size", r.opt.block_size},
+      {"cache_per_token",
+       {{"latent_bytes_per_layer", r.latent_layer},
+        {"latent_bytes", r.latent_token},
+        {"latent_kib", r.latent_token / kKiB},
+        {"bytes", r.cache_token},
+        {"expanded_bytes", r.expanded_token},
+        {"expanded_mib", r.expanded_token / kMiB},
+        {"expanded_ratio", std::round(100.0 * r.expanded_token / r.latent_token) / 100.0},
+        {"v32_indexer_key",
+         {{"in_model", c.has_indexer()},
+          {"bytes_per_layer", r.indexer_layer},
+          {"layers", c.num_hidden_layers},
+          {"bytes", r.indexer_token},
+          {"kib", std::round(100.0 * r.indexer_token / kKiB) / 100.0}}}}},
+      {"prefill_workspace_all_heads",
+       {{"rows", r.workspace_tp1.rows},
+        {"latent_bytes", r.workspace_tp1.latent_bytes},
+        {"key_bytes", r.workspace_tp1.key_bytes},
+        {"value_bytes", r.workspace_tp1.value_bytes}}},
+      {"layouts", layouts},
+      {"break_even", break_even},
+      {"gqa_comparison",
+       {{"model", r.gqa.name}, {"layers", r.gqa.layers}, {"kv_heads", r.gqa.kv_heads}, {"head_dim", r.gqa.head_dim},
+        {"bytes_per_token", r.gqa_token}, {"kib_per_token", r.gqa_token / kKiB},
+        {"mla_tp_break_even", std::round(100.0 * r.tp_break_even) / 100.0}, {"rows", gqa_rows}}}};
+}
+
+// ---- Text ----------------------------------------------------------------------
+
+void PrintText(const Report& r, std::ostream& out) {
+  const ModelConfig& c = r.config;
+  const int64_t e = static_cast<int64_t>(DTypeSize(c.kv_dtype));
+  const int64_t L = c.kv_lora_rank, R = c.qk_rope_head_dim, n = c.num_hidden_layers;
+  out << "mlarun memory: " << r.model_name << " (" << r.model_path << ")\n"
+      << "  " << n << " layers, " << c.num_attention_heads << " heads, hidden " << c.hidden_size << ", "
+      << c.n_routed_experts << " routed experts; weights " << r.weight_dtype_name << ", cache " << DTypeName(c.kv_dtype)
+      << "; " << r.opt.world << " ranks x " << Decimal(r.opt.memory_gib) << " GiB; blocks of " << r.opt.block_size
+      << " tokens\n\n";
+
+  out << "Cache per token\n";
+  out << "  latent row, one layer      (" << L << " + " << R << ") x " << e << " B = " << Thousands(r.latent_layer)
+      << " B\n";
+  out << "  all " << n << " layers" << std::string(n < 10 ? 15 : 14, ' ') << n << " x " << Thousands(r.latent_layer)
+      << " B = " << Thousands(r.latent_token) << " B = " << Decimal(r.latent_token / kKiB) << " KiB\n";
+  out << "  expanded per-head K/V      " << n << " x " << c.num_attention_heads << " x (" << c.q_head_dim() << " + "
+      << c.v_head_dim << ") x " << e << " B = " << Thousands(r.expanded_token) << " B = "
+      << Decimal(r.expanded_token / kMiB) << " MiB (" << Decimal(std::round(100.0 * r.expanded_token / r.latent_token) / 100.0)
+      << "x the latent)\n";
+  out << "  DeepSeek-V3.2 indexer key  " << (c.has_indexer() ? c.index_head_dim : kV32IndexHeadDim)
+      << " fp8 + 4 B scale = " << r.indexer_layer << " B per layer; " << n << " layers: " << Thousands(r.indexer_token)
+      << " B = " << Decimal(r.indexer_token / kKiB) << " KiB"
+      << (c.has_indexer() ? " (this model has it: cached per token "
+                          : " (not in this model; V3.2 adds it to its ")
+      << Thousands(r.latent_token) << " B latent)\n";
+  if (c.has_indexer()) out << "  cached per token           " << Thousands(r.cache_token) << " B\n";
+
+  const PrefillWorkspace& w = r.workspace_tp1;
+  out << "\nPrefill workspace (expanded path, context up-projected in chunks of " << Thousands(w.rows) << " rows)\n";
+  out << "  latent chunk               " << Thousands(w.rows) << " x " << L + R << " x " << e
+      << " B = " << Thousands(w.latent_bytes) << " B\n";
+  out << "  up-projected keys          " << Thousands(w.rows) << " x " << c.num_attention_heads << " x "
+      << c.q_head_dim() << " x " << e << " B = " << Thousands(w.key_bytes) << " B (" << Decimal(std::round(100.0 * w.key_bytes / w.latent_bytes) / 100.0)
+      << "x the latent; a rank keeps heads / attn_tp)\n";
+  out << "  up-projected values        " << Thousands(w.rows) << " x " << c.num_attention_heads << " x " << c.v_head_dim
+      << " x " << e << " B = " << Thousands(w.value_bytes) << " B\n";
+
+  // Per rank, one column per layout.
+  const size_t k = r.plans.size();
+  std::vector<std::vector<std::string>> rows;
+  auto row = [&](const std::string& label, auto&& cell) {
+    std::vector<std::string> v{label};
+    for (size_t i = 0; i < k; ++i) v.push_back(cell(r.plans[i]));
+    rows.push_back(v);
+  };
+  std::vector<std::string> head{"Per rank (" + Decimal(r.opt.memory_gib) + " GiB)"};
+  for (const std::string& s : r.names) head.push_back(s);
+  rows.push_back(head);
+  row("  attention, replicated", [](const RankMemory& p) { return Human(p.weights.attention_replicated); });
+  row("  attention, split by head", [](const RankMemory& p) { return Human(p.weights.attention - p.weights.attention_replicated); });
+  row("  MoE experts and routers", [](const RankMemory& p) { return Human(p.weights.moe); });
+  row("  dense MLP", [](const RankMemory& p) { return Human(p.weights.dense_mlp); });
+  row("  embeddings and head", [](const RankMemory& p) { return Human(p.weights.embedding_and_head); });
+  row("  weights", [](const RankMemory& p) { return Human(p.weights.total()); });
+  row("  prefill workspace", [](const RankMemory& p) { return Human(p.workspace.total()); });
+  row("  left for the cache", [](const RankMemory& p) {
+    return p.cache_budget_bytes < 0 ? Human(p.cache_budget_bytes) + " (does not fit)" : Human(p.cache_budget_bytes);
+  });
+  row("  cache per token", [](const RankMemory& p) { return Thousands(p.cache_bytes_per_token) + " B"; });
+  row("  cache blocks", [](const RankMemory& p) { return Thousands(p.cache_blocks); });
+  row("  max cached tokens", [](const RankMemory& p) { return Thousands(p.max_cached_tokens); });
+  rows.push_back({"Cluster"});
+  row("  copies of each token", [](const RankMemory& p) { return std::to_string(p.layout.attn_tp); });
+  row("  distinct cached tokens", [](const RankMemory& p) { return Thousands(p.cluster_cached_tokens()); });
+  std::vector<size_t> width(k + 1, 0);
+  for (const auto& v : rows)
+    for (size_t i = 0; i < v.size(); ++i) width[i] = std::max(width[i], v[i].size());
+  out << "\n";
+  for (const auto& v : rows) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i == 0) {
+        out << std::left << std::setw(static_cast<int>(width[0])) << v[0];
+      } else {
+        out << "  " << std::right << std::setw(static_cast<int>(width[i])) << v[i];
+      }
+    }
+    out << std::left << "\n";
+  }
+
+  if (std::none_of(r.plans.begin(), r.plans.end(), [](const RankMemory& p) { return p.fits(); })) {
+    out << "\nNo layout leaves room for the cache: the weights need more than " << Decimal(r.opt.memory_gib)
+        << " GiB per rank. More ranks (--world) split the experts further";
+    if (r.opt.weight_dtype.empty())
+      out << "; --weight-dtype fp8 sizes the projections as the DeepSeek-V3 release stores them (e4m3 with 128x128 "
+             "block scales, as GPU runtimes serve it), where mlarun's CPU backend dequantizes them to "
+          << DTypeName(c.weight_dtype);
+    out << ".\n";
+  }
+
+  // DP vs TP: what each replicates.
+  bool any = false;
+  for (size_t a = 0; a < k; ++a) {
+    for (size_t b = 0; b < k; ++b) {
+      auto m = BreakEvenMemoryBytes(r.plans[a], r.plans[b]);
+      if (!m.ok()) continue;
+      if (!any) out << "\nBreak-even: DP replicates attention weights and workspace; TP replicates every cached token\n";
+      any = true;
+      const RankMemory &A = r.plans[a], &B = r.plans[b];
+      const int64_t extra = (B.weights.total() + B.workspace.total()) - (A.weights.total() + A.workspace.total());
+      out << "  " << r.names[b] << " vs " << r.names[a] << ": " << Human(extra) << " more per rank ("
+          << Thousands(extra / std::max<int64_t>(1, A.cache_bytes_per_token)) << " tokens of cache); it caches more distinct tokens "
+          << "once a rank has more than " << Decimal(std::round(100.0 * *m / kGiB) / 100.0) << " GiB";
+      if (A.cluster_cached_tokens() > 0 && B.cluster_cached_tokens() > 0) {
+        out << "; at " << Decimal(r.opt.memory_gib) << " GiB: "
+            << Decimal(std::round(100.0 * B.cluster_cached_tokens() / A.cluster_cached_tokens()) / 100.0) << "x the tokens";
+      }
+      out << "\n";
+    }
+  }
+
+  out << "\nMLA vs GQA under tensor parallelism (" << r.gqa.name << ": " << r.gqa.layers << " layers, " << r.gqa.kv_heads
+      << " KV heads of " << r.gqa.head_dim << ", bf16: " << r.gqa.layers << " x " << r.gqa.kv_heads << " x "
+      << r.gqa.head_dim << " x 2 x 2 B = " << Thousands(r.gqa_token) << " B = " << Decimal(r.gqa_token / kKiB)
+      << " KiB per token)\n";
+  out << "  KiB per token:  TP   MLA per rank   MLA per TP group   GQA per rank   GQA per TP group\n";
+  for (int tp : {1, 2, 4, 8}) {
+    const int64_t g = GqaKvBytesPerTokenPerRank(r.gqa, tp);
+    out << "                 " << std::setw(3) << std::right << tp << "   " << std::setw(12) << Decimal(r.latent_token / kKiB)
+        << "   " << std::setw(16) << Decimal(r.latent_token * tp / kKiB) << "   " << std::setw(12) << Decimal(g / kKiB)
+        << "   " << std::setw(16) << Decimal(g * tp / kKiB) << std::left << "\n";
+  }
+  out << "  The latent is replicated on every TP rank, GQA heads are split: MLA + TP stops winning at TP = "
+      << Decimal(r.gqa_token / kKiB) << " / " << Decimal(r.latent_token / kKiB) << " = "
+      << Decimal(std::round(100.0 * r.tp_break_even) / 100.0) << ". DP attention keeps each token's latent once.\n";
+}
+
+// ---- SVG -----------------------------------------------------------------------
+
+Status WriteSvg(const Report& r, const std::string& path) {
+  std::ofstream f(path);
+  if (!f) return InvalidArgumentError("--svg ", path, ": cannot write the file");
+  struct Part { const char* name; const char* color; };
+  const Part parts[] = {{"attention, replicated", "#c0392b"}, {"attention, split by head", "#e67e22"},
+                        {"MoE", "#2980b9"},                   {"dense MLP", "#8e44ad"},
+                        {"embeddings and head", "#7f8c8d"},   {"prefill workspace", "#f1c40f"},
+                        {"latent cache", "#27ae60"}};
+  const int bar_w = 90, gap = 70, left = 80, top = 70, plot_h = 300;
+  const int k = static_cast<int>(r.plans.size());
+  const int width = left + k * (bar_w + gap) + 220, height = top + plot_h + 110;
+  double max_bytes = static_cast<double>(r.memory_bytes);
+  for (const RankMemory& p : r.plans)
+    max_bytes = std::max(max_bytes, static_cast<double>(p.weights.total() + p.workspace.total()));
+  auto y_of = [&](double bytes) { return top + plot_h - bytes / max_bytes * plot_h; };
+  f << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='" << height
+    << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n";
+  f << "<text x='" << left << "' y='22' font-size='15'>" << r.model_name << ": memory per rank, " << r.opt.world
+    << " ranks x " << Decimal(r.opt.memory_gib) << " GiB (weights " << DTypeName(r.config.weight_dtype) << (r.opt.weight_dtype.empty() ? "" : " -> " + r.opt.weight_dtype)
+    << ", cache " << DTypeName(r.config.kv_dtype) << ")</text>\n";
+  f << "<text x='" << left << "' y='42'>bars: what one rank holds; under each: max cached tokens per rank and distinct tokens in the cluster</text>\n";
+  // Axis in GiB.
+  const double step_gib = std::max(1.0, std::pow(10.0, std::floor(std::log10(max_bytes / kGiB / 2))));
+  for (double g = 0; g * kGiB <= max_bytes * 1.0001; g += step_gib) {
+    const double y = y_of(g * kGiB);
+    f << "<line x1='" << left - 5 << "' x2='" << left + k * (bar_w + gap) << "' y1='" << y << "' y2='" << y
+      << "' stroke='#eee'/>\n<text x='" << left - 8 << "' y='" << y + 4 << "' text-anchor='end'>" << Decimal(g)
+      << " GiB</text>\n";
+  }
+  const double hbm_y = y_of(static_cast<double>(r.memory_bytes));
+  for (int i = 0; i < k; ++i) {
+    const RankMemory& p = r.plans[static_cast<size_t>(i)];
+    const double vals[] = {double(p.weights.attention_replicated), double(p.weights.attention - p.weights.attention_replicated),
+                           double(p.weights.moe), double(p.weights.dense_mlp), double(p.weights.embedding_and_head),
+                           double(p.workspace.total()), double(std::max<int64_t>(0, p.cache_blocks * p.block_bytes))};
+    const int x = left + gap / 2 + i * (bar_w + gap);
+    double acc = 0;
+    for (int j = 0; j < 7; ++j) {
+      if (vals[j] <= 0) continue;
+      const double y1 = y_of(acc + vals[j]), y0 = y_of(acc);
+      f << "<rect x='" << x << "' y='" << y1 << "' width='" << bar_w << "' height='" << std::max(0.0, y0 - y1)
+        << "' fill='" << parts[j].color << "'><title>" << parts[j].name << ": " << Human(static_cast<int64_t>(vals[j]))
+        << "</title></rect>\n";
+      acc += vals[j];
+    }
+    f << "<text x='" << x + bar_w / 2 << "' y='" << top + plot_h + 18 << "' text-anchor='middle' font-size='13'>"
+      << r.names[static_cast<size_t>(i)] << "</text>\n";
+    f << "<text x='" << x + bar_w / 2 << "' y='" << top + plot_h + 36 << "' text-anchor='middle'>"
+      << (p.fits() ? Thousands(p.max_cached_tokens) + " / rank" : std::string("does not fit")) << "</text>\n";
+    f << "<text x='" << x + bar_w / 2 << "' y='" << top + plot_h + 52 << "' text-anchor='middle'>"
+      << (p.fits() ? Thousands(p.cluster_cached_tokens()) + " cluster" : std::string()) << "</text>\n";
+  }
+  f << "<line x1='" << left - 5 << "' x2='" << left + k * (bar_w + gap) << "' y1='" << hbm_y << "' y2='" << hbm_y
+    << "' stroke='black' stroke-dasharray='6,4'/>\n<text x='" << left + k * (bar_w + gap) + 4 << "' y='" << hbm_y + 4
+    << "'>" << Decimal(r.opt.memory_gib) << " GiB per rank</text>\n";
+  for (int j = 0; j < 7; ++j) {
+    const int y = top + 30 + j * 20;
+    const int x = left + k * (bar_w + gap) + 20;
+    f << "<rect x='" << x << "' y='" << y << "' width='12' height='12' fill='" << parts[j].color << "'/>\n<text x='"
+      << x + 18 << "' y='" << y + 11 << "'>" << parts[j].name << "</text>\n";
+  }
+  f << "<text x='" << left << "' y='" << height - 14 << "'>cache per token: " << Thousands(r.cache_token)
+    << " B per rank holding it; attn-TP ranks of a group hold the same tokens, DP groups different ones</text>\n";
+  f << "</svg>\n";
+  return f.good() ? Status::Ok() : InternalError("--svg ", path, ": write failed");
+}
+
+}  // namespace
+
+Status RunMemory(const MemoryOptions& opt, std::ostream& out) {
+  MLARUN_ASSIGN_OR_RETURN(const Report r, Build(opt));
+  if (!opt.svg_path.empty()) MLARUN_RETURN_IF_ERROR(WriteSvg(r, opt.svg_path));
+  if (opt.json) {
+    out << ToJson(r).dump(2) << "\n";
+  } else {
+    PrintText(r, out);
+    if (!opt.svg_path.empty()) out << "\nchart written to " << opt.svg_path << "\n";
+  }
+  return Status::Ok();
+}
+
+}  // namespace mlarun

@@ -1,0 +1,164 @@
+// The memory model against numbers worked out by hand from the shapes
+// (DESIGN.md "The numbers that define the problem"), and against what a
+// loaded model and a real LatentCache occupy.
+#include "runtime/model/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+namespace mlarun {
+namespace {
+
+const std::string kModels = std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/";
+
+ModelConfig V3() {
+  auto c = Model::LoadConfig(kModels + "deepseek-v3.yaml");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+TEST(MemoryPlan, DeepSeekV3CachePerToken) {
+  const ModelConfig c = V3();
+  // (512 + 64) values x 2 B per layer, 61 layers.
+  EXPECT_EQ(LatentBytesPerTokenLayer(c), 1152);
+  EXPECT_EQ(LatentBytesPerToken(c), 70272);
+  EXPECT_EQ(LatentBytesPerToken(c) / 1024.0, 68.625);
+  EXPECT_EQ(CacheBytesPerToken(c), 70272);  // no indexer in V3
+  // 61 x 128 heads x (192 + 128) x 2 B.
+  EXPECT_EQ(ExpandedKvBytesPerToken(c), 61 * 128 * 320 * 2);
+  EXPECT_EQ(ExpandedKvBytesPerToken(c) / (1024.0 * 1024.0), 4.765625);
+  EXPECT_EQ(std::round(100.0 * ExpandedKvBytesPerToken(c) / LatentBytesPerToken(c)) / 100.0, 71.11);
+  // The cache dtype scales all of it.
+  ModelConfig f32 = c;
+  f32.kv_dtype = DType::kF32;
+  EXPECT_EQ(LatentBytesPerToken(f32), 2 * 70272);
+}
+
+TEST(MemoryPlan, GqaComparisonAndTpBreakEven) {
+  const GqaModel llama = Llama3_70B();
+  EXPECT_EQ(GqaKvBytesPerToken(llama), 80 * 8 * 128 * 2 * 2);
+  EXPECT_EQ(GqaKvBytesPerToken(llama), 320 * 1024);
+  EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 1), 320 * 1024);
+  EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 4), 80 * 1024);
+  EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 8), 40 * 1024);
+  EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 16), 40 * 1024);  // 8 KV heads: replicated beyond TP 8
+  const double tp = MlaTpBreakEven(GqaKvBytesPerToken(llama), LatentBytesPerToken(V3()));
+  EXPECT_NEAR(tp, 320.0 / 68.625, 1e-12);
+  EXPECT_EQ(std::floor(tp * 100) / 100, 4.66);
+}
+
+TEST(MemoryPlan, IndexerKeyOfDeepSeekV32) {
+  EXPECT_EQ(IndexerKeyBytesPerTokenLayer(128), 128 + 4);
+  EXPECT_EQ(61 * IndexerKeyBytesPerTokenLayer(kV32IndexHeadDim), 8052);
+  EXPECT_EQ(std::round(100.0 * 8052 / 1024) / 100, 7.86);
+  ModelConfig v32 = V3();
+  v32.index_n_heads = 64;
+  v32.index_head_dim = 128;
+  v32.index_topk = 2048;
+  EXPECT_EQ(CacheBytesPerToken(v32), 70272 + 8052);
+}
+
+TEST(MemoryPlan, PrefillWorkspaceOf64kRows) {
+  const ModelConfig c = V3();
+  const PrefillWorkspace w = PredictPrefillWorkspace(c, 1, 65536);
+  EXPECT_EQ(w.rows, 65536);
+  EXPECT_EQ(w.latent_bytes, int64_t{2} * 576 * 65536);
+  EXPECT_EQ(w.latent_bytes, 75497472);
+  EXPECT_EQ(w.key_bytes, int64_t{2} * 192 * 128 * 65536);
+  EXPECT_EQ(w.key_bytes, 3221225472);
+  EXPECT_EQ(w.value_bytes, int64_t{2} * 128 * 128 * 65536);
+  // A rank of attn_tp 8 up-projects its 16 heads.
+  const PrefillWorkspace w8 = PredictPrefillWorkspace(c, 8, 65536);
+  EXPECT_EQ(w8.key_bytes, 3221225472 / 8);
+  EXPECT_EQ(w8.latent_bytes, w.latent_bytes);
+  // No chunk is longer than the longest sequence.
+  ModelConfig short_ctx = c;
+  short_ctx.max_position_embeddings = 4096;
+  EXPECT_EQ(PredictPrefillWorkspace(short_ctx, 1, 65536).rows, 4096);
+}
+
+// V3 attention weights per layer, by hand: q_a [1536, 7168], q_b [128 x 192,
+// 1536], kv_a [576, 7168], W_UK / W_UV [128 x 256 x 512], o [7168, 128 x 128],
+// norms in fp32 (q_a 1536, kv_a 512, two of 7168).
+TEST(MemoryPlan, DeepSeekV3AttentionByHand) {
+  const ModelConfig c = V3();
+  const int64_t replicated = (1536 * 7168 + 576 * 7168) * 2 + (1536 + 512 + 2 * 7168) * 4;
+  const int64_t split_tp1 = (128 * 192 * 1536 + 7168 * 128 * 128) * 2 + 128 * 256 * 512 * 2;
+  for (int tp : {1, 8}) {
+    const WeightBytes w = PredictWeightBytes(c, ModelShard{.attn_tp_size = tp, .mlp_size = 8});
+    EXPECT_EQ(w.attention_replicated, 61 * replicated) << tp;
+    EXPECT_EQ(w.attention - w.attention_replicated, 61 * split_tp1 / tp) << tp;
+  }
+  // fp8 projections: one byte each plus an fp32 scale per 128 x 128 block;
+  // W_UK / W_UV stay in the cache dtype.
+  const WeightBytes f8 = PredictWeightBytes(c, ModelShard{.mlp_size = 8}, DType::kF8E4M3);
+  const int64_t f8_replicated = 1536 * 7168 + 12 * 56 * 4 + 576 * 7168 + 5 * 56 * 4 + (1536 + 512 + 2 * 7168) * 4;
+  EXPECT_EQ(f8.attention_replicated, 61 * f8_replicated);
+}
+
+// The plan of each rank equals what the loaded shard holds and the cache it
+// would allocate from the same budget.
+TEST(MemoryPlan, AgreesWithLoadedShardsAndTheCache) {
+  auto yaml = LoadModelYaml(kModels + "tiny.yaml");
+  ASSERT_TRUE(yaml.ok()) << yaml.status();
+  for (const char* text : {"dp=4", "attn_tp=4", "dp=2,attn_tp=2", "dp=2,attn_tp=2,moe=intermediate"}) {
+    const ParallelLayout layout = *ParseParallelLayout(text);
+    const int64_t memory = int64_t{48} << 20;
+    auto plan = PlanRankMemory(yaml->config, layout, {.memory_bytes = memory, .block_size = 16, .chunk_rows = 65536});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    for (int rank = 0; rank < layout.world(); ++rank) {
+      ModelOptions mo;
+      mo.shard = ModelShard::For(layout, rank);
+      auto m = Model::Load(kModels + "tiny.yaml", {}, mo);
+      ASSERT_TRUE(m.ok()) << m.status();
+      const WeightBytes got = (*m)->weight_bytes();
+      EXPECT_EQ(got.total(), plan->weights.total()) << text << " rank " << rank;
+      EXPECT_EQ(got.attention_replicated, plan->weights.attention_replicated) << text;
+      const int64_t budget = memory - got.total() - plan->workspace.total();
+      auto cache = LatentCache::Create((*m)->CacheConfig(budget, 16));
+      ASSERT_TRUE(cache.ok()) << cache.status();
+      EXPECT_EQ((*cache)->stats().blocks_total, plan->cache_blocks) << text;
+      EXPECT_EQ((*cache)->stats().bytes_per_token, plan->cache_bytes_per_token) << text;
+      EXPECT_EQ(plan->max_cached_tokens, plan->cache_blocks * 16);
+    }
+    EXPECT_EQ(plan->cluster_cached_tokens(), plan->max_cached_tokens * layout.dp);
+  }
+}
+
+TEST(MemoryPlan, BreakEvenBalancesDistinctTokens) {
+  const ModelConfig c = V3();
+  const MemoryPlanOptions o{.memory_bytes = int64_t{141} << 30, .projection_dtype = DType::kF8E4M3};
+  auto tp8 = PlanRankMemory(c, {.dp = 1, .attn_tp = 8}, o);
+  auto dp8 = PlanRankMemory(c, {.dp = 8, .attn_tp = 1}, o);
+  ASSERT_TRUE(tp8.ok() && dp8.ok());
+  auto m = BreakEvenMemoryBytes(*tp8, *dp8);
+  ASSERT_TRUE(m.ok()) << m.status();
+  // At the break-even both hold as many distinct tokens (before block rounding).
+  auto distinct = [&](const RankMemory& r, double M) {
+    return r.layout.dp * (M - double(r.weights.total() + r.workspace.total())) / double(r.cache_bytes_per_token);
+  };
+  EXPECT_NEAR(distinct(*tp8, *m), distinct(*dp8, *m), 1e-6 * distinct(*tp8, *m));
+  EXPECT_GT(distinct(*dp8, *m * 1.01), distinct(*tp8, *m * 1.01));
+  EXPECT_LT(distinct(*dp8, *m * 0.99), distinct(*tp8, *m * 0.99));
+  EXPECT_FALSE(BreakEvenMemoryBytes(*dp8, *tp8).ok());  // the second must have more DP groups
+}
+
+TEST(MemoryPlan, ErrorsNameWhatIsWrong) {
+  const ModelConfig c = V3();
+  auto bad_split = PlanRankMemory(c, {.dp = 1, .attn_tp = 3}, {.memory_bytes = 1});
+  ASSERT_FALSE(bad_split.ok());
+  EXPECT_NE(bad_split.status().message().find("num_attention_heads"), std::string::npos) << bad_split.status();
+  EXPECT_FALSE(PlanRankMemory(c, {.dp = 8}, {.memory_bytes = -1}).ok());
+  EXPECT_FALSE(PlanRankMemory(c, {.dp = 8}, {.memory_bytes = 1, .block_size = 0}).ok());
+  // Weights larger than the memory: a negative budget and no blocks.
+  auto small = PlanRankMemory(c, {.dp = 8}, {.memory_bytes = int64_t{1} << 30});
+  ASSERT_TRUE(small.ok());
+  EXPECT_LT(small->cache_budget_bytes, 0);
+  EXPECT_EQ(small->cache_blocks, 0);
+  EXPECT_FALSE(small->fits());
+}
+
+}  // namespace
+}  // namespace mlarun
