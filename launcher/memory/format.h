@@ -52,4 +52,22 @@ inline std::string Human(int64_t bytes) {
   return buf;
 }
 
+// Bytes in the largest binary unit that keeps the number >= 1, exact where
+// the value allows (Decimal): 70,272 -> "68.625 KiB", 4,997,120 -> "4.765625 MiB".
+inline std::string ExactUnit(int64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (std::fabs(v) >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  return Decimal(v) + " " + units[u];
+}
+
+// "70,272 B = 68.625 KiB"; just "320 B" below a KiB.
+inline std::string BytesAndUnit(int64_t bytes) {
+  return Thousands(bytes) + " B" + (std::llabs(bytes) >= 1024 ? " = " + ExactUnit(bytes) : std::string());
+}
+
 }  // namespace mlarun::memory_internal

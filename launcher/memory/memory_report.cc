@@ -76,7 +76,9 @@ StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
 namespace {
 
 using Json = nlohmann::json;
+using memory_internal::BytesAndUnit;
 using memory_internal::Decimal;
+using memory_internal::ExactUnit;
 using memory_internal::Human;
 using memory_internal::LayoutName;
 using memory_internal::Thousands;
@@ -273,14 +275,12 @@ void PrintText(const Report& r, std::ostream& out) {
   out << "  latent row, one layer      (" << L << " + " << R << ") x " << e << " B = " << Thousands(r.latent_layer)
       << " B\n";
   out << "  all " << n << " layers" << std::string(n < 10 ? 15 : 14, ' ') << n << " x " << Thousands(r.latent_layer)
-      << " B = " << Thousands(r.latent_token) << " B = " << Decimal(r.latent_token / kKiB) << " KiB\n";
+      << " B = " << BytesAndUnit(r.latent_token) << "\n";
   out << "  expanded per-head K/V      " << n << " x " << c.num_attention_heads << " x (" << c.q_head_dim() << " + "
-      << c.v_head_dim << ") x " << e << " B = " << Thousands(r.expanded_token) << " B = "
-      << Decimal(r.expanded_token / kMiB) << " MiB (" << Decimal(std::round(100.0 * r.expanded_token / r.latent_token) / 100.0)
+      << c.v_head_dim << ") x " << e << " B = " << BytesAndUnit(r.expanded_token) << " (" << Decimal(std::round(100.0 * r.expanded_token / r.latent_token) / 100.0)
       << "x the latent)\n";
   out << "  DeepSeek-V3.2 indexer key  " << (c.has_indexer() ? c.index_head_dim : kV32IndexHeadDim)
-      << " fp8 + 4 B scale = " << r.indexer_layer << " B per layer; " << n << " layers: " << Thousands(r.indexer_token)
-      << " B = " << Decimal(r.indexer_token / kKiB) << " KiB"
+      << " fp8 + 4 B scale = " << r.indexer_layer << " B per layer; " << n << " layers: " << BytesAndUnit(r.indexer_token)
       << (c.has_indexer() ? " (this model has it: cached per token "
                           : " (not in this model; V3.2 adds it to its ")
       << Thousands(r.latent_token) << " B latent)\n";
@@ -360,7 +360,7 @@ void PrintText(const Report& r, std::ostream& out) {
       const int64_t extra = (B.weights.total() + B.workspace.total()) - (A.weights.total() + A.workspace.total());
       out << "  " << r.names[b] << " vs " << r.names[a] << ": " << Human(extra) << " more per rank ("
           << Thousands(extra / std::max<int64_t>(1, A.cache_bytes_per_token)) << " tokens of cache); it caches more distinct tokens "
-          << "once a rank has more than " << Decimal(std::round(100.0 * *m / kGiB) / 100.0) << " GiB";
+          << (*m <= 0 ? std::string("at any memory size") : "once a rank has more than " + Human(static_cast<int64_t>(*m)));
       if (A.cluster_cached_tokens() > 0 && B.cluster_cached_tokens() > 0) {
         out << "; at " << Decimal(r.opt.memory_gib) << " GiB: "
             << Decimal(std::round(100.0 * B.cluster_cached_tokens() / A.cluster_cached_tokens()) / 100.0) << "x the tokens";
@@ -371,8 +371,8 @@ void PrintText(const Report& r, std::ostream& out) {
 
   out << "\nMLA vs GQA under tensor parallelism (" << r.gqa.name << ": " << r.gqa.layers << " layers, " << r.gqa.kv_heads
       << " KV heads of " << r.gqa.head_dim << ", bf16: " << r.gqa.layers << " x " << r.gqa.kv_heads << " x "
-      << r.gqa.head_dim << " x 2 x 2 B = " << Thousands(r.gqa_token) << " B = " << Decimal(r.gqa_token / kKiB)
-      << " KiB per token)\n";
+      << r.gqa.head_dim << " x 2 x 2 B = " << BytesAndUnit(r.gqa_token)
+      << " per token)\n";
   out << "  KiB per token:  TP   MLA per rank   MLA per TP group   GQA per rank   GQA per TP group\n";
   for (int tp : {1, 2, 4, 8}) {
     const int64_t g = GqaKvBytesPerTokenPerRank(r.gqa, tp);

@@ -1,0 +1,130 @@
+#!/bin/bash
+# Predicted vs measured memory on a live deployment: a coordinator,
+# `mpirun -np NP mlarun worker --parallel LAYOUT --memory-gib G` on the tiny
+# model, a request set with shared prefixes. Passes only if
+#  * `mlarun memory --measure` reports agreement on every rank;
+#  * independently of it, the ranks' own GetStats numbers equal what this
+#    script works out from the tiny model's shapes: the cache blocks that fit in
+#    G minus weights and workspace, and the blocks the request set held on
+#    each rank (every request's prompt + tokens - 1, in whole blocks, on each
+#    rank of the group that served it);
+#  * a wrong prediction (another cache dtype) is reported as a disagreement;
+#  * bad input exits 2 naming what was wrong.
+#
+#   memory_measure.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
+set -u
+mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  for _ in $(seq 50); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() {
+  echo "memory_measure: FAIL: $*"
+  echo "--- coordinator log"; tail -20 "$work/coord.log"
+  echo "--- worker log"; tail -20 "$work/worker.log"
+  exit 1
+}
+
+# Bad input first: no deployment needed.
+"$mlarun" memory --model "$work/none.yaml" >/dev/null 2>"$work/bad.log"
+[ $? = 2 ] || fail "a missing model file did not exit 2"
+grep -q "none.yaml" "$work/bad.log" || fail "the error does not name the file: $(cat "$work/bad.log")"
+"$mlarun" memory --model "$src/configs/models/tiny.yaml" --world 4 --layouts tp3 >/dev/null 2>"$work/bad.log"
+[ $? = 2 ] || fail "a 3-rank layout on --world 4 did not exit 2"
+grep -q "tp3" "$work/bad.log" || fail "the error does not name the layout: $(cat "$work/bad.log")"
+
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+addr=127.0.0.1:$port
+gib=0.0625
+"$mlarun" coordinator --listen "$addr" --policy prefix_affinity 2>"$work/coord.log" &
+pids+=($!)
+mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np "$np" \
+  "$mlarun" worker --coordinator "$addr" --model "$src/configs/models/tiny.yaml" --parallel "$layout" \
+  --threads 1 --memory-gib $gib --block-size 16 2>"$work/worker.log" &
+pids+=($!)
+ready=0
+for _ in $(seq 150); do
+  if "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
+     python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if sum(1 for g in d.get('groups', []) if g.get('connected')) == $groups else 1)"; then
+    ready=1
+    break
+  fi
+  sleep 0.2
+done
+[ $ready = 1 ] || fail "the $groups DP groups did not register"
+
+# 40 requests; half share a 40-token prefix; some may stop at eos.
+python3 - >"$work/requests.jsonl" <<'PY'
+import json, random
+rng = random.Random(17)
+shared = [rng.randrange(2, 512) for _ in range(40)]
+for i in range(40):
+    own = [rng.randrange(2, 512) for _ in range(rng.randrange(1, 50))]
+    req = {"prompt_ids": (shared + own) if i % 2 == 0 else own, "max_tokens": rng.randrange(1, 30), "ignore_eos": i % 4 != 0}
+    if i % 3 == 0:
+        req.update(temperature=0.9, seed=i)
+    print(json.dumps(req))
+PY
+timeout 180 "$mlarun" submit --coordinator "$addr" --prompts "$work/requests.jsonl" --concurrency 40 --json \
+  >"$work/results.jsonl" 2>"$work/submit.log" || fail "submit failed: $(tail -3 "$work/submit.log")"
+
+timeout 60 "$mlarun" memory --measure --coordinator "$addr" --requests "$work/requests.jsonl" \
+  --results "$work/results.jsonl" --json >"$work/measure.json" 2>"$work/measure.log" ||
+  fail "mlarun memory --measure: $(cat "$work/measure.log") $(head -c 3000 "$work/measure.json")"
+"$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" || fail "stats failed"
+
+python3 - "$work" "$layout" "$np" "$gib" <<'PY' || fail "measured memory differs from the shapes' arithmetic"
+import json, math, sys
+work, layout, np_, gib = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+kv = dict(p.split("=") for p in layout.split(","))
+dp, tp = int(kv.get("dp", 1)), int(kv.get("attn_tp", 1))
+m = json.load(open(f"{work}/measure.json"))
+assert m["agree"] is True and m["settled"] is True, m
+ranks = json.load(open(f"{work}/stats.json"))["ranks"]
+assert len(ranks) == np_, ranks
+# tiny.yaml: 4 layers, kv_lora_rank 32, rope 8, 4 heads of nope 16 / v 16, bf16 cache,
+# max_position_embeddings 4096 (the workspace chunk), blocks of 16 tokens.
+layers, L, R, heads, P, V, e, block = 4, 32, 8, 4, 16, 16, 2, 16
+per_token = layers * (L + R) * e
+rows = min(65536, 4096)
+workspace = rows * (L + R) * e + rows * (heads // tp) * ((P + R) + V) * e
+reqs = [json.loads(l) for l in open(f"{work}/requests.jsonl")]
+res = [json.loads(l) for l in open(f"{work}/results.jsonl")]
+assert len(reqs) == len(res) == 40
+by_group = {}
+for q, r in zip(reqs, res):
+    assert "error" not in r, r
+    by_group[r["dp_group"]] = by_group.get(r["dp_group"], 0) + math.ceil((len(q["prompt_ids"]) + len(r["tokens"]) - 1) / block)
+for k in ranks:
+    weights = sum(int(k.get(f, 0)) for f in ("attention_weight_bytes", "moe_weight_bytes", "dense_mlp_weight_bytes", "embedding_head_weight_bytes"))
+    assert int(k["cache_bytes_per_token"]) == per_token, k
+    assert int(k["workspace_bytes"]) == workspace, (k["workspace_bytes"], workspace)
+    want_blocks = (int(gib * 2**30) - weights - workspace) // (per_token * block)
+    assert int(k["cache_blocks_total"]) == want_blocks, (k["rank"], k["cache_blocks_total"], want_blocks)
+    g = int(k.get("dp_group", 0))
+    assert int(k.get("cache_blocks_released", 0)) == by_group.get(g, 0), (k["rank"], k.get("cache_blocks_released"), by_group)
+    assert int(k.get("cache_blocks_used", 0)) == 0, k
+    assert 0 < int(k["cache_blocks_peak"]) <= by_group.get(g, 0), k
+total = sum(int(k.get("cache_blocks_released", 0)) for k in ranks)
+once = sum(by_group.values())
+assert total == once * tp, (total, once, tp)  # TP holds every block on each of its ranks, DP once
+print(f"memory_measure: {layout}: {once} request blocks, held {total} times over {np_} ranks; capacity {want_blocks} blocks per rank")
+PY
+[ $? = 0 ] || exit 1
+
+# A prediction for another cache dtype must be reported as a disagreement.
+"$mlarun" memory --measure --coordinator "$addr" --kv-dtype fp32 --timeout 2 >"$work/wrong.txt" 2>&1 &&
+  fail "a wrong prediction (fp32 cache) was reported as agreeing: $(cat "$work/wrong.txt")"
+grep -q "DISAGREE" "$work/wrong.txt" || fail "no DISAGREE in: $(cat "$work/wrong.txt")"
+echo "memory_measure: PASS ($layout)"
+exit 0

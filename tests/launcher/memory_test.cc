@@ -1,0 +1,183 @@
+// `mlarun memory`: every number the DeepSeek-V3 report must carry appears in
+// its table and its JSON, with values worked out by hand from the shapes; bad
+// input is an error naming what was wrong.
+#include "launcher/memory/memory.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <map>
+#include <sstream>
+
+namespace mlarun {
+namespace {
+
+using Json = nlohmann::json;
+const std::string kModels = std::string(MLARUN_CONFIGS_DIR) + "/models/";
+
+MemoryOptions V3Options() {
+  MemoryOptions o;
+  o.model = kModels + "deepseek-v3.yaml";
+  o.world = 8;
+  o.layouts = {"tp8", "dp8", "dp2xtp4"};
+  o.memory_gib = 141;
+  o.kv_dtype = "bf16";
+  return o;
+}
+
+std::string Report(const MemoryOptions& o) {
+  std::ostringstream out;
+  const Status st = RunMemory(o, out);
+  EXPECT_TRUE(st.ok()) << st;
+  return out.str();
+}
+
+TEST(MemoryCommand, TableCarriesThePinnedNumbers) {
+  const std::string text = Report(V3Options());
+  for (const char* s : {"1,152 B", "70,272 B = 68.625 KiB", "4,997,120 B = 4.765625 MiB", "71.11x", "320 KiB",
+                        "= 4.66", "75,497,472 B", "3,221,225,472 B", "132 B per layer", "8,052 B = 7.86 KiB", "tp8",
+                        "dp8", "dp2xtp4"}) {
+    EXPECT_NE(text.find(s), std::string::npos) << "missing '" << s << "' in:\n" << text;
+  }
+  // bf16 weights of V3 do not fit 8 x 141 GiB: the report says so.
+  EXPECT_NE(text.find("does not fit"), std::string::npos);
+}
+
+TEST(MemoryCommand, JsonCarriesThePinnedNumbers) {
+  MemoryOptions o = V3Options();
+  o.json = true;
+  const Json j = Json::parse(Report(o));
+  const Json& c = j["cache_per_token"];
+  EXPECT_EQ(c["latent_bytes_per_layer"], (512 + 64) * 2);
+  EXPECT_EQ(c["latent_bytes"], 61 * 1152);
+  EXPECT_EQ(c["latent_kib"], 68.625);
+  EXPECT_EQ(c["expanded_bytes"], 61 * 128 * (192 + 128) * 2);
+  EXPECT_EQ(c["expanded_mib"], 4.765625);
+  EXPECT_EQ(c["expanded_ratio"], 71.11);
+  EXPECT_EQ(c["v32_indexer_key"]["bytes_per_layer"], 128 + 4);
+  EXPECT_EQ(c["v32_indexer_key"]["bytes"], 61 * 132);
+  EXPECT_EQ(c["v32_indexer_key"]["kib"], 7.86);
+  EXPECT_EQ(c["v32_indexer_key"]["in_model"], false);
+  EXPECT_EQ(j["prefill_workspace_all_heads"]["latent_bytes"], int64_t{2} * 576 * 65536);
+  EXPECT_EQ(j["prefill_workspace_all_heads"]["key_bytes"], int64_t{2} * 192 * 128 * 65536);
+  EXPECT_EQ(j["gqa_comparison"]["bytes_per_token"], 80 * 8 * 128 * 2 * 2);
+  EXPECT_EQ(j["gqa_comparison"]["kib_per_token"], 320.0);
+  EXPECT_EQ(j["gqa_comparison"]["mla_tp_break_even"], 4.66);
+  ASSERT_EQ(j["layouts"].size(), 3u);
+  // Per layout: TP holds every token on all 8 ranks, DP once; the split part
+  // of attention shrinks with attn_tp.
+  const Json& tp8 = j["layouts"][0];
+  const Json& dp8 = j["layouts"][1];
+  EXPECT_EQ(tp8["name"], "tp8");
+  EXPECT_EQ(tp8["cluster"]["copies_per_token"], 8);
+  EXPECT_EQ(dp8["cluster"]["copies_per_token"], 1);
+  const int64_t split_tp1 = 61 * ((int64_t{128} * 192 * 1536 + int64_t{7168} * 128 * 128) * 2 + int64_t{128} * 256 * 512 * 2);
+  EXPECT_EQ(dp8["per_rank"]["weights"]["attention_split"], split_tp1);
+  EXPECT_EQ(tp8["per_rank"]["weights"]["attention_split"], split_tp1 / 8);
+  EXPECT_EQ(dp8["per_rank"]["prefill_workspace_bytes"], int64_t{65536} * (576 + 128 * 192 + 128 * 128) * 2);
+  for (const Json& l : j["layouts"]) {
+    const Json& r = l["per_rank"];
+    EXPECT_EQ(r["cache_budget_bytes"].get<int64_t>(),
+              (int64_t{141} << 30) - r["weights"]["total"].get<int64_t>() - r["prefill_workspace_bytes"].get<int64_t>());
+    EXPECT_EQ(r["fits"], false);  // bf16: 8 ranks are too few
+  }
+}
+
+// With the release's fp8 projections V3 fits, and data-parallel attention
+// caches more distinct tokens than tensor-parallel at 141 GiB.
+TEST(MemoryCommand, Fp8FitsAndDpHoldsMoreDistinctTokens) {
+  MemoryOptions o = V3Options();
+  o.weight_dtype = "fp8";
+  o.json = true;
+  const Json j = Json::parse(Report(o));
+  std::map<std::string, Json> by;
+  for (const Json& l : j["layouts"]) by[l["name"]] = l;
+  for (const auto& [name, l] : by) {
+    const Json& r = l["per_rank"];
+    EXPECT_EQ(r["fits"], true) << name;
+    const int64_t blocks = r["cache_budget_bytes"].get<int64_t>() / (64 * 70272);
+    EXPECT_EQ(r["cache_blocks"], blocks) << name;
+    EXPECT_EQ(r["max_cached_tokens"], blocks * 64) << name;
+    EXPECT_EQ(l["cluster"]["distinct_cached_tokens"], blocks * 64 * l["dp"].get<int64_t>()) << name;
+  }
+  EXPECT_GT(by["dp8"]["cluster"]["distinct_cached_tokens"], by["dp2xtp4"]["cluster"]["distinct_cached_tokens"]);
+  EXPECT_GT(by["dp2xtp4"]["cluster"]["distinct_cached_tokens"], by["tp8"]["cluster"]["distinct_cached_tokens"]);
+  EXPECT_LT(by["dp8"]["per_rank"]["max_cached_tokens"], by["tp8"]["per_rank"]["max_cached_tokens"]);
+  // Break-even below 141 GiB for every pair.
+  ASSERT_EQ(j["break_even"].size(), 3u);
+  for (const Json& b : j["break_even"]) EXPECT_LT(b["break_even_memory_bytes"].get<double>(), 141.0 * (1 << 30)) << b;
+}
+
+TEST(MemoryCommand, DeepSeekV32IndexerIsCached) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "mlarun_memory_v32";
+  std::filesystem::create_directories(dir);
+  {
+    std::ifstream in(kModels + "deepseek-v3.yaml");
+    std::ofstream out(dir / "v32.yaml");
+    std::string line;
+    while (std::getline(in, line)) out << (line.rfind("model_type:", 0) == 0 ? "model_type: deepseek_v32" : line) << "\n";
+  }
+  MemoryOptions o = V3Options();
+  o.model = (dir / "v32.yaml").string();
+  o.json = true;
+  const Json j = Json::parse(Report(o));
+  EXPECT_EQ(j["cache_per_token"]["bytes"], 70272 + 8052);
+  EXPECT_EQ(j["cache_per_token"]["v32_indexer_key"]["in_model"], true);
+  EXPECT_EQ(j["layouts"][0]["per_rank"]["cache_bytes_per_token"], 70272 + 8052);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(MemoryCommand, BadInputNamesWhatIsWrong) {
+  auto error = [](const MemoryOptions& o) {
+    std::ostringstream out;
+    const Status st = RunMemory(o, out);
+    EXPECT_FALSE(st.ok());
+    EXPECT_TRUE(out.str().empty()) << "printed a report for bad input";
+    return st.ToString();
+  };
+  MemoryOptions o = V3Options();
+  o.model = "/nonexistent/model.yaml";
+  EXPECT_NE(error(o).find("/nonexistent/model.yaml"), std::string::npos);
+  o = V3Options();
+  o.layouts = {"tp8", "dp4"};
+  const std::string world = error(o);
+  EXPECT_NE(world.find("dp4"), std::string::npos) << world;
+  EXPECT_NE(world.find("--world is 8"), std::string::npos) << world;
+  o.world = 3;
+  o.layouts = {"tp3"};
+  const std::string heads = error(o);
+  EXPECT_NE(heads.find("num_attention_heads"), std::string::npos) << heads;
+  o = V3Options();
+  o.layouts = {"pp8"};
+  EXPECT_NE(error(o).find("'pp8'"), std::string::npos);
+  o = V3Options();
+  o.weight_dtype = "int3";
+  EXPECT_NE(error(o).find("--weight-dtype"), std::string::npos);
+  o = V3Options();
+  o.memory_gib = -1;
+  EXPECT_NE(error(o).find("--hbm-gib"), std::string::npos);
+  // A file that is not a model config.
+  const std::filesystem::path bad = std::filesystem::temp_directory_path() / "mlarun_memory_bad.json";
+  std::ofstream(bad) << "{\"model_type\": \"llama\"}";
+  o = V3Options();
+  o.model = bad.string();
+  const std::string type = error(o);
+  EXPECT_NE(type.find("model_type"), std::string::npos) << type;
+  std::filesystem::remove(bad);
+}
+
+TEST(MemoryCommand, LayoutsInTheParallelForm) {
+  MemoryOptions o = V3Options();
+  o.layouts = {"dp=2", "attn_tp=4", "dp=8", "moe=intermediate"};  // as the CLI splits "dp=2,attn_tp=4,dp=8,moe=..."
+  o.json = true;
+  const Json j = Json::parse(Report(o));
+  ASSERT_EQ(j["layouts"].size(), 2u);
+  EXPECT_EQ(j["layouts"][0]["name"], "dp2xtp4");
+  EXPECT_EQ(j["layouts"][1]["moe"], "intermediate");
+}
+
+}  // namespace
+}  // namespace mlarun
