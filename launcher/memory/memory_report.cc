@@ -405,7 +405,8 @@ Status WriteSvg(const Report& r, const std::string& path) {
   f << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='" << height
     << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n";
   f << "<text x='" << left << "' y='22' font-size='15'>" << r.model_name << ": memory per rank, " << r.opt.world
-    << " ranks x " << Decimal(r.opt.memory_gib) << " GiB (weights " << DTypeName(r.config.weight_dtype) << (r.opt.weight_dtype.empty() ? "" : " -> " + r.opt.weight_dtype)
+    << " ranks x " << Decimal(r.opt.memory_gib) << " GiB (weights "
+    << (r.opt.weight_dtype == "fp8" ? std::string("fp8 projections") : std::string(DTypeName(r.config.weight_dtype)))
     << ", cache " << DTypeName(r.config.kv_dtype) << ")</text>\n";
   f << "<text x='" << left << "' y='42'>bars: what one rank holds; under each: max cached tokens per rank and distinct tokens in the cluster</text>\n";
   // Axis in GiB.
@@ -448,8 +449,10 @@ Status WriteSvg(const Report& r, const std::string& path) {
     f << "<rect x='" << x << "' y='" << y << "' width='12' height='12' fill='" << parts[j].color << "'/>\n<text x='"
       << x + 18 << "' y='" << y + 11 << "'>" << parts[j].name << "</text>\n";
   }
-  f << "<text x='" << left << "' y='" << height - 14 << "'>cache per token: " << Thousands(r.cache_token)
-    << " B per rank holding it; attn-TP ranks of a group hold the same tokens, DP groups different ones</text>\n";
+  f << "<text x='" << left << "' y='" << height - 30 << "'>latent cache: " << Thousands(r.cache_token)
+    << " B per token on every rank that holds it</text>\n";
+  f << "<text x='" << left << "' y='" << height - 12
+    << "'>the attn-TP ranks of a group hold the same tokens; DP groups hold different ones</text>\n";
   f << "</svg>\n";
   return f.good() ? Status::Ok() : InternalError("--svg ", path, ": write failed");
 }
