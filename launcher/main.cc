@@ -132,7 +132,7 @@ int main(int argc, char** argv) {
   auto* w_kv = worker->add_option("--kv-dtype", wo.kv_dtype, "Latent cache dtype: bf16 or fp32");
   worker->add_option("--num-layers", wo.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
   auto* w_cache = worker->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank")->capture_default_str();
-  worker->add_option("--memory-gib", wo.memory_gib,
+  auto* w_mem = worker->add_option("--memory-gib", wo.memory_gib,
                      "Memory per rank: the cache gets what the weights and the prefill workspace leave (as mlarun memory predicts)")
       ->check(CLI::PositiveNumber)->excludes(w_cache);
   auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
@@ -228,7 +228,10 @@ int main(int argc, char** argv) {
     fill(w_model, wo.model, dc.model);
     fill(w_par, wo.parallel, dc.parallel);
     fill(w_kv, wo.kv_dtype, dc.kv_dtype);
-    if (w_cache->count() == 0 && dc.cache_bytes > 0) wo.engine.cache_budget_bytes = dc.cache_bytes;
+    if (w_cache->count() == 0 && w_mem->count() == 0) {  // a flag overrides both file keys
+      if (dc.cache_bytes > 0) wo.engine.cache_budget_bytes = dc.cache_bytes;
+      if (dc.memory_gib > 0) wo.memory_gib = dc.memory_gib;
+    }
     if (w_mbt->count() == 0 && dc.max_batched_tokens > 0) wo.engine.max_num_batched_tokens = dc.max_batched_tokens;
     if (wo.model.empty()) {
       std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");

@@ -34,7 +34,7 @@ using client_internal::SetDeadline;
 using Json = nlohmann::json;
 
 constexpr const char* kDeploymentKeys =
-    "model, parallel, coordinator, listen, policy, cache_bytes, kv_dtype, max_batched_tokens";
+    "model, parallel, coordinator, listen, policy, cache_bytes, memory_gib, kv_dtype, max_batched_tokens";
 
 // The line of a YAML node for messages ("file:line: ..."); yaml-cpp counts from 0.
 std::string Where(const std::string& path, const YAML::Node& n) {
@@ -96,12 +96,28 @@ Status ParseDeployment(const std::string& path, const YAML::Node& root, Deployme
       MLARUN_RETURN_IF_ERROR(ReadString(path, key, v, &c->kv_dtype));
     } else if (key == "cache_bytes") {
       MLARUN_RETURN_IF_ERROR(ReadPositiveInt(path, key, v, &c->cache_bytes));
+    } else if (key == "memory_gib") {
+      bool ok = v.IsScalar();
+      double x = 0;
+      if (ok) {
+        try {
+          x = v.as<double>();
+        } catch (const YAML::Exception&) {
+          ok = false;
+        }
+      }
+      if (!ok || !(x > 0))
+        return InvalidArgumentError(Where(path, v), ": key 'memory_gib' must be a positive number of GiB, got ",
+                                    v.IsScalar() ? "'" + v.Scalar() + "'" : std::string("a collection or nothing"));
+      c->memory_gib = x;
     } else if (key == "max_batched_tokens") {
       MLARUN_RETURN_IF_ERROR(ReadPositiveInt(path, key, v, &c->max_batched_tokens));
     } else {
       return InvalidArgumentError(Where(path, kv.first), ": unknown key '", key, "' (known: ", kDeploymentKeys, ")");
     }
   }
+  if (c->cache_bytes > 0 && c->memory_gib > 0)
+    return InvalidArgumentError(path, ": give cache_bytes or memory_gib, not both");
   return Status::Ok();
 }
 

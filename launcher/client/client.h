@@ -28,6 +28,7 @@ namespace mlarun {
 struct DeploymentConfig {
   std::string model, parallel, coordinator, listen, policy, kv_dtype;
   int64_t cache_bytes = 0;          // 0: not set
+  double memory_gib = 0;            // 0: not set (excludes cache_bytes)
   int64_t max_batched_tokens = 0;   // 0: not set
 };
 StatusOr<DeploymentConfig> LoadDeploymentConfig(const std::string& path);

@@ -58,6 +58,16 @@ TEST(DeploymentConfig, ParsesEveryKey) {
   EXPECT_EQ(c->max_batched_tokens, 512);
 }
 
+TEST(DeploymentConfig, MemoryGibSizesTheCacheInsteadOfBytes) {
+  auto c = LoadDeploymentConfig(WriteTemp("memory.yaml", "memory_gib: 0.25\n"));
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->memory_gib, 0.25);
+  EXPECT_EQ(c->cache_bytes, 0);
+  auto both = LoadDeploymentConfig(WriteTemp("both.yaml", "memory_gib: 1\ncache_bytes: 1024\n"));
+  ASSERT_FALSE(both.ok());
+  EXPECT_NE(both.status().message().find("not both"), std::string::npos) << both.status();
+}
+
 TEST(DeploymentConfig, EmptyFileSetsNothing) {
   auto c = LoadDeploymentConfig(WriteTemp("empty.yaml", "# nothing here\n"));
   ASSERT_TRUE(c.ok()) << c.status();
@@ -95,6 +105,8 @@ TEST(DeploymentConfig, WrongTypesNameFileAndKey) {
   ExpectInvalid("wrong_int.yaml", "cache_bytes: lots\n", "cache_bytes");
   ExpectInvalid("wrong_float.yaml", "max_batched_tokens: 1.5\n", "max_batched_tokens");
   ExpectInvalid("negative.yaml", "cache_bytes: -5\n", "cache_bytes");
+  ExpectInvalid("memory_word.yaml", "memory_gib: much\n", "memory_gib");
+  ExpectInvalid("memory_zero.yaml", "memory_gib: 0\n", "memory_gib");
   ExpectInvalid("list.yaml", "model: [a, b]\n", "model");
   ExpectInvalid("map.yaml", "policy: {a: 1}\n", "policy");
   ExpectInvalid("null.yaml", "listen:\n", "listen");
