@@ -14,26 +14,8 @@
 #   memory_measure.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
 set -u
 mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for _ in $(seq 50); do
-    alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    sleep 0.1
-  done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() {
-  echo "memory_measure: FAIL: $*"
-  echo "--- coordinator log"; tail -20 "$work/coord.log"
-  echo "--- worker log"; tail -20 "$work/worker.log"
-  exit 1
-}
+test_name=memory_measure
+source "$(dirname "$0")/deployment.sh"
 
 # Bad input first: no deployment needed.
 "$mlarun" memory --model "$work/none.yaml" >/dev/null 2>"$work/bad.log"
@@ -43,25 +25,9 @@ grep -q "none.yaml" "$work/bad.log" || fail "the error does not name the file: $
 [ $? = 2 ] || fail "a 3-rank layout on --world 4 did not exit 2"
 grep -q "tp3" "$work/bad.log" || fail "the error does not name the layout: $(cat "$work/bad.log")"
 
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-addr=127.0.0.1:$port
 gib=0.0625
-"$mlarun" coordinator --listen "$addr" --policy prefix_affinity 2>"$work/coord.log" &
-pids+=($!)
-mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np "$np" \
-  "$mlarun" worker --coordinator "$addr" --model "$src/configs/models/tiny.yaml" --parallel "$layout" \
-  --threads 1 --memory-gib $gib --block-size 16 2>"$work/worker.log" &
-pids+=($!)
-ready=0
-for _ in $(seq 150); do
-  if "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
-     python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if sum(1 for g in d.get('groups', []) if g.get('connected')) == $groups else 1)"; then
-    ready=1
-    break
-  fi
-  sleep 0.2
-done
-[ $ready = 1 ] || fail "the $groups DP groups did not register"
+start_deployment prefix_affinity --parallel "$layout" --memory-gib $gib --block-size 16
+wait_for_groups
 
 # 40 requests; half share a 40-token prefix; some may stop at eos.
 python3 - >"$work/requests.jsonl" <<'PY'

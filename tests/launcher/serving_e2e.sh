@@ -9,47 +9,10 @@
 #   serving_e2e.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
 set -u
 mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  for _ in $(seq 50); do
-    alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    sleep 0.1
-  done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() {
-  echo "serving_e2e: FAIL: $*"
-  echo "--- coordinator log"; tail -20 "$work/coord.log"
-  echo "--- worker log"; tail -20 "$work/worker.log"
-  exit 1
-}
-
-port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-addr=127.0.0.1:$port
-"$mlarun" coordinator --listen "$addr" --policy round_robin 2>"$work/coord.log" &
-pids+=($!)
-mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np "$np" \
-  "$mlarun" worker --coordinator "$addr" --model "$src/configs/models/tiny.yaml" --parallel "$layout" \
-  --kv-dtype fp32 --threads 1 --cache-bytes 67108864 2>"$work/worker.log" &
-pids+=($!)
-
-# Wait until every DP group is registered.
-ready=0
-for _ in $(seq 150); do
-  if "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
-     python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if sum(1 for g in d.get('groups', []) if g.get('connected')) == $groups else 1)"; then
-    ready=1
-    break
-  fi
-  sleep 0.2
-done
-[ $ready = 1 ] || fail "the $groups DP groups did not register"
+test_name=serving_e2e
+source "$(dirname "$0")/deployment.sh"
+start_deployment round_robin --parallel "$layout" --kv-dtype fp32 --cache-bytes 67108864
+wait_for_groups
 
 # 64 requests: different prompts, lengths, seeds; greedy and sampled.
 python3 - >"$work/requests.jsonl" <<'PY'

@@ -1,0 +1,52 @@
+# Sourced by the live-deployment tests (serving_e2e.sh, memory_measure.sh):
+# a scratch folder, a coordinator and one mpirun worker job on the tiny model,
+# and a cleanup that leaves no process behind.
+#
+#   test_name=NAME; source deployment.sh      (expects $mlarun $src $np $groups)
+#   start_deployment POLICY WORKER_FLAGS...    -> $addr, logs in $work
+#   wait_for_groups                            (fails unless $groups register)
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  for _ in $(seq 50); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() {
+  echo "$test_name: FAIL: $*"
+  echo "--- coordinator log"; tail -20 "$work/coord.log" 2>/dev/null
+  echo "--- worker log"; tail -20 "$work/worker.log" 2>/dev/null
+  exit 1
+}
+
+start_deployment() {
+  local policy=$1
+  shift
+  local port
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  addr=127.0.0.1:$port
+  "$mlarun" coordinator --listen "$addr" --policy "$policy" 2>"$work/coord.log" &
+  pids+=($!)
+  mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np "$np" \
+    "$mlarun" worker --coordinator "$addr" --model "$src/configs/models/tiny.yaml" --threads 1 "$@" \
+    2>"$work/worker.log" &
+  pids+=($!)
+}
+
+wait_for_groups() {
+  for _ in $(seq 150); do
+    if "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
+       python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if sum(1 for g in d.get('groups', []) if g.get('connected')) == $groups else 1)"; then
+      return 0
+    fi
+    sleep 0.2
+  done
+  fail "the $groups DP groups did not register"
+}
