@@ -168,10 +168,10 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
     } else {
       text << "  cache sized by a budget of " << Thousands(first.cache_budget_bytes()) << " B per rank\n";
     }
-    text << "  " << std::left << std::setw(6) << "rank" << std::setw(7) << "group" << std::setw(4) << "tp" << std::right
-         << std::setw(14) << "weights pred" << std::setw(14) << "weights meas" << std::setw(10) << "B/token"
-         << std::setw(12) << "blocks pred" << std::setw(12) << "blocks meas" << std::setw(11) << "req. pred"
-         << std::setw(11) << "req. meas" << std::setw(11) << "peak used" << "  agree\n";
+    text << "  each cell: predicted | measured\n";
+    text << "  " << std::left << std::setw(5) << "rank" << std::setw(6) << "group" << std::setw(3) << "tp" << std::right
+         << std::setw(24) << "weights (B)" << std::setw(16) << "cache B/token" << std::setw(28) << "cache capacity (B)"
+         << std::setw(18) << "blocks" << std::setw(16) << "request blocks" << std::setw(7) << "peak" << "  agree\n";
     Json ranks_json = Json::array();
     int64_t measured_request_blocks = 0;
     for (const v1::RankStats* k : ranks) {
@@ -207,12 +207,14 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                p.blocks_total == m.blocks_total && p.request_blocks == m.request_blocks;
       const bool agree = weights_agree && cache_agree && p.workspace == m.workspace;
       all_agree &= agree;
-      text << "  " << std::left << std::setw(6) << k->rank() << std::setw(7) << k->dp_group() << std::setw(4)
-           << k->attn_tp_rank() << std::right << std::setw(14) << Thousands(p.weights.total()) << std::setw(14)
-           << Thousands(m.weights.total()) << std::setw(10) << Thousands(m.bytes_per_token) << std::setw(12)
-           << Thousands(p.blocks_total) << std::setw(12) << Thousands(m.blocks_total) << std::setw(11)
-           << (set ? Thousands(p.request_blocks) : "-") << std::setw(11) << (set ? Thousands(m.request_blocks) : "-")
-           << std::setw(11) << Thousands(k->cache_blocks_peak()) << "  "
+      auto pair = [](int64_t x, int64_t y) { return Thousands(x) + " | " + Thousands(y); };
+      text << "  " << std::left << std::setw(5) << k->rank() << std::setw(6) << k->dp_group() << std::setw(3)
+           << k->attn_tp_rank() << std::right << std::setw(24) << pair(p.weights.total(), m.weights.total())
+           << std::setw(16) << pair(p.bytes_per_token, m.bytes_per_token) << std::setw(28)
+           << pair(p.blocks_total * p.block_bytes, m.blocks_total * m.block_bytes) << std::setw(18)
+           << pair(p.blocks_total, m.blocks_total) << std::setw(16)
+           << (set ? pair(p.request_blocks, m.request_blocks) : std::string("-")) << std::setw(7)
+           << Thousands(k->cache_blocks_peak()) << "  "
            << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace)") << "\n";
       ranks_json.push_back(Json{{"rank", k->rank()},
                                 {"dp_group", k->dp_group()},
