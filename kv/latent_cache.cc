@@ -57,6 +57,7 @@ StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConf
   const size_t bytes = static_cast<size_t>(num_blocks * block_bytes);
   void* pool = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (pool == nullptr) return ResourceExhaustedError("latent cache: cannot allocate ", bytes, " bytes");
+  if (c.commit_memory) std::memset(pool, 0, bytes);
   return std::unique_ptr<LatentCache>(new LatentCache(c, num_blocks, pool));
 }
 

@@ -42,6 +42,10 @@ struct LatentCacheConfig {
   int64_t budget_bytes = int64_t{1} << 30;
   // Publish full blocks for reuse by later sequences with the same prefix.
   bool enable_prefix_caching = true;
+  // Touch every page of the pool at creation, so the memory is committed up
+  // front (a server should fail at start-up, not under load, when the host
+  // cannot back its cache) and shows in the process's resident size.
+  bool commit_memory = false;
 
   friend bool operator==(const LatentCacheConfig&, const LatentCacheConfig&) = default;
 };

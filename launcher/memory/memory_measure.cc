@@ -171,7 +171,8 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
     text << "  each cell: predicted | measured\n";
     text << "  " << std::left << std::setw(5) << "rank" << std::setw(6) << "group" << std::setw(3) << "tp" << std::right
          << std::setw(24) << "weights (B)" << std::setw(16) << "cache B/token" << std::setw(28) << "cache capacity (B)"
-         << std::setw(18) << "blocks" << std::setw(16) << "request blocks" << std::setw(7) << "peak" << "  agree\n";
+         << std::setw(18) << "blocks" << std::setw(16) << "request blocks" << std::setw(7) << "peak" << "  agree"
+         << std::setw(16) << "resident (RSS)" << std::setw(16) << "not accounted" << "\n";
     Json ranks_json = Json::array();
     int64_t measured_request_blocks = 0;
     for (const v1::RankStats* k : ranks) {
@@ -215,7 +216,10 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
            << pair(p.blocks_total, m.blocks_total) << std::setw(16)
            << (set ? pair(p.request_blocks, m.request_blocks) : std::string("-")) << std::setw(7)
            << Thousands(k->cache_blocks_peak()) << "  "
-           << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace)") << "\n";
+           << std::left << std::setw(7)
+           << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace)")
+           << std::right << std::setw(16) << memory_internal::Human(k->resident_bytes()) << std::setw(16)
+           << memory_internal::Human(k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes) << "\n";
       ranks_json.push_back(Json{{"rank", k->rank()},
                                 {"dp_group", k->dp_group()},
                                 {"attn_tp_rank", k->attn_tp_rank()},
@@ -224,6 +228,8 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                 {"workspace_bytes", {{"predicted", p.workspace}, {"measured", m.workspace}}},
                                 {"cache_blocks_peak", k->cache_blocks_peak()},
                                 {"cache_bytes_peak", k->cache_bytes_peak()},
+                                {"resident_bytes", k->resident_bytes()},
+                                {"not_accounted_bytes", k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes},
                                 {"agree", agree}});
     }
     Json job{{"worker_id", worker_id}, {"model", model}, {"parallel", first.parallel()},

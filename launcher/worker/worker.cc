@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <csignal>
 #include <deque>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -32,6 +33,7 @@ struct RankInfo {
   int64_t rank = 0, dp_group = 0, attn_tp_rank = 0;
   WeightBytes weights;
   int64_t blocks_total = 0, block_bytes = 0, bytes_per_token = 0;  // this rank's own cache
+  int64_t resident_bytes = 0;
   std::string host;
 };
 
@@ -166,7 +168,7 @@ std::string EncodeInfo(const RankInfo& r) {
   os << r.rank << " " << r.dp_group << " " << r.attn_tp_rank << " " << r.weights.attention << " "
      << r.weights.attention_replicated << " " << r.weights.moe << " " << r.weights.dense_mlp << " "
      << r.weights.embedding_and_head << " " << r.blocks_total << " " << r.block_bytes << " " << r.bytes_per_token << " "
-     << r.host;
+     << r.resident_bytes << " " << r.host;
   return os.str();
 }
 
@@ -175,8 +177,16 @@ RankInfo DecodeInfo(const std::string& s) {
   RankInfo r;
   in >> r.rank >> r.dp_group >> r.attn_tp_rank >> r.weights.attention >> r.weights.attention_replicated >>
       r.weights.moe >> r.weights.dense_mlp >> r.weights.embedding_and_head >> r.blocks_total >> r.block_bytes >>
-      r.bytes_per_token >> r.host;
+      r.bytes_per_token >> r.resident_bytes >> r.host;
   return r;
+}
+
+// This process's resident set (Linux /proc/self/statm); 0 where unavailable.
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
 StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& world, const std::string& mine) {
@@ -219,6 +229,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   // The cache budget: given, or what the memory per rank leaves after the
   // weights this rank loaded and the prefill workspace.
   EngineConfig engine = o.engine;
+  engine.commit_cache_memory = true;  // fail at start-up, not under load; and show in the RSS
   const ModelConfig& mc = (*model)->config();
   const PrefillWorkspace workspace = PredictPrefillWorkspace(mc, layout->attn_tp, mo.attention.expand_chunk_rows);
   const WeightBytes weights = (*model)->weight_bytes();
@@ -243,7 +254,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   const LatentCacheStats own = runner.engine()->cache().stats();
   RankInfo me{.rank = session.rank(), .dp_group = groups->dp_rank(), .attn_tp_rank = groups->attn_tp_rank(),
               .weights = weights, .blocks_total = own.blocks_total, .block_bytes = own.block_bytes,
-              .bytes_per_token = own.bytes_per_token, .host = session.host()};
+              .bytes_per_token = own.bytes_per_token, .resident_bytes = ResidentBytes(), .host = session.host()};
   auto infos = AllGatherStrings(world, EncodeInfo(me));
   if (!infos.ok()) session.Abort("start-up exchange failed: " + infos.status().ToString(), 2);
   std::string worker_id = session.host() + ":" + std::to_string(getpid());
@@ -298,6 +309,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       s->set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
       s->set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
       s->set_parallel(layout_text);
+      s->set_resident_bytes(r.resident_bytes);
       s->set_requests_running(runner.engine()->num_running());
       s->set_requests_waiting(runner.engine()->num_waiting());
       s->set_tokens_per_s(tokens_per_s);

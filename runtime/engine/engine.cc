@@ -145,6 +145,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineConfi
   if (config.max_num_seqs < 1) return InvalidArgumentError("engine: max_num_seqs must be >= 1, got ", config.max_num_seqs);
   LatentCacheConfig cc = model.CacheConfig(config.cache_budget_bytes, config.block_size);
   cc.enable_prefix_caching = config.enable_prefix_caching;
+  cc.commit_memory = config.commit_cache_memory;
   MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
   return std::unique_ptr<Engine>(new Engine(model, config, std::move(cache)));
 }

@@ -33,6 +33,7 @@ struct EngineConfig {
   int64_t cache_budget_bytes = int64_t{1} << 30;
   int64_t block_size = 64;
   bool enable_prefix_caching = true;
+  bool commit_cache_memory = false;  // LatentCacheConfig::commit_memory
 };
 
 enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2, kCancelled = 3 };

@@ -1,7 +1,9 @@
 #include "kv/latent_cache.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <fstream>
 #include <numeric>
 #include <random>
 #include <set>
@@ -233,6 +235,38 @@ TEST(LatentCache, PrefixBlockHashesAreThePublishedChain) {
   EXPECT_EQ(cache->MatchPrefix(b), shared * 4);
   EXPECT_EQ(PrefixBlockHashes(std::span<const int32_t>(a).first(7), 4).size(), 1u);
   EXPECT_TRUE(PrefixBlockHashes(a, 0).empty());
+}
+
+}  // namespace
+}  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+// A committed pool is resident from the start (and zeroed); an uncommitted
+// one only as blocks are written.
+TEST(LatentCache, CommitMemoryMakesThePoolResident) {
+  const int64_t budget = int64_t{48} << 20;
+  LatentCacheConfig c{.num_layers = 4, .kv_lora_rank = 512, .rope_dim = 64, .block_size = 64, .budget_bytes = budget};
+  const int64_t before_lazy = ResidentBytes();
+  auto lazy = LatentCache::Create(c);
+  ASSERT_TRUE(lazy.ok()) << lazy.status();
+  EXPECT_LT(ResidentBytes() - before_lazy, budget / 4);
+  c.commit_memory = true;
+  const int64_t before = ResidentBytes();
+  auto committed = LatentCache::Create(c);
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_GE(ResidentBytes() - before, (*committed)->stats().bytes_capacity * 9 / 10);
+  const PagedRowsView v = (*committed)->Layer(3);
+  const bf16_t* last = static_cast<const bf16_t*>(v.data) + ((*committed)->stats().blocks_total - 1) * v.stride_block;
+  EXPECT_EQ(last[0], 0);
 }
 
 }  // namespace

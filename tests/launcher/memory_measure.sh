@@ -77,6 +77,8 @@ for k in ranks:
     assert int(k["workspace_bytes"]) == workspace, (k["workspace_bytes"], workspace)
     want_blocks = (int(gib * 2**30) - weights - workspace) // (per_token * block)
     assert int(k["cache_blocks_total"]) == want_blocks, (k["rank"], k["cache_blocks_total"], want_blocks)
+    # The committed cache and the weights are resident before serving.
+    assert int(k["resident_bytes"]) >= weights + want_blocks * per_token * block, (k["rank"], k["resident_bytes"])
     g = int(k.get("dp_group", 0))
     assert int(k.get("cache_blocks_released", 0)) == by_group.get(g, 0), (k["rank"], k.get("cache_blocks_released"), by_group)
     assert int(k.get("cache_blocks_used", 0)) == 0, k
