@@ -170,28 +170,6 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   return code;
 }
 
-namespace {
-
-// Bytes from every rank to every rank, in rank order.
-StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& world, const std::string& mine) {
-  const int64_t n = static_cast<int64_t>(mine.size());
-  std::vector<int64_t> counts(static_cast<size_t>(world.size()));
-  MLARUN_RETURN_IF_ERROR(world.AllGather(&n, 1, counts.data(), CommType::kI64));
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  std::string flat(static_cast<size_t>(total), '\0');
-  MLARUN_RETURN_IF_ERROR(world.AllGatherV(mine.data(), counts, flat.data(), CommType::kU8));
-  std::vector<std::string> out;
-  int64_t off = 0;
-  for (int64_t c : counts) {
-    out.push_back(flat.substr(static_cast<size_t>(off), static_cast<size_t>(c)));
-    off += c;
-  }
-  return out;
-}
-
-}  // namespace
-
 int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostream& out, std::ostream& log) {
   const bool root = session.rank() == 0;
   // Failures every rank detects alike (layout, world size) end every rank the

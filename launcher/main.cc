@@ -18,6 +18,17 @@
 #include <iostream>
 #include <thread>
 
+// The sampling flags `generate` and `submit` share (vLLM's SamplingParams names).
+void AddSamplingFlags(CLI::App* cmd, mlarun::SamplingParams& p) {
+  cmd->add_option("--max-tokens", p.max_tokens, "Tokens to generate at most")->capture_default_str();
+  cmd->add_option("--temperature", p.temperature, "0: greedy")->capture_default_str();
+  cmd->add_option("--top-p", p.top_p, "Nucleus sampling mass")->capture_default_str();
+  cmd->add_option("--top-k", p.top_k, "Keep the k most likely tokens (0: off)")->capture_default_str();
+  cmd->add_option("--seed", p.seed, "Per-request random seed")->capture_default_str();
+  cmd->add_option("--stop-token-ids", p.stop_token_ids, "Stop at any of these ids")->delimiter(',');
+  cmd->add_flag("--ignore-eos", p.ignore_eos, "Do not stop at the model's eos_token_id");
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
   app.require_subcommand(1);
@@ -73,13 +84,7 @@ int main(int argc, char** argv) {
   auto* ids_opt = generate->add_option("--prompt-ids", gen.prompt_ids, "One prompt as token ids: 1,2,3")->delimiter(',');
   auto* file_opt = generate->add_option("--prompts", gen.prompts_path, "JSON lines: prompt_ids and sampling fields");
   ids_opt->excludes(file_opt);
-  generate->add_option("--max-tokens", gen.sampling.max_tokens, "Tokens to generate at most")->capture_default_str();
-  generate->add_option("--temperature", gen.sampling.temperature, "0: greedy")->capture_default_str();
-  generate->add_option("--top-p", gen.sampling.top_p, "Nucleus sampling mass")->capture_default_str();
-  generate->add_option("--top-k", gen.sampling.top_k, "Keep the k most likely tokens (0: off)")->capture_default_str();
-  generate->add_option("--seed", gen.sampling.seed, "Per-request random seed")->capture_default_str();
-  generate->add_option("--stop-token-ids", gen.sampling.stop_token_ids, "Stop at any of these ids")->delimiter(',');
-  generate->add_flag("--ignore-eos", gen.sampling.ignore_eos, "Do not stop at the model's eos_token_id");
+  AddSamplingFlags(generate, gen.sampling);
   generate->add_flag("--json", gen.json, "One JSON object per request, in input order");
   generate->add_option("--kv-dtype", gen.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
   generate->add_option("--num-layers", gen.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
@@ -161,13 +166,7 @@ int main(int argc, char** argv) {
   auto* s_file = submit->add_option("--prompts", sub.prompts_path, "JSON lines, sent --concurrency at a time");
   s_ids->excludes(s_file);
   submit->add_option("--concurrency", sub.concurrency, "Requests in flight at once (with --prompts)")->capture_default_str();
-  submit->add_option("--max-tokens", sub.sampling.max_tokens, "Tokens to generate at most")->capture_default_str();
-  submit->add_option("--temperature", sub.sampling.temperature, "0: greedy")->capture_default_str();
-  submit->add_option("--top-p", sub.sampling.top_p, "Nucleus sampling mass")->capture_default_str();
-  submit->add_option("--top-k", sub.sampling.top_k, "Keep the k most likely tokens (0: off)")->capture_default_str();
-  submit->add_option("--seed", sub.sampling.seed, "Per-request random seed")->capture_default_str();
-  submit->add_option("--stop-token-ids", sub.sampling.stop_token_ids, "Stop at any of these ids")->delimiter(',');
-  submit->add_flag("--ignore-eos", sub.sampling.ignore_eos, "Do not stop at the model's eos_token_id");
+  AddSamplingFlags(submit, sub.sampling);
   submit->add_option("--request-id", sub.request_id, "Request id (default: the coordinator picks one)");
   submit->add_flag("--stream", sub.stream, "Print each token as it arrives");
   submit->add_flag("--json", sub.json, "The object mlarun generate prints, plus dp_group");

@@ -16,6 +16,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "runtime/base/status.h"
 
@@ -74,5 +75,9 @@ class Communicator {
  protected:
   CommStats stats_;
 };
+
+// Every rank's `mine`, on every rank, in rank order (a count exchange, then
+// the bytes). For start-up facts and results, not for hot paths.
+StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& comm, const std::string& mine);
 
 }  // namespace mlarun

@@ -213,28 +213,6 @@ StatusOr<double> SquareGemmPeak(DType dt, const Timing& t) {
 
 // ---- Report helpers -----------------------------------------------------------
 
-std::string CpuModel() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
-
-std::string Today() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
-  return buf;
-}
-
-std::string Fmt(double v, int prec = 2) {
-  if (!std::isfinite(v)) return "-";
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(prec) << v;
-  return os.str();
-}
-
 Json OrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
 
 struct GridCell {

@@ -142,24 +142,9 @@ constexpr int64_t kSystemPromptBlocks = 4;
 
 double MsSince(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
 
-std::string Fmt(double v, int prec = 2) {
-  if (!std::isfinite(v)) return "-";
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(prec) << v;
-  return os.str();
-}
-
 Json OrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
 
 Json P50P99(const std::vector<double>& v) { return {{"p50", OrNull(Percentile(v, 50))}, {"p99", OrNull(Percentile(v, 99))}}; }
-
-std::string CpuModel() {
-  std::ifstream f("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
-  return "unknown";
-}
 
 // The 1-minute load average: other work on the machine (builds, tests) shares
 // its cores with everything measured here, so the report says how busy it was.
@@ -215,13 +200,6 @@ double CpuSince(const std::map<int, double>& before, const std::string& name) {
     sum += s - (it == before.end() ? 0.0 : it->second);
   }
   return sum;
-}
-
-std::string Today() {
-  const std::time_t now = std::time(nullptr);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
-  return buf;
 }
 
 // ---- Workloads -------------------------------------------------------------

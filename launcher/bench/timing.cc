@@ -5,10 +5,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <ctime>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
 
 namespace mlarun {
 namespace {
-
 
 // Keeps the median (or the single run) per-iteration real time, in ms.
 class MedianReporter : public benchmark::BenchmarkReporter {
@@ -65,6 +68,28 @@ StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& 
   MLARUN_RETURN_IF_ERROR(err);
   if (!std::isfinite(reporter.median_ms)) return InternalError("benchmark ", name, " produced no timing");
   return reporter.median_ms;
+}
+
+std::string CpuModel() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  return "unknown";
+}
+
+std::string Today() {
+  const std::time_t now = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d", std::gmtime(&now));
+  return buf;
+}
+
+std::string Fmt(double v, int prec) {
+  if (!std::isfinite(v)) return "-";
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(prec) << v;
+  return os.str();
 }
 
 }  // namespace mlarun

@@ -26,4 +26,10 @@ StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& 
 // Initializes Google Benchmark without command-line flags (idempotent).
 void InitBenchmarkLibrary();
 
+// For the reports: the CPU's model name (/proc/cpuinfo), today's date
+// (UTC, YYYY-MM-DD), and `v` with `prec` decimals ("-" when not finite).
+std::string CpuModel();
+std::string Today();
+std::string Fmt(double v, int prec = 2);
+
 }  // namespace mlarun

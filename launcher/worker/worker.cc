@@ -189,22 +189,6 @@ int64_t ResidentBytes() {
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
-StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& world, const std::string& mine) {
-  const int64_t n = static_cast<int64_t>(mine.size());
-  std::vector<int64_t> counts(static_cast<size_t>(world.size()));
-  MLARUN_RETURN_IF_ERROR(world.AllGather(&n, 1, counts.data(), CommType::kI64));
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  std::string flat(static_cast<size_t>(total), '\0');
-  MLARUN_RETURN_IF_ERROR(world.AllGatherV(mine.data(), counts, flat.data(), CommType::kU8));
-  std::vector<std::string> out;
-  int64_t off = 0;
-  for (int64_t c : counts) {
-    out.push_back(flat.substr(static_cast<size_t>(off), static_cast<size_t>(c)));
-    off += c;
-  }
-  return out;
-}
 
 }  // namespace
 
