@@ -4,25 +4,18 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "runtime/base/hash.h"
+
 namespace mlarun {
 namespace {
 
 constexpr uint64_t kChainSeed = 0x6d6c6172756e2d31ull;  // parent "hash" of the first block
 
-uint64_t Mix64(uint64_t x) {  // splitmix64 finalizer
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
 }  // namespace
 
 uint64_t LatentCache::ChainHash(uint64_t parent, std::span<const int32_t> tokens) {
-  uint64_t h = Mix64(parent ^ 0x9e3779b97f4a7c15ull);
-  for (int32_t t : tokens) h = Mix64(h ^ static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ull;
+  uint64_t h = Mix64(parent ^ kGoldenGamma);
+  for (int32_t t : tokens) h = Mix64(h ^ static_cast<uint32_t>(t)) + kGoldenGamma;
   return h;
 }
 

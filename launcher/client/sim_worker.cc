@@ -24,25 +24,13 @@
 #include "launcher/client/client.h"
 #include "launcher/client/grpc_util.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/base/hash.h"
 
 namespace mlarun {
 
-namespace {
-
-uint64_t Mix64(uint64_t x) {  // splitmix64 finalizer, as kv/latent_cache.cc
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  return x;
-}
-
-}  // namespace
-
 SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t index, int64_t vocab_size) {
   uint64_t h = Mix64(seed ^ 0x73696d2d776f726bull);  // "sim-work"
-  for (int32_t t : prompt) h = Mix64(h ^ static_cast<uint32_t>(t)) + 0x9e3779b97f4a7c15ull;
+  for (int32_t t : prompt) h = Mix64(h ^ static_cast<uint32_t>(t)) + kGoldenGamma;
   h = Mix64(h ^ (static_cast<uint64_t>(index) * 0xd1b54a32d192ed03ull + 1));
   return {.token = static_cast<int64_t>(h % static_cast<uint64_t>(std::max<int64_t>(vocab_size, 1))),
           .logprob = -8.0 * static_cast<double>(h >> 11) * 0x1p-53};

@@ -8,6 +8,8 @@
 #include <functional>
 #include <limits>
 
+#include "runtime/base/hash.h"
+
 // Every token costs a few passes over the vocabulary (129k on DeepSeek-V3),
 // so those loops must vectorize:
 // - They select with ?: on float compares, which GCC will not if-convert
@@ -37,10 +39,7 @@ namespace mlarun {
 namespace internal {
 
 uint64_t SplitMix64Next(uint64_t& state) {
-  uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
+  return Mix64(state += kGoldenGamma);
 }
 
 uint64_t Xoshiro256StarStarNext(uint64_t (&state)[4]) {

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "runtime/base/hash.h"
 #include "runtime/model/model.h"
 
 namespace mlarun {
@@ -110,10 +111,7 @@ class RandomSource final : public WeightSource {
   }
   // Uniform in [-1, 1) from (tensor hash, element index): splitmix64's finalizer.
   static double Unit(uint64_t h, uint64_t k) {
-    uint64_t z = h + (k + 1) * 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
+    const uint64_t z = Mix64(h + (k + 1) * kGoldenGamma);
     return 2.0 * (static_cast<double>(z >> 11) * 0x1.0p-53) - 1.0;
   }
   uint64_t seed_;
