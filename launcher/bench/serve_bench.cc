@@ -238,6 +238,18 @@ struct Outcome {
   int64_t tokens = 0;
   int64_t prompt_tokens = 0, prefix_hit_tokens = 0;
   double coordinator_total_ms = NAN;  // Finished.timings.total_ms: arrival to finished, inside the coordinator
+
+  // A token arrived at `now`, for a request sent at `t0`; `last` is the
+  // previous token's arrival (t0 before the first).
+  void Token(Clock::time_point t0, Clock::time_point& last, Clock::time_point now) {
+    if (tokens == 0) {
+      ttft_ms = MsSince(t0, now);
+    } else {
+      gaps_ms.push_back(MsSince(last, now));
+    }
+    last = now;
+    ++tokens;
+  }
 };
 
 // Whether token values are checked: against simulated groups they must be
@@ -307,13 +319,7 @@ Outcome CallGenerate(v1::Mlarun::Stub& stub, const BenchRequest& rq, const Expec
         ctx.TryCancel();
         continue;
       }
-      if (o.tokens == 0) {
-        o.ttft_ms = MsSince(t0, now);
-      } else {
-        o.gaps_ms.push_back(MsSince(last, now));
-      }
-      last = now;
-      ++o.tokens;
+      o.Token(t0, last, now);
     } else if (resp.has_finished()) {
       if (finished) {
         error = "two finished messages";
@@ -518,13 +524,7 @@ Outcome CallDirect(DirectLink::Stream& stream, const BenchRequest& rq, const std
       for (const v1::TokenEvent& e : in.tokens().events()) {
         if (e.request_id() != id || !error.empty()) continue;
         error = CheckToken(rq, ex, o.tokens, e.token_id(), e.logprob());
-        if (o.tokens == 0) {
-          o.ttft_ms = MsSince(t0, now);
-        } else {
-          o.gaps_ms.push_back(MsSince(last, now));
-        }
-        last = now;
-        ++o.tokens;
+        o.Token(t0, last, now);
       }
     } else if (in.has_done() && in.done().request_id() == id) {
       const v1::RequestDone& d = in.done();
