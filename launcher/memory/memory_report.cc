@@ -57,9 +57,7 @@ StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string
     ov.kv_dtype = *dt;
   }
   if (num_layers > 0) ov.num_layers = num_layers;
-  MLARUN_ASSIGN_OR_RETURN(ModelConfig c, Model::LoadConfig(path, ov));
-  MLARUN_RETURN_IF_ERROR(ValidateModelConfig(c));
-  return c;
+  return Model::LoadConfig(path, ov);  // parsed configs are validated
 }
 
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
@@ -110,6 +108,14 @@ struct Report {
   GqaModel gqa;
   int64_t gqa_token = 0;
   double tp_break_even = 0;
+  // Every pair of layouts where `more_dp` has more DP groups than `less_dp`.
+  struct BreakEven {
+    size_t less_dp = 0, more_dp = 0;
+    int64_t extra_bytes = 0;  // weights + workspace more per rank under more_dp
+    double memory_bytes = 0;  // BreakEvenMemoryBytes
+    double tokens_ratio = 0;  // distinct tokens, more_dp / less_dp, at the given memory (0: either holds none)
+  };
+  std::vector<BreakEven> break_even;
 };
 
 constexpr double kKiB = 1024.0, kMiB = 1024.0 * 1024.0, kGiB = 1024.0 * 1024.0 * 1024.0;
@@ -163,6 +169,19 @@ StatusOr<Report> Build(const MemoryOptions& o) {
   r.gqa = Llama3_70B();
   r.gqa_token = GqaKvBytesPerToken(r.gqa);
   r.tp_break_even = MlaTpBreakEven(r.gqa_token, r.latent_token);
+  for (size_t a = 0; a < r.plans.size(); ++a) {
+    for (size_t b = 0; b < r.plans.size(); ++b) {
+      const RankMemory &A = r.plans[a], &B = r.plans[b];
+      auto m = BreakEvenMemoryBytes(A, B);
+      if (!m.ok()) continue;  // not a pair with more DP groups on the right
+      const bool both = A.cluster_cached_tokens() > 0 && B.cluster_cached_tokens() > 0;
+      r.break_even.push_back({.less_dp = a, .more_dp = b,
+                              .extra_bytes = (B.weights.total() + B.workspace.total()) -
+                                             (A.weights.total() + A.workspace.total()),
+                              .memory_bytes = *m,
+                              .tokens_ratio = both ? static_cast<double>(B.cluster_cached_tokens()) / A.cluster_cached_tokens() : 0});
+    }
+  }
   return r;
 }
 
@@ -202,20 +221,12 @@ Json ToJson(const Report& r) {
           {"cache_bytes_per_distinct_token", p.cache_bytes_per_token * p.layout.attn_tp}}}});
   }
   Json break_even = Json::array();
-  for (size_t a = 0; a < r.plans.size(); ++a) {
-    for (size_t b = 0; b < r.plans.size(); ++b) {
-      auto m = BreakEvenMemoryBytes(r.plans[a], r.plans[b]);
-      if (!m.ok()) continue;
-      const RankMemory &A = r.plans[a], &B = r.plans[b];
-      break_even.push_back(Json{
-          {"less_dp", r.names[a]}, {"more_dp", r.names[b]},
-          {"extra_replicated_bytes_per_rank",
-           (B.weights.total() + B.workspace.total()) - (A.weights.total() + A.workspace.total())},
-          {"break_even_memory_bytes", *m},
-          {"distinct_tokens_ratio", A.cluster_cached_tokens() > 0
-                                        ? Json(static_cast<double>(B.cluster_cached_tokens()) / A.cluster_cached_tokens())
-                                        : Json(nullptr)}});
-    }
+  for (const Report::BreakEven& e : r.break_even) {
+    break_even.push_back(Json{{"less_dp", r.names[e.less_dp]},
+                              {"more_dp", r.names[e.more_dp]},
+                              {"extra_replicated_bytes_per_rank", e.extra_bytes},
+                              {"break_even_memory_bytes", e.memory_bytes},
+                              {"distinct_tokens_ratio", e.tokens_ratio > 0 ? Json(e.tokens_ratio) : Json(nullptr)}});
   }
   Json gqa_rows = Json::array();
   for (int tp : {1, 2, 4, 8}) {
@@ -349,24 +360,18 @@ void PrintText(const Report& r, std::ostream& out) {
   }
 
   // DP vs TP: what each replicates.
-  bool any = false;
-  for (size_t a = 0; a < k; ++a) {
-    for (size_t b = 0; b < k; ++b) {
-      auto m = BreakEvenMemoryBytes(r.plans[a], r.plans[b]);
-      if (!m.ok()) continue;
-      if (!any) out << "\nBreak-even: DP replicates attention weights and workspace; TP replicates every cached token\n";
-      any = true;
-      const RankMemory &A = r.plans[a], &B = r.plans[b];
-      const int64_t extra = (B.weights.total() + B.workspace.total()) - (A.weights.total() + A.workspace.total());
-      out << "  " << r.names[b] << " vs " << r.names[a] << ": " << Human(extra) << " more per rank ("
-          << Thousands(extra / std::max<int64_t>(1, A.cache_bytes_per_token)) << " tokens of cache); it caches more distinct tokens "
-          << (*m <= 0 ? std::string("at any memory size") : "once a rank has more than " + Human(static_cast<int64_t>(*m)));
-      if (A.cluster_cached_tokens() > 0 && B.cluster_cached_tokens() > 0) {
-        out << "; at " << Decimal(r.opt.memory_gib) << " GiB: "
-            << Decimal(std::round(100.0 * B.cluster_cached_tokens() / A.cluster_cached_tokens()) / 100.0) << "x the tokens";
-      }
-      out << "\n";
-    }
+  if (!r.break_even.empty())
+    out << "\nBreak-even: DP replicates attention weights and workspace; TP replicates every cached token\n";
+  for (const Report::BreakEven& e : r.break_even) {
+    out << "  " << r.names[e.more_dp] << " vs " << r.names[e.less_dp] << ": " << Human(e.extra_bytes) << " more per rank ("
+        << Thousands(e.extra_bytes / r.plans[e.less_dp].cache_bytes_per_token)
+        << " tokens of cache); it caches more distinct tokens "
+        << (e.memory_bytes <= 0 ? std::string("at any memory size")
+                                : "once a rank has more than " + Human(static_cast<int64_t>(e.memory_bytes)));
+    if (e.tokens_ratio > 0)
+      out << "; at " << Decimal(r.opt.memory_gib) << " GiB: " << Decimal(std::round(100.0 * e.tokens_ratio) / 100.0)
+          << "x the tokens";
+    out << "\n";
   }
 
   out << "\nMLA vs GQA under tensor parallelism (" << r.gqa.name << ": " << r.gqa.layers << " layers, " << r.gqa.kv_heads
