@@ -167,13 +167,11 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
   const Clock::time_point now = Clock::now();
   // The gRPC deadline is wall-clock; the dispatcher works in steady time.
   const bool has_deadline = grpc_deadline != std::chrono::system_clock::time_point::max();
-  Clock::duration budget = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(options_.default_deadline_s));
-  if (has_deadline) {
-    budget =
-        std::max(Clock::duration::zero(), std::chrono::duration_cast<Clock::duration>(
-                                              grpc_deadline - std::chrono::system_clock::now()));
-  }
+  const Clock::duration budget =
+      has_deadline ? std::max(Clock::duration::zero(), std::chrono::duration_cast<Clock::duration>(
+                                                           grpc_deadline - std::chrono::system_clock::now()))
+                   : std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(options_.default_deadline_s));
 
   Pending pending;
   std::optional<Accepted> accepted;
@@ -211,8 +209,10 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
       r->client = client;
       r->client_deadline = has_deadline;
       r->arrival = now;
-      r->deadline = now + budget;
-      r->unavailable_at = r->deadline;
+      // Without a client deadline the request runs as long as it takes; the
+      // default only bounds the wait for a first DP group to register.
+      r->deadline = has_deadline ? now + budget : Clock::time_point::max();
+      r->unavailable_at = now + budget;
       if (has_deadline) {
         r->unavailable_at -= std::min<Clock::duration>(
             kUnavailableMarginMax,
@@ -569,7 +569,7 @@ void Dispatcher::OnTimer(Request* r, Clock::time_point now, Pending& pending) {
         r, grpc::StatusCode::DEADLINE_EXCEEDED,
         r->group >= 0 ? "deadline exceeded" : "deadline exceeded while waiting for a free DP group",
         Outcome::kFailed, true, pending);
-  } else {
+  } else if (r->client_deadline) {
     ArmTimer(r, r->deadline);
   }
 }

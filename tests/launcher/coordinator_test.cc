@@ -732,6 +732,31 @@ TEST_F(CoordinatorTest, NoClientDeadlineUsesDefaultDeadline) {
   EXPECT_LT(elapsed, 2s);
 }
 
+// ... but once a group has it, a request without a deadline runs as long as
+// it takes: the default bounds only the wait for a group.
+TEST_F(CoordinatorTest, NoClientDeadlineDoesNotLimitARoutedRequest) {
+  StartCoordinator({.default_deadline_s = 0.3});
+  FakeWorker& w = AddWorker({.hold = true});
+  grpc::ClientContext ctx;  // no deadline on purpose
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    for (int i = 0; i < 500 && !done; ++i) std::this_thread::sleep_for(10ms);
+    if (!done) ctx.TryCancel();
+  });
+  auto reader = stub_->Generate(&ctx, MakeRequest({1, 2}, 3));
+  ASSERT_TRUE(w.WaitRoutes(1));
+  std::this_thread::sleep_for(600ms);  // twice the default, held by the group
+  w.SetHold(false);
+  int tokens = 0;
+  v1::GenerateResponse resp;
+  while (reader->Read(&resp)) tokens += resp.has_token() ? 1 : 0;
+  const grpc::Status status = reader->Finish();
+  done = true;
+  watchdog.join();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(tokens, 3);
+}
+
 TEST_F(CoordinatorTest, RequestQueuedBeforeAnyGroupIsServedWhenOneRegisters) {
   StartCoordinator();
   AsyncGenerate call(*stub_, MakeRequest({4, 5, 6}, 5, 2), 5s);
