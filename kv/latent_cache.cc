@@ -79,7 +79,7 @@ LatentCacheStats LatentCache::stats() const {
   s.bytes_used = s.blocks_used * s.block_bytes;
   s.prefix_hit_tokens = prefix_hit_tokens_;
   s.evictions = evictions_;
-  s.blocks_released = blocks_released_;
+  s.blocks_retired = blocks_retired_;
   return s;
 }
 
@@ -229,10 +229,18 @@ void LatentCache::DropRef(int32_t b) {
 Status LatentCache::Release(SeqId id) {
   auto it = seqs_.find(id);
   if (it == seqs_.end()) return NotFoundError("latent cache: unknown sequence ", id);
-  blocks_released_ += static_cast<int64_t>(it->second.blocks.size());
   // Tail blocks first, so the LRU evicts a prompt's tail before its head.
   for (auto b = it->second.blocks.rbegin(); b != it->second.blocks.rend(); ++b) DropRef(*b);
   seqs_.erase(it);
+  return Status::Ok();
+}
+
+Status LatentCache::Retire(SeqId id) {
+  const Sequence* s = Find(id);
+  if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
+  const int64_t blocks = static_cast<int64_t>(s->blocks.size());
+  MLARUN_RETURN_IF_ERROR(Release(id));
+  blocks_retired_ += blocks;
   return Status::Ok();
 }
 

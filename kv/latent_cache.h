@@ -61,10 +61,11 @@ struct LatentCacheStats {
   int64_t bytes_used = 0;      // blocks_used * block_bytes
   int64_t prefix_hit_tokens = 0;  // tokens attached from cached prefixes, cumulative
   int64_t evictions = 0;          // cached blocks reclaimed, cumulative
-  // Blocks in the block tables of released sequences, summed at release:
-  // each sequence's footprint, ceil(tokens / block_size), cumulative. A
-  // request set's total is predictable from its lengths alone.
-  int64_t blocks_released = 0;
+  // Blocks in the block tables of retired sequences (Retire: done, not
+  // preempted or abandoned), summed as they retire: each sequence's
+  // footprint, ceil(tokens / block_size), cumulative. A request set's total
+  // is predictable from its lengths alone.
+  int64_t blocks_retired = 0;
 
   int64_t blocks_allocatable() const { return blocks_free + blocks_cached; }
 };
@@ -121,6 +122,10 @@ class LatentCache {
   // Ends the sequence. Blocks nobody else references return to the pool;
   // those holding a published prefix stay cached until evicted.
   Status Release(SeqId id);
+  // Release of a sequence that is done (all its tokens generated): the same,
+  // and its block count adds to blocks_retired. A preempted or cancelled
+  // sequence is Released, not retired.
+  Status Retire(SeqId id);
 
   // Block ids of the sequence, in token order. Empty span for unknown ids.
   std::span<const int32_t> BlockTable(SeqId id) const;
@@ -180,7 +185,7 @@ class LatentCache {
   std::unordered_map<SeqId, Sequence> seqs_;
   int64_t prefix_hit_tokens_ = 0;
   int64_t evictions_ = 0;
-  int64_t blocks_released_ = 0;
+  int64_t blocks_retired_ = 0;
 };
 
 }  // namespace mlarun

@@ -14,6 +14,8 @@
 #include "launcher/worker/worker.h"
 #include "parallel/mpi/mpi_world.h"
 
+#include <pthread.h>
+
 #include <csignal>
 #include <iostream>
 #include <thread>
@@ -167,8 +169,8 @@ int main(int argc, char** argv) {
   s_ids->excludes(s_file);
   submit->add_option("--concurrency", sub.concurrency, "Requests in flight at once (with --prompts)")->capture_default_str();
   AddSamplingFlags(submit, sub.sampling);
-  submit->add_option("--request-id", sub.request_id, "Request id (default: the coordinator picks one)");
-  submit->add_flag("--stream", sub.stream, "Print each token as it arrives");
+  submit->add_option("--request-id", sub.request_id, "Request id (default: the coordinator picks one)")->excludes(s_file);
+  submit->add_flag("--stream", sub.stream, "Print each token as it arrives")->excludes(s_file);
   submit->add_flag("--json", sub.json, "The object mlarun generate prints, plus dp_group");
   submit->add_option("--timeout", sub.timeout_s, "Deadline in seconds")->capture_default_str();
   submit->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
@@ -208,6 +210,14 @@ int main(int argc, char** argv) {
       return 2;
     }
     co.policy = *p;
+    // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
+    // before gRPC starts its threads, so they inherit the mask): Shutdown is
+    // not something a signal handler may call.
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
     auto server = mlarun::Coordinator::Start(co);
     if (!server.ok()) {
       std::fprintf(stderr, "mlarun coordinator: %s\n", server.status().ToString().c_str());
@@ -215,10 +225,12 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "mlarun coordinator: listening on %s, policy %s\n", (*server)->address().c_str(),
                  std::string(mlarun::RoutingPolicyName(co.policy)).c_str());
-    static mlarun::Coordinator* running = nullptr;
-    running = server->get();
-    std::signal(SIGINT, [](int) { std::thread([] { running->Shutdown(); }).detach(); });
-    std::signal(SIGTERM, [](int) { std::thread([] { running->Shutdown(); }).detach(); });
+    std::thread stopper([&] {
+      int sig = 0;
+      sigwait(&stop_signals, &sig);
+      (*server)->Shutdown();
+    });
+    stopper.join();
     (*server)->Wait();
     return 0;
   }
@@ -245,7 +257,7 @@ int main(int argc, char** argv) {
     return mlarun::RunWorker(wo, **session);
   }
   if (sim->parsed()) {
-    static volatile bool stop = false;
+    static std::atomic<bool> stop{false};
     std::signal(SIGINT, [](int) { stop = true; });
     std::signal(SIGTERM, [](int) { stop = true; });
     return mlarun::RunSimWorker(so, &stop, std::cerr);

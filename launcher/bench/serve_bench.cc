@@ -439,7 +439,7 @@ class InProcessTarget {
   std::unique_ptr<Coordinator> coordinator_;
   SimWorkerOptions sim_;
   // RunSimWorker's stop flag (a signal-handler style plain flag it polls).
-  volatile bool stop_ = false;
+  std::atomic<bool> stop_{false};
   std::thread thread_;
   // Written by the simulated groups' threads (whole lines, under their
   // logger's lock); read only after thread_ is joined.
@@ -814,7 +814,7 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
   if (server == nullptr || port == 0) return UnavailableError("cannot listen on 127.0.0.1 for the direct link");
   SimWorkerOptions sim = SimOptions(1, 0, 1024);
   sim.coordinator = "127.0.0.1:" + std::to_string(port);
-  volatile bool sim_stop = false;
+  std::atomic<bool> sim_stop{false};
   std::ostringstream sim_log;
   std::thread sim_thread([&] { RunSimWorker(sim, &sim_stop, sim_log); });
   // A blocking Read on the direct link has no deadline of its own: a watchdog

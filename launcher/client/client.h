@@ -3,6 +3,7 @@
 // and the serving benchmark). No gRPC header is visible here.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <iosfwd>
 #include <span>
@@ -94,7 +95,7 @@ struct SimWorkerOptions {
 // the group drops its in-flight requests and reconnects with back-off 100 ms
 // doubling to 2 s. Returns 0 once `*stop` is seen (polled every 20 ms), 2 for
 // bad options (message on `log`). Blocks; thread-safe to call concurrently.
-int RunSimWorker(const SimWorkerOptions& o, const volatile bool* stop, std::ostream& log);
+int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::ostream& log);
 
 // The simulated worker's output, exposed so tests and benchmarks can predict
 // it: token `index` (0 = the first generated token) of a request is a

@@ -517,7 +517,7 @@ Status CheckOptions(const SimWorkerOptions& o) {
 
 }  // namespace
 
-int RunSimWorker(const SimWorkerOptions& o, const volatile bool* stop, std::ostream& log_stream) {
+int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::ostream& log_stream) {
   Logger log(log_stream);
   if (Status st = CheckOptions(o); !st.ok()) {
     log("mlarun sim-worker: ", st.message());

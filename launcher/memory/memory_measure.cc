@@ -38,7 +38,7 @@ StatusOr<v1::GetStatsResponse> FetchStats(v1::Mlarun::Stub& stub, double timeout
 std::string Fingerprint(const v1::GetStatsResponse& r) {
   std::ostringstream os;
   for (const v1::RankStats& k : r.ranks())
-    os << k.worker_id() << "/" << k.rank() << ":" << k.cache_blocks_used() << "," << k.cache_blocks_released() << ","
+    os << k.worker_id() << "/" << k.rank() << ":" << k.cache_blocks_used() << "," << k.cache_blocks_retired() << ","
        << k.requests_running() << "," << k.requests_waiting() << ";";
   return os.str();
 }
@@ -197,7 +197,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       if (set) {
         auto it = set->blocks_by_group.find(k->dp_group());
         p.request_blocks = it == set->blocks_by_group.end() ? 0 : it->second;
-        m.request_blocks = k->cache_blocks_released();
+        m.request_blocks = k->cache_blocks_retired();
         measured_request_blocks += m.request_blocks;
       }
       const bool weights_agree = p.weights.attention == m.weights.attention &&

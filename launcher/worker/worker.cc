@@ -46,9 +46,11 @@ class Link {
     thread_ = std::thread([this] { Run(); });
   }
   ~Link() {
-    stopping_ = true;
     {
+      // Under mu_, so Run either sees stopping_ before it connects or has
+      // published its context for us to cancel.
       std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
       if (context_) context_->TryCancel();
     }
     thread_.join();
@@ -80,7 +82,6 @@ class Link {
     std::lock_guard<std::mutex> lock(mu_);
     *reg_.mutable_ranks() = ranks;
   }
-  bool connected() const { return connected_; }
   // Blocks until something arrives in the inbox or `timeout_s` passes.
   void WaitForEvent(double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -96,20 +97,20 @@ class Link {
     double backoff_s = 0.1;
     while (!stopping_) {
       auto context = std::make_shared<grpc::ClientContext>();
-      std::shared_ptr<Stream> stream(stub->Connect(context.get()));
       v1::WorkerMessage hello;
       {
         std::lock_guard<std::mutex> lock(mu_);
+        if (stopping_) break;
         *hello.mutable_register_() = reg_;
-        context_ = context;
+        context_ = context;  // published before Connect can block
       }
+      std::shared_ptr<Stream> stream(stub->Connect(context.get()));
       v1::CoordinatorMessage in;
       if (stream->Write(hello) && stream->Read(&in) && in.has_registered()) {
         {
           std::lock_guard<std::mutex> lock(mu_);
           stream_ = stream;
         }
-        connected_ = true;
         backoff_s = 0.1;
         while (stream->Read(&in)) {
           std::lock_guard<std::mutex> lock(mu_);
@@ -117,7 +118,6 @@ class Link {
           if (in.has_cancel()) inbox_.push_back({Event::kCancel, {}, in.cancel().request_id()});
           arrived_.notify_all();
         }
-        connected_ = false;
         std::lock_guard<std::mutex> lock(mu_);
         stream_.reset();
         inbox_.push_back({Event::kDisconnected, {}, {}});
@@ -138,7 +138,7 @@ class Link {
   }
 
   const std::string target_;
-  std::atomic<bool> stopping_{false}, connected_{false};
+  std::atomic<bool> stopping_{false};
   std::mutex mu_;        // guards reg_, inbox_, stream_, context_
   std::condition_variable arrived_;
   std::mutex write_mu_;  // one writer at a time on the stream
@@ -274,7 +274,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       // last lockstep exchange (the leader's own numbers before the first).
       const bool seen = static_cast<size_t>(r.rank) < runner.world_cache().size();
       const RankCacheSnapshot snap = seen ? runner.world_cache()[static_cast<size_t>(r.rank)]
-                                          : RankCacheSnapshot{cs.blocks_used, cs.blocks_used, cs.blocks_released};
+                                          : RankCacheSnapshot{cs.blocks_used, cs.blocks_used, cs.blocks_retired};
       s->set_cache_bytes_per_token(r.bytes_per_token);
       s->set_cache_block_bytes(r.block_bytes);
       s->set_cache_blocks_total(r.blocks_total);
@@ -283,7 +283,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       s->set_cache_bytes_used(snap.blocks_used * r.block_bytes);
       s->set_cache_bytes_peak(snap.peak_blocks_used * r.block_bytes);
       s->set_cache_blocks_peak(snap.peak_blocks_used);
-      s->set_cache_blocks_released(snap.blocks_released);
+      s->set_cache_blocks_retired(snap.blocks_retired);
       s->set_memory_budget_bytes(memory_bytes);
       s->set_cache_budget_bytes(engine.cache_budget_bytes);
       s->set_workspace_bytes(workspace.total());
@@ -352,10 +352,14 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           auto it = by_request_id.find(e.request_id);
           if (it == by_request_id.end()) continue;
           (void)runner.engine()->Cancel(it->second);
+          (void)runner.engine()->TakeOutput(it->second);  // forget it
           live.erase(it->second);
           by_request_id.erase(it);
         } else {  // the stream broke: the coordinator has ended or re-routed these
-          for (const auto& [id, l] : live) (void)runner.engine()->Cancel(id);
+          for (const auto& [id, l] : live) {
+            (void)runner.engine()->Cancel(id);
+            (void)runner.engine()->TakeOutput(id);
+          }
           live.clear();
           by_request_id.clear();
         }
@@ -390,6 +394,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
         link->Send(m);
         by_request_id.erase(live[id].request_id);
         live.erase(id);
+        (void)runner.engine()->TakeOutput(id);  // sent: the engine forgets it
       }
       const auto now = std::chrono::steady_clock::now();
       const double since = std::chrono::duration<double>(now - last_stats).count();

@@ -17,7 +17,7 @@ std::string_view FinishReasonName(FinishReason r) {
 
 
 namespace {
-enum CacheOp : int64_t { kOpAdd = 1, kOpAttach = 2, kOpAppend = 3, kOpCommit = 4, kOpRelease = 5 };
+enum CacheOp : int64_t { kOpAdd = 1, kOpAttach = 2, kOpAppend = 3, kOpCommit = 4, kOpRelease = 5, kOpRetire = 6 };
 }  // namespace
 
 int64_t StepPlan::num_tokens() const {
@@ -85,6 +85,7 @@ Status ApplyCacheOps(LatentCache& cache, std::span<const int64_t> ops) {
       case kOpAdd: MLARUN_RETURN_IF_ERROR(cache.AddSequence(id)); break;
       case kOpCommit: MLARUN_RETURN_IF_ERROR(cache.Commit(id)); break;
       case kOpRelease: MLARUN_RETURN_IF_ERROR(cache.Release(id)); break;
+      case kOpRetire: MLARUN_RETURN_IF_ERROR(cache.Retire(id)); break;
       case kOpAttach:
       case kOpAppend: {
         const int64_t extra = op == kOpAttach ? 1 : 0;
@@ -133,9 +134,9 @@ Status Engine::CacheCommit(SeqId id) {
   return Status::Ok();
 }
 
-Status Engine::CacheRelease(SeqId id) {
-  MLARUN_RETURN_IF_ERROR(cache_->Release(id));
-  cache_ops_.insert(cache_ops_.end(), {kOpRelease, id});
+Status Engine::CacheRelease(SeqId id, bool retire) {
+  MLARUN_RETURN_IF_ERROR(retire ? cache_->Retire(id) : cache_->Release(id));
+  cache_ops_.insert(cache_ops_.end(), {retire ? kOpRetire : kOpRelease, id});
   return Status::Ok();
 }
 
@@ -185,6 +186,16 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
 const GenerationOutput* Engine::Output(int64_t id) const {
   auto it = requests_.find(id);
   return it == requests_.end() ? nullptr : &it->second->out;
+}
+
+StatusOr<GenerationOutput> Engine::TakeOutput(int64_t id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end()) return NotFoundError("engine: unknown request ", id);
+  if (it->second->out.finish_reason == FinishReason::kNone)
+    return FailedPreconditionError("engine: request ", id, " is still running");
+  GenerationOutput out = std::move(it->second->out);
+  requests_.erase(it);
+  return out;
 }
 
 Status Engine::Cancel(int64_t id) {
@@ -317,7 +328,7 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
     } else {
       continue;
     }
-    MLARUN_RETURN_IF_ERROR(CacheRelease(r.id));
+    MLARUN_RETURN_IF_ERROR(CacheRelease(r.id, /*retire=*/true));
     r.in_cache = false;
     running_.erase(std::find(running_.begin(), running_.end(), &r));
     finished.push_back(r.id);
@@ -366,7 +377,7 @@ std::vector<StatusOr<GenerationOutput>> Engine::Generate(std::vector<GenerationR
     if (!failure.ok() && Output(ids[i])->finish_reason == FinishReason::kNone) {
       out[i] = failure;
     } else {
-      out[i] = *Output(ids[i]);
+      out[i] = TakeOutput(ids[i]);
     }
   }
   return out;

@@ -114,6 +114,10 @@ class Engine {
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   // Output so far of request `id` (complete once it finished). nullptr if unknown.
   const GenerationOutput* Output(int64_t id) const;
+  // Hands over the output of a finished or cancelled request and forgets the
+  // request, so a long-running server does not keep every request it served.
+  // NOT_FOUND if unknown; FAILED_PRECONDITION while it is still live.
+  StatusOr<GenerationOutput> TakeOutput(int64_t id);
   const EngineStats& stats() const { return stats_; }
   const LatentCache& cache() const { return *cache_; }
 
@@ -144,7 +148,7 @@ class Engine {
   StatusOr<int64_t> CacheAttach(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens);
   Status CacheAppend(SeqId id, std::span<const int32_t> tokens);
   Status CacheCommit(SeqId id);
-  Status CacheRelease(SeqId id);
+  Status CacheRelease(SeqId id, bool retire = false);  // retire: the request is done
 
   Model& model_;
   EngineConfig config_;

@@ -56,7 +56,7 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   peak_blocks_used_ = std::max(peak_blocks_used_, cs.blocks_used);
   constexpr int kFields = 6;
   const int64_t mine[kFields] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0, stop ? 1 : 0,
-                                 cs.blocks_used, peak_blocks_used_, cs.blocks_released};
+                                 cs.blocks_used, peak_blocks_used_, cs.blocks_retired};
   std::vector<int64_t> all(static_cast<size_t>(kFields * world.size()));
   MLARUN_RETURN_IF_ERROR(world.AllGather(mine, kFields, all.data(), CommType::kI64));
   bool any_work = false, any_stop = false;
@@ -65,7 +65,7 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
     const int64_t* f = &all[static_cast<size_t>(kFields * r)];
     any_work |= f[1] != 0;
     any_stop |= f[2] != 0;
-    world_cache_[static_cast<size_t>(r)] = {.blocks_used = f[3], .peak_blocks_used = f[4], .blocks_released = f[5]};
+    world_cache_[static_cast<size_t>(r)] = {.blocks_used = f[3], .peak_blocks_used = f[4], .blocks_retired = f[5]};
   }
   if (any_stop) return StepResult::kStop;
   if (!any_work) return StepResult::kIdle;

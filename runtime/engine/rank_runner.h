@@ -35,7 +35,7 @@ struct RankCacheStats {
 struct RankCacheSnapshot {
   int64_t blocks_used = 0;
   int64_t peak_blocks_used = 0;  // highest blocks_used seen at an exchange or after a step
-  int64_t blocks_released = 0;   // LatentCacheStats::blocks_released
+  int64_t blocks_retired = 0;   // LatentCacheStats::blocks_retired
 };
 
 class RankRunner {

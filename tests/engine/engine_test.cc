@@ -41,7 +41,7 @@ std::vector<GenerationRequest> MixedRequests() {
 }
 
 std::vector<GenerationOutput> RunAll(Model& m, const EngineConfig& ec, std::vector<GenerationRequest> reqs,
-                                     EngineStats* stats = nullptr) {
+                                     EngineStats* stats = nullptr, int64_t* blocks_retired = nullptr) {
   auto engine = std::move(Engine::Create(m, ec)).value();
   std::vector<GenerationOutput> out;
   for (auto& r : engine->Generate(std::move(reqs))) {
@@ -49,6 +49,7 @@ std::vector<GenerationOutput> RunAll(Model& m, const EngineConfig& ec, std::vect
     out.push_back(r.ok() ? *r : GenerationOutput{});
   }
   if (stats) *stats = engine->stats();
+  if (blocks_retired) *blocks_retired = engine->cache().stats().blocks_retired;
   return out;
 }
 
@@ -95,9 +96,15 @@ TEST(Engine, PreemptionKeepsOutputs) {
   const LatentCacheConfig cc = m->CacheConfig(0, 16);
   const int64_t block_bytes = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * 4 * 16;
   EngineStats stats;
-  const auto tight = RunAll(*m, EngineConfig{.cache_budget_bytes = 8 * block_bytes, .block_size = 16}, reqs, &stats);
+  int64_t retired = 0;
+  const auto tight =
+      RunAll(*m, EngineConfig{.cache_budget_bytes = 8 * block_bytes, .block_size = 16}, reqs, &stats, &retired);
   EXPECT_GT(stats.preemptions, 0) << "the cache was meant to run out";
+  ASSERT_EQ(tight.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(tight[i].tokens, free_run[i].tokens) << "request " << i;
+  // Each request's footprint counts once, at its end, however often it was
+  // preempted: 16 prompt + 20 generated - 1 = 35 cached tokens, 3 blocks.
+  EXPECT_EQ(retired, 4 * 3);
 }
 
 TEST(Engine, PrefixBlocksAreReused) {
@@ -112,6 +119,30 @@ TEST(Engine, PrefixBlocksAreReused) {
   EXPECT_EQ(second[0]->prefix_hit_tokens, 64);  // four full blocks of the 70-token prompt
   EXPECT_EQ(second[0]->tokens, first[0]->tokens);
   EXPECT_EQ(engine->cache().stats().blocks_used, 0);  // everything released
+}
+
+// A server hands each finished request's output over once and the engine
+// forgets it; live and unknown requests are refused.
+TEST(Engine, TakeOutputForgetsFinishedRequests) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  auto engine = std::move(Engine::Create(*m, EngineConfig{.cache_budget_bytes = 16 << 20})).value();
+  const int64_t done = *engine->Add({RandomPrompt(9, 31), Greedy(3)});
+  const int64_t cancelled = *engine->Add({RandomPrompt(5, 32), Greedy(50)});
+  EXPECT_EQ(engine->TakeOutput(done).status().code(), StatusCode::kFailedPrecondition);
+  while (engine->Output(done)->finish_reason == FinishReason::kNone) ASSERT_TRUE(engine->Step().ok());
+  auto out = engine->TakeOutput(done);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->tokens.size(), 3u);
+  EXPECT_EQ(out->finish_reason, FinishReason::kLength);
+  EXPECT_EQ(engine->Output(done), nullptr);
+  EXPECT_EQ(engine->TakeOutput(done).status().code(), StatusCode::kNotFound);
+  ASSERT_TRUE(engine->Cancel(cancelled).ok());
+  auto c = engine->TakeOutput(cancelled);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->finish_reason, FinishReason::kCancelled);
+  EXPECT_EQ(engine->Output(cancelled), nullptr);
+  EXPECT_FALSE(engine->HasWork());
 }
 
 TEST(Engine, BadRequestsAreRejectedOthersComplete) {

@@ -88,12 +88,13 @@ TEST(LatentCache, AppendAcrossBlocksAndWriteRows) {
   EXPECT_EQ(cache->WriteRows(0, 1, 7, 3, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(cache->WriteRows(3, 1, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
   EXPECT_EQ(cache->WriteRows(0, 2, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kNotFound);
-  EXPECT_EQ(cache->stats().blocks_released, 0);
-  ASSERT_TRUE(cache->Release(1).ok());
+  EXPECT_EQ(cache->stats().blocks_retired, 0);
+  ASSERT_TRUE(cache->Retire(1).ok());
   EXPECT_EQ(cache->stats().blocks_used, 0);
-  EXPECT_EQ(cache->stats().blocks_released, 3);  // 9 tokens in blocks of 4
+  EXPECT_EQ(cache->stats().blocks_retired, 3);  // 9 tokens in blocks of 4
   EXPECT_EQ(cache->Release(1).code(), StatusCode::kNotFound);
-  EXPECT_EQ(cache->stats().blocks_released, 3);
+  EXPECT_EQ(cache->Retire(1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(cache->stats().blocks_retired, 3);
 }
 
 TEST(LatentCache, Bf16Rows) {
@@ -121,9 +122,11 @@ TEST(LatentCache, ExhaustionIsAStatusAndChangesNothing) {
   EXPECT_EQ(cache->Append(1, Tokens(4, 200)).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(cache->NumTokens(1), 9);
   ASSERT_TRUE(cache->Append(1, Tokens(3, 200)).ok());  // still room in the last block
-  ASSERT_TRUE(cache->Release(1).ok());
-  EXPECT_EQ(cache->stats().blocks_released, 3);  // 12 tokens; the refused appends took nothing
+  ASSERT_TRUE(cache->Retire(1).ok());
+  EXPECT_EQ(cache->stats().blocks_retired, 3);  // 12 tokens; the refused appends took nothing
   EXPECT_TRUE(cache->Append(2, Tokens(12)).ok());  // everything is free again
+  ASSERT_TRUE(cache->Release(2).ok());  // released, not retired: not counted
+  EXPECT_EQ(cache->stats().blocks_retired, 3);
 }
 
 TEST(LatentCache, PrefixSharing) {

@@ -589,7 +589,7 @@ class SimWorker {
   std::string log() const { return log_.str(); }
 
  private:
-  volatile bool stop_ = false;
+  std::atomic<bool> stop_{false};
   int rc_ = -1;
   std::ostringstream log_;
   std::thread thread_;
@@ -860,7 +860,7 @@ TEST(SimWorker, StopsWhileTheCoordinatorIsDown) {
 }
 
 TEST(SimWorker, BadOptionsExitTwo) {
-  volatile bool stop = true;
+  std::atomic<bool> stop{true};
   std::ostringstream log;
   SimWorkerOptions o;
   o.groups = 0;

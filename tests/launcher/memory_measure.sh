@@ -80,10 +80,10 @@ for k in ranks:
     # The committed cache and the weights are resident before serving.
     assert int(k["resident_bytes"]) >= weights + want_blocks * per_token * block, (k["rank"], k["resident_bytes"])
     g = int(k.get("dp_group", 0))
-    assert int(k.get("cache_blocks_released", 0)) == by_group.get(g, 0), (k["rank"], k.get("cache_blocks_released"), by_group)
+    assert int(k.get("cache_blocks_retired", 0)) == by_group.get(g, 0), (k["rank"], k.get("cache_blocks_retired"), by_group)
     assert int(k.get("cache_blocks_used", 0)) == 0, k
     assert 0 < int(k["cache_blocks_peak"]) <= by_group.get(g, 0), k
-total = sum(int(k.get("cache_blocks_released", 0)) for k in ranks)
+total = sum(int(k.get("cache_blocks_retired", 0)) for k in ranks)
 once = sum(by_group.values())
 assert total == once * tp, (total, once, tp)  # TP holds every block on each of its ranks, DP once
 print(f"memory_measure: {layout}: {once} request blocks, held {total} times over {np_} ranks; capacity {want_blocks} blocks per rank")
