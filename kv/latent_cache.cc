@@ -38,13 +38,11 @@ StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConf
   if (c.block_size <= 0) return InvalidArgumentError("latent cache: block_size must be positive, got ", c.block_size);
   if (c.dtype != DType::kBF16 && c.dtype != DType::kF32)
     return InvalidArgumentError("latent cache: dtype must be bf16 or f32, got ", DTypeName(c.dtype));
-  const int64_t bytes_per_token =
-      c.num_layers * (c.kv_lora_rank + c.rope_dim) * static_cast<int64_t>(DTypeSize(c.dtype));
-  const int64_t block_bytes = bytes_per_token * c.block_size;
-  const int64_t num_blocks = c.budget_bytes / block_bytes;
+  const int64_t block_bytes = c.block_bytes();
+  const int64_t num_blocks = c.num_blocks();
   if (num_blocks < 1)
     return InvalidArgumentError("latent cache: budget_bytes ", c.budget_bytes, " is smaller than one block (",
-                                block_bytes, " bytes = block_size ", c.block_size, " x ", bytes_per_token,
+                                block_bytes, " bytes = block_size ", c.block_size, " x ", c.bytes_per_token(),
                                 " bytes per token)");
   if (num_blocks > INT32_MAX) return InvalidArgumentError("latent cache: more than 2^31 blocks");
   const size_t bytes = static_cast<size_t>(num_blocks * block_bytes);
@@ -69,8 +67,8 @@ LatentCache::~LatentCache() { std::free(pool_); }
 
 LatentCacheStats LatentCache::stats() const {
   LatentCacheStats s;
-  s.bytes_per_token = config_.num_layers * row_width() * static_cast<int64_t>(DTypeSize(config_.dtype));
-  s.block_bytes = s.bytes_per_token * config_.block_size;
+  s.bytes_per_token = config_.bytes_per_token();
+  s.block_bytes = config_.block_bytes();
   s.blocks_total = num_blocks_;
   s.blocks_free = static_cast<int64_t>(free_.size());
   s.blocks_cached = static_cast<int64_t>(evictable_.size());

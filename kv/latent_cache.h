@@ -47,6 +47,18 @@ struct LatentCacheConfig {
   // cannot back its cache) and shows in the process's resident size.
   bool commit_memory = false;
 
+  // num_layers x (L + R) x dtype size.
+  int64_t bytes_per_token() const {
+    return num_layers * (kv_lora_rank + rope_dim) * static_cast<int64_t>(DTypeSize(dtype));
+  }
+  int64_t block_bytes() const { return bytes_per_token() * block_size; }
+  // The capacity rule: the whole blocks of `block_bytes` in `budget_bytes`
+  // (0 when the budget is below one block, or negative).
+  static int64_t BlocksIn(int64_t budget_bytes, int64_t block_bytes) {
+    return block_bytes > 0 && budget_bytes >= block_bytes ? budget_bytes / block_bytes : 0;
+  }
+  int64_t num_blocks() const { return BlocksIn(budget_bytes, block_bytes()); }
+
   friend bool operator==(const LatentCacheConfig&, const LatentCacheConfig&) = default;
 };
 

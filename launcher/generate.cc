@@ -249,7 +249,7 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   std::ostringstream mem;
   mem << session.rank() << " " << groups->dp_rank() << " " << groups->attn_tp_rank() << " " << wb.attention << " "
       << wb.moe << " " << wb.dense_mlp << " " << wb.embedding_and_head << " " << cs.now.bytes_capacity << " "
-      << cs.peak_bytes_used << " " << cs.bytes_written;
+      << cs.peak_bytes_used() << " " << cs.bytes_written;
   auto all_lines = AllGatherStrings(world, lines);
   auto all_mem = AllGatherStrings(world, mem.str());
   if (!all_lines.ok() || !all_mem.ok()) session.Abort("cannot gather the results", 1);

@@ -93,7 +93,7 @@ StatusOr<RequestSet> ReadRequestSet(const std::string& requests_path, const std:
 
 struct Side {
   WeightBytes weights;
-  int64_t workspace = 0, bytes_per_token = 0, block_bytes = 0, blocks_total = 0, request_blocks = -1;
+  int64_t bytes_per_token = 0, block_bytes = 0, blocks_total = 0, request_blocks = -1;
 };
 
 Json SideJson(const Side& s) {
@@ -146,10 +146,11 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
     const v1::RankStats& first = *ranks.front();
     const std::string model = opt.model.empty() ? first.model() : opt.model;
     const std::string kv = opt.kv_dtype.empty() ? first.kv_dtype() : opt.kv_dtype;
-    MLARUN_ASSIGN_OR_RETURN(ModelConfig full, memory_internal::LoadMemoryModel(model, kv, 0));
-    int64_t layers = opt.num_layers;
-    if (layers == 0 && first.num_layers() > 0 && first.num_layers() != full.num_hidden_layers) layers = first.num_layers();
-    MLARUN_ASSIGN_OR_RETURN(const ModelConfig c, memory_internal::LoadMemoryModel(model, kv, layers));
+    MLARUN_ASSIGN_OR_RETURN(ModelConfig c, memory_internal::LoadMemoryModel(model, kv, opt.num_layers));
+    if (opt.num_layers == 0 && first.num_layers() > 0 && first.num_layers() != c.num_hidden_layers) {
+      // The worker ran a reduced depth (--num-layers, YAML models).
+      MLARUN_ASSIGN_OR_RETURN(c, memory_internal::LoadMemoryModel(model, kv, first.num_layers()));
+    }
     MLARUN_ASSIGN_OR_RETURN(const ParallelLayout layout, ParseParallelLayout(first.parallel()));
     if (static_cast<int>(ranks.size()) != layout.world())
       return FailedPreconditionError("worker job ", worker_id, " (", first.parallel(), ") reported ", ranks.size(),
@@ -179,18 +180,20 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       Side p, m;
       const ModelShard shard = ModelShard::For(layout, k->rank());
       p.weights = PredictWeightBytes(c, shard);
-      p.workspace = PredictPrefillWorkspace(c, layout.attn_tp, opt.chunk_rows).total();
+      // The prefill workspace is reserved from the shapes on both sides (it is
+      // allocated only when a long prefill runs), so it is an input here, not
+      // a measurement.
+      const int64_t workspace = PredictPrefillWorkspace(c, layout.attn_tp, opt.chunk_rows).total();
       p.bytes_per_token = LatentBytesPerToken(c);
       p.block_bytes = p.bytes_per_token * k->block_size();
-      const int64_t budget = k->memory_budget_bytes() > 0 ? k->memory_budget_bytes() - p.weights.total() - p.workspace
+      const int64_t budget = k->memory_budget_bytes() > 0 ? k->memory_budget_bytes() - p.weights.total() - workspace
                                                           : k->cache_budget_bytes();
-      p.blocks_total = CacheBlocksFor(budget, p.block_bytes);
+      p.blocks_total = LatentCacheConfig::BlocksIn(budget, p.block_bytes);
       m.weights = WeightBytes{.attention = k->attention_weight_bytes(),
                               .attention_replicated = k->attention_replicated_weight_bytes(),
                               .dense_mlp = k->dense_mlp_weight_bytes(),
                               .moe = k->moe_weight_bytes(),
                               .embedding_and_head = k->embedding_head_weight_bytes()};
-      m.workspace = k->workspace_bytes();
       m.bytes_per_token = k->cache_bytes_per_token();
       m.block_bytes = k->cache_block_bytes();
       m.blocks_total = k->cache_blocks_total();
@@ -206,7 +209,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                  p.weights.embedding_and_head == m.weights.embedding_and_head;
       const bool cache_agree = p.bytes_per_token == m.bytes_per_token && p.block_bytes == m.block_bytes &&
                                p.blocks_total == m.blocks_total && p.request_blocks == m.request_blocks;
-      const bool agree = weights_agree && cache_agree && p.workspace == m.workspace;
+      const bool agree = weights_agree && cache_agree && workspace == k->workspace_bytes();
       all_agree &= agree;
       auto pair = [](int64_t x, int64_t y) { return Thousands(x) + " | " + Thousands(y); };
       text << "  " << std::left << std::setw(5) << k->rank() << std::setw(6) << k->dp_group() << std::setw(3)
@@ -217,7 +220,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
            << (set ? pair(p.request_blocks, m.request_blocks) : std::string("-")) << std::setw(7)
            << Thousands(k->cache_blocks_peak()) << "  "
            << std::left << std::setw(7)
-           << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace)")
+           << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace reserved)")
            << std::right << std::setw(16) << memory_internal::Human(k->resident_bytes()) << std::setw(16)
            << memory_internal::Human(k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes) << "\n";
       ranks_json.push_back(Json{{"rank", k->rank()},
@@ -225,7 +228,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                 {"attn_tp_rank", k->attn_tp_rank()},
                                 {"predicted", SideJson(p)},
                                 {"measured", SideJson(m)},
-                                {"workspace_bytes", {{"predicted", p.workspace}, {"measured", m.workspace}}},
+                                {"workspace_reserved_bytes", k->workspace_bytes()},
                                 {"cache_blocks_peak", k->cache_blocks_peak()},
                                 {"cache_bytes_peak", k->cache_bytes_peak()},
                                 {"resident_bytes", k->resident_bytes()},

@@ -16,27 +16,24 @@ namespace mlarun {
 namespace memory_internal {
 
 StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world) {
-  static const std::regex kShort(R"((?:dp(\d+))?(?:x)?(?:tp(\d+))?)");
+  // The short forms are spelled out as the --parallel form, whose parser
+  // checks the numbers.
+  static const std::regex kShort(R"(dp(\d+)|tp(\d+)|dp(\d+)xtp(\d+))");
   std::smatch m;
-  ParallelLayout l;
-  if (name.find('=') != std::string::npos) {
-    MLARUN_ASSIGN_OR_RETURN(l, ParseParallelLayout(name));
-  } else if (!name.empty() && std::regex_match(name, m, kShort) && (m[1].matched || m[2].matched) &&
-             (name.find('x') == std::string::npos || (m[1].matched && m[2].matched))) {
-    try {
-      l.dp = m[1].matched ? std::stoi(m[1].str()) : 1;
-      l.attn_tp = m[2].matched ? std::stoi(m[2].str()) : 1;
-    } catch (const std::exception&) {
-      return InvalidArgumentError("layout '", name, "': a number is out of range");
-    }
-    if (l.dp < 1 || l.attn_tp < 1) return InvalidArgumentError("layout '", name, "': sizes must be at least 1");
-  } else {
-    return InvalidArgumentError("layout '", name, "': expected tpN, dpN, dpAxtpB or dp=A,attn_tp=B[,moe=expert|intermediate]");
+  std::string text = name;
+  if (name.find('=') == std::string::npos) {
+    if (!std::regex_match(name, m, kShort))
+      return InvalidArgumentError("layout '", name, "': expected tpN, dpN, dpAxtpB or dp=A,attn_tp=B[,moe=expert|intermediate]");
+    text = m[1].matched ? "dp=" + m[1].str()
+           : m[2].matched ? "attn_tp=" + m[2].str()
+                          : "dp=" + m[3].str() + ",attn_tp=" + m[4].str();
   }
-  if (world > 0 && l.world() != world)
-    return InvalidArgumentError("layout '", name, "' has ", l.world(), " ranks (dp ", l.dp, " x attn_tp ", l.attn_tp,
+  auto l = ParseParallelLayout(text);
+  if (!l.ok()) return InvalidArgumentError("layout '", name, "': ", l.status().message());
+  if (world > 0 && l->world() != world)
+    return InvalidArgumentError("layout '", name, "' has ", l->world(), " ranks (dp ", l->dp, " x attn_tp ", l->attn_tp,
                                 ") but --world is ", world);
-  return l;
+  return *l;
 }
 
 std::string LayoutName(const ParallelLayout& l) {

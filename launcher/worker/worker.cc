@@ -221,8 +221,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   if (o.memory_gib > 0) {
     memory_bytes = static_cast<int64_t>(o.memory_gib * double(int64_t{1} << 30));
     engine.cache_budget_bytes = memory_bytes - weights.total() - workspace.total();
-    const int64_t block_bytes = CacheBytesPerToken(mc) * engine.block_size;
-    if (CacheBlocksFor(engine.cache_budget_bytes, block_bytes) == 0)
+    const LatentCacheConfig cache_config = CacheConfigFor(mc, engine.cache_budget_bytes, engine.block_size);
+    const int64_t block_bytes = cache_config.block_bytes();
+    if (cache_config.num_blocks() == 0)
       session.Abort("--memory-gib " + std::to_string(o.memory_gib) + ": " + std::to_string(memory_bytes) +
                         " B per rank minus weights (" + std::to_string(weights.total()) + " B) and prefill workspace (" +
                         std::to_string(workspace.total()) + " B) leaves " + std::to_string(engine.cache_budget_bytes) +

@@ -23,8 +23,7 @@ const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_->O
 
 void RankRunner::UpdateCacheStats(const StepPlan& plan) {
   cache_stats_.now = engine_->cache().stats();
-  peak_blocks_used_ = std::max(peak_blocks_used_, cache_stats_.now.blocks_used);
-  cache_stats_.peak_bytes_used = peak_blocks_used_ * cache_stats_.now.block_bytes;
+  cache_stats_.peak_blocks_used = std::max(cache_stats_.peak_blocks_used, cache_stats_.now.blocks_used);
   cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
 }
 
@@ -53,10 +52,11 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   //    already taken.
   Communicator& world = *groups_.world;
   const LatentCacheStats cs = engine_->cache().stats();
-  peak_blocks_used_ = std::max(peak_blocks_used_, cs.blocks_used);
+  int64_t& peak = cache_stats_.peak_blocks_used;
+  peak = std::max(peak, cs.blocks_used);
   constexpr int kFields = 6;
   const int64_t mine[kFields] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0, stop ? 1 : 0,
-                                 cs.blocks_used, peak_blocks_used_, cs.blocks_retired};
+                                 cs.blocks_used, peak, cs.blocks_retired};
   std::vector<int64_t> all(static_cast<size_t>(kFields * world.size()));
   MLARUN_RETURN_IF_ERROR(world.AllGather(mine, kFields, all.data(), CommType::kI64));
   bool any_work = false, any_stop = false;
@@ -79,7 +79,6 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   const auto t0 = std::chrono::steady_clock::now();
   MLARUN_ASSIGN_OR_RETURN(const std::vector<float> logits, model_.Forward(seqs, engine_->mutable_cache(), &step));
   engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  ++steps_;
   // 4. Sampling, on the leader. Members mirror the cache commits through the
   //    next plan's cache operations.
   if (is_leader()) {

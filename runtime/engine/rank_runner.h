@@ -26,15 +26,16 @@ namespace mlarun {
 
 struct RankCacheStats {
   LatentCacheStats now;
-  int64_t peak_bytes_used = 0;
-  int64_t bytes_written = 0;  // rows appended x bytes per token, cumulative
+  int64_t peak_blocks_used = 0;  // highest now.blocks_used at an exchange or after a step
+  int64_t bytes_written = 0;     // rows appended x bytes per token, cumulative
+  int64_t peak_bytes_used() const { return peak_blocks_used * now.block_bytes; }
 };
 
 // One rank's own cache, as every rank learns it at each lockstep exchange
 // (the numbers ride on the step's all-gather, so they cost no extra message).
 struct RankCacheSnapshot {
   int64_t blocks_used = 0;
-  int64_t peak_blocks_used = 0;  // highest blocks_used seen at an exchange or after a step
+  int64_t peak_blocks_used = 0;  // RankCacheStats::peak_blocks_used
   int64_t blocks_retired = 0;   // LatentCacheStats::blocks_retired
 };
 
@@ -64,9 +65,6 @@ class RankRunner {
   const RankCacheStats& cache_stats() const { return cache_stats_; }
   // Every rank's snapshot, by world rank, as of the last exchange.
   const std::vector<RankCacheSnapshot>& world_cache() const { return world_cache_; }
-  int64_t steps() const { return steps_; }
-  // Last step's tokens per DP group.
-  const std::vector<int64_t>& last_dp_tokens() const { return dp_tokens_; }
   Engine* engine() { return engine_.get(); }  // leaders; the members' is never scheduled
 
  private:
@@ -80,8 +78,6 @@ class RankRunner {
   std::vector<int64_t> dp_tokens_;
   RankCacheStats cache_stats_;
   std::vector<RankCacheSnapshot> world_cache_;
-  int64_t peak_blocks_used_ = 0;
-  int64_t steps_ = 0;
 };
 
 }  // namespace mlarun

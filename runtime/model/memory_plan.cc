@@ -10,7 +10,7 @@ int64_t Size(DType t) { return static_cast<int64_t>(DTypeSize(t)); }
 
 int64_t LatentBytesPerTokenLayer(const ModelConfig& c) { return (c.kv_lora_rank + c.qk_rope_head_dim) * Size(c.kv_dtype); }
 
-int64_t LatentBytesPerToken(const ModelConfig& c) { return c.num_hidden_layers * LatentBytesPerTokenLayer(c); }
+int64_t LatentBytesPerToken(const ModelConfig& c) { return CacheConfigFor(c, 0, 1).bytes_per_token(); }
 
 int64_t IndexerKeyBytesPerTokenLayer(int64_t index_head_dim) {
   constexpr int64_t kScaleBlock = 128;  // one fp32 scale per 128 e4m3 values
@@ -49,10 +49,6 @@ PrefillWorkspace PredictPrefillWorkspace(const ModelConfig& c, int attn_tp, int6
   return w;
 }
 
-int64_t CacheBlocksFor(int64_t budget_bytes, int64_t block_bytes) {
-  return budget_bytes >= block_bytes && block_bytes > 0 ? budget_bytes / block_bytes : 0;
-}
-
 StatusOr<RankMemory> PlanRankMemory(const ModelConfig& c, const ParallelLayout& layout, const MemoryPlanOptions& o) {
   if (o.memory_bytes < 0) return InvalidArgumentError("memory per rank must not be negative, got ", o.memory_bytes);
   if (o.block_size <= 0) return InvalidArgumentError("block size must be positive, got ", o.block_size);
@@ -71,7 +67,7 @@ StatusOr<RankMemory> PlanRankMemory(const ModelConfig& c, const ParallelLayout& 
   r.block_size = o.block_size;
   r.block_bytes = o.block_size * r.cache_bytes_per_token;
   r.cache_budget_bytes = o.memory_bytes - r.weights.total() - r.workspace.total();
-  r.cache_blocks = CacheBlocksFor(r.cache_budget_bytes, r.block_bytes);
+  r.cache_blocks = LatentCacheConfig::BlocksIn(r.cache_budget_bytes, r.block_bytes);
   r.max_cached_tokens = r.cache_blocks * o.block_size;
   return r;
 }

@@ -101,10 +101,6 @@ struct RankMemory {
   bool fits() const { return cache_blocks > 0; }
 };
 
-// Whole blocks of `block_bytes` in `budget_bytes` (0 for a budget below one
-// block): LatentCache's capacity rule.
-int64_t CacheBlocksFor(int64_t budget_bytes, int64_t block_bytes);
-
 // The plan of rank 0 of `layout`. INVALID_ARGUMENT naming the field when the
 // model cannot be split that way or an option is out of range.
 StatusOr<RankMemory> PlanRankMemory(const ModelConfig& c, const ParallelLayout& layout, const MemoryPlanOptions& o);

@@ -124,10 +124,14 @@ WeightBytes Model::weight_bytes() const {
   return b;
 }
 
-LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) const {
-  return LatentCacheConfig{.num_layers = config_.num_hidden_layers, .kv_lora_rank = config_.kv_lora_rank,
-                           .rope_dim = config_.qk_rope_head_dim, .block_size = block_size, .dtype = config_.kv_dtype,
+LatentCacheConfig CacheConfigFor(const ModelConfig& c, int64_t budget_bytes, int64_t block_size) {
+  return LatentCacheConfig{.num_layers = c.num_hidden_layers, .kv_lora_rank = c.kv_lora_rank,
+                           .rope_dim = c.qk_rope_head_dim, .block_size = block_size, .dtype = c.kv_dtype,
                            .budget_bytes = budget_bytes};
+}
+
+LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) const {
+  return CacheConfigFor(config_, budget_bytes, block_size);
 }
 
 // Y = this rank's part of the MoE for rows X [T, H]: the routed experts it

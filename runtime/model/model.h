@@ -113,6 +113,10 @@ Status ValidateModelShard(const ModelConfig& config, const ModelShard& shard);
 WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard = {},
                                std::optional<DType> projection_dtype = std::nullopt);
 
+// The latent cache a model of `config` needs: its layers, row width and
+// cache dtype, with this budget and block size.
+LatentCacheConfig CacheConfigFor(const ModelConfig& config, int64_t budget_bytes, int64_t block_size);
+
 // The collectives and token counts of one step across ranks.
 struct ParallelStep {
   Communicator* attn_tp = nullptr;    // this DP group (all-reduce of o_proj and MLP outputs)
