@@ -93,10 +93,6 @@ Status Model::Init() {
   if (config_.has_indexer())
     return UnimplementedError("model: DeepSeek Sparse Attention (the DeepSeek-V3.2 indexer, index_n_heads=",
                               config_.index_n_heads, ") is not implemented; `mlarun memory` can still size this model");
-  if (config_.weight_dtype != DType::kF32 && config_.weight_dtype != DType::kBF16)
-    return InvalidArgumentError("model: weight dtype must be f32 or bf16, got ", DTypeName(config_.weight_dtype));
-  if (config_.kv_dtype != DType::kF32 && config_.kv_dtype != DType::kBF16)
-    return InvalidArgumentError("model: kv dtype must be f32 or bf16, got ", DTypeName(config_.kv_dtype));
   MLARUN_ASSIGN_OR_RETURN(Rope rope, Rope::Create(config_.rope));
   rope_ = std::make_unique<Rope>(std::move(rope));
   return MlaCheckConfig(options_.attention);

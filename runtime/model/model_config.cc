@@ -753,8 +753,8 @@ StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text, std::string_
   return ParseConfigObject(root, origin);
 }
 
-StatusOr<ModelConfig> LoadHfConfig(const std::string& dir) {
-  const std::string path = dir + "/config.json";
+StatusOr<ModelConfig> LoadHfConfig(const std::string& dir_or_file) {
+  const std::string path = dir_or_file.ends_with(".json") ? dir_or_file : dir_or_file + "/config.json";
   MLARUN_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
   return ParseHfConfigJson(text, path);
 }

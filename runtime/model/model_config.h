@@ -94,8 +94,8 @@ Status ValidateModelConfig(const ModelConfig& c);
 
 // Parses a Hugging Face config.json (text). `origin` names the file in errors.
 StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text, std::string_view origin);
-// Reads <dir>/config.json.
-StatusOr<ModelConfig> LoadHfConfig(const std::string& dir);
+// Reads <dir>/config.json, or the given .json file.
+StatusOr<ModelConfig> LoadHfConfig(const std::string& dir_or_file);
 
 // A YAML model description: the config.json fields, plus
 //   seed: <int>                     random weights from this seed (default 0)

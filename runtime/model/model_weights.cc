@@ -6,9 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "runtime/base/hash.h"
 #include "runtime/model/model.h"
@@ -364,12 +362,6 @@ StatusOr<ModelConfig> Model::LoadConfig(const std::string& path, const ModelOver
     MLARUN_ASSIGN_OR_RETURN(YamlModel ym, LoadModelYaml(path));
     config = ym.config;
     if (seed) *seed = ym.seed;
-  } else if (path.ends_with(".json")) {
-    std::ifstream in(path);
-    if (!in) return NotFoundError("model ", path, ": cannot open the file");
-    std::ostringstream text;
-    text << in.rdbuf();
-    MLARUN_ASSIGN_OR_RETURN(config, ParseHfConfigJson(text.str(), path));
   } else {
     MLARUN_ASSIGN_OR_RETURN(config, LoadHfConfig(path));
   }
