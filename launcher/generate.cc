@@ -71,18 +71,6 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
   return out.str();
 }
 
-StatusOr<ModelOverrides> Overrides(const GenerateOptions& o) {
-  ModelOverrides ov;
-  if (!o.kv_dtype.empty()) {
-    auto dt = ParseDType(o.kv_dtype);
-    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
-      return InvalidArgumentError("--kv-dtype must be bf16 or fp32, got '", o.kv_dtype, "'");
-    ov.kv_dtype = *dt;
-  }
-  if (o.num_layers > 0) ov.num_layers = o.num_layers;
-  return ov;
-}
-
 }  // namespace
 
 int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) {
@@ -95,7 +83,7 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   // --prompt-ids becomes one JSON line; the sampling flags are every line's defaults.
   std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(*text, o);
 
-  auto ov = Overrides(o);
+  auto ov = ParseModelOverrides(o.kv_dtype, o.num_layers);
   if (!ov.ok()) {
     log << "mlarun generate: " << ov.status().message() << "\n";
     return 2;
@@ -203,7 +191,7 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   if (!world.Broadcast(text.data(), length, CommType::kU8, 0).ok()) session.Abort("cannot broadcast the requests", 2);
   std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(text, o);
 
-  auto ov = Overrides(o);
+  auto ov = ParseModelOverrides(o.kv_dtype, o.num_layers);
   if (!ov.ok()) {
     if (root) log << "mlarun generate: " << ov.status().message() << "\n";
     return 2;

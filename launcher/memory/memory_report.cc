@@ -46,14 +46,7 @@ std::string LayoutName(const ParallelLayout& l) {
 StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string& kv_dtype, int64_t num_layers) {
   if (path.empty()) return InvalidArgumentError("--model is required (a checkpoint directory, config.json or YAML file)");
   if (!std::filesystem::exists(path)) return NotFoundError("--model ", path, ": no such file or directory");
-  ModelOverrides ov;
-  if (!kv_dtype.empty()) {
-    auto dt = ParseDType(kv_dtype);
-    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
-      return InvalidArgumentError("--kv-dtype must be bf16 or fp32, got '", kv_dtype, "'");
-    ov.kv_dtype = *dt;
-  }
-  if (num_layers > 0) ov.num_layers = num_layers;
+  MLARUN_ASSIGN_OR_RETURN(const ModelOverrides ov, ParseModelOverrides(kv_dtype, num_layers));
   return Model::LoadConfig(path, ov);  // parsed configs are validated
 }
 

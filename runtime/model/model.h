@@ -136,6 +136,9 @@ struct ModelOverrides {
   std::optional<DType> kv_dtype;        // --kv-dtype
   std::optional<int64_t> num_layers;    // reduced depth (YAML models only)
 };
+// From the command line's --kv-dtype ("" keeps the model's; bf16 or fp32) and
+// --num-layers (0 keeps the model's). The error names the flag.
+StatusOr<ModelOverrides> ParseModelOverrides(const std::string& kv_dtype, int64_t num_layers);
 
 class Model {
  public:

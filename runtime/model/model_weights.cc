@@ -355,6 +355,18 @@ StatusOr<std::unique_ptr<Model>> Model::Random(const ModelConfig& config, uint64
   return m;
 }
 
+StatusOr<ModelOverrides> ParseModelOverrides(const std::string& kv_dtype, int64_t num_layers) {
+  ModelOverrides ov;
+  if (!kv_dtype.empty()) {
+    auto dt = ParseDType(kv_dtype);
+    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
+      return InvalidArgumentError("--kv-dtype must be bf16 or fp32, got '", kv_dtype, "'");
+    ov.kv_dtype = *dt;
+  }
+  if (num_layers > 0) ov.num_layers = num_layers;
+  return ov;
+}
+
 StatusOr<ModelConfig> Model::LoadConfig(const std::string& path, const ModelOverrides& overrides, uint64_t* seed) {
   ModelConfig config;
   const bool yaml = path.ends_with(".yaml") || path.ends_with(".yml");
