@@ -48,31 +48,46 @@ class Communicator {
   // "mpi" or "nccl".
   virtual std::string_view backend() const = 0;
 
+  // Each collective below checks what every backend requires (a known type,
+  // counts >= 0, one count per rank, a root inside the group), adds this
+  // rank's contribution to stats(), and hands over to the backend. A call
+  // refused here reaches no other rank and is not counted.
+
   // buf[0, count) <- sum over ranks, in place, on every rank. Any type (bf16
   // sums are accumulated in fp32 by the MPI backend, per step by NCCL).
-  virtual Status AllReduceSum(void* buf, int64_t count, CommType t) = 0;
+  Status AllReduceSum(void* buf, int64_t count, CommType t);
 
   // recv[r * count, (r + 1) * count) <- rank r's send[0, count).
-  virtual Status AllGather(const void* send, int64_t count, void* recv, CommType t) = 0;
+  Status AllGather(const void* send, int64_t count, void* recv, CommType t);
 
   // Variable counts: counts[r] is rank r's contribution (every rank passes
   // the same counts); rank r's elements land at offset sum(counts[0..r)).
-  virtual Status AllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
+  Status AllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t);
 
   // send holds sum(counts) elements on every rank; rank r receives, in
   // recv[0, counts[r]), the element-wise sum over ranks of the slice at offset
   // sum(counts[0..r)). Any type, as AllReduceSum.
-  virtual Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
+  Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t);
 
   // buf[0, count) <- root's buf.
-  virtual Status Broadcast(void* buf, int64_t count, CommType t, int root) = 0;
+  Status Broadcast(void* buf, int64_t count, CommType t, int root);
 
-  virtual Status Barrier() = 0;
+  Status Barrier();
 
   const CommStats& stats() const { return stats_; }
   CommStats& mutable_stats() { return stats_; }
 
  protected:
+  // The backend's part, with arguments already checked as above (a backend
+  // may refuse more, e.g. MPI's int counts).
+  virtual Status DoAllReduceSum(void* buf, int64_t count, CommType t) = 0;
+  virtual Status DoAllGather(const void* send, int64_t count, void* recv, CommType t) = 0;
+  virtual Status DoAllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
+  virtual Status DoReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) = 0;
+  virtual Status DoBroadcast(void* buf, int64_t count, CommType t, int root) = 0;
+  virtual Status DoBarrier() = 0;
+
+ private:
   CommStats stats_;
 };
 

@@ -98,26 +98,18 @@ MPI_Datatype MpiType(CommType t) {
   return MPI_DATATYPE_NULL;
 }
 
-Status CheckType(CommType t) {
-  if (CommTypeSize(t) == 0) return InvalidArgumentError("unknown CommType ", static_cast<int>(t));
-  return Status::Ok();
-}
-
 // MPI counts are int. Larger counts are refused rather than truncated: no
-// single collective in this project comes near 2^31 elements.
+// single collective in this project comes near 2^31 elements. (Negative
+// counts and unknown types never get here: Communicator checks them.)
 Status CheckCount(int64_t count, const char* what) {
-  if (count < 0) return InvalidArgumentError(what, " count ", count, " is negative");
   if (count > INT_MAX) return InvalidArgumentError(what, " count ", count, " exceeds the MPI limit ", INT_MAX);
   return Status::Ok();
 }
 
-// Validates per-rank counts; fills `ints` (the counts) and `displs` (their
-// prefix sums), both as MPI ints, and returns the total in `total`.
-Status CheckCountsV(std::span<const int64_t> counts, int comm_size, const char* what, std::vector<int>* ints,
+// Fills `ints` (the counts) and `displs` (their prefix sums), both as MPI
+// ints, and returns the total in `total`.
+Status CountsAsInts(std::span<const int64_t> counts, const char* what, std::vector<int>* ints,
                     std::vector<int>* displs, int64_t* total) {
-  if (static_cast<int64_t>(counts.size()) != comm_size) {
-    return InvalidArgumentError(what, ": ", counts.size(), " counts for a group of ", comm_size, " ranks");
-  }
   ints->resize(counts.size());
   displs->resize(counts.size());
   int64_t sum = 0;
@@ -151,10 +143,8 @@ class MpiCommunicator final : public Communicator {
   int size() const override { return size_; }
   std::string_view backend() const override { return "mpi"; }
 
-  Status AllReduceSum(void* buf, int64_t count, CommType t) override {
-    MLARUN_RETURN_IF_ERROR(CheckType(t));
+  Status DoAllReduceSum(void* buf, int64_t count, CommType t) override {
     MLARUN_RETURN_IF_ERROR(CheckCount(count, "AllReduceSum"));
-    Count(stats_.all_reduce, count * static_cast<int64_t>(CommTypeSize(t)));
     MPI_Request request;
     if (t == CommType::kBF16) {
       // Sum in fp32: exact for the partial sums bf16 can hold, and one
@@ -172,34 +162,28 @@ class MpiCommunicator final : public Communicator {
     return WaitForRequest(&request);
   }
 
-  Status AllGather(const void* send, int64_t count, void* recv, CommType t) override {
-    MLARUN_RETURN_IF_ERROR(CheckType(t));
+  Status DoAllGather(const void* send, int64_t count, void* recv, CommType t) override {
     MLARUN_RETURN_IF_ERROR(CheckCount(count, "AllGather"));
-    Count(stats_.all_gather, count * static_cast<int64_t>(CommTypeSize(t)));
     MPI_Request request;
     const int n = static_cast<int>(count);
     MLARUN_MPI_RETURN_IF_ERROR(MPI_Iallgather(send, n, MpiType(t), recv, n, MpiType(t), comm_, &request));
     return WaitForRequest(&request);
   }
 
-  Status AllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
-    MLARUN_RETURN_IF_ERROR(CheckType(t));
+  Status DoAllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
     std::vector<int> ints, displs;
     int64_t total = 0;
-    MLARUN_RETURN_IF_ERROR(CheckCountsV(counts, size_, "AllGatherV", &ints, &displs, &total));
-    Count(stats_.all_gather, counts[rank_] * static_cast<int64_t>(CommTypeSize(t)));
+    MLARUN_RETURN_IF_ERROR(CountsAsInts(counts, "AllGatherV", &ints, &displs, &total));
     MPI_Request request;
     MLARUN_MPI_RETURN_IF_ERROR(MPI_Iallgatherv(send, ints[rank_], MpiType(t), recv, ints.data(), displs.data(),
                                                MpiType(t), comm_, &request));
     return WaitForRequest(&request);
   }
 
-  Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
-    MLARUN_RETURN_IF_ERROR(CheckType(t));
+  Status DoReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
     std::vector<int> ints, displs;
     int64_t total = 0;
-    MLARUN_RETURN_IF_ERROR(CheckCountsV(counts, size_, "ReduceScatterSumV", &ints, &displs, &total));
-    Count(stats_.reduce_scatter, total * static_cast<int64_t>(CommTypeSize(t)));
+    MLARUN_RETURN_IF_ERROR(CountsAsInts(counts, "ReduceScatterSumV", &ints, &displs, &total));
     MPI_Request request;
     if (t == CommType::kBF16) {
       // As in AllReduceSum: widen, reduce in fp32, round once.
@@ -216,33 +200,20 @@ class MpiCommunicator final : public Communicator {
     return WaitForRequest(&request);
   }
 
-  Status Broadcast(void* buf, int64_t count, CommType t, int root) override {
-    MLARUN_RETURN_IF_ERROR(CheckType(t));
+  Status DoBroadcast(void* buf, int64_t count, CommType t, int root) override {
     MLARUN_RETURN_IF_ERROR(CheckCount(count, "Broadcast"));
-    if (root < 0 || root >= size_) {
-      return InvalidArgumentError("Broadcast root ", root, " is outside a group of ", size_, " ranks");
-    }
-    Count(stats_.broadcast, rank_ == root ? count * static_cast<int64_t>(CommTypeSize(t)) : 0);
     MPI_Request request;
     MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibcast(buf, static_cast<int>(count), MpiType(t), root, comm_, &request));
     return WaitForRequest(&request);
   }
 
-  Status Barrier() override {
-    Count(stats_.barrier, 0);
+  Status DoBarrier() override {
     MPI_Request request;
     MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibarrier(comm_, &request));
     return WaitForRequest(&request);
   }
 
  private:
-  // Stats count the collectives that were issued: a call refused for its
-  // arguments never reached the other ranks.
-  static void Count(CommStats::Entry& entry, int64_t bytes) {
-    ++entry.calls;
-    entry.bytes += bytes;
-  }
-
   MPI_Comm comm_;
   int rank_, size_;
 };

@@ -54,19 +54,6 @@ StatusOr<ncclDataType_t> NcclType(CommType t) {
   return InvalidArgumentError("unknown CommType ", static_cast<int>(t));
 }
 
-Status CheckCount(int64_t count, const char* what) {
-  if (count < 0) return InvalidArgumentError(what, " count ", count, " is negative");
-  return Status::Ok();
-}
-
-Status CheckCountsV(std::span<const int64_t> counts, int comm_size, const char* what) {
-  if (static_cast<int64_t>(counts.size()) != comm_size) {
-    return InvalidArgumentError(what, ": ", counts.size(), " counts for a group of ", comm_size, " ranks");
-  }
-  for (const int64_t c : counts) MLARUN_RETURN_IF_ERROR(CheckCount(c, what));
-  return Status::Ok();
-}
-
 bool AllEqual(std::span<const int64_t> counts) {
   return std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts.front(); });
 }
@@ -108,28 +95,22 @@ class NcclCommunicator final : public Communicator {
 
   // Note: NCCL reduces bf16 in bf16 steps (rounding after each partial sum);
   // the MPI backend sums in fp32. Both are exact for small integers.
-  Status AllReduceSum(void* buf, int64_t count, CommType t) override {
+  Status DoAllReduceSum(void* buf, int64_t count, CommType t) override {
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_RETURN_IF_ERROR(CheckCount(count, "AllReduceSum"));
-    Count(stats_.all_reduce, count * static_cast<int64_t>(CommTypeSize(t)));
     MLARUN_NCCL_RETURN_IF_ERROR(
         ncclAllReduce(buf, buf, static_cast<size_t>(count), type, ncclSum, comm_, stream_), comm_);
     return Synchronize();
   }
 
-  Status AllGather(const void* send, int64_t count, void* recv, CommType t) override {
+  Status DoAllGather(const void* send, int64_t count, void* recv, CommType t) override {
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_RETURN_IF_ERROR(CheckCount(count, "AllGather"));
-    Count(stats_.all_gather, count * static_cast<int64_t>(CommTypeSize(t)));
     MLARUN_NCCL_RETURN_IF_ERROR(ncclAllGather(send, recv, static_cast<size_t>(count), type, comm_, stream_), comm_);
     return Synchronize();
   }
 
-  Status AllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
+  Status DoAllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_RETURN_IF_ERROR(CheckCountsV(counts, size_, "AllGatherV"));
     const size_t elem = CommTypeSize(t);
-    Count(stats_.all_gather, counts[rank_] * static_cast<int64_t>(elem));
     if (AllEqual(counts)) {
       MLARUN_NCCL_RETURN_IF_ERROR(
           ncclAllGather(send, recv, static_cast<size_t>(counts[0]), type, comm_, stream_), comm_);
@@ -156,13 +137,9 @@ class NcclCommunicator final : public Communicator {
     return Synchronize();
   }
 
-  Status ReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
+  Status DoReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_RETURN_IF_ERROR(CheckCountsV(counts, size_, "ReduceScatterSumV"));
     const size_t elem = CommTypeSize(t);
-    int64_t total = 0;
-    for (const int64_t c : counts) total += c;
-    Count(stats_.reduce_scatter, total * static_cast<int64_t>(elem));
     if (AllEqual(counts)) {
       MLARUN_NCCL_RETURN_IF_ERROR(
           ncclReduceScatter(send, recv, static_cast<size_t>(counts[0]), type, ncclSum, comm_, stream_), comm_);
@@ -186,13 +163,8 @@ class NcclCommunicator final : public Communicator {
     return Synchronize();
   }
 
-  Status Broadcast(void* buf, int64_t count, CommType t, int root) override {
+  Status DoBroadcast(void* buf, int64_t count, CommType t, int root) override {
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_RETURN_IF_ERROR(CheckCount(count, "Broadcast"));
-    if (root < 0 || root >= size_) {
-      return InvalidArgumentError("Broadcast root ", root, " is outside a group of ", size_, " ranks");
-    }
-    Count(stats_.broadcast, rank_ == root ? count * static_cast<int64_t>(CommTypeSize(t)) : 0);
     MLARUN_NCCL_RETURN_IF_ERROR(
         ncclBroadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), comm_);
     return Synchronize();
@@ -201,18 +173,12 @@ class NcclCommunicator final : public Communicator {
   // An all-reduce of one float in the communicator's own device scratch
   // word: it cannot complete on any rank before every rank has issued it, and
   // it needs no host communicator (the bootstrap may be gone by now).
-  Status Barrier() override {
-    Count(stats_.barrier, 0);
+  Status DoBarrier() override {
     MLARUN_NCCL_RETURN_IF_ERROR(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), comm_);
     return Synchronize();
   }
 
  private:
-  static void Count(CommStats::Entry& entry, int64_t bytes) {
-    ++entry.calls;
-    entry.bytes += bytes;
-  }
-
   // Runs `enqueue` between ncclGroupStart and ncclGroupEnd. The group is
   // closed even when an enqueue fails, so the next call starts clean.
   template <typename F>
