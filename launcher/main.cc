@@ -113,6 +113,7 @@ int main(int argc, char** argv) {
   memory->add_option("--chunk-rows", mem.chunk_rows, "Rows of the expanded path's up-projection chunk")
       ->capture_default_str()->check(CLI::PositiveNumber);
   memory->add_flag("--json", mem.json, "One JSON document instead of the tables");
+  memory->add_option("--json-out", mem.json_path, "Also write the JSON document to this file");
   memory->add_option("--svg", mem.svg_path, "Draw per-rank memory by category and the max cached tokens into this SVG file");
   memory->add_flag("--measure", mem.measure, "Compare with a live deployment (GetStats from --coordinator)");
   auto* m_coord = memory->add_option("--coordinator", mem.coordinator, "Coordinator host:port (with --measure)");

@@ -25,6 +25,7 @@ struct MemoryOptions {
   int64_t block_size = 64;
   int64_t chunk_rows = 65536;        // expanded-path workspace rows
   bool json = false;                 // one JSON document instead of the tables
+  std::string json_path;             // also write that document to this file (the tables still print)
   std::string svg_path;              // the chart, if set
 
   // --measure: compare with a live deployment.

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 
+#include "launcher/memory/memory.h"
 #include "parallel/layout.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
@@ -19,6 +20,8 @@ StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world);
 std::string LayoutName(const ParallelLayout& l);
 // The model's config with --kv-dtype / --num-layers applied, validated.
 StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string& kv_dtype, int64_t num_layers);
+// Prints `doc` (--json) or `text`, and writes `doc` to opt.json_path if set.
+Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string& text, std::ostream& out);
 // "" (what mlarun holds), bf16, fp32, fp8.
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name);
 

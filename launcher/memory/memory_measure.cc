@@ -256,12 +256,10 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   text << (all_agree ? "predicted and measured agree: weights to the byte, latent cache to the block, on every rank\n"
                      : "predicted and measured DISAGREE (see the rows marked NO)\n");
   if (!settled) text << "note: the ranks' reports had not settled within " << opt.timeout_s << " s\n";
-  if (opt.json) {
-    out << Json{{"coordinator", opt.coordinator}, {"settled", settled}, {"agree", all_agree}, {"jobs", jobs_json}}.dump(2)
-        << "\n";
-  } else {
-    out << text.str();
-  }
+  MLARUN_RETURN_IF_ERROR(memory_internal::Emit(
+      opt,
+      Json{{"coordinator", opt.coordinator}, {"settled", settled}, {"agree", all_agree}, {"jobs", jobs_json}}.dump(2) + "\n",
+      text.str(), out));
   if (!all_agree) return FailedPreconditionError("predicted and measured memory differ");
   return Status::Ok();
 }

@@ -50,6 +50,14 @@ StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string
   return Model::LoadConfig(path, ov);  // parsed configs are validated
 }
 
+Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string& text, std::ostream& out) {
+  out << (opt.json ? doc : text);
+  if (opt.json_path.empty()) return Status::Ok();
+  std::ofstream f(opt.json_path);
+  if (!(f << doc)) return InvalidArgumentError("--json-out ", opt.json_path, ": cannot write the file");
+  return Status::Ok();
+}
+
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
   if (name.empty()) return std::optional<DType>();
   if (name == "fp8" || name == "f8_e4m3" || name == "e4m3") return std::optional<DType>(DType::kF8E4M3);
@@ -457,13 +465,10 @@ Status WriteSvg(const Report& r, const std::string& path) {
 Status RunMemory(const MemoryOptions& opt, std::ostream& out) {
   MLARUN_ASSIGN_OR_RETURN(const Report r, Build(opt));
   if (!opt.svg_path.empty()) MLARUN_RETURN_IF_ERROR(WriteSvg(r, opt.svg_path));
-  if (opt.json) {
-    out << ToJson(r).dump(2) << "\n";
-  } else {
-    PrintText(r, out);
-    if (!opt.svg_path.empty()) out << "\nchart written to " << opt.svg_path << "\n";
-  }
-  return Status::Ok();
+  std::ostringstream text;
+  PrintText(r, text);
+  if (!opt.svg_path.empty()) text << "\nchart written to " << opt.svg_path << "\n";
+  return memory_internal::Emit(opt, ToJson(r).dump(2) + "\n", text.str(), out);
 }
 
 }  // namespace mlarun
