@@ -5,10 +5,10 @@
 
 #include <random>
 
+#include "tests/test_paths.h"
+
 namespace mlarun {
 namespace {
-
-std::string TinyYaml() { return std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml"; }
 
 std::unique_ptr<Model> Tiny(DType kv = DType::kF32) {
   auto m = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = kv, .num_layers = std::nullopt});
@@ -43,11 +43,14 @@ std::vector<GenerationRequest> MixedRequests() {
 std::vector<GenerationOutput> RunAll(Model& m, const EngineConfig& ec, std::vector<GenerationRequest> reqs,
                                      EngineStats* stats = nullptr, int64_t* blocks_retired = nullptr) {
   auto engine = std::move(Engine::Create(m, ec)).value();
+  const size_t n = reqs.size();
   std::vector<GenerationOutput> out;
   for (auto& r : engine->Generate(std::move(reqs))) {
     EXPECT_TRUE(r.ok()) << r.status();
     out.push_back(r.ok() ? *r : GenerationOutput{});
   }
+  EXPECT_EQ(out.size(), n) << "one output per request";
+  out.resize(n);  // callers index by request
   if (stats) *stats = engine->stats();
   if (blocks_retired) *blocks_retired = engine->cache().stats().blocks_retired;
   return out;
@@ -63,6 +66,8 @@ TEST(Engine, MixedBatchGivesEachRequestItsTokensAlone) {
   // other requests' decodes.
   EngineStats stats;
   const auto together = RunAll(*m, EngineConfig{.max_num_batched_tokens = 24, .cache_budget_bytes = 16 << 20}, reqs, &stats);
+  ASSERT_EQ(together.size(), reqs.size());
+  ASSERT_EQ(alone.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     EXPECT_EQ(together[i].tokens, alone[i].tokens) << "request " << i;
     EXPECT_EQ(together[i].tokens.size(), static_cast<size_t>(reqs[i].sampling.max_tokens));
@@ -114,6 +119,8 @@ TEST(Engine, PrefixBlocksAreReused) {
   const auto p = RandomPrompt(70, 21);
   auto first = engine->Generate({{p, Greedy(5)}});
   auto second = engine->Generate({{p, Greedy(5)}});
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(second.size(), 1u);
   ASSERT_TRUE(first[0].ok() && second[0].ok());
   EXPECT_EQ(first[0]->prefix_hit_tokens, 0);
   EXPECT_EQ(second[0]->prefix_hit_tokens, 64);  // four full blocks of the 70-token prompt
@@ -164,6 +171,8 @@ TEST(Engine, BadRequestsAreRejectedOthersComplete) {
   };
   const auto out = engine->Generate(reqs);
   const std::vector<std::string> field = {"", "empty", "vocabulary", "max_position_embeddings", "temperature", "top_p", ""};
+  ASSERT_EQ(field.size(), reqs.size());
+  ASSERT_EQ(out.size(), reqs.size());
   for (size_t i = 0; i < out.size(); ++i) {
     if (field[i].empty()) {
       ASSERT_TRUE(out[i].ok()) << i << ": " << out[i].status();

@@ -83,7 +83,26 @@ TEST(LatentWriteCuda, BadParamsAreErrors) {
   LatentWriteParams p{.dtype = DType::kF16, .block_size = 16, .stride_block = 16 * 8, .stride_token = 8,
                       .d_latent = 6, .d_rope = 2};
   const Status st = LaunchWriteLatentRows(p);
-  EXPECT_TRUE(st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kUnimplemented) << st;
+  // MLARUN_HAVE_CUDA comes with mlarun_base (a PUBLIC definition) exactly when
+  // the CUDA backend is built. The argument check runs before any device work,
+  // so a CUDA build rejects f16 even without a GPU; without CUDA the stub
+  // refuses every call.
+#ifdef MLARUN_HAVE_CUDA
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("dtype"), std::string::npos) << st;
+#else
+  EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << st;
+#endif
+  // A supported dtype with a row stride narrower than the row (6 + 2 > 7).
+  LatentWriteParams narrow = p;
+  narrow.dtype = DType::kF32;
+  narrow.stride_token = 7;
+  const Status st2 = LaunchWriteLatentRows(narrow);
+#ifdef MLARUN_HAVE_CUDA
+  EXPECT_EQ(st2.code(), StatusCode::kInvalidArgument) << st2;
+#else
+  EXPECT_EQ(st2.code(), StatusCode::kUnimplemented) << st2;
+#endif
 }
 
 }  // namespace

@@ -8,10 +8,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "tests/test_paths.h"
+
 namespace mlarun {
 namespace {
-
-std::string TinyYaml() { return std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml"; }
 
 std::vector<nlohmann::json> Lines(const std::string& text) {
   std::vector<nlohmann::json> out;
@@ -71,7 +71,9 @@ TEST(Generate, JsonLinesInInputOrder) {
   one.sampling.ignore_eos = true;
   std::ostringstream out1;
   EXPECT_EQ(RunGenerate(one, out1, log), 0);
-  EXPECT_EQ(Lines(out1.str())[0]["tokens"], lines[0]["tokens"]);
+  const auto alone = Lines(out1.str());
+  ASSERT_EQ(alone.size(), 1u) << out1.str();
+  EXPECT_EQ(alone[0]["tokens"], lines[0]["tokens"]);
 }
 
 TEST(Generate, UnloadableModelIsExitCode2) {

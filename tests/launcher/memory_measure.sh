@@ -4,10 +4,10 @@
 # model, a request set with shared prefixes. Passes only if
 #  * `mlarun memory --measure` reports agreement on every rank;
 #  * independently of it, the ranks' own GetStats numbers equal what this
-#    script works out from the tiny model's shapes: the cache blocks that fit in
-#    G minus weights and workspace, and the blocks the request set held on
-#    each rank (every request's prompt + tokens - 1, in whole blocks, on each
-#    rank of the group that served it);
+#    script works out from the tiny model's shapes: the weights by category,
+#    the cache blocks that fit in G minus weights and workspace, and the
+#    blocks the request set held on each rank (every request's prompt +
+#    tokens - 1, in whole blocks, on each rank of the group that served it);
 #  * a wrong prediction (another cache dtype) is reported as a disagreement;
 #  * bad input exits 2 naming what was wrong.
 #
@@ -62,6 +62,33 @@ assert len(ranks) == np_, ranks
 # max_position_embeddings 4096 (the workspace chunk), blocks of 16 tokens.
 layers, L, R, heads, P, V, e, block = 4, 32, 8, 4, 16, 16, 2, 16
 per_token = layers * (L + R) * e
+# Weights per rank from the same shapes: hidden 64, vocab 512, q_lora 32; the first
+# layer dense (intermediate 128), then MoE: 8 experts and 1 shared, each 32 wide, a
+# router [8, 64] and a score bias [8]. float32 weights (4 B) and norms; W_UK / W_UV
+# kept in the bf16 cache dtype. Attention heads split over attn_tp; the MLPs over
+# all ranks (whole experts, or each expert's width with moe=intermediate; the dense
+# MLP's and the shared expert's width either way).
+H, vocab, QL, dense_layers, inter, n_exp, moe_inter, f = 64, 512, 32, 1, 128, 8, 32, 4
+world, N = np_, heads // tp
+assert dp * tp == world, (dp, tp, world)
+mlp = lambda width: 3 * width * H * f  # gate, up [width, H]; down [H, width]
+attn_replicated = (L + R) * H * f + L * f + 2 * H * f + QL * H * f + QL * f  # kv_a, its norm, 2 layer norms, q_a, its norm
+attn_split = N * (P + V) * L * e + H * N * V * f + N * (P + R) * QL * f  # W_UK + W_UV, o, q_b
+if kv.get("moe", "expert") == "expert":
+    routed = (n_exp // world) * mlp(moe_inter)
+else:
+    routed = n_exp * mlp(moe_inter // world)
+want_weights = {
+    "attention_weight_bytes": layers * (attn_replicated + attn_split),
+    "dense_mlp_weight_bytes": dense_layers * mlp(inter // world),
+    "moe_weight_bytes": (layers - dense_layers) * (routed + mlp(moe_inter // world) + n_exp * H * f + n_exp * f),
+    "embedding_head_weight_bytes": 2 * vocab * H * f + H * f,  # embed_tokens, lm_head, final norm
+}
+weights = sum(want_weights.values())
+# README's table (tiny model, 4 ranks): 683,360 B per rank under dp=4, 572,768 B under attn_tp=4.
+readme = {(4, 1): 683_360, (1, 4): 572_768}
+if world == 4 and "moe" not in kv:
+    assert weights == readme[(dp, tp)], (weights, readme[(dp, tp)])
 rows = min(65536, 4096)
 workspace = rows * (L + R) * e + rows * (heads // tp) * ((P + R) + V) * e
 reqs = [json.loads(l) for l in open(f"{work}/requests.jsonl")]
@@ -72,7 +99,8 @@ for q, r in zip(reqs, res):
     assert "error" not in r, r
     by_group[r["dp_group"]] = by_group.get(r["dp_group"], 0) + math.ceil((len(q["prompt_ids"]) + len(r["tokens"]) - 1) / block)
 for k in ranks:
-    weights = sum(int(k.get(f, 0)) for f in ("attention_weight_bytes", "moe_weight_bytes", "dense_mlp_weight_bytes", "embedding_head_weight_bytes"))
+    for field, want in want_weights.items():
+        assert int(k.get(field, 0)) == want, (k["rank"], field, k.get(field), want)
     assert int(k["cache_bytes_per_token"]) == per_token, k
     assert int(k["workspace_bytes"]) == workspace, (k["workspace_bytes"], workspace)
     want_blocks = (int(gib * 2**30) - weights - workspace) // (per_token * block)
@@ -86,9 +114,8 @@ for k in ranks:
 total = sum(int(k.get("cache_blocks_retired", 0)) for k in ranks)
 once = sum(by_group.values())
 assert total == once * tp, (total, once, tp)  # TP holds every block on each of its ranks, DP once
-print(f"memory_measure: {layout}: {once} request blocks, held {total} times over {np_} ranks; capacity {want_blocks} blocks per rank")
+print(f"memory_measure: {layout}: weights {weights} B per rank; {once} request blocks, held {total} times over {np_} ranks; capacity {want_blocks} blocks per rank")
 PY
-[ $? = 0 ] || exit 1
 
 # A prediction for another cache dtype must be reported as a disagreement.
 "$mlarun" memory --measure --coordinator "$addr" --kv-dtype fp32 --timeout 2 >"$work/wrong.txt" 2>&1 &&

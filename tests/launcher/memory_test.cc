@@ -12,11 +12,14 @@
 #include <map>
 #include <sstream>
 
+#include "tests/ref/deepseek_v3_by_hand.h"
+#include "tests/test_paths.h"
+
 namespace mlarun {
 namespace {
 
 using Json = nlohmann::json;
-const std::string kModels = std::string(MLARUN_CONFIGS_DIR) + "/models/";
+const std::string kModels = ConfigPath("models/");
 
 MemoryOptions V3Options() {
   MemoryOptions o;
@@ -33,6 +36,23 @@ std::string Report(const MemoryOptions& o) {
   const Status st = RunMemory(o, out);
   EXPECT_TRUE(st.ok()) << st;
   return out.str();
+}
+
+// One layout's per_rank JSON against the hand arithmetic.
+void ExpectRank(const Json& r, const v3_by_hand::Rank& want, int64_t memory, const std::string& name) {
+  const v3_by_hand::Cache cache = v3_by_hand::CacheOf(want, memory);
+  const Json& w = r["weights"];
+  EXPECT_EQ(w["attention_replicated"], want.attention_replicated) << name;
+  EXPECT_EQ(w["attention_split"], want.attention_split) << name;
+  EXPECT_EQ(w["dense_mlp"], want.dense_mlp) << name;
+  EXPECT_EQ(w["moe"], want.moe) << name;
+  EXPECT_EQ(w["embedding_and_head"], want.embedding_and_head) << name;
+  EXPECT_EQ(w["total"], want.weights()) << name;
+  EXPECT_EQ(r["prefill_workspace_bytes"], want.workspace) << name;
+  EXPECT_EQ(r["cache_bytes_per_token"], v3_by_hand::kCacheBytesPerToken) << name;
+  EXPECT_EQ(r["cache_budget_bytes"], cache.budget) << name;
+  EXPECT_EQ(r["cache_blocks"], cache.blocks) << name;
+  EXPECT_EQ(r["max_cached_tokens"], cache.tokens) << name;
 }
 
 TEST(MemoryCommand, TableCarriesThePinnedNumbers) {
@@ -78,31 +98,48 @@ TEST(MemoryCommand, JsonCarriesThePinnedNumbers) {
   EXPECT_EQ(dp8["per_rank"]["weights"]["attention_split"], split_tp1);
   EXPECT_EQ(tp8["per_rank"]["weights"]["attention_split"], split_tp1 / 8);
   EXPECT_EQ(dp8["per_rank"]["prefill_workspace_bytes"], int64_t{65536} * (576 + 128 * 192 + 128 * 128) * 2);
+  // Every layout's weights, workspace and cache budget from the shapes
+  // (tests/ref/deepseek_v3_by_hand.h), bf16 throughout.
+  const std::map<std::string, int64_t> attn_tp = {{"tp8", 8}, {"dp8", 1}, {"dp2xtp4", 4}};
   for (const Json& l : j["layouts"]) {
-    const Json& r = l["per_rank"];
-    EXPECT_EQ(r["cache_budget_bytes"].get<int64_t>(),
-              (int64_t{141} << 30) - r["weights"]["total"].get<int64_t>() - r["prefill_workspace_bytes"].get<int64_t>());
-    EXPECT_EQ(r["fits"], false);  // bf16: 8 ranks are too few
+    const std::string name = l["name"];
+    ASSERT_TRUE(attn_tp.count(name)) << name;
+    const v3_by_hand::Rank want = v3_by_hand::ByHand(attn_tp.at(name), /*fp8=*/false);
+    ExpectRank(l["per_rank"], want, int64_t{141} << 30, name);
+    EXPECT_GT(want.weights(), int64_t{141} << 30) << name << ": bf16 weights alone exceed 141 GiB";
+    EXPECT_EQ(l["per_rank"]["fits"], false) << name;  // bf16: 8 ranks are too few
   }
 }
 
 // With the release's fp8 projections V3 fits, and data-parallel attention
-// caches more distinct tokens than tensor-parallel at 141 GiB.
+// caches more distinct tokens than tensor-parallel at 141 GiB. Every number
+// per rank is worked out from the shapes (tests/ref/deepseek_v3_by_hand.h).
 TEST(MemoryCommand, Fp8FitsAndDpHoldsMoreDistinctTokens) {
   MemoryOptions o = V3Options();
   o.weight_dtype = "fp8";
   o.json = true;
   const Json j = Json::parse(Report(o));
+  EXPECT_EQ(j["block_size"], v3_by_hand::kBlockTokens);
   std::map<std::string, Json> by;
   for (const Json& l : j["layouts"]) by[l["name"]] = l;
-  for (const auto& [name, l] : by) {
-    const Json& r = l["per_rank"];
-    EXPECT_EQ(r["fits"], true) << name;
-    const int64_t blocks = r["cache_budget_bytes"].get<int64_t>() / (64 * 70272);
-    EXPECT_EQ(r["cache_blocks"], blocks) << name;
-    EXPECT_EQ(r["max_cached_tokens"], blocks * 64) << name;
-    EXPECT_EQ(l["cluster"]["distinct_cached_tokens"], blocks * 64 * l["dp"].get<int64_t>()) << name;
+  ASSERT_EQ(by.size(), 3u);
+  // README's table, max cached tokens per rank: 881,152 / 670,976 / 851,136.
+  const std::map<std::string, std::pair<int64_t, int64_t>> layouts = {
+      {"tp8", {8, 881'152}}, {"dp8", {1, 670'976}}, {"dp2xtp4", {4, 851'136}}};
+  for (const auto& [name, tp_tokens] : layouts) {
+    ASSERT_TRUE(by.count(name)) << name;
+    const Json& l = by[name];
+    const v3_by_hand::Rank want = v3_by_hand::ByHand(tp_tokens.first, /*fp8=*/true);
+    const v3_by_hand::Cache cache = v3_by_hand::CacheOf(want, int64_t{141} << 30);
+    EXPECT_EQ(cache.tokens, tp_tokens.second) << name << ": the hand arithmetic against the README";
+    ExpectRank(l["per_rank"], want, int64_t{141} << 30, name);
+    EXPECT_EQ(l["per_rank"]["fits"], true) << name;
+    EXPECT_EQ(l["dp"], 8 / tp_tokens.first) << name;
+    EXPECT_EQ(l["cluster"]["distinct_cached_tokens"], cache.tokens * (8 / tp_tokens.first)) << name;
   }
+  // fp8 per rank and layer, by hand in deepseek_v3_by_hand.h's terms.
+  EXPECT_EQ(by["tp8"]["per_rank"]["weights"]["moe"], 82'503'702'656);
+  EXPECT_EQ(by["tp8"]["per_rank"]["weights"]["dense_mlp"], 148'671'936);
   EXPECT_GT(by["dp8"]["cluster"]["distinct_cached_tokens"], by["dp2xtp4"]["cluster"]["distinct_cached_tokens"]);
   EXPECT_GT(by["dp2xtp4"]["cluster"]["distinct_cached_tokens"], by["tp8"]["cluster"]["distinct_cached_tokens"]);
   EXPECT_LT(by["dp8"]["per_rank"]["max_cached_tokens"], by["tp8"]["per_rank"]["max_cached_tokens"]);

@@ -61,9 +61,19 @@ grep -q "INVALID_ARGUMENT" "$work/bad.log" || fail "no INVALID_ARGUMENT: $(cat "
 "$mlarun" submit --coordinator "$addr" --prompt-ids 3,4 --max-tokens 2 --json >/dev/null 2>&1 ||
   fail "the service stopped serving after a bad request"
 
-# A request cancelled mid-stream (its deadline passes) frees its blocks.
+# A request cancelled mid-stream (its deadline passes) frees its blocks. It
+# must end on its deadline (DEADLINE_EXCEEDED, not some other error) after
+# streaming at least one token, so the cancellation came mid-stream.
 "$mlarun" submit --coordinator "$addr" --prompt-ids 5,6,7 --max-tokens 3000 --ignore-eos --timeout 0.5 \
-  >/dev/null 2>"$work/cancel.log" && fail "a 3000-token request finished within 0.5 s"
+  --stream --json >"$work/cancel.out" 2>"$work/cancel.log" && fail "a 3000-token request finished within 0.5 s"
+grep -q "DEADLINE_EXCEEDED" "$work/cancel.log" || fail "the cancelled request did not end on its deadline: $(cat "$work/cancel.log")"
+python3 - "$work/cancel.out" <<'PY' || fail "no token streamed before the deadline: $(head -c 300 "$work/cancel.out")"
+import json, sys
+toks = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+assert toks, "empty stream"
+assert [t["index"] for t in toks] == list(range(len(toks))), toks[:5]
+assert len(toks) < 3000, len(toks)
+PY
 freed=0
 for _ in $(seq 50); do
   "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&

@@ -8,10 +8,13 @@
 #include <cmath>
 #include <random>
 
+#include "tests/ref/deepseek_v3_by_hand.h"
+#include "tests/test_paths.h"
+
 namespace mlarun {
 namespace {
 
-const std::string kModels = std::string(MLARUN_FIXTURES_DIR) + "/../../configs/models/";
+const std::string kModels = ConfigPath("models/");
 
 ModelConfig V3() {
   auto c = Model::LoadConfig(kModels + "deepseek-v3.yaml");
@@ -98,6 +101,47 @@ TEST(MemoryPlan, DeepSeekV3AttentionByHand) {
   EXPECT_EQ(f8.attention_replicated, 61 * f8_replicated);
 }
 
+// fp8 DeepSeek-V3 on 8 ranks of 141 GiB against the hand arithmetic of
+// tests/ref/deepseek_v3_by_hand.h: every weight category, the workspace, the
+// cache budget, blocks and tokens, for tp8, dp8 and dp2xtp4.
+TEST(MemoryPlan, DeepSeekV3Fp8On8RanksByHand) {
+  namespace hand = v3_by_hand;
+  // The hand formulas give the totals worked out on paper: per rank and MoE
+  // layer 32 experts of 3 x (2048 x 7168 + 16 x 56 scales x 4 B) = 1,409,630,208 B,
+  // the shared expert's 256-wide slice 5,506,368 B, router and bias 7,341,056 B
+  // (1,422,477,632 B x 58); per dense layer 3 x (2304 x 7168 + 18 x 56 x 4) B x 3.
+  static_assert(hand::ByHand(8, true).moe == 82'503'702'656);
+  static_assert(hand::ByHand(1, true).moe == 82'503'702'656);  // attn_tp does not touch the MLPs
+  static_assert(hand::ByHand(8, true).dense_mlp == 148'671'936);
+  // README's table: max cached tokens per rank.
+  constexpr int64_t kMemory = int64_t{141} << 30;
+  static_assert(hand::CacheOf(hand::ByHand(8, true), kMemory).tokens == 881'152);
+  static_assert(hand::CacheOf(hand::ByHand(1, true), kMemory).tokens == 670'976);
+  static_assert(hand::CacheOf(hand::ByHand(4, true), kMemory).tokens == 851'136);
+
+  const ModelConfig c = V3();
+  for (int tp : {8, 1, 4}) {
+    auto plan = PlanRankMemory(c, {.dp = 8 / tp, .attn_tp = tp},
+                               {.memory_bytes = kMemory, .block_size = 64, .projection_dtype = DType::kF8E4M3});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    const hand::Rank want = hand::ByHand(tp, true);
+    const hand::Cache cache = hand::CacheOf(want, kMemory);
+    EXPECT_EQ(plan->weights.moe, want.moe) << "tp" << tp;
+    EXPECT_EQ(plan->weights.dense_mlp, want.dense_mlp) << "tp" << tp;
+    EXPECT_EQ(plan->weights.attention_replicated, want.attention_replicated) << "tp" << tp;
+    EXPECT_EQ(plan->weights.attention - plan->weights.attention_replicated, want.attention_split) << "tp" << tp;
+    EXPECT_EQ(plan->weights.embedding_and_head, want.embedding_and_head) << "tp" << tp;
+    EXPECT_EQ(plan->weights.total(), want.weights()) << "tp" << tp;
+    EXPECT_EQ(plan->workspace.total(), want.workspace) << "tp" << tp;
+    EXPECT_EQ(plan->cache_bytes_per_token, hand::kCacheBytesPerToken);
+    EXPECT_EQ(plan->block_bytes, hand::kBlockBytes);
+    EXPECT_EQ(plan->cache_budget_bytes, cache.budget) << "tp" << tp;
+    EXPECT_EQ(plan->cache_blocks, cache.blocks) << "tp" << tp;
+    EXPECT_EQ(plan->max_cached_tokens, cache.tokens) << "tp" << tp;
+    EXPECT_EQ(plan->cluster_cached_tokens(), cache.tokens * (8 / tp)) << "tp" << tp;
+  }
+}
+
 // The plan of each rank equals what the loaded shard holds and the cache it
 // would allocate from the same budget.
 TEST(MemoryPlan, AgreesWithLoadedShardsAndTheCache) {
@@ -114,8 +158,13 @@ TEST(MemoryPlan, AgreesWithLoadedShardsAndTheCache) {
       auto m = Model::Load(kModels + "tiny.yaml", {}, mo);
       ASSERT_TRUE(m.ok()) << m.status();
       const WeightBytes got = (*m)->weight_bytes();
+      // Every category of the predicted weight bytes, not just their sum.
+      EXPECT_EQ(got.attention, plan->weights.attention) << text << " rank " << rank;
+      EXPECT_EQ(got.attention_replicated, plan->weights.attention_replicated) << text << " rank " << rank;
+      EXPECT_EQ(got.dense_mlp, plan->weights.dense_mlp) << text << " rank " << rank;
+      EXPECT_EQ(got.moe, plan->weights.moe) << text << " rank " << rank;
+      EXPECT_EQ(got.embedding_and_head, plan->weights.embedding_and_head) << text << " rank " << rank;
       EXPECT_EQ(got.total(), plan->weights.total()) << text << " rank " << rank;
-      EXPECT_EQ(got.attention_replicated, plan->weights.attention_replicated) << text;
       const int64_t budget = memory - got.total() - plan->workspace.total();
       auto cache = LatentCache::Create((*m)->CacheConfig(budget, 16));
       ASSERT_TRUE(cache.ok()) << cache.status();

@@ -7,13 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "tests/test_paths.h"
+
 namespace mlarun {
 namespace {
 
 const std::string kFixtures = MLARUN_FIXTURES_DIR;
 const std::string kConfigFixtures = kFixtures + "/configs";
-// tests/fixtures -> <repo>/configs/models.
-const std::string kPresets = kFixtures + "/../../configs/models";
+const std::string kPresets = ConfigPath("models");
 
 ModelConfig MustParseJson(const std::string& text, const std::string& origin = "test.json") {
   StatusOr<ModelConfig> c = ParseHfConfigJson(text, origin);

@@ -25,6 +25,7 @@
 #include "parallel/mpi/mpi_world.h"
 #include "parallel/nccl/nccl_communicator.h"
 #include "runtime/base/dtype.h"
+#include "tests/parallel/mpi_gtest_main.h"
 
 #ifdef MLARUN_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -530,20 +531,6 @@ TEST(NcclComm, DeviceCollectives) {
 #endif
 }
 
-// On ranks other than 0: print failed assertions (with the rank) and nothing else.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (!result.failed()) return;
-    std::fprintf(stderr, "[rank %d] %s:%d: Failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
-                 result.line_number(), result.summary());
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace mlarun
 
@@ -562,22 +549,8 @@ int main(int argc, char** argv) {
   mlarun::g_world = world->get();
 
   ::testing::InitGoogleTest(&argc, argv);
-  if ((*session)->rank() != 0) {
-    ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new mlarun::FailurePrinter((*session)->rank()));
-  }
-  const int local_result = RUN_ALL_TESTS();
-
-  // Every rank reports the same outcome: failed if any rank failed.
-  int32_t failed = local_result != 0 ? 1 : 0;
-  const mlarun::Status st = (*world)->AllReduceSum(&failed, 1, mlarun::CommType::kI32);
-  if (!st.ok()) {
-    std::fprintf(stderr, "comm_test: agreeing on the result: %s\n", st.ToString().c_str());
-    failed = 1;
-  }
-  if (failed != 0 && (*session)->rank() == 0) std::fprintf(stderr, "comm_test: %d rank(s) failed\n", failed);
+  const int result = mlarun::mpi_test::RunAllTestsOnEveryRank(**session, **world, "comm_test");
   world->reset();    // frees the communicator before MPI_Finalize
   session->reset();  // MPI_Finalize
-  return failed != 0 ? 1 : 0;
+  return result;
 }

@@ -10,14 +10,14 @@
 
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
+#include "tests/parallel/mpi_gtest_main.h"
+#include "tests/test_paths.h"
 
 namespace mlarun {
 namespace {
 
 MpiSession* g_session = nullptr;
 ParallelLayout g_layout;
-
-std::string TinyYaml() { return std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml"; }
 
 std::unique_ptr<Model> LoadTiny(const ModelShard& shard) {
   ModelOptions o;
@@ -170,6 +170,7 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
   auto whole = LoadTiny(ModelShard{});
   auto engine = std::move(Engine::Create(*whole, ec)).value();
   const auto ref = engine->Generate(reqs);
+  ASSERT_EQ(ref.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_TRUE(ref[i].ok());
     EXPECT_EQ(tokens[i], ref[i]->tokens) << "request " << i << " under " << g_layout;
@@ -211,17 +212,9 @@ int main(int argc, char** argv) {
   if (!parsed.ok()) (*session)->Abort(parsed.status().ToString(), 2);
   mlarun::g_session = session->get();
   mlarun::g_layout = *parsed;
-  if ((*session)->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  int failed = RUN_ALL_TESTS();
-  // Every rank reports the job's verdict.
   auto world = (*session)->World();
-  if (world.ok()) {
-    float f = static_cast<float>(failed);
-    (void)(*world)->AllReduceSum(&f, 1, mlarun::CommType::kF32);
-    failed = f != 0.f;
-  }
-  return failed;
+  if (!world.ok()) (*session)->Abort(world.status().ToString(), 2);
+  const int result = mlarun::mpi_test::RunAllTestsOnEveryRank(**session, **world, "parallel_model_test");
+  world->reset();  // frees the communicator before MPI_Finalize
+  return result;
 }
