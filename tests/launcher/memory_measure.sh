@@ -14,8 +14,8 @@
 #   memory_measure.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
 set -u
 mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
-test_name=memory_measure
-source "$(dirname "$0")/deployment.sh"
+name=memory_measure
+source "$src/scripts/lib/deployment.sh"
 
 # Bad input first: no deployment needed.
 "$mlarun" memory --model "$work/none.yaml" >/dev/null 2>"$work/bad.log"

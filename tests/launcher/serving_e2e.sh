@@ -9,8 +9,8 @@
 #   serving_e2e.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
 set -u
 mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
-test_name=serving_e2e
-source "$(dirname "$0")/deployment.sh"
+name=serving_e2e
+source "$src/scripts/lib/deployment.sh"
 start_deployment round_robin --parallel "$layout" --kv-dtype fp32 --cache-bytes 67108864
 wait_for_groups
 

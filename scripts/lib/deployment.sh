@@ -1,26 +1,28 @@
-# Sourced by the live-deployment tests (serving_e2e.sh, memory_measure.sh):
-# a scratch folder, a coordinator and one mpirun worker job on the tiny model,
-# and a cleanup that leaves no process behind.
+# Sourced by scripts/demo and the live-deployment tests (serving_e2e.sh,
+# memory_measure.sh): a scratch folder, a coordinator and one mpirun worker
+# job on the tiny model at a time, and a cleanup that leaves no process
+# behind.
 #
-#   test_name=NAME; source deployment.sh      (expects $mlarun $src $np $groups)
+#   name=NAME; source deployment.sh            (expects $mlarun $src $np $groups)
 #   start_deployment POLICY WORKER_FLAGS...    -> $addr, logs in $work
 #   wait_for_groups                            (fails unless $groups register)
+#   stop_deployment                            (the cleanup on exit does it too)
 work=$(mktemp -d)
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+stop_deployment() {
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   for _ in $(seq 50); do
     alive=0
     for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
+    if [ $alive = 0 ]; then break; fi
     sleep 0.1
   done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  rm -rf "$work"
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
+  pids=()
 }
-trap cleanup EXIT
+trap 'stop_deployment; rm -rf "$work"' EXIT
 fail() {
-  echo "$test_name: FAIL: $*"
+  echo "$name: FAIL: $*"
   echo "--- coordinator log"; tail -20 "$work/coord.log" 2>/dev/null
   echo "--- worker log"; tail -20 "$work/worker.log" 2>/dev/null
   exit 1
