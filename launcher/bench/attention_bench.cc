@@ -213,8 +213,6 @@ StatusOr<double> SquareGemmPeak(DType dt, const Timing& t) {
 
 // ---- Report helpers -----------------------------------------------------------
 
-Json OrNull(double v) { return std::isfinite(v) ? Json(v) : Json(nullptr); }
-
 struct GridCell {
   int64_t context, q_len;
   double absorbed_ms = NAN, expanded_ms = NAN;

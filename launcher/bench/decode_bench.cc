@@ -28,11 +28,7 @@ struct Shares {
   }
 };
 
-std::string Pct(double v) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(0) << 100 * v << "%";
-  return os.str();
-}
+std::string Pct(double v) { return Fmt(100 * v, 0) + "%"; }
 
 // Fills positions [0, n) of every layer of `id` with random rows.
 Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {

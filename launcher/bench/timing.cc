@@ -8,6 +8,7 @@
 #include <ctime>
 #include <fstream>
 #include <iomanip>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 namespace mlarun {
@@ -91,5 +92,7 @@ std::string Fmt(double v, int prec) {
   os << std::fixed << std::setprecision(prec) << v;
   return os.str();
 }
+
+nlohmann::json OrNull(double v) { return std::isfinite(v) ? nlohmann::json(v) : nlohmann::json(nullptr); }
 
 }  // namespace mlarun

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 
 #include "runtime/base/status.h"
@@ -31,5 +32,8 @@ void InitBenchmarkLibrary();
 std::string CpuModel();
 std::string Today();
 std::string Fmt(double v, int prec = 2);
+
+// `v` as a JSON number, or null when it is not finite (JSON has no NaN).
+nlohmann::json OrNull(double v);
 
 }  // namespace mlarun

@@ -21,6 +21,7 @@
 #include <sstream>
 
 #include "launcher/client/grpc_util.h"
+#include "launcher/proto_sampling.h"
 #include "mlarun.grpc.pb.h"
 
 namespace mlarun {
@@ -119,18 +120,6 @@ Status ParseDeployment(const std::string& path, const YAML::Node& root, Deployme
   if (c->cache_bytes > 0 && c->memory_gib > 0)
     return InvalidArgumentError(path, ": give cache_bytes or memory_gib, not both");
   return Status::Ok();
-}
-
-// The request exactly as the proto wants it: optional fields are set even at
-// their default values, so the server never has to guess what was meant.
-void FillSampling(const SamplingParams& p, v1::SamplingParams* s) {
-  s->set_temperature(p.temperature);
-  s->set_top_k(p.top_k);
-  s->set_top_p(p.top_p);
-  s->set_seed(p.seed);
-  s->set_max_tokens(p.max_tokens);
-  for (int64_t id : p.stop_token_ids) s->add_stop_token_ids(id);
-  s->set_ignore_eos(p.ignore_eos);
 }
 
 // Usage checks shared by submit and stats; the message goes to `err` as
@@ -323,7 +312,7 @@ int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err)
       if (parsed[i].ok()) {
         v1::GenerateRequest req;
         for (int32_t id : parsed[i]->prompt) req.add_prompt_ids(id);
-        FillSampling(parsed[i]->sampling, req.mutable_sampling());
+        ToProto(parsed[i]->sampling, req.mutable_sampling());
         results[i] = SubmitOne(*stub, req, o.timeout_s, [&](const v1::Token&) { ++tokens; });
       }
       ++done;
@@ -381,7 +370,7 @@ int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err) {
     }
     req.add_prompt_ids(static_cast<int32_t>(id));
   }
-  FillSampling(o.sampling, req.mutable_sampling());
+  ToProto(o.sampling, req.mutable_sampling());
   auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator));
   auto print_token = [&](const v1::Token& t) {
     if (!o.stream) return;

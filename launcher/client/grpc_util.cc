@@ -1,7 +1,6 @@
 #include "launcher/client/grpc_util.h"
 
 #include <algorithm>
-#include <array>
 #include <cctype>
 #include <cmath>
 
@@ -33,12 +32,8 @@ Status CheckAddress(std::string_view address) {
 }
 
 std::string_view GrpcCodeName(grpc::StatusCode code) {
-  static constexpr std::array<std::string_view, 17> kNames = {
-      "OK",        "CANCELLED",          "UNKNOWN",        "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-      "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
-      "OUT_OF_RANGE", "UNIMPLEMENTED",    "INTERNAL",       "UNAVAILABLE",      "DATA_LOSS",         "UNAUTHENTICATED"};
-  const int i = static_cast<int>(code);
-  return i >= 0 && i < static_cast<int>(kNames.size()) ? kNames[static_cast<size_t>(i)] : "UNKNOWN";
+  // grpc::StatusCode and StatusCode share their numbers (the canonical codes).
+  return StatusCodeName(static_cast<StatusCode>(code));
 }
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {

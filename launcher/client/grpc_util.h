@@ -23,6 +23,7 @@ namespace mlarun::client_internal {
 Status CheckAddress(std::string_view address);
 
 // The canonical name of a gRPC status code: "INVALID_ARGUMENT", ...
+// (StatusCodeName of the same number; unknown numbers give "UNKNOWN").
 std::string_view GrpcCodeName(grpc::StatusCode code);
 
 // An insecure channel whose reconnect back-off is 100 ms to 2 s (gRPC's

@@ -23,8 +23,10 @@
 #include "kv/latent_cache.h"
 #include "launcher/client/client.h"
 #include "launcher/client/grpc_util.h"
+#include "launcher/proto_sampling.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/hash.h"
+#include "runtime/engine/request.h"
 
 namespace mlarun {
 
@@ -119,7 +121,6 @@ class SimGroup {
   void Serve(Stream& stream);
   // Handles one message from the coordinator; false if a write failed.
   bool Handle(v1::CoordinatorMessage& m, Stream& stream);
-  Status Validate(const v1::RouteRequest& r, SamplingParams* p) const;
   // Moves waiting requests into the running set while there is room.
   void Admit();
   // One decode step over every running request; false if a write failed.
@@ -177,6 +178,7 @@ v1::RankStats SimGroup::Rank() const {
   r.set_cache_blocks_used(s.blocks_used);
   r.set_cache_bytes_capacity(s.blocks_total * block_bytes);
   r.set_cache_bytes_used(s.blocks_used * block_bytes);
+  r.set_cache_blocks_peak(peak_blocks_used_);
   r.set_cache_bytes_peak(peak_blocks_used_ * block_bytes);
   r.set_requests_running(static_cast<int64_t>(running_.size()));
   r.set_requests_waiting(static_cast<int64_t>(waiting_.size()));
@@ -314,9 +316,6 @@ void SimGroup::Serve(Stream& stream) {
       v1::WorkerMessage m;
       v1::WorkerStats* s = m.mutable_stats();
       s->set_free_blocks(std::max<int64_t>(0, cs.blocks_allocatable() - reserved_blocks_));
-      s->set_running(static_cast<int64_t>(running_.size()));
-      s->set_waiting(static_cast<int64_t>(waiting_.size()));
-      s->set_tokens_per_s(tokens_per_s_);
       *s->add_ranks() = Rank();
       if (!Send(stream, m)) return;
     }
@@ -325,35 +324,6 @@ void SimGroup::Serve(Stream& stream) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_until(lock, wake, [this] { return !inbox_.empty() || reader_done_ || stopping_->load(); });
   }
-}
-
-Status SimGroup::Validate(const v1::RouteRequest& r, SamplingParams* p) const {
-  // The checks of Engine::Add, with its messages.
-  if (r.prompt_ids_size() == 0) return InvalidArgumentError("request: prompt is empty");
-  for (int i = 0; i < r.prompt_ids_size(); ++i) {
-    if (r.prompt_ids(i) < 0 || r.prompt_ids(i) >= o_.vocab_size)
-      return InvalidArgumentError("request: prompt token ", i, " is ", r.prompt_ids(i), ", outside the vocabulary [0, ",
-                                  o_.vocab_size, ")");
-  }
-  const v1::SamplingParams& s = r.sampling();
-  p->temperature = s.temperature();
-  p->top_k = s.top_k();
-  p->top_p = s.has_top_p() ? s.top_p() : 1.0;
-  p->seed = s.seed();
-  p->max_tokens = s.has_max_tokens() ? s.max_tokens() : 16;
-  p->stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
-  p->ignore_eos = s.ignore_eos();
-  MLARUN_RETURN_IF_ERROR(ValidateSamplingParams(*p, o_.vocab_size, o_.max_position_embeddings));
-  const int64_t total = r.prompt_ids_size() + p->max_tokens;
-  if (total > o_.max_position_embeddings)
-    return InvalidArgumentError("request: prompt (", r.prompt_ids_size(), " tokens) + max_tokens (", p->max_tokens,
-                                ") = ", total, " exceeds the model's max_position_embeddings ",
-                                o_.max_position_embeddings);
-  const int64_t blocks = (total + o_.block_size - 1) / o_.block_size;
-  if (blocks > cache_->stats().blocks_total)
-    return InvalidArgumentError("request: prompt + max_tokens needs ", blocks, " cache blocks, the whole cache has ",
-                                cache_->stats().blocks_total);
-  return Status::Ok();
 }
 
 bool SimGroup::Handle(v1::CoordinatorMessage& m, Stream& stream) {
@@ -370,19 +340,25 @@ bool SimGroup::Handle(v1::CoordinatorMessage& m, Stream& stream) {
     log_("sim-worker ", o_.worker_id, " group ", index_, ": ignoring a second route of live request ", r.request_id());
     return true;
   }
-  auto req = std::make_unique<SimRequest>();
-  const Status st = Validate(r, &req->sampling);
+  GenerationRequest gen{.prompt = std::vector<int32_t>(r.prompt_ids().begin(), r.prompt_ids().end()),
+                        .sampling = FromProto(r.sampling())};
+  // The checks of Engine::Add, with its messages.
+  const Status st = ValidateGenerationRequest(gen, {.vocab_size = o_.vocab_size,
+                                                    .max_position_embeddings = o_.max_position_embeddings,
+                                                    .block_size = o_.block_size,
+                                                    .cache_blocks_total = cache_->stats().blocks_total});
   if (!st.ok()) {
     v1::WorkerMessage d;
     v1::RequestDone* done = d.mutable_done();
     done->set_request_id(r.request_id());
     done->set_error_code(static_cast<int32_t>(st.code()));
     done->set_error_message(st.message());
-    done->set_prompt_tokens(r.prompt_ids_size());
     return Send(stream, d);
   }
+  auto req = std::make_unique<SimRequest>();
   req->id = r.request_id();
-  req->prompt.assign(r.prompt_ids().begin(), r.prompt_ids().end());
+  req->prompt = std::move(gen.prompt);
+  req->sampling = std::move(gen.sampling);
   waiting_.push_back(req.get());
   live_[req->id] = std::move(req);
   return true;
@@ -470,7 +446,6 @@ bool SimGroup::Step(Stream& stream) {
       done->set_request_id(r->id);
       done->set_finish_reason(stop ? "stop" : "length");
       done->set_prefix_hit_tokens(r->prefix_hit_tokens);
-      done->set_prompt_tokens(static_cast<int64_t>(r->prompt.size()));
       dones.push_back(std::move(d));
       finished.push_back(r);
     }

@@ -2,12 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
+#include <limits>
+
+#include "kv/latent_cache.h"
+#include "launcher/proto_sampling.h"
+#include "runtime/base/status.h"
 
 namespace mlarun::coord {
 namespace {
-
-constexpr int64_t kDefaultMaxTokens = 16;  // SamplingParams.max_tokens when absent
 
 // A client that set a deadline gets the "no DP group registered" UNAVAILABLE a
 // little before it, or its own deadline timer would win and it would only ever
@@ -20,24 +22,14 @@ constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-bool IsRejection(grpc::StatusCode code) {
-  return code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::ALREADY_EXISTS ||
-         code == grpc::StatusCode::RESOURCE_EXHAUSTED;
-}
-
-template <typename... Args>
-std::string Cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
-}
+using internal::StrCat;
 
 }  // namespace
 
 struct Dispatcher::Request {
   uint64_t serial = 0;
   std::string id;
-  v1::RouteRequest route;  // what the group gets: id, prompt, sampling with max_tokens filled in
+  v1::RouteRequest route;  // what the group gets: id, prompt, sampling with every field set
   int64_t prompt_tokens = 0;
   int64_t max_tokens = 0;
   int64_t cost = 0;  // prompt + max_tokens: its weight in its group's queued_tokens
@@ -100,8 +92,8 @@ const std::vector<uint64_t>& ChainFor(
   const auto& prompt = route.prompt_ids();
   chains.emplace_back(
       block_size,
-      BlockHashChain(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())),
-                     block_size));
+      PrefixBlockHashes(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())),
+                        block_size));
   return chains.back().second;
 }
 
@@ -118,27 +110,17 @@ Dispatcher::~Dispatcher() { Shutdown(); }
 
 // ---- Client API -------------------------------------------------------------
 
-std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request) const {
+std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request,
+                                                const SamplingParams& sampling) const {
   const auto& prompt = request.prompt_ids();
   if (prompt.empty()) return "prompt_ids: must not be empty";
   for (int i = 0; i < prompt.size(); ++i) {
-    if (prompt[i] < 0) return Cat("prompt_ids[", i, "]: token id ", prompt[i], " is negative");
-  }
-  const v1::SamplingParams& s = request.sampling();
-  if (!(s.temperature() >= 0 && s.temperature() <= 100))  // NaN fails both
-    return Cat("sampling.temperature: must be in [0, 100], got ", s.temperature());
-  if (s.has_top_p() && !(s.top_p() > 0 && s.top_p() <= 1))
-    return Cat("sampling.top_p: must be in (0, 1], got ", s.top_p());
-  if (s.has_max_tokens() && s.max_tokens() < 1)
-    return Cat("sampling.max_tokens: must be >= 1, got ", s.max_tokens());
-  for (int i = 0; i < s.stop_token_ids_size(); ++i) {
-    if (s.stop_token_ids(i) < 0)
-      return Cat("sampling.stop_token_ids[", i, "]: token id ", s.stop_token_ids(i),
-                 " is negative");
+    if (prompt[i] < 0) return StrCat("prompt_ids[", i, "]: token id ", prompt[i], " is negative");
   }
   // Limits of the model the groups serve. A deployment serves one model; if
   // the groups disagree the most permissive limit is checked here (no false
-  // rejection) and the group that gets the request re-checks its own.
+  // rejection) and the group that gets the request re-checks its own. None is
+  // known before a group registers.
   int64_t vocab = 0, max_pos = 0;
   const bool any_connected = ConnectedGroups() > 0;
   for (const auto& g : groups_) {
@@ -146,18 +128,23 @@ std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& reque
     vocab = std::max(vocab, g->vocab_size);
     max_pos = std::max(max_pos, g->max_position_embeddings);
   }
+  constexpr int64_t kUnknown = std::numeric_limits<int64_t>::max();
+  // The engine's own sampling checks; their messages start with the field.
+  if (Status st = ValidateSamplingParams(sampling, vocab > 0 ? vocab : kUnknown,
+                                         max_pos > 0 ? max_pos : kUnknown);
+      !st.ok())
+    return StrCat("sampling.", st.message());
   if (vocab > 0) {
     for (int i = 0; i < prompt.size(); ++i) {
       if (prompt[i] >= vocab)
-        return Cat("prompt_ids[", i, "]: token id ", prompt[i], " >= vocab_size ", vocab,
-                   " of the registered DP groups");
+        return StrCat("prompt_ids[", i, "]: token id ", prompt[i], " >= vocab_size ", vocab,
+                      " of the registered DP groups");
     }
   }
-  const int64_t max_tokens = s.has_max_tokens() ? s.max_tokens() : kDefaultMaxTokens;
-  if (max_pos > 0 && static_cast<int64_t>(prompt.size()) > max_pos - max_tokens)
-    return Cat("sampling.max_tokens: prompt_ids (", prompt.size(), " tokens) + max_tokens (",
-               max_tokens, ") exceeds max_position_embeddings ", max_pos,
-               " of the registered DP groups");
+  if (max_pos > 0 && static_cast<int64_t>(prompt.size()) > max_pos - sampling.max_tokens)
+    return StrCat("sampling.max_tokens: prompt_ids (", prompt.size(), " tokens) + max_tokens (",
+                  sampling.max_tokens, ") exceeds max_position_embeddings ", max_pos,
+                  " of the registered DP groups");
   return std::nullopt;
 }
 
@@ -173,37 +160,36 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
                    : std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(options_.default_deadline_s));
 
+  const SamplingParams sampling = FromProto(request.sampling());  // absent fields filled in
   Pending pending;
   std::optional<Accepted> accepted;
   {
     std::lock_guard lock(mu_);
     ++counters_.received;
-    auto reject = [&](grpc::StatusCode code, std::string message, Outcome outcome) {
-      ++(outcome == Outcome::kRejected ? counters_.rejected : counters_.failed);
+    auto reject = [&](grpc::StatusCode code, std::string message) {
+      Count(code);
       client->Close(code, std::move(message));
       pending.Add(client);
     };
     if (shutting_down_) {
-      reject(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down", Outcome::kFailed);
-    } else if (auto error = Validate(request)) {
-      reject(grpc::StatusCode::INVALID_ARGUMENT, std::move(*error), Outcome::kRejected);
+      reject(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
+    } else if (auto error = Validate(request, sampling)) {
+      reject(grpc::StatusCode::INVALID_ARGUMENT, std::move(*error));
     } else if (!request.request_id().empty() && requests_.contains(request.request_id())) {
       reject(grpc::StatusCode::ALREADY_EXISTS,
-             Cat("request_id: '", request.request_id(), "' is in use by a live request"),
-             Outcome::kRejected);
+             StrCat("request_id: '", request.request_id(), "' is in use by a live request"));
     } else {
       auto owned = std::make_unique<Request>();
       Request* r = owned.get();
       r->serial = ++next_serial_;
       r->id = request.request_id();
       // A generated id skips ids that clients chose themselves.
-      while (r->id.empty() || requests_.contains(r->id)) r->id = Cat("req-", ++next_generated_id_);
+      while (r->id.empty() || requests_.contains(r->id))
+        r->id = StrCat("req-", ++next_generated_id_);
       r->route.set_request_id(r->id);
       *r->route.mutable_prompt_ids() = request.prompt_ids();
-      *r->route.mutable_sampling() = request.sampling();
-      r->max_tokens =
-          request.sampling().has_max_tokens() ? request.sampling().max_tokens() : kDefaultMaxTokens;
-      r->route.mutable_sampling()->set_max_tokens(r->max_tokens);
+      ToProto(sampling, r->route.mutable_sampling());
+      r->max_tokens = sampling.max_tokens;
       r->prompt_tokens = request.prompt_ids_size();
       r->cost = r->prompt_tokens + r->max_tokens;
       r->client = client;
@@ -223,9 +209,8 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
         if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
           requests_.erase(requests_.find(r->id));  // by iterator: r->id dies with the node
           reject(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                 Cat("queue full: ", queue_.size(), " requests wait for a DP group (max_queued ",
-                     options_.max_queued, ")"),
-                 Outcome::kRejected);
+                 StrCat("queue full: ", queue_.size(), " requests wait for a DP group (max_queued ",
+                        options_.max_queued, ")"));
           r = nullptr;
         } else {
           r->queued = true;
@@ -250,11 +235,9 @@ void Dispatcher::ClientGone(const std::string& id, uint64_t serial) {
     if (it == requests_.end() || it->second->serial != serial) return;
     Request* r = it->second.get();
     if (r->client_deadline && Clock::now() + kDeadlineSlack >= r->deadline) {
-      Fail(r, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded", Outcome::kFailed, true,
-           pending);
+      Fail(r, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded", true, pending);
     } else {
-      Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", Outcome::kCancelled, true,
-           pending);
+      Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", true, pending);
     }
     DrainQueue(pending);
   }
@@ -267,8 +250,8 @@ bool Dispatcher::Cancel(const std::string& id) {
     std::lock_guard lock(mu_);
     auto it = requests_.find(id);
     if (it == requests_.end()) return false;
-    Fail(it->second.get(), grpc::StatusCode::CANCELLED, "cancelled by a Cancel call",
-         Outcome::kCancelled, true, pending);
+    Fail(it->second.get(), grpc::StatusCode::CANCELLED, "cancelled by a Cancel call", true,
+         pending);
     DrainQueue(pending);
   }
   pending.Flush();
@@ -322,7 +305,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
     } else if (reg.worker_id().empty()) {
       error = "register.worker_id: must not be empty";
     } else if (reg.dp_group() < 0) {
-      error = Cat("register.dp_group: must be >= 0, got ", reg.dp_group());
+      error = StrCat("register.dp_group: must be >= 0, got ", reg.dp_group());
     } else if (reg.vocab_size() < 0 || reg.max_position_embeddings() < 0 || reg.block_size() < 0 ||
                reg.cache_blocks_total() < 0) {
       error =
@@ -445,11 +428,7 @@ void Dispatcher::OnDone(int group, const v1::RequestDone& done, Pending& pending
   Request* r = it->second.get();
   if (done.error_code() != 0) {
     // The group's own checks rejected it: forward its status unchanged.
-    const auto code = static_cast<grpc::StatusCode>(done.error_code());
-    const Outcome outcome = IsRejection(code)                     ? Outcome::kRejected
-                            : code == grpc::StatusCode::CANCELLED ? Outcome::kCancelled
-                                                                  : Outcome::kFailed;
-    Fail(r, code, done.error_message(), outcome, false, pending);
+    Fail(r, static_cast<grpc::StatusCode>(done.error_code()), done.error_message(), false, pending);
     return;
   }
   Complete(r, done, pending);
@@ -477,8 +456,7 @@ void Dispatcher::Shutdown() {
         std::vector<Request*> live;
         for (auto& [id, r] : requests_) live.push_back(r.get());
         for (Request* r : live) {
-          Fail(r, grpc::StatusCode::UNAVAILABLE, "coordinator shutting down", Outcome::kFailed,
-               false, pending);
+          Fail(r, grpc::StatusCode::UNAVAILABLE, "coordinator shutting down", false, pending);
         }
         for (auto& g : groups_) {
           if (g->link == nullptr) continue;
@@ -561,14 +539,15 @@ void Dispatcher::ArmTimer(Request* r, Clock::time_point at) {
 
 void Dispatcher::OnTimer(Request* r, Clock::time_point now, Pending& pending) {
   if (r->queued && ConnectedGroups() == 0) {
-    Fail(r, grpc::StatusCode::UNAVAILABLE,
-         Cat("no DP group registered before the deadline (waited ", Ms(now - r->arrival), " ms)"),
-         Outcome::kFailed, false, pending);
+    Fail(
+        r, grpc::StatusCode::UNAVAILABLE,
+        StrCat("no DP group registered before the deadline (waited ", Ms(now - r->arrival), " ms)"),
+        false, pending);
   } else if (now >= r->deadline) {
     Fail(
         r, grpc::StatusCode::DEADLINE_EXCEEDED,
         r->group >= 0 ? "deadline exceeded" : "deadline exceeded while waiting for a free DP group",
-        Outcome::kFailed, true, pending);
+        true, pending);
   } else if (r->client_deadline) {
     ArmTimer(r, r->deadline);
   }
@@ -582,8 +561,27 @@ void Dispatcher::ReleaseFromGroup(Request* r) {
   r->group = -1;
 }
 
-void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, Outcome outcome,
-                      bool cancel_route, Pending& pending) {
+void Dispatcher::Count(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      ++counters_.completed;
+      break;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      ++counters_.rejected;
+      break;
+    case grpc::StatusCode::CANCELLED:
+      ++counters_.cancelled;
+      break;
+    default:
+      ++counters_.failed;
+      break;
+  }
+}
+
+void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
+                      Pending& pending) {
   if (cancel_route && r->group >= 0) {
     Group& g = *groups_[static_cast<size_t>(r->group)];
     if (g.link != nullptr) {
@@ -593,20 +591,7 @@ void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, Ou
       pending.Add(g.link);
     }
   }
-  switch (outcome) {
-    case Outcome::kCompleted:
-      ++counters_.completed;
-      break;
-    case Outcome::kRejected:
-      ++counters_.rejected;
-      break;
-    case Outcome::kFailed:
-      ++counters_.failed;
-      break;
-    case Outcome::kCancelled:
-      ++counters_.cancelled;
-      break;
-  }
+  Count(code);
   r->client->Close(code, std::move(message));
   pending.Add(r->client);
   Forget(r);
@@ -616,7 +601,7 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
   const Clock::time_point now = Clock::now();
   Group& g = *groups_[static_cast<size_t>(r->group)];
   ++g.completed;
-  ++counters_.completed;
+  Count(grpc::StatusCode::OK);
   if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() &&
       g.block_size > 0) {
     // The group's cache now also holds the generated tokens' blocks (all but
@@ -624,14 +609,14 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
     // resends prompt + answer should find them.
     std::vector<int32_t> seq(r->route.prompt_ids().begin(), r->route.prompt_ids().end());
     seq.insert(seq.end(), r->completion.begin(), r->completion.end() - 1);
-    g.prefix.Insert(BlockHashChain(seq, g.block_size));
+    g.prefix.Insert(PrefixBlockHashes(seq, g.block_size));
   }
   v1::GenerateResponse out;
   out.set_request_id(r->id);
   v1::Finished* f = out.mutable_finished();
   f->set_finish_reason(done.finish_reason());
   f->set_dp_group(g.dp_group);
-  f->set_prompt_tokens(done.prompt_tokens() > 0 ? done.prompt_tokens() : r->prompt_tokens);
+  f->set_prompt_tokens(r->prompt_tokens);
   f->set_completion_tokens(r->tokens_sent);
   f->set_prefix_hit_tokens(done.prefix_hit_tokens());
   v1::Timings* t = f->mutable_timings();
@@ -667,9 +652,9 @@ void Dispatcher::Disconnect(int group, Pending& pending) {
     if (r->tokens_sent > 0) {
       // The client saw part of the answer: another group cannot continue it.
       Fail(r, grpc::StatusCode::UNAVAILABLE,
-           Cat("DP group ", g.dp_group, " of worker '", g.worker_id, "' broke after sending ",
-               r->tokens_sent, " tokens"),
-           Outcome::kFailed, false, pending);
+           StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' broke after sending ",
+                  r->tokens_sent, " tokens"),
+           false, pending);
     } else {
       ReleaseFromGroup(r);
       ++counters_.rerouted;

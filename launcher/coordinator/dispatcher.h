@@ -40,6 +40,7 @@
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/coordinator/router.h"
 #include "mlarun.pb.h"
+#include "runtime/engine/sampler.h"
 
 namespace mlarun::coord {
 
@@ -117,10 +118,11 @@ class Dispatcher {
   struct Group;
   class Pending;  // outlets to flush once mu_ is released
 
-  enum class Outcome : uint8_t { kCompleted, kRejected, kFailed, kCancelled };
-
   // All of these REQUIRE mu_.
-  std::optional<std::string> Validate(const v1::GenerateRequest& request) const;
+  // The request's checks, `sampling` being its SamplingParams with absent
+  // fields filled in; the error names the field.
+  std::optional<std::string> Validate(const v1::GenerateRequest& request,
+                                      const SamplingParams& sampling) const;
   int64_t ConnectedGroups() const;
   bool Eligible(const Group& g) const;
   bool TryRoute(Request* r, Pending& pending);
@@ -128,10 +130,14 @@ class Dispatcher {
   void ArmTimer(Request* r, Clock::time_point at);
   void OnTimer(Request* r, Clock::time_point now, Pending& pending);
   void ReleaseFromGroup(Request* r);
-  // Ends `r` with an error status (destroys it). CancelRoute goes to its group
-  // when `cancel_route` and it is routed.
-  void Fail(Request* r, grpc::StatusCode code, std::string message, Outcome outcome,
-            bool cancel_route, Pending& pending);
+  // Adds one ended request to the counter of its final status: OK completed;
+  // INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED rejected; CANCELLED
+  // cancelled; anything else failed.
+  void Count(grpc::StatusCode code);
+  // Ends `r` with an error status (destroys it), counted by Count. CancelRoute
+  // goes to its group when `cancel_route` and it is routed.
+  void Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
+            Pending& pending);
   void Complete(Request* r, const v1::RequestDone& done, Pending& pending);
   void Forget(Request* r);  // unlinks and destroys r
   void Disconnect(int group, Pending& pending);

@@ -1,7 +1,5 @@
 #include "launcher/coordinator/router.h"
 
-#include "kv/latent_cache.h"
-
 #include <algorithm>
 
 namespace mlarun {
@@ -38,10 +36,6 @@ bool LessLoaded(const Candidate& a, const Candidate& b) {
 }
 
 }  // namespace
-
-std::vector<uint64_t> BlockHashChain(std::span<const int32_t> tokens, int64_t block_size) {
-  return PrefixBlockHashes(tokens, block_size);  // what the groups' caches publish
-}
 
 int64_t PrefixIndex::LeadingMatch(std::span<const uint64_t> chain) const {
   int64_t n = 0;

@@ -1,6 +1,8 @@
-// Routing decisions of the coordinator, without gRPC: the prompt's block-hash
-// chain, the per-group approximate prefix index, and the policy that picks one
-// DP group among the eligible ones (coordinator.h documents the policies).
+// Routing decisions of the coordinator, without gRPC: the per-group
+// approximate prefix index (of the block hashes PrefixBlockHashes in
+// kv/latent_cache.h computes, the chain a worker's cache publishes), and the
+// policy that picks one DP group among the eligible ones (coordinator.h
+// documents the policies).
 //
 // Internal to launcher/coordinator. Nothing here is thread-safe: the
 // dispatcher calls it with its mutex held.
@@ -14,13 +16,6 @@
 #include "launcher/coordinator/coordinator.h"
 
 namespace mlarun::coord {
-
-// Chain hashes of the full blocks of `tokens` (block_size tokens each; a
-// trailing partial block has none): element j is the hash of blocks 0..j.
-// The same chain as LatentCache::ChainHash with its seed (kv/latent_cache.cc),
-// so a hash here names the block a worker's cache publishes for that prefix.
-// Empty for block_size <= 0.
-std::vector<uint64_t> BlockHashChain(std::span<const int32_t> tokens, int64_t block_size);
 
 // An approximate, bounded set of the block hashes routed to one DP group: what
 // its latent cache probably holds. Approximate because the coordinator does not

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <thread>
 
+#include "launcher/proto_sampling.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
@@ -148,18 +149,6 @@ class Link {
   std::shared_ptr<grpc::ClientContext> context_;
   std::thread thread_;
 };
-
-SamplingParams FromProto(const v1::SamplingParams& p) {
-  SamplingParams s;
-  s.temperature = p.temperature();
-  s.top_k = p.top_k();
-  s.top_p = p.has_top_p() ? p.top_p() : 1.0;
-  s.seed = p.seed();
-  s.max_tokens = p.has_max_tokens() ? p.max_tokens() : 16;
-  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
-  s.ignore_eos = p.ignore_eos();
-  return s;
-}
 
 // One rank's facts as text: rank, group, tp rank, weight categories, cache
 // geometry, host.
@@ -403,10 +392,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
         v1::WorkerMessage m;
         v1::WorkerStats* ws = m.mutable_stats();
         ws->set_free_blocks(cache.stats().blocks_allocatable());
-        ws->set_running(runner.engine()->num_running());
-        ws->set_waiting(runner.engine()->num_waiting());
-        ws->set_tokens_per_s(static_cast<double>(tokens_since_stats) / since);
-        *ws->mutable_ranks() = rank_stats(ws->tokens_per_s());
+        *ws->mutable_ranks() = rank_stats(static_cast<double>(tokens_since_stats) / since);
         link->UpdateRanks(ws->ranks());
         link->Send(m);
         tokens_since_stats = 0;

@@ -156,22 +156,10 @@ Engine::Engine(Model& model, const EngineConfig& config, std::unique_ptr<LatentC
 
 StatusOr<int64_t> Engine::Add(GenerationRequest request) {
   const ModelConfig& c = model_.config();
-  if (request.prompt.empty()) return InvalidArgumentError("request: prompt is empty");
-  for (size_t i = 0; i < request.prompt.size(); ++i)
-    if (request.prompt[i] < 0 || request.prompt[i] >= c.vocab_size)
-      return InvalidArgumentError("request: prompt token ", i, " is ", request.prompt[i], ", outside the vocabulary [0, ",
-                                  c.vocab_size, ")");
-  MLARUN_RETURN_IF_ERROR(ValidateSamplingParams(request.sampling, c.vocab_size, c.max_position_embeddings));
-  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
-  if (total > c.max_position_embeddings)
-    return InvalidArgumentError("request: prompt (", request.prompt.size(), " tokens) + max_tokens (",
-                                request.sampling.max_tokens, ") = ", total, " exceeds the model's max_position_embeddings ",
-                                c.max_position_embeddings);
-  const LatentCacheStats s = cache_->stats();
-  const int64_t blocks = (total + config_.block_size - 1) / config_.block_size;
-  if (blocks > s.blocks_total)
-    return InvalidArgumentError("request: prompt + max_tokens needs ", blocks, " cache blocks, the whole cache has ",
-                                s.blocks_total);
+  MLARUN_RETURN_IF_ERROR(ValidateGenerationRequest(request, {.vocab_size = c.vocab_size,
+                                                             .max_position_embeddings = c.max_position_embeddings,
+                                                             .block_size = config_.block_size,
+                                                             .cache_blocks_total = cache_->stats().blocks_total}));
   auto r = std::make_unique<Req>();
   r->id = next_id_++;
   r->tokens = request.prompt;

@@ -39,6 +39,28 @@ Status ReadIntList(const Json& j, const char* field, std::vector<int64_t>* out) 
 
 }  // namespace
 
+Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits) {
+  if (request.prompt.empty()) return InvalidArgumentError("request: prompt is empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    if (request.prompt[i] < 0 || request.prompt[i] >= limits.vocab_size)
+      return InvalidArgumentError("request: prompt token ", i, " is ", request.prompt[i],
+                                  ", outside the vocabulary [0, ", limits.vocab_size, ")");
+  }
+  MLARUN_RETURN_IF_ERROR(
+      ValidateSamplingParams(request.sampling, limits.vocab_size, limits.max_position_embeddings));
+  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
+  if (total > limits.max_position_embeddings)
+    return InvalidArgumentError("request: prompt (", request.prompt.size(), " tokens) + max_tokens (",
+                                request.sampling.max_tokens, ") = ", total,
+                                " exceeds the model's max_position_embeddings ",
+                                limits.max_position_embeddings);
+  const int64_t blocks = (total + limits.block_size - 1) / limits.block_size;
+  if (blocks > limits.cache_blocks_total)
+    return InvalidArgumentError("request: prompt + max_tokens needs ", blocks,
+                                " cache blocks, the whole cache has ", limits.cache_blocks_total);
+  return Status::Ok();
+}
+
 StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const SamplingParams& defaults) {
   Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return InvalidArgumentError("not a JSON object: ", line.substr(0, 80));

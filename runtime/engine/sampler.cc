@@ -271,13 +271,18 @@ Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
   if (p.top_k < -1) {
     return InvalidArgumentError("top_k must be >= -1 (-1 or 0: off), got ", p.top_k);
   }
-  if (p.max_tokens < 1 || p.max_tokens > max_tokens_limit) {
+  // Lower and upper bounds apart, so a caller without a limit (the
+  // coordinator before any group registered) passes INT64_MAX and its
+  // messages never print it.
+  if (p.max_tokens < 1) return InvalidArgumentError("max_tokens must be >= 1, got ", p.max_tokens);
+  if (p.max_tokens > max_tokens_limit) {
     return InvalidArgumentError("max_tokens must be in [1, ", max_tokens_limit, "], got ",
                                 p.max_tokens);
   }
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     const int64_t id = p.stop_token_ids[i];
-    if (id < 0 || id >= vocab_size) {
+    if (id < 0) return InvalidArgumentError("stop_token_ids[", i, "] must be >= 0, got ", id);
+    if (id >= vocab_size) {
       return InvalidArgumentError("stop_token_ids[", i, "] must be in [0, ", vocab_size, "), got ",
                                   id);
     }

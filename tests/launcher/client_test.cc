@@ -7,16 +7,20 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
+#include <cmath>
 #include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
 #include "launcher/client/client.h"
 #include "mlarun.grpc.pb.h"
+#include "tests/test_paths.h"
 
 namespace mlarun {
 namespace {
@@ -77,15 +81,15 @@ TEST(DeploymentConfig, EmptyFileSetsNothing) {
 
 TEST(DeploymentConfig, ShippedExamplesParse) {
   for (const char* name : {"local-dp4.yaml", "local-tp4.yaml"}) {
-    auto c = LoadDeploymentConfig(std::string(MLARUN_CONFIGS_DIR) + "/deploy/" + name);
+    auto c = LoadDeploymentConfig(ConfigPath("deploy/") + name);
     ASSERT_TRUE(c.ok()) << name << ": " << c.status();
     EXPECT_EQ(c->model, "configs/models/tiny.yaml") << name;
     EXPECT_EQ(c->coordinator, "127.0.0.1:50051") << name;
     EXPECT_EQ(c->listen, "127.0.0.1:50051") << name;
     EXPECT_EQ(c->policy, "prefix_affinity") << name;
   }
-  EXPECT_EQ(LoadDeploymentConfig(std::string(MLARUN_CONFIGS_DIR) + "/deploy/local-dp4.yaml")->parallel, "dp=4");
-  EXPECT_EQ(LoadDeploymentConfig(std::string(MLARUN_CONFIGS_DIR) + "/deploy/local-tp4.yaml")->parallel, "attn_tp=4");
+  EXPECT_EQ(LoadDeploymentConfig(ConfigPath("deploy/local-dp4.yaml"))->parallel, "dp=4");
+  EXPECT_EQ(LoadDeploymentConfig(ConfigPath("deploy/local-tp4.yaml"))->parallel, "attn_tp=4");
 }
 
 void ExpectInvalid(const std::string& name, const std::string& text, const std::string& key) {
@@ -600,12 +604,35 @@ struct Expected {
   std::string finish_reason;
 };
 
-// What the simulated worker must produce, from SimWorkerToken and the stop rules.
+// The simulated worker's token function written out again from its
+// documentation (client.h, SimWorkerToken) and the fold in sim_worker.cc,
+// with splitmix64's finalizer constants spelled out here: no code of
+// runtime/base/hash.h or of the worker is used.
+uint64_t RefMix64(uint64_t x) {
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+SimToken RefSimToken(const std::vector<int32_t>& prompt, uint64_t seed, int64_t index, int64_t vocab) {
+  const uint64_t kGamma = 0x9e3779b97f4a7c15ull;        // splitmix64's increment
+  uint64_t h = RefMix64(seed ^ 0x73696d2d776f726bull);  // "sim-work" in ASCII
+  for (int32_t t : prompt) h = RefMix64(h ^ static_cast<uint64_t>(static_cast<uint32_t>(t))) + kGamma;
+  h = RefMix64(h ^ (static_cast<uint64_t>(index) * 0xd1b54a32d192ed03ull + 1));
+  SimToken out;
+  out.token = static_cast<int64_t>(h % static_cast<uint64_t>(vocab));
+  // -8 * (top 53 bits of h) / 2^53
+  out.logprob = -8.0 * std::ldexp(static_cast<double>(h >> 11), -53);
+  return out;
+}
+
+// What the simulated worker must produce, from the reference token function
+// and the stop rules.
 Expected Expect(const std::vector<int32_t>& prompt, uint64_t seed, int64_t max_tokens, int64_t vocab,
                 const std::vector<int64_t>& stop_ids = {}, int64_t eos = -1, bool ignore_eos = false) {
   Expected e;
   for (int64_t i = 0; i < max_tokens; ++i) {
-    const int64_t t = SimWorkerToken(prompt, seed, i, vocab).token;
+    const int64_t t = RefSimToken(prompt, seed, i, vocab).token;
     e.tokens.push_back(t);
     if ((eos >= 0 && t == eos && !ignore_eos) || std::find(stop_ids.begin(), stop_ids.end(), t) != stop_ids.end()) {
       e.finish_reason = "stop";
@@ -643,20 +670,37 @@ SimWorkerOptions SimOptions(const std::string& address, int groups, double token
   return o;
 }
 
-TEST(SimWorker, TokenFunctionIsDeterministicAndInRange) {
-  const std::vector<int32_t> p = {1, 2, 3};
-  for (int64_t i = 0; i < 100; ++i) {
-    const SimToken a = SimWorkerToken(p, 7, i, kVocab);
-    const SimToken b = SimWorkerToken(p, 7, i, kVocab);
-    EXPECT_EQ(a.token, b.token);
-    EXPECT_EQ(a.logprob, b.logprob);
-    EXPECT_GE(a.token, 0);
-    EXPECT_LT(a.token, kVocab);
-    EXPECT_LE(a.logprob, 0.0);
-    EXPECT_GT(a.logprob, -8.0);
+TEST(SimWorker, TokenFunctionMatchesItsDocumentation) {
+  // The reference's finalizer against splitmix64's published outputs from
+  // state 0 (the state advances by the increment before each mix).
+  const uint64_t published[] = {0xE220A8397B1DCDAFull, 0x6E789E6AA1B965F4ull, 0x06C45D188009454Full};
+  for (uint64_t k = 0; k < 3; ++k) EXPECT_EQ(RefMix64((k + 1) * 0x9e3779b97f4a7c15ull), published[k]) << k;
+  // The token function against the reference: random prompts (empty, negative
+  // and large ids too), seeds, indices and vocabulary sizes.
+  std::mt19937_64 rng(20240611);
+  std::vector<std::vector<int32_t>> prompts = {{}, {1, 2, 3}, {1, 2, 4}, {-1, 0, INT32_MAX, INT32_MIN}};
+  for (int k = 0; k < 12; ++k) {
+    std::vector<int32_t> p(1 + rng() % 40);
+    for (int32_t& t : p) t = static_cast<int32_t>(rng() % 200000);
+    prompts.push_back(p);
   }
+  int checked = 0;
+  for (const auto& p : prompts)
+    for (uint64_t seed : {uint64_t{0}, uint64_t{7}, uint64_t{8}, rng(), ~uint64_t{0}})
+      for (int64_t index : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{99}, static_cast<int64_t>(rng() % 100000)})
+        for (int64_t vocab : {int64_t{1}, int64_t{2}, kVocab, int64_t{129280}}) {
+          const SimToken got = SimWorkerToken(p, seed, index, vocab), want = RefSimToken(p, seed, index, vocab);
+          EXPECT_EQ(got.token, want.token) << "seed " << seed << " index " << index << " vocab " << vocab;
+          EXPECT_EQ(got.logprob, want.logprob) << "seed " << seed << " index " << index;
+          EXPECT_GE(got.token, 0);
+          EXPECT_LT(got.token, vocab);
+          EXPECT_LE(got.logprob, 0.0);
+          EXPECT_GT(got.logprob, -8.0);
+          ++checked;
+        }
+  EXPECT_EQ(checked, 16 * 5 * 5 * 4);
   // The seed and the prompt matter.
-  const std::vector<int32_t> q = {1, 2, 4};
+  const std::vector<int32_t> p = {1, 2, 3}, q = {1, 2, 4};
   int same_seed = 0, same_prompt = 0;
   for (int64_t i = 0; i < 50; ++i) {
     same_seed += SimWorkerToken(p, 7, i, kVocab).token == SimWorkerToken(p, 8, i, kVocab).token;
@@ -697,10 +741,9 @@ TEST(SimWorker, RegistersServesAndRejects) {
   ASSERT_TRUE(da && db) << worker.log();
   EXPECT_EQ(TokenIds(g0->Tokens("a")), want.tokens);
   EXPECT_EQ(TokenIds(g1->Tokens("b")), want.tokens);
-  EXPECT_EQ(g0->Tokens("a")[2].logprob(), SimWorkerToken(prompt, 7, 2, kVocab).logprob);
+  EXPECT_EQ(g0->Tokens("a")[2].logprob(), RefSimToken(prompt, 7, 2, kVocab).logprob);
   EXPECT_EQ(da->finish_reason(), want.finish_reason);
   EXPECT_EQ(da->error_code(), 0);
-  EXPECT_EQ(da->prompt_tokens(), 10);
   EXPECT_EQ(da->prefix_hit_tokens(), 0);
   EXPECT_EQ(db->prefix_hit_tokens(), 0);  // each group has its own cache
 
@@ -757,6 +800,9 @@ TEST(SimWorker, RegistersServesAndRejects) {
   EXPECT_EQ(st->ranks_size(), 1);
   EXPECT_GT(st->free_blocks(), 0);
   EXPECT_LE(st->free_blocks(), 64);
+  // Requests ran, so the peak is set, in blocks and in bytes alike.
+  EXPECT_GT(st->ranks(0).cache_blocks_peak(), 0);
+  EXPECT_EQ(st->ranks(0).cache_bytes_peak(), st->ranks(0).cache_blocks_peak() * st->ranks(0).cache_block_bytes());
   EXPECT_EQ(worker.Stop(), 0);
 }
 

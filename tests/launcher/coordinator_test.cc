@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "kv/latent_cache.h"
 #include "launcher/coordinator/router.h"
 #include "mlarun.grpc.pb.h"
 
@@ -255,7 +256,6 @@ class FakeWorker {
           v1::WorkerMessage& d = dones.emplace_back();
           d.mutable_done()->set_request_id(it->id);
           d.mutable_done()->set_finish_reason("length");
-          d.mutable_done()->set_prompt_tokens(static_cast<int64_t>(it->prompt.size()));
           d.mutable_done()->set_prefix_hit_tokens(0);
           it = jobs_.erase(it);
         } else {
@@ -628,6 +628,9 @@ TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
       {[](auto& r) { r.mutable_sampling()->set_top_p(1.01); }, "sampling.top_p"},
       {[](auto& r) { r.mutable_sampling()->set_max_tokens(0); }, "sampling.max_tokens"},
       {[](auto& r) { r.mutable_sampling()->add_stop_token_ids(-1); }, "sampling.stop_token_ids[0]"},
+      {[](auto& r) { r.mutable_sampling()->add_stop_token_ids(100); },
+       "sampling.stop_token_ids[0]"},
+      {[](auto& r) { r.mutable_sampling()->set_top_k(-2); }, "sampling.top_k"},
       {[](auto& r) { r.set_prompt_ids(2, 100); }, "vocab_size"},
       {[](auto& r) { r.mutable_sampling()->set_max_tokens(62); }, "max_position_embeddings"},
   };
@@ -645,6 +648,23 @@ TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
   const v1::GetStatsResponse s = Stats();
   EXPECT_EQ(s.coordinator().requests_rejected(), static_cast<int64_t>(cases.size()));
   EXPECT_EQ(s.coordinator().requests_completed(), 1);
+}
+
+// Before any group registers the limits are unknown: the sampling checks
+// still apply, only the bounds that need the model wait for the group.
+TEST_F(CoordinatorTest, ValidationWithoutGroupsChecksWhatItCan) {
+  StartCoordinator();
+  v1::GenerateRequest bad = MakeRequest({1, 2}, 4);
+  bad.mutable_sampling()->set_max_tokens(0);
+  const GenResult r = Generate(*stub_, bad);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(r.status.error_message().find("sampling.max_tokens"), std::string::npos)
+      << r.status.error_message();
+  EXPECT_EQ(r.status.error_message().find("922337"), std::string::npos)  // no INT64_MAX bound
+      << r.status.error_message();
+  v1::GenerateRequest big = MakeRequest({1, 2}, 1000000);
+  big.mutable_sampling()->add_stop_token_ids(1000000);
+  EXPECT_EQ(Generate(*stub_, big, 300ms).status.error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST_F(CoordinatorTest, GroupErrorIsForwarded) {
@@ -997,21 +1017,22 @@ TEST(RoutingPolicyNames, RoundTrip) {
 
 // ---- Router, without gRPC ---------------------------------------------------------
 
-TEST(BlockHashChain, IsAChainOverFullBlocks) {
+// The chain the router matches prompts by (the one workers' caches publish).
+TEST(PrefixBlockHashes, IsAChainOverFullBlocks) {
   const std::vector<int32_t> t = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
-  const auto chain = coord::BlockHashChain(t, 4);
+  const auto chain = PrefixBlockHashes(t, 4);
   ASSERT_EQ(chain.size(), 2u);  // the partial block has no hash
-  const auto prefix = coord::BlockHashChain(std::span(t).first(8), 4);
+  const auto prefix = PrefixBlockHashes(std::span(t).first(8), 4);
   EXPECT_EQ(prefix, chain);
   std::vector<int32_t> u = t;
   u[0] = 99;  // a different first block changes every later hash
-  const auto other = coord::BlockHashChain(u, 4);
+  const auto other = PrefixBlockHashes(u, 4);
   EXPECT_NE(other[0], chain[0]);
   EXPECT_NE(other[1], chain[1]);
   u = t;
   u[5] = 99;  // only the second block differs
-  EXPECT_EQ(coord::BlockHashChain(u, 4)[0], chain[0]);
-  EXPECT_TRUE(coord::BlockHashChain(t, 0).empty());
+  EXPECT_EQ(PrefixBlockHashes(u, 4)[0], chain[0]);
+  EXPECT_TRUE(PrefixBlockHashes(t, 0).empty());
 }
 
 TEST(PrefixIndex, MatchesLeadingRunAndStaysBounded) {

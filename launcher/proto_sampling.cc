@@ -1,0 +1,30 @@
+#include "launcher/proto_sampling.h"
+
+#include "mlarun.pb.h"
+
+namespace mlarun {
+
+SamplingParams FromProto(const v1::SamplingParams& p) {
+  SamplingParams s;  // the defaults of absent fields
+  s.temperature = p.temperature();
+  s.top_k = p.top_k();
+  if (p.has_top_p()) s.top_p = p.top_p();
+  s.seed = p.seed();
+  if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  return s;
+}
+
+void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
+  out->set_temperature(p.temperature);
+  out->set_top_k(p.top_k);
+  out->set_top_p(p.top_p);
+  out->set_seed(p.seed);
+  out->set_max_tokens(p.max_tokens);
+  out->clear_stop_token_ids();
+  out->mutable_stop_token_ids()->Add(p.stop_token_ids.begin(), p.stop_token_ids.end());
+  out->set_ignore_eos(p.ignore_eos);
+}
+
+}  // namespace mlarun

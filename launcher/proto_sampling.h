@@ -1,0 +1,23 @@
+// SamplingParams between the wire (mlarun.proto) and the engine, in one place
+// for every process that speaks the protocol: the worker, the simulated
+// worker, the coordinator and the client. It only forward-declares the
+// generated message, so including it pulls in neither protobuf nor gRPC.
+#pragma once
+
+#include "runtime/engine/sampler.h"
+
+namespace mlarun {
+namespace v1 {
+class SamplingParams;
+}  // namespace v1
+
+// Absent optional fields (top_p, max_tokens) take SamplingParams{}'s values,
+// the one default of the whole system. No validation: see
+// ValidateSamplingParams.
+SamplingParams FromProto(const v1::SamplingParams& p);
+
+// Sets every field, the optional ones included, so the receiver never has to
+// guess what was meant.
+void ToProto(const SamplingParams& p, v1::SamplingParams* out);
+
+}  // namespace mlarun
