@@ -9,6 +9,7 @@
 #include "launcher/bench/serve_bench.h"
 #include "launcher/client/client.h"
 #include "launcher/coordinator/coordinator.h"
+#include "launcher/env.h"
 #include "launcher/generate.h"
 #include "launcher/memory/memory.h"
 #include "launcher/worker/worker.h"
@@ -187,6 +188,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // --help is 0; every usage error is 2
+  }
+  if (const mlarun::Status env = mlarun::ApplyEnvironmentOverrides(); !env.ok()) {
+    std::fprintf(stderr, "mlarun: %s\n", env.ToString().c_str());
+    return 2;
   }
 
   // A deployment file fills what the flags left unset.

@@ -272,7 +272,10 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       const double ar = per_step(&CommStats::all_reduce), ag = per_step(&CommStats::all_gather),
                    rs = per_step(&CommStats::reduce_scatter);
       const int64_t fp = 4;
-      const double ar_pred = layout.attn_tp > 1 ? static_cast<double>(layers * 2 * b * H * fp) : 0;
+      // Plus, per step, one fp32 flag summed over each communicator of more
+      // than one rank: whether any rank's computation failed (Model::Forward).
+      const double flag_pred = (layout.attn_tp > 1 ? fp : 0) + (layout.dp > 1 ? fp : 0);
+      const double ar_pred = (layout.attn_tp > 1 ? static_cast<double>(layers * 2 * b * H * fp) : 0) + flag_pred;
       const double ag_pred = layout.dp > 1 ? static_cast<double>(layers * b * H * fp) : 0;
       const double rs_pred = layout.dp > 1 ? static_cast<double>(layers * batch * H * fp) : 0;
       const bool agree = ar == ar_pred && ag == ag_pred && rs == rs_pred;

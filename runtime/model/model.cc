@@ -177,6 +177,11 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
     }
   }
   MLARUN_RETURN_IF_ERROR(status);
+  if (T > 0) traffic_.weight_bytes += moe.router.bytes() + (moe.has_shared ? moe.shared.gate_up.bytes() + moe.shared.down.bytes() : 0);
+  for (int32_t e : active) {
+    const Mlp& m = moe.experts[static_cast<size_t>(e - e0)];
+    traffic_.weight_bytes += m.gate_up.bytes() + m.down.bytes();
+  }
   for (int64_t t = 0; t < T; ++t) {
     float* dst = Y + t * H;
     std::fill(dst, dst + H, 0.f);
@@ -192,8 +197,80 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   return Status::Ok();
 }
 
+// Every rank's part of a failed computation, agreed on by all ranks: a flag
+// summed over the attn-TP group and then over the DP peers (which together
+// span the world), and only when it is set, the failing ranks' messages, the
+// first in rank order winning, by the same two hops. Errors of the
+// collectives themselves come back as they are.
+namespace {
+struct Agreement {
+  Status collective;  // not OK: a collective failed (fatal)
+  Status failure;     // the step's computation failure, the same on every rank
+};
+Agreement AgreeOnFailure(Communicator* tp, Communicator* peers, const Status& local, const std::string& rank_name) {
+  Agreement out;
+  float flag = local.ok() ? 0.f : 1.f;
+  for (Communicator* c : {tp, peers}) {
+    if (c == nullptr) continue;
+    if (Status st = c->AllReduceSum(&flag, 1, CommType::kF32); !st.ok()) {
+      out.collective = st;
+      return out;
+    }
+  }
+  if (flag == 0.f) return out;
+  std::string mine;
+  if (!local.ok())
+    mine = std::to_string(static_cast<int>(local.code())) + "|" + (rank_name.empty() ? "a rank" : rank_name) +
+           ": " + local.message();
+  for (Communicator* c : {tp, peers}) {
+    if (c == nullptr) continue;
+    auto all = AllGatherStrings(*c, mine);
+    if (!all.ok()) {
+      out.collective = all.status();
+      return out;
+    }
+    for (const std::string& m : *all)
+      if (!m.empty()) {
+        mine = m;
+        break;
+      }
+  }
+  const size_t bar = mine.find('|');
+  const int code = bar == std::string::npos ? static_cast<int>(StatusCode::kInternal) : std::atoi(mine.c_str());
+  out.failure = Status(static_cast<StatusCode>(code), "step failed on " + mine.substr(bar == std::string::npos ? 0 : bar + 1));
+  return out;
+}
+}  // namespace
+
 StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
                                             const ParallelStep* parallel) {
+  last_failure_ = Status::Ok();
+  const int64_t call = forward_calls_++;
+  // Across ranks: the attn-TP group sums o_proj's partial products; the MLP /
+  // MoE runs on every DP group's tokens (gathered over the DP peers), and its
+  // partial outputs come back summed over the world (reduce-scatter over the
+  // peers, then all-reduce in the group).
+  Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
+  Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
+  std::vector<float> logits;
+  Status collective;
+  const Status local = ForwardImpl(seqs, cache, parallel, tp, peers, call, &logits, &collective);
+  if (!collective.ok()) return collective;  // nobody can be waited for
+  if (parallel == nullptr) {
+    last_failure_ = local;
+    if (!local.ok()) return local;
+    return logits;
+  }
+  const Agreement agreed = AgreeOnFailure(tp, peers, local, parallel->rank_name);
+  if (!agreed.collective.ok()) return agreed.collective;
+  last_failure_ = agreed.failure;
+  if (!agreed.failure.ok()) return agreed.failure;
+  return logits;
+}
+
+Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, const ParallelStep* parallel,
+                          Communicator* tp, Communicator* peers, int64_t call, std::vector<float>* logits_out,
+                          Status* collective) {
   const ModelConfig& c = config_;
   const ModelShard& shard = options_.shard;
   // N: this rank's heads.
@@ -201,11 +278,19 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
   const int64_t R = c.qk_rope_head_dim;
   const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim(), vocab = c.vocab_size;
   times_ = {};
+  traffic_ = {};
   routing_.clear();
   const auto t_start = Clock::now();
+  // This rank's computation; after a failure the step only joins the collectives.
+  Status st;
+  auto fail = [&st](Status s) {
+    if (st.ok() && !s.ok()) st = std::move(s);
+  };
+  if ((shard.attn_tp_size > 1 || shard.mlp_size > 1) && parallel == nullptr)
+    return FailedPreconditionError("model forward: a sharded model needs the step's communicators");
   if (cache.config().num_layers != c.num_hidden_layers || cache.config().kv_lora_rank != L ||
       cache.config().rope_dim != R || cache.config().dtype != c.kv_dtype)
-    return InvalidArgumentError("model forward: the latent cache does not match the model (layers, widths, dtype)");
+    fail(InvalidArgumentError("model forward: the latent cache does not match the model (layers, widths, dtype)"));
 
   // The batch: flat tokens and positions, the attention's batch description.
   const int32_t S = static_cast<int32_t>(seqs.size());
@@ -214,35 +299,38 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
   for (int32_t i = 0; i < S; ++i) {
     const ForwardSeq& s = seqs[static_cast<size_t>(i)];
     const int64_t n = static_cast<int64_t>(s.tokens.size()), end = s.start_pos + n;
-    if (!cache.HasSequence(s.id)) return InvalidArgumentError("model forward: sequence ", s.id, " is not in the cache");
-    if (s.start_pos < 0 || cache.NumTokens(s.id) < end)
-      return InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
-                                  ") but the cache holds slots for ", cache.NumTokens(s.id));
-    if (end > c.max_position_embeddings)
-      return InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
-                                  ", beyond max_position_embeddings ", c.max_position_embeddings);
-    for (int32_t t : s.tokens)
-      if (t < 0 || t >= vocab) return InvalidArgumentError("model forward: token id ", t, " outside [0, ", vocab, ")");
     query_start[static_cast<size_t>(i) + 1] = query_start[static_cast<size_t>(i)] + static_cast<int32_t>(n);
     seq_lens[static_cast<size_t>(i)] = static_cast<int32_t>(end);
-    max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(cache.BlockTable(s.id).size()));
     logit_rows += s.logits == ForwardSeq::Logits::kAll ? n : (s.logits == ForwardSeq::Logits::kLast && n > 0 ? 1 : 0);
+    if (!st.ok()) continue;
+    if (!cache.HasSequence(s.id)) {
+      fail(InvalidArgumentError("model forward: sequence ", s.id, " is not in the cache"));
+      continue;
+    }
+    if (s.start_pos < 0 || cache.NumTokens(s.id) < end)
+      fail(InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
+                                ") but the cache holds slots for ", cache.NumTokens(s.id)));
+    if (end > c.max_position_embeddings)
+      fail(InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
+                                ", beyond max_position_embeddings ", c.max_position_embeddings));
+    for (int32_t t : s.tokens)
+      if (t < 0 || t >= vocab) {
+        fail(InvalidArgumentError("model forward: token id ", t, " outside [0, ", vocab, ")"));
+        break;
+      }
+    if (st.ok()) max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(cache.BlockTable(s.id).size()));
   }
   const int64_t T = query_start.back();
-  // Across ranks: the attn-TP group sums o_proj's partial products; the MLP /
-  // MoE runs on every DP group's tokens (gathered over the DP peers), and its
-  // partial outputs come back summed over the world (reduce-scatter over the
-  // peers, then all-reduce in the group).
-  Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
-  Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
-  if ((shard.attn_tp_size > 1 || shard.mlp_size > 1) && parallel == nullptr)
-    return FailedPreconditionError("model forward: a sharded model needs the step's communicators");
+  // Every rank must agree on the collectives' sizes; a plan that disagrees
+  // cannot be run by anyone.
   int64_t T_all = T;
   std::vector<int64_t> hidden_counts;
   if (peers) {
     if (static_cast<int>(parallel->dp_tokens.size()) != peers->size() ||
-        parallel->dp_tokens[static_cast<size_t>(parallel->dp_rank)] != T)
-      return InternalError("model forward: DP token counts disagree with this group's batch (", T, " tokens)");
+        parallel->dp_tokens[static_cast<size_t>(parallel->dp_rank)] != T) {
+      *collective = InternalError("model forward: DP token counts disagree with this group's batch (", T, " tokens)");
+      return st;
+    }
     T_all = 0;
     for (int64_t n : parallel->dp_tokens) {
       hidden_counts.push_back(n * H);
@@ -251,7 +339,7 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
   }
   std::vector<int32_t> block_table(static_cast<size_t>(S * max_blocks), 0);
   std::vector<int32_t> positions(static_cast<size_t>(T));
-  for (int32_t i = 0; i < S; ++i) {
+  for (int32_t i = 0; i < S && st.ok(); ++i) {
     const auto table = cache.BlockTable(seqs[static_cast<size_t>(i)].id);
     std::copy(table.begin(), table.end(), block_table.begin() + i * max_blocks);
     for (int64_t j = 0; j < static_cast<int64_t>(seqs[static_cast<size_t>(i)].tokens.size()); ++j)
@@ -262,7 +350,7 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
   // Embeddings.
   std::vector<float> h(static_cast<size_t>(T * H)), x(static_cast<size_t>(T * H));
   const size_t wes = DTypeSize(c.weight_dtype);
-  for (int32_t i = 0; i < S; ++i)
+  for (int32_t i = 0; i < S && st.ok(); ++i)
     for (size_t j = 0; j < seqs[static_cast<size_t>(i)].tokens.size(); ++j) {
       const int64_t t = query_start[static_cast<size_t>(i)] + static_cast<int64_t>(j);
       LoadToF32(embed_.data.data() + seqs[static_cast<size_t>(i)].tokens[j] * H * static_cast<int64_t>(wes),
@@ -292,77 +380,100 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
   ap.out_stride_token = N * V;
   ap.out_stride_head = V;
   std::optional<MlaPlan> plan;
+  // A collective's failure ends the step here: nobody can be waited for.
+  auto join = [collective](const Status& s) {
+    if (!s.ok()) *collective = s.WithContext("collective");
+    return s.ok();
+  };
+
+  // Layer li's attention for this group's tokens, into o_out (this rank's
+  // heads' part of o_proj).
+  auto attention = [&](const DecoderLayer& layer, int64_t li) -> Status {
+    const AttentionLayer& a = layer.attn;
+    RmsNormTo(h.data(), T, H, layer.input_norm.data(), H, c.rms_norm_eps, x.data(), H);
+    if (c.q_lora_rank > 0) {
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_a, x.data(), T, H, qa.data(), c.q_lora_rank));
+      RmsNorm(qa.data(), T, c.q_lora_rank, a.q_a_norm.data(), c.q_lora_rank, kLatentNormEps);
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_b, qa.data(), T, c.q_lora_rank, q.data(), N * Dq));
+    } else {
+      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q, x.data(), T, H, q.data(), N * Dq));
+    }
+    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.kv_a, x.data(), T, H, kv.data(), L + R));
+    RmsNormTo(kv.data(), T, L + R, a.kv_a_norm.data(), L, kLatentNormEps, kv_c.data(), L);
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(&k_pe[static_cast<size_t>(t * R)], &kv[static_cast<size_t>(t * (L + R) + L)], static_cast<size_t>(R) * sizeof(float));
+    rope_->Apply(q.data() + P, T, N, N * Dq, Dq, positions.data());
+    rope_->Apply(k_pe.data(), T, 1, R, 0, positions.data());
+    for (int32_t i = 0; i < S; ++i) {
+      const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+      const int64_t t = query_start[static_cast<size_t>(i)];
+      MLARUN_RETURN_IF_ERROR(cache.WriteRows(li, s.id, s.start_pos, static_cast<int64_t>(s.tokens.size()),
+                                             kv_c.data() + t * L, L, k_pe.data() + t * R, R));
+    }
+    ap.w_uk_t = a.w_uk_t.data();
+    ap.w_uv = a.w_uv.data();
+    ap.cache = cache.Layer(li);
+    if (!plan) {
+      MLARUN_ASSIGN_OR_RETURN(MlaPlan made, MlaMakePlan(ap, options_.attention));
+      plan = std::move(made);
+    }
+    WorkspaceView ws = attn_ws_.Reserve(plan->workspace_bytes);
+    if (plan->workspace_bytes > 0 && ws.data == nullptr)
+      return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
+    MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
+    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, o_out.data(), H));
+    traffic_.weight_bytes += a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes() +
+                             static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
+    for (int32_t i = 0; i < S; ++i) traffic_.cache_bytes += seq_lens[static_cast<size_t>(i)] * (cache.config().bytes_per_token() / c.num_hidden_layers);
+    return Status::Ok();
+  };
 
   for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
     const DecoderLayer& layer = layers_[static_cast<size_t>(li)];
-    const AttentionLayer& a = layer.attn;
     auto t0 = Clock::now();
-    if (T > 0) {
-      RmsNormTo(h.data(), T, H, layer.input_norm.data(), H, c.rms_norm_eps, x.data(), H);
-      if (c.q_lora_rank > 0) {
-        MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_a, x.data(), T, H, qa.data(), c.q_lora_rank));
-        RmsNorm(qa.data(), T, c.q_lora_rank, a.q_a_norm.data(), c.q_lora_rank, kLatentNormEps);
-        MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_b, qa.data(), T, c.q_lora_rank, q.data(), N * Dq));
-      } else {
-        MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q, x.data(), T, H, q.data(), N * Dq));
-      }
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.kv_a, x.data(), T, H, kv.data(), L + R));
-      RmsNormTo(kv.data(), T, L + R, a.kv_a_norm.data(), L, kLatentNormEps, kv_c.data(), L);
-      for (int64_t t = 0; t < T; ++t)
-        std::memcpy(&k_pe[static_cast<size_t>(t * R)], &kv[static_cast<size_t>(t * (L + R) + L)], static_cast<size_t>(R) * sizeof(float));
-      rope_->Apply(q.data() + P, T, N, N * Dq, Dq, positions.data());
-      rope_->Apply(k_pe.data(), T, 1, R, 0, positions.data());
-      for (int32_t i = 0; i < S; ++i) {
-        const ForwardSeq& s = seqs[static_cast<size_t>(i)];
-        const int64_t t = query_start[static_cast<size_t>(i)];
-        MLARUN_RETURN_IF_ERROR(cache.WriteRows(li, s.id, s.start_pos, static_cast<int64_t>(s.tokens.size()),
-                                               kv_c.data() + t * L, L, k_pe.data() + t * R, R));
-      }
-      ap.w_uk_t = a.w_uk_t.data();
-      ap.w_uv = a.w_uv.data();
-      ap.cache = cache.Layer(li);
-      if (!plan) {
-        MLARUN_ASSIGN_OR_RETURN(MlaPlan made, MlaMakePlan(ap, options_.attention));
-        plan = std::move(made);
-      }
-      WorkspaceView ws = attn_ws_.Reserve(plan->workspace_bytes);
-      if (plan->workspace_bytes > 0 && ws.data == nullptr)
-        return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
-      MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, o_out.data(), H));
-    }
+    if (T > 0 && st.ok()) fail(attention(layer, li));
+    if (call == options_.fail_forward_call && li == 0)
+      fail(InternalError("injected failure (fail_forward_call ", call, ") in layer 0"));
     // o_proj is row-parallel over heads: its partial sums meet in the group.
-    if (tp) MLARUN_RETURN_IF_ERROR(tp->AllReduceSum(o_out.data(), T * H, CommType::kF32));
-    for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += o_out[static_cast<size_t>(k)];
+    if (tp && !join(tp->AllReduceSum(o_out.data(), T * H, CommType::kF32))) return st;
+    if (st.ok())
+      for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += o_out[static_cast<size_t>(k)];
     times_.attention += Since(t0);
 
     t0 = Clock::now();
-    RmsNormTo(h.data(), T, H, layer.post_attention_norm.data(), H, c.rms_norm_eps, x.data(), H);
+    if (st.ok()) RmsNormTo(h.data(), T, H, layer.post_attention_norm.data(), H, c.rms_norm_eps, x.data(), H);
     // Every DP group's tokens, in dp_rank order.
     const float* X = x.data();
     if (peers) {
       x_all.resize(static_cast<size_t>(T_all * H));
-      MLARUN_RETURN_IF_ERROR(peers->AllGatherV(x.data(), hidden_counts, x_all.data(), CommType::kF32));
+      if (!join(peers->AllGatherV(x.data(), hidden_counts, x_all.data(), CommType::kF32))) return st;
       X = x_all.data();
     }
-    if (!layer.moe) {
-      MLARUN_RETURN_IF_ERROR(ApplyMlp(layer.mlp, X, T_all, H, y_all.data(), H, /*accumulate=*/false, mlp_hidden));
-    } else {
-      MLARUN_RETURN_IF_ERROR(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));
+    if (st.ok()) {
+      if (!layer.moe) {
+        fail(ApplyMlp(layer.mlp, X, T_all, H, y_all.data(), H, /*accumulate=*/false, mlp_hidden));
+        if (T_all > 0) traffic_.weight_bytes += layer.mlp.gate_up.bytes() + layer.mlp.down.bytes();
+      } else {
+        fail(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));
+      }
     }
     // This rank's partial outputs for this group's tokens, summed over the world.
     if (peers) {
-      MLARUN_RETURN_IF_ERROR(peers->ReduceScatterSumV(y_all.data(), hidden_counts, y_local.data(), CommType::kF32));
+      if (!join(peers->ReduceScatterSumV(y_all.data(), hidden_counts, y_local.data(), CommType::kF32))) return st;
     } else {
       std::copy(y_all.begin(), y_all.begin() + T * H, y_local.begin());
     }
-    if (tp) MLARUN_RETURN_IF_ERROR(tp->AllReduceSum(y_local.data(), T * H, CommType::kF32));
-    for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += y_local[static_cast<size_t>(k)];
+    if (tp && !join(tp->AllReduceSum(y_local.data(), T * H, CommType::kF32))) return st;
+    if (st.ok())
+      for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += y_local[static_cast<size_t>(k)];
     (layer.moe ? times_.moe : times_.dense_mlp) += Since(t0);
   }
+  if (!st.ok()) return st;
 
   // Logits for the rows asked for.
-  std::vector<float> rows(static_cast<size_t>(logit_rows * H)), logits(static_cast<size_t>(logit_rows * vocab));
+  const auto t_head = Clock::now();
+  std::vector<float> rows(static_cast<size_t>(logit_rows * H));
+  logits_out->assign(static_cast<size_t>(logit_rows * vocab), 0.f);
   int64_t r = 0;
   for (int32_t i = 0; i < S; ++i) {
     const ForwardSeq& s = seqs[static_cast<size_t>(i)];
@@ -373,9 +484,12 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
       std::memcpy(&rows[static_cast<size_t>(r * H)], &h[static_cast<size_t>((t0 + j) * H)], static_cast<size_t>(H) * sizeof(float));
   }
   RmsNorm(rows.data(), logit_rows, H, final_norm_.data(), H, c.rms_norm_eps);
-  MLARUN_RETURN_IF_ERROR(ApplyLinear(lm_head_, rows.data(), logit_rows, H, logits.data(), vocab));
-  times_.other = Since(t_start) - times_.attention - times_.moe - times_.dense_mlp;
-  return logits;
+  MLARUN_RETURN_IF_ERROR(ApplyLinear(lm_head_, rows.data(), logit_rows, H, logits_out->data(), vocab));
+  if (logit_rows > 0) traffic_.weight_bytes += lm_head_.bytes();
+  traffic_.weight_bytes += T * H * static_cast<int64_t>(wes);  // embedding rows
+  times_.lm_head = Since(t_head);
+  times_.other = Since(t_start) - times_.attention - times_.moe - times_.dense_mlp - times_.lm_head;
+  return Status::Ok();
 }
 
 }  // namespace mlarun

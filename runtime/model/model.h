@@ -123,12 +123,18 @@ struct ParallelStep {
   Communicator* dp_peers = nullptr;   // one rank per DP group (gather / reduce-scatter of hidden states)
   std::vector<int64_t> dp_tokens;     // tokens of every DP group this step, by dp_rank
   int dp_rank = 0;
+  // This rank as error messages name it, e.g. "rank 3 (node1)".
+  std::string rank_name;
 };
 
 struct ModelOptions {
   MlaConfig attention;        // dispatch thresholds, tiles, backend
   ModelShard shard;           // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
+  // Testing: the Forward call with this 0-based index (counted per Model)
+  // fails with INTERNAL on this process, in its first layer after the
+  // attention, as a kernel failure would. -1: never.
+  int64_t fail_forward_call = -1;
 };
 
 // Overrides applied to a model's config when loading it.
@@ -175,15 +181,37 @@ class Model {
   // `seqs` are this DP group's (possibly none: the rank still joins every
   // collective), attention runs on this rank's heads, and the MLP / MoE runs
   // on this rank's shard for every DP group's tokens.
+  //
+  // Errors. A computation that fails on one rank (a kernel, a workspace, a
+  // bad batch) does not leave the others waiting: that rank still joins every
+  // collective of the step, and at its end all ranks learn of the failure
+  // and return the same Status, whose message names the rank that failed
+  // (its ParallelStep::rank_name) and why; last_step_failure() holds it. An
+  // error of a collective itself is returned at once, only where it was seen,
+  // and last_step_failure() stays OK: the ranks can no longer be relied upon
+  // to meet again. Without `parallel` every error is a computation failure.
   StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
                                        const ParallelStep* parallel = nullptr);
+  // OK, or the computation failure the last Forward returned (see Forward).
+  const Status& last_step_failure() const { return last_failure_; }
   const ModelShard& shard() const { return options_.shard; }
 
   // Per-step time breakdown of the last Forward (seconds), for benchmarks.
   struct StepTimes {
-    double attention = 0, moe = 0, dense_mlp = 0, other = 0;
+    double attention = 0, moe = 0, dense_mlp = 0, lm_head = 0, other = 0;
   };
   const StepTimes& last_step_times() const { return times_; }
+
+  // Bytes the last Forward had to read on this rank, for the bandwidth bound
+  // of a step: the weights it touched (every attention projection and W_UK /
+  // W_UV of a layer with tokens, the dense MLPs, the router and the routed
+  // experts of this rank that some token chose, the shared experts, the
+  // embedding rows, lm_head when logits were asked for) and the latent-cache
+  // rows its attention covered (each sequence's keys, every layer, once).
+  struct StepTraffic {
+    int64_t weight_bytes = 0, cache_bytes = 0;
+  };
+  const StepTraffic& last_step_traffic() const { return traffic_; }
 
   // Experts the MoE layers of the last Forward chose: per MoE layer (in layer
   // order), [tokens, num_experts_per_tok] ids, each token's ids ascending.
@@ -194,6 +222,11 @@ class Model {
   explicit Model(const ModelConfig& c, const ModelOptions& o);
   Status Init();  // shapes, rope
   Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
+  // Forward on this rank: returns its computation's status; a failed
+  // collective goes to *collective and ends the step at once.
+  Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, const ParallelStep* parallel,
+                     Communicator* tp, Communicator* peers, int64_t call, std::vector<float>* logits,
+                     Status* collective);
 
   ModelConfig config_;
   ModelOptions options_;
@@ -203,6 +236,9 @@ class Model {
   std::vector<float> final_norm_;
   std::vector<DecoderLayer> layers_;
   StepTimes times_;
+  StepTraffic traffic_;
+  Status last_failure_;
+  int64_t forward_calls_ = 0;
   std::vector<std::vector<int32_t>> routing_;
   Workspace attn_ws_;
 
