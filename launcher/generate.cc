@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "parallel/mpi/mpi_world.h"
+#include "runtime/base/cpu_isa.h"
 #include "runtime/engine/rank_runner.h"
 
 namespace mlarun {
@@ -48,6 +49,13 @@ std::vector<StatusOr<GenerationRequest>> ParseRequests(const std::string& text, 
     parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(origin + ":" + std::to_string(line_no))));
   }
   return parsed;
+}
+
+// A finished request's result: its output, or the error of the step that
+// ended it (FinishReason::kError).
+StatusOr<GenerationOutput> ResultOf(const GenerationOutput& g) {
+  if (g.finish_reason == FinishReason::kError) return g.error;
+  return g;
 }
 
 std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
@@ -143,7 +151,7 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
     if (g->finish_reason == FinishReason::kNone) {
       results[i] = failure.ok() ? InternalError("request did not finish") : failure;
     } else {
-      results[i] = *g;
+      results[i] = ResultOf(*g);
     }
   }
 
@@ -196,12 +204,15 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
     if (root) log << "mlarun generate: " << ov.status().message() << "\n";
     return 2;
   }
+  // Ranks may run on different CPUs: each says what it found, once.
+  const std::string rank_name = "rank " + std::to_string(session.rank()) + " (" + session.host() + ")";
+  log << "mlarun generate: " + rank_name + ": cpu " + CpuSummary() + "\n" << std::flush;
   ModelOptions mo;
   mo.shard = ModelShard::For(*layout, session.rank());
   const auto t0 = std::chrono::steady_clock::now();
   auto model = Model::Load(o.model, *ov, mo);
   if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
-  auto runner = RankRunner::Create(**model, o.engine, *groups);
+  auto runner = RankRunner::Create(**model, o.engine, *groups, rank_name);
   if (!runner.ok()) session.Abort(runner.status().ToString(), 2);
   if (!world.Barrier().ok()) session.Abort("start-up barrier failed", 2);
   if (root)
@@ -229,7 +240,7 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   }
   // Leaders send "index\tline\n" per request; rank 0 prints them in order.
   std::string lines;
-  for (const auto& [i, id] : queued) mine.emplace(i, *(*runner)->Output(id));
+  for (const auto& [i, id] : queued) mine.emplace(i, ResultOf(*(*runner)->Output(id)));
   for (const auto& [i, r] : mine) lines += std::to_string(i) + "\t" + ResultLine(r, o.json) + "\n";
   // The memory each rank holds, by category.
   const WeightBytes wb = (*model)->weight_bytes();

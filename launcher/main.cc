@@ -149,6 +149,10 @@ int main(int argc, char** argv) {
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
   int worker_threads = 0;
   worker->add_option("--threads", worker_threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
+  std::string fail_forward_call;
+  worker->add_option("--fail-forward-call", fail_forward_call,
+                     "Fault injection for tests: model step N (0-based) fails with INTERNAL on world rank RANK "
+                     "(every rank without @RANK); form N[@RANK]");
   worker->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
 
   mlarun::SimWorkerOptions so;
@@ -253,6 +257,12 @@ int main(int argc, char** argv) {
     if (wo.model.empty()) {
       std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");
       return 2;
+    }
+    if (!fail_forward_call.empty()) {
+      if (const mlarun::Status st = mlarun::ParseFailForwardCall(fail_forward_call, &wo); !st.ok()) {
+        std::fprintf(stderr, "mlarun worker: %s\n", std::string(st.message()).c_str());
+        return 2;
+      }
     }
     if (worker_threads > 0) omp_set_num_threads(worker_threads);
     auto session = mlarun::MpiSession::Init(&argc, &argv);

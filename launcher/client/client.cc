@@ -198,6 +198,18 @@ void PrintStatsTable(const v1::GetStatsResponse& r, std::ostream& out) {
   }
   PrintTable(out, {"worker", "dp", "connected", "routed", "completed", "in flight", "tokens", "free blocks", "queued tokens"},
              {true, false, true, false, false, false, false, false, false}, rows);
+  for (const v1::GroupStats& g : r.groups()) {
+    if (!g.connected() && !g.disconnect_reason().empty())
+      out << "  group " << g.dp_group() << " of " << g.worker_id() << " went away: " << g.disconnect_reason() << "\n";
+  }
+  // Each rank's own CPU (ranks of one job may run on different machines).
+  out << "\ncpus\n";
+  rows.clear();
+  for (const v1::RankStats& k : r.ranks()) {
+    rows.push_back({k.worker_id(), std::to_string(k.rank()), k.host(), k.cpu_isa().empty() ? "?" : k.cpu_isa(),
+                    k.cpu_model_name().empty() ? "?" : k.cpu_model_name(), k.cpu_flags()});
+  }
+  PrintTable(out, {"worker", "rank", "host", "kernels", "model", "flags"}, {true, false, true, true, true, true}, rows);
   const v1::CoordinatorStats& c = r.coordinator();
   out << "\ncoordinator: policy " << (c.policy().empty() ? "?" : c.policy()) << ", received " << c.requests_received()
       << ", completed " << c.requests_completed() << ", rejected " << c.requests_rejected() << ", failed "

@@ -25,6 +25,7 @@
 #include "launcher/client/grpc_util.h"
 #include "launcher/proto_sampling.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/base/cpu_isa.h"
 #include "runtime/base/hash.h"
 #include "runtime/engine/request.h"
 
@@ -183,6 +184,11 @@ v1::RankStats SimGroup::Rank() const {
   r.set_requests_running(static_cast<int64_t>(running_.size()));
   r.set_requests_waiting(static_cast<int64_t>(waiting_.size()));
   r.set_tokens_per_s(tokens_per_s_);
+  // The machine it runs on, as a worker's rank reports its own.
+  const CpuFeatures& cpu = HostCpu();
+  r.set_cpu_model_name(cpu.model_name);
+  r.set_cpu_flags(cpu.FlagList());
+  r.set_cpu_isa(std::string(CpuIsaName(ActiveCpuIsa())));
   return r;
 }
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -378,6 +379,9 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   if (!(options.default_deadline_s > 0))
     return InvalidArgumentError("default_deadline_s: must be > 0, got ",
                                 options.default_deadline_s);
+  if (!(options.lost_group_wait_s >= 0) || !std::isfinite(options.lost_group_wait_s))
+    return InvalidArgumentError("lost_group_wait_s: must be >= 0 and finite, got ",
+                                options.lost_group_wait_s);
   if (options.prefix_hashes_per_group < 0)
     return InvalidArgumentError("prefix_hashes_per_group: must be >= 0, got ",
                                 options.prefix_hashes_per_group);

@@ -40,6 +40,12 @@ struct CoordinatorOptions {
   // Without any registered group, a request waits until its deadline; this
   // caps the wait when the client set none. Default 30 s.
   double default_deadline_s = 30;
+  // When the last connected group goes away, the requests left waiting (those
+  // it had not answered yet, re-routed, and those queued for room) wait this
+  // much longer for a group to (re)register, at most until their own
+  // deadline, then fail with UNAVAILABLE saying which group went away and
+  // why. It bounds only that wait, like default_deadline_s. Default 5 s.
+  double lost_group_wait_s = 5;
   // prefix_affinity: block hashes remembered per group (least recently routed
   // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
   int64_t prefix_hashes_per_group = 100000;

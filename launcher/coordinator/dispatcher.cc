@@ -21,6 +21,11 @@ constexpr double kUnavailableMarginFraction = 0.1;
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+// Seconds with one decimal, for messages.
+std::string Seconds(Clock::duration d) {
+  const double s = std::chrono::duration<double>(d).count();
+  return internal::StrCat(static_cast<int64_t>(s), ".", static_cast<int64_t>(s * 10) % 10);
+}
 
 using internal::StrCat;
 
@@ -38,6 +43,8 @@ struct Dispatcher::Request {
   Clock::time_point arrival, routed_at, first_token_at;
   Clock::time_point unavailable_at;  // queued with no connected group: UNAVAILABLE from here
   Clock::time_point deadline;        // DEADLINE_EXCEEDED from here
+  Clock::duration unavailable_margin{0};  // deadline - unavailable_at as submitted (0 without a deadline)
+  int lost_group = -1;  // the group that went away before answering it (re-routed), if any
   std::multimap<Clock::time_point, Request*>::iterator timer;  // valid while armed
   bool armed = false;
   bool queued = false;
@@ -62,6 +69,8 @@ struct Dispatcher::Group {
   int64_t routed = 0, completed = 0, tokens_generated = 0;
   std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
   PrefixIndex prefix;                // prefix_affinity only
+  std::string disconnect_reason;     // how it last went away; empty if it never did
+  Clock::time_point left_at;         // when (valid with disconnect_reason)
 };
 
 // Outlets that got messages while mu_ was held; flushed after it is released.
@@ -200,9 +209,10 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
       r->deadline = has_deadline ? now + budget : Clock::time_point::max();
       r->unavailable_at = now + budget;
       if (has_deadline) {
-        r->unavailable_at -= std::min<Clock::duration>(
+        r->unavailable_margin = std::min<Clock::duration>(
             kUnavailableMarginMax,
             std::chrono::duration_cast<Clock::duration>(budget * kUnavailableMarginFraction));
+        r->unavailable_at -= r->unavailable_margin;
       }
       requests_.emplace(r->id, std::move(owned));
       if (!TryRoute(r, pending)) {
@@ -272,6 +282,7 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out) const {
     s->set_tokens_generated(g->tokens_generated);
     s->set_free_blocks(g->free_blocks);
     s->set_queued_tokens(g->queued_tokens);
+    s->set_disconnect_reason(g->disconnect_reason);
   }
   v1::CoordinatorStats* c = out->mutable_coordinator();
   c->set_policy(std::string(RoutingPolicyName(options_.policy)));
@@ -327,7 +338,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       if (g.link != nullptr) {
         // The worker restarted before its old stream was seen to break.
         std::shared_ptr<WorkerOutlet> old = g.link;
-        Disconnect(index, pending);
+        Disconnect(index, "it registered again on a new stream", pending);
         old->Close(grpc::StatusCode::ABORTED,
                    "replaced by a new registration of the same DP group");
         pending.Add(old);
@@ -384,8 +395,19 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
         break;
       case v1::WorkerMessage::kRegister: {
         std::shared_ptr<WorkerOutlet> owned = g.link;
-        Disconnect(index, pending);
+        Disconnect(index, "its leader sent register twice on one stream", pending);
         owned->Close(grpc::StatusCode::FAILED_PRECONDITION, "register: sent twice on one stream");
+        pending.Add(owned);
+        attached = false;
+        break;
+      }
+      case v1::WorkerMessage::kLeaving: {
+        // The group cannot continue and said why: end its stream (OK: the
+        // worker asked for it) and its requests, with the reason.
+        std::shared_ptr<WorkerOutlet> owned = g.link;
+        const std::string& why = msg.leaving().reason();
+        Disconnect(index, why.empty() ? "its leader left without a reason" : "its leader left: " + why, pending);
+        owned->Close(grpc::StatusCode::OK, "");
         pending.Add(owned);
         attached = false;
         break;
@@ -440,7 +462,10 @@ void Dispatcher::Detach(const WorkerOutlet* link) {
     std::lock_guard lock(mu_);
     auto it = link_group_.find(link);
     if (it == link_group_.end()) return;
-    Disconnect(it->second, pending);
+    Disconnect(it->second,
+               "its stream to the coordinator ended without a reason (the worker stopped or died, or the "
+               "network failed)",
+               pending);
     DrainQueue(pending);
   }
   pending.Flush();
@@ -539,10 +564,7 @@ void Dispatcher::ArmTimer(Request* r, Clock::time_point at) {
 
 void Dispatcher::OnTimer(Request* r, Clock::time_point now, Pending& pending) {
   if (r->queued && ConnectedGroups() == 0) {
-    Fail(
-        r, grpc::StatusCode::UNAVAILABLE,
-        StrCat("no DP group registered before the deadline (waited ", Ms(now - r->arrival), " ms)"),
-        false, pending);
+    Fail(r, grpc::StatusCode::UNAVAILABLE, NoGroupMessage(*r, now), false, pending);
   } else if (now >= r->deadline) {
     Fail(
         r, grpc::StatusCode::DEADLINE_EXCEEDED,
@@ -636,10 +658,33 @@ void Dispatcher::Forget(Request* r) {
   requests_.erase(requests_.find(r->id));  // destroys r (by iterator: the key dies with it)
 }
 
-void Dispatcher::Disconnect(int group, Pending& pending) {
+std::string Dispatcher::NoGroupMessage(const Request& r, Clock::time_point now) const {
+  if (r.lost_group >= 0) {
+    const Group& g = *groups_[static_cast<size_t>(r.lost_group)];
+    return StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away ", Seconds(now - g.left_at),
+                  " s ago before answering (", g.disconnect_reason,
+                  "), and no DP group connected to take the request over");
+  }
+  // The group that went away last, if any ever registered.
+  const Group* last = nullptr;
+  for (const auto& g : groups_) {
+    if (!g->disconnect_reason.empty() && (last == nullptr || g->left_at > last->left_at)) last = g.get();
+  }
+  if (last == nullptr)
+    return StrCat("no DP group registered before the deadline (waited ", Ms(now - r.arrival), " ms)");
+  return StrCat("no DP group connected before the deadline (waited ", Ms(now - r.arrival), " ms): ",
+                groups_.size() == 1 ? std::string("the one DP group registered before, ")
+                                    : StrCat("all ", groups_.size(), " DP groups registered before went away; the last, "),
+                "DP group ", last->dp_group, " of worker '", last->worker_id, "', went away ",
+                Seconds(now - last->left_at), " s ago: ", last->disconnect_reason);
+}
+
+void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
   Group& g = *groups_[static_cast<size_t>(group)];
   link_group_.erase(g.link.get());
   g.link = nullptr;
+  g.disconnect_reason = std::move(reason);
+  g.left_at = Clock::now();
   std::vector<Request*> affected;
   for (auto& [id, r] : requests_) {
     if (r->group == group) affected.push_back(r.get());
@@ -652,17 +697,29 @@ void Dispatcher::Disconnect(int group, Pending& pending) {
     if (r->tokens_sent > 0) {
       // The client saw part of the answer: another group cannot continue it.
       Fail(r, grpc::StatusCode::UNAVAILABLE,
-           StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' broke after sending ",
-                  r->tokens_sent, " tokens"),
+           StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away after sending ",
+                  r->tokens_sent, " tokens: ", g.disconnect_reason),
            false, pending);
     } else {
       ReleaseFromGroup(r);
       ++counters_.rerouted;
       r->queued = true;
       r->queue_pos = queue_.insert(head, r);
+      r->lost_group = group;
     }
   }
   // Nothing of the group is in flight any more (ReleaseFromGroup / Fail).
+  if (ConnectedGroups() > 0) return;
+  // No group left to take what waits: a restarting worker gets
+  // lost_group_wait_s to register again, and the clients learn soon if it
+  // does not (bounded by their own deadlines, early as at submission).
+  const Clock::time_point now = Clock::now();
+  const Clock::time_point soon =
+      now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.lost_group_wait_s));
+  for (Request* r : queue_) {
+    r->unavailable_at = r->client_deadline ? std::min(soon, r->deadline - r->unavailable_margin) : soon;
+    ArmTimer(r, r->unavailable_at);
+  }
 }
 
 void Dispatcher::TimerLoop() {

@@ -106,7 +106,9 @@ class Dispatcher {
   bool OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg);
   // The link's stream ended or broke: the group is disconnected, its requests
   // without a token are re-routed, the others end with UNAVAILABLE.
-  // Idempotent; a no-op for a link that is not attached.
+  // Idempotent; a no-op for a link that is not attached. (A `leaving`
+  // message does the same through OnWorkerMessage, with the group's reason,
+  // and closes the link.)
   void Detach(const WorkerOutlet* link);
 
   // Ends every live request and every link with UNAVAILABLE, refuses new ones,
@@ -140,7 +142,15 @@ class Dispatcher {
             Pending& pending);
   void Complete(Request* r, const v1::RequestDone& done, Pending& pending);
   void Forget(Request* r);  // unlinks and destroys r
-  void Disconnect(int group, Pending& pending);
+  // The group went away (`reason` says how, for messages and GetStats): its
+  // requests with tokens fail, the others are re-queued at the head. When no
+  // group is connected any more, everything queued waits at most
+  // lost_group_wait_s more (or until its own deadline) for one.
+  void Disconnect(int group, std::string reason, Pending& pending);
+  // The UNAVAILABLE message of a request that waited for a group in vain:
+  // what happened to the group it lost, or to the groups registered before,
+  // or that none ever registered.
+  std::string NoGroupMessage(const Request& r, Clock::time_point now) const;
   void OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending);
   void OnDone(int group, const v1::RequestDone& done, Pending& pending);
   void TimerLoop();

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <condition_variable>
 #include <csignal>
@@ -18,6 +19,7 @@
 #include "launcher/proto_sampling.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
+#include "runtime/base/cpu_isa.h"
 #include "runtime/engine/rank_runner.h"
 #include "runtime/model/memory_plan.h"
 
@@ -36,6 +38,8 @@ struct RankInfo {
   int64_t blocks_total = 0, block_bytes = 0, bytes_per_token = 0;  // this rank's own cache
   int64_t resident_bytes = 0;
   std::string host;
+  // The rank's own CPU (HostCpu, ActiveCpuIsa): ranks may run on different machines.
+  std::string cpu_model_name, cpu_flags, cpu_isa;
 };
 
 // The leader's end of the WorkerLink stream, on its own thread. Incoming
@@ -88,6 +92,18 @@ class Link {
     std::unique_lock<std::mutex> lock(mu_);
     arrived_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !inbox_.empty(); });
   }
+  // The group cannot continue: tells the coordinator why (`leaving`) and
+  // waits, at most `timeout_s`, for it to end the stream, so the message is
+  // not lost with the process. The link never reconnects afterwards. False
+  // when there was no live stream or the stream did not end in time.
+  bool Leave(const std::string& reason, double timeout_s) {
+    leaving_ = true;
+    v1::WorkerMessage m;
+    m.mutable_leaving()->set_reason(reason);
+    if (!Send(m)) return false;
+    std::unique_lock<std::mutex> lock(mu_);
+    return ended_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return stream_ == nullptr; });
+  }
 
  private:
   using Stream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
@@ -96,7 +112,7 @@ class Link {
     auto channel = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
     auto stub = v1::WorkerLink::NewStub(channel);
     double backoff_s = 0.1;
-    while (!stopping_) {
+    while (!stopping_ && !leaving_) {
       auto context = std::make_shared<grpc::ClientContext>();
       v1::WorkerMessage hello;
       {
@@ -122,6 +138,7 @@ class Link {
         std::lock_guard<std::mutex> lock(mu_);
         stream_.reset();
         inbox_.push_back({Event::kDisconnected, {}, {}});
+        ended_.notify_all();
       }
       {
         std::lock_guard<std::mutex> lock(write_mu_);
@@ -132,7 +149,7 @@ class Link {
         std::lock_guard<std::mutex> lock(mu_);
         context_.reset();
       }
-      for (double waited = 0; waited < backoff_s && !stopping_; waited += 0.05)
+      for (double waited = 0; waited < backoff_s && !stopping_ && !leaving_; waited += 0.05)
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
       backoff_s = std::min(2.0, backoff_s * 2);
     }
@@ -140,8 +157,10 @@ class Link {
 
   const std::string target_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> leaving_{false};  // Leave() was called: no new connection
   std::mutex mu_;        // guards reg_, inbox_, stream_, context_
   std::condition_variable arrived_;
+  std::condition_variable ended_;  // stream_ was reset
   std::mutex write_mu_;  // one writer at a time on the stream
   v1::Register reg_;
   std::deque<Event> inbox_;
@@ -151,13 +170,14 @@ class Link {
 };
 
 // One rank's facts as text: rank, group, tp rank, weight categories, cache
-// geometry, host.
+// geometry on the first line; then one line each for host, CPU model name,
+// CPU flags and kernel family (free text with spaces, never a newline).
 std::string EncodeInfo(const RankInfo& r) {
   std::ostringstream os;
   os << r.rank << " " << r.dp_group << " " << r.attn_tp_rank << " " << r.weights.attention << " "
      << r.weights.attention_replicated << " " << r.weights.moe << " " << r.weights.dense_mlp << " "
      << r.weights.embedding_and_head << " " << r.blocks_total << " " << r.block_bytes << " " << r.bytes_per_token << " "
-     << r.resident_bytes << " " << r.host;
+     << r.resident_bytes << "\n" << r.host << "\n" << r.cpu_model_name << "\n" << r.cpu_flags << "\n" << r.cpu_isa;
   return os.str();
 }
 
@@ -166,7 +186,13 @@ RankInfo DecodeInfo(const std::string& s) {
   RankInfo r;
   in >> r.rank >> r.dp_group >> r.attn_tp_rank >> r.weights.attention >> r.weights.attention_replicated >>
       r.weights.moe >> r.weights.dense_mlp >> r.weights.embedding_and_head >> r.blocks_total >> r.block_bytes >>
-      r.bytes_per_token >> r.resident_bytes >> r.host;
+      r.bytes_per_token >> r.resident_bytes;
+  std::string rest;
+  std::getline(in, rest);  // the end of the numbers' line
+  std::getline(in, r.host);
+  std::getline(in, r.cpu_model_name);
+  std::getline(in, r.cpu_flags);
+  std::getline(in, r.cpu_isa);
   return r;
 }
 
@@ -180,6 +206,21 @@ int64_t ResidentBytes() {
 
 
 }  // namespace
+
+Status ParseFailForwardCall(std::string_view text, WorkerOptions* o) {
+  auto number = [](std::string_view t, int64_t* v) {
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *v);
+    return ec == std::errc() && end == t.data() + t.size() && *v >= 0;
+  };
+  const size_t at = text.find('@');
+  int64_t call = 0, rank = -1;
+  if (!number(text.substr(0, at), &call) ||
+      (at != std::string_view::npos && (!number(text.substr(at + 1), &rank) || rank > INT32_MAX)))
+    return InvalidArgumentError("--fail-forward-call: expected N or N@RANK (N, RANK >= 0), got '", text, "'");
+  o->fail_forward_call = call;
+  o->fail_forward_rank = static_cast<int>(rank);
+  return Status::Ok();
+}
 
 int RunWorker(const WorkerOptions& o, MpiSession& session) {
   std::signal(SIGINT, OnSignal);
@@ -195,8 +236,18 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     ov.kv_dtype = *dt;
   }
   if (o.num_layers > 0) ov.num_layers = o.num_layers;
+  // How this rank is named in errors and logs, and what CPU it found (once,
+  // at start-up: ranks may run on different machines).
+  const std::string rank_name = "rank " + std::to_string(session.rank()) + " (" + session.host() + ")";
+  std::cerr << "mlarun worker: " + rank_name + ": cpu " + CpuSummary() + "\n" << std::flush;
   ModelOptions mo;
   mo.shard = ModelShard::For(*layout, session.rank());
+  if (o.fail_forward_call >= 0 && (o.fail_forward_rank < 0 || o.fail_forward_rank == session.rank())) {
+    mo.fail_forward_call = o.fail_forward_call;
+    std::cerr << "mlarun worker: " + rank_name + ": fault injection: model step " +
+                     std::to_string(o.fail_forward_call) + " will fail\n"
+              << std::flush;
+  }
   auto model = Model::Load(o.model, ov, mo);
   if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
   // The cache budget: given, or what the memory per rank leaves after the
@@ -219,7 +270,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
                         " B, less than one cache block (" + std::to_string(block_bytes) + " B)",
                     2);
   }
-  auto runner_or = RankRunner::Create(**model, engine, *groups);
+  auto runner_or = RankRunner::Create(**model, engine, *groups, rank_name);
   if (!runner_or.ok()) session.Abort(runner_or.status().ToString(), 2);
   RankRunner& runner = **runner_or;
   Communicator& world = *groups->world;
@@ -228,7 +279,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   const LatentCacheStats own = runner.engine()->cache().stats();
   RankInfo me{.rank = session.rank(), .dp_group = groups->dp_rank(), .attn_tp_rank = groups->attn_tp_rank(),
               .weights = weights, .blocks_total = own.blocks_total, .block_bytes = own.block_bytes,
-              .bytes_per_token = own.bytes_per_token, .resident_bytes = ResidentBytes(), .host = session.host()};
+              .bytes_per_token = own.bytes_per_token, .resident_bytes = ResidentBytes(), .host = session.host(),
+              .cpu_model_name = HostCpu().model_name, .cpu_flags = HostCpu().FlagList(),
+              .cpu_isa = std::string(CpuIsaName(ActiveCpuIsa()))};
   auto infos = AllGatherStrings(world, EncodeInfo(me));
   if (!infos.ok()) session.Abort("start-up exchange failed: " + infos.status().ToString(), 2);
   std::string worker_id = session.host() + ":" + std::to_string(getpid());
@@ -284,6 +337,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       s->set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
       s->set_parallel(layout_text);
       s->set_resident_bytes(r.resident_bytes);
+      s->set_cpu_model_name(r.cpu_model_name);
+      s->set_cpu_flags(r.cpu_flags);
+      s->set_cpu_isa(r.cpu_isa);
       s->set_requests_running(runner.engine()->num_running());
       s->set_requests_waiting(runner.engine()->num_waiting());
       s->set_tokens_per_s(tokens_per_s);
@@ -356,10 +412,23 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       }
     }
     auto step = runner.StepOrStop(g_stop.load());
-    if (!step.ok()) session.Abort("step failed: " + step.status().ToString(), 1);
+    if (!step.ok()) {
+      // The ranks are out of lockstep: the job ends. A leader first tells the
+      // coordinator why, so its clients learn it now and with the reason.
+      const std::string reason = rank_name + " cannot continue: step failed: " + step.status().ToString();
+      if (link && !link->Leave(reason, /*timeout_s=*/2.0))
+        std::cerr << "mlarun worker: " + rank_name + ": could not tell the coordinator that the group is leaving\n";
+      session.Abort(reason, 1);
+    }
     if (*step == RankRunner::StepResult::kStop) break;
+    if (!runner.last_step_failure().ok() && link) {
+      std::cerr << "mlarun worker: " + rank_name + ": DP group " + std::to_string(groups->dp_rank()) +
+                       ": a step failed; its requests end with the error, the group goes on: " +
+                       runner.last_step_failure().ToString() + "\n"
+                << std::flush;
+    }
     if (link) {
-      // New tokens, completions.
+      // New tokens, completions, and the requests of a failed step.
       v1::WorkerMessage tokens;
       std::vector<int64_t> done;
       for (auto& [id, l] : live) {
@@ -371,7 +440,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           t->set_logprob(out->logprobs[l.sent]);
           ++tokens_since_stats;
         }
-        if (out->finish_reason == FinishReason::kLength || out->finish_reason == FinishReason::kStop) done.push_back(id);
+        if (out->finish_reason == FinishReason::kLength || out->finish_reason == FinishReason::kStop ||
+            out->finish_reason == FinishReason::kError)
+          done.push_back(id);
       }
       if (tokens.tokens().events_size() > 0) link->Send(tokens);
       for (int64_t id : done) {
@@ -379,7 +450,14 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
         v1::WorkerMessage m;
         v1::RequestDone* d = m.mutable_done();
         d->set_request_id(live[id].request_id);
-        d->set_finish_reason(std::string(FinishReasonName(out->finish_reason)));
+        if (out->finish_reason == FinishReason::kError) {
+          // The step's Status: its code (INTERNAL, RESOURCE_EXHAUSTED, ...)
+          // and a message naming the rank that failed and why.
+          d->set_error_code(static_cast<int32_t>(out->error.code()));
+          d->set_error_message(out->error.message());
+        } else {
+          d->set_finish_reason(std::string(FinishReasonName(out->finish_reason)));
+        }
         d->set_prefix_hit_tokens(out->prefix_hit_tokens);
         link->Send(m);
         by_request_id.erase(live[id].request_id);

@@ -9,10 +9,22 @@
 // broken stream are cancelled locally (the coordinator has already ended or
 // re-routed them). When no rank has work the loop sleeps instead of spinning.
 // SIGINT/SIGTERM on any rank stops every rank at the same step.
+//
+// Failures. A step whose computation fails on any rank fails the requests of
+// that step (RequestDone with the step's code, INTERNAL or RESOURCE_EXHAUSTED,
+// and a message naming the rank and why) and the job keeps serving. An error
+// a rank cannot recover from (a collective's, the engine's bookkeeping) ends
+// the job: a leader that sees it first tells the coordinator why (a
+// `leaving` message), then every rank is stopped through MPI_Abort.
+//
+// Each rank prints its CPU (runtime/base/cpu_isa.h CpuSummary) once at
+// start-up, prefixed with its rank and host, and reports it in GetStats.
 #pragma once
 
 #include <string>
+#include <string_view>
 
+#include "runtime/base/status.h"
 #include "runtime/engine/engine.h"
 
 namespace mlarun {
@@ -31,7 +43,18 @@ struct WorkerOptions {
   double memory_gib = 0;
   EngineConfig engine;
   double stats_period_s = 0.5;
+  // Fault injection, for tests of the failure paths only: the model step
+  // with this 0-based index (ModelOptions::fail_forward_call; every rank
+  // counts the steps that ran, in lockstep) fails with INTERNAL on world
+  // rank fail_forward_rank, or on every rank when that is -1. -1: never.
+  int64_t fail_forward_call = -1;
+  int fail_forward_rank = -1;
 };
+
+// `--fail-forward-call N[@RANK]`: sets o->fail_forward_call = N (>= 0) and
+// o->fail_forward_rank = RANK (>= 0; -1 without "@RANK"). INVALID_ARGUMENT
+// naming the flag for anything else; `o` is unchanged then.
+Status ParseFailForwardCall(std::string_view text, WorkerOptions* o);
 
 // Runs until a signal; returns the process exit code (0 on a clean stop).
 int RunWorker(const WorkerOptions& o, MpiSession& session);

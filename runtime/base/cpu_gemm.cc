@@ -1,11 +1,17 @@
 #include "runtime/base/cpu_gemm.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <atomic>
 #include <functional>
 #include <list>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <unordered_map>
+
+#include "runtime/base/cpu/kernels.h"
+#include "runtime/base/cpu_isa.h"
 
 namespace mlarun {
 namespace {
@@ -21,13 +27,24 @@ dnnl::engine& CpuEngine() {
   return engine;
 }
 
-struct DescHash {
-  size_t operator()(const GemmDesc& d) const {
+// A prepared product depends on the description, the implementation asked
+// for and the kernel family in force when it was prepared.
+struct GemmKey {
+  GemmDesc desc;
+  GemmImpl impl;
+  CpuIsa isa;
+  friend bool operator==(const GemmKey&, const GemmKey&) = default;
+};
+
+struct KeyHash {
+  size_t operator()(const GemmKey& key) const {
+    const GemmDesc& d = key.desc;
     size_t h = 0x9e3779b97f4a7c15ull;
     auto mix = [&h](int64_t v) { h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
     mix(d.m), mix(d.n), mix(d.k), mix(d.lda), mix(d.b_stride_k), mix(d.b_stride_n), mix(d.ldc);
-    mix(static_cast<int64_t>(d.a_type) | static_cast<int64_t>(d.b_type) << 8 |
-        static_cast<int64_t>(d.c_type) << 16 | static_cast<int64_t>(d.accumulate) << 24);
+    mix(static_cast<int64_t>(d.a_type) | static_cast<int64_t>(d.b_type) << 8 | static_cast<int64_t>(d.c_type) << 16 |
+        static_cast<int64_t>(d.accumulate) << 24 | static_cast<int64_t>(key.impl) << 32 |
+        static_cast<int64_t>(key.isa) << 40);
     return h;
   }
 };
@@ -38,18 +55,18 @@ class GemmCache {
  public:
   static constexpr size_t kCapacity = 4096;
 
-  std::shared_ptr<const CpuGemm> Find(const GemmDesc& d) {
+  std::shared_ptr<const CpuGemm> Find(const GemmKey& k) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = map_.find(d);
+    auto it = map_.find(k);
     if (it == map_.end()) return nullptr;
     lru_.splice(lru_.begin(), lru_, it->second);
     return it->second->second;
   }
-  void Insert(const GemmDesc& d, std::shared_ptr<const CpuGemm> g) {
+  void Insert(const GemmKey& k, std::shared_ptr<const CpuGemm> g) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (map_.count(d)) return;
-    lru_.emplace_front(d, std::move(g));
-    map_[d] = lru_.begin();
+    if (map_.count(k)) return;
+    lru_.emplace_front(k, std::move(g));
+    map_[k] = lru_.begin();
     if (lru_.size() > kCapacity) {
       map_.erase(lru_.back().first);
       lru_.pop_back();
@@ -57,10 +74,10 @@ class GemmCache {
   }
 
  private:
-  using Entry = std::pair<GemmDesc, std::shared_ptr<const CpuGemm>>;
+  using Entry = std::pair<GemmKey, std::shared_ptr<const CpuGemm>>;
   std::mutex mutex_;
   std::list<Entry> lru_;  // GUARDED_BY(mutex_), most recent first
-  std::unordered_map<GemmDesc, std::list<Entry>::iterator, DescHash> map_;  // GUARDED_BY(mutex_)
+  std::unordered_map<GemmKey, std::list<Entry>::iterator, KeyHash> map_;  // GUARDED_BY(mutex_)
 };
 
 GemmCache& Cache() {
@@ -70,12 +87,43 @@ GemmCache& Cache() {
 
 std::atomic<int64_t> g_prepared{0};
 
+// May oneDNN run this product under the kernel family in force? f32 from
+// AVX2 up; bf16 only where the CPU has bf16 arithmetic (AVX512-BF16, AMX):
+// elsewhere Debian's oneDNN 2.6 cannot build one (AVX2) or would emulate it,
+// and our packed kernel is the one to use.
+bool OneDnnAllowed(const GemmDesc& d) {
+  const CpuIsa isa = ActiveCpuIsa();
+  if (d.a_type == DType::kF32) return isa >= CpuIsa::kAvx2;
+  return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
+}
+
+constexpr size_t kAlign = 64;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
 }  // namespace
 
+std::string_view GemmImplName(GemmImpl impl) {
+  switch (impl) {
+    case GemmImpl::kAuto: return "auto";
+    case GemmImpl::kOneDnn: return "onednn";
+    case GemmImpl::kSmall: return "small";
+    case GemmImpl::kPacked: return "packed";
+  }
+  return "invalid";
+}
+
 struct CpuGemm::Impl {
+  // oneDNN.
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
   memory::desc a_md, b_md, c_md, scratch_md;
+  // Ours.
+  const cpu::CpuKernels* kernels = nullptr;
+  bool small_bt = false;   // kSmall over a k-contiguous B (else n-contiguous)
+  size_t a_f32_bytes = 0;  // kSmall with a bf16 A: A widened into scratch first
+  size_t c_f32_bytes = 0;  // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
+  size_t thread_bytes = 0; // kPacked: packing buffers per thread
+  int threads = 1;         // threads the scratch was sized for
 };
 
 std::ostream& operator<<(std::ostream& os, const GemmDesc& d) {
@@ -104,41 +152,136 @@ Status ValidateGemmDesc(const GemmDesc& d) {
 CpuGemm::CpuGemm(const GemmDesc& desc) : desc_(desc) {}
 CpuGemm::~CpuGemm() = default;
 
-const char* CpuGemm::impl_name() const { return impl_->pd.impl_info_str(); }
-
 int64_t CpuGemm::PreparedCount() { return g_prepared.load(); }
 
-StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d) {
-  if (auto hit = Cache().Find(d)) return hit;
+StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImpl want) {
+  const GemmKey key{d, want, ActiveCpuIsa()};
+  if (auto hit = Cache().Find(key)) return hit;
   MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
+  if (want != GemmImpl::kAuto && want != GemmImpl::kOneDnn && want != GemmImpl::kSmall && want != GemmImpl::kPacked)
+    return InvalidArgumentError("unknown GemmImpl value ", static_cast<int>(want));
   std::shared_ptr<CpuGemm> g(new CpuGemm(d));
-  try {
-    auto impl = std::make_unique<Impl>();
-    impl->a_md = memory::desc({d.m, d.k}, ToDnnl(d.a_type), {d.lda, 1});
-    impl->b_md = memory::desc({d.k, d.n}, ToDnnl(d.b_type), {d.b_stride_k, d.b_stride_n});
-    impl->c_md = memory::desc({d.m, d.n}, ToDnnl(d.c_type), {d.ldc, 1});
-    dnnl::primitive_attr attr;
-    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    if (d.accumulate) {
-      dnnl::post_ops ops;
-      ops.append_sum(1.f);
-      attr.set_post_ops(ops);
+  auto impl = std::make_unique<Impl>();
+  GemmImpl chosen = want;
+  if (want == GemmImpl::kAuto) chosen = d.m <= kGemmSmallRows ? GemmImpl::kSmall : GemmImpl::kOneDnn;
+
+  // oneDNN, where the family allows it and oneDNN can build the product.
+  std::string onednn_error;
+  if (chosen == GemmImpl::kOneDnn) {
+    if (!OneDnnAllowed(d)) {
+      onednn_error = "not used for " + std::string(DTypeName(d.a_type)) + " products by the " +
+                     std::string(CpuIsaName(ActiveCpuIsa())) + " kernel family";
+    } else {
+      try {
+        impl->a_md = memory::desc({d.m, d.k}, ToDnnl(d.a_type), {d.lda, 1});
+        impl->b_md = memory::desc({d.k, d.n}, ToDnnl(d.b_type), {d.b_stride_k, d.b_stride_n});
+        impl->c_md = memory::desc({d.m, d.n}, ToDnnl(d.c_type), {d.ldc, 1});
+        dnnl::primitive_attr attr;
+        attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+        if (d.accumulate) {
+          dnnl::post_ops ops;
+          ops.append_sum(1.f);
+          attr.set_post_ops(ops);
+        }
+        impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a_md, impl->b_md, impl->c_md), attr,
+                                                CpuEngine());
+        impl->prim = dnnl::matmul(impl->pd);
+        impl->scratch_md = impl->pd.scratchpad_desc();
+        g->scratch_bytes_ = impl->scratch_md.get_size();
+        g->impl_name_ = std::string("onednn:") + impl->pd.impl_info_str();
+      } catch (const dnnl::error& e) {
+        onednn_error = e.what();
+      }
     }
-    impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a_md, impl->b_md, impl->c_md), attr,
-                                            CpuEngine());
-    impl->prim = dnnl::matmul(impl->pd);
-    impl->scratch_md = impl->pd.scratchpad_desc();
-    g->scratch_bytes_ = impl->scratch_md.get_size();
-    g->impl_ = std::move(impl);
-  } catch (const dnnl::error& e) {
-    return InternalError("oneDNN cannot prepare ", d, ": ", e.what());
+    if (!onednn_error.empty()) {
+      if (want == GemmImpl::kOneDnn) return InternalError("oneDNN cannot prepare ", d, ": ", onednn_error);
+      chosen = GemmImpl::kPacked;  // kAuto: ours
+    }
   }
+
+  // Ours.
+  if (chosen == GemmImpl::kSmall || chosen == GemmImpl::kPacked) {
+    impl->kernels = &cpu::Kernels();
+    const cpu::CpuKernels& k = *impl->kernels;
+    impl->threads = std::max(1, omp_get_max_threads());
+    if (chosen == GemmImpl::kSmall) {
+      impl->small_bt = d.b_stride_k == 1;
+      // small_bt reads A in a layout of its own; small_bn reads fp32 A.
+      if (impl->small_bt || d.a_type == DType::kBF16)
+        impl->a_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.k) * sizeof(float));
+      g->impl_name_ = std::string(impl->small_bt ? "small_bt:" : "small_bn:") + std::string(CpuIsaName(k.isa));
+    } else {
+      const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
+      if (c_via_f32) impl->c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));
+      const int64_t per_thread_n = (d.n + impl->threads - 1) / impl->threads + k.n_align;
+      impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, std::min(d.n, per_thread_n), d.k,
+                                                          d.c_type == DType::kBF16 && !c_via_f32));
+      g->impl_name_ = "packed:" + std::string(CpuIsaName(k.isa));
+    }
+    g->scratch_bytes_ = impl->a_f32_bytes + impl->c_f32_bytes + static_cast<size_t>(impl->threads) * impl->thread_bytes;
+  }
+  g->kind_ = chosen;
+  g->impl_ = std::move(impl);
   ++g_prepared;
-  Cache().Insert(d, g);
+  Cache().Insert(key, g);
   return std::shared_ptr<const CpuGemm>(std::move(g));
 }
 
+Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch) const {
+  const Impl& im = *impl_;
+  const cpu::CpuKernels& k = *im.kernels;
+  const GemmDesc& d = desc_;
+  std::byte* s = static_cast<std::byte*>(scratch);
+  cpu::GemmArgs g{.m = d.m, .n = d.n, .k = d.k, .a = a, .a_type = d.a_type, .lda = d.lda, .b = b,
+                  .b_type = d.b_type, .b_stride_k = d.b_stride_k, .b_stride_n = d.b_stride_n, .c = c,
+                  .c_type = d.c_type, .ldc = d.ldc, .accumulate = d.accumulate};
+  if (im.a_f32_bytes > 0) {  // the streaming kernels read fp32 A rows
+    auto* af = reinterpret_cast<float*>(s);
+    if (im.small_bt) {
+      k.small_bt_prepare_a(g, af);
+    } else {
+      for (int64_t i = 0; i < d.m; ++i)
+        k.bf16_to_f32(static_cast<const bf16_t*>(a) + i * d.lda, af + i * d.k, d.k);
+    }
+    g.a = af, g.a_type = DType::kF32, g.lda = d.k;
+    s += im.a_f32_bytes;
+  }
+  float* c_f32 = nullptr;
+  if (im.c_f32_bytes > 0) {
+    c_f32 = reinterpret_cast<float*>(s);
+    g.c = c_f32, g.c_type = DType::kF32, g.ldc = d.n, g.accumulate = false;
+    s += im.c_f32_bytes;
+  }
+  const bool packed = kind_ == GemmImpl::kPacked;
+  auto part = [&](int t, int64_t n0, int64_t n1) {
+    if (n0 >= n1) return;
+    if (!packed) {
+      (im.small_bt ? k.gemm_small_bt : k.gemm_small_bn)(g, n0, n1);
+    } else {
+      k.gemm_packed(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
+    }
+  };
+  // Columns split over the threads, whole strips each; inside a parallel
+  // region the calling thread does it all.
+  const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
+  if (threads <= 1 || d.n <= k.n_align) {
+    part(0, 0, d.n);
+  } else {
+    const int64_t strips = (d.n + k.n_align - 1) / k.n_align;
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t s0 = strips * t / nt, s1 = strips * (t + 1) / nt;
+      part(t, std::min(d.n, s0 * k.n_align), std::min(d.n, s1 * k.n_align));
+    }
+  }
+  if (c_f32 != nullptr)
+    for (int64_t i = 0; i < d.m; ++i) k.f32_to_bf16(c_f32 + i * d.n, static_cast<bf16_t*>(c) + i * d.ldc, d.n);
+  return Status::Ok();
+}
+
 Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch) const {
+  if (kind_ != GemmImpl::kOneDnn) return RunOwn(a, b, c, scratch);
   // A CPU stream only records the engine; keep one per thread so concurrent
   // callers never share one.
   thread_local dnnl::stream stream(CpuEngine());

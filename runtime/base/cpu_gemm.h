@@ -1,18 +1,27 @@
-// Matrix products on the CPU through oneDNN.
+// Matrix products on the CPU, on any x86-64.
 //
 // One GemmDesc describes one product on row-major strided views. CpuGemm::Get
-// returns a prepared product from a process-wide cache (preparing one costs
-// ~50-100 us, running a small one a few us), so callers ask for every shape they
-// will use while planning and only run products in their hot loops.
+// returns a prepared product from a process-wide cache (preparing a oneDNN one
+// costs ~50-100 us, running a small one a few us), so callers ask for every
+// shape they will use while planning and only run products in their hot loops.
 //
-// bf16 x bf16 products accumulate in fp32 and run on AMX / AVX512-BF16 where the
-// CPU has them; f32 x f32 products run in strict fp32 (no implicit down-conversion).
+// The implementation is chosen per product by its shape and what the CPU has
+// (ActiveCpuIsa()), fastest first:
+//  * few rows (m <= kGemmSmallRows): our own kernels, which stream B once and
+//    widen bf16 to fp32 in registers (decode: bound by reading the weights);
+//  * oneDNN's matmul where the kernel family allows it and oneDNN can build
+//    the product (f32 from AVX2 up; bf16 on AVX512-BF16 / AMX);
+//  * our own packed kernel otherwise (bf16 without AVX512-BF16, any product on
+//    a CPU below AVX2): B converted to fp32 a cache-sized panel at a time.
+// Every product accumulates in fp32; f32 x f32 products are strict fp32.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <ostream>
+#include <string>
+#include <string_view>
 
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
@@ -38,11 +47,22 @@ std::ostream& operator<<(std::ostream& os, const GemmDesc& d);
 // Checks a GemmDesc: positive sizes, supported types, consistent strides.
 Status ValidateGemmDesc(const GemmDesc& d);
 
+// Products with at most this many rows take the streaming kernels.
+inline constexpr int64_t kGemmSmallRows = 16;
+
+enum class GemmImpl : uint8_t {
+  kAuto = 0,     // the order above
+  kOneDnn = 1,   // oneDNN's matmul (fails where oneDNN cannot build it)
+  kSmall = 2,    // our streaming kernels, any m (slow for many rows)
+  kPacked = 3,   // our packed kernel
+};
+std::string_view GemmImplName(GemmImpl impl);
+
 class CpuGemm {
  public:
   // Prepared product for `desc`, shared through a process-wide cache.
-  // Thread-safe.
-  static StatusOr<std::shared_ptr<const CpuGemm>> Get(const GemmDesc& desc);
+  // Thread-safe. `impl` forces one implementation (tests, benchmarks).
+  static StatusOr<std::shared_ptr<const CpuGemm>> Get(const GemmDesc& desc, GemmImpl impl = GemmImpl::kAuto);
 
   ~CpuGemm();
   CpuGemm(const CpuGemm&) = delete;
@@ -51,8 +71,10 @@ class CpuGemm {
   const GemmDesc& desc() const { return desc_; }
   // Scratch the caller must pass to Run (0 when none is needed).
   size_t scratch_bytes() const { return scratch_bytes_; }
-  // oneDNN's implementation name, e.g. "brg:avx512_core_amx_bf16".
-  const char* impl_name() const;
+  // The implementation: oneDNN's name (e.g. "onednn:brg:avx512_core_amx_bf16"),
+  // or ours with its kernel family ("small_bt:avx2", "packed:scalar").
+  const std::string& impl_name() const { return impl_name_; }
+  GemmImpl impl() const { return kind_; }
 
   // Runs the product and blocks until it is done. Thread-safe: concurrent calls
   // must pass different `scratch` buffers of scratch_bytes() (64-byte aligned;
@@ -66,7 +88,10 @@ class CpuGemm {
  private:
   struct Impl;
   explicit CpuGemm(const GemmDesc& desc);
+  Status RunOwn(const void* a, const void* b, void* c, void* scratch) const;
   GemmDesc desc_;
+  GemmImpl kind_ = GemmImpl::kAuto;
+  std::string impl_name_;
   size_t scratch_bytes_ = 0;
   std::unique_ptr<Impl> impl_;
 };

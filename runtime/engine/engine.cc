@@ -11,6 +11,7 @@ std::string_view FinishReasonName(FinishReason r) {
     case FinishReason::kLength: return "length";
     case FinishReason::kStop: return "stop";
     case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
   }
   return "none";
 }
@@ -324,6 +325,29 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
   return finished;
 }
 
+StatusOr<std::vector<int64_t>> Engine::FailStep(const StepPlan& plan, const Status& error) {
+  if (error.ok()) return InvalidArgumentError("engine: FailStep needs the step's error, got OK");
+  std::vector<int64_t> failed;
+  for (const StepPlan::Seq& s : plan.seqs) {
+    auto it = requests_.find(s.id);
+    // Every sequence of a plan is live until its step ends; this engine made
+    // the plan, so anything else is a caller's mix-up.
+    if (it == requests_.end() || it->second->out.finish_reason != FinishReason::kNone)
+      return InternalError("engine: the failed plan's sequence ", s.id, " is not a live request");
+    Req& r = *it->second;
+    // Released, not retired: the request did not run to its end. Its rows of
+    // this step were never committed, so its partly written blocks are not
+    // published for reuse.
+    if (r.in_cache) MLARUN_RETURN_IF_ERROR(CacheRelease(r.id));
+    r.in_cache = false;
+    if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
+    r.out.finish_reason = FinishReason::kError;
+    r.out.error = error;
+    failed.push_back(r.id);
+  }
+  return failed;
+}
+
 void Engine::RecordStepTimes(double forward_seconds) {
   stats_.forward_seconds += forward_seconds;
   const Model::StepTimes& st = model_.last_step_times();
@@ -339,9 +363,15 @@ StatusOr<std::vector<int64_t>> Engine::Step() {
   if (plan.seqs.empty()) return std::vector<int64_t>{};
   const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
   const auto t0 = std::chrono::steady_clock::now();
-  MLARUN_ASSIGN_OR_RETURN(const std::vector<float> logits, model_.Forward(seqs, *cache_));
+  auto logits = model_.Forward(seqs, *cache_);
   RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  return Finish(plan, logits);
+  if (!logits.ok()) {
+    // A computation failure ends this step's requests; anything else is not
+    // the requests' fault and goes to the caller.
+    if (model_.last_step_failure().ok()) return logits.status();
+    return FailStep(plan, logits.status());
+  }
+  return Finish(plan, *logits);
 }
 
 std::vector<StatusOr<GenerationOutput>> Engine::Generate(std::vector<GenerationRequest> requests) {
@@ -366,6 +396,10 @@ std::vector<StatusOr<GenerationOutput>> Engine::Generate(std::vector<GenerationR
       out[i] = failure;
     } else {
       out[i] = TakeOutput(ids[i]);
+      if (out[i].ok() && out[i]->finish_reason == FinishReason::kError) {
+        const Status error = out[i]->error;  // a copy: out[i] is overwritten
+        out[i] = error;
+      }
     }
   }
   return out;

@@ -9,6 +9,11 @@
 // tokens it already produced; its sampler keeps its random stream, so the
 // output does not depend on preemption.
 //
+// A step whose computation fails (Model::last_step_failure()) is a failed
+// request, not a failed engine: the requests of that step end with
+// FinishReason::kError and the step's Status, their blocks are released, and
+// every other request carries on as if the step had not been tried.
+//
 // Not thread-safe: one owner drives Add/Step.
 #pragma once
 
@@ -36,13 +41,15 @@ struct EngineConfig {
   bool commit_cache_memory = false;  // LatentCacheConfig::commit_memory
 };
 
-enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2, kCancelled = 3 };
-std::string_view FinishReasonName(FinishReason r);  // "length", "stop", "cancelled"
+// kError: a step the request was part of failed (GenerationOutput::error).
+enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2, kCancelled = 3, kError = 4 };
+std::string_view FinishReasonName(FinishReason r);  // "length", "stop", "cancelled", "error"
 
 struct GenerationOutput {
-  std::vector<int64_t> tokens;    // generated ids only
+  std::vector<int64_t> tokens;    // generated ids only (those of the steps before a failure, if any)
   std::vector<double> logprobs;   // natural log, unmodified distribution
   FinishReason finish_reason = FinishReason::kNone;
+  Status error;                   // kError: why (the failed step's Status); OK otherwise
   int64_t prefix_hit_tokens = 0;  // prompt tokens reused from the prefix cache
   int64_t preemptions = 0;
 };
@@ -92,7 +99,11 @@ class Engine {
   StatusOr<int64_t> Add(GenerationRequest request);
 
   // One step: schedule, run the model, sample. Returns the ids of the requests
-  // that finished in this step (their outputs are in Output()).
+  // that finished in this step (their outputs are in Output()), including
+  // those of a step whose computation failed: they end with kError and the
+  // model's Status (FailStep). Errors returned are the engine's own
+  // (scheduling, cache bookkeeping) and a Forward error that is not a
+  // computation failure; after one, the engine should not be stepped again.
   StatusOr<std::vector<int64_t>> Step();
 
   // The two halves of Step, for ranks that run the model together: decide the
@@ -100,6 +111,13 @@ class Engine {
   // sequences that asked for them (in order) and retire finished requests.
   StatusOr<StepPlan> Schedule();
   StatusOr<std::vector<int64_t>> Finish(const StepPlan& plan, std::span<const float> logits);
+  // Instead of Finish, for a plan whose step failed: ends every request of
+  // the plan with kError and `error` (not OK), releases their blocks (as
+  // cache operations, so the next plan carries the releases to the group's
+  // other members) and leaves every other request as it was. The rows the
+  // failed step wrote are never committed, so no later request reuses them.
+  // Returns the ids of the requests it ended, in plan order.
+  StatusOr<std::vector<int64_t>> FailStep(const StepPlan& plan, const Status& error);
   // Adds the model's last step times to stats().
   void RecordStepTimes(double forward_seconds);
   LatentCache& mutable_cache() { return *cache_; }
@@ -122,7 +140,8 @@ class Engine {
   const LatentCache& cache() const { return *cache_; }
 
   // Runs Add for each request and steps until all finish. Outputs in input
-  // order; a rejected request gets its error Status in its slot.
+  // order; a rejected request, or one whose step failed (kError), gets its
+  // error Status in its slot.
   std::vector<StatusOr<GenerationOutput>> Generate(std::vector<GenerationRequest> requests);
 
  private:

@@ -5,13 +5,14 @@
 namespace mlarun {
 
 StatusOr<std::unique_ptr<RankRunner>> RankRunner::Create(Model& model, const EngineConfig& config,
-                                                         ProcessGroups& groups) {
+                                                         ProcessGroups& groups, std::string rank_name) {
   if (!(model.shard() == ModelShard::For(groups.layout, groups.rank)))
     return InvalidArgumentError("rank runner: the model was not loaded as this rank's shard of ", groups.layout);
   if (!groups.world || !groups.attn_tp || !groups.dp_peers)
     return InvalidArgumentError("rank runner: process groups are missing communicators");
   MLARUN_ASSIGN_OR_RETURN(auto engine, Engine::Create(model, config));
-  return std::unique_ptr<RankRunner>(new RankRunner(model, groups, std::move(engine)));
+  if (rank_name.empty()) rank_name = "rank " + std::to_string(groups.rank);
+  return std::unique_ptr<RankRunner>(new RankRunner(model, groups, std::move(engine), std::move(rank_name)));
 }
 
 StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
@@ -21,13 +22,14 @@ StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
 
 const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_->Output(id); }
 
-void RankRunner::UpdateCacheStats(const StepPlan& plan) {
+void RankRunner::UpdateCacheStats(const StepPlan& plan, bool written) {
   cache_stats_.now = engine_->cache().stats();
   cache_stats_.peak_blocks_used = std::max(cache_stats_.peak_blocks_used, cache_stats_.now.blocks_used);
-  cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
+  if (written) cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
 }
 
 StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
+  last_failure_ = Status::Ok();
   // 1. The plan: made by the leader, replayed by the group.
   StepPlan plan;
   if (is_leader()) {
@@ -74,17 +76,30 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(kFields * layout.leader_of(g))];
   // 3. The model step, on every rank, idle or not.
   const ParallelStep step{.attn_tp = groups_.attn_tp.get(), .dp_peers = groups_.dp_peers.get(),
-                          .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank()};
+                          .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank(), .rank_name = rank_name_};
   const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
   const auto t0 = std::chrono::steady_clock::now();
-  MLARUN_ASSIGN_OR_RETURN(const std::vector<float> logits, model_.Forward(seqs, engine_->mutable_cache(), &step));
+  auto logits = model_.Forward(seqs, engine_->mutable_cache(), &step);
   engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  if (!logits.ok()) {
+    // A collective's own error: the ranks cannot meet again.
+    if (model_.last_step_failure().ok()) return logits.status();
+    // A computation failure, the same on every rank: the step's requests
+    // fail, the ranks stay in lockstep. Members never sample; the leader's
+    // releases reach them with the next plan.
+    last_failure_ = logits.status();
+    if (is_leader()) {
+      MLARUN_RETURN_IF_ERROR(engine_->FailStep(plan, last_failure_).status());
+    }
+    UpdateCacheStats(plan, /*written=*/false);
+    return StepResult::kWorked;
+  }
   // 4. Sampling, on the leader. Members mirror the cache commits through the
   //    next plan's cache operations.
   if (is_leader()) {
-    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, logits).status());
+    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, *logits).status());
   }
-  UpdateCacheStats(plan);
+  UpdateCacheStats(plan, /*written=*/true);
   return StepResult::kWorked;
 }
 

@@ -13,6 +13,14 @@
 //  4. the leader samples and retires finished requests; only the leader
 //     samples, and the next plan carries the sampled tokens to the members.
 //
+// A step whose computation failed on any rank (Model::Forward's contract:
+// every rank learns of it and gets the same Status, naming the rank) fails
+// only its requests: the leader ends them (Engine::FailStep, finish reason
+// kError with that Status), the next plan carries their releases to the
+// members, and the ranks go on to the next step together. A collective that
+// fails is returned as an error: the ranks cannot be relied upon to meet
+// again, so the caller ends the job.
+//
 // Not thread-safe; every rank must call Step() the same number of times.
 #pragma once
 
@@ -27,7 +35,7 @@ namespace mlarun {
 struct RankCacheStats {
   LatentCacheStats now;
   int64_t peak_blocks_used = 0;  // highest now.blocks_used at an exchange or after a step
-  int64_t bytes_written = 0;     // rows appended x bytes per token, cumulative
+  int64_t bytes_written = 0;     // rows appended x bytes per token by steps that ran to their end, cumulative
   int64_t peak_bytes_used() const { return peak_blocks_used * now.block_bytes; }
 };
 
@@ -42,7 +50,10 @@ struct RankCacheSnapshot {
 class RankRunner {
  public:
   // `model` is this rank's shard (ModelShard::For(groups.layout, groups.rank)).
-  static StatusOr<std::unique_ptr<RankRunner>> Create(Model& model, const EngineConfig& config, ProcessGroups& groups);
+  // `rank_name` is how errors name this rank (ParallelStep::rank_name), e.g.
+  // "rank 3 (node1)"; empty: "rank <groups.rank>".
+  static StatusOr<std::unique_ptr<RankRunner>> Create(Model& model, const EngineConfig& config, ProcessGroups& groups,
+                                                      std::string rank_name = {});
 
   bool is_leader() const { return groups_.is_leader(); }
   // Leaders only: queue a request for this DP group.
@@ -59,8 +70,17 @@ class RankRunner {
   // The same, with a vote to stop: when any rank votes (a signal, a lost
   // coordinator), every rank returns kStop at the same step, before running
   // it, so none is left waiting in a collective.
+  //
+  // A step whose computation failed returns kWorked on every rank, with
+  // last_step_failure() set and the step's requests ended (kError). An error
+  // returned (a collective's, or the engine's own bookkeeping) is fatal: the
+  // ranks are no longer in lockstep.
   enum class StepResult : uint8_t { kWorked, kIdle, kStop };
   StatusOr<StepResult> StepOrStop(bool stop);
+  // OK, or the computation failure of the last StepOrStop (the same Status
+  // on every rank, naming the rank that failed).
+  const Status& last_step_failure() const { return last_failure_; }
+  const std::string& rank_name() const { return rank_name_; }
 
   const RankCacheStats& cache_stats() const { return cache_stats_; }
   // Every rank's snapshot, by world rank, as of the last exchange.
@@ -68,13 +88,17 @@ class RankRunner {
   Engine* engine() { return engine_.get(); }  // leaders; the members' is never scheduled
 
  private:
-  RankRunner(Model& model, ProcessGroups& groups, std::unique_ptr<Engine> engine)
-      : model_(model), groups_(groups), engine_(std::move(engine)) {}
-  void UpdateCacheStats(const StepPlan& plan);
+  RankRunner(Model& model, ProcessGroups& groups, std::unique_ptr<Engine> engine, std::string rank_name)
+      : model_(model), groups_(groups), engine_(std::move(engine)), rank_name_(std::move(rank_name)) {}
+  // After a step: the cache's numbers and peak; `written`: the step ran to
+  // its end, so its rows count in bytes_written.
+  void UpdateCacheStats(const StepPlan& plan, bool written);
 
   Model& model_;
   ProcessGroups& groups_;
   std::unique_ptr<Engine> engine_;  // every rank owns one (its cache); only leaders schedule
+  const std::string rank_name_;
+  Status last_failure_;
   std::vector<int64_t> dp_tokens_;
   RankCacheStats cache_stats_;
   std::vector<RankCacheSnapshot> world_cache_;

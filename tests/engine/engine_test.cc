@@ -211,5 +211,102 @@ TEST(Engine, StopTokensAndEos) {
   EXPECT_EQ(outs[1].tokens, base.tokens) << "ignore_eos runs to max_tokens";
 }
 
+// The tiny model whose Forward call `fail_call` (0-based) fails with INTERNAL.
+std::unique_ptr<Model> TinyFailingAt(int64_t fail_call) {
+  ModelOptions o;
+  o.fail_forward_call = fail_call;
+  auto m = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = DType::kF32}, o);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(m).value() : nullptr;
+}
+
+// A step whose computation fails ends the requests of that step with the
+// error and nothing else: their blocks are released, the request that waited
+// meanwhile and those added afterwards (one reusing a failed request's
+// committed prompt blocks) produce exactly what a clean engine gives them.
+TEST(Engine, FailedStepFailsItsRequestsOnly) {
+  auto clean = Tiny();
+  auto failing = TinyFailingAt(2);  // step 0: both prompts; 1: first decode; 2: fails
+  ASSERT_TRUE(clean && failing);
+  const EngineConfig ec{.max_num_seqs = 2, .cache_budget_bytes = 16 << 20, .block_size = 16};
+  const GenerationRequest a{RandomPrompt(20, 61), Greedy(6)}, b{RandomPrompt(9, 62), Sampled(6, 7)};
+  const GenerationRequest waits{RandomPrompt(5, 63), Greedy(5)};
+  const GenerationRequest later{a.prompt, Greedy(7)};  // a's first block is committed and cached
+  const auto want = RunAll(*clean, ec, {a, b, waits, later});
+  ASSERT_EQ(want.size(), 4u);
+
+  auto created = Engine::Create(*failing, ec);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Engine& e = **created;
+  const int64_t blocks_before = e.cache().stats().blocks_used;
+  auto ia = e.Add(a), ib = e.Add(b), iw = e.Add(waits);
+  ASSERT_TRUE(ia.ok() && ib.ok() && iw.ok());
+  for (int step = 0; step < 2; ++step) {
+    auto done = e.Step();
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_TRUE(done->empty()) << "step " << step;
+  }
+  EXPECT_EQ(e.num_running(), 2);
+  EXPECT_EQ(e.num_waiting(), 1);
+  auto failed = e.Step();
+  ASSERT_TRUE(failed.ok()) << "a failed computation is the requests' error, not the engine's: " << failed.status();
+  EXPECT_EQ(*failed, (std::vector<int64_t>{*ia, *ib}));
+  for (const auto& [id, ref] : {std::pair{*ia, &want[0]}, std::pair{*ib, &want[1]}}) {
+    const GenerationOutput* out = e.Output(id);
+    ASSERT_NE(out, nullptr);
+    EXPECT_EQ(out->finish_reason, FinishReason::kError);
+    EXPECT_EQ(FinishReasonName(out->finish_reason), "error");
+    EXPECT_EQ(out->error.code(), StatusCode::kInternal) << out->error;
+    EXPECT_NE(out->error.message().find("injected failure"), std::string::npos) << out->error;
+    // The tokens of the two steps before the failure stay, and are right.
+    ASSERT_EQ(out->tokens.size(), 2u);
+    EXPECT_EQ(out->tokens, std::vector<int64_t>(ref->tokens.begin(), ref->tokens.begin() + 2));
+  }
+  EXPECT_EQ(e.num_running(), 0);
+  EXPECT_EQ(e.num_waiting(), 1) << "the waiting request is untouched";
+  EXPECT_EQ(e.cache().stats().blocks_used, blocks_before) << "the failed requests' blocks are released";
+  EXPECT_EQ(e.cache().stats().blocks_retired, 0) << "released, not retired: they did not run to their end";
+  auto ta = e.TakeOutput(*ia);
+  ASSERT_TRUE(ta.ok()) << ta.status();
+  EXPECT_EQ(ta->finish_reason, FinishReason::kError);
+
+  auto il = e.Add(later);
+  ASSERT_TRUE(il.ok());
+  while (e.HasWork()) {
+    auto step = e.Step();
+    ASSERT_TRUE(step.ok()) << step.status();
+  }
+  for (const auto& [id, ref] : {std::pair{*iw, &want[2]}, std::pair{*il, &want[3]}}) {
+    const GenerationOutput* out = e.Output(id);
+    ASSERT_NE(out, nullptr);
+    EXPECT_EQ(out->finish_reason, FinishReason::kLength);
+    EXPECT_TRUE(out->error.ok());
+    EXPECT_EQ(out->tokens, ref->tokens) << "request " << id;
+  }
+  EXPECT_EQ(e.Output(*il)->prefix_hit_tokens, 16) << "the failed request's committed prompt block was reused";
+  EXPECT_EQ(e.cache().stats().blocks_used, blocks_before);
+}
+
+// Generate puts a failed step's error in the slots of that step's requests;
+// the others complete as on a clean engine.
+TEST(Engine, GenerateReportsAFailedStepInItsRequestsSlots) {
+  auto clean = Tiny();
+  auto failing = TinyFailingAt(1);  // step 0: the first prompt; step 1 (its first decode) fails
+  ASSERT_TRUE(clean && failing);
+  const EngineConfig ec{.max_num_seqs = 1, .cache_budget_bytes = 16 << 20, .block_size = 16};
+  const std::vector<GenerationRequest> reqs = {{RandomPrompt(7, 71), Greedy(4)}, {RandomPrompt(11, 72), Greedy(3)}};
+  const auto want = RunAll(*clean, ec, reqs);
+  auto engine = Engine::Create(*failing, ec);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const auto out = (*engine)->Generate(reqs);
+  ASSERT_EQ(out.size(), 2u);
+  ASSERT_FALSE(out[0].ok());
+  EXPECT_EQ(out[0].status().code(), StatusCode::kInternal);
+  EXPECT_NE(out[0].status().message().find("injected failure"), std::string::npos) << out[0].status();
+  ASSERT_TRUE(out[1].ok()) << out[1].status();
+  EXPECT_EQ(out[1]->tokens, want[1].tokens);
+  EXPECT_EQ((*engine)->cache().stats().blocks_used, 0);
+}
+
 }  // namespace
 }  // namespace mlarun

@@ -20,6 +20,7 @@
 
 #include "launcher/client/client.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/base/cpu_isa.h"
 #include "tests/test_paths.h"
 
 namespace mlarun {
@@ -183,6 +184,9 @@ class FakeMlarun final : public v1::Mlarun::Service {
     k->set_cache_bytes_used(int64_t{1} << 20);
     k->set_requests_running(2);
     k->set_tokens_per_s(123.4);
+    k->set_cpu_model_name("Test CPU 9000");
+    k->set_cpu_flags("avx2 fma f16c");
+    k->set_cpu_isa("avx2");
     v1::GroupStats* g = resp->add_groups();
     g->set_worker_id("w0");
     g->set_dp_group(1);
@@ -192,6 +196,7 @@ class FakeMlarun final : public v1::Mlarun::Service {
     g->set_worker_id("w0");
     g->set_dp_group(2);
     g->set_connected(false);
+    g->set_disconnect_reason("its leader left: rank 2 cannot continue");
     resp->mutable_coordinator()->set_policy("prefix_affinity");
     resp->mutable_coordinator()->set_requests_received(9);
     return grpc::Status::OK;
@@ -404,6 +409,10 @@ TEST(Stats, JsonUsesProtoFieldNames) {
   EXPECT_EQ(j["ranks"][0]["tokens_per_s"], 123.4);
   ASSERT_EQ(j["groups"].size(), 2u);
   EXPECT_EQ(j["groups"][1]["connected"], false);  // defaults are printed too
+  EXPECT_EQ(j["groups"][1]["disconnect_reason"], "its leader left: rank 2 cannot continue");
+  EXPECT_EQ(j["ranks"][0]["cpu_model_name"], "Test CPU 9000");
+  EXPECT_EQ(j["ranks"][0]["cpu_flags"], "avx2 fma f16c");
+  EXPECT_EQ(j["ranks"][0]["cpu_isa"], "avx2");
   EXPECT_EQ(j["coordinator"]["policy"], "prefix_affinity");
   EXPECT_EQ(j["coordinator"]["requests_received"], "9");  // proto3 JSON: int64 as a string
 }
@@ -418,7 +427,8 @@ TEST(Stats, TableHasRanksGroupsAndCounters) {
   ASSERT_EQ(RunStats(o, out, err), 0) << err.str();
   const std::string s = out.str();
   for (const char* want : {"worker", "hostA", "256.0", "123.4", "connected", "yes", "no", "policy prefix_affinity",
-                           "received 9"})
+                           "received 9", "kernels", "Test CPU 9000", "avx2 fma f16c",
+                           "group 2 of w0 went away: its leader left: rank 2 cannot continue"})
     EXPECT_NE(s.find(want), std::string::npos) << want << " in\n" << s;
 }
 
@@ -803,6 +813,10 @@ TEST(SimWorker, RegistersServesAndRejects) {
   // Requests ran, so the peak is set, in blocks and in bytes alike.
   EXPECT_GT(st->ranks(0).cache_blocks_peak(), 0);
   EXPECT_EQ(st->ranks(0).cache_bytes_peak(), st->ranks(0).cache_blocks_peak() * st->ranks(0).cache_block_bytes());
+  // The machine's CPU, as a worker's rank reports its own.
+  EXPECT_EQ(st->ranks(0).cpu_model_name(), HostCpu().model_name);
+  EXPECT_EQ(st->ranks(0).cpu_flags(), HostCpu().FlagList());
+  EXPECT_EQ(st->ranks(0).cpu_isa(), CpuIsaName(ActiveCpuIsa()));
   EXPECT_EQ(worker.Stop(), 0);
 }
 

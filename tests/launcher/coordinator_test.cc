@@ -114,6 +114,22 @@ class FakeWorker {
     stream_->Finish();
   }
 
+  // Says the group cannot continue (`leaving`, as a worker whose rank failed
+  // for good) and waits for the coordinator to end the stream; returns the
+  // stream's final status.
+  grpc::Status Leave(const std::string& reason) {
+    if (!connected_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not connected");
+    v1::WorkerMessage m;
+    m.mutable_leaving()->set_reason(reason);
+    Write(m);
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait_for(lock, 5s, [this] { return reader_done_; });
+    }
+    Join();
+    return stream_->Finish();
+  }
+
   // Closes the stream cleanly (the coordinator sees the end of the reads).
   void Stop() {
     if (!connected_) return;
@@ -872,6 +888,86 @@ TEST_F(CoordinatorTest, BrokenGroupFailsStartedRequestsAndReroutesTheOthers) {
     served.insert(Generate(*stub_, MakeRequest({1}, 2, i)).finished->dp_group());
   EXPECT_EQ(served, (std::set<int>{0, 1}));
   EXPECT_EQ(FindGroup(Stats(), "a", 0)->requests_completed(), 1);
+}
+
+// A group that cannot continue says why (`leaving`): its started request
+// fails at once with the reason; the one without a token waits only
+// lost_group_wait_s (not its 10 s deadline) for another group, then fails
+// naming the group and the reason; GetStats keeps the reason.
+TEST_F(CoordinatorTest, LeavingGroupEndsItsRequestsWithItsReasonWithinTheLostGroupWait) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .lost_group_wait_s = 0.3});
+  FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .stall_after = 2});
+  std::atomic<int> r1_tokens{0};
+  grpc::Status r1_status;
+  std::thread r1([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(SysClock::now() + 10s);
+    auto reader = stub_->Generate(&ctx, MakeRequest({1, 2, 3}, 8, 0, "r1"));
+    v1::GenerateResponse resp;
+    while (reader->Read(&resp)) r1_tokens += resp.has_token();
+    r1_status = reader->Finish();
+  });
+  const auto end = std::chrono::steady_clock::now() + 5s;
+  while (r1_tokens < 2 && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+  ASSERT_EQ(r1_tokens, 2);
+  a.SetHold(true);
+  AsyncGenerate r2(*stub_, MakeRequest({7, 8, 9}, 5, 3, "r2"), 10s);
+  ASSERT_TRUE(a.WaitRoutes(2));
+  const std::string why = "rank 2 (node7) cannot continue: step failed: ABORTED: collective: peer gone";
+  const auto left = std::chrono::steady_clock::now();
+  EXPECT_TRUE(a.Leave(why).ok());
+  r1.join();
+  EXPECT_EQ(r1_status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(r1_status.error_message().find("after sending 2 tokens"), std::string::npos) << r1_status.error_message();
+  EXPECT_NE(r1_status.error_message().find(why), std::string::npos) << r1_status.error_message();
+  const GenResult& g2 = r2.Get();
+  const double since_left_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - left).count();
+  EXPECT_EQ(g2.status.error_code(), grpc::StatusCode::UNAVAILABLE) << g2.status.error_message();
+  EXPECT_NE(g2.status.error_message().find("DP group 0 of worker 'a'"), std::string::npos)
+      << g2.status.error_message();
+  EXPECT_NE(g2.status.error_message().find(why), std::string::npos) << g2.status.error_message();
+  EXPECT_GE(since_left_ms, 250) << "it waited for a group to come back";
+  EXPECT_LT(since_left_ms, 3000) << "within the lost-group wait, not the 10 s deadline";
+  const v1::GetStatsResponse s = Stats();
+  ASSERT_NE(FindGroup(s, "a", 0), nullptr);
+  EXPECT_FALSE(FindGroup(s, "a", 0)->connected());
+  EXPECT_NE(FindGroup(s, "a", 0)->disconnect_reason().find(why), std::string::npos);
+  EXPECT_EQ(s.coordinator().requests_failed(), 2);
+  EXPECT_EQ(s.coordinator().requests_queued(), 0);
+}
+
+// A group that comes back within the lost-group wait takes over the request
+// it had not answered.
+TEST_F(CoordinatorTest, GroupBackWithinTheLostGroupWaitServesTheRequestItLost) {
+  StartCoordinator({.lost_group_wait_s = 5});
+  FakeWorker& a = AddWorker({.worker_id = "a", .hold = true});
+  AsyncGenerate r(*stub_, MakeRequest({4, 5}, 3, 1, "back"), 10s);
+  ASSERT_TRUE(a.WaitRoutes(1));
+  a.Break();
+  std::this_thread::sleep_for(100ms);
+  a.options().hold = false;
+  ASSERT_TRUE(a.Connect());
+  ExpectServed(r.Get(), {4, 5}, 1, 3);
+  EXPECT_EQ(Stats().coordinator().requests_rerouted(), 1);
+}
+
+// Once every group has gone away, a request that waits for one in vain is
+// told what happened to them, not only that none registered.
+TEST_F(CoordinatorTest, NoGroupLeftSaysWhichGroupWentAwayAndWhy) {
+  StartCoordinator();
+  AddWorker({.worker_id = "a", .dp_group = 3});
+  workers_.back()->Break();
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.groups_size() == 1 && !s.groups(0).connected(); }));
+  const GenResult r = Generate(*stub_, MakeRequest({1, 2}, 2), 400ms);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  const std::string& m = r.status.error_message();
+  EXPECT_EQ(m.find("no DP group registered"), std::string::npos) << m;
+  EXPECT_NE(m.find("DP group 3 of worker 'a'"), std::string::npos) << m;
+  EXPECT_NE(m.find("went away"), std::string::npos) << m;
+  EXPECT_NE(m.find("s ago"), std::string::npos) << m;
+  EXPECT_NE(m.find("stream to the coordinator ended"), std::string::npos) << m;
+  EXPECT_GT(r.elapsed_ms, 300) << "it waited for its deadline, as before";
 }
 
 // Completions, deadlines, client cancellations, Cancel calls and a group

@@ -19,9 +19,11 @@ namespace {
 MpiSession* g_session = nullptr;
 ParallelLayout g_layout;
 
-std::unique_ptr<Model> LoadTiny(const ModelShard& shard) {
+// `fail_forward_call`: ModelOptions' fault injection (-1: never).
+std::unique_ptr<Model> LoadTiny(const ModelShard& shard, int64_t fail_forward_call = -1) {
   ModelOptions o;
   o.shard = shard;
+  o.fail_forward_call = fail_forward_call;
   auto m = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = DType::kF32}, o);
   EXPECT_TRUE(m.ok()) << m.status();
   return m.ok() ? std::move(m).value() : nullptr;
@@ -34,10 +36,14 @@ std::vector<int32_t> Prompt(int n, uint32_t seed) {
   return p;
 }
 
-ProcessGroups Groups() {
+// The layout's groups; false (with a failure) if they cannot be made, the
+// same on every rank (the layout against the world size).
+bool Groups(ProcessGroups* out) {
   auto g = g_session->Groups(g_layout);
   EXPECT_TRUE(g.ok()) << g.status();
-  return std::move(g).value();
+  if (!g.ok()) return false;
+  *out = std::move(g).value();
+  return true;
 }
 
 // Gathers every rank's int64/float vector to all ranks, in rank order.
@@ -63,7 +69,8 @@ std::vector<std::vector<T>> GatherAll(Communicator& world, const std::vector<T>&
 // none when dp > 1: an idle group still joins every collective). Rank 0 checks
 // each group's logits against the whole model on one rank.
 TEST(Parallel, LogitsMatchOneRank) {
-  ProcessGroups g = Groups();
+  ProcessGroups g;
+  ASSERT_TRUE(Groups(&g));
   auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
   ASSERT_TRUE(model);
   const int D = g_layout.dp;
@@ -73,7 +80,9 @@ TEST(Parallel, LogitsMatchOneRank) {
     for (int k = 0; k <= group; ++k) p.push_back(Prompt(3 + 5 * k + group, static_cast<uint32_t>(100 * group + k)));
     return p;
   };
-  auto cache = std::move(LatentCache::Create(model->CacheConfig(16 << 20, 16))).value();
+  auto created = LatentCache::Create(model->CacheConfig(16 << 20, 16));
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto cache = std::move(created).value();
   const auto mine = prompts_of(g.dp_rank());
   std::vector<ForwardSeq> seqs;
   for (size_t k = 0; k < mine.size(); ++k) {
@@ -95,7 +104,9 @@ TEST(Parallel, LogitsMatchOneRank) {
   ASSERT_TRUE(whole);
   for (int grp = 0; grp < D; ++grp) {
     const auto prompts = prompts_of(grp);
-    auto ref_cache = std::move(LatentCache::Create(whole->CacheConfig(16 << 20, 16))).value();
+    auto ref_created = LatentCache::Create(whole->CacheConfig(16 << 20, 16));
+    ASSERT_TRUE(ref_created.ok()) << ref_created.status();
+    auto ref_cache = std::move(ref_created).value();
     std::vector<ForwardSeq> ref_seqs;
     for (size_t k = 0; k < prompts.size(); ++k) {
       ASSERT_TRUE(ref_cache->AddSequence(static_cast<SeqId>(k)).ok());
@@ -130,7 +141,8 @@ std::vector<GenerationRequest> Requests() {
 }
 
 TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
-  ProcessGroups g = Groups();
+  ProcessGroups g;
+  ASSERT_TRUE(Groups(&g));
   auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
   ASSERT_TRUE(model);
   const EngineConfig ec{.max_num_batched_tokens = 16, .cache_budget_bytes = 16 << 20, .block_size = 16,
@@ -168,8 +180,10 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
       tokens[static_cast<size_t>(v[k])].assign(v.begin() + static_cast<int64_t>(k) + 2,
                                                v.begin() + static_cast<int64_t>(k) + 2 + v[k + 1]);
   auto whole = LoadTiny(ModelShard{});
-  auto engine = std::move(Engine::Create(*whole, ec)).value();
-  const auto ref = engine->Generate(reqs);
+  ASSERT_TRUE(whole);
+  auto engine = Engine::Create(*whole, ec);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const auto ref = (*engine)->Generate(reqs);
   ASSERT_EQ(ref.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_TRUE(ref[i].ok());
@@ -192,6 +206,112 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
   EXPECT_EQ(sum_over_groups, total * per_token);
   if (g_layout.dp == 1) {
     for (const auto& w : written) EXPECT_EQ(w[0], total * per_token) << "under pure TP every rank holds the whole set";
+  }
+}
+
+// A step whose computation fails on one rank (the last; rank 1 under dp=2)
+// fails the requests of that step on every group, with a message naming that
+// rank, and the ranks go on in lockstep: the requests queued afterwards on
+// every group produce the tokens one rank gives, and every member's cache
+// mirrors its leader's (the failed requests released on all of them, never
+// retired). A hang here is a failure too (ctest TIMEOUT).
+TEST(Parallel, FailedStepFailsItsRequestsAndTheRanksGoOn) {
+  ProcessGroups g;
+  ASSERT_TRUE(Groups(&g));
+  const int failing_rank = g_layout.world() - 1;
+  constexpr int64_t kFailCall = 2;  // steps 0 and 1 run (prefill, a decode), step 2 fails
+  auto model = LoadTiny(ModelShard::For(g_layout, g.rank), g.rank == failing_rank ? kFailCall : -1);
+  ASSERT_TRUE(model);
+  const EngineConfig ec{.max_num_batched_tokens = 64, .cache_budget_bytes = 16 << 20, .block_size = 16};
+  const std::string rank_name = "rank " + std::to_string(g.rank) + " (test)";
+  auto runner = RankRunner::Create(*model, ec, g, rank_name);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  // Two requests per group in each wave; the first wave's run together, so
+  // all of them are in the failing step.
+  auto wave = [&](int w) {
+    std::vector<GenerationRequest> r;
+    for (int grp = 0; grp < g_layout.dp; ++grp)
+      for (int k = 0; k < 2; ++k)
+        r.push_back({Prompt(4 + 3 * k + grp, static_cast<uint32_t>(1000 * w + 10 * grp + k)),
+                     SamplingParams{.max_tokens = 6 + k, .ignore_eos = true}});
+    return r;
+  };
+  auto run = [&](const std::vector<GenerationRequest>& reqs, std::vector<std::pair<size_t, int64_t>>* mine,
+                 int64_t* failed_steps) {
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      if (static_cast<int>(i / 2) != g.dp_rank() || !g.is_leader()) continue;
+      auto id = (*runner)->Add(reqs[i]);
+      ASSERT_TRUE(id.ok()) << id.status();
+      mine->emplace_back(i, *id);
+    }
+    for (;;) {
+      auto more = (*runner)->StepOrStop(false);
+      ASSERT_TRUE(more.ok()) << "a computation failure must not be fatal: " << more.status();
+      if (!(*runner)->last_step_failure().ok()) ++*failed_steps;
+      if (*more == RankRunner::StepResult::kIdle) break;
+    }
+  };
+  const auto first = wave(1), second = wave(2);
+  std::vector<std::pair<size_t, int64_t>> mine1, mine2;
+  int64_t failed1 = 0, failed2 = 0;
+  run(first, &mine1, &failed1);
+  run(second, &mine2, &failed2);
+  EXPECT_EQ(failed1, 1) << "exactly one step failed, seen on every rank";
+  EXPECT_EQ(failed2, 0);
+  // The first wave: the error, naming the failing rank, on every group's leader.
+  const std::string failing_name = "rank " + std::to_string(failing_rank) + " (test)";
+  for (const auto& [i, id] : mine1) {
+    const GenerationOutput* o = (*runner)->Output(id);
+    ASSERT_NE(o, nullptr);
+    EXPECT_EQ(o->finish_reason, FinishReason::kError) << "request " << i;
+    EXPECT_EQ(o->error.code(), StatusCode::kInternal) << o->error;
+    EXPECT_NE(o->error.message().find(failing_name), std::string::npos) << o->error;
+    EXPECT_NE(o->error.message().find("injected failure"), std::string::npos) << o->error;
+    EXPECT_EQ(o->tokens.size(), 2u) << "the tokens of the two steps before the failure";
+  }
+  // Every rank's cache: empty again, and the members mirror the leader
+  // (retired blocks: the second wave's only).
+  const LatentCacheStats cs = (*runner)->engine()->cache().stats();
+  EXPECT_EQ(cs.blocks_used, 0) << "on rank " << g.rank;
+  const auto retired = GatherAll(*g.world, std::vector<int64_t>{cs.blocks_retired}, CommType::kI64);
+  int64_t expect_retired = 0;
+  for (int k = 0; k < 2; ++k) {
+    const GenerationRequest& r = second[static_cast<size_t>(2 * g.dp_rank() + k)];
+    expect_retired += (static_cast<int64_t>(r.prompt.size()) + r.sampling.max_tokens - 1 + 15) / 16;
+  }
+  EXPECT_EQ(cs.blocks_retired, expect_retired) << "on rank " << g.rank;
+  EXPECT_EQ(retired[static_cast<size_t>(g_layout.leader_of(g.dp_rank()))][0], cs.blocks_retired)
+      << "rank " << g.rank << " and its leader";
+  // The second wave: the tokens one rank gives.
+  std::vector<int64_t> out;
+  for (const auto& [i, id] : mine2) {
+    const GenerationOutput* o = (*runner)->Output(id);
+    out.push_back(static_cast<int64_t>(i));
+    out.push_back(o->finish_reason == FinishReason::kLength ? static_cast<int64_t>(o->tokens.size()) : -1);
+    if (o->finish_reason == FinishReason::kLength) out.insert(out.end(), o->tokens.begin(), o->tokens.end());
+  }
+  const auto all = GatherAll(*g.world, out, CommType::kI64);
+  if (g.rank != 0) return;
+  std::vector<std::vector<int64_t>> tokens(second.size());
+  std::vector<bool> seen(second.size(), false);
+  for (const auto& v : all)
+    for (size_t k = 0; k < v.size(); k += 2 + static_cast<size_t>(std::max<int64_t>(v[k + 1], 0))) {
+      const size_t i = static_cast<size_t>(v[k]);
+      ASSERT_LT(i, second.size());
+      ASSERT_GE(v[k + 1], 0) << "second-wave request " << i << " did not finish by length";
+      seen[i] = true;
+      tokens[i].assign(v.begin() + static_cast<int64_t>(k) + 2, v.begin() + static_cast<int64_t>(k) + 2 + v[k + 1]);
+    }
+  auto whole = LoadTiny(ModelShard{});
+  ASSERT_TRUE(whole);
+  auto engine = Engine::Create(*whole, ec);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  const auto ref = (*engine)->Generate(second);
+  ASSERT_EQ(ref.size(), second.size());
+  for (size_t i = 0; i < second.size(); ++i) {
+    EXPECT_TRUE(seen[i]) << "second-wave request " << i << " was not reported";
+    ASSERT_TRUE(ref[i].ok()) << ref[i].status();
+    EXPECT_EQ(tokens[i], ref[i]->tokens) << "second-wave request " << i << " under " << g_layout;
   }
 }
 

@@ -1,0 +1,436 @@
+#!/usr/bin/env bash
+# mlarun vs llama.cpp on this machine's CPU, on the same random weights.
+#
+# Makes a random Hugging Face DeepSeek-V2 checkpoint at DeepSeek-V2-Lite widths
+# (bench/make_random_checkpoint.py), converts it to GGUF with the llama.cpp that
+# llama-cpp-python's PyPI sdist vendors, builds that llama.cpp, and times both
+# runtimes in interleaved rounds with the same thread count:
+#   batch-1 decode       llama-bench -p 0 -n 64 -d 128   vs  mlarun bench decode --batch 1 --context 128
+#   prefill 512 tokens   llama-bench -p 512 -n 0         vs  mlarun bench decode --prefill-tokens 512
+#   batched decode       llama-batched-bench -npl 8,32   vs  mlarun bench decode --batch 8,32 --context 512
+# then prints a markdown table of the medians (and writes it to --out).
+# Idempotent: every step whose output exists is skipped. See bench/README.md.
+#
+# Usage: bench/llama_cpp_compare.sh [--out FILE] [--rounds N] [--threads T] [--layers N]
+#            [--dtype bf16|f32] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
+set -Eeuo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BENCH="$ROOT/bench"
+
+WORK="${WORK:-/tmp/mlarun-vs-llama}"
+ROUNDS=3
+THREADS="$(nproc)"
+LAYERS=4
+DTYPE=bf16
+MLARUN=""
+SKIP_BUILD=0
+QUICK=0
+OUT=""
+SEED=0
+# Pin the llama-cpp-python release (and so the llama.cpp it vendors); empty: the newest on PyPI.
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"
+
+usage() { sed -n '2,/^set -E/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --rounds) ROUNDS="$2"; shift 2 ;;
+    --threads) THREADS="$2"; shift 2 ;;
+    --layers) LAYERS="$2"; shift 2 ;;
+    --dtype) DTYPE="$2"; shift 2 ;;
+    --work) WORK="$2"; shift 2 ;;
+    --mlarun) MLARUN="$2"; shift 2 ;;
+    --seed) SEED="$2"; shift 2 ;;
+    --skip-build) SKIP_BUILD=1; shift ;;
+    --quick) QUICK=1; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "llama_cpp_compare: unknown option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+die() { echo -e "\nllama_cpp_compare: FAILED: $*" >&2; exit 1; }
+case "$DTYPE" in bf16|f32) ;; float32) DTYPE=f32 ;; *) die "--dtype must be bf16 or f32, got '$DTYPE'" ;; esac
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer, got '$ROUNDS'"
+[[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer, got '$THREADS'"
+[[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || die "--layers must be a positive integer, got '$LAYERS'"
+[ "$QUICK" = 1 ] && ROUNDS=1
+
+# The shapes of the runs; --quick shrinks them to check the pipeline.
+if [ "$QUICK" = 1 ]; then
+  TG=16; DEPTH=128; PP=128; BCTX=128; BTG=8; BATCHES=8,32; LB_REPS=1; M_DEC_REPS=4; M_BAT_REPS=2
+else
+  TG=64; DEPTH=128; PP=512; BCTX=512; BTG=32; BATCHES=8,32; LB_REPS=5; M_DEC_REPS=16; M_BAT_REPS=8
+fi
+MAXB="${BATCHES##*,}"
+
+mkdir -p "$WORK"
+WORK="$(cd "$WORK" && pwd)"
+if [ -n "$OUT" ]; then
+  [ -d "$(dirname "$OUT")" ] || die "--out $OUT: no such folder $(dirname "$OUT")"
+  OUT="$(cd "$(dirname "$OUT")" && pwd)/$(basename "$OUT")"
+fi
+LOGS="$WORK/logs"
+mkdir -p "$LOGS"
+SCRIPT_T0=$SECONDS
+STEP=""
+STEP_T0=$SECONDS
+TIMES=()
+
+trap 'rc=$?; [ $rc -ne 0 ] && [ -n "$STEP" ] && echo -e "\nllama_cpp_compare: FAILED in step \"$STEP\" (exit $rc); logs under $LOGS" >&2' EXIT
+
+step() {  # step NAME: closes the previous step's timer and opens one
+  end_step
+  STEP="$1"
+  STEP_T0=$SECONDS
+  echo "== $STEP" >&2
+}
+end_step() {
+  if [ -n "$STEP" ]; then
+    TIMES+=("$STEP: $((SECONDS - STEP_T0)) s")
+    STEP=""
+  fi
+}
+# run LOG CMD...: runs CMD with its output in LOG; on failure shows the log's end.
+run() {
+  local log="$1"; shift
+  if ! "$@" >"$log" 2>&1; then
+    echo "---- last lines of $log:" >&2
+    tail -n 30 "$log" >&2
+    die "step \"$STEP\": command failed: $*"
+  fi
+}
+
+# --- 1. Python environment -----------------------------------------------
+VENV="$WORK/venv"
+PY="$VENV/bin/python"
+# torch: convert_hf_to_gguf.py imports it (its tensors carry the conversion);
+# PyPI's Linux wheel brings CUDA libraries along (a few GiB) though only the CPU is used.
+# transformers: the converter reads config.json and the tokenizer with it (pinned as in
+# llama.cpp's requirements-convert_hf_to_gguf.txt).
+PIP_PACKAGES=(numpy safetensors tokenizers "transformers==4.57.6" torch sentencepiece
+              "protobuf>=4.21.0,<5.0.0" pyyaml tqdm requests)
+step "python venv ($VENV)"
+if [ ! -f "$VENV/.deps-ok" ] || [ "$(cat "$VENV/.deps-ok")" != "${PIP_PACKAGES[*]}" ]; then
+  command -v python3 >/dev/null || die "python3 not found (Debian: apt-get install python3 python3-venv)"
+  if [ ! -x "$PY" ] && ! python3 -m venv "$VENV" >"$LOGS/venv.log" 2>&1; then
+    tail -n 30 "$LOGS/venv.log" >&2
+    die "python3 -m venv failed (Debian: apt-get install python3-venv)"
+  fi
+  run "$LOGS/pip.log" "$PY" -m pip install --upgrade pip
+  run "$LOGS/pip.log" "$PY" -m pip install "${PIP_PACKAGES[@]}"
+  echo "${PIP_PACKAGES[*]}" >"$VENV/.deps-ok"
+fi
+
+# --- 2. llama.cpp sources (vendored in llama-cpp-python's sdist) ------------
+step "llama.cpp sources"
+SRC="$WORK/src"
+mkdir -p "$SRC"
+find_llama() {
+  local pat="llama_cpp_python-${LLAMA_CPP_PYTHON_VERSION:-*}"
+  find "$SRC" -maxdepth 1 -type d -name "$pat" 2>/dev/null | sort -V | tail -n 1
+}
+PKG="$(find_llama)"
+if [ -z "$PKG" ] || [ ! -f "$PKG/vendor/llama.cpp/CMakeLists.txt" ]; then
+  spec="llama-cpp-python${LLAMA_CPP_PYTHON_VERSION:+==$LLAMA_CPP_PYTHON_VERSION}"
+  run "$LOGS/pip-download.log" "$PY" -m pip download "$spec" --no-binary :all: --no-deps -d "$SRC/dl"
+  tarball="$(ls -t "$SRC"/dl/llama_cpp_python-*.tar.gz | head -n 1)"
+  [ -n "$tarball" ] || die "pip download left no llama_cpp_python-*.tar.gz in $SRC/dl"
+  run "$LOGS/untar.log" tar -xzf "$tarball" -C "$SRC"
+  PKG="$(find_llama)"
+  [ -f "$PKG/vendor/llama.cpp/CMakeLists.txt" ] || die "$tarball has no vendor/llama.cpp"
+fi
+LLAMA_SRC="$PKG/vendor/llama.cpp"
+LLAMA_PKG_VERSION="${PKG##*llama_cpp_python-}"
+echo "   llama-cpp-python $LLAMA_PKG_VERSION: $LLAMA_SRC" >&2
+
+# --- 3. Build llama.cpp -----------------------------------------------------
+LLAMA_BUILD="$WORK/llama.cpp-build"
+LB="$LLAMA_BUILD/bin/llama-bench"
+LBB="$LLAMA_BUILD/bin/llama-batched-bench"
+GREEDY="$LLAMA_BUILD/bin/llama_greedy"
+step "build llama.cpp ($LLAMA_BUILD)"
+if [ ! -x "$LB" ] || [ ! -x "$LBB" ]; then
+  [ "$SKIP_BUILD" = 1 ] && die "--skip-build, but $LB or $LBB is missing"
+  command -v cmake >/dev/null || die "cmake not found (Debian: apt-get install cmake ninja-build g++)"
+  gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+  [ -f "$LLAMA_BUILD/CMakeCache.txt" ] || run "$LOGS/llama-cmake.log" cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" "${gen[@]}" \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON
+  echo "   building (the llama.cpp build takes a while on few cores; log: $LOGS/llama-build.log)" >&2
+  run "$LOGS/llama-build.log" cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench llama-simple
+fi
+if [ ! -x "$GREEDY" ] || [ "$BENCH/llama_greedy.cpp" -nt "$GREEDY" ]; then
+  [ "$SKIP_BUILD" = 1 ] && [ ! -x "$GREEDY" ] && die "--skip-build, but $GREEDY is missing"
+  run "$LOGS/llama-greedy-build.log" "${CXX:-g++}" -O2 -std=c++17 "$BENCH/llama_greedy.cpp" -o "$GREEDY" \
+    -I"$LLAMA_SRC/include" -I"$LLAMA_SRC/ggml/include" -L"$LLAMA_BUILD/bin" -lllama -Wl,-rpath,"$LLAMA_BUILD/bin"
+fi
+
+# --- 4. mlarun ----------------------------------------------------------------
+step "mlarun"
+if [ -z "$MLARUN" ]; then
+  if [ "$SKIP_BUILD" = 1 ]; then
+    MLARUN="$ROOT/build/release/mlarun"
+  else
+    bdir="$("$ROOT/scripts/build" Release 2>"$LOGS/mlarun-build.log")" || { tail -n 30 "$LOGS/mlarun-build.log" >&2; die "scripts/build Release failed"; }
+    MLARUN="$bdir/mlarun"
+  fi
+fi
+[ -x "$MLARUN" ] || die "mlarun binary not found at $MLARUN (pass --mlarun PATH)"
+MLARUN="$(cd "$(dirname "$MLARUN")" && pwd)/$(basename "$MLARUN")"
+echo "   $MLARUN" >&2
+
+# --- 5. Random checkpoint and its GGUF ----------------------------------------
+CKPT="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$DTYPE-seed$SEED"
+step "random checkpoint ($CKPT)"
+if [ ! -f "$CKPT/config.json" ]; then
+  ckdtype=$([ "$DTYPE" = bf16 ] && echo bf16 || echo float32)
+  run "$LOGS/checkpoint.log" "$PY" "$BENCH/make_random_checkpoint.py" --out "$CKPT" --layers "$LAYERS" \
+    --dtype "$ckdtype" --seed "$SEED"
+  cat "$LOGS/checkpoint.log" >&2
+fi
+
+GGUF_TYPE=$([ "$DTYPE" = bf16 ] && echo BF16 || echo F32)
+GGUF="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$DTYPE-seed$SEED-$GGUF_TYPE.gguf"
+step "convert to GGUF ($GGUF)"
+if [ ! -f "$GGUF" ]; then
+  # The vendored convert_hf_to_gguf.py runs unchanged, under a wrapper that
+  # replaces two of its methods in memory:
+  # * it accepts a BPE tokenizer only if the hash of its encoding of a fixed
+  #   text names a known pre-tokenizer; the synthetic tokenizer's hash is
+  #   nobody's, so the wrapper answers "deepseek-llm" (the pre-tokenizer of
+  #   DeepSeek-V2's own tokenizer). Tokenization does not matter here: every
+  #   run feeds token ids.
+  # * llama.cpp tells a DeepSeek-V2 without query compression (q_lora_rank
+  #   null: q_proj, as V2-Lite) by its depth of 26 or 27 layers, and otherwise
+  #   requires deepseek2.attention.q_lora_rank; the wrapper writes 0 there
+  #   (then llama.cpp loads q_proj, as it does for V2-Lite).
+  cat >"$WORK/convert_hf_to_gguf_synthetic.py" <<'EOF'
+import logging, runpy, sys
+llama_dir, args = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, llama_dir)
+sys.path.insert(1, llama_dir + "/gguf-py")
+import conversion.base as base
+import conversion.deepseek as deepseek
+log = logging.getLogger("hf-to-gguf")
+def get_vocab_base_pre(self, tokenizer):
+    log.info("synthetic tokenizer: pre-tokenizer set to 'deepseek-llm'")
+    return "deepseek-llm"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+set_gguf_parameters = deepseek.DeepseekV2Model.set_gguf_parameters
+def set_gguf_parameters_q_lora_0(self):
+    set_gguf_parameters(self)
+    if not self.hparams.get("q_lora_rank"):
+        log.info("q_lora_rank is null: writing deepseek2.attention.q_lora_rank = 0")
+        self.gguf_writer.add_q_lora_rank(0)
+deepseek.DeepseekV2Model.set_gguf_parameters = set_gguf_parameters_q_lora_0
+sys.argv = [llama_dir + "/convert_hf_to_gguf.py"] + args
+runpy.run_path(sys.argv[0], run_name="__main__")
+EOF
+  outtype=$([ "$DTYPE" = bf16 ] && echo bf16 || echo f32)
+  run "$LOGS/convert.log" "$PY" "$WORK/convert_hf_to_gguf_synthetic.py" "$LLAMA_SRC" "$CKPT" \
+    --outtype "$outtype" --outfile "$GGUF.partial"
+  mv "$GGUF.partial" "$GGUF"
+fi
+echo "   $(du -h "$GGUF" | cut -f1) $GGUF" >&2
+
+# --- 6. Both load the model and generate: greedy tokens side by side ------------
+RUN="$WORK/runs/$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$RUN"
+PROMPT_IDS=1,2,3,4,5,6,7,8
+NGEN=8
+step "sanity: greedy tokens from both"
+run "$RUN/mlarun-generate.log" "$MLARUN" generate --model "$CKPT" --prompt-ids "$PROMPT_IDS" --max-tokens "$NGEN" \
+  --ignore-eos --threads "$THREADS" --json
+grep -E '^\{' "$RUN/mlarun-generate.log" | tail -n 1 >"$RUN/mlarun-generate.json"
+run "$RUN/llama-greedy.log" "$GREEDY" "$GGUF" "$THREADS" "$NGEN" "$PROMPT_IDS"
+grep -E '^\{' "$RUN/llama-greedy.log" | tail -n 1 >"$RUN/llama-greedy.json"
+echo "   mlarun:    $(cat "$RUN/mlarun-generate.json")" >&2
+echo "   llama.cpp: $(cat "$RUN/llama-greedy.json")" >&2
+
+# --- 7. The timed runs, interleaved --------------------------------------------
+M_COMMON=(--model "$CKPT" --threads "$THREADS" --kv-dtype bf16 --json)
+CMD_M_DEC=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context "$DEPTH" --prefill-tokens 1 --repetitions "$M_DEC_REPS")
+CMD_L_DEC=("$LB" -m "$GGUF" -p 0 -n "$TG" -d "$DEPTH" -t "$THREADS" -r "$LB_REPS" -o json)
+# mlarun's prefill chunk follows a context of at least 1 token, the decode steps
+# and a warm-up chunk; one timed chunk.
+CMD_M_PP=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context 1 --prefill-tokens "$PP" --repetitions 1)
+CMD_L_PP=("$LB" -m "$GGUF" -p "$PP" -n 0 -t "$THREADS" -r "$LB_REPS" -o json)
+CMD_M_BAT=("$MLARUN" bench decode "${M_COMMON[@]}" --batch "$BATCHES" --context "$BCTX" --prefill-tokens 1 --repetitions "$M_BAT_REPS")
+# -pps: one shared prompt, copied into every sequence's own KV stream before
+# the timed generation (same S_TG, without prefilling B x PP tokens first).
+CMD_L_BAT=("$LBB" -m "$GGUF" -c "$((MAXB * (BCTX + BTG)))" -b 2048 -ub 512 -npp "$BCTX" -ntg "$BTG" -npl "$BATCHES"
+           -pps -t "$THREADS" --output-format jsonl)
+{
+  echo "mlarun decode:    ${CMD_M_DEC[*]}"
+  echo "llama.cpp decode: ${CMD_L_DEC[*]}"
+  echo "mlarun prefill:   ${CMD_M_PP[*]}"
+  echo "llama.cpp prefill:${CMD_L_PP[*]}"
+  echo "mlarun batched:   ${CMD_M_BAT[*]}"
+  echo "llama.cpp batched:${CMD_L_BAT[*]}"
+} >"$RUN/commands.txt"
+
+for ((r = 1; r <= ROUNDS; r++)); do
+  step "round $r/$ROUNDS"
+  d="$RUN/round$r"
+  mkdir -p "$d"
+  for pair in "M_DEC mlarun-decode json" "L_DEC llama-bench-decode json" \
+              "M_PP mlarun-prefill json" "L_PP llama-bench-prefill json" \
+              "M_BAT mlarun-batched json" "L_BAT llama-batched-bench jsonl"; do
+    read -r var name ext <<<"$pair"
+    declare -n cmd="CMD_$var"
+    t0=$SECONDS
+    if ! "${cmd[@]}" >"$d/$name.$ext" 2>"$d/$name.log"; then
+      echo "---- last lines of $d/$name.log:" >&2
+      tail -n 30 "$d/$name.log" >&2
+      die "round $r: command failed: ${cmd[*]}"
+    fi
+    unset -n cmd
+    echo "   $name: $((SECONDS - t0)) s" >&2
+  done
+done
+end_step
+
+# --- 8. The table ---------------------------------------------------------------
+CPU_MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1)"
+CPU_FLAGS="$(grep -o -E 'avx2|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/ $//')"
+MLARUN_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+git -C "$ROOT" diff --quiet HEAD 2>/dev/null || MLARUN_REV="$MLARUN_REV (+ uncommitted changes)"
+TABLE="$RUN/table.md"
+export RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION \
+  TG DEPTH PP BCTX BTG BATCHES QUICK CKPT GGUF
+"$PY" - >"$TABLE" <<'EOF'
+import glob, json, os, statistics, sys
+E = os.environ
+run, rounds = E["RUN"], int(E["ROUNDS"])
+
+def fail(msg):
+    sys.exit(f"llama_cpp_compare: FAILED: parsing the results: {msg}")
+
+def load_json(path):
+    text = open(path).read()
+    start = min([i for i in (text.find("{"), text.find("[")) if i >= 0], default=-1)
+    if start < 0:
+        fail(f"{path}: no JSON")
+    try:
+        return json.JSONDecoder().raw_decode(text[start:])[0]
+    except ValueError as e:
+        fail(f"{path}: {e}")
+
+def mlarun_rows(path):
+    doc = load_json(path)
+    rows = doc.get("rows") if isinstance(doc, dict) else None
+    if not rows:
+        fail(f"{path}: no 'rows'")
+    return doc, rows
+
+def mlarun_fig(path, key, batch, context=None):
+    _, rows = mlarun_rows(path)
+    for row in rows:
+        if row.get("batch") == batch and (context is None or row.get("context") == context) and key in row:
+            return float(row[key])
+    fail(f"{path}: no row with batch {batch} and '{key}'")
+
+def llama_bench_fig(path, n_prompt, n_gen):
+    tests = load_json(path)
+    tests = tests if isinstance(tests, list) else [tests]
+    for t in tests:
+        if int(t.get("n_prompt", -1)) == n_prompt and int(t.get("n_gen", -1)) == n_gen:
+            return float(t["avg_ts"])
+    fail(f"{path}: no test with n_prompt={n_prompt}, n_gen={n_gen}")
+
+def batched_fig(path, pl):
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("{"):
+            d = json.loads(line)
+            if int(d.get("pl", -1)) == pl:
+                return float(d["speed_tg"])
+    fail(f"{path}: no line with pl={pl}")
+
+tg, depth, pp, bctx, btg = (int(E[k]) for k in ("TG", "DEPTH", "PP", "BCTX", "BTG"))
+batches = [int(b) for b in E["BATCHES"].split(",")]
+figures = [(f"batch-1 decode, context {depth}",
+            lambda d: mlarun_fig(f"{d}/mlarun-decode.json", "decode_tokens_per_s", 1),
+            lambda d: llama_bench_fig(f"{d}/llama-bench-decode.json", 0, tg)),
+           (f"prefill, {pp}-token prompt",
+            lambda d: mlarun_fig(f"{d}/mlarun-prefill.json", "prefill_tokens_per_s", 1),
+            lambda d: llama_bench_fig(f"{d}/llama-bench-prefill.json", pp, 0))]
+for b in batches:
+    figures.append((f"batched decode, {b} x {bctx} context",
+                    lambda d, b=b: mlarun_fig(f"{d}/mlarun-batched.json", "decode_tokens_per_s", b, bctx),
+                    lambda d, b=b: batched_fig(f"{d}/llama-batched-bench.jsonl", b)))
+
+dirs = [f"{run}/round{r}" for r in range(1, rounds + 1)]
+results = []
+for label, fm, fl in figures:
+    m = [fm(d) for d in dirs]
+    l = [fl(d) for d in dirs]
+    results.append((label, m, l))
+
+doc0, _ = mlarun_rows(f"{dirs[0]}/mlarun-decode.json")
+lb0 = load_json(f"{dirs[0]}/llama-bench-decode.json")
+lb0 = lb0[0] if isinstance(lb0, list) else lb0
+dtype = E["DTYPE"]
+mcol = f"mlarun ({dtype}) tok/s"
+lcol = f"llama.cpp {E['GGUF_TYPE']} GGUF tok/s"
+
+def fmt(v):
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+def spread(vs):
+    return "" if len(vs) == 1 else f" ({fmt(min(vs))}-{fmt(max(vs))})"
+
+import datetime
+date = datetime.date.today().isoformat()
+moe = doc0.get("moe_layers")
+layers = doc0.get("layers", E["LAYERS"])
+print(f"# mlarun vs llama.cpp on the CPU ({date})")
+print()
+if E["QUICK"] == "1":
+    print("**--quick run: 1 round, short runs; for checking the pipeline, not for quoting.**")
+    print()
+print(f"* CPU: {E['CPU_MODEL']} ({E['CPU_FLAGS']}), {E['THREADS']} threads for both")
+print(f"* Model: random weights at DeepSeek-V2-Lite widths, {layers} layers ({moe} MoE, 64 routed experts, top-6); "
+      f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion")
+print(f"* mlarun {E['MLARUN_REV']}, weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
+      f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
+      f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, flash_attn {lb0.get('flash_attn', '?')}")
+print(f"* Median of {rounds} interleaved round{'s' if rounds > 1 else ''} (range in parentheses)")
+print()
+print(f"| | {mcol} | {lcol} | mlarun / llama.cpp |")
+print("|---|---:|---:|---:|")
+for label, m, l in results:
+    mm, ll = statistics.median(m), statistics.median(l)
+    ratio = f"{mm / ll:.2f}x" if ll > 0 else "-"
+    print(f"| {label} | {fmt(mm)}{spread(m)} | {fmt(ll)}{spread(l)} | {ratio} |")
+print()
+print("What each row compares (see bench/README.md):")
+print()
+print(f"* batch-1 decode: llama-bench `-p 0 -n {tg} -d {depth}` (generate {tg} tokens after a {depth}-token context) "
+      f"vs mlarun `decode_tokens_per_s` at batch 1 over a {depth}-token context")
+print(f"* prefill: llama-bench `-p {pp} -n 0` (a {pp}-token prompt on an empty cache) vs mlarun "
+      f"`prefill_tokens_per_s` for one {pp}-token chunk (which follows a few cached tokens and a warm-up chunk)")
+print(f"* batched decode: llama-batched-bench `S_TG` (B sequences generating {btg} tokens each after a "
+      f"{bctx}-token prompt) vs mlarun `decode_tokens_per_s` at batch B over {bctx} cached tokens")
+print()
+print("Commands:")
+print()
+print("```")
+print(open(f"{run}/commands.txt").read().rstrip())
+print("```")
+print()
+print(f"Raw outputs: {run}")
+EOF
+cat "$TABLE"
+if [ -n "$OUT" ]; then
+  cp "$TABLE" "$OUT"
+  echo "(table written to $OUT)" >&2
+fi
+{
+  echo "Stage times:"
+  printf '  %s\n' "${TIMES[@]}"
+  echo "  total: $((SECONDS - SCRIPT_T0)) s"
+} | tee "$RUN/stage-times.txt" >&2

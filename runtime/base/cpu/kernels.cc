@@ -1,0 +1,23 @@
+#include "runtime/base/cpu/kernels.h"
+
+namespace mlarun::cpu {
+
+const CpuKernels* KernelsFor(CpuIsa isa) {
+  // Never touch a family's code on a CPU that cannot run it.
+  if (static_cast<int>(isa) > static_cast<int>(HostCpu().best())) return nullptr;
+  switch (isa) {
+    case CpuIsa::kScalar: return &ScalarKernels();
+    case CpuIsa::kAvx2: return &Avx2Kernels();
+    case CpuIsa::kAvx512:
+    case CpuIsa::kAmx: return &Avx512Kernels();  // AMX tiles are oneDNN's; our own code stays AVX-512
+  }
+  return nullptr;
+}
+
+const CpuKernels& Kernels() {
+  static const CpuKernels* const tables[4] = {KernelsFor(CpuIsa::kScalar), KernelsFor(CpuIsa::kAvx2),
+                                              KernelsFor(CpuIsa::kAvx512), KernelsFor(CpuIsa::kAmx)};
+  return *tables[static_cast<int>(ActiveCpuIsa())];
+}
+
+}  // namespace mlarun::cpu

@@ -1,0 +1,90 @@
+// The CPU kernels of one instruction-set family, as a table of functions.
+//
+// Each family is the same source (simd_kernels.inc) compiled in its own
+// translation unit with its own target flags (kernels_scalar.cc: baseline
+// x86-64; kernels_avx2.cc: -mavx2 -mfma; kernels_avx512.cc: -mavx512f/bw/vl/dq),
+// so one binary carries all of them and picks one at run time
+// (runtime/base/cpu_isa.h). No function here is called on a CPU that lacks
+// its family: KernelsFor() refuses, and Kernels() follows ActiveCpuIsa().
+//
+// bf16 operands are read as they are stored and widened to fp32 in registers
+// (a bf16 is the upper half of an fp32: a 16-bit shift); every product
+// accumulates in fp32. Nothing here allocates; callers pass scratch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "runtime/base/cpu_isa.h"
+#include "runtime/base/dtype.h"
+
+namespace mlarun::cpu {
+
+// One matrix product C[m, n] (=|+=) A[m, k] x B[k, n], the part of it in
+// columns [n_begin, n_end). Strides are in elements.
+struct GemmArgs {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;  // A[i, p] at a[i * lda + p]: fp32; bf16 for gemm_packed only
+  DType a_type = DType::kF32;
+  int64_t lda = 0;
+  const void* b = nullptr;  // B[p, j] at b[p * b_stride_k + j * b_stride_n], f32 or bf16
+  DType b_type = DType::kF32;
+  int64_t b_stride_k = 0, b_stride_n = 0;  // one of them is 1
+  void* c = nullptr;  // C[i, j] at c[i * ldc + j], f32 or bf16 (rounded once)
+  DType c_type = DType::kF32;
+  int64_t ldc = 0;
+  bool accumulate = false;  // C += A x B (f32 C only)
+};
+
+struct CpuKernels {
+  CpuIsa isa = CpuIsa::kScalar;
+
+  // Few rows, B with k contiguous (b_stride_k == 1; a linear layer's weight
+  // [out, in]): each thread streams its columns' B rows once from memory and
+  // dots them with all m rows of A. The decode path: bound by reading B.
+  // A must first be rewritten by small_bt_prepare_a into m x k fp32 (a
+  // layout of the kernel's own; g.a then points at it, lda = k).
+  void (*gemm_small_bt)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  void (*small_bt_prepare_a)(const GemmArgs& g, float* out) = nullptr;
+  // Few rows, B with n contiguous (b_stride_n == 1): B rows are read once,
+  // each scaled by A's column and summed into C, a few vectors of C at a time.
+  void (*gemm_small_bn)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  // Any shape: panels of B (converted to fp32 once per panel) and of A are
+  // packed into `scratch` (packed_scratch_bytes()) and multiplied by a
+  // register-blocked micro-kernel. The prefill path.
+  void (*gemm_packed)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  // Scratch gemm_packed needs for an m x n x k product (n: the widest column
+  // range one call covers), whose C is bf16 or not.
+  size_t (*packed_scratch_bytes)(int64_t m, int64_t n, int64_t k, bool c_bf16) = nullptr;
+  // gemm_packed writes a bf16 C only when k is at most this (it rounds the
+  // whole sum once); callers route longer products through an fp32 C.
+  int64_t packed_max_k_bf16_c = 0;
+  // Column granularity the callers split n on across threads (keeps every
+  // thread's share a whole number of micro-kernel strips).
+  int64_t n_align = 1;
+
+  // Element-wise.
+  void (*f32_to_bf16)(const float* src, bf16_t* dst, int64_t n) = nullptr;  // round to nearest even, NaN stays NaN
+  void (*bf16_to_f32)(const bf16_t* src, float* dst, int64_t n) = nullptr;
+  float (*row_max)(const float* x, int64_t n) = nullptr;  // -inf for n == 0
+  // x[j] <- exp((x[j] - mx) * scale) for j < n (mx >= every x[j]); returns the sum.
+  float (*exp_shifted)(float* x, int64_t n, float mx, float scale) = nullptr;
+  void (*scale)(float* x, int64_t n, float s) = nullptr;                                   // x *= s
+  void (*axpby)(float* acc, const float* part, int64_t n, float wa, float wb) = nullptr;  // acc = acc wa + part wb
+
+  // Reads `bytes` (a multiple of 64) at `p` with the widest loads of the family,
+  // returns a value that depends on every byte (so the reads cannot be elided).
+  uint64_t (*stream_read)(const void* p, size_t bytes) = nullptr;
+};
+
+// The table of `isa`; nullptr when this CPU cannot run it.
+const CpuKernels* KernelsFor(CpuIsa isa);
+// The table of ActiveCpuIsa(). Cheap (one atomic load and an index).
+const CpuKernels& Kernels();
+
+// The families' tables, one per translation unit. Call through KernelsFor.
+const CpuKernels& ScalarKernels();
+const CpuKernels& Avx2Kernels();
+const CpuKernels& Avx512Kernels();
+
+}  // namespace mlarun::cpu
