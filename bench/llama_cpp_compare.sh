@@ -251,18 +251,34 @@ echo "   mlarun:    $(cat "$RUN/mlarun-generate.json")" >&2
 echo "   llama.cpp: $(cat "$RUN/llama-greedy.json")" >&2
 
 # --- 7. The timed runs, interleaved --------------------------------------------
+# llama.cpp reads the weights into its own memory, as mlarun does, instead of
+# mapping the file: the same kind of memory on both sides, and no page of the
+# mapping dropped by the kernel between or during runs. The flag's name changed
+# across llama.cpp versions.
+lb_help="$("$LB" --help 2>&1 || true)"
+lbb_help="$("$LBB" --help 2>&1 || true)"
+if [[ "$lb_help" == *--load-mode* ]]; then
+  L_LOAD=(-lm none)
+else
+  L_LOAD=(-mmp 0)
+fi
+if [[ "$lbb_help" == *--load-mode* ]]; then
+  LB_LOAD=(-lm none)
+else
+  LB_LOAD=(--no-mmap)
+fi
 M_COMMON=(--model "$CKPT" --threads "$THREADS" --kv-dtype bf16 --json)
 CMD_M_DEC=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context "$DEPTH" --prefill-tokens 1 --repetitions "$M_DEC_REPS")
-CMD_L_DEC=("$LB" -m "$GGUF" -p 0 -n "$TG" -d "$DEPTH" -t "$THREADS" -r "$LB_REPS" -o json)
+CMD_L_DEC=("$LB" -m "$GGUF" -p 0 -n "$TG" -d "$DEPTH" -t "$THREADS" -r "$LB_REPS" "${L_LOAD[@]}" -o json)
 # mlarun's prefill chunk follows a context of at least 1 token, the decode steps
 # and a warm-up chunk; one timed chunk.
 CMD_M_PP=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context 1 --prefill-tokens "$PP" --repetitions 1)
-CMD_L_PP=("$LB" -m "$GGUF" -p "$PP" -n 0 -t "$THREADS" -r "$LB_REPS" -o json)
+CMD_L_PP=("$LB" -m "$GGUF" -p "$PP" -n 0 -t "$THREADS" -r "$LB_REPS" "${L_LOAD[@]}" -o json)
 CMD_M_BAT=("$MLARUN" bench decode "${M_COMMON[@]}" --batch "$BATCHES" --context "$BCTX" --prefill-tokens 1 --repetitions "$M_BAT_REPS")
 # -pps: one shared prompt, copied into every sequence's own KV stream before
 # the timed generation (same S_TG, without prefilling B x PP tokens first).
 CMD_L_BAT=("$LBB" -m "$GGUF" -c "$((MAXB * (BCTX + BTG)))" -b 2048 -ub 512 -npp "$BCTX" -ntg "$BTG" -npl "$BATCHES"
-           -pps -t "$THREADS" --output-format jsonl)
+           -pps -t "$THREADS" "${LB_LOAD[@]}" --output-format jsonl)
 {
   echo "mlarun decode:    ${CMD_M_DEC[*]}"
   echo "llama.cpp decode: ${CMD_L_DEC[*]}"
@@ -397,7 +413,8 @@ print(f"* Model: random weights at DeepSeek-V2-Lite widths, {layers} layers ({mo
       f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion")
 print(f"* mlarun {E['MLARUN_REV']}, weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
       f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
-      f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, flash_attn {lb0.get('flash_attn', '?')}")
+      f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, "
+      f"flash_attn {({-1: 'auto', 0: 'off', 1: 'on'}).get(lb0.get('flash_attn'), lb0.get('flash_attn', '?'))}")
 print(f"* Median of {rounds} interleaved round{'s' if rounds > 1 else ''} (range in parentheses)")
 print()
 print(f"| | {mcol} | {lcol} | mlarun / llama.cpp |")

@@ -92,8 +92,8 @@ StatusOr<BenchModel> LoadBenchModel(const DecodeBenchOptions& o, const ModelShar
   if (yaml) {
     MLARUN_ASSIGN_OR_RETURN(bm.model, Model::Random(config, seed, mo));
   } else {
-    MLARUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(o.model));
-    MLARUN_ASSIGN_OR_RETURN(bm.model, Model::FromCheckpoint(config, *ckpt, mo));
+    MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(o.model));
+    MLARUN_ASSIGN_OR_RETURN(bm.model, Model::FromCheckpoint(config, std::move(ckpt), mo));
   }
   return bm;
 }

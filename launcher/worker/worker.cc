@@ -421,12 +421,6 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       session.Abort(reason, 1);
     }
     if (*step == RankRunner::StepResult::kStop) break;
-    if (!runner.last_step_failure().ok() && link) {
-      std::cerr << "mlarun worker: " + rank_name + ": DP group " + std::to_string(groups->dp_rank()) +
-                       ": a step failed; its requests end with the error, the group goes on: " +
-                       runner.last_step_failure().ToString() + "\n"
-                << std::flush;
-    }
     if (link) {
       // New tokens, completions, and the requests of a failed step.
       v1::WorkerMessage tokens;
@@ -445,6 +439,15 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           done.push_back(id);
       }
       if (tokens.tokens().events_size() > 0) link->Send(tokens);
+      if (!runner.last_step_failure().ok()) {
+        int64_t failed = 0;
+        for (int64_t id : done) failed += runner.Output(id)->finish_reason == FinishReason::kError;
+        std::cerr << "mlarun worker: " + rank_name + ": DP group " + std::to_string(groups->dp_rank()) +
+                         ": a step failed; its " + std::to_string(failed) +
+                         " requests end with the error, the group goes on: " + runner.last_step_failure().ToString() +
+                         "\n"
+                  << std::flush;
+      }
       for (int64_t id : done) {
         const GenerationOutput* out = runner.Output(id);
         v1::WorkerMessage m;

@@ -1,5 +1,7 @@
 #include "runtime/base/dtype.h"
 
+#include "runtime/base/cpu/kernels.h"
+
 #include <cstring>
 #include <string>
 
@@ -36,24 +38,10 @@ StatusOr<DType> ParseDType(std::string_view name) {
                               "' (expected one of f32, bf16, f16, f8_e4m3)");
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void ConvertF32ToBf16(const float* src, bf16_t* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, &src[i], 4);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t nan = (u >> 16) | 0x0040u;
-    dst[i] = static_cast<bf16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
-}
+// Through the kernel family in force (runtime/base/cpu/kernels.h).
+void ConvertF32ToBf16(const float* src, bf16_t* dst, int64_t n) { cpu::Kernels().f32_to_bf16(src, dst, n); }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void ConvertBf16ToF32(const bf16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(&dst[i], &u, 4);
-  }
-}
+void ConvertBf16ToF32(const bf16_t* src, float* dst, int64_t n) { cpu::Kernels().bf16_to_f32(src, dst, n); }
 
 void StoreFromF32(const float* src, void* dst, DType dst_type, int64_t n) {
   if (dst_type == DType::kBF16) {

@@ -101,8 +101,8 @@ Status Model::Init() {
 WeightBytes Model::weight_bytes() const {
   WeightBytes b;
   auto vec = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * sizeof(float)); };
-  auto mlp = [](const Mlp& m) { return m.gate_up.bytes() + m.down.bytes(); };
-  b.embedding_and_head = embed_.bytes() + lm_head_.bytes() + vec(final_norm_);
+  auto mlp = [](const Mlp& m) { return m.bytes(); };
+  b.embedding_and_head = embed_.bytes() + (lm_head_.data == embed_.data ? 0 : lm_head_.bytes()) + vec(final_norm_);
   for (const DecoderLayer& l : layers_) {
     const AttentionLayer& a = l.attn;
     const int64_t replicated = a.q_a.bytes() + vec(a.q_a_norm) + a.kv_a.bytes() + vec(a.kv_a_norm) +
@@ -177,11 +177,8 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
     }
   }
   MLARUN_RETURN_IF_ERROR(status);
-  if (T > 0) traffic_.weight_bytes += moe.router.bytes() + (moe.has_shared ? moe.shared.gate_up.bytes() + moe.shared.down.bytes() : 0);
-  for (int32_t e : active) {
-    const Mlp& m = moe.experts[static_cast<size_t>(e - e0)];
-    traffic_.weight_bytes += m.gate_up.bytes() + m.down.bytes();
-  }
+  if (T > 0) traffic_.weight_bytes += moe.router.bytes() + (moe.has_shared ? moe.shared.bytes() : 0);
+  for (int32_t e : active) traffic_.weight_bytes += moe.experts[static_cast<size_t>(e - e0)].bytes();
   for (int64_t t = 0; t < T; ++t) {
     float* dst = Y + t * H;
     std::fill(dst, dst + H, 0.f);
@@ -353,8 +350,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   for (int32_t i = 0; i < S && st.ok(); ++i)
     for (size_t j = 0; j < seqs[static_cast<size_t>(i)].tokens.size(); ++j) {
       const int64_t t = query_start[static_cast<size_t>(i)] + static_cast<int64_t>(j);
-      LoadToF32(embed_.data.data() + seqs[static_cast<size_t>(i)].tokens[j] * H * static_cast<int64_t>(wes),
-                c.weight_dtype, h.data() + t * H, H);
+      LoadToF32(embed_.row(seqs[static_cast<size_t>(i)].tokens[j]), c.weight_dtype, h.data() + t * H, H);
     }
 
   std::vector<float> q(static_cast<size_t>(T * N * Dq)), qa(static_cast<size_t>(T * std::max<int64_t>(c.q_lora_rank, 1)));
@@ -452,7 +448,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     if (st.ok()) {
       if (!layer.moe) {
         fail(ApplyMlp(layer.mlp, X, T_all, H, y_all.data(), H, /*accumulate=*/false, mlp_hidden));
-        if (T_all > 0) traffic_.weight_bytes += layer.mlp.gate_up.bytes() + layer.mlp.down.bytes();
+        if (T_all > 0) traffic_.weight_bytes += layer.mlp.bytes();
       } else {
         fail(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));
       }

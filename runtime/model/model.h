@@ -160,7 +160,12 @@ class Model {
 
   // Loads every weight from a Hugging Face checkpoint, checking names and
   // shapes; missing and unexpected tensors are errors naming the tensor.
-  static StatusOr<std::unique_ptr<Model>> FromCheckpoint(const ModelConfig& config, const Checkpoint& ckpt,
+  // Weights stored in the dtype they are used in (config.weight_dtype) are
+  // read in place from the mapped files, with no copy; the model then keeps
+  // `ckpt` alive. Others (bf16 used as f32, f16, fp8 with its block scales,
+  // the split W_UK / W_UV) are converted into buffers of the model's own.
+  static StatusOr<std::unique_ptr<Model>> FromCheckpoint(const ModelConfig& config,
+                                                         std::shared_ptr<const Checkpoint> ckpt,
                                                          const ModelOptions& options = {});
   // Random weights from a seed (YAML models): deterministic, scaled like a
   // trained model (linear N(0, 1/fan_in)-like, norms near 1).
@@ -232,7 +237,7 @@ class Model {
   ModelOptions options_;
   std::unique_ptr<Rope> rope_;
   Linear embed_;    // [vocab, H] in the weight dtype; rows are looked up, never multiplied
-  Linear lm_head_;  // [vocab, H]; a copy of embed_ when tie_word_embeddings
+  Linear lm_head_;  // [vocab, H]; the same bytes as embed_ when tie_word_embeddings
   std::vector<float> final_norm_;
   std::vector<DecoderLayer> layers_;
   StepTimes times_;

@@ -26,14 +26,37 @@ class WeightSource {
   // A tensor another rank holds: part of the architecture, not loaded here.
   virtual void Skip(const std::string& name) {}
 
-  Status Matrix(const std::string& name, int64_t rows, int64_t cols, DType dtype, void* out, double random_std) {
-    return Slice(name, rows, cols, 0, rows, 0, cols, dtype, out, random_std);
+  // Rows [r0, r1) x columns [c0, c1) of the [rows, cols] weight `name` as a
+  // Linear in `dtype`: read in place where the source can (a checkpoint that
+  // stores exactly that dtype), else a copy of its own.
+  virtual StatusOr<Linear> LinearSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
+                                       int64_t c0, int64_t c1, DType dtype, double random_std) {
+    Linear l = Linear::Owned(r1 - r0, c1 - c0, dtype);
+    if (l.mutable_data() == nullptr && l.bytes() > 0)
+      return ResourceExhaustedError("cannot allocate ", l.bytes(), " bytes for weight ", name);
+    MLARUN_RETURN_IF_ERROR(Slice(name, rows, cols, r0, r1, c0, c1, dtype, l.mutable_data(), random_std));
+    return l;
   }
 };
 
 class CheckpointSource final : public WeightSource {
  public:
-  explicit CheckpointSource(const Checkpoint& c) : ckpt_(c) {}
+  explicit CheckpointSource(std::shared_ptr<const Checkpoint> c) : owner_(std::move(c)), ckpt_(*owner_) {}
+  StatusOr<Linear> LinearSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
+                               int64_t c1, DType dtype, double random_std) override {
+    const int64_t shape[2] = {rows, cols};
+    MLARUN_ASSIGN_OR_RETURN(const std::byte* in_place, ckpt_.InPlace(name, shape, dtype));
+    if (in_place == nullptr) return WeightSource::LinearSlice(name, rows, cols, r0, r1, c0, c1, dtype, random_std);
+    if (r0 < 0 || r0 > r1 || r1 > rows || c0 < 0 || c0 > c1 || c1 > cols)
+      return InvalidArgumentError("weight ", name, ": slice [", r0, ", ", r1, ") x [", c0, ", ", c1,
+                                  ") outside its shape [", rows, ", ", cols, "]");
+    used_.insert(name);
+    Linear l;
+    l.out = r1 - r0, l.in = c1 - c0, l.dtype = dtype, l.ld = cols;
+    l.data = in_place + (r0 * cols + c0) * static_cast<int64_t>(DTypeSize(dtype));
+    l.storage = std::shared_ptr<const void>(owner_, l.data);  // keeps the mapping alive
+    return l;
+  }
   Status Slice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                DType dtype, void* out, double) override {
     used_.insert(name);
@@ -67,6 +90,7 @@ class CheckpointSource final : public WeightSource {
   }
 
  private:
+  std::shared_ptr<const Checkpoint> owner_;
   const Checkpoint& ckpt_;
   std::set<std::string> used_;
 };
@@ -115,39 +139,27 @@ class RandomSource final : public WeightSource {
   uint64_t seed_;
 };
 
-Linear MakeLinear(int64_t out, int64_t in, DType dtype) {
-  Linear l{.out = out, .in = in, .dtype = dtype, .data = {}};
-  l.data.resize(static_cast<size_t>(out * in) * DTypeSize(dtype));
-  return l;
-}
-
 // Rows [r0, r1) of the [rows, in] weight `name` (a column-parallel shard).
 Status LoadRows(WeightSource& src, const std::string& name, int64_t rows, int64_t in, int64_t r0, int64_t r1,
                 DType dtype, Linear* l) {
-  *l = MakeLinear(r1 - r0, in, dtype);
-  return src.Slice(name, rows, in, r0, r1, 0, in, dtype, l->data.data(), 1.0 / std::sqrt(static_cast<double>(in)));
+  MLARUN_ASSIGN_OR_RETURN(*l, src.LinearSlice(name, rows, in, r0, r1, 0, in, dtype, 1.0 / std::sqrt(static_cast<double>(in))));
+  return Status::Ok();
 }
 
 // Columns [c0, c1) of the [out, cols] weight `name` (a row-parallel shard: its
 // partial products are summed across ranks).
 Status LoadCols(WeightSource& src, const std::string& name, int64_t out, int64_t cols, int64_t c0, int64_t c1,
                 DType dtype, Linear* l) {
-  *l = MakeLinear(out, c1 - c0, dtype);
-  return src.Slice(name, out, cols, 0, out, c0, c1, dtype, l->data.data(), 1.0 / std::sqrt(static_cast<double>(cols)));
+  MLARUN_ASSIGN_OR_RETURN(*l, src.LinearSlice(name, out, cols, 0, out, c0, c1, dtype, 1.0 / std::sqrt(static_cast<double>(cols))));
+  return Status::Ok();
 }
 
 // The MLP `prefix` {gate,up,down}_proj with intermediate size `inter`, this
 // rank's intermediate slice [i0, i1).
 Status LoadMlp(WeightSource& src, const std::string& prefix, int64_t hidden, int64_t inter, int64_t i0, int64_t i1,
                DType dtype, Mlp* m) {
-  const int64_t part = i1 - i0;
-  const size_t es = DTypeSize(dtype);
-  const double std_in = 1.0 / std::sqrt(static_cast<double>(hidden));
-  m->gate_up = MakeLinear(2 * part, hidden, dtype);
-  MLARUN_RETURN_IF_ERROR(
-      src.Slice(prefix + "gate_proj.weight", inter, hidden, i0, i1, 0, hidden, dtype, m->gate_up.data.data(), std_in));
-  MLARUN_RETURN_IF_ERROR(src.Slice(prefix + "up_proj.weight", inter, hidden, i0, i1, 0, hidden, dtype,
-                                   m->gate_up.data.data() + static_cast<size_t>(part * hidden) * es, std_in));
+  MLARUN_RETURN_IF_ERROR(LoadRows(src, prefix + "gate_proj.weight", inter, hidden, i0, i1, dtype, &m->gate));
+  MLARUN_RETURN_IF_ERROR(LoadRows(src, prefix + "up_proj.weight", inter, hidden, i0, i1, dtype, &m->up));
   return LoadCols(src, prefix + "down_proj.weight", hidden, inter, i0, i1, dtype, &m->down);
 }
 
@@ -210,7 +222,7 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, std::o
   };
   auto mlp = [&](int64_t inter) { return 2 * proj(inter, H) + proj(H, inter); };  // gate, up; down
   WeightBytes b;
-  b.embedding_and_head = 2 * c.vocab_size * H * w + H * f;  // lm_head is a copy when tied
+  b.embedding_and_head = (c.tie_word_embeddings ? 1 : 2) * c.vocab_size * H * w + H * f;  // tied: one matrix
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     int64_t replicated = proj(L + R, H) + L * f + 2 * H * f;  // kv_a, its norm, the layer norms
     int64_t split = N * (P + V) * L * kv + proj(H, N * V);   // W_UK, W_UV, o_proj
@@ -252,11 +264,11 @@ class ModelLoader {
     auto progress = [&](const std::string& msg) {
       if (m.options_.progress) m.options_.progress(msg);
     };
-    m.embed_ = MakeLinear(c.vocab_size, H, wt);
-    MLARUN_RETURN_IF_ERROR(src.Matrix("model.embed_tokens.weight", c.vocab_size, H, wt, m.embed_.data.data(), 1.0));
+    MLARUN_ASSIGN_OR_RETURN(m.embed_, src.LinearSlice("model.embed_tokens.weight", c.vocab_size, H, 0, c.vocab_size, 0,
+                                                      H, wt, 1.0));
     MLARUN_RETURN_IF_ERROR(LoadNorm(src, "model.norm.weight", H, &m.final_norm_));
     if (c.tie_word_embeddings) {
-      m.lm_head_ = m.embed_;
+      m.lm_head_ = m.embed_;  // the same bytes
     } else {
       MLARUN_RETURN_IF_ERROR(LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_));
     }
@@ -337,11 +349,13 @@ class ModelLoader {
   }
 };
 
-StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config, const Checkpoint& ckpt,
+StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config,
+                                                       std::shared_ptr<const Checkpoint> ckpt,
                                                        const ModelOptions& options) {
+  if (!ckpt) return InvalidArgumentError("model: no checkpoint given");
   std::unique_ptr<Model> m(new Model(config, options));
   MLARUN_RETURN_IF_ERROR(m->Init());
-  CheckpointSource src(ckpt);
+  CheckpointSource src(std::move(ckpt));
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   MLARUN_RETURN_IF_ERROR(src.CheckNoneLeft(config));
   return m;
@@ -397,8 +411,8 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const Mode
   if (path.ends_with(".yaml") || path.ends_with(".yml")) return Random(config, seed, options);
   if (path.ends_with(".json"))
     return InvalidArgumentError("model ", path, ": a config.json alone has no weights; give its checkpoint directory");
-  MLARUN_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open(path));
-  return FromCheckpoint(config, *ckpt, options);
+  MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(path));
+  return FromCheckpoint(config, std::shared_ptr<const Checkpoint>(std::move(ckpt)), options);
 }
 
 }  // namespace mlarun

@@ -695,6 +695,15 @@ Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected
   return LoadRegion(*this, *t, n, {0, 1, 0, n}, out_dtype, out);
 }
 
+StatusOr<const std::byte*> Checkpoint::InPlace(std::string_view name, std::span<const int64_t> expected_shape,
+                                               DType dtype) const {
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, dtype));
+  const bool same = (t->dtype == SafetensorsDType::kF32 && dtype == DType::kF32) ||
+                    (t->dtype == SafetensorsDType::kBF16 && dtype == DType::kBF16);
+  if (!same || reinterpret_cast<uintptr_t>(t->data) % DTypeSize(dtype) != 0) return nullptr;
+  return t->data;
+}
+
 Status Checkpoint::LoadSlice(std::string_view name, std::span<const int64_t> expected_shape,
                              int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t col_end,
                              DType out_dtype, void* out) const {

@@ -97,6 +97,14 @@ class Checkpoint {
   // missing or mis-shaped scale.
   Status Load(std::string_view name, std::span<const int64_t> expected_shape, DType out_dtype, void* out) const;
 
+  // The bytes of tensor `name` (whose shape must equal `expected_shape`),
+  // for reading it in place as `dtype`: a pointer into the mapping when the
+  // tensor is stored as exactly that dtype (F32 or BF16) at an address
+  // aligned to its element size; nullptr when it must be converted (through
+  // Load or LoadSlice). Valid while this Checkpoint lives. Errors as Load.
+  StatusOr<const std::byte*> InPlace(std::string_view name, std::span<const int64_t> expected_shape,
+                                     DType dtype) const;
+
   // A rectangular piece of a 2-D tensor: rows [row_begin, row_end) and
   // columns [col_begin, col_end) of `name` (whose full shape must equal
   // `expected_shape`), into `out` ([rows, cols] row-major) as `out_dtype`.

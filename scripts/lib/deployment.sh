@@ -1,12 +1,18 @@
 # Sourced by scripts/demo and the live-deployment tests (serving_e2e.sh,
-# memory_measure.sh): a scratch folder, a coordinator and one mpirun worker
-# job on the tiny model at a time, and a cleanup that leaves no process
-# behind.
+# memory_measure.sh, step_failure.sh): a scratch folder, a coordinator and one
+# mpirun worker job on the tiny model at a time, and a cleanup that leaves no
+# process behind.
 #
 #   name=NAME; source deployment.sh            (expects $mlarun $src $np $groups)
 #   start_deployment POLICY WORKER_FLAGS...    -> $addr, logs in $work
 #   wait_for_groups                            (fails unless $groups register)
 #   stop_deployment                            (the cleanup on exit does it too)
+#   fail MESSAGE                               (exit 1)
+#
+# On exit the deployment is stopped. The scratch folder (and the logs in it)
+# is deleted only when the script succeeded; when it failed in any way (fail,
+# a command under set -e, a signal) the last lines of the coordinator and
+# worker logs are printed under a header and the folder is kept.
 work=$(mktemp -d)
 pids=()
 stop_deployment() {
@@ -20,11 +26,29 @@ stop_deployment() {
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   pids=()
 }
-trap 'stop_deployment; rm -rf "$work"' EXIT
+on_exit() {
+  local rc=$?
+  stop_deployment
+  if [ "$rc" = 0 ]; then
+    rm -rf "$work"
+    return 0
+  fi
+  echo "$name: FAILED (exit code $rc); logs kept in $work"
+  local log
+  for log in coord.log worker.log; do
+    if [ -s "$work/$log" ]; then
+      echo "========== $name: last 40 lines of $work/$log =========="
+      tail -n 40 "$work/$log"
+    fi
+  done
+  echo "========== $name: end of logs =========="
+  return "$rc"
+}
+trap on_exit EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 fail() {
   echo "$name: FAIL: $*"
-  echo "--- coordinator log"; tail -20 "$work/coord.log" 2>/dev/null
-  echo "--- worker log"; tail -20 "$work/worker.log" 2>/dev/null
   exit 1
 }
 
