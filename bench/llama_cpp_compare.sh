@@ -13,6 +13,7 @@
 #
 # Usage: bench/llama_cpp_compare.sh [--out FILE] [--rounds N] [--threads T] [--layers N]
 #            [--dtype bf16|f32] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
+#            [--seed S] [--llama-load-mode auto|none|mmap|mlock|mmap+mlock]
 set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +29,7 @@ SKIP_BUILD=0
 QUICK=0
 OUT=""
 SEED=0
+LLAMA_LOAD_MODE=auto
 # Pin the llama-cpp-python release (and so the llama.cpp it vendors); empty: the newest on PyPI.
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"
 
@@ -43,6 +45,7 @@ while [ $# -gt 0 ]; do
     --work) WORK="$2"; shift 2 ;;
     --mlarun) MLARUN="$2"; shift 2 ;;
     --seed) SEED="$2"; shift 2 ;;
+    --llama-load-mode) LLAMA_LOAD_MODE="$2"; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --quick) QUICK=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -247,25 +250,32 @@ run "$RUN/mlarun-generate.log" "$MLARUN" generate --model "$CKPT" --prompt-ids "
 grep -E '^\{' "$RUN/mlarun-generate.log" | tail -n 1 >"$RUN/mlarun-generate.json"
 run "$RUN/llama-greedy.log" "$GREEDY" "$GGUF" "$THREADS" "$NGEN" "$PROMPT_IDS"
 grep -E '^\{' "$RUN/llama-greedy.log" | tail -n 1 >"$RUN/llama-greedy.json"
-echo "   mlarun:    $(cat "$RUN/mlarun-generate.json")" >&2
-echo "   llama.cpp: $(cat "$RUN/llama-greedy.json")" >&2
+GREEDY_CMP='
+import json, sys
+m = json.load(open(sys.argv[1]))["tokens"]
+l = json.load(open(sys.argv[2]))["tokens"]
+same = next((i for i, (a, b) in enumerate(zip(m, l)) if a != b), min(len(m), len(l)))
+verdict = "identical" if m == l else f"the same for the first {same}, then they differ"
+print(f"greedy tokens after prompt ids {sys.argv[3]}: {verdict} (mlarun {m}, llama.cpp {l})")'
+"$PY" -c "$GREEDY_CMP" "$RUN/mlarun-generate.json" "$RUN/llama-greedy.json" "$PROMPT_IDS" >"$RUN/greedy.txt" \
+  || die "could not read the generated tokens (see $RUN/mlarun-generate.log and $RUN/llama-greedy.log)"
+echo "   $(cat "$RUN/greedy.txt")" >&2
 
 # --- 7. The timed runs, interleaved --------------------------------------------
-# llama.cpp reads the weights into its own memory, as mlarun does, instead of
-# mapping the file: the same kind of memory on both sides, and no page of the
-# mapping dropped by the kernel between or during runs. The flag's name changed
-# across llama.cpp versions.
-lb_help="$("$LB" --help 2>&1 || true)"
-lbb_help="$("$LBB" --help 2>&1 || true)"
-if [[ "$lb_help" == *--load-mode* ]]; then
-  L_LOAD=(-lm none)
-else
-  L_LOAD=(-mmp 0)
-fi
-if [[ "$lbb_help" == *--load-mode* ]]; then
-  LB_LOAD=(-lm none)
-else
-  LB_LOAD=(--no-mmap)
+# Weights: mlarun maps the safetensors file and reads bf16 weights in place;
+# llama.cpp maps the GGUF by default. --llama-load-mode none reads them into
+# llama.cpp's own memory instead (the flag's name changed across versions).
+L_LOAD=(); LB_LOAD=()
+if [ "$LLAMA_LOAD_MODE" != auto ]; then
+  lb_help="$("$LB" --help 2>&1 || true)"
+  lbb_help="$("$LBB" --help 2>&1 || true)"
+  if [[ "$lb_help" == *--load-mode* ]] && [[ "$lbb_help" == *--load-mode* ]]; then
+    L_LOAD=(-lm "$LLAMA_LOAD_MODE"); LB_LOAD=(-lm "$LLAMA_LOAD_MODE")
+  elif [ "$LLAMA_LOAD_MODE" = none ]; then
+    L_LOAD=(-mmp 0); LB_LOAD=(--no-mmap)
+  else
+    die "--llama-load-mode $LLAMA_LOAD_MODE: this llama.cpp has no --load-mode (only 'auto' and 'none' work)"
+  fi
 fi
 M_COMMON=(--model "$CKPT" --threads "$THREADS" --kv-dtype bf16 --json)
 CMD_M_DEC=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context "$DEPTH" --prefill-tokens 1 --repetitions "$M_DEC_REPS")
@@ -297,6 +307,8 @@ for ((r = 1; r <= ROUNDS; r++)); do
               "M_BAT mlarun-batched json" "L_BAT llama-batched-bench jsonl"; do
     read -r var name ext <<<"$pair"
     declare -n cmd="CMD_$var"
+    # Both start with their weight file in the page cache (not timed).
+    if [[ "$var" == M_* ]]; then cat "$CKPT"/*.safetensors >/dev/null; else cat "$GGUF" >/dev/null; fi
     t0=$SECONDS
     if ! "${cmd[@]}" >"$d/$name.$ext" 2>"$d/$name.log"; then
       echo "---- last lines of $d/$name.log:" >&2
@@ -314,8 +326,17 @@ CPU_MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1)"
 CPU_FLAGS="$(grep -o -E 'avx2|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/ $//')"
 MLARUN_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 git -C "$ROOT" diff --quiet HEAD 2>/dev/null || MLARUN_REV="$MLARUN_REV (+ uncommitted changes)"
+# Proactive reclaim (DAMON "pageout") drops file pages that look cold, such as
+# a mapped model's rarely routed experts: a note in the table when it is on.
+RECLAIM_NOTE=""
+for k in /sys/kernel/mm/damon/admin/kdamonds/*; do
+  [ "$(cat "$k/state" 2>/dev/null)" = on ] || continue
+  if grep -qs '^pageout$' "$k"/contexts/*/schemes/*/action; then
+    RECLAIM_NOTE="the kernel reclaims cold pages proactively (DAMON pageout is on): mapped weights may be re-read from disk during the runs, which adds noise"
+  fi
+done
 TABLE="$RUN/table.md"
-export RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION \
+export RECLAIM_NOTE LLAMA_LOAD_MODE RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION \
   TG DEPTH PP BCTX BTG BATCHES QUICK CKPT GGUF
 "$PY" - >"$TABLE" <<'EOF'
 import glob, json, os, statistics, sys
@@ -415,6 +436,12 @@ print(f"* mlarun {E['MLARUN_REV']}, weights {doc0.get('weight_dtype')}, latent c
       f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
       f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, "
       f"flash_attn {({-1: 'auto', 0: 'off', 1: 'on'}).get(lb0.get('flash_attn'), lb0.get('flash_attn', '?'))}")
+print(f"* Weights: mlarun maps the checkpoint; llama.cpp load mode {E['LLAMA_LOAD_MODE']}"
+      + (" (its default: mmap)" if E["LLAMA_LOAD_MODE"] == "auto" else "")
+      + "; each run starts with its weight file in the page cache")
+if E.get("RECLAIM_NOTE"):
+    print(f"* Note: {E['RECLAIM_NOTE']}")
+print(f"* Same model on both sides: {open(f'{run}/greedy.txt').read().strip()}")
 print(f"* Median of {rounds} interleaved round{'s' if rounds > 1 else ''} (range in parentheses)")
 print()
 print(f"| | {mcol} | {lcol} | mlarun / llama.cpp |")

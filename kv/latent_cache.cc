@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "runtime/base/hash.h"
+#include "runtime/base/large_buffer.h"
 
 namespace mlarun {
 namespace {
@@ -46,9 +47,8 @@ StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConf
                                 " bytes per token)");
   if (num_blocks > INT32_MAX) return InvalidArgumentError("latent cache: more than 2^31 blocks");
   const size_t bytes = static_cast<size_t>(num_blocks * block_bytes);
-  void* pool = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  void* pool = AllocateLarge(bytes, /*zero=*/c.commit_memory);
   if (pool == nullptr) return ResourceExhaustedError("latent cache: cannot allocate ", bytes, " bytes");
-  if (c.commit_memory) std::memset(pool, 0, bytes);
   return std::unique_ptr<LatentCache>(new LatentCache(c, num_blocks, pool));
 }
 

@@ -25,6 +25,7 @@
 
 #include "attention/backend.h"
 #include "attention/cpu/attend_tile.h"
+#include "runtime/base/first_error.h"
 
 namespace mlarun::cpu {
 namespace {
@@ -207,23 +208,6 @@ void GatherRows(const PagedRowsView& c, const int32_t* table, int64_t k0, int64_
   std::memset(out + n * row_bytes, 0, static_cast<size_t>(n_pad - n) * row_bytes);
 }
 
-// First error raised inside a parallel loop.
-class ErrorSlot {
- public:
-  void Set(const Status& s) {
-    if (s.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (status_.ok()) status_ = s;
-  }
-  Status Get() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return status_;
-  }
-
- private:
-  std::mutex mu_;
-  Status status_;
-};
 
 Status GetGemm(const GemmDesc& d, GemmPtr* out, size_t* scratch) {
   auto g = CpuGemm::Get(d);
@@ -327,7 +311,7 @@ Status RunAbsorbed(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b) {
   const int64_t N = s.h_q, L = s.d_latent, R = s.d_rope, P = s.d_nope, V = s.d_v, Dk = s.d_cache();
   const DType dt = pl.dtype;
   const size_t es = DTypeSize(dt);
-  ErrorSlot err;
+  FirstError err;
 
   // 1. Queries into the cache dtype.
 #pragma omp parallel for num_threads(pl.threads) schedule(static)
@@ -423,7 +407,7 @@ Status RunExpandedSeq(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b
   const DType dt = pl.dtype;
   const size_t es = DTypeSize(dt);
   const int32_t* table = p.block_table + e.seq * p.block_table_stride;
-  ErrorSlot err;
+  FirstError err;
 
 #pragma omp parallel for num_threads(pl.threads) schedule(static)
   for (int64_t h = 0; h < N; ++h) {

@@ -449,7 +449,8 @@ void Dispatcher::OnDone(int group, const v1::RequestDone& done, Pending& pending
   if (it == requests_.end() || it->second->group != group) return;
   Request* r = it->second.get();
   if (done.error_code() != 0) {
-    // The group's own checks rejected it: forward its status unchanged.
+    // The group's own checks rejected it, or a step of the group failed
+    // (the message names the rank and why): forward its status unchanged.
     Fail(r, static_cast<grpc::StatusCode>(done.error_code()), done.error_message(), false, pending);
     return;
   }
@@ -698,7 +699,7 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
       // The client saw part of the answer: another group cannot continue it.
       Fail(r, grpc::StatusCode::UNAVAILABLE,
            StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away after sending ",
-                  r->tokens_sent, " tokens: ", g.disconnect_reason),
+                  r->tokens_sent, r->tokens_sent == 1 ? " token: " : " tokens: ", g.disconnect_reason),
            false, pending);
     } else {
       ReleaseFromGroup(r);

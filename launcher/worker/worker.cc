@@ -240,6 +240,10 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   // at start-up: ranks may run on different machines).
   const std::string rank_name = "rank " + std::to_string(session.rank()) + " (" + session.host() + ")";
   std::cerr << "mlarun worker: " + rank_name + ": cpu " + CpuSummary() + "\n" << std::flush;
+  if (o.fail_forward_rank >= session.size())
+    session.Abort("--fail-forward-call: rank " + std::to_string(o.fail_forward_rank) + " is not in the world of " +
+                      std::to_string(session.size()) + " ranks",
+                  2);
   ModelOptions mo;
   mo.shard = ModelShard::For(*layout, session.rank());
   if (o.fail_forward_call >= 0 && (o.fail_forward_rank < 0 || o.fail_forward_rank == session.rank())) {

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "runtime/base/cpu_gemm.h"
+#include "runtime/base/large_buffer.h"
 
 namespace mlarun {
 namespace {
@@ -30,9 +31,8 @@ ThreadBuffers& Buffers() {
 
 Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
   const size_t bytes = static_cast<size_t>(out * in) * DTypeSize(dtype);
-  const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
-  std::shared_ptr<std::byte> buf(static_cast<std::byte*>(std::aligned_alloc(64, rounded)), [](std::byte* p) { std::free(p); });
-  if (buf) std::memset(buf.get(), 0, rounded);
+  std::shared_ptr<std::byte> buf(static_cast<std::byte*>(AllocateLarge(bytes, /*zero=*/true)),
+                                 [](std::byte* p) { std::free(p); });
   Linear l;
   l.out = out, l.in = in, l.dtype = dtype, l.ld = in;
   l.data = buf.get();

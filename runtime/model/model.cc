@@ -1,5 +1,7 @@
 #include "runtime/model/model.h"
 
+#include "runtime/base/first_error.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -7,12 +9,14 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <mutex>
 #include <optional>
 
 namespace mlarun {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // Indices of the k largest values (ties: the lower index first), in
@@ -133,8 +137,12 @@ LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) c
 // Y = this rank's part of the MoE for rows X [T, H]: the routed experts it
 // holds (all experts, narrowed, when sharded by intermediate size) and its
 // slice of the shared experts. Tokens are grouped by expert so each expert runs
-// one product over its tokens; each (token, k) result goes to its own slot (no
-// two threads add into one row), and the slots are summed in k order.
+// one product over its tokens. The work of a step is spread over the threads
+// as (expert, column range) items, so a few experts with one token each (a
+// decode step) still keep every thread streaming weights: the gate and up
+// products first, then SiLU, then the down products. Each (token, k) result
+// goes to its own slot (no two threads add into one row), and the slots are
+// summed in k order, so the result does not depend on the thread count.
 Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y) {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
@@ -150,47 +158,91 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   const int64_t e0 = moe.expert_begin, e1 = e0 + static_cast<int64_t>(moe.experts.size());
   std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));  // slot ids (t * K + k)
   for (int64_t sl = 0; sl < T * K; ++sl) by_expert[static_cast<size_t>(route_experts[static_cast<size_t>(sl)])].push_back(static_cast<int32_t>(sl));
-  std::vector<int32_t> active;
-  for (int64_t e = e0; e < e1; ++e)
-    if (!by_expert[static_cast<size_t>(e)].empty()) active.push_back(static_cast<int32_t>(e));
-  std::vector<float> slot_out(static_cast<size_t>(T * K * H), 0.f);  // routes to other ranks' experts stay 0
-  Status status;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (size_t ai = 0; ai < active.size(); ++ai) {
-    thread_local std::vector<float> xe, ye, hidden;
-    const std::vector<int32_t>& slots = by_expert[static_cast<size_t>(active[ai])];
-    const int64_t n = static_cast<int64_t>(slots.size());
-    xe.resize(static_cast<size_t>(n * H));
-    ye.resize(static_cast<size_t>(n * H));
-    for (int64_t r = 0; r < n; ++r)
-      std::memcpy(&xe[static_cast<size_t>(r * H)], X + slots[static_cast<size_t>(r)] / K * H, static_cast<size_t>(H) * sizeof(float));
-    const Status st = ApplyMlp(moe.experts[static_cast<size_t>(active[ai] - e0)], xe.data(), n, H, ye.data(), H, false, hidden);
-    if (!st.ok()) {
-#pragma omp critical(mlarun_moe_status)
-      status = st;
+
+  // The MLPs to run: the routed experts some token chose, then the shared
+  // experts over every token. Each gets its rows of X, a hidden [n, 2I] and
+  // an output [n, H] in three flat buffers.
+  struct Job {
+    const Mlp* mlp;
+    const std::vector<int32_t>* slots;  // nullptr: every token (the shared experts)
+    int64_t n;
+    size_t x, h, y;  // offsets into the buffers
+  };
+  std::vector<Job> jobs;
+  size_t x_size = 0, h_size = 0, y_size = 0;
+  auto add = [&](const Mlp& m, const std::vector<int32_t>* slots, int64_t n) {
+    jobs.push_back(Job{&m, slots, n, x_size, h_size, y_size});
+    x_size += static_cast<size_t>(slots ? n * H : 0);
+    h_size += static_cast<size_t>(n * 2 * m.intermediate());
+    y_size += static_cast<size_t>(n * H);
+  };
+  for (int64_t e = e0; e < e1; ++e) {
+    const std::vector<int32_t>& slots = by_expert[static_cast<size_t>(e)];
+    if (!slots.empty()) add(moe.experts[static_cast<size_t>(e - e0)], &slots, static_cast<int64_t>(slots.size()));
+  }
+  const size_t routed_jobs = jobs.size();
+  if (moe.has_shared && T > 0) add(moe.shared, nullptr, T);
+  if (moe_x_.size() < x_size) moe_x_.resize(x_size);
+  if (moe_h_.size() < h_size) moe_h_.resize(h_size);
+  if (moe_y_.size() < y_size) moe_y_.resize(y_size);
+  auto rows_of = [&](const Job& j) { return j.slots ? moe_x_.data() + j.x : X; };
+
+  // Column ranges per product: enough items for every thread to have a few.
+  const int64_t threads = std::max(1, omp_get_max_threads());
+  const int64_t parts = jobs.empty() ? 1 : std::max<int64_t>(1, (2 * threads + static_cast<int64_t>(jobs.size()) - 1) /
+                                                                     static_cast<int64_t>(jobs.size()));
+  const int64_t items = static_cast<int64_t>(jobs.size()) * parts;
+  FirstError err;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (size_t ji = 0; ji < routed_jobs; ++ji) {  // gather each expert's rows
+      const Job& j = jobs[ji];
+      for (int64_t r = 0; r < j.n; ++r)
+        std::memcpy(moe_x_.data() + j.x + static_cast<size_t>(r * H), X + (*j.slots)[static_cast<size_t>(r)] / K * H,
+                    static_cast<size_t>(H) * sizeof(float));
     }
-    for (int64_t r = 0; r < n; ++r) {
-      const int32_t sl = slots[static_cast<size_t>(r)];
-      const float w = route_weights[static_cast<size_t>(sl)];
-      float* dst = &slot_out[static_cast<size_t>(sl) * static_cast<size_t>(H)];
-      for (int64_t j = 0; j < H; ++j) dst[j] = ye[static_cast<size_t>(r * H + j)] * w;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < 2 * items; ++it) {  // gate and up
+      const Job& j = jobs[static_cast<size_t>(it / (2 * parts))];
+      const bool up = (it / parts) % 2 == 1;
+      const int64_t p = it % parts, I = j.mlp->intermediate(), c0 = I * p / parts, c1 = I * (p + 1) / parts;
+      err.Set(ApplyLinearCols(up ? j.mlp->up : j.mlp->gate, c0, c1, rows_of(j), j.n, H,
+                              moe_h_.data() + j.h + static_cast<size_t>((up ? I : 0) + c0), 2 * I));
+    }
+#pragma omp for schedule(static)
+    for (size_t ji = 0; ji < jobs.size(); ++ji) SiluMul(moe_h_.data() + jobs[ji].h, jobs[ji].n, jobs[ji].mlp->intermediate());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {  // down
+      const Job& j = jobs[static_cast<size_t>(it / parts)];
+      const int64_t p = it % parts, I = j.mlp->intermediate(), c0 = H * p / parts, c1 = H * (p + 1) / parts;
+      err.Set(ApplyLinearCols(j.mlp->down, c0, c1, moe_h_.data() + j.h, j.n, 2 * I,
+                              moe_y_.data() + j.y + static_cast<size_t>(c0), H));
     }
   }
-  MLARUN_RETURN_IF_ERROR(status);
-  if (T > 0) traffic_.weight_bytes += moe.router.bytes() + (moe.has_shared ? moe.shared.bytes() : 0);
-  for (int32_t e : active) traffic_.weight_bytes += moe.experts[static_cast<size_t>(e - e0)].bytes();
+  MLARUN_RETURN_IF_ERROR(err.Get());
+
+  // Weighted slots, summed in k order; routes to other ranks' experts add 0.
+  std::vector<const float*> slot_rows(static_cast<size_t>(T * K), nullptr);
+  for (size_t ji = 0; ji < routed_jobs; ++ji)
+    for (int64_t r = 0; r < jobs[ji].n; ++r)
+      slot_rows[static_cast<size_t>((*jobs[ji].slots)[static_cast<size_t>(r)])] = moe_y_.data() + jobs[ji].y + static_cast<size_t>(r * H);
+  const float* shared = moe.has_shared && T > 0 ? moe_y_.data() + jobs.back().y : nullptr;
+#pragma omp parallel for schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
     float* dst = Y + t * H;
     std::fill(dst, dst + H, 0.f);
     for (int64_t k = 0; k < K; ++k) {
-      const float* src = &slot_out[static_cast<size_t>((t * K + k) * H)];
-      for (int64_t j = 0; j < H; ++j) dst[j] += src[j];
+      const float* src = slot_rows[static_cast<size_t>(t * K + k)];
+      if (src == nullptr) continue;
+      const float w = route_weights[static_cast<size_t>(t * K + k)];
+      for (int64_t j = 0; j < H; ++j) dst[j] += src[j] * w;
     }
+    if (shared)
+      for (int64_t j = 0; j < H; ++j) dst[j] += shared[t * H + j];
   }
-  if (moe.has_shared) {
-    std::vector<float> hidden;
-    MLARUN_RETURN_IF_ERROR(ApplyMlp(moe.shared, X, T, H, Y, H, /*accumulate=*/true, hidden));
-  }
+  if (T > 0) traffic_.weight_bytes += moe.router.bytes() + (moe.has_shared ? moe.shared.bytes() : 0);
+  for (size_t ji = 0; ji < routed_jobs; ++ji) traffic_.weight_bytes += jobs[ji].mlp->bytes();
   return Status::Ok();
 }
 

@@ -246,6 +246,7 @@ class Model {
   int64_t forward_calls_ = 0;
   std::vector<std::vector<int32_t>> routing_;
   Workspace attn_ws_;
+  std::vector<float> moe_x_, moe_h_, moe_y_;  // MoeForward's buffers, reused across steps
 
   friend class ModelLoader;
   friend class ModelForward;

@@ -50,13 +50,13 @@ for name, n, max_tokens in (("before", 1, 2), ("first", 8, 40), ("second", 16, 6
             print(json.dumps(req), file=f)
 PY
   timeout 60 "$mlarun" submit --coordinator "$addr" --prompts "$work/before.jsonl" --json \
-    >"$work/before.out" 2>"$work/before.log" || fail "the request before the failure failed: $(tail -3 "$work/before.log")"
+    >"$work/before.out" 2>"$work/before.log" || fail "the request before the failure failed: $(tr '\r' '\n' <"$work/before.log" | tail -3)"
   # Some of the first batch fail, so submit exits 1 there.
   timeout 60 "$mlarun" submit --coordinator "$addr" --prompts "$work/first.jsonl" --concurrency 8 --json \
     >"$work/first.out" 2>"$work/first.log"
   [ $? = 124 ] && fail "the first batch did not finish within 60 s"
   timeout 60 "$mlarun" submit --coordinator "$addr" --prompts "$work/second.jsonl" --concurrency 16 --json \
-    >"$work/second.out" 2>"$work/second.log" || fail "the second batch failed: $(tail -3 "$work/second.log")"
+    >"$work/second.out" 2>"$work/second.log" || fail "the second batch failed: $(tr '\r' '\n' <"$work/second.log" | tail -3)"
   cat "$work/before.jsonl" "$work/first.jsonl" "$work/second.jsonl" >"$work/all.jsonl"
   timeout 120 "$mlarun" generate --model "$src/configs/models/tiny.yaml" --prompts "$work/all.jsonl" --json \
     --kv-dtype fp32 >"$work/local.jsonl" 2>/dev/null || fail "local generate failed"

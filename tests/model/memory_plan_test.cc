@@ -16,14 +16,17 @@ namespace {
 
 const std::string kModels = ConfigPath("models/");
 
-ModelConfig V3() {
-  auto c = Model::LoadConfig(kModels + "deepseek-v3.yaml");
-  EXPECT_TRUE(c.ok()) << c.status();
-  return *c;
+// DeepSeek-V3's config. Call it through ASSERT_NO_FATAL_FAILURE: a config
+// that does not load stops the test there instead of feeding it on.
+void LoadV3(ModelConfig* c) {
+  auto loaded = Model::LoadConfig(kModels + "deepseek-v3.yaml");
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  *c = *loaded;
 }
 
 TEST(MemoryPlan, DeepSeekV3CachePerToken) {
-  const ModelConfig c = V3();
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
   // (512 + 64) values x 2 B per layer, 61 layers.
   EXPECT_EQ(LatentBytesPerTokenLayer(c), 1152);
   EXPECT_EQ(LatentBytesPerToken(c), 70272);
@@ -47,7 +50,9 @@ TEST(MemoryPlan, GqaComparisonAndTpBreakEven) {
   EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 4), 80 * 1024);
   EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 8), 40 * 1024);
   EXPECT_EQ(GqaKvBytesPerTokenPerRank(llama, 16), 40 * 1024);  // 8 KV heads: replicated beyond TP 8
-  const double tp = MlaTpBreakEven(GqaKvBytesPerToken(llama), LatentBytesPerToken(V3()));
+  ModelConfig v3;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&v3));
+  const double tp = MlaTpBreakEven(GqaKvBytesPerToken(llama), LatentBytesPerToken(v3));
   EXPECT_NEAR(tp, 320.0 / 68.625, 1e-12);
   EXPECT_EQ(std::floor(tp * 100) / 100, 4.66);
 }
@@ -56,7 +61,8 @@ TEST(MemoryPlan, IndexerKeyOfDeepSeekV32) {
   EXPECT_EQ(IndexerKeyBytesPerTokenLayer(128), 128 + 4);
   EXPECT_EQ(61 * IndexerKeyBytesPerTokenLayer(kV32IndexHeadDim), 8052);
   EXPECT_EQ(std::round(100.0 * 8052 / 1024) / 100, 7.86);
-  ModelConfig v32 = V3();
+  ModelConfig v32;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&v32));
   v32.index_n_heads = 64;
   v32.index_head_dim = 128;
   v32.index_topk = 2048;
@@ -64,7 +70,8 @@ TEST(MemoryPlan, IndexerKeyOfDeepSeekV32) {
 }
 
 TEST(MemoryPlan, PrefillWorkspaceOf64kRows) {
-  const ModelConfig c = V3();
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
   const PrefillWorkspace w = PredictPrefillWorkspace(c, 1, 65536);
   EXPECT_EQ(w.rows, 65536);
   EXPECT_EQ(w.latent_bytes, int64_t{2} * 576 * 65536);
@@ -86,7 +93,8 @@ TEST(MemoryPlan, PrefillWorkspaceOf64kRows) {
 // 1536], kv_a [576, 7168], W_UK / W_UV [128 x 256 x 512], o [7168, 128 x 128],
 // norms in fp32 (q_a 1536, kv_a 512, two of 7168).
 TEST(MemoryPlan, DeepSeekV3AttentionByHand) {
-  const ModelConfig c = V3();
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
   const int64_t replicated = (1536 * 7168 + 576 * 7168) * 2 + (1536 + 512 + 2 * 7168) * 4;
   const int64_t split_tp1 = (128 * 192 * 1536 + 7168 * 128 * 128) * 2 + 128 * 256 * 512 * 2;
   for (int tp : {1, 8}) {
@@ -119,7 +127,8 @@ TEST(MemoryPlan, DeepSeekV3Fp8On8RanksByHand) {
   static_assert(hand::CacheOf(hand::ByHand(1, true), kMemory).tokens == 670'976);
   static_assert(hand::CacheOf(hand::ByHand(4, true), kMemory).tokens == 851'136);
 
-  const ModelConfig c = V3();
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
   for (int tp : {8, 1, 4}) {
     auto plan = PlanRankMemory(c, {.dp = 8 / tp, .attn_tp = tp},
                                {.memory_bytes = kMemory, .block_size = 64, .projection_dtype = DType::kF8E4M3});
@@ -177,7 +186,8 @@ TEST(MemoryPlan, AgreesWithLoadedShardsAndTheCache) {
 }
 
 TEST(MemoryPlan, BreakEvenBalancesDistinctTokens) {
-  const ModelConfig c = V3();
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
   const MemoryPlanOptions o{.memory_bytes = int64_t{141} << 30, .projection_dtype = DType::kF8E4M3};
   auto tp8 = PlanRankMemory(c, {.dp = 1, .attn_tp = 8}, o);
   auto dp8 = PlanRankMemory(c, {.dp = 8, .attn_tp = 1}, o);
@@ -195,7 +205,8 @@ TEST(MemoryPlan, BreakEvenBalancesDistinctTokens) {
 }
 
 TEST(MemoryPlan, ErrorsNameWhatIsWrong) {
-  const ModelConfig c = V3();
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
   auto bad_split = PlanRankMemory(c, {.dp = 1, .attn_tp = 3}, {.memory_bytes = 1});
   ASSERT_FALSE(bad_split.ok());
   EXPECT_NE(bad_split.status().message().find("num_attention_heads"), std::string::npos) << bad_split.status();

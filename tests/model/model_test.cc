@@ -128,6 +128,7 @@ TEST_P(HfFixture, Bf16CacheDepartsOnlyThroughRouting) {
   for (size_t i = 0; i < l.expected["prompts"].size(); ++i) {
     const auto prompt = l.expected["prompts"][i].get<std::vector<int32_t>>();
     const auto logits = FullForward(*l.model, prompt);
+    ASSERT_EQ(logits.size(), prompt.size() * static_cast<size_t>(V)) << "prompt " << i;
     const auto same = SameRouting(*l.model, l.expected["routed_experts"][i], prompt.size());
     const size_t first_departure = static_cast<size_t>(std::find(same.begin(), same.end(), false) - same.begin());
     for (size_t p = 0; p < first_departure; ++p) {
@@ -226,6 +227,7 @@ TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {
   const auto prompt = l.expected["prompts"][2].get<std::vector<int32_t>>();
   const auto full = FullForward(*l.model, prompt);
   const int64_t V = l.model->config().vocab_size;
+  ASSERT_EQ(full.size(), prompt.size() * static_cast<size_t>(V));
   auto cache = std::move(LatentCache::Create(l.model->CacheConfig(64 << 20, 4))).value();
   ASSERT_TRUE(cache->AddSequence(7).ok());
   std::vector<int64_t> chunks = {3, 5};
@@ -241,6 +243,7 @@ TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {
     auto logits = l.model->Forward(std::span<const ForwardSeq>(&s, 1), *cache);
     ASSERT_TRUE(logits.ok()) << logits.status();
     ASSERT_TRUE(cache->Commit(7).ok());
+    ASSERT_EQ(logits->size(), toks.size() * static_cast<size_t>(V));
     for (size_t k = 0; k < logits->size(); ++k)
       worst = std::max(worst, double{std::abs((*logits)[k] - full[static_cast<size_t>(pos * V) + k])});
     pos += static_cast<int64_t>(toks.size());

@@ -253,9 +253,16 @@ TEST(MpiComm, BroadcastFromEachRoot) {
 }
 
 // A rank waiting in a collective for a late peer sleeps: its CPU time while
-// waiting stays far below the wall time. Measured on 2 shared cores: ~1% when
-// sleeping, 20-30% when spinning (Open MPI yields when oversubscribed, and
-// the spinners share the cores); the bound is 5%.
+// waiting stays far below the wall time. The bound is set by what a spin
+// costs, not by what sleeping costs on a quiet machine: a spinning waiter
+// burns ~100% of a core when it has one to itself, and still 20-30% on 2
+// cores shared by 4 ranks (Open MPI yields when oversubscribed). Sleeping was
+// measured at ~1% on a quiet machine and 6.4% with other jobs on the other
+// core (its wake-ups cost more when caches are cold, but it never needs more
+// than those wake-ups), so 15% of the wall time holds under load and still
+// fails for any waiter that spins.
+constexpr double kSpinFreeCpuFraction = 0.15;
+
 TEST(MpiComm, BarrierWaitsWithoutSpinning) {
   constexpr double kLateSeconds = 0.3;
   const auto start = std::chrono::steady_clock::now();
@@ -267,7 +274,7 @@ TEST(MpiComm, BarrierWaitsWithoutSpinning) {
   // Nobody leaves before the late rank arrives.
   EXPECT_GE(wall, kLateSeconds * 0.95);
   if (Rank() != 0) {
-    EXPECT_LT(cpu, 0.05 * wall) << "cpu " << cpu << " s in a " << wall << " s wait";
+    EXPECT_LT(cpu, kSpinFreeCpuFraction * wall) << "cpu " << cpu << " s in a " << wall << " s wait";
   }
   // Same for a data collective.
   const double cpu_start2 = ProcessCpuSeconds();
@@ -280,7 +287,7 @@ TEST(MpiComm, BarrierWaitsWithoutSpinning) {
   const double cpu2 = ProcessCpuSeconds() - cpu_start2;
   EXPECT_GE(wall2, kLateSeconds * 0.95);
   if (Rank() != Size() - 1) {
-    EXPECT_LT(cpu2, 0.05 * wall2) << "cpu " << cpu2 << " s in a " << wall2 << " s wait";
+    EXPECT_LT(cpu2, kSpinFreeCpuFraction * wall2) << "cpu " << cpu2 << " s in a " << wall2 << " s wait";
   }
 }
 
