@@ -241,8 +241,14 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
     if (shared)
       for (int64_t j = 0; j < H; ++j) dst[j] += shared[t * H + j];
   }
-  if (T > 0) traffic_.weight_bytes += moe.router.bytes() + (moe.has_shared ? moe.shared.bytes() : 0);
-  for (size_t ji = 0; ji < routed_jobs; ++ji) traffic_.weight_bytes += jobs[ji].mlp->bytes();
+  if (T > 0) {
+    traffic_.weight_bytes += moe.router.bytes();
+    traffic_.flops += 2.0 * static_cast<double>(T * moe.router.out * moe.router.in);
+  }
+  for (const Job& j : jobs) {  // weights are read once per step; every row multiplies them
+    traffic_.weight_bytes += j.mlp->bytes();
+    traffic_.flops += 2.0 * static_cast<double>(j.n) * static_cast<double>(j.mlp->bytes() / static_cast<int64_t>(DTypeSize(j.mlp->gate.dtype)));
+  }
   return Status::Ok();
 }
 
@@ -470,9 +476,18 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
       return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
     MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
     MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, o_out.data(), H));
-    traffic_.weight_bytes += a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes() +
-                             static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
-    for (int32_t i = 0; i < S; ++i) traffic_.cache_bytes += seq_lens[static_cast<size_t>(i)] * (cache.config().bytes_per_token() / c.num_hidden_layers);
+    const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
+    traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
+    traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_bytes / static_cast<int64_t>(wes));
+    for (int32_t i = 0; i < S; ++i) {
+      const int64_t q_len = query_start[static_cast<size_t>(i) + 1] - query_start[static_cast<size_t>(i)];
+      const int64_t len = seq_lens[static_cast<size_t>(i)];
+      traffic_.cache_bytes += len * (cache.config().bytes_per_token() / c.num_hidden_layers);
+      if (q_len == 0) continue;
+      traffic_.flops += MlaPathFor(options_.attention, q_len, len - q_len) == MlaPath::kAbsorbed
+                            ? MlaAbsorbedFlops(ap.shape, q_len, len)
+                            : MlaExpandedFlops(ap.shape, q_len, len);
+    }
     return Status::Ok();
   };
 
@@ -500,7 +515,10 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     if (st.ok()) {
       if (!layer.moe) {
         fail(ApplyMlp(layer.mlp, X, T_all, H, y_all.data(), H, /*accumulate=*/false, mlp_hidden));
-        if (T_all > 0) traffic_.weight_bytes += layer.mlp.bytes();
+        if (T_all > 0) {
+          traffic_.weight_bytes += layer.mlp.bytes();
+          traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.bytes() / static_cast<int64_t>(wes));
+        }
       } else {
         fail(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));
       }
@@ -533,7 +551,10 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   }
   RmsNorm(rows.data(), logit_rows, H, final_norm_.data(), H, c.rms_norm_eps);
   MLARUN_RETURN_IF_ERROR(ApplyLinear(lm_head_, rows.data(), logit_rows, H, logits_out->data(), vocab));
-  if (logit_rows > 0) traffic_.weight_bytes += lm_head_.bytes();
+  if (logit_rows > 0) {
+    traffic_.weight_bytes += lm_head_.bytes();
+    traffic_.flops += 2.0 * static_cast<double>(logit_rows * vocab * H);
+  }
   traffic_.weight_bytes += T * H * static_cast<int64_t>(wes);  // embedding rows
   times_.lm_head = Since(t_head);
   times_.other = Since(t_start) - times_.attention - times_.moe - times_.dense_mlp - times_.lm_head;

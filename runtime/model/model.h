@@ -212,9 +212,13 @@ class Model {
   // W_UV of a layer with tokens, the dense MLPs, the router and the routed
   // experts of this rank that some token chose, the shared experts, the
   // embedding rows, lm_head when logits were asked for) and the latent-cache
-  // rows its attention covered (each sequence's keys, every layer, once).
+  // rows its attention covered (each sequence's keys, every layer, once);
+  // and its arithmetic (multiply-add = 2): 2 x rows x out x in per weight
+  // product and the attention's on the path each sequence took
+  // (MlaAbsorbedFlops / MlaExpandedFlops).
   struct StepTraffic {
     int64_t weight_bytes = 0, cache_bytes = 0;
+    double flops = 0;
   };
   const StepTraffic& last_step_traffic() const { return traffic_; }
 
