@@ -37,10 +37,11 @@ Status MlaCheckConfig(const MlaConfig& c) {
     return InvalidArgumentError("mla config: unknown backend ", static_cast<int>(c.backend));
   if (c.path != MlaPath::kAuto && c.path != MlaPath::kAbsorbed && c.path != MlaPath::kExpanded)
     return InvalidArgumentError("mla config: unknown path ", static_cast<int>(c.path));
-  if (c.absorb_below_query_len < 0 || c.absorb_below_query_len_no_prefix < 0)
+  auto valid = [](int64_t t) { return t >= 0 || t == kAbsorbThresholdOfCpu; };
+  if (!valid(c.absorb_below_query_len) || !valid(c.absorb_below_query_len_no_prefix))
     return InvalidArgumentError("mla config: absorb_below_query_len (", c.absorb_below_query_len,
                                 ") and absorb_below_query_len_no_prefix (", c.absorb_below_query_len_no_prefix,
-                                ") must be >= 0");
+                                ") must be >= 0, or ", kAbsorbThresholdOfCpu, " for the CPU's defaults");
   if (c.expand_chunk_rows <= 0)
     return InvalidArgumentError("mla config: expand_chunk_rows must be positive, got ", c.expand_chunk_rows);
   if (c.kv_tile_rows <= 0 || c.kv_tile_rows % 64 != 0)
@@ -118,10 +119,27 @@ Status MlaCheck(const MlaParams& p) {
   return Status::Ok();
 }
 
+AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAmx:
+    case CpuIsa::kAvx512: return {.with_prefix = 256, .no_prefix = 32};
+    case CpuIsa::kAvx2: return {.with_prefix = 256, .no_prefix = 32};
+    case CpuIsa::kScalar: return {.with_prefix = 256, .no_prefix = 32};
+  }
+  return {.with_prefix = 256, .no_prefix = 32};
+}
+
+AbsorbThresholds MlaAbsorbThresholds(const MlaConfig& c) {
+  const AbsorbThresholds cpu = DefaultAbsorbThresholds(ActiveCpuIsa());
+  return {.with_prefix = c.absorb_below_query_len == kAbsorbThresholdOfCpu ? cpu.with_prefix : c.absorb_below_query_len,
+          .no_prefix = c.absorb_below_query_len_no_prefix == kAbsorbThresholdOfCpu ? cpu.no_prefix
+                                                                                   : c.absorb_below_query_len_no_prefix};
+}
+
 MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len, int64_t prefix_len) {
   if (c.path != MlaPath::kAuto) return c.path;
-  const int64_t threshold = prefix_len == 0 ? c.absorb_below_query_len_no_prefix : c.absorb_below_query_len;
-  return query_len < threshold ? MlaPath::kAbsorbed : MlaPath::kExpanded;
+  const AbsorbThresholds t = MlaAbsorbThresholds(c);
+  return query_len < (prefix_len == 0 ? t.no_prefix : t.with_prefix) ? MlaPath::kAbsorbed : MlaPath::kExpanded;
 }
 
 StatusOr<MlaPlan> MlaMakePlan(const MlaParams& p, const MlaConfig& c) {

@@ -25,6 +25,7 @@
 #include <ostream>
 
 #include "attention/mla_params.h"
+#include "runtime/base/cpu_isa.h"
 #include "runtime/base/status.h"
 #include "runtime/base/workspace.h"
 
@@ -39,24 +40,38 @@ enum class MlaPath : uint8_t {
   kExpanded = 2,  // every sequence expanded
 };
 
-// Measured on the development machine (docs/attention-bench.md): the
-// thresholds with the smallest worst-case slowdown over the Q x S grid, for
-// blocks over a cached prefix and for blocks without one.
-inline constexpr int64_t kDefaultAbsorbBelowQueryLen = 256;
-inline constexpr int64_t kDefaultAbsorbBelowQueryLenNoPrefix = 32;
+// Where the absorbed path stops paying: query blocks shorter than these take
+// it, for blocks over a cached prefix and for blocks without one. The
+// crossover is a property of the machine's kernels (the absorbed path's cost
+// per (query, key) pair against the expanded path's up-projection), measured
+// by `mlarun bench attention`: the thresholds with the smallest worst-case
+// slowdown over its Q x S grid.
+struct AbsorbThresholds {
+  int64_t with_prefix = 0;
+  int64_t no_prefix = 0;
+  friend bool operator==(const AbsorbThresholds&, const AbsorbThresholds&) = default;
+};
+// The measured defaults of a CPU kernel family (docs/attention-bench.md):
+// avx512 and amx from an Intel Xeon with AMX, avx2 and scalar from the AVX2
+// and baseline kernels (MLARUN_CPU_ISA) on an AMD EPYC.
+AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa);
+
+// MlaConfig's thresholds when left at this value: DefaultAbsorbThresholds of
+// the kernel family in force.
+inline constexpr int64_t kAbsorbThresholdOfCpu = -1;
 
 struct MlaConfig {
   Backend backend = Backend::kCpu;
   MlaPath path = MlaPath::kAuto;
   // Blocks over a cached prefix whose query length is below this take the
-  // absorbed path. Default: kDefaultAbsorbBelowQueryLen.
-  int64_t absorb_below_query_len = kDefaultAbsorbBelowQueryLen;
+  // absorbed path. Default: kAbsorbThresholdOfCpu.
+  int64_t absorb_below_query_len = kAbsorbThresholdOfCpu;
   // The same for blocks without a cached prefix. Lower: with nothing cached
   // the expanded path up-projects only the block itself, which costs what the
   // folds would, and its MHA core is 3.4x cheaper per pair; only tiny blocks,
   // where both paths are bound by reading W_UK / W_UV, favour absorption.
-  // Default: kDefaultAbsorbBelowQueryLenNoPrefix.
-  int64_t absorb_below_query_len_no_prefix = kDefaultAbsorbBelowQueryLenNoPrefix;
+  // Default: kAbsorbThresholdOfCpu.
+  int64_t absorb_below_query_len_no_prefix = kAbsorbThresholdOfCpu;
   // Expanded path: context rows up-projected at once (bounds its K/V
   // workspace; 64k rows as vLLM's chunked-prefill workspace). Default 65536.
   int64_t expand_chunk_rows = 65536;
@@ -75,6 +90,9 @@ std::ostream& operator<<(std::ostream& os, const MlaConfig& c);
 // field that is wrong. Reads the host batch arrays; never the tensors.
 Status MlaCheck(const MlaParams& p);
 Status MlaCheckConfig(const MlaConfig& c);
+
+// The thresholds `c` stands for (its own, or its kernel family's).
+AbsorbThresholds MlaAbsorbThresholds(const MlaConfig& c);
 
 // Which path a block of `query_len` tokens over `prefix_len` cached tokens
 // takes under `c`.

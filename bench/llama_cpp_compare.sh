@@ -183,7 +183,10 @@ if [ -z "$MLARUN" ]; then
 fi
 [ -x "$MLARUN" ] || die "mlarun binary not found at $MLARUN (pass --mlarun PATH)"
 MLARUN="$(cd "$(dirname "$MLARUN")" && pwd)/$(basename "$MLARUN")"
-echo "   $MLARUN" >&2
+MLARUN_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+git -C "$ROOT" diff --quiet HEAD 2>/dev/null || MLARUN_REV="$MLARUN_REV (+ uncommitted changes)"
+MLARUN_BUILT="$(date -r "$MLARUN" '+%Y-%m-%d %H:%M')"
+echo "   $MLARUN (built $MLARUN_BUILT; tree at $MLARUN_REV)" >&2
 
 # --- 5. Random checkpoint and its GGUF ----------------------------------------
 CKPT="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$DTYPE-seed$SEED"
@@ -324,8 +327,6 @@ end_step
 # --- 8. The table ---------------------------------------------------------------
 CPU_MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1)"
 CPU_FLAGS="$(grep -o -E 'avx2|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/ $//')"
-MLARUN_REV="$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
-git -C "$ROOT" diff --quiet HEAD 2>/dev/null || MLARUN_REV="$MLARUN_REV (+ uncommitted changes)"
 # Proactive reclaim (DAMON "pageout") drops file pages that look cold, such as
 # a mapped model's rarely routed experts: a note in the table when it is on.
 RECLAIM_NOTE=""
@@ -336,7 +337,7 @@ for k in /sys/kernel/mm/damon/admin/kdamonds/*; do
   fi
 done
 TABLE="$RUN/table.md"
-export RECLAIM_NOTE LLAMA_LOAD_MODE RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION \
+export MLARUN MLARUN_BUILT RECLAIM_NOTE LLAMA_LOAD_MODE RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION \
   TG DEPTH PP BCTX BTG BATCHES QUICK CKPT GGUF
 "$PY" - >"$TABLE" <<'EOF'
 import glob, json, os, statistics, sys
@@ -432,7 +433,7 @@ if E["QUICK"] == "1":
 print(f"* CPU: {E['CPU_MODEL']} ({E['CPU_FLAGS']}), {E['THREADS']} threads for both")
 print(f"* Model: random weights at DeepSeek-V2-Lite widths, {layers} layers ({moe} MoE, 64 routed experts, top-6); "
       f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion")
-print(f"* mlarun {E['MLARUN_REV']}, weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
+print(f"* mlarun {E['MLARUN_REV']} (binary {E['MLARUN']}, built {E['MLARUN_BUILT']}), weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
       f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
       f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, "
       f"flash_attn {({-1: 'auto', 0: 'off', 1: 'on'}).get(lb0.get('flash_attn'), lb0.get('flash_attn', '?'))}")

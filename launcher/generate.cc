@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "parallel/mpi/mpi_world.h"
+#include "launcher/thresholds.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/engine/rank_runner.h"
 
@@ -97,6 +98,10 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
     return 2;
   }
   ModelOptions mo;
+  if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok()) {
+    log << "mlarun generate: --attention-thresholds: " << st.message() << "\n";
+    return 2;
+  }
   // Loading progress rewrites one line on a terminal; logs get only the summary.
   const bool tty = &log == &std::cerr && isatty(STDERR_FILENO);
   if (tty) mo.progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
@@ -209,6 +214,8 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   log << "mlarun generate: " + rank_name + ": cpu " + CpuSummary() + "\n" << std::flush;
   ModelOptions mo;
   mo.shard = ModelShard::For(*layout, session.rank());
+  if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok())
+    session.Abort("--attention-thresholds: " + st.ToString(), 2);
   const auto t0 = std::chrono::steady_clock::now();
   auto model = Model::Load(o.model, *ov, mo);
   if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);

@@ -22,6 +22,7 @@ struct GenerateOptions {
   EngineConfig engine;
   int threads = 0;
   std::string parallel;               // "dp=D,attn_tp=T[,moe=...]": run on the ranks of mpirun
+  std::string attention_thresholds;   // a thresholds file (launcher/thresholds.h); "" : the CPU's defaults
 };
 
 // Prints one line per request: with `json`, {"tokens", "logprobs",

@@ -51,6 +51,8 @@ int main(int argc, char** argv) {
   attn->add_option("--min-time", ab.min_time_s, "Seconds per repetition")->check(CLI::NonNegativeNumber);
   attn->add_option("--contexts", ab.contexts, "Grid contexts S (cached tokens before the query block)")->delimiter(',');
   attn->add_option("--query-lens", ab.query_lens, "Grid query lengths Q")->delimiter(',');
+  attn->add_option("--write-thresholds", ab.write_thresholds,
+                   "Write the suggested dispatch thresholds to this file (for --attention-thresholds)");
 
   mlarun::DecodeBenchOptions db;
   int decode_threads = 0;
@@ -60,7 +62,7 @@ int main(int argc, char** argv) {
   dec->add_option("--experts", db.experts, "Routed experts kept (YAML models), so large shapes fit in memory")->check(CLI::PositiveNumber);
   dec->add_option("--batch", db.batches, "Batch sizes")->delimiter(',')->capture_default_str();
   dec->add_option("--context", db.contexts, "Context lengths (tokens already cached per sequence)")->delimiter(',')->capture_default_str();
-  dec->add_option("--prefill-tokens", db.prefill_tokens, "Tokens per prefill chunk")->capture_default_str()->check(CLI::PositiveNumber);
+  dec->add_option("--prefill-tokens", db.prefill_tokens, "Prompt tokens of the prefill measurement")->capture_default_str()->check(CLI::PositiveNumber);
   dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")->capture_default_str()->check(CLI::PositiveNumber);
   dec->add_option("--kv-dtype", db.kv_dtype, "Latent cache dtype: bf16 or fp32");
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
@@ -97,6 +99,8 @@ int main(int argc, char** argv) {
   generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")->capture_default_str();
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
   generate->add_option("--parallel", gen.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
+  generate->add_option("--attention-thresholds", gen.attention_thresholds,
+                       "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
 
   std::string config_path;
   mlarun::MemoryOptions mem;
@@ -147,6 +151,8 @@ int main(int argc, char** argv) {
   auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
   worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
+  worker->add_option("--attention-thresholds", wo.attention_thresholds,
+                     "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
   int worker_threads = 0;
   worker->add_option("--threads", worker_threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   std::string fail_forward_call;

@@ -20,6 +20,8 @@
 #include "attention/mla.h"
 #include "attention/synthetic_batch.h"
 #include "launcher/bench/timing.h"
+#include "launcher/thresholds.h"
+#include "runtime/base/cpu_isa.h"
 #include "runtime/base/cpu_gemm.h"
 
 namespace mlarun {
@@ -196,7 +198,8 @@ double Median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-StatusOr<double> SquareGemmPeak(DType dt, const Timing& t) {
+// GFLOP/s of the 2048^3 product, and the implementation that ran it.
+StatusOr<std::pair<double, std::string>> SquareGemmPeak(DType dt, const Timing& t) {
   const int64_t n = 2048;
   MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(GemmDesc{.m = n, .n = n, .k = n, .a_type = dt, .b_type = dt,
                                                         .c_type = DType::kF32, .lda = n, .b_stride_k = n, .b_stride_n = 1, .ldc = n}));
@@ -208,7 +211,7 @@ StatusOr<double> SquareGemmPeak(DType dt, const Timing& t) {
   StoreFromF32(f.data(), a.data(), dt, n * n);
   std::vector<float> c(static_cast<size_t>(n * n));
   MLARUN_ASSIGN_OR_RETURN(double ms, TimeMs("gemm_square_2048", [&] { return g->Run(a.data(), a.data(), c.data(), scratch.data()); }, t));
-  return 2.0 * n * n * n / (ms * 1e-3) / 1e9;
+  return std::make_pair(2.0 * n * n * n / (ms * 1e-3) / 1e9, g->impl_name());
 }
 
 // ---- Report helpers -----------------------------------------------------------
@@ -313,18 +316,21 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   const MlaShape shape = DeepSeekV3MlaShape(o.heads);
   const int threads = omp_get_max_threads();
   Json doc;
-  doc["machine"] = {{"cpu", CpuModel()}, {"threads", threads}};
+  doc["machine"] = {{"cpu", CpuModel()}, {"threads", threads}, {"kernels", CpuJson()}};
   doc["date"] = Today();
   doc["dtype"] = std::string(DTypeName(o.dtype));
   doc["shape"] = {{"heads", shape.h_q}, {"kv_lora_rank", shape.d_latent}, {"qk_rope_head_dim", shape.d_rope},
                   {"qk_nope_head_dim", shape.d_nope}, {"v_head_dim", shape.d_v}};
   doc["timing"] = {{"repetitions", timing.repetitions}, {"statistic", "median"}, {"min_time_s", timing.min_time_s}};
   table << "mlarun bench attention: " << shape << " dtype " << DTypeName(o.dtype) << ", " << threads
-        << " threads, " << CpuModel() << ", " << Today() << "\n";
+        << " threads, " << CpuModel() << ", " << Today() << "\ncpu: " << CpuSummary() << "\n";
 
-  MLARUN_ASSIGN_OR_RETURN(const double peak, SquareGemmPeak(o.dtype, timing));
+  MLARUN_ASSIGN_OR_RETURN(const auto peak_impl, SquareGemmPeak(o.dtype, timing));
+  const double peak = peak_impl.first;
   doc["gemm_peak_gflops"] = peak;
-  table << "GEMM peak (2048^3, " << DTypeName(o.dtype) << ", oneDNN): " << Fmt(peak, 1) << " GFLOP/s\n\n";
+  doc["gemm_peak_impl"] = peak_impl.second;
+  table << "GEMM peak (2048^3, " << DTypeName(o.dtype) << ", " << peak_impl.second << "): " << Fmt(peak, 1)
+        << " GFLOP/s\n\n";
 
   // Decode: one token over 4096 cached tokens.
   const double per_token_abs = MlaAbsorbedFlops(shape, 1, 1) - 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
@@ -420,8 +426,9 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   const Json no_prefix = SuggestThreshold(cells, qs, /*no_prefix=*/true);
   doc["suggested_absorb_below_query_len"] = with_prefix;
   doc["suggested_absorb_below_query_len_no_prefix"] = no_prefix;
-  doc["configured_absorb_below_query_len"] = kDefaultAbsorbBelowQueryLen;
-  doc["configured_absorb_below_query_len_no_prefix"] = kDefaultAbsorbBelowQueryLenNoPrefix;
+  const AbsorbThresholds configured = DefaultAbsorbThresholds(ActiveCpuIsa());
+  doc["configured_absorb_below_query_len"] = configured.with_prefix;
+  doc["configured_absorb_below_query_len_no_prefix"] = configured.no_prefix;
   table << "\ncrossover (smallest Q from which the expanded path wins):";
   for (const auto& c : doc["crossover"])
     table << "  S=" << c["context"] << ": " << (c["query_len"].is_null() ? std::string("none measured") : "Q=" + c["query_len"].dump());
@@ -433,11 +440,19 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
       table << j["threshold"] << " (worst slowdown on those rows " << Fmt(j["worst_slowdown"].get<double>(), 3)
             << "x, geometric mean " << Fmt(j["geomean_slowdown"].get<double>(), 4) << "x)";
     }
-    table << "; configured default " << configured;
+    table << "; default of the " << CpuIsaName(ActiveCpuIsa()) << " kernels " << configured;
   };
-  describe("absorb_below_query_len", with_prefix, kDefaultAbsorbBelowQueryLen);
-  describe("absorb_below_query_len_no_prefix", no_prefix, kDefaultAbsorbBelowQueryLenNoPrefix);
+  describe("absorb_below_query_len", with_prefix, configured.with_prefix);
+  describe("absorb_below_query_len_no_prefix", no_prefix, configured.no_prefix);
   table << "\n";
+  if (!o.write_thresholds.empty()) {
+    if (with_prefix.is_null() || no_prefix.is_null())
+      return InvalidArgumentError("--write-thresholds needs grid rows with S = 0 and S > 0 (--contexts)");
+    const AbsorbThresholds t{.with_prefix = with_prefix["threshold"].get<int64_t>(),
+                             .no_prefix = no_prefix["threshold"].get<int64_t>()};
+    MLARUN_RETURN_IF_ERROR(WriteAbsorbThresholds(o.write_thresholds, t));
+    table << "thresholds written to " << o.write_thresholds << " (use with --attention-thresholds)\n";
+  }
 
   if (!o.svg_path.empty()) {
     WriteSvg(o.svg_path, contexts, qs, cells,

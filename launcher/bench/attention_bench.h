@@ -31,6 +31,7 @@ struct AttentionBenchOptions {
   double min_time_s = 0;    // per repetition; 0: 0.3 s (0.05 with quick)
   std::vector<int64_t> contexts;     // grid S; empty: default
   std::vector<int64_t> query_lens;   // grid Q; empty: default
+  std::string write_thresholds;      // write the suggested thresholds here (launcher/thresholds.h)
 };
 
 Status RunAttentionBench(const AttentionBenchOptions& options);

@@ -9,6 +9,8 @@
 #include <random>
 
 #include "launcher/bench/timing.h"
+#include "runtime/base/cpu_gemm.h"
+#include "runtime/base/cpu_isa.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/model/model.h"
 
@@ -17,15 +19,35 @@ namespace {
 
 using Json = nlohmann::json;
 
+// Where a step's time went, summed over the timed steps.
 struct Shares {
-  double attention = 0, moe = 0, dense = 0, other = 0;
+  double attention = 0, moe = 0, dense = 0, lm_head = 0, other = 0;
   void Add(const Model::StepTimes& t) {
-    attention += t.attention, moe += t.moe, dense += t.dense_mlp, other += t.other;
+    attention += t.attention, moe += t.moe, dense += t.dense_mlp, lm_head += t.lm_head, other += t.other;
   }
+  double total() const { return attention + moe + dense + lm_head + other; }
   Json ToJson() const {
-    const double total = attention + moe + dense + other;
-    return {{"attention", attention / total}, {"moe", moe / total}, {"dense_mlp", dense / total}, {"other", other / total}};
+    const double tt = total();
+    return {{"attention", attention / tt}, {"moe", moe / tt}, {"dense_mlp", dense / tt}, {"lm_head", lm_head / tt},
+            {"other", other / tt}, {"largest", Largest()}};
   }
+  std::string Largest() const {
+    const std::pair<double, const char*> parts[] = {
+        {attention, "attention"}, {moe, "moe"}, {dense, "dense_mlp"}, {lm_head, "lm_head"}, {other, "other"}};
+    return std::max_element(std::begin(parts), std::end(parts))->second;
+  }
+};
+
+// What the timed steps read and computed, summed.
+struct Cost {
+  double weight_bytes = 0, cache_bytes = 0, flops = 0;
+  int64_t steps = 0;
+  void Add(const Model::StepTraffic& t) {
+    weight_bytes += static_cast<double>(t.weight_bytes), cache_bytes += static_cast<double>(t.cache_bytes);
+    flops += t.flops, ++steps;
+  }
+  double bytes_per_step() const { return steps ? (weight_bytes + cache_bytes) / static_cast<double>(steps) : 0; }
+  double flops_per_step() const { return steps ? flops / static_cast<double>(steps) : 0; }
 };
 
 std::string Pct(double v) { return Fmt(100 * v, 0) + "%"; }
@@ -111,6 +133,31 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   for (int64_t i = 0; i < config.num_hidden_layers; ++i) moe_layers += config.IsMoeLayer(i);
   InitBenchmarkLibrary();
 
+  // The machine, in the same run: what memory delivers, and the matrix
+  // product rate of the weights' dtype at a prefill's shape.
+  MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth bw, MeasureReadBandwidth());
+  const int64_t H = config.hidden_size, peak_m = std::max<int64_t>(o.prefill_tokens, 256);
+  const DType wt = config.weight_dtype;
+  const GemmDesc peak_desc{.m = peak_m, .n = H, .k = H, .a_type = wt, .b_type = wt, .c_type = DType::kF32,
+                           .lda = H, .b_stride_k = 1, .b_stride_n = H, .ldc = H};
+  MLARUN_ASSIGN_OR_RETURN(auto peak_gemm, CpuGemm::Get(peak_desc));
+  const size_t es = DTypeSize(wt);
+  std::vector<std::byte> pa(static_cast<size_t>(peak_m * H) * es), pb(static_cast<size_t>(H * H) * es),
+      pscratch(peak_gemm->scratch_bytes() + 64);
+  std::vector<float> pc(static_cast<size_t>(peak_m * H));
+  {
+    std::vector<float> fill(static_cast<size_t>(H * H));
+    std::mt19937 prng(3);
+    std::normal_distribution<float> nd;
+    for (float& v : fill) v = nd(prng);
+    StoreFromF32(fill.data(), pb.data(), wt, H * H);
+    StoreFromF32(fill.data(), pa.data(), wt, std::min<int64_t>(H * H, peak_m * H));
+  }
+  MLARUN_ASSIGN_OR_RETURN(const double peak_ms, TimeMs("gemm_peak", [&] {
+    return peak_gemm->Run(pa.data(), pb.data(), pc.data(), pscratch.data());
+  }, Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
+  const double peak_gflops = 2.0 * static_cast<double>(peak_m * H * H) / (peak_ms * 1e-3) * 1e-9;
+
   Json doc;
   doc["model"] = o.model;
   doc["layers"] = config.num_hidden_layers;
@@ -120,27 +167,41 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   doc["kv_dtype"] = std::string(DTypeName(config.kv_dtype));
   doc["weight_bytes"] = predicted.total();
   doc["threads"] = omp_get_max_threads();
-  doc["prefill_chunk_tokens"] = o.prefill_tokens;
-  doc["rows"] = Json::array();
+  doc["cpu"] = CpuJson();
+  doc["date"] = Today();
+  doc["read_bandwidth"] = {{"gb_per_s", bw.gb_per_s}, {"bytes", bw.bytes}, {"threads", bw.threads}};
+  doc["gemm_peak"] = {{"m", peak_m}, {"n", H}, {"k", H}, {"dtype", std::string(DTypeName(wt))},
+                      {"impl", peak_gemm->impl_name()}, {"gflop_per_s", peak_gflops}};
+  doc["decode"] = Json::array();
   table << "mlarun bench decode: " << o.model << ", " << config.num_hidden_layers << " layers (" << moe_layers
         << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok << "), weights "
         << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
-        << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads\n";
-  table << "  batch context | decode tok/s  step ms  attn   moe  dense  other | prefill tok/s (" << o.prefill_tokens
-        << "-token chunks)  attn   moe  dense  other\n";
+        << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads, " << Today() << "\n"
+        << "  cpu: " << CpuSummary() << "\n"
+        << "  memory read bandwidth: " << Fmt(bw.gb_per_s, 1) << " GB/s (" << (bw.bytes >> 20) << " MiB, " << bw.threads
+        << " threads, best of 5)\n"
+        << "  matrix product peak: " << Fmt(peak_gflops, 1) << " GFLOP/s (" << DTypeName(wt) << " " << peak_m << " x " << H
+        << " x " << H << ", " << peak_gemm->impl_name() << ")\n"
+        << "  decode (one token per sequence per step; bound = bytes read per step / bandwidth):\n"
+        << "    batch context |   tok/s  step ms  warm-up | MB/step  bound tok/s  of bound | attn   moe  dense  "
+           "lm_head  other\n";
 
   const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
+  const WarmUpPolicy warm;
   std::mt19937 rng(7);
+  const int64_t bytes_per_token = model->CacheConfig(0, 64).bytes_per_token();
+  // A cache for `seqs` sequences of up to `per_seq` tokens each.
+  auto make_cache = [&](int64_t seqs, int64_t per_seq) {
+    LatentCacheConfig cc = model->CacheConfig(0, 64);
+    cc.enable_prefix_caching = false;
+    cc.budget_bytes = seqs * ((per_seq + 63) / 64 + 1) * 64 * bytes_per_token;
+    return LatentCache::Create(cc);
+  };
   for (int64_t batch : o.batches) {
     for (int64_t context : o.contexts) {
       if (batch < 1 || context < 1) return InvalidArgumentError("--batch and --context values must be positive");
-      // Room for the context, the timed decode steps and the prefill chunks.
-      const int64_t per_seq = context + o.repetitions + 2 + (o.repetitions + 1) * o.prefill_tokens;
-      LatentCacheConfig cc = model->CacheConfig(0, 64);
-      cc.enable_prefix_caching = false;
-      const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
-      cc.budget_bytes = (batch * ((per_seq + 63) / 64 + 1) * 64) * bytes_per_token;
-      MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
+      const int64_t per_seq = context + warm.max_calls + o.repetitions + 2;
+      MLARUN_ASSIGN_OR_RETURN(auto cache, make_cache(batch, per_seq));
       std::vector<int64_t> len(static_cast<size_t>(batch), context);
       for (int64_t s = 0; s < batch; ++s) {
         MLARUN_RETURN_IF_ERROR(cache->AddSequence(s));
@@ -148,7 +209,8 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
       }
       // Decode: one new token per sequence per step.
       std::vector<int32_t> tok(static_cast<size_t>(batch), 3);
-      Shares decode_shares;
+      Shares shares;
+      Cost cost;
       auto decode_step = [&]() -> Status {
         std::vector<ForwardSeq> seqs;
         for (int64_t s = 0; s < batch; ++s) {
@@ -161,43 +223,68 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
           const float* row = logits.data() + s * config.vocab_size;
           tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
         }
-        decode_shares.Add(model->last_step_times());
+        shares.Add(model->last_step_times());
+        cost.Add(model->last_step_traffic());
         return Status::Ok();
       };
-      MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
-      decode_shares = {};
+      MLARUN_ASSIGN_OR_RETURN(const int discarded, WarmUpUntilStable(decode_step, warm));
+      shares = {};
+      cost = {};
       MLARUN_ASSIGN_OR_RETURN(const double step_ms, TimeMs("decode_step", decode_step, timing));
-      // Prefill: chunks of new tokens for sequence 0, over its context.
-      Shares prefill_shares;
-      std::vector<int32_t> chunk(static_cast<size_t>(o.prefill_tokens));
-      for (auto& t : chunk) t = static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(config.vocab_size - 2));
-      auto prefill_step = [&]() -> Status {
-        MLARUN_RETURN_IF_ERROR(cache->Append(0, chunk));
-        const ForwardSeq s{.id = 0, .tokens = chunk, .start_pos = len[0]};
-        len[0] += o.prefill_tokens;
-        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->Forward(std::span<const ForwardSeq>(&s, 1), *cache));
-        prefill_shares.Add(model->last_step_times());
-        return Status::Ok();
-      };
-      MLARUN_RETURN_IF_ERROR(prefill_step());  // warm-up
-      prefill_shares = {};
-      MLARUN_ASSIGN_OR_RETURN(const double prefill_ms, TimeMs("prefill_chunk", prefill_step, timing));
-
-      const double decode_tps = static_cast<double>(batch) / (step_ms * 1e-3);
-      const double prefill_tps = static_cast<double>(o.prefill_tokens) / (prefill_ms * 1e-3);
-      const Json ds = decode_shares.ToJson(), ps = prefill_shares.ToJson();
-      doc["rows"].push_back({{"batch", batch}, {"context", context}, {"decode_tokens_per_s", decode_tps},
-                             {"decode_step_ms", step_ms}, {"decode_share", ds}, {"prefill_tokens_per_s", prefill_tps},
-                             {"prefill_chunk_ms", prefill_ms}, {"prefill_share", ps}});
-      table << "  " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(12) << std::fixed
-            << std::setprecision(2) << decode_tps << " " << std::setw(8) << std::setprecision(1) << step_ms << "  "
-            << std::setw(4) << Pct(ds["attention"]) << " " << std::setw(5) << Pct(ds["moe"]) << " " << std::setw(6)
-            << Pct(ds["dense_mlp"]) << " " << std::setw(6) << Pct(ds["other"]) << " | " << std::setw(13)
-            << std::setprecision(1) << prefill_tps << "                      " << std::setw(4) << Pct(ps["attention"])
-            << " " << std::setw(5) << Pct(ps["moe"]) << " " << std::setw(6) << Pct(ps["dense_mlp"]) << " "
-            << std::setw(6) << Pct(ps["other"]) << "\n";
+      const double tps = static_cast<double>(batch) / (step_ms * 1e-3);
+      const double bytes = cost.bytes_per_step();
+      const double bound_tps = static_cast<double>(batch) / (bytes / (bw.gb_per_s * 1e9));
+      const Json js = shares.ToJson();
+      doc["decode"].push_back({{"batch", batch}, {"context", context}, {"tokens_per_s", tps}, {"step_ms", step_ms},
+                               {"warm_up_steps_discarded", discarded}, {"timed_steps", cost.steps},
+                               {"weight_bytes_per_step", cost.weight_bytes / static_cast<double>(cost.steps)},
+                               {"cache_bytes_per_step", cost.cache_bytes / static_cast<double>(cost.steps)},
+                               {"bandwidth_bound_tokens_per_s", bound_tps}, {"fraction_of_bound", tps / bound_tps},
+                               {"share", js}});
+      table << "    " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(7) << Fmt(tps, 2)
+            << " " << std::setw(8) << Fmt(step_ms, 1) << " " << std::setw(8) << discarded << " | " << std::setw(7)
+            << Fmt(bytes * 1e-6, 0) << " " << std::setw(12) << Fmt(bound_tps, 2) << " " << std::setw(9)
+            << Pct(tps / bound_tps) << " | " << std::setw(4) << Pct(js["attention"]) << " " << std::setw(5)
+            << Pct(js["moe"]) << " " << std::setw(6) << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"])
+            << " " << std::setw(6) << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
     }
   }
+
+  // Prefill: a fresh prompt of prefill_tokens, one step, as the engine runs
+  // a prompt that fits its token budget.
+  const int64_t P = o.prefill_tokens;
+  MLARUN_ASSIGN_OR_RETURN(auto pcache, make_cache(1, P + 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(P));
+  for (auto& t : prompt) t = static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(config.vocab_size - 2));
+  Shares pshares;
+  Cost pcost;
+  SeqId next_id = 0;
+  auto prefill_step = [&]() -> Status {
+    const SeqId id = next_id++;
+    MLARUN_RETURN_IF_ERROR(pcache->AddSequence(id));
+    MLARUN_RETURN_IF_ERROR(pcache->Append(id, prompt));
+    const ForwardSeq s{.id = id, .tokens = prompt, .start_pos = 0};
+    MLARUN_ASSIGN_OR_RETURN(const auto logits, model->Forward(std::span<const ForwardSeq>(&s, 1), *pcache));
+    pshares.Add(model->last_step_times());
+    pcost.Add(model->last_step_traffic());
+    return pcache->Release(id);
+  };
+  MLARUN_ASSIGN_OR_RETURN(const int pdiscarded, WarmUpUntilStable(prefill_step, warm));
+  pshares = {};
+  pcost = {};
+  MLARUN_ASSIGN_OR_RETURN(const double prefill_ms, TimeMs("prefill", prefill_step, timing));
+  const double prefill_tps = static_cast<double>(P) / (prefill_ms * 1e-3);
+  const double gflops = pcost.flops_per_step() / (prefill_ms * 1e-3) * 1e-9;
+  const Json ps = pshares.ToJson();
+  doc["prefill"] = {{"tokens", P}, {"tokens_per_s", prefill_tps}, {"step_ms", prefill_ms},
+                    {"warm_up_steps_discarded", pdiscarded}, {"flops_per_step", pcost.flops_per_step()},
+                    {"gflop_per_s", gflops}, {"fraction_of_gemm_peak", gflops / peak_gflops}, {"share", ps}};
+  table << "  prefill (a " << P << "-token prompt, no cached prefix, one step):\n"
+        << "    tok/s " << Fmt(prefill_tps, 1) << ", step " << Fmt(prefill_ms, 1) << " ms (" << pdiscarded
+        << " warm-up steps discarded), " << Fmt(pcost.flops_per_step() * 1e-9, 1) << " GFLOP/step at "
+        << Fmt(gflops, 1) << " GFLOP/s = " << Pct(gflops / peak_gflops) << " of the product peak; attn "
+        << Pct(ps["attention"]) << ", moe " << Pct(ps["moe"]) << ", dense " << Pct(ps["dense_mlp"]) << ", lm_head "
+        << Pct(ps["lm_head"]) << ", other " << Pct(ps["other"]) << "; largest: " << pshares.Largest() << "\n";
   if (o.json) std::cout << doc.dump(2) << std::endl;
   return Status::Ok();
 }

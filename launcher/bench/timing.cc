@@ -1,6 +1,8 @@
 #include "launcher/bench/timing.h"
 
 #include <benchmark/benchmark.h>
+#include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -10,6 +12,11 @@
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
+
+#include "runtime/base/cpu/kernels.h"
+#include "runtime/base/cpu_isa.h"
+#include "runtime/base/large_buffer.h"
 
 namespace mlarun {
 namespace {
@@ -71,12 +78,61 @@ StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& 
   return reporter.median_ms;
 }
 
+StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpPolicy& p) {
+  std::vector<double> times;
+  for (int call = 0; call < p.max_calls; ++call) {
+    const auto t0 = std::chrono::steady_clock::now();
+    MLARUN_RETURN_IF_ERROR(fn());
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (static_cast<int>(times.size()) < std::max(p.min_calls, p.window)) continue;
+    std::vector<double> last(times.end() - p.window, times.end());
+    std::sort(last.begin(), last.end());
+    const double median = last[last.size() / 2];
+    if (last.back() - last.front() <= p.tolerance * median) return call + 1;
+  }
+  return p.max_calls;
+}
+
+StatusOr<ReadBandwidth> MeasureReadBandwidth(int64_t bytes, int repetitions) {
+  if (bytes <= 0) {
+    const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    bytes = std::max<int64_t>(int64_t{1} << 30, 16 * static_cast<int64_t>(llc > 0 ? llc : 0));
+  }
+  bytes = bytes / 4096 * 4096;
+  std::unique_ptr<std::byte, void (*)(void*)> buf(static_cast<std::byte*>(AllocateLarge(static_cast<size_t>(bytes), true)),
+                                                  std::free);
+  if (!buf) return ResourceExhaustedError("bandwidth: cannot allocate ", bytes, " bytes");
+  const cpu::CpuKernels& k = cpu::Kernels();
+  const int threads = omp_get_max_threads();
+  uint64_t sink = 0;
+  double best = 0;
+  for (int r = 0; r <= repetitions; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+      const int64_t lines = bytes / 64, l0 = lines * t / nt, l1 = lines * (t + 1) / nt;
+      sink += k.stream_read(buf.get() + l0 * 64, static_cast<size_t>((l1 - l0) * 64));
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) best = std::max(best, static_cast<double>(bytes) / s * 1e-9);  // pass 0 warms up
+  }
+  benchmark::DoNotOptimize(sink);
+  return ReadBandwidth{.gb_per_s = best, .bytes = bytes, .threads = threads};
+}
+
 std::string CpuModel() {
   std::ifstream f("/proc/cpuinfo");
   std::string line;
   while (std::getline(f, line))
     if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   return "unknown";
+}
+
+nlohmann::json CpuJson() {
+  const CpuFeatures& f = HostCpu();
+  return {{"model", f.model_name.empty() ? CpuModel() : f.model_name}, {"vendor", f.vendor}, {"flags", f.FlagList()},
+          {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))}, {"best_kernels", std::string(CpuIsaName(f.best()))}};
 }
 
 std::string Today() {

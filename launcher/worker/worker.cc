@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "launcher/proto_sampling.h"
+#include "launcher/thresholds.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/base/cpu_isa.h"
@@ -246,6 +247,8 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
                   2);
   ModelOptions mo;
   mo.shard = ModelShard::For(*layout, session.rank());
+  if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok())
+    session.Abort("--attention-thresholds: " + st.ToString(), 2);
   if (o.fail_forward_call >= 0 && (o.fail_forward_rank < 0 || o.fail_forward_rank == session.rank())) {
     mo.fail_forward_call = o.fail_forward_call;
     std::cerr << "mlarun worker: " + rank_name + ": fault injection: model step " +

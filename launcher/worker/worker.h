@@ -42,6 +42,7 @@ struct WorkerOptions {
   // as `mlarun memory` predicts it), instead of engine.cache_budget_bytes.
   double memory_gib = 0;
   EngineConfig engine;
+  std::string attention_thresholds;  // a thresholds file (launcher/thresholds.h); "": the CPU's defaults
   double stats_period_s = 0.5;
   // Fault injection, for tests of the failure paths only: the model step
   // with this 0-based index (ModelOptions::fail_forward_call; every rank
