@@ -37,15 +37,15 @@ usage() { sed -n '2,/^set -E/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; 
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    --out) OUT="$2"; shift 2 ;;
-    --rounds) ROUNDS="$2"; shift 2 ;;
-    --threads) THREADS="$2"; shift 2 ;;
-    --layers) LAYERS="$2"; shift 2 ;;
-    --dtype) DTYPE="$2"; shift 2 ;;
-    --work) WORK="$2"; shift 2 ;;
-    --mlarun) MLARUN="$2"; shift 2 ;;
-    --seed) SEED="$2"; shift 2 ;;
-    --llama-load-mode) LLAMA_LOAD_MODE="$2"; shift 2 ;;
+    --out) OUT="${2:?--out needs a value}"; shift 2 ;;
+    --rounds) ROUNDS="${2:?--rounds needs a value}"; shift 2 ;;
+    --threads) THREADS="${2:?--threads needs a value}"; shift 2 ;;
+    --layers) LAYERS="${2:?--layers needs a value}"; shift 2 ;;
+    --dtype) DTYPE="${2:?--dtype needs a value}"; shift 2 ;;
+    --work) WORK="${2:?--work needs a value}"; shift 2 ;;
+    --mlarun) MLARUN="${2:?--mlarun needs a value}"; shift 2 ;;
+    --seed) SEED="${2:?--seed needs a value}"; shift 2 ;;
+    --llama-load-mode) LLAMA_LOAD_MODE="${2:?--llama-load-mode needs a value}"; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --quick) QUICK=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -62,9 +62,9 @@ case "$DTYPE" in bf16|f32) ;; float32) DTYPE=f32 ;; *) die "--dtype must be bf16
 
 # The shapes of the runs; --quick shrinks them to check the pipeline.
 if [ "$QUICK" = 1 ]; then
-  TG=16; DEPTH=128; PP=128; BCTX=128; BTG=8; BATCHES=8,32; LB_REPS=1; M_DEC_REPS=4; M_BAT_REPS=2
+  TG=16; DEPTH=128; PP=128; BCTX=128; BTG=8; BATCHES=8,32; LB_REPS=1; M_DEC_REPS=4; M_PP_REPS=1; M_BAT_REPS=2
 else
-  TG=64; DEPTH=128; PP=512; BCTX=512; BTG=32; BATCHES=8,32; LB_REPS=5; M_DEC_REPS=16; M_BAT_REPS=8
+  TG=64; DEPTH=128; PP=512; BCTX=512; BTG=32; BATCHES=8,32; LB_REPS=5; M_DEC_REPS=16; M_PP_REPS=5; M_BAT_REPS=8
 fi
 MAXB="${BATCHES##*,}"
 
@@ -121,8 +121,8 @@ if [ ! -f "$VENV/.deps-ok" ] || [ "$(cat "$VENV/.deps-ok")" != "${PIP_PACKAGES[*
     tail -n 30 "$LOGS/venv.log" >&2
     die "python3 -m venv failed (Debian: apt-get install python3-venv)"
   fi
-  run "$LOGS/pip.log" "$PY" -m pip install --upgrade pip
-  run "$LOGS/pip.log" "$PY" -m pip install "${PIP_PACKAGES[@]}"
+  run "$LOGS/pip-upgrade.log" "$PY" -m pip install --upgrade pip
+  run "$LOGS/pip-install.log" "$PY" -m pip install "${PIP_PACKAGES[@]}"
   echo "${PIP_PACKAGES[*]}" >"$VENV/.deps-ok"
 fi
 
@@ -149,7 +149,7 @@ LLAMA_PKG_VERSION="${PKG##*llama_cpp_python-}"
 echo "   llama-cpp-python $LLAMA_PKG_VERSION: $LLAMA_SRC" >&2
 
 # --- 3. Build llama.cpp -----------------------------------------------------
-LLAMA_BUILD="$WORK/llama.cpp-build"
+LLAMA_BUILD="$WORK/llama.cpp-build-$LLAMA_PKG_VERSION"
 LB="$LLAMA_BUILD/bin/llama-bench"
 LBB="$LLAMA_BUILD/bin/llama-batched-bench"
 GREEDY="$LLAMA_BUILD/bin/llama_greedy"
@@ -283,9 +283,9 @@ fi
 M_COMMON=(--model "$CKPT" --threads "$THREADS" --kv-dtype bf16 --json)
 CMD_M_DEC=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context "$DEPTH" --prefill-tokens 1 --repetitions "$M_DEC_REPS")
 CMD_L_DEC=("$LB" -m "$GGUF" -p 0 -n "$TG" -d "$DEPTH" -t "$THREADS" -r "$LB_REPS" "${L_LOAD[@]}" -o json)
-# mlarun's prefill chunk follows a context of at least 1 token, the decode steps
-# and a warm-up chunk; one timed chunk.
-CMD_M_PP=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context 1 --prefill-tokens "$PP" --repetitions 1)
+# mlarun's prefill: a fresh PP-token prompt, one step, median of the timed
+# steps (its decode point at batch 1, context 1, is not used).
+CMD_M_PP=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context 1 --prefill-tokens "$PP" --repetitions "$M_PP_REPS")
 CMD_L_PP=("$LB" -m "$GGUF" -p "$PP" -n 0 -t "$THREADS" -r "$LB_REPS" "${L_LOAD[@]}" -o json)
 CMD_M_BAT=("$MLARUN" bench decode "${M_COMMON[@]}" --batch "$BATCHES" --context "$BCTX" --prefill-tokens 1 --repetitions "$M_BAT_REPS")
 # -pps: one shared prompt, copied into every sequence's own KV stream before
@@ -357,19 +357,34 @@ def load_json(path):
     except ValueError as e:
         fail(f"{path}: {e}")
 
-def mlarun_rows(path):
+def mlarun_doc(path):
     doc = load_json(path)
-    rows = doc.get("rows") if isinstance(doc, dict) else None
-    if not rows:
-        fail(f"{path}: no 'rows'")
-    return doc, rows
+    if not isinstance(doc, dict):
+        fail(f"{path}: not a JSON object")
+    return doc
 
-def mlarun_fig(path, key, batch, context=None):
-    _, rows = mlarun_rows(path)
-    for row in rows:
-        if row.get("batch") == batch and (context is None or row.get("context") == context) and key in row:
-            return float(row[key])
-    fail(f"{path}: no row with batch {batch} and '{key}'")
+# `mlarun bench decode --json`, read by key: decode points in "decode" with
+# "tokens_per_s" (older builds: "rows" with "decode_tokens_per_s"); the prefill
+# figure in "prefill" (older builds: "prefill_tokens_per_s" in each row).
+def mlarun_decode(path, batch, context):
+    doc = mlarun_doc(path)
+    for key, rows in (("tokens_per_s", doc.get("decode")), ("decode_tokens_per_s", doc.get("rows"))):
+        for row in rows if isinstance(rows, list) else []:
+            if row.get("batch") == batch and row.get("context") == context and key in row:
+                return float(row[key])
+    fail(f"{path}: no decode figure for batch {batch}, context {context}")
+
+def mlarun_prefill(path, tokens):
+    doc = mlarun_doc(path)
+    p = doc.get("prefill")
+    if isinstance(p, dict) and "tokens_per_s" in p:
+        if p.get("tokens", tokens) != tokens:
+            fail(f"{path}: prefill of {p.get('tokens')} tokens, expected {tokens}")
+        return float(p["tokens_per_s"])
+    for row in doc.get("rows") or []:
+        if "prefill_tokens_per_s" in row:
+            return float(row["prefill_tokens_per_s"])
+    fail(f"{path}: no prefill figure")
 
 def llama_bench_fig(path, n_prompt, n_gen):
     tests = load_json(path)
@@ -391,14 +406,14 @@ def batched_fig(path, pl):
 tg, depth, pp, bctx, btg = (int(E[k]) for k in ("TG", "DEPTH", "PP", "BCTX", "BTG"))
 batches = [int(b) for b in E["BATCHES"].split(",")]
 figures = [(f"batch-1 decode, context {depth}",
-            lambda d: mlarun_fig(f"{d}/mlarun-decode.json", "decode_tokens_per_s", 1),
+            lambda d: mlarun_decode(f"{d}/mlarun-decode.json", 1, depth),
             lambda d: llama_bench_fig(f"{d}/llama-bench-decode.json", 0, tg)),
            (f"prefill, {pp}-token prompt",
-            lambda d: mlarun_fig(f"{d}/mlarun-prefill.json", "prefill_tokens_per_s", 1),
+            lambda d: mlarun_prefill(f"{d}/mlarun-prefill.json", pp),
             lambda d: llama_bench_fig(f"{d}/llama-bench-prefill.json", pp, 0))]
 for b in batches:
     figures.append((f"batched decode, {b} x {bctx} context",
-                    lambda d, b=b: mlarun_fig(f"{d}/mlarun-batched.json", "decode_tokens_per_s", b, bctx),
+                    lambda d, b=b: mlarun_decode(f"{d}/mlarun-batched.json", b, bctx),
                     lambda d, b=b: batched_fig(f"{d}/llama-batched-bench.jsonl", b)))
 
 dirs = [f"{run}/round{r}" for r in range(1, rounds + 1)]
@@ -408,7 +423,7 @@ for label, fm, fl in figures:
     l = [fl(d) for d in dirs]
     results.append((label, m, l))
 
-doc0, _ = mlarun_rows(f"{dirs[0]}/mlarun-decode.json")
+doc0 = mlarun_doc(f"{dirs[0]}/mlarun-decode.json")
 lb0 = load_json(f"{dirs[0]}/llama-bench-decode.json")
 lb0 = lb0[0] if isinstance(lb0, list) else lb0
 dtype = E["DTYPE"]
@@ -454,12 +469,12 @@ for label, m, l in results:
 print()
 print("What each row compares (see bench/README.md):")
 print()
-print(f"* batch-1 decode: llama-bench `-p 0 -n {tg} -d {depth}` (generate {tg} tokens after a {depth}-token context) "
-      f"vs mlarun `decode_tokens_per_s` at batch 1 over a {depth}-token context")
-print(f"* prefill: llama-bench `-p {pp} -n 0` (a {pp}-token prompt on an empty cache) vs mlarun "
-      f"`prefill_tokens_per_s` for one {pp}-token chunk (which follows a few cached tokens and a warm-up chunk)")
-print(f"* batched decode: llama-batched-bench `S_TG` (B sequences generating {btg} tokens each after a "
-      f"{bctx}-token prompt) vs mlarun `decode_tokens_per_s` at batch B over {bctx} cached tokens")
+print(f"* batch-1 decode: llama-bench `-p 0 -n {tg} -d {depth}` (generates {tg} tokens after a {depth}-token context; "
+      f"mean of its repetitions) vs mlarun's decode tok/s at batch 1 over {depth} cached tokens (median step)")
+print(f"* prefill: llama-bench `-p {pp} -n 0` (a {pp}-token prompt on an empty cache) vs mlarun's prefill tok/s "
+      f"(a fresh {pp}-token prompt in one step; median step)")
+print(f"* batched decode: llama-batched-bench `S_TG` (B sequences, each with its own copy of a {bctx}-token prompt, "
+      f"generating {btg} tokens together) vs mlarun's decode tok/s at batch B over {bctx} cached tokens each")
 print()
 print("Commands:")
 print()

@@ -3,6 +3,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -51,6 +53,13 @@ struct Cost {
 };
 
 std::string Pct(double v) { return Fmt(100 * v, 0) + "%"; }
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
 
 // Fills positions [0, n) of every layer of `id` with random rows.
 Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
@@ -135,7 +144,8 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
 
   // The machine, in the same run: what memory delivers, and the matrix
   // product rate of the weights' dtype at a prefill's shape.
-  MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth bw, MeasureReadBandwidth());
+  MLARUN_ASSIGN_OR_RETURN(auto probe, BandwidthProbe::Create());
+  MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth bw, probe->Best());
   const int64_t H = config.hidden_size, peak_m = std::max<int64_t>(o.prefill_tokens, 256);
   const DType wt = config.weight_dtype;
   const GemmDesc peak_desc{.m = peak_m, .n = H, .k = H, .a_type = wt, .b_type = wt, .c_type = DType::kF32,
@@ -169,7 +179,8 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   doc["threads"] = omp_get_max_threads();
   doc["cpu"] = CpuJson();
   doc["date"] = Today();
-  doc["read_bandwidth"] = {{"gb_per_s", bw.gb_per_s}, {"bytes", bw.bytes}, {"threads", bw.threads}};
+  doc["read_bandwidth"] = {{"plain_gb_per_s", bw.plain_gb_per_s}, {"product_gb_per_s", bw.product_gb_per_s},
+                           {"bytes", probe->bytes()}, {"threads", probe->threads()}};
   doc["gemm_peak"] = {{"m", peak_m}, {"n", H}, {"k", H}, {"dtype", std::string(DTypeName(wt))},
                       {"impl", peak_gemm->impl_name()}, {"gflop_per_s", peak_gflops}};
   doc["decode"] = Json::array();
@@ -178,12 +189,14 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
         << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
         << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads, " << Today() << "\n"
         << "  cpu: " << CpuSummary() << "\n"
-        << "  memory read bandwidth: " << Fmt(bw.gb_per_s, 1) << " GB/s (" << (bw.bytes >> 20) << " MiB, " << bw.threads
-        << " threads, best of 5)\n"
+        << "  memory read bandwidth: " << Fmt(bw.plain_gb_per_s, 1) << " GB/s plain read, " << Fmt(bw.product_gb_per_s, 1)
+        << " GB/s streaming bf16 weights through a one-row product (" << (probe->bytes() >> 20) << " MiB, "
+        << probe->threads() << " threads, best of 3 each; a pass of each is measured again before every timed step)\n"
         << "  matrix product peak: " << Fmt(peak_gflops, 1) << " GFLOP/s (" << DTypeName(wt) << " " << peak_m << " x " << H
         << " x " << H << ", " << peak_gemm->impl_name() << ")\n"
-        << "  decode (one token per sequence per step; bound = bytes read per step / bandwidth):\n"
-        << "    batch context |   tok/s  step ms  warm-up | MB/step  bound tok/s  of bound | attn   moe  dense  "
+        << "  decode (one token per sequence per step; each timed step follows a bandwidth pass: GB/s is their median,\n"
+        << "  of bound the median over steps of (bytes the step read / its time) / the pass's bandwidth):\n"
+        << "    batch context |   tok/s  step ms  warm-up | MB/step  GB/s  bound tok/s  of bound | attn   moe  dense  "
            "lm_head  other\n";
 
   const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
@@ -230,21 +243,37 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
       MLARUN_ASSIGN_OR_RETURN(const int discarded, WarmUpUntilStable(decode_step, warm));
       shares = {};
       cost = {};
-      MLARUN_ASSIGN_OR_RETURN(const double step_ms, TimeMs("decode_step", decode_step, timing));
+      // Timed steps, each right after a bandwidth pass: the ratio is taken
+      // pair by pair, as the memory this machine gets drifts.
+      std::vector<double> step_s, pass_gbs, fraction;
+      for (int r = 0; r < o.repetitions; ++r) {
+        MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth pass, probe->Pass());
+        const auto t0 = std::chrono::steady_clock::now();
+        MLARUN_RETURN_IF_ERROR(decode_step());
+        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const Model::StepTraffic& tr = model->last_step_traffic();
+        step_s.push_back(t);
+        pass_gbs.push_back(pass.bound_gb_per_s());
+        fraction.push_back(static_cast<double>(tr.weight_bytes + tr.cache_bytes) / t * 1e-9 / pass.bound_gb_per_s());
+      }
+      const double step_ms = Median(step_s) * 1e3, row_gbs = Median(pass_gbs);
       const double tps = static_cast<double>(batch) / (step_ms * 1e-3);
       const double bytes = cost.bytes_per_step();
-      const double bound_tps = static_cast<double>(batch) / (bytes / (bw.gb_per_s * 1e9));
+      const double bound_tps = static_cast<double>(batch) / (bytes / (row_gbs * 1e9));
+      const double of_bound = Median(fraction);
       const Json js = shares.ToJson();
       doc["decode"].push_back({{"batch", batch}, {"context", context}, {"tokens_per_s", tps}, {"step_ms", step_ms},
                                {"warm_up_steps_discarded", discarded}, {"timed_steps", cost.steps},
                                {"weight_bytes_per_step", cost.weight_bytes / static_cast<double>(cost.steps)},
                                {"cache_bytes_per_step", cost.cache_bytes / static_cast<double>(cost.steps)},
-                               {"bandwidth_bound_tokens_per_s", bound_tps}, {"fraction_of_bound", tps / bound_tps},
+                               {"read_bandwidth_gb_per_s", row_gbs},
+                               {"bandwidth_bound_tokens_per_s", bound_tps}, {"fraction_of_bound", of_bound},
                                {"share", js}});
       table << "    " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(7) << Fmt(tps, 2)
             << " " << std::setw(8) << Fmt(step_ms, 1) << " " << std::setw(8) << discarded << " | " << std::setw(7)
-            << Fmt(bytes * 1e-6, 0) << " " << std::setw(12) << Fmt(bound_tps, 2) << " " << std::setw(9)
-            << Pct(tps / bound_tps) << " | " << std::setw(4) << Pct(js["attention"]) << " " << std::setw(5)
+            << Fmt(bytes * 1e-6, 0) << " " << std::setw(5) << Fmt(row_gbs, 1) << " " << std::setw(12)
+            << Fmt(bound_tps, 2) << " " << std::setw(9)
+            << Pct(of_bound) << " | " << std::setw(4) << Pct(js["attention"]) << " " << std::setw(5)
             << Pct(js["moe"]) << " " << std::setw(6) << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"])
             << " " << std::setw(6) << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
     }

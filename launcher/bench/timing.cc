@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "runtime/base/cpu/kernels.h"
+#include "runtime/base/cpu_gemm.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/large_buffer.h"
 
@@ -93,32 +94,64 @@ StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpP
   return p.max_calls;
 }
 
-StatusOr<ReadBandwidth> MeasureReadBandwidth(int64_t bytes, int repetitions) {
+StatusOr<std::unique_ptr<BandwidthProbe>> BandwidthProbe::Create(int64_t bytes) {
   if (bytes <= 0) {
     const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    bytes = std::max<int64_t>(int64_t{1} << 30, 16 * static_cast<int64_t>(llc > 0 ? llc : 0));
+    bytes = std::clamp<int64_t>(4 * static_cast<int64_t>(llc > 0 ? llc : 0), int64_t{1} << 30, int64_t{2} << 30);
   }
-  bytes = bytes / 4096 * 4096;
-  std::unique_ptr<std::byte, void (*)(void*)> buf(static_cast<std::byte*>(AllocateLarge(static_cast<size_t>(bytes), true)),
-                                                  std::free);
-  if (!buf) return ResourceExhaustedError("bandwidth: cannot allocate ", bytes, " bytes");
+  constexpr int64_t kCols = 2048;
+  std::unique_ptr<BandwidthProbe> p(new BandwidthProbe());
+  p->rows_ = std::max<int64_t>(1, bytes / (kCols * 2));
+  p->bytes_ = p->rows_ * kCols * 2;
+  p->buf_ = static_cast<std::byte*>(AllocateLarge(static_cast<size_t>(p->bytes_), false));
+  if (p->buf_ == nullptr) return ResourceExhaustedError("bandwidth probe: cannot allocate ", p->bytes_, " bytes");
+  // Small finite bf16 values: the product must not meet NaNs or denormals.
+  auto* h = reinterpret_cast<bf16_t*>(p->buf_);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < p->bytes_ / 2; ++i) h[i] = static_cast<bf16_t>(0x3c00 + ((i * 2654435761u) >> 24 & 0xff));
+  const GemmDesc d{.m = 1, .n = p->rows_, .k = kCols, .a_type = DType::kBF16, .b_type = DType::kBF16,
+                   .c_type = DType::kF32, .lda = kCols, .b_stride_k = 1, .b_stride_n = kCols, .ldc = p->rows_};
+  MLARUN_ASSIGN_OR_RETURN(p->product_, CpuGemm::Get(d));
+  p->a_.assign(static_cast<size_t>(kCols), static_cast<bf16_t>(0x3c00));
+  p->c_.resize(static_cast<size_t>(p->rows_));
+  p->scratch_.resize(p->product_->scratch_bytes() + 64);
+  p->threads_ = omp_get_max_threads();
+  return p;
+}
+
+BandwidthProbe::~BandwidthProbe() { std::free(buf_); }
+
+StatusOr<ReadBandwidth> BandwidthProbe::Pass() {
   const cpu::CpuKernels& k = cpu::Kernels();
-  const int threads = omp_get_max_threads();
   uint64_t sink = 0;
-  double best = 0;
-  for (int r = 0; r <= repetitions; ++r) {
-    const auto t0 = std::chrono::steady_clock::now();
-#pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const int64_t lines = bytes / 64, l0 = lines * t / nt, l1 = lines * (t + 1) / nt;
-      sink += k.stream_read(buf.get() + l0 * 64, static_cast<size_t>((l1 - l0) * 64));
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (r > 0) best = std::max(best, static_cast<double>(bytes) / s * 1e-9);  // pass 0 warms up
+  auto t0 = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads_) reduction(+ : sink)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lines = bytes_ / 64, l0 = lines * t / nt, l1 = lines * (t + 1) / nt;
+    sink += k.stream_read(buf_ + l0 * 64, static_cast<size_t>((l1 - l0) * 64));
   }
+  ReadBandwidth out;
+  out.plain_gb_per_s =
+      static_cast<double>(bytes_) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e-9;
+  t0 = std::chrono::steady_clock::now();
+  MLARUN_RETURN_IF_ERROR(product_->Run(a_.data(), buf_, c_.data(), scratch_.data()));
+  out.product_gb_per_s =
+      static_cast<double>(bytes_) / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() * 1e-9;
   benchmark::DoNotOptimize(sink);
-  return ReadBandwidth{.gb_per_s = best, .bytes = bytes, .threads = threads};
+  benchmark::DoNotOptimize(c_.data());
+  return out;
+}
+
+StatusOr<ReadBandwidth> BandwidthProbe::Best(int passes) {
+  MLARUN_RETURN_IF_ERROR(Pass().status());
+  ReadBandwidth best;
+  for (int i = 0; i < passes; ++i) {
+    MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth b, Pass());
+    best.plain_gb_per_s = std::max(best.plain_gb_per_s, b.plain_gb_per_s);
+    best.product_gb_per_s = std::max(best.product_gb_per_s, b.product_gb_per_s);
+  }
+  return best;
 }
 
 std::string CpuModel() {

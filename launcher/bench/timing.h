@@ -2,10 +2,15 @@
 // reports the median; the benchmarks decide what to time and verify it first.
 #pragma once
 
+#include <algorithm>
 #include <functional>
+#include <memory>
+#include <vector>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 
+#include "runtime/base/cpu_gemm.h"
+#include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
@@ -39,17 +44,44 @@ struct WarmUpPolicy {
 };
 StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpPolicy& p = {});
 
-// The machine's streaming read bandwidth: `bytes` (0: 16 x the last-level
-// cache, at least 1 GiB) of huge-page memory read by every OpenMP thread, each
-// its own contiguous share, with the widest loads of the kernel family in
-// force. Best of `repetitions` passes after one warm-up pass (what the memory
-// can deliver; a decode step competes with nothing else either).
+// The machine's streaming read bandwidth, two ways over one buffer of
+// `bytes` (0: 4 x the last-level cache, at least 1 GiB, at most 2 GiB) of
+// huge-page memory, every OpenMP thread reading its own contiguous share: a
+// plain read loop with the widest loads of the kernel family in force, and
+// the product a decode step streams its weights with (one row times a bf16
+// matrix of rows of 2048). The product's rows are read one after the other,
+// which the hardware prefetchers follow at least as well as the plain loop:
+// where it reads faster, that is what memory delivers to a decode step.
+//
+// A shared host's memory gives this machine anywhere from ~30 to ~60 GB/s
+// from one minute to the next, so a benchmark measures a pass right next to
+// each timed step and takes ratios pair by pair.
 struct ReadBandwidth {
-  double gb_per_s = 0;
-  int64_t bytes = 0;
-  int threads = 0;
+  double plain_gb_per_s = 0;
+  double product_gb_per_s = 0;
+  double bound_gb_per_s() const { return std::max(plain_gb_per_s, product_gb_per_s); }
 };
-StatusOr<ReadBandwidth> MeasureReadBandwidth(int64_t bytes = 0, int repetitions = 5);
+class BandwidthProbe {
+ public:
+  static StatusOr<std::unique_ptr<BandwidthProbe>> Create(int64_t bytes = 0);
+  ~BandwidthProbe();
+  // One pass of each way (blocks; uses all OpenMP threads).
+  StatusOr<ReadBandwidth> Pass();
+  // The best of `passes` passes each, after one warm-up pass.
+  StatusOr<ReadBandwidth> Best(int passes = 3);
+  int64_t bytes() const { return bytes_; }
+  int threads() const { return threads_; }
+
+ private:
+  BandwidthProbe() = default;
+  std::byte* buf_ = nullptr;
+  int64_t bytes_ = 0, rows_ = 0;
+  int threads_ = 0;
+  std::shared_ptr<const CpuGemm> product_;
+  std::vector<bf16_t> a_;
+  std::vector<float> c_;
+  std::vector<std::byte> scratch_;
+};
 
 // For the reports: the CPU's model name (/proc/cpuinfo), today's date
 // (UTC, YYYY-MM-DD), and `v` with `prec` decimals ("-" when not finite).

@@ -97,6 +97,15 @@ bool OneDnnAllowed(const GemmDesc& d) {
   return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
 }
 
+}  // namespace
+
+int64_t GemmSmallRowsLimit(const GemmDesc& d) {
+  if (d.a_type == DType::kF32) return 16;
+  return OneDnnAllowed(d) ? 8 : 32;
+}
+
+namespace {
+
 constexpr size_t kAlign = 64;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
@@ -163,7 +172,7 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   std::shared_ptr<CpuGemm> g(new CpuGemm(d));
   auto impl = std::make_unique<Impl>();
   GemmImpl chosen = want;
-  if (want == GemmImpl::kAuto) chosen = d.m <= kGemmSmallRows ? GemmImpl::kSmall : GemmImpl::kOneDnn;
+  if (want == GemmImpl::kAuto) chosen = d.m <= GemmSmallRowsLimit(d) ? GemmImpl::kSmall : GemmImpl::kOneDnn;
 
   // oneDNN, where the family allows it and oneDNN can build the product.
   std::string onednn_error;
@@ -261,19 +270,23 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch) con
       k.gemm_packed(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
     }
   };
-  // Columns split over the threads, whole strips each; inside a parallel
-  // region the calling thread does it all.
+  // Columns in chunks of whole strips, handed out to the threads as they
+  // finish: threads streaming memory side by side do not get equal shares of
+  // it, and equal halves would leave the faster one waiting. A chunk is at
+  // least ~128 KiB of B, so each stays one long sequential read. Inside a
+  // parallel region the calling thread does it all.
   const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
   if (threads <= 1 || d.n <= k.n_align) {
     part(0, 0, d.n);
   } else {
-    const int64_t strips = (d.n + k.n_align - 1) / k.n_align;
-#pragma omp parallel num_threads(threads)
-    {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      const int64_t s0 = strips * t / nt, s1 = strips * (t + 1) / nt;
-      part(t, std::min(d.n, s0 * k.n_align), std::min(d.n, s1 * k.n_align));
-    }
+    const int64_t col_bytes = d.k * static_cast<int64_t>(DTypeSize(d.b_type));
+    const int64_t min_cols = std::max<int64_t>(k.n_align, (int64_t{128} << 10) / std::max<int64_t>(col_bytes, 1));
+    int64_t chunk = (d.n + 8 * threads - 1) / (8 * threads);  // ~8 chunks per thread
+    chunk = std::max(chunk, min_cols);
+    chunk = (chunk + k.n_align - 1) / k.n_align * k.n_align;
+    const int64_t chunks = (d.n + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c) part(omp_get_thread_num(), c * chunk, std::min(d.n, (c + 1) * chunk));
   }
   if (c_f32 != nullptr)
     for (int64_t i = 0; i < d.m; ++i) k.f32_to_bf16(c_f32 + i * d.n, static_cast<bf16_t*>(c) + i * d.ldc, d.n);

@@ -7,7 +7,7 @@
 //
 // The implementation is chosen per product by its shape and what the CPU has
 // (ActiveCpuIsa()), fastest first:
-//  * few rows (m <= kGemmSmallRows): our own kernels, which stream B once and
+//  * few rows (m <= GemmSmallRowsLimit): our own kernels, which stream B once and
 //    widen bf16 to fp32 in registers (decode: bound by reading the weights);
 //  * oneDNN's matmul where the kernel family allows it and oneDNN can build
 //    the product (f32 from AVX2 up; bf16 on AVX512-BF16 / AMX);
@@ -47,8 +47,16 @@ std::ostream& operator<<(std::ostream& os, const GemmDesc& d);
 // Checks a GemmDesc: positive sizes, supported types, consistent strides.
 Status ValidateGemmDesc(const GemmDesc& d);
 
-// Products with at most this many rows take the streaming kernels.
-inline constexpr int64_t kGemmSmallRows = 16;
+// Products with at most this many rows take the streaming kernels (below
+// it the weights' bytes set the pace; from it on the arithmetic does). As
+// measured with 2 threads on a 20480 x 2048 weight, ours against oneDNN's and
+// our packed kernel (docs/cpu-kernels.md): bf16 where oneDNN has bf16
+// arithmetic (AVX512-BF16, AMX), up to 8 rows; bf16 elsewhere, up to 32;
+// f32, up to 16.
+int64_t GemmSmallRowsLimit(const GemmDesc& d);
+// The largest of those limits: callers that pad rows leave products this
+// small exact.
+inline constexpr int64_t kGemmSmallRows = 32;
 
 enum class GemmImpl : uint8_t {
   kAuto = 0,     // the order above
