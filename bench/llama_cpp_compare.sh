@@ -13,7 +13,11 @@
 #
 # Usage: bench/llama_cpp_compare.sh [--out FILE] [--rounds N] [--threads T] [--layers N]
 #            [--dtype bf16|f32] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
-#            [--seed S] [--llama-load-mode auto|none|mmap|mlock|mmap+mlock]
+#            [--seed S] [--llama-load-mode auto|none|mmap|mlock|mmap+mlock] [--isa native|avx2]
+# --isa avx2: both sides as on a CPU with AVX2 and FMA only, on a machine that
+# has more: llama.cpp built without its AVX-512 code (GGML_NATIVE=OFF, AVX2/FMA/
+# F16C on, every AVX-512 variant off; its own build folder), mlarun run with
+# MLARUN_CPU_ISA=avx2.
 set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,6 +34,7 @@ QUICK=0
 OUT=""
 SEED=0
 LLAMA_LOAD_MODE=auto
+ISA=native
 # Pin the llama-cpp-python release (and so the llama.cpp it vendors); empty: the newest on PyPI.
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"
 
@@ -46,6 +51,7 @@ while [ $# -gt 0 ]; do
     --mlarun) MLARUN="${2:?--mlarun needs a value}"; shift 2 ;;
     --seed) SEED="${2:?--seed needs a value}"; shift 2 ;;
     --llama-load-mode) LLAMA_LOAD_MODE="${2:?--llama-load-mode needs a value}"; shift 2 ;;
+    --isa) ISA="${2:?--isa needs a value}"; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --quick) QUICK=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -55,6 +61,15 @@ done
 
 die() { echo -e "\nllama_cpp_compare: FAILED: $*" >&2; exit 1; }
 case "$DTYPE" in bf16|f32) ;; float32) DTYPE=f32 ;; *) die "--dtype must be bf16 or f32, got '$DTYPE'" ;; esac
+case "$ISA" in
+  native) LLAMA_ISA_FLAGS=(-DGGML_NATIVE=ON); LLAMA_ISA_SUFFIX="" ;;
+  avx2) LLAMA_ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                         -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                         -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+        LLAMA_ISA_SUFFIX="-avx2"
+        export MLARUN_CPU_ISA=avx2 ;;
+  *) die "--isa must be native or avx2, got '$ISA'" ;;
+esac
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer, got '$ROUNDS'"
 [[ "$THREADS" =~ ^[1-9][0-9]*$ ]] || die "--threads must be a positive integer, got '$THREADS'"
 [[ "$LAYERS" =~ ^[1-9][0-9]*$ ]] || die "--layers must be a positive integer, got '$LAYERS'"
@@ -149,7 +164,7 @@ LLAMA_PKG_VERSION="${PKG##*llama_cpp_python-}"
 echo "   llama-cpp-python $LLAMA_PKG_VERSION: $LLAMA_SRC" >&2
 
 # --- 3. Build llama.cpp -----------------------------------------------------
-LLAMA_BUILD="$WORK/llama.cpp-build-$LLAMA_PKG_VERSION"
+LLAMA_BUILD="$WORK/llama.cpp-build-$LLAMA_PKG_VERSION$LLAMA_ISA_SUFFIX"
 LB="$LLAMA_BUILD/bin/llama-bench"
 LBB="$LLAMA_BUILD/bin/llama-batched-bench"
 GREEDY="$LLAMA_BUILD/bin/llama_greedy"
@@ -159,7 +174,7 @@ if [ ! -x "$LB" ] || [ ! -x "$LBB" ]; then
   command -v cmake >/dev/null || die "cmake not found (Debian: apt-get install cmake ninja-build g++)"
   gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
   [ -f "$LLAMA_BUILD/CMakeCache.txt" ] || run "$LOGS/llama-cmake.log" cmake -S "$LLAMA_SRC" -B "$LLAMA_BUILD" "${gen[@]}" \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+    -DCMAKE_BUILD_TYPE=Release "${LLAMA_ISA_FLAGS[@]}" -DGGML_CUDA=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON
   echo "   building (the llama.cpp build takes a while on few cores; log: $LOGS/llama-build.log)" >&2
@@ -327,6 +342,7 @@ end_step
 # --- 8. The table ---------------------------------------------------------------
 CPU_MODEL="$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1)"
 CPU_FLAGS="$(grep -o -E 'avx2|avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | tr '\n' ' ' | sed 's/ $//')"
+[ "$ISA" = avx2 ] && CPU_FLAGS="$CPU_FLAGS; both limited to AVX2+FMA (llama.cpp built without its AVX-512 code, mlarun under MLARUN_CPU_ISA=avx2)"
 # Proactive reclaim (DAMON "pageout") drops file pages that look cold, such as
 # a mapped model's rarely routed experts: a note in the table when it is on.
 RECLAIM_NOTE=""

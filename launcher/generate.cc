@@ -112,6 +112,7 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
     log << "mlarun generate: " << model.status() << "\n";
     return 2;
   }
+  log << "mlarun generate: cpu " << CpuSummary() << "\n";
   log << "loaded " << o.model << " (" << static_cast<double>((*model)->weight_bytes().total()) / (1 << 20)
       << " MiB of weights) in "
       << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";

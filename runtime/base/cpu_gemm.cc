@@ -222,9 +222,9 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
     } else {
       const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
       if (c_via_f32) impl->c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));
-      const int64_t per_thread_n = (d.n + impl->threads - 1) / impl->threads + k.n_align;
-      impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, std::min(d.n, per_thread_n), d.k,
-                                                          d.c_type == DType::kBF16 && !c_via_f32));
+      // Any thread may draw any chunk of columns (RunOwn), up to all of them;
+      // the kernel's panels bound what that needs.
+      impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
       g->impl_name_ = "packed:" + std::string(CpuIsaName(k.isa));
     }
     g->scratch_bytes_ = impl->a_f32_bytes + impl->c_f32_bytes + static_cast<size_t>(impl->threads) * impl->thread_bytes;

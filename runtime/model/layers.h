@@ -30,6 +30,8 @@ struct Linear {
   static Linear Owned(int64_t out, int64_t in, DType dtype);
   // Writable bytes of an Owned matrix (nullptr for a view of other memory).
   std::byte* mutable_data() const { return owned_ ? const_cast<std::byte*>(data) : nullptr; }
+  // True when `data` is memory this Linear does not own (a mapped file).
+  bool in_place() const { return data != nullptr && !owned_; }
 
  private:
   bool owned_ = false;

@@ -124,6 +124,25 @@ WeightBytes Model::weight_bytes() const {
   return b;
 }
 
+int64_t Model::weight_bytes_in_place() const {
+  int64_t n = 0;
+  auto add = [&n](const Linear& l) { n += l.in_place() ? l.bytes() : 0; };
+  auto mlp = [&add](const Mlp& m) { add(m.gate), add(m.up), add(m.down); };
+  add(embed_);
+  if (lm_head_.data != embed_.data) add(lm_head_);
+  for (const DecoderLayer& l : layers_) {
+    for (const Linear* w : {&l.attn.q_a, &l.attn.q_b, &l.attn.q, &l.attn.kv_a, &l.attn.o}) add(*w);
+    if (!l.moe) {
+      mlp(l.mlp);
+      continue;
+    }
+    add(l.moe_mlp.router);
+    if (l.moe_mlp.has_shared) mlp(l.moe_mlp.shared);
+    for (const Mlp& e : l.moe_mlp.experts) mlp(e);
+  }
+  return n;
+}
+
 LatentCacheConfig CacheConfigFor(const ModelConfig& c, int64_t budget_bytes, int64_t block_size) {
   return LatentCacheConfig{.num_layers = c.num_hidden_layers, .kv_lora_rank = c.kv_lora_rank,
                            .rope_dim = c.qk_rope_head_dim, .block_size = block_size, .dtype = c.kv_dtype,
@@ -138,9 +157,10 @@ LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) c
 // holds (all experts, narrowed, when sharded by intermediate size) and its
 // slice of the shared experts. Tokens are grouped by expert so each expert runs
 // one product over its tokens. The work of a step is spread over the threads
-// as (expert, column range) items, so a few experts with one token each (a
-// decode step) still keep every thread streaming weights: the gate and up
-// products first, then SiLU, then the down products. Each (token, k) result
+// as (expert, column range) items of about 1 MiB of weights, so a few experts
+// with one token each (a decode step) keep every thread streaming weights to
+// the end of each phase: the gate and up products first, then SiLU, then the
+// down products. Each (token, k) result
 // goes to its own slot (no two threads add into one row), and the slots are
 // summed in k order, so the result does not depend on the thread count.
 Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y) {
@@ -187,13 +207,28 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   if (moe_y_.size() < y_size) moe_y_.resize(y_size);
   auto rows_of = [&](const Job& j) { return j.slots ? moe_x_.data() + j.x : X; };
 
-  // Column ranges per product: enough items for every thread to have a few.
+  // The products as items of at most ~1 MiB of weights each (a column range
+  // of one matrix), handed out to the threads as they finish: no thread
+  // waits long at the end of a phase for one that drew a big matrix.
+  struct Item {
+    uint32_t job;
+    uint8_t matrix;  // 0 gate, 1 up, 2 down
+    int64_t c0, c1;
+  };
+  std::vector<Item> up_items, down_items;
+  constexpr int64_t kItemBytes = int64_t{1} << 20;
   const int64_t threads = std::max(1, omp_get_max_threads());
-  const int64_t parts = jobs.empty() ? 1 : std::max<int64_t>(1, (2 * threads + static_cast<int64_t>(jobs.size()) - 1) /
-                                                                     static_cast<int64_t>(jobs.size()));
-  const int64_t items = static_cast<int64_t>(jobs.size()) * parts;
+  auto split = [&](std::vector<Item>& out, uint32_t job, uint8_t matrix, const Linear& w) {
+    const int64_t parts = std::clamp<int64_t>((w.bytes() + kItemBytes - 1) / kItemBytes, 1, std::max<int64_t>(w.out / 16, 1));
+    for (int64_t p = 0; p < parts; ++p) out.push_back(Item{job, matrix, w.out * p / parts, w.out * (p + 1) / parts});
+  };
+  for (uint32_t ji = 0; ji < jobs.size(); ++ji) {
+    split(up_items, ji, 0, jobs[ji].mlp->gate);
+    split(up_items, ji, 1, jobs[ji].mlp->up);
+    split(down_items, ji, 2, jobs[ji].mlp->down);
+  }
   FirstError err;
-#pragma omp parallel
+#pragma omp parallel num_threads(static_cast<int>(threads))
   {
 #pragma omp for schedule(static)
     for (size_t ji = 0; ji < routed_jobs; ++ji) {  // gather each expert's rows
@@ -203,21 +238,22 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
                     static_cast<size_t>(H) * sizeof(float));
     }
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < 2 * items; ++it) {  // gate and up
-      const Job& j = jobs[static_cast<size_t>(it / (2 * parts))];
-      const bool up = (it / parts) % 2 == 1;
-      const int64_t p = it % parts, I = j.mlp->intermediate(), c0 = I * p / parts, c1 = I * (p + 1) / parts;
-      err.Set(ApplyLinearCols(up ? j.mlp->up : j.mlp->gate, c0, c1, rows_of(j), j.n, H,
-                              moe_h_.data() + j.h + static_cast<size_t>((up ? I : 0) + c0), 2 * I));
+    for (size_t it = 0; it < up_items.size(); ++it) {  // gate and up
+      const Item& item = up_items[it];
+      const Job& j = jobs[item.job];
+      const int64_t I = j.mlp->intermediate();
+      const bool up = item.matrix == 1;
+      err.Set(ApplyLinearCols(up ? j.mlp->up : j.mlp->gate, item.c0, item.c1, rows_of(j), j.n, H,
+                              moe_h_.data() + j.h + static_cast<size_t>((up ? I : 0) + item.c0), 2 * I));
     }
 #pragma omp for schedule(static)
     for (size_t ji = 0; ji < jobs.size(); ++ji) SiluMul(moe_h_.data() + jobs[ji].h, jobs[ji].n, jobs[ji].mlp->intermediate());
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) {  // down
-      const Job& j = jobs[static_cast<size_t>(it / parts)];
-      const int64_t p = it % parts, I = j.mlp->intermediate(), c0 = H * p / parts, c1 = H * (p + 1) / parts;
-      err.Set(ApplyLinearCols(j.mlp->down, c0, c1, moe_h_.data() + j.h, j.n, 2 * I,
-                              moe_y_.data() + j.y + static_cast<size_t>(c0), H));
+    for (size_t it = 0; it < down_items.size(); ++it) {  // down
+      const Item& item = down_items[it];
+      const Job& j = jobs[item.job];
+      err.Set(ApplyLinearCols(j.mlp->down, item.c0, item.c1, moe_h_.data() + j.h, j.n, 2 * j.mlp->intermediate(),
+                              moe_y_.data() + j.y + static_cast<size_t>(item.c0), H));
     }
   }
   MLARUN_RETURN_IF_ERROR(err.Get());

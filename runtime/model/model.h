@@ -174,6 +174,9 @@ class Model {
 
   const ModelConfig& config() const { return config_; }
   WeightBytes weight_bytes() const;
+  // The part of weight_bytes() read in place from the mapped checkpoint
+  // (not copied at load): 0 for a YAML model.
+  int64_t weight_bytes_in_place() const;
   // A cache configuration matching this model (layers, widths, dtype).
   LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = 64) const;
 

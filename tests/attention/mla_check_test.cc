@@ -140,7 +140,7 @@ TEST(MlaDispatch, PlanCountsEachPath) {
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->absorbed_seqs, 2);  // q 1 and 3 over a prefix
   EXPECT_EQ(plan->expanded_seqs, 2);  // the 5-token cold prefill and the 40-token block
-  EXPECT_EQ(MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len_no_prefix = -1}).status().code(),
+  EXPECT_EQ(MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len_no_prefix = -2}).status().code(),
             StatusCode::kInvalidArgument);
 }
 

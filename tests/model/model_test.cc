@@ -338,6 +338,34 @@ TEST(ModelLoad, RandomModelFromYamlIsDeterministic) {
   EXPECT_EQ(predicted.embedding_and_head, wb.embedding_and_head);
 }
 
+// Weights stored in the dtype they are used in are read from the mapped
+// files, not copied: at least the embeddings, lm_head and every projection
+// of the decoder layers (only norms, the router of a bf16 checkpoint and the
+// split W_UK / W_UV are the model's own). A YAML model owns everything.
+TEST(ModelLoad, CheckpointWeightsAreReadInPlace) {
+  for (const std::string& name : Cases()) {
+    auto m = Model::Load(FixtureDir(name));
+    ASSERT_TRUE(m.ok()) << m.status();
+    const ModelConfig& c = (*m)->config();
+    const WeightBytes wb = (*m)->weight_bytes();
+    const int64_t es = static_cast<int64_t>(DTypeSize(c.weight_dtype)), H = c.hidden_size;
+    int64_t norms = H * 4, routers = 0;
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      norms += (2 * H + c.kv_lora_rank + std::max<int64_t>(c.q_lora_rank, 0)) * 4;
+      if (c.IsMoeLayer(i)) routers += c.n_routed_experts * (H + (c.model_type == ModelType::kDeepSeekV3 ? 1 : 0)) * 4;
+    }
+    const int64_t split = c.num_hidden_layers * c.num_attention_heads * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) *
+                          static_cast<int64_t>(DTypeSize(c.kv_dtype));
+    // Everything but norms, W_UK / W_UV and (bf16 checkpoints) the fp32 routers.
+    const int64_t want = wb.total() - norms - split - (es == 4 ? 0 : routers) -
+                         (c.model_type == ModelType::kDeepSeekV3 && es == 4 ? routers / (H + 1) : 0);
+    EXPECT_EQ((*m)->weight_bytes_in_place(), want) << name;
+  }
+  auto yaml = Model::Load(std::string(MLARUN_CONFIGS_DIR) + "/models/tiny.yaml");
+  ASSERT_TRUE(yaml.ok()) << yaml.status();
+  EXPECT_EQ((*yaml)->weight_bytes_in_place(), 0);
+}
+
 TEST(ModelLoad, PredictedWeightBytesMatchLoadedCheckpoints) {
   for (const std::string& name : Cases()) {
     auto m = Model::Load(FixtureDir(name));
