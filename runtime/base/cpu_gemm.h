@@ -51,8 +51,8 @@ Status ValidateGemmDesc(const GemmDesc& d);
 // it the weights' bytes set the pace; from it on the arithmetic does). As
 // measured with 2 threads on a 20480 x 2048 weight, ours against oneDNN's and
 // our packed kernel (docs/cpu-kernels.md): bf16 where oneDNN has bf16
-// arithmetic (AVX512-BF16, AMX), up to 8 rows; bf16 elsewhere, up to 32;
-// f32, up to 16.
+// arithmetic (AVX512-BF16, AMX), up to 16 rows with our AVX512-BF16 dot
+// products (8 without them); bf16 elsewhere, up to 32; f32, up to 16.
 int64_t GemmSmallRowsLimit(const GemmDesc& d);
 // The largest of those limits: callers that pad rows leave products this
 // small exact.

@@ -208,8 +208,11 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   auto rows_of = [&](const Job& j) { return j.slots ? moe_x_.data() + j.x : X; };
 
   // The products as items of at most ~1 MiB of weights each (a column range
-  // of one matrix), handed out to the threads as they finish: no thread
-  // waits long at the end of a phase for one that drew a big matrix.
+  // of one matrix), in matrix order, each thread taking one contiguous run
+  // of them: the threads' shares of bytes are equal to about one item, and
+  // each reads its weights as a few long sequential runs (a run that starts
+  // anew costs the prefetchers' warm-up: handing out items one by one was
+  // slower).
   struct Item {
     uint32_t job;
     uint8_t matrix;  // 0 gate, 1 up, 2 down
@@ -237,7 +240,7 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
         std::memcpy(moe_x_.data() + j.x + static_cast<size_t>(r * H), X + (*j.slots)[static_cast<size_t>(r)] / K * H,
                     static_cast<size_t>(H) * sizeof(float));
     }
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (size_t it = 0; it < up_items.size(); ++it) {  // gate and up
       const Item& item = up_items[it];
       const Job& j = jobs[item.job];
@@ -248,7 +251,7 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
     }
 #pragma omp for schedule(static)
     for (size_t ji = 0; ji < jobs.size(); ++ji) SiluMul(moe_h_.data() + jobs[ji].h, jobs[ji].n, jobs[ji].mlp->intermediate());
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (size_t it = 0; it < down_items.size(); ++it) {  // down
       const Item& item = down_items[it];
       const Job& j = jobs[item.job];

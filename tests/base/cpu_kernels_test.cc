@@ -116,6 +116,11 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
                                      {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
                                      {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}};
+  // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
+  // products; run their FMA path too.
+  const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
+  for (bool dot : dot_variants ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
+  const bool previous = cpu::SetBf16DotAllowed(dot);
   for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kOneDnn, GemmImpl::kAuto})
     for (DType t : {DType::kF32, DType::kBF16})
       for (DType ct : {DType::kF32, DType::kBF16})
@@ -125,9 +130,14 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
             for (const Shape& s : shapes) {
               if (impl == GemmImpl::kSmall && s.m > 40) continue;  // the streaming kernels are for few rows
               CheckOne(Case{isa, impl, t, ct, col, acc}, s, rng);
-              if (HasFatalFailure()) return;
+              if (HasFatalFailure()) {
+                cpu::SetBf16DotAllowed(previous);
+                return;
+              }
             }
           }
+  cpu::SetBf16DotAllowed(previous);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, GemmEveryIsa,

@@ -1,6 +1,18 @@
 #include "runtime/base/cpu/kernels.h"
 
+#include <atomic>
+
 namespace mlarun::cpu {
+namespace {
+std::atomic<bool> g_bf16_dot_allowed{true};
+}  // namespace
+
+bool UseBf16Dot(const CpuKernels& k) {
+  return k.gemm_small_bt_bf16_dot != nullptr && HostCpu().avx512_bf16 && HostCpu().os_zmm &&
+         g_bf16_dot_allowed.load(std::memory_order_relaxed);
+}
+
+bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
 
 const CpuKernels* KernelsFor(CpuIsa isa) {
   // Never touch a family's code on a CPU that cannot run it.

@@ -46,6 +46,10 @@ struct CpuKernels {
   // layout of the kernel's own; g.a then points at it, lda = k).
   void (*gemm_small_bt)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
   void (*small_bt_prepare_a)(const GemmArgs& g, float* out) = nullptr;
+  // The same for a bf16 A and B with AVX512-BF16 dot products (A read as it
+  // is, no prepare). Present in the avx512 table; callable only when
+  // HostCpu().avx512_bf16 (see UseBf16Dot).
+  void (*gemm_small_bt_bf16_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
   // Few rows, B with n contiguous (b_stride_n == 1): B rows are read once,
   // each scaled by A's column and summed into C, a few vectors of C at a time.
   void (*gemm_small_bn)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
@@ -76,6 +80,14 @@ struct CpuKernels {
   // returns a value that depends on every byte (so the reads cannot be elided).
   uint64_t (*stream_read)(const void* p, size_t bytes) = nullptr;
 };
+
+// Whether products may use gemm_small_bt_bf16_dot: the table has it, the CPU
+// has AVX512-BF16, and SetBf16DotAllowed did not turn it off.
+bool UseBf16Dot(const CpuKernels& k);
+// For tests, so the FMA path of the avx512 kernels runs on a CPU with
+// AVX512-BF16 too. Returns the previous setting. Products prepared before
+// keep what they were prepared with.
+bool SetBf16DotAllowed(bool allowed);
 
 // The table of `isa`; nullptr when this CPU cannot run it.
 const CpuKernels* KernelsFor(CpuIsa isa);
