@@ -120,13 +120,20 @@ Status MlaCheck(const MlaParams& p) {
 }
 
 AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa) {
+  // `mlarun bench attention`, DeepSeek-V3 attention dims, bf16, 2 threads:
+  // amx on an Intel Xeon (2026-11-29, docs/attention-bench.md); avx512, avx2
+  // (full grids) and scalar (the --quick grid) on an AMD EPYC (2026-12-01,
+  // docs/attention-bench-amd-*-2026-12-01.txt). With a cached prefix every
+  // family crosses over at 256; without one, AMX's bf16 products make the
+  // expanded path's up-projection cheap enough to win from 32 tokens, the
+  // others from 64.
   switch (isa) {
-    case CpuIsa::kAmx:
-    case CpuIsa::kAvx512: return {.with_prefix = 256, .no_prefix = 32};
-    case CpuIsa::kAvx2: return {.with_prefix = 256, .no_prefix = 32};
-    case CpuIsa::kScalar: return {.with_prefix = 256, .no_prefix = 32};
+    case CpuIsa::kAmx: return {.with_prefix = 256, .no_prefix = 32};
+    case CpuIsa::kAvx512:
+    case CpuIsa::kAvx2:
+    case CpuIsa::kScalar: return {.with_prefix = 256, .no_prefix = 64};
   }
-  return {.with_prefix = 256, .no_prefix = 32};
+  return {.with_prefix = 256, .no_prefix = 64};
 }
 
 AbsorbThresholds MlaAbsorbThresholds(const MlaConfig& c) {

@@ -51,9 +51,10 @@ struct AbsorbThresholds {
   int64_t no_prefix = 0;
   friend bool operator==(const AbsorbThresholds&, const AbsorbThresholds&) = default;
 };
-// The measured defaults of a CPU kernel family (docs/attention-bench.md):
-// avx512 and amx from an Intel Xeon with AMX, avx2 and scalar from the AVX2
-// and baseline kernels (MLARUN_CPU_ISA) on an AMD EPYC.
+// The measured defaults of a CPU kernel family: amx from an Intel Xeon with
+// AMX (docs/attention-bench.md), avx512, avx2 and scalar from an AMD EPYC
+// (its own AVX-512 and, through MLARUN_CPU_ISA, the AVX2 and baseline
+// kernels; docs/attention-bench-amd-*-2026-12-01.txt).
 AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa);
 
 // MlaConfig's thresholds when left at this value: DefaultAbsorbThresholds of

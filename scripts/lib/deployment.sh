@@ -76,3 +76,16 @@ wait_for_groups() {
   done
   fail "the $groups DP groups did not register"
 }
+
+# Waits (up to ~10 s) until every rank reports an empty latent cache: the
+# requests served have released all their blocks. The last GetStats is left
+# in $work/stats.json. Returns non-zero if the caches never emptied.
+wait_caches_empty() {
+  for _ in $(seq 50); do
+    "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
+      python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if d['ranks'] and all(int(r.get('cache_blocks_used', 0)) == 0 for r in d['ranks']) else 1)" &&
+      return 0
+    sleep 0.2
+  done
+  return 1
+}

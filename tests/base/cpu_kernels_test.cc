@@ -16,6 +16,10 @@
 #include "runtime/base/cpu_isa.h"
 
 namespace mlarun {
+
+// Names instead of bytes in the parameterized tests' names.
+void PrintTo(CpuIsa isa, std::ostream* os) { *os << CpuIsaName(isa); }
+
 namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();

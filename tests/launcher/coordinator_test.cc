@@ -381,6 +381,41 @@ class AsyncGenerate {
   std::thread thread_;
 };
 
+// A streaming Generate on its own thread that counts the tokens as they
+// arrive, so a test can act between them.
+class StreamingGenerate {
+ public:
+  StreamingGenerate(v1::Mlarun::Stub& stub, v1::GenerateRequest req, Ms timeout = 10s)
+      : thread_([this, &stub, req = std::move(req), timeout] {
+          grpc::ClientContext ctx;
+          ctx.set_deadline(SysClock::now() + timeout);
+          auto reader = stub.Generate(&ctx, req);
+          v1::GenerateResponse resp;
+          while (reader->Read(&resp)) tokens_ += resp.has_token();
+          status_ = reader->Finish();
+        }) {}
+  ~StreamingGenerate() {
+    if (thread_.joinable()) thread_.join();
+  }
+  // True once `n` tokens arrived, false after `within`.
+  bool WaitTokens(int n, Ms within = 5s) {
+    const auto end = std::chrono::steady_clock::now() + within;
+    while (tokens_ < n && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+    return tokens_ >= n;
+  }
+  // Waits for the call's end.
+  const grpc::Status& Finish() {
+    if (thread_.joinable()) thread_.join();
+    return status_;
+  }
+  int tokens() const { return tokens_; }
+
+ private:
+  std::atomic<int> tokens_{0};
+  grpc::Status status_;
+  std::thread thread_;
+};
+
 class CoordinatorTest : public ::testing::Test {
  protected:
   void StartCoordinator(CoordinatorOptions o = {}) {
@@ -842,28 +877,17 @@ TEST_F(CoordinatorTest, BrokenGroupFailsStartedRequestsAndReroutesTheOthers) {
   StartCoordinator({.policy = RoutingPolicy::kRoundRobin});
   FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .stall_after = 2});
   // r1 gets 2 tokens from group a, then a goes silent.
-  std::atomic<int> r1_tokens{0};
-  grpc::Status r1_status;
-  std::thread r1([&] {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(SysClock::now() + 10s);
-    auto reader = stub_->Generate(&ctx, MakeRequest({1, 2, 3}, 8, 0, "r1"));
-    v1::GenerateResponse resp;
-    while (reader->Read(&resp)) r1_tokens += resp.has_token();
-    r1_status = reader->Finish();
-  });
-  const auto end = std::chrono::steady_clock::now() + 5s;
-  while (r1_tokens < 2 && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(r1_tokens, 2);
+  StreamingGenerate r1(*stub_, MakeRequest({1, 2, 3}, 8, 0, "r1"));
+  ASSERT_TRUE(r1.WaitTokens(2));
   // r2 reaches a but gets no token before a breaks.
   a.SetHold(true);
   AsyncGenerate r2(*stub_, MakeRequest({7, 8, 9}, 5, 3, "r2"));
   ASSERT_TRUE(a.WaitRoutes(2));
   AddWorker({.worker_id = "b", .dp_group = 1});
   a.Break();
-  r1.join();
+  const grpc::Status& r1_status = r1.Finish();
   EXPECT_EQ(r1_status.error_code(), grpc::StatusCode::UNAVAILABLE) << r1_status.error_message();
-  EXPECT_EQ(r1_tokens, 2);
+  EXPECT_EQ(r1.tokens(), 2);
   const GenResult& g2 = r2.Get();
   ExpectServed(g2, {7, 8, 9}, 3, 5);
   EXPECT_EQ(g2.finished->dp_group(), 1);
@@ -897,26 +921,15 @@ TEST_F(CoordinatorTest, BrokenGroupFailsStartedRequestsAndReroutesTheOthers) {
 TEST_F(CoordinatorTest, LeavingGroupEndsItsRequestsWithItsReasonWithinTheLostGroupWait) {
   StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .lost_group_wait_s = 0.3});
   FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .stall_after = 2});
-  std::atomic<int> r1_tokens{0};
-  grpc::Status r1_status;
-  std::thread r1([&] {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(SysClock::now() + 10s);
-    auto reader = stub_->Generate(&ctx, MakeRequest({1, 2, 3}, 8, 0, "r1"));
-    v1::GenerateResponse resp;
-    while (reader->Read(&resp)) r1_tokens += resp.has_token();
-    r1_status = reader->Finish();
-  });
-  const auto end = std::chrono::steady_clock::now() + 5s;
-  while (r1_tokens < 2 && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
-  ASSERT_EQ(r1_tokens, 2);
+  StreamingGenerate r1(*stub_, MakeRequest({1, 2, 3}, 8, 0, "r1"));
+  ASSERT_TRUE(r1.WaitTokens(2));
   a.SetHold(true);
   AsyncGenerate r2(*stub_, MakeRequest({7, 8, 9}, 5, 3, "r2"), 10s);
   ASSERT_TRUE(a.WaitRoutes(2));
   const std::string why = "rank 2 (node7) cannot continue: step failed: ABORTED: collective: peer gone";
   const auto left = std::chrono::steady_clock::now();
   EXPECT_TRUE(a.Leave(why).ok());
-  r1.join();
+  const grpc::Status& r1_status = r1.Finish();
   EXPECT_EQ(r1_status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(r1_status.error_message().find("after sending 2 tokens"), std::string::npos) << r1_status.error_message();
   EXPECT_NE(r1_status.error_message().find(why), std::string::npos) << r1_status.error_message();

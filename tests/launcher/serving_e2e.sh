@@ -74,13 +74,6 @@ assert toks, "empty stream"
 assert [t["index"] for t in toks] == list(range(len(toks))), toks[:5]
 assert len(toks) < 3000, len(toks)
 PY
-freed=0
-for _ in $(seq 50); do
-  "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
-  python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if all(int(r.get('cache_blocks_used', 0)) == 0 for r in d['ranks']) and d['ranks'] else 1)" &&
-  { freed=1; break; }
-  sleep 0.2
-done
-[ $freed = 1 ] || fail "cache blocks still in use after cancellation: $(cat "$work/stats.json")"
+wait_caches_empty || fail "cache blocks still in use after cancellation: $(cat "$work/stats.json")"
 echo "serving_e2e: PASS ($layout)"
 exit 0

@@ -94,14 +94,7 @@ print(f"first batch: {failed} of 8 in the failing step got INTERNAL naming rank 
 PY
   # Nothing stays in the caches; the coordinator counted the failures; each
   # rank reports its CPU.
-  local settled=0
-  for _ in $(seq 50); do
-    "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" 2>/dev/null &&
-      python3 -c "import json,sys; d=json.load(open('$work/stats.json')); sys.exit(0 if d['ranks'] and all(int(r.get('cache_blocks_used', 0)) == 0 for r in d['ranks']) else 1)" &&
-      { settled=1; break; }
-    sleep 0.2
-  done
-  [ $settled = 1 ] || fail "cache blocks still in use: $(cat "$work/stats.json")"
+  wait_caches_empty || fail "cache blocks still in use: $(cat "$work/stats.json")"
   python3 - "$work" <<'PY' || fail "stats"
 import json, re, sys
 work = sys.argv[1]
