@@ -102,6 +102,12 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
     log << "mlarun generate: --attention-thresholds: " << st.message() << "\n";
     return 2;
   }
+  if (auto w = ParseWeightLoading(o.weights); w.ok()) {
+    mo.weights = *w;
+  } else {
+    log << "mlarun generate: " << w.status().message() << "\n";
+    return 2;
+  }
   // Loading progress rewrites one line on a terminal; logs get only the summary.
   const bool tty = &log == &std::cerr && isatty(STDERR_FILENO);
   if (tty) mo.progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
@@ -217,6 +223,9 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   mo.shard = ModelShard::For(*layout, session.rank());
   if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok())
     session.Abort("--attention-thresholds: " + st.ToString(), 2);
+  auto weights = ParseWeightLoading(o.weights);
+  if (!weights.ok()) session.Abort(weights.status().ToString(), 2);
+  mo.weights = *weights;
   const auto t0 = std::chrono::steady_clock::now();
   auto model = Model::Load(o.model, *ov, mo);
   if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);

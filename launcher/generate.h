@@ -23,6 +23,7 @@ struct GenerateOptions {
   int threads = 0;
   std::string parallel;               // "dp=D,attn_tp=T[,moe=...]": run on the ranks of mpirun
   std::string attention_thresholds;   // a thresholds file (launcher/thresholds.h); "" : the CPU's defaults
+  std::string weights = "mapped";     // WeightLoading: mapped | copied
 };
 
 // Prints one line per request: with `json`, {"tokens", "logprobs",

@@ -65,6 +65,8 @@ int main(int argc, char** argv) {
   dec->add_option("--prefill-tokens", db.prefill_tokens, "Prompt tokens of the prefill measurement")->capture_default_str()->check(CLI::PositiveNumber);
   dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")->capture_default_str()->check(CLI::PositiveNumber);
   dec->add_option("--kv-dtype", db.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  dec->add_option("--weights", db.weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
+      ->capture_default_str();
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
@@ -99,6 +101,8 @@ int main(int argc, char** argv) {
   generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")->capture_default_str();
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
   generate->add_option("--parallel", gen.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
+  generate->add_option("--weights", gen.weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
+      ->capture_default_str();
   generate->add_option("--attention-thresholds", gen.attention_thresholds,
                        "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
 
@@ -151,6 +155,8 @@ int main(int argc, char** argv) {
   auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
   worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
+  worker->add_option("--weights", wo.weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
+      ->capture_default_str();
   worker->add_option("--attention-thresholds", wo.attention_thresholds,
                      "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
   int worker_threads = 0;

@@ -120,6 +120,7 @@ StatusOr<BenchModel> LoadBenchModel(const DecodeBenchOptions& o, const ModelShar
                                   o.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
   ModelOptions mo;
   mo.shard = shard;
+  MLARUN_ASSIGN_OR_RETURN(mo.weights, ParseWeightLoading(o.weights));
   if (yaml) {
     MLARUN_ASSIGN_OR_RETURN(bm.model, Model::Random(config, seed, mo));
   } else {
@@ -174,6 +175,8 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   doc["moe_layers"] = moe_layers;
   doc["routed_experts"] = config.n_routed_experts;
   doc["weight_dtype"] = std::string(DTypeName(config.weight_dtype));
+  doc["weights"] = o.weights;
+  doc["weight_bytes_in_place"] = model->weight_bytes_in_place();
   doc["kv_dtype"] = std::string(DTypeName(config.kv_dtype));
   doc["weight_bytes"] = predicted.total();
   doc["threads"] = omp_get_max_threads();

@@ -35,6 +35,7 @@ struct DecodeBenchOptions {
   int64_t prefill_tokens = 512;  // the prompt of the prefill measurement
   int repetitions = 5;           // timed steps per point (median)
   std::string kv_dtype;          // "" keeps the model's
+  std::string weights = "mapped";  // WeightLoading of a checkpoint: mapped | copied
   bool json = false;
   int64_t max_weight_bytes = int64_t{16} << 30;  // refuse larger models (they would not fit next to the cache)
   std::string parallel;      // "dp=D,attn_tp=T[,moe=...]": under mpirun (decode only)

@@ -249,6 +249,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   mo.shard = ModelShard::For(*layout, session.rank());
   if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok())
     session.Abort("--attention-thresholds: " + st.ToString(), 2);
+  auto loading = ParseWeightLoading(o.weights);
+  if (!loading.ok()) session.Abort(loading.status().ToString(), 2);
+  mo.weights = *loading;
   if (o.fail_forward_call >= 0 && (o.fail_forward_rank < 0 || o.fail_forward_rank == session.rank())) {
     mo.fail_forward_call = o.fail_forward_call;
     std::cerr << "mlarun worker: " + rank_name + ": fault injection: model step " +

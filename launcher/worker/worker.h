@@ -43,6 +43,7 @@ struct WorkerOptions {
   double memory_gib = 0;
   EngineConfig engine;
   std::string attention_thresholds;  // a thresholds file (launcher/thresholds.h); "": the CPU's defaults
+  std::string weights = "mapped";    // WeightLoading: mapped | copied
   double stats_period_s = 0.5;
   // Fault injection, for tests of the failure paths only: the model step
   // with this 0-based index (ModelOptions::fail_forward_call; every rank

@@ -127,8 +127,26 @@ struct ParallelStep {
   std::string rank_name;
 };
 
+// How checkpoint weights stored in the dtype they are used in get into
+// memory. Values are frozen (they are flag values).
+enum class WeightLoading : uint8_t {
+  // Read in place from the memory-mapped files: nothing is copied at load, no
+  // second resident copy. The page cache backs them, in the pages the kernel
+  // gives a file mapping (often 4 KiB: a page walk every 4 KiB read).
+  kMapped = 0,
+  // Copied into huge-page buffers of the model's own, each tensor's file
+  // pages dropped from the process as it is copied (the resident set never
+  // holds both). Faster to stream where file mappings get small pages, and
+  // immune to the kernel reclaiming cold file pages; costs the copy at load.
+  kCopied = 1,
+};
+// "mapped" or "copied"; the error names the flag value.
+StatusOr<WeightLoading> ParseWeightLoading(std::string_view name);
+std::string_view WeightLoadingName(WeightLoading w);
+
 struct ModelOptions {
   MlaConfig attention;        // dispatch thresholds, tiles, backend
+  WeightLoading weights = WeightLoading::kMapped;
   ModelShard shard;           // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
   // Testing: the Forward call with this 0-based index (counted per Model)

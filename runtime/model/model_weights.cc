@@ -41,12 +41,18 @@ class WeightSource {
 
 class CheckpointSource final : public WeightSource {
  public:
-  explicit CheckpointSource(std::shared_ptr<const Checkpoint> c) : owner_(std::move(c)), ckpt_(*owner_) {}
+  CheckpointSource(std::shared_ptr<const Checkpoint> c, WeightLoading loading)
+      : owner_(std::move(c)), ckpt_(*owner_), loading_(loading) {}
   StatusOr<Linear> LinearSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
                                int64_t c1, DType dtype, double random_std) override {
     const int64_t shape[2] = {rows, cols};
     MLARUN_ASSIGN_OR_RETURN(const std::byte* in_place, ckpt_.InPlace(name, shape, dtype));
-    if (in_place == nullptr) return WeightSource::LinearSlice(name, rows, cols, r0, r1, c0, c1, dtype, random_std);
+    if (in_place == nullptr || loading_ == WeightLoading::kCopied) {
+      auto copy = WeightSource::LinearSlice(name, rows, cols, r0, r1, c0, c1, dtype, random_std);
+      // The copy is the weight now: its file pages leave the resident set.
+      if (copy.ok() && loading_ == WeightLoading::kCopied) ckpt_.Release(name);
+      return copy;
+    }
     if (r0 < 0 || r0 > r1 || r1 > rows || c0 < 0 || c0 > c1 || c1 > cols)
       return InvalidArgumentError("weight ", name, ": slice [", r0, ", ", r1, ") x [", c0, ", ", c1,
                                   ") outside its shape [", rows, ", ", cols, "]");
@@ -92,6 +98,7 @@ class CheckpointSource final : public WeightSource {
  private:
   std::shared_ptr<const Checkpoint> owner_;
   const Checkpoint& ckpt_;
+  const WeightLoading loading_;
   std::set<std::string> used_;
 };
 
@@ -355,7 +362,7 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   if (!ckpt) return InvalidArgumentError("model: no checkpoint given");
   std::unique_ptr<Model> m(new Model(config, options));
   MLARUN_RETURN_IF_ERROR(m->Init());
-  CheckpointSource src(std::move(ckpt));
+  CheckpointSource src(std::move(ckpt), options.weights);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   MLARUN_RETURN_IF_ERROR(src.CheckNoneLeft(config));
   return m;
@@ -368,6 +375,14 @@ StatusOr<std::unique_ptr<Model>> Model::Random(const ModelConfig& config, uint64
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   return m;
 }
+
+StatusOr<WeightLoading> ParseWeightLoading(std::string_view name) {
+  if (name == "mapped") return WeightLoading::kMapped;
+  if (name == "copied") return WeightLoading::kCopied;
+  return InvalidArgumentError("--weights must be mapped or copied, got '", std::string(name), "'");
+}
+
+std::string_view WeightLoadingName(WeightLoading w) { return w == WeightLoading::kCopied ? "copied" : "mapped"; }
 
 StatusOr<ModelOverrides> ParseModelOverrides(const std::string& kv_dtype, int64_t num_layers) {
   ModelOverrides ov;

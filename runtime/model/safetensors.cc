@@ -695,6 +695,15 @@ Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected
   return LoadRegion(*this, *t, n, {0, 1, 0, n}, out_dtype, out);
 }
 
+void Checkpoint::Release(std::string_view name) const {
+  const TensorRef* t = Find(name);
+  if (t == nullptr || t->bytes == 0) return;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(t->data) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(t->data) + t->bytes) / page * page;
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 StatusOr<const std::byte*> Checkpoint::InPlace(std::string_view name, std::span<const int64_t> expected_shape,
                                                DType dtype) const {
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, dtype));

@@ -105,6 +105,12 @@ class Checkpoint {
   StatusOr<const std::byte*> InPlace(std::string_view name, std::span<const int64_t> expected_shape,
                                      DType dtype) const;
 
+  // Drops this process's mapping of tensor `name`'s pages (madvise
+  // MADV_DONTNEED on the whole pages it spans), after its bytes were copied:
+  // they leave the resident set (the page cache keeps them as reclaimable).
+  // Reading the tensor again maps them back. No-op for an unknown name.
+  void Release(std::string_view name) const;
+
   // A rectangular piece of a 2-D tensor: rows [row_begin, row_end) and
   // columns [col_begin, col_end) of `name` (whose full shape must equal
   // `expected_shape`), into `out` ([rows, cols] row-major) as `out_dtype`.

@@ -366,6 +366,25 @@ TEST(ModelLoad, CheckpointWeightsAreReadInPlace) {
   EXPECT_EQ((*yaml)->weight_bytes_in_place(), 0);
 }
 
+// WeightLoading::kCopied: nothing stays in place, and the model computes
+// exactly what the mapped one does (the same bytes, elsewhere).
+TEST(ModelLoad, CopiedWeightsGiveTheSameLogits) {
+  for (const std::string& name : Cases()) {
+    auto mapped = Model::Load(FixtureDir(name));
+    auto copied = Model::Load(FixtureDir(name), {}, ModelOptions{.weights = WeightLoading::kCopied});
+    ASSERT_TRUE(mapped.ok() && copied.ok()) << name;
+    EXPECT_GT((*mapped)->weight_bytes_in_place(), 0) << name;
+    EXPECT_EQ((*copied)->weight_bytes_in_place(), 0) << name;
+    EXPECT_EQ((*copied)->weight_bytes().total(), (*mapped)->weight_bytes().total()) << name;
+    const std::vector<int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+    const auto a = FullForward(**mapped, prompt), b = FullForward(**copied, prompt);
+    ASSERT_FALSE(a.empty());
+    EXPECT_EQ(a, b) << name;
+  }
+  EXPECT_EQ(*ParseWeightLoading("copied"), WeightLoading::kCopied);
+  EXPECT_EQ(ParseWeightLoading("mmap").status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ModelLoad, PredictedWeightBytesMatchLoadedCheckpoints) {
   for (const std::string& name : Cases()) {
     auto m = Model::Load(FixtureDir(name));
