@@ -13,6 +13,7 @@
 #include "launcher/bench/timing.h"
 #include "runtime/base/cpu_gemm.h"
 #include "runtime/base/cpu_isa.h"
+#include "runtime/base/large_buffer.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/model/model.h"
 
@@ -280,6 +281,18 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
             << Pct(js["moe"]) << " " << std::setw(6) << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"])
             << " " << std::setw(6) << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
     }
+  }
+
+  // Page sizes after the decode steps touched every weight: with 4 KiB pages
+  // a step pays a TLB miss per 4 KiB and the prefetchers stop at each page.
+  {
+    const HugePageUse hp = ProcessHugePageUse();
+    const int64_t in_place = model->weight_bytes_in_place();
+    doc["huge_pages"] = {{"weights_in_place_bytes", in_place}, {"file_pmd_mapped_bytes", hp.file_bytes},
+                         {"anon_huge_bytes", hp.anon_bytes}};
+    table << "  pages: " << (in_place >> 20) << " MiB of weights read in place from the mapped checkpoint; "
+          << (hp.file_bytes >> 20) << " MiB of file mappings and " << (hp.anon_bytes >> 20)
+          << " MiB of own memory on 2 MiB pages\n";
   }
 
   // Prefill: a fresh prompt of prefill_tokens, one step, as the engine runs

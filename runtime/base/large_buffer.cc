@@ -4,6 +4,8 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 namespace mlarun {
 
@@ -17,6 +19,22 @@ void* AllocateLarge(size_t bytes, bool zero) {
   if (align == kHuge) (void)madvise(p, rounded, MADV_HUGEPAGE);
   if (zero) std::memset(p, 0, rounded);
   return p;
+}
+
+HugePageUse ProcessHugePageUse() {
+  HugePageUse use;
+  std::ifstream in("/proc/self/smaps_rollup");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key) {
+    if (key == "FilePmdMapped:" || key == "AnonHugePages:") {
+      if (!(in >> kib)) break;
+      (key[0] == 'F' ? use.file_bytes : use.anon_bytes) = kib << 10;
+    }
+    in.ignore(1 << 12, '\n');
+  }
+  return use;
 }
 
 }  // namespace mlarun

@@ -10,11 +10,22 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace mlarun {
 
 // `bytes` (rounded up to the alignment) of zero-filled memory when `zero`,
 // else untouched; nullptr when it cannot be had. Release with std::free.
 void* AllocateLarge(size_t bytes, bool zero);
+
+// How much of this process's memory is mapped with 2 MiB pages
+// (/proc/self/smaps_rollup): file pages (a mapped checkpoint whose page cache
+// holds 2 MiB folios) and anonymous memory (AllocateLarge's buffers). Both 0
+// where the kernel does not report them.
+struct HugePageUse {
+  int64_t file_bytes = 0;
+  int64_t anon_bytes = 0;
+};
+HugePageUse ProcessHugePageUse();
 
 }  // namespace mlarun
