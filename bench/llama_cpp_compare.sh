@@ -14,10 +14,18 @@
 # Usage: bench/llama_cpp_compare.sh [--out FILE] [--rounds N] [--threads T] [--layers N]
 #            [--dtype bf16|f32] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
 #            [--seed S] [--llama-load-mode auto|none|mmap|mlock|mmap+mlock] [--isa native|avx2]
+#            [--page-cache huge|as-is] [--table RUN_DIR]
+# --table RUN_DIR: print the table of an earlier run again (from its raw
+# outputs and RUN_DIR/table.env), run nothing.
 # --isa avx2: both sides as on a CPU with AVX2 and FMA only, on a machine that
 # has more: llama.cpp built without its AVX-512 code (GGML_NATIVE=OFF, AVX2/FMA/
 # F16C on, every AVX-512 variant off; its own build folder), mlarun run with
 # MLARUN_CPU_ISA=avx2.
+# --page-cache huge (the default): both weight files are evicted from the page
+# cache once and re-read through a MADV_HUGEPAGE mapping
+# (bench/warm_page_cache.py), so both runtimes' mappings get 2 MiB pages; as-is
+# leaves the page cache as earlier reads left it (often 4 KiB pages, which
+# cost either runtime ~10% at batch 1).
 set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,6 +43,11 @@ OUT=""
 SEED=0
 LLAMA_LOAD_MODE=auto
 ISA=native
+PAGE_CACHE=huge
+TABLE_FROM=""
+# What the table (bench/compare_table.py) reads from the environment; kept in
+# each run folder as table.env.
+TABLE_VARS=(MLARUN MLARUN_BUILT RECLAIM_NOTE PAGE_CACHE LLAMA_LOAD_MODE RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION TG DEPTH PP BCTX BTG BATCHES QUICK CKPT GGUF)
 # Pin the llama-cpp-python release (and so the llama.cpp it vendors); empty: the newest on PyPI.
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"
 
@@ -52,6 +65,8 @@ while [ $# -gt 0 ]; do
     --seed) SEED="${2:?--seed needs a value}"; shift 2 ;;
     --llama-load-mode) LLAMA_LOAD_MODE="${2:?--llama-load-mode needs a value}"; shift 2 ;;
     --isa) ISA="${2:?--isa needs a value}"; shift 2 ;;
+    --page-cache) PAGE_CACHE="${2:?--page-cache needs a value}"; shift 2 ;;
+    --table) TABLE_FROM="${2:?--table needs a run folder}"; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --quick) QUICK=1; shift ;;
     -h|--help) usage; exit 0 ;;
@@ -60,6 +75,16 @@ while [ $# -gt 0 ]; do
 done
 
 die() { echo -e "\nllama_cpp_compare: FAILED: $*" >&2; exit 1; }
+if [ -n "$TABLE_FROM" ]; then
+  [ -f "$TABLE_FROM/table.env" ] || die "$TABLE_FROM/table.env not found (a run folder of this script holds one)"
+  # shellcheck disable=SC1091
+  source "$TABLE_FROM/table.env"
+  RUN="$(cd "$TABLE_FROM" && pwd)"
+  export "${TABLE_VARS[@]}"
+  python3 "$BENCH/compare_table.py" | if [ -n "$OUT" ]; then tee "$OUT"; else cat; fi
+  exit "${PIPESTATUS[0]}"
+fi
+case "$PAGE_CACHE" in huge|as-is) ;; *) die "--page-cache must be huge or as-is, got '$PAGE_CACHE'" ;; esac
 case "$DTYPE" in bf16|f32) ;; float32) DTYPE=f32 ;; *) die "--dtype must be bf16 or f32, got '$DTYPE'" ;; esac
 case "$ISA" in
   native) LLAMA_ISA_FLAGS=(-DGGML_NATIVE=ON); LLAMA_ISA_SUFFIX="" ;;
@@ -316,6 +341,16 @@ CMD_L_BAT=("$LBB" -m "$GGUF" -c "$((MAXB * (BCTX + BTG)))" -b 2048 -ub 512 -npp 
   echo "llama.cpp batched:${CMD_L_BAT[*]}"
 } >"$RUN/commands.txt"
 
+# Both start every run with their weight file in the page cache (not timed),
+# read the same way: through a MADV_HUGEPAGE mapping, which keeps (or, after
+# an eviction, re-creates) 2 MiB folios.
+warm_file() { "$PY" "$BENCH/warm_page_cache.py" "$@"; }
+if [ "$PAGE_CACHE" = huge ]; then
+  step "page cache in 2 MiB folios (evicted once, re-read from disk)"
+  warm_file --drop "$CKPT"/*.safetensors "$GGUF" | tee "$RUN/page-cache.txt" | sed 's/^/   /' >&2
+  end_step
+fi
+
 for ((r = 1; r <= ROUNDS; r++)); do
   step "round $r/$ROUNDS"
   d="$RUN/round$r"
@@ -325,8 +360,7 @@ for ((r = 1; r <= ROUNDS; r++)); do
               "M_BAT mlarun-batched json" "L_BAT llama-batched-bench jsonl"; do
     read -r var name ext <<<"$pair"
     declare -n cmd="CMD_$var"
-    # Both start with their weight file in the page cache (not timed).
-    if [[ "$var" == M_* ]]; then cat "$CKPT"/*.safetensors >/dev/null; else cat "$GGUF" >/dev/null; fi
+    if [[ "$var" == M_* ]]; then warm_file "$CKPT"/*.safetensors; else warm_file "$GGUF"; fi >>"$d/page-cache.txt"
     t0=$SECONDS
     if ! "${cmd[@]}" >"$d/$name.$ext" 2>"$d/$name.log"; then
       echo "---- last lines of $d/$name.log:" >&2
@@ -353,153 +387,9 @@ for k in /sys/kernel/mm/damon/admin/kdamonds/*; do
   fi
 done
 TABLE="$RUN/table.md"
-export MLARUN MLARUN_BUILT RECLAIM_NOTE LLAMA_LOAD_MODE RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION \
-  TG DEPTH PP BCTX BTG BATCHES QUICK CKPT GGUF
-"$PY" - >"$TABLE" <<'EOF'
-import glob, json, os, statistics, sys
-E = os.environ
-run, rounds = E["RUN"], int(E["ROUNDS"])
-
-def fail(msg):
-    sys.exit(f"llama_cpp_compare: FAILED: parsing the results: {msg}")
-
-def load_json(path):
-    text = open(path).read()
-    start = min([i for i in (text.find("{"), text.find("[")) if i >= 0], default=-1)
-    if start < 0:
-        fail(f"{path}: no JSON")
-    try:
-        return json.JSONDecoder().raw_decode(text[start:])[0]
-    except ValueError as e:
-        fail(f"{path}: {e}")
-
-def mlarun_doc(path):
-    doc = load_json(path)
-    if not isinstance(doc, dict):
-        fail(f"{path}: not a JSON object")
-    return doc
-
-# `mlarun bench decode --json`, read by key: decode points in "decode" with
-# "tokens_per_s" (older builds: "rows" with "decode_tokens_per_s"); the prefill
-# figure in "prefill" (older builds: "prefill_tokens_per_s" in each row).
-def mlarun_decode(path, batch, context):
-    doc = mlarun_doc(path)
-    for key, rows in (("tokens_per_s", doc.get("decode")), ("decode_tokens_per_s", doc.get("rows"))):
-        for row in rows if isinstance(rows, list) else []:
-            if row.get("batch") == batch and row.get("context") == context and key in row:
-                return float(row[key])
-    fail(f"{path}: no decode figure for batch {batch}, context {context}")
-
-def mlarun_prefill(path, tokens):
-    doc = mlarun_doc(path)
-    p = doc.get("prefill")
-    if isinstance(p, dict) and "tokens_per_s" in p:
-        if p.get("tokens", tokens) != tokens:
-            fail(f"{path}: prefill of {p.get('tokens')} tokens, expected {tokens}")
-        return float(p["tokens_per_s"])
-    for row in doc.get("rows") or []:
-        if "prefill_tokens_per_s" in row:
-            return float(row["prefill_tokens_per_s"])
-    fail(f"{path}: no prefill figure")
-
-def llama_bench_fig(path, n_prompt, n_gen):
-    tests = load_json(path)
-    tests = tests if isinstance(tests, list) else [tests]
-    for t in tests:
-        if int(t.get("n_prompt", -1)) == n_prompt and int(t.get("n_gen", -1)) == n_gen:
-            return float(t["avg_ts"])
-    fail(f"{path}: no test with n_prompt={n_prompt}, n_gen={n_gen}")
-
-def batched_fig(path, pl):
-    for line in open(path):
-        line = line.strip()
-        if line.startswith("{"):
-            d = json.loads(line)
-            if int(d.get("pl", -1)) == pl:
-                return float(d["speed_tg"])
-    fail(f"{path}: no line with pl={pl}")
-
-tg, depth, pp, bctx, btg = (int(E[k]) for k in ("TG", "DEPTH", "PP", "BCTX", "BTG"))
-batches = [int(b) for b in E["BATCHES"].split(",")]
-figures = [(f"batch-1 decode, context {depth}",
-            lambda d: mlarun_decode(f"{d}/mlarun-decode.json", 1, depth),
-            lambda d: llama_bench_fig(f"{d}/llama-bench-decode.json", 0, tg)),
-           (f"prefill, {pp}-token prompt",
-            lambda d: mlarun_prefill(f"{d}/mlarun-prefill.json", pp),
-            lambda d: llama_bench_fig(f"{d}/llama-bench-prefill.json", pp, 0))]
-for b in batches:
-    figures.append((f"batched decode, {b} x {bctx} context",
-                    lambda d, b=b: mlarun_decode(f"{d}/mlarun-batched.json", b, bctx),
-                    lambda d, b=b: batched_fig(f"{d}/llama-batched-bench.jsonl", b)))
-
-dirs = [f"{run}/round{r}" for r in range(1, rounds + 1)]
-results = []
-for label, fm, fl in figures:
-    m = [fm(d) for d in dirs]
-    l = [fl(d) for d in dirs]
-    results.append((label, m, l))
-
-doc0 = mlarun_doc(f"{dirs[0]}/mlarun-decode.json")
-lb0 = load_json(f"{dirs[0]}/llama-bench-decode.json")
-lb0 = lb0[0] if isinstance(lb0, list) else lb0
-dtype = E["DTYPE"]
-mcol = f"mlarun ({dtype}) tok/s"
-lcol = f"llama.cpp {E['GGUF_TYPE']} GGUF tok/s"
-
-def fmt(v):
-    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
-
-def spread(vs):
-    return "" if len(vs) == 1 else f" ({fmt(min(vs))}-{fmt(max(vs))})"
-
-import datetime
-date = datetime.date.today().isoformat()
-moe = doc0.get("moe_layers")
-layers = doc0.get("layers", E["LAYERS"])
-print(f"# mlarun vs llama.cpp on the CPU ({date})")
-print()
-if E["QUICK"] == "1":
-    print("**--quick run: 1 round, short runs; for checking the pipeline, not for quoting.**")
-    print()
-print(f"* CPU: {E['CPU_MODEL']} ({E['CPU_FLAGS']}), {E['THREADS']} threads for both")
-print(f"* Model: random weights at DeepSeek-V2-Lite widths, {layers} layers ({moe} MoE, 64 routed experts, top-6); "
-      f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion")
-print(f"* mlarun {E['MLARUN_REV']} (binary {E['MLARUN']}, built {E['MLARUN_BUILT']}), weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
-      f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
-      f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, "
-      f"flash_attn {({-1: 'auto', 0: 'off', 1: 'on'}).get(lb0.get('flash_attn'), lb0.get('flash_attn', '?'))}")
-print(f"* Weights: mlarun maps the checkpoint; llama.cpp load mode {E['LLAMA_LOAD_MODE']}"
-      + (" (its default: mmap)" if E["LLAMA_LOAD_MODE"] == "auto" else "")
-      + "; each run starts with its weight file in the page cache")
-if E.get("RECLAIM_NOTE"):
-    print(f"* Note: {E['RECLAIM_NOTE']}")
-print(f"* Same model on both sides: {open(f'{run}/greedy.txt').read().strip()}")
-print(f"* Median of {rounds} interleaved round{'s' if rounds > 1 else ''} (range in parentheses)")
-print()
-print(f"| | {mcol} | {lcol} | mlarun / llama.cpp |")
-print("|---|---:|---:|---:|")
-for label, m, l in results:
-    mm, ll = statistics.median(m), statistics.median(l)
-    ratio = f"{mm / ll:.2f}x" if ll > 0 else "-"
-    print(f"| {label} | {fmt(mm)}{spread(m)} | {fmt(ll)}{spread(l)} | {ratio} |")
-print()
-print("What each row compares (see bench/README.md):")
-print()
-print(f"* batch-1 decode: llama-bench `-p 0 -n {tg} -d {depth}` (generates {tg} tokens after a {depth}-token context; "
-      f"mean of its repetitions) vs mlarun's decode tok/s at batch 1 over {depth} cached tokens (median step)")
-print(f"* prefill: llama-bench `-p {pp} -n 0` (a {pp}-token prompt on an empty cache) vs mlarun's prefill tok/s "
-      f"(a fresh {pp}-token prompt in one step; median step)")
-print(f"* batched decode: llama-batched-bench `S_TG` (B sequences, each with its own copy of a {bctx}-token prompt, "
-      f"generating {btg} tokens together) vs mlarun's decode tok/s at batch B over {bctx} cached tokens each")
-print()
-print("Commands:")
-print()
-print("```")
-print(open(f"{run}/commands.txt").read().rstrip())
-print("```")
-print()
-print(f"Raw outputs: {run}")
-EOF
+export "${TABLE_VARS[@]}"
+declare -p "${TABLE_VARS[@]}" >"$RUN/table.env"
+"$PY" "$BENCH/compare_table.py" >"$TABLE"
 cat "$TABLE"
 if [ -n "$OUT" ]; then
   cp "$TABLE" "$OUT"

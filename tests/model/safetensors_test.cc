@@ -318,6 +318,51 @@ TEST_F(SafetensorsTest, EmptyTensorInsideAnotherIsNotAnOverlap) {
   EXPECT_EQ((*file)->Find("z")->bytes, 0u);
 }
 
+
+// Files of 2 MiB and more are mapped at a 2 MiB-aligned address (so the page
+// cache's 2 MiB folios can be mapped whole); every byte still reads back,
+// across the 2 MiB boundaries and up to the file's last byte, and the
+// mappings come and go without touching their neighbours.
+TEST_F(SafetensorsTest, LargeFilesMapAlignedAndReadBack) {
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  for (const size_t floats : {size_t{524'288} - 40, size_t{1'300'001}, size_t{2'621'441}}) {
+    const std::vector<float> head = RandomFloats(3, 7);
+    const std::vector<float> big = RandomFloats(floats, static_cast<uint32_t>(floats));
+    FileBuilder b;
+    b.Add("head", "F32", {3}, RawBytes(head));
+    b.Add("big", "F32", {static_cast<int64_t>(floats)}, RawBytes(big));
+    const std::string bytes = b.Build();
+    const std::string path = Write("large.safetensors", bytes);
+    auto file = SafetensorsFile::Open(path);
+    ASSERT_TRUE(file.ok()) << file.status();
+    const TensorRef* t = (*file)->Find("big");
+    ASSERT_NE(t, nullptr);
+    ASSERT_EQ(t->bytes, floats * 4);
+    EXPECT_EQ(std::memcmp(t->data, big.data(), floats * 4), 0) << bytes.size() << "-byte file";
+    // Where the tensor's bytes sit in the file, found independently of the parser.
+    const std::string_view needle(reinterpret_cast<const char*>(big.data()), 64);
+    const size_t offset = bytes.find(needle);
+    ASSERT_NE(offset, std::string::npos);
+    const uintptr_t base = reinterpret_cast<uintptr_t>(t->data) - offset;
+    if (bytes.size() < kHuge) {
+      file->reset();
+      continue;
+    }
+    EXPECT_EQ(base % kHuge, 0u) << bytes.size() << "-byte file mapped at " << base;
+    // The page after the mapping's end was part of the reservation that
+    // placed it: a fresh mapping there works once it was given back.
+    const uintptr_t end = (base + bytes.size() + 4095) / 4096 * 4096;
+    void* probe = ::mmap(reinterpret_cast<void*>(end), 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE,
+                         -1, 0);
+    if (probe != MAP_FAILED) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(probe), end);
+      ::munmap(probe, 4096);
+    } else {
+      ADD_FAILURE() << "the page after a " << bytes.size() << "-byte mapping is still taken: " << std::strerror(errno);
+    }
+    file->reset();
+  }
+}
 // ---------------------------------------------------------------------------
 // SafetensorsFile: hostile files
 

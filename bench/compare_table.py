@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""The markdown table of a bench/llama_cpp_compare.sh run.
+
+Reads the run's raw outputs (RUN/roundN/...) and the settings the script
+exports (or RUN/table.env, written by the script, for
+`bench/llama_cpp_compare.sh --table RUN`); prints the table on stdout.
+"""
+import glob, json, os, statistics, sys
+E = os.environ
+run, rounds = E["RUN"], int(E["ROUNDS"])
+
+def fail(msg):
+    sys.exit(f"llama_cpp_compare: FAILED: parsing the results: {msg}")
+
+def load_json(path):
+    text = open(path).read()
+    start = min([i for i in (text.find("{"), text.find("[")) if i >= 0], default=-1)
+    if start < 0:
+        fail(f"{path}: no JSON")
+    try:
+        return json.JSONDecoder().raw_decode(text[start:])[0]
+    except ValueError as e:
+        fail(f"{path}: {e}")
+
+def mlarun_doc(path):
+    doc = load_json(path)
+    if not isinstance(doc, dict):
+        fail(f"{path}: not a JSON object")
+    return doc
+
+# `mlarun bench decode --json`, read by key: decode points in "decode" with
+# "tokens_per_s" (older builds: "rows" with "decode_tokens_per_s"); the prefill
+# figure in "prefill" (older builds: "prefill_tokens_per_s" in each row).
+def mlarun_decode(path, batch, context):
+    doc = mlarun_doc(path)
+    for key, rows in (("tokens_per_s", doc.get("decode")), ("decode_tokens_per_s", doc.get("rows"))):
+        for row in rows if isinstance(rows, list) else []:
+            if row.get("batch") == batch and row.get("context") == context and key in row:
+                return float(row[key])
+    fail(f"{path}: no decode figure for batch {batch}, context {context}")
+
+def mlarun_prefill(path, tokens):
+    doc = mlarun_doc(path)
+    p = doc.get("prefill")
+    if isinstance(p, dict) and "tokens_per_s" in p:
+        if p.get("tokens", tokens) != tokens:
+            fail(f"{path}: prefill of {p.get('tokens')} tokens, expected {tokens}")
+        return float(p["tokens_per_s"])
+    for row in doc.get("rows") or []:
+        if "prefill_tokens_per_s" in row:
+            return float(row["prefill_tokens_per_s"])
+    fail(f"{path}: no prefill figure")
+
+def llama_bench_fig(path, n_prompt, n_gen):
+    tests = load_json(path)
+    tests = tests if isinstance(tests, list) else [tests]
+    for t in tests:
+        if int(t.get("n_prompt", -1)) == n_prompt and int(t.get("n_gen", -1)) == n_gen:
+            return float(t["avg_ts"])
+    fail(f"{path}: no test with n_prompt={n_prompt}, n_gen={n_gen}")
+
+def batched_fig(path, pl):
+    for line in open(path):
+        line = line.strip()
+        if line.startswith("{"):
+            d = json.loads(line)
+            if int(d.get("pl", -1)) == pl:
+                return float(d["speed_tg"])
+    fail(f"{path}: no line with pl={pl}")
+
+tg, depth, pp, bctx, btg = (int(E[k]) for k in ("TG", "DEPTH", "PP", "BCTX", "BTG"))
+batches = [int(b) for b in E["BATCHES"].split(",")]
+figures = [(f"batch-1 decode, context {depth}",
+            lambda d: mlarun_decode(f"{d}/mlarun-decode.json", 1, depth),
+            lambda d: llama_bench_fig(f"{d}/llama-bench-decode.json", 0, tg)),
+           (f"prefill, {pp}-token prompt",
+            lambda d: mlarun_prefill(f"{d}/mlarun-prefill.json", pp),
+            lambda d: llama_bench_fig(f"{d}/llama-bench-prefill.json", pp, 0))]
+for b in batches:
+    figures.append((f"batched decode, {b} x {bctx} context",
+                    lambda d, b=b: mlarun_decode(f"{d}/mlarun-batched.json", b, bctx),
+                    lambda d, b=b: batched_fig(f"{d}/llama-batched-bench.jsonl", b)))
+
+dirs = [f"{run}/round{r}" for r in range(1, rounds + 1)]
+results = []
+for label, fm, fl in figures:
+    m = [fm(d) for d in dirs]
+    l = [fl(d) for d in dirs]
+    results.append((label, m, l))
+
+doc0 = mlarun_doc(f"{dirs[0]}/mlarun-decode.json")
+lb0 = load_json(f"{dirs[0]}/llama-bench-decode.json")
+lb0 = lb0[0] if isinstance(lb0, list) else lb0
+dtype = E["DTYPE"]
+mcol = f"mlarun ({dtype}) tok/s"
+lcol = f"llama.cpp {E['GGUF_TYPE']} GGUF tok/s"
+
+def fmt(v):
+    return f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+def spread(vs):
+    return "" if len(vs) == 1 else f" ({fmt(min(vs))}-{fmt(max(vs))})"
+
+import datetime
+date = datetime.date.today().isoformat()
+moe = doc0.get("moe_layers")
+layers = doc0.get("layers", E["LAYERS"])
+print(f"# mlarun vs llama.cpp on the CPU ({date})")
+print()
+if E["QUICK"] == "1":
+    print("**--quick run: 1 round, short runs; for checking the pipeline, not for quoting.**")
+    print()
+print(f"* CPU: {E['CPU_MODEL']} ({E['CPU_FLAGS']}), {E['THREADS']} threads for both")
+print(f"* Model: random weights at DeepSeek-V2-Lite widths, {layers} layers ({moe} MoE, 64 routed experts, top-6); "
+      f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion")
+print(f"* mlarun {E['MLARUN_REV']} (binary {E['MLARUN']}, built {E['MLARUN_BUILT']}), weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
+      f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
+      f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, "
+      f"flash_attn {({-1: 'auto', 0: 'off', 1: 'on'}).get(lb0.get('flash_attn'), lb0.get('flash_attn', '?'))}")
+print(f"* Weights: mlarun maps the checkpoint; llama.cpp load mode {E['LLAMA_LOAD_MODE']}"
+      + (" (its default: mmap)" if E["LLAMA_LOAD_MODE"] == "auto" else "")
+      + "; each run starts with its weight file in the page cache"
+      + (", which was evicted once and re-read in 2 MiB folios" if E["PAGE_CACHE"] == "huge" else " as earlier reads left it"))
+# What warm_page_cache.py saw on 2 MiB pages before each run: the least per file.
+on_huge = {}
+for d in dirs:
+    try:
+        lines = open(f"{d}/page-cache.txt").read().splitlines()
+    except OSError:
+        continue
+    for line in lines:
+        name, _, rest = line.partition(": ")
+        words = rest.split()
+        if len(words) > 7 and words[1] == "MiB,":
+            size, huge = int(words[0]), int(words[6])
+            on_huge[name] = (size, min(huge, on_huge.get(name, (0, huge))[1]))
+if on_huge:
+    print("* Page cache on 2 MiB pages before the runs (least over rounds): "
+          + "; ".join(f"{os.path.basename(n)} {h} of {s} MiB" for n, (s, h) in sorted(on_huge.items())))
+if E.get("RECLAIM_NOTE"):
+    print(f"* Note: {E['RECLAIM_NOTE']}")
+print(f"* Same model on both sides: {open(f'{run}/greedy.txt').read().strip()}")
+print(f"* Median of {rounds} interleaved round{'s' if rounds > 1 else ''} (range in parentheses); "
+      "the last column is the median of the rounds' own ratios (each round's two runs a few seconds apart), "
+      "which a drift of the machine between rounds moves less than the ratio of the medians")
+print()
+print(f"| | {mcol} | {lcol} | ratio of medians | median of round ratios |")
+print("|---|---:|---:|---:|---:|")
+for label, m, l in results:
+    mm, ll = statistics.median(m), statistics.median(l)
+    ratio = f"{mm / ll:.2f}x" if ll > 0 else "-"
+    pairs = [a / b for a, b in zip(m, l) if b > 0]
+    paired = "-" if not pairs else f"{statistics.median(pairs):.2f}x" + (
+        "" if len(pairs) == 1 else f" ({min(pairs):.2f}-{max(pairs):.2f})")
+    print(f"| {label} | {fmt(mm)}{spread(m)} | {fmt(ll)}{spread(l)} | {ratio} | {paired} |")
+print()
+print("What each row compares (see bench/README.md):")
+print()
+print(f"* batch-1 decode: llama-bench `-p 0 -n {tg} -d {depth}` (generates {tg} tokens after a {depth}-token context; "
+      f"mean of its repetitions) vs mlarun's decode tok/s at batch 1 over {depth} cached tokens (median step)")
+print(f"* prefill: llama-bench `-p {pp} -n 0` (a {pp}-token prompt on an empty cache) vs mlarun's prefill tok/s "
+      f"(a fresh {pp}-token prompt in one step; median step)")
+print(f"* batched decode: llama-batched-bench `S_TG` (B sequences, each with its own copy of a {bctx}-token prompt, "
+      f"generating {btg} tokens together) vs mlarun's decode tok/s at batch B over {bctx} cached tokens each")
+print()
+print("Commands:")
+print()
+print("```")
+print(open(f"{run}/commands.txt").read().rstrip())
+print("```")
+print()
+print(f"Raw outputs: {run}")
