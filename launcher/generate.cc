@@ -11,7 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "parallel/mpi/mpi_world.h"
-#include "launcher/thresholds.h"
+#include "launcher/rank/bootstrap.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/engine/rank_runner.h"
 
@@ -80,6 +80,15 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
   return out.str();
 }
 
+DeploymentSpec SpecOf(const GenerateOptions& o) {
+  return DeploymentSpec{.model = o.model,
+                        .parallel = o.parallel.empty() ? std::string("dp1") : o.parallel,
+                        .kv_dtype = o.kv_dtype,
+                        .num_layers = o.num_layers,
+                        .weights = o.weights,
+                        .attention_thresholds = o.attention_thresholds};
+}
+
 }  // namespace
 
 int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) {
@@ -92,32 +101,18 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   // --prompt-ids becomes one JSON line; the sampling flags are every line's defaults.
   std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(*text, o);
 
-  auto ov = ParseModelOverrides(o.kv_dtype, o.num_layers);
-  if (!ov.ok()) {
-    log << "mlarun generate: " << ov.status().message() << "\n";
-    return 2;
-  }
-  ModelOptions mo;
-  if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok()) {
-    log << "mlarun generate: --attention-thresholds: " << st.message() << "\n";
-    return 2;
-  }
-  if (auto w = ParseWeightLoading(o.weights); w.ok()) {
-    mo.weights = *w;
-  } else {
-    log << "mlarun generate: " << w.status().message() << "\n";
-    return 2;
-  }
   // Loading progress rewrites one line on a terminal; logs get only the summary.
   const bool tty = &log == &std::cerr && isatty(STDERR_FILENO);
-  if (tty) mo.progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
+  std::function<void(const std::string&)> progress;
+  if (tty) progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
   const auto t0 = std::chrono::steady_clock::now();
-  auto model = Model::Load(o.model, *ov, mo);
+  auto loaded = LoadModelForSpec(SpecOf(o), ModelShard{}, 0, progress);
   if (tty) log << "\n";
-  if (!model.ok()) {
-    log << "mlarun generate: " << model.status() << "\n";
+  if (!loaded.ok()) {
+    log << "mlarun generate: " << loaded.status() << "\n";
     return 2;
   }
+  std::unique_ptr<Model>* model = &loaded->model;
   log << "mlarun generate: cpu " << CpuSummary() << "\n";
   log << "loaded " << o.model << " (" << static_cast<double>((*model)->weight_bytes().total()) / (1 << 20)
       << " MiB of weights) in "
@@ -180,18 +175,6 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
 
 int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostream& out, std::ostream& log) {
   const bool root = session.rank() == 0;
-  // Failures every rank detects alike (layout, world size) end every rank the
-  // same way; a failure of one rank takes the job down through Abort.
-  auto layout = ParseParallelLayout(o.parallel);
-  if (!layout.ok()) {
-    if (root) log << "mlarun generate: --parallel: " << layout.status().message() << "\n";
-    return 2;
-  }
-  auto groups = session.Groups(*layout);
-  if (!groups.ok()) {
-    if (root) log << "mlarun generate: " << groups.status().message() << "\n";
-    return 2;
-  }
   // Rank 0 reads the requests and sends the text to every rank.
   std::string text;
   int64_t length = -1;
@@ -204,44 +187,40 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
       log << "mlarun generate: " << t.status().message() << "\n";
     }
   }
-  Communicator& world = *groups->world;
-  if (!world.Broadcast(&length, 1, CommType::kI64, 0).ok()) session.Abort("cannot broadcast the requests", 2);
+  // Before loading anything: a missing prompts file should not wait for the model.
+  auto world_or = session.World();
+  if (!world_or.ok()) session.Abort(world_or.status().ToString(), 2);
+  Communicator& requests_comm = **world_or;
+  if (!requests_comm.Broadcast(&length, 1, CommType::kI64, 0).ok()) session.Abort("cannot broadcast the requests", 2);
   if (length < 0) return 2;
   text.resize(static_cast<size_t>(length));
-  if (!world.Broadcast(text.data(), length, CommType::kU8, 0).ok()) session.Abort("cannot broadcast the requests", 2);
+  if (!requests_comm.Broadcast(text.data(), length, CommType::kU8, 0).ok()) session.Abort("cannot broadcast the requests", 2);
   std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(text, o);
 
-  auto ov = ParseModelOverrides(o.kv_dtype, o.num_layers);
-  if (!ov.ok()) {
-    if (root) log << "mlarun generate: " << ov.status().message() << "\n";
+  // Every rank gets the same outcome: a start-up failure (different flags on
+  // some rank, a bad layout, a model that does not load somewhere) ends every
+  // rank with exit code 2, rank 0 says why.
+  auto boot = BootstrapRank(SpecOf(o), session, log, "mlarun generate");
+  if (!boot.ok()) {
+    if (root) log << "mlarun generate: " << boot.status().message() << "\n";
     return 2;
   }
-  // Ranks may run on different CPUs: each says what it found, once.
-  const std::string rank_name = "rank " + std::to_string(session.rank()) + " (" + session.host() + ")";
-  log << "mlarun generate: " + rank_name + ": cpu " + CpuSummary() + "\n" << std::flush;
-  ModelOptions mo;
-  mo.shard = ModelShard::For(*layout, session.rank());
-  if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok())
-    session.Abort("--attention-thresholds: " + st.ToString(), 2);
-  auto weights = ParseWeightLoading(o.weights);
-  if (!weights.ok()) session.Abort(weights.status().ToString(), 2);
-  mo.weights = *weights;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto model = Model::Load(o.model, *ov, mo);
-  if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
-  auto runner = RankRunner::Create(**model, o.engine, *groups, rank_name);
+  const ParallelLayout& layout = boot->layout;
+  ProcessGroups& groups = boot->groups;
+  Model& model = *boot->loaded.model;
+  Communicator& world = *groups.world;
+  auto runner = RankRunner::Create(model, o.engine, groups, boot->name);
   if (!runner.ok()) session.Abort(runner.status().ToString(), 2);
-  if (!world.Barrier().ok()) session.Abort("start-up barrier failed", 2);
   if (root)
-    log << "loaded " << o.model << " on " << session.size() << " ranks (" << *layout << ") in "
-        << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+    log << "loaded " << o.model << " on " << session.size() << " ranks (" << layout << ") in " << boot->load_seconds
+        << " s\n";
 
   // Request i goes to DP group i % dp; its leader queues it.
   std::map<size_t, StatusOr<GenerationOutput>> mine;  // this leader's results by input index
   std::map<size_t, int64_t> queued;
   if ((*runner)->is_leader()) {
     for (size_t i = 0; i < parsed.size(); ++i) {
-      if (static_cast<int>(i % static_cast<size_t>(layout->dp)) != groups->dp_rank() || !parsed[i].ok()) continue;
+      if (static_cast<int>(i % static_cast<size_t>(layout.dp)) != groups.dp_rank() || !parsed[i].ok()) continue;
       auto id = (*runner)->Add(std::move(*parsed[i]));
       if (id.ok()) {
         queued[i] = *id;
@@ -260,10 +239,10 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   for (const auto& [i, id] : queued) mine.emplace(i, ResultOf(*(*runner)->Output(id)));
   for (const auto& [i, r] : mine) lines += std::to_string(i) + "\t" + ResultLine(r, o.json) + "\n";
   // The memory each rank holds, by category.
-  const WeightBytes wb = (*model)->weight_bytes();
+  const WeightBytes wb = model.weight_bytes();
   const RankCacheStats& cs = (*runner)->cache_stats();
   std::ostringstream mem;
-  mem << session.rank() << " " << groups->dp_rank() << " " << groups->attn_tp_rank() << " " << wb.attention << " "
+  mem << session.rank() << " " << groups.dp_rank() << " " << groups.attn_tp_rank() << " " << wb.attention << " "
       << wb.moe << " " << wb.dense_mlp << " " << wb.embedding_and_head << " " << cs.now.bytes_capacity << " "
       << cs.peak_bytes_used() << " " << cs.bytes_written;
   auto all_lines = AllGatherStrings(world, lines);

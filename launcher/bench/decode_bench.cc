@@ -11,6 +11,7 @@
 #include <random>
 
 #include "launcher/bench/timing.h"
+#include "launcher/rank/bootstrap.h"
 #include "runtime/base/cpu_gemm.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/large_buffer.h"
@@ -76,59 +77,14 @@ Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
   return Status::Ok();
 }
 
-struct BenchModel {
-  ModelConfig config;
-  WeightBytes predicted;
-  std::unique_ptr<Model> model;
-};
-
-// The configuration first (reduced depth and experts applied), to check the
-// memory before allocating anything; then this rank's shard of the weights.
-StatusOr<BenchModel> LoadBenchModel(const DecodeBenchOptions& o, const ModelShard& shard) {
-  const bool yaml = o.model.ends_with(".yaml") || o.model.ends_with(".yml");
-  if (!yaml && (o.num_layers > 0 || o.experts > 0))
-    return InvalidArgumentError("--num-layers and --experts apply to YAML models only");
-  BenchModel bm;
-  ModelConfig& config = bm.config;
-  uint64_t seed = 0;
-  if (yaml) {
-    MLARUN_ASSIGN_OR_RETURN(YamlModel ym, LoadModelYaml(o.model));
-    config = ym.config;
-    seed = ym.seed;
-    if (o.num_layers > 0) {
-      if (o.num_layers > config.num_hidden_layers)
-        return InvalidArgumentError("--num-layers ", o.num_layers, " exceeds the model's ", config.num_hidden_layers);
-      config.num_hidden_layers = o.num_layers;
-      config.first_k_dense_replace = std::min(config.first_k_dense_replace, o.num_layers);
-    }
-    if (o.experts > 0) {
-      if (o.experts % config.n_group != 0 || o.experts < config.num_experts_per_tok)
-        return InvalidArgumentError("--experts ", o.experts, " must be a multiple of n_group (", config.n_group,
-                                    ") and at least num_experts_per_tok (", config.num_experts_per_tok, ")");
-      config.n_routed_experts = o.experts;
-    }
-    MLARUN_RETURN_IF_ERROR(ValidateModelConfig(config));
-  } else {
-    MLARUN_ASSIGN_OR_RETURN(config, LoadHfConfig(o.model));
-  }
-  if (!o.kv_dtype.empty()) {
-    MLARUN_ASSIGN_OR_RETURN(config.kv_dtype, ParseDType(o.kv_dtype));
-  }
-  MLARUN_RETURN_IF_ERROR(ValidateModelShard(config, shard));
-  bm.predicted = PredictWeightBytes(config, shard);
-  if (bm.predicted.total() > o.max_weight_bytes)
-    return ResourceExhaustedError("the model's weights would take ", bm.predicted.total() >> 20, " MiB (limit ",
-                                  o.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
-  ModelOptions mo;
-  mo.shard = shard;
-  MLARUN_ASSIGN_OR_RETURN(mo.weights, ParseWeightLoading(o.weights));
-  if (yaml) {
-    MLARUN_ASSIGN_OR_RETURN(bm.model, Model::Random(config, seed, mo));
-  } else {
-    MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(o.model));
-    MLARUN_ASSIGN_OR_RETURN(bm.model, Model::FromCheckpoint(config, std::move(ckpt), mo));
-  }
-  return bm;
+DeploymentSpec SpecOf(const DecodeBenchOptions& o) {
+  return DeploymentSpec{.model = o.model,
+                        .parallel = o.parallel.empty() ? std::string("dp1") : o.parallel,
+                        .kv_dtype = o.kv_dtype,
+                        .num_layers = o.num_layers,
+                        .experts = o.experts,
+                        .weights = o.weights,
+                        .max_weight_bytes = o.max_weight_bytes};
 }
 
 }  // namespace
@@ -136,7 +92,7 @@ StatusOr<BenchModel> LoadBenchModel(const DecodeBenchOptions& o, const ModelShar
 Status RunDecodeBench(const DecodeBenchOptions& o) {
   std::ostream& table = o.json ? std::cerr : std::cout;
 
-  MLARUN_ASSIGN_OR_RETURN(BenchModel bm, LoadBenchModel(o, ModelShard{}));
+  MLARUN_ASSIGN_OR_RETURN(LoadedModel bm, LoadModelForSpec(SpecOf(o), ModelShard{}));
   const ModelConfig& config = bm.config;
   const WeightBytes& predicted = bm.predicted;
   std::unique_ptr<Model>& model = bm.model;
@@ -335,12 +291,13 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
 }
 
 Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) {
-  MLARUN_ASSIGN_OR_RETURN(const ParallelLayout layout, ParseParallelLayout(o.parallel));
-  MLARUN_ASSIGN_OR_RETURN(ProcessGroups groups, session.Groups(layout));
-  const bool root = groups.rank == 0;
   std::ostream& table = o.json ? std::cerr : std::cout;
-  auto bm = LoadBenchModel(o, ModelShard::For(layout, groups.rank));
-  if (!bm.ok()) session.Abort(bm.status().ToString(), 2);
+  // Every rank returns with the same outcome (see launcher/rank/bootstrap.h).
+  MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot, BootstrapRank(SpecOf(o), session, std::cerr, "mlarun bench decode"));
+  const ParallelLayout& layout = boot.layout;
+  ProcessGroups& groups = boot.groups;
+  LoadedModel* bm = &boot.loaded;
+  const bool root = groups.rank == 0;
   const ModelConfig& config = bm->config;
   Model& model = *bm->model;
   InitBenchmarkLibrary();

@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "launcher/proto_sampling.h"
-#include "launcher/thresholds.h"
+#include "launcher/rank/bootstrap.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/base/cpu_isa.h"
@@ -226,47 +226,37 @@ Status ParseFailForwardCall(std::string_view text, WorkerOptions* o) {
 int RunWorker(const WorkerOptions& o, MpiSession& session) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  auto layout = ParseParallelLayout(o.parallel);
-  if (!layout.ok()) session.Abort("--parallel: " + layout.status().ToString(), 2);
-  auto groups = session.Groups(*layout);
-  if (!groups.ok()) session.Abort(groups.status().ToString(), 2);
-  ModelOverrides ov;
-  if (!o.kv_dtype.empty()) {
-    auto dt = ParseDType(o.kv_dtype);
-    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32)) session.Abort("--kv-dtype must be bf16 or fp32", 2);
-    ov.kv_dtype = *dt;
+  DeploymentSpec spec{.model = o.model,
+                      .parallel = o.parallel,
+                      .kv_dtype = o.kv_dtype,
+                      .num_layers = o.num_layers,
+                      .weights = o.weights,
+                      .attention_thresholds = o.attention_thresholds,
+                      .fail_forward_call = o.fail_forward_call,
+                      .fail_forward_rank = o.fail_forward_rank};
+  // Every rank returns here with the same outcome: a start-up error ends the
+  // job on every rank with exit code 2, rank 0 says why.
+  auto boot = BootstrapRank(spec, session, std::cerr, "mlarun worker");
+  if (!boot.ok()) {
+    if (session.rank() == 0) std::cerr << "mlarun worker: " << boot.status().ToString() << "\n" << std::flush;
+    return 2;
   }
-  if (o.num_layers > 0) ov.num_layers = o.num_layers;
-  // How this rank is named in errors and logs, and what CPU it found (once,
-  // at start-up: ranks may run on different machines).
-  const std::string rank_name = "rank " + std::to_string(session.rank()) + " (" + session.host() + ")";
-  std::cerr << "mlarun worker: " + rank_name + ": cpu " + CpuSummary() + "\n" << std::flush;
-  if (o.fail_forward_rank >= session.size())
-    session.Abort("--fail-forward-call: rank " + std::to_string(o.fail_forward_rank) + " is not in the world of " +
-                      std::to_string(session.size()) + " ranks",
-                  2);
-  ModelOptions mo;
-  mo.shard = ModelShard::For(*layout, session.rank());
-  if (const Status st = ApplyAbsorbThresholdsFile(o.attention_thresholds, &mo.attention); !st.ok())
-    session.Abort("--attention-thresholds: " + st.ToString(), 2);
-  auto loading = ParseWeightLoading(o.weights);
-  if (!loading.ok()) session.Abort(loading.status().ToString(), 2);
-  mo.weights = *loading;
-  if (o.fail_forward_call >= 0 && (o.fail_forward_rank < 0 || o.fail_forward_rank == session.rank())) {
-    mo.fail_forward_call = o.fail_forward_call;
+  const std::string& rank_name = boot->name;
+  const ParallelLayout& layout = boot->layout;
+  ProcessGroups& groups = boot->groups;
+  const ModelOptions& mo = boot->loaded.options;
+  Model& model = *boot->loaded.model;
+  if (mo.fail_forward_call >= 0)
     std::cerr << "mlarun worker: " + rank_name + ": fault injection: model step " +
-                     std::to_string(o.fail_forward_call) + " will fail\n"
+                     std::to_string(mo.fail_forward_call) + " will fail\n"
               << std::flush;
-  }
-  auto model = Model::Load(o.model, ov, mo);
-  if (!model.ok()) session.Abort("cannot load " + o.model + ": " + model.status().ToString(), 2);
   // The cache budget: given, or what the memory per rank leaves after the
   // weights this rank loaded and the prefill workspace.
   EngineConfig engine = o.engine;
   engine.commit_cache_memory = true;  // fail at start-up, not under load; and show in the RSS
-  const ModelConfig& mc = (*model)->config();
-  const PrefillWorkspace workspace = PredictPrefillWorkspace(mc, layout->attn_tp, mo.attention.expand_chunk_rows);
-  const WeightBytes weights = (*model)->weight_bytes();
+  const ModelConfig& mc = model.config();
+  const PrefillWorkspace workspace = PredictPrefillWorkspace(mc, layout.attn_tp, mo.attention.expand_chunk_rows);
+  const WeightBytes weights = model.weight_bytes();
   int64_t memory_bytes = 0;
   if (o.memory_gib > 0) {
     memory_bytes = static_cast<int64_t>(o.memory_gib * double(int64_t{1} << 30));
@@ -280,14 +270,14 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
                         " B, less than one cache block (" + std::to_string(block_bytes) + " B)",
                     2);
   }
-  auto runner_or = RankRunner::Create(**model, engine, *groups, rank_name);
+  auto runner_or = RankRunner::Create(model, engine, groups, rank_name);
   if (!runner_or.ok()) session.Abort(runner_or.status().ToString(), 2);
   RankRunner& runner = **runner_or;
-  Communicator& world = *groups->world;
+  Communicator& world = *groups.world;
 
   // Every rank's static facts, and one worker id for the job.
   const LatentCacheStats own = runner.engine()->cache().stats();
-  RankInfo me{.rank = session.rank(), .dp_group = groups->dp_rank(), .attn_tp_rank = groups->attn_tp_rank(),
+  RankInfo me{.rank = session.rank(), .dp_group = groups.dp_rank(), .attn_tp_rank = groups.attn_tp_rank(),
               .weights = weights, .blocks_total = own.blocks_total, .block_bytes = own.block_bytes,
               .bytes_per_token = own.bytes_per_token, .resident_bytes = ResidentBytes(), .host = session.host(),
               .cpu_model_name = HostCpu().model_name, .cpu_flags = HostCpu().FlagList(),
@@ -301,12 +291,12 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   std::vector<RankInfo> group_ranks;
   for (const std::string& s : *infos) {
     RankInfo r = DecodeInfo(s);
-    if (r.dp_group == groups->dp_rank()) group_ranks.push_back(r);
+    if (r.dp_group == groups.dp_rank()) group_ranks.push_back(r);
   }
 
   const LatentCache& cache = runner.engine()->cache();
   std::ostringstream layout_os;
-  layout_os << *layout;
+  layout_os << layout;
   const std::string layout_text = layout_os.str();
   auto rank_stats = [&](double tokens_per_s) {
     google::protobuf::RepeatedPtrField<v1::RankStats> out;
@@ -361,9 +351,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   if (runner.is_leader()) {
     v1::Register reg;
     reg.set_worker_id(worker_id);
-    reg.set_dp_group(groups->dp_rank());
-    reg.set_dp(layout->dp);
-    reg.set_attn_tp(layout->attn_tp);
+    reg.set_dp_group(groups.dp_rank());
+    reg.set_dp(layout.dp);
+    reg.set_attn_tp(layout.attn_tp);
     reg.set_vocab_size(mc.vocab_size);
     reg.set_max_position_embeddings(mc.max_position_embeddings);
     reg.set_block_size(engine.block_size);
@@ -372,7 +362,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     link = std::make_unique<Link>(o.coordinator, reg);
   }
   if (session.rank() == 0)
-    std::cerr << "mlarun worker " << worker_id << ": " << *layout << ", " << o.model << ", coordinator "
+    std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.model << ", coordinator "
               << o.coordinator << "\n";
 
   // The step loop, on every rank.
@@ -452,7 +442,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       if (!runner.last_step_failure().ok()) {
         int64_t failed = 0;
         for (int64_t id : done) failed += runner.Output(id)->finish_reason == FinishReason::kError;
-        std::cerr << "mlarun worker: " + rank_name + ": DP group " + std::to_string(groups->dp_rank()) +
+        std::cerr << "mlarun worker: " + rank_name + ": DP group " + std::to_string(groups.dp_rank()) +
                          ": a step failed; its " + std::to_string(failed) +
                          " requests end with the error, the group goes on: " + runner.last_step_failure().ToString() +
                          "\n"

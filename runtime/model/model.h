@@ -175,6 +175,11 @@ class Model {
   // YAML file (whose weight seed goes to `seed` if given). Reads no weights.
   static StatusOr<ModelConfig> LoadConfig(const std::string& path, const ModelOverrides& overrides = {},
                                           uint64_t* seed = nullptr);
+  // Load with the config already read (and possibly changed further, e.g.
+  // fewer experts of a YAML model): random weights from `seed` for a YAML
+  // path, else the checkpoint's weights.
+  static StatusOr<std::unique_ptr<Model>> FromConfig(const std::string& dir_or_yaml, const ModelConfig& config,
+                                                     uint64_t seed, const ModelOptions& options = {});
 
   // Loads every weight from a Hugging Face checkpoint, checking names and
   // shapes; missing and unexpected tensors are errors naming the tensor.

@@ -422,7 +422,12 @@ StatusOr<ModelConfig> Model::LoadConfig(const std::string& path, const ModelOver
 StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& path, const ModelOverrides& overrides,
                                              const ModelOptions& options) {
   uint64_t seed = 0;
-  MLARUN_ASSIGN_OR_RETURN(ModelConfig config, LoadConfig(path, overrides, &seed));
+  MLARUN_ASSIGN_OR_RETURN(const ModelConfig config, LoadConfig(path, overrides, &seed));
+  return FromConfig(path, config, seed, options);
+}
+
+StatusOr<std::unique_ptr<Model>> Model::FromConfig(const std::string& path, const ModelConfig& config, uint64_t seed,
+                                                   const ModelOptions& options) {
   if (path.ends_with(".yaml") || path.ends_with(".yml")) return Random(config, seed, options);
   if (path.ends_with(".json"))
     return InvalidArgumentError("model ", path, ": a config.json alone has no weights; give its checkpoint directory");
