@@ -4,32 +4,11 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "runtime/base/hash.h"
 #include "runtime/base/large_buffer.h"
 
 namespace mlarun {
-namespace {
-
-constexpr uint64_t kChainSeed = 0x6d6c6172756e2d31ull;  // parent "hash" of the first block
-
-}  // namespace
-
 uint64_t LatentCache::ChainHash(uint64_t parent, std::span<const int32_t> tokens) {
-  uint64_t h = Mix64(parent ^ kGoldenGamma);
-  for (int32_t t : tokens) h = Mix64(h ^ static_cast<uint32_t>(t)) + kGoldenGamma;
-  return h;
-}
-
-std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size) {
-  std::vector<uint64_t> chain;
-  if (block_size <= 0) return chain;
-  const size_t bs = static_cast<size_t>(block_size);
-  uint64_t parent = kChainSeed;
-  for (size_t n = 0; n + bs <= tokens.size(); n += bs) {
-    parent = LatentCache::ChainHash(parent, tokens.subspan(n, bs));
-    chain.push_back(parent);
-  }
-  return chain;
+  return PrefixChainHash(parent, tokens);
 }
 
 StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConfig& c) {
@@ -112,7 +91,7 @@ int32_t LatentCache::Lookup(uint64_t parent, std::span<const int32_t> tokens, ui
 
 int64_t LatentCache::MatchPrefix(std::span<const int32_t> tokens) const {
   const int64_t bs = config_.block_size;
-  uint64_t parent = kChainSeed, h = 0;
+  uint64_t parent = kPrefixChainSeed, h = 0;
   int64_t n = 0;
   while (config_.enable_prefix_caching && n + bs <= static_cast<int64_t>(tokens.size())) {
     if (Lookup(parent, tokens.subspan(static_cast<size_t>(n), static_cast<size_t>(bs)), &h) < 0) break;
@@ -130,7 +109,7 @@ StatusOr<int64_t> LatentCache::AttachPrefix(SeqId id, std::span<const int32_t> t
                                    s->tokens.size(), " tokens");
   const int64_t bs = config_.block_size;
   const int64_t limit = std::min<int64_t>(max_tokens, static_cast<int64_t>(tokens.size()));
-  uint64_t parent = kChainSeed, h = 0;
+  uint64_t parent = kPrefixChainSeed, h = 0;
   int64_t n = 0;
   while (config_.enable_prefix_caching && n + bs <= limit) {
     auto block_tokens = tokens.subspan(static_cast<size_t>(n), static_cast<size_t>(bs));
@@ -199,7 +178,7 @@ Status LatentCache::Commit(SeqId id) {
     for (int64_t j = static_cast<int64_t>(s->chain.size()); (j + 1) * bs <= total; ++j) {
       auto block_tokens = std::span<const int32_t>(s->tokens).subspan(static_cast<size_t>(j * bs),
                                                                       static_cast<size_t>(bs));
-      const uint64_t parent = j == 0 ? kChainSeed : s->chain.back();
+      const uint64_t parent = j == 0 ? kPrefixChainSeed : s->chain.back();
       const uint64_t h = ChainHash(parent, block_tokens);
       s->chain.push_back(h);
       BlockMeta& m = blocks_[static_cast<size_t>(s->blocks[static_cast<size_t>(j)])];

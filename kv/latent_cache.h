@@ -26,6 +26,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kv/prefix_hash.h"
+#include "runtime/base/block_size.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
 #include "runtime/base/tensor_view.h"
@@ -36,7 +38,7 @@ struct LatentCacheConfig {
   int64_t num_layers = 1;
   int64_t kv_lora_rank = 512;  // L: width of kv_c
   int64_t rope_dim = 64;       // R: width of k_pe
-  int64_t block_size = 64;     // tokens per block
+  int64_t block_size = kDefaultBlockSize;  // tokens per block
   DType dtype = DType::kBF16;  // bf16 or f32
   // Capacity: as many whole blocks as fit in this many bytes.
   int64_t budget_bytes = int64_t{1} << 30;
@@ -84,11 +86,7 @@ struct LatentCacheStats {
 
 using SeqId = int64_t;
 
-// The hash chain the cache publishes full blocks under: element i hashes
-// blocks 0..i of `tokens` (only whole blocks of `block_size`). A router that
-// wants to know which group already caches a prompt's prefix computes exactly
-// these (launcher/coordinator).
-std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size);
+// PrefixBlockHashes (kv/prefix_hash.h): the chain full blocks are published under.
 
 class LatentCache {
  public:

@@ -21,6 +21,7 @@
 #include "attention/synthetic_batch.h"
 #include "launcher/bench/timing.h"
 #include "launcher/thresholds.h"
+#include "runtime/base/block_size.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/cpu_gemm.h"
 
@@ -37,7 +38,7 @@ class PathPair {
  public:
   PathPair(const AttentionBenchOptions& o, int64_t batch, int64_t q_len, int64_t context, uint64_t seed)
       : shape_(DeepSeekV3MlaShape(o.heads)), q_len_(q_len), context_(context), batch_size_(batch),
-        batch_(SyntheticSpec{.shape = shape_, .dtype = o.dtype, .block_size = 64,
+        batch_(SyntheticSpec{.shape = shape_, .dtype = o.dtype, .block_size = kDefaultBlockSize,
                              .seqs = std::vector<SyntheticSeq>(static_cast<size_t>(batch), SyntheticSeq{q_len, context + q_len}),
                              .seed = seed, .shuffle_blocks = true, .poison = false, .spare_blocks = 0}) {}
 

@@ -36,6 +36,7 @@
 #include "launcher/client/grpc_util.h"
 #include "launcher/coordinator/coordinator.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/base/block_size.h"
 
 namespace mlarun {
 
@@ -126,7 +127,7 @@ using client_internal::SetDeadline;
 // (configs/models/tiny.yaml), so the same prompts are valid against a real
 // deployment of it, and the engine's default block size.
 constexpr int64_t kVocabSize = 512;
-constexpr int64_t kBlockSize = 64;
+constexpr int64_t kBlockSize = kDefaultBlockSize;
 // Prompts of the load rows: uniform lengths, so requests differ in cost (a
 // policy that ignores cost shows it in the imbalance).
 constexpr int64_t kPromptMin = 16, kPromptMax = 256;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/base/block_size.h"
 #include "runtime/base/status.h"
 #include "runtime/engine/sampler.h"
 
@@ -72,7 +73,7 @@ struct SimWorkerOptions {
   double tokens_per_s = 1000;  // per group; 0: as fast as possible
   int64_t vocab_size = 512;
   int64_t max_position_embeddings = 4096;
-  int64_t block_size = 64;
+  int64_t block_size = kDefaultBlockSize;
   int64_t cache_blocks = 1024;   // per group
   int64_t eos_token_id = -1;     // -1: never stops early
 };

@@ -4,8 +4,9 @@
 #include <cmath>
 #include <limits>
 
-#include "kv/latent_cache.h"
+#include "kv/prefix_hash.h"
 #include "launcher/proto_sampling.h"
+#include "runtime/engine/request.h"
 #include "runtime/base/status.h"
 
 namespace mlarun::coord {
@@ -121,11 +122,6 @@ Dispatcher::~Dispatcher() { Shutdown(); }
 
 std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request,
                                                 const SamplingParams& sampling) const {
-  const auto& prompt = request.prompt_ids();
-  if (prompt.empty()) return "prompt_ids: must not be empty";
-  for (int i = 0; i < prompt.size(); ++i) {
-    if (prompt[i] < 0) return StrCat("prompt_ids[", i, "]: token id ", prompt[i], " is negative");
-  }
   // Limits of the model the groups serve. A deployment serves one model; if
   // the groups disagree the most permissive limit is checked here (no false
   // rejection) and the group that gets the request re-checks its own. None is
@@ -137,24 +133,13 @@ std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& reque
     vocab = std::max(vocab, g->vocab_size);
     max_pos = std::max(max_pos, g->max_position_embeddings);
   }
-  constexpr int64_t kUnknown = std::numeric_limits<int64_t>::max();
-  // The engine's own sampling checks; their messages start with the field.
-  if (Status st = ValidateSamplingParams(sampling, vocab > 0 ? vocab : kUnknown,
-                                         max_pos > 0 ? max_pos : kUnknown);
-      !st.ok())
-    return StrCat("sampling.", st.message());
-  if (vocab > 0) {
-    for (int i = 0; i < prompt.size(); ++i) {
-      if (prompt[i] >= vocab)
-        return StrCat("prompt_ids[", i, "]: token id ", prompt[i], " >= vocab_size ", vocab,
-                      " of the registered DP groups");
-    }
-  }
-  if (max_pos > 0 && static_cast<int64_t>(prompt.size()) > max_pos - sampling.max_tokens)
-    return StrCat("sampling.max_tokens: prompt_ids (", prompt.size(), " tokens) + max_tokens (",
-                  sampling.max_tokens, ") exceeds max_position_embeddings ", max_pos,
-                  " of the registered DP groups");
-  return std::nullopt;
+  const auto& prompt = request.prompt_ids();
+  const Status st = ValidateRequest(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())), sampling,
+                                    {.vocab_size = vocab > 0 ? vocab : kLimitUnknown,
+                                     .max_position_embeddings = max_pos > 0 ? max_pos : kLimitUnknown,
+                                     .whose = "the registered DP groups'"});
+  if (st.ok()) return std::nullopt;
+  return st.message();
 }
 
 std::optional<Dispatcher::Accepted> Dispatcher::Submit(

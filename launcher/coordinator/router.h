@@ -1,6 +1,6 @@
 // Routing decisions of the coordinator, without gRPC: the per-group
 // approximate prefix index (of the block hashes PrefixBlockHashes in
-// kv/latent_cache.h computes, the chain a worker's cache publishes), and the
+// kv/prefix_hash.h computes, the chain a worker's cache publishes), and the
 // policy that picks one DP group among the eligible ones (coordinator.h
 // documents the policies).
 //

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/base/block_size.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
@@ -22,7 +23,7 @@ struct MemoryOptions {
   std::string kv_dtype;              // "" keeps the model's
   std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8
   int64_t num_layers = 0;            // YAML models: reduced depth
-  int64_t block_size = 64;
+  int64_t block_size = kDefaultBlockSize;
   int64_t chunk_rows = 65536;        // expanded-path workspace rows
   bool json = false;                 // one JSON document instead of the tables
   std::string json_path;             // also write that document to this file (the tables still print)

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/base/block_size.h"
 #include "kv/latent_cache.h"
 #include "runtime/base/status.h"
 #include "runtime/engine/request.h"
@@ -36,7 +37,7 @@ struct EngineConfig {
   int64_t max_num_batched_tokens = 512;  // tokens per step (decodes + prefill chunks)
   int64_t max_num_seqs = 64;             // running requests at once
   int64_t cache_budget_bytes = int64_t{1} << 30;
-  int64_t block_size = 64;
+  int64_t block_size = kDefaultBlockSize;
   bool enable_prefix_caching = true;
   bool commit_cache_memory = false;  // LatentCacheConfig::commit_memory
 };

@@ -49,31 +49,33 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
       for (StepPlan::Seq& s : plan.seqs) s.logits = false;  // only the leader samples
     }
   }
-  // 2. Lockstep: every rank's [tokens, work left, stop vote] and its cache
-  //    (blocks used now, the peak, blocks released), with this step's blocks
-  //    already taken.
+  // 2. Lockstep: every rank's report, with this step's blocks already taken.
   Communicator& world = *groups_.world;
   const LatentCacheStats cs = engine_->cache().stats();
   int64_t& peak = cache_stats_.peak_blocks_used;
   peak = std::max(peak, cs.blocks_used);
-  constexpr int kFields = 6;
-  const int64_t mine[kFields] = {plan.num_tokens(), plan.has_work || !plan.seqs.empty() ? 1 : 0, stop ? 1 : 0,
-                                 cs.blocks_used, peak, cs.blocks_retired};
-  std::vector<int64_t> all(static_cast<size_t>(kFields * world.size()));
-  MLARUN_RETURN_IF_ERROR(world.AllGather(mine, kFields, all.data(), CommType::kI64));
+  const LockstepReport mine{.tokens = plan.num_tokens(),
+                            .has_work = plan.has_work || !plan.seqs.empty() ? 1 : 0,
+                            .stop = stop ? 1 : 0,
+                            .blocks_used = cs.blocks_used,
+                            .peak_blocks_used = peak,
+                            .blocks_retired = cs.blocks_retired};
+  std::vector<LockstepReport> all(static_cast<size_t>(world.size()));
+  MLARUN_RETURN_IF_ERROR(world.AllGather(&mine, LockstepReport::kWords, all.data(), CommType::kI64));
   bool any_work = false, any_stop = false;
-  world_cache_.resize(static_cast<size_t>(world.size()));
-  for (int r = 0; r < world.size(); ++r) {
-    const int64_t* f = &all[static_cast<size_t>(kFields * r)];
-    any_work |= f[1] != 0;
-    any_stop |= f[2] != 0;
-    world_cache_[static_cast<size_t>(r)] = {.blocks_used = f[3], .peak_blocks_used = f[4], .blocks_retired = f[5]};
+  world_cache_.resize(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    any_work |= all[r].has_work != 0;
+    any_stop |= all[r].stop != 0;
+    world_cache_[r] = {.blocks_used = all[r].blocks_used, .peak_blocks_used = all[r].peak_blocks_used,
+                       .blocks_retired = all[r].blocks_retired};
   }
   if (any_stop) return StepResult::kStop;
   if (!any_work) return StepResult::kIdle;
   const ParallelLayout& layout = groups_.layout;
   dp_tokens_.assign(static_cast<size_t>(layout.dp), 0);
-  for (int g = 0; g < layout.dp; ++g) dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(kFields * layout.leader_of(g))];
+  for (int g = 0; g < layout.dp; ++g)
+    dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(layout.leader_of(g))].tokens;
   // 3. The model step, on every rank, idle or not.
   const ParallelStep step{.attn_tp = groups_.attn_tp.get(), .dp_peers = groups_.dp_peers.get(),
                           .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank(), .rank_name = rank_name_};

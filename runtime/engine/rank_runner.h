@@ -25,6 +25,7 @@
 #pragma once
 
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "parallel/layout.h"
@@ -46,6 +47,23 @@ struct RankCacheSnapshot {
   int64_t peak_blocks_used = 0;  // RankCacheStats::peak_blocks_used
   int64_t blocks_retired = 0;   // LatentCacheStats::blocks_retired
 };
+
+// One rank's part of the lock-step exchange before every step: a world
+// all-gather of these, in int64 words, tells every rank whether anyone has
+// work or asks to stop, each DP group's token count (from its leader) for the
+// hidden-state all-gather, and each rank's cache use for GetStats.
+struct LockstepReport {
+  static constexpr int64_t kWords = 6;
+  int64_t tokens = 0;            // tokens this rank's group runs in the step
+  int64_t has_work = 0;          // 1 when requests are left
+  int64_t stop = 0;              // 1 when this rank asks the job to stop
+  int64_t blocks_used = 0;       // LatentCacheStats::blocks_used, this step's blocks taken
+  int64_t peak_blocks_used = 0;  // the most blocks_used so far
+  int64_t blocks_retired = 0;    // LatentCacheStats::blocks_retired
+};
+static_assert(sizeof(LockstepReport) == LockstepReport::kWords * sizeof(int64_t) &&
+                  std::is_trivially_copyable_v<LockstepReport>,
+              "LockstepReport travels as kWords int64 words");
 
 class RankRunner {
  public:

@@ -39,25 +39,28 @@ Status ReadIntList(const Json& j, const char* field, std::vector<int64_t>* out) 
 
 }  // namespace
 
-Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits) {
-  if (request.prompt.empty()) return InvalidArgumentError("request: prompt is empty");
-  for (size_t i = 0; i < request.prompt.size(); ++i) {
-    if (request.prompt[i] < 0 || request.prompt[i] >= limits.vocab_size)
-      return InvalidArgumentError("request: prompt token ", i, " is ", request.prompt[i],
-                                  ", outside the vocabulary [0, ", limits.vocab_size, ")");
+Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits) {
+  if (prompt.empty()) return InvalidArgumentError("prompt_ids: must not be empty");
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if (prompt[i] >= 0 && prompt[i] < limits.vocab_size) continue;
+    if (limits.vocab_size == kLimitUnknown)
+      return InvalidArgumentError("prompt_ids[", i, "]: token id ", prompt[i], " is negative");
+    return InvalidArgumentError("prompt_ids[", i, "]: token id ", prompt[i], " is outside the vocabulary (",
+                                limits.whose, " vocab_size ", limits.vocab_size, ")");
   }
-  MLARUN_RETURN_IF_ERROR(
-      ValidateSamplingParams(request.sampling, limits.vocab_size, limits.max_position_embeddings));
-  const int64_t total = static_cast<int64_t>(request.prompt.size()) + request.sampling.max_tokens;
-  if (total > limits.max_position_embeddings)
-    return InvalidArgumentError("request: prompt (", request.prompt.size(), " tokens) + max_tokens (",
-                                request.sampling.max_tokens, ") = ", total,
-                                " exceeds the model's max_position_embeddings ",
-                                limits.max_position_embeddings);
-  const int64_t blocks = (total + limits.block_size - 1) / limits.block_size;
-  if (blocks > limits.cache_blocks_total)
-    return InvalidArgumentError("request: prompt + max_tokens needs ", blocks,
-                                " cache blocks, the whole cache has ", limits.cache_blocks_total);
+  if (Status st = ValidateSamplingParams(sampling, limits.vocab_size, limits.max_position_embeddings); !st.ok())
+    return Status(st.code(), "sampling." + st.message());
+  const int64_t total = static_cast<int64_t>(prompt.size()) + sampling.max_tokens;
+  if (limits.max_position_embeddings != kLimitUnknown && total > limits.max_position_embeddings)
+    return InvalidArgumentError("sampling.max_tokens: prompt_ids (", prompt.size(), " tokens) + max_tokens (",
+                                sampling.max_tokens, ") = ", total, " exceeds ", limits.whose,
+                                " max_position_embeddings ", limits.max_position_embeddings);
+  if (limits.cache_blocks_total != kLimitUnknown) {
+    const int64_t blocks = (total + limits.block_size - 1) / limits.block_size;
+    if (blocks > limits.cache_blocks_total)
+      return InvalidArgumentError("sampling.max_tokens: prompt_ids + max_tokens need ", blocks,
+                                  " cache blocks, the whole cache has ", limits.cache_blocks_total);
+  }
   return Status::Ok();
 }
 

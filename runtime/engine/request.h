@@ -3,9 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "runtime/base/block_size.h"
 #include "runtime/base/status.h"
 #include "runtime/engine/sampler.h"
 
@@ -16,22 +20,33 @@ struct GenerationRequest {
   SamplingParams sampling;
 };
 
+// A limit no registered model gave yet (the coordinator before any DP group
+// registers): nothing is checked against it and no message prints it.
+inline constexpr int64_t kLimitUnknown = std::numeric_limits<int64_t>::max();
+
 // What a request must fit: the model's vocabulary and context length, and
 // the latent cache it will live in.
 struct RequestLimits {
-  int64_t vocab_size = 0;
-  int64_t max_position_embeddings = 0;
-  int64_t block_size = 0;          // tokens per cache block, > 0
-  int64_t cache_blocks_total = 0;  // blocks of the whole cache
+  int64_t vocab_size = kLimitUnknown;
+  int64_t max_position_embeddings = kLimitUnknown;
+  int64_t block_size = kDefaultBlockSize;     // tokens per cache block, > 0
+  int64_t cache_blocks_total = kLimitUnknown;  // blocks of the whole cache
+  // Whose limits these are, in messages: "the model's", "the registered DP groups'".
+  std::string_view whose = "the model's";
 };
 
-// The checks every server of requests makes before taking one (Engine::Add,
-// the simulated worker), INVALID_ARGUMENT naming the field: a non-empty prompt
-// of ids in [0, vocab_size), ValidateSamplingParams (max_tokens at most
-// max_position_embeddings), prompt + max_tokens within
-// max_position_embeddings, and the cache blocks of prompt + max_tokens within
-// the whole cache.
-Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits);
+// The one check of a request's prompt and sampling parameters, made by
+// everything that takes requests (Engine::Add, the simulated worker, and the
+// coordinator with its groups' limits): INVALID_ARGUMENT whose message starts
+// with the field as the wire and the JSON lines name it ("prompt_ids[3]: ...",
+// "sampling.top_p: ..."). A non-empty prompt of ids in [0, vocab_size),
+// ValidateSamplingParams (max_tokens at most max_position_embeddings), prompt
+// + max_tokens within max_position_embeddings, and the cache blocks of
+// prompt + max_tokens within the whole cache.
+Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits);
+inline Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits) {
+  return ValidateRequest(request.prompt, request.sampling, limits);
+}
 
 // One JSON object: "prompt_ids" (required) and the sampling fields
 // "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include "runtime/base/block_size.h"
 #include "parallel/layout.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
@@ -79,7 +80,7 @@ PrefillWorkspace PredictPrefillWorkspace(const ModelConfig& c, int attn_tp, int6
 
 struct MemoryPlanOptions {
   int64_t memory_bytes = 0;   // per rank: HBM on a GPU, the share of host memory on CPU
-  int64_t block_size = 64;    // tokens per cache block
+  int64_t block_size = kDefaultBlockSize;  // tokens per cache block
   int64_t chunk_rows = 65536; // expanded-path chunk (MlaConfig::expand_chunk_rows)
   std::optional<DType> projection_dtype;  // PredictWeightBytes' what-if (kF8E4M3)
 };

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/base/block_size.h"
 #include "attention/mla.h"
 #include "attention/rope.h"
 #include "kv/latent_cache.h"
@@ -201,7 +202,7 @@ class Model {
   // (not copied at load): 0 for a YAML model.
   int64_t weight_bytes_in_place() const;
   // A cache configuration matching this model (layers, widths, dtype).
-  LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = 64) const;
+  LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = kDefaultBlockSize) const;
 
   // Runs one step: writes the new tokens' latent rows into `cache` and
   // returns logits [rows, vocab] for the rows the sequences ask for, in

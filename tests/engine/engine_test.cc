@@ -310,3 +310,47 @@ TEST(Engine, GenerateReportsAFailedStepInItsRequestsSlots) {
 
 }  // namespace
 }  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// The one request check (engine, simulated worker, coordinator): limits not
+// known yet check nothing against them; known ones name the field and whose
+// limit it was.
+TEST(ValidateRequest, UnknownLimitsCheckOnlyTheRequestItself) {
+  SamplingParams s;
+  s.max_tokens = 1'000'000;
+  const std::vector<int32_t> big = {3, 1'000'000'000, 7};
+  EXPECT_TRUE(ValidateRequest(big, s, RequestLimits{}).ok());
+  const std::vector<int32_t> negative = {3, -2};
+  const Status st = ValidateRequest(negative, s, RequestLimits{});
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(st.message(), "prompt_ids[1]: token id -2 is negative");
+  EXPECT_EQ(ValidateRequest({}, s, RequestLimits{}).message(), "prompt_ids: must not be empty");
+  s.top_p = 0;
+  EXPECT_EQ(ValidateRequest(big, s, RequestLimits{}).message().rfind("sampling.top_p", 0), 0u);
+}
+
+TEST(ValidateRequest, KnownLimitsNameFieldAndOwner) {
+  const RequestLimits limits{.vocab_size = 100, .max_position_embeddings = 20, .block_size = 4,
+                             .cache_blocks_total = 3, .whose = "group 2's"};
+  SamplingParams s;
+  s.max_tokens = 5;
+  const std::vector<int32_t> ok = {1, 2, 3, 4, 5, 6, 7};  // 7 + 5 = 12 tokens = 3 blocks
+  EXPECT_TRUE(ValidateRequest(ok, s, limits).ok());
+  const std::vector<int32_t> out = {1, 100};
+  EXPECT_EQ(ValidateRequest(out, s, limits).message(),
+            "prompt_ids[1]: token id 100 is outside the vocabulary (group 2's vocab_size 100)");
+  s.max_tokens = 6;  // 13 tokens: 4 blocks
+  EXPECT_EQ(ValidateRequest(ok, s, limits).message(),
+            "sampling.max_tokens: prompt_ids + max_tokens need 4 cache blocks, the whole cache has 3");
+  s.max_tokens = 14;  // 21 positions
+  const std::string m = ValidateRequest(ok, s, RequestLimits{.vocab_size = 100, .max_position_embeddings = 20}).message();
+  EXPECT_EQ(m, "sampling.max_tokens: prompt_ids (7 tokens) + max_tokens (14) = 21 exceeds the model's "
+               "max_position_embeddings 20");
+  s.max_tokens = 21;  // more than the context alone
+  EXPECT_EQ(ValidateRequest(ok, s, limits).message().rfind("sampling.max_tokens must be in [1, 20]", 0), 0u);
+}
+
+}  // namespace
+}  // namespace mlarun

@@ -1,0 +1,25 @@
+// The hash chain of a token sequence's full cache blocks, as the latent cache
+// publishes them for prefix reuse. Its own library (no cache, no model), so
+// that a router (launcher/coordinator) computes the same hashes without
+// linking the cache.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace mlarun {
+
+// The parent "hash" of a sequence's first block.
+inline constexpr uint64_t kPrefixChainSeed = 0x6d6c6172756e2d31ull;
+
+// The hash of one block of `tokens` after blocks whose chain ends in `parent`.
+uint64_t PrefixChainHash(uint64_t parent, std::span<const int32_t> tokens);
+
+// Element i hashes blocks 0..i of `tokens` (only whole blocks of
+// `block_size`; none when block_size <= 0): exactly the hashes the cache
+// publishes full blocks under, so a router can tell which group already
+// caches a prompt's prefix.
+std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size);
+
+}  // namespace mlarun
