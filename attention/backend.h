@@ -15,6 +15,8 @@ struct MlaPlanImpl {
 namespace cpu {
 // REQUIRES: MlaCheck(p) and MlaCheckConfig(c) are OK.
 StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan);
+// Plans again into plan->impl (a CPU plan), reusing its memory.
+Status RemakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan);
 Status RunMla(const MlaParams& p, const MlaPlanImpl& plan, WorkspaceView ws);
 }  // namespace cpu
 

@@ -165,6 +165,16 @@ StatusOr<MlaPlan> MlaMakePlan(const MlaParams& p, const MlaConfig& c) {
   return InvalidArgumentError("mla: unknown backend");
 }
 
+Status MlaReplan(const MlaParams& p, const MlaConfig& c, MlaPlan& plan) {
+  if (!plan.impl || plan.backend != c.backend || c.backend != Backend::kCpu) {
+    MLARUN_ASSIGN_OR_RETURN(plan, MlaMakePlan(p, c));
+    return Status::Ok();
+  }
+  MLARUN_RETURN_IF_ERROR(MlaCheckConfig(c));
+  MLARUN_RETURN_IF_ERROR(MlaCheck(p));
+  return cpu::RemakeMlaPlan(p, c, &plan);
+}
+
 Status MlaRun(const MlaParams& p, const MlaPlan& plan, WorkspaceView ws) {
   if (!plan.impl) return InvalidArgumentError("MlaRun: empty plan");
   if (p.num_tokens == 0) return Status::Ok();

@@ -118,6 +118,11 @@ struct MlaPlan {
 };
 
 StatusOr<MlaPlan> MlaMakePlan(const MlaParams& p, const MlaConfig& c);
+// The same into `plan`, reusing what an earlier plan of it allocated (its
+// lists, its cached products): a model step plans every step, and after a
+// few steps of the shapes it sees, planning allocates nothing. An empty
+// plan, or one for another backend, is made anew.
+Status MlaReplan(const MlaParams& p, const MlaConfig& c, MlaPlan& plan);
 
 // Runs the plan. Blocks until done. `ws` must hold plan.workspace_bytes.
 Status MlaRun(const MlaParams& p, const MlaPlan& plan, WorkspaceView ws);

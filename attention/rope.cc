@@ -106,7 +106,11 @@ void Rope::CosSin(int64_t position, float* cos, float* sin) const {
 void Rope::Apply(float* x, int64_t n_tokens, int64_t n_heads, int64_t stride_token, int64_t stride_head,
                  const int32_t* positions) const {
   const int64_t half = config_.dim / 2;
-  std::vector<float> cos(static_cast<size_t>(half)), sin(static_cast<size_t>(half)), tmp(static_cast<size_t>(config_.dim));
+  // Per-thread scratch, grown once: a step applies RoPE per layer.
+  thread_local std::vector<float> cos, sin, tmp;
+  cos.resize(static_cast<size_t>(half));
+  sin.resize(static_cast<size_t>(half));
+  tmp.resize(static_cast<size_t>(config_.dim));
   for (int64_t t = 0; t < n_tokens; ++t) {
     CosSin(positions[t], cos.data(), sin.data());
     for (int64_t h = 0; h < n_heads; ++h) {

@@ -71,8 +71,9 @@ struct CpuMlaPlan final : MlaPlanImpl {
 
   std::vector<AbsSeq> abs;
   int64_t t_abs = 0;  // absorbed tokens
-  std::vector<AbsItem> abs_items;
-  std::vector<AbsMerge> abs_merges;
+  std::vector<AbsItem> abs_items, abs_base;
+  std::vector<AbsMerge> abs_merges;  // the first num_merges are this batch's (the rest kept for reuse)
+  size_t num_merges = 0;
   int64_t partial_rows = 0;
   GemmPtr fold1, fold2;
   std::map<TileKey, TileGemms> abs_tiles;
@@ -229,7 +230,8 @@ Status PlanAbsorbed(CpuMlaPlan& pl) {
   const MlaShape& s = pl.shape;
   const int64_t N = s.h_q, L = s.d_latent, Dk = s.d_cache();
   // Base items: one per block of q_tile (token x head) rows.
-  std::vector<AbsItem> base;
+  std::vector<AbsItem>& base = pl.abs_base;
+  base.clear();
   for (int32_t a = 0; a < static_cast<int32_t>(pl.abs.size()); ++a) {
     const AbsSeq& q = pl.abs[static_cast<size_t>(a)];
     const int64_t M = q.q_len * N;
@@ -249,7 +251,12 @@ Status PlanAbsorbed(CpuMlaPlan& pl) {
       pl.abs_items.push_back(it);
       continue;
     }
-    AbsMerge m{it.aseq, it.row0, it.rows, {}};
+    if (pl.abs_merges.size() <= pl.num_merges) pl.abs_merges.emplace_back();
+    AbsMerge& m = pl.abs_merges[pl.num_merges++];
+    m.aseq = it.aseq;
+    m.row0 = it.row0;
+    m.rows = it.rows;
+    m.partial_rows.clear();
     for (int64_t k = 0; k < splits; ++k) {
       AbsItem part = it;
       part.key_begin = tiles * k / splits * pl.kv_tile;
@@ -259,7 +266,6 @@ Status PlanAbsorbed(CpuMlaPlan& pl) {
       m.partial_rows.push_back(part.partial_row);
       pl.abs_items.push_back(part);
     }
-    pl.abs_merges.push_back(std::move(m));
   }
   for (const AbsItem& it : pl.abs_items) {
     Status st;
@@ -364,7 +370,7 @@ Status RunAbsorbed(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b) {
 
   // Merge key-split partial results.
 #pragma omp parallel for num_threads(pl.threads) schedule(dynamic, 1)
-  for (size_t i = 0; i < pl.abs_merges.size(); ++i) {
+  for (size_t i = 0; i < pl.num_merges; ++i) {
     const AbsMerge& m = pl.abs_merges[i];
     const int64_t first_row = pl.abs[static_cast<size_t>(m.aseq)].tok_offset * N + m.row0;
     float* dest = b.olat + first_row * L;
@@ -473,39 +479,74 @@ Status RunExpandedSeq(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b
 
 }  // namespace
 
-StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan) {
-  auto pl = std::make_unique<CpuMlaPlan>();
-  pl->shape = p.shape;
-  pl->dtype = p.cache.dtype;
-  pl->kv_tile = c.kv_tile_rows;
-  pl->q_tile = c.q_tile_rows;
-  pl->chunk_rows = c.expand_chunk_rows;
-  pl->threads = c.num_threads > 0 ? c.num_threads : omp_get_max_threads();
-  pl->query_start.assign(p.query_start, p.query_start + p.num_seqs + 1);
-  pl->seq_lens.assign(p.seq_lens, p.seq_lens + p.num_seqs);
+namespace {
+
+// Plans `p` into `pl`, whose lists are empty (a new plan) or cleared (a
+// plan reused): the cached products (abs_tiles, up_proj, exp_tiles, and
+// gemm_scratch, the most any of them needs) stay from earlier batches.
+Status FillPlan(const MlaParams& p, const MlaConfig& c, CpuMlaPlan& pl, MlaPlan* plan) {
+  pl.shape = p.shape;
+  pl.dtype = p.cache.dtype;
+  pl.kv_tile = c.kv_tile_rows;
+  pl.q_tile = c.q_tile_rows;
+  pl.chunk_rows = c.expand_chunk_rows;
+  pl.threads = c.num_threads > 0 ? c.num_threads : omp_get_max_threads();
+  pl.query_start.assign(p.query_start, p.query_start + p.num_seqs + 1);
+  pl.seq_lens.assign(p.seq_lens, p.seq_lens + p.num_seqs);
   for (int32_t i = 0; i < p.num_seqs; ++i) {
     const int64_t q_len = p.query_start[i + 1] - p.query_start[i], seq_len = p.seq_lens[i];
     if (q_len == 0) continue;  // nothing to compute for this sequence
     if (MlaPathFor(c, q_len, seq_len - q_len) == MlaPath::kAbsorbed) {
-      pl->abs.push_back(AbsSeq{i, q_len, seq_len, seq_len - q_len, pl->t_abs});
-      pl->t_abs += q_len;
+      pl.abs.push_back(AbsSeq{i, q_len, seq_len, seq_len - q_len, pl.t_abs});
+      pl.t_abs += q_len;
     } else {
-      pl->exp.push_back(ExpSeq{i, q_len, seq_len, seq_len - q_len});
+      pl.exp.push_back(ExpSeq{i, q_len, seq_len, seq_len - q_len});
     }
   }
-  if (!pl->abs.empty()) MLARUN_RETURN_IF_ERROR(PlanAbsorbed(*pl));
-  if (!pl->exp.empty()) MLARUN_RETURN_IF_ERROR(PlanExpanded(*pl));
-  if (!pl->abs.empty() || !pl->exp.empty()) {
+  if (!pl.abs.empty()) MLARUN_RETURN_IF_ERROR(PlanAbsorbed(pl));
+  if (!pl.exp.empty()) MLARUN_RETURN_IF_ERROR(PlanExpanded(pl));
+  pl.thread_bytes = 0;
+  if (!pl.abs.empty() || !pl.exp.empty()) {
     WorkspaceCarver per_thread(WorkspaceView{});
-    CarveThread(*pl, per_thread);
-    pl->thread_bytes = per_thread.used_bytes();
+    CarveThread(pl, per_thread);
+    pl.thread_bytes = per_thread.used_bytes();
   }
   WorkspaceCarver total(WorkspaceView{});
-  Carve(*pl, total);
+  Carve(pl, total);
   plan->workspace_bytes = total.used_bytes();
-  plan->absorbed_seqs = static_cast<int64_t>(pl->abs.size());
-  plan->expanded_seqs = static_cast<int64_t>(pl->exp.size());
+  plan->absorbed_seqs = static_cast<int64_t>(pl.abs.size());
+  plan->expanded_seqs = static_cast<int64_t>(pl.exp.size());
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan) {
+  auto pl = std::make_unique<CpuMlaPlan>();
+  MLARUN_RETURN_IF_ERROR(FillPlan(p, c, *pl, plan));
   return std::unique_ptr<MlaPlanImpl>(std::move(pl));
+}
+
+Status RemakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan) {
+  auto* pl = dynamic_cast<CpuMlaPlan*>(plan->impl.get());
+  if (pl == nullptr) {
+    MLARUN_ASSIGN_OR_RETURN(plan->impl, MakeMlaPlan(p, c, plan));
+    return Status::Ok();
+  }
+  // A different shape or dtype: the cached products are for other sizes.
+  if (!(pl->shape == p.shape) || pl->dtype != p.cache.dtype) {
+    MLARUN_ASSIGN_OR_RETURN(plan->impl, MakeMlaPlan(p, c, plan));
+    return Status::Ok();
+  }
+  pl->abs.clear();
+  pl->t_abs = 0;
+  pl->abs_items.clear();
+  pl->num_merges = 0;
+  pl->partial_rows = 0;
+  pl->exp.clear();
+  pl->exp_q_max = 0;
+  pl->exp_rows_pad_max = 0;
+  return FillPlan(p, c, *pl, plan);
 }
 
 Status RunMla(const MlaParams& p, const MlaPlanImpl& impl, WorkspaceView ws) {

@@ -191,7 +191,7 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
           seqs.push_back(ForwardSeq{.id = s, .tokens = std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
                                     .start_pos = len[static_cast<size_t>(s)]++});
         }
-        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->Forward(seqs, *cache));
+        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(seqs, *cache));
         for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
           const float* row = logits.data() + s * config.vocab_size;
           tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
@@ -265,7 +265,7 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
     MLARUN_RETURN_IF_ERROR(pcache->AddSequence(id));
     MLARUN_RETURN_IF_ERROR(pcache->Append(id, prompt));
     const ForwardSeq s{.id = id, .tokens = prompt, .start_pos = 0};
-    MLARUN_ASSIGN_OR_RETURN(const auto logits, model->Forward(std::span<const ForwardSeq>(&s, 1), *pcache));
+    MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(std::span<const ForwardSeq>(&s, 1), *pcache));
     pshares.Add(model->last_step_times());
     pcost.Add(model->last_step_traffic());
     return pcache->Release(id);
@@ -343,7 +343,7 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
           seqs.push_back(ForwardSeq{.id = s, .tokens = std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
                                     .start_pos = len[static_cast<size_t>(s)]++});
         }
-        return model.Forward(seqs, *cache, &step).status();
+        return model.ForwardInto(seqs, *cache, &step).status();
       };
       MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
       groups.attn_tp->mutable_stats().Clear();

@@ -363,7 +363,7 @@ StatusOr<std::vector<int64_t>> Engine::Step() {
   if (plan.seqs.empty()) return std::vector<int64_t>{};
   const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
   const auto t0 = std::chrono::steady_clock::now();
-  auto logits = model_.Forward(seqs, *cache_);
+  auto logits = model_.ForwardInto(seqs, *cache_);
   RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   if (!logits.ok()) {
     // A computation failure ends this step's requests; anything else is not

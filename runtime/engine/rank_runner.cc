@@ -81,7 +81,7 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
                           .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank(), .rank_name = rank_name_};
   const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
   const auto t0 = std::chrono::steady_clock::now();
-  auto logits = model_.Forward(seqs, engine_->mutable_cache(), &step);
+  auto logits = model_.ForwardInto(seqs, engine_->mutable_cache(), &step);
   engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   if (!logits.ok()) {
     // A collective's own error: the ranks cannot meet again.

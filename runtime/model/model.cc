@@ -32,11 +32,21 @@ void TopK(const float* v, int64_t n, int64_t k, std::vector<int32_t>& idx) {
 
 // The routed experts of one token and their weights, as transformers'
 // DeepseekV2TopkRouter / DeepseekV3TopkRouter compute them.
-void Route(const ModelConfig& c, const float* logits, const std::vector<float>& bias, int32_t* experts,
-           float* weights) {
-  const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok, G = c.n_group, per_group = E / G;
-  std::vector<float> scores(static_cast<size_t>(E)), choice(static_cast<size_t>(E)), group_scores(static_cast<size_t>(G));
+struct RouteScratch {
+  std::vector<float> scores, choice, group_scores;
   std::vector<int32_t> idx;
+  std::vector<char> keep;
+};
+
+void Route(const ModelConfig& c, const float* logits, const std::vector<float>& bias, int32_t* experts,
+           float* weights, RouteScratch& rs) {
+  const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok, G = c.n_group, per_group = E / G;
+  std::vector<float>& scores = rs.scores;
+  std::vector<float>& choice = rs.choice;
+  std::vector<float>& group_scores = rs.group_scores;
+  std::vector<int32_t>& idx = rs.idx;
+  scores.assign(static_cast<size_t>(E), 0.f);
+  group_scores.assign(static_cast<size_t>(G), 0.f);
   if (c.scoring_func == ScoringFunc::kSigmoid) {
     for (int64_t e = 0; e < E; ++e) scores[static_cast<size_t>(e)] = 1.f / (1.f + std::exp(-logits[e]));
   } else {
@@ -62,8 +72,9 @@ void Route(const ModelConfig& c, const float* logits, const std::vector<float>& 
       }
     }
     TopK(group_scores.data(), G, c.topk_group, idx);
-    std::vector<bool> keep(static_cast<size_t>(G), false);
-    for (int32_t g : idx) keep[static_cast<size_t>(g)] = true;
+    std::vector<char>& keep = rs.keep;
+    keep.assign(static_cast<size_t>(G), 0);
+    for (int32_t g : idx) keep[static_cast<size_t>(g)] = 1;
     // V3 masks dropped groups to -inf, V2 to 0 (scores are positive there).
     const float masked = c.topk_method == TopkMethod::kNoauxTc ? -INFINITY : 0.f;
     for (int64_t e = 0; e < E; ++e)
@@ -87,7 +98,39 @@ constexpr double kLatentNormEps = 1e-6;
 
 }  // namespace
 
-Model::Model(const ModelConfig& c, const ModelOptions& o) : config_(c), options_(o) {}
+// The MoE's work lists (MoeForward).
+struct MoeJob {
+  const Mlp* mlp;
+  const std::vector<int32_t>* slots;  // nullptr: every token (the shared experts)
+  int64_t n;
+  size_t x, h, y;  // offsets into the buffers
+};
+struct MoeItem {
+  uint32_t job;
+  uint8_t matrix;  // 0 gate, 1 up, 2 down
+  int64_t c0, c1;
+};
+
+struct Model::StepScratch {
+  // ForwardImpl
+  std::vector<int32_t> query_start, seq_lens, block_table, positions;
+  std::vector<int64_t> hidden_counts;
+  std::vector<float> h, x, q, qa, kv, kv_c, k_pe, attn, o_out, mlp_hidden, x_all, y_all, y_local, rows;
+  // MoeForward
+  std::vector<float> router_logits, route_weights;
+  std::vector<int32_t> route_experts;
+  std::vector<std::vector<int32_t>> by_expert;
+  std::vector<MoeJob> jobs;
+  std::vector<MoeItem> up_items, down_items;
+  std::vector<const float*> slot_rows;
+  RouteScratch route;
+  MlaPlan attn_plan;  // re-planned every step into the same memory (MlaReplan)
+};
+
+Model::Model(const ModelConfig& c, const ModelOptions& o)
+    : config_(c), options_(o), scratch_(std::make_unique<StepScratch>()) {}
+
+Model::~Model() = default;
 
 Status Model::Init() {
   MLARUN_RETURN_IF_ERROR(ValidateModelConfig(config_));
@@ -166,29 +209,34 @@ LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) c
 Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y) {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
-  std::vector<float> router_logits(static_cast<size_t>(T * E));
+  StepScratch& sc = *scratch_;
+  std::vector<float>& router_logits = sc.router_logits;
+  router_logits.assign(static_cast<size_t>(T * E), 0.f);
   MLARUN_RETURN_IF_ERROR(ApplyLinear(moe.router, X, T, H, router_logits.data(), E));
-  std::vector<int32_t> route_experts(static_cast<size_t>(T * K));
-  std::vector<float> route_weights(static_cast<size_t>(T * K));
+  std::vector<int32_t>& route_experts = sc.route_experts;
+  std::vector<float>& route_weights = sc.route_weights;
+  route_experts.assign(static_cast<size_t>(T * K), 0);
+  route_weights.assign(static_cast<size_t>(T * K), 0.f);
   for (int64_t t = 0; t < T; ++t)
-    Route(c, router_logits.data() + t * E, moe.score_bias, route_experts.data() + t * K, route_weights.data() + t * K);
-  routing_.push_back(route_experts);
-  for (int64_t t = 0; t < T; ++t) std::sort(routing_.back().begin() + t * K, routing_.back().begin() + (t + 1) * K);
+    Route(c, router_logits.data() + t * E, moe.score_bias, route_experts.data() + t * K, route_weights.data() + t * K,
+          sc.route);
+  if (routing_.size() <= routing_layers_) routing_.emplace_back();
+  std::vector<int32_t>& routed = routing_[routing_layers_++];
+  routed.assign(route_experts.begin(), route_experts.end());
+  for (int64_t t = 0; t < T; ++t) std::sort(routed.begin() + t * K, routed.begin() + (t + 1) * K);
 
   const int64_t e0 = moe.expert_begin, e1 = e0 + static_cast<int64_t>(moe.experts.size());
-  std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(E));  // slot ids (t * K + k)
+  std::vector<std::vector<int32_t>>& by_expert = sc.by_expert;  // slot ids (t * K + k)
+  by_expert.resize(static_cast<size_t>(E));
+  for (auto& v : by_expert) v.clear();
   for (int64_t sl = 0; sl < T * K; ++sl) by_expert[static_cast<size_t>(route_experts[static_cast<size_t>(sl)])].push_back(static_cast<int32_t>(sl));
 
   // The MLPs to run: the routed experts some token chose, then the shared
   // experts over every token. Each gets its rows of X, a hidden [n, 2I] and
   // an output [n, H] in three flat buffers.
-  struct Job {
-    const Mlp* mlp;
-    const std::vector<int32_t>* slots;  // nullptr: every token (the shared experts)
-    int64_t n;
-    size_t x, h, y;  // offsets into the buffers
-  };
-  std::vector<Job> jobs;
+  using Job = MoeJob;
+  std::vector<Job>& jobs = sc.jobs;
+  jobs.clear();
   size_t x_size = 0, h_size = 0, y_size = 0;
   auto add = [&](const Mlp& m, const std::vector<int32_t>* slots, int64_t n) {
     jobs.push_back(Job{&m, slots, n, x_size, h_size, y_size});
@@ -213,12 +261,11 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   // each reads its weights as a few long sequential runs (a run that starts
   // anew costs the prefetchers' warm-up: handing out items one by one was
   // slower).
-  struct Item {
-    uint32_t job;
-    uint8_t matrix;  // 0 gate, 1 up, 2 down
-    int64_t c0, c1;
-  };
-  std::vector<Item> up_items, down_items;
+  using Item = MoeItem;
+  std::vector<Item>& up_items = sc.up_items;
+  std::vector<Item>& down_items = sc.down_items;
+  up_items.clear();
+  down_items.clear();
   constexpr int64_t kItemBytes = int64_t{1} << 20;
   const int64_t threads = std::max(1, omp_get_max_threads());
   auto split = [&](std::vector<Item>& out, uint32_t job, uint8_t matrix, const Linear& w) {
@@ -262,7 +309,8 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   MLARUN_RETURN_IF_ERROR(err.Get());
 
   // Weighted slots, summed in k order; routes to other ranks' experts add 0.
-  std::vector<const float*> slot_rows(static_cast<size_t>(T * K), nullptr);
+  std::vector<const float*>& slot_rows = sc.slot_rows;
+  slot_rows.assign(static_cast<size_t>(T * K), nullptr);
   for (size_t ji = 0; ji < routed_jobs; ++ji)
     for (int64_t r = 0; r < jobs[ji].n; ++r)
       slot_rows[static_cast<size_t>((*jobs[ji].slots)[static_cast<size_t>(r)])] = moe_y_.data() + jobs[ji].y + static_cast<size_t>(r * H);
@@ -338,6 +386,12 @@ Agreement AgreeOnFailure(Communicator* tp, Communicator* peers, const Status& lo
 
 StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
                                             const ParallelStep* parallel) {
+  MLARUN_ASSIGN_OR_RETURN(const std::span<const float> logits, ForwardInto(seqs, cache, parallel));
+  return std::vector<float>(logits.begin(), logits.end());
+}
+
+StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> seqs, LatentCache& cache,
+                                                    const ParallelStep* parallel) {
   last_failure_ = Status::Ok();
   const int64_t call = forward_calls_++;
   // Across ranks: the attn-TP group sums o_proj's partial products; the MLP /
@@ -346,20 +400,20 @@ StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, La
   // peers, then all-reduce in the group).
   Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
   Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
-  std::vector<float> logits;
   Status collective;
-  const Status local = ForwardImpl(seqs, cache, parallel, tp, peers, call, &logits, &collective);
+  const Status local = ForwardImpl(seqs, cache, parallel, tp, peers, call, &logits_, &collective);
+  routing_.resize(routing_layers_);  // the MoE layers this step ran (shrinks only when a step stopped early)
   if (!collective.ok()) return collective;  // nobody can be waited for
   if (parallel == nullptr) {
     last_failure_ = local;
     if (!local.ok()) return local;
-    return logits;
+    return std::span<const float>(logits_);
   }
   const Agreement agreed = AgreeOnFailure(tp, peers, local, parallel->rank_name);
   if (!agreed.collective.ok()) return agreed.collective;
   last_failure_ = agreed.failure;
   if (!agreed.failure.ok()) return agreed.failure;
-  return logits;
+  return std::span<const float>(logits_);
 }
 
 Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, const ParallelStep* parallel,
@@ -373,7 +427,8 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim(), vocab = c.vocab_size;
   times_ = {};
   traffic_ = {};
-  routing_.clear();
+  routing_layers_ = 0;
+  StepScratch& sc = *scratch_;
   const auto t_start = Clock::now();
   // This rank's computation; after a failure the step only joins the collectives.
   Status st;
@@ -388,7 +443,10 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
 
   // The batch: flat tokens and positions, the attention's batch description.
   const int32_t S = static_cast<int32_t>(seqs.size());
-  std::vector<int32_t> query_start(static_cast<size_t>(S) + 1, 0), seq_lens(static_cast<size_t>(S));
+  std::vector<int32_t>& query_start = sc.query_start;
+  std::vector<int32_t>& seq_lens = sc.seq_lens;
+  query_start.assign(static_cast<size_t>(S) + 1, 0);
+  seq_lens.assign(static_cast<size_t>(S), 0);
   int64_t max_blocks = 1, logit_rows = 0;
   for (int32_t i = 0; i < S; ++i) {
     const ForwardSeq& s = seqs[static_cast<size_t>(i)];
@@ -418,7 +476,8 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   // Every rank must agree on the collectives' sizes; a plan that disagrees
   // cannot be run by anyone.
   int64_t T_all = T;
-  std::vector<int64_t> hidden_counts;
+  std::vector<int64_t>& hidden_counts = sc.hidden_counts;
+  hidden_counts.clear();
   if (peers) {
     if (static_cast<int>(parallel->dp_tokens.size()) != peers->size() ||
         parallel->dp_tokens[static_cast<size_t>(parallel->dp_rank)] != T) {
@@ -431,8 +490,10 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
       T_all += n;
     }
   }
-  std::vector<int32_t> block_table(static_cast<size_t>(S * max_blocks), 0);
-  std::vector<int32_t> positions(static_cast<size_t>(T));
+  std::vector<int32_t>& block_table = sc.block_table;
+  std::vector<int32_t>& positions = sc.positions;
+  block_table.assign(static_cast<size_t>(S * max_blocks), 0);
+  positions.assign(static_cast<size_t>(T), 0);
   for (int32_t i = 0; i < S && st.ok(); ++i) {
     const auto table = cache.BlockTable(seqs[static_cast<size_t>(i)].id);
     std::copy(table.begin(), table.end(), block_table.begin() + i * max_blocks);
@@ -442,7 +503,12 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   }
 
   // Embeddings.
-  std::vector<float> h(static_cast<size_t>(T * H)), x(static_cast<size_t>(T * H));
+  auto zeroed = [](std::vector<float>& v, int64_t n) -> std::vector<float>& {
+    v.assign(static_cast<size_t>(n), 0.f);
+    return v;
+  };
+  std::vector<float>& h = zeroed(sc.h, T * H);
+  std::vector<float>& x = zeroed(sc.x, T * H);
   const size_t wes = DTypeSize(c.weight_dtype);
   for (int32_t i = 0; i < S && st.ok(); ++i)
     for (size_t j = 0; j < seqs[static_cast<size_t>(i)].tokens.size(); ++j) {
@@ -450,10 +516,17 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
       LoadToF32(embed_.row(seqs[static_cast<size_t>(i)].tokens[j]), c.weight_dtype, h.data() + t * H, H);
     }
 
-  std::vector<float> q(static_cast<size_t>(T * N * Dq)), qa(static_cast<size_t>(T * std::max<int64_t>(c.q_lora_rank, 1)));
-  std::vector<float> kv(static_cast<size_t>(T * (L + R))), kv_c(static_cast<size_t>(T * L)), k_pe(static_cast<size_t>(T * R));
-  std::vector<float> attn(static_cast<size_t>(T * N * V)), o_out(static_cast<size_t>(T * H)), mlp_hidden;
-  std::vector<float> x_all, y_all(static_cast<size_t>(T_all * H)), y_local(static_cast<size_t>(T * H));
+  std::vector<float>& q = zeroed(sc.q, T * N * Dq);
+  std::vector<float>& qa = zeroed(sc.qa, T * std::max<int64_t>(c.q_lora_rank, 1));
+  std::vector<float>& kv = zeroed(sc.kv, T * (L + R));
+  std::vector<float>& kv_c = zeroed(sc.kv_c, T * L);
+  std::vector<float>& k_pe = zeroed(sc.k_pe, T * R);
+  std::vector<float>& attn = zeroed(sc.attn, T * N * V);
+  std::vector<float>& o_out = zeroed(sc.o_out, T * H);
+  std::vector<float>& mlp_hidden = sc.mlp_hidden;  // ApplyMlp sizes it
+  std::vector<float>& x_all = sc.x_all;
+  std::vector<float>& y_all = zeroed(sc.y_all, T_all * H);
+  std::vector<float>& y_local = zeroed(sc.y_local, T * H);
 
   MlaParams ap;
   ap.shape = c.mla_shape();
@@ -472,7 +545,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   ap.out = attn.data();
   ap.out_stride_token = N * V;
   ap.out_stride_head = V;
-  std::optional<MlaPlan> plan;
+  bool planned = false;  // sc.attn_plan is for this step's batch
   // A collective's failure ends the step here: nobody can be waited for.
   auto join = [collective](const Status& s) {
     if (!s.ok()) *collective = s.WithContext("collective");
@@ -506,14 +579,15 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     ap.w_uk_t = a.w_uk_t.data();
     ap.w_uv = a.w_uv.data();
     ap.cache = cache.Layer(li);
-    if (!plan) {
-      MLARUN_ASSIGN_OR_RETURN(MlaPlan made, MlaMakePlan(ap, options_.attention));
-      plan = std::move(made);
+    if (!planned) {
+      MLARUN_RETURN_IF_ERROR(MlaReplan(ap, options_.attention, sc.attn_plan));
+      planned = true;
     }
-    WorkspaceView ws = attn_ws_.Reserve(plan->workspace_bytes);
-    if (plan->workspace_bytes > 0 && ws.data == nullptr)
-      return ResourceExhaustedError("model forward: cannot allocate ", plan->workspace_bytes, " bytes of attention workspace");
-    MLARUN_RETURN_IF_ERROR(MlaRun(ap, *plan, ws).WithContext("layer " + std::to_string(li)));
+    const MlaPlan& plan = sc.attn_plan;
+    WorkspaceView ws = attn_ws_.Reserve(plan.workspace_bytes);
+    if (plan.workspace_bytes > 0 && ws.data == nullptr)
+      return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes, " bytes of attention workspace");
+    if (Status run = MlaRun(ap, plan, ws); !run.ok()) return run.WithContext("layer " + std::to_string(li));
     MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, o_out.data(), H));
     const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
     traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
@@ -547,7 +621,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     // Every DP group's tokens, in dp_rank order.
     const float* X = x.data();
     if (peers) {
-      x_all.resize(static_cast<size_t>(T_all * H));
+      x_all.resize(static_cast<size_t>(T_all * H));  // all of it written by the all-gather
       if (!join(peers->AllGatherV(x.data(), hidden_counts, x_all.data(), CommType::kF32))) return st;
       X = x_all.data();
     }
@@ -577,7 +651,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
 
   // Logits for the rows asked for.
   const auto t_head = Clock::now();
-  std::vector<float> rows(static_cast<size_t>(logit_rows * H));
+  std::vector<float>& rows = zeroed(sc.rows, logit_rows * H);
   logits_out->assign(static_cast<size_t>(logit_rows * vocab), 0.f);
   int64_t r = 0;
   for (int32_t i = 0; i < S; ++i) {

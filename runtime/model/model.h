@@ -224,6 +224,10 @@ class Model {
   // to meet again. Without `parallel` every error is a computation failure.
   StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
                                        const ParallelStep* parallel = nullptr);
+  // The same, the logits in the model's own buffer (valid until the next
+  // step): after the first steps of a shape, a step allocates nothing.
+  StatusOr<std::span<const float>> ForwardInto(std::span<const ForwardSeq> seqs, LatentCache& cache,
+                                               const ParallelStep* parallel = nullptr);
   // OK, or the computation failure the last Forward returned (see Forward).
   const Status& last_step_failure() const { return last_failure_; }
   const ModelShard& shard() const { return options_.shard; }
@@ -256,6 +260,11 @@ class Model {
 
  private:
   explicit Model(const ModelConfig& c, const ModelOptions& o);
+
+ public:
+  ~Model();
+
+ private:
   Status Init();  // shapes, rope
   Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
   // Forward on this rank: returns its computation's status; a failed
@@ -278,6 +287,12 @@ class Model {
   std::vector<std::vector<int32_t>> routing_;
   Workspace attn_ws_;
   std::vector<float> moe_x_, moe_h_, moe_y_;  // MoeForward's buffers, reused across steps
+  std::vector<float> logits_;                  // ForwardInto's result
+  // ForwardImpl's and MoeForward's other buffers (model.cc), reused across
+  // steps: grown to the largest step seen, never shrunk.
+  struct StepScratch;
+  std::unique_ptr<StepScratch> scratch_;
+  size_t routing_layers_ = 0;  // entries of routing_ this step filled
 
   friend class ModelLoader;
   friend class ModelForward;

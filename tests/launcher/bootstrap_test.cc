@@ -103,7 +103,9 @@ TEST(LoadModelForSpec, RefusesBadSettingsByName) {
     auto lm = LoadModelForSpec(c.spec, ModelShard{});
     ASSERT_FALSE(lm.ok()) << c.needle;
     EXPECT_NE(lm.status().message().find(c.needle), std::string::npos) << lm.status();
-    if (c.code != StatusCode::kNotFound) EXPECT_EQ(lm.status().code(), c.code) << lm.status();
+    if (c.code != StatusCode::kNotFound) {
+      EXPECT_EQ(lm.status().code(), c.code) << lm.status();
+    }
   }
 }
 
