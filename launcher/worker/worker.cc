@@ -33,16 +33,6 @@ extern "C" void OnSignal(int) { g_stop = true; }
 // Static facts of one rank, gathered once at start-up so a leader can report
 // its whole group (members mirror the leader's cache block for block, so the
 // leader's cache numbers are theirs; parallel_model_test checks that).
-struct RankInfo {
-  int64_t rank = 0, dp_group = 0, attn_tp_rank = 0;
-  WeightBytes weights;
-  int64_t blocks_total = 0, block_bytes = 0, bytes_per_token = 0;  // this rank's own cache
-  int64_t resident_bytes = 0;
-  std::string host;
-  // The rank's own CPU (HostCpu, ActiveCpuIsa): ranks may run on different machines.
-  std::string cpu_model_name, cpu_flags, cpu_isa;
-};
-
 // The leader's end of the WorkerLink stream, on its own thread. Incoming
 // messages queue in an inbox the step loop drains; Send() writes from the step
 // loop (one writer), the thread only reads.
@@ -170,33 +160,6 @@ class Link {
   std::thread thread_;
 };
 
-// One rank's facts as text: rank, group, tp rank, weight categories, cache
-// geometry on the first line; then one line each for host, CPU model name,
-// CPU flags and kernel family (free text with spaces, never a newline).
-std::string EncodeInfo(const RankInfo& r) {
-  std::ostringstream os;
-  os << r.rank << " " << r.dp_group << " " << r.attn_tp_rank << " " << r.weights.attention << " "
-     << r.weights.attention_replicated << " " << r.weights.moe << " " << r.weights.dense_mlp << " "
-     << r.weights.embedding_and_head << " " << r.blocks_total << " " << r.block_bytes << " " << r.bytes_per_token << " "
-     << r.resident_bytes << "\n" << r.host << "\n" << r.cpu_model_name << "\n" << r.cpu_flags << "\n" << r.cpu_isa;
-  return os.str();
-}
-
-RankInfo DecodeInfo(const std::string& s) {
-  std::istringstream in(s);
-  RankInfo r;
-  in >> r.rank >> r.dp_group >> r.attn_tp_rank >> r.weights.attention >> r.weights.attention_replicated >>
-      r.weights.moe >> r.weights.dense_mlp >> r.weights.embedding_and_head >> r.blocks_total >> r.block_bytes >>
-      r.bytes_per_token >> r.resident_bytes;
-  std::string rest;
-  std::getline(in, rest);  // the end of the numbers' line
-  std::getline(in, r.host);
-  std::getline(in, r.cpu_model_name);
-  std::getline(in, r.cpu_flags);
-  std::getline(in, r.cpu_isa);
-  return r;
-}
-
 // This process's resident set (Linux /proc/self/statm); 0 where unavailable.
 int64_t ResidentBytes() {
   std::ifstream statm("/proc/self/statm");
@@ -275,71 +238,70 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   RankRunner& runner = **runner_or;
   Communicator& world = *groups.world;
 
-  // Every rank's static facts, and one worker id for the job.
+  // Every rank's static facts, as GetStats reports them (the changing
+  // fields are filled in at each report), and one worker id for the job.
   const LatentCacheStats own = runner.engine()->cache().stats();
-  RankInfo me{.rank = session.rank(), .dp_group = groups.dp_rank(), .attn_tp_rank = groups.attn_tp_rank(),
-              .weights = weights, .blocks_total = own.blocks_total, .block_bytes = own.block_bytes,
-              .bytes_per_token = own.bytes_per_token, .resident_bytes = ResidentBytes(), .host = session.host(),
-              .cpu_model_name = HostCpu().model_name, .cpu_flags = HostCpu().FlagList(),
-              .cpu_isa = std::string(CpuIsaName(ActiveCpuIsa()))};
-  auto infos = AllGatherStrings(world, EncodeInfo(me));
+  std::ostringstream layout_os;
+  layout_os << layout;
+  const std::string layout_text = layout_os.str();
+  v1::RankStats me;
+  me.set_rank(session.rank());
+  me.set_dp_group(groups.dp_rank());
+  me.set_attn_tp_rank(groups.attn_tp_rank());
+  me.set_host(session.host());
+  me.set_attention_weight_bytes(weights.attention);
+  me.set_attention_replicated_weight_bytes(weights.attention_replicated);
+  me.set_moe_weight_bytes(weights.moe);
+  me.set_dense_mlp_weight_bytes(weights.dense_mlp);
+  me.set_embedding_head_weight_bytes(weights.embedding_and_head);
+  me.set_cache_bytes_per_token(own.bytes_per_token);
+  me.set_cache_block_bytes(own.block_bytes);
+  me.set_cache_blocks_total(own.blocks_total);
+  me.set_cache_bytes_capacity(own.blocks_total * own.block_bytes);
+  me.set_memory_budget_bytes(memory_bytes);
+  me.set_cache_budget_bytes(engine.cache_budget_bytes);
+  me.set_workspace_bytes(workspace.total());
+  me.set_block_size(engine.block_size);
+  me.set_model(o.model);
+  me.set_num_layers(mc.num_hidden_layers);
+  me.set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
+  me.set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
+  me.set_parallel(layout_text);
+  me.set_resident_bytes(ResidentBytes());
+  me.set_cpu_model_name(HostCpu().model_name);
+  me.set_cpu_flags(HostCpu().FlagList());
+  me.set_cpu_isa(std::string(CpuIsaName(ActiveCpuIsa())));
+  auto infos = AllGatherStrings(world, me.SerializeAsString());
   if (!infos.ok()) session.Abort("start-up exchange failed: " + infos.status().ToString(), 2);
   std::string worker_id = session.host() + ":" + std::to_string(getpid());
   auto ids = AllGatherStrings(world, session.rank() == 0 ? worker_id : std::string());
   if (!ids.ok()) session.Abort("start-up exchange failed", 2);
   worker_id = (*ids)[0];
-  std::vector<RankInfo> group_ranks;
-  for (const std::string& s : *infos) {
-    RankInfo r = DecodeInfo(s);
-    if (r.dp_group == groups.dp_rank()) group_ranks.push_back(r);
+  std::vector<v1::RankStats> group_ranks;
+  for (const std::string& bytes : *infos) {
+    v1::RankStats r;
+    if (!r.ParseFromString(bytes)) session.Abort("start-up exchange: a rank's facts do not parse", 2);
+    if (r.dp_group() == groups.dp_rank()) group_ranks.push_back(std::move(r));
   }
 
   const LatentCache& cache = runner.engine()->cache();
-  std::ostringstream layout_os;
-  layout_os << layout;
-  const std::string layout_text = layout_os.str();
   auto rank_stats = [&](double tokens_per_s) {
     google::protobuf::RepeatedPtrField<v1::RankStats> out;
     const LatentCacheStats cs = cache.stats();
-    for (const RankInfo& r : group_ranks) {
+    for (const v1::RankStats& r : group_ranks) {
       v1::RankStats* s = out.Add();
+      *s = r;
       s->set_worker_id(worker_id);
-      s->set_rank(static_cast<int32_t>(r.rank));
-      s->set_dp_group(static_cast<int32_t>(r.dp_group));
-      s->set_attn_tp_rank(static_cast<int32_t>(r.attn_tp_rank));
-      s->set_host(r.host);
-      s->set_attention_weight_bytes(r.weights.attention);
-      s->set_attention_replicated_weight_bytes(r.weights.attention_replicated);
-      s->set_moe_weight_bytes(r.weights.moe);
-      s->set_dense_mlp_weight_bytes(r.weights.dense_mlp);
-      s->set_embedding_head_weight_bytes(r.weights.embedding_and_head);
-      // Each rank's own cache: its geometry from start-up, its use from the
-      // last lockstep exchange (the leader's own numbers before the first).
-      const bool seen = static_cast<size_t>(r.rank) < runner.world_cache().size();
-      const RankCacheSnapshot snap = seen ? runner.world_cache()[static_cast<size_t>(r.rank)]
+      // Each rank's cache use from the last lockstep exchange (the leader's
+      // own numbers before the first).
+      const bool seen = static_cast<size_t>(r.rank()) < runner.world_cache().size();
+      const RankCacheSnapshot snap = seen ? runner.world_cache()[static_cast<size_t>(r.rank())]
                                           : RankCacheSnapshot{cs.blocks_used, cs.blocks_used, cs.blocks_retired};
-      s->set_cache_bytes_per_token(r.bytes_per_token);
-      s->set_cache_block_bytes(r.block_bytes);
-      s->set_cache_blocks_total(r.blocks_total);
       s->set_cache_blocks_used(snap.blocks_used);
-      s->set_cache_bytes_capacity(r.blocks_total * r.block_bytes);
-      s->set_cache_bytes_used(snap.blocks_used * r.block_bytes);
-      s->set_cache_bytes_peak(snap.peak_blocks_used * r.block_bytes);
+      s->set_cache_bytes_used(snap.blocks_used * r.cache_block_bytes());
+      s->set_cache_bytes_peak(snap.peak_blocks_used * r.cache_block_bytes());
       s->set_cache_blocks_peak(snap.peak_blocks_used);
       s->set_cache_blocks_retired(snap.blocks_retired);
-      s->set_memory_budget_bytes(memory_bytes);
-      s->set_cache_budget_bytes(engine.cache_budget_bytes);
-      s->set_workspace_bytes(workspace.total());
-      s->set_block_size(engine.block_size);
-      s->set_model(o.model);
-      s->set_num_layers(mc.num_hidden_layers);
-      s->set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
-      s->set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
-      s->set_parallel(layout_text);
-      s->set_resident_bytes(r.resident_bytes);
-      s->set_cpu_model_name(r.cpu_model_name);
-      s->set_cpu_flags(r.cpu_flags);
-      s->set_cpu_isa(r.cpu_isa);
       s->set_requests_running(runner.engine()->num_running());
       s->set_requests_waiting(runner.engine()->num_waiting());
       s->set_tokens_per_s(tokens_per_s);
