@@ -4,7 +4,7 @@
 // generated message, so including it pulls in neither protobuf nor gRPC.
 #pragma once
 
-#include "runtime/engine/sampler.h"
+#include "runtime/request/sampling_params.h"
 
 namespace mlarun {
 namespace v1 {

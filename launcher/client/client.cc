@@ -1,7 +1,7 @@
 // The deployment file, `mlarun submit` and `mlarun stats`.
 #include "launcher/client/client.h"
 
-#include "runtime/engine/request.h"
+#include "runtime/request/request.h"
 
 #include <google/protobuf/util/json_util.h>
 #include <yaml-cpp/yaml.h>

@@ -27,7 +27,7 @@
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/hash.h"
-#include "runtime/engine/request.h"
+#include "runtime/request/request.h"
 
 namespace mlarun {
 

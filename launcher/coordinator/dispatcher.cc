@@ -6,7 +6,7 @@
 
 #include "kv/prefix_hash.h"
 #include "launcher/proto_sampling.h"
-#include "runtime/engine/request.h"
+#include "runtime/request/request.h"
 #include "runtime/base/status.h"
 
 namespace mlarun::coord {

@@ -40,7 +40,7 @@
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/coordinator/router.h"
 #include "mlarun.pb.h"
-#include "runtime/engine/sampler.h"
+#include "runtime/request/sampling_params.h"
 
 namespace mlarun::coord {
 

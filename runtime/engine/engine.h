@@ -27,7 +27,7 @@
 #include "runtime/base/block_size.h"
 #include "kv/latent_cache.h"
 #include "runtime/base/status.h"
-#include "runtime/engine/request.h"
+#include "runtime/request/request.h"
 #include "runtime/engine/sampler.h"
 #include "runtime/model/model.h"
 

@@ -60,7 +60,6 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 constexpr float kNegInfF = -std::numeric_limits<float>::infinity();
-constexpr double kMaxTemperature = 100.0;
 // The top-p search sorts a range outright once it is this small.
 constexpr int64_t kTopPSortBelow = 64;
 // Weights are summed per block so the draw can skip whole blocks instead of
@@ -258,37 +257,6 @@ int64_t InverseCdf(const double* weights, int64_t n, const double* block_sums, d
 
 }  // namespace
 
-Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
-                              int64_t max_tokens_limit) {
-  if (!std::isfinite(p.temperature) || p.temperature < 0.0 || p.temperature > kMaxTemperature) {
-    return InvalidArgumentError("temperature must be finite and in [0, ", kMaxTemperature,
-                                "], got ", p.temperature);
-  }
-  // Written so that NaN fails too.
-  if (!(p.top_p > 0.0 && p.top_p <= 1.0)) {
-    return InvalidArgumentError("top_p must be in (0, 1], got ", p.top_p);
-  }
-  if (p.top_k < -1) {
-    return InvalidArgumentError("top_k must be >= -1 (-1 or 0: off), got ", p.top_k);
-  }
-  // Lower and upper bounds apart, so a caller without a limit (the
-  // coordinator before any group registered) passes INT64_MAX and its
-  // messages never print it.
-  if (p.max_tokens < 1) return InvalidArgumentError("max_tokens must be >= 1, got ", p.max_tokens);
-  if (p.max_tokens > max_tokens_limit) {
-    return InvalidArgumentError("max_tokens must be in [1, ", max_tokens_limit, "], got ",
-                                p.max_tokens);
-  }
-  for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
-    const int64_t id = p.stop_token_ids[i];
-    if (id < 0) return InvalidArgumentError("stop_token_ids[", i, "] must be >= 0, got ", id);
-    if (id >= vocab_size) {
-      return InvalidArgumentError("stop_token_ids[", i, "] must be in [0, ", vocab_size, "), got ",
-                                  id);
-    }
-  }
-  return Status::Ok();
-}
 
 Sampler::Sampler(const SamplingParams& p) : params_(p) {
   // splitmix64 turns any seed (0 included) into a well-mixed, never all-zero

@@ -14,28 +14,9 @@
 #include <vector>
 
 #include "runtime/base/status.h"
+#include "runtime/request/sampling_params.h"
 
 namespace mlarun {
-
-struct SamplingParams {
-  double temperature = 0.0;  // 0: greedy
-  int64_t top_k = 0;         // <= 0: off
-  double top_p = 1.0;        // (0, 1]
-  uint64_t seed = 0;         // per request; same seed and logits, same tokens
-  int64_t max_tokens = 16;   // > 0; also the wire's default (launcher/proto_sampling.h)
-  std::vector<int64_t> stop_token_ids;
-  bool ignore_eos = false;
-
-  friend bool operator==(const SamplingParams&, const SamplingParams&) = default;
-};
-
-// Rejects negative or absurd values with a message naming the field:
-// temperature < 0 or > 100 or not finite, top_p outside (0, 1], top_k < -1
-// (-1 and 0 both mean off, as vLLM accepts -1), max_tokens < 1 or >
-// max_tokens_limit, stop ids outside [0, vocab_size). Every message starts
-// with the field's name ("top_p must be ..."), so a caller can prefix its
-// path ("sampling."). A caller without a limit passes INT64_MAX.
-Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64_t max_tokens_limit);
 
 struct SampledToken {
   int64_t token = 0;

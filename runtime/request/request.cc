@@ -1,4 +1,4 @@
-#include "runtime/engine/request.h"
+#include "runtime/request/request.h"
 
 #include <nlohmann/json.hpp>
 

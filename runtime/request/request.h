@@ -11,7 +11,7 @@
 
 #include "runtime/base/block_size.h"
 #include "runtime/base/status.h"
-#include "runtime/engine/sampler.h"
+#include "runtime/request/sampling_params.h"
 
 namespace mlarun {
 
