@@ -238,16 +238,19 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   std::string lines;
   for (const auto& [i, id] : queued) mine.emplace(i, ResultOf(*(*runner)->Output(id)));
   for (const auto& [i, r] : mine) lines += std::to_string(i) + "\t" + ResultLine(r, o.json) + "\n";
-  // The memory each rank holds, by category.
+  // The memory each rank holds, by category: one int64 record per rank.
+  struct RankMemory {
+    int64_t rank, dp, tp, attention, moe, dense, embedding_and_head, cache_capacity, cache_peak, cache_written;
+  };
+  static_assert(sizeof(RankMemory) == 10 * sizeof(int64_t));
   const WeightBytes wb = model.weight_bytes();
   const RankCacheStats& cs = (*runner)->cache_stats();
-  std::ostringstream mem;
-  mem << session.rank() << " " << groups.dp_rank() << " " << groups.attn_tp_rank() << " " << wb.attention << " "
-      << wb.moe << " " << wb.dense_mlp << " " << wb.embedding_and_head << " " << cs.now.bytes_capacity << " "
-      << cs.peak_bytes_used() << " " << cs.bytes_written;
+  const RankMemory mem{session.rank(), groups.dp_rank(), groups.attn_tp_rank(), wb.attention, wb.moe, wb.dense_mlp,
+                       wb.embedding_and_head, cs.now.bytes_capacity, cs.peak_bytes_used(), cs.bytes_written};
+  std::vector<RankMemory> all_mem(static_cast<size_t>(world.size()));
+  if (!world.AllGather(&mem, 10, all_mem.data(), CommType::kI64).ok()) session.Abort("cannot gather the memory", 1);
   auto all_lines = AllGatherStrings(world, lines);
-  auto all_mem = AllGatherStrings(world, mem.str());
-  if (!all_lines.ok() || !all_mem.ok()) session.Abort("cannot gather the results", 1);
+  if (!all_lines.ok()) session.Abort("cannot gather the results", 1);
   int code = 0;
   if (root) {
     std::map<size_t, std::string> by_index;
@@ -269,20 +272,17 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
       if (line.rfind(o.json ? "{\"error\"" : "error:", 0) == 0) code = 1;
       out << line << "\n";
     }
-    auto mib = [](const std::string& bytes) {
+    auto mib = [](int64_t bytes) {
       std::ostringstream os;
-      const double b = static_cast<double>(std::stoll(bytes));
+      const double b = static_cast<double>(bytes);
       os << std::fixed << std::setprecision(b < (1 << 20) ? 3 : 1) << b / (1 << 20);
       return os.str();
     };
     log << "memory per rank (MiB): rank dp tp | attention moe dense emb+head | cache capacity peak written\n";
-    for (const std::string& m : *all_mem) {
-      std::istringstream in(m);
-      std::string f[10];
-      for (auto& x : f) in >> x;
-      log << "  " << f[0] << " " << f[1] << " " << f[2] << " | " << mib(f[3]) << " " << mib(f[4]) << " " << mib(f[5])
-          << " " << mib(f[6]) << " | " << mib(f[7]) << " " << mib(f[8]) << " " << mib(f[9]) << "\n";
-    }
+    for (const RankMemory& m : all_mem)
+      log << "  " << m.rank << " " << m.dp << " " << m.tp << " | " << mib(m.attention) << " " << mib(m.moe) << " "
+          << mib(m.dense) << " " << mib(m.embedding_and_head) << " | " << mib(m.cache_capacity) << " "
+          << mib(m.cache_peak) << " " << mib(m.cache_written) << "\n";
   }
   int64_t code64 = code;
   (void)world.Broadcast(&code64, 1, CommType::kI64, 0);
