@@ -240,7 +240,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
 
   // Every rank's static facts, as GetStats reports them (the changing
   // fields are filled in at each report), and one worker id for the job.
-  const LatentCacheStats own = runner.engine()->cache().stats();
+  const LatentCacheStats own = runner.cache().stats();
   std::ostringstream layout_os;
   layout_os << layout;
   const std::string layout_text = layout_os.str();
@@ -284,7 +284,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     if (r.dp_group() == groups.dp_rank()) group_ranks.push_back(std::move(r));
   }
 
-  const LatentCache& cache = runner.engine()->cache();
+  const LatentCache& cache = runner.cache();
   auto rank_stats = [&](double tokens_per_s) {
     google::protobuf::RepeatedPtrField<v1::RankStats> out;
     const LatentCacheStats cs = cache.stats();

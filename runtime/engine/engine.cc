@@ -141,14 +141,18 @@ Status Engine::CacheRelease(SeqId id, bool retire) {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineConfig& config) {
+StatusOr<std::unique_ptr<LatentCache>> Engine::CreateCache(const Model& model, const EngineConfig& config) {
   if (config.max_num_batched_tokens < 1)
     return InvalidArgumentError("engine: max_num_batched_tokens must be >= 1, got ", config.max_num_batched_tokens);
   if (config.max_num_seqs < 1) return InvalidArgumentError("engine: max_num_seqs must be >= 1, got ", config.max_num_seqs);
   LatentCacheConfig cc = model.CacheConfig(config.cache_budget_bytes, config.block_size);
   cc.enable_prefix_caching = config.enable_prefix_caching;
   cc.commit_memory = config.commit_cache_memory;
-  MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
+  return LatentCache::Create(cc);
+}
+
+StatusOr<std::unique_ptr<Engine>> Engine::Create(Model& model, const EngineConfig& config) {
+  MLARUN_ASSIGN_OR_RETURN(auto cache, CreateCache(model, config));
   return std::unique_ptr<Engine>(new Engine(model, config, std::move(cache)));
 }
 

@@ -92,6 +92,10 @@ Status ApplyCacheOps(LatentCache& cache, std::span<const int64_t> ops);
 class Engine {
  public:
   static StatusOr<std::unique_ptr<Engine>> Create(Model& model, const EngineConfig& config);
+  // The latent cache an engine of `config` would own (the config checked as
+  // Create checks it): for an attn-TP member, which mirrors its leader's
+  // cache through the plans' cache operations and never schedules.
+  static StatusOr<std::unique_ptr<LatentCache>> CreateCache(const Model& model, const EngineConfig& config);
 
   // Validates and queues a request; returns its id. A bad request (empty
   // prompt, token id outside the vocabulary, prompt + max_tokens beyond the

@@ -10,9 +10,16 @@ StatusOr<std::unique_ptr<RankRunner>> RankRunner::Create(Model& model, const Eng
     return InvalidArgumentError("rank runner: the model was not loaded as this rank's shard of ", groups.layout);
   if (!groups.world || !groups.attn_tp || !groups.dp_peers)
     return InvalidArgumentError("rank runner: process groups are missing communicators");
-  MLARUN_ASSIGN_OR_RETURN(auto engine, Engine::Create(model, config));
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<LatentCache> member_cache;
+  if (groups.is_leader()) {
+    MLARUN_ASSIGN_OR_RETURN(engine, Engine::Create(model, config));
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(member_cache, Engine::CreateCache(model, config));
+  }
   if (rank_name.empty()) rank_name = "rank " + std::to_string(groups.rank);
-  return std::unique_ptr<RankRunner>(new RankRunner(model, groups, std::move(engine), std::move(rank_name)));
+  return std::unique_ptr<RankRunner>(
+      new RankRunner(model, groups, std::move(engine), std::move(member_cache), std::move(rank_name)));
 }
 
 StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
@@ -20,10 +27,10 @@ StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
   return engine_->Add(std::move(request));
 }
 
-const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_->Output(id); }
+const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_ ? engine_->Output(id) : nullptr; }
 
 void RankRunner::UpdateCacheStats(const StepPlan& plan, bool written) {
-  cache_stats_.now = engine_->cache().stats();
+  cache_stats_.now = cache().stats();
   cache_stats_.peak_blocks_used = std::max(cache_stats_.peak_blocks_used, cache_stats_.now.blocks_used);
   if (written) cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
 }
@@ -45,13 +52,13 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
     MLARUN_RETURN_IF_ERROR(group.Broadcast(encoded.data(), n, CommType::kI64, 0));
     if (!is_leader()) {
       MLARUN_ASSIGN_OR_RETURN(plan, StepPlan::Decode(encoded));
-      MLARUN_RETURN_IF_ERROR(ApplyCacheOps(engine_->mutable_cache(), plan.cache_ops));
+      MLARUN_RETURN_IF_ERROR(ApplyCacheOps(mutable_cache(), plan.cache_ops));
       for (StepPlan::Seq& s : plan.seqs) s.logits = false;  // only the leader samples
     }
   }
   // 2. Lockstep: every rank's report, with this step's blocks already taken.
   Communicator& world = *groups_.world;
-  const LatentCacheStats cs = engine_->cache().stats();
+  const LatentCacheStats cs = cache().stats();
   int64_t& peak = cache_stats_.peak_blocks_used;
   peak = std::max(peak, cs.blocks_used);
   const LockstepReport mine{.tokens = plan.num_tokens(),
@@ -81,8 +88,8 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
                           .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank(), .rank_name = rank_name_};
   const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
   const auto t0 = std::chrono::steady_clock::now();
-  auto logits = model_.ForwardInto(seqs, engine_->mutable_cache(), &step);
-  engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  auto logits = model_.ForwardInto(seqs, mutable_cache(), &step);
+  if (engine_) engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   if (!logits.ok()) {
     // A collective's own error: the ranks cannot meet again.
     if (model_.last_step_failure().ok()) return logits.status();

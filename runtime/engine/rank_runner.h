@@ -103,18 +103,27 @@ class RankRunner {
   const RankCacheStats& cache_stats() const { return cache_stats_; }
   // Every rank's snapshot, by world rank, as of the last exchange.
   const std::vector<RankCacheSnapshot>& world_cache() const { return world_cache_; }
-  Engine* engine() { return engine_.get(); }  // leaders; the members' is never scheduled
+  // Leaders: the group's engine (requests, scheduling, sampling); members:
+  // nullptr. A member has no engine, only its cache, which mirrors the
+  // leader's through each plan's cache operations.
+  Engine* engine() { return engine_.get(); }
+  // This rank's latent cache: the engine's on a leader, its own on a member.
+  const LatentCache& cache() const { return engine_ ? engine_->cache() : *member_cache_; }
 
  private:
-  RankRunner(Model& model, ProcessGroups& groups, std::unique_ptr<Engine> engine, std::string rank_name)
-      : model_(model), groups_(groups), engine_(std::move(engine)), rank_name_(std::move(rank_name)) {}
+  RankRunner(Model& model, ProcessGroups& groups, std::unique_ptr<Engine> engine,
+             std::unique_ptr<LatentCache> member_cache, std::string rank_name)
+      : model_(model), groups_(groups), engine_(std::move(engine)), member_cache_(std::move(member_cache)),
+        rank_name_(std::move(rank_name)) {}
+  LatentCache& mutable_cache() { return engine_ ? engine_->mutable_cache() : *member_cache_; }
   // After a step: the cache's numbers and peak; `written`: the step ran to
   // its end, so its rows count in bytes_written.
   void UpdateCacheStats(const StepPlan& plan, bool written);
 
   Model& model_;
   ProcessGroups& groups_;
-  std::unique_ptr<Engine> engine_;  // every rank owns one (its cache); only leaders schedule
+  std::unique_ptr<Engine> engine_;             // leaders
+  std::unique_ptr<LatentCache> member_cache_;  // members
   const std::string rank_name_;
   Status last_failure_;
   std::vector<int64_t> dp_tokens_;

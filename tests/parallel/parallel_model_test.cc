@@ -272,7 +272,7 @@ TEST(Parallel, FailedStepFailsItsRequestsAndTheRanksGoOn) {
   }
   // Every rank's cache: empty again, and the members mirror the leader
   // (retired blocks: the second wave's only).
-  const LatentCacheStats cs = (*runner)->engine()->cache().stats();
+  const LatentCacheStats cs = (*runner)->cache().stats();
   EXPECT_EQ(cs.blocks_used, 0) << "on rank " << g.rank;
   const auto retired = GatherAll(*g.world, std::vector<int64_t>{cs.blocks_retired}, CommType::kI64);
   int64_t expect_retired = 0;
