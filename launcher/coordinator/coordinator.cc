@@ -23,6 +23,7 @@
 
 #include "launcher/coordinator/dispatcher.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/base/thread_annotations.h"
 
 namespace mlarun {
 namespace coord {
@@ -50,12 +51,12 @@ template <class Msg>
 class Outbound : public Outlet<Msg> {
  public:
   void Queue(Msg msg) override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (close_wanted_) return;
     queue_.push_back(std::move(msg));
   }
   void Close(grpc::StatusCode code, std::string message) override {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     if (close_wanted_) return;
     close_wanted_ = true;
     status_ = grpc::Status(code, std::move(message));
@@ -67,7 +68,7 @@ class Outbound : public Outlet<Msg> {
   // nothing more is written, but Finish is still due (gRPC requires it).
   void WriteDone(bool ok) {
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       writing_ = false;
       if (!ok) {
         broken_ = true;
@@ -83,7 +84,7 @@ class Outbound : public Outlet<Msg> {
   void Pump() {
     bool write = false;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       if (writing_ || finished_) return;
       if (!queue_.empty() && !broken_) {
         current_ = std::move(queue_.front());
@@ -105,13 +106,12 @@ class Outbound : public Outlet<Msg> {
     }
   }
 
-  std::mutex mu_;
-  // Guarded by mu_.
-  std::deque<Msg> queue_;
-  bool writing_ = false;       // a StartWrite is in flight
-  bool broken_ = false;        // a write failed: drop everything
-  bool close_wanted_ = false;  // Close() was called; status_ is set
-  bool finished_ = false;      // Finish was issued
+  Mutex mu_;
+  std::deque<Msg> queue_ MLARUN_GUARDED_BY(mu_);
+  bool writing_ MLARUN_GUARDED_BY(mu_) = false;       // a StartWrite is in flight
+  bool broken_ MLARUN_GUARDED_BY(mu_) = false;        // a write failed: drop everything
+  bool close_wanted_ MLARUN_GUARDED_BY(mu_) = false;  // Close() was called; status_ is set
+  bool finished_ MLARUN_GUARDED_BY(mu_) = false;      // Finish was issued
   grpc::Status status_;
   // Owned by the write in flight (gRPC reads it until OnWriteDone).
   Msg current_;
@@ -303,9 +303,9 @@ class CoordinatorImpl final : public Coordinator {
 
   void Shutdown() override {
     {
-      std::unique_lock lock(mu_);
+      MutexLock lock(mu_);
       if (stopping_) {
-        cv_.wait(lock, [this] { return down_; });
+        lock.Wait(cv_, [this]() MLARUN_REQUIRES(mu_) { return down_; });
         return;
       }
       stopping_ = true;
@@ -315,15 +315,15 @@ class CoordinatorImpl final : public Coordinator {
     dispatcher_->Shutdown();
     if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       down_ = true;
     }
     cv_.notify_all();
   }
 
   void Wait() override {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [this] { return down_; });
+    MutexLock lock(mu_);
+    lock.Wait(cv_, [this]() MLARUN_REQUIRES(mu_) { return down_; });
   }
 
  private:
@@ -334,10 +334,10 @@ class CoordinatorImpl final : public Coordinator {
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 
-  std::mutex mu_;
+  Mutex mu_;
   std::condition_variable cv_;
-  bool stopping_ = false;  // guarded by mu_
-  bool down_ = false;      // guarded by mu_
+  bool stopping_ MLARUN_GUARDED_BY(mu_) = false;
+  bool down_ MLARUN_GUARDED_BY(mu_) = false;
 };
 
 // host:port with a numeric port (IPv6 hosts in brackets); returns the host.

@@ -158,9 +158,9 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
   Pending pending;
   std::optional<Accepted> accepted;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     ++counters_.received;
-    auto reject = [&](grpc::StatusCode code, std::string message) {
+    auto reject = [&](grpc::StatusCode code, std::string message) MLARUN_REQUIRES(mu_) {
       Count(code);
       client->Close(code, std::move(message));
       pending.Add(client);
@@ -225,7 +225,7 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
 void Dispatcher::ClientGone(const std::string& id, uint64_t serial) {
   Pending pending;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = requests_.find(id);
     if (it == requests_.end() || it->second->serial != serial) return;
     Request* r = it->second.get();
@@ -242,7 +242,7 @@ void Dispatcher::ClientGone(const std::string& id, uint64_t serial) {
 bool Dispatcher::Cancel(const std::string& id) {
   Pending pending;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = requests_.find(id);
     if (it == requests_.end()) return false;
     Fail(it->second.get(), grpc::StatusCode::CANCELLED, "cancelled by a Cancel call", true,
@@ -254,7 +254,7 @@ bool Dispatcher::Cancel(const std::string& id) {
 }
 
 void Dispatcher::FillStats(v1::GetStatsResponse* out) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   for (const auto& g : groups_) {
     for (const auto& rank : g->ranks) *out->add_ranks() = rank;
     v1::GroupStats* s = out->add_groups();
@@ -281,7 +281,7 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out) const {
 }
 
 void Dispatcher::FillHealth(v1::HealthResponse* out) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(mu_);
   out->set_serving(!shutting_down_);
   out->set_groups_connected(static_cast<int32_t>(ConnectedGroups()));
 }
@@ -292,7 +292,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
   Pending pending;
   bool attached = false;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     std::string error;
     grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
     if (shutting_down_) {
@@ -357,7 +357,7 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
   Pending pending;
   bool attached = true;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = link_group_.find(link);
     if (it == link_group_.end()) return false;
     const int index = it->second;
@@ -445,7 +445,7 @@ void Dispatcher::OnDone(int group, const v1::RequestDone& done, Pending& pending
 void Dispatcher::Detach(const WorkerOutlet* link) {
   Pending pending;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(mu_);
     auto it = link_group_.find(link);
     if (it == link_group_.end()) return;
     Disconnect(it->second,
@@ -461,7 +461,7 @@ void Dispatcher::Shutdown() {
   {
     Pending pending;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(mu_);
       if (!shutting_down_) {
         shutting_down_ = true;
         std::vector<Request*> live;
@@ -709,15 +709,15 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
 }
 
 void Dispatcher::TimerLoop() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(mu_);
   while (!stop_timer_) {
     if (timers_.empty()) {
-      timer_cv_.wait(lock);
+      lock.Wait(timer_cv_);
       continue;
     }
     const Clock::time_point next = timers_.begin()->first;
     if (Clock::now() < next) {
-      timer_cv_.wait_until(lock, next);
+      lock.WaitUntil(timer_cv_, next);
       continue;
     }
     Pending pending;
@@ -729,9 +729,9 @@ void Dispatcher::TimerLoop() {
       OnTimer(r, now, pending);
     }
     DrainQueue(pending);
-    lock.unlock();
+    lock.Unlock();
     pending.Flush();
-    lock.lock();
+    lock.Lock();
   }
 }
 

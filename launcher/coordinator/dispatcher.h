@@ -40,6 +40,7 @@
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/coordinator/router.h"
 #include "mlarun.pb.h"
+#include "runtime/base/thread_annotations.h"
 #include "runtime/request/sampling_params.h"
 
 namespace mlarun::coord {
@@ -124,36 +125,36 @@ class Dispatcher {
   // The request's checks, `sampling` being its SamplingParams with absent
   // fields filled in; the error names the field.
   std::optional<std::string> Validate(const v1::GenerateRequest& request,
-                                      const SamplingParams& sampling) const;
-  int64_t ConnectedGroups() const;
-  bool Eligible(const Group& g) const;
-  bool TryRoute(Request* r, Pending& pending);
-  void DrainQueue(Pending& pending);
-  void ArmTimer(Request* r, Clock::time_point at);
-  void OnTimer(Request* r, Clock::time_point now, Pending& pending);
-  void ReleaseFromGroup(Request* r);
+                                      const SamplingParams& sampling) const MLARUN_REQUIRES(mu_);
+  int64_t ConnectedGroups() const MLARUN_REQUIRES(mu_);
+  bool Eligible(const Group& g) const MLARUN_REQUIRES(mu_);
+  bool TryRoute(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  void DrainQueue(Pending& pending) MLARUN_REQUIRES(mu_);
+  void ArmTimer(Request* r, Clock::time_point at) MLARUN_REQUIRES(mu_);
+  void OnTimer(Request* r, Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
+  void ReleaseFromGroup(Request* r) MLARUN_REQUIRES(mu_);
   // Adds one ended request to the counter of its final status: OK completed;
   // INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED rejected; CANCELLED
   // cancelled; anything else failed.
-  void Count(grpc::StatusCode code);
+  void Count(grpc::StatusCode code) MLARUN_REQUIRES(mu_);
   // Ends `r` with an error status (destroys it), counted by Count. CancelRoute
   // goes to its group when `cancel_route` and it is routed.
   void Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
-            Pending& pending);
-  void Complete(Request* r, const v1::RequestDone& done, Pending& pending);
-  void Forget(Request* r);  // unlinks and destroys r
+            Pending& pending) MLARUN_REQUIRES(mu_);
+  void Complete(Request* r, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
+  void Forget(Request* r) MLARUN_REQUIRES(mu_);  // unlinks and destroys r
   // The group went away (`reason` says how, for messages and GetStats): its
   // requests with tokens fail, the others are re-queued at the head. When no
   // group is connected any more, everything queued waits at most
   // lost_group_wait_s more (or until its own deadline) for one.
-  void Disconnect(int group, std::string reason, Pending& pending);
+  void Disconnect(int group, std::string reason, Pending& pending) MLARUN_REQUIRES(mu_);
   // The UNAVAILABLE message of a request that waited for a group in vain:
   // what happened to the group it lost, or to the groups registered before,
   // or that none ever registered.
-  std::string NoGroupMessage(const Request& r, Clock::time_point now) const;
-  void OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending);
-  void OnDone(int group, const v1::RequestDone& done, Pending& pending);
-  void TimerLoop();
+  std::string NoGroupMessage(const Request& r, Clock::time_point now) const MLARUN_REQUIRES(mu_);
+  void OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending) MLARUN_REQUIRES(mu_);
+  void OnDone(int group, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
+  void TimerLoop() MLARUN_EXCLUDES(mu_);
 
   // Constant after construction.
   const CoordinatorOptions options_;
@@ -162,22 +163,22 @@ class Dispatcher {
   // mu_ guards everything below: the group registry, the request table, the
   // wait queue, the deadline timers, the router (round-robin cursor, prefix
   // indexes) and the counters.
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::condition_variable timer_cv_;  // wakes TimerLoop for an earlier deadline or stop
-  bool shutting_down_ = false;
-  bool stop_timer_ = false;
-  Router router_;
-  std::vector<std::unique_ptr<Group>> groups_;                  // index = group id; never shrinks
-  std::map<std::pair<std::string, int32_t>, int> group_index_;  // (worker_id, dp_group) -> index
-  std::unordered_map<const WorkerOutlet*, int> link_group_;     // attached links
-  std::unordered_map<std::string, std::unique_ptr<Request>> requests_;  // live, by id
-  std::list<Request*> queue_;                                           // waiting for a group, FIFO
-  std::multimap<Clock::time_point, Request*> timers_;  // one entry per live request
-  uint64_t next_serial_ = 0;
-  uint64_t next_generated_id_ = 0;
+  bool shutting_down_ MLARUN_GUARDED_BY(mu_) = false;
+  bool stop_timer_ MLARUN_GUARDED_BY(mu_) = false;
+  Router router_ MLARUN_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Group>> groups_ MLARUN_GUARDED_BY(mu_);                  // index = group id; never shrinks
+  std::map<std::pair<std::string, int32_t>, int> group_index_ MLARUN_GUARDED_BY(mu_);  // (worker_id, dp_group) -> index
+  std::unordered_map<const WorkerOutlet*, int> link_group_ MLARUN_GUARDED_BY(mu_);     // attached links
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_ MLARUN_GUARDED_BY(mu_);  // live, by id
+  std::list<Request*> queue_ MLARUN_GUARDED_BY(mu_);                          // waiting for a group, FIFO
+  std::multimap<Clock::time_point, Request*> timers_ MLARUN_GUARDED_BY(mu_);  // one entry per live request
+  uint64_t next_serial_ MLARUN_GUARDED_BY(mu_) = 0;
+  uint64_t next_generated_id_ MLARUN_GUARDED_BY(mu_) = 0;
   struct Counters {
     int64_t received = 0, completed = 0, rejected = 0, failed = 0, cancelled = 0, rerouted = 0;
-  } counters_;
+  } counters_ MLARUN_GUARDED_BY(mu_);
 
   std::thread timer_thread_;  // started in the constructor, joined by Shutdown
 };

@@ -12,6 +12,7 @@
 
 #include "runtime/base/cpu/kernels.h"
 #include "runtime/base/cpu_isa.h"
+#include "runtime/base/thread_annotations.h"
 
 namespace mlarun {
 namespace {
@@ -57,14 +58,14 @@ class GemmCache {
   static constexpr size_t kCapacity = 4096;
 
   std::shared_ptr<const CpuGemm> Find(const GemmKey& k) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     auto it = map_.find(k);
     if (it == map_.end()) return nullptr;
     lru_.splice(lru_.begin(), lru_, it->second);
     return it->second->second;
   }
   void Insert(const GemmKey& k, std::shared_ptr<const CpuGemm> g) {
-    std::lock_guard<std::mutex> lock(mutex_);
+    MutexLock lock(mutex_);
     if (map_.count(k)) return;
     lru_.emplace_front(k, std::move(g));
     map_[k] = lru_.begin();
@@ -76,9 +77,9 @@ class GemmCache {
 
  private:
   using Entry = std::pair<GemmKey, std::shared_ptr<const CpuGemm>>;
-  std::mutex mutex_;
-  std::list<Entry> lru_;  // GUARDED_BY(mutex_), most recent first
-  std::unordered_map<GemmKey, std::list<Entry>::iterator, KeyHash> map_;  // GUARDED_BY(mutex_)
+  Mutex mutex_;
+  std::list<Entry> lru_ MLARUN_GUARDED_BY(mutex_);  // most recent first
+  std::unordered_map<GemmKey, std::list<Entry>::iterator, KeyHash> map_ MLARUN_GUARDED_BY(mutex_);
 };
 
 GemmCache& Cache() {
