@@ -21,6 +21,7 @@
 #include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/base/cpu_isa.h"
+#include "runtime/base/thread_annotations.h"
 #include "runtime/engine/rank_runner.h"
 #include "runtime/model/memory_plan.h"
 
@@ -45,7 +46,7 @@ class Link {
     {
       // Under mu_, so Run either sees stopping_ before it connects or has
       // published its context for us to cancel.
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(mu_);
       stopping_ = true;
       if (context_) context_->TryCancel();
     }
@@ -58,7 +59,7 @@ class Link {
     std::string request_id;
   };
   std::deque<Event> Drain() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     std::deque<Event> out;
     out.swap(inbox_);
     return out;
@@ -66,22 +67,22 @@ class Link {
   // False when there is no live stream (the message is dropped: the
   // coordinator ends that stream's requests itself).
   bool Send(const v1::WorkerMessage& m) {
-    std::lock_guard<std::mutex> lock(write_mu_);
+    MutexLock lock(write_mu_);
     std::shared_ptr<Stream> s;
     {
-      std::lock_guard<std::mutex> l(mu_);
+      MutexLock l(mu_);
       s = stream_;
     }
     return s && s->Write(m);
   }
   void UpdateRanks(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(mu_);
     *reg_.mutable_ranks() = ranks;
   }
   // Blocks until something arrives in the inbox or `timeout_s` passes.
   void WaitForEvent(double timeout_s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    arrived_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !inbox_.empty(); });
+    MutexLock lock(mu_);
+    lock.WaitFor(arrived_, std::chrono::duration<double>(timeout_s), [this]() MLARUN_REQUIRES(mu_) { return !inbox_.empty(); });
   }
   // The group cannot continue: tells the coordinator why (`leaving`) and
   // waits, at most `timeout_s`, for it to end the stream, so the message is
@@ -92,8 +93,9 @@ class Link {
     v1::WorkerMessage m;
     m.mutable_leaving()->set_reason(reason);
     if (!Send(m)) return false;
-    std::unique_lock<std::mutex> lock(mu_);
-    return ended_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return stream_ == nullptr; });
+    MutexLock lock(mu_);
+    return lock.WaitFor(ended_, std::chrono::duration<double>(timeout_s),
+                        [this]() MLARUN_REQUIRES(mu_) { return stream_ == nullptr; });
   }
 
  private:
@@ -107,7 +109,7 @@ class Link {
       auto context = std::make_shared<grpc::ClientContext>();
       v1::WorkerMessage hello;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         if (stopping_) break;
         *hello.mutable_register_() = reg_;
         context_ = context;  // published before Connect can block
@@ -116,28 +118,28 @@ class Link {
       v1::CoordinatorMessage in;
       if (stream->Write(hello) && stream->Read(&in) && in.has_registered()) {
         {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           stream_ = stream;
         }
         backoff_s = 0.1;
         while (stream->Read(&in)) {
-          std::lock_guard<std::mutex> lock(mu_);
+          MutexLock lock(mu_);
           if (in.has_route()) inbox_.push_back({Event::kRoute, in.route(), in.route().request_id()});
           if (in.has_cancel()) inbox_.push_back({Event::kCancel, {}, in.cancel().request_id()});
           arrived_.notify_all();
         }
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         stream_.reset();
         inbox_.push_back({Event::kDisconnected, {}, {}});
         ended_.notify_all();
       }
       {
-        std::lock_guard<std::mutex> lock(write_mu_);
+        MutexLock lock(write_mu_);
         stream->WritesDone();
       }
       (void)stream->Finish();
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(mu_);
         context_.reset();
       }
       for (double waited = 0; waited < backoff_s && !stopping_ && !leaving_; waited += 0.05)
@@ -149,14 +151,14 @@ class Link {
   const std::string target_;
   std::atomic<bool> stopping_{false};
   std::atomic<bool> leaving_{false};  // Leave() was called: no new connection
-  std::mutex mu_;        // guards reg_, inbox_, stream_, context_
+  Mutex mu_;
   std::condition_variable arrived_;
   std::condition_variable ended_;  // stream_ was reset
-  std::mutex write_mu_;  // one writer at a time on the stream
-  v1::Register reg_;
-  std::deque<Event> inbox_;
-  std::shared_ptr<Stream> stream_;
-  std::shared_ptr<grpc::ClientContext> context_;
+  Mutex write_mu_;                 // one writer at a time on the stream
+  v1::Register reg_ MLARUN_GUARDED_BY(mu_);
+  std::deque<Event> inbox_ MLARUN_GUARDED_BY(mu_);
+  std::shared_ptr<Stream> stream_ MLARUN_GUARDED_BY(mu_);
+  std::shared_ptr<grpc::ClientContext> context_ MLARUN_GUARDED_BY(mu_);
   std::thread thread_;
 };
 

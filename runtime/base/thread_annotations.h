@@ -54,6 +54,11 @@ class MLARUN_SCOPED_CAPABILITY MutexLock {
   void Wait(std::condition_variable& cv, Pred done) {
     cv.wait(lock_, done);
   }
+  // As long as `d` at most; false when `done()` still does not hold.
+  template <typename Duration, typename Pred>
+  bool WaitFor(std::condition_variable& cv, const Duration& d, Pred done) {
+    return cv.wait_for(lock_, d, done);
+  }
   template <typename TimePoint>
   void WaitUntil(std::condition_variable& cv, const TimePoint& t) {
     cv.wait_until(lock_, t);
