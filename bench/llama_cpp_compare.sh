@@ -25,7 +25,7 @@
 # cache once and re-read through a MADV_HUGEPAGE mapping
 # (bench/warm_page_cache.py), so both runtimes' mappings get 2 MiB pages; as-is
 # leaves the page cache as earlier reads left it (often 4 KiB pages, which
-# cost either runtime ~10% at batch 1).
+# cost mlarun ~10% at batch 1).
 set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
