@@ -7,10 +7,6 @@
 #include "runtime/base/large_buffer.h"
 
 namespace mlarun {
-uint64_t LatentCache::ChainHash(uint64_t parent, std::span<const int32_t> tokens) {
-  return PrefixChainHash(parent, tokens);
-}
-
 StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConfig& c) {
   if (c.num_layers <= 0) return InvalidArgumentError("latent cache: num_layers must be positive, got ", c.num_layers);
   if (c.kv_lora_rank <= 0) return InvalidArgumentError("latent cache: kv_lora_rank must be positive, got ", c.kv_lora_rank);
@@ -79,7 +75,7 @@ Status LatentCache::AddSequence(SeqId id) {
 }
 
 int32_t LatentCache::Lookup(uint64_t parent, std::span<const int32_t> tokens, uint64_t* hash) const {
-  *hash = ChainHash(parent, tokens);
+  *hash = PrefixChainHash(parent, tokens);
   auto it = index_.find(*hash);
   if (it == index_.end()) return -1;
   const BlockMeta& m = blocks_[static_cast<size_t>(it->second)];
@@ -179,7 +175,7 @@ Status LatentCache::Commit(SeqId id) {
       auto block_tokens = std::span<const int32_t>(s->tokens).subspan(static_cast<size_t>(j * bs),
                                                                       static_cast<size_t>(bs));
       const uint64_t parent = j == 0 ? kPrefixChainSeed : s->chain.back();
-      const uint64_t h = ChainHash(parent, block_tokens);
+      const uint64_t h = PrefixChainHash(parent, block_tokens);
       s->chain.push_back(h);
       BlockMeta& m = blocks_[static_cast<size_t>(s->blocks[static_cast<size_t>(j)])];
       if (m.published || index_.count(h)) continue;

@@ -155,9 +155,6 @@ class LatentCache {
   Status WriteRows(int64_t layer, SeqId id, int64_t pos, int64_t n, const float* kv_c,
                    int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride);
 
-  // One link of the chain: the hash of a full block given its parent's.
-  static uint64_t ChainHash(uint64_t parent, std::span<const int32_t> tokens);
-
  private:
   struct BlockMeta {
     int32_t ref_count = 0;

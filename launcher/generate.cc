@@ -80,15 +80,6 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
   return out.str();
 }
 
-DeploymentSpec SpecOf(const GenerateOptions& o) {
-  return DeploymentSpec{.model = o.model,
-                        .parallel = o.parallel.empty() ? std::string("dp1") : o.parallel,
-                        .kv_dtype = o.kv_dtype,
-                        .num_layers = o.num_layers,
-                        .weights = o.weights,
-                        .attention_thresholds = o.attention_thresholds};
-}
-
 }  // namespace
 
 int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) {
@@ -106,18 +97,18 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   std::function<void(const std::string&)> progress;
   if (tty) progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
   const auto t0 = std::chrono::steady_clock::now();
-  auto loaded = LoadModelForSpec(SpecOf(o), ModelShard{}, 0, progress);
+  auto loaded = LoadModelForSpec(o.deployment, ModelShard{}, 0, progress);
   if (tty) log << "\n";
   if (!loaded.ok()) {
     log << "mlarun generate: " << loaded.status() << "\n";
     return 2;
   }
-  std::unique_ptr<Model>* model = &loaded->model;
+  Model& model = *loaded->model;
   log << "mlarun generate: cpu " << CpuSummary() << "\n";
-  log << "loaded " << o.model << " (" << static_cast<double>((*model)->weight_bytes().total()) / (1 << 20)
+  log << "loaded " << o.deployment.model << " (" << static_cast<double>(model.weight_bytes().total()) / (1 << 20)
       << " MiB of weights) in "
       << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
-  auto engine = Engine::Create(**model, o.engine);
+  auto engine = Engine::Create(model, o.engine);
   if (!engine.ok()) {
     log << "mlarun generate: " << engine.status() << "\n";
     return 2;
@@ -200,7 +191,7 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   // Every rank gets the same outcome: a start-up failure (different flags on
   // some rank, a bad layout, a model that does not load somewhere) ends every
   // rank with exit code 2, rank 0 says why.
-  auto boot = BootstrapRank(SpecOf(o), session, log, "mlarun generate");
+  auto boot = BootstrapRank(o.deployment, session, log, "mlarun generate");
   if (!boot.ok()) {
     if (root) log << "mlarun generate: " << boot.status().message() << "\n";
     return 2;
@@ -212,7 +203,7 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   auto runner = RankRunner::Create(model, o.engine, groups, boot->name);
   if (!runner.ok()) session.Abort(runner.status().ToString(), 2);
   if (root)
-    log << "loaded " << o.model << " on " << session.size() << " ranks (" << layout << ") in " << boot->load_seconds
+    log << "loaded " << o.deployment.model << " on " << session.size() << " ranks (" << layout << ") in " << boot->load_seconds
         << " s\n";
 
   // Request i goes to DP group i % dp; its leader queues it.

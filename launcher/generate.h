@@ -7,23 +7,20 @@
 #include <string>
 #include <vector>
 
+#include "launcher/rank/bootstrap.h"
 #include "runtime/engine/engine.h"
 
 namespace mlarun {
 
 struct GenerateOptions {
-  std::string model;                  // checkpoint directory or configs/models/*.yaml
+  // The model, and with `parallel` set, the layout on the ranks of mpirun.
+  DeploymentSpec deployment;
   std::vector<int64_t> prompt_ids;    // one request, or
   std::string prompts_path;           // JSON lines: {"prompt_ids": [...], sampling fields...}
   SamplingParams sampling;            // defaults for every request (JSON lines override per field)
   bool json = false;
-  std::string kv_dtype;               // "" keeps the model's; bf16 | fp32
-  int64_t num_layers = 0;             // 0 keeps the model's (YAML only)
   EngineConfig engine;
   int threads = 0;
-  std::string parallel;               // "dp=D,attn_tp=T[,moe=...]": run on the ranks of mpirun
-  std::string attention_thresholds;   // a thresholds file (launcher/thresholds.h); "" : the CPU's defaults
-  std::string weights = "mapped";     // WeightLoading: mapped | copied
 };
 
 // Prints one line per request: with `json`, {"tokens", "logprobs",

@@ -32,6 +32,16 @@ void AddSamplingFlags(CLI::App* cmd, mlarun::SamplingParams& p) {
   cmd->add_flag("--ignore-eos", p.ignore_eos, "Do not stop at the model's eos_token_id");
 }
 
+// Flags several commands share, with one help text each.
+void AddWeightsFlag(CLI::App* app, std::string& weights) {
+  app->add_option("--weights", weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
+      ->capture_default_str();
+}
+void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
+  app->add_option("--attention-thresholds", path,
+                  "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
   app.require_subcommand(1);
@@ -57,19 +67,18 @@ int main(int argc, char** argv) {
   mlarun::DecodeBenchOptions db;
   int decode_threads = 0;
   auto* dec = bench->add_subcommand("decode", "Decode and prefill throughput of one process, and where a step goes");
-  dec->add_option("--model", db.model, "Checkpoint directory or configs/models/*.yaml")->capture_default_str();
-  dec->add_option("--num-layers", db.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
-  dec->add_option("--experts", db.experts, "Routed experts kept (YAML models), so large shapes fit in memory")->check(CLI::PositiveNumber);
+  dec->add_option("--model", db.deployment.model, "Checkpoint directory or configs/models/*.yaml")->capture_default_str();
+  dec->add_option("--num-layers", db.deployment.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
+  dec->add_option("--experts", db.deployment.experts, "Routed experts kept (YAML models), so large shapes fit in memory")->check(CLI::PositiveNumber);
   dec->add_option("--batch", db.batches, "Batch sizes")->delimiter(',')->capture_default_str();
   dec->add_option("--context", db.contexts, "Context lengths (tokens already cached per sequence)")->delimiter(',')->capture_default_str();
   dec->add_option("--prefill-tokens", db.prefill_tokens, "Prompt tokens of the prefill measurement")->capture_default_str()->check(CLI::PositiveNumber);
   dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")->capture_default_str()->check(CLI::PositiveNumber);
-  dec->add_option("--kv-dtype", db.kv_dtype, "Latent cache dtype: bf16 or fp32");
-  dec->add_option("--weights", db.weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
-      ->capture_default_str();
+  dec->add_option("--kv-dtype", db.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  AddWeightsFlag(dec, db.deployment.weights);
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
-  dec->add_option("--parallel", db.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
+  dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
 
   mlarun::ServeBenchOptions sb;
   auto* serve = bench->add_subcommand("serve", "The serving path over loopback: client load, coordinator overhead, routing");
@@ -87,24 +96,22 @@ int main(int argc, char** argv) {
 
   mlarun::GenerateOptions gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
-  generate->add_option("--model", gen.model, "Hugging Face checkpoint directory, or configs/models/*.yaml")->required();
+  generate->add_option("--model", gen.deployment.model, "Hugging Face checkpoint directory, or configs/models/*.yaml")->required();
   auto* ids_opt = generate->add_option("--prompt-ids", gen.prompt_ids, "One prompt as token ids: 1,2,3")->delimiter(',');
   auto* file_opt = generate->add_option("--prompts", gen.prompts_path, "JSON lines: prompt_ids and sampling fields");
   ids_opt->excludes(file_opt);
   AddSamplingFlags(generate, gen.sampling);
   generate->add_flag("--json", gen.json, "One JSON object per request, in input order");
-  generate->add_option("--kv-dtype", gen.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
-  generate->add_option("--num-layers", gen.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
+  generate->add_option("--kv-dtype", gen.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
+  generate->add_option("--num-layers", gen.deployment.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
   generate->add_option("--threads", gen.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   generate->add_option("--max-batched-tokens", gen.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
   generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Running requests at once")->capture_default_str();
   generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")->capture_default_str();
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
-  generate->add_option("--parallel", gen.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
-  generate->add_option("--weights", gen.weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
-      ->capture_default_str();
-  generate->add_option("--attention-thresholds", gen.attention_thresholds,
-                       "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
+  generate->add_option("--parallel", gen.deployment.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
+  AddWeightsFlag(generate, gen.deployment.weights);
+  AddAttentionThresholdsFlag(generate, gen.deployment.attention_thresholds);
 
   std::string config_path;
   mlarun::MemoryOptions mem;
@@ -144,10 +151,10 @@ int main(int argc, char** argv) {
   mlarun::WorkerOptions wo;
   auto* worker = app.add_subcommand("worker", "Serve a model on the ranks of mpirun for a coordinator");
   auto* w_coord = worker->add_option("--coordinator", wo.coordinator, "Coordinator host:port")->capture_default_str();
-  auto* w_model = worker->add_option("--model", wo.model, "Checkpoint directory or configs/models/*.yaml");
-  auto* w_par = worker->add_option("--parallel", wo.parallel, "dp=D,attn_tp=T[,moe=expert|intermediate]")->capture_default_str();
-  auto* w_kv = worker->add_option("--kv-dtype", wo.kv_dtype, "Latent cache dtype: bf16 or fp32");
-  worker->add_option("--num-layers", wo.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
+  auto* w_model = worker->add_option("--model", wo.deployment.model, "Checkpoint directory or configs/models/*.yaml");
+  auto* w_par = worker->add_option("--parallel", wo.deployment.parallel, "dp=D,attn_tp=T[,moe=expert|intermediate]")->capture_default_str();
+  auto* w_kv = worker->add_option("--kv-dtype", wo.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  worker->add_option("--num-layers", wo.deployment.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
   auto* w_cache = worker->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank")->capture_default_str();
   auto* w_mem = worker->add_option("--memory-gib", wo.memory_gib,
                      "Memory per rank: the cache gets what the weights and the prefill workspace leave (as mlarun memory predicts)")
@@ -155,10 +162,8 @@ int main(int argc, char** argv) {
   auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
   worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
-  worker->add_option("--weights", wo.weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
-      ->capture_default_str();
-  worker->add_option("--attention-thresholds", wo.attention_thresholds,
-                     "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
+  AddWeightsFlag(worker, wo.deployment.weights);
+  AddAttentionThresholdsFlag(worker, wo.deployment.attention_thresholds);
   int worker_threads = 0;
   worker->add_option("--threads", worker_threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   std::string fail_forward_call;
@@ -258,20 +263,20 @@ int main(int argc, char** argv) {
   }
   if (worker->parsed()) {
     fill(w_coord, wo.coordinator, dc.coordinator);
-    fill(w_model, wo.model, dc.model);
-    fill(w_par, wo.parallel, dc.parallel);
-    fill(w_kv, wo.kv_dtype, dc.kv_dtype);
+    fill(w_model, wo.deployment.model, dc.model);
+    fill(w_par, wo.deployment.parallel, dc.parallel);
+    fill(w_kv, wo.deployment.kv_dtype, dc.kv_dtype);
     if (w_cache->count() == 0 && w_mem->count() == 0) {  // a flag overrides both file keys
       if (dc.cache_bytes > 0) wo.engine.cache_budget_bytes = dc.cache_bytes;
       if (dc.memory_gib > 0) wo.memory_gib = dc.memory_gib;
     }
     if (w_mbt->count() == 0 && dc.max_batched_tokens > 0) wo.engine.max_num_batched_tokens = dc.max_batched_tokens;
-    if (wo.model.empty()) {
+    if (wo.deployment.model.empty()) {
       std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");
       return 2;
     }
     if (!fail_forward_call.empty()) {
-      if (const mlarun::Status st = mlarun::ParseFailForwardCall(fail_forward_call, &wo); !st.ok()) {
+      if (const mlarun::Status st = mlarun::ParseFailForwardCall(fail_forward_call, &wo.deployment); !st.ok()) {
         std::fprintf(stderr, "mlarun worker: %s\n", std::string(st.message()).c_str());
         return 2;
       }
@@ -319,7 +324,7 @@ int main(int argc, char** argv) {
   if (dec->parsed()) {
     if (decode_threads > 0) omp_set_num_threads(decode_threads);
     mlarun::Status st;
-    if (db.parallel.empty()) {
+    if (db.deployment.parallel.empty()) {
       st = mlarun::RunDecodeBench(db);
     } else {
       auto session = mlarun::MpiSession::Init(&argc, &argv);
@@ -337,7 +342,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     if (gen.threads > 0) omp_set_num_threads(gen.threads);
-    if (gen.parallel.empty()) return mlarun::RunGenerate(gen, std::cout, std::cerr);
+    if (gen.deployment.parallel.empty()) return mlarun::RunGenerate(gen, std::cout, std::cerr);
     auto session = mlarun::MpiSession::Init(&argc, &argv);
     if (!session.ok()) {
       std::fprintf(stderr, "mlarun generate: %s\n", session.status().ToString().c_str());

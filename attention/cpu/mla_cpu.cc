@@ -481,10 +481,18 @@ Status RunExpandedSeq(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b
 
 namespace {
 
-// Plans `p` into `pl`, whose lists are empty (a new plan) or cleared (a
-// plan reused): the cached products (abs_tiles, up_proj, exp_tiles, and
+// Plans `p` into `pl`, new or reused: the batch's lists start empty (their
+// memory kept), the cached products (abs_tiles, up_proj, exp_tiles, and
 // gemm_scratch, the most any of them needs) stay from earlier batches.
 Status FillPlan(const MlaParams& p, const MlaConfig& c, CpuMlaPlan& pl, MlaPlan* plan) {
+  pl.abs.clear();
+  pl.t_abs = 0;
+  pl.abs_items.clear();
+  pl.num_merges = 0;
+  pl.partial_rows = 0;
+  pl.exp.clear();
+  pl.exp_q_max = 0;
+  pl.exp_rows_pad_max = 0;
   pl.shape = p.shape;
   pl.dtype = p.cache.dtype;
   pl.kv_tile = c.kv_tile_rows;
@@ -529,24 +537,10 @@ StatusOr<std::unique_ptr<MlaPlanImpl>> MakeMlaPlan(const MlaParams& p, const Mla
 
 Status RemakeMlaPlan(const MlaParams& p, const MlaConfig& c, MlaPlan* plan) {
   auto* pl = dynamic_cast<CpuMlaPlan*>(plan->impl.get());
-  if (pl == nullptr) {
-    MLARUN_ASSIGN_OR_RETURN(plan->impl, MakeMlaPlan(p, c, plan));
-    return Status::Ok();
-  }
-  // A different shape or dtype: the cached products are for other sizes.
-  if (!(pl->shape == p.shape) || pl->dtype != p.cache.dtype) {
-    MLARUN_ASSIGN_OR_RETURN(plan->impl, MakeMlaPlan(p, c, plan));
-    return Status::Ok();
-  }
-  pl->abs.clear();
-  pl->t_abs = 0;
-  pl->abs_items.clear();
-  pl->num_merges = 0;
-  pl->partial_rows = 0;
-  pl->exp.clear();
-  pl->exp_q_max = 0;
-  pl->exp_rows_pad_max = 0;
-  return FillPlan(p, c, *pl, plan);
+  // Another shape or dtype: the cached products are for other sizes.
+  if (pl != nullptr && pl->shape == p.shape && pl->dtype == p.cache.dtype) return FillPlan(p, c, *pl, plan);
+  MLARUN_ASSIGN_OR_RETURN(plan->impl, MakeMlaPlan(p, c, plan));
+  return Status::Ok();
 }
 
 Status RunMla(const MlaParams& p, const MlaPlanImpl& impl, WorkspaceView ws) {

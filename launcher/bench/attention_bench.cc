@@ -193,12 +193,6 @@ class SameShapeGemms {
   std::shared_ptr<const CpuGemm> fold1_, fold2_, qk_, pv_;
 };
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // GFLOP/s of the 2048^3 product, and the implementation that ran it.
 StatusOr<std::pair<double, std::string>> SquareGemmPeak(DType dt, const Timing& t) {
   const int64_t n = 2048;

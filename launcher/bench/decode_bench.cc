@@ -56,13 +56,6 @@ struct Cost {
 
 std::string Pct(double v) { return Fmt(100 * v, 0) + "%"; }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Fills positions [0, n) of every layer of `id` with random rows.
 Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
   const LatentCacheConfig& c = cache.config();
@@ -77,22 +70,12 @@ Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
   return Status::Ok();
 }
 
-DeploymentSpec SpecOf(const DecodeBenchOptions& o) {
-  return DeploymentSpec{.model = o.model,
-                        .parallel = o.parallel.empty() ? std::string("dp1") : o.parallel,
-                        .kv_dtype = o.kv_dtype,
-                        .num_layers = o.num_layers,
-                        .experts = o.experts,
-                        .weights = o.weights,
-                        .max_weight_bytes = o.max_weight_bytes};
-}
-
 }  // namespace
 
 Status RunDecodeBench(const DecodeBenchOptions& o) {
   std::ostream& table = o.json ? std::cerr : std::cout;
 
-  MLARUN_ASSIGN_OR_RETURN(LoadedModel bm, LoadModelForSpec(SpecOf(o), ModelShard{}));
+  MLARUN_ASSIGN_OR_RETURN(LoadedModel bm, LoadModelForSpec(o.deployment, ModelShard{}));
   const ModelConfig& config = bm.config;
   const WeightBytes& predicted = bm.predicted;
   std::unique_ptr<Model>& model = bm.model;
@@ -127,12 +110,12 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   const double peak_gflops = 2.0 * static_cast<double>(peak_m * H * H) / (peak_ms * 1e-3) * 1e-9;
 
   Json doc;
-  doc["model"] = o.model;
+  doc["model"] = o.deployment.model;
   doc["layers"] = config.num_hidden_layers;
   doc["moe_layers"] = moe_layers;
   doc["routed_experts"] = config.n_routed_experts;
   doc["weight_dtype"] = std::string(DTypeName(config.weight_dtype));
-  doc["weights"] = o.weights;
+  doc["weights"] = o.deployment.weights;
   doc["weight_bytes_in_place"] = model->weight_bytes_in_place();
   doc["kv_dtype"] = std::string(DTypeName(config.kv_dtype));
   doc["weight_bytes"] = predicted.total();
@@ -144,7 +127,7 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   doc["gemm_peak"] = {{"m", peak_m}, {"n", H}, {"k", H}, {"dtype", std::string(DTypeName(wt))},
                       {"impl", peak_gemm->impl_name()}, {"gflop_per_s", peak_gflops}};
   doc["decode"] = Json::array();
-  table << "mlarun bench decode: " << o.model << ", " << config.num_hidden_layers << " layers (" << moe_layers
+  table << "mlarun bench decode: " << o.deployment.model << ", " << config.num_hidden_layers << " layers (" << moe_layers
         << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok << "), weights "
         << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
         << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads, " << Today() << "\n"
@@ -293,7 +276,7 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
 Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) {
   std::ostream& table = o.json ? std::cerr : std::cout;
   // Every rank returns with the same outcome (see launcher/rank/bootstrap.h).
-  MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot, BootstrapRank(SpecOf(o), session, std::cerr, "mlarun bench decode"));
+  MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot, BootstrapRank(o.deployment, session, std::cerr, "mlarun bench decode"));
   const ParallelLayout& layout = boot.layout;
   ProcessGroups& groups = boot.groups;
   LoadedModel* bm = &boot.loaded;
@@ -303,14 +286,14 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
   InitBenchmarkLibrary();
   const int64_t H = config.hidden_size, layers = config.num_hidden_layers;
   Json doc;
-  doc["model"] = o.model;
-  doc["layout"] = o.parallel;
+  doc["model"] = o.deployment.model;
+  doc["layout"] = o.deployment.parallel;
   doc["world"] = layout.world();
   doc["layers"] = layers;
   doc["weight_bytes_rank0"] = bm->predicted.total();
   doc["rows"] = Json::array();
   if (root)
-    table << "mlarun bench decode --parallel " << layout << ": " << o.model << ", " << layers << " layers, "
+    table << "mlarun bench decode --parallel " << layout << ": " << o.deployment.model << ", " << layers << " layers, "
           << layout.world() << " ranks on " << omp_get_max_threads()
           << " threads each (oversubscribed cores show the shape of the costs, not their speed)\n"
           << "  batch context | decode tok/s  step ms | bytes/step on rank 0, measured (predicted): all-reduce  "

@@ -22,23 +22,21 @@
 #include <string>
 #include <vector>
 
+#include "launcher/rank/bootstrap.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
 
 struct DecodeBenchOptions {
-  std::string model = "configs/models/deepseek-v3.yaml";
-  int64_t num_layers = 0;    // 0: the model's (YAML only)
-  int64_t experts = 0;       // 0: the model's; else routed experts kept (YAML only)
+  // The model (--num-layers, --experts: YAML only), larger models refused
+  // (they would not fit next to the cache); with `parallel`, under mpirun
+  // (decode only).
+  DeploymentSpec deployment{.model = "configs/models/deepseek-v3.yaml", .max_weight_bytes = int64_t{16} << 30};
   std::vector<int64_t> batches = {1, 8, 32};
   std::vector<int64_t> contexts = {512, 4096};
   int64_t prefill_tokens = 512;  // the prompt of the prefill measurement
   int repetitions = 5;           // timed steps per point (median)
-  std::string kv_dtype;          // "" keeps the model's
-  std::string weights = "mapped";  // WeightLoading of a checkpoint: mapped | copied
   bool json = false;
-  int64_t max_weight_bytes = int64_t{16} << 30;  // refuse larger models (they would not fit next to the cache)
-  std::string parallel;      // "dp=D,attn_tp=T[,moe=...]": under mpirun (decode only)
 };
 
 Status RunDecodeBench(const DecodeBenchOptions& o);

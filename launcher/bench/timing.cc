@@ -79,6 +79,13 @@ StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& 
   return reporter.median_ms;
 }
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return NAN;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpPolicy& p) {
   std::vector<double> times;
   for (int call = 0; call < p.max_calls; ++call) {
@@ -86,10 +93,8 @@ StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpP
     MLARUN_RETURN_IF_ERROR(fn());
     times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     if (static_cast<int>(times.size()) < std::max(p.min_calls, p.window)) continue;
-    std::vector<double> last(times.end() - p.window, times.end());
-    std::sort(last.begin(), last.end());
-    const double median = last[last.size() / 2];
-    if (last.back() - last.front() <= p.tolerance * median) return call + 1;
+    const auto [lo, hi] = std::minmax_element(times.end() - p.window, times.end());
+    if (*hi - *lo <= p.tolerance * Median(std::vector<double>(times.end() - p.window, times.end()))) return call + 1;
   }
   return p.max_calls;
 }

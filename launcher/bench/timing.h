@@ -29,6 +29,10 @@ struct Timing {
 // warm-up run to size them). Call InitBenchmarkLibrary() once first.
 StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& fn, const Timing& t);
 
+// The median of `v` (the mean of the middle two for an even count); NaN when
+// empty.
+double Median(std::vector<double> v);
+
 // Initializes Google Benchmark without command-line flags (idempotent).
 void InitBenchmarkLibrary();
 

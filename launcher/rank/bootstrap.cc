@@ -1,7 +1,9 @@
 #include "launcher/rank/bootstrap.h"
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -13,7 +15,7 @@
 
 namespace mlarun {
 
-std::vector<std::pair<std::string, std::string>> DeploymentSpec::Fields() const {
+DeploymentSpec::Fields DeploymentSpec::ToFields() const {
   return {{"--model", model},
           {"--parallel", parallel},
           {"--kv-dtype", kv_dtype},
@@ -25,50 +27,42 @@ std::vector<std::pair<std::string, std::string>> DeploymentSpec::Fields() const 
           {"--fail-forward-call", std::to_string(fail_forward_call) + "@" + std::to_string(fail_forward_rank)}};
 }
 
-std::string DescribeSpecDifference(const DeploymentSpec& mine, const DeploymentSpec& other, int other_rank) {
-  const auto a = mine.Fields(), b = other.Fields();
+Status ParseFailForwardCall(std::string_view text, DeploymentSpec* spec) {
+  auto number = [](std::string_view t, int64_t* v) {
+    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *v);
+    return ec == std::errc() && end == t.data() + t.size() && *v >= 0;
+  };
+  const size_t at = text.find('@');
+  int64_t call = 0, rank = -1;
+  if (!number(text.substr(0, at), &call) ||
+      (at != std::string_view::npos && (!number(text.substr(at + 1), &rank) || rank > INT32_MAX)))
+    return InvalidArgumentError("--fail-forward-call: expected N or N@RANK (N, RANK >= 0), got '", text, "'");
+  spec->fail_forward_call = call;
+  spec->fail_forward_rank = static_cast<int>(rank);
+  return Status::Ok();
+}
+
+std::string DescribeSpecDifference(const DeploymentSpec::Fields& first, const DeploymentSpec::Fields& other,
+                                   int other_rank) {
   auto shown = [](const std::string& v) { return v.empty() ? std::string("none") : "'" + v + "'"; };
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    if (a[i].second != b[i].second)
-      return a[i].first + ": rank " + std::to_string(other_rank) + " has " + shown(b[i].second) + ", rank 0 has " +
-             shown(a[i].second);
+  for (size_t i = 0; i < first.size() && i < other.size(); ++i) {
+    if (first[i] != other[i])
+      return first[i].first + ": rank " + std::to_string(other_rank) + " has " + shown(other[i].second) +
+             ", rank 0 has " + shown(first[i].second);
   }
-  return a.size() == b.size() ? std::string() : "the ranks' specs have different fields";
+  return first.size() == other.size() ? std::string() : "the ranks' specs have different fields";
 }
 
-std::string EncodeSpec(const DeploymentSpec& s) {
-  nlohmann::json j = {{"model", s.model},
-                      {"parallel", s.parallel},
-                      {"kv_dtype", s.kv_dtype},
-                      {"num_layers", s.num_layers},
-                      {"experts", s.experts},
-                      {"weights", s.weights},
-                      {"attention_thresholds", s.attention_thresholds},
-                      {"max_weight_bytes", s.max_weight_bytes},
-                      {"fail_forward_call", s.fail_forward_call},
-                      {"fail_forward_rank", s.fail_forward_rank}};
-  return j.dump();
-}
+std::string EncodeSpecFields(const DeploymentSpec::Fields& fields) { return nlohmann::json(fields).dump(); }
 
-StatusOr<DeploymentSpec> DecodeSpec(std::string_view text) {
+StatusOr<DeploymentSpec::Fields> DecodeSpecFields(std::string_view text) {
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) return InvalidArgumentError("deployment spec: not a JSON object");
-  DeploymentSpec s;
+  if (j.is_discarded() || !j.is_array()) return InvalidArgumentError("deployment spec: not a JSON array");
   try {
-    s.model = j.at("model").get<std::string>();
-    s.parallel = j.at("parallel").get<std::string>();
-    s.kv_dtype = j.at("kv_dtype").get<std::string>();
-    s.num_layers = j.at("num_layers").get<int64_t>();
-    s.experts = j.at("experts").get<int64_t>();
-    s.weights = j.at("weights").get<std::string>();
-    s.attention_thresholds = j.at("attention_thresholds").get<std::string>();
-    s.max_weight_bytes = j.at("max_weight_bytes").get<int64_t>();
-    s.fail_forward_call = j.at("fail_forward_call").get<int64_t>();
-    s.fail_forward_rank = j.at("fail_forward_rank").get<int>();
+    return j.get<DeploymentSpec::Fields>();
   } catch (const nlohmann::json::exception& e) {
     return InvalidArgumentError("deployment spec: ", e.what());
   }
-  return s;
 }
 
 StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelShard& shard, int rank,
@@ -148,14 +142,15 @@ StatusOr<BootstrappedRank> BootstrapRank(const DeploymentSpec& spec, MpiSession&
   MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world, session.World());
 
   // 1. The same spec everywhere.
-  MLARUN_ASSIGN_OR_RETURN(const std::vector<std::string> specs, AllGatherStrings(*world, EncodeSpec(spec)));
+  MLARUN_ASSIGN_OR_RETURN(const std::vector<std::string> specs,
+                          AllGatherStrings(*world, EncodeSpecFields(spec.ToFields())));
   {
-    MLARUN_ASSIGN_OR_RETURN(const DeploymentSpec first, DecodeSpec(specs[0]));
+    MLARUN_ASSIGN_OR_RETURN(const DeploymentSpec::Fields first, DecodeSpecFields(specs[0]));
     std::string differences;
     int differing = 0;
     for (size_t i = 1; i < specs.size(); ++i) {
       if (specs[i] == specs[0]) continue;
-      MLARUN_ASSIGN_OR_RETURN(const DeploymentSpec other, DecodeSpec(specs[i]));
+      MLARUN_ASSIGN_OR_RETURN(const DeploymentSpec::Fields other, DecodeSpecFields(specs[i]));
       differences += (differing++ ? "; " : "") + DescribeSpecDifference(first, other, static_cast<int>(i));
     }
     if (differing > 0)
@@ -168,7 +163,7 @@ StatusOr<BootstrappedRank> BootstrapRank(const DeploymentSpec& spec, MpiSession&
                                 session.size(), " ranks");
 
   // 2. The layout and its process groups (alike on every rank: the specs are).
-  auto layout = ParseParallelLayout(spec.parallel);
+  auto layout = ParseParallelLayout(spec.parallel.empty() ? "dp1" : spec.parallel);
   if (!layout.ok()) return layout.status().WithContext("--parallel");
   r.layout = *layout;
   MLARUN_ASSIGN_OR_RETURN(r.groups, session.Groups(r.layout));

@@ -34,7 +34,7 @@ class MpiSession;
 // What every rank of a job must agree on, as the command line gave it.
 struct DeploymentSpec {
   std::string model;                 // checkpoint directory or configs/models/*.yaml
-  std::string parallel = "dp1";      // --parallel
+  std::string parallel;              // --parallel; empty: one process (dp1)
   std::string kv_dtype;              // --kv-dtype: "" keeps the model's; bf16 or fp32
   int64_t num_layers = 0;            // --num-layers (YAML models): 0 keeps the model's
   int64_t experts = 0;               // --experts (YAML models): 0 keeps the model's
@@ -47,17 +47,24 @@ struct DeploymentSpec {
   int64_t fail_forward_call = -1;
   int fail_forward_rank = -1;
 
-  // (field, value) pairs in a fixed order: what the ranks compare.
-  std::vector<std::pair<std::string, std::string>> Fields() const;
+  // (flag, value) pairs in a fixed order: what the ranks compare.
+  using Fields = std::vector<std::pair<std::string, std::string>>;
+  Fields ToFields() const;
 };
 
-// The first field in which `other` (rank `other_rank`'s spec) differs from
-// `mine` (rank 0's), as "--num-layers: rank 1 has 2, rank 0 has 4"; "" when
+// `--fail-forward-call N[@RANK]`: sets spec->fail_forward_call = N (>= 0) and
+// spec->fail_forward_rank = RANK (>= 0; -1 without "@RANK"). INVALID_ARGUMENT
+// naming the flag for anything else; `spec` is unchanged then.
+Status ParseFailForwardCall(std::string_view text, DeploymentSpec* spec);
+
+// The first field in which `other` (rank `other_rank`'s) differs from `first`
+// (rank 0's), as "--num-layers: rank 1 has '2', rank 0 has '4'"; "" when
 // they agree.
-std::string DescribeSpecDifference(const DeploymentSpec& mine, const DeploymentSpec& other, int other_rank);
-// Fields() as text, and back (for the exchange between ranks).
-std::string EncodeSpec(const DeploymentSpec& spec);
-StatusOr<DeploymentSpec> DecodeSpec(std::string_view text);
+std::string DescribeSpecDifference(const DeploymentSpec::Fields& first, const DeploymentSpec::Fields& other,
+                                   int other_rank);
+// Fields as text, and back (the exchange between ranks).
+std::string EncodeSpecFields(const DeploymentSpec::Fields& fields);
+StatusOr<DeploymentSpec::Fields> DecodeSpecFields(std::string_view text);
 
 struct LoadedModel {
   ModelConfig config;

@@ -173,35 +173,12 @@ int64_t ResidentBytes() {
 
 }  // namespace
 
-Status ParseFailForwardCall(std::string_view text, WorkerOptions* o) {
-  auto number = [](std::string_view t, int64_t* v) {
-    const auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *v);
-    return ec == std::errc() && end == t.data() + t.size() && *v >= 0;
-  };
-  const size_t at = text.find('@');
-  int64_t call = 0, rank = -1;
-  if (!number(text.substr(0, at), &call) ||
-      (at != std::string_view::npos && (!number(text.substr(at + 1), &rank) || rank > INT32_MAX)))
-    return InvalidArgumentError("--fail-forward-call: expected N or N@RANK (N, RANK >= 0), got '", text, "'");
-  o->fail_forward_call = call;
-  o->fail_forward_rank = static_cast<int>(rank);
-  return Status::Ok();
-}
-
 int RunWorker(const WorkerOptions& o, MpiSession& session) {
   std::signal(SIGINT, OnSignal);
   std::signal(SIGTERM, OnSignal);
-  DeploymentSpec spec{.model = o.model,
-                      .parallel = o.parallel,
-                      .kv_dtype = o.kv_dtype,
-                      .num_layers = o.num_layers,
-                      .weights = o.weights,
-                      .attention_thresholds = o.attention_thresholds,
-                      .fail_forward_call = o.fail_forward_call,
-                      .fail_forward_rank = o.fail_forward_rank};
   // Every rank returns here with the same outcome: a start-up error ends the
   // job on every rank with exit code 2, rank 0 says why.
-  auto boot = BootstrapRank(spec, session, std::cerr, "mlarun worker");
+  auto boot = BootstrapRank(o.deployment, session, std::cerr, "mlarun worker");
   if (!boot.ok()) {
     if (session.rank() == 0) std::cerr << "mlarun worker: " << boot.status().ToString() << "\n" << std::flush;
     return 2;
@@ -264,7 +241,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   me.set_cache_budget_bytes(engine.cache_budget_bytes);
   me.set_workspace_bytes(workspace.total());
   me.set_block_size(engine.block_size);
-  me.set_model(o.model);
+  me.set_model(o.deployment.model);
   me.set_num_layers(mc.num_hidden_layers);
   me.set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
   me.set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
@@ -326,7 +303,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     link = std::make_unique<Link>(o.coordinator, reg);
   }
   if (session.rank() == 0)
-    std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.model << ", coordinator "
+    std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.deployment.model << ", coordinator "
               << o.coordinator << "\n";
 
   // The step loop, on every rank.

@@ -24,6 +24,7 @@
 #include <string>
 #include <string_view>
 
+#include "launcher/rank/bootstrap.h"
 #include "runtime/base/status.h"
 #include "runtime/engine/engine.h"
 
@@ -33,30 +34,15 @@ class MpiSession;
 
 struct WorkerOptions {
   std::string coordinator = "127.0.0.1:50051";
-  std::string model;
-  std::string parallel = "dp=1";
-  std::string kv_dtype;    // "" keeps the model's
-  int64_t num_layers = 0;  // YAML models only
+  // The model and layout every rank must agree on (fault injection included).
+  DeploymentSpec deployment{.parallel = "dp=1"};
   // Memory per rank (GiB). When set, the cache gets what this leaves after
   // the rank's weights and its prefill workspace (runtime/model/memory_plan.h,
   // as `mlarun memory` predicts it), instead of engine.cache_budget_bytes.
   double memory_gib = 0;
   EngineConfig engine;
-  std::string attention_thresholds;  // a thresholds file (launcher/thresholds.h); "": the CPU's defaults
-  std::string weights = "mapped";    // WeightLoading: mapped | copied
   double stats_period_s = 0.5;
-  // Fault injection, for tests of the failure paths only: the model step
-  // with this 0-based index (ModelOptions::fail_forward_call; every rank
-  // counts the steps that ran, in lockstep) fails with INTERNAL on world
-  // rank fail_forward_rank, or on every rank when that is -1. -1: never.
-  int64_t fail_forward_call = -1;
-  int fail_forward_rank = -1;
 };
-
-// `--fail-forward-call N[@RANK]`: sets o->fail_forward_call = N (>= 0) and
-// o->fail_forward_rank = RANK (>= 0; -1 without "@RANK"). INVALID_ARGUMENT
-// naming the flag for anything else; `o` is unchanged then.
-Status ParseFailForwardCall(std::string_view text, WorkerOptions* o);
 
 // Runs until a signal; returns the process exit code (0 on a clean stop).
 int RunWorker(const WorkerOptions& o, MpiSession& session);

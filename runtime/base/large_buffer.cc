@@ -26,7 +26,6 @@ HugePageUse ProcessHugePageUse() {
   std::ifstream in("/proc/self/smaps_rollup");
   std::string key;
   int64_t kib = 0;
-  std::string unit;
   while (in >> key) {
     if (key == "FilePmdMapped:" || key == "AnonHugePages:") {
       if (!(in >> kib)) break;

@@ -24,12 +24,12 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/block_size.h"
 #include "kv/latent_cache.h"
+#include "runtime/base/block_size.h"
 #include "runtime/base/status.h"
-#include "runtime/request/request.h"
 #include "runtime/engine/sampler.h"
 #include "runtime/model/model.h"
+#include "runtime/request/request.h"
 
 namespace mlarun {
 

@@ -30,14 +30,15 @@ void TopK(const float* v, int64_t n, int64_t k, std::vector<int32_t>& idx) {
   idx.resize(static_cast<size_t>(k));
 }
 
-// The routed experts of one token and their weights, as transformers'
-// DeepseekV2TopkRouter / DeepseekV3TopkRouter compute them.
+// Route's buffers, reused token after token.
 struct RouteScratch {
   std::vector<float> scores, choice, group_scores;
   std::vector<int32_t> idx;
   std::vector<char> keep;
 };
 
+// The routed experts of one token and their weights, as transformers'
+// DeepseekV2TopkRouter / DeepseekV3TopkRouter compute them.
 void Route(const ModelConfig& c, const float* logits, const std::vector<float>& bias, int32_t* experts,
            float* weights, RouteScratch& rs) {
   const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok, G = c.n_group, per_group = E / G;
@@ -116,6 +117,7 @@ struct Model::StepScratch {
   std::vector<int32_t> query_start, seq_lens, block_table, positions;
   std::vector<int64_t> hidden_counts;
   std::vector<float> h, x, q, qa, kv, kv_c, k_pe, attn, o_out, mlp_hidden, x_all, y_all, y_local, rows;
+  std::vector<float> logits;  // ForwardInto's result
   // MoeForward
   std::vector<float> router_logits, route_weights;
   std::vector<int32_t> route_experts;
@@ -123,6 +125,7 @@ struct Model::StepScratch {
   std::vector<MoeJob> jobs;
   std::vector<MoeItem> up_items, down_items;
   std::vector<const float*> slot_rows;
+  std::vector<float> moe_x, moe_h, moe_y;  // the experts' rows, hidden and outputs
   RouteScratch route;
   MlaPlan attn_plan;  // re-planned every step into the same memory (MlaReplan)
 };
@@ -250,10 +253,10 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   }
   const size_t routed_jobs = jobs.size();
   if (moe.has_shared && T > 0) add(moe.shared, nullptr, T);
-  if (moe_x_.size() < x_size) moe_x_.resize(x_size);
-  if (moe_h_.size() < h_size) moe_h_.resize(h_size);
-  if (moe_y_.size() < y_size) moe_y_.resize(y_size);
-  auto rows_of = [&](const Job& j) { return j.slots ? moe_x_.data() + j.x : X; };
+  if (sc.moe_x.size() < x_size) sc.moe_x.resize(x_size);
+  if (sc.moe_h.size() < h_size) sc.moe_h.resize(h_size);
+  if (sc.moe_y.size() < y_size) sc.moe_y.resize(y_size);
+  auto rows_of = [&](const Job& j) { return j.slots ? sc.moe_x.data() + j.x : X; };
 
   // The products as items of at most ~1 MiB of weights each (a column range
   // of one matrix), in matrix order, each thread taking one contiguous run
@@ -284,7 +287,7 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
     for (size_t ji = 0; ji < routed_jobs; ++ji) {  // gather each expert's rows
       const Job& j = jobs[ji];
       for (int64_t r = 0; r < j.n; ++r)
-        std::memcpy(moe_x_.data() + j.x + static_cast<size_t>(r * H), X + (*j.slots)[static_cast<size_t>(r)] / K * H,
+        std::memcpy(sc.moe_x.data() + j.x + static_cast<size_t>(r * H), X + (*j.slots)[static_cast<size_t>(r)] / K * H,
                     static_cast<size_t>(H) * sizeof(float));
     }
 #pragma omp for schedule(static)
@@ -294,16 +297,16 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
       const int64_t I = j.mlp->intermediate();
       const bool up = item.matrix == 1;
       err.Set(ApplyLinearCols(up ? j.mlp->up : j.mlp->gate, item.c0, item.c1, rows_of(j), j.n, H,
-                              moe_h_.data() + j.h + static_cast<size_t>((up ? I : 0) + item.c0), 2 * I));
+                              sc.moe_h.data() + j.h + static_cast<size_t>((up ? I : 0) + item.c0), 2 * I));
     }
 #pragma omp for schedule(static)
-    for (size_t ji = 0; ji < jobs.size(); ++ji) SiluMul(moe_h_.data() + jobs[ji].h, jobs[ji].n, jobs[ji].mlp->intermediate());
+    for (size_t ji = 0; ji < jobs.size(); ++ji) SiluMul(sc.moe_h.data() + jobs[ji].h, jobs[ji].n, jobs[ji].mlp->intermediate());
 #pragma omp for schedule(static)
     for (size_t it = 0; it < down_items.size(); ++it) {  // down
       const Item& item = down_items[it];
       const Job& j = jobs[item.job];
-      err.Set(ApplyLinearCols(j.mlp->down, item.c0, item.c1, moe_h_.data() + j.h, j.n, 2 * j.mlp->intermediate(),
-                              moe_y_.data() + j.y + static_cast<size_t>(item.c0), H));
+      err.Set(ApplyLinearCols(j.mlp->down, item.c0, item.c1, sc.moe_h.data() + j.h, j.n, 2 * j.mlp->intermediate(),
+                              sc.moe_y.data() + j.y + static_cast<size_t>(item.c0), H));
     }
   }
   MLARUN_RETURN_IF_ERROR(err.Get());
@@ -313,8 +316,8 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   slot_rows.assign(static_cast<size_t>(T * K), nullptr);
   for (size_t ji = 0; ji < routed_jobs; ++ji)
     for (int64_t r = 0; r < jobs[ji].n; ++r)
-      slot_rows[static_cast<size_t>((*jobs[ji].slots)[static_cast<size_t>(r)])] = moe_y_.data() + jobs[ji].y + static_cast<size_t>(r * H);
-  const float* shared = moe.has_shared && T > 0 ? moe_y_.data() + jobs.back().y : nullptr;
+      slot_rows[static_cast<size_t>((*jobs[ji].slots)[static_cast<size_t>(r)])] = sc.moe_y.data() + jobs[ji].y + static_cast<size_t>(r * H);
+  const float* shared = moe.has_shared && T > 0 ? sc.moe_y.data() + jobs.back().y : nullptr;
 #pragma omp parallel for schedule(static) if (T > 4)
   for (int64_t t = 0; t < T; ++t) {
     float* dst = Y + t * H;
@@ -401,19 +404,19 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
   Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
   Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
   Status collective;
-  const Status local = ForwardImpl(seqs, cache, parallel, tp, peers, call, &logits_, &collective);
+  const Status local = ForwardImpl(seqs, cache, parallel, tp, peers, call, &scratch_->logits, &collective);
   routing_.resize(routing_layers_);  // the MoE layers this step ran (shrinks only when a step stopped early)
   if (!collective.ok()) return collective;  // nobody can be waited for
   if (parallel == nullptr) {
     last_failure_ = local;
     if (!local.ok()) return local;
-    return std::span<const float>(logits_);
+    return std::span<const float>(scratch_->logits);
   }
   const Agreement agreed = AgreeOnFailure(tp, peers, local, parallel->rank_name);
   if (!agreed.collective.ok()) return agreed.collective;
   last_failure_ = agreed.failure;
   if (!agreed.failure.ok()) return agreed.failure;
-  return std::span<const float>(logits_);
+  return std::span<const float>(scratch_->logits);
 }
 
 Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, const ParallelStep* parallel,

@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/block_size.h"
 #include "attention/mla.h"
 #include "attention/rope.h"
 #include "kv/latent_cache.h"
+#include "runtime/base/block_size.h"
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
 #include "runtime/base/status.h"
@@ -132,12 +132,13 @@ struct ParallelStep {
 // memory. Values are frozen (they are flag values).
 enum class WeightLoading : uint8_t {
   // Read in place from the memory-mapped files: nothing is copied at load, no
-  // second resident copy. The page cache backs them, in the pages the kernel
-  // gives a file mapping (often 4 KiB: a page walk every 4 KiB read).
+  // second resident copy. The page cache backs them, in its own page sizes:
+  // 2 MiB where it holds 2 MiB folios (the mapping asks for them, so pages it
+  // faults in come that way), 4 KiB where earlier reads left small ones.
   kMapped = 0,
   // Copied into huge-page buffers of the model's own, each tensor's file
   // pages dropped from the process as it is copied (the resident set never
-  // holds both). Faster to stream where file mappings get small pages, and
+  // holds both). For a page cache of 4 KiB pages that cannot be evicted, and
   // immune to the kernel reclaiming cold file pages; costs the copy at load.
   kCopied = 1,
 };
@@ -167,6 +168,8 @@ StatusOr<ModelOverrides> ParseModelOverrides(const std::string& kv_dtype, int64_
 
 class Model {
  public:
+  ~Model();
+
   // A Hugging Face checkpoint directory (config.json + safetensors), or a YAML
   // file from configs/models/ (random weights from its seed).
   static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir_or_yaml, const ModelOverrides& overrides = {},
@@ -260,11 +263,6 @@ class Model {
 
  private:
   explicit Model(const ModelConfig& c, const ModelOptions& o);
-
- public:
-  ~Model();
-
- private:
   Status Init();  // shapes, rope
   Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
   // Forward on this rank: returns its computation's status; a failed
@@ -286,10 +284,9 @@ class Model {
   int64_t forward_calls_ = 0;
   std::vector<std::vector<int32_t>> routing_;
   Workspace attn_ws_;
-  std::vector<float> moe_x_, moe_h_, moe_y_;  // MoeForward's buffers, reused across steps
-  std::vector<float> logits_;                  // ForwardInto's result
-  // ForwardImpl's and MoeForward's other buffers (model.cc), reused across
-  // steps: grown to the largest step seen, never shrunk.
+  // A step's buffers (model.cc: activations, the MoE's, ForwardInto's
+  // logits), reused across steps: grown to the largest step seen, never
+  // shrunk.
   struct StepScratch;
   std::unique_ptr<StepScratch> scratch_;
   size_t routing_layers_ = 0;  // entries of routing_ this step filled

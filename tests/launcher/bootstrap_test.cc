@@ -22,17 +22,18 @@ DeploymentSpec Spec() {
                         .fail_forward_rank = 2};
 }
 
-TEST(DeploymentSpec, EncodesAndDecodesEveryField) {
-  const DeploymentSpec a = Spec();
-  auto b = DecodeSpec(EncodeSpec(a));
-  ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(b->Fields(), a.Fields());
-  EXPECT_EQ(DescribeSpecDifference(a, *b, 1), "");
+TEST(DeploymentSpec, FieldsTravelWhole) {
+  const DeploymentSpec::Fields fields = Spec().ToFields();
+  ASSERT_EQ(fields.size(), 9u);  // every member of DeploymentSpec
+  auto back = DecodeSpecFields(EncodeSpecFields(fields));
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, fields);
+  EXPECT_EQ(DescribeSpecDifference(fields, *back, 1), "");
 }
 
 TEST(DeploymentSpec, DecodeRefusesWhatIsNotASpec) {
-  for (const char* text : {"", "[]", "{\"model\": 3}", "{\"model\": \"x\"}", "not json"}) {
-    const auto s = DecodeSpec(text);
+  for (const char* text : {"", "{}", "[3]", "[[\"--model\"]]", "[[\"--model\", 3]]", "not json"}) {
+    const auto s = DecodeSpecFields(text);
     EXPECT_FALSE(s.ok()) << text;
     EXPECT_NE(s.status().message().find("deployment spec"), std::string::npos) << s.status();
   }
@@ -58,7 +59,7 @@ TEST(DeploymentSpec, NamesTheFirstFieldThatDiffers) {
   for (const Case& c : cases) {
     DeploymentSpec other = Spec();
     c.change(other);
-    const std::string d = DescribeSpecDifference(Spec(), other, 3);
+    const std::string d = DescribeSpecDifference(Spec().ToFields(), other.ToFields(), 3);
     EXPECT_EQ(d.substr(0, c.expect.size()), c.expect) << d;
   }
 }
@@ -115,6 +116,29 @@ TEST(LoadModelForSpec, RefusesAShardTheModelCannotSplit) {
   auto lm = LoadModelForSpec(s, ModelShard{.attn_tp_size = 3, .attn_tp_rank = 0, .mlp_size = 3, .mlp_rank = 0});
   ASSERT_FALSE(lm.ok());
   EXPECT_NE(lm.status().message().find("not divisible"), std::string::npos) << lm.status();
+}
+
+}  // namespace
+}  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+TEST(DeploymentSpec, ParsesFailForwardCall) {
+  DeploymentSpec s;
+  ASSERT_TRUE(ParseFailForwardCall("3", &s).ok());
+  EXPECT_EQ(s.fail_forward_call, 3);
+  EXPECT_EQ(s.fail_forward_rank, -1);
+  ASSERT_TRUE(ParseFailForwardCall("12@2", &s).ok());
+  EXPECT_EQ(s.fail_forward_call, 12);
+  EXPECT_EQ(s.fail_forward_rank, 2);
+  for (const char* bad : {"", "x", "-1", "3@", "@2", "3@-1", "3@2@1", "3 "}) {
+    const Status st = ParseFailForwardCall(bad, &s);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(st.message().find("--fail-forward-call"), std::string::npos) << st;
+    EXPECT_EQ(s.fail_forward_call, 12) << bad;  // unchanged
+    EXPECT_EQ(s.fail_forward_rank, 2) << bad;
+  }
 }
 
 }  // namespace

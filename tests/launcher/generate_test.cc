@@ -54,7 +54,7 @@ TEST(Generate, JsonLinesInInputOrder) {
                       << R"({"prompt_ids": [9, 10], "max_tokens": 5, "temperature": 0.7, "seed": 3, "ignore_eos": true})"
                       << "\n"
                       << R"({"prompt_ids": [7, 99999]})" << "\n";
-  GenerateOptions o{.model = TinyYaml(), .prompts_path = path, .json = true};
+  GenerateOptions o{.deployment = {.model = TinyYaml()}, .prompts_path = path, .json = true};
   std::ostringstream out, log;
   EXPECT_EQ(RunGenerate(o, out, log), 1) << "a rejected request makes the exit code 1";
   const auto lines = Lines(out.str());
@@ -66,7 +66,7 @@ TEST(Generate, JsonLinesInInputOrder) {
   EXPECT_EQ(lines[2]["tokens"].size(), 5u);
   EXPECT_NE(lines[3]["error"].get<std::string>().find("vocabulary"), std::string::npos);
   // The same request alone gives the same tokens.
-  GenerateOptions one{.model = TinyYaml(), .prompt_ids = {3, 4, 5}, .json = true};
+  GenerateOptions one{.deployment = {.model = TinyYaml()}, .prompt_ids = {3, 4, 5}, .json = true};
   one.sampling.max_tokens = 4;
   one.sampling.ignore_eos = true;
   std::ostringstream out1;
@@ -77,7 +77,7 @@ TEST(Generate, JsonLinesInInputOrder) {
 }
 
 TEST(Generate, UnloadableModelIsExitCode2) {
-  GenerateOptions o{.model = "/nonexistent/model", .prompt_ids = {1, 2}};
+  GenerateOptions o{.deployment = {.model = "/nonexistent/model"}, .prompt_ids = {1, 2}};
   std::ostringstream out, log;
   EXPECT_EQ(RunGenerate(o, out, log), 2);
   EXPECT_NE(log.str().find("/nonexistent/model"), std::string::npos) << log.str();
