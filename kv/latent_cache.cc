@@ -1,44 +1,19 @@
 #include "kv/latent_cache.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
-
-#include "runtime/base/large_buffer.h"
 
 namespace mlarun {
 StatusOr<std::unique_ptr<LatentCache>> LatentCache::Create(const LatentCacheConfig& c) {
-  if (c.num_layers <= 0) return InvalidArgumentError("latent cache: num_layers must be positive, got ", c.num_layers);
-  if (c.kv_lora_rank <= 0) return InvalidArgumentError("latent cache: kv_lora_rank must be positive, got ", c.kv_lora_rank);
-  if (c.rope_dim < 0) return InvalidArgumentError("latent cache: rope_dim must be >= 0, got ", c.rope_dim);
-  if (c.block_size <= 0) return InvalidArgumentError("latent cache: block_size must be positive, got ", c.block_size);
-  if (c.dtype != DType::kBF16 && c.dtype != DType::kF32)
-    return InvalidArgumentError("latent cache: dtype must be bf16 or f32, got ", DTypeName(c.dtype));
-  const int64_t block_bytes = c.block_bytes();
-  const int64_t num_blocks = c.num_blocks();
-  if (num_blocks < 1)
-    return InvalidArgumentError("latent cache: budget_bytes ", c.budget_bytes, " is smaller than one block (",
-                                block_bytes, " bytes = block_size ", c.block_size, " x ", c.bytes_per_token(),
-                                " bytes per token)");
-  if (num_blocks > INT32_MAX) return InvalidArgumentError("latent cache: more than 2^31 blocks");
-  const size_t bytes = static_cast<size_t>(num_blocks * block_bytes);
-  void* pool = AllocateLarge(bytes, /*zero=*/c.commit_memory);
-  if (pool == nullptr) return ResourceExhaustedError("latent cache: cannot allocate ", bytes, " bytes");
-  return std::unique_ptr<LatentCache>(new LatentCache(c, num_blocks, pool));
+  MLARUN_RETURN_IF_ERROR(ValidateLatentCacheConfig(c));
+  return std::unique_ptr<LatentCache>(new LatentCache(c, c.num_blocks()));
 }
 
-LatentCache::LatentCache(const LatentCacheConfig& config, int64_t num_blocks, void* pool)
-    : config_(config),
-      num_blocks_(num_blocks),
-      layer_stride_(num_blocks * config.block_size * (config.kv_lora_rank + config.rope_dim)),
-      pool_(pool),
-      blocks_(static_cast<size_t>(num_blocks)) {
+LatentCache::LatentCache(const LatentCacheConfig& config, int64_t num_blocks)
+    : config_(config), num_blocks_(num_blocks), blocks_(static_cast<size_t>(num_blocks)) {
   // Taken from the back: block 0 first, so a fresh cache hands out ascending ids.
   free_.reserve(static_cast<size_t>(num_blocks));
   for (int64_t b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<int32_t>(b));
 }
-
-LatentCache::~LatentCache() { std::free(pool_); }
 
 LatentCacheStats LatentCache::stats() const {
   LatentCacheStats s;
@@ -227,44 +202,19 @@ int64_t LatentCache::NumTokens(SeqId id) const {
   return s ? static_cast<int64_t>(s->tokens.size()) : -1;
 }
 
-void* LatentCache::LayerData(int64_t layer) const {
-  return static_cast<std::byte*>(pool_) + layer * layer_stride_ * static_cast<int64_t>(DTypeSize(config_.dtype));
-}
-
-PagedRowsView LatentCache::Layer(int64_t layer) const {
-  PagedRowsView v;
-  v.data = LayerData(layer);
-  v.dtype = config_.dtype;
-  v.num_blocks = num_blocks_;
-  v.block_size = config_.block_size;
-  v.row_width = row_width();
-  v.stride_token = row_width();
-  v.stride_block = config_.block_size * row_width();
-  return v;
-}
-
-Status LatentCache::WriteRows(int64_t layer, SeqId id, int64_t pos, int64_t n, const float* kv_c,
-                              int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride) {
+Status LatentCache::CheckWritable(SeqId id, int64_t pos, int64_t n) const {
   const Sequence* s = Find(id);
   if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
-  if (layer < 0 || layer >= config_.num_layers)
-    return OutOfRangeError("latent cache: layer ", layer, " outside [0, ", config_.num_layers, ")");
   if (pos < 0 || n < 0 || pos + n > static_cast<int64_t>(s->tokens.size()))
     return OutOfRangeError("latent cache: rows [", pos, ", ", pos + n, ") of sequence ", id, " which has ",
                            s->tokens.size(), " appended tokens");
-  const PagedRowsView v = Layer(layer);
-  const int64_t L = config_.kv_lora_rank, R = config_.rope_dim, bs = config_.block_size;
-  const size_t esize = DTypeSize(config_.dtype);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t p = pos + t;
-    const int32_t b = s->blocks[static_cast<size_t>(p / bs)];
+  const int64_t bs = config_.block_size;
+  for (int64_t j = pos / bs; n > 0 && j * bs < pos + n; ++j) {
+    const int32_t b = s->blocks[static_cast<size_t>(j)];
     const BlockMeta& m = blocks_[static_cast<size_t>(b)];
     if (m.ref_count > 1 || m.published)
-      return FailedPreconditionError("latent cache: row ", p, " of sequence ", id, " lies in block ", b,
-                                     " which is shared or published; its rows are immutable");
-    std::byte* row = static_cast<std::byte*>(LayerData(layer)) + (b * v.stride_block + (p % bs) * v.stride_token) * esize;
-    StoreFromF32(kv_c + t * kv_c_stride, row, config_.dtype, L);
-    StoreFromF32(k_pe + t * k_pe_stride, row + L * esize, config_.dtype, R);
+      return FailedPreconditionError("latent cache: row ", std::max(pos, j * bs), " of sequence ", id,
+                                     " lies in block ", b, " which is shared or published; its rows are immutable");
   }
   return Status::Ok();
 }

@@ -1,10 +1,9 @@
-// The paged latent cache: one [kv_c | k_pe] row of width L + R per token per
-// layer, stored in fixed-size blocks of tokens, with per-sequence block tables
-// and reuse of finished prefixes between sequences.
-//
-// Memory layout (one allocation): [layer][block][token in block][L + R], so the
-// rows of one block of one layer are contiguous and a layer is a strided view
-// (see LayerView). bf16 (default) or f32.
+// The block manager of the paged latent cache: which blocks of the pool
+// (kv/latent_pool.h, where the rows live) hold which sequence's tokens, and
+// reuse of finished prefixes between sequences. It holds no rows itself: it
+// is host-only bookkeeping over block ids, run by a DP group's scheduler; the
+// block tables it hands out travel in each step's plan to every rank of the
+// group, whose pools are written and read through them.
 //
 // Prefix reuse: every full block that a sequence has committed is published
 // under a hash chain over the token ids of all blocks up to and including it.
@@ -26,43 +25,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "kv/latent_pool.h"
 #include "kv/prefix_hash.h"
 #include "runtime/base/block_size.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
-#include "runtime/base/tensor_view.h"
 
 namespace mlarun {
-
-struct LatentCacheConfig {
-  int64_t num_layers = 1;
-  int64_t kv_lora_rank = 512;  // L: width of kv_c
-  int64_t rope_dim = 64;       // R: width of k_pe
-  int64_t block_size = kDefaultBlockSize;  // tokens per block
-  DType dtype = DType::kBF16;  // bf16 or f32
-  // Capacity: as many whole blocks as fit in this many bytes.
-  int64_t budget_bytes = int64_t{1} << 30;
-  // Publish full blocks for reuse by later sequences with the same prefix.
-  bool enable_prefix_caching = true;
-  // Touch every page of the pool at creation, so the memory is committed up
-  // front (a server should fail at start-up, not under load, when the host
-  // cannot back its cache) and shows in the process's resident size.
-  bool commit_memory = false;
-
-  // num_layers x (L + R) x dtype size.
-  int64_t bytes_per_token() const {
-    return num_layers * (kv_lora_rank + rope_dim) * static_cast<int64_t>(DTypeSize(dtype));
-  }
-  int64_t block_bytes() const { return bytes_per_token() * block_size; }
-  // The capacity rule: the whole blocks of `block_bytes` in `budget_bytes`
-  // (0 when the budget is below one block, or negative).
-  static int64_t BlocksIn(int64_t budget_bytes, int64_t block_bytes) {
-    return block_bytes > 0 && budget_bytes >= block_bytes ? budget_bytes / block_bytes : 0;
-  }
-  int64_t num_blocks() const { return BlocksIn(budget_bytes, block_bytes()); }
-
-  friend bool operator==(const LatentCacheConfig&, const LatentCacheConfig&) = default;
-};
 
 struct LatentCacheStats {
   int64_t bytes_per_token = 0;  // num_layers * (L + R) * dtype size
@@ -90,10 +59,10 @@ using SeqId = int64_t;
 
 class LatentCache {
  public:
-  // Allocates the pool. Errors name the bad field (e.g. a budget smaller than one block).
+  // config.num_blocks() blocks, all free. Errors name the bad field (e.g. a
+  // budget smaller than one block). Allocates no rows (LatentPool does).
   static StatusOr<std::unique_ptr<LatentCache>> Create(const LatentCacheConfig& config);
 
-  ~LatentCache();
   LatentCache(const LatentCache&) = delete;
   LatentCache& operator=(const LatentCache&) = delete;
 
@@ -142,18 +111,11 @@ class LatentCache {
   // Tokens appended so far (attached prefix included); -1 for unknown ids.
   int64_t NumTokens(SeqId id) const;
 
-  // ---- Rows ----------------------------------------------------------------
-  // One layer as a paged view (rows of width L + R). The pointer is writable:
-  // tests and the model's cache writer may fill rows through it.
-  PagedRowsView Layer(int64_t layer) const;
-  void* LayerData(int64_t layer) const;
-
-  // Writes rows for positions [pos, pos + n) of `id` in `layer`, converting from
-  // fp32: row t = [kv_c[t * kv_c_stride .. + L) | k_pe[t * k_pe_stride .. + R)].
-  // The positions must have been appended and must not lie in a block shared
-  // with another sequence (such rows are immutable).
-  Status WriteRows(int64_t layer, SeqId id, int64_t pos, int64_t n, const float* kv_c,
-                   int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride);
+  // OK when positions [pos, pos + n) of `id` may be written: appended, and in
+  // blocks no other sequence shares and none published (such rows are
+  // immutable). A scheduler checks what it plans; FAILED_PRECONDITION or
+  // OUT_OF_RANGE name the row otherwise.
+  Status CheckWritable(SeqId id, int64_t pos, int64_t n) const;
 
  private:
   struct BlockMeta {
@@ -170,7 +132,7 @@ class LatentCache {
     std::vector<uint64_t> chain;  // chain hash of each full, committed block
   };
 
-  LatentCache(const LatentCacheConfig& config, int64_t num_blocks, void* pool);
+  LatentCache(const LatentCacheConfig& config, int64_t num_blocks);
   Sequence* Find(SeqId id);
   const Sequence* Find(SeqId id) const;
   // Cached block holding `tokens` whose parent hash is `parent`, or -1.
@@ -182,8 +144,6 @@ class LatentCache {
   // Constant after construction.
   const LatentCacheConfig config_;
   const int64_t num_blocks_;
-  const int64_t layer_stride_;  // elements
-  void* const pool_;
 
   std::vector<BlockMeta> blocks_;
   std::vector<int32_t> free_;       // empty blocks; back() is taken first

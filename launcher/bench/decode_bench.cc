@@ -16,6 +16,7 @@
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/large_buffer.h"
 #include "parallel/mpi/mpi_world.h"
+#include "runtime/model/local_cache.h"
 #include "runtime/model/model.h"
 
 namespace mlarun {
@@ -56,17 +57,18 @@ struct Cost {
 
 std::string Pct(double v) { return Fmt(100 * v, 0) + "%"; }
 
-// Fills positions [0, n) of every layer of `id` with random rows.
-Status FillContext(LatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
-  const LatentCacheConfig& c = cache.config();
+// Fills positions [0, n) of every layer of a new sequence `id` with random rows.
+Status FillContext(LocalLatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
+  const LatentCacheConfig& c = cache.pool->config();
   std::normal_distribution<float> d;
   std::vector<float> kv(static_cast<size_t>(n * c.kv_lora_rank)), pe(static_cast<size_t>(n * c.rope_dim));
   for (float& v : kv) v = d(rng);
   for (float& v : pe) v = d(rng);
   std::vector<int32_t> tokens(static_cast<size_t>(n), 2);
-  MLARUN_RETURN_IF_ERROR(cache.Append(id, tokens));
+  MLARUN_ASSIGN_OR_RETURN(const ForwardSeq s, cache.Append(id, tokens, ForwardSeq::Logits::kNone));
   for (int64_t layer = 0; layer < c.num_layers; ++layer)
-    MLARUN_RETURN_IF_ERROR(cache.WriteRows(layer, id, 0, n, kv.data(), c.kv_lora_rank, pe.data(), c.rope_dim));
+    MLARUN_RETURN_IF_ERROR(
+        cache.pool->WriteRows(layer, s.block_table, 0, n, kv.data(), c.kv_lora_rank, pe.data(), c.rope_dim));
   return Status::Ok();
 }
 
@@ -151,18 +153,14 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
     LatentCacheConfig cc = model->CacheConfig(0, 64);
     cc.enable_prefix_caching = false;
     cc.budget_bytes = seqs * ((per_seq + 63) / 64 + 1) * 64 * bytes_per_token;
-    return LatentCache::Create(cc);
+    return LocalLatentCache::Create(cc);
   };
   for (int64_t batch : o.batches) {
     for (int64_t context : o.contexts) {
       if (batch < 1 || context < 1) return InvalidArgumentError("--batch and --context values must be positive");
       const int64_t per_seq = context + warm.max_calls + o.repetitions + 2;
-      MLARUN_ASSIGN_OR_RETURN(auto cache, make_cache(batch, per_seq));
-      std::vector<int64_t> len(static_cast<size_t>(batch), context);
-      for (int64_t s = 0; s < batch; ++s) {
-        MLARUN_RETURN_IF_ERROR(cache->AddSequence(s));
-        MLARUN_RETURN_IF_ERROR(FillContext(*cache, s, context, rng));
-      }
+      MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, make_cache(batch, per_seq));
+      for (int64_t s = 0; s < batch; ++s) MLARUN_RETURN_IF_ERROR(FillContext(cache, s, context, rng));
       // Decode: one new token per sequence per step.
       std::vector<int32_t> tok(static_cast<size_t>(batch), 3);
       Shares shares;
@@ -170,11 +168,11 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
       auto decode_step = [&]() -> Status {
         std::vector<ForwardSeq> seqs;
         for (int64_t s = 0; s < batch; ++s) {
-          MLARUN_RETURN_IF_ERROR(cache->Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1)));
-          seqs.push_back(ForwardSeq{.id = s, .tokens = std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
-                                    .start_pos = len[static_cast<size_t>(s)]++});
+          MLARUN_ASSIGN_OR_RETURN(ForwardSeq fs, cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
+                                                               ForwardSeq::Logits::kLast));
+          seqs.push_back(fs);
         }
-        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(seqs, *cache));
+        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(seqs, *cache.pool));
         for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
           const float* row = logits.data() + s * config.vocab_size;
           tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
@@ -245,13 +243,11 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   SeqId next_id = 0;
   auto prefill_step = [&]() -> Status {
     const SeqId id = next_id++;
-    MLARUN_RETURN_IF_ERROR(pcache->AddSequence(id));
-    MLARUN_RETURN_IF_ERROR(pcache->Append(id, prompt));
-    const ForwardSeq s{.id = id, .tokens = prompt, .start_pos = 0};
-    MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(std::span<const ForwardSeq>(&s, 1), *pcache));
+    MLARUN_ASSIGN_OR_RETURN(const ForwardSeq s, pcache.Append(id, prompt, ForwardSeq::Logits::kLast));
+    MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(std::span<const ForwardSeq>(&s, 1), *pcache.pool));
     pshares.Add(model->last_step_times());
     pcost.Add(model->last_step_traffic());
-    return pcache->Release(id);
+    return pcache.blocks->Release(id);
   };
   MLARUN_ASSIGN_OR_RETURN(const int pdiscarded, WarmUpUntilStable(prefill_step, warm));
   pshares = {};
@@ -309,12 +305,8 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       cc.enable_prefix_caching = false;
       const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
       cc.budget_bytes = b * ((context + o.repetitions + 2 + 63) / 64 + 1) * 64 * bytes_per_token;
-      MLARUN_ASSIGN_OR_RETURN(auto cache, LatentCache::Create(cc));
-      std::vector<int64_t> len(static_cast<size_t>(b), context);
-      for (int64_t s = 0; s < b; ++s) {
-        MLARUN_RETURN_IF_ERROR(cache->AddSequence(s));
-        MLARUN_RETURN_IF_ERROR(FillContext(*cache, s, context, rng));
-      }
+      MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, LocalLatentCache::Create(cc));
+      for (int64_t s = 0; s < b; ++s) MLARUN_RETURN_IF_ERROR(FillContext(cache, s, context, rng));
       std::vector<int32_t> tok(static_cast<size_t>(b), 3);
       const ParallelStep step{.attn_tp = groups.attn_tp.get(), .dp_peers = groups.dp_peers.get(),
                               .dp_tokens = std::vector<int64_t>(static_cast<size_t>(layout.dp), b),
@@ -322,11 +314,11 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       auto decode_step = [&]() -> Status {
         std::vector<ForwardSeq> seqs;
         for (int64_t s = 0; s < b; ++s) {
-          MLARUN_RETURN_IF_ERROR(cache->Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1)));
-          seqs.push_back(ForwardSeq{.id = s, .tokens = std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
-                                    .start_pos = len[static_cast<size_t>(s)]++});
+          MLARUN_ASSIGN_OR_RETURN(ForwardSeq fs, cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
+                                                               ForwardSeq::Logits::kLast));
+          seqs.push_back(fs);
         }
-        return model.ForwardInto(seqs, *cache, &step).status();
+        return model.ForwardInto(seqs, *cache.pool, &step).status();
       };
       MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
       groups.attn_tp->mutable_stats().Clear();

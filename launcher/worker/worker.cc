@@ -4,24 +4,18 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <charconv>
 #include <chrono>
-#include <condition_variable>
 #include <csignal>
-#include <deque>
 #include <fstream>
 #include <iostream>
 #include <map>
-#include <mutex>
 #include <sstream>
-#include <thread>
 
+#include "launcher/link/worker_link_client.h"
 #include "launcher/proto_sampling.h"
 #include "launcher/rank/bootstrap.h"
-#include "mlarun.grpc.pb.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/base/cpu_isa.h"
-#include "runtime/base/thread_annotations.h"
 #include "runtime/engine/rank_runner.h"
 #include "runtime/model/memory_plan.h"
 
@@ -30,137 +24,6 @@ namespace {
 
 std::atomic<bool> g_stop{false};
 extern "C" void OnSignal(int) { g_stop = true; }
-
-// Static facts of one rank, gathered once at start-up so a leader can report
-// its whole group (members mirror the leader's cache block for block, so the
-// leader's cache numbers are theirs; parallel_model_test checks that).
-// The leader's end of the WorkerLink stream, on its own thread. Incoming
-// messages queue in an inbox the step loop drains; Send() writes from the step
-// loop (one writer), the thread only reads.
-class Link {
- public:
-  Link(std::string target, v1::Register reg) : target_(std::move(target)), reg_(std::move(reg)) {
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~Link() {
-    {
-      // Under mu_, so Run either sees stopping_ before it connects or has
-      // published its context for us to cancel.
-      MutexLock lock(mu_);
-      stopping_ = true;
-      if (context_) context_->TryCancel();
-    }
-    thread_.join();
-  }
-
-  struct Event {
-    enum Kind { kRoute, kCancel, kDisconnected } kind;
-    v1::RouteRequest route;
-    std::string request_id;
-  };
-  std::deque<Event> Drain() {
-    MutexLock lock(mu_);
-    std::deque<Event> out;
-    out.swap(inbox_);
-    return out;
-  }
-  // False when there is no live stream (the message is dropped: the
-  // coordinator ends that stream's requests itself).
-  bool Send(const v1::WorkerMessage& m) {
-    MutexLock lock(write_mu_);
-    std::shared_ptr<Stream> s;
-    {
-      MutexLock l(mu_);
-      s = stream_;
-    }
-    return s && s->Write(m);
-  }
-  void UpdateRanks(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks) {
-    MutexLock lock(mu_);
-    *reg_.mutable_ranks() = ranks;
-  }
-  // Blocks until something arrives in the inbox or `timeout_s` passes.
-  void WaitForEvent(double timeout_s) {
-    MutexLock lock(mu_);
-    lock.WaitFor(arrived_, std::chrono::duration<double>(timeout_s), [this]() MLARUN_REQUIRES(mu_) { return !inbox_.empty(); });
-  }
-  // The group cannot continue: tells the coordinator why (`leaving`) and
-  // waits, at most `timeout_s`, for it to end the stream, so the message is
-  // not lost with the process. The link never reconnects afterwards. False
-  // when there was no live stream or the stream did not end in time.
-  bool Leave(const std::string& reason, double timeout_s) {
-    leaving_ = true;
-    v1::WorkerMessage m;
-    m.mutable_leaving()->set_reason(reason);
-    if (!Send(m)) return false;
-    MutexLock lock(mu_);
-    return lock.WaitFor(ended_, std::chrono::duration<double>(timeout_s),
-                        [this]() MLARUN_REQUIRES(mu_) { return stream_ == nullptr; });
-  }
-
- private:
-  using Stream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
-
-  void Run() {
-    auto channel = grpc::CreateChannel(target_, grpc::InsecureChannelCredentials());
-    auto stub = v1::WorkerLink::NewStub(channel);
-    double backoff_s = 0.1;
-    while (!stopping_ && !leaving_) {
-      auto context = std::make_shared<grpc::ClientContext>();
-      v1::WorkerMessage hello;
-      {
-        MutexLock lock(mu_);
-        if (stopping_) break;
-        *hello.mutable_register_() = reg_;
-        context_ = context;  // published before Connect can block
-      }
-      std::shared_ptr<Stream> stream(stub->Connect(context.get()));
-      v1::CoordinatorMessage in;
-      if (stream->Write(hello) && stream->Read(&in) && in.has_registered()) {
-        {
-          MutexLock lock(mu_);
-          stream_ = stream;
-        }
-        backoff_s = 0.1;
-        while (stream->Read(&in)) {
-          MutexLock lock(mu_);
-          if (in.has_route()) inbox_.push_back({Event::kRoute, in.route(), in.route().request_id()});
-          if (in.has_cancel()) inbox_.push_back({Event::kCancel, {}, in.cancel().request_id()});
-          arrived_.notify_all();
-        }
-        MutexLock lock(mu_);
-        stream_.reset();
-        inbox_.push_back({Event::kDisconnected, {}, {}});
-        ended_.notify_all();
-      }
-      {
-        MutexLock lock(write_mu_);
-        stream->WritesDone();
-      }
-      (void)stream->Finish();
-      {
-        MutexLock lock(mu_);
-        context_.reset();
-      }
-      for (double waited = 0; waited < backoff_s && !stopping_ && !leaving_; waited += 0.05)
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      backoff_s = std::min(2.0, backoff_s * 2);
-    }
-  }
-
-  const std::string target_;
-  std::atomic<bool> stopping_{false};
-  std::atomic<bool> leaving_{false};  // Leave() was called: no new connection
-  Mutex mu_;
-  std::condition_variable arrived_;
-  std::condition_variable ended_;  // stream_ was reset
-  Mutex write_mu_;                 // one writer at a time on the stream
-  v1::Register reg_ MLARUN_GUARDED_BY(mu_);
-  std::deque<Event> inbox_ MLARUN_GUARDED_BY(mu_);
-  std::shared_ptr<Stream> stream_ MLARUN_GUARDED_BY(mu_);
-  std::shared_ptr<grpc::ClientContext> context_ MLARUN_GUARDED_BY(mu_);
-  std::thread thread_;
-};
 
 // This process's resident set (Linux /proc/self/statm); 0 where unavailable.
 int64_t ResidentBytes() {
@@ -219,7 +82,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
 
   // Every rank's static facts, as GetStats reports them (the changing
   // fields are filled in at each report), and one worker id for the job.
-  const LatentCacheStats own = runner.cache().stats();
+  const LatentCacheStats own = runner.cache_stats().now;
   std::ostringstream layout_os;
   layout_os << layout;
   const std::string layout_text = layout_os.str();
@@ -263,10 +126,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     if (r.dp_group() == groups.dp_rank()) group_ranks.push_back(std::move(r));
   }
 
-  const LatentCache& cache = runner.cache();
   auto rank_stats = [&](double tokens_per_s) {
     google::protobuf::RepeatedPtrField<v1::RankStats> out;
-    const LatentCacheStats cs = cache.stats();
+    const LatentCacheStats& cs = runner.cache_stats().now;
     for (const v1::RankStats& r : group_ranks) {
       v1::RankStats* s = out.Add();
       *s = r;
@@ -288,7 +150,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     return out;
   };
 
-  std::unique_ptr<Link> link;
+  // The leader's end of the WorkerLink stream, on the link's own thread: the
+  // step loop drains what arrived and sends (one consumer, one writer).
+  std::unique_ptr<WorkerLinkClient> link;
   if (runner.is_leader()) {
     v1::Register reg;
     reg.set_worker_id(worker_id);
@@ -298,9 +162,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     reg.set_vocab_size(mc.vocab_size);
     reg.set_max_position_embeddings(mc.max_position_embeddings);
     reg.set_block_size(engine.block_size);
-    reg.set_cache_blocks_total(cache.stats().blocks_total);
+    reg.set_cache_blocks_total(runner.cache_stats().now.blocks_total);
     *reg.mutable_ranks() = rank_stats(0);
-    link = std::make_unique<Link>(o.coordinator, reg);
+    link = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{.coordinator = o.coordinator, .registration = reg});
   }
   if (session.rank() == 0)
     std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.deployment.model << ", coordinator "
@@ -315,14 +179,16 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   std::map<std::string, int64_t> by_request_id;
   auto last_stats = std::chrono::steady_clock::now();
   int64_t tokens_since_stats = 0;
-  double idle_sleep_s = 0.0005;
+  constexpr auto kMinIdleSleep = std::chrono::microseconds(500), kMaxIdleSleep = std::chrono::microseconds(5000);
+  auto idle_sleep = kMinIdleSleep;
   for (;;) {
     if (link) {
-      for (Link::Event& e : link->Drain()) {
-        if (e.kind == Link::Event::kRoute) {
-          const std::string rid = e.route.request_id();
-          GenerationRequest req{.prompt = std::vector<int32_t>(e.route.prompt_ids().begin(), e.route.prompt_ids().end()),
-                                .sampling = FromProto(e.route.sampling())};
+      for (WorkerLinkEvent& e : link->Drain()) {
+        if (e.message.has_route()) {
+          const v1::RouteRequest& route = e.message.route();
+          const std::string rid = route.request_id();
+          GenerationRequest req{.prompt = std::vector<int32_t>(route.prompt_ids().begin(), route.prompt_ids().end()),
+                                .sampling = FromProto(route.sampling())};
           auto id = runner.Add(std::move(req));
           if (!id.ok()) {
             v1::WorkerMessage m;
@@ -335,14 +201,14 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           }
           live[*id] = Live{rid, 0};
           by_request_id[rid] = *id;
-        } else if (e.kind == Link::Event::kCancel) {
-          auto it = by_request_id.find(e.request_id);
+        } else if (e.message.has_cancel()) {
+          auto it = by_request_id.find(e.message.cancel().request_id());
           if (it == by_request_id.end()) continue;
           (void)runner.engine()->Cancel(it->second);
           (void)runner.engine()->TakeOutput(it->second);  // forget it
           live.erase(it->second);
           by_request_id.erase(it);
-        } else {  // the stream broke: the coordinator has ended or re-routed these
+        } else if (e.ended) {  // the stream broke: the coordinator has ended or re-routed these
           for (const auto& [id, l] : live) {
             (void)runner.engine()->Cancel(id);
             (void)runner.engine()->TakeOutput(id);
@@ -413,7 +279,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       if (since >= o.stats_period_s) {
         v1::WorkerMessage m;
         v1::WorkerStats* ws = m.mutable_stats();
-        ws->set_free_blocks(cache.stats().blocks_allocatable());
+        ws->set_free_blocks(runner.cache_stats().now.blocks_allocatable());
         *ws->mutable_ranks() = rank_stats(static_cast<double>(tokens_since_stats) / since);
         link->UpdateRanks(ws->ranks());
         link->Send(m);
@@ -425,10 +291,10 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       // Nobody has work. A leader waits for a request (woken as one arrives),
       // at most a few ms so the other groups' leaders meet it at the next
       // exchange soon; members just enter that exchange, whose wait sleeps.
-      if (link) link->WaitForEvent(idle_sleep_s);
-      idle_sleep_s = std::min(0.005, idle_sleep_s * 2);
+      if (link) link->WaitUntil(WorkerLinkClient::Clock::now() + idle_sleep);
+      idle_sleep = std::min(kMaxIdleSleep, idle_sleep * 2);
     } else {
-      idle_sleep_s = 0.0005;
+      idle_sleep = kMinIdleSleep;
     }
   }
   link.reset();

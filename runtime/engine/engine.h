@@ -1,4 +1,6 @@
-// The serving loop of one process: requests in, tokens out.
+// The scheduler of a DP group, and the serving loop of one process: requests
+// in, step plans out (Schedule), sampled tokens back in (Finish); Step does
+// the three with a ModelRunner of its own.
 //
 // Continuous batching: every step mixes the running requests' decode tokens
 // with chunks of waiting prompts under a token budget (chunked prefill). New
@@ -30,6 +32,8 @@
 #include "runtime/engine/sampler.h"
 #include "runtime/model/model.h"
 #include "runtime/request/request.h"
+#include "runtime/runner/model_runner.h"
+#include "runtime/runner/step_plan.h"
 
 namespace mlarun {
 
@@ -60,42 +64,22 @@ struct EngineStats {
   int64_t prefill_tokens = 0;
   int64_t decode_tokens = 0;
   int64_t preemptions = 0;
-  Model::StepTimes time;  // summed over steps
+  Model::StepTimes time;  // summed over steps (the runner's)
   double forward_seconds = 0;
 };
 
-// One step as the DP group's leader decided it: the latent-cache mutations it
-// made since the previous plan (which the group's other members replay on
-// their identical caches) and the batch to run.
-struct StepPlan {
-  struct Seq {
-    SeqId id = 0;
-    int64_t start_pos = 0;
-    std::vector<int32_t> tokens;
-    bool logits = false;  // the step samples this sequence's next token
-  };
-  std::vector<int64_t> cache_ops;  // encoded, see ApplyCacheOps
-  std::vector<Seq> seqs;
-  bool has_work = false;  // requests remain after this step
-
-  int64_t num_tokens() const;
-  std::vector<ForwardSeq> ForwardSeqs() const;
-  // A flat int64 encoding, for broadcasting within the group.
-  std::vector<int64_t> Encode() const;
-  static StatusOr<StepPlan> Decode(std::span<const int64_t> data);
-};
-
-// Replays a plan's cache mutations on `cache` (a member's copy of the leader's
-// cache): AddSequence, AttachPrefix, Append, Commit, Release, in order.
-Status ApplyCacheOps(LatentCache& cache, std::span<const int64_t> ops);
-
 class Engine {
  public:
+  // The serving loop of one process: a scheduler and a runner of its own
+  // over the whole `model` (Step).
   static StatusOr<std::unique_ptr<Engine>> Create(Model& model, const EngineConfig& config);
-  // The latent cache an engine of `config` would own (the config checked as
-  // Create checks it): for an attn-TP member, which mirrors its leader's
-  // cache through the plans' cache operations and never schedules.
-  static StatusOr<std::unique_ptr<LatentCache>> CreateCache(const Model& model, const EngineConfig& config);
+  // A scheduler alone, for a DP group whose ranks' runners execute its plans
+  // (RankRunner): Schedule / Finish / FailStep, no Step.
+  static StatusOr<std::unique_ptr<Engine>> CreateScheduler(const ModelConfig& model, const EngineConfig& config);
+  // The cache pool a scheduler of `config` hands out blocks of, for a model
+  // of `model` (`config` checked as Create checks it): every runner of the
+  // group creates its pool from it.
+  static StatusOr<LatentCacheConfig> CacheConfig(const ModelConfig& model, const EngineConfig& config);
 
   // Validates and queues a request; returns its id. A bad request (empty
   // prompt, token id outside the vocabulary, prompt + max_tokens beyond the
@@ -106,26 +90,26 @@ class Engine {
   // One step: schedule, run the model, sample. Returns the ids of the requests
   // that finished in this step (their outputs are in Output()), including
   // those of a step whose computation failed: they end with kError and the
-  // model's Status (FailStep). Errors returned are the engine's own
+  // runner's Status (FailStep). Errors returned are the engine's own
   // (scheduling, cache bookkeeping) and a Forward error that is not a
   // computation failure; after one, the engine should not be stepped again.
   StatusOr<std::vector<int64_t>> Step();
 
   // The two halves of Step, for ranks that run the model together: decide the
-  // step (plan.seqs may be empty), then sample from the logits of the plan's
-  // sequences that asked for them (in order) and retire finished requests.
+  // step (plan.seqs may be empty; each sequence carries its block table, and
+  // its sampler when the step draws its next token), then take the tokens a
+  // runner drew for the plan's sampled sequences (ModelRunner::Execute, in
+  // plan order) and retire finished requests.
   StatusOr<StepPlan> Schedule();
-  StatusOr<std::vector<int64_t>> Finish(const StepPlan& plan, std::span<const float> logits);
+  StatusOr<std::vector<int64_t>> Finish(const StepPlan& plan, std::span<const SampledToken> sampled);
   // Instead of Finish, for a plan whose step failed: ends every request of
   // the plan with kError and `error` (not OK), releases their blocks (as
-  // cache operations, so the next plan carries the releases to the group's
-  // other members) and leaves every other request as it was. The rows the
+  // and leaves every other request as it was. The rows the
   // failed step wrote are never committed, so no later request reuses them.
   // Returns the ids of the requests it ended, in plan order.
   StatusOr<std::vector<int64_t>> FailStep(const StepPlan& plan, const Status& error);
-  // Adds the model's last step times to stats().
-  void RecordStepTimes(double forward_seconds);
-  LatentCache& mutable_cache() { return *cache_; }
+  // Adds a step's times (the runner's forward pass and its parts) to stats().
+  void RecordStepTimes(double forward_seconds, const Model::StepTimes& parts);
   const EngineConfig& config() const { return config_; }
 
   bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
@@ -160,28 +144,24 @@ class Engine {
     GenerationOutput out;
   };
 
-  Engine(Model& model, const EngineConfig& config, std::unique_ptr<LatentCache> cache);
+  Engine(const ModelConfig& model, const EngineConfig& config, std::unique_ptr<LatentCache> cache);
   // Reserves cache slots for `n` more tokens of `r`, preempting the newest
   // running requests (never `r` itself unless it is the newest) as needed.
   // Returns false if `r` itself had to be preempted.
   StatusOr<bool> Reserve(Req& r, int64_t n);
   void Preempt(Req& r);
   Status Admit(Req& r);
-  // Cache mutations, recorded for the plan.
-  Status CacheAdd(SeqId id);
-  StatusOr<int64_t> CacheAttach(SeqId id, std::span<const int32_t> tokens, int64_t max_tokens);
-  Status CacheAppend(SeqId id, std::span<const int32_t> tokens);
-  Status CacheCommit(SeqId id);
-  Status CacheRelease(SeqId id, bool retire = false);  // retire: the request is done
+  // Reserves slots for r.tokens[r.computed, + n).
+  Status Append(Req& r, int64_t n);
 
-  Model& model_;
+  ModelConfig model_;
   EngineConfig config_;
-  std::unique_ptr<LatentCache> cache_;
+  std::unique_ptr<LatentCache> cache_;   // the block manager
+  std::unique_ptr<ModelRunner> runner_;  // Create's; nullptr for CreateScheduler's
   int64_t next_id_ = 0;
   std::map<int64_t, std::unique_ptr<Req>> requests_;
   std::deque<Req*> waiting_;
   std::vector<Req*> running_;  // in admission order: the back is the newest
-  std::vector<int64_t> cache_ops_;  // mutations since the last plan
   EngineStats stats_;
 };
 

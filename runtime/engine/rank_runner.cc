@@ -1,26 +1,25 @@
 #include "runtime/engine/rank_runner.h"
 
-#include <chrono>
+#include <algorithm>
 
 namespace mlarun {
 
 StatusOr<std::unique_ptr<RankRunner>> RankRunner::Create(Model& model, const EngineConfig& config,
                                                          ProcessGroups& groups, std::string rank_name) {
-  if (!(model.shard() == ModelShard::For(groups.layout, groups.rank)))
-    return InvalidArgumentError("rank runner: the model was not loaded as this rank's shard of ", groups.layout);
-  if (!groups.world || !groups.attn_tp || !groups.dp_peers)
-    return InvalidArgumentError("rank runner: process groups are missing communicators");
-  std::unique_ptr<Engine> engine;
-  std::unique_ptr<LatentCache> member_cache;
-  if (groups.is_leader()) {
-    MLARUN_ASSIGN_OR_RETURN(engine, Engine::Create(model, config));
-  } else {
-    MLARUN_ASSIGN_OR_RETURN(member_cache, Engine::CreateCache(model, config));
-  }
+  MLARUN_ASSIGN_OR_RETURN(const LatentCacheConfig pool, Engine::CacheConfig(model.config(), config));
   if (rank_name.empty()) rank_name = "rank " + std::to_string(groups.rank);
-  return std::unique_ptr<RankRunner>(
-      new RankRunner(model, groups, std::move(engine), std::move(member_cache), std::move(rank_name)));
+  MLARUN_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(model, pool, &groups, std::move(rank_name)));
+  std::unique_ptr<Engine> engine;
+  if (groups.is_leader()) {
+    MLARUN_ASSIGN_OR_RETURN(engine, Engine::CreateScheduler(model.config(), config));
+  }
+  std::unique_ptr<RankRunner> r(new RankRunner(groups, std::move(engine), std::move(runner)));
+  r->UpdateCacheStats(nullptr, /*written=*/false);
+  return r;
 }
+
+RankRunner::RankRunner(ProcessGroups& groups, std::unique_ptr<Engine> engine, std::unique_ptr<ModelRunner> runner)
+    : groups_(groups), engine_(std::move(engine)), runner_(std::move(runner)) {}
 
 StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
   if (!is_leader()) return FailedPreconditionError("rank runner: only a DP group's leader takes requests");
@@ -29,15 +28,38 @@ StatusOr<int64_t> RankRunner::Add(GenerationRequest request) {
 
 const GenerationOutput* RankRunner::Output(int64_t id) const { return engine_ ? engine_->Output(id) : nullptr; }
 
-void RankRunner::UpdateCacheStats(const StepPlan& plan, bool written) {
-  cache_stats_.now = cache().stats();
-  cache_stats_.peak_blocks_used = std::max(cache_stats_.peak_blocks_used, cache_stats_.now.blocks_used);
-  if (written) cache_stats_.bytes_written += plan.num_tokens() * cache_stats_.now.bytes_per_token;
+const RankCacheStats& RankRunner::cache_stats() const {
+  if (engine_) cache_stats_.now = engine_->cache().stats();
+  return cache_stats_;
+}
+
+void RankRunner::UpdateCacheStats(const StepPlan* plan, bool written) {
+  LatentCacheStats& now = cache_stats_.now;
+  if (engine_) {
+    now = engine_->cache().stats();
+  } else {
+    const LatentCacheConfig& c = runner_->pool().config();
+    now.bytes_per_token = c.bytes_per_token();
+    now.block_bytes = c.block_bytes();
+    now.blocks_total = runner_->pool().num_blocks();
+    now.bytes_capacity = runner_->pool().bytes();
+    if (plan) {
+      now.blocks_used = plan->cache.blocks_used;
+      now.blocks_cached = plan->cache.blocks_cached;
+      now.blocks_retired = plan->cache.blocks_retired;
+      now.prefix_hit_tokens = plan->cache.prefix_hit_tokens;
+      now.evictions = plan->cache.evictions;
+    }
+    now.blocks_free = now.blocks_total - now.blocks_used - now.blocks_cached;
+    now.bytes_used = now.blocks_used * now.block_bytes;
+  }
+  cache_stats_.peak_blocks_used = std::max(cache_stats_.peak_blocks_used, now.blocks_used);
+  if (written && plan) cache_stats_.bytes_written += plan->num_tokens() * now.bytes_per_token;
 }
 
 StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   last_failure_ = Status::Ok();
-  // 1. The plan: made by the leader, replayed by the group.
+  // 1. The plan: made by the leader, run by the whole group.
   StepPlan plan;
   if (is_leader()) {
     MLARUN_ASSIGN_OR_RETURN(plan, engine_->Schedule());
@@ -52,20 +74,17 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
     MLARUN_RETURN_IF_ERROR(group.Broadcast(encoded.data(), n, CommType::kI64, 0));
     if (!is_leader()) {
       MLARUN_ASSIGN_OR_RETURN(plan, StepPlan::Decode(encoded));
-      MLARUN_RETURN_IF_ERROR(ApplyCacheOps(mutable_cache(), plan.cache_ops));
-      for (StepPlan::Seq& s : plan.seqs) s.logits = false;  // only the leader samples
     }
   }
   // 2. Lockstep: every rank's report, with this step's blocks already taken.
+  UpdateCacheStats(&plan, /*written=*/false);
   Communicator& world = *groups_.world;
-  const LatentCacheStats cs = cache().stats();
-  int64_t& peak = cache_stats_.peak_blocks_used;
-  peak = std::max(peak, cs.blocks_used);
+  const LatentCacheStats& cs = cache_stats_.now;
   const LockstepReport mine{.tokens = plan.num_tokens(),
                             .has_work = plan.has_work || !plan.seqs.empty() ? 1 : 0,
                             .stop = stop ? 1 : 0,
                             .blocks_used = cs.blocks_used,
-                            .peak_blocks_used = peak,
+                            .peak_blocks_used = cache_stats_.peak_blocks_used,
                             .blocks_retired = cs.blocks_retired};
   std::vector<LockstepReport> all(static_cast<size_t>(world.size()));
   MLARUN_RETURN_IF_ERROR(world.AllGather(&mine, LockstepReport::kWords, all.data(), CommType::kI64));
@@ -83,32 +102,26 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   dp_tokens_.assign(static_cast<size_t>(layout.dp), 0);
   for (int g = 0; g < layout.dp; ++g)
     dp_tokens_[static_cast<size_t>(g)] = all[static_cast<size_t>(layout.leader_of(g))].tokens;
-  // 3. The model step, on every rank, idle or not.
-  const ParallelStep step{.attn_tp = groups_.attn_tp.get(), .dp_peers = groups_.dp_peers.get(),
-                          .dp_tokens = dp_tokens_, .dp_rank = groups_.dp_rank(), .rank_name = rank_name_};
-  const std::vector<ForwardSeq> seqs = plan.ForwardSeqs();
-  const auto t0 = std::chrono::steady_clock::now();
-  auto logits = model_.ForwardInto(seqs, mutable_cache(), &step);
-  if (engine_) engine_->RecordStepTimes(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-  if (!logits.ok()) {
+  // 3. The step, on every rank, idle or not; the leader's runner samples.
+  auto sampled = runner_->Execute(plan, dp_tokens_);
+  if (engine_) engine_->RecordStepTimes(runner_->last_step_seconds(), runner_->model().last_step_times());
+  if (!sampled.ok()) {
     // A collective's own error: the ranks cannot meet again.
-    if (model_.last_step_failure().ok()) return logits.status();
+    if (runner_->last_step_failure().ok()) return sampled.status();
     // A computation failure, the same on every rank: the step's requests
-    // fail, the ranks stay in lockstep. Members never sample; the leader's
-    // releases reach them with the next plan.
-    last_failure_ = logits.status();
+    // fail, the ranks stay in lockstep.
+    last_failure_ = sampled.status();
     if (is_leader()) {
       MLARUN_RETURN_IF_ERROR(engine_->FailStep(plan, last_failure_).status());
     }
-    UpdateCacheStats(plan, /*written=*/false);
+    UpdateCacheStats(is_leader() ? nullptr : &plan, /*written=*/false);
     return StepResult::kWorked;
   }
-  // 4. Sampling, on the leader. Members mirror the cache commits through the
-  //    next plan's cache operations.
+  // 4. The leader's scheduler takes the tokens and retires finished requests.
   if (is_leader()) {
-    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, *logits).status());
+    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, *sampled).status());
   }
-  UpdateCacheStats(plan, /*written=*/true);
+  UpdateCacheStats(&plan, /*written=*/true);
   return StepResult::kWorked;
 }
 

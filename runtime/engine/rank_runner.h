@@ -1,23 +1,25 @@
 // One rank's part of serving under mpirun, in lockstep with every other rank.
 //
 // Each step:
-//  1. the DP group's leader (attn_tp_rank 0) schedules with its Engine and
-//     broadcasts the step plan to its group; the other members replay the
-//     plan's cache mutations on their identical copies of the group's cache;
+//  1. the DP group's leader (attn_tp_rank 0) schedules with its Engine (the
+//     group's only scheduler) and broadcasts the step plan to its group: the
+//     sequences' tokens, positions and block tables. Members run plans and
+//     never schedule;
 //  2. all ranks exchange [this group's tokens, work left] (one small
 //     all-gather over the world): every rank learns every DP group's token
 //     count, and when no rank has work they all stop together;
-//  3. every rank runs the model step: attention for its group's tokens on its
-//     heads, the MLP / MoE on its shard for every group's tokens. A group with
-//     nothing to do runs an empty batch, so no collective misses a rank;
-//  4. the leader samples and retires finished requests; only the leader
-//     samples, and the next plan carries the sampled tokens to the members.
+//  3. every rank's ModelRunner executes the plan: attention for its group's
+//     tokens on its heads, the MLP / MoE on its shard for every group's
+//     tokens. A group with nothing to do runs an empty batch, so no
+//     collective misses a rank;
+//  4. the leader's runner samples, and its Engine retires finished requests;
+//     the next plan carries the sampled tokens to the members.
 //
 // A step whose computation failed on any rank (Model::Forward's contract:
 // every rank learns of it and gets the same Status, naming the rank) fails
 // only its requests: the leader ends them (Engine::FailStep, finish reason
-// kError with that Status), the next plan carries their releases to the
-// members, and the ranks go on to the next step together. A collective that
+// kError with that Status) and the ranks go on to the next step together. A
+// collective that
 // fails is returned as an error: the ranks cannot be relied upon to meet
 // again, so the caller ends the job.
 //
@@ -69,7 +71,9 @@ class RankRunner {
  public:
   // `model` is this rank's shard (ModelShard::For(groups.layout, groups.rank)).
   // `rank_name` is how errors name this rank (ParallelStep::rank_name), e.g.
-  // "rank 3 (node1)"; empty: "rank <groups.rank>".
+  // "rank 3 (node1)"; empty: "rank <groups.rank>". Leaders get the group's
+  // scheduler and a runner; members a runner only, its pool configured as
+  // the scheduler's (the same config on every rank).
   static StatusOr<std::unique_ptr<RankRunner>> Create(Model& model, const EngineConfig& config, ProcessGroups& groups,
                                                       std::string rank_name = {});
 
@@ -98,36 +102,32 @@ class RankRunner {
   // OK, or the computation failure of the last StepOrStop (the same Status
   // on every rank, naming the rank that failed).
   const Status& last_step_failure() const { return last_failure_; }
-  const std::string& rank_name() const { return rank_name_; }
+  const std::string& rank_name() const { return runner_->rank_name(); }
 
-  const RankCacheStats& cache_stats() const { return cache_stats_; }
+  // This rank's cache: its pool's size and the blocks in use, from the
+  // group's scheduler: on the leader as they are now, on a member as of the
+  // last plan.
+  const RankCacheStats& cache_stats() const;
   // Every rank's snapshot, by world rank, as of the last exchange.
   const std::vector<RankCacheSnapshot>& world_cache() const { return world_cache_; }
-  // Leaders: the group's engine (requests, scheduling, sampling); members:
-  // nullptr. A member has no engine, only its cache, which mirrors the
-  // leader's through each plan's cache operations.
+  // Leaders: the group's scheduler (requests, blocks, sampling parameters);
+  // members: nullptr.
   Engine* engine() { return engine_.get(); }
-  // This rank's latent cache: the engine's on a leader, its own on a member.
-  const LatentCache& cache() const { return engine_ ? engine_->cache() : *member_cache_; }
+  ModelRunner& runner() { return *runner_; }
 
  private:
-  RankRunner(Model& model, ProcessGroups& groups, std::unique_ptr<Engine> engine,
-             std::unique_ptr<LatentCache> member_cache, std::string rank_name)
-      : model_(model), groups_(groups), engine_(std::move(engine)), member_cache_(std::move(member_cache)),
-        rank_name_(std::move(rank_name)) {}
-  LatentCache& mutable_cache() { return engine_ ? engine_->mutable_cache() : *member_cache_; }
-  // After a step: the cache's numbers and peak; `written`: the step ran to
-  // its end, so its rows count in bytes_written.
-  void UpdateCacheStats(const StepPlan& plan, bool written);
+  RankRunner(ProcessGroups& groups, std::unique_ptr<Engine> engine, std::unique_ptr<ModelRunner> runner);
+  // The cache's numbers and peak as of `plan` (a member's) or the scheduler's
+  // block manager (the leader's); `written`: the plan's step ran to its end,
+  // so its rows count in bytes_written.
+  void UpdateCacheStats(const StepPlan* plan, bool written);
 
-  Model& model_;
   ProcessGroups& groups_;
-  std::unique_ptr<Engine> engine_;             // leaders
-  std::unique_ptr<LatentCache> member_cache_;  // members
-  const std::string rank_name_;
+  std::unique_ptr<Engine> engine_;  // leaders
+  std::unique_ptr<ModelRunner> runner_;
   Status last_failure_;
   std::vector<int64_t> dp_tokens_;
-  RankCacheStats cache_stats_;
+  mutable RankCacheStats cache_stats_;  // the leader's `now` is refreshed when read
   std::vector<RankCacheSnapshot> world_cache_;
 };
 

@@ -26,7 +26,7 @@ namespace mlarun {
 // One token's latent row in one layer: (kv_lora_rank + qk_rope_head_dim) in the
 // cache dtype. DeepSeek-V3 in bf16: 576 x 2 = 1,152 B.
 int64_t LatentBytesPerTokenLayer(const ModelConfig& c);
-// Over all layers: what LatentCache holds per token (V3 bf16: 70,272 B).
+// Over all layers: what the latent cache holds per token (V3 bf16: 70,272 B).
 int64_t LatentBytesPerToken(const ModelConfig& c);
 
 // The DeepSeek-V3.2 indexer key of one token in one layer: index_head_dim

@@ -387,13 +387,13 @@ Agreement AgreeOnFailure(Communicator* tp, Communicator* peers, const Status& lo
 }
 }  // namespace
 
-StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
+StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                             const ParallelStep* parallel) {
-  MLARUN_ASSIGN_OR_RETURN(const std::span<const float> logits, ForwardInto(seqs, cache, parallel));
+  MLARUN_ASSIGN_OR_RETURN(const std::span<const float> logits, ForwardInto(seqs, pool, parallel));
   return std::vector<float>(logits.begin(), logits.end());
 }
 
-StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> seqs, LatentCache& cache,
+StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                                     const ParallelStep* parallel) {
   last_failure_ = Status::Ok();
   const int64_t call = forward_calls_++;
@@ -404,7 +404,7 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
   Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
   Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
   Status collective;
-  const Status local = ForwardImpl(seqs, cache, parallel, tp, peers, call, &scratch_->logits, &collective);
+  const Status local = ForwardImpl(seqs, pool, parallel, tp, peers, call, &scratch_->logits, &collective);
   routing_.resize(routing_layers_);  // the MoE layers this step ran (shrinks only when a step stopped early)
   if (!collective.ok()) return collective;  // nobody can be waited for
   if (parallel == nullptr) {
@@ -419,7 +419,7 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
   return std::span<const float>(scratch_->logits);
 }
 
-Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, const ParallelStep* parallel,
+Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel,
                           Communicator* tp, Communicator* peers, int64_t call, std::vector<float>* logits_out,
                           Status* collective) {
   const ModelConfig& c = config_;
@@ -440,8 +440,8 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   };
   if ((shard.attn_tp_size > 1 || shard.mlp_size > 1) && parallel == nullptr)
     return FailedPreconditionError("model forward: a sharded model needs the step's communicators");
-  if (cache.config().num_layers != c.num_hidden_layers || cache.config().kv_lora_rank != L ||
-      cache.config().rope_dim != R || cache.config().dtype != c.kv_dtype)
+  const LatentCacheConfig& cc = pool.config();
+  if (cc.num_layers != c.num_hidden_layers || cc.kv_lora_rank != L || cc.rope_dim != R || cc.dtype != c.kv_dtype)
     fail(InvalidArgumentError("model forward: the latent cache does not match the model (layers, widths, dtype)"));
 
   // The batch: flat tokens and positions, the attention's batch description.
@@ -458,13 +458,9 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     seq_lens[static_cast<size_t>(i)] = static_cast<int32_t>(end);
     logit_rows += s.logits == ForwardSeq::Logits::kAll ? n : (s.logits == ForwardSeq::Logits::kLast && n > 0 ? 1 : 0);
     if (!st.ok()) continue;
-    if (!cache.HasSequence(s.id)) {
-      fail(InvalidArgumentError("model forward: sequence ", s.id, " is not in the cache"));
-      continue;
-    }
-    if (s.start_pos < 0 || cache.NumTokens(s.id) < end)
+    if (s.start_pos < 0 || static_cast<int64_t>(s.block_table.size()) * cc.block_size < end)
       fail(InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
-                                ") but the cache holds slots for ", cache.NumTokens(s.id)));
+                                ") but its block table holds ", s.block_table.size(), " blocks of ", cc.block_size));
     if (end > c.max_position_embeddings)
       fail(InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
                                 ", beyond max_position_embeddings ", c.max_position_embeddings));
@@ -473,7 +469,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
         fail(InvalidArgumentError("model forward: token id ", t, " outside [0, ", vocab, ")"));
         break;
       }
-    if (st.ok()) max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(cache.BlockTable(s.id).size()));
+    if (st.ok()) max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(s.block_table.size()));
   }
   const int64_t T = query_start.back();
   // Every rank must agree on the collectives' sizes; a plan that disagrees
@@ -498,7 +494,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
   block_table.assign(static_cast<size_t>(S * max_blocks), 0);
   positions.assign(static_cast<size_t>(T), 0);
   for (int32_t i = 0; i < S && st.ok(); ++i) {
-    const auto table = cache.BlockTable(seqs[static_cast<size_t>(i)].id);
+    const std::span<const int32_t> table = seqs[static_cast<size_t>(i)].block_table;
     std::copy(table.begin(), table.end(), block_table.begin() + i * max_blocks);
     for (int64_t j = 0; j < static_cast<int64_t>(seqs[static_cast<size_t>(i)].tokens.size()); ++j)
       positions[static_cast<size_t>(query_start[static_cast<size_t>(i)] + j)] =
@@ -576,12 +572,12 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     for (int32_t i = 0; i < S; ++i) {
       const ForwardSeq& s = seqs[static_cast<size_t>(i)];
       const int64_t t = query_start[static_cast<size_t>(i)];
-      MLARUN_RETURN_IF_ERROR(cache.WriteRows(li, s.id, s.start_pos, static_cast<int64_t>(s.tokens.size()),
-                                             kv_c.data() + t * L, L, k_pe.data() + t * R, R));
+      MLARUN_RETURN_IF_ERROR(pool.WriteRows(li, s.block_table, s.start_pos, static_cast<int64_t>(s.tokens.size()),
+                                            kv_c.data() + t * L, L, k_pe.data() + t * R, R));
     }
     ap.w_uk_t = a.w_uk_t.data();
     ap.w_uv = a.w_uv.data();
-    ap.cache = cache.Layer(li);
+    ap.cache = pool.Layer(li);
     if (!planned) {
       MLARUN_RETURN_IF_ERROR(MlaReplan(ap, options_.attention, sc.attn_plan));
       planned = true;
@@ -598,7 +594,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, 
     for (int32_t i = 0; i < S; ++i) {
       const int64_t q_len = query_start[static_cast<size_t>(i) + 1] - query_start[static_cast<size_t>(i)];
       const int64_t len = seq_lens[static_cast<size_t>(i)];
-      traffic_.cache_bytes += len * (cache.config().bytes_per_token() / c.num_hidden_layers);
+      traffic_.cache_bytes += len * (cc.bytes_per_token() / c.num_hidden_layers);
       if (q_len == 0) continue;
       traffic_.flops += MlaPathFor(options_.attention, q_len, len - q_len) == MlaPath::kAbsorbed
                             ? MlaAbsorbedFlops(ap.shape, q_len, len)

@@ -1,6 +1,6 @@
 // A DeepSeek-V2/V3 model on one process: weights in compute layouts and the
 // forward pass over a batch of sequences whose latent rows live in a
-// LatentCache.
+// LatentPool (kv/latent_pool.h).
 //
 // Compute is fp32 (norms, RoPE, softmax, residual stream, router). Linear
 // layers keep their weights in ModelConfig::weight_dtype: f32 weights run f32
@@ -20,7 +20,7 @@
 
 #include "attention/mla.h"
 #include "attention/rope.h"
-#include "kv/latent_cache.h"
+#include "kv/latent_pool.h"
 #include "runtime/base/block_size.h"
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
@@ -72,12 +72,15 @@ struct WeightBytes {
 };
 
 // One sequence's part of a forward step. Its tokens sit at positions
-// [start_pos, start_pos + tokens.size()); the cache already holds rows for
-// [0, start_pos) and has slots appended for the new tokens.
+// [start_pos, start_pos + tokens.size()); its latent rows live in the pool
+// blocks of `block_table` (position p in block_table[p / block_size]), which
+// already hold the rows of [0, start_pos) and cover the new tokens, whose
+// rows the step writes.
 struct ForwardSeq {
-  SeqId id = 0;
+  int64_t id = 0;  // for error messages
   std::span<const int32_t> tokens;
   int64_t start_pos = 0;
+  std::span<const int32_t> block_table;
   enum class Logits : uint8_t { kNone, kLast, kAll } logits = Logits::kLast;
 };
 
@@ -207,7 +210,7 @@ class Model {
   // A cache configuration matching this model (layers, widths, dtype).
   LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = kDefaultBlockSize) const;
 
-  // Runs one step: writes the new tokens' latent rows into `cache` and
+  // Runs one step: writes the new tokens' latent rows into `pool` and
   // returns logits [rows, vocab] for the rows the sequences ask for, in
   // sequence order (kLast: one row, kAll: one per token). Not thread-safe
   // (it reuses internal buffers); blocks until done.
@@ -225,11 +228,11 @@ class Model {
   // error of a collective itself is returned at once, only where it was seen,
   // and last_step_failure() stays OK: the ranks can no longer be relied upon
   // to meet again. Without `parallel` every error is a computation failure.
-  StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentCache& cache,
+  StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                        const ParallelStep* parallel = nullptr);
   // The same, the logits in the model's own buffer (valid until the next
   // step): after the first steps of a shape, a step allocates nothing.
-  StatusOr<std::span<const float>> ForwardInto(std::span<const ForwardSeq> seqs, LatentCache& cache,
+  StatusOr<std::span<const float>> ForwardInto(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                                const ParallelStep* parallel = nullptr);
   // OK, or the computation failure the last Forward returned (see Forward).
   const Status& last_step_failure() const { return last_failure_; }
@@ -267,7 +270,7 @@ class Model {
   Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
   // Forward on this rank: returns its computation's status; a failed
   // collective goes to *collective and ends the step at once.
-  Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentCache& cache, const ParallelStep* parallel,
+  Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel,
                      Communicator* tp, Communicator* peers, int64_t call, std::vector<float>* logits,
                      Status* collective);
 

@@ -44,6 +44,7 @@ TEST(LatentCache, BadConfig) {
   Status st = LatentCache::Create(c).status();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("budget_bytes"), std::string::npos) << st;
+  EXPECT_EQ(LatentPool::Create(c).status().code(), StatusCode::kInvalidArgument) << "the pool checks as the blocks do";
   c = SmallConfig(4);
   c.dtype = DType::kF16;
   EXPECT_EQ(LatentCache::Create(c).status().code(), StatusCode::kInvalidArgument);
@@ -75,9 +76,10 @@ TEST(LatentCache, AppendAcrossBlocksAndWriteRows) {
   std::vector<float> kv(9 * 8), pe(9 * 4);
   for (float& v : kv) v = d(rng);
   for (float& v : pe) v = d(rng);
-  for (int64_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(cache->WriteRows(layer, 1, 0, 9, kv.data(), 8, pe.data(), 4).ok());
+  auto pool = std::move(LatentPool::Create(cache->config())).value();
+  for (int64_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(pool->WriteRows(layer, table, 0, 9, kv.data(), 8, pe.data(), 4).ok());
   for (int64_t layer = 0; layer < 3; ++layer) {
-    const PagedRowsView v = cache->Layer(layer);
+    const PagedRowsView v = pool->Layer(layer);
     EXPECT_EQ(v.row_width, 12);
     for (int64_t pos = 0; pos < 9; ++pos) {
       const float* row = static_cast<const float*>(v.data) + table[static_cast<size_t>(pos / 4)] * v.stride_block + pos % 4 * v.stride_token;
@@ -85,9 +87,18 @@ TEST(LatentCache, AppendAcrossBlocksAndWriteRows) {
       for (int c = 0; c < 4; ++c) ASSERT_EQ(row[8 + c], pe[static_cast<size_t>(pos * 4 + c)]);
     }
   }
-  EXPECT_EQ(cache->WriteRows(0, 1, 7, 3, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(cache->WriteRows(3, 1, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
-  EXPECT_EQ(cache->WriteRows(0, 2, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kNotFound);
+  // Beyond the table, beyond the layers, a block id outside the pool: refused, nothing written.
+  EXPECT_EQ(pool->WriteRows(0, table, 10, 3, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(pool->WriteRows(3, table, 0, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
+  const std::vector<int32_t> bad = {table[0], 8};
+  EXPECT_EQ(pool->WriteRows(0, bad, 3, 2, kv.data(), 8, pe.data(), 4).code(), StatusCode::kOutOfRange);
+  const float* row3 = static_cast<const float*>(pool->Layer(0).data) + table[0] * pool->Layer(0).stride_block +
+                      3 * pool->Layer(0).stride_token;
+  EXPECT_EQ(row3[0], kv[3 * 8]) << "a refused write leaves the rows as they were";
+  // The block manager's check of what a plan may write.
+  EXPECT_TRUE(cache->CheckWritable(1, 0, 9).ok());
+  EXPECT_EQ(cache->CheckWritable(1, 7, 3).code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(cache->CheckWritable(2, 0, 1).code(), StatusCode::kNotFound);
   EXPECT_EQ(cache->stats().blocks_retired, 0);
   ASSERT_TRUE(cache->Retire(1).ok());
   EXPECT_EQ(cache->stats().blocks_used, 0);
@@ -97,14 +108,13 @@ TEST(LatentCache, AppendAcrossBlocksAndWriteRows) {
   EXPECT_EQ(cache->stats().blocks_retired, 3);
 }
 
-TEST(LatentCache, Bf16Rows) {
-  auto cache = std::move(LatentCache::Create(SmallConfig(2, DType::kBF16))).value();
-  ASSERT_TRUE(cache->AddSequence(0).ok());
-  ASSERT_TRUE(cache->Append(0, Tokens(1)).ok());
+TEST(LatentPool, Bf16Rows) {
+  auto pool = std::move(LatentPool::Create(SmallConfig(2, DType::kBF16))).value();
+  const std::vector<int32_t> table = {1};
   std::vector<float> kv = {1.f, -2.5f, 3.14159f, 0.1f, 5, 6, 7, 8}, pe = {0.333f, 1e-3f, -7, 9};
-  ASSERT_TRUE(cache->WriteRows(2, 0, 0, 1, kv.data(), 8, pe.data(), 4).ok());
-  const PagedRowsView v = cache->Layer(2);
-  const bf16_t* row = static_cast<const bf16_t*>(v.data) + cache->BlockTable(0)[0] * v.stride_block;
+  ASSERT_TRUE(pool->WriteRows(2, table, 0, 1, kv.data(), 8, pe.data(), 4).ok());
+  const PagedRowsView v = pool->Layer(2);
+  const bf16_t* row = static_cast<const bf16_t*>(v.data) + 1 * v.stride_block;
   for (int c = 0; c < 8; ++c) EXPECT_EQ(row[c], FloatToBf16(kv[static_cast<size_t>(c)]));
   for (int c = 0; c < 4; ++c) EXPECT_EQ(row[8 + c], FloatToBf16(pe[static_cast<size_t>(c)]));
 }
@@ -151,11 +161,11 @@ TEST(LatentCache, PrefixSharing) {
   EXPECT_EQ(cache->BlockTable(2)[1], cache->BlockTable(1)[1]);
   EXPECT_EQ(cache->stats().blocks_used, 3);
   EXPECT_EQ(cache->stats().prefix_hit_tokens, 8);
-  std::vector<float> kv(8), pe(4);
-  EXPECT_EQ(cache->WriteRows(0, 2, 3, 1, kv.data(), 8, pe.data(), 4).code(), StatusCode::kFailedPrecondition);
   ASSERT_TRUE(cache->Append(2, std::vector<int32_t>(prompt.begin() + 8, prompt.end())).ok());
+  EXPECT_EQ(cache->CheckWritable(2, 3, 1).code(), StatusCode::kFailedPrecondition) << "a shared block's rows";
+  EXPECT_EQ(cache->CheckWritable(1, 0, 1).code(), StatusCode::kFailedPrecondition) << "for its first owner too";
   EXPECT_NE(cache->BlockTable(2)[2], cache->BlockTable(1)[2]);
-  EXPECT_TRUE(cache->WriteRows(0, 2, 8, 2, kv.data(), 0, pe.data(), 0).ok());
+  EXPECT_TRUE(cache->CheckWritable(2, 8, 2).ok());
 
   // The first request ends: shared blocks stay in use by the second.
   ASSERT_TRUE(cache->Release(1).ok());
@@ -255,20 +265,20 @@ int64_t ResidentBytes() {
 
 // A committed pool is resident from the start (and zeroed); an uncommitted
 // one only as blocks are written.
-TEST(LatentCache, CommitMemoryMakesThePoolResident) {
+TEST(LatentPool, CommitMemoryMakesThePoolResident) {
   const int64_t budget = int64_t{48} << 20;
   LatentCacheConfig c{.num_layers = 4, .kv_lora_rank = 512, .rope_dim = 64, .block_size = 64, .budget_bytes = budget};
   const int64_t before_lazy = ResidentBytes();
-  auto lazy = LatentCache::Create(c);
+  auto lazy = LatentPool::Create(c);
   ASSERT_TRUE(lazy.ok()) << lazy.status();
   EXPECT_LT(ResidentBytes() - before_lazy, budget / 4);
   c.commit_memory = true;
   const int64_t before = ResidentBytes();
-  auto committed = LatentCache::Create(c);
+  auto committed = LatentPool::Create(c);
   ASSERT_TRUE(committed.ok()) << committed.status();
-  EXPECT_GE(ResidentBytes() - before, (*committed)->stats().bytes_capacity * 9 / 10);
+  EXPECT_GE(ResidentBytes() - before, (*committed)->bytes() * 9 / 10);
   const PagedRowsView v = (*committed)->Layer(3);
-  const bf16_t* last = static_cast<const bf16_t*>(v.data) + ((*committed)->stats().blocks_total - 1) * v.stride_block;
+  const bf16_t* last = static_cast<const bf16_t*>(v.data) + ((*committed)->num_blocks() - 1) * v.stride_block;
   EXPECT_EQ(last[0], 0);
 }
 

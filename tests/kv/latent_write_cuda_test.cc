@@ -46,9 +46,10 @@ TEST(LatentWriteCuda, MatchesHostCache) {
     std::vector<float> kv(static_cast<size_t>(n * L)), pe(static_cast<size_t>(n * R));
     for (float& v : kv) v = d(rng);
     for (float& v : pe) v = d(rng);
-    ASSERT_TRUE(host->WriteRows(0, 0, 0, n, kv.data(), L, pe.data(), R).ok());
+    auto host_pool = std::move(LatentPool::Create(cfg)).value();
+    ASSERT_TRUE(host_pool->WriteRows(0, host->BlockTable(0), 0, n, kv.data(), L, pe.data(), R).ok());
 
-    const PagedRowsView view = host->Layer(0);
+    const PagedRowsView view = host_pool->Layer(0);
     const size_t pool_bytes = static_cast<size_t>(view.num_blocks * view.stride_block) * DTypeSize(dt);
     std::vector<int64_t> slots(static_cast<size_t>(n));
     const auto table = host->BlockTable(0);

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <random>
 
+#include "kv/latent_cache.h"
 #include "tests/ref/deepseek_v3_by_hand.h"
 #include "tests/test_paths.h"
 

@@ -15,6 +15,7 @@
 
 #include "runtime/engine/engine.h"
 #include "runtime/model/model.h"
+#include "runtime/model/local_cache.h"
 #include "tests/test_paths.h"
 
 namespace mlarun {
@@ -65,11 +66,9 @@ double RelErr(const std::vector<float>& got, const Json& ref_rows) {
 
 // Full forward of `prompt` in one step, logits at every position.
 std::vector<float> FullForward(Model& m, const std::vector<int32_t>& prompt, int64_t block_size = 16) {
-  auto cache = std::move(LatentCache::Create(m.CacheConfig(64 << 20, block_size))).value();
-  EXPECT_TRUE(cache->AddSequence(0).ok());
-  EXPECT_TRUE(cache->Append(0, prompt).ok());
-  const ForwardSeq s{.id = 0, .tokens = prompt, .start_pos = 0, .logits = ForwardSeq::Logits::kAll};
-  auto logits = m.Forward(std::span<const ForwardSeq>(&s, 1), *cache);
+  auto cache = std::move(LocalLatentCache::Create(m.CacheConfig(64 << 20, block_size))).value();
+  const ForwardSeq s = cache.Append(0, prompt, ForwardSeq::Logits::kAll).value();
+  auto logits = m.Forward(std::span<const ForwardSeq>(&s, 1), *cache.pool);
   EXPECT_TRUE(logits.ok()) << logits.status();
   return logits.ok() ? *logits : std::vector<float>{};
 }
@@ -228,8 +227,7 @@ TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {
   const auto full = FullForward(*l.model, prompt);
   const int64_t V = l.model->config().vocab_size;
   ASSERT_EQ(full.size(), prompt.size() * static_cast<size_t>(V));
-  auto cache = std::move(LatentCache::Create(l.model->CacheConfig(64 << 20, 4))).value();
-  ASSERT_TRUE(cache->AddSequence(7).ok());
+  auto cache = std::move(LocalLatentCache::Create(l.model->CacheConfig(64 << 20, 4))).value();
   std::vector<int64_t> chunks = {3, 5};
   int64_t pos = 0;
   double worst = 0, scale = 0;
@@ -238,11 +236,11 @@ TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {
     const int64_t n = chunks.empty() ? 1 : chunks.front();
     if (!chunks.empty()) chunks.erase(chunks.begin());
     std::span<const int32_t> toks(prompt.data() + pos, static_cast<size_t>(std::min<int64_t>(n, prompt.size() - pos)));
-    ASSERT_TRUE(cache->Append(7, toks).ok());
-    const ForwardSeq s{.id = 7, .tokens = toks, .start_pos = pos, .logits = ForwardSeq::Logits::kAll};
-    auto logits = l.model->Forward(std::span<const ForwardSeq>(&s, 1), *cache);
+    auto s = cache.Append(7, toks, ForwardSeq::Logits::kAll);
+    ASSERT_TRUE(s.ok()) << s.status();
+    ASSERT_EQ(s->start_pos, pos);
+    auto logits = l.model->Forward(std::span<const ForwardSeq>(&*s, 1), *cache.pool);
     ASSERT_TRUE(logits.ok()) << logits.status();
-    ASSERT_TRUE(cache->Commit(7).ok());
     ASSERT_EQ(logits->size(), toks.size() * static_cast<size_t>(V));
     for (size_t k = 0; k < logits->size(); ++k)
       worst = std::max(worst, double{std::abs((*logits)[k] - full[static_cast<size_t>(pos * V) + k])});

@@ -1,6 +1,7 @@
-// Heap allocations of a model step after warm-up: none. The step's buffers
-// (activations, routing, the MoE's work lists, the attention's plan and
-// scratch, the logits) live in the model and are reused; a step whose shapes
+// Heap allocations of a runner's step after warm-up: none. The step's
+// buffers (activations, routing, the MoE's work lists, the attention's plan
+// and scratch, the logits, the sampled tokens, the samplers' scratch) live in
+// the model, the runner and the samplers and are reused; a step whose shapes
 // were seen before allocates nothing. Counted with a replaced global
 // operator new (every thread: the OpenMP workers too), so this test is its
 // own binary.
@@ -21,7 +22,9 @@
 #include <vector>
 
 #include "kv/latent_cache.h"
+#include "runtime/engine/sampler.h"
 #include "runtime/model/model.h"
+#include "runtime/runner/model_runner.h"
 
 namespace {
 std::atomic<bool> g_counting{false};
@@ -67,43 +70,45 @@ int64_t Allocations(F&& f) {
 
 // One pass: three sequences (ids first..first+2) with prompts of different
 // lengths in one prefill step, then `steps` decode steps of all three, each
-// feeding back its argmax. Returns each step's allocations (the prefill's
-// first); the cache's own bookkeeping is outside the counted calls.
-std::vector<int64_t> Pass(Model& model, LatentCache& cache, SeqId first, int steps) {
+// feeding back its sampled token (greedy, top-k and top-p with temperature,
+// so the samplers' scratch is in play). Returns each step's allocations in
+// ModelRunner::Execute (the prefill's first); the plan is made and the block
+// manager kept outside the counted call, as a scheduler would.
+std::vector<int64_t> Pass(ModelRunner& runner, LatentCache& blocks, SeqId first, int steps) {
   std::mt19937 rng(5);
   std::vector<std::vector<int32_t>> prompts(3);
+  std::vector<std::unique_ptr<Sampler>> samplers;
+  for (const SamplingParams& sp : {SamplingParams{.temperature = 0},
+                                   SamplingParams{.temperature = 0.8, .top_k = 20, .seed = 3},
+                                   SamplingParams{.temperature = 1.2, .top_p = 0.9, .seed = 4}})
+    samplers.push_back(std::make_unique<Sampler>(sp));
   std::vector<int64_t> counts;
   for (size_t i = 0; i < prompts.size(); ++i) {
     for (size_t j = 0; j < 9 + 7 * i; ++j) prompts[i].push_back(static_cast<int32_t>(2 + rng() % 500));
-    EXPECT_TRUE(cache.AddSequence(first + static_cast<SeqId>(i)).ok());
-    EXPECT_TRUE(cache.Append(first + static_cast<SeqId>(i), prompts[i]).ok());
+    EXPECT_TRUE(blocks.AddSequence(first + static_cast<SeqId>(i)).ok());
   }
-  std::vector<ForwardSeq> batch;
-  for (size_t i = 0; i < prompts.size(); ++i)
-    batch.push_back({.id = first + static_cast<SeqId>(i), .tokens = prompts[i], .start_pos = 0});
   std::vector<int32_t> next(prompts.size(), 3);
-  const int64_t vocab = model.config().vocab_size;
   for (int s = 0; s <= steps; ++s) {
-    if (s > 0) {  // a decode step
-      batch.clear();
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        const SeqId id = first + static_cast<SeqId>(i);
-        EXPECT_TRUE(cache.Append(id, std::span<const int32_t>(&next[i], 1)).ok());
-        batch.push_back({.id = id, .tokens = std::span<const int32_t>(&next[i], 1),
-                         .start_pos = static_cast<int64_t>(prompts[i].size()) + s - 1});
-      }
+    StepPlan plan;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const SeqId id = first + static_cast<SeqId>(i);
+      const std::vector<int32_t> tokens = s == 0 ? prompts[i] : std::vector<int32_t>{next[i]};
+      const int64_t start = blocks.NumTokens(id);
+      EXPECT_TRUE(blocks.Append(id, tokens).ok());
+      const auto table = blocks.BlockTable(id);
+      plan.seqs.push_back({.id = id, .start_pos = start, .tokens = tokens,
+                           .block_table = std::vector<int32_t>(table.begin(), table.end()),
+                           .sampler = samplers[i].get()});
     }
-    std::optional<StatusOr<std::span<const float>>> result;
-    counts.push_back(Allocations([&] { result.emplace(model.ForwardInto(batch, cache)); }));
+    std::optional<StatusOr<std::span<const SampledToken>>> result;
+    counts.push_back(Allocations([&] { result.emplace(runner.Execute(plan)); }));
     EXPECT_TRUE(result->ok()) << result->status();
     if (!result->ok()) return counts;
-    const std::span<const float> logits = **result;
-    EXPECT_EQ(logits.size(), prompts.size() * static_cast<size_t>(vocab));
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      const float* row = logits.data() + i * static_cast<size_t>(vocab);
-      next[i] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
-    }
+    EXPECT_EQ((*result)->size(), prompts.size());
+    for (size_t i = 0; i < prompts.size() && i < (*result)->size(); ++i)
+      next[i] = static_cast<int32_t>((**result)[i].token);
   }
+  for (size_t i = 0; i < prompts.size(); ++i) EXPECT_TRUE(blocks.Release(first + static_cast<SeqId>(i)).ok());
   return counts;
 }
 
@@ -122,11 +127,13 @@ TEST(StepAllocations, StepsOfShapesSeenBeforeAllocateNothing) {
     config->weight_dtype = weights;  // bf16 weights take the kernels that widen them (and their scratch)
     auto m = Model::Random(*config, seed);
     ASSERT_TRUE(m.ok()) << m.status();
-    auto cache = std::move(LatentCache::Create((*m)->CacheConfig(16 << 20, 16))).value();
-    const std::vector<int64_t> first = Pass(**m, *cache, 0, 20);
+    const LatentCacheConfig cc = (*m)->CacheConfig(16 << 20, 16);
+    auto blocks = std::move(LatentCache::Create(cc)).value();
+    auto runner = std::move(ModelRunner::Create(**m, cc)).value();
+    const std::vector<int64_t> first = Pass(*runner, *blocks, 0, 20);
     ASSERT_EQ(first.size(), 21u);
     EXPECT_GT(first[0], 0) << "the first prefill grows the buffers; a count of 0 means nothing was counted";
-    const std::vector<int64_t> again = Pass(**m, *cache, 10, 20);
+    const std::vector<int64_t> again = Pass(*runner, *blocks, 10, 20);
     ASSERT_EQ(again.size(), 21u);
     for (size_t s = 1; s < again.size(); ++s)
       EXPECT_EQ(again[s], 0) << "decode step " << s << " of the second pass, weights " << DTypeName(weights)

@@ -11,6 +11,7 @@
 #include "launcher/env.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
+#include "runtime/model/local_cache.h"
 #include "tests/parallel/mpi_gtest_main.h"
 #include "tests/test_paths.h"
 
@@ -81,15 +82,15 @@ TEST(Parallel, LogitsMatchOneRank) {
     for (int k = 0; k <= group; ++k) p.push_back(Prompt(3 + 5 * k + group, static_cast<uint32_t>(100 * group + k)));
     return p;
   };
-  auto created = LatentCache::Create(model->CacheConfig(16 << 20, 16));
+  auto created = LocalLatentCache::Create(model->CacheConfig(16 << 20, 16));
   ASSERT_TRUE(created.ok()) << created.status();
-  auto cache = std::move(created).value();
+  LocalLatentCache cache = std::move(created).value();
   const auto mine = prompts_of(g.dp_rank());
   std::vector<ForwardSeq> seqs;
   for (size_t k = 0; k < mine.size(); ++k) {
-    ASSERT_TRUE(cache->AddSequence(static_cast<SeqId>(k)).ok());
-    ASSERT_TRUE(cache->Append(static_cast<SeqId>(k), mine[k]).ok());
-    seqs.push_back(ForwardSeq{.id = static_cast<SeqId>(k), .tokens = mine[k], .logits = ForwardSeq::Logits::kAll});
+    auto s = cache.Append(static_cast<SeqId>(k), mine[k], ForwardSeq::Logits::kAll);
+    ASSERT_TRUE(s.ok()) << s.status();
+    seqs.push_back(*s);
   }
   ParallelStep step{.attn_tp = g.attn_tp.get(), .dp_peers = g.dp_peers.get(), .dp_rank = g.dp_rank()};
   for (int grp = 0; grp < D; ++grp) {
@@ -97,7 +98,7 @@ TEST(Parallel, LogitsMatchOneRank) {
     for (const auto& p : prompts_of(grp)) n += static_cast<int64_t>(p.size());
     step.dp_tokens.push_back(n);
   }
-  auto logits = model->Forward(seqs, *cache, &step);
+  auto logits = model->Forward(seqs, *cache.pool, &step);
   ASSERT_TRUE(logits.ok()) << logits.status();
   const auto all = GatherAll(*g.world, g.is_leader() ? *logits : std::vector<float>{}, CommType::kF32);
   if (g.rank != 0) return;
@@ -105,16 +106,16 @@ TEST(Parallel, LogitsMatchOneRank) {
   ASSERT_TRUE(whole);
   for (int grp = 0; grp < D; ++grp) {
     const auto prompts = prompts_of(grp);
-    auto ref_created = LatentCache::Create(whole->CacheConfig(16 << 20, 16));
+    auto ref_created = LocalLatentCache::Create(whole->CacheConfig(16 << 20, 16));
     ASSERT_TRUE(ref_created.ok()) << ref_created.status();
-    auto ref_cache = std::move(ref_created).value();
+    LocalLatentCache ref_cache = std::move(ref_created).value();
     std::vector<ForwardSeq> ref_seqs;
     for (size_t k = 0; k < prompts.size(); ++k) {
-      ASSERT_TRUE(ref_cache->AddSequence(static_cast<SeqId>(k)).ok());
-      ASSERT_TRUE(ref_cache->Append(static_cast<SeqId>(k), prompts[k]).ok());
-      ref_seqs.push_back(ForwardSeq{.id = static_cast<SeqId>(k), .tokens = prompts[k], .logits = ForwardSeq::Logits::kAll});
+      auto s = ref_cache.Append(static_cast<SeqId>(k), prompts[k], ForwardSeq::Logits::kAll);
+      ASSERT_TRUE(s.ok()) << s.status();
+      ref_seqs.push_back(*s);
     }
-    auto ref = whole->Forward(ref_seqs, *ref_cache);
+    auto ref = whole->Forward(ref_seqs, *ref_cache.pool);
     ASSERT_TRUE(ref.ok()) << ref.status();
     const auto& got = all[static_cast<size_t>(g_layout.leader_of(grp))];
     ASSERT_EQ(got.size(), ref->size()) << "group " << grp;
@@ -272,7 +273,7 @@ TEST(Parallel, FailedStepFailsItsRequestsAndTheRanksGoOn) {
   }
   // Every rank's cache: empty again, and the members mirror the leader
   // (retired blocks: the second wave's only).
-  const LatentCacheStats cs = (*runner)->cache().stats();
+  const LatentCacheStats cs = (*runner)->cache_stats().now;
   EXPECT_EQ(cs.blocks_used, 0) << "on rank " << g.rank;
   const auto retired = GatherAll(*g.world, std::vector<int64_t>{cs.blocks_retired}, CommType::kI64);
   int64_t expect_retired = 0;

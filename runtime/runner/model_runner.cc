@@ -1,0 +1,57 @@
+#include "runtime/runner/model_runner.h"
+
+#include <chrono>
+
+namespace mlarun {
+
+StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model& model, const LatentCacheConfig& pool,
+                                                           ProcessGroups* groups, std::string rank_name) {
+  if (groups != nullptr) {
+    if (!(model.shard() == ModelShard::For(groups->layout, groups->rank)))
+      return InvalidArgumentError("model runner: the model was not loaded as this rank's shard of ", groups->layout);
+    if (!groups->world || !groups->attn_tp || !groups->dp_peers)
+      return InvalidArgumentError("model runner: process groups are missing communicators");
+  } else if (!(model.shard() == ModelShard{})) {
+    return InvalidArgumentError("model runner: a model shard needs the rank's process groups");
+  }
+  const LatentCacheConfig want = model.CacheConfig(pool.budget_bytes, pool.block_size);
+  if (pool.num_layers != want.num_layers || pool.kv_lora_rank != want.kv_lora_rank ||
+      pool.rope_dim != want.rope_dim || pool.dtype != want.dtype)
+    return InvalidArgumentError("model runner: the cache pool's layers, widths or dtype do not match the model's");
+  MLARUN_ASSIGN_OR_RETURN(auto p, LatentPool::Create(pool));
+  if (rank_name.empty()) rank_name = "rank " + std::to_string(groups ? groups->rank : 0);
+  return std::unique_ptr<ModelRunner>(new ModelRunner(model, std::move(p), groups, std::move(rank_name)));
+}
+
+ModelRunner::ModelRunner(Model& model, std::unique_ptr<LatentPool> pool, ProcessGroups* groups, std::string rank_name)
+    : model_(model), pool_(std::move(pool)), groups_(groups) {
+  step_.rank_name = std::move(rank_name);
+  if (groups_) {
+    step_.attn_tp = groups_->attn_tp.get();
+    step_.dp_peers = groups_->dp_peers.get();
+    step_.dp_rank = groups_->dp_rank();
+  }
+}
+
+StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& plan, std::span<const int64_t> dp_tokens) {
+  seqs_.clear();
+  for (const StepPlan::Seq& s : plan.seqs)
+    seqs_.push_back(ForwardSeq{.id = s.id, .tokens = s.tokens, .start_pos = s.start_pos, .block_table = s.block_table,
+                               .logits = s.sampler ? ForwardSeq::Logits::kLast : ForwardSeq::Logits::kNone});
+  if (groups_) step_.dp_tokens.assign(dp_tokens.begin(), dp_tokens.end());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto logits = model_.ForwardInto(seqs_, *pool_, groups_ ? &step_ : nullptr);
+  last_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!logits.ok()) return logits.status();
+  // The logit rows are the sampled sequences', in plan order.
+  const int64_t vocab = model_.config().vocab_size;
+  sampled_.clear();
+  for (const StepPlan::Seq& s : plan.seqs) {
+    if (s.sampler == nullptr || s.tokens.empty()) continue;
+    const size_t row = sampled_.size();
+    sampled_.push_back(s.sampler->Sample(logits->subspan(row * static_cast<size_t>(vocab), static_cast<size_t>(vocab))));
+  }
+  return std::span<const SampledToken>(sampled_);
+}
+
+}  // namespace mlarun

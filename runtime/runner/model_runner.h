@@ -1,0 +1,70 @@
+// One rank's executor: everything a step runs on, and nothing that decides
+// what a step is. It owns the latent cache pool and the step's buffers, holds
+// the rank's model shard and process groups, and runs the plans a scheduler
+// made (StepPlan): the forward pass over the plan's sequences, reading and
+// writing the pool through their block tables, then the sampling of the
+// sequences the plan asks to sample.
+//
+// A scheduler (runtime/engine/engine.h) on a DP group's leader makes the
+// plans; every rank of the group runs each one with its own runner. A member
+// has a runner and no scheduler. A GPU runner is the same contract with the
+// pool, the buffers and the ops on the device.
+//
+// Not thread-safe; one step at a time.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kv/latent_pool.h"
+#include "parallel/layout.h"
+#include "runtime/engine/sampler.h"
+#include "runtime/model/model.h"
+#include "runtime/runner/step_plan.h"
+
+namespace mlarun {
+
+class ModelRunner {
+ public:
+  // `model`: this rank's shard (ModelShard::For(groups->layout,
+  // groups->rank)), which outlives the runner. `groups`: the rank's process
+  // groups, which outlive it too; nullptr for one process holding the whole
+  // model. `pool`: the cache pool, configured as the group's scheduler's
+  // block manager (the same on every rank of the group). `rank_name`: how
+  // errors name this rank, e.g. "rank 3 (node1)"; empty: "rank <rank>".
+  static StatusOr<std::unique_ptr<ModelRunner>> Create(Model& model, const LatentCacheConfig& pool,
+                                                       ProcessGroups* groups = nullptr, std::string rank_name = {});
+
+  // Runs `plan` on this rank. With groups, this is the rank's part of a step
+  // of all ranks (Model::ForwardInto's contract: every rank joins every
+  // collective, a computation failure anywhere is every rank's Status, a
+  // collective's failure only its own); `dp_tokens` is each DP group's token
+  // count for the step, by dp_rank, as the ranks' lock-step exchange gave it.
+  // Returns one token per plan sequence with a sampler, in plan order
+  // (valid until the next Execute). After the first steps of a shape it
+  // allocates nothing.
+  StatusOr<std::span<const SampledToken>> Execute(const StepPlan& plan, std::span<const int64_t> dp_tokens = {});
+
+  // OK, or the computation failure of the last Execute (see Execute).
+  const Status& last_step_failure() const { return model_.last_step_failure(); }
+  // Wall time of the last Execute's forward pass.
+  double last_step_seconds() const { return last_seconds_; }
+  Model& model() { return model_; }
+  const LatentPool& pool() const { return *pool_; }
+  const std::string& rank_name() const { return step_.rank_name; }
+
+ private:
+  ModelRunner(Model& model, std::unique_ptr<LatentPool> pool, ProcessGroups* groups, std::string rank_name);
+
+  Model& model_;
+  std::unique_ptr<LatentPool> pool_;
+  ProcessGroups* const groups_;
+  ParallelStep step_;  // reused: the groups' communicators, this step's dp_tokens
+  std::vector<ForwardSeq> seqs_;
+  std::vector<SampledToken> sampled_;
+  double last_seconds_ = 0;
+};
+
+}  // namespace mlarun

@@ -1,0 +1,51 @@
+// One step as a DP group's scheduler decided it: the one thing that crosses
+// from the scheduler (runtime/engine/, the group's leader) to the runners of
+// the group's ranks (runtime/runner/model_runner.h).
+//
+// Per sequence: its new tokens, where they sit, and the whole block table
+// that holds its latent rows, so a runner writes and reads its cache pool by
+// block id and needs no block manager of its own; and, on the leader only,
+// the sampler of a sequence whose next token this step draws.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "runtime/base/status.h"
+
+namespace mlarun {
+
+class Sampler;
+
+struct StepPlan {
+  struct Seq {
+    int64_t id = 0;
+    int64_t start_pos = 0;             // tokens sit at [start_pos, start_pos + tokens.size())
+    std::vector<int32_t> tokens;
+    std::vector<int32_t> block_table;  // the pool blocks of positions [0, start_pos + tokens.size()), in order
+    // The request's sampler (its parameters and its random stream) when this
+    // step samples the sequence's next token; nullptr: no token is drawn.
+    // Scheduler-local: not broadcast (only the leader samples).
+    Sampler* sampler = nullptr;
+  };
+  // The group's cache use as the scheduler's block manager has it once the
+  // step is scheduled, so that members, which have none, report the same.
+  struct CacheUse {
+    int64_t blocks_used = 0, blocks_cached = 0, blocks_retired = 0, prefix_hit_tokens = 0, evictions = 0;
+    friend bool operator==(const CacheUse&, const CacheUse&) = default;
+  };
+
+  std::vector<Seq> seqs;
+  CacheUse cache;
+  bool has_work = false;  // requests remain after this step
+
+  int64_t num_tokens() const;
+  int64_t num_sampled() const;
+  // A flat int64 encoding, for broadcasting within the group (samplers stay
+  // behind), and its inverse; Decode names what is truncated or out of range.
+  std::vector<int64_t> Encode() const;
+  static StatusOr<StepPlan> Decode(std::span<const int64_t> data);
+};
+
+}  // namespace mlarun
