@@ -12,6 +12,7 @@
 #include "launcher/env.h"
 #include "launcher/generate.h"
 #include "launcher/memory/memory.h"
+#include "launcher/sim/sim_worker.h"
 #include "launcher/worker/worker.h"
 #include "parallel/mpi/mpi_world.h"
 

@@ -32,9 +32,10 @@
 #include <thread>
 
 #include "launcher/bench/timing.h"
-#include "launcher/client/client.h"
 #include "launcher/client/grpc_util.h"
 #include "launcher/coordinator/coordinator.h"
+#include "launcher/link/link_server.h"
+#include "launcher/sim/sim_worker.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/block_size.h"
 
@@ -441,62 +442,13 @@ class InProcessTarget {
 
 // ---- Direct path: the benchmark as the group's WorkerLink peer -------------
 
-// A WorkerLink server of the benchmark's own. One simulated group dials it as
-// it would dial a coordinator; once registered, the stream is handed to the
-// benchmark's thread, which sends RouteRequests and reads the answers itself:
-// the same worker link and group logic as behind the coordinator, without
-// the coordinator. The handler thread only parks until Close().
-class DirectLink final : public v1::WorkerLink::Service {
- public:
-  using Stream = grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>;
-
-  grpc::Status Connect(grpc::ServerContext* ctx, Stream* stream) override {
-    v1::WorkerMessage m;
-    if (!stream->Read(&m) || !m.has_register_())
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first WorkerMessage must be register");
-    v1::CoordinatorMessage reg;
-    reg.mutable_registered()->set_coordinator_id("serve-bench-direct");
-    if (!stream->Write(reg)) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "cannot answer the registration");
-    std::unique_lock lock(mu_);
-    if (stream_ != nullptr || closing_) return grpc::Status(grpc::StatusCode::ABORTED, "one group at a time");
-    stream_ = stream;
-    ctx_ = ctx;
-    cv_.notify_all();
-    // The benchmark's thread uses the stream until Close(); returning would end it.
-    while (!closing_) cv_.wait(lock);
-    stream_ = nullptr;
-    ctx_ = nullptr;
-    return grpc::Status::OK;
-  }
-
-  // The registered group's stream, once one registered.
-  StatusOr<Stream*> WaitForGroup(double timeout_s) {
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return stream_ != nullptr; }))
-      return UnavailableError("the simulated group did not register with the direct link within ", timeout_s, " s");
-    return stream_;
-  }
-  // Breaks the stream (a blocked Read returns false): the watchdog's way out.
-  void Abort() {
-    std::lock_guard lock(mu_);
-    if (ctx_ != nullptr) ctx_->TryCancel();
-  }
-  void Close() {
-    std::lock_guard lock(mu_);
-    closing_ = true;
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  Stream* stream_ = nullptr;          // guarded by mu_
-  grpc::ServerContext* ctx_ = nullptr;  // guarded by mu_
-  bool closing_ = false;              // guarded by mu_
-};
-
-// One request straight down the worker link, verified like CallGenerate.
-Outcome CallDirect(DirectLink::Stream& stream, const BenchRequest& rq, const std::string& id, const Expect& ex) {
+// One request straight down the worker link, verified like CallGenerate: one
+// simulated group dials a LinkEndpoint of the benchmark's own as it would dial
+// a coordinator, and the benchmark's thread routes requests to it and reads
+// the answers itself (the same worker link and group logic as behind the
+// coordinator, without the coordinator). `next` is the index of the group's
+// next message on the stream.
+Outcome CallDirect(LinkPeer& peer, size_t& next, const BenchRequest& rq, const std::string& id, const Expect& ex) {
   v1::CoordinatorMessage m;
   v1::RouteRequest* route = m.mutable_route();
   route->set_request_id(id);
@@ -508,9 +460,13 @@ Outcome CallDirect(DirectLink::Stream& stream, const BenchRequest& rq, const std
   int64_t completion_tokens = -1;
   const Clock::time_point t0 = Clock::now();
   Clock::time_point last = t0;
-  if (!stream.Write(m)) error = "the direct link broke";
-  v1::WorkerMessage in;
-  while (error.empty() && !finished && stream.Read(&in)) {
+  if (!peer.Send(std::move(m))) error = "the direct link broke";
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(kCallTimeout_s * 1e3));
+  while (error.empty() && !finished) {
+    const std::optional<v1::WorkerMessage> read = peer.Read(next, timeout);
+    if (!read.has_value()) break;
+    ++next;
+    const v1::WorkerMessage& in = *read;
     const Clock::time_point now = Clock::now();
     if (in.has_tokens()) {
       for (const v1::TokenEvent& e : in.tokens().events()) {
@@ -534,7 +490,7 @@ Outcome CallDirect(DirectLink::Stream& stream, const BenchRequest& rq, const std
     }
     // WorkerStats (every 200 ms) are not part of the exchange.
   }
-  if (error.empty() && !finished) error = "the direct link broke";
+  if (error.empty() && !finished) error = peer.ended() ? "the direct link broke" : "no answer on the direct link in time";
   CheckEnd(rq, std::move(error), finished, finish_reason, completion_tokens, o);
   return o;
 }
@@ -801,51 +757,30 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
   auto channel = MakeChannel(target->address());
   auto stub = v1::Mlarun::NewStub(channel);
 
-  DirectLink direct;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&direct);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) return UnavailableError("cannot listen on 127.0.0.1 for the direct link");
+  LinkEndpoint direct("serve-bench-direct");
+  auto server = GrpcServer::Start("127.0.0.1:0", {&direct});
+  if (!server.ok()) return server.status().WithContext("the direct link");
   SimWorkerOptions sim = SimOptions(1, 0, 1024);
-  sim.coordinator = "127.0.0.1:" + std::to_string(port);
+  sim.coordinator = (*server)->address();
   std::atomic<bool> sim_stop{false};
   std::ostringstream sim_log;
   std::thread sim_thread([&] { RunSimWorker(sim, &sim_stop, sim_log); });
-  // A blocking Read on the direct link has no deadline of its own: a watchdog
-  // breaks the stream if one request takes longer than kCallTimeout_s.
-  std::atomic<int64_t> request_started_ns{0};
-  std::atomic<bool> done{false};
-  std::thread watchdog([&] {
-    while (!done.load()) {
-      const int64_t s = request_started_ns.load();
-      if (s != 0 && Clock::now().time_since_epoch() - std::chrono::nanoseconds(s) > std::chrono::duration<double>(kCallTimeout_s))
-        direct.Abort();
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-  });
   auto cleanup = [&] {
-    done = true;
-    watchdog.join();
     sim_stop = true;
-    direct.Close();
     sim_thread.join();
-    server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+    (*server)->Shutdown(std::chrono::seconds(1));
     target->Stop();
   };
 
-  auto stream = direct.WaitForGroup(kStartTimeout_s);
-  if (!stream.ok()) {
+  const std::shared_ptr<LinkPeer> peer =
+      direct.WaitPeer(0, std::chrono::milliseconds(static_cast<int64_t>(kStartTimeout_s * 1e3)));
+  if (peer == nullptr) {
     cleanup();
-    return stream.status().WithContext("direct link (log: " + sim_log.str() + ")");
+    return UnavailableError("the simulated group did not register with the direct link within ", kStartTimeout_s,
+                            " s (log: ", sim_log.str(), ")");
   }
-  auto direct_call = [&](size_t i) {
-    request_started_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-    Outcome o = CallDirect(**stream, requests[i], "direct-" + std::to_string(i), ex);
-    request_started_ns = 0;
-    return o;
-  };
+  size_t next = 0;
+  auto direct_call = [&](size_t i) { return CallDirect(*peer, next, requests[i], "direct-" + std::to_string(i), ex); };
   std::vector<double> via, straight, inside;
   std::string first_error;
   int64_t failed = 0;

@@ -1,7 +1,7 @@
-// Internal to launcher/client/ (and its test): the gRPC glue shared by
-// `submit`, `stats` and the simulated worker. Includes gRPC, so no header
-// outside launcher/client/ may include it (STYLE.md: gRPC stays out of
-// public headers).
+// Internal to launcher/: the client-side gRPC glue shared by `submit`,
+// `stats`, `memory --measure`, the serving benchmark, the simulated worker and
+// the worker link. Includes gRPC, so no public header may include it
+// (STYLE.md: gRPC stays out of public headers).
 #pragma once
 
 #include <grpcpp/grpcpp.h>

@@ -2,8 +2,10 @@
 // of DP groups, the table of live requests, the FIFO queue of requests waiting
 // for a group, deadlines, routing, and the counters behind GetStats.
 //
-// Internal to launcher/coordinator (it includes the generated protobuf
-// header; coordinator.cc adds the gRPC reactors around it).
+// Internal to launcher/coordinator (it includes gRPC and the generated
+// messages; coordinator.cc adds the Mlarun reactors around it, and the
+// WorkerLink streams' reactor, launcher/link/link_server.h, calls it as their
+// WorkerLinkHandler).
 //
 // Threading. Every public method is thread-safe and never blocks on the
 // network: each takes mu_, updates the tables, queues the messages it decides
@@ -21,8 +23,6 @@
 // eligible (connected and below max_in_flight_per_group), so FIFO order holds.
 #pragma once
 
-#include <grpcpp/support/status_code_enum.h>
-
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -39,6 +39,7 @@
 
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/coordinator/router.h"
+#include "launcher/link/link_server.h"
 #include "mlarun.pb.h"
 #include "runtime/base/thread_annotations.h"
 #include "runtime/request/sampling_params.h"
@@ -47,31 +48,14 @@ namespace mlarun::coord {
 
 using Clock = std::chrono::steady_clock;
 
-// The sending half of one gRPC stream, as the dispatcher sees it.
-template <class Msg>
-class Outlet {
- public:
-  virtual ~Outlet() = default;
-  // Appends `msg` to the stream's send queue. Never blocks and never calls
-  // into the dispatcher (the dispatcher calls it with mu_ held). Ignored once
-  // Close() was called.
-  virtual void Queue(Msg msg) = 0;
-  // Ends the stream with this status once everything queued is written. Later
-  // Queue/Close calls are ignored. Same constraints as Queue.
-  virtual void Close(grpc::StatusCode code, std::string message) = 0;
-  // Starts writing what is queued (one write in flight per stream). Never
-  // blocks; must be called without the dispatcher's mutex.
-  virtual void Flush() = 0;
-};
 using ClientOutlet = Outlet<v1::GenerateResponse>;
-using WorkerOutlet = Outlet<v1::CoordinatorMessage>;
 
-class Dispatcher {
+class Dispatcher final : public WorkerLinkHandler {
  public:
   // Starts the deadline thread.
   Dispatcher(const CoordinatorOptions& options, std::string coordinator_id);
   // Calls Shutdown().
-  ~Dispatcher();
+  ~Dispatcher() override;
   Dispatcher(const Dispatcher&) = delete;
   Dispatcher& operator=(const Dispatcher&) = delete;
 
@@ -101,16 +85,16 @@ class Dispatcher {
   // bad Register (or after Shutdown) the link is closed and false is returned.
   // A link registering a group that is still connected through another link
   // replaces it (the old link is closed with ABORTED and treated as broken).
-  bool Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg);
+  bool Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg) override;
   // A later message of an attached link. False if `link` is not (or no
   // longer) attached; the caller stops reading.
-  bool OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg);
+  bool OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg) override;
   // The link's stream ended or broke: the group is disconnected, its requests
   // without a token are re-routed, the others end with UNAVAILABLE.
   // Idempotent; a no-op for a link that is not attached. (A `leaving`
   // message does the same through OnWorkerMessage, with the group's reason,
   // and closes the link.)
-  void Detach(const WorkerOutlet* link);
+  void Detach(const WorkerOutlet* link) override;
 
   // Ends every live request and every link with UNAVAILABLE, refuses new ones,
   // and joins the deadline thread. Idempotent. Blocks only for that join.

@@ -1,18 +1,20 @@
-// `mlarun sim-worker`: DP groups without a model, speaking WorkerLink.
+// `mlarun sim-worker` (sim_worker.h says what it simulates).
 //
 // Threads: RunSimWorker's own thread only watches `*stop`; each group has one
 // thread that owns all of the group's state (requests, simulated cache) and is
-// the only writer of its stream, plus one reader thread per connection that
-// moves incoming messages into the group's inbox. Keeping every state change
-// on one thread is what lets a CancelRoute take effect between two steps
-// without locks around the cache.
+// the only sender on its link, plus the link's own thread
+// (launcher/link/worker_link_client.h), which connects, reconnects and moves
+// incoming messages into the link's inbox. Keeping every state change on one
+// thread is what lets a CancelRoute take effect between two steps without
+// locks around the cache.
+#include "launcher/sim/sim_worker.h"
+
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <climits>
-#include <condition_variable>
 #include <deque>
 #include <map>
 #include <memory>
@@ -21,10 +23,9 @@
 #include <thread>
 
 #include "kv/latent_cache.h"
-#include "launcher/client/client.h"
 #include "launcher/client/grpc_util.h"
+#include "launcher/link/worker_link_client.h"
 #include "launcher/proto_sampling.h"
-#include "mlarun.grpc.pb.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/hash.h"
 #include "runtime/request/request.h"
@@ -43,7 +44,6 @@ namespace {
 
 namespace v1 = ::mlarun::v1;
 using Clock = std::chrono::steady_clock;
-using Stream = grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>;
 
 // Synthetic per-rank numbers (a simulated group is one rank, attn_tp = 1).
 // Round values, so `mlarun stats` output is recognizably simulated.
@@ -55,8 +55,6 @@ constexpr int64_t kSimCacheBytesPerToken = 1024;
 // Running requests per group at most (vLLM's max_num_seqs default); more wait.
 constexpr size_t kMaxRunning = 256;
 constexpr auto kStatsPeriod = std::chrono::milliseconds(200);
-constexpr auto kMinBackoff = std::chrono::milliseconds(100);
-constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
 
 // Log lines from every group thread, whole lines at a time.
 class Logger {
@@ -98,38 +96,32 @@ class SimGroup {
  public:
   SimGroup(const SimWorkerOptions& o, int index, std::unique_ptr<LatentCache> cache, const std::atomic<bool>* stopping,
            Logger* log)
-      : o_(o), index_(index), host_(HostName()), stopping_(stopping), log_(*log), cache_(std::move(cache)) {}
+      : o_(o),
+        index_(index),
+        host_(HostName()),
+        stopping_(stopping),
+        log_(*log),
+        cache_(std::move(cache)),
+        link_({.coordinator = o.coordinator, .registration = Registration()}) {}
 
-  // The group's thread: connect, serve, and on failure reconnect with
-  // back-off, until `stopping`.
+  // The group's thread: serves what the link brings until `stopping`.
   void Run();
 
-  // From another thread: ends the live call (if any) and wakes the group so
-  // it notices `stopping`. Thread-safe.
-  void Interrupt() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (ctx_ != nullptr) ctx_->TryCancel();
-    cv_.notify_all();
-  }
+  // From another thread: wakes the group so it notices `stopping`. Thread-safe.
+  void Interrupt() { link_.Wake(); }
 
  private:
-  // One connection: register, then serve until the stream breaks or
-  // `stopping`. Returns whether the coordinator acknowledged the
-  // registration (which resets the back-off).
-  bool Session(const std::shared_ptr<grpc::Channel>& channel);
-  // Serves an open, registered stream. Returns when a write fails, the reader
-  // saw the end of the stream, or `stopping`.
-  void Serve(Stream& stream);
-  // Handles one message from the coordinator; false if a write failed.
-  bool Handle(v1::CoordinatorMessage& m, Stream& stream);
+  // One event of the link: a message from the coordinator or the end of a
+  // connection attempt.
+  void Handle(WorkerLinkEvent& e);
   // Moves waiting requests into the running set while there is room.
   void Admit();
-  // One decode step over every running request; false if a write failed.
-  bool Step(Stream& stream);
+  // One decode step over every running request.
+  void Step();
   void Drop(SimRequest& r);
   void DropAll();
   v1::RankStats Rank() const;
-  bool Send(Stream& stream, const v1::WorkerMessage& m) { return stream.Write(m); }
+  v1::Register Registration() const;
 
   // ---- Constant after construction.
   const SimWorkerOptions o_;
@@ -148,16 +140,12 @@ class SimGroup {
   int64_t peak_blocks_used_ = 0;
   int64_t tokens_since_stats_ = 0;
   double tokens_per_s_ = 0;
-  Clock::time_point next_step_;
+  bool connected_ = false;  // the link's stream is registered (its Registered drained)
+  Clock::time_point next_step_, next_stats_, last_stats_;
   std::string last_failure_;  // of the previous attempt, if it never registered
 
-  // ---- Protected by mu_: handed between the group, reader and stop threads.
-  std::mutex mu_;
-  std::condition_variable cv_;
-  grpc::ClientContext* ctx_ = nullptr;  // the live call, for Interrupt()
-  std::deque<v1::CoordinatorMessage> inbox_;
-  bool reader_done_ = false;  // the live call's stream has ended
-  bool registered_ = false;   // the live call got Registered
+  // Last: it connects at once, registering the state above. Thread-safe.
+  WorkerLinkClient link_;
 };
 
 v1::RankStats SimGroup::Rank() const {
@@ -192,114 +180,32 @@ v1::RankStats SimGroup::Rank() const {
   return r;
 }
 
+v1::Register SimGroup::Registration() const {
+  v1::Register reg;
+  reg.set_worker_id(o_.worker_id);
+  reg.set_dp_group(index_);
+  reg.set_dp(o_.groups);
+  reg.set_attn_tp(1);
+  reg.set_vocab_size(o_.vocab_size);
+  reg.set_max_position_embeddings(o_.max_position_embeddings);
+  reg.set_block_size(o_.block_size);
+  reg.set_cache_blocks_total(cache_->stats().blocks_total);
+  *reg.add_ranks() = Rank();
+  return reg;
+}
+
 void SimGroup::Run() {
-  auto backoff = kMinBackoff;
   while (!stopping_->load()) {
-    // A fresh channel per attempt: its connection starts now instead of
-    // whenever an old channel's own back-off allows.
-    const bool registered = Session(client_internal::MakeChannel(o_.coordinator));
-    if (registered) backoff = kMinBackoff;
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, backoff, [this] { return stopping_->load(); });
-    backoff = std::min(backoff * 2, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxBackoff));
-  }
-}
-
-bool SimGroup::Session(const std::shared_ptr<grpc::Channel>& channel) {
-  auto stub = v1::WorkerLink::NewStub(channel);
-  grpc::ClientContext ctx;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_->load()) return false;
-    ctx_ = &ctx;
-    inbox_.clear();
-    reader_done_ = false;
-    registered_ = false;
-  }
-  std::unique_ptr<Stream> stream = stub->Connect(&ctx);
-
-  v1::WorkerMessage reg_msg;
-  v1::Register* reg = reg_msg.mutable_register_();
-  reg->set_worker_id(o_.worker_id);
-  reg->set_dp_group(index_);
-  reg->set_dp(o_.groups);
-  reg->set_attn_tp(1);
-  reg->set_vocab_size(o_.vocab_size);
-  reg->set_max_position_embeddings(o_.max_position_embeddings);
-  reg->set_block_size(o_.block_size);
-  reg->set_cache_blocks_total(cache_->stats().blocks_total);
-  *reg->add_ranks() = Rank();
-
-  std::thread reader;
-  if (stream->Write(reg_msg)) {
-    reader = std::thread([this, s = stream.get()] {
-      v1::CoordinatorMessage m;
-      while (s->Read(&m)) {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (m.has_registered()) {
-          registered_ = true;
-          log_("sim-worker ", o_.worker_id, " group ", index_, ": registered with coordinator ",
-               m.registered().coordinator_id(), " at ", o_.coordinator);
-        } else {
-          inbox_.push_back(std::move(m));
-        }
-        cv_.notify_all();
-      }
-      std::lock_guard<std::mutex> lock(mu_);
-      reader_done_ = true;
-      cv_.notify_all();
-    });
-    Serve(*stream);
-  }
-  // Finish needs every read to have returned; cancel only a call the server
-  // has not ended itself, so a real status (say, a rejected registration)
-  // reaches the log.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!reader_done_ || stopping_->load()) ctx.TryCancel();
-  }
-  if (reader.joinable()) reader.join();
-  const grpc::Status st = stream->Finish();
-  bool registered;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ctx_ = nullptr;
-    inbox_.clear();
-    registered = registered_;
-  }
-  // The coordinator ends (or re-routes) every request of a broken stream, so
-  // nothing in flight here may continue on the next connection.
-  if (!live_.empty())
-    log_("sim-worker ", o_.worker_id, " group ", index_, ": dropping ", live_.size(), " in-flight requests");
-  DropAll();
-  // While the coordinator is down every attempt fails alike; one line per
-  // distinct failure keeps the log readable at a retry every 2 s.
-  std::string why = internal::StrCat(client_internal::GrpcCodeName(st.error_code()), ": ", st.error_message());
-  if (!stopping_->load() && (registered || why != last_failure_))
-    log_("sim-worker ", o_.worker_id, " group ", index_, ": connection to ", o_.coordinator, " ended (", why,
-         "), reconnecting");
-  last_failure_ = registered ? std::string() : std::move(why);
-  return registered;
-}
-
-void SimGroup::Serve(Stream& stream) {
-  auto next_stats = Clock::now() + kStatsPeriod;
-  auto last_stats = Clock::now();
-  next_step_ = Clock::now();
-  while (true) {
-    std::deque<v1::CoordinatorMessage> msgs;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (reader_done_ || stopping_->load()) return;
-      msgs.swap(inbox_);
+    for (WorkerLinkEvent& e : link_.Drain()) Handle(e);
+    if (!connected_) {
+      link_.WaitUntil(Clock::now() + kStatsPeriod);
+      continue;
     }
-    for (auto& m : msgs)
-      if (!Handle(m, stream)) return;
     Admit();
     auto now = Clock::now();
     if (!running_.empty() && now >= next_step_) {
       const int64_t n = static_cast<int64_t>(running_.size());
-      if (!Step(stream)) return;
+      Step();
       if (o_.tokens_per_s > 0) {
         // The group's throughput is tokens_per_s: a step of n tokens takes
         // n / tokens_per_s. Lateness up to 20 ms is caught up; more (after
@@ -312,39 +218,65 @@ void SimGroup::Serve(Stream& stream) {
       }
     }
     now = Clock::now();
-    if (now >= next_stats) {
-      const double dt = std::chrono::duration<double>(now - last_stats).count();
+    if (now >= next_stats_) {
+      const double dt = std::chrono::duration<double>(now - last_stats_).count();
       tokens_per_s_ = dt > 0 ? static_cast<double>(tokens_since_stats_) / dt : 0;
       tokens_since_stats_ = 0;
-      last_stats = now;
-      next_stats = std::max(next_stats + kStatsPeriod, now);
+      last_stats_ = now;
+      next_stats_ = std::max(next_stats_ + kStatsPeriod, now);
       const LatentCacheStats cs = cache_->stats();
       v1::WorkerMessage m;
       v1::WorkerStats* s = m.mutable_stats();
       s->set_free_blocks(std::max<int64_t>(0, cs.blocks_allocatable() - reserved_blocks_));
       *s->add_ranks() = Rank();
-      if (!Send(stream, m)) return;
+      link_.Send(m);
     }
-    auto wake = next_stats;
-    if (!running_.empty()) wake = std::min(wake, next_step_);
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_until(lock, wake, [this] { return !inbox_.empty() || reader_done_ || stopping_->load(); });
+    link_.WaitUntil(running_.empty() ? next_stats_ : std::min(next_stats_, next_step_));
   }
 }
 
-bool SimGroup::Handle(v1::CoordinatorMessage& m, Stream& stream) {
+void SimGroup::Handle(WorkerLinkEvent& e) {
+  if (e.ended) {
+    connected_ = false;
+    // The coordinator ends (or re-routes) every request of a broken stream, so
+    // nothing in flight here may continue on the next connection.
+    if (!live_.empty())
+      log_("sim-worker ", o_.worker_id, " group ", index_, ": dropping ", live_.size(), " in-flight requests");
+    DropAll();
+    google::protobuf::RepeatedPtrField<v1::RankStats> ranks;
+    *ranks.Add() = Rank();
+    link_.UpdateRanks(ranks);  // the next registration shows the group as it is now
+    // While the coordinator is down every attempt fails alike; one line per
+    // distinct failure keeps the log readable at a retry every 2 s.
+    std::string why =
+        internal::StrCat(client_internal::GrpcCodeName(e.status.error_code()), ": ", e.status.error_message());
+    if (!stopping_->load() && (e.registered || why != last_failure_))
+      log_("sim-worker ", o_.worker_id, " group ", index_, ": connection to ", o_.coordinator, " ended (", why,
+           "), reconnecting");
+    last_failure_ = e.registered ? std::string() : std::move(why);
+    return;
+  }
+  v1::CoordinatorMessage& m = e.message;
+  if (m.has_registered()) {
+    log_("sim-worker ", o_.worker_id, " group ", index_, ": registered with coordinator ",
+         m.registered().coordinator_id(), " at ", o_.coordinator);
+    connected_ = true;
+    next_step_ = last_stats_ = Clock::now();
+    next_stats_ = last_stats_ + kStatsPeriod;
+    return;
+  }
   if (m.has_cancel()) {
     auto it = live_.find(m.cancel().request_id());
     if (it != live_.end()) Drop(*it->second);  // unknown ids finished already: nothing to do
-    return true;
+    return;
   }
-  if (!m.has_route()) return true;
+  if (!m.has_route()) return;
   v1::RouteRequest& r = *m.mutable_route();
   if (live_.count(r.request_id())) {
     // The coordinator keeps ids unique; answering would end the live request
     // on its side, so the duplicate is only logged.
     log_("sim-worker ", o_.worker_id, " group ", index_, ": ignoring a second route of live request ", r.request_id());
-    return true;
+    return;
   }
   GenerationRequest gen{.prompt = std::vector<int32_t>(r.prompt_ids().begin(), r.prompt_ids().end()),
                         .sampling = FromProto(r.sampling())};
@@ -359,7 +291,8 @@ bool SimGroup::Handle(v1::CoordinatorMessage& m, Stream& stream) {
     done->set_request_id(r.request_id());
     done->set_error_code(static_cast<int32_t>(st.code()));
     done->set_error_message(st.message());
-    return Send(stream, d);
+    link_.Send(d);
+    return;
   }
   auto req = std::make_unique<SimRequest>();
   req->id = r.request_id();
@@ -367,7 +300,6 @@ bool SimGroup::Handle(v1::CoordinatorMessage& m, Stream& stream) {
   req->sampling = std::move(gen.sampling);
   waiting_.push_back(req.get());
   live_[req->id] = std::move(req);
-  return true;
 }
 
 void SimGroup::Admit() {
@@ -421,7 +353,7 @@ void SimGroup::Admit() {
   }
 }
 
-bool SimGroup::Step(Stream& stream) {
+void SimGroup::Step() {
   v1::WorkerMessage batch_msg;
   v1::TokenBatch* batch = batch_msg.mutable_tokens();
   std::vector<v1::WorkerMessage> dones;
@@ -460,10 +392,8 @@ bool SimGroup::Step(Stream& stream) {
   tokens_since_stats_ += batch->events_size();
   for (SimRequest* r : finished) Drop(*r);
   // Tokens first: a request's RequestDone must follow its last token.
-  if (!Send(stream, batch_msg)) return false;
-  for (const auto& d : dones)
-    if (!Send(stream, d)) return false;
-  return true;
+  link_.Send(batch_msg);
+  for (const auto& d : dones) link_.Send(d);
 }
 
 void SimGroup::Drop(SimRequest& r) {
@@ -534,6 +464,7 @@ int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::
   stopping.store(true);
   for (auto& g : groups) g->Interrupt();
   for (auto& t : threads) t.join();
+  groups.clear();  // their links end their streams
   log("sim-worker ", o.worker_id, ": stopped");
   return 0;
 }

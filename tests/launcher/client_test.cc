@@ -1,7 +1,8 @@
 // launcher/client: the deployment file, `submit` and `stats` against a fake
-// Mlarun service, and the simulated worker against a fake coordinator that
-// speaks WorkerLink. Everything listens on 127.0.0.1 port 0 and every wait
-// has a deadline, so a broken client fails a test instead of hanging it.
+// Mlarun service; launcher/sim: the simulated worker against a fake
+// coordinator (launcher/link's LinkEndpoint). Everything listens on 127.0.0.1
+// port 0 and every wait has a deadline, so a broken client fails a test
+// instead of hanging it.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -9,7 +10,6 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
-#include <condition_variable>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -19,6 +19,8 @@
 #include <thread>
 
 #include "launcher/client/client.h"
+#include "launcher/link/link_server.h"
+#include "launcher/sim/sim_worker.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/cpu_isa.h"
 #include "tests/test_paths.h"
@@ -217,24 +219,21 @@ class FakeMlarun final : public v1::Mlarun::Service {
 class TestServer {
  public:
   TestServer(grpc::Service* service, int port = 0) {
-    grpc::ServerBuilder b;
-    b.AddListeningPort("127.0.0.1:" + std::to_string(port), grpc::InsecureServerCredentials(), &port_);
-    b.RegisterService(service);
-    server_ = b.BuildAndStart();
+    auto server = GrpcServer::Start("127.0.0.1:" + std::to_string(port), {service});
+    if (server.ok()) server_ = std::move(*server);
   }
   ~TestServer() { Shutdown(); }
   void Shutdown() {
     // A short deadline: open streams are cancelled instead of waited for.
-    if (server_) server_->Shutdown(std::chrono::system_clock::now() + 200ms);
+    if (server_) server_->Shutdown(200ms);
     server_.reset();
   }
-  bool ok() const { return server_ != nullptr && port_ > 0; }
-  int port() const { return port_; }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  bool ok() const { return server_ != nullptr; }
+  int port() const { return server_->port(); }
+  std::string address() const { return server_->address(); }
 
  private:
-  int port_ = 0;
-  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<GrpcServer> server_;
 };
 
 std::vector<std::string> Lines(const std::string& s) {
@@ -452,24 +451,11 @@ TEST(Stats, ErrorsAndUsage) {
 // A fake coordinator for the simulated worker
 // ============================================================================
 
-// Every message of one WorkerLink stream, kept for inspection.
+// One group's stream to the fake coordinator, and what the tests ask of it.
 struct Link {
-  v1::Register reg;
-  grpc::ServerContext* ctx = nullptr;
-  grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream = nullptr;
+  std::shared_ptr<LinkPeer> peer;
+  const v1::Register& reg;
 
-  std::mutex write_mu;  // one writer at a time; `alive` guards `stream`
-  bool alive = true;
-
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<v1::WorkerMessage> received;
-  bool ended = false;
-
-  bool Send(const v1::CoordinatorMessage& m) {
-    std::lock_guard<std::mutex> lock(write_mu);
-    return alive && stream->Write(m);
-  }
   bool Route(const std::string& id, std::vector<int32_t> prompt, int64_t max_tokens, uint64_t seed = 0,
              std::vector<int64_t> stop_ids = {}, bool ignore_eos = false) {
     v1::CoordinatorMessage m;
@@ -480,114 +466,76 @@ struct Link {
     r->mutable_sampling()->set_seed(seed);
     for (int64_t s : stop_ids) r->mutable_sampling()->add_stop_token_ids(s);
     r->mutable_sampling()->set_ignore_eos(ignore_eos);
-    return Send(m);
+    return peer->Send(std::move(m));
   }
   bool Cancel(const std::string& id) {
     v1::CoordinatorMessage m;
     m.mutable_cancel()->set_request_id(id);
-    return Send(m);
+    return peer->Send(std::move(m));
   }
 
+  // The first message from index 0 on for which `pick` returns true, waiting
+  // up to `timeout` for it (0: only what arrived so far).
+  template <typename Pick>
+  bool Find(Pick pick, std::chrono::milliseconds timeout = 0ms) {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    for (size_t i = 0;; ++i) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+      const std::optional<v1::WorkerMessage> m = peer->Read(i, std::max(left, 0ms));
+      if (!m.has_value()) return false;
+      if (pick(*m)) return true;
+    }
+  }
   // The RequestDone of `id`, waiting up to `timeout` for it.
   std::optional<v1::RequestDone> WaitDone(const std::string& id, std::chrono::milliseconds timeout = 10s) {
-    std::unique_lock<std::mutex> lock(mu);
     std::optional<v1::RequestDone> done;
-    cv.wait_for(lock, timeout, [&] {
-      for (const auto& m : received)
-        if (m.has_done() && m.done().request_id() == id) done = m.done();
-      return done.has_value() || ended;
-    });
+    Find([&](const v1::WorkerMessage& m) {
+      if (m.has_done() && m.done().request_id() == id) done = m.done();
+      return done.has_value();
+    }, timeout);
     return done;
   }
   // Every token event of `id` so far, in order.
   std::vector<v1::TokenEvent> Tokens(const std::string& id) {
-    std::lock_guard<std::mutex> lock(mu);
     std::vector<v1::TokenEvent> out;
-    for (const auto& m : received)
-      if (m.has_tokens())
-        for (const auto& e : m.tokens().events())
-          if (e.request_id() == id) out.push_back(e);
+    Find([&](const v1::WorkerMessage& m) {
+      for (const auto& e : m.tokens().events())
+        if (e.request_id() == id) out.push_back(e);
+      return false;
+    });
     return out;
   }
   // Messages of any kind that mention `id`.
   int Mentions(const std::string& id) {
-    std::lock_guard<std::mutex> lock(mu);
     int n = 0;
-    for (const auto& m : received) {
+    Find([&](const v1::WorkerMessage& m) {
       if (m.has_done() && m.done().request_id() == id) ++n;
-      if (m.has_tokens())
-        for (const auto& e : m.tokens().events()) n += e.request_id() == id;
-    }
+      for (const auto& e : m.tokens().events()) n += e.request_id() == id;
+      return false;
+    });
     return n;
   }
+  // The newest WorkerStats so far, or the first to come within `timeout`.
   std::optional<v1::WorkerStats> WaitStats(std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu);
     std::optional<v1::WorkerStats> s;
-    cv.wait_for(lock, timeout, [&] {
-      for (const auto& m : received)
-        if (m.has_stats()) s = m.stats();
-      return s.has_value() || ended;
-    });
+    auto take = [&](const v1::WorkerMessage& m) {
+      if (m.has_stats()) s = m.stats();
+      return false;
+    };
+    Find(take);
+    if (!s.has_value()) Find([&](const v1::WorkerMessage& m) { return take(m) || s.has_value(); }, timeout);
     return s;
   }
 };
 
-class FakeLink final : public v1::WorkerLink::Service {
+class FakeLink final : public LinkEndpoint {
  public:
-  grpc::Status Connect(grpc::ServerContext* ctx,
-                       grpc::ServerReaderWriter<v1::CoordinatorMessage, v1::WorkerMessage>* stream) override {
-    v1::WorkerMessage first;
-    if (!stream->Read(&first) || !first.has_register_())
-      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the first message must be register");
-    auto link = std::make_shared<Link>();
-    link->reg = first.register_();
-    link->ctx = ctx;
-    link->stream = stream;
-    v1::CoordinatorMessage ack;
-    ack.mutable_registered()->set_coordinator_id("fake");
-    link->Send(ack);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      links_.push_back(link);
-      cv_.notify_all();
-    }
-    v1::WorkerMessage m;
-    while (stream->Read(&m)) {
-      std::lock_guard<std::mutex> lock(link->mu);
-      link->received.push_back(m);
-      link->cv.notify_all();
-    }
-    {
-      std::lock_guard<std::mutex> lock(link->write_mu);
-      link->alive = false;
-    }
-    std::lock_guard<std::mutex> lock(link->mu);
-    link->ended = true;
-    link->cv.notify_all();
-    return grpc::Status::OK;
-  }
-
+  FakeLink() : LinkEndpoint("fake") {}
   // The newest live link of `dp_group`, waiting up to `timeout` for one.
   std::shared_ptr<Link> WaitLink(int dp_group, std::chrono::milliseconds timeout = 10s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    std::shared_ptr<Link> found;
-    cv_.wait_for(lock, timeout, [&] {
-      for (auto it = links_.rbegin(); it != links_.rend(); ++it) {
-        std::lock_guard<std::mutex> l((*it)->write_mu);
-        if ((*it)->reg.dp_group() == dp_group && (*it)->alive) {
-          found = *it;
-          return true;
-        }
-      }
-      return false;
-    });
-    return found;
+    std::shared_ptr<LinkPeer> peer = WaitPeer(dp_group, timeout);
+    return peer == nullptr ? nullptr : std::make_shared<Link>(Link{.peer = peer, .reg = peer->registration()});
   }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::shared_ptr<Link>> links_;
 };
 
 // RunSimWorker on its own thread, stopped and joined on destruction.

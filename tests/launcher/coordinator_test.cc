@@ -1,7 +1,8 @@
 // The coordinator over real gRPC on 127.0.0.1 (port 0), with fake DP groups:
-// in-process WorkerLink clients that answer routed requests with tokens
-// derived from the prompt and seed. Every client call carries a deadline, so
-// a bug shows up as a failure, never as a hang.
+// in-process WorkerLink clients (the workers' own, launcher/link/) that
+// answer routed requests with tokens derived from the prompt and seed. Every
+// client call carries a deadline, so a bug shows up as a failure, never as a
+// hang.
 #include "launcher/coordinator/coordinator.h"
 
 #include <grpcpp/grpcpp.h>
@@ -19,6 +20,7 @@
 
 #include "kv/latent_cache.h"
 #include "launcher/coordinator/router.h"
+#include "launcher/link/worker_link_client.h"
 #include "mlarun.grpc.pb.h"
 
 namespace mlarun {
@@ -58,14 +60,12 @@ struct FakeWorkerOptions {
   std::string reject_message;
 };
 
-// One WorkerLink stream: a reader thread (routes, cancels) and a stepper
-// thread that emits one token per running request per step, in one TokenBatch.
+// One WorkerLink stream through the workers' own link client (never
+// reconnecting by itself) and a stepper thread that drains it: routes,
+// cancels, and one token per running request per step, in one TokenBatch.
 class FakeWorker {
  public:
-  FakeWorker(const std::string& address, FakeWorkerOptions o)
-      : options_(std::move(o)),
-        stub_(v1::WorkerLink::NewStub(
-            grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+  FakeWorker(std::string address, FakeWorkerOptions o) : address_(std::move(address)), options_(std::move(o)) {}
   ~FakeWorker() { Stop(); }
 
   FakeWorkerOptions& options() { return options_; }  // change only while disconnected
@@ -74,83 +74,62 @@ class FakeWorker {
   bool Connect() {
     {
       std::lock_guard lock(mu_);
-      stop_ = reader_done_ = registered_ = false;
+      stop_ = ended_ = registered_ = false;
       hold_ = options_.hold;
       jobs_.clear();
     }
-    ctx_ = std::make_unique<grpc::ClientContext>();
-    ctx_->set_deadline(SysClock::now() + 60s);
-    stream_ = stub_->Connect(ctx_.get());
-    v1::WorkerMessage reg;
-    v1::Register* r = reg.mutable_register_();
-    r->set_worker_id(options_.worker_id);
-    r->set_dp_group(options_.dp_group);
-    r->set_dp(1);
-    r->set_attn_tp(options_.ranks);
-    r->set_vocab_size(options_.vocab_size);
-    r->set_max_position_embeddings(options_.max_position_embeddings);
-    r->set_block_size(options_.block_size);
-    r->set_cache_blocks_total(options_.cache_blocks);
+    v1::Register r;
+    r.set_worker_id(options_.worker_id);
+    r.set_dp_group(options_.dp_group);
+    r.set_dp(1);
+    r.set_attn_tp(options_.ranks);
+    r.set_vocab_size(options_.vocab_size);
+    r.set_max_position_embeddings(options_.max_position_embeddings);
+    r.set_block_size(options_.block_size);
+    r.set_cache_blocks_total(options_.cache_blocks);
     for (int i = 0; i < options_.ranks; ++i) {
-      v1::RankStats* s = r->add_ranks();
+      v1::RankStats* s = r.add_ranks();
       s->set_rank(options_.dp_group * options_.ranks + i);
       s->set_dp_group(options_.dp_group);
       s->set_attn_tp_rank(i);
       s->set_cache_blocks_total(options_.cache_blocks);
     }
-    if (!Write(reg)) return false;
-    reader_ = std::thread([this] { ReadLoop(); });
+    link_ = std::make_unique<WorkerLinkClient>(
+        WorkerLinkClient::Options{.coordinator = address_, .registration = std::move(r), .reconnect = false});
     stepper_ = std::thread([this] { StepLoop(); });
-    connected_ = true;
     std::unique_lock lock(mu_);
-    return cv_.wait_for(lock, 5s, [this] { return registered_ || reader_done_; }) && registered_;
+    return cv_.wait_for(lock, 5s, [this] { return registered_ || ended_; }) && registered_;
   }
 
-  // Breaks the stream as a crashing worker would.
-  void Break() {
-    if (!connected_) return;
-    ctx_->TryCancel();
-    Join();
-    stream_->Finish();
-  }
+  // Breaks the stream as a crashing worker would (the link cancels the call).
+  void Break() { Disconnect(); }
 
   // Says the group cannot continue (`leaving`, as a worker whose rank failed
   // for good) and waits for the coordinator to end the stream; returns the
   // stream's final status.
   grpc::Status Leave(const std::string& reason) {
-    if (!connected_) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not connected");
-    v1::WorkerMessage m;
-    m.mutable_leaving()->set_reason(reason);
-    Write(m);
+    if (link_ == nullptr) return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "not connected");
+    link_->Leave(reason, 5.0);
+    grpc::Status status(grpc::StatusCode::DEADLINE_EXCEEDED, "the stream did not end");
     {
       std::unique_lock lock(mu_);
-      cv_.wait_for(lock, 5s, [this] { return reader_done_; });
+      if (cv_.wait_for(lock, 5s, [this] { return ended_; })) status = end_status_;
     }
-    Join();
-    return stream_->Finish();
+    Disconnect();
+    return status;
   }
 
   // Closes the stream cleanly (the coordinator sees the end of the reads).
   void Stop() {
-    if (!connected_) return;
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (stepper_.joinable()) stepper_.join();
-    {
-      std::lock_guard lock(write_mu_);
-      stream_->WritesDone();
-    }
-    Join();
-    stream_->Finish();
+    if (link_ == nullptr) return;
+    link_->Leave("", 5.0);
+    Disconnect();
   }
 
   void SendStats(int64_t free_blocks) {
     v1::WorkerMessage m;
     m.mutable_stats()->set_free_blocks(free_blocks);
-    Write(m);
+    link_->Send(m);
   }
   // While set, newly routed requests stay silent; clearing it releases them.
   void SetHold(bool hold) {
@@ -158,7 +137,7 @@ class FakeWorker {
       std::lock_guard lock(mu_);
       hold_ = hold;
     }
-    cv_.notify_all();
+    if (link_ != nullptr) link_->Wake();
   }
 
   bool WaitRoutes(size_t n, Ms timeout = 5s) {
@@ -192,20 +171,16 @@ class FakeWorker {
     bool held = false;
   };
 
-  bool Write(const v1::WorkerMessage& m) {
-    std::lock_guard lock(write_mu_);
-    return stream_->Write(m);
-  }
-
-  void Join() {
+  // Stops the stepper, then drops the link (cancelling a call still open).
+  void Disconnect() {
+    if (link_ == nullptr) return;
     {
       std::lock_guard lock(mu_);
       stop_ = true;
     }
-    cv_.notify_all();
-    if (reader_.joinable()) reader_.join();
+    link_->Wake();
     if (stepper_.joinable()) stepper_.join();
-    connected_ = false;
+    link_.reset();
   }
 
   // REQUIRES mu_. A held job runs once SetHold(false) was called.
@@ -213,50 +188,48 @@ class FakeWorker {
     return (!j.held || !hold_) && (options_.stall_after < 0 || j.sent < options_.stall_after);
   }
 
-  void ReadLoop() {
-    v1::CoordinatorMessage m;
-    while (stream_->Read(&m)) {
-      std::unique_lock lock(mu_);
-      if (m.has_registered()) {
-        registered_ = true;
-        coordinator_id_ = m.registered().coordinator_id();
-      } else if (m.has_route()) {
-        routes_.push_back(m.route().request_id());
-        if (options_.reject_code != 0) {
-          lock.unlock();
-          v1::WorkerMessage done;
-          done.mutable_done()->set_request_id(m.route().request_id());
-          done.mutable_done()->set_error_code(options_.reject_code);
-          done.mutable_done()->set_error_message(options_.reject_message);
-          Write(done);
-          lock.lock();
-        } else {
-          jobs_.push_back(Job{.id = m.route().request_id(),
-                              .prompt = ToVector(m.route().prompt_ids()),
-                              .seed = m.route().sampling().seed(),
-                              .max_tokens = m.route().sampling().max_tokens(),
-                              .held = hold_});
-        }
-      } else if (m.has_cancel()) {
-        cancels_.insert(m.cancel().request_id());
-        std::erase_if(jobs_, [&](const Job& j) { return j.id == m.cancel().request_id(); });
+  // REQUIRES mu_.
+  void Handle(const WorkerLinkEvent& e) {
+    const v1::CoordinatorMessage& m = e.message;
+    if (e.ended) {
+      ended_ = true;
+      end_status_ = e.status;
+    } else if (m.has_registered()) {
+      registered_ = true;
+      coordinator_id_ = m.registered().coordinator_id();
+    } else if (m.has_route()) {
+      routes_.push_back(m.route().request_id());
+      if (options_.reject_code != 0) {
+        v1::WorkerMessage done;
+        done.mutable_done()->set_request_id(m.route().request_id());
+        done.mutable_done()->set_error_code(options_.reject_code);
+        done.mutable_done()->set_error_message(options_.reject_message);
+        link_->Send(done);
+      } else {
+        jobs_.push_back(Job{.id = m.route().request_id(),
+                            .prompt = ToVector(m.route().prompt_ids()),
+                            .seed = m.route().sampling().seed(),
+                            .max_tokens = m.route().sampling().max_tokens(),
+                            .held = hold_});
       }
-      cv_.notify_all();
+    } else if (m.has_cancel()) {
+      cancels_.insert(m.cancel().request_id());
+      std::erase_if(jobs_, [&](const Job& j) { return j.id == m.cancel().request_id(); });
     }
-    std::lock_guard lock(mu_);
-    reader_done_ = true;
-    cv_.notify_all();
   }
 
   void StepLoop() {
-    std::unique_lock lock(mu_);
     while (true) {
-      cv_.wait(lock, [this] {
-        return stop_ || reader_done_ ||
-               std::any_of(jobs_.begin(), jobs_.end(),
-                           [this](const Job& j) { return Runnable(j); });
-      });
-      if (stop_ || reader_done_) return;
+      std::deque<WorkerLinkEvent> events = link_->Drain();
+      std::unique_lock lock(mu_);
+      for (const WorkerLinkEvent& e : events) Handle(e);
+      cv_.notify_all();
+      if (stop_ || ended_) return;
+      if (std::none_of(jobs_.begin(), jobs_.end(), [this](const Job& j) { return Runnable(j); })) {
+        lock.unlock();
+        link_->WaitUntil(WorkerLinkClient::Clock::now() + 1s);
+        continue;
+      }
       v1::WorkerMessage batch;
       std::vector<v1::WorkerMessage> dones;
       for (auto it = jobs_.begin(); it != jobs_.end();) {
@@ -279,24 +252,21 @@ class FakeWorker {
         }
       }
       lock.unlock();
-      Write(batch);
-      for (const auto& d : dones) Write(d);
+      link_->Send(batch);
+      for (const auto& d : dones) link_->Send(d);
       if (options_.token_delay.count() > 0) std::this_thread::sleep_for(options_.token_delay);
-      lock.lock();
     }
   }
 
+  const std::string address_;
   FakeWorkerOptions options_;
-  std::unique_ptr<v1::WorkerLink::Stub> stub_;
-  std::unique_ptr<grpc::ClientContext> ctx_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::WorkerMessage, v1::CoordinatorMessage>> stream_;
-  std::thread reader_, stepper_;
-  bool connected_ = false;  // touched by the test thread only
-  std::mutex write_mu_;     // one writer at a time on the stream
+  std::unique_ptr<WorkerLinkClient> link_;  // set and reset by the test thread, while no stepper runs
+  std::thread stepper_;
 
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false, reader_done_ = false, registered_ = false, hold_ = false;
+  bool stop_ = false, ended_ = false, registered_ = false, hold_ = false;
+  grpc::Status end_status_;  // once ended_
   std::string coordinator_id_;
   std::vector<Job> jobs_;
   std::vector<std::string> routes_;
