@@ -21,7 +21,7 @@
 #include <sstream>
 
 #include "launcher/client/grpc_util.h"
-#include "launcher/proto_sampling.h"
+#include "launcher/proto/proto_sampling.h"
 #include "mlarun.grpc.pb.h"
 
 namespace mlarun {

@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "kv/prefix_hash.h"
-#include "launcher/proto_sampling.h"
+#include "launcher/proto/proto_sampling.h"
 #include "runtime/request/request.h"
 #include "runtime/base/status.h"
 

@@ -25,7 +25,7 @@
 #include "kv/latent_cache.h"
 #include "launcher/client/grpc_util.h"
 #include "launcher/link/worker_link_client.h"
-#include "launcher/proto_sampling.h"
+#include "launcher/proto/proto_sampling.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/hash.h"
 #include "runtime/request/request.h"

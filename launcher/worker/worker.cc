@@ -12,7 +12,7 @@
 #include <sstream>
 
 #include "launcher/link/worker_link_client.h"
-#include "launcher/proto_sampling.h"
+#include "launcher/proto/proto_sampling.h"
 #include "launcher/rank/bootstrap.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/base/cpu_isa.h"

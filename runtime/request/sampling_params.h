@@ -16,7 +16,7 @@ struct SamplingParams {
   int64_t top_k = 0;         // <= 0: off
   double top_p = 1.0;        // (0, 1]
   uint64_t seed = 0;         // per request; same seed and logits, same tokens
-  int64_t max_tokens = 16;   // > 0; also the wire's default (launcher/proto_sampling.h)
+  int64_t max_tokens = 16;   // > 0; also the wire's default (launcher/proto/proto_sampling.h)
   std::vector<int64_t> stop_token_ids;
   bool ignore_eos = false;
 

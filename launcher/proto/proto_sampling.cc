@@ -1,4 +1,4 @@
-#include "launcher/proto_sampling.h"
+#include "launcher/proto/proto_sampling.h"
 
 #include "mlarun.pb.h"
 
