@@ -11,14 +11,6 @@ std::ostream& operator<<(std::ostream& os, const MlaShape& s) {
             << " V=" << s.d_v << "}";
 }
 
-std::string_view BackendName(Backend b) {
-  switch (b) {
-    case Backend::kCpu: return "cpu";
-    case Backend::kCuda: return "cuda";
-  }
-  return "invalid";
-}
-
 std::ostream& operator<<(std::ostream& os, const MlaConfig& c) {
   return os << "mla_config{backend=" << BackendName(c.backend) << " path=" << static_cast<int>(c.path)
             << " absorb_below_query_len=" << c.absorb_below_query_len

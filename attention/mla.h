@@ -25,14 +25,12 @@
 #include <ostream>
 
 #include "attention/mla_params.h"
+#include "runtime/base/backend.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/status.h"
 #include "runtime/base/workspace.h"
 
 namespace mlarun {
-
-enum class Backend : uint8_t { kCpu = 0, kCuda = 1 };
-std::string_view BackendName(Backend b);
 
 enum class MlaPath : uint8_t {
   kAuto = 0,      // per sequence, by absorb_below_query_len
