@@ -94,53 +94,17 @@ StatusOr<Rope> Rope::Create(const RopeConfig& c) {
   return Rope(c, std::move(inv), attention_factor);
 }
 
-void Rope::CosSin(int64_t position, float* cos, float* sin) const {
+void RopeCosSin(const float* inv_freq, int64_t half, float attention_factor, int64_t position, float* cos, float* sin) {
   const float p = static_cast<float>(position);
-  for (size_t j = 0; j < inv_freq_.size(); ++j) {
-    const float angle = p * inv_freq_[j];  // fp32 product, as HF
-    cos[j] = static_cast<float>(std::cos(static_cast<double>(angle))) * attention_factor_;
-    sin[j] = static_cast<float>(std::sin(static_cast<double>(angle))) * attention_factor_;
+  for (int64_t j = 0; j < half; ++j) {
+    const float angle = p * inv_freq[j];  // fp32 product, as HF
+    cos[j] = static_cast<float>(std::cos(static_cast<double>(angle))) * attention_factor;
+    sin[j] = static_cast<float>(std::sin(static_cast<double>(angle))) * attention_factor;
   }
 }
 
-void Rope::Apply(float* x, int64_t n_tokens, int64_t n_heads, int64_t stride_token, int64_t stride_head,
-                 const int32_t* positions) const {
-  const int64_t half = config_.dim / 2;
-  // Per-thread scratch, grown once: a step applies RoPE per layer.
-  thread_local std::vector<float> cos, sin, tmp;
-  cos.resize(static_cast<size_t>(half));
-  sin.resize(static_cast<size_t>(half));
-  tmp.resize(static_cast<size_t>(config_.dim));
-  for (int64_t t = 0; t < n_tokens; ++t) {
-    CosSin(positions[t], cos.data(), sin.data());
-    for (int64_t h = 0; h < n_heads; ++h) {
-      float* v = x + t * stride_token + h * stride_head;
-      std::copy(v, v + config_.dim, tmp.begin());
-      for (int64_t j = 0; j < half; ++j) {
-        const float c = cos[static_cast<size_t>(j)], s = sin[static_cast<size_t>(j)];
-        switch (config_.layout) {
-          case RopeLayout::kInterleavedToHalf: {
-            const float a = tmp[static_cast<size_t>(2 * j)], b = tmp[static_cast<size_t>(2 * j + 1)];
-            v[j] = a * c - b * s;
-            v[j + half] = b * c + a * s;
-            break;
-          }
-          case RopeLayout::kInterleaved: {
-            const float a = tmp[static_cast<size_t>(2 * j)], b = tmp[static_cast<size_t>(2 * j + 1)];
-            v[2 * j] = a * c - b * s;
-            v[2 * j + 1] = a * s + b * c;
-            break;
-          }
-          case RopeLayout::kHalf: {
-            const float a = tmp[static_cast<size_t>(j)], b = tmp[static_cast<size_t>(j + half)];
-            v[j] = a * c - b * s;
-            v[j + half] = b * c + a * s;
-            break;
-          }
-        }
-      }
-    }
-  }
+void Rope::CosSin(int64_t position, float* cos, float* sin) const {
+  RopeCosSin(inv_freq_.data(), static_cast<int64_t>(inv_freq_.size()), attention_factor_, position, cos, sin);
 }
 
 }  // namespace mlarun

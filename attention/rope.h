@@ -61,6 +61,11 @@ double YarnMscale(double factor, double m);
 // with mscale_all_dim set. Never 1/sqrt(d_latent + d_rope).
 double MlaSoftmaxScale(int64_t d_nope, int64_t d_rope, const RopeScaling& scaling);
 
+// cos/sin of `half` pairs at `position` from the inverse frequencies, times
+// attention_factor: the angle in fp32 (position x inv_freq, as HF), its cos and
+// sin in double. What Rope::CosSin and the CPU RoPE op compute.
+void RopeCosSin(const float* inv_freq, int64_t half, float attention_factor, int64_t position, float* cos, float* sin);
+
 class Rope {
  public:
   // Errors name the bad field (odd dim, non-positive theta or factor, ...).
@@ -75,12 +80,8 @@ class Rope {
   // cos/sin for one position: [dim/2] each, already times attention_factor.
   void CosSin(int64_t position, float* cos, float* sin) const;
 
-  // Rotates in place the rope slices of n_tokens x n_heads vectors.
-  // Slice of (token t, head h) starts at x + t * stride_token + h * stride_head
-  // (elements) and has config().dim contiguous floats; positions[t] is the
-  // position of token t. Thread-safe (const).
-  void Apply(float* x, int64_t n_tokens, int64_t n_heads, int64_t stride_token, int64_t stride_head,
-             const int32_t* positions) const;
+  // Applying it to vectors is the RoPE op (runtime/ops/rope.h), which reads
+  // these tables.
 
  private:
   Rope(const RopeConfig& c, std::vector<float> inv_freq, float attention_factor)

@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 
+#include "kv/latent_write.h"
 #include "runtime/base/large_buffer.h"
 
 namespace mlarun {
@@ -65,14 +66,16 @@ Status LatentPool::WriteRows(int64_t layer, std::span<const int32_t> table, int6
     if (table[static_cast<size_t>(b)] < 0 || table[static_cast<size_t>(b)] >= num_blocks_)
       return OutOfRangeError("latent cache: block id ", table[static_cast<size_t>(b)], " outside [0, ", num_blocks_, ")");
   const PagedRowsView v = Layer(layer);
-  const int64_t L = config_.kv_lora_rank, R = config_.rope_dim;
-  const size_t esize = DTypeSize(config_.dtype);
-  for (int64_t t = 0; t < n; ++t) {
+  LatentWriteParams w{.cache = LayerData(layer), .dtype = v.dtype, .block_size = bs, .num_blocks = num_blocks_,
+                      .stride_block = v.stride_block, .stride_token = v.stride_token, .d_latent = config_.kv_lora_rank,
+                      .d_rope = config_.rope_dim, .n = 1, .kv_c_stride = kv_c_stride, .k_pe_stride = k_pe_stride};
+  for (int64_t t = 0; t < n; ++t) {  // one row at a time: no slot list to allocate
     const int64_t p = pos + t;
-    const int64_t b = table[static_cast<size_t>(p / bs)];
-    std::byte* row = static_cast<std::byte*>(LayerData(layer)) + (b * v.stride_block + (p % bs) * v.stride_token) * esize;
-    StoreFromF32(kv_c + t * kv_c_stride, row, config_.dtype, L);
-    StoreFromF32(k_pe + t * k_pe_stride, row + L * esize, config_.dtype, R);
+    const int64_t slot = table[static_cast<size_t>(p / bs)] * bs + p % bs;
+    w.slots = &slot;
+    w.kv_c = kv_c + t * kv_c_stride;
+    w.k_pe = k_pe + t * k_pe_stride;
+    MLARUN_RETURN_IF_ERROR(LatentWriteRun(w));
   }
   return Status::Ok();
 }

@@ -83,7 +83,9 @@ class LatentPool {
   // k_pe[t * k_pe_stride .. + R)]. The table must cover the positions with
   // block ids of this pool (OUT_OF_RANGE otherwise, nothing written). The
   // caller (the scheduler, through the plan) guarantees that no other
-  // sequence reads those blocks' rows as its own.
+  // sequence reads those blocks' rows as its own. The cache write op
+  // (kv/latent_write.h) on this pool's memory, for callers with a block
+  // table rather than a step's slot mapping; the model's step calls the op.
   Status WriteRows(int64_t layer, std::span<const int32_t> block_table, int64_t pos, int64_t n, const float* kv_c,
                    int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride);
 

@@ -1,10 +1,10 @@
 // Built when the CUDA backend is not.
-#include "kv/latent_write.h"
+#include "kv/latent_write_backend.h"
 
-namespace mlarun {
+namespace mlarun::cuda {
 
 Status LaunchWriteLatentRows(const LatentWriteParams&) {
   return UnimplementedError("latent write: this build has no CUDA backend");
 }
 
-}  // namespace mlarun
+}  // namespace mlarun::cuda

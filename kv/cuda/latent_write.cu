@@ -1,10 +1,11 @@
 // WriteLatentRowsKernel: scatters n new rows [kv_c | k_pe] (fp32) into a paged
 // latent cache through a slot mapping, converting to the cache dtype.
 // One block per token, threads striding over the L + R columns; rows are
-// independent, so there is no synchronisation. Use: the per-layer cache write.
+// independent, so there is no synchronisation. Use: the per-layer cache write
+// (kv/latent_write.h) on the CUDA backend.
 #include <cuda_bf16.h>
 
-#include "kv/latent_write.h"
+#include "kv/latent_write_backend.h"
 #include "runtime/base/cuda/cuda_check.h"
 
 namespace mlarun {
@@ -31,16 +32,12 @@ __global__ void WriteLatentRowsKernel(LatentWriteParams p) {
 
 }  // namespace
 
+namespace cuda {
+
 Status LaunchWriteLatentRows(const LatentWriteParams& p) {
-  if (p.dtype != DType::kBF16 && p.dtype != DType::kF32)
-    return InvalidArgumentError("latent write: dtype must be bf16 or f32, got ", DTypeName(p.dtype));
-  if (p.n < 0 || p.block_size <= 0 || p.d_latent <= 0 || p.d_rope < 0 ||
-      p.stride_token < p.d_latent + p.d_rope || p.stride_block < p.block_size * p.stride_token)
-    return InvalidArgumentError("latent write: inconsistent sizes or strides");
+  MLARUN_RETURN_IF_ERROR(LatentWriteCheck(p));
   if (p.n == 0) return Status::Ok();
-  if (p.cache == nullptr || p.slots == nullptr || p.kv_c == nullptr || (p.d_rope > 0 && p.k_pe == nullptr))
-    return InvalidArgumentError("latent write: null pointer");
-  if (p.n > 0x7fffffff) return InvalidArgumentError("latent write: too many rows in one launch");
+  if (p.n > 0x7fffffff) return InvalidArgumentError("latent write: n (", p.n, ") is too many rows for one launch");
   const dim3 grid(static_cast<unsigned>(p.n)), block(128);
   auto stream = static_cast<cudaStream_t>(p.stream);
   if (p.dtype == DType::kBF16) {
@@ -52,4 +49,5 @@ Status LaunchWriteLatentRows(const LatentWriteParams& p) {
   return Status::Ok();
 }
 
+}  // namespace cuda
 }  // namespace mlarun

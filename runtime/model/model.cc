@@ -1,16 +1,17 @@
 #include "runtime/model/model.h"
 
-#include "runtime/base/first_error.h"
-
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cmath>
-#include <cstring>
-#include <numeric>
-#include <mutex>
+#include <cstdlib>
 #include <optional>
+
+#include "kv/latent_write.h"
+#include "runtime/ops/elementwise.h"
+#include "runtime/ops/embedding.h"
+#include "runtime/ops/moe_experts.h"
+#include "runtime/ops/moe_gate.h"
+#include "runtime/ops/norm.h"
+#include "runtime/ops/rope.h"
 
 namespace mlarun {
 namespace {
@@ -19,114 +20,23 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-// Indices of the k largest values (ties: the lower index first), in
-// descending order of value.
-void TopK(const float* v, int64_t n, int64_t k, std::vector<int32_t>& idx) {
-  idx.resize(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [v](int32_t a, int32_t b) {
-    return v[a] > v[b] || (v[a] == v[b] && a < b);
-  });
-  idx.resize(static_cast<size_t>(k));
-}
-
-// Route's buffers, reused token after token.
-struct RouteScratch {
-  std::vector<float> scores, choice, group_scores;
-  std::vector<int32_t> idx;
-  std::vector<char> keep;
-};
-
-// The routed experts of one token and their weights, as transformers'
-// DeepseekV2TopkRouter / DeepseekV3TopkRouter compute them.
-void Route(const ModelConfig& c, const float* logits, const std::vector<float>& bias, int32_t* experts,
-           float* weights, RouteScratch& rs) {
-  const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok, G = c.n_group, per_group = E / G;
-  std::vector<float>& scores = rs.scores;
-  std::vector<float>& choice = rs.choice;
-  std::vector<float>& group_scores = rs.group_scores;
-  std::vector<int32_t>& idx = rs.idx;
-  scores.assign(static_cast<size_t>(E), 0.f);
-  group_scores.assign(static_cast<size_t>(G), 0.f);
-  if (c.scoring_func == ScoringFunc::kSigmoid) {
-    for (int64_t e = 0; e < E; ++e) scores[static_cast<size_t>(e)] = 1.f / (1.f + std::exp(-logits[e]));
-  } else {
-    const float mx = *std::max_element(logits, logits + E);
-    float sum = 0.f;
-    for (int64_t e = 0; e < E; ++e) sum += scores[static_cast<size_t>(e)] = std::exp(logits[e] - mx);
-    for (float& s : scores) s /= sum;
-  }
-  choice = scores;
-  if (!bias.empty())
-    for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += bias[static_cast<size_t>(e)];
-  const bool grouped = c.topk_method == TopkMethod::kNoauxTc || c.topk_method == TopkMethod::kGroupLimitedGreedy;
-  if (grouped && G > 1) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* s = choice.data() + g * per_group;
-      if (c.topk_method == TopkMethod::kNoauxTc) {  // sum of the group's two best (biased) scores
-        TopK(s, per_group, std::min<int64_t>(2, per_group), idx);
-        float sum = 0.f;
-        for (int32_t i : idx) sum += s[i];
-        group_scores[static_cast<size_t>(g)] = sum;
-      } else {  // V2 group_limited_greedy: the group's best score
-        group_scores[static_cast<size_t>(g)] = *std::max_element(s, s + per_group);
-      }
-    }
-    TopK(group_scores.data(), G, c.topk_group, idx);
-    std::vector<char>& keep = rs.keep;
-    keep.assign(static_cast<size_t>(G), 0);
-    for (int32_t g : idx) keep[static_cast<size_t>(g)] = 1;
-    // V3 masks dropped groups to -inf, V2 to 0 (scores are positive there).
-    const float masked = c.topk_method == TopkMethod::kNoauxTc ? -INFINITY : 0.f;
-    for (int64_t e = 0; e < E; ++e)
-      if (!keep[static_cast<size_t>(e / per_group)]) choice[static_cast<size_t>(e)] = masked;
-  }
-  TopK(choice.data(), E, K, idx);
-  float sum = 0.f;
-  for (int64_t k = 0; k < K; ++k) {
-    experts[k] = idx[static_cast<size_t>(k)];
-    weights[k] = scores[static_cast<size_t>(idx[static_cast<size_t>(k)])];  // unbiased score
-    sum += weights[k];
-  }
-  if (c.norm_topk_prob && K > 1)
-    for (int64_t k = 0; k < K; ++k) weights[k] /= sum + 1e-20f;
-  for (int64_t k = 0; k < K; ++k) weights[k] *= static_cast<float>(c.routed_scaling_factor);
-}
-
 // transformers (and DeepSeek's reference code) build q_a_layernorm and
 // kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
 constexpr double kLatentNormEps = 1e-6;
 
 }  // namespace
 
-// The MoE's work lists (MoeForward).
-struct MoeJob {
-  const Mlp* mlp;
-  const std::vector<int32_t>* slots;  // nullptr: every token (the shared experts)
-  int64_t n;
-  size_t x, h, y;  // offsets into the buffers
-};
-struct MoeItem {
-  uint32_t job;
-  uint8_t matrix;  // 0 gate, 1 up, 2 down
-  int64_t c0, c1;
-};
-
 struct Model::StepScratch {
   // ForwardImpl
-  std::vector<int32_t> query_start, seq_lens, block_table, positions;
-  std::vector<int64_t> hidden_counts;
+  std::vector<int32_t> query_start, seq_lens, block_table, positions, tokens, logit_ids;
+  std::vector<int64_t> hidden_counts, slots;
   std::vector<float> h, x, q, qa, kv, kv_c, k_pe, attn, o_out, mlp_hidden, x_all, y_all, y_local, rows;
   std::vector<float> logits;  // ForwardInto's result
   // MoeForward
   std::vector<float> router_logits, route_weights;
   std::vector<int32_t> route_experts;
-  std::vector<std::vector<int32_t>> by_expert;
-  std::vector<MoeJob> jobs;
-  std::vector<MoeItem> up_items, down_items;
-  std::vector<const float*> slot_rows;
-  std::vector<float> moe_x, moe_h, moe_y;  // the experts' rows, hidden and outputs
-  RouteScratch route;
+  MoePlan moe_plan;  // re-planned every MoE layer into the same memory (MoeReplan)
+  Workspace moe_ws;
   MlaPlan attn_plan;  // re-planned every step into the same memory (MlaReplan)
 };
 
@@ -201,141 +111,48 @@ LatentCacheConfig Model::CacheConfig(int64_t budget_bytes, int64_t block_size) c
 
 // Y = this rank's part of the MoE for rows X [T, H]: the routed experts it
 // holds (all experts, narrowed, when sharded by intermediate size) and its
-// slice of the shared experts. Tokens are grouped by expert so each expert runs
-// one product over its tokens. The work of a step is spread over the threads
-// as (expert, column range) items of about 1 MiB of weights, so a few experts
-// with one token each (a decode step) keep every thread streaming weights to
-// the end of each phase: the gate and up products first, then SiLU, then the
-// down products. Each (token, k) result
-// goes to its own slot (no two threads add into one row), and the slots are
-// summed in k order, so the result does not depend on the thread count.
+// slice of the shared experts (runtime/ops/moe_experts.h).
 Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y) {
   const ModelConfig& c = config_;
   const int64_t H = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
+  const Backend be = backend();
   StepScratch& sc = *scratch_;
   std::vector<float>& router_logits = sc.router_logits;
   router_logits.assign(static_cast<size_t>(T * E), 0.f);
-  MLARUN_RETURN_IF_ERROR(ApplyLinear(moe.router, X, T, H, router_logits.data(), E));
+  MLARUN_RETURN_IF_ERROR(LinearRun(
+      {.w = &moe.router, .x = X, .rows = T, .ldx = H, .y = router_logits.data(), .ldy = E, .backend = be}));
   std::vector<int32_t>& route_experts = sc.route_experts;
   std::vector<float>& route_weights = sc.route_weights;
   route_experts.assign(static_cast<size_t>(T * K), 0);
   route_weights.assign(static_cast<size_t>(T * K), 0.f);
-  for (int64_t t = 0; t < T; ++t)
-    Route(c, router_logits.data() + t * E, moe.score_bias, route_experts.data() + t * K, route_weights.data() + t * K,
-          sc.route);
+  MLARUN_RETURN_IF_ERROR(MoeGateRun({.logits = router_logits.data(), .tokens = T, .num_experts = E,
+                                     .bias = moe.score_bias.empty() ? nullptr : moe.score_bias.data(),
+                                     .scoring = c.scoring_func, .method = c.topk_method, .top_k = K,
+                                     .n_group = c.n_group, .topk_group = c.topk_group,
+                                     .norm_topk_prob = c.norm_topk_prob,
+                                     .routed_scaling_factor = c.routed_scaling_factor,
+                                     .experts = route_experts.data(), .weights = route_weights.data(), .backend = be}));
   if (routing_.size() <= routing_layers_) routing_.emplace_back();
   std::vector<int32_t>& routed = routing_[routing_layers_++];
   routed.assign(route_experts.begin(), route_experts.end());
   for (int64_t t = 0; t < T; ++t) std::sort(routed.begin() + t * K, routed.begin() + (t + 1) * K);
 
-  const int64_t e0 = moe.expert_begin, e1 = e0 + static_cast<int64_t>(moe.experts.size());
-  std::vector<std::vector<int32_t>>& by_expert = sc.by_expert;  // slot ids (t * K + k)
-  by_expert.resize(static_cast<size_t>(E));
-  for (auto& v : by_expert) v.clear();
-  for (int64_t sl = 0; sl < T * K; ++sl) by_expert[static_cast<size_t>(route_experts[static_cast<size_t>(sl)])].push_back(static_cast<int32_t>(sl));
-
-  // The MLPs to run: the routed experts some token chose, then the shared
-  // experts over every token. Each gets its rows of X, a hidden [n, 2I] and
-  // an output [n, H] in three flat buffers.
-  using Job = MoeJob;
-  std::vector<Job>& jobs = sc.jobs;
-  jobs.clear();
-  size_t x_size = 0, h_size = 0, y_size = 0;
-  auto add = [&](const Mlp& m, const std::vector<int32_t>* slots, int64_t n) {
-    jobs.push_back(Job{&m, slots, n, x_size, h_size, y_size});
-    x_size += static_cast<size_t>(slots ? n * H : 0);
-    h_size += static_cast<size_t>(n * 2 * m.intermediate());
-    y_size += static_cast<size_t>(n * H);
-  };
-  for (int64_t e = e0; e < e1; ++e) {
-    const std::vector<int32_t>& slots = by_expert[static_cast<size_t>(e)];
-    if (!slots.empty()) add(moe.experts[static_cast<size_t>(e - e0)], &slots, static_cast<int64_t>(slots.size()));
-  }
-  const size_t routed_jobs = jobs.size();
-  if (moe.has_shared && T > 0) add(moe.shared, nullptr, T);
-  if (sc.moe_x.size() < x_size) sc.moe_x.resize(x_size);
-  if (sc.moe_h.size() < h_size) sc.moe_h.resize(h_size);
-  if (sc.moe_y.size() < y_size) sc.moe_y.resize(y_size);
-  auto rows_of = [&](const Job& j) { return j.slots ? sc.moe_x.data() + j.x : X; };
-
-  // The products as items of at most ~1 MiB of weights each (a column range
-  // of one matrix), in matrix order, each thread taking one contiguous run
-  // of them: the threads' shares of bytes are equal to about one item, and
-  // each reads its weights as a few long sequential runs (a run that starts
-  // anew costs the prefetchers' warm-up: handing out items one by one was
-  // slower).
-  using Item = MoeItem;
-  std::vector<Item>& up_items = sc.up_items;
-  std::vector<Item>& down_items = sc.down_items;
-  up_items.clear();
-  down_items.clear();
-  constexpr int64_t kItemBytes = int64_t{1} << 20;
-  const int64_t threads = std::max(1, omp_get_max_threads());
-  auto split = [&](std::vector<Item>& out, uint32_t job, uint8_t matrix, const Linear& w) {
-    const int64_t parts = std::clamp<int64_t>((w.bytes() + kItemBytes - 1) / kItemBytes, 1, std::max<int64_t>(w.out / 16, 1));
-    for (int64_t p = 0; p < parts; ++p) out.push_back(Item{job, matrix, w.out * p / parts, w.out * (p + 1) / parts});
-  };
-  for (uint32_t ji = 0; ji < jobs.size(); ++ji) {
-    split(up_items, ji, 0, jobs[ji].mlp->gate);
-    split(up_items, ji, 1, jobs[ji].mlp->up);
-    split(down_items, ji, 2, jobs[ji].mlp->down);
-  }
-  FirstError err;
-#pragma omp parallel num_threads(static_cast<int>(threads))
-  {
-#pragma omp for schedule(static)
-    for (size_t ji = 0; ji < routed_jobs; ++ji) {  // gather each expert's rows
-      const Job& j = jobs[ji];
-      for (int64_t r = 0; r < j.n; ++r)
-        std::memcpy(sc.moe_x.data() + j.x + static_cast<size_t>(r * H), X + (*j.slots)[static_cast<size_t>(r)] / K * H,
-                    static_cast<size_t>(H) * sizeof(float));
-    }
-#pragma omp for schedule(static)
-    for (size_t it = 0; it < up_items.size(); ++it) {  // gate and up
-      const Item& item = up_items[it];
-      const Job& j = jobs[item.job];
-      const int64_t I = j.mlp->intermediate();
-      const bool up = item.matrix == 1;
-      err.Set(ApplyLinearCols(up ? j.mlp->up : j.mlp->gate, item.c0, item.c1, rows_of(j), j.n, H,
-                              sc.moe_h.data() + j.h + static_cast<size_t>((up ? I : 0) + item.c0), 2 * I));
-    }
-#pragma omp for schedule(static)
-    for (size_t ji = 0; ji < jobs.size(); ++ji) SiluMul(sc.moe_h.data() + jobs[ji].h, jobs[ji].n, jobs[ji].mlp->intermediate());
-#pragma omp for schedule(static)
-    for (size_t it = 0; it < down_items.size(); ++it) {  // down
-      const Item& item = down_items[it];
-      const Job& j = jobs[item.job];
-      err.Set(ApplyLinearCols(j.mlp->down, item.c0, item.c1, sc.moe_h.data() + j.h, j.n, 2 * j.mlp->intermediate(),
-                              sc.moe_y.data() + j.y + static_cast<size_t>(item.c0), H));
-    }
-  }
-  MLARUN_RETURN_IF_ERROR(err.Get());
-
-  // Weighted slots, summed in k order; routes to other ranks' experts add 0.
-  std::vector<const float*>& slot_rows = sc.slot_rows;
-  slot_rows.assign(static_cast<size_t>(T * K), nullptr);
-  for (size_t ji = 0; ji < routed_jobs; ++ji)
-    for (int64_t r = 0; r < jobs[ji].n; ++r)
-      slot_rows[static_cast<size_t>((*jobs[ji].slots)[static_cast<size_t>(r)])] = sc.moe_y.data() + jobs[ji].y + static_cast<size_t>(r * H);
-  const float* shared = moe.has_shared && T > 0 ? sc.moe_y.data() + jobs.back().y : nullptr;
-#pragma omp parallel for schedule(static) if (T > 4)
-  for (int64_t t = 0; t < T; ++t) {
-    float* dst = Y + t * H;
-    std::fill(dst, dst + H, 0.f);
-    for (int64_t k = 0; k < K; ++k) {
-      const float* src = slot_rows[static_cast<size_t>(t * K + k)];
-      if (src == nullptr) continue;
-      const float w = route_weights[static_cast<size_t>(t * K + k)];
-      for (int64_t j = 0; j < H; ++j) dst[j] += src[j] * w;
-    }
-    if (shared)
-      for (int64_t j = 0; j < H; ++j) dst[j] += shared[t * H + j];
-  }
+  const MoeExpertsParams p{.experts = moe.experts.data(), .num_local = static_cast<int64_t>(moe.experts.size()),
+                           .expert_begin = moe.expert_begin, .num_experts = E,
+                           .shared = moe.has_shared ? &moe.shared : nullptr, .x = X, .tokens = T, .hidden = H,
+                           .route_experts = route_experts.data(), .route_weights = route_weights.data(), .top_k = K,
+                           .y = Y, .backend = be};
+  MoePlan& plan = sc.moe_plan;
+  MLARUN_RETURN_IF_ERROR(MoeReplan(p, plan));
+  const WorkspaceView ws = sc.moe_ws.Reserve(plan.workspace_bytes);
+  if (plan.workspace_bytes > 0 && ws.data == nullptr)
+    return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes, " bytes of MoE workspace");
+  MLARUN_RETURN_IF_ERROR(MoeExpertsRun(p, plan, ws));
   if (T > 0) {
     traffic_.weight_bytes += moe.router.bytes();
     traffic_.flops += 2.0 * static_cast<double>(T * moe.router.out * moe.router.in);
   }
-  for (const Job& j : jobs) {  // weights are read once per step; every row multiplies them
+  for (const MoePlan::Job& j : plan.jobs) {  // weights are read once per step; every row multiplies them
     traffic_.weight_bytes += j.mlp->bytes();
     traffic_.flops += 2.0 * static_cast<double>(j.n) * static_cast<double>(j.mlp->bytes() / static_cast<int64_t>(DTypeSize(j.mlp->gate.dtype)));
   }
@@ -428,6 +245,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   const int64_t H = c.hidden_size, N = c.num_attention_heads / shard.attn_tp_size, L = c.kv_lora_rank;
   const int64_t R = c.qk_rope_head_dim;
   const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim(), vocab = c.vocab_size;
+  const Backend be = backend();
   times_ = {};
   traffic_ = {};
   routing_layers_ = 0;
@@ -461,6 +279,12 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     if (s.start_pos < 0 || static_cast<int64_t>(s.block_table.size()) * cc.block_size < end)
       fail(InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
                                 ") but its block table holds ", s.block_table.size(), " blocks of ", cc.block_size));
+    // The blocks the new tokens' rows go to must be the pool's: the cache
+    // write addresses them through slots, unchecked on a device.
+    for (int64_t b = s.start_pos / cc.block_size; st.ok() && b * cc.block_size < end; ++b)
+      if (const int32_t id = s.block_table[static_cast<size_t>(b)]; id < 0 || id >= pool.num_blocks())
+        fail(OutOfRangeError("model forward: sequence ", s.id, ": block_table[", b, "] = ", id, " outside the pool's [0, ",
+                             pool.num_blocks(), ")"));
     if (end > c.max_position_embeddings)
       fail(InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
                                 ", beyond max_position_embeddings ", c.max_position_embeddings));
@@ -489,16 +313,26 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
       T_all += n;
     }
   }
+  // Per token: its id, its position and the cache slot its row goes to
+  // (block * block_size + offset in the block).
   std::vector<int32_t>& block_table = sc.block_table;
   std::vector<int32_t>& positions = sc.positions;
+  std::vector<int32_t>& tokens = sc.tokens;
+  std::vector<int64_t>& slots = sc.slots;
   block_table.assign(static_cast<size_t>(S * max_blocks), 0);
   positions.assign(static_cast<size_t>(T), 0);
+  tokens.assign(static_cast<size_t>(T), 0);
+  slots.assign(static_cast<size_t>(T), -1);
   for (int32_t i = 0; i < S && st.ok(); ++i) {
-    const std::span<const int32_t> table = seqs[static_cast<size_t>(i)].block_table;
-    std::copy(table.begin(), table.end(), block_table.begin() + i * max_blocks);
-    for (int64_t j = 0; j < static_cast<int64_t>(seqs[static_cast<size_t>(i)].tokens.size()); ++j)
-      positions[static_cast<size_t>(query_start[static_cast<size_t>(i)] + j)] =
-          static_cast<int32_t>(seqs[static_cast<size_t>(i)].start_pos + j);
+    const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+    std::copy(s.block_table.begin(), s.block_table.end(), block_table.begin() + i * max_blocks);
+    for (int64_t j = 0; j < static_cast<int64_t>(s.tokens.size()); ++j) {
+      const size_t t = static_cast<size_t>(query_start[static_cast<size_t>(i)] + j);
+      const int64_t p = s.start_pos + j;
+      positions[t] = static_cast<int32_t>(p);
+      tokens[t] = s.tokens[static_cast<size_t>(j)];
+      slots[t] = s.block_table[static_cast<size_t>(p / cc.block_size)] * cc.block_size + p % cc.block_size;
+    }
   }
 
   // Embeddings.
@@ -509,11 +343,9 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   std::vector<float>& h = zeroed(sc.h, T * H);
   std::vector<float>& x = zeroed(sc.x, T * H);
   const size_t wes = DTypeSize(c.weight_dtype);
-  for (int32_t i = 0; i < S && st.ok(); ++i)
-    for (size_t j = 0; j < seqs[static_cast<size_t>(i)].tokens.size(); ++j) {
-      const int64_t t = query_start[static_cast<size_t>(i)] + static_cast<int64_t>(j);
-      LoadToF32(embed_.row(seqs[static_cast<size_t>(i)].tokens[j]), c.weight_dtype, h.data() + t * H, H);
-    }
+  if (st.ok())
+    fail(EmbeddingRun({.table = embed_.data, .dtype = embed_.dtype, .num_rows = embed_.out, .width = H, .ld = embed_.ld,
+                       .ids = tokens.data(), .n = T, .out = h.data(), .ld_out = H, .backend = be}));
 
   std::vector<float>& q = zeroed(sc.q, T * N * Dq);
   std::vector<float>& qa = zeroed(sc.qa, T * std::max<int64_t>(c.q_lora_rank, 1));
@@ -522,10 +354,12 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   std::vector<float>& k_pe = zeroed(sc.k_pe, T * R);
   std::vector<float>& attn = zeroed(sc.attn, T * N * V);
   std::vector<float>& o_out = zeroed(sc.o_out, T * H);
-  std::vector<float>& mlp_hidden = sc.mlp_hidden;  // ApplyMlp sizes it
+  std::vector<float>& mlp_hidden = sc.mlp_hidden;  // sized by the largest dense MLP step
   std::vector<float>& x_all = sc.x_all;
   std::vector<float>& y_all = zeroed(sc.y_all, T_all * H);
-  std::vector<float>& y_local = zeroed(sc.y_local, T * H);
+  // This group's rows of the MLP outputs: reduce-scattered over the peers, or
+  // (alone) y_all itself.
+  float* const y_local = peers ? zeroed(sc.y_local, T * H).data() : y_all.data();
 
   MlaParams ap;
   ap.shape = c.mla_shape();
@@ -555,29 +389,42 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   // heads' part of o_proj).
   auto attention = [&](const DecoderLayer& layer, int64_t li) -> Status {
     const AttentionLayer& a = layer.attn;
-    RmsNormTo(h.data(), T, H, layer.input_norm.data(), H, c.rms_norm_eps, x.data(), H);
-    if (c.q_lora_rank > 0) {
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_a, x.data(), T, H, qa.data(), c.q_lora_rank));
-      RmsNorm(qa.data(), T, c.q_lora_rank, a.q_a_norm.data(), c.q_lora_rank, kLatentNormEps);
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q_b, qa.data(), T, c.q_lora_rank, q.data(), N * Dq));
+    const int64_t QL = c.q_lora_rank;
+    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = h.data(), .ldx = H, .y = x.data(), .ldy = H, .rows = T, .n = H,
+                                       .weight = layer.input_norm.data(), .eps = c.rms_norm_eps, .backend = be}));
+    if (QL > 0) {
+      MLARUN_RETURN_IF_ERROR(
+          LinearRun({.w = &a.q_a, .x = x.data(), .rows = T, .ldx = H, .y = qa.data(), .ldy = QL, .backend = be}));
+      MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = qa.data(), .ldx = QL, .y = qa.data(), .ldy = QL, .rows = T, .n = QL,
+                                         .weight = a.q_a_norm.data(), .eps = kLatentNormEps, .backend = be}));
+      MLARUN_RETURN_IF_ERROR(
+          LinearRun({.w = &a.q_b, .x = qa.data(), .rows = T, .ldx = QL, .y = q.data(), .ldy = N * Dq, .backend = be}));
     } else {
-      MLARUN_RETURN_IF_ERROR(ApplyLinear(a.q, x.data(), T, H, q.data(), N * Dq));
+      MLARUN_RETURN_IF_ERROR(
+          LinearRun({.w = &a.q, .x = x.data(), .rows = T, .ldx = H, .y = q.data(), .ldy = N * Dq, .backend = be}));
     }
-    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.kv_a, x.data(), T, H, kv.data(), L + R));
-    RmsNormTo(kv.data(), T, L + R, a.kv_a_norm.data(), L, kLatentNormEps, kv_c.data(), L);
-    for (int64_t t = 0; t < T; ++t)
-      std::memcpy(&k_pe[static_cast<size_t>(t * R)], &kv[static_cast<size_t>(t * (L + R) + L)], static_cast<size_t>(R) * sizeof(float));
-    rope_->Apply(q.data() + P, T, N, N * Dq, Dq, positions.data());
-    rope_->Apply(k_pe.data(), T, 1, R, 0, positions.data());
-    for (int32_t i = 0; i < S; ++i) {
-      const ForwardSeq& s = seqs[static_cast<size_t>(i)];
-      const int64_t t = query_start[static_cast<size_t>(i)];
-      MLARUN_RETURN_IF_ERROR(pool.WriteRows(li, s.block_table, s.start_pos, static_cast<int64_t>(s.tokens.size()),
-                                            kv_c.data() + t * L, L, k_pe.data() + t * R, R));
-    }
+    MLARUN_RETURN_IF_ERROR(
+        LinearRun({.w = &a.kv_a, .x = x.data(), .rows = T, .ldx = H, .y = kv.data(), .ldy = L + R, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = kv.data(), .ldx = L + R, .y = kv_c.data(), .ldy = L, .rows = T, .n = L,
+                                       .weight = a.kv_a_norm.data(), .eps = kLatentNormEps, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(CopyRowsRun(
+        {.x = kv.data() + L, .ldx = L + R, .y = k_pe.data(), .ldy = R, .rows = T, .cols = R, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = q.data() + P, .n_tokens = T, .n_heads = N,
+                                                   .stride_token = N * Dq, .stride_head = Dq,
+                                                   .positions = positions.data(), .backend = be},
+                                                  *rope_)));
+    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = k_pe.data(), .n_tokens = T, .n_heads = 1, .stride_token = R,
+                                                   .positions = positions.data(), .backend = be},
+                                                  *rope_)));
+    const PagedRowsView cache = pool.Layer(li);
+    MLARUN_RETURN_IF_ERROR(LatentWriteRun({.cache = pool.LayerData(li), .dtype = cache.dtype, .block_size = cache.block_size,
+                                           .num_blocks = cache.num_blocks, .stride_block = cache.stride_block,
+                                           .stride_token = cache.stride_token, .d_latent = L, .d_rope = R, .n = T,
+                                           .slots = slots.data(), .kv_c = kv_c.data(), .kv_c_stride = L,
+                                           .k_pe = k_pe.data(), .k_pe_stride = R, .backend = be}));
     ap.w_uk_t = a.w_uk_t.data();
     ap.w_uv = a.w_uv.data();
-    ap.cache = pool.Layer(li);
+    ap.cache = cache;
     if (!planned) {
       MLARUN_RETURN_IF_ERROR(MlaReplan(ap, options_.attention, sc.attn_plan));
       planned = true;
@@ -587,7 +434,8 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     if (plan.workspace_bytes > 0 && ws.data == nullptr)
       return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes, " bytes of attention workspace");
     if (Status run = MlaRun(ap, plan, ws); !run.ok()) return run.WithContext("layer " + std::to_string(li));
-    MLARUN_RETURN_IF_ERROR(ApplyLinear(a.o, attn.data(), T, N * V, o_out.data(), H));
+    MLARUN_RETURN_IF_ERROR(
+        LinearRun({.w = &a.o, .x = attn.data(), .rows = T, .ldx = N * V, .y = o_out.data(), .ldy = H, .backend = be}));
     const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
     traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
     traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_bytes / static_cast<int64_t>(wes));
@@ -611,12 +459,13 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
       fail(InternalError("injected failure (fail_forward_call ", call, ") in layer 0"));
     // o_proj is row-parallel over heads: its partial sums meet in the group.
     if (tp && !join(tp->AllReduceSum(o_out.data(), T * H, CommType::kF32))) return st;
-    if (st.ok())
-      for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += o_out[static_cast<size_t>(k)];
+    if (st.ok()) fail(AddRun({.y = h.data(), .x = o_out.data(), .n = T * H, .backend = be}));
     times_.attention += Since(t0);
 
     t0 = Clock::now();
-    if (st.ok()) RmsNormTo(h.data(), T, H, layer.post_attention_norm.data(), H, c.rms_norm_eps, x.data(), H);
+    if (st.ok())
+      fail(RmsNormRun({.x = h.data(), .ldx = H, .y = x.data(), .ldy = H, .rows = T, .n = H,
+                       .weight = layer.post_attention_norm.data(), .eps = c.rms_norm_eps, .backend = be}));
     // Every DP group's tokens, in dp_rank order.
     const float* X = x.data();
     if (peers) {
@@ -626,7 +475,10 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     }
     if (st.ok()) {
       if (!layer.moe) {
-        fail(ApplyMlp(layer.mlp, X, T_all, H, y_all.data(), H, /*accumulate=*/false, mlp_hidden));
+        const size_t hidden = static_cast<size_t>(T_all * 2 * layer.mlp.intermediate());
+        if (mlp_hidden.size() < hidden) mlp_hidden.resize(hidden);
+        fail(MlpRun({.mlp = &layer.mlp, .x = X, .rows = T_all, .ldx = H, .y = y_all.data(), .ldy = H,
+                     .hidden = mlp_hidden.data(), .backend = be}));
         if (T_all > 0) {
           traffic_.weight_bytes += layer.mlp.bytes();
           traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.bytes() / static_cast<int64_t>(wes));
@@ -636,14 +488,9 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
       }
     }
     // This rank's partial outputs for this group's tokens, summed over the world.
-    if (peers) {
-      if (!join(peers->ReduceScatterSumV(y_all.data(), hidden_counts, y_local.data(), CommType::kF32))) return st;
-    } else {
-      std::copy(y_all.begin(), y_all.begin() + T * H, y_local.begin());
-    }
-    if (tp && !join(tp->AllReduceSum(y_local.data(), T * H, CommType::kF32))) return st;
-    if (st.ok())
-      for (int64_t k = 0; k < T * H; ++k) h[static_cast<size_t>(k)] += y_local[static_cast<size_t>(k)];
+    if (peers && !join(peers->ReduceScatterSumV(y_all.data(), hidden_counts, y_local, CommType::kF32))) return st;
+    if (tp && !join(tp->AllReduceSum(y_local, T * H, CommType::kF32))) return st;
+    if (st.ok()) fail(AddRun({.y = h.data(), .x = y_local, .n = T * H, .backend = be}));
     (layer.moe ? times_.moe : times_.dense_mlp) += Since(t0);
   }
   if (!st.ok()) return st;
@@ -652,17 +499,21 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   const auto t_head = Clock::now();
   std::vector<float>& rows = zeroed(sc.rows, logit_rows * H);
   logits_out->assign(static_cast<size_t>(logit_rows * vocab), 0.f);
-  int64_t r = 0;
+  std::vector<int32_t>& logit_ids = sc.logit_ids;  // the rows of h asked for
+  logit_ids.clear();
   for (int32_t i = 0; i < S; ++i) {
     const ForwardSeq& s = seqs[static_cast<size_t>(i)];
-    const int64_t n = static_cast<int64_t>(s.tokens.size()), t0 = query_start[static_cast<size_t>(i)];
-    const int64_t first = s.logits == ForwardSeq::Logits::kAll ? 0 : n - 1;
+    const int32_t n = static_cast<int32_t>(s.tokens.size()), t0 = query_start[static_cast<size_t>(i)];
     if (s.logits == ForwardSeq::Logits::kNone || n == 0) continue;
-    for (int64_t j = first; j < n; ++j, ++r)
-      std::memcpy(&rows[static_cast<size_t>(r * H)], &h[static_cast<size_t>((t0 + j) * H)], static_cast<size_t>(H) * sizeof(float));
+    for (int32_t j = s.logits == ForwardSeq::Logits::kAll ? 0 : n - 1; j < n; ++j) logit_ids.push_back(t0 + j);
   }
-  RmsNorm(rows.data(), logit_rows, H, final_norm_.data(), H, c.rms_norm_eps);
-  MLARUN_RETURN_IF_ERROR(ApplyLinear(lm_head_, rows.data(), logit_rows, H, logits_out->data(), vocab));
+  MLARUN_RETURN_IF_ERROR(EmbeddingRun({.table = h.data(), .dtype = DType::kF32, .num_rows = T, .width = H, .ld = H,
+                                       .ids = logit_ids.data(), .n = logit_rows, .out = rows.data(), .ld_out = H,
+                                       .backend = be}));
+  MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = rows.data(), .ldx = H, .y = rows.data(), .ldy = H, .rows = logit_rows,
+                                     .n = H, .weight = final_norm_.data(), .eps = c.rms_norm_eps, .backend = be}));
+  MLARUN_RETURN_IF_ERROR(LinearRun({.w = &lm_head_, .x = rows.data(), .rows = logit_rows, .ldx = H,
+                                    .y = logits_out->data(), .ldy = vocab, .backend = be}));
   if (logit_rows > 0) {
     traffic_.weight_bytes += lm_head_.bytes();
     traffic_.flops += 2.0 * static_cast<double>(logit_rows * vocab * H);

@@ -25,9 +25,9 @@
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
 #include "runtime/base/status.h"
-#include "runtime/model/layers.h"
 #include "runtime/model/model_config.h"
 #include "runtime/model/safetensors.h"
+#include "runtime/ops/linear.h"
 
 namespace mlarun {
 
@@ -150,7 +150,9 @@ StatusOr<WeightLoading> ParseWeightLoading(std::string_view name);
 std::string_view WeightLoadingName(WeightLoading w);
 
 struct ModelOptions {
-  MlaConfig attention;        // dispatch thresholds, tiles, backend
+  // The attention's dispatch thresholds and tiles, and the backend every op
+  // of the model runs on (attention.backend: the one place it is set).
+  MlaConfig attention;
   WeightLoading weights = WeightLoading::kMapped;
   ModelShard shard;           // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
@@ -237,6 +239,8 @@ class Model {
   // OK, or the computation failure the last Forward returned (see Forward).
   const Status& last_step_failure() const { return last_failure_; }
   const ModelShard& shard() const { return options_.shard; }
+  // The backend the model's ops run on (ModelOptions::attention.backend).
+  Backend backend() const { return options_.attention.backend; }
 
   // Per-step time breakdown of the last Forward (seconds), for benchmarks.
   struct StepTimes {

@@ -18,12 +18,11 @@
 #include "attention/rope.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
+#include "runtime/ops/moe_gate.h"  // TopkMethod, ScoringFunc
 
 namespace mlarun {
 
 enum class ModelType : uint8_t { kDeepSeekV2 = 0, kDeepSeekV3 = 1 };
-enum class TopkMethod : uint8_t { kGreedy = 0, kGroupLimitedGreedy = 1, kNoauxTc = 2 };
-enum class ScoringFunc : uint8_t { kSoftmax = 0, kSigmoid = 1 };
 
 struct ModelConfig {
   ModelType model_type = ModelType::kDeepSeekV3;

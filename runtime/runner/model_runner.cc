@@ -2,6 +2,8 @@
 
 #include <chrono>
 
+#include "runtime/ops/sampling.h"
+
 namespace mlarun {
 
 StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model& model, const LatentCacheConfig& pool,
@@ -48,8 +50,10 @@ StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& pla
   sampled_.clear();
   for (const StepPlan::Seq& s : plan.seqs) {
     if (s.sampler == nullptr || s.tokens.empty()) continue;
-    const size_t row = sampled_.size();
-    sampled_.push_back(s.sampler->Sample(logits->subspan(row * static_cast<size_t>(vocab), static_cast<size_t>(vocab))));
+    const int64_t row = static_cast<int64_t>(sampled_.size());
+    SampledToken& out = sampled_.emplace_back();
+    MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data() + row * vocab, .rows = 1, .vocab = vocab, .ld = vocab,
+                                      .samplers = &s.sampler, .out = &out, .backend = model_.backend()}));
   }
   return std::span<const SampledToken>(sampled_);
 }

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "attention/rope.h"
+#include "runtime/ops/rope.h"
 
 namespace mlarun {
 namespace {
@@ -58,7 +59,11 @@ TEST(Rope, MatchesHuggingFace) {
       EXPECT_NEAR(MlaSoftmaxScale(128, dim, ConfigOf(c, layout).scaling), c["softmax_scale"].get<double>(), 1e-12);
       // Rotated vectors: input is [positions, heads, dim].
       std::vector<float> x = input;
-      rope->Apply(x.data(), static_cast<int64_t>(positions.size()), heads, heads * dim, dim, positions.data());
+      ASSERT_TRUE(RopeRun(WithRopeTables({.x = x.data(), .n_tokens = static_cast<int64_t>(positions.size()),
+                                          .n_heads = heads, .stride_token = heads * dim, .stride_head = dim,
+                                          .positions = positions.data()},
+                                         *rope))
+                      .ok());
       const auto expected = c[key].get<std::vector<float>>();
       ASSERT_EQ(x.size(), expected.size());
       double max_err = 0;

@@ -63,11 +63,12 @@ TEST(LatentWriteCuda, MatchesHostCache) {
     cudaMemcpy(d_slots, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice);
     cudaMemcpy(d_kv, kv.data(), kv.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(d_pe, pe.data(), pe.size() * 4, cudaMemcpyHostToDevice);
-    LatentWriteParams p{.cache = d_pool, .dtype = dt, .block_size = 16, .stride_block = view.stride_block,
-                        .stride_token = view.stride_token, .d_latent = L, .d_rope = R, .n = n,
-                        .slots = static_cast<const int64_t*>(d_slots), .kv_c = static_cast<const float*>(d_kv),
-                        .kv_c_stride = L, .k_pe = static_cast<const float*>(d_pe), .k_pe_stride = R};
-    ASSERT_TRUE(LaunchWriteLatentRows(p).ok());
+    LatentWriteParams p{.cache = d_pool, .dtype = dt, .block_size = 16, .num_blocks = view.num_blocks,
+                        .stride_block = view.stride_block, .stride_token = view.stride_token, .d_latent = L,
+                        .d_rope = R, .n = n, .slots = static_cast<const int64_t*>(d_slots),
+                        .kv_c = static_cast<const float*>(d_kv), .kv_c_stride = L,
+                        .k_pe = static_cast<const float*>(d_pe), .k_pe_stride = R, .backend = Backend::kCuda};
+    ASSERT_TRUE(LatentWriteRun(p).ok());
     std::vector<std::byte> back(pool_bytes);
     ASSERT_EQ(cudaMemcpy(back.data(), d_pool, pool_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
     const size_t es = DTypeSize(dt), row_bytes = static_cast<size_t>(L + R) * es;
@@ -82,8 +83,8 @@ TEST(LatentWriteCuda, MatchesHostCache) {
 
 TEST(LatentWriteCuda, BadParamsAreErrors) {
   LatentWriteParams p{.dtype = DType::kF16, .block_size = 16, .stride_block = 16 * 8, .stride_token = 8,
-                      .d_latent = 6, .d_rope = 2};
-  const Status st = LaunchWriteLatentRows(p);
+                      .d_latent = 6, .d_rope = 2, .backend = Backend::kCuda};
+  const Status st = LatentWriteRun(p);
   // MLARUN_HAVE_CUDA comes with mlarun_base (a PUBLIC definition) exactly when
   // the CUDA backend is built. The argument check runs before any device work,
   // so a CUDA build rejects f16 even without a GPU; without CUDA the stub
@@ -98,7 +99,7 @@ TEST(LatentWriteCuda, BadParamsAreErrors) {
   LatentWriteParams narrow = p;
   narrow.dtype = DType::kF32;
   narrow.stride_token = 7;
-  const Status st2 = LaunchWriteLatentRows(narrow);
+  const Status st2 = LatentWriteRun(narrow);
 #ifdef MLARUN_HAVE_CUDA
   EXPECT_EQ(st2.code(), StatusCode::kInvalidArgument) << st2;
 #else

@@ -1,0 +1,42 @@
+// Internal: what every backend of the ops implements. Not part of the public
+// API. Each entry point's params are checked by the op's Run before it is
+// called.
+#pragma once
+
+#include <string_view>
+
+#include "runtime/ops/elementwise.h"
+#include "runtime/ops/embedding.h"
+#include "runtime/ops/linear.h"
+#include "runtime/ops/moe_experts.h"
+#include "runtime/ops/moe_gate.h"
+#include "runtime/ops/norm.h"
+#include "runtime/ops/rope.h"
+#include "runtime/ops/sampling.h"
+
+namespace mlarun {
+
+namespace cpu {
+Status Embedding(const EmbeddingParams& p);
+Status RmsNorm(const RmsNormParams& p);
+Status ApplyLinear(const LinearParams& p);  // REQUIRES: p.col_end resolved (not -1)
+Status SiluMul(const SiluMulParams& p);
+Status ApplyMlp(const MlpParams& p);
+Status Add(const AddParams& p);
+Status CopyRows(const CopyRowsParams& p);
+Status ApplyRope(const RopeParams& p);
+Status MoeGate(const MoeGateParams& p);
+Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView ws);
+Status Sample(const SampleParams& p);
+}  // namespace cpu
+
+// What an op's Run answers for a backend that has no implementation of it:
+// UNIMPLEMENTED naming the op and the backend (INVALID_ARGUMENT for a value
+// that is no backend).
+inline Status NoBackend(std::string_view op, Backend b) {
+  if (b == Backend::kCuda)
+    return UnimplementedError(op, ": the ", BackendName(b), " backend has no implementation of this op in this build");
+  return InvalidArgumentError(op, ": unknown backend ", static_cast<int>(b));
+}
+
+}  // namespace mlarun

@@ -1,0 +1,11 @@
+#include "runtime/ops/backend.h"
+
+namespace mlarun::cpu {
+
+Status Sample(const SampleParams& p) {
+  for (int64_t r = 0; r < p.rows; ++r)
+    p.out[r] = p.samplers[r]->Sample(std::span<const float>(p.logits + r * p.ld, static_cast<size_t>(p.vocab)));
+  return Status::Ok();
+}
+
+}  // namespace mlarun::cpu

@@ -1,0 +1,88 @@
+#include "runtime/ops/linear.h"
+
+#include <cstdlib>
+
+#include "runtime/base/large_buffer.h"
+#include "runtime/ops/backend.h"
+
+namespace mlarun {
+
+Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
+  const size_t bytes = static_cast<size_t>(out * in) * DTypeSize(dtype);
+  std::shared_ptr<std::byte> buf(static_cast<std::byte*>(AllocateLarge(bytes, /*zero=*/true)),
+                                 [](std::byte* p) { std::free(p); });
+  Linear l;
+  l.out = out, l.in = in, l.dtype = dtype, l.ld = in;
+  l.data = buf.get();
+  l.storage = std::move(buf);
+  l.owned_ = l.data != nullptr;
+  return l;
+}
+
+namespace {
+
+Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) {
+  if (w.data == nullptr) return FailedPreconditionError(op, ": weight ", name, " [", w.out, ", ", w.in, "] has no data");
+  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16)
+    return InvalidArgumentError(op, ": weight ", name, " dtype ", DTypeName(w.dtype), " is not supported (f32 or bf16)");
+  if (w.ld < w.in) return InvalidArgumentError(op, ": weight ", name, " ld (", w.ld, ") < in (", w.in, ")");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LinearRun(const LinearParams& p) {
+  if (p.w == nullptr) return InvalidArgumentError("linear: w is null");
+  LinearParams q = p;
+  if (q.col_end == -1) q.col_end = p.w->out;
+  if (q.col_begin < 0 || q.col_end > p.w->out || q.col_end < q.col_begin)
+    return InvalidArgumentError("linear: columns [col_begin, col_end) = [", q.col_begin, ", ", q.col_end,
+                                ") outside [0, ", p.w->out, ")");
+  if (p.rows < 0) return InvalidArgumentError("linear: rows is negative (", p.rows, ")");
+  const int64_t n = q.col_end - q.col_begin;
+  if (p.rows == 0 || n == 0) return Status::Ok();
+  MLARUN_RETURN_IF_ERROR(CheckWeight("linear", "w", *p.w));
+  if (p.x == nullptr || p.y == nullptr) return InvalidArgumentError("linear: x and y must be set");
+  if (p.ldx < p.w->in) return InvalidArgumentError("linear: ldx (", p.ldx, ") < w->in (", p.w->in, ")");
+  if (p.ldy < n) return InvalidArgumentError("linear: ldy (", p.ldy, ") < col_end - col_begin (", n, ")");
+  switch (p.backend) {
+    case Backend::kCpu: return cpu::ApplyLinear(q);
+    case Backend::kCuda: break;
+  }
+  return NoBackend("linear", p.backend);
+}
+
+Status SiluMulRun(const SiluMulParams& p) {
+  if (p.rows < 0 || p.inter < 0)
+    return InvalidArgumentError("silu_mul: rows (", p.rows, ") and inter (", p.inter, ") must be >= 0");
+  if (p.rows > 0 && p.inter > 0 && p.hidden == nullptr) return InvalidArgumentError("silu_mul: hidden is null");
+  switch (p.backend) {
+    case Backend::kCpu: return cpu::SiluMul(p);
+    case Backend::kCuda: break;
+  }
+  return NoBackend("silu_mul", p.backend);
+}
+
+Status MlpRun(const MlpParams& p) {
+  if (p.mlp == nullptr) return InvalidArgumentError("mlp: mlp is null");
+  if (p.rows < 0) return InvalidArgumentError("mlp: rows is negative (", p.rows, ")");
+  if (p.rows == 0) return Status::Ok();
+  const Mlp& m = *p.mlp;
+  MLARUN_RETURN_IF_ERROR(CheckWeight("mlp", "gate", m.gate));
+  MLARUN_RETURN_IF_ERROR(CheckWeight("mlp", "up", m.up));
+  MLARUN_RETURN_IF_ERROR(CheckWeight("mlp", "down", m.down));
+  if (m.up.out != m.gate.out || m.up.in != m.gate.in || m.down.in != m.gate.out)
+    return InvalidArgumentError("mlp: shapes of gate [", m.gate.out, ", ", m.gate.in, "], up [", m.up.out, ", ",
+                                m.up.in, "] and down [", m.down.out, ", ", m.down.in, "] do not chain");
+  if (p.x == nullptr || p.y == nullptr || p.hidden == nullptr)
+    return InvalidArgumentError("mlp: x, y and hidden must be set");
+  if (p.ldx < m.gate.in) return InvalidArgumentError("mlp: ldx (", p.ldx, ") < gate.in (", m.gate.in, ")");
+  if (p.ldy < m.down.out) return InvalidArgumentError("mlp: ldy (", p.ldy, ") < down.out (", m.down.out, ")");
+  switch (p.backend) {
+    case Backend::kCpu: return cpu::ApplyMlp(p);
+    case Backend::kCuda: break;
+  }
+  return NoBackend("mlp", p.backend);
+}
+
+}  // namespace mlarun

@@ -1,0 +1,24 @@
+// The next token of each logit row, by that row's sampler
+// (runtime/engine/sampler.h: the request's parameters and random stream).
+#pragma once
+
+#include <cstdint>
+
+#include "runtime/base/backend.h"
+#include "runtime/base/status.h"
+#include "runtime/engine/sampler.h"
+
+namespace mlarun {
+
+struct SampleParams {
+  const float* logits = nullptr;       // [rows, vocab], row stride ld
+  int64_t rows = 0;
+  int64_t vocab = 0;
+  int64_t ld = 0;
+  Sampler* const* samplers = nullptr;  // [rows]: row r's sampler; each advances its stream by one draw
+  SampledToken* out = nullptr;         // [rows]
+  Backend backend = Backend::kCpu;
+};
+Status SampleRun(const SampleParams& p);
+
+}  // namespace mlarun
