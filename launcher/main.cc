@@ -147,6 +147,15 @@ int main(int argc, char** argv) {
   auto* c_listen = coord->add_option("--listen", co.listen, "host:port to bind (loopback by default)")->capture_default_str();
   auto* c_policy = coord->add_option("--policy", policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
   coord->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")->capture_default_str();
+  coord->add_option("--queue-timeout-s", co.queue_timeout_s,
+                    "Longest wait of a request for a DP group to register when none is connected")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  coord->add_option("--lost-group-wait-s", co.lost_group_wait_s,
+                    "After the last group went away, how long its unanswered requests wait for one to come back")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  coord->add_option("--stall-timeout-s", co.stall_timeout_s,
+                    "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
+      ->capture_default_str()->check(CLI::PositiveNumber);
   coord->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
 
   mlarun::WorkerOptions wo;

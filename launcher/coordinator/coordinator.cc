@@ -18,6 +18,9 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "launcher/coordinator/dispatcher.h"
 #include "launcher/link/link_server.h"
@@ -32,17 +35,47 @@ namespace {
 // cancelled by gRPC.
 constexpr auto kShutdownGrace = std::chrono::seconds(2);
 
+// The Mlarun service's requests arrive as raw bytes and are parsed here, not
+// by gRPC: a request that gRPC's generated code failed to parse would be
+// answered UNIMPLEMENTED with no message before any handler ran. Parsed
+// here, it gets INVALID_ARGUMENT saying what did not parse.
+template <class Msg>
+std::optional<grpc::Status> Parse(const grpc::ByteBuffer* in, Msg* out) {
+  std::vector<grpc::Slice> slices;
+  std::string bytes;
+  if (in != nullptr && in->Dump(&slices).ok()) {
+    for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  if (out->ParseFromString(bytes)) return std::nullopt;
+  return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                      internal::StrCat("the request (", bytes.size(), " bytes) does not parse as ", out->GetTypeName(),
+                                       ": truncated or malformed protobuf wire data, or a string field that is not "
+                                       "valid UTF-8"));
+}
+
+template <class Msg>
+grpc::ByteBuffer Serialize(const Msg& msg) {
+  grpc::Slice slice(msg.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
+}
+
 // One Generate call. Owns itself (self_) from creation until gRPC's OnDone;
 // the dispatcher holds it as the request's ClientOutlet while it is live.
-class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>,
+class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                            public Outbound<v1::GenerateResponse> {
  public:
   static GenerateCall* Start(std::shared_ptr<Dispatcher> dispatcher,
-                             grpc::CallbackServerContext* ctx, const v1::GenerateRequest* request) {
+                             grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes) {
     std::shared_ptr<GenerateCall> call(new GenerateCall(dispatcher));
     call->self_ = call;
+    v1::GenerateRequest request;
+    if (auto error = Parse(bytes, &request)) {
+      call->Close(error->error_code(), error->error_message());
+      call->Flush();
+      return call.get();
+    }
     // Set before the handler returns, so before any reaction can read them.
-    if (auto accepted = dispatcher->Submit(call, *request, ctx->deadline())) {
+    if (auto accepted = dispatcher->Submit(call, request, ctx->deadline())) {
       call->id_ = accepted->id;
       call->serial_ = accepted->serial;
     }
@@ -63,45 +96,65 @@ class GenerateCall final : public grpc::ServerWriteReactor<v1::GenerateResponse>
  private:
   explicit GenerateCall(std::shared_ptr<Dispatcher> dispatcher)
       : dispatcher_(std::move(dispatcher)) {}
-  void StartWriteNow(const v1::GenerateResponse* msg) override { StartWrite(msg); }
+  void StartWriteNow(const v1::GenerateResponse* msg) override {
+    // One write in flight at a time (Outbound), so one buffer suffices; gRPC
+    // reads it until OnWriteDone.
+    write_buffer_ = Serialize(*msg);
+    StartWrite(&write_buffer_);
+  }
   void FinishNow(grpc::Status status) override { Finish(std::move(status)); }
 
   const std::shared_ptr<Dispatcher> dispatcher_;
   std::shared_ptr<GenerateCall> self_;
   std::string id_;  // empty when the dispatcher rejected the call
   uint64_t serial_ = 0;
+  grpc::ByteBuffer write_buffer_;
 };
 
-class MlarunService final : public v1::Mlarun::CallbackService {
+using RawMlarunService = v1::Mlarun::WithRawCallbackMethod_Generate<v1::Mlarun::WithRawCallbackMethod_Cancel<
+    v1::Mlarun::WithRawCallbackMethod_GetStats<v1::Mlarun::WithRawCallbackMethod_Health<v1::Mlarun::Service>>>>;
+
+class MlarunService final : public RawMlarunService {
  public:
   explicit MlarunService(std::shared_ptr<Dispatcher> dispatcher)
       : dispatcher_(std::move(dispatcher)) {}
 
-  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
-      grpc::CallbackServerContext* ctx, const v1::GenerateRequest* request) override {
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* ctx,
+                                                       const grpc::ByteBuffer* request) override {
     return GenerateCall::Start(dispatcher_, ctx, request);
   }
-  grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* ctx,
-                                   const v1::CancelRequest* request,
-                                   v1::CancelResponse* response) override {
-    response->set_found(dispatcher_->Cancel(request->request_id()));
-    return Done(ctx);
+  grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
+                                   grpc::ByteBuffer* out) override {
+    v1::CancelRequest request;
+    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
+    v1::CancelResponse response;
+    response.set_found(dispatcher_->Cancel(request.request_id()));
+    *out = Serialize(response);
+    return Done(ctx, grpc::Status::OK);
   }
-  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const v1::GetStatsRequest*,
-                                     v1::GetStatsResponse* response) override {
-    dispatcher_->FillStats(response);
-    return Done(ctx);
+  grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
+                                     grpc::ByteBuffer* out) override {
+    v1::GetStatsRequest request;
+    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
+    v1::GetStatsResponse response;
+    dispatcher_->FillStats(&response);
+    *out = Serialize(response);
+    return Done(ctx, grpc::Status::OK);
   }
-  grpc::ServerUnaryReactor* Health(grpc::CallbackServerContext* ctx, const v1::HealthRequest*,
-                                   v1::HealthResponse* response) override {
-    dispatcher_->FillHealth(response);
-    return Done(ctx);
+  grpc::ServerUnaryReactor* Health(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
+                                   grpc::ByteBuffer* out) override {
+    v1::HealthRequest request;
+    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
+    v1::HealthResponse response;
+    dispatcher_->FillHealth(&response);
+    *out = Serialize(response);
+    return Done(ctx, grpc::Status::OK);
   }
 
  private:
-  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx) {
+  static grpc::ServerUnaryReactor* Done(grpc::CallbackServerContext* ctx, grpc::Status status) {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-    reactor->Finish(grpc::Status::OK);
+    reactor->Finish(std::move(status));
     return reactor;
   }
   const std::shared_ptr<Dispatcher> dispatcher_;
@@ -183,9 +236,10 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
                                 options.balance_abs_tokens);
   if (!(options.balance_rel >= 0))
     return InvalidArgumentError("balance_rel: must be >= 0, got ", options.balance_rel);
-  if (!(options.default_deadline_s > 0))
-    return InvalidArgumentError("default_deadline_s: must be > 0, got ",
-                                options.default_deadline_s);
+  if (!(options.queue_timeout_s > 0) || !std::isfinite(options.queue_timeout_s))
+    return InvalidArgumentError("queue_timeout_s: must be > 0 and finite, got ", options.queue_timeout_s);
+  if (!(options.stall_timeout_s > 0) || !std::isfinite(options.stall_timeout_s))
+    return InvalidArgumentError("stall_timeout_s: must be > 0 and finite, got ", options.stall_timeout_s);
   if (!(options.lost_group_wait_s >= 0) || !std::isfinite(options.lost_group_wait_s))
     return InvalidArgumentError("lost_group_wait_s: must be >= 0 and finite, got ",
                                 options.lost_group_wait_s);

@@ -37,15 +37,30 @@ struct CoordinatorOptions {
   // tokens (SGLang's router uses a similar absolute-plus-relative threshold).
   int64_t balance_abs_tokens = 2048;
   double balance_rel = 1.5;  // ... and by more than this factor
-  // Without any registered group, a request waits until its deadline; this
-  // caps the wait when the client set none. Default 30 s.
-  double default_deadline_s = 30;
+  // The queue timeout: a request that finds no DP group connected waits at
+  // most this long (from its arrival, or less when its own deadline is
+  // nearer) for one to register, then fails with UNAVAILABLE saying that none
+  // did, or which group went away before and why. It bounds only the wait for
+  // a group: a request routed to a group runs as long as it takes (or until
+  // its own deadline), and one waiting for room in connected groups waits
+  // for them. Default 30 s (`--queue-timeout-s`).
+  double queue_timeout_s = 30;
   // When the last connected group goes away, the requests left waiting (those
   // it had not answered yet, re-routed, and those queued for room) wait this
   // much longer for a group to (re)register, at most until their own
   // deadline, then fail with UNAVAILABLE saying which group went away and
-  // why. It bounds only that wait, like default_deadline_s. Default 5 s.
+  // why. Default 5 s (`--lost-group-wait-s`): a worker whose link broke
+  // reconnects within its 2 s back-off, and a client without a deadline
+  // learns of the loss within 10 s.
   double lost_group_wait_s = 5;
+  // A group with requests in flight that sends nothing at all (no token, no
+  // completion, no stats; a live worker reports stats every 0.5 s from its
+  // step loop) for this long is taken as stalled (a step that never ends, a
+  // rank stuck in a collective): its stream is closed with UNAVAILABLE and it
+  // is treated as gone (requests without a token re-routed, the others
+  // UNAVAILABLE naming the group and the stall). A worker that was only slow
+  // reconnects and registers again. Default 30 s (`--stall-timeout-s`).
+  double stall_timeout_s = 30;
   // prefix_affinity: block hashes remembered per group (least recently routed
   // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
   int64_t prefix_hashes_per_group = 100000;

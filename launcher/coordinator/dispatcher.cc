@@ -22,10 +22,13 @@ constexpr double kUnavailableMarginFraction = 0.1;
 constexpr auto kDeadlineSlack = std::chrono::milliseconds(20);
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+Clock::duration SecondsToDuration(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
 // Seconds with one decimal, for messages.
 std::string Seconds(Clock::duration d) {
-  const double s = std::chrono::duration<double>(d).count();
-  return internal::StrCat(static_cast<int64_t>(s), ".", static_cast<int64_t>(s * 10) % 10);
+  const int64_t tenths = std::llround(std::chrono::duration<double>(d).count() * 10);
+  return internal::StrCat(tenths / 10, ".", tenths % 10);
 }
 
 using internal::StrCat;
@@ -72,6 +75,10 @@ struct Dispatcher::Group {
   PrefixIndex prefix;                // prefix_affinity only
   std::string disconnect_reason;     // how it last went away; empty if it never did
   Clock::time_point left_at;         // when (valid with disconnect_reason)
+  // The last sign of progress: its latest message, or the routing that gave
+  // it work after it had none. Stalled when in_flight > 0 and this is
+  // stall_timeout_s old.
+  Clock::time_point heard_at;
 };
 
 // Outlets that got messages while mu_ was held; flushed after it is released.
@@ -151,8 +158,8 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
   const Clock::duration budget =
       has_deadline ? std::max(Clock::duration::zero(), std::chrono::duration_cast<Clock::duration>(
                                                            grpc_deadline - std::chrono::system_clock::now()))
-                   : std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(options_.default_deadline_s));
+                   : Clock::duration::zero();
+  const Clock::duration queue_timeout = SecondsToDuration(options_.queue_timeout_s);
 
   const SamplingParams sampling = FromProto(request.sampling());  // absent fields filled in
   Pending pending;
@@ -190,15 +197,14 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
       r->client_deadline = has_deadline;
       r->arrival = now;
       // Without a client deadline the request runs as long as it takes; the
-      // default only bounds the wait for a first DP group to register.
+      // queue timeout only bounds the wait for a DP group to register.
       r->deadline = has_deadline ? now + budget : Clock::time_point::max();
-      r->unavailable_at = now + budget;
       if (has_deadline) {
         r->unavailable_margin = std::min<Clock::duration>(
             kUnavailableMarginMax,
             std::chrono::duration_cast<Clock::duration>(budget * kUnavailableMarginFraction));
-        r->unavailable_at -= r->unavailable_margin;
       }
+      r->unavailable_at = std::min(now + queue_timeout, r->deadline - r->unavailable_margin);
       requests_.emplace(r->id, std::move(owned));
       if (!TryRoute(r, pending)) {
         if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
@@ -213,7 +219,7 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
         }
       }
       if (r != nullptr) {
-        ArmTimer(r, r->unavailable_at);
+        ArmNext(r, now);
         accepted = Accepted{r->id, r->serial};
       }
     }
@@ -329,6 +335,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
         pending.Add(old);
       }
       g.link = link;
+      g.heard_at = Clock::now();
       link_group_[link.get()] = index;
       g.vocab_size = reg.vocab_size();
       g.max_position_embeddings = reg.max_position_embeddings();
@@ -362,6 +369,7 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
     if (it == link_group_.end()) return false;
     const int index = it->second;
     Group& g = *groups_[static_cast<size_t>(index)];
+    g.heard_at = Clock::now();
     switch (msg.msg_case()) {
       case v1::WorkerMessage::kTokens:
         OnTokens(g, index, msg.tokens(), pending);
@@ -523,7 +531,12 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
   r->group = index;
   r->routed_at = Clock::now();
   g.queued_tokens += r->cost;  // now, not when the group next reports (sglang #21699)
-  ++g.in_flight;
+  if (g.in_flight++ == 0) {
+    // Idle until now: its silence so far was no stall. The stall watch may
+    // now be due before whatever the timer thread sleeps for.
+    g.heard_at = r->routed_at;
+    timer_cv_.notify_one();
+  }
   ++g.routed;
   if (router_.policy() == RoutingPolicy::kPrefixAffinity)
     g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
@@ -549,15 +562,61 @@ void Dispatcher::ArmTimer(Request* r, Clock::time_point at) {
 }
 
 void Dispatcher::OnTimer(Request* r, Clock::time_point now, Pending& pending) {
-  if (r->queued && ConnectedGroups() == 0) {
-    Fail(r, grpc::StatusCode::UNAVAILABLE, NoGroupMessage(*r, now), false, pending);
-  } else if (now >= r->deadline) {
+  if (now >= r->deadline) {
     Fail(
         r, grpc::StatusCode::DEADLINE_EXCEEDED,
         r->group >= 0 ? "deadline exceeded" : "deadline exceeded while waiting for a free DP group",
         true, pending);
-  } else if (r->client_deadline) {
-    ArmTimer(r, r->deadline);
+  } else if (r->queued && ConnectedGroups() == 0 && now >= r->unavailable_at) {
+    Fail(r, grpc::StatusCode::UNAVAILABLE, NoGroupMessage(*r, now), false, pending);
+  } else {
+    ArmNext(r, now);
+  }
+}
+
+void Dispatcher::ArmNext(Request* r, Clock::time_point now) {
+  // The request's next timed fate: its own deadline, and, while it waits
+  // with no group connected, the end of that wait. A request routed to a
+  // connected group (or queued for room in one) without a deadline needs no
+  // timer: its group's progress, or the stall watch, decides its fate.
+  Clock::time_point at = r->client_deadline ? r->deadline : Clock::time_point::max();
+  if (r->queued && ConnectedGroups() == 0) at = std::min(at, std::max(now, r->unavailable_at));
+  if (at != Clock::time_point::max()) {
+    ArmTimer(r, at);
+  } else if (r->armed) {
+    timers_.erase(r->timer);
+    r->armed = false;
+  }
+}
+
+std::optional<Clock::time_point> Dispatcher::NextStall() const {
+  std::optional<Clock::time_point> next;
+  const Clock::duration timeout = SecondsToDuration(options_.stall_timeout_s);
+  for (const auto& g : groups_) {
+    if (g->link == nullptr || g->in_flight == 0) continue;
+    const Clock::time_point at = g->heard_at + timeout;
+    if (!next || at < *next) next = at;
+  }
+  return next;
+}
+
+void Dispatcher::CheckStalls(Clock::time_point now, Pending& pending) {
+  const Clock::duration timeout = SecondsToDuration(options_.stall_timeout_s);
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    Group& g = *groups_[i];
+    if (g.link == nullptr || g.in_flight == 0 || now < g.heard_at + timeout) continue;
+    // Nothing from the group for that long although it has work: its step
+    // loop is stuck (a rank died inside a collective, a step that never
+    // ends). Closing the stream makes a worker that was only slow drop what
+    // it held and register again.
+    const std::string reason =
+        StrCat("it stalled: its leader sent nothing for ", Seconds(now - g.heard_at), " s with ", g.in_flight,
+               g.in_flight == 1 ? " request" : " requests", " in flight (stall timeout ",
+               Seconds(timeout), " s)");
+    std::shared_ptr<WorkerOutlet> owned = g.link;
+    Disconnect(static_cast<int>(i), reason, pending);
+    owned->Close(grpc::StatusCode::UNAVAILABLE, "the coordinator gave up on this DP group: " + reason);
+    pending.Add(owned);
   }
 }
 
@@ -656,9 +715,13 @@ std::string Dispatcher::NoGroupMessage(const Request& r, Clock::time_point now) 
   for (const auto& g : groups_) {
     if (!g->disconnect_reason.empty() && (last == nullptr || g->left_at > last->left_at)) last = g.get();
   }
-  if (last == nullptr)
-    return StrCat("no DP group registered before the deadline (waited ", Ms(now - r.arrival), " ms)");
-  return StrCat("no DP group connected before the deadline (waited ", Ms(now - r.arrival), " ms): ",
+  const std::string waited = StrCat(r.client_deadline && r.unavailable_at + r.unavailable_margin >= r.deadline
+                                        ? "before the deadline"
+                                        : StrCat("within the coordinator's queue timeout of ",
+                                                 Seconds(SecondsToDuration(options_.queue_timeout_s)), " s"),
+                                    " (waited ", Ms(now - r.arrival), " ms)");
+  if (last == nullptr) return StrCat("no DP group registered ", waited);
+  return StrCat("no DP group connected ", waited, ": ",
                 groups_.size() == 1 ? std::string("the one DP group registered before, ")
                                     : StrCat("all ", groups_.size(), " DP groups registered before went away; the last, "),
                 "DP group ", last->dp_group, " of worker '", last->worker_id, "', went away ",
@@ -700,28 +763,29 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
   // lost_group_wait_s to register again, and the clients learn soon if it
   // does not (bounded by their own deadlines, early as at submission).
   const Clock::time_point now = Clock::now();
-  const Clock::time_point soon =
-      now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(options_.lost_group_wait_s));
+  const Clock::time_point soon = now + SecondsToDuration(options_.lost_group_wait_s);
   for (Request* r : queue_) {
-    r->unavailable_at = r->client_deadline ? std::min(soon, r->deadline - r->unavailable_margin) : soon;
-    ArmTimer(r, r->unavailable_at);
+    r->unavailable_at = std::min(soon, r->deadline - r->unavailable_margin);
+    ArmNext(r, now);
   }
 }
 
 void Dispatcher::TimerLoop() {
   MutexLock lock(mu_);
   while (!stop_timer_) {
-    if (timers_.empty()) {
+    std::optional<Clock::time_point> next = NextStall();
+    if (!timers_.empty() && (!next || timers_.begin()->first < *next)) next = timers_.begin()->first;
+    if (!next) {
       lock.Wait(timer_cv_);
       continue;
     }
-    const Clock::time_point next = timers_.begin()->first;
-    if (Clock::now() < next) {
-      lock.WaitUntil(timer_cv_, next);
+    if (Clock::now() < *next) {
+      lock.WaitUntil(timer_cv_, *next);
       continue;
     }
     Pending pending;
     const Clock::time_point now = Clock::now();
+    CheckStalls(now, pending);
     while (!timers_.empty() && timers_.begin()->first <= now) {
       Request* r = timers_.begin()->second;
       timers_.erase(timers_.begin());

@@ -14,13 +14,24 @@
 // must never happen under mu_). Because messages are queued under mu_, the
 // order in which the dispatcher decides them is the order in which each stream
 // sends them. One internal thread sleeps on a condition variable until the
-// earliest request deadline; there is no thread per request.
+// earliest request deadline or group stall; there is no thread per request.
 //
 // Lock order: Dispatcher::mu_, then an outlet's own lock (Queue/Close). An
 // outlet never calls into the dispatcher while holding its lock.
 //
 // Invariant (at every release of mu_): the wait queue is empty or no group is
 // eligible (connected and below max_in_flight_per_group), so FIFO order holds.
+//
+// Every accepted request ends, deadline or not (CoordinatorOptions says each
+// bound): routed, it ends with its group's answer, its own deadline, or its
+// group's loss (the stream breaks, the group leaves, or it stalls: nothing
+// from it for stall_timeout_s with work in flight); on that loss a request
+// without a token is re-queued at the head and re-routed, one with tokens
+// ends UNAVAILABLE naming the group and what happened. Queued with no group
+// connected, it waits at most queue_timeout_s from its arrival, or
+// lost_group_wait_s from the loss of the last group, then ends UNAVAILABLE
+// saying which group went away and why (or that none ever registered).
+// Queued for room in connected groups, it waits for them.
 #pragma once
 
 #include <chrono>
@@ -115,7 +126,19 @@ class Dispatcher final : public WorkerLinkHandler {
   bool TryRoute(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
   void DrainQueue(Pending& pending) MLARUN_REQUIRES(mu_);
   void ArmTimer(Request* r, Clock::time_point at) MLARUN_REQUIRES(mu_);
+  // A timer of `r` fired: DEADLINE_EXCEEDED at its deadline, UNAVAILABLE
+  // when its wait with no group connected is over, else re-armed (ArmNext).
   void OnTimer(Request* r, Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Arms `r`'s timer for its next timed fate (its deadline; while queued with
+  // no group connected, the end of that wait), or disarms it when nothing
+  // timed is due: routed, or queued for room in a connected group, without a
+  // deadline (the group's progress or the stall watch decides).
+  void ArmNext(Request* r, Clock::time_point now) MLARUN_REQUIRES(mu_);
+  // The stall watch: when the earliest connected group with requests in
+  // flight reaches stall_timeout_s of silence (nullopt: none can), and the
+  // check that disconnects every group that has.
+  std::optional<Clock::time_point> NextStall() const MLARUN_REQUIRES(mu_);
+  void CheckStalls(Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
   void ReleaseFromGroup(Request* r) MLARUN_REQUIRES(mu_);
   // Adds one ended request to the counter of its final status: OK completed;
   // INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED rejected; CANCELLED
@@ -148,7 +171,7 @@ class Dispatcher final : public WorkerLinkHandler {
   // wait queue, the deadline timers, the router (round-robin cursor, prefix
   // indexes) and the counters.
   mutable Mutex mu_;
-  std::condition_variable timer_cv_;  // wakes TimerLoop for an earlier deadline or stop
+  std::condition_variable timer_cv_;  // wakes TimerLoop for an earlier deadline, a stall watch, or stop
   bool shutting_down_ MLARUN_GUARDED_BY(mu_) = false;
   bool stop_timer_ MLARUN_GUARDED_BY(mu_) = false;
   Router router_ MLARUN_GUARDED_BY(mu_);

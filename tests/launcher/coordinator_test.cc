@@ -5,6 +5,7 @@
 // hang.
 #include "launcher/coordinator/coordinator.h"
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -386,6 +387,75 @@ class StreamingGenerate {
   std::thread thread_;
 };
 
+// A Generate call without a gRPC deadline, on its own thread, counting the
+// tokens as they arrive. The call itself is unbounded, so a watchdog cancels
+// it after `watchdog`: a coordinator that let it wait shows up as CANCELLED
+// (and `watchdog_fired`), never as a hang.
+class UnboundedGenerate {
+ public:
+  UnboundedGenerate(v1::Mlarun::Stub& stub, v1::GenerateRequest req, Ms watchdog = 15s)
+      : start_(std::chrono::steady_clock::now()), thread_([this, &stub, req = std::move(req), watchdog] {
+          std::thread dog([this, watchdog] {
+            std::unique_lock lock(mu_);
+            if (!cv_.wait_for(lock, watchdog, [this] { return done_; })) {
+              watchdog_fired_ = true;
+              ctx_.TryCancel();
+            }
+          });
+          auto reader = stub.Generate(&ctx_, req);
+          v1::GenerateResponse resp;
+          while (reader->Read(&resp)) {
+            result_.ids.insert(resp.request_id());
+            if (resp.has_token()) {
+              result_.tokens.push_back(resp.token());
+              ++tokens_;
+            }
+            if (resp.has_finished()) result_.finished = resp.finished();
+          }
+          result_.status = reader->Finish();
+          result_.elapsed_ms =
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+          {
+            std::lock_guard lock(mu_);
+            done_ = true;
+          }
+          cv_.notify_all();
+          dog.join();
+        }) {}
+  ~UnboundedGenerate() {
+    if (thread_.joinable()) thread_.join();
+  }
+  bool WaitTokens(int n, Ms within = 5s) {
+    const auto end = std::chrono::steady_clock::now() + within;
+    while (tokens_ < n && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+    return tokens_ >= n;
+  }
+  const GenResult& Get() {
+    if (thread_.joinable()) thread_.join();
+    return result_;
+  }
+  // When the call ended, measured from `from`.
+  double EndedMsAfter(std::chrono::steady_clock::time_point from) {
+    Get();
+    return std::chrono::duration<double, std::milli>(start_ - from).count() + result_.elapsed_ms;
+  }
+  bool watchdog_fired() {
+    Get();
+    return watchdog_fired_;
+  }
+
+ private:
+  const std::chrono::steady_clock::time_point start_;
+  grpc::ClientContext ctx_;  // no deadline on purpose
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  bool watchdog_fired_ = false;
+  std::atomic<int> tokens_{0};
+  GenResult result_;
+  std::thread thread_;  // last: started once everything above is set
+};
+
 class CoordinatorTest : public ::testing::Test {
  protected:
   void StartCoordinator(CoordinatorOptions o = {}) {
@@ -749,10 +819,10 @@ TEST_F(CoordinatorTest, NoGroupBeforeDeadlineIsUnavailable) {
   EXPECT_EQ(Health().groups_connected(), 0);
 }
 
-// A call without a gRPC deadline waits default_deadline_s at most. The call
+// A call without a gRPC deadline waits queue_timeout_s at most. The call
 // itself has no deadline, so a watchdog cancels it if the coordinator hangs.
 TEST_F(CoordinatorTest, NoClientDeadlineUsesDefaultDeadline) {
-  StartCoordinator({.default_deadline_s = 0.3});
+  StartCoordinator({.queue_timeout_s = 0.3});
   grpc::ClientContext ctx;  // no deadline on purpose
   std::atomic<bool> done{false};
   std::thread watchdog([&] {
@@ -776,7 +846,7 @@ TEST_F(CoordinatorTest, NoClientDeadlineUsesDefaultDeadline) {
 // ... but once a group has it, a request without a deadline runs as long as
 // it takes: the default bounds only the wait for a group.
 TEST_F(CoordinatorTest, NoClientDeadlineDoesNotLimitARoutedRequest) {
-  StartCoordinator({.default_deadline_s = 0.3});
+  StartCoordinator({.queue_timeout_s = 0.3});
   FakeWorker& w = AddWorker({.hold = true});
   grpc::ClientContext ctx;  // no deadline on purpose
   std::atomic<bool> done{false};
@@ -935,6 +1005,206 @@ TEST_F(CoordinatorTest, GroupBackWithinTheLostGroupWaitServesTheRequestItLost) {
   EXPECT_EQ(Stats().coordinator().requests_rerouted(), 1);
 }
 
+// ---- Faults: every request ends, deadline or not ----------------------------------
+// Each call below has no gRPC deadline; the coordinator's own bounds (queue,
+// lost-group and stall timeouts, shortened here) must end it, well before the
+// watchdog.
+
+// A group accepts requests, sends no token for longer than the queue timeout
+// (the old one-shot timer fired and was not re-armed), then breaks with no
+// other group: the requests end UNAVAILABLE within the lost-group wait,
+// naming the group and what happened, never "no DP group registered".
+TEST_F(CoordinatorTest, FaultSilentGroupBreaksRequestsWithoutDeadlineEndWithinTheLostGroupWait) {
+  StartCoordinator({.queue_timeout_s = 0.2, .lost_group_wait_s = 0.3});
+  FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 2, .hold = true});
+  std::vector<std::unique_ptr<UnboundedGenerate>> calls;
+  for (int i = 0; i < 3; ++i)
+    calls.push_back(std::make_unique<UnboundedGenerate>(*stub_, MakeRequest({1, 2, i}, 4)));
+  ASSERT_TRUE(a.WaitRoutes(3));
+  std::this_thread::sleep_for(400ms);  // past the queue timeout, routed and silent
+  const auto lost = std::chrono::steady_clock::now();
+  a.Break();
+  for (auto& c : calls) {
+    const GenResult& r = c->Get();
+    const std::string& m = r.status.error_message();
+    EXPECT_FALSE(c->watchdog_fired());
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << m;
+    EXPECT_NE(m.find("DP group 2 of worker 'a' went away"), std::string::npos) << m;
+    EXPECT_NE(m.find("stream to the coordinator ended"), std::string::npos) << m;
+    EXPECT_EQ(m.find("no DP group registered"), std::string::npos) << m;
+    const double after_loss_ms = c->EndedMsAfter(lost);
+    EXPECT_GE(after_loss_ms, 250) << "it waited for the group to come back";
+    EXPECT_LT(after_loss_ms, 3000) << "within the lost-group wait";
+  }
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().requests_failed(), 3);
+  EXPECT_EQ(s.coordinator().requests_rerouted(), 3);
+  EXPECT_EQ(s.coordinator().requests_queued(), 0);
+}
+
+// The same with a second group: the requests without a token are re-routed
+// there and served; the one that had tokens ends UNAVAILABLE at once.
+TEST_F(CoordinatorTest, FaultBrokenGroupAfterSomeTokensFailsThatRequestAndReroutesTheRest) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .queue_timeout_s = 0.2, .lost_group_wait_s = 0.3});
+  FakeWorker& a = AddWorker({.worker_id = "a", .stall_after = 2});
+  UnboundedGenerate started(*stub_, MakeRequest({1, 2, 3}, 8));
+  ASSERT_TRUE(started.WaitTokens(2));
+  a.SetHold(true);
+  UnboundedGenerate silent(*stub_, MakeRequest({7, 8, 9}, 5, 3));
+  ASSERT_TRUE(a.WaitRoutes(2));
+  std::this_thread::sleep_for(300ms);  // past the queue timeout
+  AddWorker({.worker_id = "b", .dp_group = 1});
+  const auto lost = std::chrono::steady_clock::now();
+  a.Break();
+  const GenResult& r1 = started.Get();
+  EXPECT_EQ(r1.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r1.status.error_message();
+  EXPECT_NE(r1.status.error_message().find("DP group 0 of worker 'a' went away after sending 2 tokens"),
+            std::string::npos)
+      << r1.status.error_message();
+  EXPECT_LT(started.EndedMsAfter(lost), 2000);
+  const GenResult& r2 = silent.Get();
+  ExpectServed(r2, {7, 8, 9}, 3, 5);
+  EXPECT_EQ(r2.finished->dp_group(), 1);
+  EXPECT_FALSE(silent.watchdog_fired());
+  EXPECT_EQ(Stats().coordinator().requests_rerouted(), 1);
+}
+
+// A group that keeps its stream open but sends nothing while it has work (a
+// rank stuck in a collective) is dropped after the stall timeout: the request
+// with tokens ends UNAVAILABLE saying it stalled, the one without is re-routed
+// to the other group; the stalled group's stream is closed, and it can
+// register again.
+TEST_F(CoordinatorTest, FaultStalledGroupIsDroppedAndItsRequestsEnd) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .stall_timeout_s = 0.4});
+  FakeWorker& a = AddWorker({.worker_id = "a", .stall_after = 2});
+  UnboundedGenerate started(*stub_, MakeRequest({1, 2, 3}, 8));
+  ASSERT_TRUE(started.WaitTokens(2));
+  a.SetHold(true);
+  UnboundedGenerate silent(*stub_, MakeRequest({7, 8, 9}, 5, 3));
+  ASSERT_TRUE(a.WaitRoutes(2));
+  const auto routed = std::chrono::steady_clock::now();
+  AddWorker({.worker_id = "b", .dp_group = 1});
+  const GenResult& r1 = started.Get();
+  const std::string& m = r1.status.error_message();
+  EXPECT_EQ(r1.status.error_code(), grpc::StatusCode::UNAVAILABLE) << m;
+  EXPECT_NE(m.find("DP group 0 of worker 'a' went away after sending 2 tokens: it stalled"), std::string::npos) << m;
+  EXPECT_NE(m.find("2 requests in flight"), std::string::npos) << m;
+  const double ended_ms = started.EndedMsAfter(routed);
+  EXPECT_GE(ended_ms, 250) << "not before the stall timeout";
+  EXPECT_LT(ended_ms, 3000);
+  const GenResult& r2 = silent.Get();
+  ExpectServed(r2, {7, 8, 9}, 3, 5);
+  EXPECT_EQ(r2.finished->dp_group(), 1);
+  const v1::GetStatsResponse s = Stats();
+  ASSERT_NE(FindGroup(s, "a", 0), nullptr);
+  EXPECT_FALSE(FindGroup(s, "a", 0)->connected());
+  EXPECT_NE(FindGroup(s, "a", 0)->disconnect_reason().find("stalled"), std::string::npos);
+  // Its stream was closed by the coordinator; it registers again and serves.
+  a.Stop();
+  a.options().stall_after = -1;
+  a.options().hold = false;
+  ASSERT_TRUE(a.Connect());
+  std::set<int> served;
+  for (int i = 0; i < 2; ++i) served.insert(Generate(*stub_, MakeRequest({1}, 2, i)).finished->dp_group());
+  EXPECT_EQ(served, (std::set<int>{0, 1}));
+}
+
+// An idle group is never a stalled one: silence without work is fine.
+TEST_F(CoordinatorTest, FaultIdleGroupIsNotStalled) {
+  StartCoordinator({.stall_timeout_s = 0.2});
+  AddWorker({});
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(Health().groups_connected(), 1);
+  ExpectServed(Generate(*stub_, MakeRequest({1, 2}, 3)), {1, 2}, 0, 3);
+}
+
+// No group at all: a request waits the queue timeout, even when its own
+// deadline is later, and is told that none registered.
+TEST_F(CoordinatorTest, FaultNoGroupEndsAtTheQueueTimeoutWithOrWithoutDeadline) {
+  StartCoordinator({.queue_timeout_s = 0.3});
+  UnboundedGenerate unbounded(*stub_, MakeRequest({1, 2}, 2));
+  const GenResult with_deadline = Generate(*stub_, MakeRequest({1, 3}, 2), 20s);
+  for (const GenResult* r : {&with_deadline, &unbounded.Get()}) {
+    const std::string& m = r->status.error_message();
+    EXPECT_EQ(r->status.error_code(), grpc::StatusCode::UNAVAILABLE) << m;
+    EXPECT_NE(m.find("no DP group registered within the coordinator's queue timeout of 0.3 s"), std::string::npos)
+        << m;
+    EXPECT_GE(r->elapsed_ms, 250);
+    EXPECT_LT(r->elapsed_ms, 3000);
+  }
+  EXPECT_FALSE(unbounded.watchdog_fired());
+}
+
+// The group comes back within the lost-group wait: the request it had not
+// answered (no deadline, past the queue timeout) is served by it.
+TEST_F(CoordinatorTest, FaultGroupBackServesTheRequestWithoutDeadlineItLost) {
+  StartCoordinator({.queue_timeout_s = 0.2, .lost_group_wait_s = 5});
+  FakeWorker& a = AddWorker({.worker_id = "a", .hold = true});
+  UnboundedGenerate r(*stub_, MakeRequest({4, 5}, 3, 1));
+  ASSERT_TRUE(a.WaitRoutes(1));
+  std::this_thread::sleep_for(300ms);
+  a.Break();
+  std::this_thread::sleep_for(100ms);
+  a.options().hold = false;
+  ASSERT_TRUE(a.Connect());
+  ExpectServed(r.Get(), {4, 5}, 1, 3);
+  EXPECT_FALSE(r.watchdog_fired());
+}
+
+// Requests that do not parse (a string field that is not UTF-8, a truncated
+// message) get INVALID_ARGUMENT with a message, on every Mlarun method; the
+// service keeps serving.
+TEST_F(CoordinatorTest, UnparsableRequestsAreInvalidArgumentWithAMessage) {
+  StartCoordinator();
+  AddWorker({});
+  grpc::GenericStub generic(grpc::CreateChannel(coord_->address(), grpc::InsecureChannelCredentials()));
+  auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(SysClock::now() + 5s);
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::CompletionQueue cq;
+    auto rpc = generic.PrepareCall(&ctx, method, &cq);
+    rpc->StartCall(reinterpret_cast<void*>(1));
+    void* tag;
+    bool ok;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    rpc->Write(request, grpc::WriteOptions().set_last_message(), reinterpret_cast<void*>(2));
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    grpc::ByteBuffer response;
+    int reads = 0;
+    for (;;) {
+      rpc->Read(&response, reinterpret_cast<void*>(3));
+      EXPECT_TRUE(cq.Next(&tag, &ok));
+      if (!ok) break;
+      ++reads;
+    }
+    grpc::Status status;
+    rpc->Finish(&status, reinterpret_cast<void*>(4));
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(reads, 0) << method;
+    return status;
+  };
+  // Field 1 (request_id, a string) holding 0xff 0xfe: not UTF-8.
+  const std::string bad_utf8("\x0a\x02\xff\xfe", 4);
+  // Field 2 (prompt_ids, packed) claiming 10 bytes, holding 2.
+  const std::string truncated("\x12\x0a\x01\x02", 4);
+  for (const std::string& method : {std::string("/mlarun.v1.Mlarun/Generate"), std::string("/mlarun.v1.Mlarun/Cancel")}) {
+    for (const std::string& bytes : {bad_utf8, truncated}) {
+      const grpc::Status st = call(method, bytes);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method << ": " << st.error_message();
+      EXPECT_NE(st.error_message().find("does not parse as mlarun.v1."), std::string::npos)
+          << method << ": " << st.error_message();
+    }
+  }
+  const grpc::Status stats = call("/mlarun.v1.Mlarun/GetStats", truncated);
+  EXPECT_EQ(stats.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << stats.error_message();
+  // The service keeps serving, parsed requests as before.
+  ExpectServed(Generate(*stub_, MakeRequest({1, 2}, 3)), {1, 2}, 0, 3);
+  EXPECT_TRUE(CancelRpc("nobody") == false);
+  EXPECT_TRUE(Health().serving());
+}
+
 // Once every group has gone away, a request that waits for one in vain is
 // told what happened to them, not only that none registered.
 TEST_F(CoordinatorTest, NoGroupLeftSaysWhichGroupWentAwayAndWhy) {
@@ -1078,6 +1348,10 @@ TEST(CoordinatorStart, RejectsBadOptions) {
   EXPECT_EQ(
       Coordinator::Start({.listen = "127.0.0.1:0", .max_in_flight_per_group = 0}).status().code(),
       StatusCode::kInvalidArgument);
+  EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:0", .queue_timeout_s = 0}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:0", .stall_timeout_s = -1}).status().code(),
+            StatusCode::kInvalidArgument);
   auto first = Coordinator::Start({.listen = "127.0.0.1:0"});
   ASSERT_TRUE(first.ok());
   auto second = Coordinator::Start({.listen = (*first)->address()});
