@@ -2,8 +2,10 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -578,6 +580,72 @@ Status YamlToJson(const YAML::Node& node, std::string_view origin, const std::st
   return InvalidArgumentError(origin, ": ", where, ": unsupported YAML node");
 }
 
+// Every key ParseConfigObject and ReadRope read (in any model_type), plus
+// the YAML format's own `seed`.
+constexpr std::string_view kYamlKeys[] = {
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+    "n_routed_experts", "num_local_experts", "num_experts", "n_shared_experts", "num_experts_per_tok",
+    "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "n_group", "topk_group", "norm_topk_prob",
+    "routed_scaling_factor", "scoring_func", "topk_method", "index_n_heads", "index_head_dim", "index_topk",
+    "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "hidden_act",
+    "attention_bias", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave", "dtype", "torch_dtype",
+    "kv_dtype", "seed",
+};
+constexpr std::string_view kYamlRopeKeys[] = {
+    "rope_theta", "rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+    "mscale", "mscale_all_dim", "attention_factor", "truncate",
+};
+
+// Edit distance, for "did you mean" on a misspelt key.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// A YAML model file is mlarun's own format, so a key it does not know (a
+// typo that would silently leave a default in place) is an error naming the
+// key. config.json stays lenient: Hugging Face configs carry many keys that
+// do not concern the architecture.
+template <size_t N>
+Status CheckKeys(const Json& object, std::string_view origin, const std::string& prefix,
+                 const std::string_view (&known)[N]) {
+  for (auto it = object.begin(); it != object.end(); ++it) {
+    const std::string& key = it.key();
+    if (std::find(std::begin(known), std::end(known), key) != std::end(known)) continue;
+    std::string_view best;
+    size_t best_distance = 3;  // suggest only close matches
+    for (std::string_view k : known) {
+      const size_t d = EditDistance(key, k);
+      if (d < best_distance) best = k, best_distance = d;
+    }
+    return InvalidArgumentError(origin, ": ", prefix, key, ": unknown key",
+                                best.empty() ? std::string() : " (did you mean '" + prefix + std::string(best) + "'?)");
+  }
+  return Status::Ok();
+}
+
+Status CheckYamlKeys(const Json& root, std::string_view origin) {
+  if (!root.is_object()) return Status::Ok();  // ParseConfigObject says what is wrong
+  MLARUN_RETURN_IF_ERROR(CheckKeys(root, origin, "", kYamlKeys));
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    auto it = root.find(key);
+    if (it != root.end() && it->is_object())
+      MLARUN_RETURN_IF_ERROR(CheckKeys(*it, origin, std::string(key) + ".", kYamlRopeKeys));
+  }
+  return Status::Ok();
+}
+
 StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return NotFoundError("cannot open ", path);
@@ -587,7 +655,87 @@ StatusOr<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// A byte or element count as an integer, however large (doubles print
+// 1e+12 otherwise).
+std::string Count(double x) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.0f", x);
+  return buf;
+}
+
+// The per-tensor and whole-model limits of model_config.h.
+Status ValidateModelSizes(const ModelConfig& c) {
+  double total_bytes = 0;
+  for (const WeightTensorSize& t : WeightTensorSizes(c)) {
+    if (t.elems() > static_cast<double>(kMaxTensorElems))
+      return InvalidArgumentError(t.fields, ": ", t.tensor, " would be [", Count(t.rows), ", ", Count(t.cols),
+                                  "] = ", Count(t.elems()), " elements (", Count(t.elems() * t.elem_bytes),
+                                  " bytes), more than the ", kMaxTensorElems, " elements (2^40) a tensor may have");
+    total_bytes += t.total_bytes();
+  }
+  if (total_bytes > static_cast<double>(kMaxModelWeightBytes))
+    return InvalidArgumentError("num_hidden_layers, n_routed_experts and the sizes: the weights would need ",
+                                Count(total_bytes), " bytes, more than the ", kMaxModelWeightBytes,
+                                " bytes (2^60) a model may have");
+  return Status::Ok();
+}
+
 }  // namespace
+
+std::vector<WeightTensorSize> WeightTensorSizes(const ModelConfig& c) {
+  const int64_t w = static_cast<int64_t>(DTypeSize(c.weight_dtype));
+  // kv_b_proj is read as fp32 at load, then split into W_UK / W_UV in the cache dtype.
+  const int64_t kvb = std::max<int64_t>(4, static_cast<int64_t>(DTypeSize(c.kv_dtype)));
+  const double H = static_cast<double>(c.hidden_size), N = static_cast<double>(c.num_attention_heads);
+  const double L = static_cast<double>(c.kv_lora_rank), R = static_cast<double>(c.qk_rope_head_dim);
+  const double P = static_cast<double>(c.qk_nope_head_dim), V = static_cast<double>(c.v_head_dim);
+  const double Q = static_cast<double>(c.q_lora_rank), E = static_cast<double>(c.n_routed_experts);
+  const double Im = static_cast<double>(c.moe_intermediate_size);
+  // MoE layers without walking the layers: multiples of moe_layer_freq in
+  // [first_k_dense_replace, num_hidden_layers) when there are experts.
+  double moe_layers = 0;
+  if (c.n_routed_experts > 0 && c.moe_layer_freq > 0 && c.first_k_dense_replace < c.num_hidden_layers) {
+    const int64_t f = c.moe_layer_freq, a = std::max<int64_t>(c.first_k_dense_replace, 0), b = c.num_hidden_layers;
+    moe_layers = static_cast<double>((b - 1) / f - (a == 0 ? -1 : (a - 1) / f));
+  }
+  const double layers = static_cast<double>(c.num_hidden_layers);
+  const double dense_layers = layers - moe_layers;
+  std::vector<WeightTensorSize> t;
+  auto add = [&](std::string tensor, std::string fields, double rows, double cols, double count, int64_t bytes) {
+    if (count > 0) t.push_back({std::move(tensor), std::move(fields), rows, cols, count, bytes});
+  };
+  add("model.embed_tokens.weight", "vocab_size x hidden_size", static_cast<double>(c.vocab_size), H,
+      c.tie_word_embeddings ? 1 : 2, w);
+  const std::string a = "model.layers.*.self_attn.";
+  if (c.q_lora_rank > 0) {
+    add(a + "q_a_proj.weight", "q_lora_rank x hidden_size", Q, H, layers, w);
+    add(a + "q_b_proj.weight", "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) x q_lora_rank",
+        N * (P + R), Q, layers, w);
+  } else {
+    add(a + "q_proj.weight", "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) x hidden_size",
+        N * (P + R), H, layers, w);
+  }
+  add(a + "kv_a_proj_with_mqa.weight", "(kv_lora_rank + qk_rope_head_dim) x hidden_size", L + R, H, layers, w);
+  add(a + "kv_b_proj.weight", "num_attention_heads x (qk_nope_head_dim + v_head_dim) x kv_lora_rank", N * (P + V), L,
+      layers, kvb);
+  add(a + "o_proj.weight", "hidden_size x num_attention_heads x v_head_dim", H, N * V, layers, w);
+  if (c.has_indexer()) {
+    const double ih = static_cast<double>(c.index_n_heads), id = static_cast<double>(c.index_head_dim);
+    add(a + "indexer.wq_b.weight", "index_n_heads x index_head_dim x q_lora_rank", ih * id, Q, layers, w);
+    add(a + "indexer.wk.weight", "index_head_dim x hidden_size", id, H, layers, w);
+    add(a + "indexer.weights_proj.weight", "index_n_heads x hidden_size", ih, H, layers, w);
+  }
+  const std::string m = "model.layers.*.mlp.";
+  add(m + "{gate,up,down}_proj.weight", "intermediate_size x hidden_size", static_cast<double>(c.intermediate_size),
+      H, 3 * dense_layers, w);
+  add(m + "gate.weight", "n_routed_experts x hidden_size", E, H, moe_layers, 4);
+  add(m + "experts.*.{gate,up,down}_proj.weight", "moe_intermediate_size x hidden_size", Im, H,
+      3 * E * moe_layers, w);
+  if (c.n_shared_experts > 0)
+    add(m + "shared_experts.{gate,up,down}_proj.weight", "moe_intermediate_size x n_shared_experts x hidden_size",
+        Im * static_cast<double>(c.n_shared_experts), H, 3 * moe_layers, w);
+  return t;
+}
 
 bool ModelConfig::IsMoeLayer(int64_t layer) const {
   return n_routed_experts > 0 && layer >= first_k_dense_replace && moe_layer_freq > 0 && layer % moe_layer_freq == 0;
@@ -655,6 +803,16 @@ Status ValidateModelConfig(const ModelConfig& c) {
   };
   for (const auto& [name, value] : non_negative)
     if (value < 0) return InvalidArgumentError(name, " must be non-negative, got ", value);
+  const std::pair<const char*, int64_t> counts[] = {
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_nextn_predict_layers", c.num_nextn_predict_layers},
+      {"n_routed_experts", c.n_routed_experts},
+      {"n_shared_experts", c.n_shared_experts},
+  };
+  for (const auto& [name, value] : counts) {
+    const int64_t limit = std::string_view(name).find("layers") != std::string_view::npos ? kMaxLayers : kMaxExperts;
+    if (value > limit) return InvalidArgumentError(name, " must be at most ", limit, ", got ", value);
+  }
   if (c.qk_rope_head_dim % 2 != 0)
     return InvalidArgumentError("qk_rope_head_dim must be even (rotary pairs), got ", c.qk_rope_head_dim);
   // DeepSeek Sparse Attention: an indexer needs a key width and a token budget.
@@ -740,7 +898,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (c.kv_dtype != DType::kF32 && c.kv_dtype != DType::kBF16)
     return InvalidArgumentError("kv_dtype must be f32 or bf16, got ",
                                 IsValidDType(c.kv_dtype) ? DTypeName(c.kv_dtype) : "?");
-  return Status::Ok();
+  return ValidateModelSizes(c);
 }
 
 StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text, std::string_view origin) {
@@ -767,6 +925,7 @@ StatusOr<YamlModel> ParseModelYaml(std::string_view yaml_text, std::string_view 
   } catch (const std::exception& e) {  // YAML::Exception and anything yaml-cpp lets through
     return InvalidArgumentError(origin, ": malformed YAML: ", e.what());
   }
+  MLARUN_RETURN_IF_ERROR(CheckYamlKeys(root, origin));
   YamlModel model;
   MLARUN_ASSIGN_OR_RETURN(model.config, ParseConfigObject(root, origin));
   const FieldReader f(root, origin);

@@ -85,10 +85,37 @@ struct ModelConfig {
 };
 std::ostream& operator<<(std::ostream& os, const ModelConfig& c);
 
+// Sizes no model reaches. A config beyond them is refused by
+// ValidateModelConfig (INVALID_ARGUMENT naming the fields, the tensor and the
+// bytes) before anything is allocated, so every size computed from a valid
+// config fits int64. DeepSeek-V3 is far below each: 61 layers, 256 experts,
+// 0.93 G elements in its largest tensor, 1.3 TB of bf16 weights.
+inline constexpr int64_t kMaxLayers = int64_t{1} << 16;        // num_hidden_layers, num_nextn_predict_layers
+inline constexpr int64_t kMaxExperts = int64_t{1} << 16;       // n_routed_experts, n_shared_experts
+inline constexpr int64_t kMaxTensorElems = int64_t{1} << 40;   // any one weight tensor
+inline constexpr int64_t kMaxModelWeightBytes = int64_t{1} << 60;  // all weights together
+
+// One kind of weight tensor of a config, as the whole (unsharded) model holds
+// it: `count` tensors of [rows, cols] elements of `elem_bytes` each. Sizes
+// are doubles so that a config whose products overflow int64 can still be
+// described (and refused) exactly enough.
+struct WeightTensorSize {
+  std::string tensor;  // e.g. "model.layers.*.mlp.experts.*.gate_proj.weight"
+  std::string fields;  // the config fields of its shape, e.g. "moe_intermediate_size x hidden_size"
+  double rows = 0, cols = 0, count = 0;
+  int64_t elem_bytes = 0;
+  double elems() const { return rows * cols; }
+  double total_bytes() const { return rows * cols * count * static_cast<double>(elem_bytes); }
+};
+// The matrices of `c` (norms and biases, whose sizes are bounded by these,
+// left out). Requires positive sizes and a valid weight/kv dtype; any
+// layer and expert counts (it does not loop over them).
+std::vector<WeightTensorSize> WeightTensorSizes(const ModelConfig& c);
+
 // Checks value ranges and consistency (positive sizes, even rope dim,
 // num_experts_per_tok <= n_routed_experts, n_routed_experts divisible by
 // n_group, topk_group <= n_group, supported hidden_act, positive indexer sizes
-// with has_indexer(), ...).
+// with has_indexer(), ...), and the limits above.
 Status ValidateModelConfig(const ModelConfig& c);
 
 // Parses a Hugging Face config.json (text). `origin` names the file in errors.
@@ -99,6 +126,8 @@ StatusOr<ModelConfig> LoadHfConfig(const std::string& dir_or_file);
 // A YAML model description: the config.json fields, plus
 //   seed: <int>                     random weights from this seed (default 0)
 //   num_hidden_layers may be overridden by the caller for reduced depth.
+// Unlike config.json, a key the parser does not read (at the top level or in
+// rope_scaling / rope_parameters) is an error naming the key.
 struct YamlModel {
   ModelConfig config;
   uint64_t seed = 0;

@@ -2,10 +2,12 @@
 // Hugging Face checkpoint or by a seeded random generator, so the two can never
 // disagree on names, shapes, layouts or shards.
 #include <omp.h>
+#include <sys/sysinfo.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 
 #include "runtime/base/hash.h"
@@ -177,6 +179,40 @@ void SkipMlp(WeightSource& src, const std::string& prefix) {
 Status LoadNorm(WeightSource& src, const std::string& name, int64_t n, std::vector<float>* v) {
   v->resize(static_cast<size_t>(n));
   return src.Vector(name, n, v->data(), 1.0, 0.1);
+}
+
+// Physical memory plus swap of this machine, or 0 if the kernel does not say.
+int64_t MachineMemoryBytes() {
+  struct sysinfo si {};
+  if (sysinfo(&si) != 0) return 0;
+  const long double bytes = (static_cast<long double>(si.totalram) + static_cast<long double>(si.totalswap)) * si.mem_unit;
+  return bytes > static_cast<long double>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
+                                                                               : static_cast<int64_t>(bytes);
+}
+
+// Refuses, before anything is allocated, weights this machine cannot hold:
+// what this rank would allocate (PredictWeightBytes, less `mapped_bytes` the
+// checkpoint files back) beyond physical memory + swap. The message names
+// the bytes and the largest tensor with the config fields of its shape.
+Status CheckWeightsFitMachine(const ModelConfig& c, const ModelShard& s, int64_t mapped_bytes) {
+  const int64_t machine = MachineMemoryBytes();
+  if (machine <= 0) return Status::Ok();
+  const int64_t need = PredictWeightBytes(c, s).total();
+  if (need <= machine || need - machine <= mapped_bytes) return Status::Ok();
+  std::string largest;
+  double largest_bytes = -1;
+  for (const WeightTensorSize& t : WeightTensorSizes(c)) {
+    if (t.total_bytes() <= largest_bytes) continue;
+    largest_bytes = t.total_bytes();
+    largest = t.tensor + " ([" + t.fields + "] = [" + std::to_string(static_cast<int64_t>(t.rows)) + ", " +
+              std::to_string(static_cast<int64_t>(t.cols)) + "]" +
+              (t.count > 1 ? " x " + std::to_string(static_cast<int64_t>(t.count)) + " tensors" : std::string()) +
+              ", " + std::to_string(static_cast<int64_t>(largest_bytes)) + " bytes)";
+  }
+  return ResourceExhaustedError("model: the weights would need ", need, " bytes (", need >> 30, " GiB)",
+                                mapped_bytes > 0 ? " beyond the checkpoint's mapped files" : "",
+                                ", more than this machine's memory and swap (", machine, " bytes); the largest: ",
+                                largest);
 }
 
 // [begin, end) of `n` split in `parts` equal pieces.
@@ -362,6 +398,11 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   if (!ckpt) return InvalidArgumentError("model: no checkpoint given");
   std::unique_ptr<Model> m(new Model(config, options));
   MLARUN_RETURN_IF_ERROR(m->Init());
+  MLARUN_RETURN_IF_ERROR(ValidateModelShard(config, options.shard));
+  int64_t mapped_bytes = 0;
+  if (options.weights == WeightLoading::kMapped)
+    for (const std::string& name : ckpt->Names()) mapped_bytes += static_cast<int64_t>(ckpt->Find(name)->bytes);
+  MLARUN_RETURN_IF_ERROR(CheckWeightsFitMachine(config, options.shard, mapped_bytes));
   CheckpointSource src(std::move(ckpt), options.weights);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   MLARUN_RETURN_IF_ERROR(src.CheckNoneLeft(config));
@@ -371,6 +412,8 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
 StatusOr<std::unique_ptr<Model>> Model::Random(const ModelConfig& config, uint64_t seed, const ModelOptions& options) {
   std::unique_ptr<Model> m(new Model(config, options));
   MLARUN_RETURN_IF_ERROR(m->Init());
+  MLARUN_RETURN_IF_ERROR(ValidateModelShard(config, options.shard));
+  MLARUN_RETURN_IF_ERROR(CheckWeightsFitMachine(config, options.shard, 0));
   RandomSource src(seed);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   return m;

@@ -854,3 +854,103 @@ TEST(ModelConfig, PrintsOneLine) {
 
 }  // namespace
 }  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// Sizes whose weights cannot exist are refused at parse time, naming the
+// fields, the tensor and its bytes, before anything is allocated.
+TEST(ModelConfigSizes, TensorsBeyondTheLimitAreRefused) {
+  struct Case {
+    std::string json, fields, bytes;
+  };
+  const Case cases[] = {
+      {R"("vocab_size": 1099511627776, "hidden_size": 64)", "vocab_size x hidden_size", "140737488355328 bytes"},  // bf16
+      {R"("hidden_size": 4611686018427387904)", "vocab_size x hidden_size", "bytes"},
+      {R"("moe_intermediate_size": 4611686018427387904, "hidden_size": 4611686018427387904)",
+       "vocab_size x hidden_size", "bytes"},
+      {R"("num_attention_heads": 4194304, "v_head_dim": 4194304)", "num_attention_heads", "bytes"},
+      {R"("kv_lora_rank": 9223372036854775807)", "kv_lora_rank", "bytes"},
+  };
+  for (const Case& c : cases) {
+    const std::string text = std::string(R"({"model_type": "deepseek_v3", )") + c.json + "}";
+    SCOPED_TRACE(text);
+    const Status st = ParseHfConfigJson(text, "/m/config.json").status();
+    ExpectFieldError(st, "/m/config.json", c.fields);
+    EXPECT_NE(st.message().find(c.bytes), std::string::npos) << st;
+    EXPECT_NE(st.message().find("2^40"), std::string::npos) << st;
+  }
+}
+
+TEST(ModelConfigSizes, CountsAndTotalsBeyondTheLimitAreRefused) {
+  const std::pair<std::string, std::string> cases[] = {
+      {R"("num_hidden_layers": 100000000000)", "num_hidden_layers must be at most 65536"},
+      {R"("num_nextn_predict_layers": 70000)", "num_nextn_predict_layers must be at most 65536"},
+      {R"("n_routed_experts": 4294967296, "n_group": 1, "topk_group": 1)", "n_routed_experts must be at most 65536"},
+      {R"("n_shared_experts": 9223372036854775807)", "n_shared_experts must be at most 65536"},
+      // Every tensor within 2^40 elements, but 65536 layers of 65536 experts of them.
+      {R"("num_hidden_layers": 65536, "first_k_dense_replace": 0, "n_routed_experts": 65536, "n_group": 1,
+          "topk_group": 1, "moe_intermediate_size": 1048576, "hidden_size": 1048576, "vocab_size": 16)",
+       "bytes (2^60)"},
+      {R"("hidden_size": -1)", "hidden_size must be positive"},
+      {R"("vocab_size": 0)", "vocab_size must be positive"},
+  };
+  for (const auto& [json, expect] : cases) {
+    const std::string text = std::string(R"({"model_type": "deepseek_v3", )") + json + "}";
+    SCOPED_TRACE(text);
+    const Status st = ParseHfConfigJson(text, "c.json").status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find(expect), std::string::npos) << st;
+  }
+  // YAML goes through the same checks.
+  const Status st = ParseModelYaml("model_type: deepseek_v3\nvocab_size: 1099511627776\nhidden_size: 64\n", "m.yaml").status();
+  ExpectFieldError(st, "m.yaml", "vocab_size x hidden_size");
+}
+
+TEST(ModelConfigSizes, RealModelsAreWithinTheLimits) {
+  for (const char* preset : {"/deepseek-v3.yaml", "/deepseek-v2-lite.yaml", "/tiny.yaml"}) {
+    SCOPED_TRACE(preset);
+    StatusOr<YamlModel> m = LoadModelYaml(kPresets + preset);
+    ASSERT_TRUE(m.ok()) << m.status();
+    double total = 0;
+    for (const WeightTensorSize& t : WeightTensorSizes(m->config)) total += t.total_bytes();
+    EXPECT_GT(total, 0);
+  }
+  // DeepSeek-V3: 1.3 TB of bf16 weights, all of them matrices but the norms.
+  StatusOr<YamlModel> v3 = LoadModelYaml(kPresets + "/deepseek-v3.yaml");
+  ASSERT_TRUE(v3.ok());
+  double total = 0;
+  for (const WeightTensorSize& t : WeightTensorSizes(v3->config)) total += t.total_bytes();
+  EXPECT_GT(total, 1.2e12);
+  EXPECT_LT(total, 1.5e12);
+  EXPECT_TRUE(MustParseJson(R"({"model_type": "deepseek_v3"})").num_hidden_layers == 61);
+}
+
+// YAML model files are mlarun's own format: an unknown key is an error naming
+// it (with the closest known key); config.json keeps ignoring foreign keys.
+TEST(ModelConfigYamlKeys, UnknownKeysAreErrors) {
+  const std::pair<std::string, std::string> cases[] = {
+      {"hiden_size: 64", "hiden_size: unknown key (did you mean 'hidden_size'?)"},
+      {"architectures: [DeepseekV3ForCausalLM]", "architectures: unknown key"},
+      {"rope_scaling: {type: yarn, factr: 4}", "rope_scaling.factr: unknown key (did you mean 'rope_scaling.factor'?)"},
+      {"rope_parameters: {rope_type: default, extra: 1}", "rope_parameters.extra: unknown key"},
+  };
+  for (const auto& [line, expect] : cases) {
+    const std::string text = "model_type: deepseek_v3\n" + line + "\n";
+    SCOPED_TRACE(text);
+    const Status st = ParseModelYaml(text, "models/x.yaml").status();
+    ExpectFieldError(st, "models/x.yaml", expect);
+  }
+  EXPECT_TRUE(MustParseJson(R"({"model_type": "deepseek_v3", "architectures": ["X"], "hiden_size": 1})").hidden_size ==
+              7168);
+  // Every key the parser reads is accepted, including the aliases and the
+  // keys of other model types.
+  MustParseYaml("model_type: deepseek_v3\nnum_local_experts: 16\nrope_interleave: false\ntorch_dtype: bfloat16\n"
+                "index_n_heads: 4\nseed: 3\nrope_parameters: {rope_type: default, rope_theta: 10000}\n");
+  MustParseYaml("model_type: deepseek_v2\nnum_experts: 16\nnum_experts_per_tok: 2\nrope_scaling: {type: yarn, "
+                "factor: 2, original_max_position_embeddings: 1024, beta_fast: 32, beta_slow: 1, mscale: 1, "
+                "mscale_all_dim: 1, attention_factor: 1, truncate: true}\n");
+}
+
+}  // namespace
+}  // namespace mlarun
