@@ -41,6 +41,41 @@ class WeightSource {
   }
 };
 
+// The first non-finite element of n f32 or bf16 values at p, or -1. A branch-
+// free exponent test per block (vectorised by the compiler), blocks spread
+// over the threads; only a block that has one is searched element by element.
+int64_t FirstNonFinite(const std::byte* p, DType dtype, int64_t n) {
+  constexpr int64_t kBlock = 1 << 14;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  int64_t first = -1;
+  auto block_bad = [&](int64_t b) {
+    const int64_t begin = b * kBlock, end = std::min(n, begin + kBlock);
+    uint32_t bad = 0;
+    if (dtype == DType::kBF16) {
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(p);
+      for (int64_t i = begin; i < end; ++i) bad |= static_cast<uint32_t>((v[i] & 0x7f80u) == 0x7f80u);
+    } else {
+      const uint32_t* v = reinterpret_cast<const uint32_t*>(p);
+      for (int64_t i = begin; i < end; ++i) bad |= static_cast<uint32_t>((v[i] & 0x7f800000u) == 0x7f800000u);
+    }
+    return bad != 0;
+  };
+#pragma omp parallel for schedule(static) if (blocks > 8)
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (!block_bad(b)) continue;
+#pragma omp critical(mlarun_first_non_finite)
+    if (first < 0 || b * kBlock < first) first = b * kBlock;
+  }
+  if (first < 0) return -1;
+  const int64_t end = std::min(n, first + kBlock);
+  for (int64_t i = first; i < end; ++i) {
+    float x = 0;
+    LoadToF32(p + i * static_cast<int64_t>(DTypeSize(dtype)), dtype, &x, 1);
+    if (!std::isfinite(x)) return i;
+  }
+  return first;
+}
+
 class CheckpointSource final : public WeightSource {
  public:
   CheckpointSource(std::shared_ptr<const Checkpoint> c, WeightLoading loading)
@@ -59,9 +94,11 @@ class CheckpointSource final : public WeightSource {
       return InvalidArgumentError("weight ", name, ": slice [", r0, ", ", r1, ") x [", c0, ", ", c1,
                                   ") outside its shape [", rows, ", ", cols, "]");
     used_.insert(name);
+    const std::byte* first = in_place + (r0 * cols + c0) * static_cast<int64_t>(DTypeSize(dtype));
+    MLARUN_RETURN_IF_ERROR(CheckFinite(name, first, dtype, r1 - r0, c1 - c0, cols, r0, c0));
     Linear l;
     l.out = r1 - r0, l.in = c1 - c0, l.dtype = dtype, l.ld = cols;
-    l.data = in_place + (r0 * cols + c0) * static_cast<int64_t>(DTypeSize(dtype));
+    l.data = first;
     l.storage = std::shared_ptr<const void>(owner_, l.data);  // keeps the mapping alive
     return l;
   }
@@ -69,13 +106,18 @@ class CheckpointSource final : public WeightSource {
                DType dtype, void* out, double) override {
     used_.insert(name);
     const int64_t shape[2] = {rows, cols};
-    if (r0 == 0 && r1 == rows && c0 == 0 && c1 == cols) return ckpt_.Load(name, shape, dtype, out);
-    return ckpt_.LoadSlice(name, shape, r0, r1, c0, c1, dtype, out);
+    if (r0 == 0 && r1 == rows && c0 == 0 && c1 == cols) {
+      MLARUN_RETURN_IF_ERROR(ckpt_.Load(name, shape, dtype, out));
+    } else {
+      MLARUN_RETURN_IF_ERROR(ckpt_.LoadSlice(name, shape, r0, r1, c0, c1, dtype, out));
+    }
+    return CheckFinite(name, static_cast<const std::byte*>(out), dtype, r1 - r0, c1 - c0, c1 - c0, r0, c0);
   }
   Status Vector(const std::string& name, int64_t n, float* out, double, double) override {
     used_.insert(name);
     const int64_t shape[1] = {n};
-    return ckpt_.Load(name, shape, DType::kF32, out);
+    MLARUN_RETURN_IF_ERROR(ckpt_.Load(name, shape, DType::kF32, out));
+    return CheckFinite(name, reinterpret_cast<const std::byte*>(out), DType::kF32, 1, n, n, 0, 0);
   }
   void Skip(const std::string& name) override { used_.insert(name); }
 
@@ -98,6 +140,36 @@ class CheckpointSource final : public WeightSource {
   }
 
  private:
+  // NaN or Inf in the `rows` x `cols` values at `data` (rows `ld` elements
+  // apart) of tensor `name`, whose element [0, 0] is [row0, col0] of the
+  // tensor: an error naming the tensor, its file and the element. A checkpoint
+  // with one would compute NaN logits for every request.
+  Status CheckFinite(const std::string& name, const std::byte* data, DType dtype, int64_t rows, int64_t cols,
+                     int64_t ld, int64_t row0, int64_t col0) const {
+    const int64_t es = static_cast<int64_t>(DTypeSize(dtype));
+    int64_t bad_row = -1, bad_col = -1;
+    if (ld == cols) {
+      const int64_t i = FirstNonFinite(data, dtype, rows * cols);
+      if (i >= 0) bad_row = i / cols, bad_col = i % cols;
+    } else {
+      for (int64_t r = 0; r < rows && bad_row < 0; ++r) {
+        const int64_t j = FirstNonFinite(data + r * ld * es, dtype, cols);
+        if (j >= 0) bad_row = r, bad_col = j;
+      }
+    }
+    if (bad_row < 0) return Status::Ok();
+    float x = 0;
+    LoadToF32(data + (bad_row * ld + bad_col) * es, dtype, &x, 1);
+    const TensorRef* t = ckpt_.Find(name);
+    const bool vector = t != nullptr && t->shape.size() == 1;
+    return InvalidArgumentError("checkpoint ", ckpt_.dir(), ": tensor '", name, "'",
+                                t != nullptr && t->file != nullptr ? " in " + *t->file : std::string(), " has ",
+                                std::isnan(x) ? "NaN" : "Inf", " at element [",
+                                vector ? std::to_string(col0 + bad_col)
+                                       : std::to_string(row0 + bad_row) + ", " + std::to_string(col0 + bad_col),
+                                "]: the weights are not finite");
+  }
+
   std::shared_ptr<const Checkpoint> owner_;
   const Checkpoint& ckpt_;
   const WeightLoading loading_;

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <unistd.h>
 
 #include <filesystem>
@@ -422,6 +424,89 @@ TEST(ModelShard, ValidationNamesTheField) {
   EXPECT_NE(ValidateModelShard(no_dense, {.mlp_size = 64, .moe = MoeSharding::kByIntermediate}).message().find("moe_intermediate_size"),
             std::string::npos);
   EXPECT_NE(err({.mlp_size = 3}).find("intermediate_size (128)"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// A copy of fixture `name` whose tensor `tensor` has element `index` (of its
+// flattened values) set to `value` in the stored dtype (F32 or BF16).
+std::string CheckpointWithValue(const std::string& name, const std::string& tensor, int64_t index, float value) {
+  const std::string dir = EditedCheckpoint(name, [](auto&) {});
+  const std::string file = dir + "/model.safetensors";
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  uint64_t header_bytes = 0;
+  f.read(reinterpret_cast<char*>(&header_bytes), 8);
+  std::string header(header_bytes, '\0');
+  f.read(header.data(), static_cast<std::streamsize>(header_bytes));
+  const nlohmann::json h = nlohmann::json::parse(header);
+  const nlohmann::json& t = h.at(tensor);
+  const std::string dtype = t.at("dtype");
+  const int64_t es = dtype == "BF16" ? 2 : 4;
+  f.seekp(static_cast<std::streamoff>(8 + header_bytes + t.at("data_offsets")[0].get<uint64_t>() + index * es));
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, 4);
+  if (es == 2) {
+    const uint16_t top = static_cast<uint16_t>(bits >> 16);
+    f.write(reinterpret_cast<const char*>(&top), 2);
+  } else {
+    f.write(reinterpret_cast<const char*>(&bits), 4);
+  }
+  return dir;
+}
+
+// NaN / Inf in a checkpoint are refused at load, naming the tensor, its file
+// and the element, whether the weight is read in place, copied or converted
+// (a model with one would give NaN logits: tokens [0, 0] and null logprobs).
+TEST(ModelLoad, NonFiniteWeightsAreRefused) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    std::string fixture, tensor;
+    int64_t index;
+    float value;
+    std::string element;  // as the message prints it
+    WeightLoading loading;
+    bool to_f32;  // config dtype float32: bf16 weights converted at load
+  };
+  const std::string expert = "model.layers.1.mlp.experts.3.up_proj.weight";
+  auto layer_cols = [](const std::string& fixture, const std::string& tensor) {
+    const std::string dir = FixtureDir(fixture);
+    auto ckpt = Checkpoint::Open(dir);
+    return ckpt.ok() && (*ckpt)->Find(tensor) ? (*ckpt)->Find(tensor)->shape.back() : int64_t{1};
+  };
+  const int64_t cols = layer_cols("v3_bf16", expert);
+  const Case cases[] = {
+      {"v3_bf16", expert, 2 * cols + 5, nan, "[2, 5]", WeightLoading::kMapped, false},     // in place
+      {"v3_bf16", expert, 2 * cols + 5, inf, "[2, 5]", WeightLoading::kCopied, false},     // copied
+      {"v3_bf16", expert, 2 * cols + 5, -inf, "[2, 5]", WeightLoading::kMapped, true},     // bf16 -> f32
+      {"v3_fp32", "model.embed_tokens.weight", 7, nan, "[0, 7]", WeightLoading::kMapped, false},
+      {"v3_fp32", "model.layers.0.input_layernorm.weight", 3, inf, "[3]", WeightLoading::kMapped, false},
+      {"v3_fp32", "model.layers.0.self_attn.kv_b_proj.weight", 0, nan, "[0, 0]", WeightLoading::kMapped, false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.fixture + " " + c.tensor + " " + std::to_string(c.value));
+    std::string dir = CheckpointWithValue(c.fixture, c.tensor, c.index, c.value);
+    if (c.to_f32) {
+      nlohmann::json config = nlohmann::json::parse(std::ifstream(dir + "/config.json"));
+      config["dtype"] = "float32";
+      config.erase("torch_dtype");
+      std::ofstream(dir + "/config.json") << config.dump();
+    }
+    ModelOptions options;
+    options.weights = c.loading;
+    auto m = Model::Load(dir, {}, options);
+    ASSERT_FALSE(m.ok());
+    EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status();
+    const std::string want = "tensor '" + c.tensor + "' in " + dir + "/model.safetensors has " +
+                             (std::isnan(c.value) ? "NaN" : "Inf") + " at element " + c.element +
+                             ": the weights are not finite";
+    EXPECT_NE(m.status().message().find(want), std::string::npos) << m.status() << "\nwant: " << want;
+  }
+  // The untouched copies load.
+  EXPECT_TRUE(Model::Load(CheckpointWithValue("v3_bf16", expert, 0, 0.5f)).ok());
 }
 
 }  // namespace
