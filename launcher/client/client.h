@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "runtime/base/status.h"
@@ -31,6 +32,8 @@ struct DeploymentConfig {
   int64_t max_batched_tokens = 0;   // 0: not set
 };
 StatusOr<DeploymentConfig> LoadDeploymentConfig(const std::string& path);
+// The same from the file's text; `path` names it in messages.
+StatusOr<DeploymentConfig> ParseDeploymentConfig(std::string_view yaml_text, const std::string& path);
 
 struct SubmitOptions {
   std::string coordinator = "127.0.0.1:50051";

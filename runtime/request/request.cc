@@ -1,5 +1,7 @@
 #include "runtime/request/request.h"
 
+#include <algorithm>
+#include <limits>
 #include <nlohmann/json.hpp>
 
 namespace mlarun {
@@ -50,13 +52,17 @@ Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sa
   }
   if (Status st = ValidateSamplingParams(sampling, limits.vocab_size, limits.max_position_embeddings); !st.ok())
     return Status(st.code(), "sampling." + st.message());
-  const int64_t total = static_cast<int64_t>(prompt.size()) + sampling.max_tokens;
+  // Saturated: max_tokens may be anything up to INT64_MAX when no limit is known.
+  int64_t total = 0;
+  if (__builtin_add_overflow(static_cast<int64_t>(prompt.size()), sampling.max_tokens, &total))
+    total = std::numeric_limits<int64_t>::max();
   if (limits.max_position_embeddings != kLimitUnknown && total > limits.max_position_embeddings)
     return InvalidArgumentError("sampling.max_tokens: prompt_ids (", prompt.size(), " tokens) + max_tokens (",
                                 sampling.max_tokens, ") = ", total, " exceeds ", limits.whose,
                                 " max_position_embeddings ", limits.max_position_embeddings);
   if (limits.cache_blocks_total != kLimitUnknown) {
-    const int64_t blocks = (total + limits.block_size - 1) / limits.block_size;
+    const int64_t block_size = std::max<int64_t>(limits.block_size, 1);
+    const int64_t blocks = total / block_size + (total % block_size != 0 ? 1 : 0);
     if (blocks > limits.cache_blocks_total)
       return InvalidArgumentError("sampling.max_tokens: prompt_ids + max_tokens need ", blocks,
                                   " cache blocks, the whole cache has ", limits.cache_blocks_total);

@@ -1,0 +1,36 @@
+// Runs every file of the given corpus folders (or files) through a fuzz
+// target's LLVMFuzzerTestOneInput once: the committed corpus and the inputs
+// that once crashed, as a regression test built with the ordinary compiler.
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+
+int main(int argc, char** argv) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> files;
+  for (int i = 1; i < argc; ++i) {
+    if (fs::is_directory(argv[i])) {
+      for (const auto& e : fs::recursive_directory_iterator(argv[i]))
+        if (e.is_regular_file()) files.push_back(e.path());
+    } else {
+      files.emplace_back(argv[i]);
+    }
+  }
+  if (files.empty()) {
+    std::fprintf(stderr, "no corpus files given\n");
+    return 1;
+  }
+  for (const fs::path& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  }
+  std::printf("%zu inputs ran\n", files.size());
+  return 0;
+}
