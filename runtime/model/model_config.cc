@@ -128,7 +128,8 @@ ModelConfig TransformersDefaults(ModelType type) {
 }
 
 std::string Describe(const Json& v) {
-  std::string s = v.dump();
+  // replace: a YAML scalar may hold bytes that are not UTF-8 (dump would throw).
+  std::string s = v.dump(-1, ' ', false, Json::error_handler_t::replace);
   if (s.size() > 60) s = s.substr(0, 57) + "...";
   return s;
 }

@@ -32,3 +32,21 @@ TEST(FuzzRegression, MaxTokensInt64MaxDoesNotOverflow) {
 
 }  // namespace
 }  // namespace mlarun
+
+#include "runtime/model/model_config.h"
+
+namespace mlarun {
+namespace {
+
+// model_yaml_fuzz: a scalar that is not UTF-8 in an integer field made the
+// error message's JSON dump throw (std::terminate, exit 134).
+TEST(FuzzRegression, NonUtf8YamlScalarIsAnError) {
+  const Status st = ParseModelYaml("model_type: deepseek_v3\nhidden_size: \"\\xff\\xfe\"\n", "bad.yaml").status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("hidden_size"), std::string::npos) << st;
+  const Status raw = ParseModelYaml("model_type: deepseek_v3\nhidden_size: \xff\xfe\n", "bad.yaml").status();
+  EXPECT_EQ(raw.code(), StatusCode::kInvalidArgument) << raw;
+}
+
+}  // namespace
+}  // namespace mlarun
