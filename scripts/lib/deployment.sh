@@ -26,31 +26,9 @@ stop_deployment() {
   for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
   pids=()
 }
-on_exit() {
-  local rc=$?
-  stop_deployment
-  if [ "$rc" = 0 ]; then
-    rm -rf "$work"
-    return 0
-  fi
-  echo "$name: FAILED (exit code $rc); logs kept in $work"
-  local log
-  for log in coord.log worker.log; do
-    if [ -s "$work/$log" ]; then
-      echo "========== $name: last 40 lines of $work/$log =========="
-      tail -n 40 "$work/$log"
-    fi
-  done
-  echo "========== $name: end of logs =========="
-  return "$rc"
-}
-trap on_exit EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-fail() {
-  echo "$name: FAIL: $*"
-  exit 1
-}
+logs=("$work/coord.log" "$work/worker.log")
+before_exit() { stop_deployment; }
+source "$(dirname "${BASH_SOURCE[0]}")/on_exit.sh"
 
 start_deployment() {
   local policy=$1

@@ -55,6 +55,7 @@ work=$(mktemp -d "/tmp/$name.XXXXXX")
 export NETNS_HOSTS_FILE="$work/hosts"
 pids=()
 created=0
+watchdog=""
 logs=()
 
 stop_processes() {
@@ -88,34 +89,13 @@ delete_network() {  # PID: what the run with that PID created
   done
   ip link del "mlbr$1" 2>/dev/null || true
 }
-on_exit() {
-  local rc=$?
-  trap - EXIT INT TERM
-  kill "$watchdog" 2>/dev/null || true
+before_exit() {
+  [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
   stop_processes
   [ "$created" = 1 ] && delete_network $$
-  if [ "$rc" = 0 ] || [ "$rc" = 77 ]; then
-    rm -rf "$work"
-    return "$rc"
-  fi
-  echo "$name: FAILED (exit code $rc); logs kept in $work"
-  local log
-  for log in "${logs[@]}"; do
-    if [ -s "$log" ]; then
-      echo "========== $name: last 40 lines of $log =========="
-      tail -n 40 "$log"
-    fi
-  done
-  echo "========== $name: end of logs =========="
-  return "$rc"
+  return 0
 }
-trap on_exit EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-fail() {
-  echo "$name: FAIL: $*"
-  exit 1
-}
+source "$src/scripts/lib/on_exit.sh"
 # The whole run ends within $budget seconds: past it, TERM (and the cleanup).
 budget=${MULTIHOST_BUDGET_S:-100}
 # Killing what runs in the namespaces ends any command the script waits for.

@@ -17,32 +17,15 @@ mlarun=$(realpath "$1") src=$(realpath "$2") launcher=$3
 name="deploy_slurm_$launcher"
 work=$(mktemp -d "/tmp/$name.XXXXXX")
 job=""
-on_exit() {
-  local rc=$?
+logs=("$work/job.log")
+before_exit() {
   if [ -n "$job" ] && kill -0 "$job" 2>/dev/null; then
     kill -TERM "$job" 2>/dev/null || true
     for _ in $(seq 50); do kill -0 "$job" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$job" 2>/dev/null || true
   fi
-  if [ "$rc" = 0 ]; then
-    rm -rf "$work"
-    return 0
-  fi
-  echo "$name: FAILED (exit code $rc); logs kept in $work"
-  if [ -s "$work/job.log" ]; then
-    echo "========== $name: last 40 lines of $work/job.log =========="
-    tail -n 40 "$work/job.log"
-  fi
-  echo "========== $name: end of logs =========="
-  return "$rc"
 }
-trap on_exit EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-fail() {
-  echo "$name: FAIL: $*"
-  exit 1
-}
+source "$src/scripts/lib/on_exit.sh"
 
 mkdir -p "$work/bin" "$work/submit"
 cat >"$work/bin/scontrol" <<'EOF'
