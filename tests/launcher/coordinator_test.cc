@@ -352,6 +352,13 @@ class AsyncGenerate {
   std::thread thread_;
 };
 
+// True once `count` reaches `n`, false after `within`.
+bool WaitForCount(const std::atomic<int>& count, int n, Ms within) {
+  const auto end = std::chrono::steady_clock::now() + within;
+  while (count < n && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
+  return count >= n;
+}
+
 // A streaming Generate on its own thread that counts the tokens as they
 // arrive, so a test can act between them.
 class StreamingGenerate {
@@ -369,11 +376,7 @@ class StreamingGenerate {
     if (thread_.joinable()) thread_.join();
   }
   // True once `n` tokens arrived, false after `within`.
-  bool WaitTokens(int n, Ms within = 5s) {
-    const auto end = std::chrono::steady_clock::now() + within;
-    while (tokens_ < n && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
-    return tokens_ >= n;
-  }
+  bool WaitTokens(int n, Ms within = 5s) { return WaitForCount(tokens_, n, within); }
   // Waits for the call's end.
   const grpc::Status& Finish() {
     if (thread_.joinable()) thread_.join();
@@ -425,11 +428,7 @@ class UnboundedGenerate {
   ~UnboundedGenerate() {
     if (thread_.joinable()) thread_.join();
   }
-  bool WaitTokens(int n, Ms within = 5s) {
-    const auto end = std::chrono::steady_clock::now() + within;
-    while (tokens_ < n && std::chrono::steady_clock::now() < end) std::this_thread::sleep_for(1ms);
-    return tokens_ >= n;
-  }
+  bool WaitTokens(int n, Ms within = 5s) { return WaitForCount(tokens_, n, within); }
   const GenResult& Get() {
     if (thread_.joinable()) thread_.join();
     return result_;
