@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "launcher/bench/attention_bench.h"
+#include "launcher/bench/comm_bench.h"
 #include "launcher/bench/decode_bench.h"
 #include "launcher/bench/serve_bench.h"
 #include "launcher/client/client.h"
@@ -80,6 +81,14 @@ int main(int argc, char** argv) {
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
+
+  mlarun::CommBenchOptions cb;
+  auto* comm = bench->add_subcommand("comm", "Under mpirun: a layout's collectives at one decode step's sizes (time, algbw, busbw)");
+  comm->add_option("--model", cb.model, "Checkpoint directory or configs/models/*.yaml (its config only)")->capture_default_str();
+  comm->add_option("--parallel", cb.parallel, "dp=D,attn_tp=T (its world must be the job's size)")->required();
+  comm->add_option("--batch", cb.batches, "Tokens per DP group per step")->delimiter(',')->capture_default_str();
+  comm->add_option("--repetitions", cb.repetitions, "Timed calls per collective (median)")->capture_default_str();
+  comm->add_flag("--json", cb.json, "One JSON document on stdout (the table goes to stderr)");
 
   mlarun::ServeBenchOptions sb;
   auto* serve = bench->add_subcommand("serve", "The serving path over loopback: client load, coordinator overhead, routing");
@@ -343,6 +352,16 @@ int main(int argc, char** argv) {
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun bench decode: %s\n", st.ToString().c_str());
       return 1;
+    }
+    return 0;
+  }
+  if (comm->parsed()) {
+    auto session = mlarun::MpiSession::Init(&argc, &argv);
+    const mlarun::Status st =
+        session.ok() ? mlarun::RunCommBench(cb, **session, cb.json ? std::cerr : std::cout) : session.status();
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench comm: %s\n", st.ToString().c_str());
+      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
     }
     return 0;
   }
