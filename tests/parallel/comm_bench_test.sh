@@ -1,14 +1,18 @@
 #!/bin/bash
-# `mlarun bench comm` under mpirun on 4 ranks of the tiny model, dp=2,attn_tp=2:
-# every collective of a decode step is in the JSON with the byte counts this
-# script derives from the model's hidden_size and num_hidden_layers (not from
-# the program), with positive times and nccl-tests' busbw factors. Then the
-# refusals: batch 0 and a layout of another world size must end the job
-# non-zero, within the time limit, with the message from every rank.
-# Usage: comm_bench_test.sh <tiny.yaml> <mpirun and its options...> -- <mlarun>
+# `mlarun bench comm` under mpirun on dp x attn_tp ranks of the tiny model:
+# every collective of a decode step (and none that the layout skips) is in the
+# JSON with the byte counts this script derives from the model's hidden_size
+# and num_hidden_layers (not from the program), with positive times and
+# nccl-tests' busbw factors. Then the refusals: batch 0 and a layout of
+# another world size must end the job non-zero, within the time limit, with
+# the message from every rank.
+# Usage: comm_bench_test.sh <tiny.yaml> <dp> <attn_tp> <mpirun and its options...> -- <mlarun>
 set -u
 model=$1
-shift
+dp=$2
+tp=$3
+np=$((dp * tp))
+shift 3
 mpirun=()
 while [ "$1" != "--" ]; do mpirun+=("$1"); shift; done
 shift
@@ -22,18 +26,19 @@ H=$(sed -n 's/^hidden_size: *\([0-9]*\).*/\1/p' "$model")
 L=$(sed -n 's/^num_hidden_layers: *\([0-9]*\).*/\1/p' "$model")
 [ -n "$H" ] && [ -n "$L" ] || { echo "comm_bench_test: FAIL: no hidden_size / num_hidden_layers in $model"; exit 1; }
 
-timeout -k 5 90 "${mpirun[@]}" -np 4 "$mlarun" bench comm --model "$model" --parallel dp=2,attn_tp=2 --batch 1,8 \
+timeout -k 5 90 "${mpirun[@]}" -np "$np" "$mlarun" bench comm --model "$model" --parallel "dp=$dp,attn_tp=$tp" --batch 1,8 \
   --repetitions 3 --json >"$work/out.json" 2>"$work/err"
 rc=$?
 cat "$work/err"
 if [ "$rc" -ne 0 ]; then
   fail "the benchmark exited $rc"
 else
-  python3 - "$work/out.json" "$H" "$L" <<'PY' || fail "the JSON differs from the layout's prediction"
+  python3 - "$work/out.json" "$H" "$L" "$dp" "$tp" <<'PY' || fail "the JSON differs from the layout's prediction"
 import json, sys
 doc = json.load(open(sys.argv[1]))
 H, L = int(sys.argv[2]), int(sys.argv[3])
-dp, tp, world = 2, 2, 4
+dp, tp = int(sys.argv[4]), int(sys.argv[5])
+world = dp * tp
 words = 6                       # LockstepReport::kWords
 blocks = (512 + 1 + 63) // 64   # a plan sequence's blocks (512 cached tokens + 1, 64 per block)
 bad = []
@@ -46,14 +51,15 @@ check("world", doc["world"], world)
 check("batches", [r["batch"] for r in doc["rows"]], [1, 8])
 for row in doc["rows"]:
     T = row["batch"]
-    want = {
-        # name: (group, ranks, calls per step, bytes, busbw / algbw)
-        "attn_tp_all_reduce": ("attn_tp", tp, 2 * L, T * H * 4, 2 * (tp - 1) / tp),
-        "dp_all_gather_v": ("dp_peers", dp, L, dp * T * H * 4, (dp - 1) / dp),
-        "dp_reduce_scatter_v": ("dp_peers", dp, L, dp * T * H * 4, (dp - 1) / dp),
-        "lockstep_all_gather": ("world", world, 1, world * words * 8, (world - 1) / world),
-        "plan_broadcast": ("attn_tp", tp, 1, (1 + 7 + T * (5 + blocks)) * 8, 1.0),
-    }
+    # name: (group, ranks, calls per step, bytes, busbw / algbw); a group of
+    # one rank runs nothing.
+    want = {"lockstep_all_gather": ("world", world, 1, world * words * 8, (world - 1) / world)}
+    if tp > 1:
+        want["attn_tp_all_reduce"] = ("attn_tp", tp, 2 * L, T * H * 4, 2 * (tp - 1) / tp)
+        want["plan_broadcast"] = ("attn_tp", tp, 1, (1 + 7 + T * (5 + blocks)) * 8, 1.0)
+    if dp > 1:
+        want["dp_all_gather_v"] = ("dp_peers", dp, L, dp * T * H * 4, (dp - 1) / dp)
+        want["dp_reduce_scatter_v"] = ("dp_peers", dp, L, dp * T * H * 4, (dp - 1) / dp)
     got = {c["name"]: c for c in row["collectives"]}
     check(f"batch {T}: collectives", sorted(got), sorted(want))
     step_time = 0.0
@@ -103,8 +109,9 @@ refuse() {
     echo "comm_bench_test: ok: $name: exit $rc, on all $np ranks: $(grep -Em1 -e "$expect" "$work/$name")"
   fi
 }
-refuse batch_zero 4 "--batch 0: tokens per DP group must be positive" --parallel dp=2,attn_tp=2 --batch 1,0
-refuse world_size 3 "--parallel dp=2,attn_tp=2 needs 4 ranks, the job has 3" --parallel dp=2,attn_tp=2 --batch 1
+refuse batch_zero "$np" "--batch 0: tokens per DP group must be positive" --parallel "dp=$dp,attn_tp=$tp" --batch 1,0
+refuse world_size "$((np - 1))" "--parallel dp=$dp,attn_tp=$tp needs $np ranks, the job has $((np - 1))" \
+  --parallel "dp=$dp,attn_tp=$tp" --batch 1
 
 if [ "$failures" -ne 0 ]; then
   echo "comm_bench_test: $failures failures"
