@@ -41,15 +41,16 @@ struct Collective {
 // Every rank's local verdict, agreed on by the world: OK on every rank, or
 // the same error on every rank naming the first failing rank.
 Status Agree(Communicator& world, const Status& local) {
-  std::string mine = local.ok() ? "" : std::to_string(static_cast<int>(local.code())) + "|" + std::string(local.message());
+  std::string mine = local.ok() ? "" : std::to_string(static_cast<int>(local.code())) + "|" + local.message();
   MLARUN_ASSIGN_OR_RETURN(std::vector<std::string> all, AllGatherStrings(world, mine));
   for (size_t r = 0; r < all.size(); ++r) {
     if (all[r].empty()) continue;
     const size_t bar = all[r].find('|');
     const int code = std::atoi(all[r].substr(0, bar).c_str());
     const std::string text = "rank " + std::to_string(r) + ": " + all[r].substr(bar + 1);
-    if (code == static_cast<int>(StatusCode::kInvalidArgument)) return InvalidArgumentError(text);
-    return InternalError(text);
+    return Status(code > 0 && code <= static_cast<int>(StatusCode::kUnauthenticated) ? static_cast<StatusCode>(code)
+                                                                                      : StatusCode::kInternal,
+                  text);
   }
   return Status::Ok();
 }
