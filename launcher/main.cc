@@ -166,6 +166,10 @@ int main(int argc, char** argv) {
                     "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
       ->capture_default_str()->check(CLI::PositiveNumber);
   coord->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+  std::string c_secret_file;
+  coord->add_option("--worker-secret-file", c_secret_file,
+                    "File holding the worker link's shared secret (trimmed); workers must present it "
+                    "(without it, a --listen beyond loopback is warned about)");
 
   mlarun::WorkerOptions wo;
   auto* worker = app.add_subcommand("worker", "Serve a model on the ranks of mpirun for a coordinator");
@@ -190,6 +194,9 @@ int main(int argc, char** argv) {
                      "Fault injection for tests: model step N (0-based) fails with INTERNAL on world rank RANK "
                      "(every rank without @RANK); form N[@RANK]");
   worker->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+  std::string w_secret_file;
+  worker->add_option("--worker-secret-file", w_secret_file,
+                     "File holding the coordinator's worker secret (as its --worker-secret-file)");
 
   mlarun::SimWorkerOptions so;
   auto* sim = app.add_subcommand("sim-worker", "Simulated DP groups without a model (tests, examples, benchmarks)");
@@ -198,6 +205,9 @@ int main(int argc, char** argv) {
   sim->add_option("--tokens-per-s", so.tokens_per_s, "Per group; 0: as fast as possible")->capture_default_str();
   sim->add_option("--worker-id", so.worker_id, "Worker id to register with")->capture_default_str();
   sim->add_option("--vocab-size", so.vocab_size, "Vocabulary size")->capture_default_str();
+  std::string s_secret_file;
+  sim->add_option("--worker-secret-file", s_secret_file,
+                  "File holding the coordinator's worker secret (as its --worker-secret-file)");
   sim->add_option("--block-size", so.block_size, "Tokens per cache block")->capture_default_str();
   sim->add_option("--cache-blocks", so.cache_blocks, "Simulated cache blocks per group")->capture_default_str();
   sim->add_option("--max-position-embeddings", so.max_position_embeddings, "Longest prompt + max_tokens accepted")->capture_default_str();
@@ -256,6 +266,22 @@ int main(int argc, char** argv) {
       return 2;
     }
     co.policy = *p;
+    if (!c_secret_file.empty()) {
+      auto secret = mlarun::ReadWorkerSecretFile(c_secret_file);
+      if (!secret.ok()) {
+        std::fprintf(stderr, "mlarun coordinator: %s\n", secret.status().ToString().c_str());
+        return 2;
+      }
+      co.worker_secret = *secret;
+    }
+    if (co.worker_secret.empty() && !mlarun::IsLoopbackListenAddress(co.listen)) {
+      // The deployment scripts do not pass a secret file yet: warned, not refused.
+      co.open_worker_link_off_loopback = true;
+      std::fprintf(stderr,
+                   "mlarun coordinator: WARNING: --listen %s is not a loopback address and no "
+                   "--worker-secret-file was given: any process that reaches the port can register as a worker\n",
+                   co.listen.c_str());
+    }
     // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
     // before gRPC starts its threads, so they inherit the mask): Shutdown is
     // not something a signal handler may call.
@@ -290,6 +316,14 @@ int main(int argc, char** argv) {
       if (dc.memory_gib > 0) wo.memory_gib = dc.memory_gib;
     }
     if (w_mbt->count() == 0 && dc.max_batched_tokens > 0) wo.engine.max_num_batched_tokens = dc.max_batched_tokens;
+    if (!w_secret_file.empty()) {
+      auto secret = mlarun::ReadWorkerSecretFile(w_secret_file);
+      if (!secret.ok()) {
+        std::fprintf(stderr, "mlarun worker: %s\n", secret.status().ToString().c_str());
+        return 2;
+      }
+      wo.worker_secret = *secret;
+    }
     if (wo.deployment.model.empty()) {
       std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");
       return 2;
@@ -309,6 +343,14 @@ int main(int argc, char** argv) {
     return mlarun::RunWorker(wo, **session);
   }
   if (sim->parsed()) {
+    if (!s_secret_file.empty()) {
+      auto secret = mlarun::ReadWorkerSecretFile(s_secret_file);
+      if (!secret.ok()) {
+        std::fprintf(stderr, "mlarun sim-worker: %s\n", secret.status().ToString().c_str());
+        return 2;
+      }
+      so.worker_secret = *secret;
+    }
     static std::atomic<bool> stop{false};
     std::signal(SIGINT, [](int) { stop = true; });
     std::signal(SIGTERM, [](int) { stop = true; });

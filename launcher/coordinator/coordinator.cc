@@ -18,7 +18,9 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -162,8 +164,10 @@ class MlarunService final : public RawMlarunService {
 
 class CoordinatorImpl final : public Coordinator {
  public:
-  CoordinatorImpl(std::shared_ptr<Dispatcher> dispatcher)
-      : dispatcher_(dispatcher), mlarun_service_(dispatcher), link_service_(dispatcher.get()) {}
+  CoordinatorImpl(std::shared_ptr<Dispatcher> dispatcher, std::string worker_secret)
+      : dispatcher_(dispatcher),
+        mlarun_service_(dispatcher),
+        link_service_(dispatcher.get(), std::move(worker_secret)) {}
   ~CoordinatorImpl() override { Shutdown(); }
 
   Status Bind(const std::string& listen) {
@@ -225,6 +229,33 @@ std::string NewCoordinatorId() {
 }  // namespace
 }  // namespace coord
 
+namespace {
+constexpr size_t kMaxSecretBytes = 4096;
+}  // namespace
+
+bool IsLoopbackListenAddress(const std::string& listen) { return IsLoopbackListen(listen); }
+
+StatusOr<std::string> ReadWorkerSecretFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return InvalidArgumentError("--worker-secret-file: cannot read '", path, "'");
+  std::ostringstream content;
+  content << in.rdbuf();
+  if (in.bad()) return InvalidArgumentError("--worker-secret-file: cannot read '", path, "'");
+  std::string s = content.str();
+  if (s.size() > kMaxSecretBytes)
+    return InvalidArgumentError("--worker-secret-file: '", path, "' is larger than ", kMaxSecretBytes, " bytes");
+  const char* ws = " \t\r\n\v\f";
+  const size_t first = s.find_first_not_of(ws);
+  if (first == std::string::npos) return InvalidArgumentError("--worker-secret-file: '", path, "' is empty");
+  s = s.substr(first, s.find_last_not_of(ws) - first + 1);
+  for (const char c : s) {
+    if (c < 0x20 || c > 0x7e)
+      return InvalidArgumentError("--worker-secret-file: '", path,
+                                  "' must hold printable ASCII only (it is sent as a gRPC metadata value)");
+  }
+  return s;
+}
+
 StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
   if (options.max_queued < 0)
     return InvalidArgumentError("max_queued: must be >= 0, got ", options.max_queued);
@@ -247,8 +278,13 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
     return InvalidArgumentError("prefix_hashes_per_group: must be >= 0, got ",
                                 options.prefix_hashes_per_group);
 
+  if (options.worker_secret.empty() && !options.open_worker_link_off_loopback && !IsLoopbackListen(options.listen))
+    return InvalidArgumentError("--worker-secret-file: required when --listen binds beyond loopback (got '",
+                                options.listen,
+                                "'): without it any process that reaches the port can register as a worker");
+
   auto dispatcher = std::make_shared<coord::Dispatcher>(options, coord::NewCoordinatorId());
-  auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher);
+  auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher, options.worker_secret);
   MLARUN_RETURN_IF_ERROR(impl->Bind(options.listen));
   return std::unique_ptr<Coordinator>(std::move(impl));
 }

@@ -64,7 +64,27 @@ struct CoordinatorOptions {
   // prefix_affinity: block hashes remembered per group (least recently routed
   // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
   int64_t prefix_hashes_per_group = 100000;
+  // The worker link's shared secret (`--worker-secret-file`, trimmed): a
+  // worker's Connect must carry it, or it ends with UNAUTHENTICATED before
+  // its registration is read. Empty: none is asked for, which Start allows
+  // only when `listen` is a loopback address (127.0.0.0/8, [::1], localhost)
+  // or `open_worker_link_off_loopback` is set.
+  std::string worker_secret;
+  // Lets a coordinator bound beyond loopback run without a worker secret
+  // (any process that reaches the port can then register as a worker).
+  bool open_worker_link_off_loopback = false;
 };
+
+// The worker link's secret in `path` (`--worker-secret-file` of the
+// coordinator and the workers): the file's content with surrounding
+// whitespace trimmed. INVALID_ARGUMENT naming the file when it cannot be
+// read, is empty, is larger than 4 KiB, or holds anything but printable
+// ASCII (it travels as a gRPC metadata value).
+StatusOr<std::string> ReadWorkerSecretFile(const std::string& path);
+
+// Whether `listen` (host:port) binds only the loopback interface:
+// 127.0.0.0/8, [::1] or localhost (0.0.0.0 and [::] are not).
+bool IsLoopbackListenAddress(const std::string& listen);
 
 class Coordinator {
  public:

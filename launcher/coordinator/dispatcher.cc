@@ -33,6 +33,69 @@ std::string Seconds(Clock::duration d) {
 
 using internal::StrCat;
 
+// What a registration may claim (anything beyond is refused, INVALID_ARGUMENT
+// naming the field): far above any real deployment, low enough that nothing
+// derived from them overflows or takes real memory.
+constexpr size_t kMaxWorkerIdBytes = 256;
+constexpr int32_t kMaxDp = 4096;
+constexpr int32_t kMaxAttnTp = 1024;
+constexpr int64_t kMaxRanksPerJob = 65536;              // dp * attn_tp
+constexpr int64_t kMaxVocab = int64_t{1} << 31;         // token ids fit in int32
+constexpr int64_t kMaxPositions = int64_t{1} << 31;
+constexpr int64_t kMaxBlockSize = int64_t{1} << 20;
+constexpr int64_t kMaxBlocks = int64_t{1} << 40;
+constexpr size_t kMaxRankStatsBytes = 64 << 10;         // one RankStats (its strings, mostly)
+// A logprob is a natural log of a probability, <= 0; this much above 0 is
+// rounding.
+constexpr double kLogprobSlack = 1e-3;
+
+// The error of a Register that cannot be right, naming the field; nullopt
+// when it is in range.
+std::optional<std::string> CheckRegister(const v1::Register& reg) {
+  if (reg.worker_id().empty()) return "register.worker_id: must not be empty";
+  if (reg.worker_id().size() > kMaxWorkerIdBytes)
+    return StrCat("register.worker_id: at most ", kMaxWorkerIdBytes, " bytes, got ", reg.worker_id().size());
+  if (reg.dp() < 1 || reg.dp() > kMaxDp) return StrCat("register.dp: must be in [1, ", kMaxDp, "], got ", reg.dp());
+  if (reg.attn_tp() < 1 || reg.attn_tp() > kMaxAttnTp)
+    return StrCat("register.attn_tp: must be in [1, ", kMaxAttnTp, "], got ", reg.attn_tp());
+  const int64_t world = int64_t{reg.dp()} * reg.attn_tp();
+  if (world > kMaxRanksPerJob)
+    return StrCat("register: dp * attn_tp must be at most ", kMaxRanksPerJob, ", got ", world);
+  if (reg.dp_group() < 0 || reg.dp_group() >= reg.dp())
+    return StrCat("register.dp_group: must be in [0, dp = ", reg.dp(), "), got ", reg.dp_group());
+  if (reg.vocab_size() < 1 || reg.vocab_size() > kMaxVocab)
+    return StrCat("register.vocab_size: must be in [1, ", kMaxVocab, "], got ", reg.vocab_size());
+  if (reg.max_position_embeddings() < 0 || reg.max_position_embeddings() > kMaxPositions)
+    return StrCat("register.max_position_embeddings: must be in [0, ", kMaxPositions, "], got ",
+                  reg.max_position_embeddings());
+  if (reg.block_size() < 0 || reg.block_size() > kMaxBlockSize)
+    return StrCat("register.block_size: must be in [0, ", kMaxBlockSize, "], got ", reg.block_size());
+  if (reg.cache_blocks_total() < 0 || reg.cache_blocks_total() > kMaxBlocks)
+    return StrCat("register.cache_blocks_total: must be in [0, ", kMaxBlocks, "], got ", reg.cache_blocks_total());
+  return std::nullopt;
+}
+
+// The error of a group's rank list (at registration or in stats), naming the
+// field; nullopt when it fits the group.
+std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks,
+                                      const std::string& field, int32_t dp, int32_t attn_tp, int32_t dp_group) {
+  if (ranks.size() > attn_tp)
+    return StrCat(field, ": at most attn_tp = ", attn_tp, " entries (the group's ranks), got ", ranks.size());
+  const int64_t world = int64_t{dp} * attn_tp;
+  for (int i = 0; i < ranks.size(); ++i) {
+    const v1::RankStats& r = ranks[i];
+    const std::string at = StrCat(field, "[", i, "]");
+    if (r.rank() < 0 || r.rank() >= world)
+      return StrCat(at, ".rank: must be in [0, dp * attn_tp = ", world, "), got ", r.rank());
+    if (r.dp_group() != dp_group) return StrCat(at, ".dp_group: must be the group's ", dp_group, ", got ", r.dp_group());
+    if (r.attn_tp_rank() < 0 || r.attn_tp_rank() >= attn_tp)
+      return StrCat(at, ".attn_tp_rank: must be in [0, attn_tp = ", attn_tp, "), got ", r.attn_tp_rank());
+    if (r.ByteSizeLong() > kMaxRankStatsBytes)
+      return StrCat(at, ": at most ", kMaxRankStatsBytes, " bytes, got ", r.ByteSizeLong());
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 struct Dispatcher::Request {
@@ -67,6 +130,7 @@ struct Dispatcher::Group {
   const int32_t dp_group;
   std::shared_ptr<WorkerOutlet> link;  // nullptr while disconnected
   int64_t vocab_size = 0, max_position_embeddings = 0, block_size = 0;
+  int32_t dp = 1, attn_tp = 1;  // as registered (bounds its rank lists)
   int64_t free_blocks = 0;
   int64_t queued_tokens = 0;  // cost of its requests routed and not done, counted when routed
   int64_t in_flight = 0;
@@ -304,15 +368,19 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
     if (shutting_down_) {
       code = grpc::StatusCode::UNAVAILABLE;
       error = "coordinator shutting down";
-    } else if (reg.worker_id().empty()) {
-      error = "register.worker_id: must not be empty";
-    } else if (reg.dp_group() < 0) {
-      error = StrCat("register.dp_group: must be >= 0, got ", reg.dp_group());
-    } else if (reg.vocab_size() < 0 || reg.max_position_embeddings() < 0 || reg.block_size() < 0 ||
-               reg.cache_blocks_total() < 0) {
-      error =
-          "register: vocab_size, max_position_embeddings, block_size and cache_blocks_total must "
-          "be >= 0";
+    } else if (std::optional<std::string> bad = CheckRegister(reg)) {
+      error = std::move(*bad);
+    } else if (std::optional<std::string> bad_ranks =
+                   CheckRanks(reg.ranks(), "register.ranks", reg.dp(), reg.attn_tp(), reg.dp_group())) {
+      error = std::move(*bad_ranks);
+    } else if (auto held = group_index_.find(std::make_pair(reg.worker_id(), reg.dp_group()));
+               held != group_index_.end() && groups_[static_cast<size_t>(held->second)]->link != nullptr) {
+      // Its owner is connected: a second registration would take its
+      // requests. A restarted worker whose old stream is not seen broken yet
+      // retries with its back-off until it is.
+      code = grpc::StatusCode::ALREADY_EXISTS;
+      error = StrCat("register: DP group ", reg.dp_group(), " of worker '", reg.worker_id(),
+                     "' is registered and connected on another stream");
     }
     if (!error.empty()) {
       link->Close(code, std::move(error));
@@ -326,20 +394,14 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       }
       const int index = it->second;
       Group& g = *groups_[static_cast<size_t>(index)];
-      if (g.link != nullptr) {
-        // The worker restarted before its old stream was seen to break.
-        std::shared_ptr<WorkerOutlet> old = g.link;
-        Disconnect(index, "it registered again on a new stream", pending);
-        old->Close(grpc::StatusCode::ABORTED,
-                   "replaced by a new registration of the same DP group");
-        pending.Add(old);
-      }
       g.link = link;
       g.heard_at = Clock::now();
       link_group_[link.get()] = index;
       g.vocab_size = reg.vocab_size();
       g.max_position_embeddings = reg.max_position_embeddings();
       g.block_size = reg.block_size();
+      g.dp = reg.dp();
+      g.attn_tp = reg.attn_tp();
       g.free_blocks = reg.cache_blocks_total();
       g.ranks.assign(reg.ranks().begin(), reg.ranks().end());
       for (auto& rank : g.ranks) {
@@ -370,14 +432,25 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
     const int index = it->second;
     Group& g = *groups_[static_cast<size_t>(index)];
     g.heard_at = Clock::now();
+    std::optional<Violation> violation;
     switch (msg.msg_case()) {
       case v1::WorkerMessage::kTokens:
-        OnTokens(g, index, msg.tokens(), pending);
+        violation = OnTokens(g, index, msg.tokens(), pending);
         break;
       case v1::WorkerMessage::kDone:
-        OnDone(index, msg.done(), pending);
+        violation = OnDone(index, msg.done(), pending);
         break;
       case v1::WorkerMessage::kStats:
+        if (msg.stats().free_blocks() < 0 || msg.stats().free_blocks() > kMaxBlocks) {
+          violation = Violation{.what = StrCat("stats.free_blocks: must be in [0, ", kMaxBlocks, "], got ",
+                                               msg.stats().free_blocks())};
+          break;
+        }
+        if (std::optional<std::string> bad =
+                CheckRanks(msg.stats().ranks(), "stats.ranks", g.dp, g.attn_tp, g.dp_group)) {
+          violation = Violation{.what = std::move(*bad)};
+          break;
+        }
         g.free_blocks = msg.stats().free_blocks();
         if (msg.stats().ranks_size() > 0) {
           g.ranks.assign(msg.stats().ranks().begin(), msg.stats().ranks().end());
@@ -408,13 +481,18 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
       case v1::WorkerMessage::MSG_NOT_SET:
         break;
     }
+    if (violation) {
+      ProtocolViolation(index, std::move(*violation), pending);
+      attached = false;
+    }
     DrainQueue(pending);
   }
   pending.Flush();
   return attached;
 }
 
-void Dispatcher::OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending) {
+std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, const v1::TokenBatch& batch,
+                                                          Pending& pending) {
   const Clock::time_point now = Clock::now();
   for (const v1::TokenEvent& ev : batch.events()) {
     auto it = requests_.find(ev.request_id());
@@ -422,6 +500,20 @@ void Dispatcher::OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pend
     // are expected in flight: CancelRoute and the tokens crossed.
     if (it == requests_.end() || it->second->group != group) continue;
     Request* r = it->second.get();
+    // Nothing a group sends reaches a client unchecked; the tokens before
+    // the bad one were fine and are already queued.
+    if (ev.token_id() < 0 || ev.token_id() >= g.vocab_size)
+      return Violation{.request_id = r->id,
+                       .what = StrCat("token id ", ev.token_id(), " for request '", r->id,
+                                      "' is outside its vocabulary [0, ", g.vocab_size, ")")};
+    if (!std::isfinite(ev.logprob()) || ev.logprob() > kLogprobSlack)
+      return Violation{.request_id = r->id,
+                       .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
+                                      "' is not a finite log-probability (<= 0)")};
+    if (r->tokens_sent >= r->max_tokens)
+      return Violation{.request_id = r->id,
+                       .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens,
+                                      " tokens")};
     if (r->tokens_sent == 0) r->first_token_at = now;
     v1::GenerateResponse out;
     out.set_request_id(r->id);
@@ -432,22 +524,56 @@ void Dispatcher::OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pend
     r->client->Queue(std::move(out));
     pending.Add(r->client);
     ++g.tokens_generated;
-    if (router_.policy() == RoutingPolicy::kPrefixAffinity && r->tokens_sent <= r->max_tokens)
+    if (router_.policy() == RoutingPolicy::kPrefixAffinity)
       r->completion.push_back(static_cast<int32_t>(ev.token_id()));
   }
+  return std::nullopt;
 }
 
-void Dispatcher::OnDone(int group, const v1::RequestDone& done, Pending& pending) {
+std::optional<Dispatcher::Violation> Dispatcher::OnDone(int group, const v1::RequestDone& done,
+                                                        Pending& pending) {
   auto it = requests_.find(done.request_id());
-  if (it == requests_.end() || it->second->group != group) return;
+  if (it == requests_.end() || it->second->group != group) return std::nullopt;
   Request* r = it->second.get();
   if (done.error_code() != 0) {
+    if (done.error_code() < 0 || done.error_code() > static_cast<int32_t>(grpc::StatusCode::UNAUTHENTICATED))
+      return Violation{.request_id = r->id,
+                       .what = StrCat("done.error_code ", done.error_code(), " for request '", r->id,
+                                      "' is not a gRPC status code")};
     // The group's own checks rejected it, or a step of the group failed
     // (the message names the rank and why): forward its status unchanged.
     Fail(r, static_cast<grpc::StatusCode>(done.error_code()), done.error_message(), false, pending);
-    return;
+    return std::nullopt;
   }
+  if (done.finish_reason() != "length" && done.finish_reason() != "stop")
+    return Violation{.request_id = r->id,
+                     .what = StrCat("done.finish_reason '", done.finish_reason().substr(0, 64), "' for request '",
+                                    r->id, "' is neither 'length' nor 'stop'")};
+  if (done.prefix_hit_tokens() < 0 || done.prefix_hit_tokens() > r->prompt_tokens)
+    return Violation{.request_id = r->id,
+                     .what = StrCat("done.prefix_hit_tokens ", done.prefix_hit_tokens(), " for request '", r->id,
+                                    "' is outside [0, prompt tokens = ", r->prompt_tokens, "]")};
   Complete(r, done, pending);
+  return std::nullopt;
+}
+
+void Dispatcher::ProtocolViolation(int group, Violation v, Pending& pending) {
+  Group& g = *groups_[static_cast<size_t>(group)];
+  const std::string reason = "it violated the worker protocol: " + v.what;
+  // The request it was answering fails (whatever the client saw may be
+  // wrong); the group's others are handled as on any loss: re-routed
+  // without a token, UNAVAILABLE with.
+  if (auto it = requests_.find(v.request_id); !v.request_id.empty() && it != requests_.end() &&
+                                              it->second->group == group) {
+    Fail(it->second.get(), grpc::StatusCode::INTERNAL,
+         StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' ", reason,
+                "; the coordinator disconnected it"),
+         false, pending);
+  }
+  std::shared_ptr<WorkerOutlet> owned = g.link;
+  Disconnect(group, reason, pending);
+  owned->Close(grpc::StatusCode::FAILED_PRECONDITION, "the coordinator disconnected this DP group: " + reason);
+  pending.Add(owned);
 }
 
 void Dispatcher::Detach(const WorkerOutlet* link) {

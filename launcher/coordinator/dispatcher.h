@@ -94,8 +94,10 @@ class Dispatcher final : public WorkerLinkHandler {
   // The first message of a WorkerLink stream. On success the link is the
   // group's: Registered is queued on it, then any requests routed there; on a
   // bad Register (or after Shutdown) the link is closed and false is returned.
-  // A link registering a group that is still connected through another link
-  // replaces it (the old link is closed with ABORTED and treated as broken).
+  // Refused (closed with the status, false returned): INVALID_ARGUMENT for
+  // a field out of range (named in the message), ALREADY_EXISTS for a group
+  // (worker_id, dp_group) still connected through another link: its owner
+  // keeps it until that link ends.
   bool Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg) override;
   // A later message of an attached link. False if `link` is not (or no
   // longer) attached; the caller stops reading.
@@ -159,8 +161,23 @@ class Dispatcher final : public WorkerLinkHandler {
   // what happened to the group it lost, or to the groups registered before,
   // or that none ever registered.
   std::string NoGroupMessage(const Request& r, Clock::time_point now) const MLARUN_REQUIRES(mu_);
-  void OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending) MLARUN_REQUIRES(mu_);
-  void OnDone(int group, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
+  // What a group sent that it must not: `what` names the field and the value;
+  // `request_id` is the request it concerned (empty if none).
+  struct Violation {
+    std::string request_id;
+    std::string what;
+  };
+  // A group's tokens and completions, checked before a client sees them (ids
+  // in its vocabulary, finite logprobs <= 0, at most max_tokens, a known
+  // finish reason); the first violation stops the batch and is returned.
+  std::optional<Violation> OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending)
+      MLARUN_REQUIRES(mu_);
+  std::optional<Violation> OnDone(int group, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
+  // The group broke the protocol: the request concerned fails (INTERNAL,
+  // naming the group and the violation), the group is disconnected as on a
+  // loss (`reason` says what it did) and its stream closed with
+  // FAILED_PRECONDITION.
+  void ProtocolViolation(int group, Violation v, Pending& pending) MLARUN_REQUIRES(mu_);
   void TimerLoop() MLARUN_EXCLUDES(mu_);
 
   // Constant after construction.

@@ -1,6 +1,10 @@
 #include "launcher/link/link_server.h"
 
+#include <algorithm>
+#include <string_view>
 #include <utility>
+
+#include "launcher/link/worker_link_client.h"
 
 namespace mlarun {
 namespace {
@@ -25,6 +29,14 @@ class WorkerCall final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::C
     call->StartRead(&call->in_);
     return call.get();
   }
+  // A call refused before its first read: it ends with `status` at once.
+  static WorkerCall* Refuse(WorkerLinkHandler* handler, grpc::StatusCode code, std::string message) {
+    std::shared_ptr<WorkerCall> call(new WorkerCall(handler));
+    call->self_ = call;
+    call->Close(code, std::move(message));
+    call->Flush();
+    return call.get();
+  }
 
   void OnReadDone(bool ok) override {
     if (!ok) {  // the worker closed its side or the stream broke
@@ -34,6 +46,14 @@ class WorkerCall final : public grpc::ServerBidiReactor<v1::WorkerMessage, v1::C
       return;
     }
     bool keep_reading;
+    if (in_.ByteSizeLong() > WorkerLinkService::kMaxWorkerMessageBytes) {
+      handler_->Detach(this);
+      Close(grpc::StatusCode::RESOURCE_EXHAUSTED,
+            internal::StrCat("a WorkerMessage may take at most ", WorkerLinkService::kMaxWorkerMessageBytes,
+                             " bytes, got ", in_.ByteSizeLong()));
+      Flush();
+      return;
+    }
     if (!registered_) {
       if (in_.msg_case() != v1::WorkerMessage::kRegister) {
         Close(grpc::StatusCode::INVALID_ARGUMENT, "the first WorkerMessage must be register");
@@ -86,11 +106,46 @@ StatusOr<std::string> SplitListen(const std::string& listen) {
   return listen.substr(0, colon);
 }
 
+// Equal in time independent of where they differ (of the lengths only, which
+// the secret's length may leak).
+bool ConstantTimeEqual(std::string_view a, std::string_view b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  const size_t n = std::max(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
 }  // namespace
 
 grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* WorkerLinkService::Connect(
-    grpc::CallbackServerContext*) {
+    grpc::CallbackServerContext* ctx) {
+  if (!secret_.empty()) {
+    const auto& md = ctx->client_metadata();
+    auto it = md.find(kWorkerSecretHeader);
+    if (it == md.end())
+      return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
+                                "this coordinator needs the worker secret: start the worker with "
+                                "--worker-secret-file holding the coordinator's secret");
+    if (!ConstantTimeEqual(std::string_view(it->second.data(), it->second.size()), secret_))
+      return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
+                                "the worker secret does not match the coordinator's --worker-secret-file");
+  }
   return WorkerCall::Start(handler_);
+}
+
+
+
+bool IsLoopbackListen(const std::string& listen) {
+  StatusOr<std::string> host = SplitListen(listen);
+  if (!host.ok()) return false;
+  const std::string& h = *host;
+  if (h == "localhost" || h == "[::1]") return true;
+  if (h.rfind("127.", 0) != 0) return false;
+  return h.find_first_not_of("0123456789.") == std::string::npos;
 }
 
 StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const std::string& listen,

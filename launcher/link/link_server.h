@@ -140,13 +140,21 @@ class WorkerLinkHandler {
 // The WorkerLink service: one reactor per stream around `handler`, which
 // must outlive the server's calls (GrpcServer::Shutdown waits for them). A
 // stream whose first message is not `register` ends with INVALID_ARGUMENT.
+// With a `secret`, a call whose kWorkerSecretHeader (worker_link_client.h)
+// is missing or differs ends with UNAUTHENTICATED before anything is read
+// and the handler never sees it. A message from a worker larger than
+// kMaxWorkerMessageBytes ends its stream with RESOURCE_EXHAUSTED (the handler
+// sees it as a Detach).
 class WorkerLinkService : public v1::WorkerLink::CallbackService {
  public:
-  explicit WorkerLinkService(WorkerLinkHandler* handler) : handler_(handler) {}
+  static constexpr size_t kMaxWorkerMessageBytes = size_t{4} << 20;
+  explicit WorkerLinkService(WorkerLinkHandler* handler, std::string secret = "")
+      : handler_(handler), secret_(std::move(secret)) {}
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Connect(grpc::CallbackServerContext*) override;
 
  private:
   WorkerLinkHandler* const handler_;
+  const std::string secret_;
 };
 
 // gRPC services on host:port, with the coordinator's transport settings:
@@ -177,6 +185,11 @@ class GrpcServer {
   std::string address_;
   int port_ = 0;
 };
+
+// Whether `listen` (host:port) binds only the loopback interface:
+// 127.0.0.0/8, [::1] or localhost. False for anything else, 0.0.0.0 and [::]
+// included, and for a malformed address.
+bool IsLoopbackListen(const std::string& listen);
 
 // One group's stream to a LinkEndpoint: what it registered, every message it
 // sent (kept until the endpoint goes), and its sending half. Thread-safe.
@@ -216,8 +229,8 @@ class LinkPeer {
 // GrpcServer.
 class LinkEndpoint : private WorkerLinkHandler, public WorkerLinkService {
  public:
-  explicit LinkEndpoint(std::string coordinator_id)
-      : WorkerLinkService(this), coordinator_id_(std::move(coordinator_id)) {}
+  explicit LinkEndpoint(std::string coordinator_id, std::string secret = "")
+      : WorkerLinkService(this, std::move(secret)), coordinator_id_(std::move(coordinator_id)) {}
   // The newest peer of `dp_group` whose stream is live, waiting up to
   // `timeout` for one to register; nullptr after that.
   std::shared_ptr<LinkPeer> WaitPeer(int dp_group, std::chrono::milliseconds timeout);

@@ -14,7 +14,10 @@ constexpr auto kMaxBackoff = std::chrono::milliseconds(2000);
 }  // namespace
 
 WorkerLinkClient::WorkerLinkClient(Options o)
-    : coordinator_(std::move(o.coordinator)), reconnect_(o.reconnect), registration_(std::move(o.registration)) {
+    : coordinator_(std::move(o.coordinator)),
+      reconnect_(o.reconnect),
+      secret_(std::move(o.secret)),
+      registration_(std::move(o.registration)) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -92,6 +95,7 @@ void WorkerLinkClient::Run() {
   std::chrono::milliseconds backoff = kMinBackoff;
   for (;;) {
     auto context = std::make_shared<grpc::ClientContext>();
+    if (!secret_.empty()) context->AddMetadata(kWorkerSecretHeader, secret_);
     v1::WorkerMessage hello;
     {
       MutexLock lock(mu_);

@@ -35,6 +35,12 @@
 
 namespace mlarun {
 
+// The shared secret of the worker link (--worker-secret-file on the
+// coordinator and the workers): sent by the worker as this metadata header of
+// every Connect call, compared by the coordinator in constant time.
+// (ReadWorkerSecretFile, launcher/coordinator/coordinator.h, reads it.)
+inline constexpr char kWorkerSecretHeader[] = "x-mlarun-worker-secret";
+
 struct WorkerLinkEvent {
   // What the coordinator sent (registered, route or cancel); empty when
   // `ended`.
@@ -54,6 +60,10 @@ class WorkerLinkClient {
     // False: one attempt only (the coordinator test breaks and reconnects
     // its fake groups by hand).
     bool reconnect = true;
+    // Sent as kWorkerSecretHeader when not empty (the coordinator's
+    // --worker-secret-file). A coordinator that wants another answers
+    // UNAUTHENTICATED; the link keeps trying with its back-off.
+    std::string secret;
   };
   using Clock = std::chrono::steady_clock;
 
@@ -96,6 +106,7 @@ class WorkerLinkClient {
   // Constant after construction.
   const std::string coordinator_;
   const bool reconnect_;
+  const std::string secret_;
 
   Mutex write_mu_;  // one writer at a time on the stream; taken before mu_
   Mutex mu_;

@@ -22,6 +22,8 @@ namespace mlarun {
 struct SimWorkerOptions {
   std::string coordinator = "127.0.0.1:50051";
   std::string worker_id = "sim";
+  // The worker link's shared secret (--worker-secret-file); empty: none.
+  std::string worker_secret;
   int groups = 1;
   double tokens_per_s = 1000;  // per group; 0: as fast as possible
   int64_t vocab_size = 512;

@@ -11,6 +11,7 @@
 #include <map>
 #include <sstream>
 
+#include "launcher/client/grpc_util.h"
 #include "launcher/link/worker_link_client.h"
 #include "launcher/proto/proto_sampling.h"
 #include "launcher/rank/bootstrap.h"
@@ -153,6 +154,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   // The leader's end of the WorkerLink stream, on the link's own thread: the
   // step loop drains what arrived and sends (one consumer, one writer).
   std::unique_ptr<WorkerLinkClient> link;
+  std::string last_refusal;  // the coordinator's last refusal, logged once
   if (runner.is_leader()) {
     v1::Register reg;
     reg.set_worker_id(worker_id);
@@ -164,7 +166,8 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     reg.set_block_size(engine.block_size);
     reg.set_cache_blocks_total(runner.cache_stats().now.blocks_total);
     *reg.mutable_ranks() = rank_stats(0);
-    link = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{.coordinator = o.coordinator, .registration = reg});
+    link = std::make_unique<WorkerLinkClient>(
+        WorkerLinkClient::Options{.coordinator = o.coordinator, .registration = reg, .secret = o.worker_secret});
   }
   if (session.rank() == 0)
     std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.deployment.model << ", coordinator "
@@ -209,6 +212,21 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           live.erase(it->second);
           by_request_id.erase(it);
         } else if (e.ended) {  // the stream broke: the coordinator has ended or re-routed these
+          // A refusal (wrong or missing --worker-secret-file, a registration
+          // out of range, the group held by another stream) repeats at every
+          // retry of the back-off: said once per distinct answer.
+          const grpc::StatusCode code = e.status.error_code();
+          if (!e.registered && (code == grpc::StatusCode::UNAUTHENTICATED ||
+                                code == grpc::StatusCode::INVALID_ARGUMENT ||
+                                code == grpc::StatusCode::ALREADY_EXISTS)) {
+            std::string why = std::string(client_internal::GrpcCodeName(code)) + ": " + e.status.error_message();
+            if (why != last_refusal)
+              std::cerr << "mlarun worker " << worker_id << ": " << rank_name << ": the coordinator at "
+                        << o.coordinator << " refused the registration (" << why << "); retrying\n";
+            last_refusal = std::move(why);
+          } else if (e.registered) {
+            last_refusal.clear();
+          }
           for (const auto& [id, l] : live) {
             (void)runner.engine()->Cancel(id);
             (void)runner.engine()->TakeOutput(id);

@@ -42,6 +42,8 @@ struct WorkerOptions {
   double memory_gib = 0;
   EngineConfig engine;
   double stats_period_s = 0.5;
+  // The worker link's shared secret (--worker-secret-file); empty: none.
+  std::string worker_secret;
 };
 
 // Runs until a signal; returns the process exit code (0 on a clean stop).

@@ -13,7 +13,9 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -59,6 +61,12 @@ struct FakeWorkerOptions {
   bool hold = false;         // routed requests stay silent until Release()
   int32_t reject_code = 0;   // answer every request with this error (RequestDone.error_code)
   std::string reject_message;
+  std::string secret;        // sent as the worker secret when not empty
+  // Changes the registration before it is sent (the refusal tests).
+  std::function<void(v1::Register&)> edit_register;
+  // Changes each step's batch before it is sent (the forged-token tests);
+  // `done` is the step's completions.
+  std::function<void(v1::WorkerMessage& batch, std::vector<v1::WorkerMessage>& done)> edit_step;
 };
 
 // One WorkerLink stream through the workers' own link client (never
@@ -71,8 +79,20 @@ class FakeWorker {
 
   FakeWorkerOptions& options() { return options_; }  // change only while disconnected
 
-  // Opens the stream, registers, and waits for Registered.
+  // Opens the stream, registers, and waits for Registered. Like a worker's
+  // back-off, tries again for a while when the coordinator has not yet seen
+  // this group's previous stream end (ALREADY_EXISTS).
   bool Connect() {
+    for (int attempt = 0;; ++attempt) {
+      if (ConnectOnce()) return true;
+      if (end_status().error_code() != grpc::StatusCode::ALREADY_EXISTS || attempt == 50) return false;
+      Disconnect();
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  // One attempt, whatever it answers.
+  bool ConnectOnce() {
+    Disconnect();  // a refused attempt's stepper has returned; joined here
     {
       std::lock_guard lock(mu_);
       stop_ = ended_ = registered_ = false;
@@ -82,7 +102,7 @@ class FakeWorker {
     v1::Register r;
     r.set_worker_id(options_.worker_id);
     r.set_dp_group(options_.dp_group);
-    r.set_dp(1);
+    r.set_dp(options_.dp_group + 1);
     r.set_attn_tp(options_.ranks);
     r.set_vocab_size(options_.vocab_size);
     r.set_max_position_embeddings(options_.max_position_embeddings);
@@ -95,8 +115,9 @@ class FakeWorker {
       s->set_attn_tp_rank(i);
       s->set_cache_blocks_total(options_.cache_blocks);
     }
-    link_ = std::make_unique<WorkerLinkClient>(
-        WorkerLinkClient::Options{.coordinator = address_, .registration = std::move(r), .reconnect = false});
+    if (options_.edit_register) options_.edit_register(r);
+    link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
+        .coordinator = address_, .registration = std::move(r), .reconnect = false, .secret = options_.secret});
     stepper_ = std::thread([this] { StepLoop(); });
     std::unique_lock lock(mu_);
     return cv_.wait_for(lock, 5s, [this] { return registered_ || ended_; }) && registered_;
@@ -160,6 +181,18 @@ class FakeWorker {
   std::string coordinator_id() {
     std::lock_guard lock(mu_);
     return coordinator_id_;
+  }
+  // How the last stream ended (OK while it lasts).
+  grpc::Status end_status() {
+    std::lock_guard lock(mu_);
+    return ended_ ? end_status_ : grpc::Status::OK;
+  }
+  // Waits for the stream to end; its status (DEADLINE_EXCEEDED if it did not).
+  grpc::Status WaitEnded(Ms timeout = 5s) {
+    std::unique_lock lock(mu_);
+    if (!cv_.wait_for(lock, timeout, [this] { return ended_; }))
+      return grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "the stream did not end");
+    return end_status_;
   }
 
  private:
@@ -253,6 +286,7 @@ class FakeWorker {
         }
       }
       lock.unlock();
+      if (options_.edit_step) options_.edit_step(batch, dones);
       link_->Send(batch);
       for (const auto& d : dones) link_->Send(d);
       if (options_.token_delay.count() > 0) std::this_thread::sleep_for(options_.token_delay);
@@ -1337,6 +1371,236 @@ TEST_F(CoordinatorTest, ShutdownEndsLiveStreamsWithUnavailable) {
   coord_->Wait();  // returns at once after Shutdown
   EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms);
   EXPECT_EQ(call.Get().status.error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+// ---- The worker link's guards ---------------------------------------------------
+
+TEST_F(CoordinatorTest, RegistrationOutOfRangeIsRefusedNamingTheField) {
+  StartCoordinator();
+  struct Case {
+    std::string field;  // in the message
+    std::function<void(v1::Register&)> edit;
+    grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
+  };
+  const std::vector<Case> cases = {
+      {"register.worker_id", [](v1::Register& r) { r.set_worker_id(std::string(300, 'w')); }},
+      {"register.dp:", [](v1::Register& r) { r.set_dp(-5); }},
+      {"register.dp:", [](v1::Register& r) { r.set_dp(1 << 30); }},
+      {"register.attn_tp", [](v1::Register& r) { r.set_attn_tp(-1); }},
+      {"register: dp * attn_tp", [](v1::Register& r) { r.set_dp(4096); r.set_attn_tp(1024); }},
+      {"register.dp_group", [](v1::Register& r) { r.set_dp_group(2); r.set_dp(2); }},
+      {"register.vocab_size", [](v1::Register& r) { r.set_vocab_size(int64_t{1} << 62); }},
+      {"register.vocab_size", [](v1::Register& r) { r.set_vocab_size(0); }},
+      {"register.max_position_embeddings", [](v1::Register& r) { r.set_max_position_embeddings(-1); }},
+      {"register.block_size", [](v1::Register& r) { r.set_block_size(int64_t{1} << 40); }},
+      {"register.cache_blocks_total", [](v1::Register& r) { r.set_cache_blocks_total(int64_t{1} << 62); }},
+      {"register.ranks[0].rank", [](v1::Register& r) { r.mutable_ranks(0)->set_rank(-7); }},
+      {"register.ranks[0].attn_tp_rank", [](v1::Register& r) { r.mutable_ranks(0)->set_attn_tp_rank(3); }},
+      {"register.ranks[0].dp_group", [](v1::Register& r) { r.mutable_ranks(0)->set_dp_group(1); }},
+      {"register.ranks: at most attn_tp", [](v1::Register& r) { for (int i = 0; i < 5; ++i) *r.add_ranks() = r.ranks(0); }},
+      {"register.ranks[0]: at most", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(100 << 10, 'h')); }},
+      {"WorkerMessage may take at most", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(5 << 20, 'h')); },
+       grpc::StatusCode::RESOURCE_EXHAUSTED},
+  };
+  for (const Case& c : cases) {
+    FakeWorker bad(coord_->address(), {.worker_id = "bad", .edit_register = c.edit});
+    EXPECT_FALSE(bad.ConnectOnce()) << c.field;
+    const grpc::Status s = bad.WaitEnded();
+    EXPECT_EQ(s.error_code(), c.code) << c.field << ": " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.field), std::string::npos) << s.error_message();
+  }
+  // Nothing of them is known, and a real group serves.
+  EXPECT_EQ(Health().groups_connected(), 0);
+  FakeWorker& good = AddWorker({.worker_id = "good"});
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  ExpectServed(Generate(*stub_, MakeRequest(prompt, 3, 5)), prompt, 5, 3);
+  const v1::GetStatsResponse st = Stats();
+  ASSERT_EQ(st.groups_size(), 1);
+  EXPECT_EQ(st.groups(0).worker_id(), "good");
+  EXPECT_EQ(good.routes().size(), 1u);
+}
+
+TEST_F(CoordinatorTest, ConnectedGroupCannotBeTakenOver) {
+  StartCoordinator();
+  FakeWorker& owner = AddWorker({.worker_id = "job", .dp_group = 0});
+  FakeWorker impostor(coord_->address(), {.worker_id = "job", .dp_group = 0});
+  EXPECT_FALSE(impostor.ConnectOnce());
+  const grpc::Status s = impostor.WaitEnded();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::ALREADY_EXISTS) << s.error_message();
+  EXPECT_NE(s.error_message().find("DP group 0 of worker 'job' is registered and connected"), std::string::npos)
+      << s.error_message();
+  const std::vector<int32_t> prompt = {4, 5};
+  ExpectServed(Generate(*stub_, MakeRequest(prompt, 2, 1)), prompt, 1, 2);
+  EXPECT_EQ(owner.routes().size(), 1u);
+  EXPECT_TRUE(impostor.routes().empty());
+  EXPECT_EQ(Health().groups_connected(), 1);
+  // Once the owner's stream ended the group may register again.
+  owner.Break();
+  EXPECT_TRUE(impostor.Connect());
+  ExpectServed(Generate(*stub_, MakeRequest(prompt, 2, 1)), prompt, 1, 2);
+}
+
+TEST_F(CoordinatorTest, WorkerSecretIsRequiredWhenSet) {
+  CoordinatorOptions o;
+  o.worker_secret = "s3cret-value";
+  StartCoordinator(o);
+  FakeWorker none(coord_->address(), {.worker_id = "none"});
+  EXPECT_FALSE(none.ConnectOnce());
+  grpc::Status s = none.WaitEnded();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+  EXPECT_NE(s.error_message().find("--worker-secret-file"), std::string::npos) << s.error_message();
+  for (const std::string& wrong : std::vector<std::string>{"s3cret-valuE", "s3cret-value2", "s", std::string(4000, 'x')}) {
+    FakeWorker w(coord_->address(), {.worker_id = "wrong", .secret = wrong});
+    EXPECT_FALSE(w.ConnectOnce());
+    s = w.WaitEnded();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
+    EXPECT_NE(s.error_message().find("does not match"), std::string::npos) << s.error_message();
+  }
+  EXPECT_EQ(Health().groups_connected(), 0);
+  EXPECT_EQ(Stats().groups_size(), 0) << "a refused worker is never registered";
+  FakeWorker& good = AddWorker({.worker_id = "good", .secret = "s3cret-value"});
+  const std::vector<int32_t> prompt = {7, 8, 9};
+  ExpectServed(Generate(*stub_, MakeRequest(prompt, 4, 2)), prompt, 2, 4);
+  EXPECT_EQ(good.routes().size(), 1u);
+  EXPECT_TRUE(none.routes().empty());
+}
+
+TEST(CoordinatorStart, BeyondLoopbackNeedsAWorkerSecret) {
+  for (const std::string listen : std::vector<std::string>{"0.0.0.0:0", "[::]:0"}) {
+    auto c = Coordinator::Start({.listen = listen});
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument) << listen;
+    EXPECT_NE(c.status().message().find("--worker-secret-file"), std::string::npos) << c.status();
+  }
+  auto secured = Coordinator::Start({.listen = "0.0.0.0:0", .worker_secret = "abc"});
+  EXPECT_TRUE(secured.ok()) << secured.status();
+  auto open = Coordinator::Start({.listen = "0.0.0.0:0", .open_worker_link_off_loopback = true});
+  EXPECT_TRUE(open.ok()) << open.status();
+  EXPECT_TRUE(IsLoopbackListenAddress("127.0.0.1:1"));
+  EXPECT_TRUE(IsLoopbackListenAddress("127.1.2.3:1"));
+  EXPECT_TRUE(IsLoopbackListenAddress("[::1]:1"));
+  EXPECT_TRUE(IsLoopbackListenAddress("localhost:1"));
+  EXPECT_FALSE(IsLoopbackListenAddress("0.0.0.0:1"));
+  EXPECT_FALSE(IsLoopbackListenAddress("[::]:1"));
+  EXPECT_FALSE(IsLoopbackListenAddress("127.example.com:1"));
+  EXPECT_FALSE(IsLoopbackListenAddress("host1:1"));
+  for (const std::string listen : std::vector<std::string>{"127.0.0.1:0", "localhost:0"}) {
+    auto c = Coordinator::Start({.listen = listen});
+    EXPECT_TRUE(c.ok()) << listen << ": " << c.status();
+  }
+}
+
+TEST(ReadWorkerSecretFile, TrimsAndRefusesEmptyOrUnreadable) {
+  const std::string dir = ::testing::TempDir();
+  const std::string good = dir + "/mlarun_secret_good", empty = dir + "/mlarun_secret_empty",
+                    bad = dir + "/mlarun_secret_binary";
+  { std::ofstream(good) << "  tok3n-value \n"; }
+  { std::ofstream(empty) << " \n\t\n"; }
+  { std::ofstream(bad) << "a\x01b"; }
+  auto s = ReadWorkerSecretFile(good);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s, "tok3n-value");
+  for (const std::string& path : {empty, bad, dir + "/mlarun_secret_missing"}) {
+    auto r = ReadWorkerSecretFile(path);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << path;
+    EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status();
+    EXPECT_NE(r.status().message().find("--worker-secret-file"), std::string::npos) << r.status();
+  }
+}
+
+// A group that forges one kind of answer for the request "victim" (and sends
+// nothing for the others, which are then re-routed): the victim fails naming
+// the group and the violation, the group is disconnected, and a real group
+// takes what it left.
+TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
+  using Step = std::function<void(v1::WorkerMessage&, std::vector<v1::WorkerMessage>&)>;
+  auto only_victim = [](std::function<void(v1::TokenEvent&)> token, std::function<void(v1::RequestDone&)> done) -> Step {
+    return [token, done](v1::WorkerMessage& batch, std::vector<v1::WorkerMessage>& dones) {
+      auto* events = batch.mutable_tokens()->mutable_events();
+      for (int i = events->size() - 1; i >= 0; --i)
+        if (events->Get(i).request_id() != "victim") events->DeleteSubrange(i, 1);
+      for (auto& e : *events) token(e);
+      std::erase_if(dones, [](const v1::WorkerMessage& d) { return d.done().request_id() != "victim"; });
+      for (auto& d : dones) done(*d.mutable_done());
+    };
+  };
+  auto keep_token = [](v1::TokenEvent&) {};
+  auto keep_done = [](v1::RequestDone&) {};
+  struct Case {
+    std::string violation;  // in both messages
+    Step step;
+    int64_t tokens_before = 0;  // the victim's tokens the client saw
+  };
+  std::vector<Case> cases = {
+      {"token id -5 for request 'victim' is outside its vocabulary [0, 1000)",
+       only_victim([](v1::TokenEvent& e) { e.set_token_id(-5); }, keep_done)},
+      {"token id 1152921504606846976 for request 'victim' is outside",
+       only_victim([](v1::TokenEvent& e) { e.set_token_id(int64_t{1} << 60); }, keep_done)},
+      {"token id 1000 for request 'victim' is outside", only_victim([](v1::TokenEvent& e) { e.set_token_id(1000); }, keep_done)},
+      {"logprob nan for request 'victim' is not a finite log-probability",
+       only_victim([](v1::TokenEvent& e) { e.set_logprob(std::nan("")); }, keep_done)},
+      {"logprob inf for request 'victim'",
+       only_victim([](v1::TokenEvent& e) { e.set_logprob(std::numeric_limits<double>::infinity()); }, keep_done)},
+      {"logprob 3 for request 'victim'", only_victim([](v1::TokenEvent& e) { e.set_logprob(3); }, keep_done)},
+      {"done.finish_reason 'bogus' for request 'victim' is neither 'length' nor 'stop'",
+       only_victim(keep_token, [](v1::RequestDone& d) { d.set_finish_reason("bogus"); }), 4},
+      {"done.prefix_hit_tokens 99 for request 'victim'",
+       only_victim(keep_token, [](v1::RequestDone& d) { d.set_prefix_hit_tokens(99); }), 4},
+      {"done.error_code 99 for request 'victim' is not a gRPC status code",
+       only_victim(keep_token, [](v1::RequestDone& d) { d.set_error_code(99); }), 4},
+  };
+  // 12 tokens for max_tokens 4: the fifth is refused, the four before it were fine.
+  Step flood = [](v1::WorkerMessage& batch, std::vector<v1::WorkerMessage>& dones) {
+    auto* events = batch.mutable_tokens()->mutable_events();
+    for (int i = events->size() - 1; i >= 0; --i)
+      if (events->Get(i).request_id() != "victim") events->DeleteSubrange(i, 1);
+    if (!events->empty()) {
+      const v1::TokenEvent first = events->Get(0);
+      for (int i = 1; i < 12; ++i) *events->Add() = first;
+    }
+    dones.clear();
+  };
+  cases.push_back({"request 'victim' got more than its max_tokens = 4 tokens", flood, 4});
+
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.violation);
+    workers_.clear();
+    StartCoordinator({.policy = RoutingPolicy::kRoundRobin});
+    FakeWorker& bad = AddWorker({.worker_id = "bad", .token_delay = 20ms, .edit_step = c.step});
+    AsyncGenerate other(*stub_, MakeRequest({1, 2}, 4, 0, "other"), 10s);
+    ASSERT_TRUE(bad.WaitRoutes(1));
+    const GenResult victim = Generate(*stub_, MakeRequest({3, 4, 5}, 4, 0, "victim"));
+    EXPECT_EQ(victim.status.error_code(), grpc::StatusCode::INTERNAL) << victim.status.error_message();
+    EXPECT_NE(victim.status.error_message().find("DP group 0 of worker 'bad' it violated the worker protocol"),
+              std::string::npos)
+        << victim.status.error_message();
+    EXPECT_NE(victim.status.error_message().find(c.violation), std::string::npos) << victim.status.error_message();
+    EXPECT_EQ(static_cast<int64_t>(victim.tokens.size()), c.tokens_before);
+    EXPECT_FALSE(victim.finished.has_value());
+    for (const v1::Token& t : victim.tokens) {
+      EXPECT_GE(t.token_id(), 0);
+      EXPECT_LT(t.token_id(), 1000);
+      EXPECT_TRUE(std::isfinite(t.logprob()));
+    }
+    const grpc::Status end = bad.WaitEnded();
+    EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << end.error_message();
+    EXPECT_NE(end.error_message().find(c.violation), std::string::npos) << end.error_message();
+    EXPECT_TRUE(WaitStats([](const auto& st) { return st.groups_size() == 1 && !st.groups(0).connected(); }));
+    EXPECT_NE(Stats().groups(0).disconnect_reason().find(c.violation), std::string::npos);
+    // The request it held without a token goes to the real group.
+    FakeWorker& good = AddWorker({.worker_id = "good"});
+    ExpectServed(other.Get(), {1, 2}, 0, 4);
+    EXPECT_EQ(good.routes(), std::vector<std::string>{"other"});
+  }
+}
+
+TEST_F(CoordinatorTest, StatsOutOfRangeDisconnectTheGroup) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.worker_id = "job"});
+  w.SendStats(-1);
+  const grpc::Status end = w.WaitEnded();
+  EXPECT_EQ(end.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << end.error_message();
+  EXPECT_NE(end.error_message().find("stats.free_blocks"), std::string::npos) << end.error_message();
+  EXPECT_EQ(Health().groups_connected(), 0);
 }
 
 TEST(CoordinatorStart, RejectsBadOptions) {
