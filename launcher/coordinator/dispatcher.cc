@@ -44,7 +44,19 @@ constexpr int64_t kMaxVocab = int64_t{1} << 31;         // token ids fit in int3
 constexpr int64_t kMaxPositions = int64_t{1} << 31;
 constexpr int64_t kMaxBlockSize = int64_t{1} << 20;
 constexpr int64_t kMaxBlocks = int64_t{1} << 40;
-constexpr size_t kMaxRankStatsBytes = 64 << 10;         // one RankStats (its strings, mostly)
+constexpr size_t kMaxRankStatsBytes = 8 << 10;          // one RankStats (its strings, mostly)
+// What GetStats answers must fit the 4 MiB a gRPC client takes by default:
+// the rank stats of every group known (2 MiB: ~2000 ranks as workers report
+// them), and the groups themselves with their disconnect reasons (1 KiB).
+constexpr int64_t kMaxRankStatsTotalBytes = int64_t{2} << 20;
+constexpr size_t kMaxKnownGroups = 1024;
+constexpr size_t kMaxReasonBytes = 1024;
+
+int64_t RanksBytes(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks) {
+  int64_t n = 0;
+  for (const v1::RankStats& r : ranks) n += static_cast<int64_t>(r.ByteSizeLong());
+  return n;
+}
 // A logprob is a natural log of a probability, <= 0; this much above 0 is
 // rounding.
 constexpr double kLogprobSlack = 1e-3;
@@ -136,6 +148,7 @@ struct Dispatcher::Group {
   int64_t in_flight = 0;
   int64_t routed = 0, completed = 0, tokens_generated = 0;
   std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
+  int64_t ranks_bytes = 0;           // their wire size as reported (counted in rank_stats_bytes_)
   PrefixIndex prefix;                // prefix_affinity only
   std::string disconnect_reason;     // how it last went away; empty if it never did
   Clock::time_point left_at;         // when (valid with disconnect_reason)
@@ -381,6 +394,16 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       code = grpc::StatusCode::ALREADY_EXISTS;
       error = StrCat("register: DP group ", reg.dp_group(), " of worker '", reg.worker_id(),
                      "' is registered and connected on another stream");
+    } else if (held == group_index_.end() && groups_.size() >= kMaxKnownGroups) {
+      code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+      error = StrCat("register: the coordinator knows ", groups_.size(), " DP groups, its limit");
+    } else if (const int64_t before = held == group_index_.end()
+                                          ? 0
+                                          : groups_[static_cast<size_t>(held->second)]->ranks_bytes;
+               rank_stats_bytes_ - before + RanksBytes(reg.ranks()) > kMaxRankStatsTotalBytes) {
+      code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+      error = StrCat("register.ranks: the rank stats of all groups may take at most ", kMaxRankStatsTotalBytes,
+                     " bytes");
     }
     if (!error.empty()) {
       link->Close(code, std::move(error));
@@ -407,6 +430,8 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       for (auto& rank : g.ranks) {
         if (rank.worker_id().empty()) rank.set_worker_id(reg.worker_id());
       }
+      rank_stats_bytes_ += RanksBytes(reg.ranks()) - g.ranks_bytes;
+      g.ranks_bytes = RanksBytes(reg.ranks());
       // A (re)registering group starts with whatever its cache holds now; the
       // coordinator cannot know, and an empty guess costs at most one miss.
       g.prefix.Clear();
@@ -451,8 +476,16 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
           violation = Violation{.what = std::move(*bad)};
           break;
         }
+        if (msg.stats().ranks_size() > 0 &&
+            rank_stats_bytes_ - g.ranks_bytes + RanksBytes(msg.stats().ranks()) > kMaxRankStatsTotalBytes) {
+          violation = Violation{.what = StrCat("stats.ranks: the rank stats of all groups may take at most ",
+                                               kMaxRankStatsTotalBytes, " bytes")};
+          break;
+        }
         g.free_blocks = msg.stats().free_blocks();
         if (msg.stats().ranks_size() > 0) {
+          rank_stats_bytes_ += RanksBytes(msg.stats().ranks()) - g.ranks_bytes;
+          g.ranks_bytes = RanksBytes(msg.stats().ranks());
           g.ranks.assign(msg.stats().ranks().begin(), msg.stats().ranks().end());
           for (auto& rank : g.ranks) {
             if (rank.worker_id().empty()) rank.set_worker_id(g.worker_id);
@@ -471,7 +504,7 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
         // The group cannot continue and said why: end its stream (OK: the
         // worker asked for it) and its requests, with the reason.
         std::shared_ptr<WorkerOutlet> owned = g.link;
-        const std::string& why = msg.leaving().reason();
+        const std::string why = msg.leaving().reason().substr(0, kMaxReasonBytes);
         Disconnect(index, why.empty() ? "its leader left without a reason" : "its leader left: " + why, pending);
         owned->Close(grpc::StatusCode::OK, "");
         pending.Add(owned);
@@ -858,6 +891,7 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
   Group& g = *groups_[static_cast<size_t>(group)];
   link_group_.erase(g.link.get());
   g.link = nullptr;
+  if (reason.size() > kMaxReasonBytes) reason = reason.substr(0, kMaxReasonBytes - 3) + "...";
   g.disconnect_reason = std::move(reason);
   g.left_at = Clock::now();
   std::vector<Request*> affected;

@@ -198,6 +198,7 @@ class Dispatcher final : public WorkerLinkHandler {
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_ MLARUN_GUARDED_BY(mu_);  // live, by id
   std::list<Request*> queue_ MLARUN_GUARDED_BY(mu_);                          // waiting for a group, FIFO
   std::multimap<Clock::time_point, Request*> timers_ MLARUN_GUARDED_BY(mu_);  // one entry per live request
+  int64_t rank_stats_bytes_ MLARUN_GUARDED_BY(mu_) = 0;  // wire size of every group's rank stats, kept
   uint64_t next_serial_ MLARUN_GUARDED_BY(mu_) = 0;
   uint64_t next_generated_id_ MLARUN_GUARDED_BY(mu_) = 0;
   struct Counters {

@@ -1398,7 +1398,7 @@ TEST_F(CoordinatorTest, RegistrationOutOfRangeIsRefusedNamingTheField) {
       {"register.ranks[0].attn_tp_rank", [](v1::Register& r) { r.mutable_ranks(0)->set_attn_tp_rank(3); }},
       {"register.ranks[0].dp_group", [](v1::Register& r) { r.mutable_ranks(0)->set_dp_group(1); }},
       {"register.ranks: at most attn_tp", [](v1::Register& r) { for (int i = 0; i < 5; ++i) *r.add_ranks() = r.ranks(0); }},
-      {"register.ranks[0]: at most", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(100 << 10, 'h')); }},
+      {"register.ranks[0]: at most 8192 bytes", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(9 << 10, 'h')); }},
       {"WorkerMessage may take at most", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(5 << 20, 'h')); },
        grpc::StatusCode::RESOURCE_EXHAUSTED},
   };
@@ -1418,6 +1418,51 @@ TEST_F(CoordinatorTest, RegistrationOutOfRangeIsRefusedNamingTheField) {
   ASSERT_EQ(st.groups_size(), 1);
   EXPECT_EQ(st.groups(0).worker_id(), "good");
   EXPECT_EQ(good.routes().size(), 1u);
+}
+
+TEST_F(CoordinatorTest, RankStatsOfAllGroupsAreBoundedAndGetStatsKeepsWorking) {
+  StartCoordinator();
+  // 64 ranks of ~7 KiB each: ~450 KiB a group; the fifth such group passes
+  // the 2 MiB all groups may keep.
+  auto big = [](v1::Register& r) {
+    r.set_attn_tp(64);
+    r.clear_ranks();
+    for (int i = 0; i < 64; ++i) {
+      v1::RankStats* s = r.add_ranks();
+      s->set_rank(i);
+      s->set_attn_tp_rank(i);
+      s->set_host(std::string(7 << 10, 'h'));
+    }
+  };
+  std::vector<std::unique_ptr<FakeWorker>> held;
+  for (int i = 0; i < 4; ++i) {
+    held.push_back(std::make_unique<FakeWorker>(coord_->address(),
+                                                FakeWorkerOptions{.worker_id = "big" + std::to_string(i), .edit_register = big}));
+    ASSERT_TRUE(held.back()->ConnectOnce()) << i << ": " << held.back()->end_status().error_message();
+  }
+  FakeWorker fifth(coord_->address(), {.worker_id = "big4", .edit_register = big});
+  EXPECT_FALSE(fifth.ConnectOnce());
+  const grpc::Status s = fifth.WaitEnded();
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("register.ranks: the rank stats of all groups may take at most"), std::string::npos)
+      << s.error_message();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(SysClock::now() + 10s);
+  v1::GetStatsResponse resp;
+  const grpc::Status st = stub_->GetStats(&ctx, v1::GetStatsRequest(), &resp);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(resp.groups_size(), 4);
+  EXPECT_EQ(resp.ranks_size(), 4 * 64);
+}
+
+TEST_F(CoordinatorTest, LeavingReasonIsKeptBounded) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.worker_id = "job"});
+  w.Leave(std::string(100 << 10, 'r'));
+  EXPECT_TRUE(WaitStats([](const auto& st) { return st.groups_size() == 1 && !st.groups(0).connected(); }));
+  const std::string reason = Stats().groups(0).disconnect_reason();
+  EXPECT_LE(reason.size(), 1024u);
+  EXPECT_EQ(reason.rfind("its leader left: rrr", 0), 0u) << reason.substr(0, 40);
 }
 
 TEST_F(CoordinatorTest, ConnectedGroupCannotBeTakenOver) {
