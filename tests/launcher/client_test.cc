@@ -852,6 +852,29 @@ TEST(SimWorker, ReconnectsAfterTheCoordinatorRestarts) {
   server2->Shutdown();
 }
 
+TEST(SimWorker, PresentsTheWorkerSecretAndSaysWhenRefused) {
+  LinkEndpoint endpoint("secured", "sekrit-1");
+  auto server = GrpcServer::Start("127.0.0.1:0", {&endpoint});
+  ASSERT_TRUE(server.ok()) << server.status();
+  {
+    SimWorkerOptions o = SimOptions((*server)->address(), 1, 0);
+    o.worker_secret = "wrong";
+    SimWorker refused(o);
+    EXPECT_EQ(endpoint.WaitPeer(0, 500ms), nullptr) << "a worker with the wrong secret is never registered";
+    EXPECT_EQ(refused.Stop(), 0);
+    EXPECT_NE(refused.log().find("UNAUTHENTICATED: the worker secret does not match"), std::string::npos)
+        << refused.log();
+  }
+  SimWorkerOptions o = SimOptions((*server)->address(), 1, 0);
+  o.worker_secret = "sekrit-1";
+  SimWorker worker(o);
+  auto peer = endpoint.WaitPeer(0, 5s);
+  ASSERT_NE(peer, nullptr) << worker.log();
+  EXPECT_EQ(peer->registration().worker_id(), "sim-test");
+  EXPECT_EQ(worker.Stop(), 0);
+  (*server)->Shutdown(std::chrono::milliseconds(0));
+}
+
 TEST(SimWorker, StopsWhileTheCoordinatorIsDown) {
   int port;
   {
