@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
   std::string c_secret_file;
   coord->add_option("--worker-secret-file", c_secret_file,
                     "File holding the worker link's shared secret (trimmed); workers must present it "
-                    "(without it, a --listen beyond loopback is warned about)");
+                    "(required when --listen is beyond loopback)");
 
   mlarun::WorkerOptions wo;
   auto* worker = app.add_subcommand("worker", "Serve a model on the ranks of mpirun for a coordinator");
@@ -273,14 +273,6 @@ int main(int argc, char** argv) {
         return 2;
       }
       co.worker_secret = *secret;
-    }
-    if (co.worker_secret.empty() && !mlarun::IsLoopbackListenAddress(co.listen)) {
-      // The deployment scripts do not pass a secret file yet: warned, not refused.
-      co.open_worker_link_off_loopback = true;
-      std::fprintf(stderr,
-                   "mlarun coordinator: WARNING: --listen %s is not a loopback address and no "
-                   "--worker-secret-file was given: any process that reaches the port can register as a worker\n",
-                   co.listen.c_str());
     }
     // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
     // before gRPC starts its threads, so they inherit the mask): Shutdown is

@@ -197,11 +197,14 @@ coordinator="host1:50051"
 serve() {  # serve LAYOUT TAG GROUPS
   local layout=$1 tag=$2 groups=$3 t0=$SECONDS
   logs+=("$work/coord-$tag.log" "$work/worker-$tag.log" "$work/submit-$tag.log")
-  on_host host1 "$mlarun" coordinator --listen "$coordinator" --policy round_robin 2>"$work/coord-$tag.log" &
+  [ -s "$work/secret" ] || (umask 077 && head -c 32 /dev/urandom | base64 >"$work/secret")
+  on_host host1 "$mlarun" coordinator --listen "$coordinator" --policy round_robin \
+    --worker-secret-file "$work/secret" 2>"$work/coord-$tag.log" &
   pids+=($!)
   on_host host1 timeout --kill-after=5 120 mpirun "${mpi[@]}" \
     "$mlarun" worker --coordinator "$coordinator" --model "$model" --parallel "$layout" --threads 1 \
-    --kv-dtype fp32 --cache-bytes 16777216 --block-size 16 >"$work/worker-$tag.log" 2>&1 &
+    --worker-secret-file "$work/secret" --kv-dtype fp32 --cache-bytes 16777216 --block-size 16 \
+    >"$work/worker-$tag.log" 2>&1 &
   local job=$!
   pids+=("$job")
   local up=0
