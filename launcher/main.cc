@@ -44,6 +44,19 @@ void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
                   "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
 }
 
+// --worker-secret-file of `mlarun CMD`: the file's secret into *out (left
+// empty without the flag); false, with the reason printed, when it cannot be read.
+bool ReadSecret(const char* cmd, const std::string& path, std::string* out) {
+  if (path.empty()) return true;
+  auto secret = mlarun::ReadWorkerSecretFile(path);
+  if (!secret.ok()) {
+    std::fprintf(stderr, "mlarun %s: %s\n", cmd, secret.status().ToString().c_str());
+    return false;
+  }
+  *out = *secret;
+  return true;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
   app.require_subcommand(1);
@@ -266,14 +279,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     co.policy = *p;
-    if (!c_secret_file.empty()) {
-      auto secret = mlarun::ReadWorkerSecretFile(c_secret_file);
-      if (!secret.ok()) {
-        std::fprintf(stderr, "mlarun coordinator: %s\n", secret.status().ToString().c_str());
-        return 2;
-      }
-      co.worker_secret = *secret;
-    }
+    if (!ReadSecret("coordinator", c_secret_file, &co.worker_secret)) return 2;
     // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
     // before gRPC starts its threads, so they inherit the mask): Shutdown is
     // not something a signal handler may call.
@@ -308,14 +314,7 @@ int main(int argc, char** argv) {
       if (dc.memory_gib > 0) wo.memory_gib = dc.memory_gib;
     }
     if (w_mbt->count() == 0 && dc.max_batched_tokens > 0) wo.engine.max_num_batched_tokens = dc.max_batched_tokens;
-    if (!w_secret_file.empty()) {
-      auto secret = mlarun::ReadWorkerSecretFile(w_secret_file);
-      if (!secret.ok()) {
-        std::fprintf(stderr, "mlarun worker: %s\n", secret.status().ToString().c_str());
-        return 2;
-      }
-      wo.worker_secret = *secret;
-    }
+    if (!ReadSecret("worker", w_secret_file, &wo.worker_secret)) return 2;
     if (wo.deployment.model.empty()) {
       std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");
       return 2;
@@ -335,14 +334,7 @@ int main(int argc, char** argv) {
     return mlarun::RunWorker(wo, **session);
   }
   if (sim->parsed()) {
-    if (!s_secret_file.empty()) {
-      auto secret = mlarun::ReadWorkerSecretFile(s_secret_file);
-      if (!secret.ok()) {
-        std::fprintf(stderr, "mlarun sim-worker: %s\n", secret.status().ToString().c_str());
-        return 2;
-      }
-      so.worker_secret = *secret;
-    }
+    if (!ReadSecret("sim-worker", s_secret_file, &so.worker_secret)) return 2;
     static std::atomic<bool> stop{false};
     std::signal(SIGINT, [](int) { stop = true; });
     std::signal(SIGTERM, [](int) { stop = true; });
