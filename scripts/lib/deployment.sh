@@ -8,6 +8,7 @@
 #   wait_for_groups                            (fails unless $groups register)
 #   stop_deployment                            (the cleanup on exit does it too)
 #   fail MESSAGE                               (exit 1)
+#   rank_pid N                                 the pid of the worker job's rank N (empty if none)
 #
 # On exit the deployment is stopped. The scratch folder (and the logs in it)
 # is deleted only when the script succeeded; when it failed in any way (fail,
@@ -29,6 +30,13 @@ stop_deployment() {
 logs=("$work/coord.log" "$work/worker.log")
 before_exit() { stop_deployment; }
 source "$(dirname "${BASH_SOURCE[0]}")/on_exit.sh"
+
+rank_pid() {  # by the rank Open MPI gave the process, not by start order
+  local p
+  for p in $(pgrep -f "$mlarun worker"); do
+    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$1"; then echo "$p"; return; fi
+  done
+}
 
 start_deployment() {
   local policy=$1

@@ -44,10 +44,8 @@ sys.exit(0 if routed == 12 and tokens else 1)" && ok=1 && break
     sleep 0.1
   done
   [ $ok = 1 ] || fail "the 12 calls were not all routed and streaming: $(cat "$work/stats.json")"
-  local victim="" p
-  for p in $(pgrep -f "$mlarun worker"); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then victim=$p; fi
-  done
+  local victim
+  victim=$(rank_pid 1)
   [ -n "$victim" ] || fail "rank 1's process not found"
   local t0 t1
   t0=$(python3 -c 'import time; print(time.time())')

@@ -139,11 +139,8 @@ killed_rank() {
     sleep 0.1
   done
   [ $streaming = 1 ] || fail "the four clients did not all stream"
-  # Rank 2, by the rank Open MPI gave it.
-  local victim="" p
-  for p in $(pgrep -f "$mlarun worker"); do
-    if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=2"; then victim=$p; fi
-  done
+  local victim
+  victim=$(rank_pid 2)
   [ -n "$victim" ] || fail "rank 2's process not found"
   local t0 t1
   t0=$(now)
