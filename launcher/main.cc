@@ -44,16 +44,67 @@ void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
                   "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
 }
 
-// --worker-secret-file of `mlarun CMD`: the file's secret into *out (left
-// empty without the flag); false, with the reason printed, when it cannot be read.
-bool ReadSecret(const char* cmd, const std::string& path, std::string* out) {
-  if (path.empty()) return true;
-  auto secret = mlarun::ReadWorkerSecretFile(path);
-  if (!secret.ok()) {
-    std::fprintf(stderr, "mlarun %s: %s\n", cmd, secret.status().ToString().c_str());
-    return false;
+// The security flags of the serving commands: file paths, read after parsing
+// (secrets never travel on the command line).
+struct SecurityFlags {
+  std::string worker_secret_file, auth_token_file;
+  mlarun::TlsFiles tls;
+};
+enum class SecurityRole { kCoordinator, kWorker, kClient };
+void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
+  using R = SecurityRole;
+  if (role == R::kCoordinator) {
+    cmd->add_option("--worker-secret-file", f.worker_secret_file,
+                    "File holding the worker link's shared secret (trimmed); workers must present it "
+                    "(it or --tls-ca is required when --listen is beyond loopback)");
+    cmd->add_option("--auth-token-file", f.auth_token_file,
+                    "Client API tokens, one per line (TOKEN [NAME]): clients must send `authorization: Bearer TOKEN`");
+    cmd->add_option("--tls-cert", f.tls.cert, "TLS: the coordinator's certificate chain (PEM)");
+    cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
+    cmd->add_option("--tls-ca", f.tls.ca, "TLS: workers with a client certificate signed by this CA (PEM) need no secret");
+    return;
   }
-  *out = *secret;
+  if (role == R::kWorker) {
+    cmd->add_option("--worker-secret-file", f.worker_secret_file,
+                    "File holding the coordinator's worker secret (as its --worker-secret-file)");
+    cmd->add_option("--tls-cert", f.tls.cert, "TLS: this worker's client certificate (PEM; needs --tls-ca)");
+    cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
+  } else {
+    cmd->add_option("--auth-token-file", f.auth_token_file,
+                    "File holding the client API token (as a line of the coordinator's --auth-token-file)");
+  }
+  cmd->add_option("--tls-ca", f.tls.ca, "TLS to the coordinator, trusting the CA (PEM) that signed its certificate");
+}
+// Reads what the flags name; false, with the reason printed, when a file
+// cannot be used.
+bool LoadSecurity(const char* cmd, const SecurityFlags& f, SecurityRole role, std::string* worker_secret,
+                  mlarun::ClientSecurity* client, mlarun::CoordinatorOptions* coordinator) {
+  auto fail = [&](const mlarun::Status& st) {
+    std::fprintf(stderr, "mlarun %s: %s\n", cmd, st.ToString().c_str());
+    return false;
+  };
+  if (!f.worker_secret_file.empty()) {
+    auto secret = mlarun::ReadSecretFile("--worker-secret-file", f.worker_secret_file);
+    if (!secret.ok()) return fail(secret.status());
+    *worker_secret = *secret;
+  }
+  auto tls = role == SecurityRole::kCoordinator ? mlarun::LoadServerTls(f.tls) : mlarun::LoadClientTls(f.tls);
+  if (!tls.ok()) return fail(tls.status());
+  if (coordinator != nullptr) {
+    coordinator->tls = *tls;
+    if (!f.auth_token_file.empty()) {
+      auto tokens = mlarun::AuthTokens::ReadFile(f.auth_token_file);
+      if (!tokens.ok()) return fail(tokens.status());
+      coordinator->auth_tokens = std::move(*tokens);
+    }
+    return true;
+  }
+  client->tls = *tls;
+  if (!f.auth_token_file.empty()) {
+    auto token = mlarun::ReadSecretFile("--auth-token-file", f.auth_token_file);
+    if (!token.ok()) return fail(token.status());
+    client->token = *token;
+  }
   return true;
 }
 
@@ -161,6 +212,8 @@ int main(int argc, char** argv) {
   memory->add_option("--timeout", mem.timeout_s, "With --measure: seconds to wait for the ranks' reports to settle")
       ->capture_default_str();
   memory->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml): the coordinator address");
+  SecurityFlags mem_security;
+  AddSecurityFlags(memory, mem_security, SecurityRole::kClient);
 
   // ---- Serving: coordinator, workers, clients -------------------------------
   mlarun::CoordinatorOptions co;
@@ -179,10 +232,8 @@ int main(int argc, char** argv) {
                     "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
       ->capture_default_str()->check(CLI::PositiveNumber);
   coord->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
-  std::string c_secret_file;
-  coord->add_option("--worker-secret-file", c_secret_file,
-                    "File holding the worker link's shared secret (trimmed); workers must present it "
-                    "(required when --listen is beyond loopback)");
+  SecurityFlags c_security;
+  AddSecurityFlags(coord, c_security, SecurityRole::kCoordinator);
 
   mlarun::WorkerOptions wo;
   auto* worker = app.add_subcommand("worker", "Serve a model on the ranks of mpirun for a coordinator");
@@ -207,9 +258,8 @@ int main(int argc, char** argv) {
                      "Fault injection for tests: model step N (0-based) fails with INTERNAL on world rank RANK "
                      "(every rank without @RANK); form N[@RANK]");
   worker->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
-  std::string w_secret_file;
-  worker->add_option("--worker-secret-file", w_secret_file,
-                     "File holding the coordinator's worker secret (as its --worker-secret-file)");
+  SecurityFlags w_security;
+  AddSecurityFlags(worker, w_security, SecurityRole::kWorker);
 
   mlarun::SimWorkerOptions so;
   auto* sim = app.add_subcommand("sim-worker", "Simulated DP groups without a model (tests, examples, benchmarks)");
@@ -218,9 +268,8 @@ int main(int argc, char** argv) {
   sim->add_option("--tokens-per-s", so.tokens_per_s, "Per group; 0: as fast as possible")->capture_default_str();
   sim->add_option("--worker-id", so.worker_id, "Worker id to register with")->capture_default_str();
   sim->add_option("--vocab-size", so.vocab_size, "Vocabulary size")->capture_default_str();
-  std::string s_secret_file;
-  sim->add_option("--worker-secret-file", s_secret_file,
-                  "File holding the coordinator's worker secret (as its --worker-secret-file)");
+  SecurityFlags s_security;
+  AddSecurityFlags(sim, s_security, SecurityRole::kWorker);
   sim->add_option("--block-size", so.block_size, "Tokens per cache block")->capture_default_str();
   sim->add_option("--cache-blocks", so.cache_blocks, "Simulated cache blocks per group")->capture_default_str();
   sim->add_option("--max-position-embeddings", so.max_position_embeddings, "Longest prompt + max_tokens accepted")->capture_default_str();
@@ -239,6 +288,8 @@ int main(int argc, char** argv) {
   submit->add_flag("--json", sub.json, "The object mlarun generate prints, plus dp_group");
   submit->add_option("--timeout", sub.timeout_s, "Deadline in seconds")->capture_default_str();
   submit->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+  SecurityFlags sub_security;
+  AddSecurityFlags(submit, sub_security, SecurityRole::kClient);
 
   mlarun::StatsOptions st;
   auto* stats = app.add_subcommand("stats", "Per-rank memory and load, per-group routing, from a coordinator");
@@ -246,6 +297,8 @@ int main(int argc, char** argv) {
   stats->add_flag("--json", st.json, "The GetStats response as JSON");
   stats->add_option("--timeout", st.timeout_s, "Deadline in seconds")->capture_default_str();
   stats->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+  SecurityFlags st_security;
+  AddSecurityFlags(stats, st_security, SecurityRole::kClient);
 
   try {
     app.parse(argc, argv);
@@ -279,7 +332,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     co.policy = *p;
-    if (!ReadSecret("coordinator", c_secret_file, &co.worker_secret)) return 2;
+    if (!LoadSecurity("coordinator", c_security, SecurityRole::kCoordinator, &co.worker_secret, nullptr, &co)) return 2;
     // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
     // before gRPC starts its threads, so they inherit the mask): Shutdown is
     // not something a signal handler may call.
@@ -314,7 +367,9 @@ int main(int argc, char** argv) {
       if (dc.memory_gib > 0) wo.memory_gib = dc.memory_gib;
     }
     if (w_mbt->count() == 0 && dc.max_batched_tokens > 0) wo.engine.max_num_batched_tokens = dc.max_batched_tokens;
-    if (!ReadSecret("worker", w_secret_file, &wo.worker_secret)) return 2;
+    mlarun::ClientSecurity w_client;
+    if (!LoadSecurity("worker", w_security, SecurityRole::kWorker, &wo.worker_secret, &w_client, nullptr)) return 2;
+    wo.tls = w_client.tls;
     if (wo.deployment.model.empty()) {
       std::fprintf(stderr, "mlarun worker: --model (or model: in --config) is required\n");
       return 2;
@@ -334,7 +389,9 @@ int main(int argc, char** argv) {
     return mlarun::RunWorker(wo, **session);
   }
   if (sim->parsed()) {
-    if (!ReadSecret("sim-worker", s_secret_file, &so.worker_secret)) return 2;
+    mlarun::ClientSecurity s_client;
+    if (!LoadSecurity("sim-worker", s_security, SecurityRole::kWorker, &so.worker_secret, &s_client, nullptr)) return 2;
+    so.tls = s_client.tls;
     static std::atomic<bool> stop{false};
     std::signal(SIGINT, [](int) { stop = true; });
     std::signal(SIGTERM, [](int) { stop = true; });
@@ -342,6 +399,8 @@ int main(int argc, char** argv) {
   }
   if (submit->parsed()) {
     fill(s_coord, sub.coordinator, dc.coordinator);
+    std::string unused;
+    if (!LoadSecurity("submit", sub_security, SecurityRole::kClient, &unused, &sub.security, nullptr)) return 2;
     if (sub.prompt_ids.empty() && sub.prompts_path.empty()) {
       std::fprintf(stderr, "mlarun submit: give --prompt-ids or --prompts\n");
       return 2;
@@ -350,6 +409,8 @@ int main(int argc, char** argv) {
   }
   if (memory->parsed()) {
     fill(m_coord, mem.coordinator, dc.coordinator);
+    std::string unused;
+    if (!LoadSecurity("memory", mem_security, SecurityRole::kClient, &unused, &mem.security, nullptr)) return 2;
     if (mem.measure && mem.coordinator.empty()) {
       std::fprintf(stderr, "mlarun memory: --measure needs --coordinator (or coordinator: in --config)\n");
       return 2;
@@ -363,6 +424,8 @@ int main(int argc, char** argv) {
   }
   if (stats->parsed()) {
     fill(t_coord, st.coordinator, dc.coordinator);
+    std::string unused;
+    if (!LoadSecurity("stats", st_security, SecurityRole::kClient, &unused, &st.security, nullptr)) return 2;
     return mlarun::RunStats(st, std::cout, std::cerr);
   }
 

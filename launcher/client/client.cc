@@ -146,10 +146,11 @@ struct SubmitResult {
 // token as it arrives. A stream that breaks the contract (tokens out of order,
 // after the end, no end) is reported as INTERNAL.
 SubmitResult SubmitOne(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, double timeout_s,
-                       const std::function<void(const v1::Token&)>& on_token) {
+                       const ClientSecurity& security, const std::function<void(const v1::Token&)>& on_token) {
   SubmitResult r;
   grpc::ClientContext ctx;
   SetDeadline(ctx, timeout_s);
+  client_internal::AddCredentials(ctx, security);
   std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, req);
   std::string protocol_error;
   v1::GenerateResponse resp;
@@ -207,7 +208,7 @@ int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err)
     auto r = ParseRequestLine(line, o.sampling);
     parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(o.prompts_path + ":" + std::to_string(n))));
   }
-  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator));
+  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
   std::vector<SubmitResult> results(parsed.size());
   std::atomic<size_t> next{0}, done{0}, tokens{0};
   auto work = [&] {
@@ -216,7 +217,7 @@ int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err)
         v1::GenerateRequest req;
         for (int32_t id : parsed[i]->prompt) req.add_prompt_ids(id);
         ToProto(parsed[i]->sampling, req.mutable_sampling());
-        results[i] = SubmitOne(*stub, req, o.timeout_s, [&](const v1::Token&) { ++tokens; });
+        results[i] = SubmitOne(*stub, req, o.timeout_s, o.security, [&](const v1::Token&) { ++tokens; });
       }
       ++done;
     }
@@ -274,7 +275,7 @@ int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err) {
     req.add_prompt_ids(static_cast<int32_t>(id));
   }
   ToProto(o.sampling, req.mutable_sampling());
-  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator));
+  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
   auto print_token = [&](const v1::Token& t) {
     if (!o.stream) return;
     if (o.json) {
@@ -284,7 +285,7 @@ int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err) {
     }
     out.flush();  // the point of --stream: each token is visible as it arrives
   };
-  const SubmitResult r = SubmitOne(*stub, req, o.timeout_s, print_token);
+  const SubmitResult r = SubmitOne(*stub, req, o.timeout_s, o.security, print_token);
   if (!r.status.ok()) {
     PrintGrpcError("submit", r.status, err);
     return 1;
@@ -305,9 +306,10 @@ int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err) {
 
 int RunStats(const StatsOptions& o, std::ostream& out, std::ostream& err) {
   if (!CheckCommon("stats", o.coordinator, o.timeout_s, err)) return 2;
-  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator));
+  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
   grpc::ClientContext ctx;
   SetDeadline(ctx, o.timeout_s);
+  client_internal::AddCredentials(ctx, o.security);
   v1::GetStatsResponse resp;
   const grpc::Status st = stub->GetStats(&ctx, v1::GetStatsRequest(), &resp);
   if (!st.ok()) {

@@ -9,6 +9,7 @@
 #include <string_view>
 #include <vector>
 
+#include "launcher/security/security.h"
 #include "runtime/base/status.h"
 #include "runtime/request/sampling_params.h"
 
@@ -49,6 +50,7 @@ struct SubmitOptions {
   bool stream = false;     // print each token as it arrives
   bool json = false;       // the same object as `mlarun generate`, plus "dp_group"
   double timeout_s = 60;   // the call's deadline
+  ClientSecurity security; // TLS and the bearer token (--tls-ca, --auth-token-file)
 };
 // Exit code: 0 done, 1 a request failed (its gRPC status is printed), 2 bad usage.
 int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err);
@@ -57,6 +59,7 @@ struct StatsOptions {
   std::string coordinator = "127.0.0.1:50051";
   bool json = false;
   double timeout_s = 10;
+  ClientSecurity security;
 };
 int RunStats(const StatsOptions& o, std::ostream& out, std::ostream& err);
 

@@ -36,13 +36,22 @@ std::string_view GrpcCodeName(grpc::StatusCode code) {
   return StatusCodeName(static_cast<StatusCode>(code));
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const TlsPem& tls) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  if (!tls.enabled()) return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  grpc::SslCredentialsOptions options;
+  options.pem_root_certs = tls.ca;
+  options.pem_private_key = tls.key;
+  options.pem_cert_chain = tls.cert;
+  return grpc::CreateCustomChannel(address, grpc::SslCredentials(options), args);
+}
+
+void AddCredentials(grpc::ClientContext& ctx, const ClientSecurity& security) {
+  if (!security.token.empty()) ctx.AddMetadata(kAuthorizationHeader, BearerValue(security.token));
 }
 
 void SetDeadline(grpc::ClientContext& ctx, double timeout_s) {

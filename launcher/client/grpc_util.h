@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "launcher/security/security.h"
 #include "runtime/base/status.h"
 
 namespace mlarun::client_internal {
@@ -26,11 +27,17 @@ Status CheckAddress(std::string_view address);
 // (StatusCodeName of the same number; unknown numbers give "UNKNOWN").
 std::string_view GrpcCodeName(grpc::StatusCode code);
 
-// An insecure channel whose reconnect back-off is 100 ms to 2 s (gRPC's
-// default grows to 120 s, far too slow to notice a restarted coordinator) and
-// which does not share subchannels with other channels of the process, so a
-// fresh channel really opens a fresh connection.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address);
+// A channel whose reconnect back-off is 100 ms to 2 s (gRPC's default grows
+// to 120 s, far too slow to notice a restarted coordinator) and which does
+// not share subchannels with other channels of the process, so a fresh
+// channel really opens a fresh connection. Plaintext, or TLS when
+// `tls.enabled()` (trusting tls.ca only; tls.cert and tls.key, when set, are
+// the client certificate).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const TlsPem& tls = {});
+
+// A call's context for the client API: `authorization: Bearer TOKEN` when
+// the security has a token. The deadline is the caller's (SetDeadline).
+void AddCredentials(grpc::ClientContext& ctx, const ClientSecurity& security);
 
 // Sets a deadline `timeout_s` from now, clamped to a year so huge values do
 // not overflow the clock arithmetic.

@@ -55,6 +55,22 @@ std::optional<grpc::Status> Parse(const grpc::ByteBuffer* in, Msg* out) {
                                        "valid UTF-8"));
 }
 
+// The caller of a client API call, as the service's tokens see it.
+struct Caller {
+  grpc::Status refusal;   // not OK: refuse the call with it
+  std::string principal;  // "" when the API is open
+  bool details = false;   // may see GetStats' hosts, paths and worker ids
+};
+
+// Whether a gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000",
+// "unix:...") is on this machine's loopback.
+bool IsLoopbackPeer(std::string_view peer) {
+  if (peer.starts_with("unix:") || peer.starts_with("unix-abstract:")) return true;
+  for (std::string_view prefix : {"ipv4:127.", "ipv6:[::1]:", "ipv6:[::ffff:127."})
+    if (peer.starts_with(prefix)) return true;
+  return false;
+}
+
 template <class Msg>
 grpc::ByteBuffer Serialize(const Msg& msg) {
   grpc::Slice slice(msg.SerializeAsString());
@@ -66,10 +82,15 @@ grpc::ByteBuffer Serialize(const Msg& msg) {
 class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
                            public Outbound<v1::GenerateResponse> {
  public:
-  static GenerateCall* Start(std::shared_ptr<Dispatcher> dispatcher,
-                             grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes) {
+  static GenerateCall* Start(std::shared_ptr<Dispatcher> dispatcher, grpc::CallbackServerContext* ctx,
+                             const grpc::ByteBuffer* bytes, const Caller& caller) {
     std::shared_ptr<GenerateCall> call(new GenerateCall(dispatcher));
     call->self_ = call;
+    if (!caller.refusal.ok()) {
+      call->Close(caller.refusal.error_code(), caller.refusal.error_message());
+      call->Flush();
+      return call.get();
+    }
     v1::GenerateRequest request;
     if (auto error = Parse(bytes, &request)) {
       call->Close(error->error_code(), error->error_message());
@@ -77,8 +98,8 @@ class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
       return call.get();
     }
     // Set before the handler returns, so before any reaction can read them.
-    if (auto accepted = dispatcher->Submit(call, request, ctx->deadline())) {
-      call->id_ = accepted->id;
+    if (auto accepted = dispatcher->Submit(call, request, caller.principal, ctx->deadline())) {
+      call->id_ = accepted->wire_id;
       call->serial_ = accepted->serial;
     }
     return call.get();
@@ -118,28 +139,33 @@ using RawMlarunService = v1::Mlarun::WithRawCallbackMethod_Generate<v1::Mlarun::
 
 class MlarunService final : public RawMlarunService {
  public:
-  explicit MlarunService(std::shared_ptr<Dispatcher> dispatcher)
-      : dispatcher_(std::move(dispatcher)) {}
+  MlarunService(std::shared_ptr<Dispatcher> dispatcher, AuthTokens tokens)
+      : dispatcher_(std::move(dispatcher)), tokens_(std::move(tokens)) {}
 
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Generate(grpc::CallbackServerContext* ctx,
                                                        const grpc::ByteBuffer* request) override {
-    return GenerateCall::Start(dispatcher_, ctx, request);
+    const Caller caller = Identify(ctx);
+    return GenerateCall::Start(dispatcher_, ctx, request, caller);
   }
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
                                    grpc::ByteBuffer* out) override {
+    const Caller caller = Identify(ctx);
+    if (!caller.refusal.ok()) return Done(ctx, caller.refusal);
     v1::CancelRequest request;
     if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
     v1::CancelResponse response;
-    response.set_found(dispatcher_->Cancel(request.request_id()));
+    response.set_found(dispatcher_->Cancel(caller.principal, request.request_id()));
     *out = Serialize(response);
     return Done(ctx, grpc::Status::OK);
   }
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
                                      grpc::ByteBuffer* out) override {
+    const Caller caller = Identify(ctx);
+    if (!caller.refusal.ok()) return Done(ctx, caller.refusal);
     v1::GetStatsRequest request;
     if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
     v1::GetStatsResponse response;
-    dispatcher_->FillStats(&response);
+    dispatcher_->FillStats(&response, caller.details);
     *out = Serialize(response);
     return Done(ctx, grpc::Status::OK);
   }
@@ -159,19 +185,39 @@ class MlarunService final : public RawMlarunService {
     reactor->Finish(std::move(status));
     return reactor;
   }
+  // Who calls: with tokens, the principal of the call's bearer token (or
+  // the refusal); without, everyone is "" and only loopback callers see
+  // GetStats' details.
+  Caller Identify(grpc::CallbackServerContext* ctx) const {
+    if (tokens_.empty()) return Caller{.details = IsLoopbackPeer(ctx->peer())};
+    const auto& md = ctx->client_metadata();
+    auto it = md.find(kAuthorizationHeader);
+    if (it == md.end())
+      return Caller{.refusal = grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                                            "this coordinator needs a token: send `authorization: Bearer TOKEN` "
+                                            "with a token of its --auth-token-file (mlarun submit --auth-token-file)")};
+    const Principal* p = tokens_.Authenticate(std::string_view(it->second.data(), it->second.size()));
+    if (p == nullptr)
+      return Caller{.refusal = grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                                            "the authorization header is not `Bearer TOKEN` with a token of the "
+                                            "coordinator's --auth-token-file")};
+    return Caller{.principal = p->name, .details = true};
+  }
+
   const std::shared_ptr<Dispatcher> dispatcher_;
+  const AuthTokens tokens_;
 };
 
 class CoordinatorImpl final : public Coordinator {
  public:
-  CoordinatorImpl(std::shared_ptr<Dispatcher> dispatcher, std::string worker_secret)
+  CoordinatorImpl(std::shared_ptr<Dispatcher> dispatcher, const CoordinatorOptions& options)
       : dispatcher_(dispatcher),
-        mlarun_service_(dispatcher),
-        link_service_(dispatcher.get(), std::move(worker_secret)) {}
+        mlarun_service_(dispatcher, options.auth_tokens),
+        link_service_(dispatcher.get(), options.worker_secret, !options.tls.ca.empty()) {}
   ~CoordinatorImpl() override { Shutdown(); }
 
-  Status Bind(const std::string& listen) {
-    auto server = GrpcServer::Start(listen, {&mlarun_service_, &link_service_});
+  Status Bind(const std::string& listen, const TlsPem& tls) {
+    auto server = GrpcServer::Start(listen, {&mlarun_service_, &link_service_}, tls);
     if (!server.ok()) return server.status().WithContext("coordinator");
     server_ = std::move(*server);
     return Status::Ok();
@@ -229,32 +275,7 @@ std::string NewCoordinatorId() {
 }  // namespace
 }  // namespace coord
 
-namespace {
-constexpr size_t kMaxSecretBytes = 4096;
-}  // namespace
-
 bool IsLoopbackListenAddress(const std::string& listen) { return IsLoopbackListen(listen); }
-
-StatusOr<std::string> ReadWorkerSecretFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return InvalidArgumentError("--worker-secret-file: cannot read '", path, "'");
-  std::ostringstream content;
-  content << in.rdbuf();
-  if (in.bad()) return InvalidArgumentError("--worker-secret-file: cannot read '", path, "'");
-  std::string s = content.str();
-  if (s.size() > kMaxSecretBytes)
-    return InvalidArgumentError("--worker-secret-file: '", path, "' is larger than ", kMaxSecretBytes, " bytes");
-  const char* ws = " \t\r\n\v\f";
-  const size_t first = s.find_first_not_of(ws);
-  if (first == std::string::npos) return InvalidArgumentError("--worker-secret-file: '", path, "' is empty");
-  s = s.substr(first, s.find_last_not_of(ws) - first + 1);
-  for (const char c : s) {
-    if (c < 0x20 || c > 0x7e)
-      return InvalidArgumentError("--worker-secret-file: '", path,
-                                  "' must hold printable ASCII only (it is sent as a gRPC metadata value)");
-  }
-  return s;
-}
 
 StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
   if (options.max_queued < 0)
@@ -278,14 +299,18 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
     return InvalidArgumentError("prefix_hashes_per_group: must be >= 0, got ",
                                 options.prefix_hashes_per_group);
 
-  if (options.worker_secret.empty() && !options.open_worker_link_off_loopback && !IsLoopbackListen(options.listen))
-    return InvalidArgumentError("--worker-secret-file: required when --listen binds beyond loopback (got '",
+  if (!options.tls.ca.empty() && options.tls.cert.empty())
+    return InvalidArgumentError("--tls-ca needs --tls-cert and --tls-key: client certificates are verified only over TLS");
+  if (options.worker_secret.empty() && options.tls.ca.empty() && !options.open_worker_link_off_loopback &&
+      !IsLoopbackListen(options.listen))
+    return InvalidArgumentError("--worker-secret-file (or --tls-ca, for workers' client certificates): required when "
+                                "--listen binds beyond loopback (got '",
                                 options.listen,
                                 "'): without it any process that reaches the port can register as a worker");
 
   auto dispatcher = std::make_shared<coord::Dispatcher>(options, coord::NewCoordinatorId());
-  auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher, options.worker_secret);
-  MLARUN_RETURN_IF_ERROR(impl->Bind(options.listen));
+  auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher, options);
+  MLARUN_RETURN_IF_ERROR(impl->Bind(options.listen, options.tls));
   return std::unique_ptr<Coordinator>(std::move(impl));
 }
 

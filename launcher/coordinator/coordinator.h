@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "launcher/security/security.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
@@ -65,22 +66,27 @@ struct CoordinatorOptions {
   // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
   int64_t prefix_hashes_per_group = 100000;
   // The worker link's shared secret (`--worker-secret-file`, trimmed): a
-  // worker's Connect must carry it, or it ends with UNAUTHENTICATED before
-  // its registration is read. Empty: none is asked for, which Start allows
-  // only when `listen` is a loopback address (127.0.0.0/8, [::1], localhost)
-  // or `open_worker_link_off_loopback` is set.
+  // worker's Connect must carry it (or a client certificate, below), or it
+  // ends with UNAUTHENTICATED before its registration is read. With neither
+  // a secret nor a client-certificate CA the link is open, which Start
+  // allows only when `listen` is a loopback address (127.0.0.0/8, [::1],
+  // localhost) or `open_worker_link_off_loopback` is set.
   std::string worker_secret;
-  // Lets a coordinator bound beyond loopback run without a worker secret
+  // Lets a coordinator bound beyond loopback run with an open worker link
   // (any process that reaches the port can then register as a worker).
   bool open_worker_link_off_loopback = false;
+  // TLS on the port (both services) when tls.cert is set (LoadServerTls).
+  // With tls.ca, workers may authenticate with a client certificate signed
+  // by it instead of the secret.
+  TlsPem tls;
+  // The client API's principals (`--auth-token-file`). Set: Generate, Cancel
+  // and GetStats need `authorization: Bearer TOKEN` with one of the tokens
+  // (UNAUTHENTICATED otherwise), and a principal sees and cancels only its
+  // own requests. Empty: the client API is open; GetStats then tells the
+  // ranks' hosts, model paths and worker ids only to callers on loopback.
+  // Health is always open (for probes).
+  AuthTokens auth_tokens;
 };
-
-// The worker link's secret in `path` (`--worker-secret-file` of the
-// coordinator and the workers): the file's content with surrounding
-// whitespace trimmed. INVALID_ARGUMENT naming the file when it cannot be
-// read, is empty, is larger than 4 KiB, or holds anything but printable
-// ASCII (it travels as a gRPC metadata value).
-StatusOr<std::string> ReadWorkerSecretFile(const std::string& path);
 
 // Whether `listen` (host:port) binds only the loopback interface:
 // 127.0.0.0/8, [::1] or localhost (0.0.0.0 and [::] are not).

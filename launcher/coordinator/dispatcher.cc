@@ -6,6 +6,7 @@
 
 #include "kv/prefix_hash.h"
 #include "launcher/proto/proto_sampling.h"
+#include "launcher/security/security.h"
 #include "runtime/request/request.h"
 #include "runtime/base/status.h"
 
@@ -112,7 +113,9 @@ std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v
 
 struct Dispatcher::Request {
   uint64_t serial = 0;
-  std::string id;
+  std::string id;         // the client's name for it (its own, or a random one)
+  std::string principal;  // who sent it ("" when the client API is open)
+  std::string wire_id;    // the group's name for it: unique among live requests
   v1::RouteRequest route;  // what the group gets: id, prompt, sampling with every field set
   int64_t prompt_tokens = 0;
   int64_t max_tokens = 0;
@@ -227,7 +230,7 @@ std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& reque
 }
 
 std::optional<Dispatcher::Accepted> Dispatcher::Submit(
-    std::shared_ptr<ClientOutlet> client, const v1::GenerateRequest& request,
+    std::shared_ptr<ClientOutlet> client, const v1::GenerateRequest& request, const std::string& principal,
     std::chrono::system_clock::time_point grpc_deadline) {
   const Clock::time_point now = Clock::now();
   // The gRPC deadline is wall-clock; the dispatcher works in steady time.
@@ -253,18 +256,23 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
       reject(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
     } else if (auto error = Validate(request, sampling)) {
       reject(grpc::StatusCode::INVALID_ARGUMENT, std::move(*error));
-    } else if (!request.request_id().empty() && requests_.contains(request.request_id())) {
+    } else if (!request.request_id().empty() && client_ids_.contains({principal, request.request_id()})) {
+      // Ids are the principal's own: nobody learns which ids others use.
       reject(grpc::StatusCode::ALREADY_EXISTS,
-             StrCat("request_id: '", request.request_id(), "' is in use by a live request"));
+             StrCat("request_id: '", request.request_id(), "' is in use by a live request of yours"));
     } else {
       auto owned = std::make_unique<Request>();
       Request* r = owned.get();
       r->serial = ++next_serial_;
+      r->principal = principal;
       r->id = request.request_id();
-      // A generated id skips ids that clients chose themselves.
-      while (r->id.empty() || requests_.contains(r->id))
-        r->id = StrCat("req-", ++next_generated_id_);
-      r->route.set_request_id(r->id);
+      // Random, so that no client can guess another's id (Cancel takes only
+      // one's own anyway).
+      while (r->id.empty() || client_ids_.contains({principal, r->id})) r->id = NewRandomRequestId();
+      // Two principals may use the same id; the group sees distinct ones.
+      r->wire_id = r->id;
+      for (int k = 0; requests_.contains(r->wire_id); ++k) r->wire_id = StrCat(r->id, "#", r->serial, ".", k);
+      r->route.set_request_id(r->wire_id);
       *r->route.mutable_prompt_ids() = request.prompt_ids();
       ToProto(sampling, r->route.mutable_sampling());
       r->max_tokens = sampling.max_tokens;
@@ -282,10 +290,12 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
             std::chrono::duration_cast<Clock::duration>(budget * kUnavailableMarginFraction));
       }
       r->unavailable_at = std::min(now + queue_timeout, r->deadline - r->unavailable_margin);
-      requests_.emplace(r->id, std::move(owned));
+      requests_.emplace(r->wire_id, std::move(owned));
+      client_ids_.emplace(std::make_pair(r->principal, r->id), r);
       if (!TryRoute(r, pending)) {
         if (static_cast<int64_t>(queue_.size()) >= options_.max_queued) {
-          requests_.erase(requests_.find(r->id));  // by iterator: r->id dies with the node
+          client_ids_.erase(std::make_pair(r->principal, r->id));
+          requests_.erase(requests_.find(r->wire_id));  // by iterator: r->wire_id dies with the node
           reject(grpc::StatusCode::RESOURCE_EXHAUSTED,
                  StrCat("queue full: ", queue_.size(), " requests wait for a DP group (max_queued ",
                         options_.max_queued, ")"));
@@ -297,7 +307,7 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
       }
       if (r != nullptr) {
         ArmNext(r, now);
-        accepted = Accepted{r->id, r->serial};
+        accepted = Accepted{r->wire_id, r->serial};
       }
     }
   }
@@ -305,11 +315,11 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
   return accepted;
 }
 
-void Dispatcher::ClientGone(const std::string& id, uint64_t serial) {
+void Dispatcher::ClientGone(const std::string& wire_id, uint64_t serial) {
   Pending pending;
   {
     MutexLock lock(mu_);
-    auto it = requests_.find(id);
+    auto it = requests_.find(wire_id);
     if (it == requests_.end() || it->second->serial != serial) return;
     Request* r = it->second.get();
     if (r->client_deadline && Clock::now() + kDeadlineSlack >= r->deadline) {
@@ -322,26 +332,43 @@ void Dispatcher::ClientGone(const std::string& id, uint64_t serial) {
   pending.Flush();
 }
 
-bool Dispatcher::Cancel(const std::string& id) {
+bool Dispatcher::Cancel(const std::string& principal, const std::string& id) {
   Pending pending;
   {
     MutexLock lock(mu_);
-    auto it = requests_.find(id);
-    if (it == requests_.end()) return false;
-    Fail(it->second.get(), grpc::StatusCode::CANCELLED, "cancelled by a Cancel call", true,
-         pending);
+    auto it = client_ids_.find({principal, id});
+    if (it == client_ids_.end()) return false;
+    Fail(it->second, grpc::StatusCode::CANCELLED, "cancelled by a Cancel call", true, pending);
     DrainQueue(pending);
   }
   pending.Flush();
   return true;
 }
 
-void Dispatcher::FillStats(v1::GetStatsResponse* out) const {
+void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
   MutexLock lock(mu_);
+  // Without details, each worker job is "worker-<k>" (k by first
+  // registration) and the ranks' hosts and model paths are left out: the
+  // worker id is the leader's host:pid.
+  std::map<std::string, std::string> alias;
+  auto job = [&](const std::string& worker_id) -> const std::string& {
+    if (details) return worker_id;
+    auto [it, fresh] = alias.try_emplace(worker_id);
+    if (fresh) it->second = StrCat("worker-", alias.size() - 1);
+    return it->second;
+  };
   for (const auto& g : groups_) {
-    for (const auto& rank : g->ranks) *out->add_ranks() = rank;
+    for (const auto& rank : g->ranks) {
+      v1::RankStats* r = out->add_ranks();
+      *r = rank;
+      if (!details) {
+        r->set_worker_id(job(rank.worker_id()));
+        r->clear_host();
+        r->clear_model();
+      }
+    }
     v1::GroupStats* s = out->add_groups();
-    s->set_worker_id(g->worker_id);
+    s->set_worker_id(job(g->worker_id));
     s->set_dp_group(g->dp_group);
     s->set_connected(g->link != nullptr);
     s->set_requests_routed(g->routed);
@@ -350,7 +377,12 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out) const {
     s->set_tokens_generated(g->tokens_generated);
     s->set_free_blocks(g->free_blocks);
     s->set_queued_tokens(g->queued_tokens);
-    s->set_disconnect_reason(g->disconnect_reason);
+    std::string reason = g->disconnect_reason;
+    if (!details) {
+      for (size_t at; !g->worker_id.empty() && (at = reason.find(g->worker_id)) != std::string::npos;)
+        reason.replace(at, g->worker_id.size(), job(g->worker_id));
+    }
+    s->set_disconnect_reason(reason);
   }
   v1::CoordinatorStats* c = out->mutable_coordinator();
   c->set_policy(std::string(RoutingPolicyName(options_.policy)));
@@ -536,15 +568,15 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
     // Nothing a group sends reaches a client unchecked; the tokens before
     // the bad one were fine and are already queued.
     if (ev.token_id() < 0 || ev.token_id() >= g.vocab_size)
-      return Violation{.request_id = r->id,
+      return Violation{.request_id = r->wire_id,
                        .what = StrCat("token id ", ev.token_id(), " for request '", r->id,
                                       "' is outside its vocabulary [0, ", g.vocab_size, ")")};
     if (!std::isfinite(ev.logprob()) || ev.logprob() > kLogprobSlack)
-      return Violation{.request_id = r->id,
+      return Violation{.request_id = r->wire_id,
                        .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
                                       "' is not a finite log-probability (<= 0)")};
     if (r->tokens_sent >= r->max_tokens)
-      return Violation{.request_id = r->id,
+      return Violation{.request_id = r->wire_id,
                        .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens,
                                       " tokens")};
     if (r->tokens_sent == 0) r->first_token_at = now;
@@ -570,7 +602,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnDone(int group, const v1::Req
   Request* r = it->second.get();
   if (done.error_code() != 0) {
     if (done.error_code() < 0 || done.error_code() > static_cast<int32_t>(grpc::StatusCode::UNAUTHENTICATED))
-      return Violation{.request_id = r->id,
+      return Violation{.request_id = r->wire_id,
                        .what = StrCat("done.error_code ", done.error_code(), " for request '", r->id,
                                       "' is not a gRPC status code")};
     // The group's own checks rejected it, or a step of the group failed
@@ -579,11 +611,11 @@ std::optional<Dispatcher::Violation> Dispatcher::OnDone(int group, const v1::Req
     return std::nullopt;
   }
   if (done.finish_reason() != "length" && done.finish_reason() != "stop")
-    return Violation{.request_id = r->id,
+    return Violation{.request_id = r->wire_id,
                      .what = StrCat("done.finish_reason '", done.finish_reason().substr(0, 64), "' for request '",
                                     r->id, "' is neither 'length' nor 'stop'")};
   if (done.prefix_hit_tokens() < 0 || done.prefix_hit_tokens() > r->prompt_tokens)
-    return Violation{.request_id = r->id,
+    return Violation{.request_id = r->wire_id,
                      .what = StrCat("done.prefix_hit_tokens ", done.prefix_hit_tokens(), " for request '", r->id,
                                     "' is outside [0, prompt tokens = ", r->prompt_tokens, "]")};
   Complete(r, done, pending);
@@ -812,7 +844,7 @@ void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bo
     Group& g = *groups_[static_cast<size_t>(r->group)];
     if (g.link != nullptr) {
       v1::CoordinatorMessage msg;
-      msg.mutable_cancel()->set_request_id(r->id);
+      msg.mutable_cancel()->set_request_id(r->wire_id);
       g.link->Queue(std::move(msg));
       pending.Add(g.link);
     }
@@ -859,7 +891,8 @@ void Dispatcher::Forget(Request* r) {
   ReleaseFromGroup(r);
   if (r->queued) queue_.erase(r->queue_pos);
   if (r->armed) timers_.erase(r->timer);
-  requests_.erase(requests_.find(r->id));  // destroys r (by iterator: the key dies with it)
+  client_ids_.erase(std::make_pair(r->principal, r->id));
+  requests_.erase(requests_.find(r->wire_id));  // destroys r (by iterator: the key dies with it)
 }
 
 std::string Dispatcher::NoGroupMessage(const Request& r, Clock::time_point now) const {

@@ -72,22 +72,30 @@ class Dispatcher final : public WorkerLinkHandler {
 
   // ---- Client API ----------------------------------------------------------
   struct Accepted {
-    std::string id;   // the request id (the client's, or "req-<n>")
-    uint64_t serial;  // unique per accepted request, even when ids are reused
+    std::string wire_id;  // the request's key here and its id on the worker link
+    uint64_t serial;      // unique per accepted request, even when ids are reused
   };
-  // A Generate call. On acceptance the request owns `client` and ends it
-  // exactly once (Finished then OK, or an error status); on rejection
-  // `client` is closed with the error and nullopt is returned. `grpc_deadline`
-  // is the call's deadline (time_point::max() when the client set none).
+  // A Generate call from `principal` (AuthTokens' name; "" when the client
+  // API is open). Request ids are per principal: a client's own id, or a
+  // random one ("req-" and 32 hex digits); ALREADY_EXISTS only for an id the
+  // same principal has live. On acceptance the request owns `client` and
+  // ends it exactly once (Finished then OK, or an error status); on
+  // rejection `client` is closed with the error and nullopt is returned.
+  // `grpc_deadline` is the call's deadline (time_point::max() when the
+  // client set none).
   std::optional<Accepted> Submit(std::shared_ptr<ClientOutlet> client,
-                                 const v1::GenerateRequest& request,
+                                 const v1::GenerateRequest& request, const std::string& principal,
                                  std::chrono::system_clock::time_point grpc_deadline);
   // The client cancelled the call, disconnected, or its deadline passed inside
   // gRPC. Ends the request (if still live) and sends CancelRoute to its group.
-  void ClientGone(const std::string& id, uint64_t serial);
-  // The Cancel RPC: false if no live request has this id.
-  bool Cancel(const std::string& id);
-  void FillStats(v1::GetStatsResponse* out) const;
+  void ClientGone(const std::string& wire_id, uint64_t serial);
+  // The Cancel RPC of `principal`: false if it has no live request with this
+  // id (another principal's is not even looked at).
+  bool Cancel(const std::string& principal, const std::string& id);
+  // GetStats. Without `details` (a caller that is not authenticated) the
+  // ranks' hosts and model paths are left out and worker ids are replaced by
+  // "worker-<k>".
+  void FillStats(v1::GetStatsResponse* out, bool details) const;
   void FillHealth(v1::HealthResponse* out) const;
 
   // ---- Worker link ---------------------------------------------------------
@@ -195,12 +203,12 @@ class Dispatcher final : public WorkerLinkHandler {
   std::vector<std::unique_ptr<Group>> groups_ MLARUN_GUARDED_BY(mu_);                  // index = group id; never shrinks
   std::map<std::pair<std::string, int32_t>, int> group_index_ MLARUN_GUARDED_BY(mu_);  // (worker_id, dp_group) -> index
   std::unordered_map<const WorkerOutlet*, int> link_group_ MLARUN_GUARDED_BY(mu_);     // attached links
-  std::unordered_map<std::string, std::unique_ptr<Request>> requests_ MLARUN_GUARDED_BY(mu_);  // live, by id
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_ MLARUN_GUARDED_BY(mu_);  // live, by wire id
+  std::map<std::pair<std::string, std::string>, Request*> client_ids_ MLARUN_GUARDED_BY(mu_);  // (principal, id)
   std::list<Request*> queue_ MLARUN_GUARDED_BY(mu_);                          // waiting for a group, FIFO
   std::multimap<Clock::time_point, Request*> timers_ MLARUN_GUARDED_BY(mu_);  // one entry per live request
   int64_t rank_stats_bytes_ MLARUN_GUARDED_BY(mu_) = 0;  // wire size of every group's rank stats, kept
   uint64_t next_serial_ MLARUN_GUARDED_BY(mu_) = 0;
-  uint64_t next_generated_id_ MLARUN_GUARDED_BY(mu_) = 0;
   struct Counters {
     int64_t received = 0, completed = 0, rejected = 0, failed = 0, cancelled = 0, rerouted = 0;
   } counters_ MLARUN_GUARDED_BY(mu_);

@@ -106,35 +106,43 @@ StatusOr<std::string> SplitListen(const std::string& listen) {
   return listen.substr(0, colon);
 }
 
-// Equal in time independent of where they differ (of the lengths only, which
-// the secret's length may leak).
-bool ConstantTimeEqual(std::string_view a, std::string_view b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= x ^ y;
-  }
-  return diff == 0;
-}
-
 }  // namespace
 
 grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* WorkerLinkService::Connect(
     grpc::CallbackServerContext* ctx) {
-  if (!secret_.empty()) {
-    const auto& md = ctx->client_metadata();
-    auto it = md.find(kWorkerSecretHeader);
-    if (it == md.end())
-      return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
-                                "this coordinator needs the worker secret: start the worker with "
-                                "--worker-secret-file holding the coordinator's secret");
-    if (!ConstantTimeEqual(std::string_view(it->second.data(), it->second.size()), secret_))
-      return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
-                                "the worker secret does not match the coordinator's --worker-secret-file");
-  }
+  if (secret_.empty() && !client_certificates_) return WorkerCall::Start(handler_);
+  // A client certificate the server's TLS verified against --tls-ca (gRPC
+  // sets the peer identity only for a verified one).
+  if (client_certificates_ && ctx->auth_context() != nullptr && ctx->auth_context()->IsPeerAuthenticated())
+    return WorkerCall::Start(handler_);
+  if (secret_.empty())
+    return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
+                              "this coordinator needs a worker client certificate signed by its --tls-ca: start "
+                              "the worker with --tls-cert and --tls-key");
+  const auto& md = ctx->client_metadata();
+  auto it = md.find(kWorkerSecretHeader);
+  if (it == md.end())
+    return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
+                              client_certificates_
+                                  ? "this coordinator needs the worker secret (--worker-secret-file) or a client "
+                                    "certificate signed by its --tls-ca (--tls-cert, --tls-key)"
+                                  : "this coordinator needs the worker secret: start the worker with "
+                                    "--worker-secret-file holding the coordinator's secret");
+  if (!ConstantTimeEqual(std::string_view(it->second.data(), it->second.size()), secret_))
+    return WorkerCall::Refuse(handler_, grpc::StatusCode::UNAUTHENTICATED,
+                              "the worker secret does not match the coordinator's --worker-secret-file");
   return WorkerCall::Start(handler_);
+}
+
+static std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsPem& tls) {
+  if (!tls.enabled()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions options(
+      // A worker's certificate is asked for and, when sent, verified against
+      // the CA; clients of the Mlarun API send none.
+      tls.ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY);
+  options.pem_root_certs = tls.ca;
+  options.pem_key_cert_pairs.push_back({tls.key, tls.cert});
+  return grpc::SslServerCredentials(options);
 }
 
 
@@ -149,11 +157,12 @@ bool IsLoopbackListen(const std::string& listen) {
 }
 
 StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const std::string& listen,
-                                                        std::initializer_list<grpc::Service*> services) {
+                                                        std::initializer_list<grpc::Service*> services,
+                                                        const TlsPem& tls) {
   MLARUN_ASSIGN_OR_RETURN(const std::string host, SplitListen(listen));
   std::unique_ptr<GrpcServer> s(new GrpcServer());
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(listen, ServerCredentials(tls), &s->port_);
   for (grpc::Service* service : services) builder.RegisterService(service);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
@@ -163,7 +172,9 @@ StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const std::string& liste
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kMinClientPingIntervalMs);
   s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) return UnavailableError("cannot listen on '", listen, "'");
+  if (s->server_ == nullptr || s->port_ == 0)
+    return UnavailableError("cannot listen on '", listen, "'",
+                            tls.enabled() ? " (or the TLS certificate and key do not load: see gRPC's log above)" : "");
   s->address_ = host + ":" + std::to_string(s->port_);
   return s;
 }

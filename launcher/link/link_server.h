@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "launcher/security/security.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/status.h"
 #include "runtime/base/thread_annotations.h"
@@ -142,19 +143,23 @@ class WorkerLinkHandler {
 // stream whose first message is not `register` ends with INVALID_ARGUMENT.
 // With a `secret`, a call whose kWorkerSecretHeader (worker_link_client.h)
 // is missing or differs ends with UNAUTHENTICATED before anything is read
-// and the handler never sees it. A message from a worker larger than
+// and the handler never sees it. With `client_certificates` (the server's TLS
+// verifies client certificates against its --tls-ca), a call whose peer
+// presented a verified certificate needs no secret; without a secret, it
+// needs such a certificate. A message from a worker larger than
 // kMaxWorkerMessageBytes ends its stream with RESOURCE_EXHAUSTED (the handler
 // sees it as a Detach).
 class WorkerLinkService : public v1::WorkerLink::CallbackService {
  public:
   static constexpr size_t kMaxWorkerMessageBytes = size_t{4} << 20;
-  explicit WorkerLinkService(WorkerLinkHandler* handler, std::string secret = "")
-      : handler_(handler), secret_(std::move(secret)) {}
+  explicit WorkerLinkService(WorkerLinkHandler* handler, std::string secret = "", bool client_certificates = false)
+      : handler_(handler), secret_(std::move(secret)), client_certificates_(client_certificates) {}
   grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* Connect(grpc::CallbackServerContext*) override;
 
  private:
   WorkerLinkHandler* const handler_;
   const std::string secret_;
+  const bool client_certificates_;
 };
 
 // gRPC services on host:port, with the coordinator's transport settings:
@@ -164,10 +169,13 @@ class WorkerLinkService : public v1::WorkerLink::CallbackService {
 class GrpcServer {
  public:
   // Binds `listen` (host:port, IPv6 hosts in brackets; port 0 picks a free
-  // one) and serves `services`, which must outlive the server.
+  // one) and serves `services`, which must outlive the server; over TLS when
+  // `tls` is enabled (LoadServerTls: its certificate and key; with its CA,
+  // client certificates are asked for and verified when sent).
   // INVALID_ARGUMENT for a bad address, UNAVAILABLE if it cannot be bound.
   static StatusOr<std::unique_ptr<GrpcServer>> Start(const std::string& listen,
-                                                     std::initializer_list<grpc::Service*> services);
+                                                     std::initializer_list<grpc::Service*> services,
+                                                     const TlsPem& tls = {});
   ~GrpcServer() { Shutdown(std::chrono::milliseconds(0)); }
 
   // host:port with the bound port.

@@ -17,6 +17,7 @@ WorkerLinkClient::WorkerLinkClient(Options o)
     : coordinator_(std::move(o.coordinator)),
       reconnect_(o.reconnect),
       secret_(std::move(o.secret)),
+      tls_(std::move(o.tls)),
       registration_(std::move(o.registration)) {
   thread_ = std::thread([this] { Run(); });
 }
@@ -105,7 +106,7 @@ void WorkerLinkClient::Run() {
     }
     // A fresh channel per attempt: its connection starts now instead of
     // whenever an old channel's own back-off allows.
-    auto stub = v1::WorkerLink::NewStub(client_internal::MakeChannel(coordinator_));
+    auto stub = v1::WorkerLink::NewStub(client_internal::MakeChannel(coordinator_, tls_));
     std::shared_ptr<Stream> stream(stub->Connect(context.get()));
     WorkerLinkEvent end{.ended = true};
     v1::CoordinatorMessage in;

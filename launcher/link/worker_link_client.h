@@ -30,6 +30,7 @@
 #include <string>
 #include <thread>
 
+#include "launcher/security/security.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/thread_annotations.h"
 
@@ -38,7 +39,7 @@ namespace mlarun {
 // The shared secret of the worker link (--worker-secret-file on the
 // coordinator and the workers): sent by the worker as this metadata header of
 // every Connect call, compared by the coordinator in constant time.
-// (ReadWorkerSecretFile, launcher/coordinator/coordinator.h, reads it.)
+// (ReadSecretFile, launcher/security/security.h, reads it.)
 inline constexpr char kWorkerSecretHeader[] = "x-mlarun-worker-secret";
 
 struct WorkerLinkEvent {
@@ -64,6 +65,10 @@ class WorkerLinkClient {
     // --worker-secret-file). A coordinator that wants another answers
     // UNAUTHENTICATED; the link keeps trying with its back-off.
     std::string secret;
+    // TLS to the coordinator when enabled (LoadClientTls: its CA, and the
+    // worker's client certificate, which a coordinator with --tls-ca takes
+    // in place of the secret).
+    TlsPem tls;
   };
   using Clock = std::chrono::steady_clock;
 
@@ -107,6 +112,7 @@ class WorkerLinkClient {
   const std::string coordinator_;
   const bool reconnect_;
   const std::string secret_;
+  const TlsPem tls_;
 
   Mutex write_mu_;  // one writer at a time on the stream; taken before mu_
   Mutex mu_;

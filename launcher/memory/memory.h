@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "runtime/base/block_size.h"
+#include "launcher/security/security.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
@@ -35,6 +36,7 @@ struct MemoryOptions {
   std::string requests_path;  // the request set submitted (JSON lines with prompt_ids)
   std::string results_path;   // `mlarun submit --json` output for it, same order (tokens, dp_group)
   double timeout_s = 15;      // waiting for the ranks' reports to settle
+  ClientSecurity security;    // TLS and the bearer token for GetStats
 };
 
 // Prints the prediction for opt.layouts. Errors (a bad model file, a layout

@@ -23,9 +23,10 @@ namespace v1 = ::mlarun::v1;
 using Json = nlohmann::json;
 using memory_internal::Thousands;
 
-StatusOr<v1::GetStatsResponse> FetchStats(v1::Mlarun::Stub& stub, double timeout_s) {
+StatusOr<v1::GetStatsResponse> FetchStats(v1::Mlarun::Stub& stub, double timeout_s, const ClientSecurity& security) {
   grpc::ClientContext ctx;
   client_internal::SetDeadline(ctx, timeout_s);
+  client_internal::AddCredentials(ctx, security);
   v1::GetStatsResponse resp;
   const grpc::Status st = stub.GetStats(&ctx, v1::GetStatsRequest(), &resp);
   if (!st.ok())
@@ -117,14 +118,14 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   MLARUN_RETURN_IF_ERROR(client_internal::CheckAddress(opt.coordinator));
   if (opt.requests_path.empty() != opt.results_path.empty())
     return InvalidArgumentError("--requests and --results go together (the request set and its `mlarun submit --json` output)");
-  auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel(opt.coordinator));
+  auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel(opt.coordinator, opt.security.tls));
   // Wait for the reports to settle (or the timeout), then take the last one.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt.timeout_s);
-  MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse stats, FetchStats(*stub, opt.timeout_s));
+  MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse stats, FetchStats(*stub, opt.timeout_s, opt.security));
   bool settled = false;
   while (std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(600));
-    MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse next, FetchStats(*stub, opt.timeout_s));
+    MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse next, FetchStats(*stub, opt.timeout_s, opt.security));
     settled = Idle(next) && Fingerprint(next) == Fingerprint(stats);
     stats = std::move(next);
     if (settled) break;

@@ -102,7 +102,7 @@ class SimGroup {
         stopping_(stopping),
         log_(*log),
         cache_(std::move(cache)),
-        link_({.coordinator = o.coordinator, .registration = Registration(), .secret = o.worker_secret}) {}
+        link_({.coordinator = o.coordinator, .registration = Registration(), .secret = o.worker_secret, .tls = o.tls}) {}
 
   // The group's thread: serves what the link brings until `stopping`.
   void Run();

@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 
+#include "launcher/security/security.h"
 #include "runtime/base/block_size.h"
 
 namespace mlarun {
@@ -24,6 +25,7 @@ struct SimWorkerOptions {
   std::string worker_id = "sim";
   // The worker link's shared secret (--worker-secret-file); empty: none.
   std::string worker_secret;
+  TlsPem tls;  // TLS to the coordinator, as the worker's --tls-* flags
   int groups = 1;
   double tokens_per_s = 1000;  // per group; 0: as fast as possible
   int64_t vocab_size = 512;

@@ -167,7 +167,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     reg.set_cache_blocks_total(runner.cache_stats().now.blocks_total);
     *reg.mutable_ranks() = rank_stats(0);
     link = std::make_unique<WorkerLinkClient>(
-        WorkerLinkClient::Options{.coordinator = o.coordinator, .registration = reg, .secret = o.worker_secret});
+        WorkerLinkClient::Options{.coordinator = o.coordinator, .registration = reg, .secret = o.worker_secret, .tls = o.tls});
   }
   if (session.rank() == 0)
     std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.deployment.model << ", coordinator "

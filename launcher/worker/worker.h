@@ -25,6 +25,7 @@
 #include <string_view>
 
 #include "launcher/rank/bootstrap.h"
+#include "launcher/security/security.h"
 #include "runtime/base/status.h"
 #include "runtime/engine/engine.h"
 
@@ -44,6 +45,10 @@ struct WorkerOptions {
   double stats_period_s = 0.5;
   // The worker link's shared secret (--worker-secret-file); empty: none.
   std::string worker_secret;
+  // TLS to the coordinator (--tls-ca; --tls-cert and --tls-key: the worker's
+  // client certificate, which a coordinator with --tls-ca takes instead of
+  // the secret).
+  TlsPem tls;
 };
 
 // Runs until a signal; returns the process exit code (0 on a clean stop).

@@ -580,7 +580,11 @@ TEST_F(CoordinatorTest, StreamsTokensThenFinished) {
   req.mutable_sampling()->clear_max_tokens();
   const GenResult r2 = Generate(*stub_, req);
   ExpectServed(r2, prompt, 0, 16);
-  EXPECT_EQ(r2.ids.begin()->rfind("req-", 0), 0u) << *r2.ids.begin();
+  // ... "req-" and 128 random bits in hex.
+  const std::string& id = *r2.ids.begin();
+  EXPECT_EQ(id.rfind("req-", 0), 0u) << id;
+  EXPECT_EQ(id.size(), 4u + 32u) << id;
+  EXPECT_EQ(id.find_first_not_of("0123456789abcdef", 4), std::string::npos) << id;
 }
 
 TEST_F(CoordinatorTest, SixtyFourConcurrentClientsOverFourGroups) {
@@ -1534,18 +1538,18 @@ TEST(CoordinatorStart, BeyondLoopbackNeedsAWorkerSecret) {
   }
 }
 
-TEST(ReadWorkerSecretFile, TrimsAndRefusesEmptyOrUnreadable) {
+TEST(ReadSecretFile, TrimsAndRefusesEmptyOrUnreadable) {
   const std::string dir = ::testing::TempDir();
   const std::string good = dir + "/mlarun_secret_good", empty = dir + "/mlarun_secret_empty",
                     bad = dir + "/mlarun_secret_binary";
   { std::ofstream(good) << "  tok3n-value \n"; }
   { std::ofstream(empty) << " \n\t\n"; }
   { std::ofstream(bad) << "a\x01b"; }
-  auto s = ReadWorkerSecretFile(good);
+  auto s = ReadSecretFile("--worker-secret-file", good);
   ASSERT_TRUE(s.ok()) << s.status();
   EXPECT_EQ(*s, "tok3n-value");
   for (const std::string& path : {empty, bad, dir + "/mlarun_secret_missing"}) {
-    auto r = ReadWorkerSecretFile(path);
+    auto r = ReadSecretFile("--worker-secret-file", path);
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << path;
     EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status();
     EXPECT_NE(r.status().message().find("--worker-secret-file"), std::string::npos) << r.status();

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # examples/python/submit.py end to end: the real `mlarun coordinator`, a
 # simulated worker with 2 groups, stubs generated from the .proto, one
-# streaming request and GetStats.
+# streaming request and GetStats; then the same against a second coordinator
+# with TLS, client tokens and a worker secret (certificates made with the
+# openssl CLI), where submit.py with --tls-ca and --auth-token-file and
+# `mlarun submit` / `mlarun stats` with the same flags are served, and
+# calls without the token get UNAUTHENTICATED, without TLS no connection.
 #
 #   python_example_test.sh MLARUN_BINARY SOURCE_DIR
 #
@@ -112,4 +116,61 @@ done
 grep -qx 'finish_reason: length' "$tmp/submit.out" || fail "no 'finish_reason: length'"
 grep -qE '^dp_group: [01]$' "$tmp/submit.out" || fail "no dp_group of the 2 groups"
 grep -qx 'groups connected: 2' "$tmp/submit.out" || fail "GetStats did not report 2 connected groups"
+
+# ---- The same, secured: TLS, client tokens, the worker secret ----------------
+command -v openssl >/dev/null || early_fail "openssl not found (scripts/install-deps installs it)"
+ec=(-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes)
+openssl req -x509 "${ec[@]}" -keyout "$tmp/ca.key" -out "$tmp/ca.crt" -days 3 -subj /CN=mlarun-test-ca \
+  >"$tmp/openssl.log" 2>&1 || fail "openssl could not make the CA"
+openssl req "${ec[@]}" -keyout "$tmp/server.key" -out "$tmp/server.csr" -subj /CN=localhost >>"$tmp/openssl.log" 2>&1 &&
+  printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\n' >"$tmp/server.ext" &&
+  openssl x509 -req -in "$tmp/server.csr" -CA "$tmp/ca.crt" -CAkey "$tmp/ca.key" -CAcreateserial -days 3 \
+    -out "$tmp/server.crt" -extfile "$tmp/server.ext" >>"$tmp/openssl.log" 2>&1 || fail "openssl could not make the server certificate"
+openssl rand -hex 32 >"$tmp/alice.token"
+{ echo "# principals of the test"; echo "$(cat "$tmp/alice.token") alice"; openssl rand -hex 32; } >"$tmp/tokens"
+openssl rand -hex 32 >"$tmp/worker.secret"
+openssl rand -hex 32 >"$tmp/wrong.token"
+sport=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')
+saddr="127.0.0.1:$sport"
+timeout 60 "$mlarun" coordinator --listen "$saddr" --tls-cert "$tmp/server.crt" --tls-key "$tmp/server.key" \
+  --auth-token-file "$tmp/tokens" --worker-secret-file "$tmp/worker.secret" >"$tmp/coordinator-tls.log" 2>&1 &
+pids+=($!)
+timeout 60 "$mlarun" sim-worker --coordinator "$saddr" --groups 2 --tls-ca "$tmp/ca.crt" \
+  --worker-secret-file "$tmp/worker.secret" >"$tmp/sim-worker-tls.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 200); do
+  "$mlarun" stats --coordinator "$saddr" --tls-ca "$tmp/ca.crt" --auth-token-file "$tmp/alice.token" --json \
+    >"$tmp/stats-tls.json" 2>/dev/null && [ "$(grep -o '"connected": *true' "$tmp/stats-tls.json" | wc -l)" -eq 2 ] &&
+    break
+  sleep 0.1
+done
+[ "$(grep -o '"connected": *true' "$tmp/stats-tls.json" 2>/dev/null | wc -l)" -eq 2 ] ||
+  fail "the 2 simulated groups did not register over TLS with the secret"
+
+PYTHONPATH="$tmp" timeout 30 "$python" "$src/examples/python/submit.py" --tls-ca "$tmp/ca.crt" \
+  --auth-token-file "$tmp/alice.token" "$saddr" 8 3 4 5 >"$tmp/submit-tls.out" 2>"$tmp/submit-tls.log" ||
+  fail "submit.py over TLS with a token exited with $?: $(cat "$tmp/submit-tls.log")"
+# The simulated tokens are a function of the request: the same as in the clear.
+diff <(grep '^token ' "$tmp/submit.out") <(grep '^token ' "$tmp/submit-tls.out") >/dev/null ||
+  fail "the tokens over TLS differ from the plaintext run"
+grep -qx 'groups connected: 2' "$tmp/submit-tls.out" || fail "GetStats over TLS did not report 2 connected groups"
+
+# Refusals: no token, a wrong token, no TLS.
+PYTHONPATH="$tmp" timeout 30 "$python" "$src/examples/python/submit.py" --tls-ca "$tmp/ca.crt" "$saddr" 8 3 4 5 \
+  >/dev/null 2>"$tmp/refused.log" && fail "submit.py without a token was served"
+grep -q 'UNAUTHENTICATED' "$tmp/refused.log" || fail "without a token: $(cat "$tmp/refused.log")"
+"$mlarun" submit --coordinator "$saddr" --tls-ca "$tmp/ca.crt" --auth-token-file "$tmp/wrong.token" --prompt-ids 3,4,5 \
+  --max-tokens 4 --timeout 10 >/dev/null 2>"$tmp/refused2.log" && fail "mlarun submit with a wrong token was served"
+grep -q 'UNAUTHENTICATED' "$tmp/refused2.log" || fail "with a wrong token: $(cat "$tmp/refused2.log")"
+"$mlarun" submit --coordinator "$saddr" --auth-token-file "$tmp/alice.token" --prompt-ids 3,4,5 --max-tokens 4 \
+  --timeout 5 >/dev/null 2>"$tmp/refused3.log" && fail "mlarun submit in plaintext to the TLS port was served"
+grep -q 'UNAVAILABLE' "$tmp/refused3.log" || fail "in plaintext: $(cat "$tmp/refused3.log")"
+"$mlarun" submit --coordinator "$saddr" --tls-ca "$tmp/ca.crt" --auth-token-file "$tmp/alice.token" --prompt-ids 3,4,5 \
+  --max-tokens 4 --ignore-eos --json --timeout 20 >"$tmp/submit-cli.json" 2>"$tmp/submit-cli.log" ||
+  fail "mlarun submit over TLS with the token failed: $(cat "$tmp/submit-cli.log")"
+grep -q '"tokens":\[' "$tmp/submit-cli.json" || fail "mlarun submit printed no tokens: $(cat "$tmp/submit-cli.json")"
+# A bad token file is a usage error naming the flag.
+printf 'short\n' >"$tmp/bad.tokens"
+"$mlarun" coordinator --listen 127.0.0.1:0 --auth-token-file "$tmp/bad.tokens" >"$tmp/bad.log" 2>&1 && fail "a bad token file was accepted"
+grep -q -- '--auth-token-file' "$tmp/bad.log" || fail "the bad token file's error: $(cat "$tmp/bad.log")"
 echo "python_example_test: OK"
