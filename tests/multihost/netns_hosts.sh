@@ -24,7 +24,8 @@
 # it creates is named after its PID (namespaces mlarun-mh<PID>-host<i>, bridge
 # mlbr<PID>, links mlv<PID>h<i>), so parallel runs do not collide; on exit (a
 # failure, a signal, its own deadline) it stops its processes and deletes
-# what it created, and at start it deletes what a run that was killed left.
+# what it created, and at start it deletes what a run that was killed left
+# (tests/multihost/netns_lib.sh, shared with the other namespace scripts).
 set -euo pipefail
 if [ $# -ne 3 ] || { [ "$3" != tcp ] && [ "$3" != ucx ]; }; then
   echo "usage: netns_hosts.sh MLARUN SOURCE_DIR tcp|ucx" >&2
@@ -33,137 +34,24 @@ fi
 mlarun=$(realpath "$1") src=$(realpath "$2") transport=$3
 name="multihost_$transport"
 here="$src/tests/multihost"
-agent="$here/netns_rsh.sh"
 model="$here/tiny3.yaml"
-skip() {
-  echo "$name: SKIPPED: $*"
-  exit 77
-}
+hosts=(host1 host2 host3)
+addrs=(10.77.0.11 10.77.0.12 10.77.0.13)
+work=$(mktemp -d "/tmp/$name.XXXXXX")
+logs=()
+source "$here/netns_lib.sh"
 [ "$(id -u)" = 0 ] || skip "needs root (network namespaces, a bridge, mount and UTS namespaces)"
 for tool in ip unshare mount mpirun python3 timeout ss; do
   command -v "$tool" >/dev/null || skip "$tool not found"
 done
-
-# ---- what this run creates, and its cleanup --------------------------------
-subnet=10.77.0.0/24
-hosts=(host1 host2 host3)
-addrs=(10.77.0.11 10.77.0.12 10.77.0.13)
-nic=mh0                      # every host's interface on the bridge (inside its namespace)
-export NETNS_PREFIX="mlarun-mh$$-"
-bridge="mlbr$$"
-work=$(mktemp -d "/tmp/$name.XXXXXX")
-export NETNS_HOSTS_FILE="$work/hosts"
-pids=()
-created=0
-watchdog=""
-logs=()
-
-stop_processes() {
-  local p ns
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for _ in $(seq 30); do
-    local alive=0
-    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
-    [ $alive = 0 ] && break
-    sleep 0.1
-  done
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
-  pids=()
-  # Whatever is left in the namespaces (orteds, ranks) is ours.
-  for h in "${hosts[@]}"; do
-    ns=$NETNS_PREFIX$h
-    [ -e "/run/netns/$ns" ] || continue
-    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
-  done
-}
-delete_network() {  # PID: what the run with that PID created
-  local ns h
-  for h in "${hosts[@]}"; do
-    ns="mlarun-mh$1-$h"
-    if [ -e "/run/netns/$ns" ]; then
-      for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
-      ip netns del "$ns" 2>/dev/null || true
-    fi
-    ip link del "mlv$1h${h#host}" 2>/dev/null || true
-  done
-  ip link del "mlbr$1" 2>/dev/null || true
-}
-before_exit() {
-  [ -n "$watchdog" ] && kill "$watchdog" 2>/dev/null
-  stop_processes
-  [ "$created" = 1 ] && delete_network $$
-  return 0
-}
-source "$src/scripts/lib/on_exit.sh"
-# The whole run ends within $budget seconds: past it, TERM (and the cleanup).
-budget=${MULTIHOST_BUDGET_S:-100}
-# Killing what runs in the namespaces ends any command the script waits for.
-(
-  for ((t = 0; t < budget; t++)); do
-    sleep 1
-    kill -0 $$ 2>/dev/null || exit 0
-  done
-  echo "$name: FAIL: still running after $budget s"
-  kill -TERM $$
-  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep -F "$NETNS_PREFIX" || true); do
-    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -KILL "$p" 2>/dev/null || true; done
-  done
-) 2>/dev/null &
-watchdog=$!
-
-# Runs left behind by a kill that gave them no chance to clean up.
-for old in $(ip netns list 2>/dev/null | sed -n -E 's/^mlarun-mh([0-9]+)-host[0-9]+.*/\1/p' | sort -u); do
-  if [ "$old" != $$ ] && ! kill -0 "$old" 2>/dev/null; then
-    echo "$name: deleting namespaces left by run $old"
-    delete_network "$old"
-  fi
-done
+# The whole run ends within the budget: past it, TERM (and the cleanup).
+netns_watchdog "${MULTIHOST_BUDGET_S:-100}"
+netns_delete_stale
 
 # ---- the network -------------------------------------------------------------
-# The hosts' /etc/hosts (bind-mounted in their mount namespaces).
-{
-  echo "127.0.0.1 localhost"
-  for i in 0 1 2; do echo "${addrs[$i]} ${hosts[$i]}"; done
-} >"$NETNS_HOSTS_FILE"
-created=1
-ip link add "$bridge" type bridge 2>"$work/ip.log" || skip "cannot create a bridge: $(cat "$work/ip.log")"
-ip link set "$bridge" up
-for i in 0 1 2; do
-  h=${hosts[$i]}
-  ns=$NETNS_PREFIX$h
-  ip netns add "$ns" 2>"$work/ip.log" || skip "cannot create a network namespace: $(cat "$work/ip.log")"
-  "$agent" --argv "$h" true 2>"$work/ip.log" || skip "cannot enter $ns with new mount and UTS namespaces: $(cat "$work/ip.log")"
-  ip link add "mlv$$h$((i + 1))" type veth peer name "$nic" netns "$ns" 2>"$work/ip.log" ||
-    skip "cannot create a veth pair: $(cat "$work/ip.log")"
-  ip link set "mlv$$h$((i + 1))" master "$bridge" up
-  ip -n "$ns" link set lo up
-  ip -n "$ns" addr add "${addrs[$i]}/24" dev "$nic"
-  ip -n "$ns" link set "$nic" up
-done
+netns_create
 for h in "${hosts[@]}"; do echo "$h slots=1"; done >"$work/hostfile"
-
-on_host() {  # on_host HOST COMMAND...: COMMAND in HOST's namespace
-  "$agent" --argv "$@"
-}
-# Every host reaches the others over the bridge (at once, as a rule; the loop
-# only bounds the wait).
-for i in 0 1 2; do
-  for j in 0 1 2; do
-    [ $i = $j ] && continue
-    ok=0
-    for _ in $(seq 50); do
-      # Port 9 listens nowhere: "refused" means the host answered.
-      answer=$(on_host "${hosts[$i]}" timeout 2 bash -c "exec 3<>/dev/tcp/${hosts[$j]}/9" 2>&1 || true)
-      if [[ $answer == *refused* ]]; then
-        ok=1
-        break
-      fi
-      sleep 0.1
-    done
-    [ $ok = 1 ] || fail "${hosts[$i]} cannot reach ${hosts[$j]} (${addrs[$j]}) over the bridge"
-  done
-done
+netns_wait_reachable
 echo "$name: hosts ${hosts[*]} (${addrs[*]}) on bridge $bridge"
 
 # ---- Open MPI ------------------------------------------------------------------
@@ -256,7 +144,7 @@ PY
   fi
   echo "$name: $tag: 12 requests from host2, tokens equal one process's; ranks on host1-3 ($((SECONDS - t0)) s)"
   echo "$name: $tag: host2's TCP connections (local-peer): $(awk '{print $3 "-" $4}' "$work/ss-$tag.txt" | sort | tr '\n' ' ')"
-  stop_processes
+  netns_stop_processes
 }
 
 serve dp=3 dp3 3
