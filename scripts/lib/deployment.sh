@@ -5,6 +5,7 @@
 #
 #   name=NAME; source deployment.sh            (expects $mlarun $src $np $groups)
 #   start_deployment POLICY WORKER_FLAGS...    -> $addr, logs in $work
+#                                              (coordinator_flags=(...), if set, go to the coordinator)
 #   wait_for_groups                            (fails unless $groups register)
 #   stop_deployment                            (the cleanup on exit does it too)
 #   fail MESSAGE                               (exit 1)
@@ -44,7 +45,8 @@ start_deployment() {
   local port
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   addr=127.0.0.1:$port
-  "$mlarun" coordinator --listen "$addr" --policy "$policy" 2>"$work/coord.log" &
+  "$mlarun" coordinator --listen "$addr" --policy "$policy" ${coordinator_flags[@]+"${coordinator_flags[@]}"} \
+    2>"$work/coord.log" &
   pids+=($!)
   mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np "$np" \
     "$mlarun" worker --coordinator "$addr" --model "$src/configs/models/tiny.yaml" --threads 1 "$@" \
