@@ -3,7 +3,6 @@
 #include <cstdlib>
 
 #include "kv/latent_write.h"
-#include "runtime/base/large_buffer.h"
 
 namespace mlarun {
 
@@ -22,21 +21,23 @@ Status ValidateLatentCacheConfig(const LatentCacheConfig& c) {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<LatentPool>> LatentPool::Create(const LatentCacheConfig& c) {
+StatusOr<std::unique_ptr<LatentPool>> LatentPool::Create(const LatentCacheConfig& c, DeviceMemory& memory) {
   MLARUN_RETURN_IF_ERROR(ValidateLatentCacheConfig(c));
   const size_t bytes = static_cast<size_t>(c.num_blocks() * c.block_bytes());
-  void* memory = AllocateLarge(bytes, /*zero=*/c.commit_memory);
-  if (memory == nullptr) return ResourceExhaustedError("latent cache: cannot allocate ", bytes, " bytes");
-  return std::unique_ptr<LatentPool>(new LatentPool(c, c.num_blocks(), memory));
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::Allocate(memory, bytes, "the latent cache"));
+  // Zero-filling touches every page: committed now, not under load.
+  if (c.commit_memory) MLARUN_RETURN_IF_ERROR(memory.Zero(buffer.data(), bytes));
+  return std::unique_ptr<LatentPool>(new LatentPool(c, c.num_blocks(), std::move(buffer)));
 }
 
-LatentPool::LatentPool(const LatentCacheConfig& config, int64_t num_blocks, void* memory)
+LatentPool::LatentPool(const LatentCacheConfig& config, int64_t num_blocks, DeviceBuffer buffer)
     : config_(config),
       num_blocks_(num_blocks),
       layer_stride_(num_blocks * config.block_size * (config.kv_lora_rank + config.rope_dim)),
-      memory_(memory) {}
+      buffer_(std::move(buffer)),
+      memory_(buffer_.data()) {}
 
-LatentPool::~LatentPool() { std::free(memory_); }
+LatentPool::~LatentPool() = default;
 
 void* LatentPool::LayerData(int64_t layer) const {
   return static_cast<std::byte*>(memory_) + layer * layer_stride_ * static_cast<int64_t>(DTypeSize(config_.dtype));
@@ -56,6 +57,10 @@ PagedRowsView LatentPool::Layer(int64_t layer) const {
 
 Status LatentPool::WriteRows(int64_t layer, std::span<const int32_t> table, int64_t pos, int64_t n, const float* kv_c,
                              int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride) {
+  if (!buffer_.memory()->host_accessible())
+    return FailedPreconditionError("latent cache: WriteRows writes host rows; a pool on ",
+                                   BackendName(buffer_.memory()->backend()),
+                                   " is written by the step's cache write op (kv/latent_write.h)");
   if (layer < 0 || layer >= config_.num_layers)
     return OutOfRangeError("latent cache: layer ", layer, " outside [0, ", config_.num_layers, ")");
   const int64_t bs = config_.block_size;

@@ -17,6 +17,7 @@
 #include <span>
 
 #include "runtime/base/block_size.h"
+#include "runtime/base/device_memory.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
 #include "runtime/base/tensor_view.h"
@@ -60,8 +61,10 @@ Status ValidateLatentCacheConfig(const LatentCacheConfig& c);
 
 class LatentPool {
  public:
-  // Allocates config.num_blocks() blocks.
-  static StatusOr<std::unique_ptr<LatentPool>> Create(const LatentCacheConfig& config);
+  // Allocates config.num_blocks() blocks in `memory` (the runner's device;
+  // the host's by default).
+  static StatusOr<std::unique_ptr<LatentPool>> Create(const LatentCacheConfig& config,
+                                                      DeviceMemory& memory = HostMemory());
 
   ~LatentPool();
   LatentPool(const LatentPool&) = delete;
@@ -80,7 +83,8 @@ class LatentPool {
   // Writes the rows of positions [pos, pos + n) of the sequence whose blocks
   // are `block_table` (position p lives in block block_table[p / block_size])
   // in `layer`, converting from fp32: row t = [kv_c[t * kv_c_stride .. + L) |
-  // k_pe[t * k_pe_stride .. + R)]. The table must cover the positions with
+  // k_pe[t * k_pe_stride .. + R)]. Host-accessible pools only
+  // (FAILED_PRECONDITION otherwise). The table must cover the positions with
   // block ids of this pool (OUT_OF_RANGE otherwise, nothing written). The
   // caller (the scheduler, through the plan) guarantees that no other
   // sequence reads those blocks' rows as its own. The cache write op
@@ -90,11 +94,12 @@ class LatentPool {
                    int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride);
 
  private:
-  LatentPool(const LatentCacheConfig& config, int64_t num_blocks, void* memory);
+  LatentPool(const LatentCacheConfig& config, int64_t num_blocks, DeviceBuffer buffer);
 
   const LatentCacheConfig config_;
   const int64_t num_blocks_;
   const int64_t layer_stride_;  // elements
+  DeviceBuffer buffer_;
   void* const memory_;
 };
 

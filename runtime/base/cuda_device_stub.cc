@@ -1,5 +1,6 @@
 // Built when the CUDA backend is not: the same API, reporting its absence.
 #include "runtime/base/cuda_device.h"
+#include "runtime/base/device_memory.h"
 
 namespace mlarun {
 
@@ -7,6 +8,10 @@ bool CudaBuilt() { return false; }
 
 StatusOr<std::vector<CudaDevice>> CudaDevices() {
   return UnavailableError("this build has no CUDA backend (configure with nvcc available, or -DMLARUN_CUDA=ON)");
+}
+
+StatusOr<DeviceMemory*> CudaMemory() {
+  return UnimplementedError("CUDA memory: this build has no CUDA backend (configure with nvcc available)");
 }
 
 }  // namespace mlarun

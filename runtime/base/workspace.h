@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <memory>
 
+#include "runtime/base/device_memory.h"
+
 namespace mlarun {
 
 inline constexpr size_t kWorkspaceAlign = 64;
@@ -43,34 +45,33 @@ class WorkspaceCarver {
   size_t used_ = 0;
 };
 
-// Owns a growable, 64-byte-aligned host buffer. Not thread-safe.
+// Owns a growable, 64-byte-aligned buffer in one device's memory (the
+// host's by default). Not thread-safe.
 class Workspace {
  public:
   Workspace() = default;
+  explicit Workspace(DeviceMemory* memory) : memory_(memory) {}
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
   Workspace(Workspace&&) = default;
   Workspace& operator=(Workspace&&) = default;
 
   // Returns a view of at least `bytes` bytes; reallocates (discarding the
-  // contents) only when the current buffer is smaller.
+  // contents) only when the current buffer is smaller. {} when it cannot.
   WorkspaceView Reserve(size_t bytes) {
-    if (bytes > capacity_) {
-      const size_t rounded = WorkspaceCarver::AlignUp(bytes);
-      buf_.reset(static_cast<std::byte*>(std::aligned_alloc(kWorkspaceAlign, rounded)));
-      capacity_ = buf_ ? rounded : 0;
-      if (!buf_) return {};
+    if (bytes > buf_.bytes()) {
+      buf_.Reset();
+      auto b = DeviceBuffer::Allocate(*memory_, WorkspaceCarver::AlignUp(bytes), "a workspace");
+      if (!b.ok()) return {};
+      buf_ = std::move(*b);
     }
-    return {buf_.get(), bytes};
+    return {buf_.data(), bytes};
   }
-  size_t capacity_bytes() const { return capacity_; }
+  size_t capacity_bytes() const { return buf_.bytes(); }
 
  private:
-  struct FreeDeleter {
-    void operator()(std::byte* p) const { std::free(p); }
-  };
-  std::unique_ptr<std::byte, FreeDeleter> buf_;
-  size_t capacity_ = 0;
+  DeviceMemory* memory_ = &HostMemory();
+  DeviceBuffer buf_;
 };
 
 }  // namespace mlarun

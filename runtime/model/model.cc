@@ -26,22 +26,32 @@ constexpr double kLatentNormEps = 1e-6;
 
 }  // namespace
 
+// In the model's memory: the activations and the ops' batch arrays (staged
+// from the host). On the host: the batch description the attention plans
+// from (query_start, seq_lens, block_table), the collectives' counts, and
+// the routed expert ids the MoE plans from (copied out of the device when
+// it is not the host).
 struct Model::StepScratch {
+  explicit StepScratch(DeviceMemory* m)
+      : h(m), x(m), q(m), qa(m), kv(m), kv_c(m), k_pe(m), attn(m), o_out(m), mlp_hidden(m), x_all(m), y_all(m),
+        y_local(m), rows(m), logits(m), router_logits(m), route_weights(m), route_experts(m), moe_ws(m) {}
   // ForwardImpl
-  std::vector<int32_t> query_start, seq_lens, block_table, positions, tokens, logit_ids;
-  std::vector<int64_t> hidden_counts, slots;
-  std::vector<float> h, x, q, qa, kv, kv_c, k_pe, attn, o_out, mlp_hidden, x_all, y_all, y_local, rows;
-  std::vector<float> logits;  // ForwardInto's result
+  std::vector<int32_t> query_start, seq_lens, block_table;
+  StagedArray<int32_t> positions, tokens, logit_ids;
+  StagedArray<int64_t> slots;
+  std::vector<int64_t> hidden_counts;
+  DeviceArray<float> h, x, q, qa, kv, kv_c, k_pe, attn, o_out, mlp_hidden, x_all, y_all, y_local, rows;
+  DeviceArray<float> logits;  // ForwardInto's result
   // MoeForward
-  std::vector<float> router_logits, route_weights;
-  std::vector<int32_t> route_experts;
+  DeviceArray<float> router_logits, route_weights;
+  DeviceArray<int32_t> route_experts;
+  std::vector<int32_t> route_experts_host;  // when the memory is not the host's
   MoePlan moe_plan;  // re-planned every MoE layer into the same memory (MoeReplan)
   Workspace moe_ws;
   MlaPlan attn_plan;  // re-planned every step into the same memory (MlaReplan)
 };
 
-Model::Model(const ModelConfig& c, const ModelOptions& o)
-    : config_(c), options_(o), scratch_(std::make_unique<StepScratch>()) {}
+Model::Model(const ModelConfig& c, const ModelOptions& o) : config_(c), options_(o) {}
 
 Model::~Model() = default;
 
@@ -55,12 +65,65 @@ Status Model::Init() {
                               config_.index_n_heads, ") is not implemented; `mlarun memory` can still size this model");
   MLARUN_ASSIGN_OR_RETURN(Rope rope, Rope::Create(config_.rope));
   rope_ = std::make_unique<Rope>(std::move(rope));
+  rope_inv_freq_.host = rope_->inv_freq();
+  if (options_.memory != nullptr) {
+    if (options_.memory->backend() != backend())
+      return InvalidArgumentError("model: its memory is ", BackendName(options_.memory->backend()),
+                                  "'s but its ops run on ", BackendName(backend()));
+    memory_ = options_.memory;
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(memory_, MemoryFor(backend()));
+  }
+  scratch_ = std::make_unique<StepScratch>(memory_);
+  attn_ws_ = Workspace(memory_);
   return MlaCheckConfig(options_.attention);
+}
+
+Status Model::PlaceWeights() {
+  DeviceMemory& m = *memory_;
+  if (m.host_accessible()) return Status::Ok();
+  const bool tied = lm_head_.data == embed_.data;
+  MLARUN_RETURN_IF_ERROR(embed_.Place(m, "the embedding"));
+  if (tied) {
+    lm_head_ = embed_;
+  } else {
+    MLARUN_RETURN_IF_ERROR(lm_head_.Place(m, "lm_head"));
+  }
+  MLARUN_RETURN_IF_ERROR(final_norm_.Place(m, "the final norm"));
+  MLARUN_RETURN_IF_ERROR(rope_inv_freq_.Place(m, "the RoPE frequencies"));
+  auto mlp = [&m](Mlp& p, const std::string& what) -> Status {
+    MLARUN_RETURN_IF_ERROR(p.gate.Place(m, what + " gate"));
+    MLARUN_RETURN_IF_ERROR(p.up.Place(m, what + " up"));
+    return p.down.Place(m, what + " down");
+  };
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    DecoderLayer& l = layers_[i];
+    const std::string at = "layer " + std::to_string(i) + " ";
+    AttentionLayer& a = l.attn;
+    for (Linear* w : {&a.q_a, &a.q_b, &a.q, &a.kv_a, &a.o}) MLARUN_RETURN_IF_ERROR(w->Place(m, at + "attention"));
+    MLARUN_RETURN_IF_ERROR(a.q_a_norm.Place(m, at + "q_a norm"));
+    MLARUN_RETURN_IF_ERROR(a.kv_a_norm.Place(m, at + "kv_a norm"));
+    MLARUN_RETURN_IF_ERROR(a.w_uk_t.Place(m, at + "W_UK"));
+    MLARUN_RETURN_IF_ERROR(a.w_uv.Place(m, at + "W_UV"));
+    MLARUN_RETURN_IF_ERROR(l.input_norm.Place(m, at + "input norm"));
+    MLARUN_RETURN_IF_ERROR(l.post_attention_norm.Place(m, at + "post-attention norm"));
+    if (!l.moe) {
+      MLARUN_RETURN_IF_ERROR(mlp(l.mlp, at + "MLP"));
+      continue;
+    }
+    MoeLayer& moe = l.moe_mlp;
+    MLARUN_RETURN_IF_ERROR(moe.router.Place(m, at + "router"));
+    MLARUN_RETURN_IF_ERROR(moe.score_bias.Place(m, at + "router bias"));
+    if (moe.has_shared) MLARUN_RETURN_IF_ERROR(mlp(moe.shared, at + "shared experts"));
+    for (size_t e = 0; e < moe.experts.size(); ++e)
+      MLARUN_RETURN_IF_ERROR(mlp(moe.experts[e], at + "expert " + std::to_string(moe.expert_begin + e)));
+  }
+  return Status::Ok();
 }
 
 WeightBytes Model::weight_bytes() const {
   WeightBytes b;
-  auto vec = [](const std::vector<float>& v) { return static_cast<int64_t>(v.size() * sizeof(float)); };
+  auto vec = [](const PlacedVector<float>& v) { return static_cast<int64_t>(v.size() * sizeof(float)); };
   auto mlp = [](const Mlp& m) { return m.bytes(); };
   b.embedding_and_head = embed_.bytes() + (lm_head_.data == embed_.data ? 0 : lm_head_.bytes()) + vec(final_norm_);
   for (const DecoderLayer& l : layers_) {
@@ -117,14 +180,14 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   const int64_t H = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
   const Backend be = backend();
   StepScratch& sc = *scratch_;
-  std::vector<float>& router_logits = sc.router_logits;
-  router_logits.assign(static_cast<size_t>(T * E), 0.f);
+  DeviceArray<float>& router_logits = sc.router_logits;
+  MLARUN_RETURN_IF_ERROR(router_logits.Zeroed(static_cast<size_t>(T * E), "the router's logits"));
   MLARUN_RETURN_IF_ERROR(LinearRun(
       {.w = &moe.router, .x = X, .rows = T, .ldx = H, .y = router_logits.data(), .ldy = E, .backend = be}));
-  std::vector<int32_t>& route_experts = sc.route_experts;
-  std::vector<float>& route_weights = sc.route_weights;
-  route_experts.assign(static_cast<size_t>(T * K), 0);
-  route_weights.assign(static_cast<size_t>(T * K), 0.f);
+  DeviceArray<int32_t>& route_experts = sc.route_experts;
+  DeviceArray<float>& route_weights = sc.route_weights;
+  MLARUN_RETURN_IF_ERROR(route_experts.Zeroed(static_cast<size_t>(T * K), "the routed expert ids"));
+  MLARUN_RETURN_IF_ERROR(route_weights.Zeroed(static_cast<size_t>(T * K), "the routing weights"));
   MLARUN_RETURN_IF_ERROR(MoeGateRun({.logits = router_logits.data(), .tokens = T, .num_experts = E,
                                      .bias = moe.score_bias.empty() ? nullptr : moe.score_bias.data(),
                                      .scoring = c.scoring_func, .method = c.topk_method, .top_k = K,
@@ -132,9 +195,17 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
                                      .norm_topk_prob = c.norm_topk_prob,
                                      .routed_scaling_factor = c.routed_scaling_factor,
                                      .experts = route_experts.data(), .weights = route_weights.data(), .backend = be}));
+  // The expert ids on the host: the MoE plan (tokens grouped by expert) is
+  // made there.
+  const int32_t* ids = route_experts.data();
+  if (!memory_->host_accessible()) {
+    sc.route_experts_host.resize(static_cast<size_t>(T * K));
+    MLARUN_RETURN_IF_ERROR(memory_->CopyOut(sc.route_experts_host.data(), ids, static_cast<size_t>(T * K) * sizeof(int32_t)));
+    ids = sc.route_experts_host.data();
+  }
   if (routing_.size() <= routing_layers_) routing_.emplace_back();
   std::vector<int32_t>& routed = routing_[routing_layers_++];
-  routed.assign(route_experts.begin(), route_experts.end());
+  routed.assign(ids, ids + T * K);
   for (int64_t t = 0; t < T; ++t) std::sort(routed.begin() + t * K, routed.begin() + (t + 1) * K);
 
   const MoeExpertsParams p{.experts = moe.experts.data(), .num_local = static_cast<int64_t>(moe.experts.size()),
@@ -143,7 +214,9 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
                            .route_experts = route_experts.data(), .route_weights = route_weights.data(), .top_k = K,
                            .y = Y, .backend = be};
   MoePlan& plan = sc.moe_plan;
-  MLARUN_RETURN_IF_ERROR(MoeReplan(p, plan));
+  MoeExpertsParams host_ids = p;  // what the plan reads: the ids on the host
+  host_ids.route_experts = ids;
+  MLARUN_RETURN_IF_ERROR(MoeReplan(host_ids, plan));
   const WorkspaceView ws = sc.moe_ws.Reserve(plan.workspace_bytes);
   if (plan.workspace_bytes > 0 && ws.data == nullptr)
     return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes, " bytes of MoE workspace");
@@ -207,7 +280,9 @@ Agreement AgreeOnFailure(Communicator* tp, Communicator* peers, const Status& lo
 StatusOr<std::vector<float>> Model::Forward(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                             const ParallelStep* parallel) {
   MLARUN_ASSIGN_OR_RETURN(const std::span<const float> logits, ForwardInto(seqs, pool, parallel));
-  return std::vector<float>(logits.begin(), logits.end());
+  std::vector<float> out(logits.size());
+  MLARUN_RETURN_IF_ERROR(memory_->CopyOut(out.data(), logits.data(), logits.size() * sizeof(float)));
+  return out;
 }
 
 StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> seqs, LatentPool& pool,
@@ -221,24 +296,23 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
   Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
   Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
   Status collective;
-  const Status local = ForwardImpl(seqs, pool, parallel, tp, peers, call, &scratch_->logits, &collective);
+  const Status local = ForwardImpl(seqs, pool, parallel, tp, peers, call, &collective);
   routing_.resize(routing_layers_);  // the MoE layers this step ran (shrinks only when a step stopped early)
   if (!collective.ok()) return collective;  // nobody can be waited for
   if (parallel == nullptr) {
     last_failure_ = local;
     if (!local.ok()) return local;
-    return std::span<const float>(scratch_->logits);
+    return std::span<const float>(scratch_->logits.data(), scratch_->logits.size());
   }
   const Agreement agreed = AgreeOnFailure(tp, peers, local, parallel->rank_name);
   if (!agreed.collective.ok()) return agreed.collective;
   last_failure_ = agreed.failure;
   if (!agreed.failure.ok()) return agreed.failure;
-  return std::span<const float>(scratch_->logits);
+  return std::span<const float>(scratch_->logits.data(), scratch_->logits.size());
 }
 
 Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel,
-                          Communicator* tp, Communicator* peers, int64_t call, std::vector<float>* logits_out,
-                          Status* collective) {
+                          Communicator* tp, Communicator* peers, int64_t call, Status* collective) {
   const ModelConfig& c = config_;
   const ModelShard& shard = options_.shard;
   // N: this rank's heads.
@@ -316,9 +390,9 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   // Per token: its id, its position and the cache slot its row goes to
   // (block * block_size + offset in the block).
   std::vector<int32_t>& block_table = sc.block_table;
-  std::vector<int32_t>& positions = sc.positions;
-  std::vector<int32_t>& tokens = sc.tokens;
-  std::vector<int64_t>& slots = sc.slots;
+  std::vector<int32_t>& positions = sc.positions.host;
+  std::vector<int32_t>& tokens = sc.tokens.host;
+  std::vector<int64_t>& slots = sc.slots.host;
   block_table.assign(static_cast<size_t>(S * max_blocks), 0);
   positions.assign(static_cast<size_t>(T), 0);
   tokens.assign(static_cast<size_t>(T), 0);
@@ -335,31 +409,44 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     }
   }
 
-  // Embeddings.
-  auto zeroed = [](std::vector<float>& v, int64_t n) -> std::vector<float>& {
-    v.assign(static_cast<size_t>(n), 0.f);
+  // The step's buffers, in the model's memory. One that cannot be had ends
+  // the step on every rank: nobody can run a collective on it.
+  auto zeroed = [&](DeviceArray<float>& v, int64_t n, const char* what) -> DeviceArray<float>& {
+    if (Status z = v.Zeroed(static_cast<size_t>(n), what); !z.ok() && collective->ok())
+      *collective = z.WithContext("model forward");
     return v;
   };
-  std::vector<float>& h = zeroed(sc.h, T * H);
-  std::vector<float>& x = zeroed(sc.x, T * H);
+  DeviceArray<float>& h = zeroed(sc.h, T * H, "the hidden states");
+  DeviceArray<float>& x = zeroed(sc.x, T * H, "the normed hidden states");
+  DeviceArray<float>& q = zeroed(sc.q, T * N * Dq, "the queries");
+  DeviceArray<float>& qa = zeroed(sc.qa, T * std::max<int64_t>(c.q_lora_rank, 1), "the query latents");
+  DeviceArray<float>& kv = zeroed(sc.kv, T * (L + R), "the key latents");
+  DeviceArray<float>& kv_c = zeroed(sc.kv_c, T * L, "the normed key latents");
+  DeviceArray<float>& k_pe = zeroed(sc.k_pe, T * R, "the rope keys");
+  DeviceArray<float>& attn = zeroed(sc.attn, T * N * V, "the attention outputs");
+  DeviceArray<float>& o_out = zeroed(sc.o_out, T * H, "the o_proj outputs");
+  DeviceArray<float>& mlp_hidden = sc.mlp_hidden;  // sized by the largest dense MLP step
+  DeviceArray<float>& x_all = sc.x_all;
+  DeviceArray<float>& y_all = zeroed(sc.y_all, T_all * H, "the MLP outputs");
+  // This group's rows of the MLP outputs: reduce-scattered over the peers, or
+  // (alone) y_all itself.
+  float* const y_local = peers ? zeroed(sc.y_local, T * H, "this group's MLP outputs").data() : y_all.data();
+  // The batch arrays the ops read, on the device.
+  auto publish = [&](auto& staged, const char* what) {
+    auto p = staged.Publish(*memory_, what);
+    if (!p.ok() && collective->ok()) *collective = p.status().WithContext("model forward");
+    return p.ok() ? *p : nullptr;
+  };
+  const int32_t* const d_tokens = publish(sc.tokens, "the token ids");
+  const int32_t* const d_positions = publish(sc.positions, "the positions");
+  const int64_t* const d_slots = publish(sc.slots, "the cache slots");
+  if (!collective->ok()) return st;
+
+  // Embeddings.
   const size_t wes = DTypeSize(c.weight_dtype);
   if (st.ok())
     fail(EmbeddingRun({.table = embed_.data, .dtype = embed_.dtype, .num_rows = embed_.out, .width = H, .ld = embed_.ld,
-                       .ids = tokens.data(), .n = T, .out = h.data(), .ld_out = H, .backend = be}));
-
-  std::vector<float>& q = zeroed(sc.q, T * N * Dq);
-  std::vector<float>& qa = zeroed(sc.qa, T * std::max<int64_t>(c.q_lora_rank, 1));
-  std::vector<float>& kv = zeroed(sc.kv, T * (L + R));
-  std::vector<float>& kv_c = zeroed(sc.kv_c, T * L);
-  std::vector<float>& k_pe = zeroed(sc.k_pe, T * R);
-  std::vector<float>& attn = zeroed(sc.attn, T * N * V);
-  std::vector<float>& o_out = zeroed(sc.o_out, T * H);
-  std::vector<float>& mlp_hidden = sc.mlp_hidden;  // sized by the largest dense MLP step
-  std::vector<float>& x_all = sc.x_all;
-  std::vector<float>& y_all = zeroed(sc.y_all, T_all * H);
-  // This group's rows of the MLP outputs: reduce-scattered over the peers, or
-  // (alone) y_all itself.
-  float* const y_local = peers ? zeroed(sc.y_local, T * H).data() : y_all.data();
+                       .ids = d_tokens, .n = T, .out = h.data(), .ld_out = H, .backend = be}));
 
   MlaParams ap;
   ap.shape = c.mla_shape();
@@ -411,16 +498,16 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
         {.x = kv.data() + L, .ldx = L + R, .y = k_pe.data(), .ldy = R, .rows = T, .cols = R, .backend = be}));
     MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = q.data() + P, .n_tokens = T, .n_heads = N,
                                                    .stride_token = N * Dq, .stride_head = Dq,
-                                                   .positions = positions.data(), .backend = be},
-                                                  *rope_)));
+                                                   .positions = d_positions, .backend = be},
+                                                  *rope_, rope_inv_freq_.data())));
     MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = k_pe.data(), .n_tokens = T, .n_heads = 1, .stride_token = R,
-                                                   .positions = positions.data(), .backend = be},
-                                                  *rope_)));
+                                                   .positions = d_positions, .backend = be},
+                                                  *rope_, rope_inv_freq_.data())));
     const PagedRowsView cache = pool.Layer(li);
     MLARUN_RETURN_IF_ERROR(LatentWriteRun({.cache = pool.LayerData(li), .dtype = cache.dtype, .block_size = cache.block_size,
                                            .num_blocks = cache.num_blocks, .stride_block = cache.stride_block,
                                            .stride_token = cache.stride_token, .d_latent = L, .d_rope = R, .n = T,
-                                           .slots = slots.data(), .kv_c = kv_c.data(), .kv_c_stride = L,
+                                           .slots = d_slots, .kv_c = kv_c.data(), .kv_c_stride = L,
                                            .k_pe = k_pe.data(), .k_pe_stride = R, .backend = be}));
     ap.w_uk_t = a.w_uk_t.data();
     ap.w_uv = a.w_uv.data();
@@ -469,15 +556,16 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     // Every DP group's tokens, in dp_rank order.
     const float* X = x.data();
     if (peers) {
-      x_all.resize(static_cast<size_t>(T_all * H));  // all of it written by the all-gather
+      // All of it written by the all-gather.
+      if (!join(x_all.Resize(static_cast<size_t>(T_all * H), "the gathered hidden states"))) return st;
       if (!join(peers->AllGatherV(x.data(), hidden_counts, x_all.data(), CommType::kF32))) return st;
       X = x_all.data();
     }
     if (st.ok()) {
       if (!layer.moe) {
         const size_t hidden = static_cast<size_t>(T_all * 2 * layer.mlp.intermediate());
-        if (mlp_hidden.size() < hidden) mlp_hidden.resize(hidden);
-        fail(MlpRun({.mlp = &layer.mlp, .x = X, .rows = T_all, .ldx = H, .y = y_all.data(), .ldy = H,
+        if (mlp_hidden.size() < hidden) fail(mlp_hidden.Resize(hidden, "the MLP's hidden rows"));
+        if (st.ok()) fail(MlpRun({.mlp = &layer.mlp, .x = X, .rows = T_all, .ldx = H, .y = y_all.data(), .ldy = H,
                      .hidden = mlp_hidden.data(), .backend = be}));
         if (T_all > 0) {
           traffic_.weight_bytes += layer.mlp.bytes();
@@ -497,9 +585,11 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
 
   // Logits for the rows asked for.
   const auto t_head = Clock::now();
-  std::vector<float>& rows = zeroed(sc.rows, logit_rows * H);
-  logits_out->assign(static_cast<size_t>(logit_rows * vocab), 0.f);
-  std::vector<int32_t>& logit_ids = sc.logit_ids;  // the rows of h asked for
+  DeviceArray<float>& rows = sc.rows;
+  MLARUN_RETURN_IF_ERROR(rows.Zeroed(static_cast<size_t>(logit_rows * H), "the logit rows"));
+  DeviceArray<float>& logits_out = sc.logits;
+  MLARUN_RETURN_IF_ERROR(logits_out.Zeroed(static_cast<size_t>(logit_rows * vocab), "the logits"));
+  std::vector<int32_t>& logit_ids = sc.logit_ids.host;  // the rows of h asked for
   logit_ids.clear();
   for (int32_t i = 0; i < S; ++i) {
     const ForwardSeq& s = seqs[static_cast<size_t>(i)];
@@ -507,13 +597,14 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     if (s.logits == ForwardSeq::Logits::kNone || n == 0) continue;
     for (int32_t j = s.logits == ForwardSeq::Logits::kAll ? 0 : n - 1; j < n; ++j) logit_ids.push_back(t0 + j);
   }
+  MLARUN_ASSIGN_OR_RETURN(const int32_t* d_logit_ids, sc.logit_ids.Publish(*memory_, "the logit row ids"));
   MLARUN_RETURN_IF_ERROR(EmbeddingRun({.table = h.data(), .dtype = DType::kF32, .num_rows = T, .width = H, .ld = H,
-                                       .ids = logit_ids.data(), .n = logit_rows, .out = rows.data(), .ld_out = H,
+                                       .ids = d_logit_ids, .n = logit_rows, .out = rows.data(), .ld_out = H,
                                        .backend = be}));
   MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = rows.data(), .ldx = H, .y = rows.data(), .ldy = H, .rows = logit_rows,
                                      .n = H, .weight = final_norm_.data(), .eps = c.rms_norm_eps, .backend = be}));
   MLARUN_RETURN_IF_ERROR(LinearRun({.w = &lm_head_, .x = rows.data(), .rows = logit_rows, .ldx = H,
-                                    .y = logits_out->data(), .ldy = vocab, .backend = be}));
+                                    .y = logits_out.data(), .ldy = vocab, .backend = be}));
   if (logit_rows > 0) {
     traffic_.weight_bytes += lm_head_.bytes();
     traffic_.flops += 2.0 * static_cast<double>(logit_rows * vocab * H);

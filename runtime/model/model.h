@@ -33,7 +33,7 @@ namespace mlarun {
 
 struct MoeLayer {
   Linear router;                         // [E, H], always f32 (HF computes the router in fp32)
-  std::vector<float> score_bias;         // [E] e_score_correction_bias (V3), empty for V2
+  PlacedVector<float> score_bias;        // [E] e_score_correction_bias (V3), empty for V2
   int64_t expert_begin = 0;              // global id of experts[0] (sharding by expert)
   std::vector<Mlp> experts;              // this rank's experts (all of them, narrowed, by intermediate)
   Mlp shared;                            // n_shared_experts fused into one MLP (empty if none)
@@ -42,16 +42,16 @@ struct MoeLayer {
 
 struct AttentionLayer {
   Linear q_a, q_b, q;            // q_a + q_b when q_lora_rank > 0, else q
-  std::vector<float> q_a_norm;   // [q_lora_rank]
-  Linear kv_a;                   // [L + R, H]
-  std::vector<float> kv_a_norm;  // [L]
-  std::vector<std::byte> w_uk_t; // [N, P, L] in the cache dtype
-  std::vector<std::byte> w_uv;   // [N, L, V] in the cache dtype
+  PlacedVector<float> q_a_norm;   // [q_lora_rank]
+  Linear kv_a;                    // [L + R, H]
+  PlacedVector<float> kv_a_norm;  // [L]
+  PlacedVector<std::byte> w_uk_t; // [N, P, L] in the cache dtype
+  PlacedVector<std::byte> w_uv;   // [N, L, V] in the cache dtype
   Linear o;                      // [H, N * V]
 };
 
 struct DecoderLayer {
-  std::vector<float> input_norm, post_attention_norm;  // [H]
+  PlacedVector<float> input_norm, post_attention_norm;  // [H]
   AttentionLayer attn;
   bool moe = false;
   Mlp mlp;      // dense layers
@@ -154,6 +154,11 @@ struct ModelOptions {
   // of the model runs on (attention.backend: the one place it is set).
   MlaConfig attention;
   WeightLoading weights = WeightLoading::kMapped;
+  // Where the weights the ops read, the step's buffers and the workspaces
+  // live: the backend's device memory (MemoryFor(attention.backend)) when
+  // null. Loading places every weight there (PlaceWeights); on the host's
+  // memory nothing moves. Must outlive the model.
+  DeviceMemory* memory = nullptr;
   ModelShard shard;           // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
   // Testing: the Forward call with this 0-based index (counted per Model)
@@ -232,8 +237,9 @@ class Model {
   // to meet again. Without `parallel` every error is a computation failure.
   StatusOr<std::vector<float>> Forward(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                        const ParallelStep* parallel = nullptr);
-  // The same, the logits in the model's own buffer (valid until the next
-  // step): after the first steps of a shape, a step allocates nothing.
+  // The same, the logits in the model's own buffer in memory() (valid until
+  // the next step; on a device, device memory): after the first steps of a
+  // shape, a step allocates nothing.
   StatusOr<std::span<const float>> ForwardInto(std::span<const ForwardSeq> seqs, LatentPool& pool,
                                                const ParallelStep* parallel = nullptr);
   // OK, or the computation failure the last Forward returned (see Forward).
@@ -241,6 +247,8 @@ class Model {
   const ModelShard& shard() const { return options_.shard; }
   // The backend the model's ops run on (ModelOptions::attention.backend).
   Backend backend() const { return options_.attention.backend; }
+  // The memory its weights and step buffers are in (ModelOptions::memory).
+  DeviceMemory& memory() const { return *memory_; }
 
   // Per-step time breakdown of the last Forward (seconds), for benchmarks.
   struct StepTimes {
@@ -270,26 +278,30 @@ class Model {
 
  private:
   explicit Model(const ModelConfig& c, const ModelOptions& o);
-  Status Init();  // shapes, rope
+  Status Init();  // shapes, rope, memory
+  // Copies every weight the ops read into memory_ when the host cannot
+  // address it (a no-op on the host's memory). The last step of loading.
+  Status PlaceWeights();
   Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
   // Forward on this rank: returns its computation's status; a failed
   // collective goes to *collective and ends the step at once.
   Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel,
-                     Communicator* tp, Communicator* peers, int64_t call, std::vector<float>* logits,
-                     Status* collective);
+                     Communicator* tp, Communicator* peers, int64_t call, Status* collective);
 
   ModelConfig config_;
   ModelOptions options_;
   std::unique_ptr<Rope> rope_;
   Linear embed_;    // [vocab, H] in the weight dtype; rows are looked up, never multiplied
   Linear lm_head_;  // [vocab, H]; the same bytes as embed_ when tie_word_embeddings
-  std::vector<float> final_norm_;
+  PlacedVector<float> final_norm_;
+  PlacedVector<float> rope_inv_freq_;  // rope_'s, on the device
   std::vector<DecoderLayer> layers_;
   StepTimes times_;
   StepTraffic traffic_;
   Status last_failure_;
   int64_t forward_calls_ = 0;
   std::vector<std::vector<int32_t>> routing_;
+  DeviceMemory* memory_ = nullptr;  // Init: options_.memory or the backend's
   Workspace attn_ws_;
   // A step's buffers (model.cc: activations, the MoE's, ForwardInto's
   // logits), reused across steps: grown to the largest step seen, never

@@ -381,7 +381,7 @@ class ModelLoader {
     };
     MLARUN_ASSIGN_OR_RETURN(m.embed_, src.LinearSlice("model.embed_tokens.weight", c.vocab_size, H, 0, c.vocab_size, 0,
                                                       H, wt, 1.0));
-    MLARUN_RETURN_IF_ERROR(LoadNorm(src, "model.norm.weight", H, &m.final_norm_));
+    MLARUN_RETURN_IF_ERROR(LoadNorm(src, "model.norm.weight", H, &m.final_norm_.host));
     if (c.tie_word_embeddings) {
       m.lm_head_ = m.embed_;  // the same bytes
     } else {
@@ -393,34 +393,34 @@ class ModelLoader {
       progress("loading layer " + std::to_string(i + 1) + "/" + std::to_string(c.num_hidden_layers));
       DecoderLayer& layer = m.layers_[static_cast<size_t>(i)];
       const std::string p = "model.layers." + std::to_string(i) + ".";
-      MLARUN_RETURN_IF_ERROR(LoadNorm(src, p + "input_layernorm.weight", H, &layer.input_norm));
-      MLARUN_RETURN_IF_ERROR(LoadNorm(src, p + "post_attention_layernorm.weight", H, &layer.post_attention_norm));
+      MLARUN_RETURN_IF_ERROR(LoadNorm(src, p + "input_layernorm.weight", H, &layer.input_norm.host));
+      MLARUN_RETURN_IF_ERROR(LoadNorm(src, p + "post_attention_layernorm.weight", H, &layer.post_attention_norm.host));
       AttentionLayer& a = layer.attn;
       const std::string ap = p + "self_attn.";
       // Replicated: q_a, kv_a and their norms. Split by head: q_b (or q), W_UK, W_UV, o_proj.
       if (c.q_lora_rank > 0) {
         MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_a_proj.weight", c.q_lora_rank, H, 0, c.q_lora_rank, wt, &a.q_a));
-        MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "q_a_layernorm.weight", c.q_lora_rank, &a.q_a_norm));
+        MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "q_a_layernorm.weight", c.q_lora_rank, &a.q_a_norm.host));
         MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_b_proj.weight", N * Dq, c.q_lora_rank, h0 * Dq, h1 * Dq, wt, &a.q_b));
       } else {
         MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_proj.weight", N * Dq, H, h0 * Dq, h1 * Dq, wt, &a.q));
       }
       MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "kv_a_proj_with_mqa.weight", L + R, H, 0, L + R, wt, &a.kv_a));
-      MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "kv_a_layernorm.weight", L, &a.kv_a_norm));
+      MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "kv_a_layernorm.weight", L, &a.kv_a_norm.host));
       // kv_b_proj [N (P + V), L]: per head P rows of W_UK^T, then V rows of W_UV^T.
       kv_b.resize(static_cast<size_t>(n_local * (P + V) * L));
       MLARUN_RETURN_IF_ERROR(src.Slice(ap + "kv_b_proj.weight", N * (P + V), L, h0 * (P + V), h1 * (P + V), 0, L,
                                        DType::kF32, kv_b.data(), 1.0 / std::sqrt(static_cast<double>(L))));
       const size_t kes = DTypeSize(kv);
-      a.w_uk_t.resize(static_cast<size_t>(n_local * P * L) * kes);
-      a.w_uv.resize(static_cast<size_t>(n_local * L * V) * kes);
+      a.w_uk_t.host.resize(static_cast<size_t>(n_local * P * L) * kes);
+      a.w_uv.host.resize(static_cast<size_t>(n_local * L * V) * kes);
       std::vector<float> col(static_cast<size_t>(V));
       for (int64_t h = 0; h < n_local; ++h) {
         const float* head = kv_b.data() + h * (P + V) * L;
-        StoreFromF32(head, a.w_uk_t.data() + static_cast<size_t>(h * P * L) * kes, kv, P * L);
+        StoreFromF32(head, a.w_uk_t.host.data() + static_cast<size_t>(h * P * L) * kes, kv, P * L);
         for (int64_t l = 0; l < L; ++l) {  // W_UV[h][l][v] = kv_b[h * (P + V) + P + v][l]
           for (int64_t v = 0; v < V; ++v) col[static_cast<size_t>(v)] = head[(P + v) * L + l];
-          StoreFromF32(col.data(), a.w_uv.data() + static_cast<size_t>((h * L + l) * V) * kes, kv, V);
+          StoreFromF32(col.data(), a.w_uv.host.data() + static_cast<size_t>((h * L + l) * V) * kes, kv, V);
         }
       }
       MLARUN_RETURN_IF_ERROR(LoadCols(src, ap + "o_proj.weight", H, N * V, h0 * V, h1 * V, wt, &a.o));
@@ -437,8 +437,8 @@ class ModelLoader {
       const int64_t E = c.n_routed_experts, Im = c.moe_intermediate_size;
       MLARUN_RETURN_IF_ERROR(LoadRows(src, mp + "gate.weight", E, H, 0, E, DType::kF32, &moe.router));
       if (c.model_type == ModelType::kDeepSeekV3) {
-        moe.score_bias.resize(static_cast<size_t>(E));
-        MLARUN_RETURN_IF_ERROR(src.Vector(mp + "gate.e_score_correction_bias", E, moe.score_bias.data(), 0.0, 0.1));
+        moe.score_bias.host.resize(static_cast<size_t>(E));
+        MLARUN_RETURN_IF_ERROR(src.Vector(mp + "gate.e_score_correction_bias", E, moe.score_bias.host.data(), 0.0, 0.1));
       }
       const bool by_expert = s.moe == MoeSharding::kByExpert;
       const auto [e0, e1] = by_expert ? Piece(E, s.mlp_size, s.mlp_rank) : std::pair<int64_t, int64_t>{0, E};
@@ -478,6 +478,7 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   CheckpointSource src(std::move(ckpt), options.weights);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   MLARUN_RETURN_IF_ERROR(src.CheckNoneLeft(config));
+  MLARUN_RETURN_IF_ERROR(m->PlaceWeights());
   return m;
 }
 
@@ -488,6 +489,7 @@ StatusOr<std::unique_ptr<Model>> Model::Random(const ModelConfig& config, uint64
   MLARUN_RETURN_IF_ERROR(CheckWeightsFitMachine(config, options.shard, 0));
   RandomSource src(seed);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
+  MLARUN_RETURN_IF_ERROR(m->PlaceWeights());
   return m;
 }
 

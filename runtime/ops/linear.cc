@@ -19,6 +19,19 @@ Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
   return l;
 }
 
+Status Linear::Place(DeviceMemory& memory, std::string_view what) {
+  if (memory.host_accessible() || data == nullptr || out == 0) return Status::Ok();
+  // Rows of `in` at stride `ld`: the last row ends at (out - 1) * ld + in.
+  const size_t bytes = static_cast<size_t>((out - 1) * ld + in) * DTypeSize(dtype);
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(memory, bytes, what));
+  MLARUN_RETURN_IF_ERROR(memory.CopyIn(b.data(), data, bytes));
+  auto placed = std::make_shared<DeviceBuffer>(std::move(b));
+  data = static_cast<const std::byte*>(placed->data());
+  storage = std::move(placed);
+  owned_ = true;
+  return Status::Ok();
+}
+
 namespace {
 
 Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) {

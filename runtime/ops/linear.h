@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "runtime/base/backend.h"
+#include "runtime/base/device_memory.h"
 #include "runtime/base/dtype.h"
 #include "runtime/base/status.h"
 
@@ -36,6 +37,10 @@ struct Linear {
   std::byte* mutable_data() const { return owned_ ? const_cast<std::byte*>(data) : nullptr; }
   // True when `data` is memory this Linear does not own (a mapped file).
   bool in_place() const { return data != nullptr && !owned_; }
+  // Gives the matrix a copy in `memory` when the host cannot address it
+  // (a no-op on the host's memory): `data` then points there, and copies of
+  // this Linear made afterwards share it. `what` names it in errors.
+  Status Place(DeviceMemory& memory, std::string_view what);
 
  private:
   bool owned_ = false;

@@ -30,11 +30,12 @@ struct RopeParams {
 };
 Status RopeRun(const RopeParams& p);
 
-// The tables of `rope` in `p` (the CPU backend's: host memory).
-inline RopeParams WithRopeTables(RopeParams p, const Rope& rope) {
+// The tables of `rope` in `p`: its frequencies in host memory, or
+// `inv_freq`, their copy in the backend's memory.
+inline RopeParams WithRopeTables(RopeParams p, const Rope& rope, const float* inv_freq = nullptr) {
   p.dim = rope.config().dim;
   p.layout = rope.config().layout;
-  p.inv_freq = rope.inv_freq().data();
+  p.inv_freq = inv_freq != nullptr ? inv_freq : rope.inv_freq().data();
   p.attention_factor = rope.attention_factor();
   return p;
 }

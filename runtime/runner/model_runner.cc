@@ -20,7 +20,7 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model& model, const L
   if (pool.num_layers != want.num_layers || pool.kv_lora_rank != want.kv_lora_rank ||
       pool.rope_dim != want.rope_dim || pool.dtype != want.dtype)
     return InvalidArgumentError("model runner: the cache pool's layers, widths or dtype do not match the model's");
-  MLARUN_ASSIGN_OR_RETURN(auto p, LatentPool::Create(pool));
+  MLARUN_ASSIGN_OR_RETURN(auto p, LatentPool::Create(pool, model.memory()));
   if (rank_name.empty()) rank_name = "rank " + std::to_string(groups ? groups->rank : 0);
   return std::unique_ptr<ModelRunner>(new ModelRunner(model, std::move(p), groups, std::move(rank_name)));
 }
