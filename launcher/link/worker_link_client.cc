@@ -39,6 +39,7 @@ std::deque<WorkerLinkEvent> WorkerLinkClient::Drain() {
   drained_ = true;
   std::deque<WorkerLinkEvent> out;
   out.swap(inbox_);
+  changed_.notify_all();  // Run may wait for the inbox to empty before reconnecting
   return out;
 }
 
@@ -135,6 +136,11 @@ void WorkerLinkClient::Run() {
     context_.reset();
     Push(std::move(end));
     if (!reconnect_) return;
+    // The next attempt only once the consumer has drained this end: a
+    // worker whose step loop is stuck (a rank stopped, a collective that
+    // never returns) must not register again and be routed requests it
+    // cannot serve; the coordinator dropped it as stalled.
+    lock.Wait(changed_, [this]() MLARUN_REQUIRES(mu_) { return stopping_ || leaving_ || inbox_.empty(); });
     lock.WaitFor(changed_, backoff, [this]() MLARUN_REQUIRES(mu_) { return stopping_ || leaving_; });
     backoff = std::min(backoff * 2, kMaxBackoff);
   }

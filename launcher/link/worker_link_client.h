@@ -80,7 +80,10 @@ class WorkerLinkClient {
   WorkerLinkClient(const WorkerLinkClient&) = delete;
   WorkerLinkClient& operator=(const WorkerLinkClient&) = delete;
 
-  // Everything that arrived since the last call, oldest first.
+  // Everything that arrived since the last call, oldest first. After an
+  // attempt ended, the link tries again only once its end was drained: a
+  // consumer that stopped draining (a step loop stuck in a collective) is
+  // not registered again behind its back.
   std::deque<WorkerLinkEvent> Drain();
   // Blocks until there is something to drain, Wake() is called, or `until`.
   void WaitUntil(Clock::time_point until);

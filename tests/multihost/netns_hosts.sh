@@ -86,8 +86,11 @@ serve() {  # serve LAYOUT TAG GROUPS
   local layout=$1 tag=$2 groups=$3 t0=$SECONDS
   logs+=("$work/coord-$tag.log" "$work/worker-$tag.log" "$work/submit-$tag.log")
   [ -s "$work/secret" ] || (umask 077 && head -c 32 /dev/urandom | base64 >"$work/secret")
+  # The clients on host2 authenticate, as a deployment beyond loopback does:
+  # GetStats tells the ranks' hosts only to authenticated callers.
+  [ -s "$work/token" ] || (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/token")
   on_host host1 "$mlarun" coordinator --listen "$coordinator" --policy round_robin \
-    --worker-secret-file "$work/secret" 2>"$work/coord-$tag.log" &
+    --worker-secret-file "$work/secret" --auth-token-file "$work/token" 2>"$work/coord-$tag.log" &
   pids+=($!)
   on_host host1 timeout --kill-after=5 120 mpirun "${mpi[@]}" \
     "$mlarun" worker --coordinator "$coordinator" --model "$model" --parallel "$layout" --threads 1 \
@@ -98,7 +101,8 @@ serve() {  # serve LAYOUT TAG GROUPS
   local up=0
   for _ in $(seq 150); do
     kill -0 "$job" 2>/dev/null || fail "$tag: the worker job ended before its groups registered"
-    if on_host host2 "$mlarun" stats --coordinator "$coordinator" --json --timeout 2 >"$work/stats-$tag.json" 2>/dev/null &&
+    if on_host host2 "$mlarun" stats --coordinator "$coordinator" --auth-token-file "$work/token" --json --timeout 2 \
+         >"$work/stats-$tag.json" 2>/dev/null &&
        python3 -c "import json,sys; d=json.load(open('$work/stats-$tag.json')); sys.exit(0 if sum(1 for g in d.get('groups', []) if g.get('connected')) == $groups else 1)"; then
       up=1
       break
@@ -113,7 +117,8 @@ ranks = json.load(open(sys.argv[1]))["ranks"]
 hosts = sorted(r.get("host", "") for r in ranks)
 assert hosts == ["host1", "host2", "host3"], f"ranks' hosts: {hosts}"
 PY
-  timeout 60 "$agent" --argv host2 "$mlarun" submit --coordinator "$coordinator" --prompts "$work/requests.jsonl" \
+  timeout 60 "$agent" --argv host2 "$mlarun" submit --coordinator "$coordinator" --auth-token-file "$work/token" \
+    --prompts "$work/requests.jsonl" \
     --concurrency 12 --json >"$work/served-$tag.jsonl" 2>"$work/submit-$tag.log" ||
     fail "$tag: mlarun submit from host2 failed: $(tail -3 "$work/submit-$tag.log")"
   python3 - "$work/served-$tag.jsonl" "$work/local.jsonl" "$groups" <<'PY' || fail "$tag: served tokens differ from one process"
