@@ -21,6 +21,7 @@
 #include "launcher/client/client.h"
 #include "launcher/link/link_server.h"
 #include "launcher/sim/sim_worker.h"
+#include "tests/launcher/sim_worker_thread.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/cpu_isa.h"
 #include "tests/test_paths.h"
@@ -538,24 +539,7 @@ class FakeLink final : public LinkEndpoint {
   }
 };
 
-// RunSimWorker on its own thread, stopped and joined on destruction.
-class SimWorker {
- public:
-  explicit SimWorker(const SimWorkerOptions& o) : thread_([this, o] { rc_ = RunSimWorker(o, &stop_, log_); }) {}
-  ~SimWorker() { Stop(); }
-  int Stop() {
-    stop_ = true;
-    if (thread_.joinable()) thread_.join();
-    return rc_;
-  }
-  std::string log() const { return log_.str(); }
-
- private:
-  std::atomic<bool> stop_{false};
-  int rc_ = -1;
-  std::ostringstream log_;
-  std::thread thread_;
-};
+using SimWorker = SimWorkerThread;
 
 struct Expected {
   std::vector<int64_t> tokens;

@@ -27,6 +27,7 @@
 #include "launcher/link/worker_link_client.h"
 #include "launcher/security/security.h"
 #include "launcher/sim/sim_worker.h"
+#include "tests/launcher/sim_worker_thread.h"
 #include "mlarun.grpc.pb.h"
 
 namespace mlarun {
@@ -113,22 +114,6 @@ TlsPem ClientTls(const fs::path& ca, const fs::path& cert = {}, const fs::path& 
   EXPECT_TRUE(tls.ok()) << tls.status();
   return tls.ok() ? *tls : TlsPem{};
 }
-
-class SimGroups {
- public:
-  explicit SimGroups(SimWorkerOptions o) : thread_([this, o] { rc_ = RunSimWorker(o, &stop_, log_); }) {}
-  ~SimGroups() {
-    stop_ = true;
-    thread_.join();
-  }
-  std::string log() const { return log_.str(); }
-
- private:
-  std::atomic<bool> stop_{false};
-  int rc_ = -1;
-  std::ostringstream log_;
-  std::thread thread_;
-};
 
 SimWorkerOptions Sim(const std::string& address, double tokens_per_s = 0) {
   SimWorkerOptions o;
@@ -281,7 +266,7 @@ TEST_F(Security, TlsServesTlsClientsAndRefusesPlaintextAndOtherCas) {
   ASSERT_TRUE(coord.ok()) << coord.status();
   SimWorkerOptions so = Sim((*coord)->address());
   so.tls = ClientTls(p.ca);
-  SimGroups sim(so);
+  SimWorkerThread sim(so);
   auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel((*coord)->address(), ClientTls(p.ca)));
   ASSERT_TRUE(WaitConnected(*stub)) << sim.log();
   const std::vector<int32_t> prompt = {3, 1, 4, 1, 5};
@@ -403,7 +388,7 @@ AuthTokens AliceAndBob() {
 TEST_F(Security, TokensAreRequiredForGenerateCancelAndStatsButNotHealth) {
   auto coord = Coordinator::Start({.listen = "127.0.0.1:0", .auth_tokens = AliceAndBob()});
   ASSERT_TRUE(coord.ok()) << coord.status();
-  SimGroups sim(Sim((*coord)->address()));
+  SimWorkerThread sim(Sim((*coord)->address()));
   auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel((*coord)->address()));
   ASSERT_TRUE(WaitConnected(*stub)) << sim.log();  // Health needs no token
 
@@ -482,7 +467,7 @@ bool CancelAs(v1::Mlarun::Stub& stub, const char* token, const std::string& id) 
 TEST_F(Security, RequestIdsAndCancelsArePerPrincipal) {
   auto coord = Coordinator::Start({.listen = "127.0.0.1:0", .auth_tokens = AliceAndBob()});
   ASSERT_TRUE(coord.ok()) << coord.status();
-  SimGroups sim(Sim((*coord)->address(), /*tokens_per_s=*/40));  // slow: requests stay live
+  SimWorkerThread sim(Sim((*coord)->address(), /*tokens_per_s=*/40));  // slow: requests stay live
   auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel((*coord)->address()));
   ASSERT_TRUE(WaitConnected(*stub)) << sim.log();
 
@@ -544,7 +529,7 @@ TEST_F(Security, WithoutTokensOnlyLoopbackCallersSeeStatsDetails) {
   const std::string port = (*coord)->address().substr((*coord)->address().rfind(':') + 1);
   SimWorkerOptions so = Sim("127.0.0.1:" + port);
   so.worker_secret = "s3cret-value-of-the-link";
-  SimGroups sim(so);
+  SimWorkerThread sim(so);
   auto near = v1::Mlarun::NewStub(client_internal::MakeChannel("127.0.0.1:" + port));
   ASSERT_TRUE(WaitConnected(*near)) << sim.log();
   auto far = v1::Mlarun::NewStub(client_internal::MakeChannel(local + ":" + port));

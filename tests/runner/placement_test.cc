@@ -140,17 +140,24 @@ TEST(Placement, ARunnerOnMemoryTheHostCannotAddressComputesTheSame) {
   EXPECT_GT(device.copied_out, warm_out);
 }
 
+// A memory of `backend` that has nothing to give.
+class EmptyMemory final : public DeviceMemory {
+ public:
+  explicit EmptyMemory(Backend b) : backend_(b) {}
+  Backend backend() const override { return backend_; }
+  bool host_accessible() const override { return false; }
+  void* Allocate(size_t) override { return nullptr; }
+  void Free(void*) override {}
+  Status CopyIn(void*, const void*, size_t) override { return Status::Ok(); }
+  Status CopyOut(void*, const void*, size_t) override { return Status::Ok(); }
+  Status Zero(void*, size_t) override { return Status::Ok(); }
+
+ private:
+  const Backend backend_;
+};
+
 TEST(Placement, TheModelsMemoryMustBeItsBackends) {
-  class CudaLike final : public DeviceMemory {
-   public:
-    Backend backend() const override { return Backend::kCuda; }
-    bool host_accessible() const override { return false; }
-    void* Allocate(size_t) override { return nullptr; }
-    void Free(void*) override {}
-    Status CopyIn(void*, const void*, size_t) override { return Status::Ok(); }
-    Status CopyOut(void*, const void*, size_t) override { return Status::Ok(); }
-    Status Zero(void*, size_t) override { return Status::Ok(); }
-  } cuda_like;
+  EmptyMemory cuda_like(Backend::kCuda);
   ModelOptions o;
   o.memory = &cuda_like;  // the ops stay on the CPU
   auto m = Model::Load(TinyYaml(), {}, o);
@@ -159,16 +166,7 @@ TEST(Placement, TheModelsMemoryMustBeItsBackends) {
 }
 
 TEST(Placement, AnAllocationThatFailsNamesWhatItWasFor) {
-  class Full final : public DeviceMemory {
-   public:
-    Backend backend() const override { return Backend::kCpu; }
-    bool host_accessible() const override { return false; }
-    void* Allocate(size_t) override { return nullptr; }
-    void Free(void*) override {}
-    Status CopyIn(void*, const void*, size_t) override { return Status::Ok(); }
-    Status CopyOut(void*, const void*, size_t) override { return Status::Ok(); }
-    Status Zero(void*, size_t) override { return Status::Ok(); }
-  } full;
+  EmptyMemory full(Backend::kCpu);
   ModelOptions o;
   o.memory = &full;
   auto m = Model::Load(TinyYaml(), {}, o);
