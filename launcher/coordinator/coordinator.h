@@ -56,8 +56,10 @@ struct CoordinatorOptions {
   double lost_group_wait_s = 5;
   // A group with requests in flight that sends nothing at all (no token, no
   // completion, no stats; a live worker reports stats every 0.5 s from its
-  // step loop) for this long is taken as stalled (a step that never ends, a
-  // rank stuck in a collective): its stream is closed with UNAVAILABLE and it
+  // step loop) for this long is taken as stalled, and so is an idle group
+  // that reported stats on its stream before (a step that never ends, a rank
+  // stopped or stuck in a collective): its stream is closed with UNAVAILABLE
+  // and it
   // is treated as gone (requests without a token re-routed, the others
   // UNAVAILABLE naming the group and the stall). A worker that was only slow
   // reconnects and registers again. Default 30 s (`--stall-timeout-s`).

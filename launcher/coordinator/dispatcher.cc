@@ -156,9 +156,11 @@ struct Dispatcher::Group {
   std::string disconnect_reason;     // how it last went away; empty if it never did
   Clock::time_point left_at;         // when (valid with disconnect_reason)
   // The last sign of progress: its latest message, or the routing that gave
-  // it work after it had none. Stalled when in_flight > 0 and this is
-  // stall_timeout_s old.
+  // it work after it had none. Stalled when this is stall_timeout_s old and
+  // it has work in flight, or it has been sending stats on this stream (a
+  // leader does every 0.5 s from its step loop, idle or not).
   Clock::time_point heard_at;
+  bool heartbeats = false;  // this stream has carried stats
 };
 
 // Outlets that got messages while mu_ was held; flushed after it is released.
@@ -451,6 +453,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       Group& g = *groups_[static_cast<size_t>(index)];
       g.link = link;
       g.heard_at = Clock::now();
+      g.heartbeats = false;
       link_group_[link.get()] = index;
       g.vocab_size = reg.vocab_size();
       g.max_position_embeddings = reg.max_position_embeddings();
@@ -515,6 +518,10 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
           break;
         }
         g.free_blocks = msg.stats().free_blocks();
+        if (!g.heartbeats) {
+          g.heartbeats = true;
+          timer_cv_.notify_all();  // the stall watch now covers it while idle
+        }
         if (msg.stats().ranks_size() > 0) {
           rank_stats_bytes_ += RanksBytes(msg.stats().ranks()) - g.ranks_bytes;
           g.ranks_bytes = RanksBytes(msg.stats().ranks());
@@ -784,7 +791,7 @@ std::optional<Clock::time_point> Dispatcher::NextStall() const {
   std::optional<Clock::time_point> next;
   const Clock::duration timeout = SecondsToDuration(options_.stall_timeout_s);
   for (const auto& g : groups_) {
-    if (g->link == nullptr || g->in_flight == 0) continue;
+    if (g->link == nullptr || (g->in_flight == 0 && !g->heartbeats)) continue;
     const Clock::time_point at = g->heard_at + timeout;
     if (!next || at < *next) next = at;
   }
@@ -795,15 +802,20 @@ void Dispatcher::CheckStalls(Clock::time_point now, Pending& pending) {
   const Clock::duration timeout = SecondsToDuration(options_.stall_timeout_s);
   for (size_t i = 0; i < groups_.size(); ++i) {
     Group& g = *groups_[i];
-    if (g.link == nullptr || g.in_flight == 0 || now < g.heard_at + timeout) continue;
-    // Nothing from the group for that long although it has work: its step
-    // loop is stuck (a rank died inside a collective, a step that never
-    // ends). Closing the stream makes a worker that was only slow drop what
+    if (g.link == nullptr || (g.in_flight == 0 && !g.heartbeats) || now < g.heard_at + timeout) continue;
+    // Nothing from the group for that long although it has work, or although
+    // its step loop reported stats before: that loop is stuck (a rank died or
+    // stopped inside a collective, a step that never ends). An idle group is
+    // dropped too, so that Health stops counting it and no request is routed
+    // to it. Closing the stream makes a worker that was only slow drop what
     // it held and register again.
     const std::string reason =
-        StrCat("it stalled: its leader sent nothing for ", Seconds(now - g.heard_at), " s with ", g.in_flight,
-               g.in_flight == 1 ? " request" : " requests", " in flight (stall timeout ",
-               Seconds(timeout), " s)");
+        g.in_flight > 0
+            ? StrCat("it stalled: its leader sent nothing for ", Seconds(now - g.heard_at), " s with ", g.in_flight,
+                     g.in_flight == 1 ? " request" : " requests", " in flight (stall timeout ", Seconds(timeout),
+                     " s)")
+            : StrCat("it stalled: its leader, which reports stats while it runs, sent nothing for ",
+                     Seconds(now - g.heard_at), " s while idle (stall timeout ", Seconds(timeout), " s)");
     std::shared_ptr<WorkerOutlet> owned = g.link;
     Disconnect(static_cast<int>(i), reason, pending);
     owned->Close(grpc::StatusCode::UNAVAILABLE, "the coordinator gave up on this DP group: " + reason);

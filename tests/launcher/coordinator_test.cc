@@ -1146,13 +1146,45 @@ TEST_F(CoordinatorTest, FaultStalledGroupIsDroppedAndItsRequestsEnd) {
   EXPECT_EQ(served, (std::set<int>{0, 1}));
 }
 
-// An idle group is never a stalled one: silence without work is fine.
+// An idle group that never reports stats is not a stalled one: silence
+// without work is fine for a group that never promised a heartbeat.
 TEST_F(CoordinatorTest, FaultIdleGroupIsNotStalled) {
   StartCoordinator({.stall_timeout_s = 0.2});
   AddWorker({});
   std::this_thread::sleep_for(500ms);
   EXPECT_EQ(Health().groups_connected(), 1);
   ExpectServed(Generate(*stub_, MakeRequest({1, 2}, 3)), {1, 2}, 0, 3);
+}
+
+// An idle group whose leader reported stats and then fell silent (its step
+// loop froze: a stopped rank) is dropped after the stall timeout, so Health
+// stops counting it and nothing is routed to it; while it keeps reporting it
+// stays.
+TEST_F(CoordinatorTest, FaultIdleGroupThatStopsReportingIsDropped) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .stall_timeout_s = 0.4});
+  FakeWorker& a = AddWorker({.worker_id = "a"});
+  AddWorker({.worker_id = "b", .dp_group = 1});
+  for (int i = 0; i < 8; ++i) {  // 0.8 s of reports every 0.1 s: alive
+    a.SendStats(100);
+    std::this_thread::sleep_for(100ms);
+  }
+  EXPECT_EQ(Health().groups_connected(), 2);
+  const auto silent = std::chrono::steady_clock::now();
+  bool dropped = false;
+  while (!dropped && std::chrono::steady_clock::now() - silent < 5s) {
+    std::this_thread::sleep_for(20ms);
+    dropped = Health().groups_connected() == 1;
+  }
+  ASSERT_TRUE(dropped) << "the silent group is still counted 5 s later";
+  EXPECT_GE(std::chrono::steady_clock::now() - silent, 300ms) << "not before the stall timeout";
+  const v1::GetStatsResponse s = Stats();
+  ASSERT_NE(FindGroup(s, "a", 0), nullptr);
+  EXPECT_FALSE(FindGroup(s, "a", 0)->connected());
+  EXPECT_NE(FindGroup(s, "a", 0)->disconnect_reason().find("sent nothing for"), std::string::npos)
+      << FindGroup(s, "a", 0)->disconnect_reason();
+  EXPECT_NE(FindGroup(s, "a", 0)->disconnect_reason().find("while idle"), std::string::npos);
+  // Every request now goes to the other group.
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(Generate(*stub_, MakeRequest({4, 5}, 2, i)).finished->dp_group(), 1);
 }
 
 // No group at all: a request waits the queue timeout, even when its own
