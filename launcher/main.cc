@@ -71,7 +71,7 @@ void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
     cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
   } else {
     cmd->add_option("--auth-token-file", f.auth_token_file,
-                    "File holding the client API token (as a line of the coordinator's --auth-token-file)");
+                    "File holding the client API token: its first line's token (a line of the coordinator's --auth-token-file)");
   }
   cmd->add_option("--tls-ca", f.tls.ca, "TLS to the coordinator, trusting the CA (PEM) that signed its certificate");
 }
@@ -101,7 +101,7 @@ bool LoadSecurity(const char* cmd, const SecurityFlags& f, SecurityRole role, st
   }
   client->tls = *tls;
   if (!f.auth_token_file.empty()) {
-    auto token = mlarun::ReadSecretFile("--auth-token-file", f.auth_token_file);
+    auto token = mlarun::ReadClientTokenFile(f.auth_token_file);
     if (!token.ok()) return fail(token.status());
     client->token = *token;
   }

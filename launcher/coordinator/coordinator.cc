@@ -295,6 +295,8 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   if (!(options.lost_group_wait_s >= 0) || !std::isfinite(options.lost_group_wait_s))
     return InvalidArgumentError("lost_group_wait_s: must be >= 0 and finite, got ",
                                 options.lost_group_wait_s);
+  if (options.max_known_groups < 1 || options.max_known_groups > (int64_t{1} << 20))
+    return InvalidArgumentError("max_known_groups: must be in [1, 2^20], got ", options.max_known_groups);
   if (options.prefix_hashes_per_group < 0)
     return InvalidArgumentError("prefix_hashes_per_group: must be >= 0, got ",
                                 options.prefix_hashes_per_group);

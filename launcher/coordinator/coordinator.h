@@ -64,6 +64,12 @@ struct CoordinatorOptions {
   // UNAVAILABLE naming the group and the stall). A worker that was only slow
   // reconnects and registers again. Default 30 s (`--stall-timeout-s`).
   double stall_timeout_s = 30;
+  // DP groups the coordinator remembers (connected, and gone ones for
+  // GetStats and the messages of requests that lost them). When a new group
+  // registers into a full registry, the one that went away first is
+  // forgotten; only if all are connected is it refused (RESOURCE_EXHAUSTED).
+  // Default 1024.
+  int64_t max_known_groups = 1024;
   // prefix_affinity: block hashes remembered per group (least recently routed
   // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
   int64_t prefix_hashes_per_group = 100000;

@@ -50,7 +50,6 @@ constexpr size_t kMaxRankStatsBytes = 8 << 10;          // one RankStats (its st
 // the rank stats of every group known (2 MiB: ~2000 ranks as workers report
 // them), and the groups themselves with their disconnect reasons (1 KiB).
 constexpr int64_t kMaxRankStatsTotalBytes = int64_t{2} << 20;
-constexpr size_t kMaxKnownGroups = 1024;
 constexpr size_t kMaxReasonBytes = 1024;
 
 int64_t RanksBytes(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks) {
@@ -405,11 +404,30 @@ void Dispatcher::FillHealth(v1::HealthResponse* out) const {
 
 // ---- Worker link --------------------------------------------------------------
 
+int Dispatcher::ForgetOldestGone() {
+  int oldest = -1;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (g.link != nullptr || g.in_flight > 0) continue;
+    if (oldest < 0 || g.left_at < groups_[static_cast<size_t>(oldest)]->left_at) oldest = static_cast<int>(i);
+  }
+  if (oldest < 0) return -1;
+  const Group& g = *groups_[static_cast<size_t>(oldest)];
+  group_index_.erase(std::make_pair(g.worker_id, g.dp_group));
+  rank_stats_bytes_ -= g.ranks_bytes;
+  // Requests still waiting after it went away forget it too (their message
+  // then says that no group took them, not which one left).
+  for (auto& [id, r] : requests_)
+    if (r->lost_group == oldest) r->lost_group = -1;
+  return oldest;
+}
+
 bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg) {
   Pending pending;
   bool attached = false;
   {
     MutexLock lock(mu_);
+    int reuse = -1;  // a forgotten group's slot, when the registry is full
     std::string error;
     grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
     if (shutting_down_) {
@@ -428,9 +446,11 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       code = grpc::StatusCode::ALREADY_EXISTS;
       error = StrCat("register: DP group ", reg.dp_group(), " of worker '", reg.worker_id(),
                      "' is registered and connected on another stream");
-    } else if (held == group_index_.end() && groups_.size() >= kMaxKnownGroups) {
+    } else if (held == group_index_.end() && static_cast<int64_t>(groups_.size()) >= options_.max_known_groups &&
+               (reuse = ForgetOldestGone()) < 0) {
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;
-      error = StrCat("register: the coordinator knows ", groups_.size(), " DP groups, its limit");
+      error = StrCat("register: the coordinator knows ", groups_.size(),
+                     " DP groups, its limit, and every one of them is connected");
     } else if (const int64_t before = held == group_index_.end()
                                           ? 0
                                           : groups_[static_cast<size_t>(held->second)]->ranks_bytes;
@@ -444,10 +464,15 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       pending.Add(link);
     } else {
       const auto key = std::make_pair(reg.worker_id(), reg.dp_group());
-      auto [it, inserted] = group_index_.try_emplace(key, static_cast<int>(groups_.size()));
+      auto [it, inserted] =
+          group_index_.try_emplace(key, reuse >= 0 ? reuse : static_cast<int>(groups_.size()));
       if (inserted) {
-        groups_.push_back(std::make_unique<Group>(reg.worker_id(), reg.dp_group(),
-                                                  options_.prefix_hashes_per_group));
+        auto fresh = std::make_unique<Group>(reg.worker_id(), reg.dp_group(), options_.prefix_hashes_per_group);
+        if (reuse >= 0) {
+          groups_[static_cast<size_t>(reuse)] = std::move(fresh);
+        } else {
+          groups_.push_back(std::move(fresh));
+        }
       }
       const int index = it->second;
       Group& g = *groups_[static_cast<size_t>(index)];

@@ -150,6 +150,10 @@ class Dispatcher final : public WorkerLinkHandler {
   std::optional<Clock::time_point> NextStall() const MLARUN_REQUIRES(mu_);
   void CheckStalls(Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
   void ReleaseFromGroup(Request* r) MLARUN_REQUIRES(mu_);
+  // Forgets the disconnected group (with nothing in flight) that went away
+  // first, to make room in a full registry; its slot (to reuse), or -1 when
+  // every group is connected.
+  int ForgetOldestGone() MLARUN_REQUIRES(mu_);
   // Adds one ended request to the counter of its final status: OK completed;
   // INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED rejected; CANCELLED
   // cancelled; anything else failed.
@@ -200,7 +204,8 @@ class Dispatcher final : public WorkerLinkHandler {
   bool shutting_down_ MLARUN_GUARDED_BY(mu_) = false;
   bool stop_timer_ MLARUN_GUARDED_BY(mu_) = false;
   Router router_ MLARUN_GUARDED_BY(mu_);
-  std::vector<std::unique_ptr<Group>> groups_ MLARUN_GUARDED_BY(mu_);                  // index = group id; never shrinks
+  std::vector<std::unique_ptr<Group>> groups_ MLARUN_GUARDED_BY(mu_);  // index = group id; a slot is reused only
+                                                                       // when the registry is full (ForgetOldestGone)
   std::map<std::pair<std::string, int32_t>, int> group_index_ MLARUN_GUARDED_BY(mu_);  // (worker_id, dp_group) -> index
   std::unordered_map<const WorkerOutlet*, int> link_group_ MLARUN_GUARDED_BY(mu_);     // attached links
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_ MLARUN_GUARDED_BY(mu_);  // live, by wire id

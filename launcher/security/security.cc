@@ -125,6 +125,11 @@ const Principal* AuthTokens::Authenticate(std::string_view authorization) const 
 
 std::string BearerValue(std::string_view token) { return StrCat("Bearer ", token); }
 
+StatusOr<std::string> ReadClientTokenFile(const std::string& path) {
+  MLARUN_ASSIGN_OR_RETURN(const AuthTokens tokens, AuthTokens::ReadFile(path));
+  return tokens.principals().front().token;
+}
+
 namespace {
 
 StatusOr<std::string> ReadPem(std::string_view flag, const std::string& path) {

@@ -54,6 +54,7 @@ class AuthTokens {
 
   bool empty() const { return principals_.empty(); }
   size_t size() const { return principals_.size(); }
+  const std::vector<Principal>& principals() const { return principals_; }
   // The principal whose token is `authorization` ("Bearer TOKEN", the scheme
   // case-insensitive), compared in constant time with every token; nullptr
   // for none.
@@ -62,6 +63,11 @@ class AuthTokens {
  private:
   std::vector<Principal> principals_;
 };
+
+// A client's token (`--auth-token-file` of submit, stats, memory): the first
+// token of a file in the coordinator's format, so that one file holding one
+// line serves both sides (the Slurm and Kubernetes recipes make one).
+StatusOr<std::string> ReadClientTokenFile(const std::string& path);
 
 // The header a client sends its token in, and its value.
 inline constexpr char kAuthorizationHeader[] = "authorization";

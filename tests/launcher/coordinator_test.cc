@@ -1146,6 +1146,48 @@ TEST_F(CoordinatorTest, FaultStalledGroupIsDroppedAndItsRequestsEnd) {
   EXPECT_EQ(served, (std::set<int>{0, 1}));
 }
 
+// A full registry forgets the group that went away first to make room for a
+// new one (restarted jobs register under new worker ids); it refuses only
+// when every group it knows is connected.
+TEST_F(CoordinatorTest, AFullRegistryForgetsTheGroupThatLeftFirst) {
+  StartCoordinator({.max_known_groups = 3});
+  auto WaitHealth = [this](int connected) {
+    for (int i = 0; i < 250; ++i) {
+      if (Health().groups_connected() == connected) return true;
+      std::this_thread::sleep_for(20ms);
+    }
+    return false;
+  };
+  FakeWorker& w1 = AddWorker({.worker_id = "w1"});
+  FakeWorker& w2 = AddWorker({.worker_id = "w2"});
+  AddWorker({.worker_id = "w3"});
+  FakeWorker w4(coord_->address(), {.worker_id = "w4"});
+  EXPECT_FALSE(w4.Connect());
+  EXPECT_EQ(w4.end_status().error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(w4.end_status().error_message().find("every one of them is connected"), std::string::npos)
+      << w4.end_status().error_message();
+  w1.Break();
+  ASSERT_TRUE(WaitHealth(2));
+  std::this_thread::sleep_for(20ms);
+  w2.Break();
+  ASSERT_TRUE(WaitHealth(1));
+  // w1 left first: it is forgotten, w2 is still listed as gone.
+  AddWorker({.worker_id = "w5"});
+  v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.groups_size(), 3);
+  EXPECT_EQ(FindGroup(s, "w1", 0), nullptr);
+  ASSERT_NE(FindGroup(s, "w2", 0), nullptr);
+  EXPECT_FALSE(FindGroup(s, "w2", 0)->connected());
+  ASSERT_NE(FindGroup(s, "w5", 0), nullptr);
+  EXPECT_TRUE(FindGroup(s, "w5", 0)->connected());
+  // The new group serves (its slot is fresh: no counters of w1's).
+  EXPECT_EQ(FindGroup(s, "w5", 0)->requests_routed(), 0);
+  for (int i = 0; i < 4; ++i) ExpectServed(Generate(*stub_, MakeRequest({2, 3}, 2, i)), {2, 3}, i, 2);
+  // And a returning w2 takes its own remembered slot back.
+  ASSERT_TRUE(w2.Connect());
+  EXPECT_EQ(Health().groups_connected(), 3);
+}
+
 // An idle group that never reports stats is not a stalled one: silence
 // without work is fine for a group that never promised a heartbeat.
 TEST_F(CoordinatorTest, FaultIdleGroupIsNotStalled) {

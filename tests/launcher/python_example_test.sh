@@ -165,7 +165,8 @@ grep -q 'UNAUTHENTICATED' "$tmp/refused2.log" || fail "with a wrong token: $(cat
 "$mlarun" submit --coordinator "$saddr" --auth-token-file "$tmp/alice.token" --prompt-ids 3,4,5 --max-tokens 4 \
   --timeout 5 >/dev/null 2>"$tmp/refused3.log" && fail "mlarun submit in plaintext to the TLS port was served"
 grep -q 'UNAVAILABLE' "$tmp/refused3.log" || fail "in plaintext: $(cat "$tmp/refused3.log")"
-"$mlarun" submit --coordinator "$saddr" --tls-ca "$tmp/ca.crt" --auth-token-file "$tmp/alice.token" --prompt-ids 3,4,5 \
+# The coordinator's own token file serves a client too: its first token (alice's).
+"$mlarun" submit --coordinator "$saddr" --tls-ca "$tmp/ca.crt" --auth-token-file "$tmp/tokens" --prompt-ids 3,4,5 \
   --max-tokens 4 --ignore-eos --json --timeout 20 >"$tmp/submit-cli.json" 2>"$tmp/submit-cli.log" ||
   fail "mlarun submit over TLS with the token failed: $(cat "$tmp/submit-cli.log")"
 grep -q '"tokens":\[' "$tmp/submit-cli.json" || fail "mlarun submit printed no tokens: $(cat "$tmp/submit-cli.json")"

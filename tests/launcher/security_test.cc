@@ -207,6 +207,12 @@ TEST(AuthTokens, ParsesNamesCommentsAndRefusesBadFiles) {
     EXPECT_NE(r.status().message().find(bad.says), std::string::npos) << r.status();
     EXPECT_NE(r.status().message().find("tokens.txt"), std::string::npos) << r.status();
   }
+  // A client reads the first token of such a file.
+  const fs::path file = fs::path(::testing::TempDir()) / "mlarun_client_tokens";
+  std::ofstream(file) << "# mine first\n0123456789abcdef0123 alice\nfedcba9876543210fedc bob\n";
+  auto mine = ReadClientTokenFile(file);
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ(*mine, "0123456789abcdef0123");
   auto missing = AuthTokens::ReadFile("/nonexistent/mlarun-tokens");
   EXPECT_EQ(missing.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(missing.status().message().find("--auth-token-file"), std::string::npos) << missing.status();
