@@ -1206,12 +1206,13 @@ TEST_F(CoordinatorTest, FaultIdleGroupThatStopsReportingIsDropped) {
   StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .stall_timeout_s = 0.4});
   FakeWorker& a = AddWorker({.worker_id = "a"});
   AddWorker({.worker_id = "b", .dp_group = 1});
+  auto silent = std::chrono::steady_clock::now();
   for (int i = 0; i < 8; ++i) {  // 0.8 s of reports every 0.1 s: alive
-    a.SendStats(100);
     std::this_thread::sleep_for(100ms);
+    a.SendStats(100);
+    silent = std::chrono::steady_clock::now();
   }
   EXPECT_EQ(Health().groups_connected(), 2);
-  const auto silent = std::chrono::steady_clock::now();
   bool dropped = false;
   while (!dropped && std::chrono::steady_clock::now() - silent < 5s) {
     std::this_thread::sleep_for(20ms);
@@ -1391,10 +1392,14 @@ TEST_F(CoordinatorTest, MixedTrafficKeepsTheBooksBalanced) {
   }));
   const v1::GetStatsResponse s = Stats();
   const v1::CoordinatorStats& c = s.coordinator();
-  EXPECT_EQ(c.requests_received(), kClients);
+  // A 40 ms client deadline on a loaded machine can expire before the call
+  // reaches the coordinator at all: those calls are the only ones it may
+  // not have seen.
+  EXPECT_LE(c.requests_received(), kClients);
+  EXPECT_GE(c.requests_received(), kClients - by_code[grpc::StatusCode::DEADLINE_EXCEEDED]);
   EXPECT_EQ(
       c.requests_completed() + c.requests_rejected() + c.requests_failed() + c.requests_cancelled(),
-      kClients);
+      c.requests_received());
   EXPECT_EQ(c.requests_queued(), 0);
   int64_t completed = 0;
   for (const auto& g : s.groups()) {
