@@ -3,8 +3,9 @@
 # tasks: Slurm's variables set by hand, stand-ins for `scontrol` (the node
 # list) and `srun` (which checks --mpi=pmix and the task count and hands the
 # ranks to mpirun, the MCA settings travelling in OMPI_MCA_* as with Slurm).
-# Passes only if the script reports ready, writes the address file, serves
-# a request through it with the tokens of one process, and on SIGTERM exits
+# Passes only if the script reports ready, writes the address file and a
+# client token file (mode 600), refuses a client without that token, serves
+# a request with it with the tokens of one process, and on SIGTERM exits
 # leaving none of its processes behind.
 #
 #   slurm_smoke.sh MLARUN SOURCE_DIR mpirun|srun
@@ -77,8 +78,16 @@ done
 [ -s "$work/submit/mlarun-4242.address" ] || fail "no address file mlarun-4242.address"
 addr=$(cat "$work/submit/mlarun-4242.address")
 [ "$addr" = "127.0.0.1:$port" ] || fail "address file holds '$addr', not 127.0.0.1:$port"
-timeout 60 "$mlarun" submit --coordinator "$addr" --prompt-ids 5,6,7 --max-tokens 6 --json >"$work/served.json" ||
-  fail "mlarun submit through the job failed"
+# The job closed its client API with a token file of its own (mode 600);
+# without it a client is refused, with it served.
+tokens="$work/submit/mlarun-4242.tokens"
+[ -s "$tokens" ] || fail "no client token file mlarun-4242.tokens"
+[ "$(stat -c %a "$tokens")" = 600 ] || fail "the client token file is mode $(stat -c %a "$tokens"), not 600"
+timeout 30 "$mlarun" submit --coordinator "$addr" --prompt-ids 5,6,7 --max-tokens 6 --timeout 10 >/dev/null 2>"$work/refused.log" &&
+  fail "mlarun submit without the job's token was served"
+grep -q UNAUTHENTICATED "$work/refused.log" || fail "without the token: $(cat "$work/refused.log")"
+timeout 60 "$mlarun" submit --coordinator "$addr" --auth-token-file "$tokens" --prompt-ids 5,6,7 --max-tokens 6 --json \
+  >"$work/served.json" || fail "mlarun submit through the job failed"
 timeout 60 "$mlarun" generate --model "$src/configs/models/tiny.yaml" --prompt-ids 5,6,7 --max-tokens 6 --json \
   --kv-dtype fp32 --threads 1 >"$work/local.json" 2>/dev/null || fail "mlarun generate failed"
 python3 - "$work/served.json" "$work/local.json" <<'PY' || fail "served tokens differ from one process"
