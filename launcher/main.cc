@@ -167,6 +167,8 @@ int main(int argc, char** argv) {
   serve->add_option("--coordinator", sb.coordinator, "Drive this running deployment (host:port) instead of an in-process one");
   serve->add_flag("--quick", sb.quick, "Small numbers (well under a minute)");
   serve->add_flag("--json", sb.json, "One JSON document on stdout (the tables go to stderr)");
+  SecurityFlags sb_security;
+  AddSecurityFlags(serve, sb_security, SecurityRole::kClient);
 
   mlarun::GenerateOptions gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
@@ -470,6 +472,8 @@ int main(int argc, char** argv) {
   }
 
   if (serve->parsed()) {
+    std::string unused;
+    if (!LoadSecurity("bench serve", sb_security, SecurityRole::kClient, &unused, &sb.security, nullptr)) return 2;
     const mlarun::Status st = mlarun::RunServeBench(sb, std::cout, sb.json ? std::cerr : std::cout);
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun bench serve: %s\n", st.ToString().c_str());

@@ -297,12 +297,14 @@ void CheckEnd(const BenchRequest& rq, std::string error, bool finished, const st
 }
 
 // One streaming Generate call through the coordinator, verified.
-Outcome CallGenerate(v1::Mlarun::Stub& stub, const BenchRequest& rq, const Expect& ex) {
+Outcome CallGenerate(v1::Mlarun::Stub& stub, const BenchRequest& rq, const Expect& ex,
+                     const ClientSecurity& security = ClientSecurity{}) {
   v1::GenerateRequest req;
   req.mutable_prompt_ids()->Add(rq.prompt.begin(), rq.prompt.end());
   *req.mutable_sampling() = Sampling(rq);
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(static_cast<int64_t>(kCallTimeout_s)));
+  client_internal::AddCredentials(ctx, security);
   Outcome o;
   std::string error, finish_reason;
   bool finished = false;
@@ -352,9 +354,10 @@ Outcome CallGenerate(v1::Mlarun::Stub& stub, const BenchRequest& rq, const Expec
 
 // ---- Talking to a coordinator ---------------------------------------------
 
-StatusOr<v1::GetStatsResponse> GetStats(v1::Mlarun::Stub& stub) {
+StatusOr<v1::GetStatsResponse> GetStats(v1::Mlarun::Stub& stub, const ClientSecurity& security = ClientSecurity{}) {
   grpc::ClientContext ctx;
   SetDeadline(ctx, 10);
+  client_internal::AddCredentials(ctx, security);
   v1::GetStatsResponse resp;
   const grpc::Status st = stub.GetStats(&ctx, v1::GetStatsRequest(), &resp);
   if (!st.ok()) return UnavailableError("GetStats: ", GrpcCodeName(st.error_code()), ": ", st.error_message());
@@ -502,6 +505,7 @@ struct LoadSpec {
   int clients = 1;
   const std::vector<BenchRequest>* requests = nullptr;
   Expect expect;
+  ClientSecurity security;  // an external deployment's TLS and token
 };
 
 struct LoadRun {
@@ -537,14 +541,14 @@ StatusOr<LoadRun> RunLoad(const LoadSpec& spec) {
   run.connections = std::min(spec.clients, kMaxConnections);
   std::vector<std::unique_ptr<v1::Mlarun::Stub>> stubs;
   for (int c = 0; c < run.connections; ++c) {
-    auto channel = MakeChannel(spec.address);
+    auto channel = MakeChannel(spec.address, spec.security.tls);
     // Connect before the clock starts, so no request pays the handshake.
     if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)))
       return UnavailableError("cannot connect to the coordinator at ", spec.address);
     stubs.push_back(v1::Mlarun::NewStub(channel));
   }
-  auto control = v1::Mlarun::NewStub(MakeChannel(spec.address));
-  MLARUN_ASSIGN_OR_RETURN(run.before, GetStats(*control));
+  auto control = v1::Mlarun::NewStub(MakeChannel(spec.address, spec.security.tls));
+  MLARUN_ASSIGN_OR_RETURN(run.before, GetStats(*control, spec.security));
 
   std::atomic<int64_t> next{0};
   std::mutex cpu_mu;
@@ -556,7 +560,8 @@ StatusOr<LoadRun> RunLoad(const LoadSpec& spec) {
     clients.emplace_back([&, stub = stubs[static_cast<size_t>(c % run.connections)].get()] {
       pthread_setname_np(pthread_self(), kClientThreadName);
       for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1))
-        run.outcomes[static_cast<size_t>(i)] = CallGenerate(*stub, requests[static_cast<size_t>(i)], spec.expect);
+        run.outcomes[static_cast<size_t>(i)] =
+            CallGenerate(*stub, requests[static_cast<size_t>(i)], spec.expect, spec.security);
       const double cpu = ThisThreadCpuSeconds();
       std::lock_guard lock(cpu_mu);
       run.client_cpu_s += cpu;
@@ -564,7 +569,7 @@ StatusOr<LoadRun> RunLoad(const LoadSpec& spec) {
   }
   std::thread sampler([&] {
     while (next.load() < n) {
-      auto s = GetStats(*control);
+      auto s = GetStats(*control, spec.security);
       if (s.ok()) {
         const double v = SampleImbalance(*s);
         if (std::isfinite(v)) {
@@ -582,7 +587,7 @@ StatusOr<LoadRun> RunLoad(const LoadSpec& spec) {
   sampler.join();
   run.cpu_s = ProcessCpuSeconds() - cpu0;
   run.sim_cpu_s = CpuSince(sim_cpu0, kSimThreadName);
-  MLARUN_ASSIGN_OR_RETURN(run.after, GetStats(*control));
+  MLARUN_ASSIGN_OR_RETURN(run.after, GetStats(*control, spec.security));
   return run;
 }
 
@@ -864,14 +869,15 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
 
 // External deployment: latency at concurrency 1, max_tokens 1, and the
 // coordinator's own account of it (its groups dial it, so no direct path).
-StatusOr<Json> ExternalLatencySection(const std::string& address, int64_t n, std::ostream& t, bool* verified) {
+StatusOr<Json> ExternalLatencySection(const std::string& address, const ClientSecurity& security, int64_t n,
+                                      std::ostream& t, bool* verified) {
   const std::vector<BenchRequest> requests = MixedRequests(n + 32, 1, 3);
-  auto stub = v1::Mlarun::NewStub(MakeChannel(address));
+  auto stub = v1::Mlarun::NewStub(MakeChannel(address, security.tls));
   std::vector<double> via, inside;
   int64_t failed = 0;
   std::string first_error;
   for (size_t i = 0; i < requests.size(); ++i) {
-    const Outcome o = CallGenerate(*stub, requests[i], Expect{});
+    const Outcome o = CallGenerate(*stub, requests[i], Expect{}, security);
     if (i < 32) continue;  // warm-up
     if (!o.ok) {
       ++failed;
@@ -927,11 +933,12 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
   // ---- Load (and routing at scale).
   doc["load"] = Json::array();
   if (external) {
-    auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator));
+    auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
     MLARUN_ASSIGN_OR_RETURN(const int groups, WaitForGroups(*stub, 1, 10));
-    MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub));
+    MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
     const std::vector<BenchRequest> requests = MixedRequests(r.requests, r.max_tokens, 1);
-    const LoadSpec spec{.address = o.coordinator, .clients = r.clients, .requests = &requests, .expect = {}};
+    const LoadSpec spec{
+        .address = o.coordinator, .clients = r.clients, .requests = &requests, .expect = {}, .security = o.security};
     t << "\nclient load (" << r.clients << " clients, max_tokens " << r.max_tokens << ", prompts " << kPromptMin << "-"
       << kPromptMax << " tokens; imbalance = max/mean of queued tokens over groups, GetStats every " << kSamplePeriod.count()
       << " ms while every client has work; CPU: this process, i.e. the clients, only)\n";
@@ -970,7 +977,7 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
   // ---- Coordinator overhead.
   bool verified = false;
   if (external) {
-    MLARUN_ASSIGN_OR_RETURN(doc["overhead"], ExternalLatencySection(o.coordinator, r.overhead_requests, t, &verified));
+    MLARUN_ASSIGN_OR_RETURN(doc["overhead"], ExternalLatencySection(o.coordinator, o.security, r.overhead_requests, t, &verified));
   } else {
     MLARUN_ASSIGN_OR_RETURN(doc["overhead"], OverheadSection(r.overhead_requests, t, &verified));
   }
@@ -1008,8 +1015,11 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
       << r.clients << " clients; hit rate = sum prefix_hit_tokens / sum prompt tokens)\n";
   }
   t << "  policy           hit rate   hit tokens / prompt tokens     req/s  imbalance  verified\n";
+  // `exact`: an in-process target (simulated tokens, open); else the
+  // deployment at o.coordinator, with its security.
   auto prefix_row = [&](const std::string& address, int groups, const std::string& policy, bool exact) -> Status {
-    const LoadSpec ls{.address = address, .clients = r.clients, .requests = &prefix_requests, .expect = {.sim_tokens = exact}};
+    const LoadSpec ls{.address = address, .clients = r.clients, .requests = &prefix_requests,
+                      .expect = {.sim_tokens = exact}, .security = exact ? ClientSecurity{} : o.security};
     MLARUN_ASSIGN_OR_RETURN(const LoadRun run, RunLoad(ls));
     const LoadRow row = Summarize(run, ls, groups, policy, NAN, exact);
     std::vector<serve_bench::PrefixCounts> counts;
@@ -1033,8 +1043,8 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
     return Status::Ok();
   };
   if (external) {
-    auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator));
-    MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub));
+    auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
+    MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
     int groups = 0;
     for (const auto& g : stats.groups()) groups += g.connected() ? 1 : 0;
     MLARUN_RETURN_IF_ERROR(prefix_row(o.coordinator, groups, stats.coordinator().policy(), false));

@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "launcher/security/security.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
@@ -47,6 +48,7 @@ struct ServeBenchOptions {
   std::string coordinator;          // host:port of a running deployment; empty: everything in-process
   bool quick = false;               // small numbers (well under a minute)
   bool json = false;                // one JSON document on `out`
+  ClientSecurity security;          // with `coordinator`: its TLS and client token (--tls-ca, --auth-token-file)
 };
 
 // Runs the benchmark. The tables go to `table`; with o.json the JSON document

@@ -11,6 +11,9 @@
 #include <set>
 #include <sstream>
 
+#include "launcher/coordinator/coordinator.h"
+#include "tests/launcher/sim_worker_thread.h"
+
 namespace mlarun {
 namespace {
 
@@ -163,6 +166,45 @@ TEST(ServeBench, QuickRunInProcess) {
   }
   // Keeping each system prompt on one group is what the policy is for.
   EXPECT_GT(hit_rate["prefix_affinity"], hit_rate["round_robin"]);
+}
+
+// --coordinator with a deployment whose client API needs a token: with the
+// token every request is served and verified; without it the benchmark
+// stops at its first GetStats, naming the refusal.
+TEST(ServeBench, DrivesADeploymentThatNeedsAToken) {
+  constexpr char kToken[] = "bench-token-0123456789abcdef";
+  auto coord = Coordinator::Start({.listen = "127.0.0.1:0",
+                                   .auth_tokens = AuthTokens(std::vector<Principal>{{.token = kToken, .name = "bench"}})});
+  ASSERT_TRUE(coord.ok()) << coord.status();
+  SimWorkerOptions so;
+  so.coordinator = (*coord)->address();
+  so.groups = 2;
+  so.tokens_per_s = 0;
+  SimWorkerThread sim(so);
+  ServeBenchOptions o;
+  o.quick = true;
+  o.json = true;
+  o.coordinator = (*coord)->address();
+  o.clients = 4;
+  o.requests = 16;
+  o.max_tokens = 4;
+  {
+    std::ostringstream out, table;
+    const Status st = RunServeBench(o, out, table);
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st;
+    EXPECT_NE(st.message().find("UNAUTHENTICATED"), std::string::npos) << st;
+  }
+  o.security.token = kToken;
+  std::ostringstream out, table;
+  const Status st = RunServeBench(o, out, table);
+  ASSERT_TRUE(st.ok()) << st << "\n" << table.str() << sim.log();
+  const auto doc = nlohmann::json::parse(out.str());
+  EXPECT_EQ(doc["target"]["kind"], "external");
+  ASSERT_FALSE(doc["load"].empty());
+  for (const auto& row : doc["load"]) {
+    EXPECT_EQ(row["failed"].get<int64_t>(), 0) << row.dump();
+    EXPECT_EQ(row["completed"].get<int64_t>(), row["requests"].get<int64_t>()) << row.dump();
+  }
 }
 
 }  // namespace
