@@ -75,15 +75,16 @@ void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
   }
   cmd->add_option("--tls-ca", f.tls.ca, "TLS to the coordinator, trusting the CA (PEM) that signed its certificate");
 }
-// Reads what the flags name; false, with the reason printed, when a file
-// cannot be used.
+// Reads what the flags name (`worker_secret`: null for clients, which have no
+// such flag; `client` or `coordinator`: the side's); false, with the reason
+// printed, when a file cannot be used.
 bool LoadSecurity(const char* cmd, const SecurityFlags& f, SecurityRole role, std::string* worker_secret,
                   mlarun::ClientSecurity* client, mlarun::CoordinatorOptions* coordinator) {
   auto fail = [&](const mlarun::Status& st) {
     std::fprintf(stderr, "mlarun %s: %s\n", cmd, st.ToString().c_str());
     return false;
   };
-  if (!f.worker_secret_file.empty()) {
+  if (!f.worker_secret_file.empty() && worker_secret != nullptr) {
     auto secret = mlarun::ReadSecretFile("--worker-secret-file", f.worker_secret_file);
     if (!secret.ok()) return fail(secret.status());
     *worker_secret = *secret;
@@ -401,8 +402,7 @@ int main(int argc, char** argv) {
   }
   if (submit->parsed()) {
     fill(s_coord, sub.coordinator, dc.coordinator);
-    std::string unused;
-    if (!LoadSecurity("submit", sub_security, SecurityRole::kClient, &unused, &sub.security, nullptr)) return 2;
+    if (!LoadSecurity("submit", sub_security, SecurityRole::kClient, nullptr, &sub.security, nullptr)) return 2;
     if (sub.prompt_ids.empty() && sub.prompts_path.empty()) {
       std::fprintf(stderr, "mlarun submit: give --prompt-ids or --prompts\n");
       return 2;
@@ -411,8 +411,7 @@ int main(int argc, char** argv) {
   }
   if (memory->parsed()) {
     fill(m_coord, mem.coordinator, dc.coordinator);
-    std::string unused;
-    if (!LoadSecurity("memory", mem_security, SecurityRole::kClient, &unused, &mem.security, nullptr)) return 2;
+    if (!LoadSecurity("memory", mem_security, SecurityRole::kClient, nullptr, &mem.security, nullptr)) return 2;
     if (mem.measure && mem.coordinator.empty()) {
       std::fprintf(stderr, "mlarun memory: --measure needs --coordinator (or coordinator: in --config)\n");
       return 2;
@@ -426,8 +425,7 @@ int main(int argc, char** argv) {
   }
   if (stats->parsed()) {
     fill(t_coord, st.coordinator, dc.coordinator);
-    std::string unused;
-    if (!LoadSecurity("stats", st_security, SecurityRole::kClient, &unused, &st.security, nullptr)) return 2;
+    if (!LoadSecurity("stats", st_security, SecurityRole::kClient, nullptr, &st.security, nullptr)) return 2;
     return mlarun::RunStats(st, std::cout, std::cerr);
   }
 
@@ -472,8 +470,7 @@ int main(int argc, char** argv) {
   }
 
   if (serve->parsed()) {
-    std::string unused;
-    if (!LoadSecurity("bench serve", sb_security, SecurityRole::kClient, &unused, &sb.security, nullptr)) return 2;
+    if (!LoadSecurity("bench serve", sb_security, SecurityRole::kClient, nullptr, &sb.security, nullptr)) return 2;
     const mlarun::Status st = mlarun::RunServeBench(sb, std::cout, sb.json ? std::cerr : std::cout);
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun bench serve: %s\n", st.ToString().c_str());

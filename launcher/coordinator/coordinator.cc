@@ -150,33 +150,21 @@ class MlarunService final : public RawMlarunService {
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
                                    grpc::ByteBuffer* out) override {
     const Caller caller = Identify(ctx);
-    if (!caller.refusal.ok()) return Done(ctx, caller.refusal);
-    v1::CancelRequest request;
-    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
-    v1::CancelResponse response;
-    response.set_found(dispatcher_->Cancel(caller.principal, request.request_id()));
-    *out = Serialize(response);
-    return Done(ctx, grpc::Status::OK);
+    return Unary<v1::CancelRequest, v1::CancelResponse>(ctx, bytes, out, caller, [&](const auto& request, auto* r) {
+      r->set_found(dispatcher_->Cancel(caller.principal, request.request_id()));
+    });
   }
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
                                      grpc::ByteBuffer* out) override {
     const Caller caller = Identify(ctx);
-    if (!caller.refusal.ok()) return Done(ctx, caller.refusal);
-    v1::GetStatsRequest request;
-    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
-    v1::GetStatsResponse response;
-    dispatcher_->FillStats(&response, caller.details);
-    *out = Serialize(response);
-    return Done(ctx, grpc::Status::OK);
+    return Unary<v1::GetStatsRequest, v1::GetStatsResponse>(
+        ctx, bytes, out, caller, [&](const auto&, auto* r) { dispatcher_->FillStats(r, caller.details); });
   }
   grpc::ServerUnaryReactor* Health(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
                                    grpc::ByteBuffer* out) override {
-    v1::HealthRequest request;
-    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
-    v1::HealthResponse response;
-    dispatcher_->FillHealth(&response);
-    *out = Serialize(response);
-    return Done(ctx, grpc::Status::OK);
+    // Open to every caller (probes).
+    return Unary<v1::HealthRequest, v1::HealthResponse>(ctx, bytes, out, Caller{},
+                                                        [&](const auto&, auto* r) { dispatcher_->FillHealth(r); });
   }
 
  private:
@@ -184,6 +172,19 @@ class MlarunService final : public RawMlarunService {
     grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
     reactor->Finish(std::move(status));
     return reactor;
+  }
+  // A unary call: refused as the caller is, else its request parsed (or
+  // INVALID_ARGUMENT), `fill` makes the response, and it is sent.
+  template <class Request, class Response, class Fill>
+  static grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
+                                         grpc::ByteBuffer* out, const Caller& caller, Fill fill) {
+    if (!caller.refusal.ok()) return Done(ctx, caller.refusal);
+    Request request;
+    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
+    Response response;
+    fill(request, &response);
+    *out = Serialize(response);
+    return Done(ctx, grpc::Status::OK);
   }
   // Who calls: with tokens, the principal of the call's bearer token (or
   // the refusal); without, everyone is "" and only loopback callers see

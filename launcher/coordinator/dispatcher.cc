@@ -404,30 +404,35 @@ void Dispatcher::FillHealth(v1::HealthResponse* out) const {
 
 // ---- Worker link --------------------------------------------------------------
 
-int Dispatcher::ForgetOldestGone() {
+int Dispatcher::OldestGone() const {
   int oldest = -1;
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = *groups_[i];
     if (g.link != nullptr || g.in_flight > 0) continue;
     if (oldest < 0 || g.left_at < groups_[static_cast<size_t>(oldest)]->left_at) oldest = static_cast<int>(i);
   }
-  if (oldest < 0) return -1;
-  const Group& g = *groups_[static_cast<size_t>(oldest)];
-  group_index_.erase(std::make_pair(g.worker_id, g.dp_group));
-  rank_stats_bytes_ -= g.ranks_bytes;
+  return oldest;
+}
+
+void Dispatcher::Replace(int index, std::unique_ptr<Group> fresh) {
+  const Group& old = *groups_[static_cast<size_t>(index)];
+  group_index_.erase(std::make_pair(old.worker_id, old.dp_group));
+  rank_stats_bytes_ -= old.ranks_bytes;
   // Requests still waiting after it went away forget it too (their message
   // then says that no group took them, not which one left).
   for (auto& [id, r] : requests_)
-    if (r->lost_group == oldest) r->lost_group = -1;
-  return oldest;
+    if (r->lost_group == index) r->lost_group = -1;
+  groups_[static_cast<size_t>(index)] = std::move(fresh);
 }
+
+bool Dispatcher::Watched(const Group& g) { return g.link != nullptr && (g.in_flight > 0 || g.heartbeats); }
 
 bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg) {
   Pending pending;
   bool attached = false;
   {
     MutexLock lock(mu_);
-    int reuse = -1;  // a forgotten group's slot, when the registry is full
+    int reuse = -1;  // the slot of a gone group to forget, when the registry is full
     std::string error;
     grpc::StatusCode code = grpc::StatusCode::INVALID_ARGUMENT;
     if (shutting_down_) {
@@ -447,13 +452,13 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       error = StrCat("register: DP group ", reg.dp_group(), " of worker '", reg.worker_id(),
                      "' is registered and connected on another stream");
     } else if (held == group_index_.end() && static_cast<int64_t>(groups_.size()) >= options_.max_known_groups &&
-               (reuse = ForgetOldestGone()) < 0) {
+               (reuse = OldestGone()) < 0) {
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;
       error = StrCat("register: the coordinator knows ", groups_.size(),
                      " DP groups, its limit, and every one of them is connected");
-    } else if (const int64_t before = held == group_index_.end()
-                                          ? 0
-                                          : groups_[static_cast<size_t>(held->second)]->ranks_bytes;
+    } else if (const int64_t before = held != group_index_.end() ? groups_[static_cast<size_t>(held->second)]->ranks_bytes
+                                      : reuse >= 0                ? groups_[static_cast<size_t>(reuse)]->ranks_bytes
+                                                                  : 0;
                rank_stats_bytes_ - before + RanksBytes(reg.ranks()) > kMaxRankStatsTotalBytes) {
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;
       error = StrCat("register.ranks: the rank stats of all groups may take at most ", kMaxRankStatsTotalBytes,
@@ -464,16 +469,14 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       pending.Add(link);
     } else {
       const auto key = std::make_pair(reg.worker_id(), reg.dp_group());
-      auto [it, inserted] =
-          group_index_.try_emplace(key, reuse >= 0 ? reuse : static_cast<int>(groups_.size()));
-      if (inserted) {
-        auto fresh = std::make_unique<Group>(reg.worker_id(), reg.dp_group(), options_.prefix_hashes_per_group);
-        if (reuse >= 0) {
-          groups_[static_cast<size_t>(reuse)] = std::move(fresh);
-        } else {
-          groups_.push_back(std::move(fresh));
-        }
+      auto fresh = [&] { return std::make_unique<Group>(reg.worker_id(), reg.dp_group(), options_.prefix_hashes_per_group); };
+      if (reuse >= 0) {
+        Replace(reuse, fresh());  // forgets the gone group only now that the registration holds
+        group_index_.emplace(key, reuse);
+      } else if (group_index_.try_emplace(key, static_cast<int>(groups_.size())).second) {
+        groups_.push_back(fresh());
       }
+      const auto it = group_index_.find(key);
       const int index = it->second;
       Group& g = *groups_[static_cast<size_t>(index)];
       g.link = link;
@@ -816,7 +819,7 @@ std::optional<Clock::time_point> Dispatcher::NextStall() const {
   std::optional<Clock::time_point> next;
   const Clock::duration timeout = SecondsToDuration(options_.stall_timeout_s);
   for (const auto& g : groups_) {
-    if (g->link == nullptr || (g->in_flight == 0 && !g->heartbeats)) continue;
+    if (!Watched(*g)) continue;
     const Clock::time_point at = g->heard_at + timeout;
     if (!next || at < *next) next = at;
   }
@@ -827,7 +830,7 @@ void Dispatcher::CheckStalls(Clock::time_point now, Pending& pending) {
   const Clock::duration timeout = SecondsToDuration(options_.stall_timeout_s);
   for (size_t i = 0; i < groups_.size(); ++i) {
     Group& g = *groups_[i];
-    if (g.link == nullptr || (g.in_flight == 0 && !g.heartbeats) || now < g.heard_at + timeout) continue;
+    if (!Watched(g) || now < g.heard_at + timeout) continue;
     // Nothing from the group for that long although it has work, or although
     // its step loop reported stats before: that loop is stuck (a rank died or
     // stopped inside a collective, a step that never ends). An idle group is

@@ -150,10 +150,15 @@ class Dispatcher final : public WorkerLinkHandler {
   std::optional<Clock::time_point> NextStall() const MLARUN_REQUIRES(mu_);
   void CheckStalls(Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
   void ReleaseFromGroup(Request* r) MLARUN_REQUIRES(mu_);
-  // Forgets the disconnected group (with nothing in flight) that went away
-  // first, to make room in a full registry; its slot (to reuse), or -1 when
-  // every group is connected.
-  int ForgetOldestGone() MLARUN_REQUIRES(mu_);
+  // The disconnected group (with nothing in flight) that went away first:
+  // the one a full registry forgets for a new group; -1 when every group is
+  // connected. Replace forgets the group at `index` (its key, its rank
+  // stats, the requests' memory of losing it) and puts `fresh` there.
+  int OldestGone() const MLARUN_REQUIRES(mu_);
+  void Replace(int index, std::unique_ptr<Group> fresh) MLARUN_REQUIRES(mu_);
+  // Whether the stall watch covers the group: connected, and with work in
+  // flight or a stream that has carried stats (a step loop that reports).
+  static bool Watched(const Group& g);
   // Adds one ended request to the counter of its final status: OK completed;
   // INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED rejected; CANCELLED
   // cancelled; anything else failed.
@@ -205,7 +210,7 @@ class Dispatcher final : public WorkerLinkHandler {
   bool stop_timer_ MLARUN_GUARDED_BY(mu_) = false;
   Router router_ MLARUN_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<Group>> groups_ MLARUN_GUARDED_BY(mu_);  // index = group id; a slot is reused only
-                                                                       // when the registry is full (ForgetOldestGone)
+                                                                       // when the registry is full (Replace)
   std::map<std::pair<std::string, int32_t>, int> group_index_ MLARUN_GUARDED_BY(mu_);  // (worker_id, dp_group) -> index
   std::unordered_map<const WorkerOutlet*, int> link_group_ MLARUN_GUARDED_BY(mu_);     // attached links
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_ MLARUN_GUARDED_BY(mu_);  // live, by wire id
