@@ -13,13 +13,16 @@
 #include "launcher/env.h"
 #include "launcher/generate.h"
 #include "launcher/memory/memory.h"
+#include "launcher/serve/serve.h"
 #include "launcher/sim/sim_worker.h"
 #include "launcher/worker/worker.h"
+#include "parallel/layout.h"
 #include "parallel/mpi/mpi_world.h"
 
 #include <pthread.h>
 
 #include <csignal>
+#include <cstring>
 #include <iostream>
 #include <thread>
 
@@ -303,6 +306,30 @@ int main(int argc, char** argv) {
   SecurityFlags st_security;
   AddSecurityFlags(stats, st_security, SecurityRole::kClient);
 
+  mlarun::ServeOptions sv;
+  sv.coordinator.listen = "127.0.0.1:0";
+  std::string sv_policy = "prefix_affinity", sv_auth_tokens;
+  int sv_threads = 0;
+  auto* serve_cmd = app.add_subcommand(
+      "serve", "One machine: the coordinator here and the workers as a supervised mpirun job, until SIGINT/SIGTERM");
+  serve_cmd->add_option("--model", sv.model, "Checkpoint directory or configs/models/*.yaml")->required();
+  serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")->capture_default_str();
+  serve_cmd->add_option("--grpc", sv.coordinator.listen, "host:port of the gRPC client API (port 0: a free one)")
+      ->capture_default_str();
+  serve_cmd->add_option("--policy", sv_policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
+  serve_cmd->add_option("--auth-token-file", sv_auth_tokens,
+                        "Client tokens (TOKEN [NAME] per line): the client API then needs Authorization: Bearer TOKEN");
+  serve_cmd->add_option("--threads", sv_threads, "CPU threads per rank (default: the cores divided among the ranks)")
+      ->check(CLI::NonNegativeNumber);
+  serve_cmd->add_option("--worker-arg", sv.worker_args,
+                        "One more `mlarun worker` argument, e.g. --worker-arg=--kv-dtype --worker-arg=fp32 (repeat)");
+  serve_cmd->add_option("--mpirun-arg", sv.mpirun_args, "One more mpirun argument before -np (repeat)");
+  serve_cmd->add_option("--ready-timeout-s", sv.ready_timeout_s, "The first job's groups must all register within this")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  serve_cmd->add_option("--restart-backoff-max-s", sv.restart_backoff_max_s,
+                        "A job that died is started again after 1 s, doubling up to this")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -399,6 +426,44 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, [](int) { stop = true; });
     std::signal(SIGTERM, [](int) { stop = true; });
     return mlarun::RunSimWorker(so, &stop, std::cerr);
+  }
+  if (serve_cmd->parsed()) {
+    auto p = mlarun::ParseRoutingPolicy(sv_policy);
+    if (!p.ok()) {
+      std::fprintf(stderr, "mlarun serve: %s\n", p.status().ToString().c_str());
+      return 2;
+    }
+    sv.coordinator.policy = *p;
+    if (!sv_auth_tokens.empty()) {
+      auto tokens = mlarun::AuthTokens::ReadFile(sv_auth_tokens);
+      if (!tokens.ok()) {
+        std::fprintf(stderr, "mlarun serve: %s\n", tokens.status().ToString().c_str());
+        return 2;
+      }
+      sv.coordinator.auth_tokens = std::move(*tokens);
+    }
+    if (sv_threads == 0) {
+      auto layout = mlarun::ParseParallelLayout(sv.parallel);
+      const int ranks = layout.ok() ? layout->world() : 1;
+      sv_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks);
+    }
+    sv.worker_args.insert(sv.worker_args.begin(), {"--threads", std::to_string(sv_threads)});
+    // As for the coordinator: SIGINT / SIGTERM go to one sigwait thread
+    // (blocked before any thread starts; the worker job starts with them
+    // unblocked).
+    sigset_t stop_signals;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+    static std::atomic<bool> stop{false};
+    std::thread([stop_signals] {
+      int sig = 0;
+      sigwait(&stop_signals, &sig);
+      std::fprintf(stderr, "mlarun serve: SIG%s: stopping\n", sigabbrev_np(sig));
+      stop = true;
+    }).detach();
+    return mlarun::RunServe(sv, &stop, std::cerr);
   }
   if (submit->parsed()) {
     fill(s_coord, sub.coordinator, dc.coordinator);

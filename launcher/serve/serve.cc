@@ -1,0 +1,316 @@
+#include "launcher/serve/serve.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+#include <sstream>
+#include <thread>
+
+#include "launcher/client/grpc_util.h"
+#include "mlarun.grpc.pb.h"
+#include "parallel/layout.h"
+
+extern char** environ;
+
+namespace mlarun {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// How a child ended, in words.
+std::string DescribeExit(int wait_status) {
+  if (WIFEXITED(wait_status)) return "exited with status " + std::to_string(WEXITSTATUS(wait_status));
+  if (WIFSIGNALED(wait_status)) {
+    const char* name = sigabbrev_np(WTERMSIG(wait_status));
+    return std::string("was killed by SIG") + (name != nullptr ? name : std::to_string(WTERMSIG(wait_status)));
+  }
+  return "ended (wait status " + std::to_string(wait_status) + ")";
+}
+
+// The pids whose parent is this process (the job's launcher, and any of its
+// descendants orphaned to us: this process is their subreaper).
+std::vector<pid_t> Children() {
+  std::vector<pid_t> out;
+  const pid_t self = getpid();
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename();
+    if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // pid (comm) state ppid ...: comm may hold spaces and parentheses.
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 1));
+    char state = 0;
+    pid_t ppid = 0;
+    if (rest >> state >> ppid && ppid == self && state != 'Z') out.push_back(std::stoi(name));
+  }
+  return out;
+}
+
+// Reaps every ended child without blocking; returns the wait status of
+// `job` if it was among them.
+std::optional<int> ReapAll(pid_t job) {
+  std::optional<int> job_status;
+  int status = 0;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    if (pid == job) job_status = status;
+  }
+  return job_status;
+}
+
+class Serve {
+ public:
+  Serve(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log) : o_(o), stop_(stop), log_(log) {}
+
+  int Run() {
+    auto layout = ParseParallelLayout(o_.parallel);
+    if (!layout.ok()) return Say("--parallel: " + std::string(layout.status().message())), 2;
+    layout_ = *layout;
+    if (o_.model.empty()) return Say("--model is required"), 2;
+    if (!o_.coordinator.tls.cert.empty())
+      return Say("TLS is for coordinators reached from other machines: use mlarun coordinator"), 2;
+    if (!MakeSecret()) return 1;
+    CoordinatorOptions co = o_.coordinator;
+    co.worker_secret = secret_;
+    auto coordinator = Coordinator::Start(co);
+    if (!coordinator.ok()) {
+      Cleanup();
+      return Say("the coordinator did not start: " + coordinator.status().ToString()), 1;
+    }
+    coordinator_ = std::move(*coordinator);
+    channel_ = client_internal::MakeChannel(coordinator_->address());
+    stub_ = v1::Mlarun::NewStub(channel_);
+    // Orphaned ranks (their launcher killed) become our children, so nothing
+    // the job started can outlive us unseen.
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+
+    int code = Supervise();
+    StopJob();
+    coordinator_->Shutdown();
+    Cleanup();
+    if (code == 0) Say("stopped");
+    return code;
+  }
+
+ private:
+  void Say(const std::string& line) { log_ << "mlarun serve: " << line << std::endl; }
+
+  bool MakeSecret() {
+    char dir_template[] = "/tmp/mlarun-serve-XXXXXX";
+    if (mkdtemp(dir_template) == nullptr) return Say(std::string("cannot make a temporary directory: ") + strerror(errno)), false;
+    dir_ = dir_template;
+    unsigned char bytes[32];
+    if (getrandom(bytes, sizeof bytes, 0) != static_cast<ssize_t>(sizeof bytes))
+      return Say("getrandom failed"), false;
+    static const char kHex[] = "0123456789abcdef";
+    for (unsigned char b : bytes) secret_ += kHex[b >> 4], secret_ += kHex[b & 15];
+    secret_path_ = dir_ + "/worker-secret";
+    const int fd = open(secret_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 || write(fd, secret_.data(), secret_.size()) != static_cast<ssize_t>(secret_.size())) {
+      if (fd >= 0) close(fd);
+      return Say("cannot write " + secret_path_ + ": " + strerror(errno)), false;
+    }
+    close(fd);
+    return true;
+  }
+
+  void Cleanup() {
+    if (dir_.empty()) return;
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+    dir_.clear();
+  }
+
+  std::vector<std::string> JobArgv() const {
+    std::vector<std::string> argv{o_.mpirun};
+    for (const std::string& a : o_.mpirun_args) argv.push_back(a);
+    const unsigned cores = std::thread::hardware_concurrency();
+    const bool oversubscribe_given =
+        std::find(o_.mpirun_args.begin(), o_.mpirun_args.end(), "--oversubscribe") != o_.mpirun_args.end();
+    if (!oversubscribe_given && static_cast<unsigned>(layout_.world()) > cores) argv.push_back("--oversubscribe");
+    argv.insert(argv.end(), {"-np", std::to_string(layout_.world()),
+                             o_.self_exe.empty() ? std::string("/proc/self/exe") : o_.self_exe, "worker",
+                             "--coordinator", coordinator_->address(), "--model", o_.model, "--parallel", o_.parallel,
+                             "--worker-secret-file", secret_path_});
+    for (const std::string& a : o_.worker_args) argv.push_back(a);
+    return argv;
+  }
+
+  // Starts the worker job in its own process group (a terminal's Ctrl-C
+  // reaches only us; we stop the job).
+  bool StartJob() {
+    std::vector<std::string> args = JobArgv();
+    // /proc/self/exe would name mpirun's own binary in the ranks: resolve it.
+    for (std::string& a : args) {
+      if (a == "/proc/self/exe") {
+        std::error_code ec;
+        a = std::filesystem::read_symlink("/proc/self/exe", ec).string();
+      }
+    }
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    std::vector<std::string> env_strings;
+    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+    if (geteuid() == 0) {
+      // Open MPI refuses root unless told; serve's ranks are our own children.
+      for (const char* v : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"}) env_strings.emplace_back(v);
+    }
+    std::vector<char*> envp;
+    for (std::string& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    posix_spawnattr_setpgroup(&attr, 0);
+    sigset_t defaults, empty;
+    sigemptyset(&defaults);
+    sigaddset(&defaults, SIGINT);
+    sigaddset(&defaults, SIGTERM);
+    sigaddset(&defaults, SIGPIPE);
+    sigemptyset(&empty);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    posix_spawnattr_setsigmask(&attr, &empty);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+    pid_t pid = 0;
+    const int rc = posix_spawnp(&pid, argv[0], nullptr, &attr, argv.data(), envp.data());
+    posix_spawnattr_destroy(&attr);
+    if (rc != 0) {
+      Say("cannot start " + o_.mpirun + ": " + strerror(rc));
+      return false;
+    }
+    job_ = pid;
+    job_started_ = Clock::now();
+    std::string line;
+    for (const std::string& a : args) line += (line.empty() ? "" : " ") + a;
+    Say("started the worker job (pid " + std::to_string(pid) + "): " + line);
+    return true;
+  }
+
+  // SIGTERM to the job's process group (mpirun passes it to the ranks),
+  // SIGKILL to whatever is left after the grace, until no child is left.
+  void StopJob() {
+    if (job_ > 0) kill(-job_, SIGTERM);
+    for (pid_t p : Children()) kill(p, SIGTERM);
+    const auto kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                            std::chrono::duration<double>(o_.stop_grace_s));
+    bool killed = false;
+    for (;;) {
+      ReapAll(job_);
+      const std::vector<pid_t> left = Children();
+      if (left.empty()) break;
+      if (!killed && Clock::now() >= kill_at) {
+        Say("the worker job did not stop within " + std::to_string(o_.stop_grace_s) + " s: killing it");
+        if (job_ > 0) kill(-job_, SIGKILL);
+        for (pid_t p : left) kill(p, SIGKILL);
+        killed = true;
+      } else if (killed) {
+        for (pid_t p : left) kill(p, SIGKILL);  // orphans that arrived since
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    job_ = -1;
+  }
+
+  // Connected groups as the coordinator's Health says (-1: no answer).
+  int GroupsConnected() {
+    grpc::ClientContext ctx;
+    client_internal::SetDeadline(ctx, 1.0);
+    v1::HealthResponse r;
+    if (!stub_->Health(&ctx, v1::HealthRequest{}, &r).ok()) return -1;
+    return r.groups_connected();
+  }
+
+  bool Stopping() const { return stop_->load(); }
+
+  int Supervise() {
+    double backoff = o_.restart_backoff_s;
+    bool ever_ready = false;
+    for (;;) {
+      if (Stopping()) return 0;
+      if (!StartJob()) return 1;
+      bool ready = false;
+      auto last_note = Clock::now();
+      const auto ready_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                     std::chrono::duration<double>(o_.ready_timeout_s));
+      std::optional<int> ended;
+      while (!Stopping()) {
+        if ((ended = ReapAll(job_))) break;
+        if (!ready) {
+          const int connected = GroupsConnected();
+          if (connected >= layout_.dp) {
+            ready = ever_ready = true;
+            Say("ready: " + std::to_string(layout_.dp) + " DP group(s) of " + o_.parallel + " registered after " +
+                Format(Seconds(Clock::now() - job_started_)) + " s; gRPC client API at " + coordinator_->address() +
+                (o_.http.empty() ? std::string() : ", HTTP API at http://" + o_.http));
+          } else if (Clock::now() >= ready_deadline) {
+            Say("the worker job's groups did not all register within " + Format(o_.ready_timeout_s) + " s (" +
+                std::to_string(std::max(connected, 0)) + " of " + std::to_string(layout_.dp) + ")");
+            return 1;
+          } else if (Clock::now() - last_note >= std::chrono::seconds(10)) {
+            Say("waiting for the worker job: " + std::to_string(std::max(connected, 0)) + " of " +
+                std::to_string(layout_.dp) + " DP group(s) registered");
+            last_note = Clock::now();
+          }
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(ready ? 200 : 100));
+      }
+      if (Stopping()) return 0;
+      const double ran = Seconds(Clock::now() - job_started_);
+      Say("the worker job (pid " + std::to_string(job_) + ") " + DescribeExit(*ended) + " after " + Format(ran) +
+          " s" + (ready ? "" : ", before its groups registered"));
+      StopJob();  // what it left behind
+      if (!ever_ready) {
+        Say("not restarting a job that never became ready: see its messages above");
+        return 1;
+      }
+      if (ran >= 60) backoff = o_.restart_backoff_s;
+      Say("restarting it in " + Format(backoff) + " s");
+      const auto resume = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(backoff));
+      while (!Stopping() && Clock::now() < resume) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      backoff = std::min(backoff * 2, o_.restart_backoff_max_s);
+    }
+  }
+
+  static std::string Format(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f", s);
+    return buf;
+  }
+
+  const ServeOptions& o_;
+  std::atomic<bool>* const stop_;
+  std::ostream& log_;
+  ParallelLayout layout_;
+  std::string dir_, secret_, secret_path_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Mlarun::Stub> stub_;
+  pid_t job_ = -1;
+  Clock::time_point job_started_;
+};
+
+}  // namespace
+
+int RunServe(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log) { return Serve(o, stop, log).Run(); }
+
+}  // namespace mlarun

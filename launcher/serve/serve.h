@@ -1,0 +1,48 @@
+// `mlarun serve`: one machine, one command. Starts the coordinator in this
+// process and the workers as one `mpirun ... mlarun worker` child job, waits
+// until every DP group of the job has registered (and says so), supervises
+// the job (a job that dies after it was ready is reported and started again,
+// with back-off), and on SIGINT/SIGTERM stops the job and the coordinator,
+// leaving no process behind. Multi-node deployments stay `mlarun
+// coordinator` + `mpirun ... mlarun worker` (docs/multi-node.md).
+//
+// The worker link is closed with a fresh random secret (a 0600 file in a
+// private temporary directory, given to the workers by path), so no other
+// process on the machine can register as a DP group.
+#pragma once
+
+#include <atomic>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "launcher/coordinator/coordinator.h"
+
+namespace mlarun {
+
+struct ServeOptions {
+  // The coordinator, with its client API (listen: the gRPC address; the HTTP
+  // API when its options ask for it). Its worker_secret is replaced by the
+  // generated one.
+  CoordinatorOptions coordinator;
+  std::string model;                   // checkpoint directory or configs/models/*.yaml
+  std::string parallel = "dp=1";       // the worker job's layout: dp x attn_tp ranks
+  std::vector<std::string> worker_args;  // more `mlarun worker` flags (--kv-dtype, --memory-gib, ...)
+  std::string mpirun = "mpirun";       // the launcher, found on PATH
+  std::vector<std::string> mpirun_args;  // before -np; --oversubscribe is added when ranks exceed cores
+  std::string self_exe;                // the mlarun binary the ranks run (default: /proc/self/exe)
+  double ready_timeout_s = 600;        // the first start: every group registered within this
+  double restart_backoff_s = 1;        // the first restart's delay; doubles per restart ...
+  double restart_backoff_max_s = 30;   // ... up to this; back to the first after a job ran 60 s
+  double stop_grace_s = 10;            // SIGTERM to the job, then SIGKILL after this
+  std::string http;                    // the HTTP API's host:port, for the ready line ("" if off)
+};
+
+// Runs until `*stop` becomes true (a signal handler sets it), then stops
+// everything. Progress and problems go to `log`. Exit code: 0 after a clean
+// stop, 1 when the coordinator cannot start or the first worker job fails
+// before it is ready (its exit status and log lines are reported), 2 bad
+// options.
+int RunServe(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log);
+
+}  // namespace mlarun

@@ -1,0 +1,91 @@
+#!/bin/bash
+# `mlarun serve` end to end on the tiny model: ready line once both DP groups
+# of dp=2 registered; a request served with the tokens `mlarun generate`
+# gives; a rank killed -9 takes its job down, serve reports it and restarts
+# the job with back-off, and serving resumes; SIGTERM stops everything within
+# the grace, exit 0, leaving no process and no temporary directory behind. A
+# model that cannot load is reported and not restarted (exit 1).
+#
+#   serve_test.sh MLARUN SOURCE_DIR
+set -u
+mlarun=$1 src=$2
+name=serve_test
+work=$(mktemp -d)
+logs=("$work/serve.log")
+serve_pid=
+before_exit() { [ -n "$serve_pid" ] && kill -KILL "$serve_pid" 2>/dev/null; pkill -KILL -f "coordinator 127.0.0.1:$port " 2>/dev/null; true; }
+source "$src/scripts/lib/on_exit.sh"
+
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+addr=127.0.0.1:$port
+model="$src/configs/models/tiny.yaml"
+
+# waits until serve.log holds COUNT lines matching PATTERN (fails after S seconds)
+wait_log() {
+  local pattern=$1 count=$2 seconds=$3
+  for _ in $(seq $((seconds * 10))); do
+    [ "$(grep -c -- "$pattern" "$work/serve.log")" -ge "$count" ] && return 0
+    kill -0 "$serve_pid" 2>/dev/null || fail "serve exited while waiting for '$pattern'"
+    sleep 0.1
+  done
+  fail "no '$pattern' (x$count) in serve's log after $seconds s"
+}
+job_pids() { pgrep -f -- "--coordinator $addr " ; }
+
+"$mlarun" serve --model "$model" --parallel dp=2 --grpc "$addr" --threads 1 --worker-arg=--kv-dtype --worker-arg=fp32 \
+  2>"$work/serve.log" &
+serve_pid=$!
+wait_log "mlarun serve: ready: 2 DP group(s)" 1 120
+
+prompt=3,14,15,92,65
+"$mlarun" submit --coordinator "$addr" --prompt-ids $prompt --max-tokens 8 --json >"$work/served.json" ||
+  fail "submit failed"
+"$mlarun" generate --model "$model" --kv-dtype fp32 --prompt-ids $prompt --max-tokens 8 --json >"$work/local.json" 2>/dev/null ||
+  fail "generate failed"
+python3 - "$work/served.json" "$work/local.json" <<'PY' || fail "served tokens differ from mlarun generate's"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:])
+sys.exit(0 if a["tokens"] == b["tokens"] and len(a["tokens"]) == 8 else 1)
+PY
+
+# Kill rank 1 (not the launcher): Open MPI ends the job; serve restarts it.
+rank1=
+for p in $(job_pids); do
+  tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1" && rank1=$p
+done
+[ -n "$rank1" ] || fail "no rank 1 among the job's processes"
+kill -KILL "$rank1"
+wait_log "mlarun serve: the worker job (pid [0-9]*) .* after" 1 60
+wait_log "mlarun serve: restarting it in 1.0 s" 1 5
+wait_log "mlarun serve: ready: 2 DP group(s)" 2 120
+"$mlarun" submit --coordinator "$addr" --prompt-ids $prompt --max-tokens 8 --json >"$work/served2.json" ||
+  fail "submit after the restart failed"
+cmp -s <(python3 -c "import json,sys; print(json.load(open('$work/served2.json'))['tokens'])") \
+       <(python3 -c "import json,sys; print(json.load(open('$work/local.json'))['tokens'])") ||
+  fail "tokens after the restart differ"
+
+secret_dir=$(grep -o -- "--worker-secret-file [^ ]*" "$work/serve.log" | head -1 | awk '{print $2}' | xargs dirname)
+[ -d "$secret_dir" ] || fail "no worker secret directory found in the log"
+[ "$(stat -c %a "$secret_dir/worker-secret")" = 600 ] || fail "the worker secret is not mode 600"
+
+kill -TERM "$serve_pid"
+for _ in $(seq 200); do kill -0 "$serve_pid" 2>/dev/null || break; sleep 0.1; done
+kill -0 "$serve_pid" 2>/dev/null && fail "serve still running 20 s after SIGTERM"
+wait "$serve_pid"
+rc=$?
+serve_pid=
+[ "$rc" = 0 ] || fail "serve exited with $rc after SIGTERM"
+grep -q "mlarun serve: stopped" "$work/serve.log" || fail "no 'stopped' line"
+left=$(job_pids)
+[ -z "$left" ] || fail "processes left behind: $left"
+[ ! -e "$secret_dir" ] || fail "$secret_dir left behind"
+
+# A model that cannot load: reported, not restarted, exit 1.
+echo "vocab_size: [" >"$work/broken.yaml"
+timeout 120 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --threads 1 2>"$work/broken.log"
+rc=$?
+[ "$rc" = 1 ] || fail "serve with a broken model exited $rc, not 1: $(tail -3 "$work/broken.log")"
+grep -q "not restarting a job that never became ready" "$work/broken.log" || fail "no reason given for the broken model"
+"$mlarun" serve --model "$model" --parallel dp=x 2>"$work/usage.log"
+[ $? = 2 ] && grep -q -- "--parallel" "$work/usage.log" || fail "a bad --parallel is not a usage error naming it"
+echo "serve_test: ok"
