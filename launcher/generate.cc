@@ -139,8 +139,8 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
     }
     if (std::chrono::steady_clock::now() - last_report > std::chrono::seconds(2)) {
       const EngineStats& s = (*engine)->stats();
-      log << "step " << s.steps << ": " << s.prefill_tokens << " prompt and " << s.decode_tokens
-          << " generated tokens so far\n";
+      log << "step " << s.steps << ": " << s.prefill_tokens << " prompt tokens and " << s.decode_tokens
+          << " decode-step tokens so far\n";
       last_report = std::chrono::steady_clock::now();
     }
   }
@@ -154,12 +154,14 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   }
 
   int code = 0;
+  int64_t generated = 0;  // what was printed (the first token of each comes from its prefill step)
   for (const auto& r : results) {
     if (!r.ok()) code = 1;
+    if (r.ok()) generated += static_cast<int64_t>(r->tokens.size());
     out << ResultLine(r, o.json) << "\n";
   }
   const EngineStats& s = (*engine)->stats();
-  log << "done: " << s.steps << " steps, " << s.prefill_tokens << " prompt tokens, " << s.decode_tokens
+  log << "done: " << s.steps << " steps, " << s.prefill_tokens << " prompt tokens, " << generated
       << " generated tokens, " << s.preemptions << " preemptions, " << s.forward_seconds << " s in the model\n";
   return code;
 }
