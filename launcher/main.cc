@@ -8,6 +8,7 @@
 #include "launcher/bench/comm_bench.h"
 #include "launcher/bench/decode_bench.h"
 #include "launcher/bench/serve_bench.h"
+#include "launcher/cli_typos.h"
 #include "launcher/client/client.h"
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/env.h"
@@ -330,6 +331,10 @@ int main(int argc, char** argv) {
                         "A job that died is started again after 1 s, doubling up to this")
       ->capture_default_str()->check(CLI::PositiveNumber);
 
+  if (const auto typo = mlarun::FindTypo(app, argc, argv)) {
+    std::fprintf(stderr, "mlarun %s\nRun with --help for more information.\n", typo->c_str());
+    return 2;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -94,7 +94,8 @@ class Serve {
     auto coordinator = Coordinator::Start(co);
     if (!coordinator.ok()) {
       Cleanup();
-      return Say("the coordinator did not start: " + coordinator.status().ToString()), 1;
+      Say("the coordinator did not start: " + coordinator.status().ToString());
+      return coordinator.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     }
     coordinator_ = std::move(*coordinator);
     channel_ = client_internal::MakeChannel(coordinator_->address());

@@ -1,4 +1,5 @@
 #include "runtime/model/model_config.h"
+#include "runtime/base/suggest.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -599,22 +600,6 @@ constexpr std::string_view kYamlRopeKeys[] = {
     "mscale", "mscale_all_dim", "attention_factor", "truncate",
 };
 
-// Edit distance, for "did you mean" on a misspelt key.
-size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
 // A YAML model file is mlarun's own format, so a key it does not know (a
 // typo that would silently leave a default in place) is an error naming the
 // key. config.json stays lenient: Hugging Face configs carry many keys that
@@ -625,14 +610,9 @@ Status CheckKeys(const Json& object, std::string_view origin, const std::string&
   for (auto it = object.begin(); it != object.end(); ++it) {
     const std::string& key = it.key();
     if (std::find(std::begin(known), std::end(known), key) != std::end(known)) continue;
-    std::string_view best;
-    size_t best_distance = 3;  // suggest only close matches
-    for (std::string_view k : known) {
-      const size_t d = EditDistance(key, k);
-      if (d < best_distance) best = k, best_distance = d;
-    }
+    const std::string best = NearestName(key, std::vector<std::string>(std::begin(known), std::end(known)));
     return InvalidArgumentError(origin, ": ", prefix, key, ": unknown key",
-                                best.empty() ? std::string() : " (did you mean '" + prefix + std::string(best) + "'?)");
+                                best.empty() ? std::string() : " (did you mean '" + prefix + best + "'?)");
   }
   return Status::Ok();
 }
