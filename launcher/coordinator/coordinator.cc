@@ -25,7 +25,10 @@
 #include <vector>
 
 #include "launcher/coordinator/dispatcher.h"
+#include "launcher/http/metrics.h"
+#include "launcher/http/openai_server.h"
 #include "launcher/link/link_server.h"
+#include "launcher/text/tokenizer.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/thread_annotations.h"
 
@@ -225,6 +228,9 @@ class CoordinatorImpl final : public Coordinator {
   }
 
   std::string address() const override { return server_->address(); }
+  std::string http_address() const override { return http_ != nullptr ? http_->address() : ""; }
+
+  void SetHttp(std::unique_ptr<HttpApi> http) { http_ = std::move(http); }
 
   void Shutdown() override {
     {
@@ -238,6 +244,8 @@ class CoordinatorImpl final : public Coordinator {
     // End every stream with a status first, so clients see UNAVAILABLE rather
     // than a cancellation, then let gRPC drain and stop.
     dispatcher_->Shutdown();
+    // The HTTP exchanges have their answers now (UNAVAILABLE): its handlers return.
+    if (http_ != nullptr) http_->Shutdown();
     if (server_ != nullptr) server_->Shutdown(kShutdownGrace);
     {
       MutexLock lock(mu_);
@@ -257,6 +265,7 @@ class CoordinatorImpl final : public Coordinator {
   MlarunService mlarun_service_;
   WorkerLinkService link_service_;
   std::unique_ptr<GrpcServer> server_;
+  std::unique_ptr<HttpApi> http_;  // nullptr when off
 
   Mutex mu_;
   std::condition_variable cv_;
@@ -277,6 +286,16 @@ std::string NewCoordinatorId() {
 }  // namespace coord
 
 bool IsLoopbackListenAddress(const std::string& listen) { return IsLoopbackListen(listen); }
+
+std::string DefaultServedModelName(const std::string& model_path) {
+  std::string name = model_path;
+  while (name.size() > 1 && name.back() == '/') name.pop_back();
+  if (const size_t slash = name.rfind('/'); slash != std::string::npos) name = name.substr(slash + 1);
+  for (std::string_view ext : {".yaml", ".yml"}) {
+    if (name.size() > ext.size() && name.ends_with(ext)) name.resize(name.size() - ext.size());
+  }
+  return name.empty() ? "model" : name;
+}
 
 StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
   if (options.max_queued < 0)
@@ -311,9 +330,38 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
                                 options.listen,
                                 "'): without it any process that reaches the port can register as a worker");
 
-  auto dispatcher = std::make_shared<coord::Dispatcher>(options, coord::NewCoordinatorId());
+  // The HTTP API's tokenizer and metrics come first: a model path that
+  // does not load fails the start before any port is bound.
+  std::shared_ptr<const text::Tokenizer> tokenizer = options.http_tokenizer;
+  std::shared_ptr<Metrics> metrics;
+  std::string served_model_name = options.served_model_name;
+  if (!options.http_listen.empty()) {
+    if (tokenizer == nullptr) {
+      if (options.http_model.empty())
+        return InvalidArgumentError("--http needs --model: the model whose tokenizer and name the HTTP API uses");
+      auto loaded = text::Tokenizer::Load(options.http_model);
+      if (!loaded.ok()) return loaded.status().WithContext("--model");
+      tokenizer = std::move(*loaded);
+    }
+    if (served_model_name.empty()) served_model_name = DefaultServedModelName(options.http_model);
+    metrics = std::make_shared<Metrics>(std::string(RoutingPolicyName(options.policy)));
+  }
+
+  auto dispatcher = std::make_shared<coord::Dispatcher>(options, coord::NewCoordinatorId(), metrics);
   auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher, options);
   MLARUN_RETURN_IF_ERROR(impl->Bind(options.listen, options.tls));
+  if (!options.http_listen.empty()) {
+    auto http = HttpApi::Start(HttpApiOptions{.listen = options.http_listen,
+                                              .served_model_name = served_model_name,
+                                              .tokenizer = tokenizer,
+                                              .auth_tokens = options.auth_tokens,
+                                              .threads = options.http_threads,
+                                              .max_body_bytes = options.http_max_body_bytes,
+                                              .request_timeout_s = options.http_request_timeout_s},
+                               dispatcher, metrics);
+    if (!http.ok()) return http.status().WithContext("coordinator --http");
+    impl->SetHttp(std::move(*http));
+  }
   return std::unique_ptr<Coordinator>(std::move(impl));
 }
 

@@ -14,6 +14,9 @@
 #include "runtime/base/status.h"
 
 namespace mlarun {
+namespace text {
+class Tokenizer;
+}
 
 enum class RoutingPolicy : uint8_t {
   kRoundRobin = 0,
@@ -94,11 +97,38 @@ struct CoordinatorOptions {
   // ranks' hosts, model paths and worker ids only to callers on loopback.
   // Health is always open (for probes).
   AuthTokens auth_tokens;
+
+  // ---- The OpenAI-compatible HTTP API and /metrics (docs/http-api.md) ----
+  // host:port of the HTTP API (`--http`); empty (the default): off. Its
+  // bearer tokens are `auth_tokens`; /health is open.
+  std::string http_listen;
+  // The model whose tokenizer (and chat template) and name the HTTP API
+  // uses (`--model`): a configs/models/*.yaml with a `tokenizer:` key, a
+  // checkpoint directory or a tokenizer directory. Required with
+  // http_listen unless http_tokenizer is given.
+  std::string http_model;
+  // The name requests must give as `model` (`--served-model-name`); empty:
+  // http_model's last path component without ".yaml".
+  std::string served_model_name;
+  // A tokenizer already loaded (tests); when set, http_model is not read.
+  std::shared_ptr<const text::Tokenizer> http_tokenizer;
+  // HTTP handler threads (each open connection or stream holds one).
+  // Default 512.
+  int http_threads = 512;
+  // Larger request bodies get 413. Default 32 MiB.
+  int64_t http_max_body_bytes = int64_t{32} << 20;
+  // Each HTTP request's deadline (504 when it passes); 0 (default): none.
+  double http_request_timeout_s = 0;
 };
 
 // Whether `listen` (host:port) binds only the loopback interface:
 // 127.0.0.0/8, [::1] or localhost (0.0.0.0 and [::] are not).
 bool IsLoopbackListenAddress(const std::string& listen);
+
+// The HTTP API's model name for a model path: its last component without
+// ".yaml" ("configs/models/tiny.yaml" -> "tiny", "/ckpt/DeepSeek-V3/" ->
+// "DeepSeek-V3").
+std::string DefaultServedModelName(const std::string& model_path);
 
 class Coordinator {
  public:
@@ -109,6 +139,8 @@ class Coordinator {
 
   // The bound address (host:port, with the real port when 0 was asked).
   virtual std::string address() const = 0;
+  // The HTTP API's bound address; "" when it is off.
+  virtual std::string http_address() const = 0;
   // Stops accepting, ends every stream (clients get UNAVAILABLE), returns when
   // the server is down.
   virtual void Shutdown() = 0;

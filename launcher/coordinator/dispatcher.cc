@@ -121,7 +121,7 @@ struct Dispatcher::Request {
   int64_t cost = 0;  // prompt + max_tokens: its weight in its group's queued_tokens
   std::shared_ptr<ClientOutlet> client;
   bool client_deadline = false;  // the call carried a gRPC deadline
-  Clock::time_point arrival, routed_at, first_token_at;
+  Clock::time_point arrival, routed_at, first_token_at, last_token_at;
   Clock::time_point unavailable_at;  // queued with no connected group: UNAVAILABLE from here
   Clock::time_point deadline;        // DEADLINE_EXCEEDED from here
   Clock::duration unavailable_margin{0};  // deadline - unavailable_at as submitted (0 without a deadline)
@@ -197,9 +197,11 @@ const std::vector<uint64_t>& ChainFor(
 
 }  // namespace
 
-Dispatcher::Dispatcher(const CoordinatorOptions& options, std::string coordinator_id)
+Dispatcher::Dispatcher(const CoordinatorOptions& options, std::string coordinator_id,
+                       std::shared_ptr<DispatcherObserver> observer)
     : options_(options),
       coordinator_id_(std::move(coordinator_id)),
+      observer_(std::move(observer)),
       router_(options.policy, options.balance_abs_tokens, options.balance_rel) {
   timer_thread_ = std::thread([this] { TimerLoop(); });
 }
@@ -208,19 +210,52 @@ Dispatcher::~Dispatcher() { Shutdown(); }
 
 // ---- Client API -------------------------------------------------------------
 
-std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request,
-                                                const SamplingParams& sampling) const {
+Dispatcher::ModelLimits Dispatcher::Limits() const {
   // Limits of the model the groups serve. A deployment serves one model; if
   // the groups disagree the most permissive limit is checked here (no false
   // rejection) and the group that gets the request re-checks its own. None is
   // known before a group registers.
-  int64_t vocab = 0, max_pos = 0;
+  ModelLimits limits;
   const bool any_connected = ConnectedGroups() > 0;
   for (const auto& g : groups_) {
     if (any_connected && g->link == nullptr) continue;
-    vocab = std::max(vocab, g->vocab_size);
-    max_pos = std::max(max_pos, g->max_position_embeddings);
+    limits.vocab_size = std::max(limits.vocab_size, g->vocab_size);
+    limits.max_position_embeddings = std::max(limits.max_position_embeddings, g->max_position_embeddings);
   }
+  return limits;
+}
+
+Dispatcher::ModelLimits Dispatcher::model_limits() const {
+  MutexLock lock(mu_);
+  return Limits();
+}
+
+int64_t Dispatcher::live_requests() const {
+  MutexLock lock(mu_);
+  return static_cast<int64_t>(requests_.size());
+}
+
+void Dispatcher::Observe(const Request& r, grpc::StatusCode code, std::string_view finish_reason,
+                         int64_t prefix_hit_tokens, Clock::time_point now) {
+  if (observer_ == nullptr) return;
+  const bool routed = r.routed_at != Clock::time_point{};
+  observer_->OnEnd(RequestEnd{
+      .status_code = static_cast<int>(code),
+      .finish_reason = finish_reason,
+      .prompt_tokens = r.prompt_tokens,
+      .completion_tokens = r.tokens_sent,
+      .prefix_hit_tokens = prefix_hit_tokens,
+      .queued_s = routed ? std::chrono::duration<double>(r.routed_at - r.arrival).count() : -1.0,
+      .first_token_s =
+          r.tokens_sent > 0 ? std::chrono::duration<double>(r.first_token_at - r.arrival).count() : -1.0,
+      .total_s = std::chrono::duration<double>(now - r.arrival).count(),
+  });
+}
+
+std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request,
+                                                const SamplingParams& sampling) const {
+  const ModelLimits limits = Limits();
+  const int64_t vocab = limits.vocab_size, max_pos = limits.max_position_embeddings;
   const auto& prompt = request.prompt_ids();
   const Status st = ValidateRequest(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())), sampling,
                                     {.vocab_size = vocab > 0 ? vocab : kLimitUnknown,
@@ -250,6 +285,8 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
     ++counters_.received;
     auto reject = [&](grpc::StatusCode code, std::string message) MLARUN_REQUIRES(mu_) {
       Count(code);
+      if (observer_ != nullptr)
+        observer_->OnEnd(RequestEnd{.status_code = static_cast<int>(code), .prompt_tokens = request.prompt_ids_size()});
       client->Close(code, std::move(message));
       pending.Add(client);
     };
@@ -327,6 +364,35 @@ void Dispatcher::ClientGone(const std::string& wire_id, uint64_t serial) {
       Fail(r, grpc::StatusCode::DEADLINE_EXCEEDED, "deadline exceeded", true, pending);
     } else {
       Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", true, pending);
+    }
+    DrainQueue(pending);
+  }
+  pending.Flush();
+}
+
+void Dispatcher::EndEarly(const std::string& wire_id, uint64_t serial, const std::string& finish_reason) {
+  Pending pending;
+  {
+    MutexLock lock(mu_);
+    auto it = requests_.find(wire_id);
+    if (it == requests_.end() || it->second->serial != serial) return;
+    Request* r = it->second.get();
+    if (r->group < 0) {
+      // Not routed (re-queued after a loss): nothing was generated for it
+      // that a client could have stopped on; end it as the client's cancel.
+      Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", false, pending);
+    } else {
+      Group& g = *groups_[static_cast<size_t>(r->group)];
+      if (g.link != nullptr) {
+        v1::CoordinatorMessage msg;
+        msg.mutable_cancel()->set_request_id(r->wire_id);
+        g.link->Queue(std::move(msg));
+        pending.Add(g.link);
+      }
+      v1::RequestDone done;
+      done.set_request_id(r->wire_id);
+      done.set_finish_reason(finish_reason);
+      Complete(r, done, pending);
     }
     DrainQueue(pending);
   }
@@ -614,7 +680,12 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens,
                                       " tokens")};
+    if (observer_ != nullptr)
+      observer_->OnToken(r->tokens_sent == 0,
+                         std::chrono::duration<double>(now - (r->tokens_sent == 0 ? r->arrival : r->last_token_at))
+                             .count());
     if (r->tokens_sent == 0) r->first_token_at = now;
+    r->last_token_at = now;
     v1::GenerateResponse out;
     out.set_request_id(r->id);
     v1::Token* t = out.mutable_token();
@@ -764,6 +835,7 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
     timer_cv_.notify_one();
   }
   ++g.routed;
+  if (observer_ != nullptr) observer_->OnRouted(g.worker_id, g.dp_group);
   if (router_.policy() == RoutingPolicy::kPrefixAffinity)
     g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
   v1::CoordinatorMessage msg;
@@ -890,6 +962,7 @@ void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bo
     }
   }
   Count(code);
+  Observe(*r, code, "", 0, Clock::now());
   r->client->Close(code, std::move(message));
   pending.Add(r->client);
   Forget(r);
@@ -900,6 +973,7 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
   Group& g = *groups_[static_cast<size_t>(r->group)];
   ++g.completed;
   Count(grpc::StatusCode::OK);
+  Observe(*r, grpc::StatusCode::OK, done.finish_reason(), done.prefix_hit_tokens(), now);
   if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() &&
       g.block_size > 0) {
     // The group's cache now also holds the generated tokens' blocks (all but

@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "launcher/coordinator/coordinator.h"
+#include "launcher/coordinator/dispatcher_observer.h"
 #include "launcher/coordinator/router.h"
 #include "launcher/link/link_server.h"
 #include "mlarun.pb.h"
@@ -63,8 +64,10 @@ using ClientOutlet = Outlet<v1::GenerateResponse>;
 
 class Dispatcher final : public WorkerLinkHandler {
  public:
-  // Starts the deadline thread.
-  Dispatcher(const CoordinatorOptions& options, std::string coordinator_id);
+  // Starts the deadline thread. `observer` (may be nullptr) hears of every
+  // routing, token and end (dispatcher_observer.h), under mu_.
+  Dispatcher(const CoordinatorOptions& options, std::string coordinator_id,
+             std::shared_ptr<DispatcherObserver> observer = nullptr);
   // Calls Shutdown().
   ~Dispatcher() override;
   Dispatcher(const Dispatcher&) = delete;
@@ -89,6 +92,11 @@ class Dispatcher final : public WorkerLinkHandler {
   // The client cancelled the call, disconnected, or its deadline passed inside
   // gRPC. Ends the request (if still live) and sends CancelRoute to its group.
   void ClientGone(const std::string& wire_id, uint64_t serial);
+  // The client has what it wants before the group finished (the HTTP API's
+  // stop strings): the request (if still live) ends as finished with
+  // `finish_reason`, counted as completed, its Finished queued on its outlet
+  // with the tokens sent so far, and CancelRoute goes to its group.
+  void EndEarly(const std::string& wire_id, uint64_t serial, const std::string& finish_reason);
   // The Cancel RPC of `principal`: false if it has no live request with this
   // id (another principal's is not even looked at).
   bool Cancel(const std::string& principal, const std::string& id);
@@ -97,6 +105,15 @@ class Dispatcher final : public WorkerLinkHandler {
   // "worker-<k>".
   void FillStats(v1::GetStatsResponse* out, bool details) const;
   void FillHealth(v1::HealthResponse* out) const;
+  // Requests accepted and not ended yet (queued or routed).
+  int64_t live_requests() const;
+  // The model limits of the groups connected (of those known when none is),
+  // as Submit checks them; 0 when no group ever registered.
+  struct ModelLimits {
+    int64_t vocab_size = 0;
+    int64_t max_position_embeddings = 0;
+  };
+  ModelLimits model_limits() const;
 
   // ---- Worker link ---------------------------------------------------------
   // The first message of a WorkerLink stream. On success the link is the
@@ -197,9 +214,15 @@ class Dispatcher final : public WorkerLinkHandler {
   void ProtocolViolation(int group, Violation v, Pending& pending) MLARUN_REQUIRES(mu_);
   void TimerLoop() MLARUN_EXCLUDES(mu_);
 
+  ModelLimits Limits() const MLARUN_REQUIRES(mu_);
+  // Tells the observer (if any) that `r` ended with `code`.
+  void Observe(const Request& r, grpc::StatusCode code, std::string_view finish_reason, int64_t prefix_hit_tokens,
+               Clock::time_point now) MLARUN_REQUIRES(mu_);
+
   // Constant after construction.
   const CoordinatorOptions options_;
   const std::string coordinator_id_;
+  const std::shared_ptr<DispatcherObserver> observer_;  // may be nullptr
 
   // mu_ guards everything below: the group registry, the request table, the
   // wait queue, the deadline timers, the router (round-robin cursor, prefix
