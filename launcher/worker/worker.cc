@@ -155,6 +155,12 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   // step loop drains what arrived and sends (one consumer, one writer).
   std::unique_ptr<WorkerLinkClient> link;
   std::string last_refusal;  // the coordinator's last refusal, logged once
+  // Attempts that never registered since the last registration (or the
+  // start), and when that wait was last said: a worker started before its
+  // coordinator says so every 10 s.
+  int64_t unregistered_attempts = 0;
+  const auto waiting_since = std::chrono::steady_clock::now();
+  auto waiting_said = waiting_since;
   if (runner.is_leader()) {
     v1::Register reg;
     reg.set_worker_id(worker_id);
@@ -187,7 +193,11 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   for (;;) {
     if (link) {
       for (WorkerLinkEvent& e : link->Drain()) {
-        if (e.message.has_route()) {
+        if (e.message.has_registered()) {
+          std::cerr << "mlarun worker " << worker_id << ": " << rank_name << ": DP group " << groups.dp_rank()
+                    << " registered with the coordinator at " << o.coordinator << "\n";
+          unregistered_attempts = 0;
+        } else if (e.message.has_route()) {
           const v1::RouteRequest& route = e.message.route();
           const std::string rid = route.request_id();
           GenerationRequest req{.prompt = std::vector<int32_t>(route.prompt_ids().begin(), route.prompt_ids().end()),
@@ -226,6 +236,17 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
             last_refusal = std::move(why);
           } else if (e.registered) {
             last_refusal.clear();
+            std::cerr << "mlarun worker " << worker_id << ": " << rank_name << ": the link to the coordinator at "
+                      << o.coordinator << " ended (" << client_internal::GrpcCodeName(code) << ": "
+                      << e.status.error_message() << "); reconnecting\n";
+            waiting_said = std::chrono::steady_clock::now();
+          }
+          if (!e.registered && ++unregistered_attempts > 0 &&
+              std::chrono::steady_clock::now() - waiting_said >= std::chrono::seconds(10)) {
+            waiting_said = std::chrono::steady_clock::now();
+            std::cerr << "mlarun worker " << worker_id << ": " << rank_name << ": still waiting for the coordinator at "
+                      << o.coordinator << " (" << unregistered_attempts << " attempts; last: "
+                      << client_internal::GrpcCodeName(code) << ": " << e.status.error_message() << ")\n";
           }
           for (const auto& [id, l] : live) {
             (void)runner.engine()->Cancel(id);
