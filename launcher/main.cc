@@ -239,6 +239,22 @@ int main(int argc, char** argv) {
                     "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
       ->capture_default_str()->check(CLI::PositiveNumber);
   coord->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+  auto* c_http = coord->add_option("--http", co.http_listen,
+                                   "Serve the OpenAI-compatible HTTP API and /metrics on host:port (off unless given; "
+                                   "127.0.0.1:8000 when given without a value)")
+                    ->expected(0, 1);
+  coord->add_option("--model", co.http_model,
+                    "With --http: the model (configs/models/*.yaml, checkpoint or tokenizer directory); only its "
+                    "tokenizer, chat template and name are read");
+  coord->add_option("--served-model-name", co.served_model_name,
+                    "With --http: the model name clients send (default: --model's basename without .yaml)");
+  coord->add_option("--http-threads", co.http_threads, "With --http: handler threads (one per open connection)")
+      ->capture_default_str()->check(CLI::Range(1, 65536));
+  coord->add_option("--http-max-body-bytes", co.http_max_body_bytes, "With --http: larger request bodies get 413")
+      ->capture_default_str()->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
+  coord->add_option("--http-request-timeout-s", co.http_request_timeout_s,
+                    "With --http: each request's deadline (504 when it passes); 0: none")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   SecurityFlags c_security;
   AddSecurityFlags(coord, c_security, SecurityRole::kCoordinator);
 
@@ -368,6 +384,7 @@ int main(int argc, char** argv) {
     }
     co.policy = *p;
     if (!LoadSecurity("coordinator", c_security, SecurityRole::kCoordinator, &co.worker_secret, nullptr, &co)) return 2;
+    if (c_http->count() > 0 && co.http_listen.empty()) co.http_listen = "127.0.0.1:8000";
     // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
     // before gRPC starts its threads, so they inherit the mask): Shutdown is
     // not something a signal handler may call.
@@ -383,6 +400,7 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "mlarun coordinator: listening on %s, policy %s\n", (*server)->address().c_str(),
                  std::string(mlarun::RoutingPolicyName(co.policy)).c_str());
+    if (c_http->count() > 0) std::fprintf(stderr, "mlarun coordinator: HTTP API on http://%s\n", (*server)->http_address().c_str());
     std::thread stopper([&] {
       int sig = 0;
       sigwait(&stop_signals, &sig);
