@@ -80,8 +80,9 @@ Status Unsupported(const std::string& path, const std::string& what) {
 
 StatusOr<std::unique_ptr<Regex>> Regex::Compile(std::string_view pattern, bool literal, const std::string& path) {
   const std::string translated = literal ? std::string(pattern) : TranslatePattern(pattern);
-  uint32_t options = PCRE2_UTF | PCRE2_UCP | PCRE2_NO_UTF_CHECK;
-  options |= literal ? PCRE2_LITERAL : PCRE2_MULTILINE;
+  // PCRE2_LITERAL admits only a few other options (UCP and MULTILINE are
+  // not among them, and a literal needs neither).
+  const uint32_t options = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP | PCRE2_MULTILINE);
   int error = 0;
   PCRE2_SIZE offset = 0;
   pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), options,

@@ -16,6 +16,10 @@ Writes
        add_special_tokens=True, "roundtrip": decode(ids) == text}
       (strings made from invalid UTF-8 are encoded as Python's
        bytes.decode("utf-8", errors="replace") makes them);
+  tests/text/fixtures/tiny_variants.jsonl
+      the tiny tokenizer with other pre-tokenizers (each Split behavior,
+      invert, a String pattern, a lone ByteLevel with prefix space and
+      GPT-2 regex): {"pre_tokenizer": {...}, "cases": [{"hex", "ids"}]};
   tests/text/fixtures/{bpe6k,tiny}_decode.jsonl
       {"ids": [...], "text": decode(skip_special_tokens=False),
        "text_skip": decode(skip_special_tokens=True)}.
@@ -275,6 +279,38 @@ def decode_fixtures(tok_dir, path, rng, count):
                                 "text_skip": raw.decode(ids, skip_special_tokens=True)}, ensure_ascii=False) + "\n")
 
 
+def variant_fixtures(tok_dir, path, rng):
+    from tokenizers import Tokenizer
+
+    with open(os.path.join(tok_dir, "tokenizer.json"), encoding="utf-8") as f:
+        base = json.load(f)
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    variants = []
+    for behavior in ["Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous", "Isolated"]:
+        for invert in [False, True]:
+            variants.append({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": "\\s+|[0-9]"}, "behavior": behavior, "invert": invert},
+                byte_level]})
+    variants.append({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": "a."}, "behavior": "Isolated", "invert": False}, byte_level]})
+    variants.append({"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]})
+    variants.append({"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True})
+    variants.append({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True})
+    strings = test_strings(rng, [], 80)
+    with open(path, "w", encoding="utf-8") as f:
+        for v in variants:
+            j = dict(base)
+            j["pre_tokenizer"] = v
+            tok = Tokenizer.from_str(json.dumps(j))
+            cases = []
+            for b in strings:
+                text = b.decode("utf-8", errors="replace")
+                cases.append({"hex": b.hex(), "ids": tok.encode(text, add_special_tokens=False).ids})
+            f.write(json.dumps({"pre_tokenizer": v, "cases": cases}) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -320,6 +356,7 @@ def main():
     decode_fixtures(big_dir, os.path.join(fixtures, "bpe6k_decode.jsonl"), random.Random(2), 2000)
     encode_fixtures(tiny_dir, os.path.join(fixtures, "tiny_encode.jsonl"), test_strings(random.Random(3), [BOS, EOS], 400))
     decode_fixtures(tiny_dir, os.path.join(fixtures, "tiny_decode.jsonl"), random.Random(4), 300)
+    variant_fixtures(tiny_dir, os.path.join(fixtures, "tiny_variants.jsonl"), random.Random(5))
 
 
 if __name__ == "__main__":
