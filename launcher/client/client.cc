@@ -22,6 +22,7 @@
 
 #include "launcher/client/grpc_util.h"
 #include "launcher/proto/proto_sampling.h"
+#include "launcher/table.h"
 #include "mlarun.grpc.pb.h"
 
 namespace mlarun {
@@ -62,28 +63,6 @@ std::string Fixed1(double x) {
   std::ostringstream s;
   s << std::fixed << std::setprecision(1) << x;
   return s.str();
-}
-
-// Prints `rows` under `header` in aligned columns: text columns (left[i])
-// flush left, numbers flush right, two spaces apart.
-void PrintTable(std::ostream& out, const std::vector<std::string>& header, const std::vector<bool>& left,
-                const std::vector<std::vector<std::string>>& rows) {
-  std::vector<size_t> width(header.size());
-  for (size_t i = 0; i < header.size(); ++i) width[i] = header[i].size();
-  for (const auto& r : rows)
-    for (size_t i = 0; i < r.size() && i < width.size(); ++i) width[i] = std::max(width[i], r[i].size());
-  auto line = [&](const std::vector<std::string>& cells) {
-    std::string s;
-    for (size_t i = 0; i < cells.size(); ++i) {
-      if (i > 0) s += "  ";
-      const std::string pad(width[i] - cells[i].size(), ' ');
-      s += left[i] ? cells[i] + pad : pad + cells[i];
-    }
-    while (!s.empty() && s.back() == ' ') s.pop_back();
-    out << s << "\n";
-  };
-  line(header);
-  for (const auto& r : rows) line(r);
 }
 
 void PrintStatsTable(const v1::GetStatsResponse& r, std::ostream& out) {

@@ -13,6 +13,7 @@
 #include "launcher/memory/format.h"
 #include "launcher/memory/memory.h"
 #include "launcher/memory/memory_internal.h"
+#include "launcher/table.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/model/memory_plan.h"
 
@@ -171,10 +172,10 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       text << "  cache sized by a budget of " << Thousands(first.cache_budget_bytes()) << " B per rank\n";
     }
     text << "  each cell: predicted | measured\n";
-    text << "  " << std::left << std::setw(5) << "rank" << std::setw(6) << "group" << std::setw(3) << "tp" << std::right
-         << std::setw(24) << "weights (B)" << std::setw(16) << "cache B/token" << std::setw(28) << "cache capacity (B)"
-         << std::setw(18) << "blocks" << std::setw(16) << "request blocks" << std::setw(7) << "peak" << "  agree"
-         << std::setw(16) << "resident (RSS)" << std::setw(16) << "not accounted" << "\n";
+    const std::vector<std::string> header{"rank", "group", "tp", "weights (B)", "cache B/token", "cache capacity (B)",
+                                          "blocks", "request blocks", "peak", "agree", "resident (RSS)", "not accounted"};
+    const std::vector<bool> left{true, true, true, false, false, false, false, false, false, true, false, false};
+    std::vector<std::vector<std::string>> rows;
     Json ranks_json = Json::array();
     int64_t measured_request_blocks = 0;
     for (const v1::RankStats* k : ranks) {
@@ -213,17 +214,17 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       const bool agree = weights_agree && cache_agree && workspace == k->workspace_bytes();
       all_agree &= agree;
       auto pair = [](int64_t x, int64_t y) { return Thousands(x) + " | " + Thousands(y); };
-      text << "  " << std::left << std::setw(5) << k->rank() << std::setw(6) << k->dp_group() << std::setw(3)
-           << k->attn_tp_rank() << std::right << std::setw(24) << pair(p.weights.total(), m.weights.total())
-           << std::setw(16) << pair(p.bytes_per_token, m.bytes_per_token) << std::setw(28)
-           << pair(p.blocks_total * p.block_bytes, m.blocks_total * m.block_bytes) << std::setw(18)
-           << pair(p.blocks_total, m.blocks_total) << std::setw(16)
-           << (set ? pair(p.request_blocks, m.request_blocks) : std::string("-")) << std::setw(7)
-           << Thousands(k->cache_blocks_peak()) << "  "
-           << std::left << std::setw(7)
-           << (agree ? "yes" : !weights_agree ? "NO (weights)" : !cache_agree ? "NO (cache)" : "NO (workspace reserved)")
-           << std::right << std::setw(16) << memory_internal::Human(k->resident_bytes()) << std::setw(16)
-           << memory_internal::Human(k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes) << "\n";
+      rows.push_back({std::to_string(k->rank()), std::to_string(k->dp_group()), std::to_string(k->attn_tp_rank()),
+                      pair(p.weights.total(), m.weights.total()), pair(p.bytes_per_token, m.bytes_per_token),
+                      pair(p.blocks_total * p.block_bytes, m.blocks_total * m.block_bytes),
+                      pair(p.blocks_total, m.blocks_total),
+                      set ? pair(p.request_blocks, m.request_blocks) : std::string("-"), Thousands(k->cache_blocks_peak()),
+                      agree             ? "yes"
+                      : !weights_agree  ? "NO (weights)"
+                      : !cache_agree    ? "NO (cache)"
+                                        : "NO (workspace reserved)",
+                      memory_internal::Human(k->resident_bytes()),
+                      memory_internal::Human(k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes)});
       ranks_json.push_back(Json{{"rank", k->rank()},
                                 {"dp_group", k->dp_group()},
                                 {"attn_tp_rank", k->attn_tp_rank()},
@@ -236,6 +237,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                 {"not_accounted_bytes", k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes},
                                 {"agree", agree}});
     }
+    PrintTable(text, header, left, rows, "  ");
     Json job{{"worker_id", worker_id}, {"model", model}, {"parallel", first.parallel()},
              {"layout", memory_internal::LayoutName(layout)}, {"block_size", first.block_size()},
              {"memory_budget_bytes", first.memory_budget_bytes()}, {"ranks", ranks_json}};

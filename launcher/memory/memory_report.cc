@@ -400,7 +400,11 @@ Status WriteSvg(const Report& r, const std::string& path) {
                         {"latent cache", "#27ae60"}};
   const int bar_w = 90, gap = 70, left = 80, top = 70, plot_h = 300;
   const int k = static_cast<int>(r.plans.size());
-  const int width = left + k * (bar_w + gap) + 220, height = top + plot_h + 110;
+  // Right of the bars: the per-rank memory line's label, then the legend
+  // beside it (never under it: the line sits anywhere from the top of the
+  // plot, when the weights alone exceed the memory, to its bottom).
+  const int label_w = 120, legend_w = 180;
+  const int width = left + k * (bar_w + gap) + label_w + legend_w, height = top + plot_h + 110;
   double max_bytes = static_cast<double>(r.memory_bytes);
   for (const RankMemory& p : r.plans)
     max_bytes = std::max(max_bytes, static_cast<double>(p.weights.total() + p.workspace.total()));
@@ -448,7 +452,7 @@ Status WriteSvg(const Report& r, const std::string& path) {
     << "'>" << Decimal(r.opt.memory_gib) << " GiB per rank</text>\n";
   for (int j = 0; j < 7; ++j) {
     const int y = top + 30 + j * 20;
-    const int x = left + k * (bar_w + gap) + 20;
+    const int x = left + k * (bar_w + gap) + label_w;
     f << "<rect x='" << x << "' y='" << y << "' width='12' height='12' fill='" << parts[j].color << "'/>\n<text x='"
       << x + 18 << "' y='" << y + 11 << "'>" << parts[j].name << "</text>\n";
   }
