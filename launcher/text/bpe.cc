@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <queue>
 
 #include "launcher/text/utf8.h"
@@ -11,27 +12,82 @@ namespace {
 
 std::atomic<uint64_t> g_next_instance{1};
 
-// The per-thread word cache: raw piece -> ids. Cleared when another Bpe
-// uses the thread or when it is full, so it stays bounded.
-struct WordCache {
-  struct Hash {
-    using is_transparent = void;
-    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-  };
-  static constexpr size_t kMaxEntries = 1 << 16;
+// The per-thread word cache: raw piece -> ids, open addressing over one
+// flat table with the keys and ids in two arenas (no allocation per entry).
+// Emptied when another Bpe uses the thread or when half full, so it stays
+// bounded (about 8 MiB per thread at most).
+class WordCache {
+ public:
   static constexpr size_t kMaxWordBytes = 256;  // longer pieces are not cached
-  uint64_t owner = 0;
-  std::unordered_map<std::string, std::vector<int32_t>, Hash, std::equal_to<>> map;
-};
 
-WordCache& CacheFor(uint64_t instance) {
-  thread_local WordCache cache;
-  if (cache.owner != instance || cache.map.size() >= WordCache::kMaxEntries) {
-    cache.map.clear();
-    cache.owner = instance;
+  static WordCache& For(uint64_t instance) {
+    thread_local WordCache cache;
+    if (cache.owner_ != instance) {
+      cache.Reset();
+      cache.owner_ = instance;
+    }
+    return cache;
   }
-  return cache;
-}
+
+  // The cached ids of `key`, or false.
+  bool Find(std::string_view key, uint64_t hash, const int32_t** ids, size_t* n) const {
+    for (size_t i = hash & kMask;; i = (i + 1) & kMask) {
+      const Slot& s = slots_[i];
+      if (s.hash == 0) return false;
+      if (s.hash == hash && s.key_len == key.size() && std::memcmp(keys_.data() + s.key_off, key.data(), key.size()) == 0) {
+        *ids = ids_.data() + s.ids_off;
+        *n = s.ids_len;
+        return true;
+      }
+    }
+  }
+  void Insert(std::string_view key, uint64_t hash, const int32_t* ids, size_t n) {
+    if (used_ >= kSlots / 2 || keys_.size() + key.size() > kMaxArenaBytes) Reset();
+    size_t i = hash & kMask;
+    while (slots_[i].hash != 0) i = (i + 1) & kMask;
+    slots_[i] = Slot{hash, uint32_t(keys_.size()), uint32_t(key.size()), uint32_t(ids_.size()), uint32_t(n)};
+    keys_.append(key);
+    ids_.insert(ids_.end(), ids, ids + n);
+    ++used_;
+  }
+
+  // 64-bit hash of a short string; never 0 (0 marks a free slot).
+  static uint64_t Hash(std::string_view s) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (s.size() * 0xC2B2AE3D27D4EB4Full);
+    size_t i = 0;
+    for (; i + 8 <= s.size(); i += 8) {
+      uint64_t w;
+      std::memcpy(&w, s.data() + i, 8);
+      h = (h ^ w) * 0xBF58476D1CE4E5B9ull;
+      h ^= h >> 29;
+    }
+    uint64_t w = 0;
+    std::memcpy(&w, s.data() + i, s.size() - i);
+    h = (h ^ w) * 0x94D049BB133111EBull;
+    h ^= h >> 32;
+    return h | 1;
+  }
+
+ private:
+  static constexpr size_t kSlots = size_t{1} << 17;
+  static constexpr size_t kMask = kSlots - 1;
+  static constexpr size_t kMaxArenaBytes = size_t{4} << 20;
+  struct Slot {
+    uint64_t hash;
+    uint32_t key_off, key_len, ids_off, ids_len;
+  };
+  void Reset() {
+    slots_.assign(kSlots, Slot{0, 0, 0, 0, 0});
+    keys_.clear();
+    ids_.clear();
+    used_ = 0;
+  }
+  uint64_t owner_ = 0;
+  std::vector<Slot> slots_;
+  std::string keys_;
+  std::vector<int32_t> ids_;
+  size_t used_ = 0;
+};
 
 }  // namespace
 
@@ -140,14 +196,17 @@ void Bpe::EncodeWord(std::string_view piece, std::vector<int32_t>* ids) const {
     MergeWord(piece, ids);
     return;
   }
-  WordCache& cache = CacheFor(instance_);
-  if (auto it = cache.map.find(piece); it != cache.map.end()) {
-    ids->insert(ids->end(), it->second.begin(), it->second.end());
+  WordCache& cache = WordCache::For(instance_);
+  const uint64_t hash = WordCache::Hash(piece);
+  const int32_t* cached;
+  size_t n;
+  if (cache.Find(piece, hash, &cached, &n)) {
+    ids->insert(ids->end(), cached, cached + n);
     return;
   }
   const size_t before = ids->size();
   MergeWord(piece, ids);
-  cache.map.emplace(std::string(piece), std::vector<int32_t>(ids->begin() + before, ids->end()));
+  cache.Insert(piece, hash, ids->data() + before, ids->size() - before);
 }
 
 void Bpe::MergeWord(std::string_view piece, std::vector<int32_t>* ids) const {
@@ -181,7 +240,7 @@ void Bpe::MergeWord(std::string_view piece, std::vector<int32_t>* ids) const {
   syms.back().next = -1;
   const int32_t n = int32_t(syms.size());
 
-  if (n <= 48) {
+  if (n <= 24) {
     // Linear: find the lowest-ranked pair, leftmost among equals, merge it.
     while (true) {
       int32_t best_rank = INT32_MAX, best_pos = -1, best_id = 0;

@@ -10,7 +10,8 @@
 // ones use a heap.
 //
 // Thread-safe after Init: the word cache is per thread (bounded, keyed by the
-// piece's raw bytes and the owning Bpe).
+// piece's raw bytes; a thread's cache serves one Bpe at a time and starts
+// over when another uses the thread).
 #pragma once
 
 #include <cstdint>
