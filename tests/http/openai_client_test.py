@@ -1,0 +1,154 @@
+"""The coordinator's HTTP API through the official openai client (run by
+openai_client_test.sh, which starts the deployment).
+
+  openai_client_test.py BASE_URL TOKENIZER_JSON GENERATE_HELPER SCRATCH_DIR
+
+GENERATE_HELPER runs `mlarun generate --prompts FILE --json` on the tiny
+model: the reference tokens for a prompt and seed.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import openai
+from tokenizers import Tokenizer
+
+base_url, tokenizer_json, generate, scratch = sys.argv[1:5]
+client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
+tok = Tokenizer.from_file(tokenizer_json)
+MODEL = "tiny"
+
+
+def reference(requests):
+    """mlarun generate's tokens and finish reasons for these requests."""
+    path = os.path.join(scratch, "reference.jsonl")
+    with open(path, "w") as f:
+        for r in requests:
+            f.write(json.dumps(r) + "\n")
+    out = subprocess.run([generate, path], check=True, capture_output=True, text=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def decode(ids):
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def streamed_text(stream, chat=False):
+    texts, finish, usage, roles = {}, {}, None, set()
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if chat:
+                if c.delta.role is not None:
+                    assert c.delta.role == "assistant", c
+                    roles.add(c.index)
+                else:
+                    assert c.index in roles, "a chat delta before its role"
+                piece = c.delta.content or ""
+            else:
+                piece = c.text
+            texts[c.index] = texts.get(c.index, "") + piece
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    return texts, finish, usage
+
+
+checks = 0
+
+
+def check(cond, what):
+    global checks
+    if not cond:
+        raise AssertionError(what)
+    checks += 1
+
+
+# ---- Completions: whole == streamed == decode(mlarun generate) ------------------------
+prompt_ids = tok.encode("The latent cache of a DP group", add_special_tokens=False).ids
+ref = reference([{"prompt_ids": prompt_ids, "max_tokens": 20, "temperature": 0.8, "seed": 5}])[0]
+expected = decode(ref["tokens"])
+whole = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=20, temperature=0.8, seed=5)
+check(whole.choices[0].text == expected, f"whole text {whole.choices[0].text!r} != decode {expected!r}")
+check(whole.choices[0].finish_reason == ref["finish_reason"], (whole.choices[0].finish_reason, ref))
+check(whole.usage.prompt_tokens == len(prompt_ids), whole.usage)
+check(whole.usage.completion_tokens == len(ref["tokens"]), whole.usage)
+check(whole.usage.total_tokens == len(prompt_ids) + len(ref["tokens"]), whole.usage)
+texts, finish, usage = streamed_text(client.completions.create(
+    model=MODEL, prompt=prompt_ids, max_tokens=20, temperature=0.8, seed=5, stream=True,
+    stream_options={"include_usage": True}))
+check(texts[0] == expected, f"streamed {texts[0]!r} != {expected!r}")
+check(finish[0] == ref["finish_reason"], finish)
+check(usage is not None and usage.completion_tokens == len(ref["tokens"]), usage)
+print(f"completion: {len(ref['tokens'])} tokens, whole == streamed == decode(mlarun generate)")
+
+# A prompt string: whole == streamed.
+w = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=12, seed=1, temperature=0.7,
+                              extra_body={"ignore_eos": True})
+s, _, _ = streamed_text(client.completions.create(model=MODEL, prompt="Hello there", max_tokens=12, seed=1,
+                                                  temperature=0.7, stream=True, extra_body={"ignore_eos": True}))
+check(w.choices[0].text == s[0], (w.choices[0].text, s[0]))
+check(w.usage.completion_tokens == 12, w.usage)
+
+# ---- n = 2: seed and seed + 1 ----------------------------------------------------------
+refs = reference([{"prompt_ids": prompt_ids, "max_tokens": 10, "temperature": 1.0, "seed": 9, "ignore_eos": True},
+                  {"prompt_ids": prompt_ids, "max_tokens": 10, "temperature": 1.0, "seed": 10, "ignore_eos": True}])
+two = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=10, temperature=1.0, seed=9, n=2,
+                                extra_body={"ignore_eos": True})
+by_index = {c.index: c.text for c in two.choices}
+check(by_index == {0: decode(refs[0]["tokens"]), 1: decode(refs[1]["tokens"])}, (by_index, refs))
+check(by_index[0] != by_index[1], "the two choices are equal")
+check(two.usage.completion_tokens == 20, two.usage)
+print("n=2: choices are seed and seed+1")
+
+# ---- Stop strings -----------------------------------------------------------------------
+long_ref = reference([{"prompt_ids": prompt_ids, "max_tokens": 40, "temperature": 1.0, "seed": 3,
+                       "ignore_eos": True}])[0]
+full = decode(long_ref["tokens"])
+stop = full[len(full) // 2:len(full) // 2 + 2]
+want = full[:full.find(stop)]
+st = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=40, temperature=1.0, seed=3, stop=[stop],
+                               extra_body={"ignore_eos": True})
+check(st.choices[0].text == want, (st.choices[0].text, want, stop))
+check(st.choices[0].finish_reason == "stop", st.choices[0])
+sts, stf, _ = streamed_text(client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=40, temperature=1.0,
+                                                      seed=3, stop=stop, stream=True,
+                                                      extra_body={"ignore_eos": True}))
+check(sts[0] == want and stf[0] == "stop", (sts, stf))
+print(f"stop {stop!r}: text cut before it, finish_reason stop")
+
+# ---- Chat --------------------------------------------------------------------------------
+messages = [{"role": "user", "content": "Which group serves this?"}]
+try:
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=4, temperature=0.6)
+except openai.BadRequestError as e:
+    # A build without the chat-template interpreter says so, pointing at /v1/completions.
+    check("/v1/completions" in str(e), e)
+    print(f"chat: refused as this build has no template interpreter: {e}")
+else:
+    check(chat.choices[0].message.role == "assistant", chat)
+    check(chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0, chat.usage)
+    cs, cf, cu = streamed_text(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, seed=4, temperature=0.6, stream=True,
+        stream_options={"include_usage": True}), chat=True)
+    check(cs[0] == chat.choices[0].message.content, (cs, chat.choices[0].message.content))
+    check(cf[0] == chat.choices[0].finish_reason, (cf, chat.choices[0].finish_reason))
+    check(cu.prompt_tokens == chat.usage.prompt_tokens, (cu, chat.usage))
+    print(f"chat: {chat.usage.prompt_tokens} prompt tokens, whole == streamed")
+
+# ---- Errors ------------------------------------------------------------------------------
+try:
+    client.completions.create(model="not-this-one", prompt="x", max_tokens=2)
+    check(False, "an unknown model was served")
+except openai.NotFoundError as e:
+    check(e.status_code == 404, e)
+try:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=-1)
+    check(False, "a negative temperature was accepted")
+except openai.BadRequestError as e:
+    body = e.body.get("error", e.body) if isinstance(e.body, dict) else {}
+    check(body.get("param") == "temperature", e.body)
+models = client.models.list()
+check([m.id for m in models.data] == [MODEL], models)
+print(f"openai_client_test.py: {checks} checks passed")
