@@ -16,6 +16,7 @@
 #include "launcher/memory/memory.h"
 #include "launcher/serve/serve.h"
 #include "launcher/sim/sim_worker.h"
+#include "launcher/text/tokenize_cli.h"
 #include "launcher/worker/worker.h"
 #include "parallel/layout.h"
 #include "parallel/mpi/mpi_world.h"
@@ -323,6 +324,26 @@ int main(int argc, char** argv) {
   SecurityFlags st_security;
   AddSecurityFlags(stats, st_security, SecurityRole::kClient);
 
+  mlarun::text::TokenizeOptions tk;
+  auto* tokenize = app.add_subcommand(
+      "tokenize", "The model's tokenizer: one JSON string per stdin line -> one JSON array of ids per stdout line");
+  tokenize->add_option("--model", tk.model, "Checkpoint or tokenizer directory, tokenizer.json, or configs/models/*.yaml")
+      ->required();
+  tokenize->add_flag("--decode", tk.decode, "The reverse: one JSON array of ids per line -> one JSON string");
+  tokenize->add_flag("!--no-special-tokens", tk.add_special_tokens,
+                     "Encoding: without the post-processor's tokens (bos), as add_special_tokens=False");
+  tokenize->add_flag("--skip-special-tokens", tk.skip_special_tokens, "Decoding: leave special tokens out");
+
+  mlarun::text::TokenizeBenchOptions tb;
+  auto* tok_bench = bench->add_subcommand("tokenize", "Encoding speed of the model's tokenizer on one thread");
+  tok_bench->add_option("--model", tb.model, "As for mlarun tokenize")->required();
+  tok_bench->add_option("--text", tb.text_file, "The text to encode (a file)")->required();
+  tok_bench->add_option("--mode", tb.mode, "whole: one Encode of the file; lines: one per line")
+      ->capture_default_str()->check(CLI::IsMember({"whole", "lines"}));
+  tok_bench->add_option("--runs", tb.runs, "Timed runs (the median is reported)")->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tok_bench->add_flag("--json", tb.json, "One JSON object instead of the text report");
+
   mlarun::ServeOptions sv;
   sv.coordinator.listen = "127.0.0.1:0";
   std::string sv_policy = "prefix_affinity", sv_auth_tokens;
@@ -450,6 +471,8 @@ int main(int argc, char** argv) {
     std::signal(SIGTERM, [](int) { stop = true; });
     return mlarun::RunSimWorker(so, &stop, std::cerr);
   }
+  if (tokenize->parsed()) return mlarun::text::RunTokenize(tk, std::cin, std::cout, std::cerr);
+  if (tok_bench->parsed()) return mlarun::text::RunTokenizeBench(tb, std::cout, std::cerr);
   if (serve_cmd->parsed()) {
     auto p = mlarun::ParseRoutingPolicy(sv_policy);
     if (!p.ok()) {
