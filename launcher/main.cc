@@ -173,6 +173,7 @@ int main(int argc, char** argv) {
   serve->add_option("--coordinator", sb.coordinator, "Drive this running deployment (host:port) instead of an in-process one");
   serve->add_flag("--quick", sb.quick, "Small numbers (well under a minute)");
   serve->add_flag("--json", sb.json, "One JSON document on stdout (the tables go to stderr)");
+  serve->add_flag("--http", sb.http, "Only the HTTP API against gRPC on one in-process coordinator (overhead, then load)");
   SecurityFlags sb_security;
   AddSecurityFlags(serve, sb_security, SecurityRole::kClient);
 
@@ -352,6 +353,12 @@ int main(int argc, char** argv) {
       "serve", "One machine: the coordinator here and the workers as a supervised mpirun job, until SIGINT/SIGTERM");
   serve_cmd->add_option("--model", sv.model, "Checkpoint directory or configs/models/*.yaml")->required();
   serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")->capture_default_str();
+  sv.coordinator.http_listen = "127.0.0.1:8000";
+  serve_cmd->add_option("--http", sv.coordinator.http_listen,
+                        "host:port of the OpenAI-compatible HTTP API (loopback by default; \"\" turns it off)")
+      ->capture_default_str();
+  serve_cmd->add_option("--served-model-name", sv.coordinator.served_model_name,
+                        "The model name HTTP clients send (default: --model's basename without .yaml)");
   serve_cmd->add_option("--grpc", sv.coordinator.listen, "host:port of the gRPC client API (port 0: a free one)")
       ->capture_default_str();
   serve_cmd->add_option("--policy", sv_policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();

@@ -34,6 +34,7 @@
 #include "launcher/bench/timing.h"
 #include "launcher/client/grpc_util.h"
 #include "launcher/coordinator/coordinator.h"
+#include "launcher/http/http_bench.h"
 #include "launcher/link/link_server.h"
 #include "launcher/sim/sim_worker.h"
 #include "mlarun.grpc.pb.h"
@@ -909,6 +910,24 @@ StatusOr<Json> ExternalLatencySection(const std::string& address, const ClientSe
 Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream& t) {
   MLARUN_ASSIGN_OR_RETURN(const Resolved r, Resolve(o));
   const bool external = !o.coordinator.empty();
+  if (o.http) {
+    if (external) return InvalidArgumentError("--http: in-process only (not with --coordinator)");
+    t << "mlarun bench serve --http: in-process coordinator and simulated groups, over loopback (127.0.0.1); "
+      << CpuModel() << ", " << std::thread::hardware_concurrency() << " cores; load average " << Fmt(LoadAverage(), 1)
+      << " at start; " << Today() << "\n";
+    bool verified = false;
+    MLARUN_ASSIGN_OR_RETURN(Json http, RunHttpBench(HttpBenchOptions{.clients = r.clients,
+                                                                     .requests = r.requests,
+                                                                     .max_tokens = r.max_tokens,
+                                                                     .groups = o.groups.empty() ? 4 : r.groups.front(),
+                                                                     .tokens_per_s = o.tokens_per_s,
+                                                                     .overhead_requests = r.overhead_requests},
+                                                    t, &verified));
+    Json doc = {{"benchmark", "serve-http"}, {"date", Today()}, {"machine", {{"cpu", CpuModel()}, {"cores", std::thread::hardware_concurrency()}}}, {"http", http}, {"all_verified", verified}};
+    if (o.json) out << doc.dump(2) << std::endl;
+    if (!verified) return InternalError("some requests failed verification (see the tables)");
+    return Status::Ok();
+  }
   bool all_verified = true;
   Json doc;
   doc["benchmark"] = "serve";

@@ -49,6 +49,10 @@ struct ServeBenchOptions {
   bool quick = false;               // small numbers (well under a minute)
   bool json = false;                // one JSON document on `out`
   ClientSecurity security;          // with `coordinator`: its TLS and client token (--tls-ca, --auth-token-file)
+  // Instead of the sections above: the HTTP API against gRPC on one
+  // in-process coordinator (launcher/http/http_bench.h), with clients,
+  // requests, max_tokens, tokens_per_s and the first of `groups`.
+  bool http = false;
 };
 
 // Runs the benchmark. The tables go to `table`; with o.json the JSON document

@@ -729,5 +729,29 @@ TEST(HttpApiNoGroup, HealthAndRequestsAre503) {
   EXPECT_EQ(sstatus, 503);
 }
 
+TEST(HttpApiNoGroup, AFullQueueIs429) {
+  CoordinatorOptions o;
+  o.max_queued = 0;
+  Deployment d(o, /*groups=*/0);
+  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 429) << e.dump();
+  EXPECT_EQ(e["error"]["code"], "queue_full");
+}
+
+TEST(HttpApiDeadline, PassedDeadlineIs504) {
+  CoordinatorOptions o;
+  o.http_request_timeout_s = 0.2;
+  Deployment d(o, /*groups=*/1, /*tokens_per_s=*/500);
+  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  EXPECT_EQ(status, 504) << e.dump();
+  EXPECT_EQ(e["error"]["code"], "deadline_exceeded");
+  // Streamed, the deadline comes after the 200: an error event, then [DONE].
+  auto [sstatus, events] = d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  ASSERT_EQ(sstatus, 200);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_EQ(json::parse(events[events.size() - 2])["error"]["code"], "deadline_exceeded");
+}
+
 }  // namespace
 }  // namespace mlarun
