@@ -336,6 +336,25 @@ TEST(Tokenizer, ConcurrentEncodeGivesIdenticalIds) {
   for (int k = 0; k < 4; ++k) EXPECT_EQ(mismatches[k], 0) << "thread " << k;
 }
 
+// Without normalizer or stripping added tokens, a byte-level BPE gives any
+// bytes back (as repaired UTF-8); long runs take the heap merge and the
+// uncached path.
+TEST(Tokenizer, RandomBytesAndLongRunsRoundTrip) {
+  auto t = LoadOrDie(TinyYaml());
+  ASSERT_NE(t, nullptr);
+  std::mt19937 rng(5);
+  for (int i = 0; i < 3000; ++i) {
+    std::string s(rng() % 40, '\0');
+    for (char& c : s) c = char(rng() % 4 == 0 ? rng() % 256 : 0x20 + rng() % 0x60);
+    ASSERT_EQ(Hex(t->Decode(t->Encode(s, false), false)), Hex(utf8::Lossy(s))) << Hex(s);
+  }
+  for (const std::string unit : {" ", "a", "\xE4\xB8\xAD", "7", "\xF0\x9F\x98\x80", "ab ", "\r\n", "!?"}) {
+    std::string s;
+    while (s.size() < (1u << 20)) s += unit;
+    ASSERT_EQ(t->Decode(t->Encode(s, true), true), s) << Hex(unit);
+  }
+}
+
 // ---- StopMatcher against the definition: the text before the earliest
 // occurrence of any stop string in the whole text.
 
