@@ -36,7 +36,7 @@ using jinja::ValueList;
 // A prompt is at most a few MB; these bound what a broken template can cost.
 constexpr size_t kMaxOutputBytes = size_t{32} << 20;
 constexpr size_t kMaxBuiltBytes = size_t{512} << 20;  // all strings built, together
-constexpr int64_t kMaxSteps = 20'000'000;
+constexpr int64_t kMaxSteps = 5'000'000;
 constexpr int kMaxCallDepth = 100;
 constexpr int64_t kMaxRangeLength = 1'000'000;
 
@@ -442,15 +442,18 @@ Status Renderer::Assign(const Node& n, const std::vector<std::string>& targets, 
 Status Renderer::ExecFor(const Node& n, const std::shared_ptr<Scope>& scope, std::string* out) {
   Value seq;
   MLARUN_ASSIGN_OR_RETURN(seq, Eval(*n.expr, scope));
-  ValueList items;
-  {
+  // A list is iterated in place (no copy); other iterables are listed first.
+  std::shared_ptr<const ValueList> listed;
+  if (seq.is_list()) {
+    listed = seq.list;
+  } else {
     auto r = Iterate(seq);
     if (!r.ok()) return Wrap(*n.expr, r.status());
-    items = std::move(r).value();
+    listed = std::make_shared<const ValueList>(std::move(r).value());
   }
   if (n.cond) {
     ValueList kept;
-    for (const Value& item : items) {
+    for (const Value& item : *listed) {
       MLARUN_RETURN_IF_ERROR(Step());
       auto s = std::make_shared<Scope>();
       s->parent = scope;
@@ -459,8 +462,9 @@ Status Renderer::ExecFor(const Node& n, const std::shared_ptr<Scope>& scope, std
       MLARUN_ASSIGN_OR_RETURN(c, Eval(*n.cond, s));
       if (jinja::Truthy(c)) kept.push_back(item);
     }
-    items = std::move(kept);
+    listed = std::make_shared<const ValueList>(std::move(kept));
   }
+  const ValueList& items = *listed;
   if (items.empty()) {
     auto s = std::make_shared<Scope>();
     s->parent = scope;

@@ -24,7 +24,7 @@ Value Value::MakeCallable(std::string name, std::function<StatusOr<Value>(CallAr
 // Small dicts (a message: role, content) are searched in order; the index is
 // built only once a dict grows past kIndexFrom entries.
 namespace {
-constexpr size_t kIndexFrom = 12;
+constexpr size_t kIndexFrom = 16;
 }
 
 const Value* Dict::Find(std::string_view key) const {
