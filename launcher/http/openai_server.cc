@@ -874,24 +874,7 @@ class HttpApiImpl final : public HttpApi {
   HttpApiImpl(const HttpApiOptions& options, std::shared_ptr<coord::Dispatcher> dispatcher,
               std::shared_ptr<Metrics> metrics)
       : options_(options), dispatcher_(std::move(dispatcher)), metrics_(std::move(metrics)) {
-    const std::string& source = options_.tokenizer->chat_template();
-#ifdef MLARUN_NO_CHAT_TEMPLATE
-    if (true) {
-      template_error_ =
-          "this build has no chat-template interpreter; /v1/completions takes a prompt string rendered by the client "
-          "instead";
-    } else
-#endif
-    if (source.empty()) {
-      template_error_ =
-          "the model's tokenizer has no chat template (tokenizer_config.json: chat_template); /v1/completions takes a "
-          "prompt string rendered by the client instead";
-    } else if (auto parsed = text::ChatTemplate::Parse(source); parsed.ok()) {
-      template_ = *parsed;
-    } else {
-      template_error_ = StrCat("the model's chat template cannot be used: ", parsed.status().message(),
-                               "; /v1/completions takes a prompt string rendered by the client instead");
-    }
+    LoadTemplate(options_.tokenizer->chat_template());
   }
   ~HttpApiImpl() override { Shutdown(); }
 
@@ -929,6 +912,25 @@ class HttpApiImpl final : public HttpApi {
   }
 
  private:
+  // The chat template, parsed once; when it cannot be, template_error_ says
+  // why (chat requests get it as their 400).
+  void LoadTemplate(const std::string& source) {
+    constexpr const char* kWayAround = "; /v1/completions takes a prompt string rendered by the client instead";
+#ifdef MLARUN_NO_CHAT_TEMPLATE
+    (void)source;
+    template_error_ = StrCat("this build has no chat-template interpreter", kWayAround);
+#else
+    if (source.empty()) {
+      template_error_ = StrCat("the model's tokenizer has no chat template (tokenizer_config.json: chat_template)",
+                               kWayAround);
+    } else if (auto parsed = text::ChatTemplate::Parse(source); parsed.ok()) {
+      template_ = *parsed;
+    } else {
+      template_error_ = StrCat("the model's chat template cannot be used: ", parsed.status().message(), kWayAround);
+    }
+#endif
+  }
+
   // The principal of the request's bearer token; throws 401 when the API
   // has tokens and the request lacks a good one.
   std::string Authenticate(const httplib::Request& req, bool* details) const {

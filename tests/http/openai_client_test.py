@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
 import openai
 from tokenizers import Tokenizer
 
@@ -28,6 +31,29 @@ def reference(requests):
             f.write(json.dumps(r) + "\n")
     out = subprocess.run([generate, path], check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def render_chat(messages):
+    """The chat template rendered as transformers' apply_chat_template does."""
+    with open(os.path.join(os.path.dirname(tokenizer_json), "tokenizer_config.json")) as f:
+        cfg = json.load(f)
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def token(t):
+        return t["content"] if isinstance(t, dict) else (t or "")
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(cfg["chat_template"]).render(
+        messages=messages, add_generation_prompt=True, bos_token=token(cfg.get("bos_token")),
+        eos_token=token(cfg.get("eos_token")))
 
 
 def decode(ids):
@@ -128,14 +154,21 @@ except openai.BadRequestError as e:
     print(f"chat: refused as this build has no template interpreter: {e}")
 else:
     check(chat.choices[0].message.role == "assistant", chat)
-    check(chat.usage.completion_tokens > 0 and chat.usage.prompt_tokens > 0, chat.usage)
+    chat_ids = tok.encode(render_chat(messages), add_special_tokens=False).ids
+    chat_ref = reference([{"prompt_ids": chat_ids, "max_tokens": 12, "temperature": 0.6, "seed": 4}])[0]
+    check(chat.choices[0].message.content == decode(chat_ref["tokens"]),
+          (chat.choices[0].message.content, decode(chat_ref["tokens"])))
+    check(chat.choices[0].finish_reason == chat_ref["finish_reason"], (chat.choices[0], chat_ref))
+    check(chat.usage.prompt_tokens == len(chat_ids), (chat.usage, len(chat_ids)))
+    check(chat.usage.completion_tokens == len(chat_ref["tokens"]), chat.usage)
     cs, cf, cu = streamed_text(client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=12, seed=4, temperature=0.6, stream=True,
         stream_options={"include_usage": True}), chat=True)
     check(cs[0] == chat.choices[0].message.content, (cs, chat.choices[0].message.content))
     check(cf[0] == chat.choices[0].finish_reason, (cf, chat.choices[0].finish_reason))
     check(cu.prompt_tokens == chat.usage.prompt_tokens, (cu, chat.usage))
-    print(f"chat: {chat.usage.prompt_tokens} prompt tokens, whole == streamed")
+    print(f"chat: {chat.usage.prompt_tokens} prompt tokens (the template as transformers renders it), "
+          "whole == streamed == decode(mlarun generate)")
 
 # ---- Errors ------------------------------------------------------------------------------
 try:

@@ -4,7 +4,8 @@
 # openai_client_test.py doing completions and chat, streamed and whole, stop
 # strings, n=2, usage, errors; the text must equal the tokenizer's decode
 # (the `tokenizers` package) of the tokens `mlarun generate` gives for the
-# same prompt and seed.
+# same prompt ids and seed (for chat: the template rendered with jinja2 as
+# transformers renders it).
 #
 #   openai_client_test.sh MLARUN_BINARY SOURCE_DIR [VENV_DIR]
 #
@@ -24,6 +25,7 @@ src=$2
 venv=${3:-}
 openai_version=3.51.0
 tokenizers_version=0.23.3
+jinja2_version=3.1.6
 
 if [ -z "${MLARUN_OPENAI_TEST_INNER:-}" ]; then
   MLARUN_OPENAI_TEST_INNER=1 timeout -k 5 280 bash "$0" "$@" && rc=0 || rc=$?
@@ -54,17 +56,17 @@ tokenizer_json="$src/configs/models/tiny-tokenizer/tokenizer.json"
 
 # ---- The venv -------------------------------------------------------------------
 [ -n "$venv" ] || venv="$tmp/venv"
-if ! "$venv/bin/python" -c "import openai, tokenizers; assert openai.__version__ == '$openai_version'" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import openai, tokenizers, jinja2; assert openai.__version__ == '$openai_version'" 2>/dev/null; then
   rm -rf "$venv"
   python3 -m venv "$venv" >"$tmp/venv.log" 2>&1 || fail "python3 -m venv failed (python3-venv)"
   if ! timeout 180 "$venv/bin/pip" install --disable-pip-version-check -q "openai==$openai_version" \
-      "tokenizers==$tokenizers_version" >>"$tmp/venv.log" 2>&1; then
+      "tokenizers==$tokenizers_version" "jinja2==$jinja2_version" >>"$tmp/venv.log" 2>&1; then
     if grep -qiE "connection|network is unreachable|temporary failure in name resolution|timed out|proxyerror|no matching distribution|could not find a version" "$tmp/venv.log"; then
       echo "openai_client_test: SKIPPED: the Python packages cannot be downloaded: $(tail -1 "$tmp/venv.log")"
       rm -rf "$venv"
       exit 77
     fi
-    fail "pip install openai==$openai_version tokenizers==$tokenizers_version failed"
+    fail "pip install openai==$openai_version tokenizers==$tokenizers_version jinja2==$jinja2_version failed"
   fi
 fi
 python="$venv/bin/python"
