@@ -91,6 +91,7 @@ class Serve {
     if (!MakeSecret()) return 1;
     CoordinatorOptions co = o_.coordinator;
     co.worker_secret = secret_;
+    if (!co.http_listen.empty() && co.http_model.empty() && co.http_tokenizer == nullptr) co.http_model = o_.model;
     auto coordinator = Coordinator::Start(co);
     if (!coordinator.ok()) {
       Cleanup();
@@ -262,7 +263,9 @@ class Serve {
             ready = ever_ready = true;
             Say("ready: " + std::to_string(layout_.dp) + " DP group(s) of " + o_.parallel + " registered after " +
                 Format(Seconds(Clock::now() - job_started_)) + " s; gRPC client API at " + coordinator_->address() +
-                (o_.http.empty() ? std::string() : ", HTTP API at http://" + o_.http));
+                (coordinator_->http_address().empty() ? std::string()
+                                                      : ", OpenAI-compatible HTTP API at http://" +
+                                                            coordinator_->http_address() + "/v1"));
           } else if (Clock::now() >= ready_deadline) {
             Say("the worker job's groups did not all register within " + Format(o_.ready_timeout_s) + " s (" +
                 std::to_string(std::max(connected, 0)) + " of " + std::to_string(layout_.dp) + ")");

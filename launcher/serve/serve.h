@@ -21,9 +21,9 @@
 namespace mlarun {
 
 struct ServeOptions {
-  // The coordinator, with its client API (listen: the gRPC address; the HTTP
-  // API when its options ask for it). Its worker_secret is replaced by the
-  // generated one.
+  // The coordinator, with its client APIs (listen: the gRPC address;
+  // http_listen: the OpenAI-compatible HTTP API, its http_model defaulting to
+  // `model`). Its worker_secret is replaced by the generated one.
   CoordinatorOptions coordinator;
   std::string model;                   // checkpoint directory or configs/models/*.yaml
   std::string parallel = "dp=1";       // the worker job's layout: dp x attn_tp ranks
@@ -35,7 +35,6 @@ struct ServeOptions {
   double restart_backoff_s = 1;        // the first restart's delay; doubles per restart ...
   double restart_backoff_max_s = 30;   // ... up to this; back to the first after a job ran 60 s
   double stop_grace_s = 10;            // SIGTERM to the job, then SIGKILL after this
-  std::string http;                    // the HTTP API's host:port, for the ready line ("" if off)
 };
 
 // Runs until `*stop` becomes true (a signal handler sets it), then stops

@@ -1,7 +1,7 @@
 #!/bin/bash
 # `mlarun serve` end to end on the tiny model: ready line once both DP groups
 # of dp=2 registered; a request served with the tokens `mlarun generate`
-# gives; a rank killed -9 takes its job down, serve reports it and restarts
+# gives, over gRPC and over the HTTP API (/health, /v1/completions); a rank killed -9 takes its job down, serve reports it and restarts
 # the job with back-off, and serving resumes; SIGTERM stops everything within
 # the grace, exit 0, leaving no process and no temporary directory behind. A
 # model that cannot load is reported and not restarted (exit 1).
@@ -18,6 +18,7 @@ source "$src/scripts/lib/on_exit.sh"
 
 port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 addr=127.0.0.1:$port
+hport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 model="$src/configs/models/tiny.yaml"
 
 # waits until serve.log holds COUNT lines matching PATTERN (fails after S seconds)
@@ -32,7 +33,7 @@ wait_log() {
 }
 job_pids() { pgrep -f -- "--coordinator $addr " ; }
 
-"$mlarun" serve --model "$model" --parallel dp=2 --grpc "$addr" --threads 1 --worker-arg=--kv-dtype --worker-arg=fp32 \
+"$mlarun" serve --model "$model" --parallel dp=2 --grpc "$addr" --http "127.0.0.1:$hport" --threads 1 --worker-arg=--kv-dtype --worker-arg=fp32 \
   2>"$work/serve.log" &
 serve_pid=$!
 wait_log "mlarun serve: ready: 2 DP group(s)" 1 120
@@ -46,6 +47,18 @@ python3 - "$work/served.json" "$work/local.json" <<'PY' || fail "served tokens d
 import json, sys
 a, b = (json.load(open(p)) for p in sys.argv[1:])
 sys.exit(0 if a["tokens"] == b["tokens"] and len(a["tokens"]) == 8 else 1)
+PY
+
+grep -q "HTTP API at http://127.0.0.1:$hport/v1" "$work/serve.log" || fail "the ready line does not give the HTTP API"
+python3 - "$hport" "$work/local.json" <<'PY' || fail "the HTTP API did not serve"
+import json, sys, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+assert urllib.request.urlopen(base + "/health", timeout=10).status == 200
+ids = [3, 14, 15, 92, 65]
+body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 8, "ignore_eos": True}).encode()
+req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+r = json.load(urllib.request.urlopen(req, timeout=60))
+assert r["usage"]["completion_tokens"] == 8 and r["usage"]["prompt_tokens"] == 5, r
 PY
 
 # Kill rank 1 (not the launcher): Open MPI ends the job; serve restarts it.
@@ -80,12 +93,19 @@ left=$(job_pids)
 [ -z "$left" ] || fail "processes left behind: $left"
 [ ! -e "$secret_dir" ] || fail "$secret_dir left behind"
 
-# A model that cannot load: reported, not restarted, exit 1.
+# A model the workers cannot load (the HTTP API off, so only they read it):
+# reported, not restarted, exit 1.
 echo "vocab_size: [" >"$work/broken.yaml"
-timeout 120 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --threads 1 2>"$work/broken.log"
+timeout 120 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --http "" --threads 1 2>"$work/broken.log"
 rc=$?
 [ "$rc" = 1 ] || fail "serve with a broken model exited $rc, not 1: $(tail -3 "$work/broken.log")"
 grep -q "not restarting a job that never became ready" "$work/broken.log" || fail "no reason given for the broken model"
+# With the HTTP API on, the coordinator reads the model's tokenizer first: a
+# usage error naming the file, before any worker starts.
+timeout 60 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --http "127.0.0.1:0" 2>"$work/broken2.log"
+rc=$?
+[ "$rc" = 2 ] && grep -q "broken.yaml" "$work/broken2.log" && ! grep -q "started the worker job" "$work/broken2.log" ||
+  fail "a broken model with --http: exit $rc, $(tail -2 "$work/broken2.log")"
 "$mlarun" serve --model "$model" --parallel dp=x 2>"$work/usage.log"
 [ $? = 2 ] && grep -q -- "--parallel" "$work/usage.log" || fail "a bad --parallel is not a usage error naming it"
 echo "serve_test: ok"
