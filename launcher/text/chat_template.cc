@@ -241,6 +241,60 @@ const Value* Arg(const CallArgs& a, size_t pos, const char* name) {
   return nullptr;
 }
 
+// Python's `str % value` for %s %r %d %i %f %x %%, flags and widths as
+// printf reads them (value: one value, or a tuple of them).
+StatusOr<std::string> PrintfFormat(const std::string& fmt, const Value& v) {
+  ValueList args;
+  if (v.is_list() && v.tuple) {
+    args = *v.list;
+  } else {
+    args.push_back(v);
+  }
+  size_t next = 0;
+  std::string out;
+  for (size_t i = 0; i < fmt.size(); ++i) {
+    if (fmt[i] != '%') {
+      out += fmt[i];
+      continue;
+    }
+    size_t j = i + 1;
+    while (j < fmt.size() && std::strchr("-+ #0123456789.", fmt[j]) != nullptr) ++j;
+    if (j >= fmt.size()) return InvalidArgumentError("incomplete format");
+    std::string spec = fmt.substr(i + 1, j - i - 1);
+    char conv = fmt[j];
+    i = j;
+    if (conv == '%') {
+      out += '%';
+      continue;
+    }
+    if (next >= args.size()) return InvalidArgumentError("not enough arguments for format string");
+    const Value& a = args[next++];
+    char buf[512];
+    if (conv == 's' || conv == 'r') {
+      std::string s = conv == 's' ? jinja::ToStr(a) : jinja::Repr(a);
+      if (spec.empty()) {
+        out += s;
+      } else {
+        std::snprintf(buf, sizeof(buf), ("%" + spec + "s").c_str(), s.c_str());
+        out += buf;
+      }
+    } else if (conv == 'd' || conv == 'i' || conv == 'x' || conv == 'X' || conv == 'o') {
+      if (!a.is_number()) return InvalidArgumentError("%", conv, " format: a real number is required, not ", jinja::TypeName(a));
+      long long x = a.kind == Kind::kFloat ? static_cast<long long>(a.f) : a.as_int();
+      std::snprintf(buf, sizeof(buf), ("%" + spec + "ll" + (conv == 'i' ? 'd' : conv)).c_str(), x);
+      out += buf;
+    } else if (conv == 'f' || conv == 'F' || conv == 'e' || conv == 'E' || conv == 'g' || conv == 'G') {
+      if (!a.is_number()) return InvalidArgumentError("must be real number, not ", jinja::TypeName(a));
+      std::snprintf(buf, sizeof(buf), ("%" + spec + conv).c_str(), a.as_double());
+      out += buf;
+    } else {
+      return InvalidArgumentError("unsupported format character '", std::string(1, conv), "'");
+    }
+  }
+  if (next < args.size()) return InvalidArgumentError("not all arguments converted during string formatting");
+  return out;
+}
+
 class Renderer;
 using FilterFn = StatusOr<Value> (*)(Renderer&, const Value&, CallArgs&);
 using TestFn = StatusOr<bool> (*)(Renderer&, const Value&, CallArgs&);
@@ -557,7 +611,7 @@ Status Renderer::ExecMacro(const Node& n, const std::shared_ptr<Scope>& scope) {
     --self->call_depth_;
     if (!st.ok()) return st;
     return Value::Str(std::move(text));
-  });
+  }, /*is_macro=*/true);
   return Status::Ok();
 }
 
@@ -849,7 +903,12 @@ StatusOr<Value> Renderer::EvalBinary(const Expr& e, const Value& a, const Value&
       }
       return Value::Float(std::floor(a.as_double() / b.as_double()));
     case BinOp::kMod:
-      if (a.is_string()) return Fail(e, "printf-style formatting (str % value) is not supported; use ~ or format()");
+      if (a.is_string()) {
+        auto r = PrintfFormat(a.s, b);
+        if (!r.ok()) return Fail(e, r.status().message());
+        MLARUN_RETURN_IF_ERROR(Charge(r->size()));
+        return Value::Str(std::move(r).value());
+      }
       if (!nums) return unsupported();
       if (b.as_double() == 0) return Fail(e, "integer division or modulo by zero");
       if (ints) {
@@ -1840,6 +1899,19 @@ StatusOr<Value> FIndent(Renderer& r, const Value& v, CallArgs& a) {
   return Value::Str(std::move(out));
 }
 
+// str.center(width) as jinja2's center filter calls it (default 80).
+StatusOr<Value> FCenter(Renderer&, const Value& v, CallArgs& a) {
+  int64_t width;
+  MLARUN_ASSIGN_OR_RETURN(width, IntArg(Arg(a, 0, "width"), 80, "width"));
+  width = std::min<int64_t>(width, 4096);
+  std::string s = jinja::ToStr(v);
+  int64_t len = static_cast<int64_t>(jinja::DecodeUtf8(s).size());
+  if (width <= len) return Value::Str(s);
+  int64_t pad = width - len;
+  int64_t left = pad / 2 + (pad & width & 1);  // CPython's split of an odd padding
+  return Value::Str(std::string(static_cast<size_t>(left), ' ') + s + std::string(static_cast<size_t>(pad - left), ' '));
+}
+
 StatusOr<Value> FWordcount(Renderer&, const Value& v, CallArgs&) {
   return Value::Int(static_cast<int64_t>(Split(jinja::ToStr(v), nullptr, -1, false).size()));
 }
@@ -1861,7 +1933,7 @@ StatusOr<Value> FDictsort(Renderer& r, const Value& v, CallArgs& a) {
 
 const std::unordered_map<std::string, FilterFn>& Filters() {
   static const auto* filters = new std::unordered_map<std::string, FilterFn>{
-      {"abs", FAbs},           {"capitalize", FCapitalize}, {"count", FLength},     {"d", FDefault},
+      {"abs", FAbs},           {"capitalize", FCapitalize}, {"center", FCenter}, {"count", FLength},     {"d", FDefault},
       {"default", FDefault},   {"dictsort", FDictsort},     {"e", FEscape},         {"escape", FEscape},
       {"first", FFirst},       {"float", FFloat},           {"indent", FIndent},    {"int", FInt},
       {"items", FItems},       {"join", FJoin},             {"last", FLast},        {"length", FLength},

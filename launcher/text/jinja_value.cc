@@ -14,10 +14,10 @@ Value Value::MakeDict(Dict d) {
   return v;
 }
 
-Value Value::MakeCallable(std::string name, std::function<StatusOr<Value>(CallArgs&)> fn) {
+Value Value::MakeCallable(std::string name, std::function<StatusOr<Value>(CallArgs&)> fn, bool is_macro) {
   Value v;
   v.kind = Kind::kCallable;
-  v.fn = std::make_shared<const Callable>(Callable{std::move(name), std::move(fn)});
+  v.fn = std::make_shared<const Callable>(Callable{std::move(name), std::move(fn), is_macro});
   return v;
 }
 
@@ -437,7 +437,7 @@ std::string ToStr(const Value& v) {
     case Kind::kString:
       return v.s;
     case Kind::kCallable:
-      return "<function " + v.fn->name + ">";
+      return v.fn->is_macro ? "<Macro '" + v.fn->name + "'>" : "<function " + v.fn->name + ">";
     default:
       return Repr(v);
   }

@@ -98,7 +98,8 @@ struct Value {
     return v;
   }
   static Value MakeDict(Dict d);
-  static Value MakeCallable(std::string name, std::function<StatusOr<Value>(struct CallArgs&)> fn);
+  static Value MakeCallable(std::string name, std::function<StatusOr<Value>(struct CallArgs&)> fn,
+                            bool is_macro = false);
 
   bool is_undefined() const { return kind == Kind::kUndefined; }
   bool is_none() const { return kind == Kind::kNone; }
@@ -138,6 +139,7 @@ struct CallArgs {
 struct Callable {
   std::string name;
   std::function<StatusOr<Value>(CallArgs&)> fn;
+  bool is_macro = false;  // prints as jinja2's "<Macro 'name'>"
 };
 
 // Python's bool(v).
