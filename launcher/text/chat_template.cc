@@ -525,27 +525,36 @@ Status Renderer::ExecFor(const Node& n, const std::shared_ptr<Scope>& scope, std
     return Exec(n.else_body, s, out);
   }
   const int64_t length = static_cast<int64_t>(items.size());
+  // The loop object: built once, then copied and updated per iteration (its
+  // keys in this fixed order).
+  enum : size_t { kIndex, kIndex0, kRevindex, kRevindex0, kFirst, kLast, kPrev, kNext };
+  auto position = std::make_shared<int64_t>(0);
+  Dict proto;
+  for (const char* key : {"index", "index0", "revindex", "revindex0", "first", "last", "previtem", "nextitem"}) {
+    proto.items.emplace_back(key, Value());
+  }
+  proto.items.emplace_back("length", Value::Int(length));
+  proto.items.emplace_back("depth", Value::Int(1));
+  proto.items.emplace_back("depth0", Value::Int(0));
+  proto.items.emplace_back("cycle", Value::MakeCallable("loop.cycle", [position](CallArgs& a) -> StatusOr<Value> {
+                             if (a.args.empty()) return InvalidArgumentError("loop.cycle() needs at least one value");
+                             return a.args[static_cast<size_t>(*position) % a.args.size()];
+                           }));
   for (int64_t k = 0; k < length; ++k) {
     MLARUN_RETURN_IF_ERROR(Step());
     auto s = std::make_shared<Scope>();
     s->parent = scope;
     MLARUN_RETURN_IF_ERROR(Assign(n, n.targets, n.unpack, items[k], s.get()));
-    Dict loop;
-    loop.Set("index", Value::Int(k + 1));
-    loop.Set("index0", Value::Int(k));
-    loop.Set("revindex", Value::Int(length - k));
-    loop.Set("revindex0", Value::Int(length - k - 1));
-    loop.Set("first", Value::Bool(k == 0));
-    loop.Set("last", Value::Bool(k == length - 1));
-    loop.Set("length", Value::Int(length));
-    loop.Set("depth", Value::Int(1));
-    loop.Set("depth0", Value::Int(0));
-    loop.Set("previtem", k > 0 ? items[k - 1] : Value::Undefined("there is no previous item"));
-    loop.Set("nextitem", k + 1 < length ? items[k + 1] : Value::Undefined("there is no next item"));
-    loop.Set("cycle", Value::MakeCallable("loop.cycle", [k](CallArgs& a) -> StatusOr<Value> {
-               if (a.args.empty()) return InvalidArgumentError("loop.cycle() needs at least one value");
-               return a.args[static_cast<size_t>(k) % a.args.size()];
-             }));
+    *position = k;
+    Dict loop = proto;
+    loop.items[kIndex].second = Value::Int(k + 1);
+    loop.items[kIndex0].second = Value::Int(k);
+    loop.items[kRevindex].second = Value::Int(length - k);
+    loop.items[kRevindex0].second = Value::Int(length - k - 1);
+    loop.items[kFirst].second = Value::Bool(k == 0);
+    loop.items[kLast].second = Value::Bool(k == length - 1);
+    loop.items[kPrev].second = k > 0 ? items[k - 1] : Value::Undefined("there is no previous item");
+    loop.items[kNext].second = k + 1 < length ? items[k + 1] : Value::Undefined("there is no next item");
     s->vars["loop"] = Value::MakeDict(std::move(loop));
     MLARUN_RETURN_IF_ERROR(Exec(n.body, s, out));
     if (flow_ == Flow::kBreak) {
@@ -1278,7 +1287,9 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
         out.push_back(Value::List({Value::Str(k), v}, /*tuple=*/true));
       }
     }
-    return Value::List(std::move(out));
+    Value r = Value::List(std::move(out));
+    r.view = name == "keys" ? "dict_keys" : name == "values" ? "dict_values" : "dict_items";
+    return r;
   }
   if (obj.is_list()) {
     const Value* x = Arg(a, 0, "value");
@@ -1629,7 +1640,10 @@ StatusOr<Value> FList(Renderer& r, const Value& v, CallArgs&) {
 StatusOr<Value> FItems(Renderer& r, const Value& v, CallArgs& a) {
   if (v.is_undefined()) return Value::List({});
   if (!v.is_dict()) return InvalidArgumentError("can only get item pairs from a mapping, not ", jinja::TypeName(v));
-  return r.CallMethod(v, "items", a);
+  Value items;
+  MLARUN_ASSIGN_OR_RETURN(items, r.CallMethod(v, "items", a));
+  items.view = nullptr;
+  return items;
 }
 
 StatusOr<Value> FAbs(Renderer&, const Value& v, CallArgs&) {

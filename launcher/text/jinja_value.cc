@@ -92,7 +92,7 @@ std::string TypeName(const Value& v) {
     case Kind::kString:
       return "str";
     case Kind::kList:
-      return v.tuple ? "tuple" : "list";
+      return v.view != nullptr ? v.view : v.tuple ? "tuple" : "list";
     case Kind::kDict:
       return "dict";
     case Kind::kNamespace:
@@ -393,6 +393,7 @@ std::string Repr(const Value& v) {
       }
       if (v.tuple && v.list->size() == 1) out += ",";
       out += v.tuple ? ")" : "]";
+      if (v.view != nullptr) return std::string(v.view) + "(" + out + ")";
       return out;
     }
     case Kind::kDict: {

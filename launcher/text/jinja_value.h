@@ -52,6 +52,9 @@ struct Value {
   std::string s;
   std::shared_ptr<const ValueList> list;
   bool tuple = false;
+  // dict.items()/keys()/values(): a list that prints as Python's view
+  // ("dict_items([('a', 1)])"); null for a plain list.
+  const char* view = nullptr;
   std::shared_ptr<const Dict> dict;
   std::shared_ptr<Namespace> ns;
   std::shared_ptr<const Callable> fn;

@@ -323,6 +323,7 @@ SNIPPETS = [
 
 # Edge cases: scoping, whitespace, printing and number formatting corners.
 EDGE_SNIPPETS = [
+    ('edge_dict_views', "{{ d.items() }} {{ d.keys() }} {{ d.values() }} {{ d.items()|list }} {{ d|items|list }}", {'d': {'a': 1, 'b': [2]}}),
     ('edge_01', '{{ d.items()|list }}', {'d': {'a': 1}}),
     ('edge_02', '{% for i in [1,2] %}{% if i == 2 %}{{ x }}{% endif %}{% set x = i %}{% endfor %}', {}),
     ('edge_03', '{% set x = 5 %}{% for i in [1,2] %}{{ x }}{% set x = i %}{% endfor %}{{ x }}', {}),
