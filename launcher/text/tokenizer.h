@@ -10,7 +10,11 @@
 // Part of the serving front end: no engine, model or gRPC here.
 //
 // Threading: a loaded Tokenizer is immutable; Encode and Decode may be called
-// from any number of threads at once.
+// from any number of threads at once. Encode keeps a word cache and PCRE2
+// match state per thread (a few MiB for each thread that encodes, bounded).
+//
+// What is supported and refused, and how the ids are checked against
+// tokenizers: docs/tokenizer-2026-12-01.md.
 #pragma once
 
 #include <cstdint>
@@ -44,7 +48,10 @@ class Tokenizer {
   // The ids of `text` as transformers' tokenizer(text,
   // add_special_tokens=...) gives them: with `add_special_tokens`, the
   // post-processor's tokens (bos when tokenizer_config.json's add_bos_token
-  // or the TemplateProcessing of tokenizer.json asks for it). Text that is
+  // or the TemplateProcessing of tokenizer.json asks for it; add_bos_token /
+  // add_eos_token in the config replace the template, and a config naming
+  // LlamaTokenizerFast without them means add_bos_token true, as
+  // transformers 4.x has it). Text that is
   // not valid UTF-8 is first repaired as Python's bytes.decode("utf-8",
   // errors="replace") does (each maximal invalid subsequence becomes
   // U+FFFD), then encoded.
@@ -117,7 +124,10 @@ class StopMatcher {
     bool stopped = false;  // a stop string matched; nothing more will be returned
   };
   Result Add(std::string_view delta);
-  // The end of the stream without a match: what was held back.
+  // The end of the stream: what was held back, cut before the earliest stop
+  // string in it if one is there (a match held back because a longer stop
+  // string starting earlier could still have completed; stopped() then
+  // turns true).
   std::string Finish();
   bool stopped() const { return stopped_; }
 
