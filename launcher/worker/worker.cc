@@ -188,6 +188,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   std::map<std::string, int64_t> by_request_id;
   auto last_stats = std::chrono::steady_clock::now();
   int64_t tokens_since_stats = 0;
+  bool stats_dirty = false;  // requests arrived or ended since the last stats
   constexpr auto kMinIdleSleep = std::chrono::microseconds(500), kMaxIdleSleep = std::chrono::microseconds(5000);
   auto idle_sleep = kMinIdleSleep;
   for (;;) {
@@ -214,6 +215,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           }
           live[*id] = Live{rid, 0};
           by_request_id[rid] = *id;
+          stats_dirty = true;
         } else if (e.message.has_cancel()) {
           auto it = by_request_id.find(e.message.cancel().request_id());
           if (it == by_request_id.end()) continue;
@@ -313,9 +315,15 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
         live.erase(id);
         (void)runner.engine()->TakeOutput(id);  // sent: the engine forgets it
       }
+      // Stats go out every stats_period_s, and soon (50 ms at most, so a
+      // burst of completions is one message) after the set of requests
+      // changed: `mlarun stats` right after the last answer arrived shows
+      // them done, not running.
+      if (!done.empty()) stats_dirty = true;
       const auto now = std::chrono::steady_clock::now();
       const double since = std::chrono::duration<double>(now - last_stats).count();
-      if (since >= o.stats_period_s) {
+      if (since >= o.stats_period_s || (stats_dirty && since >= 0.05)) {
+        stats_dirty = false;
         v1::WorkerMessage m;
         v1::WorkerStats* ws = m.mutable_stats();
         ws->set_free_blocks(runner.cache_stats().now.blocks_allocatable());
