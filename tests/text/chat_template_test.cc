@@ -1,6 +1,6 @@
 // The chat-template interpreter against Python's jinja2 set up as
 // transformers sets it up (fixtures from make_chat_template_fixtures.py): the
-// DeepSeek-V2, V2.5 and V3 and a ChatML template over many conversations,
+// DeepSeek-V2, V2.5, V3 and R1 and a ChatML template over many conversations,
 // and small templates exercising one feature each. Then what Parse refuses,
 // how runtime errors read, and the runaway guards.
 #include "launcher/text/chat_template.h"
@@ -78,7 +78,8 @@ TEST(ChatTemplateTest, CheckpointTemplatesMatchJinja2) {
     templates.insert(file);
     CheckCase(c, ReadFile(FixturePath("chat_templates/" + file)));
   }
-  for (const char* want : {"deepseek_v2.jinja", "deepseek_v2_5.jinja", "deepseek_v3.jinja", "chatml.jinja"}) {
+  for (const char* want : {"deepseek_v2.jinja", "deepseek_v2_5.jinja", "deepseek_v3.jinja", "deepseek_r1.jinja",
+                           "deepseek_r1_distill_multiline.jinja", "chatml.jinja"}) {
     EXPECT_TRUE(templates.count(want)) << want;
   }
 }

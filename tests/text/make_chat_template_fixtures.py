@@ -131,6 +131,9 @@ CONVERSATIONS = {
                                 "tool_calls": [tool_call("search", {"q": "cats", "n": 3})]},
                                {"role": "tool", "content": "[\"a\", \"b\"]"},
                                {"role": "user", "content": "ok"}],
+    "reasoning": [{"role": "user", "content": "2+2?"},
+                  {"role": "assistant", "content": "<think>\nSimple: 4.\n</think>\n\nIt is 4."},
+                  {"role": "user", "content": "And 3+3?"}],
     "long_multi_turn": [m for i in range(12) for m in (
         {"role": "user", "content": "question %d" % i},
         {"role": "assistant", "content": "answer %d" % i})],
