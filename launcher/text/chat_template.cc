@@ -39,6 +39,9 @@ constexpr size_t kMaxBuiltBytes = size_t{512} << 20;  // all strings built, toge
 constexpr int64_t kMaxSteps = 5'000'000;
 constexpr int kMaxCallDepth = 100;
 constexpr int64_t kMaxRangeLength = 1'000'000;
+// Nesting of lists and dicts: the context's, and what the template builds.
+constexpr int kMaxContextDepth = 128;
+constexpr int kMaxValueDepth = 256;
 
 struct Scope {
   std::unordered_map<std::string, Value> vars;
@@ -327,6 +330,15 @@ class Renderer {
     }
     return Status::Ok();
   }
+  // Values only nest deeper by being stored and rebuilt ({% set x = [x] %}
+  // in a loop), so the stores check.
+  static Status CheckDepth(const Value& v, int line) {
+    if (v.depth > kMaxValueDepth) {
+      return ResourceExhaustedError("chat template line ", line, ": a value nests more than ", kMaxValueDepth,
+                                    " lists/dicts deep; a runaway template?");
+    }
+    return Status::Ok();
+  }
   Status Append(std::string* out, const std::string& s) {
     if (out->size() + s.size() > kMaxOutputBytes) {
       return ResourceExhaustedError("chat template: the output grew past ", kMaxOutputBytes,
@@ -411,6 +423,7 @@ Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope
       case NodeKind::kSet: {
         Value v;
         MLARUN_ASSIGN_OR_RETURN(v, Eval(*n.expr, scope));
+        MLARUN_RETURN_IF_ERROR(CheckDepth(v, n.line));
         if (!n.attr.empty()) {
           Value target = Value::Undefined("'" + n.targets[0] + "' is undefined");
           for (Scope* s = scope.get(); s != nullptr; s = s->parent.get()) {
@@ -452,6 +465,7 @@ Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope
         for (size_t k = 0; k < n.targets.size(); ++k) {
           Value v;
           MLARUN_ASSIGN_OR_RETURN(v, Eval(*n.values[k], scope));
+          MLARUN_RETURN_IF_ERROR(CheckDepth(v, n.line));
           inner->vars[n.targets[k]] = std::move(v);
         }
         MLARUN_RETURN_IF_ERROR(Exec(n.body, inner, out));
@@ -601,6 +615,10 @@ Status Renderer::ExecMacro(const Node& n, const std::shared_ptr<Scope>& scope) {
         if (k == node->params[p]) given = &v;
       }
       if (given != nullptr) {
+        if (Status st = CheckDepth(*given, node->line); !st.ok()) {
+          --self->call_depth_;
+          return st;
+        }
         s->vars[node->params[p]] = *given;
       } else if (node->defaults[p]) {
         auto d = self->Eval(*node->defaults[p], s);
@@ -2139,6 +2157,26 @@ void Renderer::InstallGlobals(Scope* root) {
   });
 }
 
+// The context's nesting, measured without recursion (it comes from a
+// request).
+Status CheckContextDepth(const nlohmann::json& context) {
+  std::vector<std::pair<const nlohmann::json*, int>> stack = {{&context, 1}};
+  while (!stack.empty()) {
+    auto [j, depth] = stack.back();
+    stack.pop_back();
+    if (depth > kMaxContextDepth) {
+      return InvalidArgumentError("chat template: the context nests more than ", kMaxContextDepth,
+                                  " arrays/objects deep");
+    }
+    if (j->is_structured()) {
+      for (const auto& child : *j) {
+        if (child.is_structured()) stack.emplace_back(&child, depth + 1);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 class ChatTemplateImpl final : public ChatTemplate {
  public:
   explicit ChatTemplateImpl(NodeList nodes) : nodes_(std::move(nodes)) {}
@@ -2153,6 +2191,7 @@ class ChatTemplateImpl final : public ChatTemplate {
     auto vars = std::make_shared<Scope>();
     vars->parent = root;
     if (context.is_object()) {
+      MLARUN_RETURN_IF_ERROR(CheckContextDepth(context));
       for (auto it = context.begin(); it != context.end(); ++it) vars->vars[it.key()] = jinja::FromJson(it.value());
     }
     std::string out;

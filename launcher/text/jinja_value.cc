@@ -10,6 +10,8 @@ namespace mlarun::text::jinja {
 Value Value::MakeDict(Dict d) {
   Value v;
   v.kind = Kind::kDict;
+  for (const auto& kv : d.items) v.depth = std::max(v.depth, kv.second.depth);
+  ++v.depth;
   v.dict = std::make_shared<const Dict>(std::move(d));
   return v;
 }

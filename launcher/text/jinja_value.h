@@ -8,6 +8,7 @@
 // (one thread).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -55,6 +56,9 @@ struct Value {
   // dict.items()/keys()/values(): a list that prints as Python's view
   // ("dict_items([('a', 1)])"); null for a plain list.
   const char* view = nullptr;
+  // Container nesting: 0 for scalars, 1 + the deepest element for lists and
+  // dicts (bounded so that printing and freeing never recurse too deep).
+  int depth = 0;
   std::shared_ptr<const Dict> dict;
   std::shared_ptr<Namespace> ns;
   std::shared_ptr<const Callable> fn;
@@ -96,6 +100,8 @@ struct Value {
   static Value List(ValueList items, bool tuple = false) {
     Value v;
     v.kind = Kind::kList;
+    for (const Value& item : items) v.depth = std::max(v.depth, item.depth);
+    ++v.depth;
     v.list = std::make_shared<const ValueList>(std::move(items));
     v.tuple = tuple;
     return v;

@@ -206,6 +206,8 @@ TEST(ChatTemplateTest, RunawayTemplatesStop) {
       "{{ 'x' * 10000000000 }}",
       "{{ range(10000000000)|length }}",
       "{% for i in range(1000000) %}{{ 'some text that adds up quickly, repeated' * 10 }}{% endfor %}",
+      "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
+      "{% set ns = namespace(x={}) %}{% for i in range(100000) %}{% set ns.x = dict(a=ns.x) %}{% endfor %}x",
   };
   for (const char* source : sources) {
     SCOPED_TRACE(source);
@@ -225,6 +227,22 @@ TEST(ChatTemplateTest, RunawayTemplatesStop) {
   auto t = ChatTemplate::Parse(deep);
   ASSERT_FALSE(t.ok());
   EXPECT_NE(t.status().message().find("nests too deeply"), std::string::npos) << t.status();
+}
+
+// A context nested deeper than any conversation is refused before it is
+// converted (the conversion recurses).
+TEST(ChatTemplateTest, DeepContextRefused) {
+  auto t = MustParse("{{ messages|length }}");
+  ASSERT_NE(t, nullptr);
+  nlohmann::json deep = nlohmann::json::parse(std::string(5000, '[') + std::string(5000, ']'));
+  auto out = t->Render({{"messages", deep}});
+  ASSERT_FALSE(out.ok());
+  EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(out.status().message().find("nests more than"), std::string::npos) << out.status();
+  nlohmann::json ok = nlohmann::json::parse(std::string(50, '[') + std::string(50, ']'));
+  auto fine = t->Render({{"messages", ok}});
+  ASSERT_TRUE(fine.ok()) << fine.status();
+  EXPECT_EQ(*fine, "1");
 }
 
 // One parsed template rendered from several threads at once.
