@@ -64,6 +64,7 @@ constexpr int kListenBacklog = 1024;
 constexpr int64_t kMaxChoices = 128;    // n
 constexpr size_t kMaxStops = 16;        // stop strings
 constexpr size_t kMaxPrompts = 1024;    // a batch of prompts
+constexpr size_t kMaxRequests = 1024;   // prompts x n: the dispatcher requests of one exchange
 constexpr int64_t kDefaultMaxTokens = 16;  // completions, as OpenAI
 
 // ---- Errors -------------------------------------------------------------------
@@ -1064,6 +1065,9 @@ class HttpApiImpl final : public HttpApi {
     } else {
       ParseCompletion(body, *options_.tokenizer, params);
     }
+    if (params.prompts.size() * static_cast<size_t>(params.n) > kMaxRequests)
+      throw BadField("n", StrCat("prompts x n must be at most ", kMaxRequests, ", got ", params.prompts.size(), " x ",
+                                 params.n));
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + NewRandomRequestId().substr(4);
     auto exchange = std::make_shared<Exchange>(dispatcher_, *options_.tokenizer, std::move(params), id,
                                                options_.served_model_name, req);

@@ -552,6 +552,7 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
   check("/v1/completions", R"({"max_tokens": 3})", 400, "prompt");
   check("/v1/completions", R"({"prompt": "x", "max_tokens": 5000})", 400, "max_tokens");
   check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "prompt");
+  check("/v1/completions", json{{"prompt", std::vector<std::string>(20, "a")}, {"n", 100}}.dump(), 400, "n");
   check("/v1/chat/completions", R"({"messages": "hi"})", 400, "messages");
   check("/v1/chat/completions", R"({"messages": [{"content": "hi"}]})", 400, "messages[0].role");
   check("/v1/completions", R"({"model": "gpt-4", "prompt": "x"})", 404, "model");
