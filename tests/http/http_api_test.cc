@@ -518,6 +518,23 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   for (int i = 0; i < 6; ++i) {
     EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), SimWorkerToken(ids, 2, i, Tok().vocab_size()).logprob);
   }
+  // Streamed, every token's logprob arrives once, with the chunk of its text
+  // (or a later one when its bytes end inside a character).
+  auto [ss, events] = d_->Stream("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "y"}}}},
+                                                          {"max_tokens", 9},
+                                                          {"logprobs", true}});
+  ASSERT_EQ(ss, 200);
+  size_t streamed_logprobs = 0;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json c = json::parse(events[i]);
+    if (!c["choices"].empty() && c["choices"][0]["logprobs"].is_object())
+      streamed_logprobs += c["choices"][0]["logprobs"]["content"].size();
+  }
+  EXPECT_EQ(streamed_logprobs, 9u);
+  // echo: the prompt's text comes first.
+  auto [es, echoed] = d_->Post("/v1/completions", {{"prompt", "echo me"}, {"max_tokens", 3}, {"seed", 2}, {"echo", true}});
+  ASSERT_EQ(es, 200);
+  EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me")) << echoed.dump();
   auto [cs, chat] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
                                                       {"max_tokens", 3},
                                                       {"logprobs", true},
