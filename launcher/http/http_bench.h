@@ -19,7 +19,6 @@
 
 #include <cstdint>
 #include <iosfwd>
-
 #include <nlohmann/json.hpp>
 
 #include "runtime/base/status.h"
@@ -37,6 +36,7 @@ struct HttpBenchOptions {
 
 // The tables go to `table`; the returned JSON holds the same numbers.
 // `verified` is set to whether every request passed.
-StatusOr<nlohmann::json> RunHttpBench(const HttpBenchOptions& o, std::ostream& table, bool* verified);
+StatusOr<nlohmann::json> RunHttpBench(const HttpBenchOptions& o, std::ostream& table,
+                                      bool* verified);
 
 }  // namespace mlarun

@@ -5,6 +5,7 @@
 // of exactly the tokens the gRPC path yields for the same prompt and seed,
 // the OpenAI error objects and statuses, disconnects, and /metrics.
 #include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
 #include <netinet/in.h>
@@ -14,13 +15,11 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/text/tokenizer.h"
@@ -47,7 +46,8 @@ std::string BytesOnlyTokenizerJson() {
   std::vector<int> cps(256, -1);
   int next = 256;
   for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const bool printable =
+        (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
     cps[b] = printable ? b : next++;
   }
   auto utf8 = [](int cp) {
@@ -85,11 +85,16 @@ std::string BytesOnlyTokenizerJson() {
               {"normalizer", nullptr},
               {"pre_tokenizer",
                {{"type", "Sequence"},
-                {"pretokenizers",
-                 json::array({{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true},
-                               {"use_regex", false}}})}}},
+                {"pretokenizers", json::array({{{"type", "ByteLevel"},
+                                                {"add_prefix_space", false},
+                                                {"trim_offsets", true},
+                                                {"use_regex", false}}})}}},
               {"post_processor", nullptr},
-              {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+              {"decoder",
+               {{"type", "ByteLevel"},
+                {"add_prefix_space", true},
+                {"trim_offsets", true},
+                {"use_regex", true}}},
               {"model",
                {{"type", "BPE"},
                 {"dropout", nullptr},
@@ -107,12 +112,13 @@ std::shared_ptr<const text::Tokenizer> TestTokenizer() {
   static std::shared_ptr<const text::Tokenizer> tokenizer = [] {
     auto loaded = text::Tokenizer::Load(MLARUN_CONFIGS_DIR "/models/tiny.yaml");
     if (loaded.ok()) return std::shared_ptr<const text::Tokenizer>(std::move(*loaded));
-    const json config = {{"bos_token", "<｜begin▁of▁sentence｜>"},
-                         {"eos_token", "<｜end▁of▁sentence｜>"},
-                         {"add_bos_token", true},
-                         {"chat_template",
-                          "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<|assistant|>{% endif %}"}};
+    const json config = {
+        {"bos_token", "<｜begin▁of▁sentence｜>"},
+        {"eos_token", "<｜end▁of▁sentence｜>"},
+        {"add_bos_token", true},
+        {"chat_template",
+         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>{% endif %}"}};
     auto made = text::Tokenizer::FromJson(BytesOnlyTokenizerJson(), config.dump());
     EXPECT_TRUE(made.ok()) << made.status().ToString();
     return made.ok() ? std::shared_ptr<const text::Tokenizer>(std::move(*made)) : nullptr;
@@ -129,13 +135,15 @@ std::map<std::string, double> ParsePrometheus(const std::string& text) {
   std::map<std::string, double> samples;
   std::map<std::string, std::string> types;
   std::set<std::string> helped;
-  std::map<std::string, std::vector<std::pair<std::string, double>>> buckets;  // series (labels without le) -> (le, v)
+  std::map<std::string, std::vector<std::pair<std::string, double>>>
+      buckets;  // series (labels without le) -> (le, v)
   std::istringstream in(text);
   std::string line;
   auto family_of = [&](const std::string& name) {
     for (const char* suffix : {"_bucket", "_sum", "_count"}) {
       const std::string s = suffix;
-      if (name.size() > s.size() && name.ends_with(s) && types.contains(name.substr(0, name.size() - s.size())))
+      if (name.size() > s.size() && name.ends_with(s) &&
+          types.contains(name.substr(0, name.size() - s.size())))
         return name.substr(0, name.size() - s.size());
     }
     return name;
@@ -150,15 +158,16 @@ std::map<std::string, double> ParsePrometheus(const std::string& text) {
       if (kind == "TYPE") {
         std::string type;
         c >> type;
-        EXPECT_TRUE(type == "counter" || type == "gauge" || type == "histogram" || type == "summary" ||
-                    type == "untyped")
+        EXPECT_TRUE(type == "counter" || type == "gauge" || type == "histogram" ||
+                    type == "summary" || type == "untyped")
             << line;
         types[name] = type;
       }
       continue;
     }
     size_t i = 0;
-    while (i < line.size() && (std::isalnum(static_cast<unsigned char>(line[i])) || line[i] == '_' || line[i] == ':'))
+    while (i < line.size() &&
+           (std::isalnum(static_cast<unsigned char>(line[i])) || line[i] == '_' || line[i] == ':'))
       ++i;
     const std::string name = line.substr(0, i);
     EXPECT_FALSE(name.empty()) << line;
@@ -201,7 +210,8 @@ std::map<std::string, double> ParsePrometheus(const std::string& text) {
   }
   for (const auto& [series, bs] : buckets) {
     EXPECT_FALSE(bs.empty());
-    for (size_t k = 1; k < bs.size(); ++k) EXPECT_LE(bs[k - 1].second, bs[k].second) << series << " not cumulative";
+    for (size_t k = 1; k < bs.size(); ++k)
+      EXPECT_LE(bs[k - 1].second, bs[k].second) << series << " not cumulative";
     EXPECT_EQ(bs.back().first, "+Inf") << series;
     const size_t brace = series.find('{');
     const std::string fam = series.substr(0, brace);
@@ -265,7 +275,8 @@ struct Deployment {
     return c;
   }
   // A whole answer: status and body.
-  std::pair<int, json> Post(const std::string& path, const json& body, const std::string& token = "") const {
+  std::pair<int, json> Post(const std::string& path, const json& body,
+                            const std::string& token = "") const {
     auto res = Client(token).Post(path, body.dump(), "application/json");
     if (!res) return {-1, json()};
     json parsed = json::parse(res->body, nullptr, false);
@@ -295,9 +306,10 @@ struct Deployment {
     return res ? ParsePrometheus(res->body) : std::map<std::string, double>{};
   }
   // The tokens the gRPC API gives for this prompt and sampling.
-  std::vector<int32_t> GrpcTokens(const std::vector<int32_t>& prompt, uint64_t seed, int64_t max_tokens,
-                                  double temperature) const {
-    auto stub = v1::Mlarun::NewStub(grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  std::vector<int32_t> GrpcTokens(const std::vector<int32_t>& prompt, uint64_t seed,
+                                  int64_t max_tokens, double temperature) const {
+    auto stub = v1::Mlarun::NewStub(
+        grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + 20s);
     v1::GenerateRequest req;
@@ -321,12 +333,15 @@ struct Deployment {
 
 const text::Tokenizer& Tok() { return *TestTokenizer(); }
 
-std::string Decode(const std::vector<int32_t>& ids) { return Tok().Decode(ids, /*skip_special_tokens=*/true); }
+std::string Decode(const std::vector<int32_t>& ids) {
+  return Tok().Decode(ids, /*skip_special_tokens=*/true);
+}
 
 // The text of a streamed completion or chat, choice by choice; checks the
 // chunks' shape on the way.
 std::map<int, std::string> Concatenate(const std::vector<std::string>& events, bool chat,
-                                       std::map<int, std::string>* finish = nullptr, json* usage = nullptr) {
+                                       std::map<int, std::string>* finish = nullptr,
+                                       json* usage = nullptr) {
   std::map<int, std::string> text;
   EXPECT_FALSE(events.empty());
   if (events.empty()) return text;
@@ -382,7 +397,8 @@ TEST_F(HttpApiTest, CompletionTextIsTheDecodeOfTheGrpcTokens) {
   const std::vector<int32_t> ids = Tok().Encode(prompt, /*add_special_tokens=*/true);
   const std::vector<int32_t> grpc_tokens = d_->GrpcTokens(ids, 7, 24, 0.8);
   ASSERT_EQ(grpc_tokens.size(), 24u);
-  const json body = {{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}};
+  const json body = {
+      {"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}};
   auto [status, whole] = d_->Post("/v1/completions", body);
   ASSERT_EQ(status, 200) << whole.dump();
   EXPECT_EQ(whole["object"], "text_completion");
@@ -407,7 +423,8 @@ TEST_F(HttpApiTest, CompletionTextIsTheDecodeOfTheGrpcTokens) {
   EXPECT_EQ(usage["prompt_tokens"], ids.size());
 
   // A prompt of token ids is taken as it is.
-  auto [istatus, by_ids] = d_->Post("/v1/completions", {{"prompt", ids}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}});
+  auto [istatus, by_ids] = d_->Post(
+      "/v1/completions", {{"prompt", ids}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}});
   ASSERT_EQ(istatus, 200);
   EXPECT_EQ(by_ids["choices"][0]["text"], Decode(grpc_tokens));
 }
@@ -418,7 +435,8 @@ TEST_F(HttpApiTest, ChatUsesTheTemplate) {
   auto [status, whole] = d_->Post("/v1/chat/completions", body);
 #ifdef MLARUN_NO_CHAT_TEMPLATE
   ASSERT_EQ(status, 400) << whole.dump();
-  EXPECT_NE(whole["error"]["message"].get<std::string>().find("/v1/completions"), std::string::npos);
+  EXPECT_NE(whole["error"]["message"].get<std::string>().find("/v1/completions"),
+            std::string::npos);
   GTEST_SKIP() << "no chat-template interpreter in this build: " << whole.dump();
 #else
   ASSERT_EQ(status, 200) << whole.dump();
@@ -445,7 +463,8 @@ TEST_F(HttpApiTest, ChatUsesTheTemplate) {
 }
 
 TEST_F(HttpApiTest, StopStringsEndTheTextAndTheRequest) {
-  const json base = {{"prompt", "stop here"}, {"max_tokens", 48}, {"seed", 11}, {"temperature", 1.0}};
+  const json base = {
+      {"prompt", "stop here"}, {"max_tokens", 48}, {"seed", 11}, {"temperature", 1.0}};
   auto [status, whole] = d_->Post("/v1/completions", base);
   ASSERT_EQ(status, 200);
   const std::string full = whole["choices"][0]["text"];
@@ -485,7 +504,8 @@ TEST_F(HttpApiTest, StopStringsEndTheTextAndTheRequest) {
 
 TEST_F(HttpApiTest, TwoChoicesAreSeedAndSeedPlusOne) {
   const std::vector<int32_t> ids = Tok().Encode("two choices", true);
-  const json body = {{"prompt", "two choices"}, {"max_tokens", 12}, {"seed", 40}, {"temperature", 0.9}, {"n", 2}};
+  const json body = {
+      {"prompt", "two choices"}, {"max_tokens", 12}, {"seed", 40}, {"temperature", 0.9}, {"n", 2}};
   auto [status, whole] = d_->Post("/v1/completions", body);
   ASSERT_EQ(status, 200) << whole.dump();
   ASSERT_EQ(whole["choices"].size(), 2u);
@@ -502,10 +522,12 @@ TEST_F(HttpApiTest, TwoChoicesAreSeedAndSeedPlusOne) {
   EXPECT_EQ(text[0], whole["choices"][0]["text"]);
   EXPECT_EQ(text[1], whole["choices"][1]["text"]);
   // A batch of two prompts: choice indexes 0..3, prompt by prompt.
-  auto [bs, batch] = d_->Post("/v1/completions", {{"prompt", {"a", "b"}}, {"max_tokens", 4}, {"n", 2}, {"seed", 1}});
+  auto [bs, batch] = d_->Post("/v1/completions",
+                              {{"prompt", {"a", "b"}}, {"max_tokens", 4}, {"n", 2}, {"seed", 1}});
   ASSERT_EQ(bs, 200) << batch.dump();
   ASSERT_EQ(batch["choices"].size(), 4u);
-  EXPECT_EQ(batch["choices"][2]["text"], Decode(d_->GrpcTokens(Tok().Encode("b", true), 1, 4, 1.0)));
+  EXPECT_EQ(batch["choices"][2]["text"],
+            Decode(d_->GrpcTokens(Tok().Encode("b", true), 1, 4, 1.0)));
 }
 
 TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
@@ -516,13 +538,15 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   ASSERT_EQ(lp["token_logprobs"].size(), 6u);
   const std::vector<int32_t> ids = Tok().Encode("logprobs", true);
   for (int i = 0; i < 6; ++i) {
-    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), SimWorkerToken(ids, 2, i, Tok().vocab_size()).logprob);
+    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(),
+                     SimWorkerToken(ids, 2, i, Tok().vocab_size()).logprob);
   }
   // Streamed, every token's logprob arrives once, with the chunk of its text
   // (or a later one when its bytes end inside a character).
-  auto [ss, events] = d_->Stream("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "y"}}}},
-                                                          {"max_tokens", 9},
-                                                          {"logprobs", true}});
+  auto [ss, events] =
+      d_->Stream("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "y"}}}},
+                                          {"max_tokens", 9},
+                                          {"logprobs", true}});
   ASSERT_EQ(ss, 200);
   size_t streamed_logprobs = 0;
   for (size_t i = 0; i + 1 < events.size(); ++i) {
@@ -532,13 +556,16 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   }
   EXPECT_EQ(streamed_logprobs, 9u);
   // echo: the prompt's text comes first.
-  auto [es, echoed] = d_->Post("/v1/completions", {{"prompt", "echo me"}, {"max_tokens", 3}, {"seed", 2}, {"echo", true}});
+  auto [es, echoed] = d_->Post(
+      "/v1/completions", {{"prompt", "echo me"}, {"max_tokens", 3}, {"seed", 2}, {"echo", true}});
   ASSERT_EQ(es, 200);
-  EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me")) << echoed.dump();
-  auto [cs, chat] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
-                                                      {"max_tokens", 3},
-                                                      {"logprobs", true},
-                                                      {"top_logprobs", 2}});
+  EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me"))
+      << echoed.dump();
+  auto [cs, chat] =
+      d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                        {"max_tokens", 3},
+                                        {"logprobs", true},
+                                        {"top_logprobs", 2}});
   EXPECT_EQ(cs, 400);
   EXPECT_EQ(chat["error"]["param"], "top_logprobs");
   auto [ls, big] = d_->Post("/v1/completions", {{"prompt", "x"}, {"logprobs", 5}});
@@ -547,13 +574,15 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
 }
 
 TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
-  auto check = [&](const std::string& path, const std::string& raw, int status, const std::string& param) {
+  auto check = [&](const std::string& path, const std::string& raw, int status,
+                   const std::string& param) {
     auto res = d_->Client().Post(path, raw, "application/json");
     ASSERT_TRUE(res);
     EXPECT_EQ(res->status, status) << raw << " -> " << res->body;
     const json e = json::parse(res->body, nullptr, false);
     ASSERT_TRUE(e.contains("error")) << res->body;
-    for (const char* k : {"message", "type", "param", "code"}) EXPECT_TRUE(e["error"].contains(k)) << res->body;
+    for (const char* k : {"message", "type", "param", "code"})
+      EXPECT_TRUE(e["error"].contains(k)) << res->body;
     if (!param.empty()) EXPECT_EQ(e["error"]["param"], param) << res->body;
   };
   check("/v1/completions", "{\"prompt\": \"x\",", 400, "");
@@ -569,13 +598,15 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
   check("/v1/completions", R"({"max_tokens": 3})", 400, "prompt");
   check("/v1/completions", R"({"prompt": "x", "max_tokens": 5000})", 400, "max_tokens");
   check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "prompt");
-  check("/v1/completions", json{{"prompt", std::vector<std::string>(20, "a")}, {"n", 100}}.dump(), 400, "n");
+  check("/v1/completions", json{{"prompt", std::vector<std::string>(20, "a")}, {"n", 100}}.dump(),
+        400, "n");
   check("/v1/chat/completions", R"({"messages": "hi"})", 400, "messages");
   check("/v1/chat/completions", R"({"messages": [{"content": "hi"}]})", 400, "messages[0].role");
   check("/v1/completions", R"({"model": "gpt-4", "prompt": "x"})", 404, "model");
   check("/v1/nothing", "{}", 404, "");
   // Unknown fields are ignored, as OpenAI servers do.
-  auto [ok, body] = d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}, {"frobnicate", {1, 2}}});
+  auto [ok, body] =
+      d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}, {"frobnicate", {1, 2}}});
   EXPECT_EQ(ok, 200) << body.dump();
   // A body over the limit (64 KiB here).
   const std::string big = json{{"prompt", std::string(100 << 10, 'a')}}.dump();
@@ -604,13 +635,16 @@ TEST_F(HttpApiTest, TwoHundredConcurrentStreamsComplete) {
   std::vector<std::thread> clients;
   for (int i = 0; i < kStreams; ++i) {
     clients.emplace_back([&, i] {
-      auto [status, events] = d_->Stream(
-          "/v1/completions", {{"prompt", "stream " + std::to_string(i)}, {"max_tokens", 8}, {"seed", i},
-                              {"stream_options", {{"include_usage", true}}}});
+      auto [status, events] =
+          d_->Stream("/v1/completions", {{"prompt", "stream " + std::to_string(i)},
+                                         {"max_tokens", 8},
+                                         {"seed", i},
+                                         {"stream_options", {{"include_usage", true}}}});
       if (status != 200) return;
       json usage;
       Concatenate(events, false, nullptr, &usage);
-      if (!events.empty() && events.back() == "[DONE]" && usage.value("completion_tokens", 0) == 8) ++complete;
+      if (!events.empty() && events.back() == "[DONE]" && usage.value("completion_tokens", 0) == 8)
+        ++complete;
     });
   }
   for (auto& t : clients) t.join();
@@ -631,7 +665,8 @@ int ConnectTo(int port) {
   return fd;
 }
 std::string HttpPost(const std::string& path, const std::string& body) {
-  return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+  return "POST " + path +
+         " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
          std::to_string(body.size()) + "\r\n\r\n" + body;
 }
 
@@ -641,7 +676,9 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
   {
     const int fd = ConnectTo(d_->port);
     const std::string req = HttpPost(
-        "/v1/completions", json{{"prompt", "a long one"}, {"max_tokens", 3000}, {"stream", true}, {"ignore_eos", true}}.dump());
+        "/v1/completions",
+        json{{"prompt", "a long one"}, {"max_tokens", 3000}, {"stream", true}, {"ignore_eos", true}}
+            .dump());
     ASSERT_EQ(send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
     std::string got;
     char buf[4096];
@@ -655,8 +692,9 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
   // While waiting for a whole answer.
   {
     const int fd = ConnectTo(d_->port);
-    const std::string req =
-        HttpPost("/v1/completions", json{{"prompt", "a long one too"}, {"max_tokens", 3000}, {"ignore_eos", true}}.dump());
+    const std::string req = HttpPost(
+        "/v1/completions",
+        json{{"prompt", "a long one too"}, {"max_tokens", 3000}, {"ignore_eos", true}}.dump());
     ASSERT_EQ(send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
     std::this_thread::sleep_for(100ms);
     close(fd);
@@ -666,7 +704,8 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
     after = d_->Metrics();
     if (Sample(after, "mlarun:num_requests_live") == 0 &&
         Sample(after, "mlarun:request_error_total{code=\"CANCELLED\"}") -
-                Sample(before, "mlarun:request_error_total{code=\"CANCELLED\"}") >= 2)
+                Sample(before, "mlarun:request_error_total{code=\"CANCELLED\"}") >=
+            2)
       break;
     std::this_thread::sleep_for(10ms);
   }
@@ -675,7 +714,9 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
                 Sample(before, "mlarun:request_error_total{code=\"CANCELLED\"}"),
             2);
   // Far fewer than the 2 x 3000 tokens asked for were generated.
-  EXPECT_LT(Sample(after, "mlarun:generation_tokens_total") - Sample(before, "mlarun:generation_tokens_total"), 3000);
+  EXPECT_LT(Sample(after, "mlarun:generation_tokens_total") -
+                Sample(before, "mlarun:generation_tokens_total"),
+            3000);
   auto [status, _] = d_->Post("/v1/completions", {{"prompt", "still serving"}, {"max_tokens", 2}});
   EXPECT_EQ(status, 200);
 }
@@ -714,7 +755,8 @@ TEST_F(HttpApiTest, MetricsCountRequestsOfBothApis) {
   }
   EXPECT_EQ(routed, 2);
   EXPECT_EQ(Sample(after, "mlarun:dp_groups_connected"), 2);
-  EXPECT_GT(Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
+  EXPECT_GT(
+      Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
   EXPECT_TRUE(after.contains("mlarun:num_requests_running{dp_group=\"1\",worker=\"worker-0\"}"));
   EXPECT_EQ(Sample(after, "mlarun:num_requests_queued"), 0);
 }
@@ -750,7 +792,8 @@ TEST(HttpApiNoGroup, HealthAndRequestsAre503) {
   EXPECT_EQ(health->status, 503);
   auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
   EXPECT_EQ(status, 503) << e.dump();
-  EXPECT_NE(e["error"]["message"].get<std::string>().find("no DP group"), std::string::npos) << e.dump();
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("no DP group"), std::string::npos)
+      << e.dump();
   auto [sstatus, events] = d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
   EXPECT_EQ(sstatus, 503);
 }
@@ -768,11 +811,13 @@ TEST(HttpApiDeadline, PassedDeadlineIs504) {
   CoordinatorOptions o;
   o.http_request_timeout_s = 0.2;
   Deployment d(o, /*groups=*/1, /*tokens_per_s=*/500);
-  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  auto [status, e] =
+      d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
   EXPECT_EQ(status, 504) << e.dump();
   EXPECT_EQ(e["error"]["code"], "deadline_exceeded");
   // Streamed, the deadline comes after the 200: an error event, then [DONE].
-  auto [sstatus, events] = d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  auto [sstatus, events] =
+      d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
   ASSERT_EQ(sstatus, 200);
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events.back(), "[DONE]");
