@@ -11,6 +11,7 @@
 #include <chrono>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -265,6 +266,44 @@ TEST(ChatTemplateTest, ConcurrentRenders) {
   }
   for (auto& th : threads) th.join();
   for (int k = 0; k < 8; ++k) EXPECT_EQ(failures[k], 0) << "thread " << k;
+}
+
+// Random soups of template fragments: Parse and Render either succeed or
+// return a Status; nothing crashes or hangs.
+TEST(ChatTemplateTest, RandomFragmentsNeverCrash) {
+  const char* fragments[] = {
+      "{% if x %}", "{% elif y %}", "{% else %}", "{% endif %}", "{% for a in xs %}", "{% for k, v in d.items() %}",
+      "{% endfor %}", "{% break %}", "{% continue %}", "{{ x }}", "{{ a }}", "{{- a|trim -}}", "{{ xs[1:] }}",
+      "{{ d.items() }}", "{% set y = x ~ 1 %}", "{%- set ns.n = ns.n + 1 -%}", "{% macro m(a, b=2) %}",
+      "{% endmacro %}", "{{ m(x) }}", "{{ m(m(1)) }}", "{% raw %}", "{% endraw %}", "{# c #}", "text\n", "  \t",
+      "{{ (", ")", "'s'", "[1, ", "]", "{'k': ", "}", " | length", " is defined", " is not none", " + ", " * 3",
+      " ~ ", " // 0", " if x else ", "not ", " and ", " in xs", "{{ xs|tojson(indent=2) }}", "{{ y.split(',') }}",
+      "{% set ns = namespace(n=0) %}", "{{ raise_exception('boom') }}", "{{ range(3)|join }}", "{{ x|int + 1 }}",
+      "}}", "%}", "{{", "{%", "{%-", "-%}", "\n",
+  };
+  nlohmann::json ctx = {{"x", "a,b"},     {"y", "1,2"}, {"xs", {1, "two", nullptr, 3.5}},
+                        {"d", {{"k", 1}}}, {"n", nullptr}};
+  std::mt19937 rng(1234);
+  const size_t count = std::size(fragments);
+  int parsed = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::string source;
+    int len = 1 + static_cast<int>(rng() % 24);
+    for (int k = 0; k < len; ++k) source += fragments[rng() % count];
+    auto t = ChatTemplate::Parse(source);
+    if (!t.ok()) {
+      EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << source;
+      continue;
+    }
+    ++parsed;
+    auto out = (*t)->Render(ctx);
+    if (!out.ok()) {
+      EXPECT_TRUE(out.status().code() == StatusCode::kInvalidArgument ||
+                  out.status().code() == StatusCode::kResourceExhausted)
+          << source << ": " << out.status();
+    }
+  }
+  EXPECT_GT(parsed, 100);
 }
 
 TEST(ChatTemplateTest, StrftimeNowRenders) {
