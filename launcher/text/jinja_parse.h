@@ -58,13 +58,13 @@ struct Expr {
 };
 
 enum class NodeKind : int {
-  kText,         // text
-  kOutput,       // {{ expr }}
-  kIf,           // branches, else_body
-  kFor,          // for targets in expr [if cond]: body, else_body
-  kSet,          // set targets = expr, or set targets[0].attr = expr
-  kSetBlock,     // set targets[0]: body
-  kMacro,        // macro name(params = defaults): body
+  kText,      // text
+  kOutput,    // {{ expr }}
+  kIf,        // branches, else_body
+  kFor,       // for targets in expr [if cond]: body, else_body
+  kSet,       // set targets = expr, or set targets[0].attr = expr
+  kSetBlock,  // set targets[0]: body
+  kMacro,     // macro name(params = defaults): body
   kBreak,
   kContinue,
   kWith,         // with targets = values: body

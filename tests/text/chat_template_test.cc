@@ -21,7 +21,9 @@
 namespace mlarun::text {
 namespace {
 
-std::string FixturePath(const std::string& rel) { return std::string(MLARUN_FIXTURES_DIR) + "/" + rel; }
+std::string FixturePath(const std::string& rel) {
+  return std::string(MLARUN_FIXTURES_DIR) + "/" + rel;
+}
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -34,7 +36,8 @@ std::string ReadFile(const std::string& path) {
 std::vector<nlohmann::json> ReadJsonl(const std::string& path) {
   std::vector<nlohmann::json> out;
   std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot open " << path << " (run tests/text/make_chat_template_fixtures.py)";
+  EXPECT_TRUE(in.good()) << "cannot open " << path
+                         << " (run tests/text/make_chat_template_fixtures.py)";
   std::string line;
   while (std::getline(in, line)) {
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
@@ -66,7 +69,8 @@ void CheckCase(const nlohmann::json& c, const std::string& source) {
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << out.status();
   const std::string raised = "TemplateError: ";
   if (error.rfind(raised, 0) == 0) {
-    EXPECT_NE(out.status().message().find(error.substr(raised.size())), std::string::npos) << out.status();
+    EXPECT_NE(out.status().message().find(error.substr(raised.size())), std::string::npos)
+        << out.status();
   }
 }
 
@@ -79,8 +83,9 @@ TEST(ChatTemplateTest, CheckpointTemplatesMatchJinja2) {
     templates.insert(file);
     CheckCase(c, ReadFile(FixturePath("chat_templates/" + file)));
   }
-  for (const char* want : {"deepseek_v2.jinja", "deepseek_v2_5.jinja", "deepseek_v3.jinja", "deepseek_r1.jinja",
-                           "deepseek_r1_distill_multiline.jinja", "chatml.jinja"}) {
+  for (const char* want :
+       {"deepseek_v2.jinja", "deepseek_v2_5.jinja", "deepseek_v3.jinja", "deepseek_r1.jinja",
+        "deepseek_r1_distill_multiline.jinja", "chatml.jinja"}) {
     EXPECT_TRUE(templates.count(want)) << want;
   }
 }
@@ -106,7 +111,8 @@ TEST(ChatTemplateTest, DeepSeekV3Prompt) {
   auto out = t->Render(ctx);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(*out,
-            "<｜begin▁of▁sentence｜>S<｜User｜>Hi<｜Assistant｜>Yo<｜end▁of▁sentence｜><｜User｜>Q<｜Assistant｜>");
+            "<｜begin▁of▁sentence｜>S<｜User｜>Hi<｜Assistant｜>Yo<｜end▁of▁sentence｜><｜User｜>Q<"
+            "｜Assistant｜>");
 }
 
 // Parse refuses what the interpreter does not implement, naming it and its
@@ -180,14 +186,16 @@ TEST(ChatTemplateTest, RuntimeErrorsNameTheExpression) {
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(out.status().message().find("line 2"), std::string::npos) << out.status();
   EXPECT_NE(out.status().message().find("`m['content'] + 1`"), std::string::npos) << out.status();
-  EXPECT_NE(out.status().message().find("can only concatenate str"), std::string::npos) << out.status();
+  EXPECT_NE(out.status().message().find("can only concatenate str"), std::string::npos)
+      << out.status();
 
   auto raise = MustParse("{{ raise_exception('Only user and assistant roles are supported!') }}");
   ASSERT_NE(raise, nullptr);
   auto r = raise->Render(nlohmann::json::object());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("Only user and assistant roles are supported!"), std::string::npos);
+  EXPECT_NE(r.status().message().find("Only user and assistant roles are supported!"),
+            std::string::npos);
 
   auto any = MustParse("x");
   ASSERT_NE(any, nullptr);
@@ -203,12 +211,16 @@ TEST(ChatTemplateTest, RunawayTemplatesStop) {
   const char* sources[] = {
       "{% for i in range(1000000) %}{% for j in range(1000000) %}{% endfor %}{% endfor %}",
       "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
-      "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+      "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% "
+      "endfor %}{{ ns.s|length }}",
       "{{ 'x' * 10000000000 }}",
       "{{ range(10000000000)|length }}",
-      "{% for i in range(1000000) %}{{ 'some text that adds up quickly, repeated' * 10 }}{% endfor %}",
-      "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x }}",
-      "{% set ns = namespace(x={}) %}{% for i in range(100000) %}{% set ns.x = dict(a=ns.x) %}{% endfor %}x",
+      "{% for i in range(1000000) %}{{ 'some text that adds up quickly, repeated' * 10 }}{% endfor "
+      "%}",
+      "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor "
+      "%}{{ ns.x }}",
+      "{% set ns = namespace(x={}) %}{% for i in range(100000) %}{% set ns.x = dict(a=ns.x) %}{% "
+      "endfor %}x",
   };
   for (const char* source : sources) {
     SCOPED_TRACE(source);
@@ -272,17 +284,68 @@ TEST(ChatTemplateTest, ConcurrentRenders) {
 // return a Status; nothing crashes or hangs.
 TEST(ChatTemplateTest, RandomFragmentsNeverCrash) {
   const char* fragments[] = {
-      "{% if x %}", "{% elif y %}", "{% else %}", "{% endif %}", "{% for a in xs %}", "{% for k, v in d.items() %}",
-      "{% endfor %}", "{% break %}", "{% continue %}", "{{ x }}", "{{ a }}", "{{- a|trim -}}", "{{ xs[1:] }}",
-      "{{ d.items() }}", "{% set y = x ~ 1 %}", "{%- set ns.n = ns.n + 1 -%}", "{% macro m(a, b=2) %}",
-      "{% endmacro %}", "{{ m(x) }}", "{{ m(m(1)) }}", "{% raw %}", "{% endraw %}", "{# c #}", "text\n", "  \t",
-      "{{ (", ")", "'s'", "[1, ", "]", "{'k': ", "}", " | length", " is defined", " is not none", " + ", " * 3",
-      " ~ ", " // 0", " if x else ", "not ", " and ", " in xs", "{{ xs|tojson(indent=2) }}", "{{ y.split(',') }}",
-      "{% set ns = namespace(n=0) %}", "{{ raise_exception('boom') }}", "{{ range(3)|join }}", "{{ x|int + 1 }}",
-      "}}", "%}", "{{", "{%", "{%-", "-%}", "\n",
+      "{% if x %}",
+      "{% elif y %}",
+      "{% else %}",
+      "{% endif %}",
+      "{% for a in xs %}",
+      "{% for k, v in d.items() %}",
+      "{% endfor %}",
+      "{% break %}",
+      "{% continue %}",
+      "{{ x }}",
+      "{{ a }}",
+      "{{- a|trim -}}",
+      "{{ xs[1:] }}",
+      "{{ d.items() }}",
+      "{% set y = x ~ 1 %}",
+      "{%- set ns.n = ns.n + 1 -%}",
+      "{% macro m(a, b=2) %}",
+      "{% endmacro %}",
+      "{{ m(x) }}",
+      "{{ m(m(1)) }}",
+      "{% raw %}",
+      "{% endraw %}",
+      "{# c #}",
+      "text\n",
+      "  \t",
+      "{{ (",
+      ")",
+      "'s'",
+      "[1, ",
+      "]",
+      "{'k': ",
+      "}",
+      " | length",
+      " is defined",
+      " is not none",
+      " + ",
+      " * 3",
+      " ~ ",
+      " // 0",
+      " if x else ",
+      "not ",
+      " and ",
+      " in xs",
+      "{{ xs|tojson(indent=2) }}",
+      "{{ y.split(',') }}",
+      "{% set ns = namespace(n=0) %}",
+      "{{ raise_exception('boom') }}",
+      "{{ range(3)|join }}",
+      "{{ x|int + 1 }}",
+      "}}",
+      "%}",
+      "{{",
+      "{%",
+      "{%-",
+      "-%}",
+      "\n",
   };
-  nlohmann::json ctx = {{"x", "a,b"},     {"y", "1,2"}, {"xs", {1, "two", nullptr, 3.5}},
-                        {"d", {{"k", 1}}}, {"n", nullptr}};
+  nlohmann::json ctx = {{"x", "a,b"},
+                        {"y", "1,2"},
+                        {"xs", {1, "two", nullptr, 3.5}},
+                        {"d", {{"k", 1}}},
+                        {"n", nullptr}};
   std::mt19937 rng(1234);
   const size_t count = std::size(fragments);
   int parsed = 0;
