@@ -12,7 +12,8 @@
 //    G groups at tokens_per_s each; time to first token and inter-token (over
 //    HTTP: inter-chunk) latency p50/p99 and requests/s, gRPC then HTTP.
 // The tokenizer is a byte-level one made here (the two DeepSeek specials and
-// 256 byte tokens) and the groups' vocabulary is its size.
+// 256 byte tokens); the groups' vocabulary is its first 130 ids (the
+// specials and the ASCII bytes), so that every token has text of its own.
 //
 // Blocks until done; everything it starts is stopped before it returns.
 #pragma once
