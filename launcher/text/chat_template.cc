@@ -52,18 +52,79 @@ struct Scope {
 // their expression pass through the call sites unchanged.
 bool Named(const Status& s) { return s.message().rfind("chat template", 0) == 0; }
 
-std::string AsciiLower(std::string s) {
-  for (char& c : s) {
-    if (c >= 'A' && c <= 'Z') c = static_cast<char>(c - 'A' + 'a');
+// Simple case mappings, as Python's str.lower/upper do them, for the scripts
+// prompts mostly use: ASCII, Latin-1, Latin Extended-A, Greek and the basic
+// Cyrillic alphabet (ß upper-cases to "SS"; Greek final sigma is not
+// special-cased). Other code points keep their case.
+char32_t LowerCp(char32_t c) {
+  if (c < 0x80) return (c >= 'A' && c <= 'Z') ? c + 32 : c;
+  if (c >= 0xC0 && c <= 0xDE && c != 0xD7) return c + 32;
+  if (c >= 0x100 && c <= 0x17F) {
+    if (c == 0x130 || c == 0x131 || c == 0x138 || c == 0x149 || c == 0x17F) return c;
+    if (c == 0x178) return 0xFF;
+    bool odd_upper = (c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E);
+    bool is_upper = odd_upper ? (c % 2 == 1) : (c % 2 == 0);
+    return is_upper ? c + 1 : c;
   }
-  return s;
+  if ((c >= 0x391 && c <= 0x3AB && c != 0x3A2)) return c + 32;
+  if (c == 0x386) return 0x3AC;
+  if (c >= 0x388 && c <= 0x38A) return c + 37;
+  if (c == 0x38C) return 0x3CC;
+  if (c == 0x38E || c == 0x38F) return c + 63;
+  if (c >= 0x410 && c <= 0x42F) return c + 32;
+  if (c >= 0x400 && c <= 0x40F) return c + 80;
+  return c;
 }
-std::string AsciiUpper(std::string s) {
-  for (char& c : s) {
-    if (c >= 'a' && c <= 'z') c = static_cast<char>(c - 'a' + 'A');
+
+char32_t UpperCp(char32_t c) {
+  if (c < 0x80) return (c >= 'a' && c <= 'z') ? c - 32 : c;
+  if (c == 0xB5) return 0x39C;
+  if (c >= 0xE0 && c <= 0xFE && c != 0xF7) return c - 32;
+  if (c == 0xFF) return 0x178;
+  if (c >= 0x100 && c <= 0x17F) {
+    if (c == 0x131) return 'I';
+    if (c == 0x17F) return 'S';
+    if (c == 0x130 || c == 0x138 || c == 0x149 || c == 0x178) return c;
+    bool odd_upper = (c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17E);
+    bool is_lower = odd_upper ? (c % 2 == 0) : (c % 2 == 1);
+    return is_lower ? c - 1 : c;
   }
-  return s;
+  if (c == 0x3C2) return 0x3A3;
+  if (c >= 0x3B1 && c <= 0x3CB) return c - 32;
+  if (c == 0x3AC) return 0x386;
+  if (c >= 0x3AD && c <= 0x3AF) return c - 37;
+  if (c == 0x3CC) return 0x38C;
+  if (c == 0x3CD || c == 0x3CE) return c - 63;
+  if (c >= 0x430 && c <= 0x44F) return c - 32;
+  if (c >= 0x450 && c <= 0x45F) return c - 80;
+  return c;
 }
+
+bool IsLowerCp(char32_t c) { return UpperCp(c) != c || c == 0xDF || c == 0x138 || c == 0x149; }
+bool IsUpperCp(char32_t c) { return LowerCp(c) != c || c == 0x130; }
+bool IsCasedCp(char32_t c) { return IsLowerCp(c) || IsUpperCp(c); }
+
+void AppendUpper(std::string* out, char32_t c) {
+  if (c == 0xDF) {
+    *out += "SS";
+  } else {
+    jinja::AppendUtf8(out, UpperCp(c));
+  }
+}
+
+std::string PyLower(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char32_t c : jinja::DecodeUtf8(s)) jinja::AppendUtf8(&out, LowerCp(c));
+  return out;
+}
+std::string PyUpper(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char32_t c : jinja::DecodeUtf8(s)) AppendUpper(&out, c);
+  return out;
+}
+
 bool IsAsciiAlpha(char32_t c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
 // Python's str.strip/lstrip/rstrip (chars: the set to strip; null:
@@ -181,49 +242,56 @@ std::string Replace(const std::string& s, const std::string& old, const std::str
   return out;
 }
 
-// Python's str.title (ASCII letters change case; others count as letters
-// when they are not ASCII punctuation, digits or whitespace).
+// Python's str.title: a cased letter after an uncased character starts a
+// word (upper case), the rest of the word goes lower case.
 std::string PyTitle(const std::string& s) {
-  std::u32string u = jinja::DecodeUtf8(s);
+  std::string out;
   bool prev_cased = false;
-  for (char32_t& c : u) {
-    bool alpha = IsAsciiAlpha(c) || c >= 0x80;
-    if (IsAsciiAlpha(c)) {
-      if (prev_cased) {
-        if (c >= 'A' && c <= 'Z') c = c - 'A' + 'a';
-      } else if (c >= 'a' && c <= 'z') {
-        c = c - 'a' + 'A';
-      }
+  for (char32_t c : jinja::DecodeUtf8(s)) {
+    if (prev_cased) {
+      jinja::AppendUtf8(&out, LowerCp(c));
+    } else if (c == 0xDF) {
+      out += "Ss";
+    } else {
+      jinja::AppendUtf8(&out, UpperCp(c));
     }
-    prev_cased = alpha && !jinja::IsPyWhitespace(c);
+    prev_cased = IsCasedCp(c);
   }
-  return jinja::EncodeUtf8(u);
+  return out;
 }
 
+// Python's str.capitalize: the first character title case, the rest lower.
 std::string PyCapitalize(const std::string& s) {
-  std::string out = AsciiLower(s);
-  if (!out.empty() && out[0] >= 'a' && out[0] <= 'z')
-    out[0] = static_cast<char>(out[0] - 'a' + 'A');
+  std::u32string u = jinja::DecodeUtf8(s);
+  std::string out;
+  for (size_t k = 0; k < u.size(); ++k) {
+    if (k > 0) {
+      jinja::AppendUtf8(&out, LowerCp(u[k]));
+    } else if (u[k] == 0xDF) {
+      out += "Ss";
+    } else {
+      jinja::AppendUtf8(&out, UpperCp(u[k]));
+    }
+  }
   return out;
 }
 
 // jinja2's title filter: each word (split at whitespace, '-', '(', '{', '['
-// and '<') starts upper case, the rest lower.
+// and '<') gets its first character upper case and the rest lower case.
 std::string JinjaTitle(const std::string& s) {
   std::string out;
   bool word_start = true;
-  for (char c : s) {
-    bool sep = c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v' ||
-               c == '-' || c == '(' || c == '{' || c == '[' || c == '<';
+  for (char32_t c : jinja::DecodeUtf8(s)) {
+    bool sep = jinja::IsPyWhitespace(c) || c == '-' || c == '(' || c == '{' || c == '[' || c == '<';
     if (sep) {
-      out += c;
+      jinja::AppendUtf8(&out, c);
       word_start = true;
       continue;
     }
     if (word_start) {
-      out += (c >= 'a' && c <= 'z') ? static_cast<char>(c - 'a' + 'A') : c;
+      AppendUpper(&out, c);
     } else {
-      out += (c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c;
+      jinja::AppendUtf8(&out, LowerCp(c));
     }
     word_start = false;
   }
@@ -1435,8 +1503,8 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
     MLARUN_RETURN_IF_ERROR(Charge(r.size()));
     return Value::Str(std::move(r));
   }
-  if (name == "upper") return Value::Str(AsciiUpper(s));
-  if (name == "lower") return Value::Str(AsciiLower(s));
+  if (name == "upper") return Value::Str(PyUpper(s));
+  if (name == "lower") return Value::Str(PyLower(s));
   if (name == "title") return Value::Str(PyTitle(s));
   if (name == "capitalize") return Value::Str(PyCapitalize(s));
   if (name == "find" || name == "rfind" || name == "index" || name == "count") {
@@ -1512,10 +1580,10 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
   if (name == "islower" || name == "isupper") {
     bool cased = false, ok = true;
     for (char32_t c : u) {
-      if (c >= 'a' && c <= 'z') {
+      if (IsLowerCp(c)) {
         cased = true;
         if (name == "isupper") ok = false;
-      } else if (c >= 'A' && c <= 'Z') {
+      } else if (IsUpperCp(c)) {
         cased = true;
         if (name == "islower") ok = false;
       }
@@ -1558,10 +1626,10 @@ StatusOr<Value> FTrim(Renderer&, const Value& v, CallArgs& a) {
 }
 
 StatusOr<Value> FUpper(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(AsciiUpper(jinja::ToStr(v)));
+  return Value::Str(PyUpper(jinja::ToStr(v)));
 }
 StatusOr<Value> FLower(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(AsciiLower(jinja::ToStr(v)));
+  return Value::Str(PyLower(jinja::ToStr(v)));
 }
 StatusOr<Value> FCapitalize(Renderer&, const Value& v, CallArgs&) {
   return Value::Str(PyCapitalize(jinja::ToStr(v)));
@@ -1792,7 +1860,7 @@ StatusOr<Value> SortKey(Renderer& r, const Value& v, const Value* attr, bool cas
   if (attr != nullptr && !attr->is_none()) {
     MLARUN_ASSIGN_OR_RETURN(k, r.AttributePath(v, *attr));
   }
-  if (!case_sensitive && k.is_string()) return Value::Str(AsciiLower(k.s));
+  if (!case_sensitive && k.is_string()) return Value::Str(PyLower(k.s));
   return k;
 }
 

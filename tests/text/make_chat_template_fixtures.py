@@ -435,6 +435,17 @@ EDGE_SNIPPETS = [
     ('edge_scope_19', '{%- for x in [1, 2] -%}\n  {{ x }}\n{%- endfor %}', {}),
     ('edge_scope_20', '{% for x in [1] %}{{ x }}{% else %}E{% endfor %}', {}),
     ('edge_scope_21', '{{ {"a": 1}.items()|list }}', {}),
+    ('edge_case_mapping_01', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'héllo wörld'}),
+    ('edge_case_mapping_02', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'ÀÉÎÕÜ àéîõü'}),
+    ('edge_case_mapping_03', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'straße'}),
+    ('edge_case_mapping_04', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'Ÿÿ'}),
+    ('edge_case_mapping_05', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'ĀāĂă Ĺĺ Źź ı ſ'}),
+    ('edge_case_mapping_06', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'Ελληνικά ΆΈΉΊΌΎΏ άέήίόύώ'}),
+    ('edge_case_mapping_07', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'Привет Мир ЁЖ ёж'}),
+    ('edge_case_mapping_08', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'µ'}),
+    ('edge_case_mapping_09', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'x1y z2Z'}),
+    ('edge_case_mapping_10', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': '你好a世界b'}),
+    ('edge_case_mapping_11', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': "o'neil mc-donald (bob) [x] <y>"}),
 ]
 
 
