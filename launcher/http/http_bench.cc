@@ -369,6 +369,7 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
         }
       }
     }
+    http.reset();  // its keep-alive connection would hold the server's shutdown for its timeout
     target->Stop();
     *verified = *verified && failed == 0;
     const double g50 = Percentile(grpc_ms, 50);

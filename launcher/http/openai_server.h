@@ -70,7 +70,8 @@ class HttpApi {
   virtual std::string address() const = 0;
   // Stops accepting and returns once every handler has returned. Exchanges
   // still waiting on the dispatcher end when it ends their requests (its own
-  // Shutdown), so call that first. Idempotent.
+  // Shutdown), so call that first; an idle keep-alive connection is let go
+  // within keep_alive_timeout_s. Idempotent.
   virtual void Shutdown() = 0;
 };
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "launcher/coordinator/coordinator.h"
+#include "launcher/http/http_bench.h"
 #include "launcher/text/tokenizer.h"
 #include "mlarun.grpc.pb.h"
 #include "tests/launcher/sim_worker_thread.h"
@@ -822,6 +823,20 @@ TEST(HttpApiDeadline, PassedDeadlineIs504) {
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events.back(), "[DONE]");
   EXPECT_EQ(json::parse(events[events.size() - 2])["error"]["code"], "deadline_exceeded");
+}
+
+TEST(HttpBench, ASmallRunIsVerified) {
+  std::ostringstream table;
+  bool verified = false;
+  auto doc = RunHttpBench(HttpBenchOptions{.clients = 4, .requests = 16, .max_tokens = 4, .groups = 2,
+                                           .tokens_per_s = 0, .overhead_requests = 8},
+                          table, &verified);
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  EXPECT_TRUE(verified) << table.str();
+  ASSERT_EQ((*doc)["load"].size(), 2u);
+  EXPECT_EQ((*doc)["load"][1]["api"], "HTTP");
+  EXPECT_EQ((*doc)["load"][1]["failed"], 0);
+  EXPECT_NE(table.str().find("HTTP streamed"), std::string::npos) << table.str();
 }
 
 }  // namespace
