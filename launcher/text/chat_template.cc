@@ -1,11 +1,33 @@
 // The chat-template interpreter: walks the tree jinja_parse builds, with
 // jinja2's semantics as transformers configures it (see chat_template.h).
 //
+// The subset:
+//   statements  if/elif/else, for (tuple targets, `if` filter, else, the
+//               loop object: index index0 revindex revindex0 first last
+//               length previtem nextitem depth cycle()), break/continue,
+//               set (names, tuples, ns.attr, block set), with, macro and
+//               calls of macros (positional, keyword, defaults), filter
+//               blocks, raw, comments, transformers' {% generation %}.
+//   expressions literals, lists, tuples, dicts, attribute/subscript/slice,
+//               + - * / // % ** ~, comparisons (chained), in / not in,
+//               and/or/not, conditional expressions, `str % values`.
+//   globals     raise_exception, strftime_now, namespace, range, dict.
+//   filters     see Filters(); tests: see Tests(); methods of str
+//               (split strip startswith replace find format join ...), of
+//               dict (get items keys values) and of list (index count).
+// Values print as Python prints them (True, None, 1.0, reprs of lists and
+// dicts, dict_items([...]) views).
+//
+// Where it differs from Python: integers are 64-bit (overflow is an error,
+// not a big int); case mapping covers ASCII, Latin-1, Latin Extended-A,
+// Greek and Cyrillic; range() is a list (it prints as one); the context's
+// objects iterate in nlohmann::json's key order.
+//
 // Scopes follow jinja2: a for loop's body and a macro's body get their own
 // (a `set` inside them is not seen outside; namespace() is the way out), an
-// if's body does not. Runaway templates are stopped by three budgets: output
-// and string bytes built, steps (nodes run, loop iterations, calls), and
-// macro call depth.
+// if's body does not. Runaway templates are stopped by budgets: output and
+// string bytes built, steps (nodes run, loop iterations, calls), macro call
+// depth, and how deep values nest.
 #include "launcher/text/chat_template.h"
 
 #include <algorithm>
