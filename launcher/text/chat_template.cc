@@ -5,7 +5,7 @@
 //   statements  if/elif/else, for (tuple targets, `if` filter, else, the
 //               loop object: index index0 revindex revindex0 first last
 //               length previtem nextitem depth cycle()), break/continue,
-//               set (names, tuples, ns.attr, block set), with, macro and
+//               set (names, tuples, ns.attr, block set with filters), with, macro and
 //               calls of macros (positional, keyword, defaults), filter
 //               blocks, raw, comments, transformers' {% generation %}.
 //   expressions literals, lists, tuples, dicts, attribute/subscript/slice,
@@ -551,7 +551,13 @@ Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope
       case NodeKind::kSetBlock: {
         std::string text;
         MLARUN_RETURN_IF_ERROR(Exec(n.body, scope, &text));
-        scope->vars[n.targets[0]] = Value::Str(std::move(text));
+        if (n.expr) {
+          Value v;
+          MLARUN_ASSIGN_OR_RETURN(v, EvalFilter(*n.expr, Value::Str(std::move(text)), scope));
+          scope->vars[n.targets[0]] = std::move(v);
+        } else {
+          scope->vars[n.targets[0]] = Value::Str(std::move(text));
+        }
         break;
       }
       case NodeKind::kMacro:

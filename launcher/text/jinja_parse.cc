@@ -692,12 +692,9 @@ class Parser {
     }
     if (!node->attr.empty() || node->unpack)
       return SyntaxError(Cur().line, "expected '=' in {% set %}");
-    if (IsOp("|")) {
-      return InvalidArgumentError(
-          "chat template line ", node->line,
-          ": a filtered block set ({% set x | filter %}) is not supported by mlarun's chat "
-          "template interpreter",
-          kRenderYourselfHint);
+    if (IsOp("|")) {  // {% set x | filter %}: the filters apply to the body's text
+      Next();
+      MLARUN_ASSIGN_OR_RETURN(node->expr, FilterChain(node->line));
     }
     MLARUN_RETURN_IF_ERROR(ExpectEnd());
     node->kind = NodeKind::kSetBlock;
@@ -788,17 +785,7 @@ class Parser {
     node->kind = NodeKind::kFilterBlock;
     node->line = segs_[seg_].line;
     Next();
-    auto input = std::make_unique<Expr>();
-    input->kind = ExprKind::kLiteral;
-    input->line = node->line;
-    input->text = "(block)";
-    std::unique_ptr<Expr> chain = std::move(input);
-    while (true) {
-      MLARUN_ASSIGN_OR_RETURN(chain, Filter(std::move(chain), Cur().begin));
-      if (!IsOp("|")) break;
-      Next();
-    }
-    node->expr = std::move(chain);
+    MLARUN_ASSIGN_OR_RETURN(node->expr, FilterChain(node->line));
     MLARUN_RETURN_IF_ERROR(ExpectEnd());
     ++seg_;
     std::string stop;
@@ -807,6 +794,22 @@ class Parser {
     MLARUN_RETURN_IF_ERROR(EndTag());
     out->push_back(std::move(node));
     return Status::Ok();
+  }
+
+  // `name(args) | name2 ...` over a placeholder for a block's text (a
+  // kLiteral whose text is "(block)").
+  StatusOr<std::unique_ptr<Expr>> FilterChain(int line) {
+    auto input = std::make_unique<Expr>();
+    input->kind = ExprKind::kLiteral;
+    input->line = line;
+    input->text = "(block)";
+    std::unique_ptr<Expr> chain = std::move(input);
+    while (true) {
+      MLARUN_ASSIGN_OR_RETURN(chain, Filter(std::move(chain), Cur().begin));
+      if (!IsOp("|")) break;
+      Next();
+    }
+    return chain;
   }
 
   // ----- expressions (jinja2's grammar and precedence) -----

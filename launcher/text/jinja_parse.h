@@ -63,7 +63,7 @@ enum class NodeKind : int {
   kIf,        // branches, else_body
   kFor,       // for targets in expr [if cond]: body, else_body
   kSet,       // set targets = expr, or set targets[0].attr = expr
-  kSetBlock,  // set targets[0]: body
+  kSetBlock,  // set targets[0]: body (expr: filters over its text, or null)
   kMacro,     // macro name(params = defaults): body
   kBreak,
   kContinue,

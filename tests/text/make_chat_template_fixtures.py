@@ -446,6 +446,7 @@ EDGE_SNIPPETS = [
     ('edge_case_mapping_09', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': 'x1y z2Z'}),
     ('edge_case_mapping_10', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': '你好a世界b'}),
     ('edge_case_mapping_11', '{{ w.upper() }}|{{ w.lower() }}|{{ w.title() }}|{{ w.capitalize() }}|{{ w|upper }}|{{ w|lower }}|{{ w|title }}|{{ w|capitalize }}|{{ w.islower() }}|{{ w.isupper() }}', {'w': "o'neil mc-donald (bob) [x] <y>"}),
+    ('edge_set_block_filter', "{% set x | upper %}ab{{ 1 }}{% endset %}{{ x }}|{% set y | trim | replace('a', 'b') %}  aa  {% endset %}[{{ y }}]", {}),
 ]
 
 
