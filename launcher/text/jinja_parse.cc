@@ -1163,6 +1163,7 @@ class Parser {
       Finish(e.get(), begin);
       return e;
     }
+    if (IsEnd()) return SyntaxError(t.line, "an expression was expected before the end of the tag");
     return SyntaxError(t.line, "unexpected " + Describe() + " in an expression");
   }
 

@@ -156,10 +156,10 @@ TEST(ChatTemplateTest, SyntaxErrorsNameTheirLine) {
   };
   const Case cases[] = {
       {"{% if x %}never closed", "{% endif %}", 1},
-      {"ok\n{{ x + }}", "unexpected", 2},
+      {"ok\n{{ x + }}", "an expression was expected", 2},
       {"{{ 'unterminated }}", "not closed", 1},
       {"a\nb\n{% endfor %}", "without its opening tag", 3},
-      {"{% for x in %}{% endfor %}", "unexpected", 1},
+      {"{% for x in %}{% endfor %}", "an expression was expected", 1},
       {"{{ x", "not closed", 1},
       {"{# comment", "not closed", 1},
       {"{% break %}", "outside a loop", 1},
