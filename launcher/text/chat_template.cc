@@ -408,6 +408,14 @@ const std::unordered_map<std::string, TestFn>& Tests();
 class Renderer {
  public:
   Renderer() = default;
+  Renderer(const Renderer&) = delete;
+  Renderer& operator=(const Renderer&) = delete;
+  // Namespaces may refer to each other (even in a cycle, or a chain as long
+  // as the template made it): emptying them all while every one is still held
+  // here frees them without recursion and without leaking a cycle.
+  ~Renderer() {
+    for (const auto& ns : namespaces_) ns->attrs.items.clear();
+  }
 
   Status Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope, std::string* out);
   StatusOr<Value> Eval(const Expr& e, const std::shared_ptr<Scope>& scope);
@@ -486,6 +494,7 @@ class Renderer {
   }
 
   Flow flow_ = Flow::kNormal;
+  std::vector<std::shared_ptr<jinja::Namespace>> namespaces_;  // every namespace() made
   int64_t steps_ = 0;
   size_t built_bytes_ = 0;
   int call_depth_ = 0;
@@ -2354,18 +2363,20 @@ void Renderer::InstallGlobals(Scope* root) {
         size_t n = std::strftime(buf.data(), buf.size(), fmt->s.c_str(), &tm);
         return Value::Str(std::string(buf.data(), n));
       });
-  root->vars["namespace"] = Value::MakeCallable("namespace", [](CallArgs& a) -> StatusOr<Value> {
-    Value v;
-    v.kind = Kind::kNamespace;
-    v.ns = std::make_shared<jinja::Namespace>();
-    for (const Value& init : a.args) {
-      if (!init.is_dict())
-        return InvalidArgumentError("namespace() takes keyword arguments or a dict");
-      for (const auto& [k, x] : init.dict->items) v.ns->attrs.Set(k, x);
-    }
-    for (const auto& [k, x] : a.kwargs) v.ns->attrs.Set(k, x);
-    return v;
-  });
+  root->vars["namespace"] =
+      Value::MakeCallable("namespace", [self](CallArgs& a) -> StatusOr<Value> {
+        Value v;
+        v.kind = Kind::kNamespace;
+        v.ns = std::make_shared<jinja::Namespace>();
+        self->namespaces_.push_back(v.ns);
+        for (const Value& init : a.args) {
+          if (!init.is_dict())
+            return InvalidArgumentError("namespace() takes keyword arguments or a dict");
+          for (const auto& [k, x] : init.dict->items) v.ns->attrs.Set(k, x);
+        }
+        for (const auto& [k, x] : a.kwargs) v.ns->attrs.Set(k, x);
+        return v;
+      });
   root->vars["dict"] = Value::MakeCallable("dict", [](CallArgs& a) -> StatusOr<Value> {
     Dict d;
     for (const Value& init : a.args) {

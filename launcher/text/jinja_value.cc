@@ -386,7 +386,14 @@ Status JsonValue(const Value& v, int indent, bool sort_keys, int level, std::str
 
 }  // namespace
 
-std::string Repr(const Value& v) {
+namespace {
+// Namespaces are the one mutable container, so a template can make one hold
+// itself: past this depth a repr prints "..." (as Python's does for a dict
+// that contains itself).
+constexpr int kMaxReprDepth = 300;
+
+std::string ReprAt(const Value& v, int depth) {
+  if (depth > kMaxReprDepth) return "...";
   switch (v.kind) {
     case Kind::kString:
       return StrRepr(v.s);
@@ -396,7 +403,7 @@ std::string Repr(const Value& v) {
       for (const Value& item : *v.list) {
         if (!first) out += ", ";
         first = false;
-        out += Repr(item);
+        out += ReprAt(item, depth + 1);
       }
       if (v.tuple && v.list->size() == 1) out += ",";
       out += v.tuple ? ")" : "]";
@@ -409,7 +416,7 @@ std::string Repr(const Value& v) {
       for (const auto& [k, item] : v.dict->items) {
         if (!first) out += ", ";
         first = false;
-        out += StrRepr(k) + ": " + Repr(item);
+        out += StrRepr(k) + ": " + ReprAt(item, depth + 1);
       }
       return out + "}";
     }
@@ -419,7 +426,7 @@ std::string Repr(const Value& v) {
       for (const auto& [k, item] : v.ns->attrs.items) {
         if (!first) out += ", ";
         first = false;
-        out += StrRepr(k) + ": " + Repr(item);
+        out += StrRepr(k) + ": " + ReprAt(item, depth + 1);
       }
       return out + "}>";
     }
@@ -429,6 +436,9 @@ std::string Repr(const Value& v) {
       return ToStr(v);
   }
 }
+}  // namespace
+
+std::string Repr(const Value& v) { return ReprAt(v, 0); }
 
 std::string ToStr(const Value& v) {
   switch (v.kind) {

@@ -258,6 +258,27 @@ TEST(ChatTemplateTest, DeepContextRefused) {
   EXPECT_EQ(*fine, "1");
 }
 
+// Namespaces are mutable: a template can make one hold itself, or chain
+// a long list of them. Printing stays bounded and freeing does not recurse.
+TEST(ChatTemplateTest, NamespaceCyclesAndChains) {
+  auto cycle = MustParse("{% set ns = namespace(a=1) %}{% set ns.self = ns %}{{ ns }}");
+  ASSERT_NE(cycle, nullptr);
+  auto printed = cycle->Render(nlohmann::json::object());
+  ASSERT_TRUE(printed.ok()) << printed.status();
+  EXPECT_EQ(printed->rfind("<Namespace {'a': 1, 'self': <Namespace", 0), 0u)
+      << printed->substr(0, 80);
+  EXPECT_NE(printed->find("..."), std::string::npos);
+
+  auto chain = MustParse(
+      "{% set ns = namespace(last=namespace()) %}{% for i in range(300000) %}{% set n = "
+      "namespace() %}"
+      "{% set m = ns.last %}{% set m.next = n %}{% set ns.last = n %}{% endfor %}done");
+  ASSERT_NE(chain, nullptr);
+  auto out = chain->Render(nlohmann::json::object());
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, "done");
+}
+
 // One parsed template rendered from several threads at once.
 TEST(ChatTemplateTest, ConcurrentRenders) {
   auto t = MustParse(ReadFile(FixturePath("chat_templates/deepseek_v3.jinja")));
