@@ -43,7 +43,10 @@ std::string DescribeExit(int wait_status) {
 }
 
 // The pids whose parent is this process (the job's launcher, and any of its
-// descendants orphaned to us: this process is their subreaper).
+// descendants orphaned to us: this process is their subreaper), zombies
+// included: a launcher whose main thread has exited shows as a zombie while
+// its other threads, and the ranks they are the parent of, still run; only
+// reaping it (once all of them are done) ends it.
 std::vector<pid_t> Children() {
   std::vector<pid_t> out;
   const pid_t self = getpid();
@@ -60,7 +63,7 @@ std::vector<pid_t> Children() {
     std::istringstream rest(line.substr(close + 1));
     char state = 0;
     pid_t ppid = 0;
-    if (rest >> state >> ppid && ppid == self && state != 'Z') out.push_back(std::stoi(name));
+    if (rest >> state >> ppid && ppid == self) out.push_back(std::stoi(name));
   }
   return out;
 }

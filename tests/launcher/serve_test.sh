@@ -90,7 +90,7 @@ serve_pid=
 [ "$rc" = 0 ] || fail "serve exited with $rc after SIGTERM"
 grep -q "mlarun serve: stopped" "$work/serve.log" || fail "no 'stopped' line"
 left=$(job_pids)
-[ -z "$left" ] || fail "processes left behind: $left"
+[ -z "$left" ] || fail "processes left behind: $(ps -o pid,ppid,pgid,stat,etime,cmd -p "$(echo $left | tr " " ",")" | cut -c1-160)"
 [ ! -e "$secret_dir" ] || fail "$secret_dir left behind"
 
 # A model the workers cannot load (the HTTP API off, so only they read it):
