@@ -109,6 +109,22 @@ SharedPrefixWorkload MakeSharedPrefixWorkload(const SharedPrefixSpec& spec) {
   return w;
 }
 
+std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t vocab_size, uint64_t seed,
+                                         int64_t prompt_min, int64_t prompt_max) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> len(prompt_min, prompt_max);
+  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(vocab_size - 1));
+  std::vector<BenchRequest> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    BenchRequest& r = out[static_cast<size_t>(i)];
+    r.prompt.resize(static_cast<size_t>(len(rng)));
+    for (int32_t& t : r.prompt) t = token(rng);
+    r.seed = seed * 1000003 + static_cast<uint64_t>(i);
+    r.max_tokens = max_tokens;
+  }
+  return out;
+}
+
 }  // namespace serve_bench
 
 namespace {
@@ -117,6 +133,7 @@ namespace v1 = ::mlarun::v1;
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using serve_bench::MeanOfFinite;
+using serve_bench::BenchRequest;
 using serve_bench::Percentile;
 // MakeChannel gives each channel its own connection (not shared with other
 // channels of this process), so clients spread over several connections
@@ -212,27 +229,10 @@ double CpuSince(const std::map<int, double>& before, const std::string& name) {
 
 // ---- Workloads -------------------------------------------------------------
 
-struct BenchRequest {
-  std::vector<int32_t> prompt;
-  uint64_t seed = 0;
-  int64_t max_tokens = 16;
-};
-
 // Independent prompts of kPromptMin..kPromptMax random tokens (no shared
 // prefixes: prefix_affinity falls back to least loaded on them).
 std::vector<BenchRequest> MixedRequests(int64_t n, int64_t max_tokens, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int64_t> len(kPromptMin, kPromptMax);
-  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(kVocabSize - 1));
-  std::vector<BenchRequest> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    BenchRequest& r = out[static_cast<size_t>(i)];
-    r.prompt.resize(static_cast<size_t>(len(rng)));
-    for (int32_t& t : r.prompt) t = token(rng);
-    r.seed = seed * 1000003 + static_cast<uint64_t>(i);
-    r.max_tokens = max_tokens;
-  }
-  return out;
+  return serve_bench::RandomRequests(n, max_tokens, kVocabSize, seed, kPromptMin, kPromptMax);
 }
 
 // ---- One request ------------------------------------------------------------

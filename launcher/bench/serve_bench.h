@@ -73,6 +73,18 @@ double Percentile(std::vector<double> values, double p);
 // sample says nothing about balance; callers skip it).
 double LoadImbalance(std::span<const int64_t> queued_tokens);
 
+// One request of a benchmark's load: its prompt ids, seed and max_tokens.
+struct BenchRequest {
+  std::vector<int32_t> prompt;
+  uint64_t seed = 0;
+  int64_t max_tokens = 16;
+};
+// `n` independent prompts of prompt_min..prompt_max random ids in [2,
+// vocab_size) (no shared prefixes), request i seeded seed * 1000003 + i.
+// Deterministic in `seed`.
+std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t vocab_size, uint64_t seed,
+                                         int64_t prompt_min = 16, int64_t prompt_max = 256);
+
 // Mean of the finite values (the skipped samples are NaN). NaN when none.
 double MeanOfFinite(std::span<const double> values);
 

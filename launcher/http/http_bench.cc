@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "launcher/bench/serve_bench.h"
 #include "launcher/coordinator/coordinator.h"
 #include "launcher/sim/sim_worker.h"
 #include "launcher/text/tokenizer.h"
@@ -34,12 +35,7 @@ double MsSince(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return NAN;
-  std::sort(v.begin(), v.end());
-  const size_t rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(v.size())));
-  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
-}
+using serve_bench::Percentile;
 
 std::string Fmt(double v, int digits) {
   if (!std::isfinite(v)) return "-";
@@ -109,25 +105,10 @@ StatusOr<std::unique_ptr<text::Tokenizer>> BytesTokenizer() {
   return text::Tokenizer::FromJson(tok.dump(), config.dump());
 }
 
-struct Request {
-  std::vector<int32_t> prompt;
-  uint64_t seed = 0;
-  int64_t max_tokens = 16;
-};
+using Request = serve_bench::BenchRequest;
 
 std::vector<Request> Requests(int64_t n, int64_t max_tokens, int64_t vocab, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_int_distribution<int64_t> len(16, 256);
-  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(vocab - 1));
-  std::vector<Request> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    Request& r = out[static_cast<size_t>(i)];
-    r.prompt.resize(static_cast<size_t>(len(rng)));
-    for (int32_t& t : r.prompt) t = token(rng);
-    r.seed = seed * 1000003 + static_cast<uint64_t>(i);
-    r.max_tokens = max_tokens;
-  }
-  return out;
+  return serve_bench::RandomRequests(n, max_tokens, vocab, seed);
 }
 
 // What the client saw of one request.

@@ -982,10 +982,6 @@ class HttpApiImpl final : public HttpApi {
   void LoadTemplate(const std::string& source) {
     constexpr const char* kWayAround =
         "; /v1/completions takes a prompt string rendered by the client instead";
-#ifdef MLARUN_NO_CHAT_TEMPLATE
-    (void)source;
-    template_error_ = StrCat("this build has no chat-template interpreter", kWayAround);
-#else
     if (source.empty()) {
       template_error_ = StrCat(
           "the model's tokenizer has no chat template (tokenizer_config.json: chat_template)",
@@ -996,7 +992,6 @@ class HttpApiImpl final : public HttpApi {
       template_error_ = StrCat(
           "the model's chat template cannot be used: ", parsed.status().message(), kWayAround);
     }
-#endif
   }
 
   // The principal of the request's bearer token; throws 401 when the API

@@ -38,91 +38,12 @@ using namespace std::chrono_literals;
 
 // ---- A tokenizer -------------------------------------------------------------
 
-// The tiny model's own (configs/models/tiny.yaml: tokenizer:), or, where that
-// is not in the tree, one made here: the two DeepSeek specials and the 256
-// bytes of ByteLevel, no merges.
-std::string BytesOnlyTokenizerJson() {
-  // GPT-2's byte-to-unicode table: printable bytes map to themselves, the
-  // others to U+0100 onwards, in byte order.
-  std::vector<int> cps(256, -1);
-  int next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable =
-        (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-    cps[b] = printable ? b : next++;
-  }
-  auto utf8 = [](int cp) {
-    std::string s;
-    if (cp < 0x80) {
-      s += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      s += static_cast<char>(0xC0 | (cp >> 6));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      s += static_cast<char>(0xE0 | (cp >> 12));
-      s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      s += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-    return s;
-  };
-  json vocab = json::object();
-  vocab["<｜begin▁of▁sentence｜>"] = 0;
-  vocab["<｜end▁of▁sentence｜>"] = 1;
-  for (int b = 0; b < 256; ++b) vocab[utf8(cps[b])] = b + 2;
-  json added = json::array();
-  for (int id = 0; id < 2; ++id) {
-    added.push_back({{"id", id},
-                     {"content", id == 0 ? "<｜begin▁of▁sentence｜>" : "<｜end▁of▁sentence｜>"},
-                     {"single_word", false},
-                     {"lstrip", false},
-                     {"rstrip", false},
-                     {"normalized", false},
-                     {"special", true}});
-  }
-  json tok = {{"version", "1.0"},
-              {"truncation", nullptr},
-              {"padding", nullptr},
-              {"added_tokens", added},
-              {"normalizer", nullptr},
-              {"pre_tokenizer",
-               {{"type", "Sequence"},
-                {"pretokenizers", json::array({{{"type", "ByteLevel"},
-                                                {"add_prefix_space", false},
-                                                {"trim_offsets", true},
-                                                {"use_regex", false}}})}}},
-              {"post_processor", nullptr},
-              {"decoder",
-               {{"type", "ByteLevel"},
-                {"add_prefix_space", true},
-                {"trim_offsets", true},
-                {"use_regex", true}}},
-              {"model",
-               {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", nullptr},
-                {"continuing_subword_prefix", nullptr},
-                {"end_of_word_suffix", nullptr},
-                {"fuse_unk", false},
-                {"byte_fallback", false},
-                {"vocab", vocab},
-                {"merges", json::array()}}}};
-  return tok.dump();
-}
-
+// The tiny model's own (configs/models/tiny.yaml: tokenizer:).
 std::shared_ptr<const text::Tokenizer> TestTokenizer() {
   static std::shared_ptr<const text::Tokenizer> tokenizer = [] {
     auto loaded = text::Tokenizer::Load(MLARUN_CONFIGS_DIR "/models/tiny.yaml");
-    if (loaded.ok()) return std::shared_ptr<const text::Tokenizer>(std::move(*loaded));
-    const json config = {
-        {"bos_token", "<｜begin▁of▁sentence｜>"},
-        {"eos_token", "<｜end▁of▁sentence｜>"},
-        {"add_bos_token", true},
-        {"chat_template",
-         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-         "{% if add_generation_prompt %}<|assistant|>{% endif %}"}};
-    auto made = text::Tokenizer::FromJson(BytesOnlyTokenizerJson(), config.dump());
-    EXPECT_TRUE(made.ok()) << made.status().ToString();
-    return made.ok() ? std::shared_ptr<const text::Tokenizer>(std::move(*made)) : nullptr;
+    EXPECT_TRUE(loaded.ok()) << loaded.status().ToString();
+    return loaded.ok() ? std::shared_ptr<const text::Tokenizer>(std::move(*loaded)) : nullptr;
   }();
   return tokenizer;
 }
