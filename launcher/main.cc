@@ -411,6 +411,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     co.policy = *p;
+    co.log_groups = true;
     if (!LoadSecurity("coordinator", c_security, SecurityRole::kCoordinator, &co.worker_secret, nullptr, &co)) return 2;
     if (c_http->count() > 0 && co.http_listen.empty()) co.http_listen = "127.0.0.1:8000";
     // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
@@ -487,6 +488,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     sv.coordinator.policy = *p;
+    sv.coordinator.log_groups = true;
     if (!sv_auth_tokens.empty()) {
       auto tokens = mlarun::AuthTokens::ReadFile(sv_auth_tokens);
       if (!tokens.ok()) {

@@ -98,6 +98,11 @@ struct CoordinatorOptions {
   // Health is always open (for probes).
   AuthTokens auth_tokens;
 
+  // Log to stderr when a DP group registers or goes away (and why), with
+  // the count of connected groups. `mlarun coordinator` and `mlarun serve`
+  // set it; tests and benchmarks leave it off.
+  bool log_groups = false;
+
   // ---- The OpenAI-compatible HTTP API and /metrics (docs/http-api.md) ----
   // host:port of the HTTP API (`--http`); empty (the default): off. Its
   // bearer tokens are `auth_tokens`; /health is open.

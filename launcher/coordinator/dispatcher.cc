@@ -1,6 +1,7 @@
 #include "launcher/coordinator/dispatcher.h"
 
 #include <algorithm>
+#include <iostream>
 #include <cmath>
 #include <limits>
 
@@ -167,16 +168,26 @@ struct Dispatcher::Group {
 // final status is handed to gRPC.
 class Dispatcher::Pending {
  public:
+  explicit Pending(bool log = false) : log_(log) {}
   void Add(std::shared_ptr<ClientOutlet> o) { clients_.push_back(std::move(o)); }
   void Add(std::shared_ptr<WorkerOutlet> o) { links_.push_back(std::move(o)); }
+  // A line for the coordinator's log (CoordinatorOptions::log_groups),
+  // written by Flush, outside the dispatcher's lock.
+  void Note(std::string line) {
+    if (log_) notes_.push_back(std::move(line));
+  }
   void Flush() {
     for (auto& o : links_) o->Flush();
     for (auto& o : clients_) o->Flush();
+    for (const std::string& n : notes_) std::cerr << "mlarun coordinator: " << n << "\n";
+    notes_.clear();
   }
 
  private:
+  const bool log_;
   std::vector<std::shared_ptr<ClientOutlet>> clients_;
   std::vector<std::shared_ptr<WorkerOutlet>> links_;
+  std::vector<std::string> notes_;
 };
 
 namespace {
@@ -278,7 +289,7 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
   const Clock::duration queue_timeout = SecondsToDuration(options_.queue_timeout_s);
 
   const SamplingParams sampling = FromProto(request.sampling());  // absent fields filled in
-  Pending pending;
+  Pending pending(options_.log_groups);
   std::optional<Accepted> accepted;
   {
     MutexLock lock(mu_);
@@ -354,7 +365,7 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
 }
 
 void Dispatcher::ClientGone(const std::string& wire_id, uint64_t serial) {
-  Pending pending;
+  Pending pending(options_.log_groups);
   {
     MutexLock lock(mu_);
     auto it = requests_.find(wire_id);
@@ -371,7 +382,7 @@ void Dispatcher::ClientGone(const std::string& wire_id, uint64_t serial) {
 }
 
 void Dispatcher::EndEarly(const std::string& wire_id, uint64_t serial, const std::string& finish_reason) {
-  Pending pending;
+  Pending pending(options_.log_groups);
   {
     MutexLock lock(mu_);
     auto it = requests_.find(wire_id);
@@ -382,13 +393,7 @@ void Dispatcher::EndEarly(const std::string& wire_id, uint64_t serial, const std
       // that a client could have stopped on; end it as the client's cancel.
       Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", false, pending);
     } else {
-      Group& g = *groups_[static_cast<size_t>(r->group)];
-      if (g.link != nullptr) {
-        v1::CoordinatorMessage msg;
-        msg.mutable_cancel()->set_request_id(r->wire_id);
-        g.link->Queue(std::move(msg));
-        pending.Add(g.link);
-      }
+      CancelRoute(*r, pending);
       v1::RequestDone done;
       done.set_request_id(r->wire_id);
       done.set_finish_reason(finish_reason);
@@ -400,7 +405,7 @@ void Dispatcher::EndEarly(const std::string& wire_id, uint64_t serial, const std
 }
 
 bool Dispatcher::Cancel(const std::string& principal, const std::string& id) {
-  Pending pending;
+  Pending pending(options_.log_groups);
   {
     MutexLock lock(mu_);
     auto it = client_ids_.find({principal, id});
@@ -494,7 +499,7 @@ void Dispatcher::Replace(int index, std::unique_ptr<Group> fresh) {
 bool Dispatcher::Watched(const Group& g) { return g.link != nullptr && (g.in_flight > 0 || g.heartbeats); }
 
 bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& reg) {
-  Pending pending;
+  Pending pending(options_.log_groups);
   bool attached = false;
   {
     MutexLock lock(mu_);
@@ -568,6 +573,9 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       registered.mutable_registered()->set_coordinator_id(coordinator_id_);
       link->Queue(std::move(registered));
       pending.Add(link);
+      pending.Note(StrCat("DP group ", reg.dp_group(), " of worker ", reg.worker_id(), " registered (dp=", reg.dp(),
+                          ",attn_tp=", reg.attn_tp(), ", ", reg.cache_blocks_total(), " cache blocks); ",
+                          ConnectedGroups(), " group(s) connected"));
       attached = true;
       DrainQueue(pending);
     }
@@ -577,7 +585,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
 }
 
 bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg) {
-  Pending pending;
+  Pending pending(options_.log_groups);
   bool attached = true;
   {
     MutexLock lock(mu_);
@@ -748,7 +756,7 @@ void Dispatcher::ProtocolViolation(int group, Violation v, Pending& pending) {
 }
 
 void Dispatcher::Detach(const WorkerOutlet* link) {
-  Pending pending;
+  Pending pending(options_.log_groups);
   {
     MutexLock lock(mu_);
     auto it = link_group_.find(link);
@@ -764,7 +772,7 @@ void Dispatcher::Detach(const WorkerOutlet* link) {
 
 void Dispatcher::Shutdown() {
   {
-    Pending pending;
+    Pending pending(options_.log_groups);
     {
       MutexLock lock(mu_);
       if (!shutting_down_) {
@@ -950,17 +958,18 @@ void Dispatcher::Count(grpc::StatusCode code) {
   }
 }
 
+void Dispatcher::CancelRoute(const Request& r, Pending& pending) {
+  Group& g = *groups_[static_cast<size_t>(r.group)];
+  if (g.link == nullptr) return;
+  v1::CoordinatorMessage msg;
+  msg.mutable_cancel()->set_request_id(r.wire_id);
+  g.link->Queue(std::move(msg));
+  pending.Add(g.link);
+}
+
 void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
                       Pending& pending) {
-  if (cancel_route && r->group >= 0) {
-    Group& g = *groups_[static_cast<size_t>(r->group)];
-    if (g.link != nullptr) {
-      v1::CoordinatorMessage msg;
-      msg.mutable_cancel()->set_request_id(r->wire_id);
-      g.link->Queue(std::move(msg));
-      pending.Add(g.link);
-    }
-  }
+  if (cancel_route && r->group >= 0) CancelRoute(*r, pending);
   Count(code);
   Observe(*r, code, "", 0, Clock::now());
   r->client->Close(code, std::move(message));
@@ -1041,6 +1050,8 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
   if (reason.size() > kMaxReasonBytes) reason = reason.substr(0, kMaxReasonBytes - 3) + "...";
   g.disconnect_reason = std::move(reason);
   g.left_at = Clock::now();
+  pending.Note(StrCat("DP group ", g.dp_group, " of worker ", g.worker_id, " went away: ", g.disconnect_reason, "; ",
+                      ConnectedGroups(), " group(s) connected"));
   std::vector<Request*> affected;
   for (auto& [id, r] : requests_) {
     if (r->group == group) affected.push_back(r.get());
@@ -1090,7 +1101,7 @@ void Dispatcher::TimerLoop() {
       lock.WaitUntil(timer_cv_, *next);
       continue;
     }
-    Pending pending;
+    Pending pending(options_.log_groups);
     const Clock::time_point now = Clock::now();
     CheckStalls(now, pending);
     while (!timers_.empty() && timers_.begin()->first <= now) {

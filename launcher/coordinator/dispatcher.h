@@ -180,6 +180,9 @@ class Dispatcher final : public WorkerLinkHandler {
   // INVALID_ARGUMENT, ALREADY_EXISTS, RESOURCE_EXHAUSTED rejected; CANCELLED
   // cancelled; anything else failed.
   void Count(grpc::StatusCode code) MLARUN_REQUIRES(mu_);
+  // Tells the group `r` is routed to (r.group >= 0) to drop it, if its link
+  // is up.
+  void CancelRoute(const Request& r, Pending& pending) MLARUN_REQUIRES(mu_);
   // Ends `r` with an error status (destroys it), counted by Count. CancelRoute
   // goes to its group when `cancel_route` and it is routed.
   void Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
