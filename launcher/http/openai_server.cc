@@ -50,7 +50,9 @@
 namespace mlarun {
 namespace {
 
-using json = nlohmann::json;
+// Ordered: a request's objects keep their keys' order into the chat
+// template (Python's dicts do), and answers list fields in OpenAI's order.
+using json = nlohmann::ordered_json;
 using internal::StrCat;
 using SteadyClock = std::chrono::steady_clock;
 

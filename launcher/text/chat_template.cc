@@ -20,8 +20,7 @@
 //
 // Where it differs from Python: integers are 64-bit (overflow is an error,
 // not a big int); case mapping covers ASCII, Latin-1, Latin Extended-A,
-// Greek and Cyrillic; range() is a list (it prints as one); the context's
-// objects iterate in nlohmann::json's key order.
+// Greek and Cyrillic; range() is a list (it prints as one).
 //
 // Scopes follow jinja2: a for loop's body and a macro's body get their own
 // (a `set` inside them is not seen outside; namespace() is the way out), an
@@ -2423,8 +2422,8 @@ void Renderer::InstallGlobals(Scope* root) {
 
 // The context's nesting, measured without recursion (it comes from a
 // request).
-Status CheckContextDepth(const nlohmann::json& context) {
-  std::vector<std::pair<const nlohmann::json*, int>> stack = {{&context, 1}};
+Status CheckContextDepth(const nlohmann::ordered_json& context) {
+  std::vector<std::pair<const nlohmann::ordered_json*, int>> stack = {{&context, 1}};
   while (!stack.empty()) {
     auto [j, depth] = stack.back();
     stack.pop_back();
@@ -2445,7 +2444,8 @@ class ChatTemplateImpl final : public ChatTemplate {
  public:
   explicit ChatTemplateImpl(NodeList nodes) : nodes_(std::move(nodes)) {}
 
-  StatusOr<std::string> Render(const nlohmann::json& context) const override {
+  using ChatTemplate::Render;
+  StatusOr<std::string> Render(const nlohmann::ordered_json& context) const override {
     if (!context.is_object() && !context.is_null()) {
       return InvalidArgumentError("chat template: the context must be a JSON object, not ",
                                   context.type_name());

@@ -34,10 +34,17 @@ class ChatTemplate {
   // Renders with `context` as the template's variables, e.g.
   //   {"messages": [{"role": "user", "content": "hi"}],
   //    "add_generation_prompt": true, "bos_token": "<s>", "eos_token": "</s>"}
-  // JSON null is Python's None; a missing key is undefined. INVALID_ARGUMENT
-  // when the template raises (raise_exception: its message) or an operation
-  // fails on the values given (named: "messages[2].content is not a string").
-  virtual StatusOr<std::string> Render(const nlohmann::json& context) const = 0;
+  // JSON null is Python's None; a missing key is undefined. Objects iterate
+  // (and print, `tojson`) in the context's key order, as Python's dicts
+  // keep the order a request gave: pass an ordered_json made from the
+  // request to get transformers' output exactly (a plain nlohmann::json has
+  // its keys sorted). INVALID_ARGUMENT when the template raises
+  // (raise_exception: its message) or an operation fails on the values given
+  // (named: "messages[2].content is not a string").
+  virtual StatusOr<std::string> Render(const nlohmann::ordered_json& context) const = 0;
+  StatusOr<std::string> Render(const nlohmann::json& context) const {
+    return Render(nlohmann::ordered_json(context));
+  }
 };
 
 }  // namespace mlarun::text

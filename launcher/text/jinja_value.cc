@@ -527,37 +527,41 @@ StatusOr<std::string> ToJson(const Value& v, int indent, bool sort_keys) {
   return out;
 }
 
-Value FromJson(const nlohmann::json& j) {
+template <class Json>
+Value FromJsonOf(const Json& j) {
   switch (j.type()) {
-    case nlohmann::json::value_t::null:
+    case nlohmann::detail::value_t::null:
       return Value::None();
-    case nlohmann::json::value_t::boolean:
-      return Value::Bool(j.get<bool>());
-    case nlohmann::json::value_t::number_integer:
-      return Value::Int(j.get<int64_t>());
-    case nlohmann::json::value_t::number_unsigned: {
-      uint64_t u = j.get<uint64_t>();
+    case nlohmann::detail::value_t::boolean:
+      return Value::Bool(j.template get<bool>());
+    case nlohmann::detail::value_t::number_integer:
+      return Value::Int(j.template get<int64_t>());
+    case nlohmann::detail::value_t::number_unsigned: {
+      uint64_t u = j.template get<uint64_t>();
       if (u > static_cast<uint64_t>(INT64_MAX)) return Value::Float(static_cast<double>(u));
       return Value::Int(static_cast<int64_t>(u));
     }
-    case nlohmann::json::value_t::number_float:
-      return Value::Float(j.get<double>());
-    case nlohmann::json::value_t::string:
-      return Value::Str(j.get<std::string>());
-    case nlohmann::json::value_t::array: {
+    case nlohmann::detail::value_t::number_float:
+      return Value::Float(j.template get<double>());
+    case nlohmann::detail::value_t::string:
+      return Value::Str(j.template get<std::string>());
+    case nlohmann::detail::value_t::array: {
       ValueList items;
       items.reserve(j.size());
-      for (const auto& item : j) items.push_back(FromJson(item));
+      for (const auto& item : j) items.push_back(FromJsonOf(item));
       return Value::List(std::move(items));
     }
-    case nlohmann::json::value_t::object: {
+    case nlohmann::detail::value_t::object: {
       Dict d;
-      for (auto it = j.begin(); it != j.end(); ++it) d.Set(it.key(), FromJson(it.value()));
+      for (auto it = j.begin(); it != j.end(); ++it) d.Set(it.key(), FromJsonOf(it.value()));
       return Value::MakeDict(std::move(d));
     }
     default:
       return Value::None();
   }
 }
+
+Value FromJson(const nlohmann::json& j) { return FromJsonOf(j); }
+Value FromJson(const nlohmann::ordered_json& j) { return FromJsonOf(j); }
 
 }  // namespace mlarun::text::jinja

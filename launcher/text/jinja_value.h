@@ -172,6 +172,7 @@ StatusOr<int> Compare(const Value& a, const Value& b);
 StatusOr<std::string> ToJson(const Value& v, int indent, bool sort_keys = false);
 // A JSON document as Python values (null -> None, objects -> dicts in order).
 Value FromJson(const nlohmann::json& j);
+Value FromJson(const nlohmann::ordered_json& j);  // objects keep their key order
 
 // Code points of UTF-8 text. Bytes that are not UTF-8 decode as U+DC80 +
 // byte (as Python's surrogateescape) so that encoding gives them back.

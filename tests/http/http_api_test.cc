@@ -364,7 +364,7 @@ TEST_F(HttpApiTest, ChatUsesTheTemplate) {
   ASSERT_EQ(status, 200) << whole.dump();
   auto tmpl = text::ChatTemplate::Parse(Tok().chat_template());
   ASSERT_TRUE(tmpl.ok()) << tmpl.status().ToString();
-  auto rendered = (*tmpl)->Render({{"messages", messages},
+  auto rendered = (*tmpl)->Render(json{{"messages", messages},
                                    {"add_generation_prompt", true},
                                    {"bos_token", Tok().bos_token()},
                                    {"eos_token", Tok().eos_token()}});

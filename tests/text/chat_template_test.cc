@@ -178,10 +178,27 @@ TEST(ChatTemplateTest, SyntaxErrorsNameTheirLine) {
   }
 }
 
+// Python's dicts keep the order a request gave its keys, and so does an
+// ordered_json context: tojson, items() and loops see that order (expected
+// strings: json.dumps(..., ensure_ascii=False), as transformers' tojson).
+// A plain nlohmann::json context has its keys sorted.
+TEST(ChatTemplateTest, ContextObjectsKeepTheirKeyOrder) {
+  auto t = MustParse("{{ messages[0] | tojson }}|{% for k, v in messages[0].items() %}{{ k }},{% endfor %}");
+  ASSERT_NE(t, nullptr);
+  const auto ordered = nlohmann::ordered_json::parse(
+      R"({"messages": [{"role": "user", "content": "hi", "name": "x"}]})");
+  auto out = t->Render(ordered);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(*out, R"({"role": "user", "content": "hi", "name": "x"}|role,content,name,)");
+  auto sorted = t->Render(nlohmann::json::parse(ordered.dump()));
+  ASSERT_TRUE(sorted.ok()) << sorted.status();
+  EXPECT_EQ(*sorted, R"({"content": "hi", "name": "x", "role": "user"}|content,name,role,)");
+}
+
 TEST(ChatTemplateTest, RuntimeErrorsNameTheExpression) {
   auto t = MustParse("{% for m in messages %}\n{{ m['content'] + 1 }}{% endfor %}");
   ASSERT_NE(t, nullptr);
-  auto out = t->Render({{"messages", {{{"role", "user"}, {"content", "hi"}}}}});
+  auto out = t->Render(nlohmann::json{{"messages", {{{"role", "user"}, {"content", "hi"}}}}});
   ASSERT_FALSE(out.ok());
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(out.status().message().find("line 2"), std::string::npos) << out.status();
@@ -248,12 +265,12 @@ TEST(ChatTemplateTest, DeepContextRefused) {
   auto t = MustParse("{{ messages|length }}");
   ASSERT_NE(t, nullptr);
   nlohmann::json deep = nlohmann::json::parse(std::string(5000, '[') + std::string(5000, ']'));
-  auto out = t->Render({{"messages", deep}});
+  auto out = t->Render(nlohmann::json{{"messages", deep}});
   ASSERT_FALSE(out.ok());
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(out.status().message().find("nests more than"), std::string::npos) << out.status();
   nlohmann::json ok = nlohmann::json::parse(std::string(50, '[') + std::string(50, ']'));
-  auto fine = t->Render({{"messages", ok}});
+  auto fine = t->Render(nlohmann::json{{"messages", ok}});
   ASSERT_TRUE(fine.ok()) << fine.status();
   EXPECT_EQ(*fine, "1");
 }
