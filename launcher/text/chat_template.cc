@@ -418,6 +418,22 @@ class Renderer {
 
   Status Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope, std::string* out);
   StatusOr<Value> Eval(const Expr& e, const std::shared_ptr<Scope>& scope);
+  // The arguments of a call, filter or test: children[1..] positional (the
+  // first child is the callee or operand), then the keyword ones.
+  StatusOr<CallArgs> EvalArgs(const Expr& e, const std::shared_ptr<Scope>& scope) {
+    CallArgs args;
+    for (size_t k = 1; k < e.children.size(); ++k) {
+      Value v;
+      MLARUN_ASSIGN_OR_RETURN(v, Eval(*e.children[k], scope));
+      args.args.push_back(std::move(v));
+    }
+    for (const auto& [k, x] : e.kwargs) {
+      Value v;
+      MLARUN_ASSIGN_OR_RETURN(v, Eval(*x, scope));
+      args.kwargs.emplace_back(k, std::move(v));
+    }
+    return args;
+  }
 
   // Budgets.
   Status Step(int64_t n = 1) {
@@ -1118,16 +1134,7 @@ StatusOr<Value> Renderer::EvalFilter(const Expr& e, const Value& block_input,
     MLARUN_ASSIGN_OR_RETURN(input, Eval(*e.children[0], scope));
   }
   CallArgs args;
-  for (size_t k = 1; k < e.children.size(); ++k) {
-    Value v;
-    MLARUN_ASSIGN_OR_RETURN(v, Eval(*e.children[k], scope));
-    args.args.push_back(std::move(v));
-  }
-  for (const auto& [k, x] : e.kwargs) {
-    Value v;
-    MLARUN_ASSIGN_OR_RETURN(v, Eval(*x, scope));
-    args.kwargs.emplace_back(k, std::move(v));
-  }
+  MLARUN_ASSIGN_OR_RETURN(args, EvalArgs(e, scope));
   auto r = ApplyFilter(e.name, input, args);
   if (!r.ok()) return Wrap(e, r.status());
   return r;
@@ -1231,16 +1238,7 @@ StatusOr<Value> Renderer::Eval(const Expr& e, const std::shared_ptr<Scope>& scop
       Value callee;
       MLARUN_ASSIGN_OR_RETURN(callee, Eval(*e.children[0], scope));
       CallArgs args;
-      for (size_t k = 1; k < e.children.size(); ++k) {
-        Value v;
-        MLARUN_ASSIGN_OR_RETURN(v, Eval(*e.children[k], scope));
-        args.args.push_back(std::move(v));
-      }
-      for (const auto& [k, x] : e.kwargs) {
-        Value v;
-        MLARUN_ASSIGN_OR_RETURN(v, Eval(*x, scope));
-        args.kwargs.emplace_back(k, std::move(v));
-      }
+      MLARUN_ASSIGN_OR_RETURN(args, EvalArgs(e, scope));
       auto r = CallValue(callee, args);
       if (!r.ok()) return Wrap(e, r.status());
       return r;
@@ -1251,16 +1249,7 @@ StatusOr<Value> Renderer::Eval(const Expr& e, const std::shared_ptr<Scope>& scop
       Value input;
       MLARUN_ASSIGN_OR_RETURN(input, Eval(*e.children[0], scope));
       CallArgs args;
-      for (size_t k = 1; k < e.children.size(); ++k) {
-        Value v;
-        MLARUN_ASSIGN_OR_RETURN(v, Eval(*e.children[k], scope));
-        args.args.push_back(std::move(v));
-      }
-      for (const auto& [k, x] : e.kwargs) {
-        Value v;
-        MLARUN_ASSIGN_OR_RETURN(v, Eval(*x, scope));
-        args.kwargs.emplace_back(k, std::move(v));
-      }
+      MLARUN_ASSIGN_OR_RETURN(args, EvalArgs(e, scope));
       auto r = ApplyTest(e.name, input, args);
       if (!r.ok()) return Wrap(e, r.status());
       return Value::Bool(*r != e.negated);
