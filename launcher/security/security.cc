@@ -10,6 +10,7 @@
 #include <map>
 #include <random>
 #include <sstream>
+#include <vector>
 
 namespace mlarun {
 using internal::StrCat;
@@ -166,11 +167,11 @@ StatusOr<TlsPem> LoadClientTls(const TlsFiles& files) {
   return ReadTls(files);
 }
 
-std::string NewRandomRequestId() {
-  unsigned char bytes[16];
+std::string RandomHex(size_t n) {
+  std::vector<unsigned char> bytes(n);
   size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+  while (got < bytes.size()) {
+    const ssize_t n = getrandom(bytes.data() + got, bytes.size() - got, 0);
     if (n > 0) {
       got += static_cast<size_t>(n);
     } else if (n < 0 && errno != EINTR) {
@@ -178,16 +179,19 @@ std::string NewRandomRequestId() {
       // and fails only with EINTR); std::random_device reads the same pool
       // (or the CPU's RDRAND) another way.
       std::random_device device;
-      for (; got < sizeof(bytes); ++got) bytes[got] = static_cast<unsigned char>(device());
+      for (; got < bytes.size(); ++got) bytes[got] = static_cast<unsigned char>(device());
     }
   }
   static constexpr char kHex[] = "0123456789abcdef";
-  std::string id = "req-";
+  std::string hex;
+  hex.reserve(2 * n);
   for (const unsigned char b : bytes) {
-    id.push_back(kHex[b >> 4]);
-    id.push_back(kHex[b & 15]);
+    hex.push_back(kHex[b >> 4]);
+    hex.push_back(kHex[b & 15]);
   }
-  return id;
+  return hex;
 }
+
+std::string NewRandomRequestId() { return "req-" + RandomHex(16); }
 
 }  // namespace mlarun

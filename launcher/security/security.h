@@ -99,6 +99,9 @@ struct ClientSecurity {
   std::string token;   // the client API's bearer token; empty: none
 };
 
+// `n` bytes of getrandom(2) as 2n lowercase hex digits (secrets, ids).
+std::string RandomHex(size_t n);
+
 // A request id no other client can guess: "req-" and 32 hex digits of
 // getrandom(2) (128 bits).
 std::string NewRandomRequestId();

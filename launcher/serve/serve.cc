@@ -4,22 +4,24 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/prctl.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <thread>
 
 #include "launcher/client/grpc_util.h"
+#include "launcher/security/security.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/layout.h"
 
@@ -123,11 +125,7 @@ class Serve {
     char dir_template[] = "/tmp/mlarun-serve-XXXXXX";
     if (mkdtemp(dir_template) == nullptr) return Say(std::string("cannot make a temporary directory: ") + strerror(errno)), false;
     dir_ = dir_template;
-    unsigned char bytes[32];
-    if (getrandom(bytes, sizeof bytes, 0) != static_cast<ssize_t>(sizeof bytes))
-      return Say("getrandom failed"), false;
-    static const char kHex[] = "0123456789abcdef";
-    for (unsigned char b : bytes) secret_ += kHex[b >> 4], secret_ += kHex[b & 15];
+    secret_ = RandomHex(32);
     secret_path_ = dir_ + "/worker-secret";
     const int fd = open(secret_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
     if (fd < 0 || write(fd, secret_.data(), secret_.size()) != static_cast<ssize_t>(secret_.size())) {
@@ -145,6 +143,14 @@ class Serve {
     dir_.clear();
   }
 
+  // The binary the ranks run: ours by its resolved path (the ranks' own
+  // /proc/self/exe would name mpirun's launch of them, not us).
+  std::string SelfExe() const {
+    if (!o_.self_exe.empty()) return o_.self_exe;
+    std::error_code ec;
+    return std::filesystem::read_symlink("/proc/self/exe", ec).string();
+  }
+
   std::vector<std::string> JobArgv() const {
     std::vector<std::string> argv{o_.mpirun};
     for (const std::string& a : o_.mpirun_args) argv.push_back(a);
@@ -153,7 +159,7 @@ class Serve {
         std::find(o_.mpirun_args.begin(), o_.mpirun_args.end(), "--oversubscribe") != o_.mpirun_args.end();
     if (!oversubscribe_given && static_cast<unsigned>(layout_.world()) > cores) argv.push_back("--oversubscribe");
     argv.insert(argv.end(), {"-np", std::to_string(layout_.world()),
-                             o_.self_exe.empty() ? std::string("/proc/self/exe") : o_.self_exe, "worker",
+                             SelfExe(), "worker",
                              "--coordinator", coordinator_->address(), "--model", o_.model, "--parallel", o_.parallel,
                              "--worker-secret-file", secret_path_});
     for (const std::string& a : o_.worker_args) argv.push_back(a);
@@ -164,13 +170,6 @@ class Serve {
   // reaches only us; we stop the job).
   bool StartJob() {
     std::vector<std::string> args = JobArgv();
-    // /proc/self/exe would name mpirun's own binary in the ranks: resolve it.
-    for (std::string& a : args) {
-      if (a == "/proc/self/exe") {
-        std::error_code ec;
-        a = std::filesystem::read_symlink("/proc/self/exe", ec).string();
-      }
-    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
