@@ -547,9 +547,14 @@ struct Choice {
 // A descriptor-level look at the client's connection (see the top comment).
 class Connection {
  public:
-  explicit Connection(const httplib::Request& req) : fd_(Find(req)) {}
-  // True when the peer closed or reset the connection.
-  bool Gone() const {
+  explicit Connection(const httplib::Request& req)
+      : local_addr_(req.local_addr), remote_addr_(req.remote_addr), local_port_(req.local_port),
+        remote_port_(req.remote_port) {}
+  // True when the peer closed or reset the connection. The descriptor is
+  // looked up at the first call: an exchange answered within one probe
+  // interval (most) never scans /proc/self/fd.
+  bool Gone() {
+    if (!looked_up_) fd_ = Find(), looked_up_ = true;
     if (fd_ < 0) return false;
     char c;
     const ssize_t n = recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
@@ -566,7 +571,7 @@ class Connection {
       return false;
     return std::atoi(serv) == port && addr == host;
   }
-  static int Find(const httplib::Request& req) {
+  int Find() const {
     DIR* dir = opendir("/proc/self/fd");
     if (dir == nullptr) return -1;
     int found = -1;
@@ -578,8 +583,8 @@ class Connection {
       if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0) continue;
       if (local.ss_family != AF_INET && local.ss_family != AF_INET6) continue;
       if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) continue;
-      if (Matches(local, local_len, req.local_addr, req.local_port) &&
-          Matches(peer, peer_len, req.remote_addr, req.remote_port)) {
+      if (Matches(local, local_len, local_addr_, local_port_) &&
+          Matches(peer, peer_len, remote_addr_, remote_port_)) {
         found = fd;
         break;
       }
@@ -587,7 +592,10 @@ class Connection {
     closedir(dir);
     return found;
   }
-  const int fd_;
+  const std::string local_addr_, remote_addr_;  // the request's, to find its socket by
+  const int local_port_, remote_port_;
+  bool looked_up_ = false;
+  int fd_ = -1;
 };
 
 // One exchange from submission to its last byte. Owned by the handler,
@@ -903,7 +911,7 @@ class Exchange {
   const std::string id_;
   const std::string model_;
   const int64_t created_;
-  const Connection connection_;
+  Connection connection_;
   const std::shared_ptr<ExchangeState> state_;
   std::vector<Choice> choices_;
   int64_t progress_ = 0;  // rounds of WaitUntil that took something in

@@ -505,7 +505,9 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
     ASSERT_TRUE(e.contains("error")) << res->body;
     for (const char* k : {"message", "type", "param", "code"})
       EXPECT_TRUE(e["error"].contains(k)) << res->body;
-    if (!param.empty()) EXPECT_EQ(e["error"]["param"], param) << res->body;
+    if (!param.empty()) {
+      EXPECT_EQ(e["error"]["param"], param) << res->body;
+    }
   };
   check("/v1/completions", "{\"prompt\": \"x\",", 400, "");
   check("/v1/completions", "[1, 2]", 400, "");
