@@ -8,9 +8,11 @@ if(NOT MLARUN_CUDA STREQUAL "OFF")
   endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    # sm_80 (A100) and sm_90 (H100/H200). "native" fails on machines without a GPU.
+    # sm_80 (A100; its PTX too, so later GPUs can JIT it) and sm_90a (H100/H200,
+    # where the Hopper-only instructions are allowed). "native" fails on
+    # machines without a GPU; scripts/gpu-check builds for the local GPU.
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+      set(CMAKE_CUDA_ARCHITECTURES 80 90a-real)
     endif()
     # CMake 3.25 does not know the CUDA 20 dialect flags yet.
     set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION -std=c++20)

@@ -25,4 +25,8 @@ bool CudaBuilt();
 // driver, no device) when there are none.
 StatusOr<std::vector<CudaDevice>> CudaDevices();
 
+// A label for CUDA error messages of this process (e.g. "rank 3 of 8"), set
+// once a rank knows who it is. No-op in builds without CUDA.
+void SetCudaErrorLabel(std::string label);
+
 }  // namespace mlarun

@@ -6,6 +6,8 @@ namespace mlarun {
 
 bool CudaBuilt() { return false; }
 
+void SetCudaErrorLabel(std::string) {}
+
 StatusOr<std::vector<CudaDevice>> CudaDevices() {
   return UnavailableError("this build has no CUDA backend (configure with nvcc available, or -DMLARUN_CUDA=ON)");
 }
