@@ -44,6 +44,12 @@ void AddWeightsFlag(CLI::App* app, std::string& weights) {
   app->add_option("--weights", weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
       ->capture_default_str();
 }
+void AddDeviceFlag(CLI::App* app, std::string& device) {
+  app->add_option("--device", device,
+                  "Where the model runs: cpu, or cuda (one GPU per rank: the rank on its node picks it; NCCL between "
+                  "ranks)")
+      ->capture_default_str();
+}
 void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
   app->add_option("--attention-thresholds", path,
                   "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
@@ -148,6 +154,7 @@ int main(int argc, char** argv) {
   dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")->capture_default_str()->check(CLI::PositiveNumber);
   dec->add_option("--kv-dtype", db.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
   AddWeightsFlag(dec, db.deployment.weights);
+  AddDeviceFlag(dec, db.deployment.device);
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
@@ -195,6 +202,7 @@ int main(int argc, char** argv) {
   generate->add_option("--parallel", gen.deployment.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
   AddWeightsFlag(generate, gen.deployment.weights);
   AddAttentionThresholdsFlag(generate, gen.deployment.attention_thresholds);
+  AddDeviceFlag(generate, gen.deployment.device);
 
   std::string config_path;
   mlarun::MemoryOptions mem;
@@ -276,6 +284,7 @@ int main(int argc, char** argv) {
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
   AddWeightsFlag(worker, wo.deployment.weights);
   AddAttentionThresholdsFlag(worker, wo.deployment.attention_thresholds);
+  AddDeviceFlag(worker, wo.deployment.device);
   int worker_threads = 0;
   worker->add_option("--threads", worker_threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   std::string fail_forward_call;

@@ -49,6 +49,12 @@ struct ProcessGroups {
   std::unique_ptr<Communicator> world;
   std::unique_ptr<Communicator> attn_tp;     // this rank's DP group (size attn_tp)
   std::unique_ptr<Communicator> dp_peers;    // ranks with this attn_tp_rank (size dp)
+  // With a device runner (CUDA): NCCL over the same ranks as attn_tp and
+  // dp_peers, for the step's collectives on device buffers; nullptr for the
+  // CPU, and for a group of one rank. The host-side agreements (the plan,
+  // the lock-step report, a step's failure) stay on attn_tp / dp_peers.
+  std::unique_ptr<Communicator> device_attn_tp;
+  std::unique_ptr<Communicator> device_dp_peers;
 
   int dp_rank() const { return layout.dp_rank(rank); }
   int attn_tp_rank() const { return layout.attn_tp_rank(rank); }

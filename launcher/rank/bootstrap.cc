@@ -10,6 +10,8 @@
 #include "launcher/thresholds.h"
 #include "parallel/communicator.h"
 #include "parallel/mpi/mpi_world.h"
+#include "parallel/nccl/nccl_communicator.h"
+#include "runtime/base/cuda_device.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/model/model_config.h"
 
@@ -23,6 +25,7 @@ DeploymentSpec::Fields DeploymentSpec::ToFields() const {
           {"--experts", std::to_string(experts)},
           {"--weights", weights},
           {"--attention-thresholds", attention_thresholds},
+          {"--device", device},
           {"weight limit (bytes)", std::to_string(max_weight_bytes)},
           {"--fail-forward-call", std::to_string(fail_forward_call) + "@" + std::to_string(fail_forward_rank)}};
 }
@@ -65,6 +68,23 @@ StatusOr<DeploymentSpec::Fields> DecodeSpecFields(std::string_view text) {
   }
 }
 
+StatusOr<Backend> ParseDeviceFlag(std::string_view device) {
+  if (device == "cpu") return Backend::kCpu;
+  if (device == "cuda") return Backend::kCuda;
+  return InvalidArgumentError("--device: expected cpu or cuda, got '", device, "'");
+}
+
+StatusOr<int> SelectDeviceForSpec(const DeploymentSpec& spec, int rank) {
+  MLARUN_ASSIGN_OR_RETURN(const Backend backend, ParseDeviceFlag(spec.device));
+  if (backend == Backend::kCpu) return -1;
+  auto devices = CudaDevices();
+  if (!devices.ok()) return devices.status().WithContext("--device cuda");
+  const int index = NodeLocalRank(rank) % static_cast<int>(devices->size());
+  if (Status st = SelectCudaDevice(index); !st.ok()) return st.WithContext("--device cuda");
+  SetCudaErrorLabel("rank " + std::to_string(rank));
+  return index;
+}
+
 StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelShard& shard, int rank,
                                        std::function<void(const std::string&)> progress) {
   const bool yaml = spec.model.ends_with(".yaml") || spec.model.ends_with(".yml");
@@ -87,6 +107,8 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
     return ResourceExhaustedError("the model's weights would take ", lm.predicted.total() >> 20, " MiB (limit ",
                                   spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
   lm.options.shard = shard;
+  MLARUN_ASSIGN_OR_RETURN(lm.options.attention.backend, ParseDeviceFlag(spec.device));
+  if (lm.options.attention.backend == Backend::kCuda) MLARUN_RETURN_IF_ERROR(SelectDeviceForSpec(spec, rank).status());
   if (const Status st = ApplyAbsorbThresholdsFile(spec.attention_thresholds, &lm.options.attention); !st.ok())
     return st.WithContext("--attention-thresholds");
   lm.options.progress = std::move(progress);
@@ -167,6 +189,27 @@ StatusOr<BootstrappedRank> BootstrapRank(const DeploymentSpec& spec, MpiSession&
   if (!layout.ok()) return layout.status().WithContext("--parallel");
   r.layout = *layout;
   MLARUN_ASSIGN_OR_RETURN(r.groups, session.Groups(r.layout));
+
+  // 2b. --device cuda: every rank its GPU, then NCCL over the groups the
+  // step's device collectives use (the host's agreements stay on MPI).
+  if (spec.device == "cuda") {
+    auto device = SelectDeviceForSpec(spec, session.rank());
+    MLARUN_RETURN_IF_ERROR(AgreeOnOutcome(*r.groups.world, device.status(), r.name, "choosing the GPU"));
+    r.cuda_device = *device;
+    log << std::string(command) + ": " + r.name + ": GPU " + std::to_string(r.cuda_device) + "\n" << std::flush;
+    Status nccl = Status::Ok();
+    for (auto [host, dev] : {std::pair{&r.groups.attn_tp, &r.groups.device_attn_tp},
+                             std::pair{&r.groups.dp_peers, &r.groups.device_dp_peers}}) {
+      if (!*host || (*host)->size() <= 1) continue;
+      auto comm = CreateNcclCommunicator(**host, r.cuda_device);
+      if (!comm.ok()) {
+        nccl = comm.status();
+        break;
+      }
+      *dev = std::move(*comm);
+    }
+    MLARUN_RETURN_IF_ERROR(AgreeOnOutcome(*r.groups.world, nccl, r.name, "creating the NCCL communicators"));
+  }
 
   // 3. This rank's shard; then every rank learns whether all loaded.
   const auto t0 = std::chrono::steady_clock::now();

@@ -40,6 +40,7 @@ struct DeploymentSpec {
   int64_t experts = 0;               // --experts (YAML models): 0 keeps the model's
   std::string weights = "mapped";    // --weights mapped|copied
   std::string attention_thresholds;  // --attention-thresholds FILE, "" for the CPU's defaults
+  std::string device = "cpu";        // --device cpu|cuda
   // Refuse (RESOURCE_EXHAUSTED) a shard whose weights would take more.
   int64_t max_weight_bytes = std::numeric_limits<int64_t>::max();
   // Fault injection (--fail-forward-call N[@RANK]): the model's forward call
@@ -66,6 +67,15 @@ std::string DescribeSpecDifference(const DeploymentSpec::Fields& first, const De
 std::string EncodeSpecFields(const DeploymentSpec::Fields& fields);
 StatusOr<DeploymentSpec::Fields> DecodeSpecFields(std::string_view text);
 
+// `--device`: the backend it names (cpu or cuda), INVALID_ARGUMENT naming
+// the flag otherwise.
+StatusOr<Backend> ParseDeviceFlag(std::string_view device);
+
+// For --device cuda: makes this rank's GPU current (its node-local rank
+// modulo the visible GPUs) and returns its index; a clear UNAVAILABLE when
+// there is no usable GPU or the build has no CUDA. -1 for the CPU.
+StatusOr<int> SelectDeviceForSpec(const DeploymentSpec& spec, int rank);
+
 struct LoadedModel {
   ModelConfig config;
   WeightBytes predicted;  // this shard's weights, before anything is allocated
@@ -87,6 +97,7 @@ struct BootstrappedRank {
   LoadedModel loaded;
   std::string name;          // "rank 3 (host)", for logs and errors
   double load_seconds = 0;   // loading the weights (slowest rank)
+  int cuda_device = -1;      // --device cuda: this rank's GPU
 };
 
 // See the top of this file. `command` names the caller in log lines

@@ -2,8 +2,15 @@
 // communicator owns. Built only when CUDA and NCCL are found. Plain C++ (g++):
 // only the CUDA runtime and NCCL host APIs are used, no kernels.
 //
-// NOT YET RUN ON A GPU when written: the build machine has none. Review and
-// run the NCCL test in tests/parallel/comm_test.cc on a GPU machine first.
+// The runner's kernels run on the legacy default stream and the collectives
+// on this communicator's non-blocking stream, which does NOT wait for the
+// legacy stream by itself: every collective first makes its stream wait for
+// an event recorded on the legacy stream (the buffers it reads were written
+// there), and returns after its own stream is done, so the kernels queued
+// next see its result.
+//
+// Not yet run on a GPU: the build machines have none. scripts/gpu-check runs
+// the NCCL test in tests/parallel/comm_test.cc when one is lent.
 #include "parallel/nccl/nccl_communicator.h"
 #include "runtime/base/cuda/cuda_check.h"
 
@@ -70,6 +77,7 @@ class NcclCommunicator final : public Communicator {
     // Blocks until this rank's outstanding work is done (finalizes internally).
     if (comm_ != nullptr) ncclCommDestroy(comm_);
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (inputs_ready_ != nullptr) cudaEventDestroy(inputs_ready_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
   NcclCommunicator(const NcclCommunicator&) = delete;
@@ -83,6 +91,7 @@ class NcclCommunicator final : public Communicator {
     // Non-blocking w.r.t. the legacy default stream, so other libraries'
     // default-stream work does not serialize with the collectives.
     MLARUN_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&inputs_ready_, cudaEventDisableTiming));
     MLARUN_CUDA_RETURN_IF_ERROR(cudaMalloc(&scratch_, sizeof(float)));
     MLARUN_CUDA_RETURN_IF_ERROR(cudaMemset(scratch_, 0, sizeof(float)));
     MLARUN_NCCL_RETURN_IF_ERROR(ncclCommInitRank(&comm_, size, id, rank), nullptr);
@@ -96,6 +105,7 @@ class NcclCommunicator final : public Communicator {
   // Note: NCCL reduces bf16 in bf16 steps (rounding after each partial sum);
   // the MPI backend sums in fp32. Both are exact for small integers.
   Status DoAllReduceSum(void* buf, int64_t count, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
     MLARUN_NCCL_RETURN_IF_ERROR(
         ncclAllReduce(buf, buf, static_cast<size_t>(count), type, ncclSum, comm_, stream_), comm_);
@@ -103,12 +113,14 @@ class NcclCommunicator final : public Communicator {
   }
 
   Status DoAllGather(const void* send, int64_t count, void* recv, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
     MLARUN_NCCL_RETURN_IF_ERROR(ncclAllGather(send, recv, static_cast<size_t>(count), type, comm_, stream_), comm_);
     return Synchronize();
   }
 
   Status DoAllGatherV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
     const size_t elem = CommTypeSize(t);
     if (AllEqual(counts)) {
@@ -138,6 +150,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Status DoReduceScatterSumV(const void* send, std::span<const int64_t> counts, void* recv, CommType t) override {
+    MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
     const size_t elem = CommTypeSize(t);
     if (AllEqual(counts)) {
@@ -164,6 +177,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   Status DoBroadcast(void* buf, int64_t count, CommType t, int root) override {
+    MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
     MLARUN_NCCL_RETURN_IF_ERROR(
         ncclBroadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), comm_);
@@ -174,11 +188,21 @@ class NcclCommunicator final : public Communicator {
   // word: it cannot complete on any rank before every rank has issued it, and
   // it needs no host communicator (the bootstrap may be gone by now).
   Status DoBarrier() override {
+    MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_NCCL_RETURN_IF_ERROR(ncclAllReduce(scratch_, scratch_, 1, ncclFloat32, ncclSum, comm_, stream_), comm_);
     return Synchronize();
   }
 
  private:
+  // The collective's stream waits for what the legacy default stream has
+  // queued so far (the kernels that wrote its inputs), on the device.
+  Status WaitForInputs() {
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaEventRecord(inputs_ready_, cudaStreamLegacy));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, inputs_ready_, 0));
+    return Status::Ok();
+  }
+
   // Runs `enqueue` between ncclGroupStart and ncclGroupEnd. The group is
   // closed even when an enqueue fails, so the next call starts clean.
   template <typename F>
@@ -210,6 +234,7 @@ class NcclCommunicator final : public Communicator {
   int rank_ = 0, size_ = 1;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
+  cudaEvent_t inputs_ready_ = nullptr;  // recorded on the legacy stream before each collective
   void* scratch_ = nullptr;  // one float, for Barrier()
 };
 

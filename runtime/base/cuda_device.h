@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,33 @@ bool CudaBuilt();
 // Visible devices; UNAVAILABLE with the reason (no CUDA in the build, no
 // driver, no device) when there are none.
 StatusOr<std::vector<CudaDevice>> CudaDevices();
+
+// Makes device `index` current for this process (cudaSetDevice), after
+// checking it exists. UNAVAILABLE naming the reason when there is no usable
+// GPU (or no CUDA in the build), INVALID_ARGUMENT for an index not visible.
+Status SelectCudaDevice(int index);
+
+// This process's rank on its node, for choosing its GPU (one rank per GPU on
+// each node): Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, else Slurm's
+// SLURM_LOCALID, else `fallback`.
+inline int NodeLocalRank(int fallback) {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') continue;
+    char* end = nullptr;
+    const long r = std::strtol(v, &end, 10);
+    if (*end == '\0' && r >= 0 && r < (1 << 20)) return static_cast<int>(r);
+  }
+  return fallback;
+}
+
+// The current device's memory as the driver sees it (cudaMemGetInfo).
+struct CudaMemoryInfo {
+  int device = 0;
+  int64_t free_bytes = 0;
+  int64_t total_bytes = 0;
+};
+StatusOr<CudaMemoryInfo> CurrentCudaMemory();
 
 // A label for CUDA error messages of this process (e.g. "rank 3 of 8"), set
 // once a rank knows who it is. No-op in builds without CUDA.

@@ -8,6 +8,10 @@ bool CudaBuilt() { return false; }
 
 void SetCudaErrorLabel(std::string) {}
 
+Status SelectCudaDevice(int) { return CudaDevices().status(); }
+
+StatusOr<CudaMemoryInfo> CurrentCudaMemory() { return CudaDevices().status(); }
+
 StatusOr<std::vector<CudaDevice>> CudaDevices() {
   return UnavailableError("this build has no CUDA backend (configure with nvcc available, or -DMLARUN_CUDA=ON)");
 }

@@ -295,8 +295,16 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
   // peers, then all-reduce in the group).
   Communicator* tp = parallel && parallel->attn_tp && parallel->attn_tp->size() > 1 ? parallel->attn_tp : nullptr;
   Communicator* peers = parallel && parallel->dp_peers && parallel->dp_peers->size() > 1 ? parallel->dp_peers : nullptr;
+  // Device buffers travel over the device's communicators (NCCL) when the
+  // runner has them; the failure agreement below stays on the host's.
+  Communicator* data_tp = tp != nullptr && parallel->device_attn_tp != nullptr ? parallel->device_attn_tp : tp;
+  Communicator* data_peers =
+      peers != nullptr && parallel->device_dp_peers != nullptr ? parallel->device_dp_peers : peers;
+  if (!memory_->host_accessible() && ((tp != nullptr && data_tp == tp) || (peers != nullptr && data_peers == peers)))
+    return FailedPreconditionError("model: a ", BackendName(backend()),
+                                   " runner over several ranks needs device communicators (NCCL) for its collectives");
   Status collective;
-  const Status local = ForwardImpl(seqs, pool, parallel, tp, peers, call, &collective);
+  const Status local = ForwardImpl(seqs, pool, parallel, data_tp, data_peers, call, &collective);
   routing_.resize(routing_layers_);  // the MoE layers this step ran (shrinks only when a step stopped early)
   if (!collective.ok()) return collective;  // nobody can be waited for
   if (parallel == nullptr) {

@@ -125,6 +125,11 @@ LatentCacheConfig CacheConfigFor(const ModelConfig& config, int64_t budget_bytes
 struct ParallelStep {
   Communicator* attn_tp = nullptr;    // this DP group (all-reduce of o_proj and MLP outputs)
   Communicator* dp_peers = nullptr;   // one rank per DP group (gather / reduce-scatter of hidden states)
+  // A device runner's collectives on device buffers (NCCL) over the same
+  // ranks; nullptr: attn_tp / dp_peers take them (the CPU's, in host memory).
+  // The step's failure agreement always uses attn_tp / dp_peers.
+  Communicator* device_attn_tp = nullptr;
+  Communicator* device_dp_peers = nullptr;
   std::vector<int64_t> dp_tokens;     // tokens of every DP group this step, by dp_rank
   int dp_rank = 0;
   // This rank as error messages name it, e.g. "rank 3 (node1)".

@@ -30,6 +30,27 @@ Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView 
 Status Sample(const SampleParams& p);
 }  // namespace cpu
 
+// The CUDA implementations (runtime/ops/cuda/*.cu; runtime/ops/cuda_stub.cc in
+// builds without nvcc answers UNIMPLEMENTED). Every pointer in the params is a
+// device pointer of the current GPU except where an op's header says host
+// (the MoE plan, the samplers). Kernels run on the legacy default stream, in
+// the host's call order; an op returns once its work is queued, except where
+// it must read a result back (the embedding's id check, sampling).
+namespace cuda {
+Status Embedding(const EmbeddingParams& p);
+Status RmsNorm(const RmsNormParams& p);
+Status ApplyLinear(const LinearParams& p);  // REQUIRES: p.col_end resolved; f32 and bf16 weights
+Status ApplyLinearFp8(const LinearParams& p);  // REQUIRES: as ApplyLinear; w->dtype == kF8E4M3 (linear_fp8.cu)
+Status SiluMul(const SiluMulParams& p);
+Status ApplyMlp(const MlpParams& p);
+Status Add(const AddParams& p);
+Status CopyRows(const CopyRowsParams& p);
+Status ApplyRope(const RopeParams& p);
+Status MoeGate(const MoeGateParams& p);
+Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView ws);
+Status Sample(const SampleParams& p);
+}  // namespace cuda
+
 // What an op's Run answers for a backend that has no implementation of it:
 // UNIMPLEMENTED naming the op and the backend (INVALID_ARGUMENT for a value
 // that is no backend).

@@ -17,17 +17,27 @@
 
 namespace mlarun {
 
-// A weight W [out, in] in `dtype` (f32 or bf16), row r at data + r * ld
-// elements (ld >= in: a column slice of a wider matrix keeps its stride).
-// A view: `storage` keeps `data` alive, either a buffer of its own
-// (Linear::Owned) or the memory-mapped checkpoint it is read from in place, so
-// copies of a Linear share the same bytes.
+// A weight W [out, in] in `dtype` (f32, bf16, or f8_e4m3 with block scales),
+// row r at data + r * ld elements (ld >= in: a column slice of a wider matrix
+// keeps its stride). A view: `storage` keeps `data` alive, either a buffer of
+// its own (Linear::Owned) or the memory-mapped checkpoint it is read from in
+// place, so copies of a Linear share the same bytes.
+//
+// f8_e4m3 (DeepSeek-V3's release format): element (r, c) is
+// e4m3(data[r * ld + c]) * scale[(r / 128) * scale_ld + c / 128], one fp32
+// scale per 128 x 128 block (the checkpoint's weight_scale_inv).
 struct Linear {
+  static constexpr int64_t kFp8Block = 128;
   int64_t out = 0, in = 0;
   DType dtype = DType::kF32;
   const std::byte* data = nullptr;
   int64_t ld = 0;
   std::shared_ptr<const void> storage;
+  // f8_e4m3 only: [ceil(out / 128), scale_ld >= ceil(in / 128)] fp32, kept
+  // alive by scale_storage.
+  const float* scale = nullptr;
+  int64_t scale_ld = 0;
+  std::shared_ptr<const void> scale_storage;
 
   int64_t bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
   const std::byte* row(int64_t r) const { return data + r * ld * static_cast<int64_t>(DTypeSize(dtype)); }

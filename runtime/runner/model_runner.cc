@@ -31,6 +31,8 @@ ModelRunner::ModelRunner(Model& model, std::unique_ptr<LatentPool> pool, Process
   if (groups_) {
     step_.attn_tp = groups_->attn_tp.get();
     step_.dp_peers = groups_->dp_peers.get();
+    step_.device_attn_tp = groups_->device_attn_tp.get();
+    step_.device_dp_peers = groups_->device_dp_peers.get();
     step_.dp_rank = groups_->dp_rank();
   }
 }
@@ -45,16 +47,16 @@ StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& pla
   auto logits = model_.ForwardInto(seqs_, *pool_, groups_ ? &step_ : nullptr);
   last_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!logits.ok()) return logits.status();
-  // The logit rows are the sampled sequences', in plan order.
+  // The logit rows are the sampled sequences', in plan order: one call for
+  // all of them (a device sampler reads its rows where they are).
   const int64_t vocab = model_.config().vocab_size;
-  sampled_.clear();
-  for (const StepPlan::Seq& s : plan.seqs) {
-    if (s.sampler == nullptr || s.tokens.empty()) continue;
-    const int64_t row = static_cast<int64_t>(sampled_.size());
-    SampledToken& out = sampled_.emplace_back();
-    MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data() + row * vocab, .rows = 1, .vocab = vocab, .ld = vocab,
-                                      .samplers = &s.sampler, .out = &out, .backend = model_.backend()}));
-  }
+  samplers_.clear();
+  for (const StepPlan::Seq& s : plan.seqs)
+    if (s.sampler != nullptr && !s.tokens.empty()) samplers_.push_back(s.sampler);
+  sampled_.assign(samplers_.size(), SampledToken{});
+  MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data(), .rows = static_cast<int64_t>(samplers_.size()),
+                                    .vocab = vocab, .ld = vocab, .samplers = samplers_.data(), .out = sampled_.data(),
+                                    .backend = model_.backend()}));
   return std::span<const SampledToken>(sampled_);
 }
 

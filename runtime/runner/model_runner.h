@@ -64,6 +64,7 @@ class ModelRunner {
   ParallelStep step_;  // reused: the groups' communicators, this step's dp_tokens
   std::vector<ForwardSeq> seqs_;
   std::vector<SampledToken> sampled_;
+  std::vector<Sampler*> samplers_;  // the sampled rows' samplers, in plan order
   double last_seconds_ = 0;
 };
 

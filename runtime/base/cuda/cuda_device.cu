@@ -2,6 +2,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
+#include "runtime/base/cuda/cuda_check.h"
+
 namespace mlarun {
 
 bool CudaBuilt() { return true; }
@@ -22,6 +26,24 @@ StatusOr<std::vector<CudaDevice>> CudaDevices() {
                              .total_bytes = static_cast<int64_t>(prop.totalGlobalMem)});
   }
   return out;
+}
+
+Status SelectCudaDevice(int index) {
+  MLARUN_ASSIGN_OR_RETURN(const std::vector<CudaDevice> devices, CudaDevices());
+  if (index < 0 || index >= static_cast<int>(devices.size()))
+    return InvalidArgumentError("CUDA device ", index, " requested, ", devices.size(), " visible");
+  MLARUN_CUDA_RETURN_IF_ERROR(cudaSetDevice(index));
+  return Status::Ok();
+}
+
+StatusOr<CudaMemoryInfo> CurrentCudaMemory() {
+  CudaMemoryInfo info;
+  MLARUN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&info.device));
+  size_t free_bytes = 0, total_bytes = 0;
+  MLARUN_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  info.free_bytes = static_cast<int64_t>(free_bytes);
+  info.total_bytes = static_cast<int64_t>(total_bytes);
+  return info;
 }
 
 }  // namespace mlarun
