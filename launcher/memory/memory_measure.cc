@@ -175,7 +175,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
     const std::vector<std::string> header{"rank", "group", "tp", "weights (B)", "cache B/token", "cache capacity (B)",
                                           "blocks", "request blocks", "peak", "agree", "resident (RSS)", "not accounted"};
     const std::vector<bool> left{true, true, true, false, false, false, false, false, false, true, false, false};
-    std::vector<std::vector<std::string>> rows;
+    std::vector<std::vector<std::string>> rows, gpu_rows;
     Json ranks_json = Json::array();
     int64_t measured_request_blocks = 0;
     for (const v1::RankStats* k : ranks) {
@@ -236,8 +236,32 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                 {"resident_bytes", k->resident_bytes()},
                                 {"not_accounted_bytes", k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes},
                                 {"agree", agree}});
+      // A GPU rank: what its runner allocated on the device against the
+      // prediction (weights + cache pool). The allocation also holds the
+      // RoPE tables and cudaMalloc's 256-byte rounding, so it agrees when it
+      // is at least the prediction and within 16 MiB + 0.1% above it.
+      if (k->device().starts_with("cuda")) {
+        const int64_t want = p.weights.total() + p.blocks_total * p.block_bytes;
+        const int64_t got = k->device_allocated_bytes(), extra = got - want;
+        const bool device_agree = extra >= 0 && extra <= (int64_t{16} << 20) + want / 1000;
+        all_agree &= device_agree;
+        gpu_rows.push_back({std::to_string(k->rank()), k->device(), Thousands(want), Thousands(got), Thousands(extra),
+                            memory_internal::Human(k->device_free_bytes()),
+                            memory_internal::Human(k->device_total_bytes()), device_agree ? "yes" : "NO"});
+        ranks_json.back()["device"] = Json{{"name", k->device()},
+                                           {"predicted_bytes", want},
+                                           {"allocated_bytes", got},
+                                           {"free_bytes", k->device_free_bytes()},
+                                           {"total_bytes", k->device_total_bytes()},
+                                           {"agree", device_agree}};
+      }
     }
     PrintTable(text, header, left, rows, "  ");
+    if (!gpu_rows.empty()) {
+      text << "  GPU memory at registration (predicted: weights + cache pool)\n";
+      PrintTable(text, {"rank", "device", "predicted (B)", "allocated (B)", "other (B)", "free", "total", "agree"},
+                 {true, true, false, false, false, false, false, true}, gpu_rows, "  ");
+    }
     Json job{{"worker_id", worker_id}, {"model", model}, {"parallel", first.parallel()},
              {"layout", memory_internal::LayoutName(layout)}, {"block_size", first.block_size()},
              {"memory_budget_bytes", first.memory_budget_bytes()}, {"ranks", ranks_json}};

@@ -15,6 +15,7 @@
 #include "launcher/link/worker_link_client.h"
 #include "launcher/proto/proto_sampling.h"
 #include "launcher/rank/bootstrap.h"
+#include "runtime/base/cuda_device.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/engine/rank_runner.h"
@@ -114,6 +115,20 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   me.set_cpu_model_name(HostCpu().model_name);
   me.set_cpu_flags(HostCpu().FlagList());
   me.set_cpu_isa(std::string(CpuIsaName(ActiveCpuIsa())));
+  if (boot->cuda_device >= 0) {
+    std::string name;
+    if (auto devices = CudaDevices(); devices.ok())
+      for (const CudaDevice& d : *devices)
+        if (d.index == boot->cuda_device) name = d.name;
+    me.set_device("cuda:" + std::to_string(boot->cuda_device) + (name.empty() ? "" : " " + name));
+    me.set_device_allocated_bytes(model.memory().live_bytes());
+    if (auto info = CurrentCudaMemory(); info.ok()) {
+      me.set_device_free_bytes(info->free_bytes);
+      me.set_device_total_bytes(info->total_bytes);
+    }
+  } else {
+    me.set_device("cpu");
+  }
   auto infos = AllGatherStrings(world, me.SerializeAsString());
   if (!infos.ok()) session.Abort("start-up exchange failed: " + infos.status().ToString(), 2);
   std::string worker_id = session.host() + ":" + std::to_string(getpid());

@@ -36,6 +36,9 @@ class DeviceMemory {
   virtual Status CopyIn(void* dst, const void* src, size_t bytes) = 0;
   virtual Status CopyOut(void* dst, const void* src, size_t bytes) = 0;
   virtual Status Zero(void* dst, size_t bytes) = 0;
+  // Bytes allocated through this memory and not yet freed, -1 where it does
+  // not count them (the host's: its resident set is the measure there).
+  virtual int64_t live_bytes() const { return -1; }
 };
 
 // The host's memory (Backend::kCpu).

@@ -2,10 +2,10 @@
 
 namespace mlarun {
 
-StatusOr<LocalLatentCache> LocalLatentCache::Create(const LatentCacheConfig& config) {
+StatusOr<LocalLatentCache> LocalLatentCache::Create(const LatentCacheConfig& config, DeviceMemory& memory) {
   LocalLatentCache c;
   MLARUN_ASSIGN_OR_RETURN(c.blocks, LatentCache::Create(config));
-  MLARUN_ASSIGN_OR_RETURN(c.pool, LatentPool::Create(config));
+  MLARUN_ASSIGN_OR_RETURN(c.pool, LatentPool::Create(config, memory));
   return c;
 }
 

@@ -18,7 +18,8 @@ struct LocalLatentCache {
   std::unique_ptr<LatentCache> blocks;
   std::unique_ptr<LatentPool> pool;
 
-  static StatusOr<LocalLatentCache> Create(const LatentCacheConfig& config);
+  // The pool in `memory` (the model's, for a device runner).
+  static StatusOr<LocalLatentCache> Create(const LatentCacheConfig& config, DeviceMemory& memory = HostMemory());
   // Appends `tokens` to sequence `id` (added if new) and returns the step's
   // view of them: their positions, the sequence's block table (valid until
   // `id` is appended to again or released), `logits`. `tokens` must outlive

@@ -2,6 +2,9 @@
 // device, synchronous copies. Every call is checked (cuda_check.h).
 #include <cuda_runtime.h>
 
+#include <mutex>
+#include <unordered_map>
+
 #include "runtime/base/cuda/cuda_check.h"
 #include "runtime/base/device_memory.h"
 
@@ -19,9 +22,26 @@ class Cuda final : public DeviceMemory {
       cudaGetLastError();  // clear it: out of memory is reported by the caller's Status
       return nullptr;
     }
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_[p] = bytes;
+    live_ += static_cast<int64_t>(bytes);
     return p;
   }
-  void Free(void* p) override { cudaFree(p); }
+  void Free(void* p) override {
+    if (p == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto it = sizes_.find(p); it != sizes_.end()) {
+        live_ -= static_cast<int64_t>(it->second);
+        sizes_.erase(it);
+      }
+    }
+    cudaFree(p);
+  }
+  int64_t live_bytes() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return live_;
+  }
   Status CopyIn(void* dst, const void* src, size_t bytes) override {
     MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
     return Status::Ok();
@@ -34,6 +54,11 @@ class Cuda final : public DeviceMemory {
     MLARUN_CUDA_RETURN_IF_ERROR(cudaMemset(dst, 0, bytes));
     return Status::Ok();
   }
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<void*, size_t> sizes_;  // live allocations, for live_bytes()
+  int64_t live_ = 0;
 };
 
 }  // namespace
