@@ -94,6 +94,7 @@ std::atomic<int64_t> g_prepared{0};
 // elsewhere Debian's oneDNN 2.6 cannot build one (AVX2) or would emulate it,
 // and our packed kernel is the one to use.
 bool OneDnnAllowed(const GemmDesc& d) {
+  if (d.b_type == DType::kF8E4M3) return false;  // no block-scaled e4m3 in oneDNN 2.6
   const CpuIsa isa = ActiveCpuIsa();
   if (d.a_type == DType::kF32) return isa >= CpuIsa::kAvx2;
   return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
@@ -102,6 +103,9 @@ bool OneDnnAllowed(const GemmDesc& d) {
 }  // namespace
 
 int64_t GemmSmallRowsLimit(const GemmDesc& d) {
+  // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
+  // oneDNN; the streaming kernels decode B once per group of rows.
+  if (d.b_type == DType::kF8E4M3) return 32;
   if (d.a_type == DType::kF32) return 16;
   if (!OneDnnAllowed(d)) return 32;
   return cpu::UseBf16Dot(cpu::Kernels()) ? 16 : 8;
@@ -148,8 +152,11 @@ std::ostream& operator<<(std::ostream& os, const GemmDesc& d) {
 
 Status ValidateGemmDesc(const GemmDesc& d) {
   if (d.m <= 0 || d.n <= 0 || d.k <= 0) return InvalidArgumentError("non-positive size in ", d);
-  if (d.a_type != d.b_type || (d.a_type != DType::kF32 && d.a_type != DType::kBF16))
-    return InvalidArgumentError("unsupported operand types in ", d, " (both f32 or both bf16)");
+  const bool fp8 = d.a_type == DType::kF32 && d.b_type == DType::kF8E4M3;
+  if (!fp8 && (d.a_type != d.b_type || (d.a_type != DType::kF32 && d.a_type != DType::kBF16)))
+    return InvalidArgumentError("unsupported operand types in ", d, " (both f32, both bf16, or f32 x f8_e4m3)");
+  if (fp8 && !(d.b_stride_k == 1 && d.b_stride_n >= d.k))
+    return InvalidArgumentError("an f8_e4m3 B must have k contiguous (b_stride_k == 1: a weight [n, k]) in ", d);
   if (d.c_type != DType::kF32 && d.c_type != DType::kBF16)
     return InvalidArgumentError("unsupported result type in ", d);
   if (d.accumulate && d.c_type != DType::kF32)
@@ -243,7 +250,7 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   return std::shared_ptr<const CpuGemm>(std::move(g));
 }
 
-Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch) const {
+Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales) const {
   const Impl& im = *impl_;
   const cpu::CpuKernels& k = *im.kernels;
   const GemmDesc& d = desc_;
@@ -251,6 +258,14 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch) con
   cpu::GemmArgs g{.m = d.m, .n = d.n, .k = d.k, .a = a, .a_type = d.a_type, .lda = d.lda, .b = b,
                   .b_type = d.b_type, .b_stride_k = d.b_stride_k, .b_stride_n = d.b_stride_n, .c = c,
                   .c_type = d.c_type, .ldc = d.ldc, .accumulate = d.accumulate};
+  if (d.b_type == DType::kF8E4M3) {
+    if (b_scales == nullptr || b_scales->scale == nullptr)
+      return InvalidArgumentError("an f8_e4m3 product needs its block scales: ", d);
+    if (b_scales->ld < (d.k + 127) / 128 || b_scales->row0 < 0)
+      return InvalidArgumentError("f8_e4m3 block scales with ld ", b_scales->ld, " (< ceil(k / 128) = ", (d.k + 127) / 128,
+                                  ") or row0 ", b_scales->row0, " < 0 for ", d);
+    g.b_scale = b_scales->scale, g.b_scale_ld = b_scales->ld, g.b_row0 = b_scales->row0;
+  }
   if (im.a_f32_bytes > 0) {  // the streaming kernels read fp32 A rows
     auto* af = reinterpret_cast<float*>(s);
     if (im.small_bt) {
@@ -305,8 +320,8 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch) con
   return Status::Ok();
 }
 
-Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch) const {
-  if (kind_ != GemmImpl::kOneDnn) return RunOwn(a, b, c, scratch);
+Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales) const {
+  if (kind_ != GemmImpl::kOneDnn) return RunOwn(a, b, c, scratch, b_scales);
   // A CPU stream only records the engine; keep one per thread so concurrent
   // callers never share one.
   thread_local dnnl::stream stream(CpuEngine());

@@ -14,6 +14,12 @@
 //  * our own packed kernel otherwise (bf16 without AVX512-BF16, any product on
 //    a CPU below AVX2): B converted to fp32 a cache-sized panel at a time.
 // Every product accumulates in fp32; f32 x f32 products are strict fp32.
+//
+// An f8_e4m3 B (a DeepSeek-V3 weight with 128 x 128 block scales, B's columns
+// its rows: b_stride_k == 1) times an fp32 A always takes our own kernels: the
+// streaming ones for few rows (B read as stored, decoded and scaled in
+// registers: half the bytes of bf16), the packed one otherwise (a panel of B
+// decoded once). The scales come with each Run (GemmBScales).
 #pragma once
 
 #include <cstddef>
@@ -31,7 +37,7 @@ namespace mlarun {
 // C = A x B, or C += A x B with `accumulate`. All strides are in elements.
 struct GemmDesc {
   int64_t m = 0, n = 0, k = 0;
-  DType a_type = DType::kF32;  // A and B share one type: f32 or bf16
+  DType a_type = DType::kF32;  // A and B share one type: f32 or bf16; or f32 A and f8_e4m3 B
   DType b_type = DType::kF32;
   DType c_type = DType::kF32;  // f32, or bf16 (rounded once after fp32 accumulation)
   int64_t lda = 0;             // A[i, p] at a[i * lda + p]
@@ -43,6 +49,15 @@ struct GemmDesc {
   friend bool operator==(const GemmDesc&, const GemmDesc&) = default;
 };
 std::ostream& operator<<(std::ostream& os, const GemmDesc& d);
+
+// The block scales of an f8_e4m3 B: B[p, j] = e4m3(b[j * b_stride_n + p]) *
+// scale[((row0 + j) / 128) * ld + p / 128]. `row0`: the weight row B's column
+// 0 is (a product over a column range of a weight starts inside it). A view.
+struct GemmBScales {
+  const float* scale = nullptr;
+  int64_t ld = 0;
+  int64_t row0 = 0;
+};
 
 // Checks a GemmDesc: positive sizes, supported types, consistent strides.
 Status ValidateGemmDesc(const GemmDesc& d);
@@ -88,7 +103,8 @@ class CpuGemm {
   // must pass different `scratch` buffers of scratch_bytes() (64-byte aligned;
   // may be nullptr when scratch_bytes() is 0). Called inside an OpenMP parallel
   // region it runs on the calling thread only; outside, on all OpenMP threads.
-  Status Run(const void* a, const void* b, void* c, void* scratch) const;
+  // `b_scales`: required for an f8_e4m3 B, ignored otherwise.
+  Status Run(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales = nullptr) const;
 
   // Number of products prepared so far (cache misses), for diagnostics.
   static int64_t PreparedCount();
@@ -96,7 +112,7 @@ class CpuGemm {
  private:
   struct Impl;
   explicit CpuGemm(const GemmDesc& desc);
-  Status RunOwn(const void* a, const void* b, void* c, void* scratch) const;
+  Status RunOwn(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales) const;
   GemmDesc desc_;
   GemmImpl kind_ = GemmImpl::kAuto;
   std::string impl_name_;

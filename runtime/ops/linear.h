@@ -4,6 +4,9 @@
 // A product runs on whatever the backend's weights are: on the CPU, the
 // checkpoint's mapped bytes or a buffer of the model's own, with fp32
 // accumulation. bf16 weights: the activations are rounded to bf16 first.
+// f8_e4m3 weights (docs/fp8-weights.md): read as stored and decoded with their
+// block scales inside the product; the activations stay fp32 (on the CPU and
+// on CUDA alike).
 #pragma once
 
 #include <cstddef>
@@ -39,21 +42,33 @@ struct Linear {
   int64_t scale_ld = 0;
   std::shared_ptr<const void> scale_storage;
 
-  int64_t bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
+  // Memory the weight holds: its elements, plus its block scales for f8_e4m3
+  // ([ceil(out / 128), ceil(in / 128)] fp32: what the loader keeps, and what
+  // PredictWeightBytes counts).
+  int64_t bytes() const { return data_bytes() + scale_bytes(); }
+  int64_t data_bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
+  int64_t scale_bytes() const {
+    return dtype == DType::kF8E4M3 ? ((out + kFp8Block - 1) / kFp8Block) * ((in + kFp8Block - 1) / kFp8Block) * 4 : 0;
+  }
   const std::byte* row(int64_t r) const { return data + r * ld * static_cast<int64_t>(DTypeSize(dtype)); }
-  // A zero-filled [out, in] matrix of its own (ld = in, 64-byte aligned).
+  // A zero-filled [out, in] matrix of its own (ld = in, 64-byte aligned); for
+  // f8_e4m3 also zero-filled scales of its own (scale_ld = ceil(in / 128)).
   static Linear Owned(int64_t out, int64_t in, DType dtype);
   // Writable bytes of an Owned matrix (nullptr for a view of other memory).
   std::byte* mutable_data() const { return owned_ ? const_cast<std::byte*>(data) : nullptr; }
+  // Writable scales of an Owned f8_e4m3 matrix (nullptr otherwise).
+  float* mutable_scale() const { return owned_scale_ ? const_cast<float*>(scale) : nullptr; }
   // True when `data` is memory this Linear does not own (a mapped file).
   bool in_place() const { return data != nullptr && !owned_; }
   // Gives the matrix a copy in `memory` when the host cannot address it
-  // (a no-op on the host's memory): `data` then points there, and copies of
-  // this Linear made afterwards share it. `what` names it in errors.
+  // (a no-op on the host's memory): `data` (and an f8_e4m3 matrix's `scale`)
+  // then point there, and copies of this Linear made afterwards share them.
+  // `what` names it in errors.
   Status Place(DeviceMemory& memory, std::string_view what);
 
  private:
   bool owned_ = false;
+  bool owned_scale_ = false;
 };
 
 // down(silu(gate(x)) * up(x)), HF's DeepseekV2MLP / DeepseekV3MLP.

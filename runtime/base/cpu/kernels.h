@@ -8,8 +8,10 @@
 // its family: KernelsFor() refuses, and Kernels() follows ActiveCpuIsa().
 //
 // bf16 operands are read as they are stored and widened to fp32 in registers
-// (a bf16 is the upper half of an fp32: a 16-bit shift); every product
-// accumulates in fp32. Nothing here allocates; callers pass scratch.
+// (a bf16 is the upper half of an fp32: a 16-bit shift); f8_e4m3 weights too
+// (moved into binary16 bit positions and converted with F16C / AVX-512, a
+// 256-entry table in the scalar family), times their block scale. Every
+// product accumulates in fp32. Nothing here allocates; callers pass scratch.
 #pragma once
 
 #include <cstddef>
@@ -27,9 +29,13 @@ struct GemmArgs {
   const void* a = nullptr;  // A[i, p] at a[i * lda + p]: fp32; bf16 for gemm_packed only
   DType a_type = DType::kF32;
   int64_t lda = 0;
-  const void* b = nullptr;  // B[p, j] at b[p * b_stride_k + j * b_stride_n], f32 or bf16
+  const void* b = nullptr;  // B[p, j] at b[p * b_stride_k + j * b_stride_n], f32, bf16 or f8_e4m3
   DType b_type = DType::kF32;
-  int64_t b_stride_k = 0, b_stride_n = 0;  // one of them is 1
+  int64_t b_stride_k = 0, b_stride_n = 0;  // one of them is 1 (b_stride_k for f8_e4m3)
+  // f8_e4m3 B only (with an fp32 A; gemm_small_bt and gemm_packed):
+  // B[p, j] = e4m3(b[j * b_stride_n + p]) * b_scale[((b_row0 + j) / 128) * b_scale_ld + p / 128].
+  const float* b_scale = nullptr;
+  int64_t b_scale_ld = 0, b_row0 = 0;
   void* c = nullptr;  // C[i, j] at c[i * ldc + j], f32 or bf16 (rounded once)
   DType c_type = DType::kF32;
   int64_t ldc = 0;
