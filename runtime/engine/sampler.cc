@@ -255,6 +255,13 @@ int64_t InverseCdf(const double* weights, int64_t n, const double* block_sums, d
   return i;
 }
 
+// The greedy result from the argmax and the row's weight sum: the argmax
+// weighs exactly 1, so its logprob is minus the log normalizer.
+SampledToken GreedyToken(int64_t argmax, double weight_sum) {
+  if (argmax < 0) return {0, kNegInf};
+  return {argmax, 0.0 - std::log(weight_sum)};
+}
+
 }  // namespace
 
 
@@ -289,7 +296,7 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   };
 
   const double temperature = params_.temperature;
-  if (!(temperature >= kMinSamplingTemperature)) return result(max.index);  // NaN too: greedy
+  if (greedy()) return GreedyToken(max.index, raw_sum);
   const double inv_temperature = 1.0 / temperature;
 
   // Tempered weights of every token, except under top-k, which only needs
@@ -332,6 +339,11 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   DropAfter(logits.data(), vocab, worst.key, worst.id, probs_.data());
   scaled_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
   return result(InverseCdf(probs_.data(), vocab, block_sums_.data(), u * scaled_sum));
+}
+
+SampledToken Sampler::SampleGreedyFrom(int64_t argmax, double weight_sum) {
+  internal::Xoshiro256StarStarNext(state_);  // the draw Sample makes for every row
+  return GreedyToken(argmax, weight_sum);
 }
 
 int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,

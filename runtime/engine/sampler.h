@@ -50,6 +50,17 @@ class Sampler {
   // logits: [vocab], fp32. Advances the random stream by one draw (also for greedy, to keep streams aligned).
   SampledToken Sample(std::span<const float> logits);
 
+  // True when Sample takes the argmax: temperature below
+  // kMinSamplingTemperature (NaN too).
+  bool greedy() const { return !(params_.temperature >= kMinSamplingTemperature); }
+  // What Sample returns for a greedy row reduced where its logits lie (a
+  // device; runtime/ops/sampling_math.h is that reduction): `argmax` the
+  // lowest id of the largest logit (NaN skipped), -1 when the row has no
+  // distribution (empty, or every logit -inf or NaN); `weight_sum` the sum
+  // of exp(logit - max) over the row in Sample's order. Advances the random
+  // stream by one draw, as Sample does. REQUIRES: greedy().
+  SampledToken SampleGreedyFrom(int64_t argmax, double weight_sum);
+
  private:
   struct Candidate {
     float key;  // the logit, NaN as -inf

@@ -10,7 +10,7 @@ Status AddRun(const AddParams& p) {
   if (p.x == nullptr || p.y == nullptr) return InvalidArgumentError("add: x and y must be set");
   switch (p.backend) {
     case Backend::kCpu: return cpu::Add(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::Add(p);
   }
   return NoBackend("add", p.backend);
 }
@@ -24,7 +24,7 @@ Status CopyRowsRun(const CopyRowsParams& p) {
     return InvalidArgumentError("copy_rows: ldx (", p.ldx, ") and ldy (", p.ldy, ") must be >= cols (", p.cols, ")");
   switch (p.backend) {
     case Backend::kCpu: return cpu::CopyRows(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::CopyRows(p);
   }
   return NoBackend("copy_rows", p.backend);
 }

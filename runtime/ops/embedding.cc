@@ -18,7 +18,7 @@ Status EmbeddingRun(const EmbeddingParams& p) {
   if (p.ld_out < p.width) return InvalidArgumentError("embedding: ld_out (", p.ld_out, ") < width (", p.width, ")");
   switch (p.backend) {
     case Backend::kCpu: return cpu::Embedding(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::Embedding(p);
   }
   return NoBackend("embedding", p.backend);
 }

@@ -60,7 +60,7 @@ Status LinearRun(const LinearParams& p) {
   if (p.ldy < n) return InvalidArgumentError("linear: ldy (", p.ldy, ") < col_end - col_begin (", n, ")");
   switch (p.backend) {
     case Backend::kCpu: return cpu::ApplyLinear(q);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::ApplyLinear(q);
   }
   return NoBackend("linear", p.backend);
 }
@@ -71,7 +71,7 @@ Status SiluMulRun(const SiluMulParams& p) {
   if (p.rows > 0 && p.inter > 0 && p.hidden == nullptr) return InvalidArgumentError("silu_mul: hidden is null");
   switch (p.backend) {
     case Backend::kCpu: return cpu::SiluMul(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::SiluMul(p);
   }
   return NoBackend("silu_mul", p.backend);
 }
@@ -93,7 +93,7 @@ Status MlpRun(const MlpParams& p) {
   if (p.ldy < m.down.out) return InvalidArgumentError("mlp: ldy (", p.ldy, ") < down.out (", m.down.out, ")");
   switch (p.backend) {
     case Backend::kCpu: return cpu::ApplyMlp(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::ApplyMlp(p);
   }
   return NoBackend("mlp", p.backend);
 }

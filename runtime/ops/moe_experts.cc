@@ -75,6 +75,10 @@ Status MoeReplan(const MoeExpertsParams& p, MoePlan& plan) {
   plan.x_elems = x_size, plan.h_elems = h_size, plan.y_elems = y_size;
   WorkspaceCarver sizing({});
   sizing.Take<float>(x_size), sizing.Take<float>(h_size), sizing.Take<float>(y_size);
+  // CUDA also copies the plan's slots in (runtime/ops/cuda/moe_experts.cu):
+  // each routed row's slot, then slot_y.
+  if (p.backend == Backend::kCuda)
+    sizing.Take<int32_t>(x_size / static_cast<size_t>(H)), sizing.Take<int64_t>(static_cast<size_t>(T * K));
   plan.workspace_bytes = sizing.used_bytes();
 
   // The products as items of at most ~1 MiB of weights each (a column range
@@ -111,7 +115,7 @@ Status MoeExpertsRun(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceVi
     return InvalidArgumentError("moe_experts: workspace of ", ws.bytes, " bytes, the plan needs ", plan.workspace_bytes);
   switch (p.backend) {
     case Backend::kCpu: return cpu::MoeExperts(p, plan, ws);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::MoeExperts(p, plan, ws);
   }
   return NoBackend("moe_experts", p.backend);
 }

@@ -26,7 +26,7 @@ Status MoeGateRun(const MoeGateParams& p) {
     return InvalidArgumentError("moe_gate: logits, experts and weights must be set");
   switch (p.backend) {
     case Backend::kCpu: return cpu::MoeGate(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::MoeGate(p);
   }
   return NoBackend("moe_gate", p.backend);
 }

@@ -19,7 +19,7 @@ Status RmsNormRun(const RmsNormParams& p) {
     return InvalidArgumentError("rms_norm: in place (y == x) needs ldy == ldx, got ", p.ldy, " and ", p.ldx);
   switch (p.backend) {
     case Backend::kCpu: return cpu::RmsNorm(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::RmsNorm(p);
   }
   return NoBackend("rms_norm", p.backend);
 }

@@ -21,7 +21,7 @@ Status RopeRun(const RopeParams& p) {
                                 " heads of stride_head ", p.stride_head, " and dim ", p.dim);
   switch (p.backend) {
     case Backend::kCpu: return cpu::ApplyRope(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::ApplyRope(p);
   }
   return NoBackend("rope", p.backend);
 }

@@ -15,7 +15,7 @@ Status SampleRun(const SampleParams& p) {
     if (p.samplers[r] == nullptr) return InvalidArgumentError("sample: samplers[", r, "] is null");
   switch (p.backend) {
     case Backend::kCpu: return cpu::Sample(p);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::Sample(p);
   }
   return NoBackend("sample", p.backend);
 }

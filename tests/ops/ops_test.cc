@@ -15,6 +15,7 @@
 
 #include "attention/rope.h"
 #include "kv/latent_write.h"
+#include "runtime/base/cuda_device.h"
 #include "runtime/engine/sampler.h"
 #include "runtime/ops/elementwise.h"
 #include "runtime/ops/embedding.h"
@@ -558,10 +559,12 @@ void ExpectNamed(const Status& st, const std::string& field) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find(field), std::string::npos) << "'" << field << "' not in: " << st;
 }
+// A build without nvcc answers UNIMPLEMENTED for the CUDA backend (with a
+// GPU build these host pointers must not reach it: ops_cuda_test runs it).
 void ExpectNoCuda(const Status& st, const std::string& op) {
   EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << st;
   EXPECT_EQ(st.message().rfind(op + ":", 0), 0u) << st;
-  EXPECT_NE(st.message().find("cuda"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("no CUDA backend"), std::string::npos) << st;
 }
 
 TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
@@ -578,33 +581,33 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
   ExpectNamed(LinearRun(with(lin, [](LinearParams& p) { p.ldy = 7; })), "ldy");
   ExpectNamed(LinearRun(with(lin, [](LinearParams& p) { p.col_end = 9; })), "col_end");
   ExpectNamed(LinearRun(with(lin, [](LinearParams& p) { p.w = nullptr; })), "w is null");
-  ExpectNoCuda(LinearRun(with(lin, [](LinearParams& p) { p.backend = Backend::kCuda; })), "linear");
+  if (!CudaBuilt()) ExpectNoCuda(LinearRun(with(lin, [](LinearParams& p) { p.backend = Backend::kCuda; })), "linear");
 
   const MlpParams mlp{.mlp = &m, .x = x.data(), .rows = 2, .ldx = 16, .y = y.data(), .ldy = 16, .hidden = h.data()};
   ExpectNamed(MlpRun(with(mlp, [](MlpParams& p) { p.hidden = nullptr; })), "hidden");
   ExpectNamed(MlpRun(with(mlp, [](MlpParams& p) { p.ldy = 15; })), "ldy");
-  ExpectNoCuda(MlpRun(with(mlp, [](MlpParams& p) { p.backend = Backend::kCuda; })), "mlp");
-  ExpectNoCuda(SiluMulRun({.hidden = h.data(), .rows = 2, .inter = 8, .backend = Backend::kCuda}), "silu_mul");
+  if (!CudaBuilt()) ExpectNoCuda(MlpRun(with(mlp, [](MlpParams& p) { p.backend = Backend::kCuda; })), "mlp");
+  if (!CudaBuilt()) ExpectNoCuda(SiluMulRun({.hidden = h.data(), .rows = 2, .inter = 8, .backend = Backend::kCuda}), "silu_mul");
 
   const RmsNormParams norm{.x = x.data(), .ldx = 16, .y = y.data(), .ldy = 16, .rows = 2, .n = 16,
                            .weight = weight.data()};
   ExpectNamed(RmsNormRun(with(norm, [](RmsNormParams& p) { p.ldy = 8; })), "ldy");
   ExpectNamed(RmsNormRun(with(norm, [&](RmsNormParams& p) { p.y = x.data(), p.ldy = 32; })), "in place");
   ExpectNamed(RmsNormRun(with(norm, [](RmsNormParams& p) { p.weight = nullptr; })), "weight");
-  ExpectNoCuda(RmsNormRun(with(norm, [](RmsNormParams& p) { p.backend = Backend::kCuda; })), "rms_norm");
+  if (!CudaBuilt()) ExpectNoCuda(RmsNormRun(with(norm, [](RmsNormParams& p) { p.backend = Backend::kCuda; })), "rms_norm");
 
   const int32_t ids[2] = {1, 2};
   const EmbeddingParams emb{.table = x.data(), .dtype = DType::kF32, .num_rows = 4, .width = 16, .ld = 16,
                             .ids = ids, .n = 2, .out = y.data(), .ld_out = 16};
   ExpectNamed(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.ld_out = 15; })), "ld_out");
   ExpectNamed(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.dtype = DType::kF16; })), "dtype");
-  ExpectNoCuda(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.backend = Backend::kCuda; })), "embedding");
+  if (!CudaBuilt()) ExpectNoCuda(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.backend = Backend::kCuda; })), "embedding");
 
   ExpectNamed(AddRun({.y = y.data(), .x = nullptr, .n = 4}), "x and y");
-  ExpectNoCuda(AddRun({.y = y.data(), .x = x.data(), .n = 4, .backend = Backend::kCuda}), "add");
+  if (!CudaBuilt()) ExpectNoCuda(AddRun({.y = y.data(), .x = x.data(), .n = 4, .backend = Backend::kCuda}), "add");
   const CopyRowsParams copy{.x = x.data(), .ldx = 8, .y = y.data(), .ldy = 8, .rows = 2, .cols = 8};
   ExpectNamed(CopyRowsRun(with(copy, [](CopyRowsParams& p) { p.ldx = 7; })), "ldx");
-  ExpectNoCuda(CopyRowsRun(with(copy, [](CopyRowsParams& p) { p.backend = Backend::kCuda; })), "copy_rows");
+  if (!CudaBuilt()) ExpectNoCuda(CopyRowsRun(with(copy, [](CopyRowsParams& p) { p.backend = Backend::kCuda; })), "copy_rows");
 
   auto rope = Rope::Create(RopeConfig{.dim = 8, .scaling = {}});
   ASSERT_TRUE(rope.ok());
@@ -615,7 +618,7 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
   ExpectNamed(RopeRun(with(rp, [](RopeParams& p) { p.stride_token = 15; })), "stride_token");
   ExpectNamed(RopeRun(with(rp, [](RopeParams& p) { p.dim = 7; })), "dim");
   ExpectNamed(RopeRun(with(rp, [](RopeParams& p) { p.inv_freq = nullptr; })), "inv_freq");
-  ExpectNoCuda(RopeRun(with(rp, [](RopeParams& p) { p.backend = Backend::kCuda; })), "rope");
+  if (!CudaBuilt()) ExpectNoCuda(RopeRun(with(rp, [](RopeParams& p) { p.backend = Backend::kCuda; })), "rope");
 
   int32_t experts[6];
   float weights[6];
@@ -627,7 +630,7 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
                 p.method = TopkMethod::kNoauxTc, p.n_group = 4, p.topk_group = 5;
               })),
               "topk_group");
-  ExpectNoCuda(MoeGateRun(with(gate, [](MoeGateParams& p) { p.backend = Backend::kCuda; })), "moe_gate");
+  if (!CudaBuilt()) ExpectNoCuda(MoeGateRun(with(gate, [](MoeGateParams& p) { p.backend = Backend::kCuda; })), "moe_gate");
 
   int32_t route[6] = {0, 1, 2, 3, 4, 5};
   const MoeExpertsParams moe{.experts = &m, .num_local = 1, .expert_begin = 0, .num_experts = 8, .x = x.data(),
@@ -643,7 +646,7 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
   ExpectNamed(MoeExpertsRun(moe, plan, {}), "workspace");
   ExpectNamed(MoeExpertsRun(with(moe, [](MoeExpertsParams& p) { p.tokens = 1; }), plan, {}), "plan");
   Workspace ws;
-  ExpectNoCuda(MoeExpertsRun(with(moe, [](MoeExpertsParams& p) { p.backend = Backend::kCuda; }), plan,
+  if (!CudaBuilt()) ExpectNoCuda(MoeExpertsRun(with(moe, [](MoeExpertsParams& p) { p.backend = Backend::kCuda; }), plan,
                              ws.Reserve(plan.workspace_bytes)),
                "moe_experts");
 
@@ -651,7 +654,7 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
   Sampler* samplers[1] = {&s};
   SampledToken out[1];
   ExpectNamed(SampleRun({.logits = x.data(), .rows = 1, .vocab = 16, .ld = 8, .samplers = samplers, .out = out}), "ld");
-  ExpectNoCuda(SampleRun({.logits = x.data(), .rows = 1, .vocab = 16, .ld = 16, .samplers = samplers, .out = out,
+  if (!CudaBuilt()) ExpectNoCuda(SampleRun({.logits = x.data(), .rows = 1, .vocab = 16, .ld = 16, .samplers = samplers, .out = out,
                           .backend = Backend::kCuda}),
                "sample");
 

@@ -4,18 +4,18 @@
 #include <vector>
 
 #include "runtime/ops/backend.h"
+#include "runtime/ops/moe_gate_math.h"
 
 namespace mlarun::cpu {
 namespace {
 
-// Indices of the k largest values (ties: the lower index first), in
-// descending order of value.
+// Indices of the k largest values in GateBefore's order (ties: the lower
+// index first; NaN as -inf).
 void TopK(const float* v, int64_t n, int64_t k, std::vector<int32_t>& idx) {
   idx.resize(static_cast<size_t>(n));
   std::iota(idx.begin(), idx.end(), 0);
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [v](int32_t a, int32_t b) {
-    return v[a] > v[b] || (v[a] == v[b] && a < b);
-  });
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [v](int32_t a, int32_t b) { return GateBefore(v[a], a, v[b], b); });
   idx.resize(static_cast<size_t>(k));
 }
 
@@ -36,11 +36,11 @@ void Route(const MoeGateParams& p, const float* logits, int32_t* experts, float*
   scores.assign(static_cast<size_t>(E), 0.f);
   group_scores.assign(static_cast<size_t>(G), 0.f);
   if (p.scoring == ScoringFunc::kSigmoid) {
-    for (int64_t e = 0; e < E; ++e) scores[static_cast<size_t>(e)] = 1.f / (1.f + std::exp(-logits[e]));
+    for (int64_t e = 0; e < E; ++e) scores[static_cast<size_t>(e)] = GateSigmoid(logits[e]);
   } else {
     const float mx = *std::max_element(logits, logits + E);
     float sum = 0.f;
-    for (int64_t e = 0; e < E; ++e) sum += scores[static_cast<size_t>(e)] = std::exp(logits[e] - mx);
+    for (int64_t e = 0; e < E; ++e) sum += scores[static_cast<size_t>(e)] = GateExp(logits[e] - mx);
     for (float& s : scores) s /= sum;
   }
   choice = scores;
@@ -48,17 +48,11 @@ void Route(const MoeGateParams& p, const float* logits, int32_t* experts, float*
     for (int64_t e = 0; e < E; ++e) choice[static_cast<size_t>(e)] += p.bias[e];
   const bool grouped = p.method == TopkMethod::kNoauxTc || p.method == TopkMethod::kGroupLimitedGreedy;
   if (grouped && G > 1) {
-    for (int64_t g = 0; g < G; ++g) {
-      const float* s = choice.data() + g * per_group;
-      if (p.method == TopkMethod::kNoauxTc) {  // sum of the group's two best (biased) scores
-        TopK(s, per_group, std::min<int64_t>(2, per_group), idx);
-        float sum = 0.f;
-        for (int32_t i : idx) sum += s[i];
-        group_scores[static_cast<size_t>(g)] = sum;
-      } else {  // V2 group_limited_greedy: the group's best score
-        group_scores[static_cast<size_t>(g)] = *std::max_element(s, s + per_group);
-      }
-    }
+    // V3 noaux_tc: the sum of the group's two best (biased) scores; V2
+    // group_limited_greedy: its best score.
+    for (int64_t g = 0; g < G; ++g)
+      group_scores[static_cast<size_t>(g)] =
+          GateGroupScore(choice.data() + g * per_group, per_group, p.method == TopkMethod::kNoauxTc);
     TopK(group_scores.data(), G, p.topk_group, idx);
     std::vector<char>& keep = rs.keep;
     keep.assign(static_cast<size_t>(G), 0);

@@ -2,6 +2,7 @@
 #include <vector>
 
 #include "runtime/ops/backend.h"
+#include "runtime/ops/rope_math.h"
 
 namespace mlarun::cpu {
 
@@ -18,27 +19,9 @@ Status ApplyRope(const RopeParams& p) {
       float* v = p.x + t * p.stride_token + h * p.stride_head;
       std::copy(v, v + dim, tmp.begin());
       for (int64_t j = 0; j < half; ++j) {
-        const float c = cos[static_cast<size_t>(j)], s = sin[static_cast<size_t>(j)];
-        switch (p.layout) {
-          case RopeLayout::kInterleavedToHalf: {
-            const float a = tmp[static_cast<size_t>(2 * j)], b = tmp[static_cast<size_t>(2 * j + 1)];
-            v[j] = a * c - b * s;
-            v[j + half] = b * c + a * s;
-            break;
-          }
-          case RopeLayout::kInterleaved: {
-            const float a = tmp[static_cast<size_t>(2 * j)], b = tmp[static_cast<size_t>(2 * j + 1)];
-            v[2 * j] = a * c - b * s;
-            v[2 * j + 1] = a * s + b * c;
-            break;
-          }
-          case RopeLayout::kHalf: {
-            const float a = tmp[static_cast<size_t>(j)], b = tmp[static_cast<size_t>(j + half)];
-            v[j] = a * c - b * s;
-            v[j + half] = b * c + a * s;
-            break;
-          }
-        }
+        const RopePair q = RopePairOf(p.layout, j, half);
+        RopeRotate(tmp[static_cast<size_t>(q.in_a)], tmp[static_cast<size_t>(q.in_b)], cos[static_cast<size_t>(j)],
+                   sin[static_cast<size_t>(j)], v[q.out_a], v[q.out_b]);
       }
     }
   }
