@@ -151,20 +151,22 @@ StatusOr<MlaPlan> MlaMakePlan(const MlaParams& p, const MlaConfig& c) {
       MLARUN_ASSIGN_OR_RETURN(plan.impl, cpu::MakeMlaPlan(p, c, &plan));
       return plan;
     }
-    case Backend::kCuda:
-      return UnimplementedError("mla: the CUDA attention kernels are not part of this build yet; use the cpu backend");
+    case Backend::kCuda: {
+      MLARUN_ASSIGN_OR_RETURN(plan.impl, cuda::MakeMlaPlan(p, c, &plan));
+      return plan;
+    }
   }
   return InvalidArgumentError("mla: unknown backend");
 }
 
 Status MlaReplan(const MlaParams& p, const MlaConfig& c, MlaPlan& plan) {
-  if (!plan.impl || plan.backend != c.backend || c.backend != Backend::kCpu) {
+  if (!plan.impl || plan.backend != c.backend) {
     MLARUN_ASSIGN_OR_RETURN(plan, MlaMakePlan(p, c));
     return Status::Ok();
   }
   MLARUN_RETURN_IF_ERROR(MlaCheckConfig(c));
   MLARUN_RETURN_IF_ERROR(MlaCheck(p));
-  return cpu::RemakeMlaPlan(p, c, &plan);
+  return c.backend == Backend::kCuda ? cuda::RemakeMlaPlan(p, c, &plan) : cpu::RemakeMlaPlan(p, c, &plan);
 }
 
 Status MlaRun(const MlaParams& p, const MlaPlan& plan, WorkspaceView ws) {
@@ -172,7 +174,7 @@ Status MlaRun(const MlaParams& p, const MlaPlan& plan, WorkspaceView ws) {
   if (p.num_tokens == 0) return Status::Ok();
   switch (plan.backend) {
     case Backend::kCpu: return cpu::RunMla(p, *plan.impl, ws);
-    case Backend::kCuda: break;
+    case Backend::kCuda: return cuda::RunMla(p, *plan.impl, ws);
   }
   return UnimplementedError("MlaRun: backend ", BackendName(plan.backend), " is not available");
 }
