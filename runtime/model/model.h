@@ -111,9 +111,11 @@ Status ValidateModelShard(const ModelConfig& config, const ModelShard& shard);
 // `projection_dtype`: a what-if for the decoder layers' projection matrices
 // (q / kv / o projections, dense MLP, experts). kF8E4M3 sizes them as the
 // DeepSeek-V3 release stores them, e4m3 plus one fp32 scale per 128 x 128
-// block (how GPU runtimes serve it); mlarun itself dequantizes them to
-// config.weight_dtype at load, which is the default. W_UK / W_UV stay in the
-// cache dtype, embeddings and head in weight_dtype, norms and router in fp32.
+// block: what a model loaded from such a checkpoint with Fp8Weights::kKeep
+// holds, where a shard's slice of a tensor that does not start on a 128
+// boundary is sized in weight_dtype (that tensor is dequantized at load).
+// W_UK / W_UV stay in the cache dtype, embeddings and head in weight_dtype,
+// norms and router in fp32.
 WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard = {},
                                std::optional<DType> projection_dtype = std::nullopt);
 
@@ -154,11 +156,26 @@ enum class WeightLoading : uint8_t {
 StatusOr<WeightLoading> ParseWeightLoading(std::string_view name);
 std::string_view WeightLoadingName(WeightLoading w);
 
+// How the decoder layers' projections (q / kv / o, dense MLP, experts,
+// shared experts) that a checkpoint stores as F8_E4M3 with `_scale_inv` block
+// scales (the DeepSeek-V3 release) are held. Values are frozen.
+enum class Fp8Weights : uint8_t {
+  // As stored: the e4m3 bytes read in place from the mapped files (copied
+  // with WeightLoading::kCopied), the block scales copied into fp32 buffers of
+  // the model's own; the products decode them (docs/fp8-weights.md). A shard
+  // whose slice of a tensor does not start on a 128 boundary gets that
+  // tensor dequantized to config.weight_dtype instead (logged).
+  kKeep = 0,
+  // Dequantized to config.weight_dtype at load.
+  kDequantize = 1,
+};
+
 struct ModelOptions {
   // The attention's dispatch thresholds and tiles, and the backend every op
   // of the model runs on (attention.backend: the one place it is set).
   MlaConfig attention;
   WeightLoading weights = WeightLoading::kMapped;
+  Fp8Weights fp8_weights = Fp8Weights::kKeep;  // checkpoints with F8_E4M3 projections
   // Where the weights the ops read, the step's buffers and the workspaces
   // live: the backend's device memory (MemoryFor(attention.backend)) when
   // null. Loading places every weight there (PlaceWeights); on the host's

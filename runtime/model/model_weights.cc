@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <set>
 
+#include "runtime/base/float8.h"
 #include "runtime/base/hash.h"
 #include "runtime/model/model.h"
 
@@ -39,7 +42,27 @@ class WeightSource {
     MLARUN_RETURN_IF_ERROR(Slice(name, rows, cols, r0, r1, c0, c1, dtype, l.mutable_data(), random_std));
     return l;
   }
+  // The same for a decoder layer's projection: a checkpoint source may keep
+  // it f8_e4m3 as stored (Fp8Weights::kKeep) instead of `dtype`.
+  virtual StatusOr<Linear> ProjectionSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
+                                           int64_t c0, int64_t c1, DType dtype, double random_std) {
+    return LinearSlice(name, rows, cols, r0, r1, c0, c1, dtype, random_std);
+  }
 };
+
+// The first e4m3 NaN code (S.1111.111) of n bytes at p, or -1.
+int64_t FirstNanCode(const uint8_t* p, int64_t n) {
+  constexpr int64_t kBlock = 1 << 14;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    uint32_t bad = 0;
+    for (int64_t i = b; i < e; ++i) bad |= static_cast<uint32_t>((p[i] & 0x7fu) == 0x7fu);
+    if (bad == 0) continue;
+    for (int64_t i = b; i < e; ++i)
+      if ((p[i] & 0x7fu) == 0x7fu) return i;
+  }
+  return -1;
+}
 
 // The first non-finite element of n f32 or bf16 values at p, or -1. A branch-
 // free exponent test per block (vectorised by the compiler), blocks spread
@@ -78,8 +101,25 @@ int64_t FirstNonFinite(const std::byte* p, DType dtype, int64_t n) {
 
 class CheckpointSource final : public WeightSource {
  public:
-  CheckpointSource(std::shared_ptr<const Checkpoint> c, WeightLoading loading)
-      : owner_(std::move(c)), ckpt_(*owner_), loading_(loading) {}
+  CheckpointSource(std::shared_ptr<const Checkpoint> c, WeightLoading loading, Fp8Weights fp8,
+                   std::function<void(const std::string&)> log)
+      : owner_(std::move(c)), ckpt_(*owner_), loading_(loading), fp8_(fp8), log_(std::move(log)) {}
+
+  StatusOr<Linear> ProjectionSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
+                                   int64_t c0, int64_t c1, DType dtype, double random_std) override {
+    if (fp8_ == Fp8Weights::kKeep) {
+      const int64_t shape[2] = {rows, cols};
+      MLARUN_ASSIGN_OR_RETURN(const std::byte* fp8, ckpt_.InPlaceFp8(name, shape));
+      if (fp8 != nullptr) {
+        if (Fp8SliceAligned(r0, c0)) return Fp8Slice(name, rows, cols, r0, r1, c0, c1, fp8);
+        // Its scales' blocks would straddle the slice's edge.
+        log_("weight " + name + ": this shard's slice [" + std::to_string(r0) + ", " + std::to_string(r1) + ") x [" +
+             std::to_string(c0) + ", " + std::to_string(c1) + ") does not start on a 128 boundary; dequantized to " +
+             std::string(DTypeName(dtype)) + " instead of kept f8_e4m3");
+      }
+    }
+    return LinearSlice(name, rows, cols, r0, r1, c0, c1, dtype, random_std);
+  }
   StatusOr<Linear> LinearSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
                                int64_t c1, DType dtype, double random_std) override {
     const int64_t shape[2] = {rows, cols};
@@ -170,9 +210,63 @@ class CheckpointSource final : public WeightSource {
                                 "]: the weights are not finite");
   }
 
+  // Rows [r0, r1) x columns [c0, c1) of F8_E4M3 tensor `name` (its e4m3
+  // bytes at `fp8`), kept f8_e4m3: in place (a view into the mapping), or a
+  // copy of its own with WeightLoading::kCopied; its block scales (small:
+  // one fp32 per 16,384 elements) always in a buffer of its own.
+  // REQUIRES: r0 and c0 on 128 boundaries.
+  StatusOr<Linear> Fp8Slice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
+                            int64_t c1, const std::byte* fp8) {
+    if (r0 < 0 || r0 > r1 || r1 > rows || c0 < 0 || c0 > c1 || c1 > cols)
+      return InvalidArgumentError("weight ", name, ": slice [", r0, ", ", r1, ") x [", c0, ", ", c1,
+                                  ") outside its shape [", rows, ", ", cols, "]");
+    used_.insert(name);
+    const int64_t out = r1 - r0, in = c1 - c0;
+    const std::byte* first = fp8 + r0 * cols + c0;
+    for (int64_t r = 0; r < out; ++r) {
+      const int64_t j = FirstNanCode(reinterpret_cast<const uint8_t*>(first + r * cols), in);
+      if (j >= 0)
+        return InvalidArgumentError("checkpoint ", ckpt_.dir(), ": tensor '", name, "' has a NaN code (0x",
+                                    (static_cast<unsigned>(first[r * cols + j]) & 0xffu) == 0xffu ? "ff" : "7f",
+                                    ") at element [", r0 + r, ", ", c0 + j, "]: the weights are not finite");
+    }
+    Linear l;
+    std::shared_ptr<float[]> own_scales;
+    float* scales = nullptr;  // [ceil(out / 128), ceil(in / 128)]: the slice's own blocks
+    if (loading_ == WeightLoading::kCopied) {
+      l = Linear::Owned(out, in, DType::kF8E4M3);
+      if (l.mutable_data() == nullptr && l.bytes() > 0)
+        return ResourceExhaustedError("cannot allocate ", l.bytes(), " bytes for weight ", name);
+      for (int64_t r = 0; r < out; ++r) std::memcpy(l.mutable_data() + r * in, first + r * cols, static_cast<size_t>(in));
+      scales = l.mutable_scale();
+    } else {
+      l.out = out, l.in = in, l.dtype = DType::kF8E4M3, l.ld = cols;
+      l.data = first;
+      l.storage = std::shared_ptr<const void>(owner_, l.data);  // keeps the mapping alive
+      l.scale_ld = Fp8Blocks(in);
+      own_scales.reset(new (std::nothrow) float[static_cast<size_t>(std::max<int64_t>(1, Fp8Blocks(out) * l.scale_ld))]);
+      if (own_scales == nullptr) return ResourceExhaustedError("cannot allocate the block scales of weight ", name);
+      scales = own_scales.get();
+      l.scale = scales;
+      l.scale_storage = own_scales;
+    }
+    const int64_t shape[2] = {rows, cols};
+    MLARUN_RETURN_IF_ERROR(ckpt_.LoadFp8Scales(name, shape, r0, r1, c0, c1, scales));
+    const int64_t n_scales = Fp8Blocks(out) * l.scale_ld;
+    for (int64_t i = 0; i < n_scales; ++i)
+      if (!std::isfinite(scales[i]))
+        return InvalidArgumentError("checkpoint ", ckpt_.dir(), ": the block scales of tensor '", name,
+                                    "' (its _scale_inv) are not finite at block [", r0 / kFp8Block + i / l.scale_ld,
+                                    ", ", c0 / kFp8Block + i % l.scale_ld, "]");
+    if (loading_ == WeightLoading::kCopied) ckpt_.Release(name);  // the copy is the weight now
+    return l;
+  }
+
   std::shared_ptr<const Checkpoint> owner_;
   const Checkpoint& ckpt_;
   const WeightLoading loading_;
+  const Fp8Weights fp8_;
+  const std::function<void(const std::string&)> log_;
   std::set<std::string> used_;
 };
 
@@ -220,18 +314,24 @@ class RandomSource final : public WeightSource {
   uint64_t seed_;
 };
 
+// A decoder layer's projection (WeightSource::ProjectionSlice: may stay
+// f8_e4m3), or another matrix (kept in `dtype`).
+enum class Matrix : uint8_t { kOther, kProjection };
+
 // Rows [r0, r1) of the [rows, in] weight `name` (a column-parallel shard).
 Status LoadRows(WeightSource& src, const std::string& name, int64_t rows, int64_t in, int64_t r0, int64_t r1,
-                DType dtype, Linear* l) {
-  MLARUN_ASSIGN_OR_RETURN(*l, src.LinearSlice(name, rows, in, r0, r1, 0, in, dtype, 1.0 / std::sqrt(static_cast<double>(in))));
+                DType dtype, Linear* l, Matrix kind = Matrix::kProjection) {
+  const double std = 1.0 / std::sqrt(static_cast<double>(in));
+  MLARUN_ASSIGN_OR_RETURN(*l, kind == Matrix::kProjection ? src.ProjectionSlice(name, rows, in, r0, r1, 0, in, dtype, std)
+                                                          : src.LinearSlice(name, rows, in, r0, r1, 0, in, dtype, std));
   return Status::Ok();
 }
 
-// Columns [c0, c1) of the [out, cols] weight `name` (a row-parallel shard: its
-// partial products are summed across ranks).
+// Columns [c0, c1) of the [out, cols] projection `name` (a row-parallel
+// shard: its partial products are summed across ranks).
 Status LoadCols(WeightSource& src, const std::string& name, int64_t out, int64_t cols, int64_t c0, int64_t c1,
                 DType dtype, Linear* l) {
-  MLARUN_ASSIGN_OR_RETURN(*l, src.LinearSlice(name, out, cols, 0, out, c0, c1, dtype, 1.0 / std::sqrt(static_cast<double>(cols))));
+  MLARUN_ASSIGN_OR_RETURN(*l, src.ProjectionSlice(name, out, cols, 0, out, c0, c1, dtype, 1.0 / std::sqrt(static_cast<double>(cols))));
   return Status::Ok();
 }
 
@@ -327,25 +427,29 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, std::o
   const int64_t H = c.hidden_size, N = c.num_attention_heads / s.attn_tp_size, L = c.kv_lora_rank;
   const int64_t R = c.qk_rope_head_dim, Dq = c.q_head_dim(), P = c.qk_nope_head_dim, V = c.v_head_dim;
   const int64_t W = s.mlp_size;
-  // One projection matrix of [rows, cols] as this rank holds it.
+  // One projection matrix of [rows, cols] as this rank holds it, its slice
+  // starting at row r0, column c0 of the whole tensor. fp8 as the loader
+  // keeps it (ModelShard's slice on 128 boundaries: e4m3 + an fp32 scale per
+  // 128 x 128 block of the slice, Linear::bytes), else dequantized.
   const bool fp8 = projection_dtype == DType::kF8E4M3;
-  const int64_t pw = projection_dtype ? static_cast<int64_t>(DTypeSize(*projection_dtype)) : w;
-  auto proj = [&](int64_t rows, int64_t cols) {
-    constexpr int64_t kBlock = 128;  // fp8 scale blocks of the V3 release
-    const int64_t scales = fp8 ? ((rows + kBlock - 1) / kBlock) * ((cols + kBlock - 1) / kBlock) * f : 0;
-    return rows * cols * pw + scales;
+  const int64_t pw = projection_dtype && !fp8 ? static_cast<int64_t>(DTypeSize(*projection_dtype)) : w;
+  auto proj = [&](int64_t rows, int64_t cols, int64_t r0 = 0, int64_t c0 = 0) {
+    if (fp8 && Fp8SliceAligned(r0, c0)) return rows * cols + Fp8Blocks(rows) * Fp8Blocks(cols) * f;
+    return rows * cols * pw;
   };
-  auto mlp = [&](int64_t inter) { return 2 * proj(inter, H) + proj(H, inter); };  // gate, up; down
+  // gate, up (rows [i0, i0 + inter)); down (columns [i0, i0 + inter)).
+  auto mlp = [&](int64_t inter, int64_t i0) { return 2 * proj(inter, H, i0, 0) + proj(H, inter, 0, i0); };
+  const int64_t h0 = c.num_attention_heads / s.attn_tp_size * s.attn_tp_rank;  // this rank's first head
   WeightBytes b;
   b.embedding_and_head = (c.tie_word_embeddings ? 1 : 2) * c.vocab_size * H * w + H * f;  // tied: one matrix
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     int64_t replicated = proj(L + R, H) + L * f + 2 * H * f;  // kv_a, its norm, the layer norms
-    int64_t split = N * (P + V) * L * kv + proj(H, N * V);   // W_UK, W_UV, o_proj
+    int64_t split = N * (P + V) * L * kv + proj(H, N * V, 0, h0 * V);   // W_UK, W_UV, o_proj
     if (c.q_lora_rank > 0) {
       replicated += proj(c.q_lora_rank, H) + c.q_lora_rank * f;
-      split += proj(N * Dq, c.q_lora_rank);
+      split += proj(N * Dq, c.q_lora_rank, h0 * Dq, 0);
     } else {
-      split += proj(N * Dq, H);
+      split += proj(N * Dq, H, h0 * Dq, 0);
     }
     if (c.has_indexer()) {  // wq_b, wk, k_norm (weight and bias), weights_proj
       const int64_t ih = c.index_n_heads, id = c.index_head_dim;
@@ -354,13 +458,16 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, std::o
     b.attention += replicated + split;
     b.attention_replicated += replicated;
     if (!c.IsMoeLayer(i)) {
-      b.dense_mlp += mlp(c.intermediate_size / W);
+      b.dense_mlp += mlp(c.intermediate_size / W, c.intermediate_size / W * s.mlp_rank);
       continue;
     }
-    const int64_t experts = s.moe == MoeSharding::kByExpert ? c.n_routed_experts / W : c.n_routed_experts;
-    const int64_t inter = s.moe == MoeSharding::kByExpert ? c.moe_intermediate_size : c.moe_intermediate_size / W;
+    const bool by_expert = s.moe == MoeSharding::kByExpert;
+    const int64_t experts = by_expert ? c.n_routed_experts / W : c.n_routed_experts;
+    const int64_t inter = by_expert ? c.moe_intermediate_size : c.moe_intermediate_size / W;
+    const int64_t shared = c.moe_intermediate_size * c.n_shared_experts / W;
     b.moe += c.n_routed_experts * H * f + (c.model_type == ModelType::kDeepSeekV3 ? c.n_routed_experts * f : 0) +
-             experts * mlp(inter) + (c.n_shared_experts > 0 ? mlp(c.moe_intermediate_size * c.n_shared_experts / W) : 0);
+             experts * mlp(inter, by_expert ? 0 : inter * s.mlp_rank) +
+             (c.n_shared_experts > 0 ? mlp(shared, shared * s.mlp_rank) : 0);
   }
   return b;
 }
@@ -385,7 +492,7 @@ class ModelLoader {
     if (c.tie_word_embeddings) {
       m.lm_head_ = m.embed_;  // the same bytes
     } else {
-      MLARUN_RETURN_IF_ERROR(LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_));
+      MLARUN_RETURN_IF_ERROR(LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_, Matrix::kOther));
     }
     m.layers_.resize(static_cast<size_t>(c.num_hidden_layers));
     std::vector<float> kv_b;
@@ -435,7 +542,7 @@ class ModelLoader {
       }
       MoeLayer& moe = layer.moe_mlp;
       const int64_t E = c.n_routed_experts, Im = c.moe_intermediate_size;
-      MLARUN_RETURN_IF_ERROR(LoadRows(src, mp + "gate.weight", E, H, 0, E, DType::kF32, &moe.router));
+      MLARUN_RETURN_IF_ERROR(LoadRows(src, mp + "gate.weight", E, H, 0, E, DType::kF32, &moe.router, Matrix::kOther));
       if (c.model_type == ModelType::kDeepSeekV3) {
         moe.score_bias.host.resize(static_cast<size_t>(E));
         MLARUN_RETURN_IF_ERROR(src.Vector(mp + "gate.e_score_correction_bias", E, moe.score_bias.host.data(), 0.0, 0.1));
@@ -475,7 +582,16 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   if (options.weights == WeightLoading::kMapped)
     for (const std::string& name : ckpt->Names()) mapped_bytes += static_cast<int64_t>(ckpt->Find(name)->bytes);
   MLARUN_RETURN_IF_ERROR(CheckWeightsFitMachine(config, options.shard, mapped_bytes));
-  CheckpointSource src(std::move(ckpt), options.weights);
+  // The loader's notes (a shard's fp8 tensor dequantized): one line each,
+  // through the progress callback where there is one.
+  auto log = [&options](const std::string& line) {
+    if (options.progress) {
+      options.progress(line);
+    } else {
+      std::fprintf(stderr, "mlarun: %s\n", line.c_str());
+    }
+  };
+  CheckpointSource src(std::move(ckpt), options.weights, options.fp8_weights, log);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   MLARUN_RETURN_IF_ERROR(src.CheckNoneLeft(config));
   MLARUN_RETURN_IF_ERROR(m->PlaceWeights());

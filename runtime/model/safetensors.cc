@@ -643,31 +643,11 @@ StatusOr<const TensorRef*> FindForLoad(const Checkpoint& ckpt, std::string_view 
   return t;
 }
 
-// The rest of Load and LoadSlice, one implementation for both: checks the
-// dtype (and for F8_E4M3 its block scales), then copies `region` of `t`,
-// viewed as a row-major matrix with `cols` columns (a 2-D tensor's own shape;
-// [1, numel] for a whole tensor of another rank).
-Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, const Region& region,
-                  DType out_dtype, void* out) {
-  switch (t.dtype) {
-    case SafetensorsDType::kF32:
-    case SafetensorsDType::kBF16:
-    case SafetensorsDType::kF16:
-      if (region.empty()) return Status::Ok();
-      if (out == nullptr)
-        return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
-      CopyRegion(t, cols, region, /*scales=*/nullptr, out_dtype, static_cast<std::byte*>(out));
-      return Status::Ok();
-    case SafetensorsDType::kF8E4M3:
-      break;
-    default:
-      return InvalidArgumentError("unsupported dtype for loading: ", Where(t), " is ",
-                                  SafetensorsDTypeName(t.dtype),
-                                  " (loadable: F32, BF16, F16, F8_E4M3)");
-  }
-
-  // F8_E4M3: block-scaled dequantization. The scale is checked even for an
-  // empty region so a broken checkpoint fails the same way whatever is asked.
+// F8_E4M3 tensor t's block scales `<name>_scale_inv`, checked: t is 2-D, the
+// scale exists, is F32 or BF16 and has shape [ceil(rows / 128), ceil(cols /
+// 128)]. Checked even for an empty region so a broken checkpoint fails the
+// same way whatever is asked.
+StatusOr<const TensorRef*> Fp8ScaleOf(const Checkpoint& ckpt, const TensorRef& t) {
   if (t.shape.size() != 2) {
     return InvalidArgumentError(Where(t), " is F8_E4M3 with shape ", ShapeString(t.shape),
                                 "; block-scaled dequantization needs a 2-D weight");
@@ -692,26 +672,58 @@ Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, cons
                                 ", expected ", ShapeString(scale_shape), " (128x128 blocks of ",
                                 Quoted(t.name), " with shape ", ShapeString(t.shape), ")");
   }
+  return scale;
+}
+
+// The blocks of 128 x 128 a non-empty region touches.
+Region BlocksOf(const Region& r) {
+  return {r.row_begin / kFp8BlockSize, (r.row_end - 1) / kFp8BlockSize + 1, r.col_begin / kFp8BlockSize,
+          (r.col_end - 1) / kFp8BlockSize + 1};
+}
+
+// The rest of Load and LoadSlice, one implementation for both: checks the
+// dtype (and for F8_E4M3 its block scales), then copies `region` of `t`,
+// viewed as a row-major matrix with `cols` columns (a 2-D tensor's own shape;
+// [1, numel] for a whole tensor of another rank).
+Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, const Region& region,
+                  DType out_dtype, void* out) {
+  switch (t.dtype) {
+    case SafetensorsDType::kF32:
+    case SafetensorsDType::kBF16:
+    case SafetensorsDType::kF16:
+      if (region.empty()) return Status::Ok();
+      if (out == nullptr)
+        return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
+      CopyRegion(t, cols, region, /*scales=*/nullptr, out_dtype, static_cast<std::byte*>(out));
+      return Status::Ok();
+    case SafetensorsDType::kF8E4M3:
+      break;
+    default:
+      return InvalidArgumentError("unsupported dtype for loading: ", Where(t), " is ",
+                                  SafetensorsDTypeName(t.dtype),
+                                  " (loadable: F32, BF16, F16, F8_E4M3)");
+  }
+
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* scale, Fp8ScaleOf(ckpt, t));
   if (region.empty()) return Status::Ok();
   if (out == nullptr) return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
 
   // Only the blocks the region touches, loaded by the same copy (the scale is
   // a 2-D F32/BF16 tensor), so a shard reads only its own scale rows too.
-  const Region blocks = {region.row_begin / kFp8BlockSize, (region.row_end - 1) / kFp8BlockSize + 1,
-                         region.col_begin / kFp8BlockSize,
-                         (region.col_end - 1) / kFp8BlockSize + 1};
   BlockScales scales;
+  const Region blocks = BlocksOf(region);
   scales.first_block_row = blocks.row_begin;
   scales.first_block_col = blocks.col_begin;
   scales.block_cols = blocks.cols();
   scales.values.resize(static_cast<size_t>(blocks.rows() * blocks.cols()));
-  CopyRegion(*scale, scale_shape[1], blocks, /*scales=*/nullptr, DType::kF32,
+  CopyRegion(*scale, scale->shape[1], blocks, /*scales=*/nullptr, DType::kF32,
              reinterpret_cast<std::byte*>(scales.values.data()));
   CopyRegion(t, cols, region, &scales, out_dtype, static_cast<std::byte*>(out));
   return Status::Ok();
 }
 
 }  // namespace
+
 
 Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected_shape,
                         DType out_dtype, void* out) const {
@@ -742,6 +754,33 @@ StatusOr<const std::byte*> Checkpoint::InPlace(std::string_view name, std::span<
                     (t->dtype == SafetensorsDType::kBF16 && dtype == DType::kBF16);
   if (!same || reinterpret_cast<uintptr_t>(t->data) % DTypeSize(dtype) != 0) return nullptr;
   return t->data;
+}
+
+StatusOr<const std::byte*> Checkpoint::InPlaceFp8(std::string_view name,
+                                                  std::span<const int64_t> expected_shape) const {
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, DType::kF32));
+  if (t->dtype != SafetensorsDType::kF8E4M3) return nullptr;
+  MLARUN_RETURN_IF_ERROR(Fp8ScaleOf(*this, *t).status());
+  return t->data;
+}
+
+Status Checkpoint::LoadFp8Scales(std::string_view name, std::span<const int64_t> expected_shape, int64_t row_begin,
+                                 int64_t row_end, int64_t col_begin, int64_t col_end, float* out) const {
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, DType::kF32));
+  if (t->dtype != SafetensorsDType::kF8E4M3)
+    return InvalidArgumentError(Where(*t), " is ", SafetensorsDTypeName(t->dtype), ", not F8_E4M3: it has no block scales");
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* scale, Fp8ScaleOf(*this, *t));
+  const Region region{row_begin, row_end, col_begin, col_end};
+  if (row_begin < 0 || row_begin > row_end || row_end > t->shape[0] || col_begin < 0 || col_begin > col_end ||
+      col_end > t->shape[1])
+    return InvalidArgumentError("block scales of ", Where(*t), " with shape ", ShapeString(t->shape), ": rows [",
+                                row_begin, ", ", row_end, ") x columns [", col_begin, ", ", col_end,
+                                ") are not ordered ranges within it");
+  if (region.empty()) return Status::Ok();
+  if (out == nullptr) return InvalidArgumentError("block scales of ", Where(*t), ": output buffer is null");
+  CopyRegion(*scale, scale->shape[1], BlocksOf(region), /*scales=*/nullptr, DType::kF32,
+             reinterpret_cast<std::byte*>(out));
+  return Status::Ok();
 }
 
 Status Checkpoint::LoadSlice(std::string_view name, std::span<const int64_t> expected_shape,

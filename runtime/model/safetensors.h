@@ -105,6 +105,20 @@ class Checkpoint {
   StatusOr<const std::byte*> InPlace(std::string_view name, std::span<const int64_t> expected_shape,
                                      DType dtype) const;
 
+  // The e4m3 bytes of F8_E4M3 tensor `name` (2-D, shape `expected_shape`,
+  // with a well-formed `<name>_scale_inv`), for keeping it fp8: a pointer into
+  // the mapping (one byte per element, any alignment); nullptr when the
+  // tensor is stored as another dtype. Valid while this Checkpoint lives.
+  // Errors as Load (missing or mis-shaped scale included).
+  StatusOr<const std::byte*> InPlaceFp8(std::string_view name, std::span<const int64_t> expected_shape) const;
+  // The block scales of rows [row_begin, row_end) x columns [col_begin,
+  // col_end) of F8_E4M3 tensor `name`: its `_scale_inv` blocks [row_begin /
+  // 128, ceil(row_end / 128)) x [col_begin / 128, ceil(col_end / 128)), as
+  // fp32 row-major into `out`. With a slice that starts on block boundaries
+  // these are exactly the slice's own blocks. Errors as LoadSlice.
+  Status LoadFp8Scales(std::string_view name, std::span<const int64_t> expected_shape, int64_t row_begin,
+                       int64_t row_end, int64_t col_begin, int64_t col_end, float* out) const;
+
   // Drops this process's mapping of tensor `name`'s pages (madvise
   // MADV_DONTNEED on the whole pages it spans), after its bytes were copied:
   // they leave the resident set (the page cache keeps them as reclaimable).

@@ -16,6 +16,21 @@ Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
   l.data = buf.get();
   l.storage = std::move(buf);
   l.owned_ = l.data != nullptr;
+  if (dtype == DType::kF8E4M3) {
+    l.scale_ld = (in + kFp8Block - 1) / kFp8Block;
+    const size_t scale_bytes = static_cast<size_t>(((out + kFp8Block - 1) / kFp8Block) * l.scale_ld) * sizeof(float);
+    std::shared_ptr<float> s(static_cast<float*>(AllocateLarge(scale_bytes, /*zero=*/true)), [](float* p) { std::free(p); });
+    l.scale = s.get();
+    l.scale_storage = std::move(s);
+    l.owned_scale_ = l.scale != nullptr;
+    // A matrix without its scales is no matrix: both allocations or neither
+    // (callers see mutable_data() == nullptr with bytes() > 0).
+    if (l.scale == nullptr) {
+      l.data = nullptr;
+      l.storage.reset();
+      l.owned_ = false;
+    }
+  }
   return l;
 }
 
@@ -29,6 +44,17 @@ Status Linear::Place(DeviceMemory& memory, std::string_view what) {
   data = static_cast<const std::byte*>(placed->data());
   storage = std::move(placed);
   owned_ = true;
+  if (dtype != DType::kF8E4M3 || scale == nullptr) return Status::Ok();
+  // The scales the kernels read next to the e4m3 bytes: block rows at stride
+  // scale_ld, the last one ending at its ceil(in / 128)-th block.
+  const int64_t block_rows = (out + kFp8Block - 1) / kFp8Block, block_cols = (in + kFp8Block - 1) / kFp8Block;
+  const size_t scale_bytes = static_cast<size_t>((block_rows - 1) * scale_ld + block_cols) * sizeof(float);
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer sb, DeviceBuffer::Allocate(memory, scale_bytes, std::string(what) + " scales"));
+  MLARUN_RETURN_IF_ERROR(memory.CopyIn(sb.data(), scale, scale_bytes));
+  auto placed_scale = std::make_shared<DeviceBuffer>(std::move(sb));
+  scale = static_cast<const float*>(placed_scale->data());
+  scale_storage = std::move(placed_scale);
+  owned_scale_ = true;
   return Status::Ok();
 }
 
@@ -36,9 +62,19 @@ namespace {
 
 Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) {
   if (w.data == nullptr) return FailedPreconditionError(op, ": weight ", name, " [", w.out, ", ", w.in, "] has no data");
-  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16)
-    return InvalidArgumentError(op, ": weight ", name, " dtype ", DTypeName(w.dtype), " is not supported (f32 or bf16)");
+  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF8E4M3)
+    return InvalidArgumentError(op, ": weight ", name, " dtype ",
+                                IsValidDType(w.dtype) ? DTypeName(w.dtype) : std::string_view("invalid"),
+                                " is not supported (f32, bf16 or f8_e4m3)");
   if (w.ld < w.in) return InvalidArgumentError(op, ": weight ", name, " ld (", w.ld, ") < in (", w.in, ")");
+  if (w.dtype == DType::kF8E4M3) {
+    if (w.scale == nullptr)
+      return FailedPreconditionError(op, ": f8_e4m3 weight ", name, " [", w.out, ", ", w.in, "] has no block scales");
+    const int64_t block_cols = (w.in + Linear::kFp8Block - 1) / Linear::kFp8Block;
+    if (w.scale_ld < block_cols)
+      return InvalidArgumentError(op, ": f8_e4m3 weight ", name, " scale_ld (", w.scale_ld, ") < ceil(in / 128) (",
+                                  block_cols, ")");
+  }
   return Status::Ok();
 }
 

@@ -186,6 +186,39 @@ TEST(MemoryPlan, AgreesWithLoadedShardsAndTheCache) {
   }
 }
 
+// The same with a checkpoint whose projections are stored fp8 (the V3
+// release's format, tests/fixtures/models/v3_fp8) and kept so: the plan with
+// projection_dtype fp8 is rank 0's holding, PredictWeightBytes every rank's
+// (ranks whose slices do not start on a 128 boundary hold those dequantized).
+TEST(MemoryPlan, AgreesWithLoadedFp8Checkpoint) {
+  const std::string dir = std::string(MLARUN_FIXTURES_DIR) + "/models/v3_fp8";
+  auto config = Model::LoadConfig(dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  for (const char* text : {"dp=2", "attn_tp=2", "dp=2,moe=intermediate", "attn_tp=2,moe=intermediate"}) {
+    const ParallelLayout layout = *ParseParallelLayout(text);
+    auto plan = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20, .projection_dtype = DType::kF8E4M3});
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    for (int rank = 0; rank < layout.world(); ++rank) {
+      ModelOptions mo;
+      mo.shard = ModelShard::For(layout, rank);
+      mo.progress = [](const std::string&) {};
+      auto m = Model::Load(dir, {}, mo);
+      ASSERT_TRUE(m.ok()) << m.status();
+      const WeightBytes got = (*m)->weight_bytes();
+      const WeightBytes want = rank == 0 ? plan->weights : PredictWeightBytes(*config, mo.shard, DType::kF8E4M3);
+      EXPECT_EQ(got.attention, want.attention) << text << " rank " << rank;
+      EXPECT_EQ(got.attention_replicated, want.attention_replicated) << text << " rank " << rank;
+      EXPECT_EQ(got.dense_mlp, want.dense_mlp) << text << " rank " << rank;
+      EXPECT_EQ(got.moe, want.moe) << text << " rank " << rank;
+      EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << text << " rank " << rank;
+    }
+    // fp8 where bf16 would take two bytes: less than the bf16 plan.
+    auto bf16 = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20});
+    ASSERT_TRUE(bf16.ok());
+    EXPECT_LT(plan->weights.total(), bf16->weights.total()) << text;
+  }
+}
+
 TEST(MemoryPlan, BreakEvenBalancesDistinctTokens) {
   ModelConfig c;
   ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
