@@ -155,8 +155,9 @@ __global__ void FinishExpandedKernel(const float* acc, const float* acc_lse, int
 // Tile shapes of the attention core: kRowsPerWarp query rows per warp
 // (kWarps warps), 32 kKeysPerLane keys per tile, 32 kNJ words of value
 // columns per lane. bf16 keeps 64 x 64 tiles (the DeepSeek decode tile:
-// 2 x 74 KB of rows and 16 KB of probabilities); f32 rows are twice as wide,
-// so 32 x 32.
+// 2 x 74 KB of rows and 16 KB of probabilities), or 16 x 64 when no
+// sequence has more than 16 query rows; f32 rows are twice as wide, so
+// 32 x 32.
 template <typename T, int kRowsPerWarp, int kKeysPerLane, int kNJ>
 struct Variant {
   using Elem_t = T;
@@ -174,19 +175,26 @@ struct Variant {
   static auto ExpandKernel() { return cuda_mla::MlaExpandedAttentionKernel<T, kRowsPerWarp, kKeysPerLane, kNJ>; }
 };
 
-enum class VariantId : uint8_t { kNone, kBf16Narrow, kBf16Wide, kF32Narrow, kF32Wide };
+enum class VariantId : uint8_t { kNone, kBf16Narrow, kBf16Wide, kBf16Few, kF32Narrow, kF32Wide };
 
 using Bf16Narrow = Variant<__nv_bfloat16, 8, 2, 2>;  // value width <= 128
 using Bf16Wide = Variant<__nv_bfloat16, 8, 2, 8>;    // <= 512
+// <= 512, for batches whose sequences have at most 16 query rows (decode
+// with h_q <= 16, e.g. DeepSeek-V3's 128 heads over 8 tensor-parallel
+// ranks): 16-row tiles keep all 8 warps busy, and at 96 KB two blocks fit
+// an SM.
+using Bf16Few = Variant<__nv_bfloat16, 2, 2, 8>;
 using F32Narrow = Variant<float, 4, 1, 4>;           // <= 128
 using F32Wide = Variant<float, 4, 1, 16>;            // <= 512
 
 constexpr int64_t kMaxValueWidth = 512;
 
-// The variant for values of width d_v in dtype dt; kNone when wider than any.
-VariantId PickVariant(DType dt, int64_t d_v) {
+// The variant for values of width d_v in dtype dt, for sequences of at most
+// max_rows query rows each; kNone when wider than any.
+VariantId PickVariant(DType dt, int64_t d_v, int64_t max_rows) {
   if (dt == DType::kBF16) {
     const int64_t words = (d_v + 1) / 2;
+    if (words <= Bf16Few::kMaxValueWords && max_rows <= Bf16Few::kRows) return VariantId::kBf16Few;
     if (words <= Bf16Narrow::kMaxValueWords) return VariantId::kBf16Narrow;
     if (words <= Bf16Wide::kMaxValueWords) return VariantId::kBf16Wide;
   } else {
@@ -202,6 +210,7 @@ Status WithVariant(VariantId id, F&& f) {
   switch (id) {
     case VariantId::kBf16Narrow: return f(Bf16Narrow{});
     case VariantId::kBf16Wide: return f(Bf16Wide{});
+    case VariantId::kBf16Few: return f(Bf16Few{});
     case VariantId::kF32Narrow: return f(F32Narrow{});
     case VariantId::kF32Wide: return f(F32Wide{});
     case VariantId::kNone: break;
@@ -366,7 +375,9 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   }
 
   if (!pl.abs.empty()) {
-    pl.decode_variant = PickVariant(pl.dtype, s.d_latent);
+    int64_t max_rows = 0;
+    for (const DecodeSeq& d : pl.abs) max_rows = std::max<int64_t>(max_rows, int64_t{d.q_len} * s.h_q);
+    pl.decode_variant = PickVariant(pl.dtype, s.d_latent, max_rows);
     if (pl.decode_variant == VariantId::kNone)
       return InvalidArgumentError("mla cuda: d_latent = ", s.d_latent, " is wider than the decode kernel's ",
                                   kMaxValueWidth, " value columns (", s, ")");
@@ -411,7 +422,7 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   pl.out_direct = pl.exp.empty();
 
   if (!pl.exp.empty()) {
-    pl.expand_variant = PickVariant(pl.dtype, s.d_v);
+    pl.expand_variant = PickVariant(pl.dtype, s.d_v, std::numeric_limits<int64_t>::max());
     if (pl.expand_variant == VariantId::kNone)
       return InvalidArgumentError("mla cuda: d_v = ", s.d_v, " is wider than the expanded kernel's ", kMaxValueWidth,
                                   " value columns (", s, ")");
