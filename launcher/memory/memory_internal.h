@@ -24,5 +24,9 @@ StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string
 Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string& text, std::ostream& out);
 // "" (what mlarun holds), bf16, fp32, fp8.
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name);
+// What "" means for `path`: f8_e4m3 for a checkpoint directory whose
+// projections are stored F8_E4M3 (loading keeps them so), else nullopt (the
+// config's weight dtype).
+std::optional<DType> CheckpointProjectionDType(const std::string& path);
 
 }  // namespace mlarun::memory_internal

@@ -11,6 +11,7 @@
 #include "launcher/memory/memory.h"
 #include "launcher/memory/memory_internal.h"
 #include "runtime/model/memory_plan.h"
+#include "runtime/model/safetensors.h"
 
 namespace mlarun {
 namespace memory_internal {
@@ -56,6 +57,18 @@ Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string&
   std::ofstream f(opt.json_path);
   if (!(f << doc)) return InvalidArgumentError("--json-out ", opt.json_path, ": cannot write the file");
   return Status::Ok();
+}
+
+std::optional<DType> CheckpointProjectionDType(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return std::nullopt;  // a config.json or YAML: no weights to look at
+  auto ckpt = Checkpoint::Open(path);  // maps the files and reads their headers only
+  if (!ckpt.ok()) return std::nullopt;
+  // Every DeepSeek layer has kv_a; the release stores all its projections
+  // alike, and the loader keeps them fp8 (Fp8Weights::kKeep, the default).
+  const TensorRef* t = (*ckpt)->Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
+  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return std::nullopt;
+  return DType::kF8E4M3;
 }
 
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
@@ -124,7 +137,9 @@ StatusOr<Report> Build(const MemoryOptions& o) {
   r.model_path = o.model;
   r.model_name = ModelName(o.model);
   MLARUN_ASSIGN_OR_RETURN(r.config, memory_internal::LoadMemoryModel(o.model, o.kv_dtype, o.num_layers));
-  MLARUN_ASSIGN_OR_RETURN(const std::optional<DType> proj, memory_internal::ParseWeightDType(o.weight_dtype));
+  MLARUN_ASSIGN_OR_RETURN(std::optional<DType> proj, memory_internal::ParseWeightDType(o.weight_dtype));
+  // By default what loading holds: an fp8 checkpoint's projections stay fp8.
+  if (o.weight_dtype.empty()) proj = memory_internal::CheckpointProjectionDType(o.model);
   r.weight_dtype_name = proj == DType::kF8E4M3 ? "fp8 e4m3 projections (128x128 fp32 block scales), " +
                                                      std::string(DTypeName(r.config.weight_dtype)) + " embeddings"
                                                : std::string(DTypeName(proj.value_or(r.config.weight_dtype)));
@@ -350,10 +365,10 @@ void PrintText(const Report& r, std::ostream& out) {
   if (std::none_of(r.plans.begin(), r.plans.end(), [](const RankMemory& p) { return p.fits(); })) {
     out << "\nNo layout leaves room for the cache: the weights need more than " << Decimal(r.opt.memory_gib)
         << " GiB per rank. More ranks (--world) split the experts further";
-    if (r.opt.weight_dtype.empty())
+    if (!r.weight_dtype_name.starts_with("fp8"))
       out << "; --weight-dtype fp8 sizes the projections as the DeepSeek-V3 release stores them (e4m3 with 128x128 "
-             "block scales, as GPU runtimes serve it), where mlarun's CPU backend dequantizes them to "
-          << DTypeName(c.weight_dtype);
+             "block scales), which is how mlarun holds a checkpoint stored that way (an fp8 checkpoint directory "
+             "given as --model is sized so by default)";
     out << ".\n";
   }
 
@@ -413,7 +428,7 @@ Status WriteSvg(const Report& r, const std::string& path) {
     << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n";
   f << "<text x='" << left << "' y='22' font-size='15'>" << r.model_name << ": memory per rank, " << r.opt.world
     << " ranks x " << Decimal(r.opt.memory_gib) << " GiB (weights "
-    << (r.opt.weight_dtype == "fp8" ? std::string("fp8 projections") : std::string(DTypeName(r.config.weight_dtype)))
+    << (r.weight_dtype_name.starts_with("fp8") ? std::string("fp8 projections") : std::string(DTypeName(r.config.weight_dtype)))
     << ", cache " << DTypeName(r.config.kv_dtype) << ")</text>\n";
   f << "<text x='" << left << "' y='42'>bars: what one rank holds; under each: max cached tokens per rank and distinct tokens in the cluster</text>\n";
   // Axis in GiB.
