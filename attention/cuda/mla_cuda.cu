@@ -336,6 +336,15 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   pl.split.items.clear();
   pl.split.partial_rows = 0;
 
+  // No driver or no device: UNAVAILABLE (as CudaDevices says it), not an
+  // INTERNAL failure of the first CUDA call. cudaGetDeviceCount is cheap
+  // enough for every step's plan.
+  int device_count = 0;
+  if (const cudaError_t err = cudaGetDeviceCount(&device_count); err != cudaSuccess || device_count == 0) {
+    cudaGetLastError();  // clear the sticky error
+    return UnavailableError("mla cuda: no usable CUDA device: ",
+                            err != cudaSuccess ? cudaGetErrorString(err) : "none visible");
+  }
   MLARUN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&pl.device));
   MLARUN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&pl.num_sms, cudaDevAttrMultiProcessorCount, pl.device));
   int optin = 0;
