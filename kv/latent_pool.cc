@@ -1,6 +1,8 @@
 #include "kv/latent_pool.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #include "kv/latent_write.h"
 
@@ -57,10 +59,6 @@ PagedRowsView LatentPool::Layer(int64_t layer) const {
 
 Status LatentPool::WriteRows(int64_t layer, std::span<const int32_t> table, int64_t pos, int64_t n, const float* kv_c,
                              int64_t kv_c_stride, const float* k_pe, int64_t k_pe_stride) {
-  if (!buffer_.memory()->host_accessible())
-    return FailedPreconditionError("latent cache: WriteRows writes host rows; a pool on ",
-                                   BackendName(buffer_.memory()->backend()),
-                                   " is written by the step's cache write op (kv/latent_write.h)");
   if (layer < 0 || layer >= config_.num_layers)
     return OutOfRangeError("latent cache: layer ", layer, " outside [0, ", config_.num_layers, ")");
   const int64_t bs = config_.block_size;
@@ -71,18 +69,49 @@ Status LatentPool::WriteRows(int64_t layer, std::span<const int32_t> table, int6
     if (table[static_cast<size_t>(b)] < 0 || table[static_cast<size_t>(b)] >= num_blocks_)
       return OutOfRangeError("latent cache: block id ", table[static_cast<size_t>(b)], " outside [0, ", num_blocks_, ")");
   const PagedRowsView v = Layer(layer);
+  const int64_t L = config_.kv_lora_rank, R = config_.rope_dim;
+  DeviceMemory& memory = *buffer_.memory();
   LatentWriteParams w{.cache = LayerData(layer), .dtype = v.dtype, .block_size = bs, .num_blocks = num_blocks_,
-                      .stride_block = v.stride_block, .stride_token = v.stride_token, .d_latent = config_.kv_lora_rank,
-                      .d_rope = config_.rope_dim, .n = 1, .kv_c_stride = kv_c_stride, .k_pe_stride = k_pe_stride};
-  for (int64_t t = 0; t < n; ++t) {  // one row at a time: no slot list to allocate
-    const int64_t p = pos + t;
-    const int64_t slot = table[static_cast<size_t>(p / bs)] * bs + p % bs;
-    w.slots = &slot;
-    w.kv_c = kv_c + t * kv_c_stride;
-    w.k_pe = k_pe + t * k_pe_stride;
-    MLARUN_RETURN_IF_ERROR(LatentWriteRun(w));
+                      .stride_block = v.stride_block, .stride_token = v.stride_token, .d_latent = L,
+                      .d_rope = R, .n = 1, .kv_c_stride = kv_c_stride, .k_pe_stride = k_pe_stride,
+                      .backend = memory.backend()};
+  if (memory.host_accessible()) {
+    for (int64_t t = 0; t < n; ++t) {  // one row at a time: no slot list to allocate
+      const int64_t p = pos + t;
+      const int64_t slot = table[static_cast<size_t>(p / bs)] * bs + p % bs;
+      w.slots = &slot;
+      w.kv_c = kv_c + t * kv_c_stride;
+      w.k_pe = k_pe + t * k_pe_stride;
+      MLARUN_RETURN_IF_ERROR(LatentWriteRun(w));
+    }
+    return Status::Ok();
   }
-  return Status::Ok();
+  // A device pool: the rows and their slots go over once, then the device's
+  // cache write (for benchmarks and tests filling a context; a model step
+  // writes its rows with the op directly).
+  if (n == 0) return Status::Ok();
+  std::vector<float> rows(static_cast<size_t>(n * (L + R)));
+  std::vector<int64_t> slots(static_cast<size_t>(n));
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t p = pos + t;
+    slots[static_cast<size_t>(t)] = table[static_cast<size_t>(p / bs)] * bs + p % bs;
+    std::copy_n(kv_c + t * kv_c_stride, L, rows.begin() + t * (L + R));
+    std::copy_n(k_pe + t * k_pe_stride, R, rows.begin() + t * (L + R) + L);
+  }
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer d_rows, DeviceBuffer::Allocate(memory, rows.size() * sizeof(float), "latent rows"));
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer d_slots, DeviceBuffer::Allocate(memory, slots.size() * sizeof(int64_t), "slots"));
+  MLARUN_RETURN_IF_ERROR(memory.CopyIn(d_rows.data(), rows.data(), rows.size() * sizeof(float)));
+  MLARUN_RETURN_IF_ERROR(memory.CopyIn(d_slots.data(), slots.data(), slots.size() * sizeof(int64_t)));
+  w.n = n;
+  w.slots = static_cast<const int64_t*>(d_slots.data());
+  w.kv_c = static_cast<const float*>(d_rows.data());
+  w.k_pe = w.kv_c + L;
+  w.kv_c_stride = w.k_pe_stride = L + R;
+  MLARUN_RETURN_IF_ERROR(LatentWriteRun(w));
+  // The write is queued; the staging buffers are freed when this returns, so
+  // wait for it: a copy out is synchronous and ordered after the kernel.
+  float sink = 0;
+  return memory.CopyOut(&sink, d_rows.data(), sizeof(float));
 }
 
 }  // namespace mlarun

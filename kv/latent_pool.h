@@ -83,8 +83,8 @@ class LatentPool {
   // Writes the rows of positions [pos, pos + n) of the sequence whose blocks
   // are `block_table` (position p lives in block block_table[p / block_size])
   // in `layer`, converting from fp32: row t = [kv_c[t * kv_c_stride .. + L) |
-  // k_pe[t * k_pe_stride .. + R)]. Host-accessible pools only
-  // (FAILED_PRECONDITION otherwise). The table must cover the positions with
+  // k_pe[t * k_pe_stride .. + R)]; kv_c and k_pe are host memory, also for a
+  // pool on a device (the rows are copied there first). The table must cover the positions with
   // block ids of this pool (OUT_OF_RANGE otherwise, nothing written). The
   // caller (the scheduler, through the plan) guarantees that no other
   // sequence reads those blocks' rows as its own. The cache write op

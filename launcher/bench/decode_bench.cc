@@ -1,5 +1,7 @@
 #include "launcher/bench/decode_bench.h"
 
+#include "runtime/base/cuda_device.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -87,8 +89,19 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
 
   // The machine, in the same run: what memory delivers, and the matrix
   // product rate of the weights' dtype at a prefill's shape.
-  MLARUN_ASSIGN_OR_RETURN(auto probe, BandwidthProbe::Create());
-  MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth bw, probe->Best());
+  // On a GPU the reference is the device's copy bandwidth (measured once)
+  // and the CPU's product peak is not measured.
+  const bool on_device = !model->memory().host_accessible();
+  std::unique_ptr<BandwidthProbe> probe;
+  ReadBandwidth bw{};
+  double device_gbps = 0;
+  if (on_device) {
+    MLARUN_ASSIGN_OR_RETURN(device_gbps, MeasureCudaCopyGBps());
+    bw.plain_gb_per_s = bw.product_gb_per_s = device_gbps;
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(probe, BandwidthProbe::Create());
+    MLARUN_ASSIGN_OR_RETURN(bw, probe->Best());
+  }
   const int64_t H = config.hidden_size, peak_m = std::max<int64_t>(o.prefill_tokens, 256);
   const DType wt = config.weight_dtype;
   const GemmDesc peak_desc{.m = peak_m, .n = H, .k = H, .a_type = wt, .b_type = wt, .c_type = DType::kF32,
@@ -106,10 +119,13 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
     StoreFromF32(fill.data(), pb.data(), wt, H * H);
     StoreFromF32(fill.data(), pa.data(), wt, std::min<int64_t>(H * H, peak_m * H));
   }
-  MLARUN_ASSIGN_OR_RETURN(const double peak_ms, TimeMs("gemm_peak", [&] {
-    return peak_gemm->Run(pa.data(), pb.data(), pc.data(), pscratch.data());
-  }, Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
-  const double peak_gflops = 2.0 * static_cast<double>(peak_m * H * H) / (peak_ms * 1e-3) * 1e-9;
+  double peak_gflops = 0;
+  if (!on_device) {
+    MLARUN_ASSIGN_OR_RETURN(const double peak_ms, TimeMs("gemm_peak", [&] {
+      return peak_gemm->Run(pa.data(), pb.data(), pc.data(), pscratch.data());
+    }, Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
+    peak_gflops = 2.0 * static_cast<double>(peak_m * H * H) / (peak_ms * 1e-3) * 1e-9;
+  }
 
   Json doc;
   doc["model"] = o.deployment.model;
@@ -124,8 +140,12 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   doc["threads"] = omp_get_max_threads();
   doc["cpu"] = CpuJson();
   doc["date"] = Today();
-  doc["read_bandwidth"] = {{"plain_gb_per_s", bw.plain_gb_per_s}, {"product_gb_per_s", bw.product_gb_per_s},
-                           {"bytes", probe->bytes()}, {"threads", probe->threads()}};
+  doc["device"] = o.deployment.device;
+  if (on_device)
+    doc["read_bandwidth"] = {{"device_copy_gb_per_s", device_gbps}};
+  else
+    doc["read_bandwidth"] = {{"plain_gb_per_s", bw.plain_gb_per_s}, {"product_gb_per_s", bw.product_gb_per_s},
+                             {"bytes", probe->bytes()}, {"threads", probe->threads()}};
   doc["gemm_peak"] = {{"m", peak_m}, {"n", H}, {"k", H}, {"dtype", std::string(DTypeName(wt))},
                       {"impl", peak_gemm->impl_name()}, {"gflop_per_s", peak_gflops}};
   doc["decode"] = Json::array();
@@ -133,13 +153,34 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
         << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok << "), weights "
         << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
         << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads, " << Today() << "\n"
-        << "  cpu: " << CpuSummary() << "\n"
-        << "  memory read bandwidth: " << Fmt(bw.plain_gb_per_s, 1) << " GB/s plain read, " << Fmt(bw.product_gb_per_s, 1)
-        << " GB/s streaming bf16 weights through a one-row product (" << (probe->bytes() >> 20) << " MiB, "
-        << probe->threads() << " threads, best of 3 each; a pass of each is measured again before every timed step)\n"
-        << "  matrix product peak: " << Fmt(peak_gflops, 1) << " GFLOP/s (" << DTypeName(wt) << " " << peak_m << " x " << H
-        << " x " << H << ", " << peak_gemm->impl_name() << ")\n"
-        << "  decode (one token per sequence per step; each timed step follows a bandwidth pass: GB/s is their median,\n"
+        << "  cpu: " << CpuSummary() << "\n";
+  if (on_device)
+    table << "  device: " << o.deployment.device << ", copy bandwidth " << Fmt(device_gbps, 1)
+          << " GB/s (read + write of a 1 GiB device-to-device copy, median of 5)\n";
+  else
+    table << "  memory read bandwidth: " << Fmt(bw.plain_gb_per_s, 1) << " GB/s plain read, " << Fmt(bw.product_gb_per_s, 1)
+          << " GB/s streaming bf16 weights through a one-row product (" << (probe->bytes() >> 20) << " MiB, "
+          << probe->threads() << " threads, best of 3 each; a pass of each is measured again before every timed step)\n"
+          << "  matrix product peak: " << Fmt(peak_gflops, 1) << " GFLOP/s (" << DTypeName(wt) << " " << peak_m << " x "
+          << H << " x " << H << ", " << peak_gemm->impl_name() << ")\n";
+  if (!on_device) {
+    // bf16 weights against the fp8 the DeepSeek-V3 release ships (docs/fp8-weights.md): the same values, at
+    // decode's row counts, on a [n, 7168] weight (V3's hidden size) of 512 MiB in bf16.
+    MLARUN_ASSIGN_OR_RETURN(const WeightStreaming ws, MeasureWeightStreaming(7168, int64_t{512} << 20, {1, 2, 4, 8, 16, 32},
+                                                                             Timing{.repetitions = 5, .min_time_s = 0.2}));
+    Json rows = Json::array();
+    table << "  weight streaming, one [" << ws.n << ", " << ws.k << "] weight (bf16 " << (ws.bf16_bytes >> 20)
+          << " MiB, fp8 " << (ws.fp8_bytes >> 20) << " MiB with its scales), median of 5 (weight GB/s, time fp8 / bf16):\n";
+    for (const WeightStreamRow& r : ws.rows) {
+      table << "    rows " << r.rows << ": bf16 " << Fmt(r.bf16_gb_per_s, 1) << " GB/s (" << r.bf16_impl << "), fp8 "
+            << Fmt(r.fp8_gb_per_s, 1) << " GB/s (" << r.fp8_impl << "), time ratio " << Fmt(r.fp8_ms / r.bf16_ms, 2) << "\n";
+      rows.push_back({{"rows", r.rows}, {"bf16_ms", r.bf16_ms}, {"fp8_ms", r.fp8_ms}, {"bf16_gb_per_s", r.bf16_gb_per_s},
+                      {"fp8_gb_per_s", r.fp8_gb_per_s}, {"bf16_impl", r.bf16_impl}, {"fp8_impl", r.fp8_impl}});
+    }
+    doc["weight_streaming"] = {{"n", ws.n}, {"k", ws.k}, {"bf16_bytes", ws.bf16_bytes}, {"fp8_bytes", ws.fp8_bytes},
+                               {"rows", rows}};
+  }
+  table << "  decode (one token per sequence per step; each timed step follows a bandwidth pass: GB/s is their median,\n"
         << "  of bound the median over steps of (bytes the step read / its time) / the pass's bandwidth):\n"
         << "    batch context |   tok/s  step ms  warm-up | MB/step  GB/s  bound tok/s  of bound | attn   moe  dense  "
            "lm_head  other\n";
@@ -153,8 +194,9 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
     LatentCacheConfig cc = model->CacheConfig(0, 64);
     cc.enable_prefix_caching = false;
     cc.budget_bytes = seqs * ((per_seq + 63) / 64 + 1) * 64 * bytes_per_token;
-    return LocalLatentCache::Create(cc);
+    return LocalLatentCache::Create(cc, model->memory());
   };
+  std::vector<float> host_logits;  // a device model's logits, copied out for the argmax
   for (int64_t batch : o.batches) {
     for (int64_t context : o.contexts) {
       if (batch < 1 || context < 1) return InvalidArgumentError("--batch and --context values must be positive");
@@ -172,7 +214,12 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
                                                                ForwardSeq::Logits::kLast));
           seqs.push_back(fs);
         }
-        MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(seqs, *cache.pool));
+        MLARUN_ASSIGN_OR_RETURN(std::span<const float> logits, model->ForwardInto(seqs, *cache.pool));
+        if (on_device) {
+          host_logits.resize(logits.size());
+          MLARUN_RETURN_IF_ERROR(model->memory().CopyOut(host_logits.data(), logits.data(), logits.size() * sizeof(float)));
+          logits = host_logits;
+        }
         for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
           const float* row = logits.data() + s * config.vocab_size;
           tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
@@ -188,7 +235,10 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
       // pair by pair, as the memory this machine gets drifts.
       std::vector<double> step_s, pass_gbs, fraction;
       for (int r = 0; r < o.repetitions; ++r) {
-        MLARUN_ASSIGN_OR_RETURN(const ReadBandwidth pass, probe->Pass());
+        ReadBandwidth pass = bw;
+        if (!on_device) {
+          MLARUN_ASSIGN_OR_RETURN(pass, probe->Pass());
+        }
         const auto t0 = std::chrono::steady_clock::now();
         MLARUN_RETURN_IF_ERROR(decode_step());
         const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -258,11 +308,12 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   const Json ps = pshares.ToJson();
   doc["prefill"] = {{"tokens", P}, {"tokens_per_s", prefill_tps}, {"step_ms", prefill_ms},
                     {"warm_up_steps_discarded", pdiscarded}, {"flops_per_step", pcost.flops_per_step()},
-                    {"gflop_per_s", gflops}, {"fraction_of_gemm_peak", gflops / peak_gflops}, {"share", ps}};
+                    {"gflop_per_s", gflops}, {"fraction_of_gemm_peak", on_device ? Json() : Json(gflops / peak_gflops)},
+                    {"share", ps}};
   table << "  prefill (a " << P << "-token prompt, no cached prefix, one step):\n"
         << "    tok/s " << Fmt(prefill_tps, 1) << ", step " << Fmt(prefill_ms, 1) << " ms (" << pdiscarded
         << " warm-up steps discarded), " << Fmt(pcost.flops_per_step() * 1e-9, 1) << " GFLOP/step at "
-        << Fmt(gflops, 1) << " GFLOP/s = " << Pct(gflops / peak_gflops) << " of the product peak; attn "
+        << Fmt(gflops, 1) << " GFLOP/s" << (on_device ? std::string() : " = " + Pct(gflops / peak_gflops) + " of the product peak") << "; attn "
         << Pct(ps["attention"]) << ", moe " << Pct(ps["moe"]) << ", dense " << Pct(ps["dense_mlp"]) << ", lm_head "
         << Pct(ps["lm_head"]) << ", other " << Pct(ps["other"]) << "; largest: " << pshares.Largest() << "\n";
   if (o.json) std::cout << doc.dump(2) << std::endl;

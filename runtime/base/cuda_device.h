@@ -53,6 +53,11 @@ struct CudaMemoryInfo {
 };
 StatusOr<CudaMemoryInfo> CurrentCudaMemory();
 
+// The current device's copy bandwidth: a device-to-device cudaMemcpy of
+// `bytes`, median of 5 after a warm-up, as bytes read plus bytes written per
+// second (what a kernel streaming memory can at best reach), in GB/s.
+StatusOr<double> MeasureCudaCopyGBps(size_t bytes = size_t{1} << 30);
+
 // A label for CUDA error messages of this process (e.g. "rank 3 of 8"), set
 // once a rank knows who it is. No-op in builds without CUDA.
 void SetCudaErrorLabel(std::string label);

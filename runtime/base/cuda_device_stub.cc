@@ -12,6 +12,8 @@ Status SelectCudaDevice(int) { return CudaDevices().status(); }
 
 StatusOr<CudaMemoryInfo> CurrentCudaMemory() { return CudaDevices().status(); }
 
+StatusOr<double> MeasureCudaCopyGBps(size_t) { return CudaDevices().status(); }
+
 StatusOr<std::vector<CudaDevice>> CudaDevices() {
   return UnavailableError("this build has no CUDA backend (configure with nvcc available, or -DMLARUN_CUDA=ON)");
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "attention/mla.h"
+#include "runtime/base/cuda_device.h"
 #include "attention/synthetic_batch.h"
 
 namespace mlarun {
@@ -88,10 +89,16 @@ TEST_F(MlaCheckTest, BadConfig) {
   ExpectRejected(batch_.params(), "expand_chunk_rows", MlaConfig{.expand_chunk_rows = 0});
 }
 
-TEST_F(MlaCheckTest, CudaBackendIsAClearError) {
+// The CUDA backend where it cannot run: a build without it answers
+// UNIMPLEMENTED, a CUDA build on a machine without a GPU UNAVAILABLE, each
+// with the reason (the batch here is host memory, so a machine with a GPU
+// skips: mla_cuda_test covers it there).
+TEST_F(MlaCheckTest, CudaBackendWithoutAGpuIsAClearError) {
+  if (CudaDevices().ok()) GTEST_SKIP() << "a GPU is present";
   Workspace ws;
   const Status st = MlaForward(batch_.params(), MlaConfig{.backend = Backend::kCuda}, ws);
-  EXPECT_EQ(st.code(), StatusCode::kUnimplemented) << st;
+  EXPECT_EQ(st.code(), CudaBuilt() ? StatusCode::kUnavailable : StatusCode::kUnimplemented) << st;
+  EXPECT_NE(st.message().find("CUDA"), std::string::npos) << st;
 }
 
 TEST_F(MlaCheckTest, PlanRejectsDifferentBatch) {

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "runtime/base/cuda/cuda_check.h"
@@ -44,6 +45,40 @@ StatusOr<CudaMemoryInfo> CurrentCudaMemory() {
   info.free_bytes = static_cast<int64_t>(free_bytes);
   info.total_bytes = static_cast<int64_t>(total_bytes);
   return info;
+}
+
+StatusOr<double> MeasureCudaCopyGBps(size_t bytes) {
+  void *a = nullptr, *b = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  auto release = [&] {
+    if (a) cudaFree(a);
+    if (b) cudaFree(b);
+    if (start) cudaEventDestroy(start);
+    if (stop) cudaEventDestroy(stop);
+  };
+  auto run = [&]() -> StatusOr<double> {
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaMalloc(&a, bytes));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaMalloc(&b, bytes));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaMemset(a, 1, bytes));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&start));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&stop));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));  // warm-up
+    std::vector<double> gbps;
+    for (int i = 0; i < 5; ++i) {
+      MLARUN_CUDA_RETURN_IF_ERROR(cudaEventRecord(start));
+      MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice));
+      MLARUN_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop));
+      MLARUN_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop));
+      float ms = 0;
+      MLARUN_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start, stop));
+      gbps.push_back(2.0 * static_cast<double>(bytes) / (ms * 1e-3) * 1e-9);
+    }
+    std::sort(gbps.begin(), gbps.end());
+    return gbps[gbps.size() / 2];
+  };
+  StatusOr<double> r = run();
+  release();
+  return r;
 }
 
 }  // namespace mlarun
