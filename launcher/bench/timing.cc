@@ -17,7 +17,9 @@
 #include "runtime/base/cpu/kernels.h"
 #include "runtime/base/cpu_gemm.h"
 #include "runtime/base/cpu_isa.h"
+#include "runtime/base/float8.h"
 #include "runtime/base/large_buffer.h"
+#include "runtime/ops/linear.h"
 
 namespace mlarun {
 namespace {
@@ -157,6 +159,70 @@ StatusOr<ReadBandwidth> BandwidthProbe::Best(int passes) {
     best.product_gb_per_s = std::max(best.product_gb_per_s, b.product_gb_per_s);
   }
   return best;
+}
+
+StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, const std::vector<int64_t>& rows,
+                                                 const Timing& t) {
+  WeightStreaming ws;
+  ws.k = k;
+  ws.n = std::max<int64_t>(1, bf16_bytes / (2 * k));
+  const int64_t n = ws.n;
+  Linear f8 = Linear::Owned(n, k, DType::kF8E4M3), b16 = Linear::Owned(n, k, DType::kBF16);
+  if (f8.mutable_data() == nullptr || b16.mutable_data() == nullptr)
+    return ResourceExhaustedError("weight streaming: cannot allocate a [", n, ", ", k, "] weight twice");
+  ws.bf16_bytes = b16.bytes();
+  ws.fp8_bytes = f8.bytes();
+  // Codes of magnitude 2^-3 .. 2^4 with either sign (exponent fields 4 ..
+  // 11), scales 2^-6 .. 2^-3: trained weights' range, no subnormals or NaN.
+  auto* codes = reinterpret_cast<uint8_t*>(f8.mutable_data());
+  float* scales = f8.mutable_scale();
+  for (int64_t i = 0; i < Fp8Blocks(n) * f8.scale_ld; ++i) scales[i] = std::ldexp(1.0f, -6 + static_cast<int>(i % 4));
+  auto* h = reinterpret_cast<bf16_t*>(b16.mutable_data());
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < k; ++c) {
+      const uint64_t z = (static_cast<uint64_t>(r * k + c) + 1) * 0x9e3779b97f4a7c15ull;
+      const uint32_t bits = static_cast<uint32_t>(z >> 40);
+      const uint8_t code = static_cast<uint8_t>((bits & 0x80u) | ((4u + (bits >> 8) % 8u) << 3) | (bits & 7u));
+      codes[r * k + c] = code;
+      h[r * k + c] = FloatToBf16(E4M3ToFloat(code) * scales[Fp8ScaleIndex(r, c, f8.scale_ld)]);
+    }
+  const int64_t max_rows = rows.empty() ? 1 : *std::max_element(rows.begin(), rows.end());
+  std::vector<float> x(static_cast<size_t>(max_rows * k)), y8(static_cast<size_t>(max_rows * n)),
+      y16(static_cast<size_t>(max_rows * n));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = 0.5f + static_cast<float>((i * 2654435761u) >> 28) / 16.f;
+  for (int64_t m : rows) {
+    if (m < 1) return InvalidArgumentError("weight streaming: rows must be positive, got ", m);
+    WeightStreamRow row;
+    row.rows = m;
+    auto run = [&](const Linear& w, std::vector<float>& y) {
+      return LinearRun({.w = &w, .x = x.data(), .rows = m, .ldx = k, .y = y.data(), .ldy = n});
+    };
+    // Verify: the same weights (bf16-rounded) and activations (bf16-rounded
+    // for the bf16 product) give the same products within that rounding.
+    MLARUN_RETURN_IF_ERROR(run(f8, y8));
+    MLARUN_RETURN_IF_ERROR(run(b16, y16));
+    double worst = 0, scale = 0;
+    for (int64_t i = 0; i < m * n; ++i) {
+      worst = std::max(worst, std::abs(static_cast<double>(y8[static_cast<size_t>(i)]) - y16[static_cast<size_t>(i)]));
+      scale = std::max(scale, std::abs(static_cast<double>(y8[static_cast<size_t>(i)])));
+    }
+    if (!(worst <= 1e-2 * scale))
+      return InternalError("weight streaming: the fp8 and bf16 products differ by ", worst, " (scale ", scale, ") at ",
+                           m, " rows");
+    for (DType dt : {DType::kBF16, DType::kF8E4M3}) {
+      const GemmDesc d{.m = m, .n = n, .k = k, .a_type = dt == DType::kBF16 ? DType::kBF16 : DType::kF32, .b_type = dt,
+                       .c_type = DType::kF32, .lda = k, .b_stride_k = 1, .b_stride_n = k, .ldc = n};
+      MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(d));
+      (dt == DType::kBF16 ? row.bf16_impl : row.fp8_impl) = g->impl_name();
+    }
+    MLARUN_ASSIGN_OR_RETURN(row.bf16_ms, TimeMs("weights_bf16", [&] { return run(b16, y16); }, t));
+    MLARUN_ASSIGN_OR_RETURN(row.fp8_ms, TimeMs("weights_fp8", [&] { return run(f8, y8); }, t));
+    row.bf16_gb_per_s = static_cast<double>(ws.bf16_bytes) / (row.bf16_ms * 1e-3) * 1e-9;
+    row.fp8_gb_per_s = static_cast<double>(ws.fp8_bytes) / (row.fp8_ms * 1e-3) * 1e-9;
+    ws.rows.push_back(row);
+  }
+  return ws;
 }
 
 std::string CpuModel() {

@@ -87,6 +87,26 @@ class BandwidthProbe {
   std::vector<std::byte> scratch_;
 };
 
+// Weight streaming by dtype: one [n, k] weight of `bf16_bytes` as bf16 and
+// the same values as f8_e4m3 with 128 x 128 block scales (the bf16 weight is
+// the fp8 one dequantized and rounded), each multiplied with `rows` fp32 rows
+// through LinearRun on all OpenMP threads, the two results checked against
+// each other first. GB/s: the weight's bytes (fp8: e4m3 + scales) over the
+// median time; few rows are bound by reading them, so fp8 should approach
+// twice bf16's rows per second.
+struct WeightStreamRow {
+  int64_t rows = 0;
+  double bf16_ms = 0, fp8_ms = 0;
+  double bf16_gb_per_s = 0, fp8_gb_per_s = 0;
+  std::string bf16_impl, fp8_impl;  // CpuGemm::impl_name of each product
+};
+struct WeightStreaming {
+  int64_t n = 0, k = 0, bf16_bytes = 0, fp8_bytes = 0;
+  std::vector<WeightStreamRow> rows;
+};
+StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, const std::vector<int64_t>& rows,
+                                                 const Timing& t);
+
 // For the reports: the CPU's model name (/proc/cpuinfo), today's date
 // (UTC, YYYY-MM-DD), and `v` with `prec` decimals ("-" when not finite).
 std::string CpuModel();

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -65,8 +66,10 @@ struct Case {
   int64_t c0, c1;  // column range (weight rows)
 };
 std::string Name(const Case& c, int64_t rows, bool acc) {
-  return "[" + std::to_string(c.out) + ", " + std::to_string(c.in) + "] ld " + std::to_string(c.ld) + " cols [" +
-         std::to_string(c.c0) + ", " + std::to_string(c.c1) + ") rows " + std::to_string(rows) + (acc ? " +=" : "");
+  std::ostringstream os;  // (GCC 12 -O3 warns falsely of -Wrestrict on "literal" + std::string)
+  os << "[" << c.out << ", " << c.in << "] ld " << c.ld << " cols [" << c.c0 << ", " << c.c1 << ") rows " << rows
+     << (acc ? " +=" : "");
+  return os.str();
 }
 
 // Partial blocks in both dimensions, ranges that start inside a block row,
@@ -151,7 +154,7 @@ TEST(LinearFp8, BothGemmKernels) {
     const Linear w = RandomFp8(rng, c.out, c.in, c.ld);
     for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked})
       for (int64_t rows : {1, 2, 3, 7, 40}) {
-        SCOPED_TRACE(Name(c, rows, false) + " " + std::string(GemmImplName(impl)));
+        SCOPED_TRACE(Name(c, rows, false).append(" ").append(GemmImplName(impl)));
         Inputs in = MakeInputs(rng, c, rows, false);
         // A contiguous copy of x (the GemmDesc's lda = in).
         std::vector<float> a(static_cast<size_t>(rows * c.in));
