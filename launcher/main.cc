@@ -50,6 +50,12 @@ void AddDeviceFlag(CLI::App* app, std::string& device) {
                   "ranks)")
       ->capture_default_str();
 }
+void AddFp8WeightsFlag(CLI::App* app, std::string& fp8) {
+  app->add_option("--fp8-weights", fp8,
+                  "Checkpoints whose projections are F8_E4M3 (DeepSeek-V3's release): keep them fp8 in memory, or "
+                  "dequantize to the config's dtype at load")
+      ->capture_default_str();
+}
 void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
   app->add_option("--attention-thresholds", path,
                   "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
@@ -155,6 +161,7 @@ int main(int argc, char** argv) {
   dec->add_option("--kv-dtype", db.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
   AddWeightsFlag(dec, db.deployment.weights);
   AddDeviceFlag(dec, db.deployment.device);
+  AddFp8WeightsFlag(dec, db.deployment.fp8_weights);
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
@@ -203,6 +210,7 @@ int main(int argc, char** argv) {
   AddWeightsFlag(generate, gen.deployment.weights);
   AddAttentionThresholdsFlag(generate, gen.deployment.attention_thresholds);
   AddDeviceFlag(generate, gen.deployment.device);
+  AddFp8WeightsFlag(generate, gen.deployment.fp8_weights);
 
   std::string config_path;
   mlarun::MemoryOptions mem;
@@ -285,6 +293,7 @@ int main(int argc, char** argv) {
   AddWeightsFlag(worker, wo.deployment.weights);
   AddAttentionThresholdsFlag(worker, wo.deployment.attention_thresholds);
   AddDeviceFlag(worker, wo.deployment.device);
+  AddFp8WeightsFlag(worker, wo.deployment.fp8_weights);
   int worker_threads = 0;
   worker->add_option("--threads", worker_threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   std::string fail_forward_call;

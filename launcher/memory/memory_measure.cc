@@ -181,7 +181,10 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
     for (const v1::RankStats* k : ranks) {
       Side p, m;
       const ModelShard shard = ModelShard::For(layout, k->rank());
-      p.weights = PredictWeightBytes(c, shard);
+      // The projections as the rank holds them (an fp8 checkpoint kept fp8).
+      const std::optional<DType> proj =
+          k->projection_dtype().empty() ? std::nullopt : std::optional<DType>(DType::kF8E4M3);
+      p.weights = PredictWeightBytes(c, shard, proj);
       // The prefill workspace is reserved from the shapes on both sides (it is
       // allocated only when a long prefill runs), so it is an input here, not
       // a measurement.

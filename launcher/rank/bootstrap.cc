@@ -26,6 +26,7 @@ DeploymentSpec::Fields DeploymentSpec::ToFields() const {
           {"--weights", weights},
           {"--attention-thresholds", attention_thresholds},
           {"--device", device},
+          {"--fp8-weights", fp8_weights},
           {"weight limit (bytes)", std::to_string(max_weight_bytes)},
           {"--fail-forward-call", std::to_string(fail_forward_call) + "@" + std::to_string(fail_forward_rank)}};
 }
@@ -108,6 +109,9 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
                                   spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
   lm.options.shard = shard;
   MLARUN_ASSIGN_OR_RETURN(lm.options.attention.backend, ParseDeviceFlag(spec.device));
+  if (spec.fp8_weights == "keep") lm.options.fp8_weights = Fp8Weights::kKeep;
+  else if (spec.fp8_weights == "dequantize") lm.options.fp8_weights = Fp8Weights::kDequantize;
+  else return InvalidArgumentError("--fp8-weights: expected keep or dequantize, got '", spec.fp8_weights, "'");
   if (lm.options.attention.backend == Backend::kCuda) MLARUN_RETURN_IF_ERROR(SelectDeviceForSpec(spec, rank).status());
   if (const Status st = ApplyAbsorbThresholdsFile(spec.attention_thresholds, &lm.options.attention); !st.ok())
     return st.WithContext("--attention-thresholds");

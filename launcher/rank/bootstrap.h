@@ -41,6 +41,7 @@ struct DeploymentSpec {
   std::string weights = "mapped";    // --weights mapped|copied
   std::string attention_thresholds;  // --attention-thresholds FILE, "" for the CPU's defaults
   std::string device = "cpu";        // --device cpu|cuda
+  std::string fp8_weights = "keep";  // --fp8-weights keep|dequantize (checkpoints storing F8_E4M3)
   // Refuse (RESOURCE_EXHAUSTED) a shard whose weights would take more.
   int64_t max_weight_bytes = std::numeric_limits<int64_t>::max();
   // Fault injection (--fail-forward-call N[@RANK]): the model's forward call

@@ -110,6 +110,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   me.set_num_layers(mc.num_hidden_layers);
   me.set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
   me.set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
+  if (model.holds_fp8_projections()) me.set_projection_dtype(std::string(DTypeName(DType::kF8E4M3)));
   me.set_parallel(layout_text);
   me.set_resident_bytes(ResidentBytes());
   me.set_cpu_model_name(HostCpu().model_name);

@@ -108,7 +108,9 @@ StatusOr<CpuIsa> ParseCpuIsa(std::string_view name) {
 }
 
 CpuIsa CpuFeatures::best() const {
-  const bool avx2_ok = avx && avx2 && fma && os_ymm;
+  // The avx2 family's kernels use F16C too (fp8 and f16 conversions); every
+  // AVX2 CPU made has it, but a hypervisor may hide it.
+  const bool avx2_ok = avx && avx2 && fma && f16c && os_ymm;
   if (!avx2_ok) return CpuIsa::kScalar;
   const bool avx512_ok = avx512f && avx512bw && avx512vl && avx512dq && os_zmm;
   if (!avx512_ok) return CpuIsa::kAvx2;

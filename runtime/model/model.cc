@@ -143,9 +143,13 @@ WeightBytes Model::weight_bytes() const {
   return b;
 }
 
+bool Model::holds_fp8_projections() const {
+  return !layers_.empty() && layers_.front().attn.kv_a.dtype == DType::kF8E4M3;
+}
+
 int64_t Model::weight_bytes_in_place() const {
   int64_t n = 0;
-  auto add = [&n](const Linear& l) { n += l.in_place() ? l.bytes() : 0; };
+  auto add = [&n](const Linear& l) { n += l.in_place() ? l.data_bytes() : 0; };  // fp8 scales are copies
   auto mlp = [&add](const Mlp& m) { add(m.gate), add(m.up), add(m.down); };
   add(embed_);
   if (lm_head_.data != embed_.data) add(lm_head_);
@@ -227,7 +231,7 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   }
   for (const MoePlan::Job& j : plan.jobs) {  // weights are read once per step; every row multiplies them
     traffic_.weight_bytes += j.mlp->bytes();
-    traffic_.flops += 2.0 * static_cast<double>(j.n) * static_cast<double>(j.mlp->bytes() / static_cast<int64_t>(DTypeSize(j.mlp->gate.dtype)));
+    traffic_.flops += 2.0 * static_cast<double>(j.n) * static_cast<double>(j.mlp->elements());
   }
   return Status::Ok();
 }
@@ -533,7 +537,8 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
         LinearRun({.w = &a.o, .x = attn.data(), .rows = T, .ldx = N * V, .y = o_out.data(), .ldy = H, .backend = be}));
     const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
     traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
-    traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_bytes / static_cast<int64_t>(wes));
+    const int64_t proj_elements = a.q_a.elements() + a.q_b.elements() + a.q.elements() + a.kv_a.elements() + a.o.elements();
+    traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_elements);
     for (int32_t i = 0; i < S; ++i) {
       const int64_t q_len = query_start[static_cast<size_t>(i) + 1] - query_start[static_cast<size_t>(i)];
       const int64_t len = seq_lens[static_cast<size_t>(i)];
@@ -577,7 +582,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
                      .hidden = mlp_hidden.data(), .backend = be}));
         if (T_all > 0) {
           traffic_.weight_bytes += layer.mlp.bytes();
-          traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.bytes() / static_cast<int64_t>(wes));
+          traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.elements());
         }
       } else {
         fail(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));

@@ -236,6 +236,9 @@ class Model {
   // The part of weight_bytes() read in place from the mapped checkpoint
   // (not copied at load): 0 for a YAML model.
   int64_t weight_bytes_in_place() const;
+  // True when the projections are held as f8_e4m3 (an fp8 checkpoint loaded
+  // with Fp8Weights::kKeep): what PredictWeightBytes' projection_dtype is then.
+  bool holds_fp8_projections() const;
   // A cache configuration matching this model (layers, widths, dtype).
   LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = kDefaultBlockSize) const;
 

@@ -47,6 +47,7 @@ struct Linear {
   // PredictWeightBytes counts).
   int64_t bytes() const { return data_bytes() + scale_bytes(); }
   int64_t data_bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
+  int64_t elements() const { return out * in; }
   int64_t scale_bytes() const {
     return dtype == DType::kF8E4M3 ? ((out + kFp8Block - 1) / kFp8Block) * ((in + kFp8Block - 1) / kFp8Block) * 4 : 0;
   }
@@ -76,6 +77,7 @@ struct Mlp {
   Linear gate, up, down;  // [I, H], [I, H], [H, I]
   int64_t intermediate() const { return gate.out; }
   int64_t bytes() const { return gate.bytes() + up.bytes() + down.bytes(); }
+  int64_t elements() const { return gate.elements() + up.elements() + down.elements(); }
 };
 
 // y[r][j - col_begin] (=|+=) (x[r] W^T)[j] for r < rows, j in [col_begin,
