@@ -41,9 +41,13 @@ class DeviceScratch {
       device_ = device;
       // 1/8 headroom, so slowly growing batches do not reallocate every step.
       const size_t want = bytes + bytes / 8 < 256 ? 256 : bytes + bytes / 8;
-      if (cudaMalloc(&data_, want) != cudaSuccess) {
-        cudaGetLastError();  // out of memory is this Status, not a sticky error
+      const cudaError_t err = cudaMalloc(&data_, want);
+      if (err != cudaSuccess) {
         data_ = nullptr;
+        // Only a plain allocation failure is this Status; anything else (a
+        // sticky error from an earlier kernel) is reported as itself.
+        if (err != cudaErrorMemoryAllocation) MLARUN_CUDA_RETURN_IF_ERROR(err);
+        cudaGetLastError();  // clears the out-of-memory error, which is not sticky
         return ResourceExhaustedError(what, ": cannot allocate ", want, " bytes of device scratch",
                                       cuda_check::Where());
       }
