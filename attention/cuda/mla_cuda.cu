@@ -236,6 +236,7 @@ struct CudaMlaPlan final : MlaPlanImpl {
   MlaShape shape;
   DType dtype = DType::kBF16;
   int64_t num_tokens = 0, chunk_rows = 0;
+  int64_t block_size = 0;  // the cache's page rows: the staged tables and the split boundaries follow it
   std::vector<int32_t> query_start, seq_lens;
   int device = 0, num_sms = 0;
   int64_t smem_optin = 0;
@@ -323,6 +324,7 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   pl.dtype = p.cache.dtype;
   pl.num_tokens = p.num_tokens;
   pl.chunk_rows = c.expand_chunk_rows;
+  pl.block_size = p.cache.block_size;
   pl.query_start.assign(p.query_start, p.query_start + p.num_seqs + 1);
   pl.seq_lens.assign(p.seq_lens, p.seq_lens + p.num_seqs);
   pl.abs_seq.clear();
@@ -500,12 +502,16 @@ const CudaMlaPlan* AsCudaPlan(const MlaPlanImpl& impl) { return dynamic_cast<con
 Status CheckRun(const MlaParams& p, const CudaMlaPlan* pl, WorkspaceView ws) {
   if (pl == nullptr) return InvalidArgumentError("MlaRun: the plan was not made for the CUDA backend");
   if (!(pl->shape == p.shape) || pl->dtype != p.cache.dtype || pl->num_tokens != p.num_tokens ||
-      static_cast<int64_t>(pl->seq_lens.size()) != p.num_seqs ||
+      pl->block_size != p.cache.block_size || static_cast<int64_t>(pl->seq_lens.size()) != p.num_seqs ||
       !std::equal(pl->seq_lens.begin(), pl->seq_lens.end(), p.seq_lens) ||
       !std::equal(pl->query_start.begin(), pl->query_start.end(), p.query_start))
     return FailedPreconditionError("MlaRun: params do not match the batch the plan was made for");
   if (ws.bytes < pl->layout.total || (pl->layout.total > 0 && ws.data == nullptr))
     return InvalidArgumentError("MlaRun: workspace of ", ws.bytes, " bytes, the plan needs ", pl->layout.total);
+  // The regions are aligned relative to ws.data; the kernels' 16-byte loads and
+  // the staged int64 descriptors need the base aligned too.
+  if (reinterpret_cast<uintptr_t>(ws.data) % 16 != 0)
+    return InvalidArgumentError("MlaRun: the workspace at ", ws.data, " is not 16-byte aligned");
   int device = 0;
   MLARUN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (device != pl->device)
@@ -729,7 +735,13 @@ Status RunMla(const MlaParams& p, const MlaPlanImpl& impl, WorkspaceView ws) {
   StageTables(*pl, p);
   MLARUN_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(w.at(pl->layout.meta), pl->staging.data(), pl->staging.size(), cudaMemcpyHostToDevice));
-  MLARUN_RETURN_IF_ERROR(pl->dtype == DType::kBF16 ? RunTyped<__nv_bfloat16>(p, *pl, w) : RunTyped<float>(p, *pl, w));
+  const Status st = pl->dtype == DType::kBF16 ? RunTyped<__nv_bfloat16>(p, *pl, w) : RunTyped<float>(p, *pl, w);
+  if (!st.ok()) {
+    // Kernels launched before the failure may still read the workspace and
+    // write out: wait for them, so that the caller may free the buffers.
+    if (cudaStreamSynchronize(0) != cudaSuccess) cudaGetLastError();  // st is the first error; do not leave a second
+    return st;
+  }
   MLARUN_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(0));
   return Status::Ok();
 }
