@@ -71,13 +71,14 @@ Status Fill(T* dst, uint64_t n, uint64_t seed, float scale) {
 
 struct Timer {
   cudaEvent_t a = nullptr, b = nullptr;
-  Timer() {
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
+  Status Create() {
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&a));
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaEventCreate(&b));
+    return Status::Ok();
   }
   ~Timer() {
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
+    if (a != nullptr) cudaEventDestroy(a);
+    if (b != nullptr) cudaEventDestroy(b);
   }
 };
 
@@ -85,6 +86,7 @@ struct Timer {
 template <typename F>
 StatusOr<double> MedianMs(int warmup, int reps, F&& f) {
   Timer t;
+  MLARUN_RETURN_IF_ERROR(t.Create());
   for (int i = 0; i < warmup; ++i) MLARUN_RETURN_IF_ERROR(f());
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
