@@ -4,7 +4,7 @@
 // Inputs come from SyntheticBatch with poison: cache slots of no sequence
 // (and past each sequence's last key) NaN, block tables shuffled with
 // out-of-range ids after each row's valid entries, NaN padding between query
-// heads and tokens, output and LSE buffers NaN before the run. The CUDA run
+// heads and tokens, output, LSE and workspace buffers NaN before the run. The CUDA run
 // reads copies of exactly those bytes.
 //
 // Tolerances. Both backends round the same operands to the cache dtype at
@@ -104,16 +104,19 @@ void RunCase(const Case& c, MlaPlan* reuse = nullptr) {
   Workspace host_ws;
   ASSERT_TRUE(MlaForward(hp, ConfigFor(c, Backend::kCpu), host_ws).ok());
 
+  MlaPlan own;
+  MlaPlan& plan = reuse != nullptr ? *reuse : own;
+  const Status planned = MlaReplan(dp, ConfigFor(c, Backend::kCuda), plan);
+  ASSERT_TRUE(planned.ok()) << planned;
+  // The workspace starts NaN too: scratch that a kernel reads before any
+  // kernel wrote it (a split's partial, a staged descriptor) shows in the output.
   Workspace dev_ws(&dm);
-  if (reuse != nullptr) {
-    ASSERT_TRUE(MlaReplan(dp, ConfigFor(c, Backend::kCuda), *reuse).ok());
-    WorkspaceView v = dev_ws.Reserve(reuse->workspace_bytes);
-    const Status st = MlaRun(dp, *reuse, v);
-    ASSERT_TRUE(st.ok()) << st;
-  } else {
-    const Status st = MlaForward(dp, ConfigFor(c, Backend::kCuda), dev_ws);
-    ASSERT_TRUE(st.ok()) << st;
-  }
+  WorkspaceView v = dev_ws.Reserve(plan.workspace_bytes);
+  ASSERT_TRUE(plan.workspace_bytes == 0 || v.data != nullptr);
+  const std::vector<unsigned char> nan_ws(plan.workspace_bytes, 0xff);
+  ASSERT_TRUE(dm.CopyIn(v.data, nan_ws.data(), nan_ws.size()).ok());
+  const Status st = MlaRun(dp, plan, v);
+  ASSERT_TRUE(st.ok()) << st;
   std::vector<float> out(nan_out.size()), lse(nan_lse.size());
   ASSERT_TRUE(dm.CopyOut(out.data(), dp.out, out.size() * 4).ok());
   ASSERT_TRUE(dm.CopyOut(lse.data(), dp.lse, lse.size() * 4).ok());
@@ -186,6 +189,8 @@ TEST(MlaCuda, DecodeMatchesCpu) {
        .seqs = {{1, 20}, {2, 2000}, {4, 16384}}},
       {.name = "b1_h1_q1", .shape = DeepSeekV3MlaShape(1), .dtype = DType::kF32, .seqs = {{1, 777}}},
       {.name = "b1_h1_q1_bf16", .shape = DeepSeekV3MlaShape(1), .seqs = {{1, 3000}}},
+      // Sequences without query tokens (empty, and with a cached context) between decoding ones.
+      {.name = "b5_h16_qlen0", .shape = DeepSeekV3MlaShape(16), .seqs = {{0, 0}, {1, 300}, {0, 50}, {2, 2}, {0, 64}}},
   };
   for (const Case& c : cases) RunCase(c);
 }
@@ -214,6 +219,8 @@ TEST(MlaCuda, PrefillMatchesCpu) {
            .seqs = {{129, 129}, {1, 300}, {65, 1000}}, .expand_chunk_rows = 256});
   RunCase({.name = "expanded_q1", .shape = DeepSeekV3MlaShape(3), .seqs = {{1, 130}, {5, 5}},
            .path = MlaPath::kExpanded, .expand_chunk_rows = 64});
+  RunCase({.name = "prefill_qlen0", .shape = DeepSeekV3MlaShape(16), .seqs = {{0, 100}, {40, 100}, {0, 0}, {1, 200}},
+           .expand_chunk_rows = 64});
 }
 
 // One plan object replanned for successive batches (as a model step does).
