@@ -25,31 +25,14 @@
 #include "runtime/ops/norm.h"
 #include "runtime/ops/rope.h"
 #include "runtime/ops/sampling.h"
+#include "tests/ops/random_values.h"
 
 namespace mlarun {
 namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// Values in +-[0.1, 1): never zero, so a missing term always shows.
-class Random {
- public:
-  explicit Random(uint32_t seed) : rng_(seed) {}
-  float Next() {
-    const float v = std::uniform_real_distribution<float>(0.1f, 1.f)(rng_);
-    return std::bernoulli_distribution(0.5)(rng_) ? v : -v;
-  }
-  std::vector<float> Vector(size_t n) {
-    std::vector<float> v(n);
-    for (float& x : v) x = Next();
-    return v;
-  }
-  int Int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
-  std::mt19937& rng() { return rng_; }
-
- private:
-  std::mt19937 rng_;
-};
+using testing_values::Random;
 
 // What the op computes with: bf16 operands are rounded to bf16.
 double Rounded(float v, DType dt) { return dt == DType::kBF16 ? Bf16ToFloat(FloatToBf16(v)) : v; }
