@@ -15,9 +15,11 @@ StatusOr<cublasHandle_t> CublasHandle() {
   if (it != handles.end()) return it->second;
   cublasHandle_t h = nullptr;
   MLARUN_CUBLAS_RETURN_IF_ERROR(cublasCreate(&h));
-  // fp32 products stay fp32 (no TF32): the parity with the CPU runner is
-  // checked at fp32 tolerances.
-  MLARUN_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(h, CUBLAS_DEFAULT_MATH));
+  // fp32 products stay fp32 (no TF32), and a product whose output is bf16
+  // reduces in fp32 (no reduced-precision split-K reductions): the rounding
+  // points are the CPU backend's, whose parity is checked at its tolerances.
+  MLARUN_CUBLAS_RETURN_IF_ERROR(cublasSetMathMode(
+      h, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
   handles.emplace(device, h);
   return h;
 }
