@@ -31,6 +31,7 @@
 
 #include "attention/cuda/lse_merge.h"
 #include "attention/cuda/split_plan.h"
+#include "runtime/base/cuda/convert.cuh"
 
 namespace mlarun::cuda_mla {
 
@@ -61,14 +62,8 @@ __host__ __device__ inline int LdWords(int n) {
   return w | 1;
 }
 
-__device__ inline float ToFloat(float x) { return x; }
-__device__ inline float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ inline T FromFloat(float v);
-template <>
-__device__ inline float FromFloat<float>(float v) { return v; }
-template <>
-__device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using cuda_convert::FromFloat;
+using cuda_convert::ToFloat;
 // What the CPU multiplies the values with: the probability in the cache dtype.
 template <typename T>
 __device__ inline float RoundLikeCache(float v) { return ToFloat(FromFloat<T>(v)); }

@@ -6,17 +6,13 @@
 #include <cuda_bf16.h>
 
 #include "kv/latent_write_backend.h"
+#include "runtime/base/cuda/convert.cuh"
 #include "runtime/base/cuda/cuda_check.h"
 
 namespace mlarun {
 namespace {
 
-template <typename T>
-__device__ inline T FromFloat(float v);
-template <>
-__device__ inline float FromFloat<float>(float v) { return v; }
-template <>
-__device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+using cuda_convert::FromFloat;
 
 template <typename T>
 __global__ void WriteLatentRowsKernel(LatentWriteParams p) {

@@ -7,6 +7,7 @@
 // so a bad id writes nothing, as on the CPU.
 #include <cuda_bf16.h>
 
+#include "runtime/base/cuda/convert.cuh"
 #include "runtime/ops/backend.h"
 #include "runtime/ops/cuda/common.cuh"
 
@@ -25,8 +26,7 @@ __global__ void CheckIdsKernel(const int32_t* __restrict__ ids, int64_t n, int64
   }
 }
 
-__device__ inline float ToFloat(float v) { return v; }
-__device__ inline float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+using cuda_convert::ToFloat;
 
 template <typename T>
 __global__ void GatherRowsKernel(const T* __restrict__ table, int64_t ld, const int32_t* __restrict__ ids,
