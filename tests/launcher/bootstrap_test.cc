@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include "runtime/base/cuda_device.h"
+
 namespace mlarun {
 namespace {
 
@@ -17,6 +19,8 @@ DeploymentSpec Spec() {
                         .experts = 0,
                         .weights = "copied",
                         .attention_thresholds = "/some/file.json",
+                        .device = "cuda",
+                        .fp8_weights = "dequantize",
                         .max_weight_bytes = 123456789,
                         .fail_forward_call = 7,
                         .fail_forward_rank = 2};
@@ -24,7 +28,7 @@ DeploymentSpec Spec() {
 
 TEST(DeploymentSpec, FieldsTravelWhole) {
   const DeploymentSpec::Fields fields = Spec().ToFields();
-  ASSERT_EQ(fields.size(), 9u);  // every member of DeploymentSpec
+  ASSERT_EQ(fields.size(), 11u);  // every member of DeploymentSpec
   auto back = DecodeSpecFields(EncodeSpecFields(fields));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, fields);
@@ -54,6 +58,8 @@ TEST(DeploymentSpec, NamesTheFirstFieldThatDiffers) {
       {[](DeploymentSpec& s) { s.experts = 8; }, "--experts: rank 3 has '8', rank 0 has '0'"},
       {[](DeploymentSpec& s) { s.weights = "mapped"; }, "--weights: rank 3 has 'mapped', rank 0 has 'copied'"},
       {[](DeploymentSpec& s) { s.attention_thresholds = ""; }, "--attention-thresholds: rank 3 has none"},
+      {[](DeploymentSpec& s) { s.device = "cpu"; }, "--device: rank 3 has 'cpu', rank 0 has 'cuda'"},
+      {[](DeploymentSpec& s) { s.fp8_weights = "keep"; }, "--fp8-weights: rank 3 has 'keep', rank 0 has 'dequantize'"},
       {[](DeploymentSpec& s) { s.fail_forward_rank = -1; }, "--fail-forward-call: rank 3 has '7@-1', rank 0 has '7@2'"},
   };
   for (const Case& c : cases) {
@@ -73,6 +79,26 @@ TEST(LoadModelForSpec, LoadsTheShardWithTheOverrides) {
   ASSERT_NE(lm->model, nullptr);
   EXPECT_EQ(lm->model->weight_bytes().total(), lm->predicted.total());
   EXPECT_EQ(lm->options.fail_forward_call, -1);
+}
+
+TEST(LoadModelForSpec, DeviceAndFp8FlagsAreCheckedWithTheirNames) {
+  DeploymentSpec s{.model = kTiny, .num_layers = 1, .device = "tpu"};
+  auto bad_device = LoadModelForSpec(s, ModelShard{});
+  ASSERT_FALSE(bad_device.ok());
+  EXPECT_NE(bad_device.status().message().find("--device"), std::string::npos) << bad_device.status();
+  s.device = "cpu";
+  s.fp8_weights = "sometimes";
+  auto bad_fp8 = LoadModelForSpec(s, ModelShard{});
+  ASSERT_FALSE(bad_fp8.ok());
+  EXPECT_NE(bad_fp8.status().message().find("--fp8-weights"), std::string::npos) << bad_fp8.status();
+  if (!CudaDevices().ok()) {  // no GPU: --device cuda is refused with the reason, not a crash
+    s.fp8_weights = "keep";
+    s.device = "cuda";
+    auto no_gpu = LoadModelForSpec(s, ModelShard{});
+    ASSERT_FALSE(no_gpu.ok());
+    EXPECT_EQ(no_gpu.status().code(), StatusCode::kUnavailable) << no_gpu.status();
+    EXPECT_NE(no_gpu.status().message().find("--device cuda"), std::string::npos) << no_gpu.status();
+  }
 }
 
 TEST(LoadModelForSpec, FaultInjectionOnlyOnTheNamedRank) {
