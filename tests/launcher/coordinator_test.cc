@@ -887,20 +887,31 @@ TEST_F(CoordinatorTest, NoClientDeadlineDoesNotLimitARoutedRequest) {
   FakeWorker& w = AddWorker({.hold = true});
   grpc::ClientContext ctx;  // no deadline on purpose
   std::atomic<bool> done{false};
+  // The watchdog ends a call that would otherwise wait forever; it is joined
+  // on every way out of the test (a failed ASSERT returns early, and a
+  // joinable thread destroyed would abort the whole binary).
   std::thread watchdog([&] {
-    for (int i = 0; i < 500 && !done; ++i) std::this_thread::sleep_for(10ms);
+    for (int i = 0; i < 3000 && !done; ++i) std::this_thread::sleep_for(10ms);
     if (!done) ctx.TryCancel();
   });
+  struct JoinWatchdog {
+    std::thread& t;
+    std::atomic<bool>& done;
+    grpc::ClientContext& ctx;
+    ~JoinWatchdog() {
+      if (!done.exchange(true)) ctx.TryCancel();
+      t.join();
+    }
+  } join_watchdog{watchdog, done, ctx};
   auto reader = stub_->Generate(&ctx, MakeRequest({1, 2}, 3));
-  ASSERT_TRUE(w.WaitRoutes(1));
+  ASSERT_TRUE(w.WaitRoutes(1, 20s));
   std::this_thread::sleep_for(600ms);  // twice the default, held by the group
   w.SetHold(false);
   int tokens = 0;
   v1::GenerateResponse resp;
   while (reader->Read(&resp)) tokens += resp.has_token() ? 1 : 0;
+  done = true;  // read to the end: the watchdog need not cancel
   const grpc::Status status = reader->Finish();
-  done = true;
-  watchdog.join();
   EXPECT_TRUE(status.ok()) << status.error_message();
   EXPECT_EQ(tokens, 3);
 }
