@@ -356,10 +356,12 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       cc.enable_prefix_caching = false;
       const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
       cc.budget_bytes = b * ((context + o.repetitions + 2 + 63) / 64 + 1) * 64 * bytes_per_token;
-      MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, LocalLatentCache::Create(cc));
+      MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, LocalLatentCache::Create(cc, model.memory()));
       for (int64_t s = 0; s < b; ++s) MLARUN_RETURN_IF_ERROR(FillContext(cache, s, context, rng));
       std::vector<int32_t> tok(static_cast<size_t>(b), 3);
       const ParallelStep step{.attn_tp = groups.attn_tp.get(), .dp_peers = groups.dp_peers.get(),
+                              .device_attn_tp = groups.device_attn_tp.get(),
+                              .device_dp_peers = groups.device_dp_peers.get(),
                               .dp_tokens = std::vector<int64_t>(static_cast<size_t>(layout.dp), b),
                               .dp_rank = groups.dp_rank()};
       auto decode_step = [&]() -> Status {
@@ -374,6 +376,8 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
       groups.attn_tp->mutable_stats().Clear();
       groups.dp_peers->mutable_stats().Clear();
+      for (auto* dev : {groups.device_attn_tp.get(), groups.device_dp_peers.get()})
+        if (dev != nullptr) dev->mutable_stats().Clear();
       MLARUN_ASSIGN_OR_RETURN(const double step_ms, TimeMs("parallel_decode_step", decode_step, timing));
       // Bytes this rank put into each kind of collective, per step, and the
       // layout's prediction: per layer, the attn-TP group all-reduces the
@@ -381,8 +385,13 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       // contributes its b hidden rows to the gather and sends all B rows of
       // partial MLP output into the reduce-scatter.
       const double steps = o.repetitions;
+      // (On a GPU the layers' collectives are the device communicators'.)
       auto per_step = [&](auto member) {
-        return static_cast<double>((groups.attn_tp->stats().*member).bytes + (groups.dp_peers->stats().*member).bytes) / steps;
+        int64_t bytes = 0;
+        for (auto* c : {groups.attn_tp.get(), groups.dp_peers.get(), groups.device_attn_tp.get(),
+                        groups.device_dp_peers.get()})
+          if (c != nullptr) bytes += (c->stats().*member).bytes;
+        return static_cast<double>(bytes) / steps;
       };
       const double ar = per_step(&CommStats::all_reduce), ag = per_step(&CommStats::all_gather),
                    rs = per_step(&CommStats::reduce_scatter);
