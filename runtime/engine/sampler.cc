@@ -22,6 +22,13 @@
 #pragma GCC optimize("no-trapping-math", "fp-contract=off")
 #endif
 
+// exp(x) for x <= 0 (including -inf), within 1 ulp like libm (fdlibm's
+// e_exp.c reduction and rational approximation), branch-free so that the
+// weight loops vectorize: SamplerExpNonPositive, which the device sampler
+// uses too. Included after the pragma so that it is compiled with this
+// file's options and inlined into its loops.
+#include "runtime/ops/sampling_math.h"  // NOLINT(build/include_order)
+
 // The hot loops also get AVX2 and AVX-512 clones, chosen once at load time
 // (the default build targets baseline x86-64, where they run 3-4x slower).
 // -DMLARUN_SAMPLER_CLONES= turns that off.
@@ -112,37 +119,6 @@ inline float FromOrderedBits(int32_t ordered) {
   return x;
 }
 
-// exp(x) for x <= 0 (including -inf), within 1 ulp like libm (this is
-// fdlibm's e_exp.c reduction and rational approximation), but branch-free so
-// that the weight loops vectorize; glibc's scalar exp is several times slower.
-// Arguments below -708 (results under about 3e-308, the edge of the normal
-// range) give 0: next to the maximum term, exactly 1, they cannot change a sum.
-inline double ExpNonPositive(double x) {
-  constexpr double kMinArg = -708.0;
-  constexpr double kInvLn2 = 1.44269504088896338700e+00;
-  constexpr double kLn2Hi = 6.93147180369123816490e-01;
-  constexpr double kLn2Lo = 1.90821492927058770002e-10;
-  constexpr double kP1 = 1.66666666666666019037e-01;
-  constexpr double kP2 = -2.77777777770155933842e-03;
-  constexpr double kP3 = 6.61375632143793436117e-05;
-  constexpr double kP4 = -1.65339022054652515390e-06;
-  constexpr double kP5 = 4.13813679705723846039e-08;
-  // Adding 1.5 * 2^52 rounds to an integer held in the low mantissa bits.
-  constexpr double kShifter = 0x1.8p52;
-  const bool tiny = !(x >= kMinArg);
-  const double xc = tiny ? kMinArg : x;
-  const double kd = xc * kInvLn2 + kShifter;
-  const double k = kd - kShifter;  // round(x / ln 2), in [-1022, 0]
-  const double hi = xc - k * kLn2Hi;
-  const double lo = k * kLn2Lo;
-  const double r = hi - lo;  // |r| <= ln(2) / 2
-  const double t = r * r;
-  const double c = r - t * (kP1 + t * (kP2 + t * (kP3 + t * (kP4 + t * kP5))));
-  const double y = 1.0 - ((lo - (r * c) / (2.0 - c)) - hi);  // exp(r)
-  const int64_t ki = BitsOf(kd) - BitsOf(kShifter);
-  const double two_to_k = DoubleOf(static_cast<uint64_t>(ki + 1023) << 52);
-  return tiny ? 0.0 : y * two_to_k;
-}
 
 inline int32_t MaxKey(const float* logits, int64_t n) {
   int32_t m = std::numeric_limits<int32_t>::min();
@@ -194,7 +170,7 @@ MaxLogit FindMax(std::span<const float> logits) {
 MLARUN_SAMPLER_CLONES void FillWeights(const float* logits, int64_t n, double max_logit,
                                        double scale, double* out) {
   for (int64_t i = 0; i < n; ++i)
-    out[i] = ExpNonPositive((CleanLogit(logits[i]) - max_logit) * scale);
+    out[i] = SamplerExpNonPositive((CleanLogit(logits[i]) - max_logit) * scale);
 }
 
 // Zeroes the weights of tokens ordered after `worst` (see Sampler::SelectKept).
@@ -397,7 +373,7 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
     if (inv_temperature != 1.0) {
       for (int64_t j = 0; j < n; ++j) {
         const int32_t id = candidates_[j].id;
-        probs_[id] = ExpNonPositive((CleanLogit(logits[id]) - max_logit) * inv_temperature);
+        probs_[id] = SamplerExpNonPositive((CleanLogit(logits[id]) - max_logit) * inv_temperature);
       }
     }
     if (!(params_.top_p < 1.0)) return n;

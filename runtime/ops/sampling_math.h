@@ -84,7 +84,8 @@ MLARUN_HD inline double SamplerCleanLogit(float x) {
   return d != d ? -INFINITY : (d > FLT_MAX ? static_cast<double>(FLT_MAX) : d);
 }
 
-// exp(x) for x <= 0: sampler.cc's ExpNonPositive, operation for operation.
+// exp(x) for x <= 0, the sampler's (runtime/engine/sampler.cc includes this
+// header under its own compile options).
 MLARUN_HD inline double SamplerExpNonPositive(double x) {
   using namespace sampler_math;
   constexpr double kMinArg = -708.0;
