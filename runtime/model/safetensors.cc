@@ -63,8 +63,6 @@ using json = nlohmann::json;
 constexpr uint64_t kMaxHeaderBytes = 100ull << 20;
 // Same cap for index.json, which we read into memory.
 constexpr uint64_t kMaxIndexBytes = 100ull << 20;
-// DeepSeek-V3 fp8 weights carry one scale per 128 x 128 block.
-constexpr int64_t kFp8BlockSize = 128;
 // Elements converted per step when loading: big enough to amortize the loop,
 // small enough that the scratch stays in L2 and no second full copy exists.
 constexpr int64_t kChunkElements = int64_t{1} << 16;
@@ -595,7 +593,7 @@ void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const Bl
     const float* row_scales =
         scales == nullptr ? nullptr
                           : scales->values.data() +
-                                ((region.row_begin + r) / kFp8BlockSize - scales->first_block_row) *
+                                ((region.row_begin + r) / kFp8Block - scales->first_block_row) *
                                     scales->block_cols;
     for (int64_t c = col_begin; c < col_end;) {
       const int64_t m = std::min(col_end - c, capacity - filled);
@@ -606,8 +604,8 @@ void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const Bl
         // Global column j is in block column j / 128. One fp32 multiply per
         // element (the rounding torch's dequantization does), one lookup per block.
         for (int64_t j = c; j < c + m;) {
-          const int64_t block = j / kFp8BlockSize;
-          const int64_t block_end = std::min(c + m, (block + 1) * kFp8BlockSize);
+          const int64_t block = j / kFp8Block;
+          const int64_t block_end = std::min(c + m, (block + 1) * kFp8Block);
           const float s = row_scales[block - scales->first_block_col];
           for (; j < block_end; ++j) piece[j - c] *= s;
         }
@@ -659,8 +657,8 @@ StatusOr<const TensorRef*> Fp8ScaleOf(const Checkpoint& ckpt, const TensorRef& t
     return InvalidArgumentError(Where(t), " is F8_E4M3 but its scale tensor ", Quoted(scale_name),
                                 " is not in checkpoint ", ckpt.dir());
   }
-  const std::array<int64_t, 2> scale_shape = {(t.shape[0] + kFp8BlockSize - 1) / kFp8BlockSize,
-                                              (t.shape[1] + kFp8BlockSize - 1) / kFp8BlockSize};
+  const std::array<int64_t, 2> scale_shape = {Fp8Blocks(t.shape[0]),
+                                              Fp8Blocks(t.shape[1])};
   if (scale->dtype != SafetensorsDType::kF32 && scale->dtype != SafetensorsDType::kBF16) {
     return InvalidArgumentError("scale ", Where(*scale), " for F8_E4M3 tensor ", Quoted(t.name),
                                 " is ", SafetensorsDTypeName(scale->dtype),
@@ -677,8 +675,8 @@ StatusOr<const TensorRef*> Fp8ScaleOf(const Checkpoint& ckpt, const TensorRef& t
 
 // The blocks of 128 x 128 a non-empty region touches.
 Region BlocksOf(const Region& r) {
-  return {r.row_begin / kFp8BlockSize, (r.row_end - 1) / kFp8BlockSize + 1, r.col_begin / kFp8BlockSize,
-          (r.col_end - 1) / kFp8BlockSize + 1};
+  return {r.row_begin / kFp8Block, (r.row_end - 1) / kFp8Block + 1, r.col_begin / kFp8Block,
+          (r.col_end - 1) / kFp8Block + 1};
 }
 
 // The rest of Load and LoadSlice, one implementation for both: checks the

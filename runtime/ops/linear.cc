@@ -17,8 +17,8 @@ Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
   l.storage = std::move(buf);
   l.owned_ = l.data != nullptr;
   if (dtype == DType::kF8E4M3) {
-    l.scale_ld = (in + kFp8Block - 1) / kFp8Block;
-    const size_t scale_bytes = static_cast<size_t>(((out + kFp8Block - 1) / kFp8Block) * l.scale_ld) * sizeof(float);
+    l.scale_ld = Fp8Blocks(in);
+    const size_t scale_bytes = static_cast<size_t>(Fp8Blocks(out) * l.scale_ld) * sizeof(float);
     std::shared_ptr<float> s(static_cast<float*>(AllocateLarge(scale_bytes, /*zero=*/true)), [](float* p) { std::free(p); });
     l.scale = s.get();
     l.scale_storage = std::move(s);
@@ -47,7 +47,7 @@ Status Linear::Place(DeviceMemory& memory, std::string_view what) {
   if (dtype != DType::kF8E4M3 || scale == nullptr) return Status::Ok();
   // The scales the kernels read next to the e4m3 bytes: block rows at stride
   // scale_ld, the last one ending at its ceil(in / 128)-th block.
-  const int64_t block_rows = (out + kFp8Block - 1) / kFp8Block, block_cols = (in + kFp8Block - 1) / kFp8Block;
+  const int64_t block_rows = Fp8Blocks(out), block_cols = Fp8Blocks(in);
   const size_t scale_bytes = static_cast<size_t>((block_rows - 1) * scale_ld + block_cols) * sizeof(float);
   MLARUN_ASSIGN_OR_RETURN(DeviceBuffer sb, DeviceBuffer::Allocate(memory, scale_bytes, std::string(what) + " scales"));
   MLARUN_RETURN_IF_ERROR(memory.CopyIn(sb.data(), scale, scale_bytes));
@@ -70,7 +70,7 @@ Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) 
   if (w.dtype == DType::kF8E4M3) {
     if (w.scale == nullptr)
       return FailedPreconditionError(op, ": f8_e4m3 weight ", name, " [", w.out, ", ", w.in, "] has no block scales");
-    const int64_t block_cols = (w.in + Linear::kFp8Block - 1) / Linear::kFp8Block;
+    const int64_t block_cols = Fp8Blocks(w.in);
     if (w.scale_ld < block_cols)
       return InvalidArgumentError(op, ": f8_e4m3 weight ", name, " scale_ld (", w.scale_ld, ") < ceil(in / 128) (",
                                   block_cols, ")");

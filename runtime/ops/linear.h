@@ -16,6 +16,7 @@
 #include "runtime/base/backend.h"
 #include "runtime/base/device_memory.h"
 #include "runtime/base/dtype.h"
+#include "runtime/base/float8.h"
 #include "runtime/base/status.h"
 
 namespace mlarun {
@@ -30,7 +31,7 @@ namespace mlarun {
 // e4m3(data[r * ld + c]) * scale[(r / 128) * scale_ld + c / 128], one fp32
 // scale per 128 x 128 block (the checkpoint's weight_scale_inv).
 struct Linear {
-  static constexpr int64_t kFp8Block = 128;
+  static constexpr int64_t kFp8Block = mlarun::kFp8Block;  // runtime/base/float8.h
   int64_t out = 0, in = 0;
   DType dtype = DType::kF32;
   const std::byte* data = nullptr;
@@ -49,7 +50,7 @@ struct Linear {
   int64_t data_bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
   int64_t elements() const { return out * in; }
   int64_t scale_bytes() const {
-    return dtype == DType::kF8E4M3 ? ((out + kFp8Block - 1) / kFp8Block) * ((in + kFp8Block - 1) / kFp8Block) * 4 : 0;
+    return dtype == DType::kF8E4M3 ? Fp8Blocks(out) * Fp8Blocks(in) * 4 : 0;
   }
   const std::byte* row(int64_t r) const { return data + r * ld * static_cast<int64_t>(DTypeSize(dtype)); }
   // A zero-filled [out, in] matrix of its own (ld = in, 64-byte aligned); for

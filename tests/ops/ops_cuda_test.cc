@@ -48,6 +48,7 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 using testing_values::Random;
+using testing_values::RandomLinear;
 
 // ---------------------------------------------------------------------------
 // Host tests of the shared rules (every build).
@@ -281,17 +282,6 @@ class Agreement {
   int64_t outputs_ = 0;
 };
 
-// A [out, in] weight with row stride in + pad; the padding columns are NaN.
-Linear RandomLinear(Random& r, int64_t out, int64_t in, DType dt, int64_t pad = 3) {
-  Linear w = Linear::Owned(out, in + pad, dt);
-  std::vector<float> row(static_cast<size_t>(in + pad));
-  for (int64_t o = 0; o < out; ++o) {
-    for (int64_t i = 0; i < in + pad; ++i) row[static_cast<size_t>(i)] = i < in ? r.Next() : kNaN;
-    StoreFromF32(row.data(), w.mutable_data() + o * (in + pad) * static_cast<int64_t>(DTypeSize(dt)), dt, in + pad);
-  }
-  w.in = in;  // the padding stays behind ld
-  return w;
-}
 Linear OnGpu(const Linear& w) {
   Linear d = w;  // copies share the host bytes; Place gives this one its own
   const Status st = d.Place(Gpu(), "a test weight");

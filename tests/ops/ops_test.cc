@@ -33,21 +33,11 @@ namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 using testing_values::Random;
+using testing_values::RandomLinear;
 
 // What the op computes with: bf16 operands are rounded to bf16.
 double Rounded(float v, DType dt) { return dt == DType::kBF16 ? Bf16ToFloat(FloatToBf16(v)) : v; }
 
-// A [out, in] weight with row stride ld > in; the padding columns are NaN.
-Linear RandomLinear(Random& r, int64_t out, int64_t in, DType dt, int64_t pad = 3) {
-  Linear w = Linear::Owned(out, in + pad, dt);
-  std::vector<float> row(static_cast<size_t>(in + pad));
-  for (int64_t o = 0; o < out; ++o) {
-    for (int64_t i = 0; i < in + pad; ++i) row[static_cast<size_t>(i)] = i < in ? r.Next() : kNaN;
-    StoreFromF32(row.data(), w.mutable_data() + o * (in + pad) * static_cast<int64_t>(DTypeSize(dt)), dt, in + pad);
-  }
-  w.in = in;  // the padding stays behind ld
-  return w;
-}
 double W(const Linear& w, int64_t o, int64_t i) {
   float v;
   LoadToF32(w.row(o) + i * static_cast<int64_t>(DTypeSize(w.dtype)), w.dtype, &v, 1);
