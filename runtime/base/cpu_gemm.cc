@@ -100,6 +100,20 @@ bool OneDnnAllowed(const GemmDesc& d) {
   return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
 }
 
+// Products of bf16 weights with kTilesFromRows to kTilesUpToRows rows take
+// the tile kernel where it can run them (fewer: the AVX512-BF16 streaming
+// kernels; more: oneDNN's AMX products). Measured on a Xeon with AMX, 2
+// threads, weights from memory (amx_tiles.inc): the dot products stream at
+// ~30 GB/s up to 6 rows and fall to ~21 at 8; the tiles hold ~25 from 1 to 32.
+constexpr int64_t kTilesFromRows = 7;
+constexpr int64_t kTilesUpToRows = 64;
+
+// Can our AMX tile kernel run this product under the family in force?
+bool TilesAllowed(const GemmDesc& d) {
+  return cpu::Kernels().gemm_tiles != nullptr && d.a_type == DType::kBF16 && d.b_type == DType::kBF16 &&
+         d.b_stride_k == 1;
+}
+
 }  // namespace
 
 int64_t GemmSmallRowsLimit(const GemmDesc& d) {
@@ -107,6 +121,7 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
   if (d.a_type == DType::kF32) return 16;
+  if (TilesAllowed(d)) return kTilesFromRows - 1;
   if (!OneDnnAllowed(d)) return 32;
   return cpu::UseBf16Dot(cpu::Kernels()) ? 16 : 8;
 }
@@ -114,6 +129,8 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
 namespace {
 
 constexpr size_t kAlign = 64;
+// The tile kernel's column granularity: 4 tiles of 16 weight rows.
+constexpr int64_t kTilesNAlign = 64;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 }  // namespace
@@ -124,6 +141,7 @@ std::string_view GemmImplName(GemmImpl impl) {
     case GemmImpl::kOneDnn: return "onednn";
     case GemmImpl::kSmall: return "small";
     case GemmImpl::kPacked: return "packed";
+    case GemmImpl::kTiles: return "tiles";
   }
   return "invalid";
 }
@@ -140,6 +158,7 @@ struct CpuGemm::Impl {
   size_t a_f32_bytes = 0;  // kSmall with a bf16 A: A widened into scratch first
   size_t c_f32_bytes = 0;  // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
   size_t thread_bytes = 0; // kPacked: packing buffers per thread
+  size_t a_tiles_bytes = 0; // kTiles: A in the tile kernel's layout
   int threads = 1;         // threads the scratch was sized for
 };
 
@@ -178,12 +197,19 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels())};
   if (auto hit = Cache().Find(key)) return hit;
   MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
-  if (want != GemmImpl::kAuto && want != GemmImpl::kOneDnn && want != GemmImpl::kSmall && want != GemmImpl::kPacked)
+  if (want != GemmImpl::kAuto && want != GemmImpl::kOneDnn && want != GemmImpl::kSmall && want != GemmImpl::kPacked &&
+      want != GemmImpl::kTiles)
     return InvalidArgumentError("unknown GemmImpl value ", static_cast<int>(want));
+  if (want == GemmImpl::kTiles && !TilesAllowed(d))
+    return InvalidArgumentError("the tile kernel needs the amx kernel family and bf16 A and B with B k-contiguous: ", d,
+                                " under ", CpuIsaName(ActiveCpuIsa()));
   std::shared_ptr<CpuGemm> g(new CpuGemm(d));
   auto impl = std::make_unique<Impl>();
   GemmImpl chosen = want;
-  if (want == GemmImpl::kAuto) chosen = d.m <= GemmSmallRowsLimit(d) ? GemmImpl::kSmall : GemmImpl::kOneDnn;
+  if (want == GemmImpl::kAuto)
+    chosen = d.m <= GemmSmallRowsLimit(d)                   ? GemmImpl::kSmall
+             : TilesAllowed(d) && d.m <= kTilesUpToRows ? GemmImpl::kTiles
+                                                          : GemmImpl::kOneDnn;
 
   // oneDNN, where the family allows it and oneDNN can build the product.
   std::string onednn_error;
@@ -220,11 +246,14 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   }
 
   // Ours.
-  if (chosen == GemmImpl::kSmall || chosen == GemmImpl::kPacked) {
+  if (chosen == GemmImpl::kSmall || chosen == GemmImpl::kPacked || chosen == GemmImpl::kTiles) {
     impl->kernels = &cpu::Kernels();
     const cpu::CpuKernels& k = *impl->kernels;
     impl->threads = std::max(1, omp_get_max_threads());
-    if (chosen == GemmImpl::kSmall) {
+    if (chosen == GemmImpl::kTiles) {
+      impl->a_tiles_bytes = AlignUp(k.tiles_prepared_a_bytes(d.m, d.k));
+      g->impl_name_ = "tiles:" + std::string(CpuIsaName(k.isa));
+    } else if (chosen == GemmImpl::kSmall) {
       impl->small_bt = d.b_stride_k == 1;
       impl->bf16_dot = impl->small_bt && d.a_type == DType::kBF16 && cpu::UseBf16Dot(k);
       // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
@@ -241,7 +270,9 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
       impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
       g->impl_name_ = "packed:" + std::string(CpuIsaName(k.isa));
     }
-    g->scratch_bytes_ = impl->a_f32_bytes + impl->c_f32_bytes + static_cast<size_t>(impl->threads) * impl->thread_bytes;
+    g->scratch_bytes_ = impl->a_f32_bytes + impl->a_tiles_bytes + impl->c_f32_bytes +
+                        static_cast<size_t>(impl->threads) * impl->thread_bytes;
+    if (g->scratch_bytes_ > 0) g->scratch_bytes_ += kAlign;  // RunOwn aligns the start
   }
   g->kind_ = chosen;
   g->impl_ = std::move(impl);
@@ -254,7 +285,10 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   const Impl& im = *impl_;
   const cpu::CpuKernels& k = *im.kernels;
   const GemmDesc& d = desc_;
+  // Our layouts start on a cache line (the tile kernel's staging buffer
+  // especially); scratch_bytes() leaves room for the adjustment.
   std::byte* s = static_cast<std::byte*>(scratch);
+  s += (kAlign - reinterpret_cast<uintptr_t>(s) % kAlign) % kAlign;
   cpu::GemmArgs g{.m = d.m, .n = d.n, .k = d.k, .a = a, .a_type = d.a_type, .lda = d.lda, .b = b,
                   .b_type = d.b_type, .b_stride_k = d.b_stride_k, .b_stride_n = d.b_stride_n, .c = c,
                   .c_type = d.c_type, .ldc = d.ldc, .accumulate = d.accumulate};
@@ -277,6 +311,11 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     g.a = af, g.a_type = DType::kF32, g.lda = d.k;
     s += im.a_f32_bytes;
   }
+  if (im.a_tiles_bytes > 0) {  // the tile kernel reads A in its own layout
+    k.tiles_prepare_a(g, s);
+    g.a = s;
+    s += im.a_tiles_bytes;
+  }
   float* c_f32 = nullptr;
   if (im.c_f32_bytes > 0) {
     c_f32 = reinterpret_cast<float*>(s);
@@ -284,9 +323,12 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     s += im.c_f32_bytes;
   }
   const bool packed = kind_ == GemmImpl::kPacked;
+  const bool tiles = kind_ == GemmImpl::kTiles;
   auto part = [&](int t, int64_t n0, int64_t n1) {
     if (n0 >= n1) return;
-    if (!packed) {
+    if (tiles) {
+      k.gemm_tiles(g, n0, n1);
+    } else if (!packed) {
       (im.bf16_dot ? k.gemm_small_bt_bf16_dot : im.small_bt ? k.gemm_small_bt : k.gemm_small_bn)(g, n0, n1);
     } else {
       k.gemm_packed(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
@@ -299,14 +341,15 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   // chunks of whole panels handed out as threads finish. Inside a parallel
   // region the calling thread does it all.
   const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
-  const int64_t strips = (d.n + k.n_align - 1) / k.n_align;
+  const int64_t align = tiles ? kTilesNAlign : k.n_align;
+  const int64_t strips = (d.n + align - 1) / align;
   if (threads <= 1 || strips <= 1) {
     part(0, 0, d.n);
   } else if (!packed) {
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      part(t, std::min(d.n, strips * t / nt * k.n_align), std::min(d.n, strips * (t + 1) / nt * k.n_align));
+      part(t, std::min(d.n, strips * t / nt * align), std::min(d.n, strips * (t + 1) / nt * align));
     }
   } else {
     const int64_t per_chunk = std::max<int64_t>(1, strips / (4 * threads));

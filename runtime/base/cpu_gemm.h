@@ -11,6 +11,8 @@
 //    widen bf16 to fp32 in registers (decode: bound by reading the weights);
 //  * oneDNN's matmul where the kernel family allows it and oneDNN can build
 //    the product (f32 from AVX2 up; bf16 on AVX512-BF16 / AMX);
+//  * on AMX, bf16 products whose B is a weight as stored (k contiguous): our
+//    tile kernel, which reads the weight in place and packs only A;
 //  * our own packed kernel otherwise (bf16 without AVX512-BF16, any product on
 //    a CPU below AVX2): B converted to fp32 a cache-sized panel at a time.
 // Every product accumulates in fp32; f32 x f32 products are strict fp32.
@@ -78,6 +80,7 @@ enum class GemmImpl : uint8_t {
   kOneDnn = 1,   // oneDNN's matmul (fails where oneDNN cannot build it)
   kSmall = 2,    // our streaming kernels, any m (slow for many rows)
   kPacked = 3,   // our packed kernel
+  kTiles = 4,    // our AMX tile kernel (bf16 x bf16, B k-contiguous; amx family only)
 };
 std::string_view GemmImplName(GemmImpl impl);
 

@@ -55,6 +55,12 @@ void CheckOne(const Case& cs, const Shape& sh, std::mt19937& rng) {
   ASSERT_TRUE(scope.status().ok()) << scope.status();
   auto g = CpuGemm::Get(desc, cs.impl);
   if (cs.impl == GemmImpl::kOneDnn && !g.ok()) return;  // not offered under this family: covered by ours
+  // The tile kernel: bf16 with a k-contiguous B under the amx family, refused otherwise.
+  const bool tiles_fit = cs.isa == CpuIsa::kAmx && cs.dtype == DType::kBF16 && cs.b_col_major;
+  if (cs.impl == GemmImpl::kTiles && !tiles_fit) {
+    EXPECT_FALSE(g.ok()) << Name(cs, sh) << ": offered outside its family and types";
+    return;
+  }
   ASSERT_TRUE(g.ok()) << Name(cs, sh) << ": " << g.status();
 
   std::normal_distribution<float> d;
@@ -119,13 +125,14 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   // panel (256) and past the single-panel limit of a bf16 C (1024).
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
                                      {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
-                                     {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}};
+                                     {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}, {33, 200, 100},
+                                     {16, 128, 64}, {48, 96, 33}};
   // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
   // products; run their FMA path too.
   const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
   for (bool dot : dot_variants ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
   const bool previous = cpu::SetBf16DotAllowed(dot);
-  for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kOneDnn, GemmImpl::kAuto})
+  for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kOneDnn, GemmImpl::kTiles, GemmImpl::kAuto})
     for (DType t : {DType::kF32, DType::kBF16})
       for (DType ct : {DType::kF32, DType::kBF16})
         for (bool col : {false, true})

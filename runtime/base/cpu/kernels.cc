@@ -20,8 +20,8 @@ const CpuKernels* KernelsFor(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar: return &ScalarKernels();
     case CpuIsa::kAvx2: return &Avx2Kernels();
-    case CpuIsa::kAvx512:
-    case CpuIsa::kAmx: return &Avx512Kernels();  // AMX tiles are oneDNN's; our own code stays AVX-512
+    case CpuIsa::kAvx512: return &Avx512Kernels();
+    case CpuIsa::kAmx: return &AmxKernels();
   }
   return nullptr;
 }

@@ -63,6 +63,13 @@ struct CpuKernels {
   // packed into `scratch` (packed_scratch_bytes()) and multiplied by a
   // register-blocked micro-kernel. The prefill path.
   void (*gemm_packed)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  // bf16 A x bf16 B with k contiguous on the AMX tile unit, any m (the amx
+  // table only; nullptr elsewhere). A must first be rewritten by
+  // tiles_prepare_a into tiles_prepared_a_bytes(m, k) bytes (64-byte
+  // aligned; g.a then points at it); B is read as stored. See amx_tiles.inc.
+  void (*gemm_tiles)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  void (*tiles_prepare_a)(const GemmArgs& g, void* out) = nullptr;
+  size_t (*tiles_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
   // Scratch gemm_packed needs for an m x n x k product (n: the widest column
   // range one call covers), whose C is bf16 or not.
   size_t (*packed_scratch_bytes)(int64_t m, int64_t n, int64_t k, bool c_bf16) = nullptr;
@@ -104,5 +111,6 @@ const CpuKernels& Kernels();
 const CpuKernels& ScalarKernels();
 const CpuKernels& Avx2Kernels();
 const CpuKernels& Avx512Kernels();
+const CpuKernels& AmxKernels();
 
 }  // namespace mlarun::cpu
