@@ -100,13 +100,21 @@ bool OneDnnAllowed(const GemmDesc& d) {
   return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
 }
 
-// Products of bf16 weights with kTilesFromRows to kTilesUpToRows rows take
-// the tile kernel where it can run them (fewer: the AVX512-BF16 streaming
-// kernels; more: oneDNN's AMX products). Measured on a Xeon with AMX, 2
-// threads, weights from memory (amx_tiles.inc): the dot products stream at
-// ~30 GB/s up to 6 rows and fall to ~21 at 8; the tiles hold ~25 from 1 to 32.
+// Products of bf16 weights on AMX: from kTilesFromRows rows on, the tile
+// kernel (fewer: the AVX512-BF16 streaming kernels), up to where oneDNN's AMX
+// product (which packs the weight) is faster. Measured on a Xeon with AMX, 2
+// threads (amx_tiles.inc): the dot products stream at ~30 GB/s up to 6 rows
+// and fall to ~21 at 8, the tiles hold ~25 from 1 to 32; against oneDNN on
+// DeepSeek-V2/V3 projection shapes, tiles 1.1-1.8x at 64 rows and 1.0-1.5x
+// at 128-256 rows, but 0.6-0.9x with k = 16384 and 0.8-0.95x on a 420 MB
+// lm_head from 128 rows (the weight read once per band of A rows from
+// memory), and 0.8-1.2x at 512 rows.
 constexpr int64_t kTilesFromRows = 7;
-constexpr int64_t kTilesUpToRows = 64;
+constexpr int64_t kTilesMaxK = 8192;
+bool TilesFaster(const GemmDesc& d) {
+  if (d.k > kTilesMaxK) return false;
+  return d.m <= 64 || (d.m <= 256 && d.n * d.k * 2 <= (int64_t{128} << 20));
+}
 
 // Can our AMX tile kernel run this product under the family in force?
 bool TilesAllowed(const GemmDesc& d) {
@@ -121,7 +129,7 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
   if (d.a_type == DType::kF32) return 16;
-  if (TilesAllowed(d)) return kTilesFromRows - 1;
+  if (TilesAllowed(d)) return d.k <= kTilesMaxK ? kTilesFromRows - 1 : 16;
   if (!OneDnnAllowed(d)) return 32;
   return cpu::UseBf16Dot(cpu::Kernels()) ? 16 : 8;
 }
@@ -208,7 +216,7 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   GemmImpl chosen = want;
   if (want == GemmImpl::kAuto)
     chosen = d.m <= GemmSmallRowsLimit(d)                   ? GemmImpl::kSmall
-             : TilesAllowed(d) && d.m <= kTilesUpToRows ? GemmImpl::kTiles
+             : TilesAllowed(d) && TilesFaster(d) ? GemmImpl::kTiles
                                                           : GemmImpl::kOneDnn;
 
   // oneDNN, where the family allows it and oneDNN can build the product.
