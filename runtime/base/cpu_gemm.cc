@@ -111,8 +111,13 @@ bool OneDnnAllowed(const GemmDesc& d) {
 // memory), and 0.8-1.2x at 512 rows.
 constexpr int64_t kTilesFromRows = 7;
 constexpr int64_t kTilesMaxK = 8192;
+// Columns below which packing A costs as much as the tile products save (the
+// attention's score tiles over a few keys).
+constexpr int64_t kTilesMinN = 128;
+// Shapes whose tile products beat the other choices (given m >= kTilesFromRows).
+bool TilesShape(const GemmDesc& d) { return d.k <= kTilesMaxK && d.n >= kTilesMinN; }
 bool TilesFaster(const GemmDesc& d) {
-  if (d.k > kTilesMaxK) return false;
+  if (!TilesShape(d)) return false;
   return d.m <= 64 || (d.m <= 256 && d.n * d.k * 2 <= (int64_t{128} << 20));
 }
 
@@ -129,8 +134,12 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
   if (d.a_type == DType::kF32) return 16;
-  if (TilesAllowed(d)) return d.k <= kTilesMaxK ? kTilesFromRows - 1 : 16;
+  if (TilesAllowed(d)) return TilesShape(d) ? kTilesFromRows - 1 : 16;
   if (!OneDnnAllowed(d)) return 32;
+  // B n-contiguous (the attention's folds through W_UK^T and W_UV) has no dot
+  // products to use; on AMX oneDNN's product was as fast from 4 rows and
+  // 1.5-2x faster at 8-16 (128 heads' [128 x 512] folds, 2 threads).
+  if (d.b_stride_n == 1 && ActiveCpuIsa() == CpuIsa::kAmx) return 4;
   return cpu::UseBf16Dot(cpu::Kernels()) ? 16 : 8;
 }
 
