@@ -241,6 +241,18 @@ SampledToken GreedyToken(int64_t argmax, double weight_sum) {
 }  // namespace
 
 
+struct Sampler::Scratch {
+  std::vector<Candidate> candidates;
+  std::vector<double> probs;        // weight by token id
+  std::vector<double> block_sums;   // sums of probs per block of ids
+  std::vector<int32_t> block_keys;  // top-k's per-block maxima
+};
+
+Sampler::Scratch& Sampler::ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 Sampler::Sampler(const SamplingParams& p) : params_(p) {
   // splitmix64 turns any seed (0 included) into a well-mixed, never all-zero
   // xoshiro state, as the xoshiro authors recommend.
@@ -258,14 +270,15 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   if (vocab == 0) return {0, kNegInf};
   const MaxLogit max = FindMax(logits);
   if (max.value == kNegInf) return {0, kNegInf};  // no distribution at all
+  Scratch& s = ThreadScratch();
 
   // The reported logprob uses the unmodified distribution whatever the
   // sampling parameters. Weights are relative to the max token's, which is
   // exactly 1, so every sum below is >= 1.
-  probs_.resize(static_cast<size_t>(vocab));
-  block_sums_.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
-  FillWeights(logits.data(), vocab, max.value, 1.0, probs_.data());
-  const double raw_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
+  s.probs.resize(static_cast<size_t>(vocab));
+  s.block_sums.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
+  FillWeights(logits.data(), vocab, max.value, 1.0, s.probs.data());
+  const double raw_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
   const double log_normalizer = std::log(raw_sum);
   auto result = [&](int64_t token) {
     return SampledToken{token, (CleanLogit(logits[token]) - max.value) - log_normalizer};
@@ -281,28 +294,28 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   const bool top_p_on = params_.top_p < 1.0;
   double scaled_sum = raw_sum;
   if (!top_k_on && temperature != 1.0) {
-    FillWeights(logits.data(), vocab, max.value, inv_temperature, probs_.data());
-    scaled_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
+    FillWeights(logits.data(), vocab, max.value, inv_temperature, s.probs.data());
+    scaled_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
   }
   if (!top_k_on && !top_p_on)
-    return result(InverseCdf(probs_.data(), vocab, block_sums_.data(), u * scaled_sum));
+    return result(InverseCdf(s.probs.data(), vocab, s.block_sums.data(), u * scaled_sum));
 
   const int64_t kept =
-      SelectKept(logits, max.value, max.has_positive_nan, inv_temperature, scaled_sum);
+      SelectKept(logits, max.value, max.has_positive_nan, inv_temperature, scaled_sum, s);
   if (kept * kSparseKeptRatio <= vocab) {
     // Few kept tokens: put them in id order and walk them directly.
-    auto first = candidates_.begin();
+    auto first = s.candidates.begin();
     std::sort(first, first + kept,
               [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
     double kept_sum = 0.0;
-    for (int64_t j = 0; j < kept; ++j) kept_sum += probs_[candidates_[j].id];
+    for (int64_t j = 0; j < kept; ++j) kept_sum += s.probs[s.candidates[j].id];
     const double target = u * kept_sum;
     double cum = 0.0;
-    int64_t last_positive = candidates_[0].id;
+    int64_t last_positive = s.candidates[0].id;
     for (int64_t j = 0; j < kept; ++j) {
-      const int32_t id = candidates_[j].id;
-      if (probs_[id] > 0.0) {
-        cum += probs_[id];
+      const int32_t id = s.candidates[j].id;
+      if (s.probs[id] > 0.0) {
+        cum += s.probs[id];
         if (target < cum) return result(id);
         last_positive = id;
       }
@@ -311,10 +324,10 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   }
   // Many: zero the rest and draw as without filters (same order, same result
   // up to rounding in the sums).
-  const Candidate worst = candidates_[kept - 1];
-  DropAfter(logits.data(), vocab, worst.key, worst.id, probs_.data());
-  scaled_sum = BlockSums(probs_.data(), vocab, block_sums_.data());
-  return result(InverseCdf(probs_.data(), vocab, block_sums_.data(), u * scaled_sum));
+  const Candidate worst = s.candidates[kept - 1];
+  DropAfter(logits.data(), vocab, worst.key, worst.id, s.probs.data());
+  scaled_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
+  return result(InverseCdf(s.probs.data(), vocab, s.block_sums.data(), u * scaled_sum));
 }
 
 SampledToken Sampler::SampleGreedyFrom(int64_t argmax, double weight_sum) {
@@ -323,7 +336,7 @@ SampledToken Sampler::SampleGreedyFrom(int64_t argmax, double weight_sum) {
 }
 
 int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,
-                            double inv_temperature, double scaled_sum) {
+                            double inv_temperature, double scaled_sum, Scratch& s) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
   // Larger logit first, then lower id: a strict total order, so the kept set
   // is exact even with ties at a boundary. Logit order is probability order
@@ -331,10 +344,10 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
   auto before = [](const Candidate& a, const Candidate& b) {
     return a.key > b.key || (a.key == b.key && a.id < b.id);
   };
-  auto weight = [&](const Candidate& c) { return probs_[c.id]; };
+  auto weight = [&](const Candidate& c) { return s.probs[c.id]; };
   const bool top_k_on = params_.top_k > 0 && params_.top_k < vocab;
 
-  // Stage 1: candidates_[0, n) is the top-k set with its worst member last,
+  // Stage 1: s.candidates[0, n) is the top-k set with its worst member last,
   // or (top-k off) every token that can be in the top-p set.
   int64_t n = 0;
   if (top_k_on) {
@@ -345,35 +358,35 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
     // reach it, and the selection runs on a few times n tokens, not 129k.
     // (A positive NaN would pose as a block maximum: then all tokens go.)
     int64_t count = 0;
-    candidates_.resize(static_cast<size_t>(vocab));
+    s.candidates.resize(static_cast<size_t>(vocab));
     if (!has_positive_nan) {
       const int64_t block = std::clamp<int64_t>(vocab / (4 * n), 1, kBlock);
-      block_keys_.resize(static_cast<size_t>((vocab + block - 1) / block));
-      BlockMaxKeys(logits.data(), vocab, block, block_keys_.data());
-      std::nth_element(block_keys_.begin(), block_keys_.begin() + (n - 1), block_keys_.end(),
+      s.block_keys.resize(static_cast<size_t>((vocab + block - 1) / block));
+      BlockMaxKeys(logits.data(), vocab, block, s.block_keys.data());
+      std::nth_element(s.block_keys.begin(), s.block_keys.begin() + (n - 1), s.block_keys.end(),
                        std::greater<>());
-      const int32_t threshold = block_keys_[n - 1];
+      const int32_t threshold = s.block_keys[n - 1];
       for (int64_t start = 0; start < vocab; start += block) {
         const int64_t end = std::min(vocab, start + block);
         if (RowMaxKey(logits.data() + start, end - start) < threshold) continue;  // most blocks
         for (int64_t i = start; i < end; ++i) {
           if (OrderedKey(logits[i]) >= threshold)
-            candidates_[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+            s.candidates[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
         }
       }
     } else {
       for (int64_t i = 0; i < vocab; ++i)
-        candidates_[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+        s.candidates[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
     }
     // The n best, worst of them last.
-    std::nth_element(candidates_.begin(), candidates_.begin() + (n - 1),
-                     candidates_.begin() + count, before);
-    candidates_.resize(static_cast<size_t>(n));
-    // probs_ still holds untempered weights; only the candidates need theirs.
+    std::nth_element(s.candidates.begin(), s.candidates.begin() + (n - 1),
+                     s.candidates.begin() + count, before);
+    s.candidates.resize(static_cast<size_t>(n));
+    // s.probs still holds untempered weights; only the candidates need theirs.
     if (inv_temperature != 1.0) {
       for (int64_t j = 0; j < n; ++j) {
-        const int32_t id = candidates_[j].id;
-        probs_[id] = SamplerExpNonPositive((CleanLogit(logits[id]) - max_logit) * inv_temperature);
+        const int32_t id = s.candidates[j].id;
+        s.probs[id] = SamplerExpNonPositive((CleanLogit(logits[id]) - max_logit) * inv_temperature);
       }
     }
     if (!(params_.top_p < 1.0)) return n;
@@ -384,28 +397,28 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
     // all of a large vocabulary below it, so the search below stays small.
     // (Half the bound, so rounding cannot matter.)
     const double min_weight = 0.5 * (1.0 - params_.top_p) * scaled_sum / static_cast<double>(vocab);
-    candidates_.resize(static_cast<size_t>(vocab));
+    s.candidates.resize(static_cast<size_t>(vocab));
     for (int64_t i = 0; i < vocab; ++i) {
-      if (probs_[i] >= min_weight)
-        candidates_[n++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+      if (s.probs[i] >= min_weight)
+        s.candidates[n++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
     }
-    candidates_.resize(static_cast<size_t>(n));  // n >= 1: the max token weighs 1 > min_weight
+    s.candidates.resize(static_cast<size_t>(n));  // n >= 1: the max token weighs 1 > min_weight
   }
 
-  // Stage 2, top-p: the smallest best-first prefix of candidates_[0, n)
+  // Stage 2, top-p: the smallest best-first prefix of s.candidates[0, n)
   // whose mass reaches top_p of the renormalized total (over the top-k set,
   // or over the whole vocabulary). Instead of sorting (the prefix can be most
   // of the vocabulary) this is a quickselect on mass: partition around the
   // median, keep whichever side holds the crossing point.
-  // Invariant: candidates_[0, lo) are the best lo, with mass `above` short of
+  // Invariant: s.candidates[0, lo) are the best lo, with mass `above` short of
   // `needed`; the crossing lies in [lo, hi).
   double total = scaled_sum;
   if (top_k_on) {
     total = 0.0;
-    for (int64_t j = 0; j < n; ++j) total += weight(candidates_[j]);
+    for (int64_t j = 0; j < n; ++j) total += weight(s.candidates[j]);
   }
   const double needed = params_.top_p * total;
-  auto first = candidates_.begin();
+  auto first = s.candidates.begin();
   int64_t lo = 0;
   int64_t hi = n;
   double above = 0.0;
@@ -413,7 +426,7 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
     const int64_t mid = lo + (hi - lo) / 2;
     std::nth_element(first + lo, first + mid, first + hi, before);
     double left = 0.0;
-    for (int64_t j = lo; j < mid; ++j) left += weight(candidates_[j]);
+    for (int64_t j = lo; j < mid; ++j) left += weight(s.candidates[j]);
     if (above + left >= needed) {
       hi = mid;
     } else {
@@ -423,7 +436,7 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
   }
   std::sort(first + lo, first + hi, before);
   for (int64_t j = lo; j < hi; ++j) {
-    above += weight(candidates_[j]);
+    above += weight(s.candidates[j]);
     if (above >= needed) return j + 1;
   }
   // Only rounding gets here (the partition sums said the crossing is before

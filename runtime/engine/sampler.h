@@ -66,18 +66,22 @@ class Sampler {
     float key;  // the logit, NaN as -inf
     int32_t id;
   };
-  // Top-k / top-p: leaves the kept set in candidates_[0, m), its worst member
-  // last (kept tokens are exactly those ordered no later than it), with the
-  // tempered weight of each in probs_[id]; returns m.
+  // Sample's working memory (a weight per token id, the candidates, block
+  // sums): one per thread, shared by every sampler that thread runs, not one
+  // per request. A request holds 40 bytes of state; the scratch (about 2 MB
+  // for a 129k vocabulary) exists once, and a new request's first token
+  // allocates nothing once the thread has sampled a row of that size.
+  struct Scratch;
+  static Scratch& ThreadScratch();
+
+  // Top-k / top-p: leaves the kept set in s.candidates[0, m), its worst
+  // member last (kept tokens are exactly those ordered no later than it),
+  // with the tempered weight of each in s.probs[id]; returns m.
   int64_t SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,
-                     double inv_temperature, double scaled_sum);
+                     double inv_temperature, double scaled_sum, Scratch& s);
 
   SamplingParams params_;
   uint64_t state_[4];  // xoshiro256** state
-  std::vector<Candidate> candidates_;  // scratch
-  std::vector<double> probs_;          // scratch: weight by token id
-  std::vector<double> block_sums_;     // scratch: sums of probs_ per block of ids
-  std::vector<int32_t> block_keys_;    // scratch: top-k's per-block maxima
 };
 
 namespace internal {

@@ -1,7 +1,7 @@
 // Heap allocations of a runner's step after warm-up: none. The step's
 // buffers (activations, routing, the MoE's work lists, the attention's plan
-// and scratch, the logits, the sampled tokens, the samplers' scratch) live in
-// the model, the runner and the samplers and are reused; a step whose shapes
+// and scratch, the logits, the sampled tokens, the sampling scratch) live in
+// the model, the runner and the sampling thread and are reused; a step whose shapes
 // were seen before allocates nothing. Counted with a replaced global
 // operator new (every thread: the OpenMP workers too), so this test is its
 // own binary.
@@ -139,6 +139,40 @@ TEST(StepAllocations, StepsOfShapesSeenBeforeAllocateNothing) {
       EXPECT_EQ(again[s], 0) << "decode step " << s << " of the second pass, weights " << DTypeName(weights)
                              << ", cache " << DTypeName(kv)
                              << " (first pass: " << first[s] << ")";
+  }
+}
+
+// A request's sampler holds only its random stream; the working memory of
+// sampling (weights per token id, candidates) belongs to the thread. So a new
+// request's first token, on a thread that has sampled rows of that size,
+// allocates nothing: the cost the prefill step of every new request would
+// otherwise pay (about 2 MB per request at a 129k vocabulary).
+TEST(StepAllocations, ANewRequestsFirstSampleAllocatesNothing) {
+  const int64_t vocab = 129280;  // larger than any row the other tests sample
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.f, 3.f);
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  for (float& x : logits) x = normal(rng);
+  const SamplingParams params[] = {SamplingParams{.temperature = 0},
+                                   SamplingParams{.temperature = 0.8, .top_k = 50, .seed = 1},
+                                   SamplingParams{.temperature = 1.1, .top_p = 0.9, .seed = 2},
+                                   SamplingParams{.temperature = 0.7, .top_k = 4000, .top_p = 0.95, .seed = 3},
+                                   SamplingParams{.temperature = 1.0, .seed = 4}};
+  int64_t warm = 0;
+  for (const SamplingParams& p : params) {
+    Sampler s(p);
+    warm += Allocations([&] { s.Sample(logits); });
+  }
+  EXPECT_GT(warm, 0) << "the thread's first rows of this size grow its scratch; 0 means nothing was counted";
+  for (const SamplingParams& p : params) {
+    std::optional<Sampler> fresh;
+    fresh.emplace(p);  // constructed outside the count: the request's own state
+    logits[static_cast<size_t>(rng() % vocab)] += 5.f;  // a different row, same size
+    SampledToken t;
+    EXPECT_EQ(Allocations([&] { t = fresh->Sample(logits); }), 0)
+        << "temperature " << p.temperature << ", top_k " << p.top_k << ", top_p " << p.top_p;
+    EXPECT_GE(t.token, 0);
+    EXPECT_LT(t.token, vocab);
   }
 }
 
