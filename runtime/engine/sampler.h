@@ -68,8 +68,8 @@ class Sampler {
   };
   // Sample's working memory (a weight per token id, the candidates, block
   // sums): one per thread, shared by every sampler that thread runs, not one
-  // per request. A request holds 40 bytes of state; the scratch (about 2 MB
-  // for a 129k vocabulary) exists once, and a new request's first token
+  // per request. A request holds its parameters and random stream; the scratch
+  // (about 2 MB for a 129k vocabulary) exists once per thread, and a new request's first token
   // allocates nothing once the thread has sampled a row of that size.
   struct Scratch;
   static Scratch& ThreadScratch();
