@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "runtime/base/cpu_gemm.h"
 #include "runtime/base/cpu_isa.h"
 
 namespace mlarun {
@@ -12,6 +13,11 @@ Status ApplyEnvironmentOverrides() {
     auto parsed = ParseCpuIsa(isa);
     if (!parsed.ok()) return parsed.status().WithContext("MLARUN_CPU_ISA");
     MLARUN_RETURN_IF_ERROR(SetCpuIsaLimit(*parsed).WithContext(std::string("MLARUN_CPU_ISA=") + isa));
+  }
+  if (const char* onednn = std::getenv("MLARUN_ONEDNN"); onednn != nullptr && *onednn != '\0') {
+    const std::string v = onednn;
+    if (v != "on" && v != "off") return InvalidArgumentError("MLARUN_ONEDNN=", v, ": expected on or off");
+    SetOneDnnEnabled(v == "on");
   }
   return Status::Ok();
 }

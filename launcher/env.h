@@ -6,6 +6,12 @@
 //                   run, test and benchmark the lower paths. Default: unset,
 //                   the best this CPU supports. A value above what the CPU
 //                   supports is an error, never a crash later.
+//   MLARUN_ONEDNN   on | off. Off, no matrix product goes through oneDNN: all
+//                   run on mlarun's own kernels (runtime/base/cpu_gemm.h).
+//                   Products of many rows (prefill) are slower where oneDNN
+//                   has the faster one (bf16 on AVX512-BF16 / AMX, f32), and
+//                   a step after warm-up allocates nothing at all (oneDNN
+//                   allocates inside every product it runs). Default: on.
 #pragma once
 
 #include "runtime/base/status.h"

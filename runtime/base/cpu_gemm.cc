@@ -35,6 +35,7 @@ struct GemmKey {
   GemmImpl impl;
   CpuIsa isa;
   bool bf16_dot;
+  bool onednn;
   friend bool operator==(const GemmKey&, const GemmKey&) = default;
 };
 
@@ -46,7 +47,8 @@ struct KeyHash {
     mix(d.m), mix(d.n), mix(d.k), mix(d.lda), mix(d.b_stride_k), mix(d.b_stride_n), mix(d.ldc);
     mix(static_cast<int64_t>(d.a_type) | static_cast<int64_t>(d.b_type) << 8 | static_cast<int64_t>(d.c_type) << 16 |
         static_cast<int64_t>(d.accumulate) << 24 | static_cast<int64_t>(key.impl) << 32 |
-        static_cast<int64_t>(key.isa) << 40 | static_cast<int64_t>(key.bf16_dot) << 48);
+        static_cast<int64_t>(key.isa) << 40 | static_cast<int64_t>(key.bf16_dot) << 48 |
+        static_cast<int64_t>(key.onednn) << 49);
     return h;
   }
 };
@@ -88,12 +90,14 @@ GemmCache& Cache() {
 }
 
 std::atomic<int64_t> g_prepared{0};
+std::atomic<bool> g_onednn_enabled{true};
 
 // May oneDNN run this product under the kernel family in force? f32 from
 // AVX2 up; bf16 only where the CPU has bf16 arithmetic (AVX512-BF16, AMX):
 // elsewhere Debian's oneDNN 2.6 cannot build one (AVX2) or would emulate it,
 // and our packed kernel is the one to use.
 bool OneDnnAllowed(const GemmDesc& d) {
+  if (!g_onednn_enabled.load(std::memory_order_relaxed)) return false;
   if (d.b_type == DType::kF8E4M3) return false;  // no block-scaled e4m3 in oneDNN 2.6
   const CpuIsa isa = ActiveCpuIsa();
   if (d.a_type == DType::kF32) return isa >= CpuIsa::kAvx2;
@@ -163,11 +167,26 @@ std::string_view GemmImplName(GemmImpl impl) {
   return "invalid";
 }
 
+// Depth of oneDNN executions on this thread (CpuGemm::InOneDnnExecute).
+thread_local int t_onednn_execute_depth = 0;
+
+// The memory objects of one oneDNN execution: A, B, C and the scratchpad,
+// made when the product is prepared and pointed at each call's buffers.
+struct OneDnnArgs {
+  std::atomic<bool> busy{false};
+  memory m[4];
+};
+
 struct CpuGemm::Impl {
   // oneDNN.
   dnnl::matmul::primitive_desc pd;
   dnnl::matmul prim;
   memory::desc a_md, b_md, c_md, scratch_md;
+  // One argument set per OpenMP thread (the threads of a parallel region
+  // may run the same product at once: experts of one shape); a caller that
+  // finds all of them busy makes its own.
+  std::unique_ptr<OneDnnArgs[]> onednn_args;
+  int onednn_arg_sets = 0;
   // Ours.
   const cpu::CpuKernels* kernels = nullptr;
   bool small_bt = false;   // kSmall over a k-contiguous B (else n-contiguous)
@@ -210,8 +229,11 @@ CpuGemm::~CpuGemm() = default;
 
 int64_t CpuGemm::PreparedCount() { return g_prepared.load(); }
 
+void SetOneDnnEnabled(bool enabled) { g_onednn_enabled.store(enabled); }
+bool OneDnnEnabled() { return g_onednn_enabled.load(std::memory_order_relaxed); }
+
 StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImpl want) {
-  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels())};
+  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), OneDnnEnabled()};
   if (auto hit = Cache().Find(key)) return hit;
   MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
   if (want != GemmImpl::kAuto && want != GemmImpl::kOneDnn && want != GemmImpl::kSmall && want != GemmImpl::kPacked &&
@@ -231,7 +253,9 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   // oneDNN, where the family allows it and oneDNN can build the product.
   std::string onednn_error;
   if (chosen == GemmImpl::kOneDnn) {
-    if (!OneDnnAllowed(d)) {
+    if (!OneDnnEnabled()) {
+      onednn_error = "oneDNN is turned off (MLARUN_ONEDNN=off)";
+    } else if (!OneDnnAllowed(d)) {
       onednn_error = "not used for " + std::string(DTypeName(d.a_type)) + " products by the " +
                      std::string(CpuIsaName(ActiveCpuIsa())) + " kernel family";
     } else {
@@ -250,6 +274,11 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
                                                 CpuEngine());
         impl->prim = dnnl::matmul(impl->pd);
         impl->scratch_md = impl->pd.scratchpad_desc();
+        impl->onednn_arg_sets = std::max(1, omp_get_max_threads());
+        impl->onednn_args = std::make_unique<OneDnnArgs[]>(static_cast<size_t>(impl->onednn_arg_sets));
+        const memory::desc* mds[4] = {&impl->a_md, &impl->b_md, &impl->c_md, &impl->scratch_md};
+        for (int s = 0; s < impl->onednn_arg_sets; ++s)
+          for (int i = 0; i < 4; ++i) impl->onednn_args[s].m[i] = memory(*mds[i], CpuEngine(), nullptr);
         g->scratch_bytes_ = impl->scratch_md.get_size();
         g->impl_name_ = std::string("onednn:") + impl->pd.impl_info_str();
       } catch (const dnnl::error& e) {
@@ -380,22 +409,44 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   return Status::Ok();
 }
 
+bool CpuGemm::InOneDnnExecute() { return t_onednn_execute_depth > 0; }
+
 Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales) const {
   if (kind_ != GemmImpl::kOneDnn) return RunOwn(a, b, c, scratch, b_scales);
+  Impl& im = *impl_;
   // A CPU stream only records the engine; keep one per thread so concurrent
   // callers never share one.
   thread_local dnnl::stream stream(CpuEngine());
-  try {
-    memory am(impl_->a_md, CpuEngine(), const_cast<void*>(a));
-    memory bm(impl_->b_md, CpuEngine(), const_cast<void*>(b));
-    memory cm(impl_->c_md, CpuEngine(), c);
-    memory sm(impl_->scratch_md, CpuEngine(), scratch);
-    impl_->prim.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm},
-                                 {DNNL_ARG_SCRATCHPAD, sm}});
-  } catch (const dnnl::error& e) {
-    return InternalError("oneDNN failed to run ", desc_, ": ", e.what());
+  // A free argument set of this product: a call makes no memory objects (and
+  // so allocates nothing outside oneDNN's execute).
+  OneDnnArgs* set = nullptr;
+  for (int i = 0; i < im.onednn_arg_sets && set == nullptr; ++i) {
+    OneDnnArgs& s = im.onednn_args[static_cast<size_t>(i)];
+    if (!s.busy.load(std::memory_order_relaxed) && !s.busy.exchange(true, std::memory_order_acquire)) set = &s;
   }
-  return Status::Ok();
+  OneDnnArgs own;  // every set busy: this call's own
+  if (set == nullptr) set = &own;
+  void* const handles[4] = {const_cast<void*>(a), const_cast<void*>(b), c, scratch};
+  const memory::desc* const mds[4] = {&im.a_md, &im.b_md, &im.c_md, &im.scratch_md};
+  Status st;
+  try {
+    for (int i = 0; i < 4; ++i) {
+      if (set->m[i]) set->m[i].set_data_handle(handles[i]);
+      else set->m[i] = memory(*mds[i], CpuEngine(), handles[i]);
+    }
+    // The C API takes the arguments as an array: the C++ one builds a hash
+    // map of them per call.
+    const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, set->m[0].get()}, {DNNL_ARG_WEIGHTS, set->m[1].get()},
+                                     {DNNL_ARG_DST, set->m[2].get()}, {DNNL_ARG_SCRATCHPAD, set->m[3].get()}};
+    ++t_onednn_execute_depth;
+    const dnnl_status_t rc = dnnl_primitive_execute(im.prim.get(), stream.get(), 4, args);
+    --t_onednn_execute_depth;
+    if (rc != dnnl_success) st = InternalError("oneDNN failed to run ", desc_, ": status ", static_cast<int>(rc));
+  } catch (const dnnl::error& e) {
+    st = InternalError("oneDNN failed to run ", desc_, ": ", e.what());
+  }
+  if (set != &own) set->busy.store(false, std::memory_order_release);
+  return st;
 }
 
 }  // namespace mlarun

@@ -84,6 +84,15 @@ enum class GemmImpl : uint8_t {
 };
 std::string_view GemmImplName(GemmImpl impl);
 
+// Whether products may go through oneDNN (the default). Off, every product
+// runs on our kernels: slower on products of many rows (prefill) where oneDNN
+// has the faster one, but a step after warm-up then allocates nothing at all
+// (oneDNN's execute allocates on every call; see CpuGemm::InOneDnnExecute).
+// Set once at start-up (MLARUN_ONEDNN, launcher/env.h); products prepared
+// before keep what they were prepared with.
+void SetOneDnnEnabled(bool enabled);
+bool OneDnnEnabled();
+
 class CpuGemm {
  public:
   // Prepared product for `desc`, shared through a process-wide cache.
@@ -111,6 +120,13 @@ class CpuGemm {
 
   // Number of products prepared so far (cache misses), for diagnostics.
   static int64_t PreparedCount();
+
+  // True while the calling thread is inside oneDNN's execution of a product
+  // (Run of a kOneDnn product). oneDNN allocates there on every call (its
+  // argument map, its execution context) and its API offers no way around
+  // it; everything of ours around it reuses what earlier calls made. For
+  // allocation accounting (tests/model/step_allocations_test.cc).
+  static bool InOneDnnExecute();
 
  private:
   struct Impl;
