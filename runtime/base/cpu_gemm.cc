@@ -10,6 +10,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #include <unordered_map>
 
+#include "runtime/base/contiguous_shares.h"
 #include "runtime/base/cpu/kernels.h"
 #include "runtime/base/cpu_isa.h"
 #include "runtime/base/thread_annotations.h"
@@ -381,21 +382,23 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     }
   };
   // The streaming kernels: one contiguous share of the columns per thread,
-  // so each reads one long sequential run of B (every new run starts the
-  // prefetchers cold: handing out chunks as threads finish measured 5-8%
-  // slower on 1-13 MB weights). The packed kernel, bound by arithmetic:
-  // chunks of whole panels handed out as threads finish. Inside a parallel
-  // region the calling thread does it all.
+  // taken front to back, so each reads one long sequential run of B (every
+  // new run starts the prefetchers cold: handing out chunks as threads finish
+  // measured 5-8% slower on 1-13 MB weights); a thread done with its share
+  // takes chunks from the back of a slower one's (ContiguousShares). The
+  // packed kernel, bound by arithmetic: chunks of whole panels handed out as
+  // threads finish. Inside a parallel region the calling thread does it all.
   const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
   const int64_t align = tiles ? kTilesNAlign : k.n_align;
   const int64_t strips = (d.n + align - 1) / align;
   if (threads <= 1 || strips <= 1) {
     part(0, 0, d.n);
   } else if (!packed) {
+    ContiguousShares shares(strips, threads, strips / (16 * threads));
 #pragma omp parallel num_threads(threads)
     {
-      const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-      part(t, std::min(d.n, strips * t / nt * align), std::min(d.n, strips * (t + 1) / nt * align));
+      const int t = omp_get_thread_num();
+      shares.Run(t, [&](int64_t s0, int64_t s1) { part(t, std::min(d.n, s0 * align), std::min(d.n, s1 * align)); });
     }
   } else {
     const int64_t per_chunk = std::max<int64_t>(1, strips / (4 * threads));
