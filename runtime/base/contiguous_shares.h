@@ -4,11 +4,17 @@
 // Thread t owns the contiguous run [count * t / threads, count * (t + 1) /
 // threads) and takes it from the front, a chunk at a time, so a streaming
 // kernel sees one sequential stream (the hardware prefetchers stay warm, as
-// with a plain static split). A thread whose run is done takes chunks from
-// the back of the others' runs. When every thread runs at the same speed
-// nothing is taken; when one is slowed (a core shared with another process,
-// an interrupt), the others finish its run instead of waiting at the
-// region's barrier for it. Items are handed out exactly once.
+// with a plain static split). A thread whose run is done takes half of what
+// is left of another's run (at least a chunk), from its back: near the end
+// of a region that splits the last stretch between the two, rather than one
+// thread reading it cold while the other waits (fixed chunks of 1/16 of a
+// run measured 2-6% slower than a static split on a quiet machine; halves,
+// with chunks of 1/64, 1-4% faster, streaming the weights of a V2-Lite
+// decode step). A run whose owner has not started is taken whole, so a
+// region with fewer threads than asked for still covers every item. When
+// one thread is slowed (a core shared with another process, an interrupt),
+// the others finish its run instead of waiting at the region's barrier for
+// it. Items are handed out exactly once.
 #pragma once
 
 #include <algorithm>
@@ -32,9 +38,8 @@ class ContiguousShares {
   ContiguousShares& operator=(const ContiguousShares&) = delete;
 
   // Calls f(begin, end) for chunks of items: this thread's own run first,
-  // then what is left of the others'. Every thread of the region calls it
-  // once with its own t (a region with fewer threads than asked for still
-  // covers every item: the missing threads' runs are taken by the others).
+  // then parts of the others'. Every thread of the region calls it once with
+  // its own t.
   template <typename F>
   void Run(int t, F&& f) {
     if (t >= kMaxThreads) {  // beyond the table: the plain static share
@@ -42,6 +47,7 @@ class ContiguousShares {
       return;
     }
     int64_t b = 0, e = 0;
+    runs_[t].started.store(true, std::memory_order_release);
     while (TakeFront(t, &b, &e)) f(b, e);
     const int n = std::min(threads_, kMaxThreads);
     for (int i = 1; i < n; ++i) {
@@ -53,6 +59,7 @@ class ContiguousShares {
  private:
   struct alignas(64) Run64 {
     std::atomic<uint64_t> v{0};  // front | back << 32: the run's items not yet taken
+    std::atomic<bool> started{false};  // its owner has begun taking it
   };
   static uint64_t Pack(int64_t front, int64_t back) {
     return static_cast<uint64_t>(front) | static_cast<uint64_t>(back) << 32;
@@ -76,7 +83,10 @@ class ContiguousShares {
     for (;;) {
       const int64_t front = static_cast<uint32_t>(cur), back = static_cast<int64_t>(cur >> 32);
       if (front >= back) return false;
-      const int64_t begin = std::max(front, back - chunk_);
+      int64_t begin = front;  // an owner that has not started: all of it
+      if (runs_[t].started.load(std::memory_order_acquire)) {
+        begin = std::max(front, back - std::max(chunk_, (back - front) / 2));
+      }
       if (runs_[t].v.compare_exchange_weak(cur, Pack(front, begin), std::memory_order_acq_rel)) {
         *b = begin, *e = back;
         return true;

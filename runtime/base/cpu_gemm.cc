@@ -385,7 +385,8 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   // taken front to back, so each reads one long sequential run of B (every
   // new run starts the prefetchers cold: handing out chunks as threads finish
   // measured 5-8% slower on 1-13 MB weights); a thread done with its share
-  // takes chunks from the back of a slower one's (ContiguousShares). The
+  // takes half of what is left of a slower one's, from its back
+  // (ContiguousShares). The
   // packed kernel, bound by arithmetic: chunks of whole panels handed out as
   // threads finish. Inside a parallel region the calling thread does it all.
   const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
@@ -394,7 +395,7 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   if (threads <= 1 || strips <= 1) {
     part(0, 0, d.n);
   } else if (!packed) {
-    ContiguousShares shares(strips, threads, strips / (16 * threads));
+    ContiguousShares shares(strips, threads, strips / (64 * threads));
 #pragma omp parallel num_threads(threads)
     {
       const int t = omp_get_thread_num();

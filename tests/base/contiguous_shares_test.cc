@@ -70,6 +70,7 @@ TEST(ContiguousShares, EachThreadsOwnRunIsItsStaticShare) {
     // takes the others' from their backs; its first chunks are its own share.
     shares.Run(t, [&](int64_t b, int64_t e) { chunks.emplace_back(b, e); });
     if (t > 0) EXPECT_TRUE(chunks.empty()) << "thread 0 took everything, so thread " << t << " finds nothing";
+    // (The other runs' owners had not started, so thread 0 took them whole.)
     if (t == 0) {
       const int64_t own_end = count / threads;
       int64_t next = 0;
@@ -86,8 +87,9 @@ TEST(ContiguousShares, EachThreadsOwnRunIsItsStaticShare) {
   }
 }
 
-// A slow thread's run is finished by the others: thread 0 takes one chunk and
-// then waits until every other thread has returned from Run; by then they
+// A slow thread's run is finished by the others: thread 0 takes one chunk
+// (before the others start) and then waits until every other thread has
+// returned from Run; by then they
 // must have taken the rest of its run (no timing involved).
 TEST(ContiguousShares, ASlowThreadsRunIsTakenByTheOthers) {
   const int64_t count = 400, chunk = 4;
@@ -97,15 +99,22 @@ TEST(ContiguousShares, ASlowThreadsRunIsTakenByTheOthers) {
   std::mutex mu;
   std::condition_variable cv;
   int others_done = 0;
+  bool slow_started = false;  // the others start once thread 0 holds its first chunk
   int64_t slow_items = 0;
   std::vector<std::thread> ts;
   for (int t = 0; t < threads; ++t)
     ts.emplace_back([&, t] {
+      if (t != 0) {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return slow_started; });
+      }
       shares.Run(t, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) times[static_cast<size_t>(i)].fetch_add(1);
         if (t == 0) {
           slow_items += e - b;
           std::unique_lock<std::mutex> lock(mu);
+          slow_started = true;
+          cv.notify_all();
           cv.wait(lock, [&] { return others_done == threads - 1; });
         }
       });
