@@ -386,9 +386,9 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   // new run starts the prefetchers cold: handing out chunks as threads finish
   // measured 5-8% slower on 1-13 MB weights); a thread done with its share
   // takes half of what is left of a slower one's, from its back
-  // (ContiguousShares). The
-  // packed kernel, bound by arithmetic: chunks of whole panels handed out as
-  // threads finish. Inside a parallel region the calling thread does it all.
+  // (ContiguousShares). The packed kernel, bound by arithmetic: chunks of
+  // whole panels handed out as threads finish. Inside a parallel region the
+  // calling thread does it all.
   const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
   const int64_t align = tiles ? kTilesNAlign : k.n_align;
   const int64_t strips = (d.n + align - 1) / align;
@@ -422,7 +422,8 @@ Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch, const 
   // callers never share one.
   thread_local dnnl::stream stream(CpuEngine());
   // A free argument set of this product: a call makes no memory objects (and
-  // so allocates nothing outside oneDNN's execute).
+  // so allocates nothing outside oneDNN's execute); only a caller that finds
+  // every set busy makes its own below.
   OneDnnArgs* set = nullptr;
   for (int i = 0; i < im.onednn_arg_sets && set == nullptr; ++i) {
     OneDnnArgs& s = im.onednn_args[static_cast<size_t>(i)];
