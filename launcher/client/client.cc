@@ -35,6 +35,17 @@ using client_internal::MakeChannel;
 using client_internal::SetDeadline;
 using Json = nlohmann::json;
 
+// A stub on a fresh channel to `address`, once the channel has connected or
+// 2 s (at most the call's own timeout) have passed: a coordinator that is
+// listening is then reached even when gRPC's first attempt fails spuriously
+// (AwaitConnection), and one that is not still fails with gRPC's own error.
+std::unique_ptr<v1::Mlarun::Stub> Connect(const std::string& address, const TlsPem& tls, double timeout_s) {
+  constexpr double kConnectWait_s = 2.0;
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(address, tls);
+  client_internal::AwaitConnection(*channel, std::min(timeout_s, kConnectWait_s));
+  return v1::Mlarun::NewStub(channel);
+}
+
 // Usage checks shared by submit and stats; the message goes to `err` as
 // "mlarun <cmd>: ...".
 bool CheckCommon(const char* cmd, const std::string& coordinator, double timeout_s, std::ostream& err) {
@@ -187,7 +198,7 @@ int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err)
     auto r = ParseRequestLine(line, o.sampling);
     parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(o.prompts_path + ":" + std::to_string(n))));
   }
-  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
+  auto stub = Connect(o.coordinator, o.security.tls, o.timeout_s);
   std::vector<SubmitResult> results(parsed.size());
   std::atomic<size_t> next{0}, done{0}, tokens{0};
   auto work = [&] {
@@ -254,7 +265,7 @@ int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err) {
     req.add_prompt_ids(static_cast<int32_t>(id));
   }
   ToProto(o.sampling, req.mutable_sampling());
-  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
+  auto stub = Connect(o.coordinator, o.security.tls, o.timeout_s);
   auto print_token = [&](const v1::Token& t) {
     if (!o.stream) return;
     if (o.json) {
@@ -285,7 +296,7 @@ int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err) {
 
 int RunStats(const StatsOptions& o, std::ostream& out, std::ostream& err) {
   if (!CheckCommon("stats", o.coordinator, o.timeout_s, err)) return 2;
-  auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
+  auto stub = Connect(o.coordinator, o.security.tls, o.timeout_s);
   grpc::ClientContext ctx;
   SetDeadline(ctx, o.timeout_s);
   client_internal::AddCredentials(ctx, o.security);

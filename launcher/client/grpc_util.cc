@@ -50,6 +50,13 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Tls
   return grpc::CreateCustomChannel(address, grpc::SslCredentials(options), args);
 }
 
+bool AwaitConnection(grpc::Channel& channel, double seconds) {
+  const double s = std::isfinite(seconds) ? std::clamp(seconds, 0.0, 60.0) : 60.0;
+  return channel.WaitForConnected(std::chrono::system_clock::now() +
+                                  std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                      std::chrono::duration<double>(s)));
+}
+
 void AddCredentials(grpc::ClientContext& ctx, const ClientSecurity& security) {
   if (!security.token.empty()) ctx.AddMetadata(kAuthorizationHeader, BearerValue(security.token));
 }

@@ -35,6 +35,16 @@ std::string_view GrpcCodeName(grpc::StatusCode code);
 // the client certificate).
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const TlsPem& tls = {});
 
+// Waits up to `seconds` for `channel` to be connected; returns whether it is.
+// A call that does not wait for ready fails with UNAVAILABLE as soon as one
+// connection attempt fails, and gRPC 1.51 (Debian 12's) can fail an attempt
+// to a server that is listening: it reads errno after other calls may have
+// changed it, so a connect still in progress is reported as failed ("No such
+// file or directory"). A channel that is still connecting retries after its
+// back-off, so a client that makes one call waits here first; one that goes
+// on after a false return gets gRPC's own error from its call.
+bool AwaitConnection(grpc::Channel& channel, double seconds);
+
 // A call's context for the client API: `authorization: Bearer TOKEN` when
 // the security has a token. The deadline is the caller's (SetDeadline).
 void AddCredentials(grpc::ClientContext& ctx, const ClientSecurity& security);

@@ -5,6 +5,12 @@
 // instead of hanging it.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <atomic>
 #include <chrono>
@@ -25,6 +31,25 @@
 #include "mlarun.grpc.pb.h"
 #include "runtime/base/cpu_isa.h"
 #include "tests/test_paths.h"
+
+// The connect() that gRPC's client calls (this definition takes the place of
+// libc's for the whole test binary): it fails the next `g_failing_connects`
+// attempts to port `g_failing_port` (IPv4, or IPv6 as gRPC's dual-stack
+// sockets dial IPv4) the way gRPC 1.51 can report one that is only in
+// progress, with a stale errno.
+std::atomic<int> g_failing_connects{0};
+std::atomic<int> g_failing_port{0};
+
+extern "C" int connect(int fd, const struct sockaddr* addr, socklen_t len) {
+  int port = -1;
+  if (addr != nullptr && addr->sa_family == AF_INET) port = ntohs(reinterpret_cast<const sockaddr_in*>(addr)->sin_port);
+  if (addr != nullptr && addr->sa_family == AF_INET6) port = ntohs(reinterpret_cast<const sockaddr_in6*>(addr)->sin6_port);
+  if (port == g_failing_port.load() && g_failing_connects.load() > 0 && g_failing_connects.fetch_sub(1) > 0) {
+    errno = ENOENT;
+    return -1;
+  }
+  return static_cast<int>(syscall(SYS_connect, fd, addr, len));
+}
 
 namespace mlarun {
 namespace {
@@ -374,6 +399,36 @@ TEST(Submit, UnreachableCoordinatorIsUnavailable) {
   std::ostringstream out, err;
   EXPECT_EQ(RunSubmit(o, out, err), 1);
   EXPECT_EQ(err.str().rfind("mlarun submit: UNAVAILABLE: ", 0), 0u) << err.str();
+}
+
+// gRPC retries a failed first attempt at once by itself; a fail-fast call
+// fails when the second fails too, as a loaded machine showed (500 calls,
+// one channel's 31 calls failed this way). Two injected failures reproduce
+// that message exactly.
+TEST(Submit, ASpuriousConnectFailureIsRetried) {
+  FakeMlarun svc;
+  TestServer server(&svc);
+  ASSERT_TRUE(server.ok());
+  g_failing_port = server.port();
+  for (bool batch : {false, true}) {
+    SubmitOptions o = Submit(server.address());
+    if (batch) {
+      o.prompts_path = WriteTemp("retry_prompts.jsonl", "{\"prompt_ids\": [5, 6], \"max_tokens\": 3}\n");
+      o.prompt_ids.clear();
+    }
+    g_failing_connects = 2;
+    std::ostringstream out, err;
+    EXPECT_EQ(RunSubmit(o, out, err), 0) << (batch ? "batch: " : "") << err.str() << out.str();
+    EXPECT_EQ(g_failing_connects.load(), 0) << "no connect went through the injected failure";
+  }
+  StatsOptions so;
+  so.coordinator = server.address();
+  g_failing_connects = 2;
+  std::ostringstream out, err;
+  EXPECT_EQ(RunStats(so, out, err), 0) << err.str();
+  EXPECT_EQ(g_failing_connects.load(), 0) << "no connect went through the injected failure";
+  g_failing_connects = 0;
+  g_failing_port = 0;
 }
 
 TEST(Submit, BadUsageExitsTwo) {

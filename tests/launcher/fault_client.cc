@@ -204,8 +204,18 @@ int Load(const std::string& addr, int n, int64_t max_tokens, const std::string& 
     grpc::ChannelArguments args;
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     args.SetInt("mlarun.fault_client.channel", c);
-    stubs.push_back(mlarun::v1::Mlarun::NewStub(
-        grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args)));
+    auto channel = grpc::CreateCustomChannel(addr, grpc::InsecureChannelCredentials(), args);
+    // Connected before the calls start, so they are all in flight at once,
+    // and so spurious failures of gRPC 1.51's connection attempts (it can
+    // read a stale errno after connect(); see AwaitConnection in
+    // launcher/client/grpc_util.h) are retried instead of failing the
+    // channel's calls: what is tested is the coordinator under load, not the
+    // client library's connect.
+    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(30))) {
+      std::fprintf(stderr, "fault_client load: channel %d did not connect to %s within 30 s\n", c, addr.c_str());
+      return 1;
+    }
+    stubs.push_back(mlarun::v1::Mlarun::NewStub(channel));
   }
   std::vector<grpc::ClientContext> contexts(static_cast<size_t>(n));  // no deadline on purpose
   std::vector<char> ended(static_cast<size_t>(n), 0);
