@@ -138,6 +138,8 @@ using serve_bench::Percentile;
 // MakeChannel gives each channel its own connection (not shared with other
 // channels of this process), so clients spread over several connections
 // really do.
+using client_internal::AwaitConnection;
+using client_internal::ConnectChannel;
 using client_internal::GrpcCodeName;
 using client_internal::MakeChannel;
 using client_internal::SetDeadline;
@@ -544,11 +546,11 @@ StatusOr<LoadRun> RunLoad(const LoadSpec& spec) {
   for (int c = 0; c < run.connections; ++c) {
     auto channel = MakeChannel(spec.address, spec.security.tls);
     // Connect before the clock starts, so no request pays the handshake.
-    if (!channel->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)))
+    if (!AwaitConnection(*channel, 10))
       return UnavailableError("cannot connect to the coordinator at ", spec.address);
     stubs.push_back(v1::Mlarun::NewStub(channel));
   }
-  auto control = v1::Mlarun::NewStub(MakeChannel(spec.address, spec.security.tls));
+  auto control = v1::Mlarun::NewStub(ConnectChannel(spec.address, spec.security.tls));
   MLARUN_ASSIGN_OR_RETURN(run.before, GetStats(*control, spec.security));
 
   std::atomic<int64_t> next{0};
@@ -873,7 +875,7 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
 StatusOr<Json> ExternalLatencySection(const std::string& address, const ClientSecurity& security, int64_t n,
                                       std::ostream& t, bool* verified) {
   const std::vector<BenchRequest> requests = MixedRequests(n + 32, 1, 3);
-  auto stub = v1::Mlarun::NewStub(MakeChannel(address, security.tls));
+  auto stub = v1::Mlarun::NewStub(ConnectChannel(address, security.tls));
   std::vector<double> via, inside;
   int64_t failed = 0;
   std::string first_error;
@@ -952,7 +954,7 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
   // ---- Load (and routing at scale).
   doc["load"] = Json::array();
   if (external) {
-    auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
+    auto stub = v1::Mlarun::NewStub(ConnectChannel(o.coordinator, o.security.tls));
     MLARUN_ASSIGN_OR_RETURN(const int groups, WaitForGroups(*stub, 1, 10));
     MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
     const std::vector<BenchRequest> requests = MixedRequests(r.requests, r.max_tokens, 1);
@@ -1062,7 +1064,7 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
     return Status::Ok();
   };
   if (external) {
-    auto stub = v1::Mlarun::NewStub(MakeChannel(o.coordinator, o.security.tls));
+    auto stub = v1::Mlarun::NewStub(ConnectChannel(o.coordinator, o.security.tls));
     MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
     int groups = 0;
     for (const auto& g : stats.groups()) groups += g.connected() ? 1 : 0;

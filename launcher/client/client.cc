@@ -31,19 +31,13 @@ namespace {
 namespace v1 = ::mlarun::v1;
 using client_internal::CheckAddress;
 using client_internal::GrpcCodeName;
-using client_internal::MakeChannel;
 using client_internal::SetDeadline;
 using Json = nlohmann::json;
 
-// A stub on a fresh channel to `address`, once the channel has connected or
-// 2 s (at most the call's own timeout) have passed: a coordinator that is
-// listening is then reached even when gRPC's first attempt fails spuriously
-// (AwaitConnection), and one that is not still fails with gRPC's own error.
+// A stub on a fresh channel to `address`, once it has connected or 2 s (at
+// most the call's own timeout) have passed (ConnectChannel).
 std::unique_ptr<v1::Mlarun::Stub> Connect(const std::string& address, const TlsPem& tls, double timeout_s) {
-  constexpr double kConnectWait_s = 2.0;
-  std::shared_ptr<grpc::Channel> channel = MakeChannel(address, tls);
-  client_internal::AwaitConnection(*channel, std::min(timeout_s, kConnectWait_s));
-  return v1::Mlarun::NewStub(channel);
+  return v1::Mlarun::NewStub(client_internal::ConnectChannel(address, tls, std::min(timeout_s, 2.0)));
 }
 
 // Usage checks shared by submit and stats; the message goes to `err` as

@@ -57,6 +57,12 @@ bool AwaitConnection(grpc::Channel& channel, double seconds) {
                                       std::chrono::duration<double>(s)));
 }
 
+std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls, double wait_s) {
+  std::shared_ptr<grpc::Channel> channel = MakeChannel(address, tls);
+  AwaitConnection(*channel, wait_s);
+  return channel;
+}
+
 void AddCredentials(grpc::ClientContext& ctx, const ClientSecurity& security) {
   if (!security.token.empty()) ctx.AddMetadata(kAuthorizationHeader, BearerValue(security.token));
 }
