@@ -20,6 +20,17 @@ namespace cpu {
 Status Embedding(const EmbeddingParams& p);
 Status RmsNorm(const RmsNormParams& p);
 Status ApplyLinear(const LinearParams& p);  // REQUIRES: p.col_end resolved (not -1)
+// ApplyLinear's buffers are per thread and grow to the largest call the
+// thread has made. A region whose threads take products dynamically grows
+// every thread's to the largest of its products first (LinearBuffersFor each,
+// the maximum reserved by every thread), so which thread ran which product
+// does not decide whether a later step of the same shapes allocates.
+struct LinearBufferSizes {
+  size_t a_bytes = 0, c_elems = 0, scratch_bytes = 0;
+  void Grow(const LinearBufferSizes& o);  // to the elementwise maximum
+};
+StatusOr<LinearBufferSizes> LinearBuffersFor(const LinearParams& p);  // REQUIRES: as ApplyLinear
+void ReserveLinearBuffers(const LinearBufferSizes& s);                 // the calling thread's
 Status SiluMul(const SiluMulParams& p);
 Status ApplyMlp(const MlpParams& p);
 Status Add(const AddParams& p);

@@ -3,8 +3,10 @@
 // decode with their block scales), then one CpuGemm product
 // (runtime/base/cpu_gemm.h: the kernel family the CPU detection chose, or
 // oneDNN).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "runtime/base/cpu_gemm.h"
@@ -27,7 +29,56 @@ ThreadBuffers& Buffers() {
   return b;
 }
 
+// One call's product: its rows (padded), the activations' dtype, the CpuGemm
+// and the buffer sizes it needs.
+struct Product {
+  int64_t rows_pad = 0;
+  DType a_type = DType::kF32;
+  bool direct = false;  // straight into y: no padding and no accumulation to undo
+  std::shared_ptr<const CpuGemm> gemm;
+  LinearBufferSizes sizes;
+};
+
+StatusOr<Product> Prepare(const LinearParams& p) {
+  const Linear& w = *p.w;
+  const int64_t rows = p.rows, n = p.col_end - p.col_begin;
+  if (w.data == nullptr) return FailedPreconditionError("linear: weight [", w.out, ", ", w.in, "] has no data");
+  const bool fp8 = w.dtype == DType::kF8E4M3;
+  if (fp8 && w.scale == nullptr) return FailedPreconditionError("linear: f8_e4m3 weight [", w.out, ", ", w.in, "] has no scales");
+  Product q;
+  q.rows_pad = rows <= kGemmSmallRows ? rows : (rows + kRowPad - 1) / kRowPad * kRowPad;
+  q.a_type = fp8 ? DType::kF32 : w.dtype;
+  q.direct = q.rows_pad == rows && !p.accumulate;
+  MLARUN_ASSIGN_OR_RETURN(q.gemm, CpuGemm::Get(GemmDesc{.m = q.rows_pad, .n = n, .k = w.in, .a_type = q.a_type,
+                                                        .b_type = w.dtype, .c_type = DType::kF32, .lda = w.in,
+                                                        .b_stride_k = 1, .b_stride_n = w.ld,
+                                                        .ldc = q.direct ? p.ldy : n}));
+  q.sizes.a_bytes = static_cast<size_t>(q.rows_pad * w.in) * DTypeSize(q.a_type);
+  q.sizes.c_elems = q.direct ? 0 : static_cast<size_t>(q.rows_pad * n);
+  q.sizes.scratch_bytes = q.gemm->scratch_bytes() + 64;
+  return q;
+}
+
 }  // namespace
+
+void LinearBufferSizes::Grow(const LinearBufferSizes& o) {
+  a_bytes = std::max(a_bytes, o.a_bytes);
+  c_elems = std::max(c_elems, o.c_elems);
+  scratch_bytes = std::max(scratch_bytes, o.scratch_bytes);
+}
+
+StatusOr<LinearBufferSizes> LinearBuffersFor(const LinearParams& p) {
+  if (p.rows == 0 || p.col_end == p.col_begin) return LinearBufferSizes{};
+  MLARUN_ASSIGN_OR_RETURN(const Product q, Prepare(p));
+  return q.sizes;
+}
+
+void ReserveLinearBuffers(const LinearBufferSizes& s) {
+  ThreadBuffers& tb = Buffers();
+  if (tb.a.size() < s.a_bytes) tb.a.resize(s.a_bytes);
+  if (tb.c.size() < s.c_elems) tb.c.resize(s.c_elems);
+  if (tb.scratch.size() < s.scratch_bytes) tb.scratch.resize(s.scratch_bytes);
+}
 
 Status ApplyLinear(const LinearParams& p) {
   const Linear& w = *p.w;
@@ -35,31 +86,19 @@ Status ApplyLinear(const LinearParams& p) {
   const float* x = p.x;
   float* y = p.y;
   if (rows == 0 || n == 0) return Status::Ok();
-  if (w.data == nullptr) return FailedPreconditionError("linear: weight [", w.out, ", ", w.in, "] has no data");
-  const int64_t rows_pad = rows <= kGemmSmallRows ? rows : (rows + kRowPad - 1) / kRowPad * kRowPad;
-  const bool fp8 = w.dtype == DType::kF8E4M3;
-  if (fp8 && w.scale == nullptr) return FailedPreconditionError("linear: f8_e4m3 weight [", w.out, ", ", w.in, "] has no scales");
-  const DType a_type = fp8 ? DType::kF32 : w.dtype;
-  const size_t es = DTypeSize(a_type);
+  MLARUN_ASSIGN_OR_RETURN(const Product q, Prepare(p));
+  ReserveLinearBuffers(q.sizes);
   ThreadBuffers& tb = Buffers();
   // A: the activations in the weight dtype (fp32 for fp8), padded rows zeroed.
-  if (tb.a.size() < static_cast<size_t>(rows_pad * w.in) * es) tb.a.resize(static_cast<size_t>(rows_pad * w.in) * es);
-  for (int64_t r = 0; r < rows; ++r) StoreFromF32(x + r * p.ldx, tb.a.data() + r * w.in * static_cast<int64_t>(es), a_type, w.in);
-  std::memset(tb.a.data() + rows * w.in * static_cast<int64_t>(es), 0, static_cast<size_t>((rows_pad - rows) * w.in) * es);
-  // Straight into y when no padding and no accumulation has to be undone.
-  const bool direct = rows_pad == rows && !p.accumulate;
-  MLARUN_ASSIGN_OR_RETURN(auto gemm, CpuGemm::Get(GemmDesc{.m = rows_pad, .n = n, .k = w.in, .a_type = a_type,
-                                                          .b_type = w.dtype, .c_type = DType::kF32, .lda = w.in,
-                                                          .b_stride_k = 1, .b_stride_n = w.ld,
-                                                          .ldc = direct ? p.ldy : n}));
-  if (tb.scratch.size() < gemm->scratch_bytes() + 64) tb.scratch.resize(gemm->scratch_bytes() + 64);
+  const size_t es = DTypeSize(q.a_type);
+  for (int64_t r = 0; r < rows; ++r) StoreFromF32(x + r * p.ldx, tb.a.data() + r * w.in * static_cast<int64_t>(es), q.a_type, w.in);
+  std::memset(tb.a.data() + rows * w.in * static_cast<int64_t>(es), 0, static_cast<size_t>((q.rows_pad - rows) * w.in) * es);
   const std::byte* b = w.row(col_begin);
   // The product's column 0 is weight row col_begin: its block row of scales.
   const GemmBScales scales{.scale = w.scale, .ld = w.scale_ld, .row0 = col_begin};
-  const GemmBScales* sc = fp8 ? &scales : nullptr;
-  if (direct) return gemm->Run(tb.a.data(), b, y, tb.scratch.data(), sc);
-  if (tb.c.size() < static_cast<size_t>(rows_pad * n)) tb.c.resize(static_cast<size_t>(rows_pad * n));
-  MLARUN_RETURN_IF_ERROR(gemm->Run(tb.a.data(), b, tb.c.data(), tb.scratch.data(), sc));
+  const GemmBScales* sc = w.dtype == DType::kF8E4M3 ? &scales : nullptr;
+  if (q.direct) return q.gemm->Run(tb.a.data(), b, y, tb.scratch.data(), sc);
+  MLARUN_RETURN_IF_ERROR(q.gemm->Run(tb.a.data(), b, tb.c.data(), tb.scratch.data(), sc));
   for (int64_t r = 0; r < rows; ++r) {
     const float* src = tb.c.data() + r * n;
     float* dst = y + r * p.ldy;

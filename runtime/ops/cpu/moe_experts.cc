@@ -1,10 +1,12 @@
 // The MoE's experts on the CPU: one parallel region of three phases over the
-// plan's items (moe_experts.h), then the weighted sum of the slots.
+// plan's items (moe_experts.h; the products taken as ContiguousShares), then
+// the weighted sum of the slots.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 
+#include "runtime/base/contiguous_shares.h"
 #include "runtime/base/first_error.h"
 #include "runtime/ops/backend.h"
 
@@ -24,10 +26,40 @@ Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView 
   const std::vector<Item>& down_items = plan.down_items;
   const size_t routed_jobs = plan.routed_jobs;
   auto rows_of = [&](const Job& j) { return j.slots ? moe_x + j.x : X; };
-  const int64_t threads = std::max(1, omp_get_max_threads());
+  auto up_params = [&](const Item& item) {
+    const Job& j = jobs[item.job];
+    const int64_t I = j.mlp->intermediate();
+    const bool up = item.matrix == 1;
+    return LinearParams{.w = up ? &j.mlp->up : &j.mlp->gate, .col_begin = item.c0, .col_end = item.c1,
+                        .x = rows_of(j), .rows = j.n, .ldx = H,
+                        .y = moe_h + j.h + static_cast<size_t>((up ? I : 0) + item.c0), .ldy = 2 * I};
+  };
+  auto down_params = [&](const Item& item) {
+    const Job& j = jobs[item.job];
+    return LinearParams{.w = &j.mlp->down, .col_begin = item.c0, .col_end = item.c1, .x = moe_h + j.h,
+                        .rows = j.n, .ldx = 2 * j.mlp->intermediate(),
+                        .y = moe_y + j.y + static_cast<size_t>(item.c0), .ldy = H};
+  };
+  // Threads take the items dynamically (ContiguousShares: a thread slowed by
+  // a shared core does not hold the others at the barrier), so each first
+  // grows its linear buffers to the largest item's.
+  LinearBufferSizes buffers;
+  for (const Item& item : up_items) {
+    MLARUN_ASSIGN_OR_RETURN(const LinearBufferSizes s, LinearBuffersFor(up_params(item)));
+    buffers.Grow(s);
+  }
+  for (const Item& item : down_items) {
+    MLARUN_ASSIGN_OR_RETURN(const LinearBufferSizes s, LinearBuffersFor(down_params(item)));
+    buffers.Grow(s);
+  }
+  const int threads = std::max(1, omp_get_max_threads());
+  ContiguousShares up_shares(static_cast<int64_t>(up_items.size()), threads, 1);
+  ContiguousShares down_shares(static_cast<int64_t>(down_items.size()), threads, 1);
   FirstError err;
-#pragma omp parallel num_threads(static_cast<int>(threads))
+#pragma omp parallel num_threads(threads)
   {
+    const int t = omp_get_thread_num();
+    ReserveLinearBuffers(buffers);
 #pragma omp for schedule(static)
     for (size_t ji = 0; ji < routed_jobs; ++ji) {  // gather each expert's rows
       const Job& j = jobs[ji];
@@ -35,27 +67,16 @@ Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView 
         std::memcpy(moe_x + j.x + static_cast<size_t>(r * H), X + (*j.slots)[static_cast<size_t>(r)] / K * H,
                     static_cast<size_t>(H) * sizeof(float));
     }
-#pragma omp for schedule(static)
-    for (size_t it = 0; it < up_items.size(); ++it) {  // gate and up
-      const Item& item = up_items[it];
-      const Job& j = jobs[item.job];
-      const int64_t I = j.mlp->intermediate();
-      const bool up = item.matrix == 1;
-      err.Set(ApplyLinear({.w = up ? &j.mlp->up : &j.mlp->gate, .col_begin = item.c0, .col_end = item.c1,
-                           .x = rows_of(j), .rows = j.n, .ldx = H,
-                           .y = moe_h + j.h + static_cast<size_t>((up ? I : 0) + item.c0), .ldy = 2 * I}));
-    }
+    up_shares.Run(t, [&](int64_t b, int64_t e) {  // gate and up
+      for (int64_t it = b; it < e; ++it) err.Set(ApplyLinear(up_params(up_items[static_cast<size_t>(it)])));
+    });
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (size_t ji = 0; ji < jobs.size(); ++ji)
       err.Set(SiluMul({.hidden = moe_h + jobs[ji].h, .rows = jobs[ji].n, .inter = jobs[ji].mlp->intermediate()}));
-#pragma omp for schedule(static)
-    for (size_t it = 0; it < down_items.size(); ++it) {  // down
-      const Item& item = down_items[it];
-      const Job& j = jobs[item.job];
-      err.Set(ApplyLinear({.w = &j.mlp->down, .col_begin = item.c0, .col_end = item.c1, .x = moe_h + j.h,
-                           .rows = j.n, .ldx = 2 * j.mlp->intermediate(),
-                           .y = moe_y + j.y + static_cast<size_t>(item.c0), .ldy = H}));
-    }
+    down_shares.Run(t, [&](int64_t b, int64_t e) {  // down
+      for (int64_t it = b; it < e; ++it) err.Set(ApplyLinear(down_params(down_items[static_cast<size_t>(it)])));
+    });
   }
   MLARUN_RETURN_IF_ERROR(err.Get());
 
