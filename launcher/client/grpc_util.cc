@@ -5,6 +5,17 @@
 #include <cmath>
 
 namespace mlarun::client_internal {
+namespace {
+
+// `seconds` from now, clamped to [0, cap] (not finite: cap), so huge values
+// do not overflow the clock arithmetic.
+std::chrono::system_clock::time_point SecondsFromNow(double seconds, double cap) {
+  const double s = std::isfinite(seconds) ? std::clamp(seconds, 0.0, cap) : cap;
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(s));
+}
+
+}  // namespace
 
 Status CheckAddress(std::string_view address) {
   if (address.empty()) return InvalidArgumentError("the address is empty (want host:port)");
@@ -51,10 +62,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Tls
 }
 
 bool AwaitConnection(grpc::Channel& channel, double seconds) {
-  const double s = std::isfinite(seconds) ? std::clamp(seconds, 0.0, 60.0) : 60.0;
-  return channel.WaitForConnected(std::chrono::system_clock::now() +
-                                  std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                      std::chrono::duration<double>(s)));
+  return channel.WaitForConnected(SecondsFromNow(seconds, 60.0));
 }
 
 std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls, double wait_s) {
@@ -69,9 +77,7 @@ void AddCredentials(grpc::ClientContext& ctx, const ClientSecurity& security) {
 
 void SetDeadline(grpc::ClientContext& ctx, double timeout_s) {
   constexpr double kYear_s = 365.0 * 24 * 3600;
-  const double s = std::isfinite(timeout_s) ? std::clamp(timeout_s, 0.0, kYear_s) : kYear_s;
-  ctx.set_deadline(std::chrono::system_clock::now() +
-                   std::chrono::duration_cast<std::chrono::system_clock::duration>(std::chrono::duration<double>(s)));
+  ctx.set_deadline(SecondsFromNow(timeout_s, kYear_s));
 }
 
 }  // namespace mlarun::client_internal

@@ -45,10 +45,15 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& address, const Tls
 // on after a false return gets gRPC's own error from its call.
 bool AwaitConnection(grpc::Channel& channel, double seconds);
 
-// MakeChannel, then AwaitConnection for up to `wait_s` (2 s unless told): for
-// a client about to make its calls. A channel that did not connect is
-// returned all the same, so the first call reports gRPC's own error.
-std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls = {}, double wait_s = 2.0);
+// How long a client about to make its calls waits for the connection (or
+// its own timeout, when shorter).
+inline constexpr double kConnectWait_s = 2.0;
+
+// MakeChannel, then AwaitConnection for up to `wait_s`. A channel that did
+// not connect is returned all the same, so the first call reports gRPC's own
+// error.
+std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls = {},
+                                              double wait_s = kConnectWait_s);
 
 // A call's context for the client API: `authorization: Bearer TOKEN` when
 // the security has a token. The deadline is the caller's (SetDeadline).
