@@ -122,11 +122,14 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   if (!cpu::KernelsFor(isa)) GTEST_SKIP() << "this CPU cannot run the " << CpuIsaName(isa) << " kernels";
   std::mt19937 rng(1234 + static_cast<int>(isa));
   // Odd and prime sizes, single rows, more rows than one tile, k past one
-  // panel (256) and past the single-panel limit of a bf16 C (1024).
+  // panel (256) and past the single-panel limit of a bf16 C (1024); and
+  // one to three rows of a k so long (8300) that A's rows no longer stay in
+  // L1 beside a streamed B, so the streaming kernels take tiles of B rows
+  // instead (kStreamMaxABytes, for an fp32 and a bf16 A alike).
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
                                      {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
                                      {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}, {33, 200, 100},
-                                     {16, 128, 64}, {48, 96, 33}};
+                                     {16, 128, 64}, {48, 96, 33}, {1, 29, 8300}, {2, 19, 8231}, {3, 11, 8250}};
   // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
   // products; run their FMA path too.
   const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
