@@ -34,11 +34,9 @@ using client_internal::GrpcCodeName;
 using client_internal::SetDeadline;
 using Json = nlohmann::json;
 
-// A stub on a fresh channel to `address`, once it has connected or
-// kConnectWait_s (at most the call's own timeout) have passed.
+// A stub on a fresh channel to `address`, once it has connected (ConnectChannel).
 std::unique_ptr<v1::Mlarun::Stub> Connect(const std::string& address, const TlsPem& tls, double timeout_s) {
-  return v1::Mlarun::NewStub(
-      client_internal::ConnectChannel(address, tls, std::min(timeout_s, client_internal::kConnectWait_s)));
+  return v1::Mlarun::NewStub(client_internal::ConnectChannel(address, tls, timeout_s));
 }
 
 // Usage checks shared by submit and stats; the message goes to `err` as

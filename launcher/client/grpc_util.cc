@@ -65,9 +65,9 @@ bool AwaitConnection(grpc::Channel& channel, double seconds) {
   return channel.WaitForConnected(SecondsFromNow(seconds, 60.0));
 }
 
-std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls, double wait_s) {
+std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls, double call_timeout_s) {
   std::shared_ptr<grpc::Channel> channel = MakeChannel(address, tls);
-  AwaitConnection(*channel, wait_s);
+  AwaitConnection(*channel, std::min(call_timeout_s, kConnectWait_s));
   return channel;
 }
 

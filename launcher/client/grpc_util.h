@@ -49,11 +49,12 @@ bool AwaitConnection(grpc::Channel& channel, double seconds);
 // its own timeout, when shorter).
 inline constexpr double kConnectWait_s = 2.0;
 
-// MakeChannel, then AwaitConnection for up to `wait_s`. A channel that did
-// not connect is returned all the same, so the first call reports gRPC's own
-// error.
+// MakeChannel, then AwaitConnection for kConnectWait_s, or `call_timeout_s`
+// (the timeout of the calls about to be made) when that is shorter. A
+// channel that did not connect is returned all the same, so the first call
+// reports gRPC's own error.
 std::shared_ptr<grpc::Channel> ConnectChannel(const std::string& address, const TlsPem& tls = {},
-                                              double wait_s = kConnectWait_s);
+                                              double call_timeout_s = kConnectWait_s);
 
 // A call's context for the client API: `authorization: Bearer TOKEN` when
 // the security has a token. The deadline is the caller's (SetDeadline).

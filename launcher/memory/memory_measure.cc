@@ -119,8 +119,7 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   MLARUN_RETURN_IF_ERROR(client_internal::CheckAddress(opt.coordinator));
   if (opt.requests_path.empty() != opt.results_path.empty())
     return InvalidArgumentError("--requests and --results go together (the request set and its `mlarun submit --json` output)");
-  auto stub = v1::Mlarun::NewStub(client_internal::ConnectChannel(
-      opt.coordinator, opt.security.tls, std::min(opt.timeout_s, client_internal::kConnectWait_s)));
+  auto stub = v1::Mlarun::NewStub(client_internal::ConnectChannel(opt.coordinator, opt.security.tls, opt.timeout_s));
   // Wait for the reports to settle (or the timeout), then take the last one.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt.timeout_s);
   MLARUN_ASSIGN_OR_RETURN(v1::GetStatsResponse stats, FetchStats(*stub, opt.timeout_s, opt.security));
