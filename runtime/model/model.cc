@@ -187,7 +187,7 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   DeviceArray<float>& router_logits = sc.router_logits;
   MLARUN_RETURN_IF_ERROR(router_logits.Zeroed(static_cast<size_t>(T * E), "the router's logits"));
   MLARUN_RETURN_IF_ERROR(LinearRun(
-      {.w = &moe.router, .x = X, .rows = T, .ldx = H, .y = router_logits.data(), .ldy = E, .backend = be}));
+      {.w = &moe.router, .x = X, .rows = T, .ldx = H, .y = router_logits.data(), .ldy = E, .router = true, .backend = be}));
   DeviceArray<int32_t>& route_experts = sc.route_experts;
   DeviceArray<float>& route_weights = sc.route_weights;
   MLARUN_RETURN_IF_ERROR(route_experts.Zeroed(static_cast<size_t>(T * K), "the routed expert ids"));

@@ -94,6 +94,11 @@ struct LinearParams {
   float* y = nullptr;            // [rows, col_end - col_begin], row stride ldy
   int64_t ldy = 0;
   bool accumulate = false;
+  // The MoE router's logits: a narrow fp32 product (one column per expert).
+  // The CPU runs it on its streaming kernels at any row count: as fast as a
+  // packed product at these widths, and never through oneDNN, whose every
+  // call allocates.
+  bool router = false;
   Backend backend = Backend::kCpu;
 };
 // CPU: all OpenMP threads when called outside a parallel region, the calling

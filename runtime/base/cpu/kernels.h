@@ -63,6 +63,17 @@ struct CpuKernels {
   // packed into `scratch` (packed_scratch_bytes()) and multiplied by a
   // register-blocked micro-kernel. The prefill path.
   void (*gemm_packed)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  // The same for a bf16 A and B with AVX512-BF16 dot products (panels of
+  // bf16 pairs, never widened; scratch per thread as gemm_packed's). Present
+  // in the avx512 table; callable only when UseBf16Dot.
+  void (*gemm_packed_bf16_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  // Its A, prepared once per product (shared by the threads): strips of
+  // packed_dot_mr rows [s_begin, s_end) rewritten into `out`
+  // (packed_dot_prepared_a_bytes(m, k) bytes, 64-byte aligned; g.a then
+  // points at it).
+  void (*packed_dot_prepare_a)(const GemmArgs& g, int64_t s_begin, int64_t s_end, void* out) = nullptr;
+  size_t (*packed_dot_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
+  int64_t packed_dot_mr = 0;
   // bf16 A x bf16 B with k contiguous on the AMX tile unit, any m (the amx
   // table only; nullptr elsewhere). A must first be rewritten by
   // tiles_prepare_a into tiles_prepared_a_bytes(m, k) bytes (64-byte

@@ -52,7 +52,8 @@ StatusOr<Product> Prepare(const LinearParams& p) {
   MLARUN_ASSIGN_OR_RETURN(q.gemm, CpuGemm::Get(GemmDesc{.m = q.rows_pad, .n = n, .k = w.in, .a_type = q.a_type,
                                                         .b_type = w.dtype, .c_type = DType::kF32, .lda = w.in,
                                                         .b_stride_k = 1, .b_stride_n = w.ld,
-                                                        .ldc = q.direct ? p.ldy : n}));
+                                                        .ldc = q.direct ? p.ldy : n},
+                                               p.router ? GemmImpl::kSmall : GemmImpl::kAuto));
   q.sizes.a_bytes = static_cast<size_t>(q.rows_pad * w.in) * DTypeSize(q.a_type);
   q.sizes.c_elems = q.direct ? 0 : static_cast<size_t>(q.rows_pad * n);
   q.sizes.scratch_bytes = q.gemm->scratch_bytes() + 64;
