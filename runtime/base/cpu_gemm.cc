@@ -210,7 +210,7 @@ struct CpuGemm::Impl {
   size_t a_f32_bytes = 0;  // kSmall with a bf16 A: A widened into scratch first
   size_t c_f32_bytes = 0;  // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
   size_t thread_bytes = 0; // kPacked: packing buffers per thread
-  size_t a_prepared_bytes = 0; // kTiles, kPacked with dot products: A rewritten into the kernel's layout first
+  size_t a_prepared_bytes = 0; // kTiles, kPacked: A rewritten into the kernel's layout first
   int threads = 1;         // threads the scratch was sized for
 };
 
@@ -333,7 +333,7 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
       impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
       impl->bf16_dot = d.a_type == DType::kBF16 && d.b_type == DType::kBF16 && k.gemm_packed_bf16_dot != nullptr &&
                        cpu::UseBf16Dot(k);
-      if (impl->bf16_dot) impl->a_prepared_bytes = AlignUp(k.packed_dot_prepared_a_bytes(d.m, d.k));
+      impl->a_prepared_bytes = AlignUp((impl->bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
       g->impl_name_ = std::string(impl->bf16_dot ? "packed_dpbf16:" : "packed:") + std::string(CpuIsaName(k.isa));
     }
     g->scratch_bytes_ = impl->a_f32_bytes + impl->a_prepared_bytes + impl->c_f32_bytes +
@@ -380,12 +380,13 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   if (im.a_prepared_bytes > 0) {  // the kernel reads A in its own layout
     if (kind_ == GemmImpl::kTiles) {
       k.tiles_prepare_a(g, s);
-    } else {  // strips of rows, shared out when there are many
-      const int64_t strips = (d.m + k.packed_dot_mr - 1) / k.packed_dot_mr;
-      const int64_t per = 8;
+    } else {  // the packed kernels' strips of rows, shared out when there are many
+      const auto prepare = im.bf16_dot ? k.packed_dot_prepare_a : k.packed_prepare_a;
+      const int64_t mr = im.bf16_dot ? k.packed_dot_mr : k.packed_mr;
+      const int64_t strips = (d.m + mr - 1) / mr, per = 8;
       const int prep_threads = std::min(im.threads, omp_get_max_threads());
 #pragma omp parallel for schedule(static) num_threads(prep_threads) if (strips > per && !omp_in_parallel())
-      for (int64_t s0 = 0; s0 < strips; s0 += per) k.packed_dot_prepare_a(g, s0, std::min(strips, s0 + per), s);
+      for (int64_t s0 = 0; s0 < strips; s0 += per) prepare(g, s0, std::min(strips, s0 + per), s);
     }
     g.a = s;
     s += im.a_prepared_bytes;
@@ -429,10 +430,10 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
       shares.Run(t, [&](int64_t s0, int64_t s1) { part(t, std::min(d.n, s0 * align), std::min(d.n, s1 * align)); });
     }
   } else {
-    // The dot kernel shares one prepared A, so small chunks cost only the
+    // A is prepared once and shared, so small chunks cost only the
     // scheduling and even out the threads (18 strips in 9 chunks of 2 left
-    // one thread 10% idle); the fp32 kernel packs A again for every chunk.
-    const int64_t per_chunk = std::max<int64_t>(1, strips / ((im.bf16_dot ? 16 : 4) * threads));
+    // one thread 10% idle).
+    const int64_t per_chunk = std::max<int64_t>(1, strips / (16 * threads));
     const int64_t chunks = (strips + per_chunk - 1) / per_chunk;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c)

@@ -59,18 +59,21 @@ struct CpuKernels {
   // Few rows, B with n contiguous (b_stride_n == 1): B rows are read once,
   // each scaled by A's column and summed into C, a few vectors of C at a time.
   void (*gemm_small_bn)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
-  // Any shape: panels of B (converted to fp32 once per panel) and of A are
-  // packed into `scratch` (packed_scratch_bytes()) and multiplied by a
-  // register-blocked micro-kernel. The prefill path.
+  // Any shape: panels of B (converted to fp32 once per panel) are packed
+  // into `scratch` (packed_scratch_bytes()) and multiplied with A's strips by
+  // a register-blocked micro-kernel. The prefill path. A must first be
+  // rewritten by packed_prepare_a, strips of packed_mr rows [s_begin, s_end)
+  // into `out` (packed_prepared_a_bytes(m, k) bytes, 64-byte aligned; g.a
+  // then points at it), once per product: the threads share it.
   void (*gemm_packed)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  void (*packed_prepare_a)(const GemmArgs& g, int64_t s_begin, int64_t s_end, void* out) = nullptr;
+  size_t (*packed_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
+  int64_t packed_mr = 0;
   // The same for a bf16 A and B with AVX512-BF16 dot products (panels of
   // bf16 pairs, never widened; scratch per thread as gemm_packed's). Present
   // in the avx512 table; callable only when UseBf16Dot.
   void (*gemm_packed_bf16_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
-  // Its A, prepared once per product (shared by the threads): strips of
-  // packed_dot_mr rows [s_begin, s_end) rewritten into `out`
-  // (packed_dot_prepared_a_bytes(m, k) bytes, 64-byte aligned; g.a then
-  // points at it).
+  // Its A, prepared as gemm_packed's is (a layout of pairs of its own).
   void (*packed_dot_prepare_a)(const GemmArgs& g, int64_t s_begin, int64_t s_end, void* out) = nullptr;
   size_t (*packed_dot_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
   int64_t packed_dot_mr = 0;
