@@ -26,7 +26,10 @@ namespace mlarun::cpu {
 // columns [n_begin, n_end). Strides are in elements.
 struct GemmArgs {
   int64_t m = 0, n = 0, k = 0;
-  const void* a = nullptr;  // A[i, p] at a[i * lda + p]: fp32; bf16 for gemm_packed only
+  // A[i, p] at a[i * lda + p]: fp32, or bf16 (the dot kernels; the packed
+  // kernels' prepare_a). The packed and tile kernels read A from where their
+  // prepare_a wrote it, in a layout of their own (a_type and lda unused).
+  const void* a = nullptr;
   DType a_type = DType::kF32;
   int64_t lda = 0;
   const void* b = nullptr;  // B[p, j] at b[p * b_stride_k + j * b_stride_n], f32, bf16 or f8_e4m3
