@@ -2,10 +2,14 @@
 // oneDNN where the family allows it) under every kernel family this CPU can
 // run, against a float64 loop on the values as stored. Inputs are random; the
 // memory a product must not read (A's and B's padding between rows) is NaN,
-// and C's columns between n and ldc must come back untouched.
+// A and B end where an unreadable page begins (a read past them faults), and
+// C's columns between n and ldc must come back untouched.
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -43,6 +47,35 @@ std::string Name(const Case& c, const Shape& s) {
          (c.accumulate ? "/+=" : "") + " m=" + std::to_string(s.m) + " n=" + std::to_string(s.n) +
          " k=" + std::to_string(s.k);
 }
+
+// A copy of `src` that ends where a PROT_NONE page begins, so a kernel that
+// reads past the matrix (a vector over the last row's end, rows or columns
+// past m or n) faults instead of reading whatever follows.
+class GuardedCopy {
+ public:
+  explicit GuardedCopy(const std::vector<std::byte>& src) {
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t body = (src.size() + page - 1) / page * page;
+    bytes_ = body + page;
+    void* m = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return;
+    base_ = static_cast<std::byte*>(m);
+    mprotect(base_ + body, page, PROT_NONE);
+    data_ = base_ + body - src.size();
+    std::memcpy(data_, src.data(), src.size());
+  }
+  ~GuardedCopy() {
+    if (base_) munmap(base_, bytes_);
+  }
+  GuardedCopy(const GuardedCopy&) = delete;
+  GuardedCopy& operator=(const GuardedCopy&) = delete;
+  const std::byte* data() const { return data_; }
+
+ private:
+  std::byte* base_ = nullptr;
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+};
 
 // Runs one product and compares it with the float64 reference.
 void CheckOne(const Case& cs, const Shape& sh, std::mt19937& rng) {
@@ -85,7 +118,10 @@ void CheckOne(const Case& cs, const Shape& sh, std::mt19937& rng) {
   StoreFromF32(c0.data(), c.data(), cs.c_type, static_cast<int64_t>(c0.size()));
   const std::vector<std::byte> c_before = c;
   std::vector<std::byte> scratch((*g)->scratch_bytes() + 64);
-  ASSERT_TRUE((*g)->Run(ac.data(), bc.data(), c.data(), scratch.data()).ok());
+  const GuardedCopy ag(ac), bg(bc);
+  ASSERT_NE(ag.data(), nullptr);
+  ASSERT_NE(bg.data(), nullptr);
+  ASSERT_TRUE((*g)->Run(ag.data(), bg.data(), c.data(), scratch.data()).ok());
 
   std::vector<float> got(c0.size());
   LoadToF32(c.data(), cs.c_type, got.data(), static_cast<int64_t>(got.size()));
