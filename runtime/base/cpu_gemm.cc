@@ -141,6 +141,12 @@ bool PackedDotUsable(const cpu::CpuKernels& k, const GemmDesc& d) {
 bool PackedDotPreferred(const GemmDesc& d) {
   return ActiveCpuIsa() == CpuIsa::kAvx512 && PackedDotUsable(cpu::Kernels(), d);
 }
+// f32 products past the streaming kernels' rows: our packed fp32 kernel,
+// every family. Against oneDNN's f32 matmul on the DeepSeek-V2-Lite prefill
+// shapes (32-512 rows, Zen 4, 2 threads; docs/cpu-kernels.md) oneDNN's time
+// over ours is 0.93-1.05 under AVX-512 and 0.87-1.12 under AVX2, and its
+// execute allocates inside every call where ours allocates nothing.
+bool PackedF32Preferred(const GemmDesc& d) { return d.a_type == DType::kF32; }
 
 // Can our AMX tile kernel run this product under the family in force?
 bool TilesAllowed(const GemmDesc& d) {
@@ -154,7 +160,14 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
-  if (d.a_type == DType::kF32) return 16;
+  // f32: the streaming kernels' time over our packed kernel's on a 20480 x
+  // 2048 weight from memory (Zen 4, 2 threads): AVX-512 0.68-0.70 at 8-12
+  // rows, 0.91 at 24, 0.95 at 32; AVX2 0.87-0.95 at 8, 1.12-1.15 at 12,
+  // 1.17 at 16 (AVX2's 16 registers hold a 4-row tile of sums).
+  if (d.a_type == DType::kF32) {
+    const CpuIsa isa = ActiveCpuIsa();
+    return isa >= CpuIsa::kAvx512 ? 32 : isa == CpuIsa::kAvx2 ? 8 : 16;
+  }
   if (TilesAllowed(d)) return TilesShape(d) ? kTilesFromRows - 1 : 16;
   // Our packed dot kernel (PackedDotPreferred): the streaming dot products'
   // time over its, on a weight from memory, 0.98-0.99 at 16 rows, 1.10-1.15
@@ -171,6 +184,14 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
 namespace {
 
 constexpr size_t kAlign = 64;
+// An fp32 A of a packed product at most this wide is read from its rows, not
+// rewritten into strips first: each strip would serve only n / NR column
+// strips, and the rewrite costs a pass over A. On the Zen 4, oneDNN's time
+// over ours, rows against strips: the MoE's items on one thread (24-512 x
+// 128-352, k 1408-2816) AVX-512 0.83-0.96 -> 0.88-1.06, AVX2 0.90-1.19 ->
+// 0.97-1.16; 512 x 64 x 2048 on 2 threads 0.81 -> 0.97. Wider, strips were
+// as fast or faster (AVX2 512 x 576: 1.02 against 0.93).
+constexpr int64_t kPackedARowsMaxN = 384;
 // The tile kernel's column granularity: 4 tiles of 16 weight rows.
 constexpr int64_t kTilesNAlign = 64;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -216,6 +237,7 @@ struct CpuGemm::Impl {
   size_t c_f32_bytes = 0;  // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
   size_t thread_bytes = 0; // kPacked: packing buffers per thread
   size_t a_prepared_bytes = 0; // kTiles, kPacked: A rewritten into the kernel's layout first
+  bool a_rows = false;     // kPacked with an fp32 A of few columns: A read from its rows
   int threads = 1;         // threads the scratch was sized for
 };
 
@@ -269,7 +291,7 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   if (want == GemmImpl::kAuto)
     chosen = d.m <= GemmSmallRowsLimit(d)                   ? GemmImpl::kSmall
              : TilesAllowed(d) && TilesFaster(d) ? GemmImpl::kTiles
-             : PackedDotPreferred(d)             ? GemmImpl::kPacked
+             : PackedDotPreferred(d) || PackedF32Preferred(d) ? GemmImpl::kPacked
                                                           : GemmImpl::kOneDnn;
 
   // oneDNN, where the family allows it and oneDNN can build the product.
@@ -337,7 +359,10 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
       // the kernel's panels bound what that needs.
       impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
       impl->bf16_dot = PackedDotUsable(k, d);
-      impl->a_prepared_bytes = AlignUp((impl->bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
+      impl->a_rows = !impl->bf16_dot && d.a_type == DType::kF32 && d.n <= kPackedARowsMaxN;
+      if (!impl->a_rows)
+        impl->a_prepared_bytes =
+            AlignUp((impl->bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
       g->impl_name_ = std::string(impl->bf16_dot ? "packed_dpbf16:" : "packed:") + std::string(CpuIsaName(k.isa));
     }
     g->scratch_bytes_ = impl->a_f32_bytes + impl->a_prepared_bytes + impl->c_f32_bytes +
@@ -381,6 +406,7 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     g.a = af, g.a_type = DType::kF32, g.lda = d.k;
     s += im.a_f32_bytes;
   }
+  g.a_rows = im.a_rows;
   if (im.a_prepared_bytes > 0) {  // the kernel reads A in its own layout
     if (kind_ == GemmImpl::kTiles) {
       k.tiles_prepare_a(g, s);

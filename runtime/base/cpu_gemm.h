@@ -67,9 +67,10 @@ Status ValidateGemmDesc(const GemmDesc& d);
 // Products with at most this many rows take the streaming kernels (below
 // it the weights' bytes set the pace; from it on the arithmetic does). As
 // measured with 2 threads on a 20480 x 2048 weight, ours against oneDNN's and
-// our packed kernel (docs/cpu-kernels.md): bf16 where oneDNN has bf16
+// our packed kernels (docs/cpu-kernels.md): bf16 where oneDNN has bf16
 // arithmetic (AVX512-BF16, AMX), up to 16 rows with our AVX512-BF16 dot
-// products (8 without them); bf16 elsewhere, up to 32; f32, up to 16.
+// products (8 without them); bf16 elsewhere, up to 32; f32 up to 32 under
+// AVX-512, 8 under AVX2, 16 on the baseline.
 int64_t GemmSmallRowsLimit(const GemmDesc& d);
 // The largest of those limits: callers that pad rows leave products this
 // small exact.

@@ -158,14 +158,16 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   if (!cpu::KernelsFor(isa)) GTEST_SKIP() << "this CPU cannot run the " << CpuIsaName(isa) << " kernels";
   std::mt19937 rng(1234 + static_cast<int>(isa));
   // Odd and prime sizes, single rows, more rows than one tile, k past one
-  // panel (256) and past the single-panel limit of a bf16 C (1024); and
+  // panel (256) and past the single-panel limit of a bf16 C (1024), n past
+  // the width up to which the packed kernel reads an fp32 A's rows (384); and
   // one to three rows of a k so long (8300) that A's rows no longer stay in
   // L1 beside a streamed B, so the streaming kernels take tiles of B rows
   // instead (kStreamMaxABytes, for an fp32 and a bf16 A alike).
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
                                      {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
                                      {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}, {33, 200, 100},
-                                     {16, 128, 64}, {48, 96, 33}, {1, 29, 8300}, {2, 19, 8231}, {3, 11, 8250}};
+                                     {16, 128, 64}, {48, 96, 33}, {21, 419, 70}, {1, 29, 8300}, {2, 19, 8231},
+                                     {3, 11, 8250}};
   // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
   // products; run their FMA path too.
   const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
@@ -195,7 +197,7 @@ INSTANTIATE_TEST_SUITE_P(Isa, GemmEveryIsa,
                          [](const auto& info) { return std::string(CpuIsaName(info.param)); });
 
 // The automatic choice: few rows stream; bf16 products without bf16
-// arithmetic never reach oneDNN; below AVX2 nothing does.
+// arithmetic and f32 products never reach oneDNN.
 TEST(GemmDispatch, ChoosesByShapeAndFamily) {
   const GemmDesc small{.m = 1, .n = 64, .k = 40, .a_type = DType::kBF16, .b_type = DType::kBF16,
                        .lda = 40, .b_stride_k = 1, .b_stride_n = 40, .ldc = 64};
@@ -211,12 +213,15 @@ TEST(GemmDispatch, ChoosesByShapeAndFamily) {
     auto l = CpuGemm::Get(large);
     ASSERT_TRUE(l.ok()) << l.status();
     const bool bf16_units = isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
-    if (!bf16_units) EXPECT_EQ((*l)->impl(), GemmImpl::kPacked) << CpuIsaName(isa) << " " << (*l)->impl_name();
+    if (!bf16_units) {
+      EXPECT_EQ((*l)->impl(), GemmImpl::kPacked) << CpuIsaName(isa) << " " << (*l)->impl_name();
+    }
     GemmDesc f32 = large;
     f32.a_type = f32.b_type = DType::kF32;
     auto f = CpuGemm::Get(f32);
     ASSERT_TRUE(f.ok()) << f.status();
-    if (isa == CpuIsa::kScalar) EXPECT_EQ((*f)->impl_name(), "packed:scalar");
+    EXPECT_EQ((*f)->impl(), GemmImpl::kPacked) << CpuIsaName(isa) << " " << (*f)->impl_name();
+    EXPECT_EQ((*f)->impl_name(), "packed:" + std::string(CpuIsaName(cpu::KernelsFor(isa)->isa)));
   }
 }
 
@@ -242,8 +247,11 @@ TEST(CpuKernels, ElementwiseMatchScalarDefinitions) {
       }
       std::vector<float> back(static_cast<size_t>(n));
       k->bf16_to_f32(h.data(), back.data(), n);
-      for (int64_t i = 0; i < n; ++i)
-        if (!std::isnan(x[static_cast<size_t>(i)])) EXPECT_EQ(back[static_cast<size_t>(i)], Bf16ToFloat(h[static_cast<size_t>(i)]));
+      for (int64_t i = 0; i < n; ++i) {
+        if (!std::isnan(x[static_cast<size_t>(i)])) {
+          EXPECT_EQ(back[static_cast<size_t>(i)], Bf16ToFloat(h[static_cast<size_t>(i)]));
+        }
+      }
       if (n > 2) x[1] = d(rng);
       float mx = -std::numeric_limits<float>::infinity();
       for (float v : x) mx = std::max(mx, v);

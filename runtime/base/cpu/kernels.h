@@ -28,7 +28,8 @@ struct GemmArgs {
   int64_t m = 0, n = 0, k = 0;
   // A[i, p] at a[i * lda + p]: fp32, or bf16 (the dot kernels; the packed
   // kernels' prepare_a). The packed and tile kernels read A from where their
-  // prepare_a wrote it, in a layout of their own (a_type and lda unused).
+  // prepare_a wrote it, in a layout of their own (a_type and lda unused),
+  // except gemm_packed with a_rows (below).
   const void* a = nullptr;
   DType a_type = DType::kF32;
   int64_t lda = 0;
@@ -43,6 +44,9 @@ struct GemmArgs {
   DType c_type = DType::kF32;
   int64_t ldc = 0;
   bool accumulate = false;  // C += A x B (f32 C only)
+  // gemm_packed with an fp32 A: A read from its rows (a, lda) instead of
+  // prepared strips.
+  bool a_rows = false;
 };
 
 struct CpuKernels {
