@@ -118,13 +118,13 @@ std::vector<int64_t> Pass(ModelRunner& runner, LatentCache& blocks, SeqId first,
                            .block_table = std::vector<int32_t>(table.begin(), table.end()),
                            .sampler = samplers[i].get()});
     }
-    std::optional<StatusOr<std::span<const SampledToken>>> result;
-    counts.push_back(Allocations([&] { result.emplace(runner.Execute(plan)); }, onednn));
-    EXPECT_TRUE(result->ok()) << result->status();
-    if (!result->ok()) return counts;
-    EXPECT_EQ((*result)->size(), prompts.size());
-    for (size_t i = 0; i < prompts.size() && i < (*result)->size(); ++i)
-      next[i] = static_cast<int32_t>((**result)[i].token);
+    StatusOr<std::span<const SampledToken>> result = InternalError("the step did not run");
+    counts.push_back(Allocations([&] { result = runner.Execute(plan); }, onednn));
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok()) return counts;
+    EXPECT_EQ(result->size(), prompts.size());
+    for (size_t i = 0; i < prompts.size() && i < result->size(); ++i)
+      next[i] = static_cast<int32_t>((*result)[i].token);
   }
   for (size_t i = 0; i < prompts.size(); ++i) EXPECT_TRUE(blocks.Release(first + static_cast<SeqId>(i)).ok());
   return counts;
@@ -161,11 +161,12 @@ TEST(StepAllocations, StepsOfShapesSeenBeforeAllocateNothing) {
     // Without oneDNN products the step allocates nothing at all: every
     // family runs f32 products and (below AMX) bf16 ones on our kernels, and
     // so does every family under MLARUN_ONEDNN=off. Under AMX, oneDNN's AMX
-    // product keeps the bf16 products of many rows the tiles do not take:
-    // its own allocations show up here (so the split above is not hiding
-    // everything) when the 48-row prefill reaches it.
+    // product keeps the bf16 products of many rows the tiles do not take;
+    // its execute's allocations are counted apart above, not asserted.
     const bool ours_only = !OneDnnEnabled() || weights == DType::kF32 || ActiveCpuIsa() != CpuIsa::kAmx;
-    if (ours_only) EXPECT_EQ(onednn_again, 0) << "weights " << DTypeName(weights) << ", cache " << DTypeName(kv);
+    if (ours_only) {
+      EXPECT_EQ(onednn_again, 0) << "weights " << DTypeName(weights) << ", cache " << DTypeName(kv);
+    }
   }
 }
 
