@@ -93,10 +93,10 @@ GemmCache& Cache() {
 std::atomic<int64_t> g_prepared{0};
 std::atomic<bool> g_onednn_enabled{true};
 
-// May oneDNN run this product under the kernel family in force? f32 from
-// AVX2 up; bf16 only where the CPU has bf16 arithmetic (AVX512-BF16, AMX):
-// elsewhere Debian's oneDNN 2.6 cannot build one (AVX2) or would emulate it,
-// and our packed kernel is the one to use.
+// May oneDNN run this product under the kernel family in force (asked for
+// by name, or chosen under AMX)? f32 from AVX2 up; bf16 only where the CPU
+// has bf16 arithmetic (AVX512-BF16, AMX): elsewhere Debian's oneDNN 2.6
+// cannot build one (AVX2) or would emulate it.
 bool OneDnnAllowed(const GemmDesc& d) {
   if (!g_onednn_enabled.load(std::memory_order_relaxed)) return false;
   if (d.b_type == DType::kF8E4M3) return false;  // no block-scaled e4m3 in oneDNN 2.6

@@ -9,12 +9,15 @@
 // (ActiveCpuIsa()), fastest first:
 //  * few rows (m <= GemmSmallRowsLimit): our own kernels, which stream B once and
 //    widen bf16 to fp32 in registers (decode: bound by reading the weights);
-//  * oneDNN's matmul where the kernel family allows it and oneDNN can build
-//    the product (f32 from AVX2 up; bf16 on AVX512-BF16 / AMX);
-//  * on AMX, bf16 products whose B is a weight as stored (k contiguous): our
-//    tile kernel, which reads the weight in place and packs only A;
-//  * our own packed kernel otherwise (bf16 without AVX512-BF16, any product on
-//    a CPU below AVX2): B converted to fp32 a cache-sized panel at a time.
+//  * on AMX, bf16 products whose B is a weight as stored (k contiguous), up
+//    to where oneDNN's AMX product is faster: our tile kernel, which reads
+//    the weight in place and packs only A; oneDNN's matmul for the other
+//    bf16 products of many rows there;
+//  * our own packed kernels otherwise: bf16 pairs and AVX512-BF16 dot
+//    products where the CPU has them, else fp32 panels (B converted a
+//    cache-sized panel at a time; f32 products on every family).
+// oneDNN runs only under AMX by default (its execute allocates on every
+// call); any family can ask for it by name.
 // Every product accumulates in fp32; f32 x f32 products are strict fp32.
 //
 // An f8_e4m3 B (a DeepSeek-V3 weight with 128 x 128 block scales, B's columns
