@@ -126,27 +126,32 @@ bool TilesFaster(const GemmDesc& d) {
   return d.m <= 64 || (d.m <= 256 && d.n * d.k * 2 <= (int64_t{128} << 20));
 }
 
-// bf16 products past the streaming kernels' rows on AVX512-BF16 without AMX:
-// our packed dot-product kernel rather than oneDNN's brgemm, which allocates
-// inside every call. Measured on a Zen 4 (docs/cpu-kernels.md): as fast on
-// the DeepSeek-V2-Lite prefill shapes (oneDNN's time over ours 0.83-1.17,
-// most 0.96-1.03) and on the attention's (0.90-1.08); a whole 512-token
-// prefill 0.96-1.10x, batch-32 decode 1.10-1.14x. Where AMX is in force
-// oneDNN's AMX product stays (several times the dot products' rate).
 // Can the packed dot kernel of family `k` run this product?
 bool PackedDotUsable(const cpu::CpuKernels& k, const GemmDesc& d) {
   return d.a_type == DType::kBF16 && d.b_type == DType::kBF16 && k.gemm_packed_bf16_dot != nullptr &&
          cpu::UseBf16Dot(k);
 }
+// bf16 products past the streaming kernels' rows on AVX512-BF16 without AMX:
+// our packed dot-product kernel rather than oneDNN's brgemm, which allocates
+// inside every call. Measured on a Zen 4 (docs/cpu-kernels.md): as fast on
+// the DeepSeek-V2-Lite prefill shapes (oneDNN's time over ours 0.83-1.17,
+// most 0.96-1.03) and on the attention's (0.90-1.08); a whole 512-token
+// prefill 0.96-1.10x, batch-32 decode 1.10-1.14x.
 bool PackedDotPreferred(const GemmDesc& d) {
   return ActiveCpuIsa() == CpuIsa::kAvx512 && PackedDotUsable(cpu::Kernels(), d);
 }
-// f32 products past the streaming kernels' rows: our packed fp32 kernel,
-// every family. Against oneDNN's f32 matmul on the DeepSeek-V2-Lite prefill
-// shapes (32-512 rows, Zen 4, 2 threads; docs/cpu-kernels.md) oneDNN's time
-// over ours is 0.93-1.05 under AVX-512 and 0.87-1.12 under AVX2, and its
-// execute allocates inside every call where ours allocates nothing.
-bool PackedF32Preferred(const GemmDesc& d) { return d.a_type == DType::kF32; }
+// Products of many rows that neither the streaming nor the tile kernels
+// take go to oneDNN only where its product is the faster one: bf16 under AMX
+// (its AMX product, several times our dot products' rate), and on
+// AVX512-BF16 when our dot products are turned off. Everything else runs on
+// our packed kernels, f32 included: against oneDNN's f32 matmul on the
+// DeepSeek-V2-Lite prefill shapes (32-512 rows, Zen 4, 2 threads;
+// docs/cpu-kernels.md) oneDNN's time over ours is 0.89-1.07 under AVX-512
+// and 0.87-1.18 under AVX2, and its execute allocates inside every call
+// where ours allocates nothing.
+bool OneDnnPreferred(const GemmDesc& d) {
+  return d.a_type == DType::kBF16 && !PackedDotPreferred(d) && OneDnnAllowed(d);
+}
 
 // Can our AMX tile kernel run this product under the family in force?
 bool TilesAllowed(const GemmDesc& d) {
@@ -289,10 +294,10 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
   auto impl = std::make_unique<Impl>();
   GemmImpl chosen = want;
   if (want == GemmImpl::kAuto)
-    chosen = d.m <= GemmSmallRowsLimit(d)                   ? GemmImpl::kSmall
+    chosen = d.m <= GemmSmallRowsLimit(d)        ? GemmImpl::kSmall
              : TilesAllowed(d) && TilesFaster(d) ? GemmImpl::kTiles
-             : PackedDotPreferred(d) || PackedF32Preferred(d) ? GemmImpl::kPacked
-                                                          : GemmImpl::kOneDnn;
+             : OneDnnPreferred(d)                ? GemmImpl::kOneDnn
+                                                 : GemmImpl::kPacked;
 
   // oneDNN, where the family allows it and oneDNN can build the product.
   std::string onednn_error;
