@@ -178,7 +178,15 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // time over its, on a weight from memory, 0.98-0.99 at 16 rows, 1.10-1.15
   // at 24, 1.28-1.29 at 32 (Zen 4).
   if (PackedDotPreferred(d)) return 16;
-  if (!OneDnnAllowed(d)) return 32;
+  // bf16 without bf16 arithmetic: our packed kernel converts each panel of B
+  // once and runs a 6 x 16 FMA tile under AVX2. On a 20480 x 2048 weight from
+  // memory (Zen 4, 2 threads) the streaming kernels' time over its was
+  // 0.79-0.80 at 6-8 rows, 0.90-1.15 at 12-20 and 1.09-1.31 at 24-32 (also
+  // on 2816 x 2048 and the dense down projection's 2048 x 10944; the MoE's
+  // items on one thread, 1.06-1.22 at 24-32). With B n-contiguous (the
+  // folds) they were even at 24-32 rows. AVX-512 without BF16 and SSE2:
+  // streaming stayed faster up to 32 (0.83-0.89 and 0.92 at 32).
+  if (!OneDnnAllowed(d)) return ActiveCpuIsa() == CpuIsa::kAvx2 && d.b_stride_k == 1 ? 20 : 32;
   // B n-contiguous (the attention's folds through W_UK^T and W_UV) has no dot
   // products to use; on AMX oneDNN's product was as fast from 4 rows and
   // 1.5-2x faster at 8-16 (128 heads' [128 x 512] folds, 2 threads).

@@ -216,6 +216,17 @@ TEST(GemmDispatch, ChoosesByShapeAndFamily) {
     if (!bf16_units) {
       EXPECT_EQ((*l)->impl(), GemmImpl::kPacked) << CpuIsaName(isa) << " " << (*l)->impl_name();
     }
+    if (isa == CpuIsa::kAvx2) {  // a batch of 32 under AVX2: packed over a weight [n, k], streamed over the folds
+      GemmDesc rows32 = small;
+      rows32.m = 32;
+      auto w = CpuGemm::Get(rows32);
+      ASSERT_TRUE(w.ok()) << w.status();
+      EXPECT_EQ((*w)->impl(), GemmImpl::kPacked) << (*w)->impl_name();
+      rows32.b_stride_k = rows32.n, rows32.b_stride_n = 1;
+      auto fold = CpuGemm::Get(rows32);
+      ASSERT_TRUE(fold.ok()) << fold.status();
+      EXPECT_EQ((*fold)->impl(), GemmImpl::kSmall) << (*fold)->impl_name();
+    }
     GemmDesc f32 = large;
     f32.a_type = f32.b_type = DType::kF32;
     auto f = CpuGemm::Get(f32);
