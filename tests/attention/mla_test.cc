@@ -119,6 +119,9 @@ const std::vector<DatasetSpec> kDatasets = {
     {"h3_qlens", Small(3), 16, {{1, 40}, {2, 41}, {3, 3}, {4, 70}, {5, 64}, {6, 6}, {7, 100}, {8, 129}, {9, 200}}},
     {"h16_prefill", Small(16), 64, {{300, 300}, {300, 700}, {0, 10}, {1, 4100}}},
     {"h128_small_dims", Small(128), 64, {{1, 65}, {9, 72}, {1, 1}, {5, 5}}},
+    // One decode row: fewer items than threads, so its keys split into
+    // ranges of 64-key groups (uneven at the end) merged by LSE.
+    {"decode_one", Small(16), 16, {{1, 700}}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Mla, MlaVsReference,
