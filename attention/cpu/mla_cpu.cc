@@ -246,8 +246,10 @@ Status PlanAbsorbed(CpuMlaPlan& pl) {
   // batch-1 decode) the ranges are whole kKeyPad groups: in whole key tiles a
   // context shorter than one tile ran on one thread while the others waited,
   // and longer ones split unevenly (1500 keys: 1024 + 476). V2-Lite widths,
-  // 2 threads, Zen 4, the attention of one token: 1.15x at 128 keys, 1.37x
-  // at 512, 1.04x at 1500. With as many items as threads, whole tiles:
+  // 2 threads, Zen 4, the attention of one token against whole tiles: AVX2
+  // 1.13-1.15x at 128 keys, 1.28-1.37x at 512, 1.66x at 1000, 1.04-1.24x
+  // at 1500; AVX-512 1.06x, 1.25x, 1.36x, 1.13-1.18x; the same at 4096.
+  // With as many items as threads, whole tiles:
   // finer ranges there cost more in merges than they gain (batch 2:
   // 0.90-0.92x at 128-512 keys).
   const int64_t threads = pl.threads, items = static_cast<int64_t>(base.size());
