@@ -162,12 +162,15 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   // the width up to which the packed kernel reads an fp32 A's rows (384); and
   // one to three rows of a k so long (8300) that A's rows no longer stay in
   // L1 beside a streamed B, so the streaming kernels take tiles of B rows
-  // instead (kStreamMaxABytes, for an fp32 and a bf16 A alike).
+  // instead (kStreamMaxABytes, for an fp32 and a bf16 A alike); one row of
+  // a k between the amx family's bf16 streaming limit and the others' (5000:
+  // tiles there, a stream elsewhere), and one whose stream prefetches across
+  // rows and ends in a tail (2100).
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
                                      {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
                                      {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}, {33, 200, 100},
                                      {16, 128, 64}, {48, 96, 33}, {21, 419, 70}, {1, 29, 8300}, {2, 19, 8231},
-                                     {3, 11, 8250}};
+                                     {3, 11, 8250}, {1, 23, 5000}, {1, 45, 2100}};
   // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
   // products; run their FMA path too.
   const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
