@@ -14,6 +14,11 @@ bool UseBf16Dot(const CpuKernels& k) {
 
 bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
 
+bool StreamPrefetch() {
+  static const bool intel = HostCpu().vendor == "GenuineIntel";
+  return intel;
+}
+
 const CpuKernels* KernelsFor(CpuIsa isa) {
   // Never touch a family's code on a CPU that cannot run it.
   if (static_cast<int>(isa) > static_cast<int>(HostCpu().best())) return nullptr;

@@ -123,6 +123,13 @@ bool UseBf16Dot(const CpuKernels& k);
 // keep what they were prepared with.
 bool SetBf16DotAllowed(bool allowed);
 
+// Whether one row's streaming products prefetch B in software, ahead of the
+// hardware prefetchers: on Intel CPUs (GenuineIntel), where those alone kept
+// the stream at 22-29 GB/s of ~30 (by where its loop fell in the code) and a
+// prefetch 1 KiB ahead read 31-34; not on AMD, where software prefetch
+// measured slower than the plain stream (docs/cpu-kernels.md).
+bool StreamPrefetch();
+
 // The table of `isa`; nullptr when this CPU cannot run it.
 const CpuKernels* KernelsFor(CpuIsa isa);
 // The table of ActiveCpuIsa(). Cheap (one atomic load and an index).
