@@ -163,9 +163,9 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   // one to three rows of a k so long (8300) that A's rows no longer stay in
   // L1 beside a streamed B, so the streaming kernels take tiles of B rows
   // instead (kStreamMaxABytes, for an fp32 and a bf16 A alike); one row of
-  // a k between the amx family's bf16 streaming limit and the others' (5000:
-  // tiles there, a stream elsewhere), and one whose stream prefetches across
-  // rows and ends in a tail (2100).
+  // a k between the bf16 dots' streaming limit with the prefetch (Intel) and
+  // without it (5000: tiles with it, a stream without), and one whose stream
+  // prefetches across rows and ends in a tail (2100).
   const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
                                      {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
                                      {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}, {33, 200, 100},
@@ -174,6 +174,11 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
   // products; run their FMA path too.
   const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
+  // One row's stream prefetches on Intel CPUs only (StreamPrefetch); the
+  // other vendor's path runs too, on the single-row shapes.
+  const bool vendor_prefetch = cpu::StreamPrefetch();
+  for (bool prefetch : {vendor_prefetch, !vendor_prefetch}) {
+  const bool previous_prefetch = cpu::SetStreamPrefetch(prefetch);
   for (bool dot : dot_variants ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
   const bool previous = cpu::SetBf16DotAllowed(dot);
   for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kOneDnn, GemmImpl::kTiles, GemmImpl::kAuto})
@@ -184,14 +189,18 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
             if (acc && ct == DType::kBF16) continue;
             for (const Shape& s : shapes) {
               if (impl == GemmImpl::kSmall && s.m > 40) continue;  // the streaming kernels are for few rows
+              if (prefetch != vendor_prefetch && s.m != 1) continue;
               CheckOne(Case{isa, impl, t, ct, col, acc}, s, rng);
               if (HasFatalFailure()) {
                 cpu::SetBf16DotAllowed(previous);
+                cpu::SetStreamPrefetch(previous_prefetch);
                 return;
               }
             }
           }
   cpu::SetBf16DotAllowed(previous);
+  }
+  cpu::SetStreamPrefetch(previous_prefetch);
   }
 }
 

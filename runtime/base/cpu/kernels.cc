@@ -5,6 +5,7 @@
 namespace mlarun::cpu {
 namespace {
 std::atomic<bool> g_bf16_dot_allowed{true};
+std::atomic<bool> g_stream_prefetch{HostCpu().vendor == "GenuineIntel"};
 }  // namespace
 
 bool UseBf16Dot(const CpuKernels& k) {
@@ -14,10 +15,9 @@ bool UseBf16Dot(const CpuKernels& k) {
 
 bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
 
-bool StreamPrefetch() {
-  static const bool intel = HostCpu().vendor == "GenuineIntel";
-  return intel;
-}
+bool StreamPrefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
+
+bool SetStreamPrefetch(bool prefetch) { return g_stream_prefetch.exchange(prefetch); }
 
 const CpuKernels* KernelsFor(CpuIsa isa) {
   // Never touch a family's code on a CPU that cannot run it.

@@ -129,6 +129,9 @@ bool SetBf16DotAllowed(bool allowed);
 // prefetch 1 KiB ahead read 31-34; not on AMD, where software prefetch
 // measured slower than the plain stream (docs/cpu-kernels.md).
 bool StreamPrefetch();
+// For tests, so either vendor's streaming path runs on any CPU. Returns the
+// previous setting.
+bool SetStreamPrefetch(bool prefetch);
 
 // The table of `isa`; nullptr when this CPU cannot run it.
 const CpuKernels* KernelsFor(CpuIsa isa);
