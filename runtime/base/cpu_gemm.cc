@@ -108,8 +108,10 @@ bool OneDnnAllowed(const GemmDesc& d) {
 // Products of bf16 weights on AMX: from kTilesFromRows rows on, the tile
 // kernel (fewer: the AVX512-BF16 streaming kernels), up to where oneDNN's AMX
 // product (which packs the weight) is faster. Measured on a Xeon with AMX, 2
-// threads (amx_tiles.inc): the dot products stream at ~30 GB/s up to 6 rows
-// and fall to ~21 at 8, the tiles hold ~25 from 1 to 32; against oneDNN on
+// threads, a weight from memory, 2026-12-03): the dot products stream at
+// 30-35 GB/s up to 6 rows and fall to 23 at 8 and 13 at 16; the tiles, one
+// weight tile per pass (amx_tiles.inc), read 30-33 from 1 to 16 rows, within
+// 2 GB/s of the dots up to 6 (k = 2048 and 7168); against oneDNN on
 // DeepSeek-V2/V3 projection shapes, tiles 1.1-1.8x at 64 rows and 1.0-1.5x
 // at 128-256 rows, but 0.6-0.9x with k = 16384 and 0.8-0.95x on a 420 MB
 // lm_head from 128 rows (the weight read once per band of A rows from
