@@ -111,18 +111,23 @@ bool OneDnnAllowed(const GemmDesc& d) {
 // threads, a weight from memory, 2026-12-03): the dot products stream at
 // 30-35 GB/s up to 6 rows and fall to 23 at 8 and 13 at 16; the tiles, one
 // weight tile per pass (amx_tiles.inc), read 30-33 from 1 to 16 rows, within
-// 2 GB/s of the dots up to 6 (k = 2048 and 7168); against oneDNN on
+// 2 GB/s of the dots up to 6 (k = 2048 and 7168), and 27-32 at 8-32 rows
+// where oneDNN read 16-20 and the dots 6-23 (the lm_head's [102400, 2048], the
+// dense MLP's [2048, 10944] and [10944, 2048]); against oneDNN on
 // DeepSeek-V2/V3 projection shapes, tiles 1.1-1.8x at 64 rows and 1.0-1.5x
 // at 128-256 rows, but 0.6-0.9x with k = 16384 and 0.8-0.95x on a 420 MB
 // lm_head from 128 rows (the weight read once per band of A rows from
-// memory), and 0.8-1.2x at 512 rows.
+// memory), and 0.8-1.2x at 512 rows. So k past kTilesMaxK takes tiles only
+// up to two blocks of A rows (kTilesAnyKRows: A's tiles, at most 2 x 32 B
+// per element of k, stay in L2 while the weight streams past once).
 constexpr int64_t kTilesFromRows = 7;
 constexpr int64_t kTilesMaxK = 8192;
+constexpr int64_t kTilesAnyKRows = 32;
 // Columns below which packing A costs as much as the tile products save (the
 // attention's score tiles over a few keys).
 constexpr int64_t kTilesMinN = 128;
 // Shapes whose tile products beat the other choices (given m >= kTilesFromRows).
-bool TilesShape(const GemmDesc& d) { return d.k <= kTilesMaxK && d.n >= kTilesMinN; }
+bool TilesShape(const GemmDesc& d) { return (d.k <= kTilesMaxK || d.m <= kTilesAnyKRows) && d.n >= kTilesMinN; }
 bool TilesFaster(const GemmDesc& d) {
   if (!TilesShape(d)) return false;
   return d.m <= 64 || (d.m <= 256 && d.n * d.k * 2 <= (int64_t{128} << 20));
