@@ -153,6 +153,62 @@ for label, m, l in results:
     paired = "-" if not pairs else f"{statistics.median(pairs):.2f}x" + (
         "" if len(pairs) == 1 else f" ({min(pairs):.2f}-{max(pairs):.2f})")
     print(f"| {label} | {fmt(mm)}{spread(m)} | {fmt(ll)}{spread(l)} | {ratio} | {paired} |")
+
+# Batch-1 decode against the read bandwidth of its moment: mlarun's own
+# fraction (a bandwidth pass before each timed step), llama.cpp's tok/s times
+# the bytes mlarun's step reads (the same tensors) over `mlarun bench memory`
+# run just before and after llama-bench. Runs made before the script measured
+# the bandwidth have no such files and no such line.
+def mlarun_decode_row(path, batch, context):
+    for row in mlarun_doc(path).get("decode") or []:
+        if row.get("batch") == batch and row.get("context") == context:
+            return row
+    fail(f"{path}: no decode row for batch {batch}, context {context}")
+
+def bound_gbs(path):
+    try:
+        return float(mlarun_doc(path)["median"]["bound_gb_per_s"])
+    except (KeyError, TypeError, ValueError):
+        fail(f"{path}: no median bound_gb_per_s")
+
+bw_files = [(f"{d}/bandwidth-before-llama-bench-decode.json", f"{d}/bandwidth-after-llama-bench-decode.json")
+            for d in dirs]
+if all(os.path.exists(a) and os.path.exists(b) for a, b in bw_files):
+    m_frac, l_frac, m_bw, l_bw, step_mb = [], [], [], [], []
+    for d, (before, after) in zip(dirs, bw_files):
+        row = mlarun_decode_row(f"{d}/mlarun-decode.json", 1, depth)
+        try:
+            step_bytes = float(row["weight_bytes_per_step"]) + float(row["cache_bytes_per_step"])
+            m_frac.append(float(row["fraction_of_bound"]))
+            m_bw.append(float(row["read_bandwidth_gb_per_s"]))
+        except (KeyError, TypeError, ValueError):
+            fail(f"{d}/mlarun-decode.json: the batch-1 row has no bytes per step or fraction of the bound")
+        bw = 0.5 * (bound_gbs(before) + bound_gbs(after))
+        l_bw.append(bw)
+        l_frac.append(llama_bench_fig(f"{d}/llama-bench-decode.json", 0, tg) * step_bytes * 1e-9 / bw)
+        step_mb.append(step_bytes * 1e-6)
+    pct = lambda vs: f"{100 * statistics.median(vs):.0f}%" + ("" if len(vs) == 1 else
+                                                             f" ({100 * min(vs):.0f}-{100 * max(vs):.0f}%)")
+    gbs = lambda vs: f"{statistics.median(vs):.1f}" + ("" if len(vs) == 1 else f" ({min(vs):.1f}-{max(vs):.1f})")
+    ratios = [a / b for a, b in zip(m_frac, l_frac) if b > 0]
+    print()
+    print(f"Batch-1 decode against the memory read bandwidth of its moment ({statistics.median(step_mb):.0f} MB "
+          f"read per token, the tensors mlarun's step reads; llama.cpp reads the same ones):")
+    print()
+    print("| | mlarun | llama.cpp |")
+    print("|---|---:|---:|")
+    print(f"| read bandwidth next to the run, GB/s | {gbs(m_bw)} | {gbs(l_bw)} |")
+    print(f"| decode, of the bandwidth bound | {pct(m_frac)} | {pct(l_frac)} |")
+    print()
+    if ratios:
+        print(f"mlarun's fraction over llama.cpp's, the median of the rounds' own ratios: "
+              f"{statistics.median(ratios):.2f}x" + ("" if len(ratios) == 1 else f" ({min(ratios):.2f}-{max(ratios):.2f})")
+              + ".")
+        print()
+    print("mlarun's fraction is its own (`bench decode`: a bandwidth pass before each timed step, the median over "
+          "steps); llama.cpp's is its tok/s x the bytes per token over the mean of two `mlarun bench memory` "
+          "medians, taken just before and just after llama-bench. Unlike the tok/s ratio above, this one does not "
+          "move with the machine's bandwidth between the two runs of a round.")
 print()
 print("What each row compares (see bench/README.md):")
 print()

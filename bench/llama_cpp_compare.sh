@@ -351,6 +351,12 @@ if [ "$PAGE_CACHE" = huge ]; then
   end_step
 fi
 
+# The memory's read bandwidth now (mlarun bench memory, as bench decode
+# measures it), into $1.
+bandwidth() {
+  "$MLARUN" bench memory --passes 3 --threads "$THREADS" --json >"$1" 2>"${1%.json}.log" ||
+    die "mlarun bench memory failed (see ${1%.json}.log)"
+}
 for ((r = 1; r <= ROUNDS; r++)); do
   step "round $r/$ROUNDS"
   d="$RUN/round$r"
@@ -361,12 +367,17 @@ for ((r = 1; r <= ROUNDS; r++)); do
     read -r var name ext <<<"$pair"
     declare -n cmd="CMD_$var"
     if [[ "$var" == M_* ]]; then warm_file "$CKPT"/*.safetensors; else warm_file "$GGUF"; fi >>"$d/page-cache.txt"
+    # llama-bench's batch-1 decode between two bandwidth measurements, so the
+    # table can set it against the bandwidth of its moment, as mlarun's own
+    # decode rows are (a pass before each timed step).
+    [ "$var" = L_DEC ] && bandwidth "$d/bandwidth-before-$name.json"
     t0=$SECONDS
     if ! "${cmd[@]}" >"$d/$name.$ext" 2>"$d/$name.log"; then
       echo "---- last lines of $d/$name.log:" >&2
       tail -n 30 "$d/$name.log" >&2
       die "round $r: command failed: ${cmd[*]}"
     fi
+    [ "$var" = L_DEC ] && bandwidth "$d/bandwidth-after-$name.json"
     unset -n cmd
     echo "   $name: $((SECONDS - t0)) s" >&2
   done

@@ -7,6 +7,7 @@
 #include "launcher/bench/attention_bench.h"
 #include "launcher/bench/comm_bench.h"
 #include "launcher/bench/decode_bench.h"
+#include "launcher/bench/memory_bench.h"
 #include "launcher/bench/serve_bench.h"
 #include "launcher/cli_typos.h"
 #include "launcher/client/client.h"
@@ -165,6 +166,14 @@ int main(int argc, char** argv) {
   dec->add_option("--threads", decode_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
+
+  mlarun::MemoryBenchOptions mb;
+  int memory_threads = 0;
+  auto* bench_mem = bench->add_subcommand("memory", "The memory's streaming read bandwidth, as bench decode measures it next to each step");
+  bench_mem->add_option("--passes", mb.passes, "Timed passes (after one untimed)")->capture_default_str();
+  bench_mem->add_option("--bytes", mb.bytes, "Buffer bytes (default: 4 x the last-level cache, 1-2 GiB)");
+  bench_mem->add_option("--threads", memory_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  bench_mem->add_flag("--json", mb.json, "One JSON document on stdout (the table goes to stderr)");
 
   mlarun::CommBenchOptions cb;
   auto* comm = bench->add_subcommand("comm", "Under mpirun: a layout's collectives at one decode step's sizes (time, algbw, busbw)");
@@ -579,6 +588,15 @@ int main(int argc, char** argv) {
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun bench decode: %s\n", st.ToString().c_str());
       return 1;
+    }
+    return 0;
+  }
+  if (bench_mem->parsed()) {
+    if (memory_threads > 0) omp_set_num_threads(memory_threads);
+    const mlarun::Status st = mlarun::RunMemoryBench(mb, std::cout, std::cerr);
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench memory: %s\n", st.ToString().c_str());
+      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
     }
     return 0;
   }
