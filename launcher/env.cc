@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "runtime/base/cpu/kernels.h"
 #include "runtime/base/cpu_gemm.h"
 #include "runtime/base/cpu_isa.h"
 
@@ -18,6 +19,11 @@ Status ApplyEnvironmentOverrides() {
     const std::string v = onednn;
     if (v != "on" && v != "off") return InvalidArgumentError("MLARUN_ONEDNN=", v, ": expected on or off");
     SetOneDnnEnabled(v == "on");
+  }
+  if (const char* prefetch = std::getenv("MLARUN_STREAM_PREFETCH"); prefetch != nullptr && *prefetch != '\0') {
+    const std::string v = prefetch;
+    if (v != "on" && v != "off") return InvalidArgumentError("MLARUN_STREAM_PREFETCH=", v, ": expected on or off");
+    cpu::SetStreamPrefetch(v == "on");
   }
   return Status::Ok();
 }

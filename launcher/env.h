@@ -12,6 +12,14 @@
 //                   has the faster one (bf16 on AVX512-BF16 / AMX, f32), and
 //                   a step after warm-up allocates nothing at all (oneDNN
 //                   allocates inside every product it runs). Default: on.
+//   MLARUN_STREAM_PREFETCH  on | off. The streaming products' vendor rule
+//                   (cpu::StreamPrefetch, runtime/base/cpu/kernels.h): on,
+//                   one row of A streams a weight with a software prefetch
+//                   ahead and two or three rows take tiles of weight rows
+//                   (what Intel CPUs measured faster); off, one to three rows
+//                   stream it with the hardware prefetchers alone (AMD's).
+//                   For measuring one vendor's rule on the other's CPU.
+//                   Default: on for GenuineIntel, off otherwise.
 #pragma once
 
 #include "runtime/base/status.h"

@@ -236,7 +236,8 @@ std::string CpuModel() {
 nlohmann::json CpuJson() {
   const CpuFeatures& f = HostCpu();
   return {{"model", f.model_name.empty() ? CpuModel() : f.model_name}, {"vendor", f.vendor}, {"flags", f.FlagList()},
-          {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))}, {"best_kernels", std::string(CpuIsaName(f.best()))}};
+          {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))}, {"best_kernels", std::string(CpuIsaName(f.best()))},
+          {"stream_prefetch", cpu::StreamPrefetch()}};
 }
 
 std::string Today() {

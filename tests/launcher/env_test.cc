@@ -1,0 +1,68 @@
+// launcher/env: MLARUN_STREAM_PREFETCH switches the streaming products'
+// vendor rule, as the benchmarks' JSON reports it; a bad value is an error
+// naming the variable, and changes nothing.
+#include "launcher/env.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "launcher/bench/memory_bench.h"
+#include "runtime/base/cpu/kernels.h"
+
+namespace mlarun {
+namespace {
+
+// Sets MLARUN_STREAM_PREFETCH for one scope, and restores the variable and
+// the rule after it.
+class ScopedPrefetchEnv {
+ public:
+  explicit ScopedPrefetchEnv(const char* value) : rule_(cpu::StreamPrefetch()) {
+    if (const char* old = getenv(kName)) old_ = old, had_ = true;
+    setenv(kName, value, 1);
+  }
+  ~ScopedPrefetchEnv() {
+    if (had_) setenv(kName, old_.c_str(), 1);
+    else unsetenv(kName);
+    cpu::SetStreamPrefetch(rule_);
+  }
+
+ private:
+  static constexpr const char* kName = "MLARUN_STREAM_PREFETCH";
+  bool rule_, had_ = false;
+  std::string old_;
+};
+
+bool ReportedRule() {
+  std::ostringstream out, err;
+  const Status st = RunMemoryBench({.passes = 1, .bytes = int64_t{16} << 20, .json = true}, out, err);
+  EXPECT_TRUE(st.ok()) << st;
+  return nlohmann::json::parse(out.str())["cpu"]["stream_prefetch"].get<bool>();
+}
+
+TEST(Environment, StreamPrefetchSwitchesTheVendorRule) {
+  for (const bool want : {true, false, true}) {
+    ScopedPrefetchEnv env(want ? "on" : "off");
+    cpu::SetStreamPrefetch(!want);
+    ASSERT_TRUE(ApplyEnvironmentOverrides().ok());
+    EXPECT_EQ(cpu::StreamPrefetch(), want);
+    EXPECT_EQ(ReportedRule(), want);
+  }
+}
+
+TEST(Environment, BadStreamPrefetchValueIsRefusedAndChangesNothing) {
+  for (const bool before : {true, false}) {
+    ScopedPrefetchEnv env("maybe");
+    cpu::SetStreamPrefetch(before);
+    const Status st = ApplyEnvironmentOverrides();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("MLARUN_STREAM_PREFETCH=maybe"), std::string::npos) << st;
+    EXPECT_EQ(cpu::StreamPrefetch(), before);
+  }
+}
+
+}  // namespace
+}  // namespace mlarun
