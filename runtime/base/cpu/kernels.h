@@ -132,8 +132,8 @@ bool SetBf16DotAllowed(bool allowed);
 // where software prefetch measured slower than the plain stream and
 // streaming was the faster up to three rows (docs/cpu-kernels.md).
 bool StreamPrefetch();
-// For tests, so either vendor's streaming path runs on any CPU. Returns the
-// previous setting.
+// For tests and MLARUN_STREAM_PREFETCH (launcher/env.h), so either vendor's
+// streaming path runs on any CPU. Returns the previous setting.
 bool SetStreamPrefetch(bool prefetch);
 
 // The table of `isa`; nullptr when this CPU cannot run it.
