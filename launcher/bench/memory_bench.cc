@@ -1,6 +1,7 @@
 #include "launcher/bench/memory_bench.h"
 
 #include <algorithm>
+#include <iomanip>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <vector>
@@ -28,10 +29,10 @@ Status RunMemoryBench(const MemoryBenchOptions& o, std::ostream& out, std::ostre
   std::ostream& table = o.json ? err : out;
   table << "mlarun bench memory: " << probe->bytes() / (1 << 20) << " MiB, " << probe->threads() << " threads\n"
         << "  cpu: " << CpuSummary() << "\n"
-        << "  pass   plain GB/s   one-row bf16 product GB/s\n";
+        << "  pass | plain read GB/s | one-row bf16 product GB/s\n";
   for (size_t i = 0; i < passes.size(); ++i)
-    table << "  " << i + 1 << "      " << Fmt(passes[i].plain_gb_per_s, 1) << "         "
-          << Fmt(passes[i].product_gb_per_s, 1) << "\n";
+    table << "  " << std::setw(4) << i + 1 << " | " << std::setw(15) << Fmt(passes[i].plain_gb_per_s, 1) << " | "
+          << std::setw(25) << Fmt(passes[i].product_gb_per_s, 1) << "\n";
   table << "  median: plain " << Fmt(Median(plain), 1) << " GB/s, product " << Fmt(Median(product), 1)
         << " GB/s, bound (the faster of the two per pass) " << Fmt(Median(bound), 1) << " GB/s\n";
   if (o.json) {
