@@ -32,6 +32,7 @@ double MlaSoftmaxScale(int64_t d_nope, int64_t d_rope, const RopeScaling& s) {
 
 StatusOr<Rope> Rope::Create(const RopeConfig& c) {
   if (c.dim <= 0 || c.dim % 2 != 0) return InvalidArgumentError("rope: dim must be positive and even, got ", c.dim);
+  if (c.dim > kMaxRopeDim) return InvalidArgumentError("rope: dim must be at most ", kMaxRopeDim, ", got ", c.dim);
   if (!(c.theta > 1.0)) return InvalidArgumentError("rope: theta must be > 1, got ", c.theta);
   if (c.layout != RopeLayout::kInterleavedToHalf && c.layout != RopeLayout::kInterleaved &&
       c.layout != RopeLayout::kHalf)

@@ -44,6 +44,11 @@ struct RopeScaling {
   friend bool operator==(const RopeScaling&, const RopeScaling&) = default;
 };
 
+// The widest rotary slice Rope accepts (DeepSeek's is 64): its tables are
+// built when a config is validated, so a width from a bad config.json must
+// not become an allocation of that size.
+inline constexpr int64_t kMaxRopeDim = int64_t{1} << 16;
+
 struct RopeConfig {
   int64_t dim = 64;        // qk_rope_head_dim; even
   double theta = 10000.0;  // rope_theta

@@ -33,6 +33,7 @@ TEST(FuzzRegression, MaxTokensInt64MaxDoesNotOverflow) {
 }  // namespace
 }  // namespace mlarun
 
+#include "attention/rope.h"
 #include "runtime/model/model_config.h"
 
 namespace mlarun {
@@ -46,6 +47,28 @@ TEST(FuzzRegression, NonUtf8YamlScalarIsAnError) {
   EXPECT_NE(st.message().find("hidden_size"), std::string::npos) << st;
   const Status raw = ParseModelYaml("model_type: deepseek_v3\nhidden_size: \xff\xfe\n", "bad.yaml").status();
   EXPECT_EQ(raw.code(), StatusCode::kInvalidArgument) << raw;
+}
+
+// config_json_fuzz: "qk_rope_head_dim": 9999999999999998 (even) reached
+// Rope::Create, which sized its frequency table by it (an allocation of
+// ~20 PB: out of memory).
+TEST(FuzzRegression, HugeRopeWidthIsAnError) {
+  const std::string json = R"({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 64, "intermediate_size": 96, "kv_lora_rank": 32, "max_position_embeddings": 256,
+    "moe_intermediate_size": 32, "n_group": 4, "n_routed_experts": 8, "n_shared_experts": 2,
+    "num_attention_heads": 4, "num_experts_per_tok": 3, "num_hidden_layers": 2, "num_key_value_heads": 4,
+    "q_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 9999999999999998, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}, "v_head_dim": 16, "vocab_size": 256,
+    "hidden_act": "silu", "first_k_dense_replace": 0})";
+  const Status st = ParseHfConfigJson(json, "config.json").status();
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("qk_rope_head_dim must be at most 65536"), std::string::npos) << st;
+  // The same config at DeepSeek's width parses, so the bound is what refused it.
+  std::string ok = json;
+  ok.replace(ok.find("9999999999999998"), 16, "8");
+  EXPECT_TRUE(ParseHfConfigJson(ok, "config.json").ok()) << ParseHfConfigJson(ok, "config.json").status();
+  // Rope itself refuses it too.
+  EXPECT_EQ(Rope::Create({.dim = 9999999999999998, .theta = 10000.0}).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace
