@@ -31,13 +31,17 @@ def mlarun_doc(path):
 # `mlarun bench decode --json`, read by key: decode points in "decode" with
 # "tokens_per_s" (older builds: "rows" with "decode_tokens_per_s"); the prefill
 # figure in "prefill" (older builds: "prefill_tokens_per_s" in each row).
-def mlarun_decode(path, batch, context):
+def mlarun_decode_row(path, batch, context):
     doc = mlarun_doc(path)
     for key, rows in (("tokens_per_s", doc.get("decode")), ("decode_tokens_per_s", doc.get("rows"))):
         for row in rows if isinstance(rows, list) else []:
             if row.get("batch") == batch and row.get("context") == context and key in row:
-                return float(row[key])
+                return row, key
     fail(f"{path}: no decode figure for batch {batch}, context {context}")
+
+def mlarun_decode(path, batch, context):
+    row, key = mlarun_decode_row(path, batch, context)
+    return float(row[key])
 
 def mlarun_prefill(path, tokens):
     doc = mlarun_doc(path)
@@ -101,6 +105,10 @@ def fmt(v):
 def spread(vs):
     return "" if len(vs) == 1 else f" ({fmt(min(vs))}-{fmt(max(vs))})"
 
+def ratios_summary(pairs):  # the median of the rounds' own ratios (range)
+    return "-" if not pairs else f"{statistics.median(pairs):.2f}x" + (
+        "" if len(pairs) == 1 else f" ({min(pairs):.2f}-{max(pairs):.2f})")
+
 import datetime
 date = datetime.date.today().isoformat()
 moe = doc0.get("moe_layers")
@@ -150,21 +158,13 @@ for label, m, l in results:
     mm, ll = statistics.median(m), statistics.median(l)
     ratio = f"{mm / ll:.2f}x" if ll > 0 else "-"
     pairs = [a / b for a, b in zip(m, l) if b > 0]
-    paired = "-" if not pairs else f"{statistics.median(pairs):.2f}x" + (
-        "" if len(pairs) == 1 else f" ({min(pairs):.2f}-{max(pairs):.2f})")
-    print(f"| {label} | {fmt(mm)}{spread(m)} | {fmt(ll)}{spread(l)} | {ratio} | {paired} |")
+    print(f"| {label} | {fmt(mm)}{spread(m)} | {fmt(ll)}{spread(l)} | {ratio} | {ratios_summary(pairs)} |")
 
 # Batch-1 decode against the read bandwidth of its moment: mlarun's own
 # fraction (a bandwidth pass before each timed step), llama.cpp's tok/s times
 # the bytes mlarun's step reads (the same tensors) over `mlarun bench memory`
 # run just before and after llama-bench. Runs made before the script measured
 # the bandwidth have no such files and no such line.
-def mlarun_decode_row(path, batch, context):
-    for row in mlarun_doc(path).get("decode") or []:
-        if row.get("batch") == batch and row.get("context") == context:
-            return row
-    fail(f"{path}: no decode row for batch {batch}, context {context}")
-
 def bound_gbs(path):
     try:
         return float(mlarun_doc(path)["median"]["bound_gb_per_s"])
@@ -176,7 +176,7 @@ bw_files = [(f"{d}/bandwidth-before-llama-bench-decode.json", f"{d}/bandwidth-af
 if all(os.path.exists(a) and os.path.exists(b) for a, b in bw_files):
     m_frac, l_frac, m_bw, l_bw, step_mb = [], [], [], [], []
     for d, (before, after) in zip(dirs, bw_files):
-        row = mlarun_decode_row(f"{d}/mlarun-decode.json", 1, depth)
+        row, _ = mlarun_decode_row(f"{d}/mlarun-decode.json", 1, depth)
         try:
             step_bytes = float(row["weight_bytes_per_step"]) + float(row["cache_bytes_per_step"])
             m_frac.append(float(row["fraction_of_bound"]))
@@ -189,7 +189,7 @@ if all(os.path.exists(a) and os.path.exists(b) for a, b in bw_files):
         step_mb.append(step_bytes * 1e-6)
     pct = lambda vs: f"{100 * statistics.median(vs):.0f}%" + ("" if len(vs) == 1 else
                                                              f" ({100 * min(vs):.0f}-{100 * max(vs):.0f}%)")
-    gbs = lambda vs: f"{statistics.median(vs):.1f}" + ("" if len(vs) == 1 else f" ({min(vs):.1f}-{max(vs):.1f})")
+    gbs = lambda vs: f"{fmt(statistics.median(vs))}{spread(vs)}"
     ratios = [a / b for a, b in zip(m_frac, l_frac) if b > 0]
     print()
     print(f"Batch-1 decode against the memory read bandwidth of its moment ({statistics.median(step_mb):.0f} MB "
@@ -201,9 +201,7 @@ if all(os.path.exists(a) and os.path.exists(b) for a, b in bw_files):
     print(f"| decode, of the bandwidth bound | {pct(m_frac)} | {pct(l_frac)} |")
     print()
     if ratios:
-        print(f"mlarun's fraction over llama.cpp's, the median of the rounds' own ratios: "
-              f"{statistics.median(ratios):.2f}x" + ("" if len(ratios) == 1 else f" ({min(ratios):.2f}-{max(ratios):.2f})")
-              + ".")
+        print(f"mlarun's fraction over llama.cpp's, the median of the rounds' own ratios: {ratios_summary(ratios)}.")
         print()
     print("mlarun's fraction is its own (`bench decode`: a bandwidth pass before each timed step, the median over "
           "steps); llama.cpp's is its tok/s x the bytes per token over the mean of two `mlarun bench memory` "

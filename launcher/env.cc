@@ -8,6 +8,19 @@
 #include "runtime/base/cpu_isa.h"
 
 namespace mlarun {
+namespace {
+
+// An on|off variable: applies it when set, refuses anything else by name.
+Status ApplyOnOff(const char* name, void (*apply)(bool on)) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return Status::Ok();
+  const std::string v = value;
+  if (v != "on" && v != "off") return InvalidArgumentError(name, "=", v, ": expected on or off");
+  apply(v == "on");
+  return Status::Ok();
+}
+
+}  // namespace
 
 Status ApplyEnvironmentOverrides() {
   if (const char* isa = std::getenv("MLARUN_CPU_ISA"); isa != nullptr && *isa != '\0') {
@@ -15,17 +28,8 @@ Status ApplyEnvironmentOverrides() {
     if (!parsed.ok()) return parsed.status().WithContext("MLARUN_CPU_ISA");
     MLARUN_RETURN_IF_ERROR(SetCpuIsaLimit(*parsed).WithContext(std::string("MLARUN_CPU_ISA=") + isa));
   }
-  if (const char* onednn = std::getenv("MLARUN_ONEDNN"); onednn != nullptr && *onednn != '\0') {
-    const std::string v = onednn;
-    if (v != "on" && v != "off") return InvalidArgumentError("MLARUN_ONEDNN=", v, ": expected on or off");
-    SetOneDnnEnabled(v == "on");
-  }
-  if (const char* prefetch = std::getenv("MLARUN_STREAM_PREFETCH"); prefetch != nullptr && *prefetch != '\0') {
-    const std::string v = prefetch;
-    if (v != "on" && v != "off") return InvalidArgumentError("MLARUN_STREAM_PREFETCH=", v, ": expected on or off");
-    cpu::SetStreamPrefetch(v == "on");
-  }
-  return Status::Ok();
+  MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_ONEDNN", [](bool on) { SetOneDnnEnabled(on); }));
+  return ApplyOnOff("MLARUN_STREAM_PREFETCH", [](bool on) { cpu::SetStreamPrefetch(on); });
 }
 
 }  // namespace mlarun

@@ -797,9 +797,6 @@ Status ValidateModelConfig(const ModelConfig& c) {
   }
   if (c.qk_rope_head_dim % 2 != 0)
     return InvalidArgumentError("qk_rope_head_dim must be even (rotary pairs), got ", c.qk_rope_head_dim);
-  // Rope::Create builds its frequency tables at validation time.
-  if (c.qk_rope_head_dim > kMaxRopeDim)
-    return InvalidArgumentError("qk_rope_head_dim must be at most ", kMaxRopeDim, ", got ", c.qk_rope_head_dim);
   // DeepSeek Sparse Attention: an indexer needs a key width and a token budget.
   if (c.has_indexer()) {
     if (c.index_head_dim <= 0)
