@@ -7,6 +7,7 @@
 #include "launcher/bench/attention_bench.h"
 #include "launcher/bench/comm_bench.h"
 #include "launcher/bench/decode_bench.h"
+#include "launcher/bench/gemm_bench.h"
 #include "launcher/bench/memory_bench.h"
 #include "launcher/bench/serve_bench.h"
 #include "launcher/cli_typos.h"
@@ -174,6 +175,23 @@ int main(int argc, char** argv) {
   bench_mem->add_option("--bytes", mb.bytes, "Buffer bytes (default: 4 x the last-level cache, 1-2 GiB)");
   bench_mem->add_option("--threads", memory_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   bench_mem->add_flag("--json", mb.json, "One JSON document on stdout (the table goes to stderr)");
+
+  mlarun::GemmBenchOptions gb;
+  int gemm_threads = 0;
+  auto* bench_gemm = bench->add_subcommand("gemm", "Our matrix-product kernels against each other and oneDNN, by row count");
+  bench_gemm->add_option("--rows", gb.rows, "Row counts of A (m), comma-separated")->delimiter(',')->capture_default_str();
+  bench_gemm->add_option("--n", gb.n, "B's columns, a weight's rows (default: a weight of 4 x the last-level cache)");
+  bench_gemm->add_option("--k", gb.k, "The inner dimension")->capture_default_str();
+  bench_gemm->add_option("--dtype", gb.dtype, "A and B: bf16 or f32")->capture_default_str();
+  bench_gemm->add_option("--layout", gb.layout, "weight: B [n, k] as a weight is stored; rows: B [k, n]")
+      ->capture_default_str();
+  bench_gemm->add_option("--impl", gb.impls, "Implementations: auto, small, packed, tiles, onednn")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench_gemm->add_option("--repetitions", gb.repetitions, "Timed repetitions (the median is reported)")
+      ->capture_default_str();
+  bench_gemm->add_option("--threads", gemm_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  bench_gemm->add_flag("--json", gb.json, "One JSON document on stdout (the table goes to stderr)");
 
   mlarun::CommBenchOptions cb;
   auto* comm = bench->add_subcommand("comm", "Under mpirun: a layout's collectives at one decode step's sizes (time, algbw, busbw)");
@@ -588,6 +606,15 @@ int main(int argc, char** argv) {
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun bench decode: %s\n", st.ToString().c_str());
       return 1;
+    }
+    return 0;
+  }
+  if (bench_gemm->parsed()) {
+    if (gemm_threads > 0) omp_set_num_threads(gemm_threads);
+    const mlarun::Status st = mlarun::RunGemmBench(gb, std::cout, std::cerr);
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench gemm: %s\n", st.ToString().c_str());
+      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
     }
     return 0;
   }
