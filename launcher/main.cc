@@ -128,6 +128,14 @@ bool LoadSecurity(const char* cmd, const SecurityFlags& f, SecurityRole role, st
   return true;
 }
 
+// A command's exit status: 0 when `st` is OK, else `st` on stderr and 2 for
+// bad input (InvalidArgument), 1 for anything else.
+int ExitStatus(const char* cmd, const mlarun::Status& st) {
+  if (st.ok()) return 0;
+  std::fprintf(stderr, "mlarun %s: %s\n", cmd, st.ToString().c_str());
+  return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
   app.require_subcommand(1);
@@ -611,31 +619,16 @@ int main(int argc, char** argv) {
   }
   if (bench_gemm->parsed()) {
     if (gemm_threads > 0) omp_set_num_threads(gemm_threads);
-    const mlarun::Status st = mlarun::RunGemmBench(gb, std::cout, std::cerr);
-    if (!st.ok()) {
-      std::fprintf(stderr, "mlarun bench gemm: %s\n", st.ToString().c_str());
-      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    return 0;
+    return ExitStatus("bench gemm", mlarun::RunGemmBench(gb, std::cout, std::cerr));
   }
   if (bench_mem->parsed()) {
     if (memory_threads > 0) omp_set_num_threads(memory_threads);
-    const mlarun::Status st = mlarun::RunMemoryBench(mb, std::cout, std::cerr);
-    if (!st.ok()) {
-      std::fprintf(stderr, "mlarun bench memory: %s\n", st.ToString().c_str());
-      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    return 0;
+    return ExitStatus("bench memory", mlarun::RunMemoryBench(mb, std::cout, std::cerr));
   }
   if (comm->parsed()) {
     auto session = mlarun::MpiSession::Init(&argc, &argv);
-    const mlarun::Status st =
-        session.ok() ? mlarun::RunCommBench(cb, **session, cb.json ? std::cerr : std::cout) : session.status();
-    if (!st.ok()) {
-      std::fprintf(stderr, "mlarun bench comm: %s\n", st.ToString().c_str());
-      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    return 0;
+    return ExitStatus("bench comm",
+                      session.ok() ? mlarun::RunCommBench(cb, **session, cb.json ? std::cerr : std::cout) : session.status());
   }
   if (generate->parsed()) {
     if (gen.prompt_ids.empty() && gen.prompts_path.empty()) {
@@ -654,12 +647,7 @@ int main(int argc, char** argv) {
 
   if (serve->parsed()) {
     if (!LoadSecurity("bench serve", sb_security, SecurityRole::kClient, nullptr, &sb.security, nullptr)) return 2;
-    const mlarun::Status st = mlarun::RunServeBench(sb, std::cout, sb.json ? std::cerr : std::cout);
-    if (!st.ok()) {
-      std::fprintf(stderr, "mlarun bench serve: %s\n", st.ToString().c_str());
-      return st.code() == mlarun::StatusCode::kInvalidArgument ? 2 : 1;
-    }
-    return 0;
+    return ExitStatus("bench serve", mlarun::RunServeBench(sb, std::cout, sb.json ? std::cerr : std::cout));
   }
   if (attn->parsed()) {
     auto dt = mlarun::ParseDType(dtype);
