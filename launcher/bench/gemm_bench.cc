@@ -1,12 +1,10 @@
 #include "launcher/bench/gemm_bench.h"
 
 #include <omp.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <iomanip>
 #include <limits>
 #include <memory>
@@ -25,8 +23,7 @@ namespace {
 
 StatusOr<GemmImpl> ParseImpl(const std::string& name) {
   for (GemmImpl i : {GemmImpl::kAuto, GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kTiles, GemmImpl::kOneDnn}) {
-    const std::string_view n = i == GemmImpl::kOneDnn ? "onednn" : GemmImplName(i);
-    if (name == n) return i;
+    if (name == GemmImplName(i)) return i;
   }
   return InvalidArgumentError("--impl: unknown implementation '", name, "' (auto, small, packed, tiles, onednn)");
 }
@@ -37,11 +34,6 @@ float Pseudo(uint64_t i, uint64_t salt) {
   const uint64_t h = (i + salt) * 0x9e3779b97f4a7c15ull;
   return static_cast<float>((h >> 40) & 0xffff) / 32768.f - 1.f;
 }
-
-struct Buffer {
-  void* p = nullptr;
-  ~Buffer() { std::free(p); }
-};
 
 // One implementation at one row count: its time, or why it did not run.
 struct Result {
@@ -72,13 +64,7 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
 
   const DType t = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   const int64_t es = static_cast<int64_t>(DTypeSize(t)), k = o.k;
-  int64_t n = o.n;
-  if (n == 0) {
-    const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    const int64_t bytes =
-        std::clamp<int64_t>(4 * static_cast<int64_t>(llc > 0 ? llc : 0), int64_t{1} << 30, int64_t{2} << 30);
-    n = std::max<int64_t>(1, bytes / (k * es));
-  }
+  const int64_t n = o.n > 0 ? o.n : std::max<int64_t>(1, DefaultStreamBytes() / (k * es));
   const int64_t max_m = *std::max_element(o.rows.begin(), o.rows.end());
   if (max_m * n * 4 > (int64_t{4} << 30))
     return InvalidArgumentError("--rows / --n: C of ", max_m, " x ", n, " fp32 is over 4 GiB");
@@ -87,10 +73,10 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
 
   // B, A and C, filled with values in [-1, 1) (C poisoned with NaN before
   // every checked run, so a product that skips a column is caught).
-  Buffer b, a;
-  b.p = AllocateLarge(static_cast<size_t>(b_bytes), false);
-  a.p = AllocateLarge(static_cast<size_t>(max_m * k * es), false);
-  if (b.p == nullptr || a.p == nullptr) return ResourceExhaustedError("bench gemm: cannot allocate B of ", b_bytes, " bytes");
+  using Buffer = std::unique_ptr<void, void (*)(void*)>;
+  const Buffer b(AllocateLarge(static_cast<size_t>(b_bytes), false), std::free);
+  const Buffer a(AllocateLarge(static_cast<size_t>(max_m * k * es), false), std::free);
+  if (b == nullptr || a == nullptr) return ResourceExhaustedError("bench gemm: cannot allocate B of ", b_bytes, " bytes");
   auto fill = [&](void* p, int64_t count, uint64_t salt) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; ++i) {
@@ -99,8 +85,8 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
       else static_cast<float*>(p)[i] = v;
     }
   };
-  fill(b.p, b_elems, 1);
-  fill(a.p, max_m * k, 2);
+  fill(b.get(), b_elems, 1);
+  fill(a.get(), max_m * k, 2);
   std::vector<float> c(static_cast<size_t>(max_m * n));
   auto elem = [&](const void* p, int64_t i) {
     return t == DType::kBF16 ? double{Bf16ToFloat(static_cast<const bf16_t*>(p)[i])}
@@ -140,7 +126,7 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
       void* sc = (*g)->scratch_bytes() == 0
                      ? nullptr
                      : reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
-      auto run = [&] { return (*g)->Run(a.p, b.p, c.data(), sc); };
+      auto run = [&] { return (*g)->Run(a.get(), b.get(), c.data(), sc); };
       std::fill(c.begin(), c.begin() + m * n, std::numeric_limits<float>::quiet_NaN());
       MLARUN_RETURN_IF_ERROR(run());
       double worst = 0;  // error over tolerance (the kernel tests' fp32 bound, 4x)
@@ -148,7 +134,7 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
         for (int64_t j : check_cols) {
           double ref = 0, mag = 0;
           for (int64_t p = 0; p < k; ++p) {
-            const double prod = elem(a.p, i * k + p) * elem(b.p, weight ? j * k + p : p * n + j);
+            const double prod = elem(a.get(), i * k + p) * elem(b.get(), weight ? j * k + p : p * n + j);
             ref += prod;
             mag += std::abs(prod);
           }

@@ -101,11 +101,13 @@ StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpP
   return p.max_calls;
 }
 
+int64_t DefaultStreamBytes() {
+  const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  return std::clamp<int64_t>(4 * static_cast<int64_t>(llc > 0 ? llc : 0), int64_t{1} << 30, int64_t{2} << 30);
+}
+
 StatusOr<std::unique_ptr<BandwidthProbe>> BandwidthProbe::Create(int64_t bytes) {
-  if (bytes <= 0) {
-    const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    bytes = std::clamp<int64_t>(4 * static_cast<int64_t>(llc > 0 ? llc : 0), int64_t{1} << 30, int64_t{2} << 30);
-  }
+  if (bytes <= 0) bytes = DefaultStreamBytes();
   constexpr int64_t kCols = 2048;
   std::unique_ptr<BandwidthProbe> p(new BandwidthProbe());
   p->rows_ = std::max<int64_t>(1, bytes / (kCols * 2));

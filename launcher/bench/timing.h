@@ -65,6 +65,9 @@ struct ReadBandwidth {
   double product_gb_per_s = 0;
   double bound_gb_per_s() const { return std::max(plain_gb_per_s, product_gb_per_s); }
 };
+// The default buffer of a streaming measurement: 4 x the last-level cache,
+// at least 1 GiB, at most 2 GiB (BandwidthProbe, bench gemm's weight).
+int64_t DefaultStreamBytes();
 class BandwidthProbe {
  public:
   static StatusOr<std::unique_ptr<BandwidthProbe>> Create(int64_t bytes = 0);
