@@ -70,8 +70,18 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
     return out.str();
   }
   if (json) {
-    out << Json{{"tokens", r->tokens}, {"logprobs", r->logprobs},
-                {"finish_reason", std::string(FinishReasonName(r->finish_reason))}}.dump();
+    Json j{{"tokens", r->tokens}, {"logprobs", r->logprobs},
+           {"finish_reason", std::string(FinishReasonName(r->finish_reason))}};
+    if (!r->top_logprobs.empty()) {
+      Json tops = Json::array();
+      for (const std::vector<TokenLogprob>& step : r->top_logprobs) {
+        Json entries = Json::array();
+        for (const TokenLogprob& t : step) entries.push_back(Json::array({t.token, t.logprob}));
+        tops.push_back(std::move(entries));
+      }
+      j["top_logprobs"] = std::move(tops);
+    }
+    out << j.dump();
   } else {
     out << "tokens:";
     for (int64_t t : r->tokens) out << " " << t;

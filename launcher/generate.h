@@ -24,7 +24,9 @@ struct GenerateOptions {
 };
 
 // Prints one line per request: with `json`, {"tokens", "logprobs",
-// "finish_reason"} or {"error"}; otherwise a readable line. Progress goes to
+// "finish_reason"} (and "top_logprobs", per token [[id, logprob], ...] best
+// first, when the request asked for them) or {"error"}; otherwise a
+// readable line. Progress goes to
 // `log`. Returns the process exit code: 0 when every request completed, 1
 // when any was rejected or failed, 2 when the model could not be loaded.
 int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log);

@@ -39,6 +39,8 @@ void AddSamplingFlags(CLI::App* cmd, mlarun::SamplingParams& p) {
   cmd->add_option("--seed", p.seed, "Per-request random seed")->capture_default_str();
   cmd->add_option("--stop-token-ids", p.stop_token_ids, "Stop at any of these ids")->delimiter(',');
   cmd->add_flag("--ignore-eos", p.ignore_eos, "Do not stop at the model's eos_token_id");
+  cmd->add_option("--logprobs", p.logprobs, "Also report the N most likely tokens of each step (0-20)")
+      ->capture_default_str();
 }
 
 // Flags several commands share, with one help text each.

@@ -122,6 +122,7 @@ struct SubmitResult {
   std::string request_id;
   std::vector<int64_t> tokens;
   std::vector<double> logprobs;
+  Json top_logprobs = Json::array();  // per token [[id, logprob], ...], when asked for
   std::optional<v1::Finished> finished;
 };
 
@@ -151,6 +152,11 @@ SubmitResult SubmitOne(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, d
       }
       r.tokens.push_back(t.token_id());
       r.logprobs.push_back(t.logprob());
+      if (req.sampling().logprobs() > 0) {
+        Json entries = Json::array();
+        for (const v1::TokenLogprob& e : t.top_logprobs()) entries.push_back(Json::array({e.token_id(), e.logprob()}));
+        r.top_logprobs.push_back(std::move(entries));
+      }
       if (on_token) on_token(t);
     } else if (resp.has_finished()) {
       r.finished = resp.finished();
@@ -167,11 +173,12 @@ SubmitResult SubmitOne(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, d
 
 // The object of `mlarun generate --json` (nlohmann orders keys, as there), plus dp_group.
 std::string JsonResult(const SubmitResult& r) {
-  return Json{{"tokens", r.tokens},
-              {"logprobs", r.logprobs},
-              {"finish_reason", r.finished->finish_reason()},
-              {"dp_group", r.finished->dp_group()}}
-      .dump();
+  Json j{{"tokens", r.tokens},
+         {"logprobs", r.logprobs},
+         {"finish_reason", r.finished->finish_reason()},
+         {"dp_group", r.finished->dp_group()}};
+  if (!r.top_logprobs.empty()) j["top_logprobs"] = r.top_logprobs;
+  return j.dump();
 }
 
 int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err) {

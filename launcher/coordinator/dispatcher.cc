@@ -62,6 +62,26 @@ int64_t RanksBytes(const google::protobuf::RepeatedPtrField<v1::RankStats>& rank
 // rounding.
 constexpr double kLogprobSlack = 1e-3;
 
+// What is wrong with a token's list of most likely tokens, for a request
+// that asked for `asked` of them from a group of `vocab` ids: more than
+// asked, an id outside the vocabulary, a logprob that is not finite and
+// <= 0, or not best first; nullopt when it is right.
+std::optional<std::string> CheckTopLogprobs(const v1::TokenEvent& ev, int64_t asked, int64_t vocab) {
+  const auto& top = ev.top_logprobs();
+  if (top.size() > asked) return StrCat(top.size(), " top_logprobs where ", asked, " were asked for");
+  for (int i = 0; i < top.size(); ++i) {
+    const v1::TokenLogprob& t = top[i];
+    if (t.token_id() < 0 || t.token_id() >= vocab)
+      return StrCat("top_logprobs[", i, "] token id ", t.token_id(), " is outside its vocabulary [0, ", vocab, ")");
+    if (!std::isfinite(t.logprob()) || t.logprob() > kLogprobSlack)
+      return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is not a finite log-probability (<= 0)");
+    if (i > 0 && t.logprob() > top[i - 1].logprob())
+      return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is above the one before it (", top[i - 1].logprob(),
+                    "): not best first");
+  }
+  return std::nullopt;
+}
+
 // The error of a Register that cannot be right, naming the field; nullopt
 // when it is in range.
 std::optional<std::string> CheckRegister(const v1::Register& reg) {
@@ -684,6 +704,8 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
                                       "' is not a finite log-probability (<= 0)")};
+    if (std::optional<std::string> bad = CheckTopLogprobs(ev, r->route.sampling().logprobs(), g.vocab_size))
+      return Violation{.request_id = r->wire_id, .what = StrCat(*bad, " for request '", r->id, "'")};
     if (r->tokens_sent >= r->max_tokens)
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens,
@@ -700,6 +722,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
     t->set_token_id(ev.token_id());
     t->set_logprob(ev.logprob());
     t->set_index(r->tokens_sent++);
+    *t->mutable_top_logprobs() = ev.top_logprobs();
     r->client->Queue(std::move(out));
     pending.Add(r->client);
     ++g.tokens_generated;

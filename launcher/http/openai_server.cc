@@ -46,6 +46,7 @@
 #include "launcher/text/chat_template.h"
 #include "launcher/text/tokenizer.h"
 #include "mlarun.pb.h"
+#include "runtime/request/sampling_params.h"
 
 namespace mlarun {
 namespace {
@@ -246,8 +247,8 @@ struct Params {
   std::vector<std::string> stop;
   std::vector<int64_t> stop_token_ids;
   bool ignore_eos = false;
-  bool logprobs = false;  // the chosen tokens' logprobs
-  bool top1 = false;      // completions' logprobs = 1: top_logprobs holds the chosen token
+  bool logprobs = false;     // the chosen tokens' logprobs
+  int64_t top_logprobs = 0;  // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
   bool echo = false;
   bool skip_special_tokens = true;
 };
@@ -333,13 +334,10 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
     if (!lp->is_number_integer())
       throw BadField("logprobs", StrCat("must be an integer, got ", TypeName(*lp)));
     const int64_t k = lp->get<int64_t>();
-    if (k < 0 || k > 1)
-      throw BadField(
-          "logprobs",
-          StrCat("must be 0 or 1, got ", k,
-                 ": the engine returns the sampled token's logprob only, no alternatives"));
+    if (k < 0 || k > kMaxTopLogprobs)
+      throw BadField("logprobs", StrCat("must be in [0, ", kMaxTopLogprobs, "], got ", k));
     p.logprobs = true;
-    p.top1 = k == 1;
+    p.top_logprobs = k;
   }
   p.echo = GetBool(body, "echo", false);
   if (p.echo && p.logprobs)
@@ -419,11 +417,10 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
   ParseSampling(body, p);
   p.chat = true;
   p.logprobs = GetBool(body, "logprobs", false);
-  if (std::optional<int64_t> top = GetInt(body, "top_logprobs", 0, 20); top && *top > 0)
-    throw BadField(
-        "top_logprobs",
-        StrCat("must be 0, got ", *top,
-               ": the engine returns the sampled token's logprob only, no alternatives"));
+  if (std::optional<int64_t> top = GetInt(body, "top_logprobs", 0, kMaxTopLogprobs); top && *top > 0) {
+    if (!p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
+    p.top_logprobs = *top;
+  }
   if (const json* tools = Field(body, "tools");
       tools != nullptr && !(tools->is_array() && tools->empty()))
     throw BadField("tools", "tool calls are not supported");
@@ -523,6 +520,14 @@ class ChoiceOutlet final : public coord::ClientOutlet {
   const size_t slot_;
 };
 
+// A generated token and its logprob, and the most likely tokens of its step
+// when asked for.
+struct TokenLogprobs {
+  int32_t id = 0;
+  double logprob = 0;
+  std::vector<std::pair<int32_t, double>> top;
+};
+
 // Where one choice's text stands.
 struct Choice {
   size_t index = 0;                                     // the choice's index in the answer
@@ -532,8 +537,7 @@ struct Choice {
   std::unique_ptr<text::StopMatcher> stop;
   std::string text;      // not yet sent (streams) or all of it (whole answers)
   bool started = false;  // a stream's first chunk (role, echo) was sent
-  std::vector<std::pair<int32_t, double>>
-      tokens;  // (id, logprob) not yet sent with logprobs (streams), or all
+  std::vector<TokenLogprobs> tokens;  // not yet sent with logprobs (streams), or all
   int64_t completion_tokens = 0;
   std::string finish_reason;  // set when it ended well
   bool ended = false;         // finished, stopped or failed: nothing more comes
@@ -659,6 +663,7 @@ class Exchange {
         s->set_max_tokens(max_tokens);
         for (int64_t id : params_.stop_token_ids) s->add_stop_token_ids(id);
         s->set_ignore_eos(params_.ignore_eos);
+        s->set_logprobs(params_.top_logprobs);
         c.accepted = dispatcher_->Submit(std::make_shared<ChoiceOutlet>(state_, k), request,
                                          principal, deadline);
       }
@@ -791,8 +796,7 @@ class Exchange {
       if (params_.logprobs && !c.tokens.empty()) {
         logprobs =
             params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
-        for (const auto& [id, lp] : c.tokens)
-          c.text_offset += static_cast<int64_t>(TokenText(id).size());
+        for (const TokenLogprobs& t : c.tokens) c.text_offset += static_cast<int64_t>(TokenText(t.id).size());
       }
       json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}})
                                 : json(c.text);
@@ -830,7 +834,11 @@ class Exchange {
     if (msg.has_token()) {
       const int32_t id = static_cast<int32_t>(msg.token().token_id());
       ++c.completion_tokens;
-      if (params_.logprobs) c.tokens.emplace_back(id, msg.token().logprob());
+      if (params_.logprobs) {
+        TokenLogprobs& t = c.tokens.emplace_back(TokenLogprobs{.id = id, .logprob = msg.token().logprob()});
+        for (const v1::TokenLogprob& top : msg.token().top_logprobs())
+          t.top.emplace_back(static_cast<int32_t>(top.token_id()), top.logprob());
+      }
       text::StopMatcher::Result r = c.stop->Add(c.decoder->Add(id));
       c.text += r.text;
       if (r.stopped) {
@@ -852,29 +860,43 @@ class Exchange {
     const int32_t one[1] = {id};
     return tokenizer_.Decode(one, false);
   }
-  json ChatLogprobs(const std::vector<std::pair<int32_t, double>>& tokens) const {
-    json content = json::array();
-    for (const auto& [id, lp] : tokens) {
-      const std::string t = TokenText(id);
+  // OpenAI's chat form: per token its text, logprob and bytes, and
+  // top_logprobs the same for the step's most likely tokens (top_logprobs of
+  // them; none asked: empty).
+  json ChatLogprobs(const std::vector<TokenLogprobs>& tokens) const {
+    auto entry = [&](int32_t id, double lp) {
+      // bytes: the token's own bytes, so that tokens that split a character
+      // (their text a replacement character) join into it again.
       std::vector<int> bytes;
-      for (unsigned char ch : t) bytes.push_back(ch);
-      content.push_back({{"token", t},
-                         {"logprob", lp},
-                         {"bytes", std::move(bytes)},
-                         {"top_logprobs", json::array()}});
+      for (unsigned char ch : tokenizer_.TokenBytes(id, false)) bytes.push_back(ch);
+      return json{{"token", TokenText(id)}, {"logprob", lp}, {"bytes", std::move(bytes)}};
+    };
+    json content = json::array();
+    for (const TokenLogprobs& tok : tokens) {
+      json e = entry(tok.id, tok.logprob);
+      json top = json::array();
+      for (const auto& [id, lp] : tok.top) top.push_back(entry(id, lp));
+      e["top_logprobs"] = std::move(top);
+      content.push_back(std::move(e));
     }
     return {{"content", std::move(content)}};
   }
-  json CompletionLogprobs(const std::vector<std::pair<int32_t, double>>& tokens,
-                          int64_t offset) const {
+  // The completions form. top_logprobs, as vLLM's: per token an object of
+  // text -> logprob holding the `logprobs` most likely tokens and the sampled
+  // one (so logprobs = 0 gives the sampled token alone). Tokens whose texts
+  // coincide (partial UTF-8 sequences) share a key: the likelier one's.
+  json CompletionLogprobs(const std::vector<TokenLogprobs>& tokens, int64_t offset) const {
     json texts = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
-    for (const auto& [id, lp] : tokens) {
-      const std::string t = TokenText(id);
+    for (const TokenLogprobs& tok : tokens) {
+      const std::string t = TokenText(tok.id);
       texts.push_back(t);
-      lps.push_back(lp);
+      lps.push_back(tok.logprob);
       offsets.push_back(offset);
       offset += static_cast<int64_t>(t.size());
-      tops.push_back(params_.top1 ? json{{t, lp}} : json(nullptr));
+      json top = json::object();
+      for (const auto& [id, lp] : tok.top) top.emplace(TokenText(id), lp);  // best first: emplace keeps it
+      top.emplace(t, tok.logprob);
+      tops.push_back(std::move(top));
     }
     return {{"tokens", std::move(texts)},
             {"token_logprobs", std::move(lps)},

@@ -13,6 +13,7 @@ SamplingParams FromProto(const v1::SamplingParams& p) {
   if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
+  s.logprobs = p.logprobs();
   return s;
 }
 
@@ -25,6 +26,7 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
   out->clear_stop_token_ids();
   out->mutable_stop_token_ids()->Add(p.stop_token_ids.begin(), p.stop_token_ids.end());
   out->set_ignore_eos(p.ignore_eos);
+  out->set_logprobs(p.logprobs);
 }
 
 }  // namespace mlarun

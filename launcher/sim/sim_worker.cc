@@ -40,6 +40,13 @@ SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t 
           .logprob = -8.0 * static_cast<double>(h >> 11) * 0x1p-53};
 }
 
+std::vector<SimToken> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size) {
+  std::vector<SimToken> top;
+  for (int64_t j = 0; j < std::min(n, vocab_size); ++j)
+    top.push_back({.token = (tok.token + j) % vocab_size, .logprob = tok.logprob - static_cast<double>(j)});
+  return top;
+}
+
 namespace {
 
 namespace v1 = ::mlarun::v1;
@@ -373,6 +380,11 @@ void SimGroup::Step() {
     e->set_request_id(r->id);
     e->set_token_id(tok.token);
     e->set_logprob(tok.logprob);
+    for (const SimToken& top : SimWorkerTop(tok, r->sampling.logprobs, o_.vocab_size)) {
+      v1::TokenLogprob* t = e->add_top_logprobs();
+      t->set_token_id(top.token);
+      t->set_logprob(top.logprob);
+    }
     ++r->generated;
     r->last_token = tok.token;
     const auto& stops = r->sampling.stop_token_ids;

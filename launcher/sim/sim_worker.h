@@ -8,6 +8,7 @@
 #include <iosfwd>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "launcher/security/security.h"
 #include "runtime/base/block_size.h"
@@ -65,5 +66,9 @@ struct SimToken {
   double logprob = 0.0;
 };
 SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t index, int64_t vocab_size);
+// Its most likely tokens, for a request with SamplingParams::logprobs = n:
+// min(n, vocab_size) of them, entry j being token (tok.token + j) %
+// vocab_size with logprob tok.logprob - j (best first, all finite).
+std::vector<SimToken> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size);
 
 }  // namespace mlarun

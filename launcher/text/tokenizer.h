@@ -82,11 +82,10 @@ class Tokenizer {
   // several by name); "" when none.
   virtual const std::string& chat_template() const = 0;
 
- private:
-  friend class IncrementalDecoder;
   // The bytes `id` contributes to Decode's output before the UTF-8 repair
-  // ("" for a skipped or unknown id). The default, for tokenizers whose
-  // tokens are whole characters, is Decode of the id alone.
+  // ("" for a skipped or unknown id): what IncrementalDecoder joins, and the
+  // `bytes` of OpenAI's logprobs. The default, for tokenizers whose tokens
+  // are whole characters, is Decode of the id alone.
   virtual std::string TokenBytes(int32_t id, bool skip_special_tokens) const;
 };
 

@@ -296,6 +296,12 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           t->set_request_id(l.request_id);
           t->set_token_id(out->tokens[l.sent]);
           t->set_logprob(out->logprobs[l.sent]);
+          if (l.sent < out->top_logprobs.size())
+            for (const TokenLogprob& top : out->top_logprobs[l.sent]) {
+              v1::TokenLogprob* e = t->add_top_logprobs();
+              e->set_token_id(top.token);
+              e->set_logprob(top.logprob);
+            }
           ++tokens_since_stats;
         }
         if (out->finish_reason == FinishReason::kLength || out->finish_reason == FinishReason::kStop ||

@@ -201,6 +201,8 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
     const SampledToken tok = sampled[row++];
     r.out.tokens.push_back(tok.token);
     r.out.logprobs.push_back(tok.logprob);
+    if (r.request.sampling.logprobs > 0)
+      r.out.top_logprobs.emplace_back(tok.top_logprobs().begin(), tok.top_logprobs().end());
     r.tokens.push_back(static_cast<int32_t>(tok.token));
     const SamplingParams& sp = r.request.sampling;
     const bool stop_id = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok.token) != sp.stop_token_ids.end();

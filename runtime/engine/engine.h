@@ -53,6 +53,9 @@ std::string_view FinishReasonName(FinishReason r);  // "length", "stop", "cancel
 struct GenerationOutput {
   std::vector<int64_t> tokens;    // generated ids only (those of the steps before a failure, if any)
   std::vector<double> logprobs;   // natural log, unmodified distribution
+  // SamplingParams::logprobs > 0: per generated token, its step's most likely
+  // tokens (SampledToken::top); empty otherwise.
+  std::vector<std::vector<TokenLogprob>> top_logprobs;
   FinishReason finish_reason = FinishReason::kNone;
   Status error;                   // kError: why (the failed step's Status); OK otherwise
   int64_t prefix_hit_tokens = 0;  // prompt tokens reused from the prefix cache

@@ -1,6 +1,7 @@
 #include "runtime/engine/sampler.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cfloat>
 #include <cmath>
@@ -231,6 +232,34 @@ int64_t InverseCdf(const double* weights, int64_t n, const double* block_sums, d
   return i;
 }
 
+// The `count` best tokens of the row into out.top, best first: larger key,
+// then lower id (a tie with the worst kept token never displaces it, as ids
+// only grow), each with its logprob under the unmodified distribution.
+// Tokens of logit -inf (or NaN) have no probability and are not listed.
+void FillTop(std::span<const float> logits, int64_t count, double max_logit, double log_normalizer,
+             SampledToken& out) {
+  struct Best {
+    float key;
+    int32_t id;
+  };
+  std::array<Best, kMaxTopLogprobs> best;
+  const int64_t want = std::min<int64_t>(count, kMaxTopLogprobs);
+  int64_t n = 0;
+  for (int64_t i = 0; i < static_cast<int64_t>(logits.size()); ++i) {
+    const float key = CleanKey(logits[i]);
+    if (!(key > kNegInfF)) continue;
+    if (n == want && !(key > best[static_cast<size_t>(n - 1)].key)) continue;
+    int64_t j = n < want ? n++ : n - 1;  // the slot it enters from: a new one, or the worst's
+    for (; j > 0 && key > best[static_cast<size_t>(j - 1)].key; --j) best[static_cast<size_t>(j)] = best[static_cast<size_t>(j - 1)];
+    best[static_cast<size_t>(j)] = {key, static_cast<int32_t>(i)};
+  }
+  out.num_top = static_cast<int32_t>(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int32_t id = best[static_cast<size_t>(j)].id;
+    out.top[static_cast<size_t>(j)] = {id, (CleanLogit(logits[id]) - max_logit) - log_normalizer};
+  }
+}
+
 // The greedy result from the argmax and the row's weight sum: the argmax
 // weighs exactly 1, so its logprob is minus the log normalizer.
 SampledToken GreedyToken(int64_t argmax, double weight_sum) {
@@ -280,12 +309,20 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   FillWeights(logits.data(), vocab, max.value, 1.0, s.probs.data());
   const double raw_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
   const double log_normalizer = std::log(raw_sum);
-  auto result = [&](int64_t token) {
-    return SampledToken{token, (CleanLogit(logits[token]) - max.value) - log_normalizer};
-  };
 
+  SampledToken drawn = Draw(logits, max.value, max.index, max.has_positive_nan, raw_sum, log_normalizer, u, s);
+  if (wants_top()) FillTop(logits, params_.logprobs, max.value, log_normalizer, drawn);
+  return drawn;
+}
+
+SampledToken Sampler::Draw(std::span<const float> logits, double max_logit, int64_t max_index,
+                           bool has_positive_nan, double raw_sum, double log_normalizer, double u, Scratch& s) {
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  auto result = [&](int64_t token) {
+    return SampledToken{token, (CleanLogit(logits[token]) - max_logit) - log_normalizer};
+  };
   const double temperature = params_.temperature;
-  if (greedy()) return GreedyToken(max.index, raw_sum);
+  if (greedy()) return GreedyToken(max_index, raw_sum);
   const double inv_temperature = 1.0 / temperature;
 
   // Tempered weights of every token, except under top-k, which only needs
@@ -294,14 +331,14 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   const bool top_p_on = params_.top_p < 1.0;
   double scaled_sum = raw_sum;
   if (!top_k_on && temperature != 1.0) {
-    FillWeights(logits.data(), vocab, max.value, inv_temperature, s.probs.data());
+    FillWeights(logits.data(), vocab, max_logit, inv_temperature, s.probs.data());
     scaled_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
   }
   if (!top_k_on && !top_p_on)
     return result(InverseCdf(s.probs.data(), vocab, s.block_sums.data(), u * scaled_sum));
 
   const int64_t kept =
-      SelectKept(logits, max.value, max.has_positive_nan, inv_temperature, scaled_sum, s);
+      SelectKept(logits, max_logit, has_positive_nan, inv_temperature, scaled_sum, s);
   if (kept * kSparseKeptRatio <= vocab) {
     // Few kept tokens: put them in id order and walk them directly.
     auto first = s.candidates.begin();

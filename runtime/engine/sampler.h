@@ -6,9 +6,11 @@
 // smallest prefix whose mass reaches p; always at least one token), then a
 // draw from the renormalized distribution. The reported log-probability is
 // that of the chosen token under the unmodified model distribution
-// (log_softmax of the raw logits), as vLLM's default logprobs.
+// (log_softmax of the raw logits), as vLLM's default logprobs; so are those
+// of the most likely tokens a request asks for (SamplingParams::logprobs).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -18,9 +20,22 @@
 
 namespace mlarun {
 
+struct TokenLogprob {
+  int64_t token = 0;
+  double logprob = 0.0;  // natural log, unmodified distribution
+  friend bool operator==(const TokenLogprob&, const TokenLogprob&) = default;
+};
+
 struct SampledToken {
   int64_t token = 0;
   double logprob = 0.0;  // natural log, unmodified distribution
+  // SamplingParams::logprobs > 0: the most likely tokens of the unmodified
+  // distribution, best first (lower id first on ties), top[0, num_top).
+  // Tokens of logprob -inf are never listed, so num_top is less than asked
+  // when fewer tokens have a finite logit.
+  int32_t num_top = 0;
+  std::array<TokenLogprob, kMaxTopLogprobs> top{};
+  std::span<const TokenLogprob> top_logprobs() const { return {top.data(), static_cast<size_t>(num_top)}; }
 };
 
 // Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): the
@@ -47,12 +62,18 @@ inline constexpr double kMinSamplingTemperature = 1e-5;
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& p);
-  // logits: [vocab], fp32. Advances the random stream by one draw (also for greedy, to keep streams aligned).
+  // logits: [vocab], fp32. Advances the random stream by one draw (also for
+  // greedy, to keep streams aligned). Lists the most likely tokens when
+  // wants_top(); the draw does not depend on it.
   SampledToken Sample(std::span<const float> logits);
 
   // True when Sample takes the argmax: temperature below
   // kMinSamplingTemperature (NaN too).
   bool greedy() const { return !(params_.temperature >= kMinSamplingTemperature); }
+  // True when Sample also lists the most likely tokens (SamplingParams::
+  // logprobs > 0): a device then hands Sample the whole row instead of its
+  // greedy reduction.
+  bool wants_top() const { return params_.logprobs > 0; }
   // What Sample returns for a greedy row reduced where its logits lie (a
   // device; runtime/ops/sampling_math.h is that reduction): `argmax` the
   // lowest id of the largest logit (NaN skipped), -1 when the row has no
@@ -74,6 +95,11 @@ class Sampler {
   struct Scratch;
   static Scratch& ThreadScratch();
 
+  // The token Sample draws from a row with a distribution (max_logit finite),
+  // given the row's untempered weights in s.probs (their sum raw_sum) and the
+  // uniform u of this draw.
+  SampledToken Draw(std::span<const float> logits, double max_logit, int64_t max_index, bool has_positive_nan,
+                    double raw_sum, double log_normalizer, double u, Scratch& s);
   // Top-k / top-p: leaves the kept set in s.candidates[0, m), its worst
   // member last (kept tokens are exactly those ordered no later than it),
   // with the tempered weight of each in s.probs[id]; returns m.

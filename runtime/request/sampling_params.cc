@@ -31,6 +31,10 @@ Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
     return InvalidArgumentError("max_tokens must be in [1, ", max_tokens_limit, "], got ",
                                 p.max_tokens);
   }
+  if (p.logprobs < 0 || p.logprobs > kMaxTopLogprobs) {
+    return InvalidArgumentError("logprobs must be in [0, ", kMaxTopLogprobs, "] (alternatives per token), got ",
+                                p.logprobs);
+  }
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     const int64_t id = p.stop_token_ids[i];
     if (id < 0) return InvalidArgumentError("stop_token_ids[", i, "] must be >= 0, got ", id);

@@ -11,6 +11,11 @@
 
 namespace mlarun {
 
+// The most alternatives a request may ask to see per generated token
+// (SamplingParams::logprobs), as vLLM's default max_logprobs and OpenAI's
+// top_logprobs bound.
+inline constexpr int64_t kMaxTopLogprobs = 20;
+
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;         // <= 0: off
@@ -19,6 +24,9 @@ struct SamplingParams {
   int64_t max_tokens = 16;   // > 0; also the wire's default (launcher/proto/proto_sampling.h)
   std::vector<int64_t> stop_token_ids;
   bool ignore_eos = false;
+  // The most likely tokens to report beside each generated token, with their
+  // logprobs under the unmodified distribution: [0, kMaxTopLogprobs].
+  int64_t logprobs = 0;
 
   friend bool operator==(const SamplingParams&, const SamplingParams&) = default;
 };
@@ -26,7 +34,8 @@ struct SamplingParams {
 // Rejects negative or absurd values with a message naming the field:
 // temperature < 0 or > 100 or not finite, top_p outside (0, 1], top_k < -1
 // (-1 and 0 both mean off, as vLLM accepts -1), max_tokens < 1 or >
-// max_tokens_limit, stop ids outside [0, vocab_size). Every message starts
+// max_tokens_limit, stop ids outside [0, vocab_size), logprobs outside
+// [0, kMaxTopLogprobs]. Every message starts
 // with the field's name ("top_p must be ..."), so a caller can prefix its
 // path ("sampling."). A caller without a limit passes INT64_MAX.
 Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64_t max_tokens_limit);

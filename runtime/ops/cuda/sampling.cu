@@ -71,7 +71,10 @@ __global__ void GreedyReduceKernel(const float* __restrict__ logits, int64_t voc
 Status Sample(const SampleParams& p) {
   const int64_t rows = p.rows, vocab = p.vocab;
   bool any_greedy = false;
-  for (int64_t r = 0; r < rows; ++r) any_greedy = any_greedy || p.samplers[r]->greedy();
+  // Greedy rows are reduced where they lie, unless they also list their most
+  // likely tokens: those, and sampled rows, come to the host whole.
+  auto reduced = [](const Sampler& s) { return s.greedy() && !s.wants_top(); };
+  for (int64_t r = 0; r < rows; ++r) any_greedy = any_greedy || reduced(*p.samplers[r]);
   thread_local std::vector<GreedyRow> greedy;
   greedy.assign(static_cast<size_t>(rows), GreedyRow{0.0, -1});
   if (any_greedy && vocab > 0) {
@@ -91,7 +94,7 @@ Status Sample(const SampleParams& p) {
   thread_local std::vector<float> host_row;
   for (int64_t r = 0; r < rows; ++r) {
     Sampler& s = *p.samplers[r];
-    if (s.greedy()) {
+    if (reduced(s)) {
       const GreedyRow& g = greedy[static_cast<size_t>(r)];
       p.out[r] = s.SampleGreedyFrom(g.argmax, g.weight_sum);
       continue;
