@@ -68,7 +68,7 @@ constexpr double kLogprobSlack = 1e-3;
 // <= 0, or not best first; nullopt when it is right.
 std::optional<std::string> CheckTopLogprobs(const v1::TokenEvent& ev, int64_t asked, int64_t vocab) {
   const auto& top = ev.top_logprobs();
-  if (top.size() > asked) return StrCat(top.size(), " top_logprobs where ", asked, " were asked for");
+  if (top.size() > asked) return StrCat(top.size(), " top_logprobs, more than the ", asked, " asked for");
   for (int i = 0; i < top.size(); ++i) {
     const v1::TokenLogprob& t = top[i];
     if (t.token_id() < 0 || t.token_id() >= vocab)
@@ -705,7 +705,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
                        .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
                                       "' is not a finite log-probability (<= 0)")};
     if (std::optional<std::string> bad = CheckTopLogprobs(ev, r->route.sampling().logprobs(), g.vocab_size))
-      return Violation{.request_id = r->wire_id, .what = StrCat(*bad, " for request '", r->id, "'")};
+      return Violation{.request_id = r->wire_id, .what = StrCat("request '", r->id, "': ", *bad)};
     if (r->tokens_sent >= r->max_tokens)
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens,

@@ -198,7 +198,7 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
     if (s.sampler == nullptr) continue;
     if (row >= sampled.size())
       return InternalError("engine: ", sampled.size(), " sampled tokens for more sampled sequences");
-    const SampledToken tok = sampled[row++];
+    const SampledToken& tok = sampled[row++];
     r.out.tokens.push_back(tok.token);
     r.out.logprobs.push_back(tok.logprob);
     if (r.request.sampling.logprobs > 0)

@@ -318,6 +318,78 @@ TEST(Sampler, NonFiniteLogits) {
   ExpectDistribution(Histogram(Params(0.5, 0, 0.9), two_inf, kDraws), {0.0, 0.5, 0.0, 0.5}, kDraws);
 }
 
+// The `n` most likely tokens by the documented order (larger logit first,
+// then lower id; NaN as -inf, -inf never listed), by a full sort.
+std::vector<int64_t> TopIds(const std::vector<float>& logits, int64_t n) {
+  std::vector<int64_t> ids;
+  for (int64_t i = 0; i < static_cast<int64_t>(logits.size()); ++i)
+    if (logits[i] > -kFloatInf) ids.push_back(i);  // false for NaN too
+  std::stable_sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+  ids.resize(std::min<size_t>(ids.size(), static_cast<size_t>(n)));
+  return ids;
+}
+
+void ExpectTop(const SampledToken& s, const std::vector<float>& logits, int64_t n, const std::string& what) {
+  const std::vector<double> ref = LogSoftmax(logits);
+  const std::vector<int64_t> want = TopIds(logits, n);
+  ASSERT_EQ(s.num_top, static_cast<int32_t>(want.size())) << what;
+  for (size_t j = 0; j < want.size(); ++j) {
+    EXPECT_EQ(s.top[j].token, want[j]) << what << ", entry " << j;
+    EXPECT_NEAR(s.top[j].logprob, ref[static_cast<size_t>(want[j])], 1e-9) << what << ", entry " << j;
+  }
+}
+
+TEST(Sampler, TopLogprobsAreTheMostLikelyTokensOfTheUnmodifiedDistribution) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t vocab : {1, 5, 37, 1000, 129280}) {
+    std::vector<float> logits(static_cast<size_t>(vocab));
+    for (float& x : logits) x = normal(rng);
+    if (vocab >= 1000) {
+      // Ties across the list's boundary and inside it: lower ids first.
+      for (int64_t i = 0; i < 8; ++i) logits[static_cast<size_t>(vocab - 1 - 7 * i)] = 9.5f;
+      logits[3] = 9.5f;
+    }
+    for (int64_t n : {1, 2, 5, 20}) {
+      for (const SamplingParams& base : {Params(0.0), Params(1.0), Params(0.7, 40, 0.9), Params(1.3, 0, 0.5)}) {
+        SamplingParams p = base;
+        p.logprobs = n;
+        SamplingParams plain = base;  // the same draws without the list
+        Sampler with(p), without(plain);
+        for (int draw = 0; draw < 3; ++draw) {
+          const SampledToken s = with.Sample(logits);
+          const std::string what = "vocab " + std::to_string(vocab) + ", logprobs " + std::to_string(n) +
+                                   ", temperature " + std::to_string(p.temperature);
+          ExpectTop(s, logits, n, what);
+          const SampledToken t = without.Sample(logits);
+          EXPECT_EQ(t.num_top, 0) << what;
+          EXPECT_EQ(s.token, t.token) << what << ": asking for the list changed the draw";
+          EXPECT_EQ(s.logprob, t.logprob) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(Sampler, TopLogprobsSkipTokensWithoutProbability) {
+  // NaN and -inf have no probability: fewer entries than asked; +inf tokens
+  // share the mass and come first, lower id first.
+  const std::vector<float> logits = {0.5f, kFloatNaN, -kFloatInf, kFloatInf, 2.0f, -kFloatInf, kFloatInf};
+  SamplingParams p = Params(0.0);
+  p.logprobs = 6;
+  const SampledToken s = Sampler(p).Sample(logits);
+  ASSERT_EQ(s.num_top, 4);
+  const int64_t want[] = {3, 6, 4, 0};
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(s.top[static_cast<size_t>(j)].token, want[j]) << j;
+  EXPECT_NEAR(s.top[0].logprob, -std::log(2.0), 1e-12);
+  EXPECT_NEAR(s.top[1].logprob, -std::log(2.0), 1e-12);
+  // Finite logits beside +inf (read as the largest float): no mass to speak of.
+  EXPECT_LT(s.top[2].logprob, -1e38);
+  // A row with no distribution lists nothing.
+  const SampledToken none = Sampler(p).Sample(std::vector<float>{-kFloatInf, kFloatNaN});
+  EXPECT_EQ(none.num_top, 0);
+}
+
 // Tokens kept by top-p over softmax(logits / t), by the documented rule.
 std::set<int64_t> TopPSet(const std::vector<float>& logits, double t, double top_p) {
   const std::vector<double> probs = TemperedProbs(logits, t);
@@ -582,6 +654,12 @@ TEST(ValidateSamplingParams, RejectsEachBadField) {
   ExpectRejected(p, "max_tokens", "got 0");
   p.max_tokens = 4097;
   ExpectRejected(p, "max_tokens", "4097");
+
+  p = good;
+  p.logprobs = -1;
+  ExpectRejected(p, "logprobs", "-1");
+  p.logprobs = kMaxTopLogprobs + 1;
+  ExpectRejected(p, "logprobs", "21");
 
   p = good;
   p.stop_token_ids = {5, 1000};

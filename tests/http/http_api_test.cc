@@ -483,16 +483,97 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   ASSERT_EQ(es, 200);
   EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me"))
       << echoed.dump();
-  auto [cs, chat] =
-      d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
-                                        {"max_tokens", 3},
-                                        {"logprobs", true},
-                                        {"top_logprobs", 2}});
-  EXPECT_EQ(cs, 400);
-  EXPECT_EQ(chat["error"]["param"], "top_logprobs");
-  auto [ls, big] = d_->Post("/v1/completions", {{"prompt", "x"}, {"logprobs", 5}});
+  // More than the engine lists, or top_logprobs without logprobs: 400.
+  auto [ls, big] = d_->Post("/v1/completions", {{"prompt", "x"}, {"logprobs", 21}});
   EXPECT_EQ(ls, 400);
   EXPECT_EQ(big["error"]["param"], "logprobs");
+  auto [ns, no_lp] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                                        {"top_logprobs", 2}});
+  EXPECT_EQ(ns, 400);
+  EXPECT_EQ(no_lp["error"]["param"], "top_logprobs");
+  auto [bs, big_chat] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                                           {"logprobs", true},
+                                                           {"top_logprobs", 21}});
+  EXPECT_EQ(bs, 400);
+  EXPECT_EQ(big_chat["error"]["param"], "top_logprobs");
+}
+
+// The most likely tokens of each step, as the group sent them (the simulated
+// group's are SimWorkerTop's), in each endpoint's form.
+TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
+  auto text_of = [&](int64_t id) {
+    const int32_t one[1] = {static_cast<int32_t>(id)};
+    return Tok().Decode(one, false);
+  };
+  const int64_t vocab = Tok().vocab_size();
+  // Completions, logprobs = 3: per token an object of text -> logprob with
+  // the 3 most likely and the sampled token (texts that coincide keep the
+  // likelier entry's logprob).
+  {
+    auto [status, whole] =
+        d_->Post("/v1/completions", {{"prompt", "top"}, {"max_tokens", 5}, {"seed", 4}, {"logprobs", 3}});
+    ASSERT_EQ(status, 200) << whole.dump();
+    const json& lp = whole["choices"][0]["logprobs"];
+    ASSERT_EQ(lp["top_logprobs"].size(), 5u);
+    const std::vector<int32_t> ids = Tok().Encode("top", true);
+    for (int i = 0; i < 5; ++i) {
+      const SimToken tok = SimWorkerToken(ids, 4, i, vocab);
+      const std::vector<SimToken> want = SimWorkerTop(tok, 3, vocab);
+      ASSERT_EQ(want.size(), 3u);
+      std::map<std::string, double> expected;
+      for (const SimToken& t : want) expected.emplace(text_of(t.token), t.logprob);
+      expected.emplace(text_of(tok.token), tok.logprob);
+      const json& top = lp["top_logprobs"][i];
+      ASSERT_TRUE(top.is_object()) << top.dump();
+      ASSERT_EQ(top.size(), expected.size()) << top.dump();
+      for (const auto& [text, logprob] : expected) {
+        ASSERT_TRUE(top.contains(text)) << text << " missing from " << top.dump();
+        EXPECT_DOUBLE_EQ(top[text].get<double>(), logprob);
+      }
+      EXPECT_EQ(lp["tokens"][i], text_of(tok.token));
+    }
+  }
+  // Chat, top_logprobs = 2: per token a list of the 2 most likely, best
+  // first, each with its text, logprob and the token's own bytes.
+  {
+    const json body = {{"messages", {{{"role", "user"}, {"content", "tops"}}}},
+                       {"max_tokens", 4}, {"seed", 9}, {"logprobs", true}, {"top_logprobs", 2}};
+    auto [status, chat] = d_->Post("/v1/chat/completions", body);
+    ASSERT_EQ(status, 200) << chat.dump();
+    const json& content = chat["choices"][0]["logprobs"]["content"];
+    ASSERT_EQ(content.size(), 4u);
+    // The ids the group saw: the chat template's rendering of the message.
+    auto [gs, streamed] = d_->Stream("/v1/chat/completions", body);
+    ASSERT_EQ(gs, 200);
+    size_t streamed_entries = 0;
+    for (size_t e = 0; e + 1 < streamed.size(); ++e) {
+      const json c = json::parse(streamed[e]);
+      if (c["choices"].empty() || !c["choices"][0]["logprobs"].is_object()) continue;
+      for (const json& entry : c["choices"][0]["logprobs"]["content"]) {
+        ASSERT_LT(streamed_entries, content.size());
+        EXPECT_EQ(entry, content[streamed_entries]) << "streamed and whole answers differ at token " << streamed_entries;
+        ++streamed_entries;
+      }
+    }
+    EXPECT_EQ(streamed_entries, 4u);
+    for (const json& entry : content) {
+      ASSERT_EQ(entry["top_logprobs"].size(), 2u) << entry.dump();
+      // SimWorkerTop: the sampled token first, then the next id, one nat less.
+      const json& best = entry["top_logprobs"][0];
+      const json& second = entry["top_logprobs"][1];
+      EXPECT_EQ(best["token"], entry["token"]);
+      EXPECT_DOUBLE_EQ(best["logprob"].get<double>(), entry["logprob"].get<double>());
+      EXPECT_DOUBLE_EQ(second["logprob"].get<double>(), entry["logprob"].get<double>() - 1.0);
+      for (const json* e : {&best, &second}) {
+        // bytes: the token's own; they decode to its text where whole.
+        std::string bytes;
+        for (const json& b : (*e)["bytes"]) bytes.push_back(static_cast<char>(b.get<int>()));
+        ASSERT_FALSE(bytes.empty());
+        const std::string text = (*e)["token"].get<std::string>();
+        if (text.find("\xef\xbf\xbd") == std::string::npos) EXPECT_EQ(bytes, text);
+      }
+    }
+  }
 }
 
 TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {

@@ -169,6 +169,41 @@ else:
     check(cu.prompt_tokens == chat.usage.prompt_tokens, (cu, chat.usage))
     print(f"chat: {chat.usage.prompt_tokens} prompt tokens (the template as transformers renders it), "
           "whole == streamed == decode(mlarun generate)")
+    # logprobs with top_logprobs: objects of token, logprob and the token's own bytes.
+    top_chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=4, temperature=0.6,
+                                              logprobs=True, top_logprobs=2)
+    top_ref = reference([{"prompt_ids": chat_ids, "max_tokens": 8, "temperature": 0.6, "seed": 4,
+                          "logprobs": 2}])[0]
+    content = top_chat.choices[0].logprobs.content
+    check(len(content) == len(top_ref["tokens"]), (content, top_ref))
+    joined = b""
+    for entry, token_id, logprob, tops in zip(content, top_ref["tokens"], top_ref["logprobs"],
+                                              top_ref["top_logprobs"]):
+        check(entry.logprob == logprob and entry.token == decode([token_id]), (entry, token_id, logprob))
+        check([(t.token, t.logprob) for t in entry.top_logprobs] == [(decode([i]), l) for i, l in tops],
+              (entry.top_logprobs, tops))
+        joined += bytes(entry.bytes)
+    check(joined.decode("utf-8", errors="replace") == top_chat.choices[0].message.content,
+          (joined, top_chat.choices[0].message.content))
+    print("chat top_logprobs=2: equal mlarun generate's; the tokens' bytes join into the message")
+
+# ---- Logprobs: the most likely tokens of each step, as mlarun generate lists them ------
+lp_ref = reference([{"prompt_ids": prompt_ids, "max_tokens": 6, "temperature": 0.9, "seed": 8, "ignore_eos": True,
+                     "logprobs": 3}])[0]
+lp = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=6, temperature=0.9, seed=8, logprobs=3,
+                               extra_body={"ignore_eos": True})
+got = lp.choices[0].logprobs
+check(got.token_logprobs == lp_ref["logprobs"], (got.token_logprobs, lp_ref["logprobs"]))
+check(len(got.top_logprobs) == 6, got.top_logprobs)
+for step, (tops, sampled) in enumerate(zip(got.top_logprobs, lp_ref["tokens"])):
+    listed = lp_ref["top_logprobs"][step] + [[sampled, lp_ref["logprobs"][step]]]
+    check(len(lp_ref["top_logprobs"][step]) == 3, lp_ref)
+    # text -> logprob; tokens whose texts coincide keep the likelier one's.
+    for token_id, logprob in listed:
+        check(tops.get(decode([token_id])) is not None and tops[decode([token_id])] >= logprob,
+              (step, token_id, logprob, tops))
+    check(len(tops) <= 4, tops)
+print("completions logprobs=3: the sampled tokens' logprobs and the 3 most likely of each step equal mlarun generate's")
 
 # ---- Errors ------------------------------------------------------------------------------
 try:

@@ -186,6 +186,11 @@ class FakeMlarun final : public v1::Mlarun::Service {
       r.mutable_token()->set_token_id(100 + i);
       r.mutable_token()->set_logprob(-0.25 * static_cast<double>(i + 1));
       r.mutable_token()->set_index(i);
+      for (int64_t j = 0; j < req->sampling().logprobs(); ++j) {  // token 200 + i + j, -0.125 (j + 1)
+        v1::TokenLogprob* t = r.mutable_token()->add_top_logprobs();
+        t->set_token_id(200 + i + j);
+        t->set_logprob(-0.125 * static_cast<double>(j + 1));
+      }
       if (!writer->Write(r)) return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
     v1::GenerateResponse r;
@@ -316,6 +321,26 @@ TEST(Submit, JsonLineHasTheGenerateObjectPlusDpGroup) {
   EXPECT_EQ(s.top_k(), 3);
   EXPECT_EQ(std::vector<int64_t>(s.stop_token_ids().begin(), s.stop_token_ids().end()), (std::vector<int64_t>{9, 11}));
   EXPECT_TRUE(s.ignore_eos());
+}
+
+TEST(Submit, JsonLineListsTheMostLikelyTokensWhenAsked) {
+  FakeMlarun svc;
+  TestServer server(&svc);
+  ASSERT_TRUE(server.ok());
+  SubmitOptions o = Submit(server.address());
+  o.json = true;
+  o.sampling.max_tokens = 2;
+  o.sampling.logprobs = 3;
+  std::ostringstream out, err;
+  ASSERT_EQ(RunSubmit(o, out, err), 0) << err.str();
+  EXPECT_EQ(svc.last().sampling().logprobs(), 3);
+  const auto lines = Lines(out.str());
+  ASSERT_EQ(lines.size(), 1u) << out.str();
+  const Json j = Json::parse(lines[0]);
+  EXPECT_EQ(j["tokens"], Json({100, 101}));
+  EXPECT_EQ(j["top_logprobs"], Json::parse("[[[200,-0.125],[201,-0.25],[202,-0.375]],"
+                                           "[[201,-0.125],[202,-0.25],[203,-0.375]]]"))
+      << lines[0];
 }
 
 TEST(Submit, DefaultsAreSentExplicitly) {

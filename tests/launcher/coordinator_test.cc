@@ -1699,6 +1699,26 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
     dones.clear();
   };
   cases.push_back({"request 'victim' got more than its max_tokens = 4 tokens", flood, 4});
+  // The victim asks for 2 most likely tokens per step (the fake group lists
+  // none, which is allowed): more, or entries that cannot be right, are not.
+  auto with_top = [&](std::vector<std::pair<int64_t, double>> top) {
+    return only_victim([top](v1::TokenEvent& e) {
+      for (const auto& [id, lp] : top) {
+        v1::TokenLogprob* t = e.add_top_logprobs();
+        t->set_token_id(id);
+        t->set_logprob(lp);
+      }
+    }, keep_done);
+  };
+  cases.push_back({"request 'victim': 3 top_logprobs, more than the 2 asked for", with_top({{1, -1}, {2, -2}, {3, -3}})});
+  cases.push_back({"request 'victim': top_logprobs[1] token id 1000 is outside its vocabulary [0, 1000)",
+                   with_top({{1, -1}, {1000, -2}})});
+  cases.push_back({"request 'victim': top_logprobs[0] token id -1 is outside", with_top({{-1, -1}})});
+  cases.push_back({"request 'victim': top_logprobs[0] logprob nan is not a finite log-probability",
+                   with_top({{1, std::nan("")}})});
+  cases.push_back({"request 'victim': top_logprobs[1] logprob 0.5 is not a finite", with_top({{1, -1}, {2, 0.5}})});
+  cases.push_back({"request 'victim': top_logprobs[1] logprob -1 is above the one before it (-2): not best first",
+                   with_top({{1, -2}, {2, -1}})});
 
   for (const Case& c : cases) {
     SCOPED_TRACE(c.violation);
@@ -1707,7 +1727,9 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
     FakeWorker& bad = AddWorker({.worker_id = "bad", .token_delay = 20ms, .edit_step = c.step});
     AsyncGenerate other(*stub_, MakeRequest({1, 2}, 4, 0, "other"), 10s);
     ASSERT_TRUE(bad.WaitRoutes(1));
-    const GenResult victim = Generate(*stub_, MakeRequest({3, 4, 5}, 4, 0, "victim"));
+    v1::GenerateRequest victim_request = MakeRequest({3, 4, 5}, 4, 0, "victim");
+    victim_request.mutable_sampling()->set_logprobs(2);
+    const GenResult victim = Generate(*stub_, victim_request);
     EXPECT_EQ(victim.status.error_code(), grpc::StatusCode::INTERNAL) << victim.status.error_message();
     EXPECT_NE(victim.status.error_message().find("DP group 0 of worker 'bad' it violated the worker protocol"),
               std::string::npos)

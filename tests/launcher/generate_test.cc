@@ -24,7 +24,7 @@ std::vector<nlohmann::json> Lines(const std::string& text) {
 TEST(Generate, ParseRequestLine) {
   const SamplingParams defaults{.max_tokens = 7};
   auto r = ParseRequestLine(R"({"prompt_ids": [4, 5], "temperature": 0.5, "top_k": 3, "seed": 9,
-                                 "stop_token_ids": [8], "ignore_eos": true})", defaults);
+                                 "stop_token_ids": [8], "ignore_eos": true, "logprobs": 4})", defaults);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->prompt, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(r->sampling.max_tokens, 7);
@@ -33,6 +33,7 @@ TEST(Generate, ParseRequestLine) {
   EXPECT_EQ(r->sampling.seed, 9u);
   EXPECT_EQ(r->sampling.stop_token_ids, (std::vector<int64_t>{8}));
   EXPECT_TRUE(r->sampling.ignore_eos);
+  EXPECT_EQ(r->sampling.logprobs, 4);
   for (const auto& [line, field] : std::vector<std::pair<std::string, std::string>>{
            {R"({"max_tokens": 3})", "prompt_ids"},
            {R"({"prompt_ids": "1,2"})", "prompt_ids"},
@@ -40,6 +41,7 @@ TEST(Generate, ParseRequestLine) {
            {R"({"prompt_ids": [1], "max_tokens": 2.5})", "max_tokens"},
            {R"({"prompt_ids": [1], "seed": -1})", "seed"},
            {R"({"prompt_ids": [1], "ignore_eos": 1})", "ignore_eos"},
+           {R"({"prompt_ids": [1], "logprobs": true})", "logprobs"},
            {R"(not json)", "JSON"}}) {
     const Status st = ParseRequestLine(line, defaults).status();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << line;
@@ -62,6 +64,7 @@ TEST(Generate, JsonLinesInInputOrder) {
   EXPECT_EQ(lines[0]["tokens"].size(), 4u);
   EXPECT_EQ(lines[0]["logprobs"].size(), 4u);
   EXPECT_EQ(lines[0]["finish_reason"], "length");
+  EXPECT_FALSE(lines[0].contains("top_logprobs")) << "not asked for";
   EXPECT_NE(lines[1]["error"].get<std::string>().find("empty"), std::string::npos);
   EXPECT_EQ(lines[2]["tokens"].size(), 5u);
   EXPECT_NE(lines[3]["error"].get<std::string>().find("vocabulary"), std::string::npos);
@@ -74,6 +77,23 @@ TEST(Generate, JsonLinesInInputOrder) {
   const auto alone = Lines(out1.str());
   ASSERT_EQ(alone.size(), 1u) << out1.str();
   EXPECT_EQ(alone[0]["tokens"], lines[0]["tokens"]);
+  // Asking for the most likely tokens changes no token; each step lists 3,
+  // best first, the greedy token first with its own logprob.
+  one.sampling.logprobs = 3;
+  std::ostringstream out3;
+  EXPECT_EQ(RunGenerate(one, out3, log), 0);
+  const auto top = Lines(out3.str());
+  ASSERT_EQ(top.size(), 1u) << out3.str();
+  EXPECT_EQ(top[0]["tokens"], lines[0]["tokens"]);
+  ASSERT_EQ(top[0]["top_logprobs"].size(), 4u) << out3.str();
+  for (size_t t = 0; t < 4; ++t) {
+    const auto& step = top[0]["top_logprobs"][t];
+    ASSERT_EQ(step.size(), 3u);
+    EXPECT_EQ(step[0][0], top[0]["tokens"][t]);
+    EXPECT_EQ(step[0][1], top[0]["logprobs"][t]);
+    EXPECT_GE(step[0][1].get<double>(), step[1][1].get<double>());
+    EXPECT_GE(step[1][1].get<double>(), step[2][1].get<double>());
+  }
 }
 
 TEST(Generate, UnloadableModelIsExitCode2) {

@@ -220,6 +220,53 @@ TEST_P(HfFixture, GreedyTokensMatchTransformers) {
   }
 }
 
+// The most likely tokens a request asks for (SamplingParams::logprobs) are
+// those of transformers' raw decode logits, with their log-softmax (float64
+// here): prompt 0, every step of its greedy continuation (the tokens equal
+// transformers' with these weights: GreedyTokensMatchTransformers). Entry j
+// must be a token whose reference logprob is the j-th largest within the
+// tolerance, so a near tie may list either token first.
+TEST_P(HfFixture, TopLogprobsMatchTransformers) {
+  if (GetParam().find("bf16") != std::string::npos)
+    GTEST_SKIP() << "bf16 weights: tokens only (GreedyTokensMatchTransformers)";
+  constexpr int64_t kTop = 5;
+  constexpr double kTol = 1e-3;  // logits within 1e-4 abs (fp32 path); log-softmax within a few times that
+  Loaded l = Load(GetParam(), DType::kF32);
+  ASSERT_TRUE(l.model);
+  auto engine = std::move(Engine::Create(*l.model, EngineConfig{.cache_budget_bytes = 64 << 20, .block_size = 16})).value();
+  const Json& steps = l.expected["decode_logits"];
+  SamplingParams sp{.max_tokens = static_cast<int64_t>(steps.size()), .stop_token_ids = {}, .ignore_eos = true};
+  sp.logprobs = kTop;
+  auto outs = engine->Generate({GenerationRequest{.prompt = l.expected["prompts"][0].get<std::vector<int32_t>>(),
+                                                  .sampling = sp}});
+  ASSERT_TRUE(outs[0].ok()) << outs[0].status();
+  const GenerationOutput& out = *outs[0];
+  ASSERT_EQ(out.top_logprobs.size(), steps.size());
+  for (size_t t = 0; t < steps.size(); ++t) {
+    std::vector<double> ref;
+    for (const Json& v : steps[t]) ref.push_back(v.get<double>());
+    const double mx = *std::max_element(ref.begin(), ref.end());
+    double sum = 0;
+    for (double v : ref) sum += std::exp(v - mx);
+    for (double& v : ref) v = v - mx - std::log(sum);
+    std::vector<double> sorted = ref;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    const std::vector<TokenLogprob>& got = out.top_logprobs[t];
+    ASSERT_EQ(got.size(), static_cast<size_t>(kTop)) << "step " << t;
+    EXPECT_EQ(got[0].token, out.tokens[t]) << "step " << t << ": greedy takes the most likely";
+    EXPECT_EQ(got[0].logprob, out.logprobs[t]) << "step " << t;
+    for (size_t j = 0; j < got.size(); ++j) {
+      ASSERT_GE(got[j].token, 0);
+      ASSERT_LT(got[j].token, static_cast<int64_t>(ref.size()));
+      EXPECT_NEAR(got[j].logprob, ref[static_cast<size_t>(got[j].token)], kTol) << "step " << t << ", entry " << j;
+      EXPECT_NEAR(ref[static_cast<size_t>(got[j].token)], sorted[j], kTol)
+          << "step " << t << ": entry " << j << " (token " << got[j].token << ") is not the " << j + 1
+          << "-th most likely";
+      for (size_t i = 0; i < j; ++i) EXPECT_NE(got[i].token, got[j].token) << "step " << t << ": listed twice";
+    }
+  }
+}
+
 // Prefill in uneven chunks, then decode one token at a time, through the
 // paged cache: the logits equal those of one full forward.
 TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {

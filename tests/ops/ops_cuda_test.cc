@@ -641,15 +641,20 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
       SamplingParams{.temperature = 0.8, .seed = 11},
       SamplingParams{.temperature = 1.0, .top_k = 40, .seed = 12},
       SamplingParams{.temperature = 0.6, .top_p = 0.9, .seed = 13},
+      // Listing the most likely tokens: a greedy row then comes to the host whole.
+      SamplingParams{.temperature = 0.0, .logprobs = 5},
+      SamplingParams{.temperature = 0.8, .seed = 14, .logprobs = 3},
   };
   for (int64_t vocab : {0, 1, 7, 256, 257, 4099, 129280}) {
     SCOPED_TRACE("vocab " + std::to_string(vocab));
     const int64_t rows = 24, ld = vocab + 3;
     // Row r: edge kind r % 8 with sampler kind (r / 8 == 0 ? greedy : the
-    // others in turn), so every edge meets greedy and tempered samplers.
+    // tempered ones in turn, then those that list their most likely tokens),
+    // so every edge meets greedy and tempered samplers.
     std::vector<Sampler> cpu, cuda;
     for (int64_t row = 0; row < rows; ++row) {
-      const SamplingParams& sp = kinds[row / 8 == 0 ? 0 : 1 + static_cast<size_t>(row % 3)];
+      const size_t kind = row / 8 == 0 ? 0 : row / 8 == 1 ? 1 + static_cast<size_t>(row % 3) : 4 + static_cast<size_t>(row % 2);
+      const SamplingParams& sp = kinds[kind];
       cpu.emplace_back(sp);
       cuda.emplace_back(sp);
     }
@@ -677,6 +682,8 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
         EXPECT_EQ(b.token, a.token) << "step " << step << " row " << row;
         EXPECT_EQ(std::memcmp(&a.logprob, &b.logprob, sizeof(double)), 0)
             << "step " << step << " row " << row << ": " << a.logprob << " vs " << b.logprob;
+        ASSERT_EQ(b.num_top, a.num_top) << "step " << step << " row " << row;
+        for (int32_t j = 0; j < a.num_top; ++j) EXPECT_EQ(b.top[j], a.top[j]) << "step " << step << " row " << row;
       }
     }
   }
