@@ -81,6 +81,17 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
       }
       j["top_logprobs"] = std::move(tops);
     }
+    if (!r->prompt_logprobs.empty()) {
+      Json prompt = Json::array(), tops = Json::array();
+      for (const GenerationOutput::PromptLogprob& p : r->prompt_logprobs) {
+        prompt.push_back(Json::array({p.token.token, p.token.logprob}));
+        Json entries = Json::array();
+        for (const TokenLogprob& t : p.top) entries.push_back(Json::array({t.token, t.logprob}));
+        tops.push_back(std::move(entries));
+      }
+      j["prompt_logprobs"] = std::move(prompt);
+      j["prompt_top_logprobs"] = std::move(tops);
+    }
     out << j.dump();
   } else {
     out << "tokens:";

@@ -41,6 +41,9 @@ void AddSamplingFlags(CLI::App* cmd, mlarun::SamplingParams& p) {
   cmd->add_flag("--ignore-eos", p.ignore_eos, "Do not stop at the model's eos_token_id");
   cmd->add_option("--logprobs", p.logprobs, "Also report the N most likely tokens of each step (0-20)")
       ->capture_default_str();
+  cmd->add_option("--prompt-logprobs", p.prompt_logprobs,
+                  "Also report each prompt token's logprob and its position's N most likely tokens (0-20; -1: off)")
+      ->capture_default_str();
 }
 
 // Flags several commands share, with one help text each.

@@ -120,8 +120,10 @@ Status Engine::Admit(Req& r) {
   MLARUN_RETURN_IF_ERROR(cache_->AddSequence(r.id));
   r.in_cache = true;
   // Reuse cached full blocks of the prompt, keeping at least one token to
-  // compute so the step produces logits.
-  MLARUN_ASSIGN_OR_RETURN(r.computed, cache_->AttachPrefix(r.id, r.tokens, static_cast<int64_t>(r.tokens.size()) - 1));
+  // compute so the step produces logits; none while the prompt's logprobs
+  // are wanted and not all recorded (their rows must be computed).
+  const int64_t reusable = ScoresPending(r) ? 0 : static_cast<int64_t>(r.tokens.size()) - 1;
+  MLARUN_ASSIGN_OR_RETURN(r.computed, cache_->AttachPrefix(r.id, r.tokens, reusable));
   r.out.prefix_hit_tokens += r.computed;
   return Status::Ok();
 }
@@ -177,6 +179,14 @@ StatusOr<StepPlan> Engine::Schedule() {
                                                                      r.tokens.begin() + r.computed + s.n),
                                       .block_table = std::vector<int32_t>(table.begin(), table.end()),
                                       .sampler = last ? r.sampler.get() : nullptr});
+    if (ScoresPending(r)) {
+      // Row i scores the prompt token after its position, while there is one.
+      const int64_t prompt = static_cast<int64_t>(r.request.prompt.size());
+      StepPlan::Seq& q = plan.seqs.back();
+      for (int64_t p = r.computed; p < r.computed + s.n && p + 1 < prompt; ++p)
+        q.score_tokens.push_back(r.request.prompt[static_cast<size_t>(p + 1)]);
+      q.score_top = r.request.sampling.prompt_logprobs;
+    }
     (s.n == 1 && r.computed >= static_cast<int64_t>(r.request.prompt.size()) ? stats_.decode_tokens
                                                                              : stats_.prefill_tokens) += s.n;
   }
@@ -187,12 +197,31 @@ StatusOr<StepPlan> Engine::Schedule() {
   return plan;
 }
 
-StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<const SampledToken> sampled) {
+bool Engine::ScoresPending(const Req& r) {
+  return r.request.sampling.prompt_logprobs >= 0 &&
+         static_cast<int64_t>(r.out.prompt_logprobs.size()) + 1 < static_cast<int64_t>(r.request.prompt.size());
+}
+
+StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<const SampledToken> sampled,
+                                              std::span<const std::span<const SampledToken>> scores) {
   const ModelConfig& c = model_;
   std::vector<int64_t> finished;
   size_t row = 0;
-  for (const StepPlan::Seq& s : plan.seqs) {
+  for (size_t q = 0; q < plan.seqs.size(); ++q) {
+    const StepPlan::Seq& s = plan.seqs[q];
     Req& r = *requests_.at(s.id);
+    if (!s.score_tokens.empty()) {
+      if (q >= scores.size() || scores[q].size() != s.score_tokens.size())
+        return InternalError("engine: sequence ", s.id, " asked for ", s.score_tokens.size(),
+                             " scored prompt tokens and got ", q < scores.size() ? scores[q].size() : 0);
+      // Positions recorded before a preemption are computed again, not recorded again.
+      for (size_t i = 0; i < s.score_tokens.size(); ++i) {
+        if (s.start_pos + static_cast<int64_t>(i) != static_cast<int64_t>(r.out.prompt_logprobs.size())) continue;
+        const SampledToken& t = scores[q][i];
+        r.out.prompt_logprobs.push_back(GenerationOutput::PromptLogprob{
+            .token = {t.token, t.logprob}, .top = {t.top_logprobs().begin(), t.top_logprobs().end()}});
+      }
+    }
     r.computed += static_cast<int64_t>(s.tokens.size());
     MLARUN_RETURN_IF_ERROR(cache_->Commit(r.id));
     if (s.sampler == nullptr) continue;
@@ -266,7 +295,7 @@ StatusOr<std::vector<int64_t>> Engine::Step() {
     if (runner_->last_step_failure().ok()) return sampled.status();
     return FailStep(plan, sampled.status());
   }
-  return Finish(plan, *sampled);
+  return Finish(plan, *sampled, runner_->last_scores());
 }
 
 std::vector<StatusOr<GenerationOutput>> Engine::Generate(std::vector<GenerationRequest> requests) {

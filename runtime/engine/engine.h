@@ -56,6 +56,14 @@ struct GenerationOutput {
   // SamplingParams::logprobs > 0: per generated token, its step's most likely
   // tokens (SampledToken::top); empty otherwise.
   std::vector<std::vector<TokenLogprob>> top_logprobs;
+  // SamplingParams::prompt_logprobs >= 0: entry i for prompt token i + 1 (the
+  // first has none), its logprob given the tokens before it and that
+  // position's most likely tokens. Complete once the first token is out.
+  struct PromptLogprob {
+    TokenLogprob token;
+    std::vector<TokenLogprob> top;
+  };
+  std::vector<PromptLogprob> prompt_logprobs;
   FinishReason finish_reason = FinishReason::kNone;
   Status error;                   // kError: why (the failed step's Status); OK otherwise
   int64_t prefix_hit_tokens = 0;  // prompt tokens reused from the prefix cache
@@ -104,7 +112,10 @@ class Engine {
   // runner drew for the plan's sampled sequences (ModelRunner::Execute, in
   // plan order) and retire finished requests.
   StatusOr<StepPlan> Schedule();
-  StatusOr<std::vector<int64_t>> Finish(const StepPlan& plan, std::span<const SampledToken> sampled);
+  // `scores`: the runner's scored prompt tokens per plan sequence
+  // (ModelRunner::last_scores); empty when the plan scores none.
+  StatusOr<std::vector<int64_t>> Finish(const StepPlan& plan, std::span<const SampledToken> sampled,
+                                        std::span<const std::span<const SampledToken>> scores = {});
   // Instead of Finish, for a plan whose step failed: ends every request of
   // the plan with kError and `error` (not OK), releases their blocks (as
   // and leaves every other request as it was. The rows the
@@ -154,6 +165,8 @@ class Engine {
   StatusOr<bool> Reserve(Req& r, int64_t n);
   void Preempt(Req& r);
   Status Admit(Req& r);
+  // Whether `r` wants its prompt's logprobs and some are not recorded yet.
+  static bool ScoresPending(const Req& r);
   // Reserves slots for r.tokens[r.computed, + n).
   Status Append(Req& r, int64_t n);
 

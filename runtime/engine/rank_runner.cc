@@ -119,7 +119,7 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   }
   // 4. The leader's scheduler takes the tokens and retires finished requests.
   if (is_leader()) {
-    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, *sampled).status());
+    MLARUN_RETURN_IF_ERROR(engine_->Finish(plan, *sampled, runner_->last_scores()).status());
   }
   UpdateCacheStats(&plan, /*written=*/true);
   return StepResult::kWorked;

@@ -367,6 +367,23 @@ SampledToken Sampler::Draw(std::span<const float> logits, double max_logit, int6
   return result(InverseCdf(s.probs.data(), vocab, s.block_sums.data(), u * scaled_sum));
 }
 
+SampledToken ScoreToken(std::span<const float> logits, int64_t token, int64_t top) {
+  SampledToken out{token, kNoProbabilityLogprob};
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  const MaxLogit max = FindMax(logits);
+  if (max.value == kNegInf) return out;
+  std::vector<double>& weights = Sampler::ThreadScratch().probs;
+  weights.resize(static_cast<size_t>(vocab));
+  std::vector<double>& block_sums = Sampler::ThreadScratch().block_sums;
+  block_sums.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
+  FillWeights(logits.data(), vocab, max.value, 1.0, weights.data());
+  const double log_normalizer = std::log(BlockSums(weights.data(), vocab, block_sums.data()));
+  const double logprob = (CleanLogit(logits[token]) - max.value) - log_normalizer;
+  if (logprob > kNegInf) out.logprob = logprob;
+  if (top > 0) FillTop(logits, top, max.value, log_normalizer, out);
+  return out;
+}
+
 SampledToken Sampler::SampleGreedyFrom(int64_t argmax, double weight_sum) {
   internal::Xoshiro256StarStarNext(state_);  // the draw Sample makes for every row
   return GreedyToken(argmax, weight_sum);

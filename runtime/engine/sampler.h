@@ -94,6 +94,7 @@ class Sampler {
   // allocates nothing once the thread has sampled a row of that size.
   struct Scratch;
   static Scratch& ThreadScratch();
+  friend SampledToken ScoreToken(std::span<const float> logits, int64_t token, int64_t top);
 
   // The token Sample draws from a row with a distribution (max_logit finite),
   // given the row's untempered weights in s.probs (their sum raw_sum) and the
@@ -109,6 +110,16 @@ class Sampler {
   SamplingParams params_;
   uint64_t state_[4];  // xoshiro256** state
 };
+
+// The logprob of `token` under the distribution of one row of logits (as
+// Sample reports the drawn token's), and the row's `top` most likely tokens
+// (as Sample lists them): a prompt token's logprob given the tokens before
+// it. A token of no probability (logit -inf or NaN, or a row without a
+// distribution) gets kNoProbabilityLogprob, as vLLM reports it, so that
+// every logprob is a finite number. REQUIRES: 0 <= token < logits.size(),
+// 0 <= top <= kMaxTopLogprobs.
+inline constexpr double kNoProbabilityLogprob = -9999.0;
+SampledToken ScoreToken(std::span<const float> logits, int64_t token, int64_t top);
 
 namespace internal {
 // Exposed for the published test vectors; Sampler uses them.

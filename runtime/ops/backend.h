@@ -39,6 +39,7 @@ Status ApplyRope(const RopeParams& p);
 Status MoeGate(const MoeGateParams& p);
 Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView ws);
 Status Sample(const SampleParams& p);
+Status Score(const ScoreParams& p);
 }  // namespace cpu
 
 // The CUDA implementations (runtime/ops/cuda/*.cu; runtime/ops/cuda_stub.cc in
@@ -60,6 +61,7 @@ Status ApplyRope(const RopeParams& p);
 Status MoeGate(const MoeGateParams& p);
 Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView ws);
 Status Sample(const SampleParams& p);
+Status Score(const ScoreParams& p);  // reads each row back to the host
 }  // namespace cuda
 
 // What an op's Run answers for a backend that has no implementation of it:

@@ -20,5 +20,6 @@ Status ApplyRope(const RopeParams&) { return NoCuda("rope"); }
 Status MoeGate(const MoeGateParams&) { return NoCuda("moe_gate"); }
 Status MoeExperts(const MoeExpertsParams&, const MoePlan&, WorkspaceView) { return NoCuda("moe_experts"); }
 Status Sample(const SampleParams&) { return NoCuda("sample"); }
+Status Score(const ScoreParams&) { return NoCuda("score"); }
 
 }  // namespace mlarun::cuda

@@ -87,6 +87,7 @@ StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const Samp
   MLARUN_RETURN_IF_ERROR(ReadNumber(j, "top_p", &r.sampling.top_p));
   MLARUN_RETURN_IF_ERROR(ReadInt(j, "top_k", &r.sampling.top_k));
   MLARUN_RETURN_IF_ERROR(ReadInt(j, "logprobs", &r.sampling.logprobs));
+  MLARUN_RETURN_IF_ERROR(ReadInt(j, "prompt_logprobs", &r.sampling.prompt_logprobs));
   if (j.contains("seed")) {
     int64_t seed = 0;
     MLARUN_RETURN_IF_ERROR(ReadInt(j, "seed", &seed));

@@ -35,6 +35,10 @@ Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size,
     return InvalidArgumentError("logprobs must be in [0, ", kMaxTopLogprobs, "] (alternatives per token), got ",
                                 p.logprobs);
   }
+  if (p.prompt_logprobs < -1 || p.prompt_logprobs > kMaxTopLogprobs) {
+    return InvalidArgumentError("prompt_logprobs must be in [-1, ", kMaxTopLogprobs, "] (-1: off), got ",
+                                p.prompt_logprobs);
+  }
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     const int64_t id = p.stop_token_ids[i];
     if (id < 0) return InvalidArgumentError("stop_token_ids[", i, "] must be >= 0, got ", id);

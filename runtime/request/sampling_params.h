@@ -27,6 +27,11 @@ struct SamplingParams {
   // The most likely tokens to report beside each generated token, with their
   // logprobs under the unmodified distribution: [0, kMaxTopLogprobs].
   int64_t logprobs = 0;
+  // >= 0: also each prompt token's logprob given the tokens before it (all
+  // but the first), with that position's this many most likely tokens
+  // (vLLM's prompt_logprobs): [-1, kMaxTopLogprobs], -1: off. Such a
+  // request computes its whole prompt (no prefix is reused from the cache).
+  int64_t prompt_logprobs = -1;
 
   friend bool operator==(const SamplingParams&, const SamplingParams&) = default;
 };
@@ -35,7 +40,7 @@ struct SamplingParams {
 // temperature < 0 or > 100 or not finite, top_p outside (0, 1], top_k < -1
 // (-1 and 0 both mean off, as vLLM accepts -1), max_tokens < 1 or >
 // max_tokens_limit, stop ids outside [0, vocab_size), logprobs outside
-// [0, kMaxTopLogprobs]. Every message starts
+// [0, kMaxTopLogprobs], prompt_logprobs outside [-1, kMaxTopLogprobs]. Every message starts
 // with the field's name ("top_p must be ..."), so a caller can prefix its
 // path ("sampling."). A caller without a limit passes INT64_MAX.
 Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64_t max_tokens_limit);

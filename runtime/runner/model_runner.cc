@@ -1,5 +1,6 @@
 #include "runtime/runner/model_runner.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "runtime/ops/sampling.h"
@@ -39,24 +40,61 @@ ModelRunner::ModelRunner(Model& model, std::unique_ptr<LatentPool> pool, Process
 
 StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& plan, std::span<const int64_t> dp_tokens) {
   seqs_.clear();
-  for (const StepPlan::Seq& s : plan.seqs)
+  bool any_all = false;
+  for (const StepPlan::Seq& s : plan.seqs) {
+    const bool all = !s.score_tokens.empty() && !s.tokens.empty();
+    any_all |= all;
     seqs_.push_back(ForwardSeq{.id = s.id, .tokens = s.tokens, .start_pos = s.start_pos, .block_table = s.block_table,
-                               .logits = s.sampler ? ForwardSeq::Logits::kLast : ForwardSeq::Logits::kNone});
+                               .logits = all        ? ForwardSeq::Logits::kAll
+                                         : s.sampler ? ForwardSeq::Logits::kLast
+                                                     : ForwardSeq::Logits::kNone});
+  }
   if (groups_) step_.dp_tokens.assign(dp_tokens.begin(), dp_tokens.end());
   const auto t0 = std::chrono::steady_clock::now();
   auto logits = model_.ForwardInto(seqs_, *pool_, groups_ ? &step_ : nullptr);
   last_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!logits.ok()) return logits.status();
-  // The logit rows are the sampled sequences', in plan order: one call for
-  // all of them (a device sampler reads its rows where they are).
   const int64_t vocab = model_.config().vocab_size;
   samplers_.clear();
   for (const StepPlan::Seq& s : plan.seqs)
     if (s.sampler != nullptr && !s.tokens.empty()) samplers_.push_back(s.sampler);
   sampled_.assign(samplers_.size(), SampledToken{});
-  MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data(), .rows = static_cast<int64_t>(samplers_.size()),
-                                    .vocab = vocab, .ld = vocab, .samplers = samplers_.data(), .out = sampled_.data(),
-                                    .backend = model_.backend()}));
+  scores_.assign(plan.seqs.size(), {});
+  if (!any_all) {
+    // The logit rows are the sampled sequences', in plan order: one call for
+    // all of them (a device sampler reads its rows where they are).
+    MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data(), .rows = static_cast<int64_t>(samplers_.size()),
+                                      .vocab = vocab, .ld = vocab, .samplers = samplers_.data(),
+                                      .out = sampled_.data(), .backend = model_.backend()}));
+    return std::span<const SampledToken>(sampled_);
+  }
+  // Some sequences have a row per token: walk the rows sequence by sequence.
+  size_t scored = 0;
+  for (const StepPlan::Seq& s : plan.seqs) scored += s.tokens.empty() ? 0 : s.score_tokens.size();
+  scored_.assign(scored, SampledToken{});
+  const float* row = logits->data();
+  size_t sampled = 0, at = 0;
+  for (size_t q = 0; q < plan.seqs.size(); ++q) {
+    const StepPlan::Seq& s = plan.seqs[q];
+    const ForwardSeq& f = seqs_[q];
+    if (f.logits == ForwardSeq::Logits::kNone) continue;
+    const int64_t rows = f.logits == ForwardSeq::Logits::kAll ? static_cast<int64_t>(s.tokens.size()) : 1;
+    if (f.logits == ForwardSeq::Logits::kAll) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(s.score_tokens.size()), rows);
+      MLARUN_RETURN_IF_ERROR(ScoreRun({.logits = row, .rows = n, .vocab = vocab, .ld = vocab,
+                                       .tokens = s.score_tokens.data(), .top = s.score_top, .out = &scored_[at],
+                                       .backend = model_.backend()}));
+      scores_[q] = std::span<const SampledToken>(&scored_[at], static_cast<size_t>(n));
+      at += static_cast<size_t>(n);
+    }
+    if (s.sampler != nullptr) {
+      MLARUN_RETURN_IF_ERROR(SampleRun({.logits = row + (rows - 1) * vocab, .rows = 1, .vocab = vocab, .ld = vocab,
+                                        .samplers = &samplers_[sampled], .out = &sampled_[sampled],
+                                        .backend = model_.backend()}));
+      ++sampled;
+    }
+    row += rows * vocab;
+  }
   return std::span<const SampledToken>(sampled_);
 }
 

@@ -46,6 +46,9 @@ class ModelRunner {
   // (valid until the next Execute). After the first steps of a shape it
   // allocates nothing.
   StatusOr<std::span<const SampledToken>> Execute(const StepPlan& plan, std::span<const int64_t> dp_tokens = {});
+  // The last Execute's scored prompt tokens: per plan sequence, one entry per
+  // score_tokens entry (empty for a sequence without). Valid as Execute's.
+  std::span<const std::span<const SampledToken>> last_scores() const { return scores_; }
 
   // OK, or the computation failure of the last Execute (see Execute).
   const Status& last_step_failure() const { return model_.last_step_failure(); }
@@ -65,6 +68,8 @@ class ModelRunner {
   std::vector<ForwardSeq> seqs_;
   std::vector<SampledToken> sampled_;
   std::vector<Sampler*> samplers_;  // the sampled rows' samplers, in plan order
+  std::vector<SampledToken> scored_;                // every sequence's scored rows, in plan order
+  std::vector<std::span<const SampledToken>> scores_;  // per plan sequence, into scored_
   double last_seconds_ = 0;
 };
 

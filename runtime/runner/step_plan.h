@@ -28,6 +28,12 @@ struct StepPlan {
     // step samples the sequence's next token; nullptr: no token is drawn.
     // Scheduler-local: not broadcast (only the leader samples).
     Sampler* sampler = nullptr;
+    // Prompt tokens this step's rows score (SamplingParams::prompt_logprobs):
+    // row i, at position start_pos + i, scores score_tokens[i], the prompt
+    // token after it, with score_top most likely tokens; empty: none. The
+    // runner then computes every row's logits. Scheduler-local, as sampler.
+    std::vector<int32_t> score_tokens;
+    int64_t score_top = 0;
   };
   // The group's cache use as the scheduler's block manager has it once the
   // step is scheduled, so that members, which have none, report the same.

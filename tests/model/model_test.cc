@@ -267,6 +267,80 @@ TEST_P(HfFixture, TopLogprobsMatchTransformers) {
   }
 }
 
+// A prompt's logprobs (SamplingParams::prompt_logprobs): prompt token j + 1
+// given the tokens before it is log-softmax (float64 here) of transformers'
+// full-forward row j, and the position's most likely tokens are that row's,
+// within the tolerance (as TopLogprobsMatchTransformers). Prefill in chunks
+// of 5 tokens, and each prompt twice: the second time its blocks are in the
+// prefix cache, which a request for prompt logprobs must not reuse.
+TEST_P(HfFixture, PromptLogprobsMatchTransformers) {
+  if (GetParam().find("bf16") != std::string::npos)
+    GTEST_SKIP() << "bf16 weights: tokens only (GreedyTokensMatchTransformers)";
+  constexpr int64_t kTop = 3;
+  constexpr double kTol = 1e-3;
+  Loaded l = Load(GetParam(), DType::kF32);
+  ASSERT_TRUE(l.model);
+  auto engine = std::move(Engine::Create(*l.model, EngineConfig{.max_num_batched_tokens = 5,
+                                                                .cache_budget_bytes = 64 << 20, .block_size = 4}))
+                    .value();
+  const Json& prompts = l.expected["prompts"];
+  std::vector<GenerationRequest> reqs;
+  for (int round = 0; round < 2; ++round)
+    for (const Json& p : prompts) {
+      SamplingParams sp{.max_tokens = 2, .stop_token_ids = {}, .ignore_eos = true};
+      sp.prompt_logprobs = kTop;
+      reqs.push_back(GenerationRequest{.prompt = p.get<std::vector<int32_t>>(), .sampling = sp});
+    }
+  // The first round alone, then the second: its prompts' blocks are cached by then.
+  std::vector<StatusOr<GenerationOutput>> outs =
+      engine->Generate(std::vector<GenerationRequest>(reqs.begin(), reqs.begin() + prompts.size()));
+  for (auto& o : engine->Generate(std::vector<GenerationRequest>(reqs.begin() + prompts.size(), reqs.end())))
+    outs.push_back(std::move(o));
+  int64_t checked = 0;
+  for (size_t q = 0; q < reqs.size(); ++q) {
+    SCOPED_TRACE("request " + std::to_string(q));
+    ASSERT_TRUE(outs[q].ok()) << outs[q].status();
+    const size_t i = q % prompts.size();
+    const std::vector<int32_t>& prompt = reqs[q].prompt;
+    const Json& rows = l.expected["logits"][i];
+    ASSERT_EQ(rows.size(), prompt.size());
+    const auto& got = outs[q]->prompt_logprobs;
+    ASSERT_EQ(got.size(), prompt.size() - 1);
+    for (size_t j = 0; j + 1 < prompt.size(); ++j) {
+      std::vector<double> ref;
+      for (const Json& v : rows[j]) ref.push_back(v.get<double>());
+      const double mx = *std::max_element(ref.begin(), ref.end());
+      double sum = 0;
+      for (double v : ref) sum += std::exp(v - mx);
+      for (double& v : ref) v = v - mx - std::log(sum);
+      std::vector<double> sorted = ref;
+      std::sort(sorted.begin(), sorted.end(), std::greater<>());
+      EXPECT_EQ(got[j].token.token, prompt[j + 1]) << "position " << j;
+      EXPECT_NEAR(got[j].token.logprob, ref[static_cast<size_t>(prompt[j + 1])], kTol) << "position " << j;
+      ASSERT_EQ(got[j].top.size(), static_cast<size_t>(kTop));
+      for (size_t k = 0; k < got[j].top.size(); ++k) {
+        const TokenLogprob& t = got[j].top[k];
+        EXPECT_NEAR(t.logprob, ref[static_cast<size_t>(t.token)], kTol) << "position " << j << ", entry " << k;
+        EXPECT_NEAR(ref[static_cast<size_t>(t.token)], sorted[k], kTol) << "position " << j << ", entry " << k;
+      }
+      ++checked;
+    }
+    // The same prompt gives the same logprobs, computed again (not read back).
+    if (q >= prompts.size()) {
+      const auto& first = outs[q - prompts.size()]->prompt_logprobs;
+      for (size_t j = 0; j < got.size(); ++j) EXPECT_EQ(got[j].token.logprob, first[j].token.logprob) << j;
+      EXPECT_EQ(outs[q]->prefix_hit_tokens, 0) << "a prompt whose logprobs are wanted reused cached blocks";
+    }
+  }
+  EXPECT_GT(checked, 20);
+  // Without prompt logprobs the same prompt does reuse its cached blocks.
+  auto plain = engine->Generate({GenerationRequest{.prompt = reqs.back().prompt,
+                                                   .sampling = SamplingParams{.max_tokens = 1}}});
+  ASSERT_TRUE(plain[0].ok());
+  EXPECT_GT(plain[0]->prefix_hit_tokens, 0);
+  EXPECT_TRUE(plain[0]->prompt_logprobs.empty());
+}
+
 // Prefill in uneven chunks, then decode one token at a time, through the
 // paged cache: the logits equal those of one full forward.
 TEST_P(HfFixture, IncrementalDecodingMatchesFullForward) {

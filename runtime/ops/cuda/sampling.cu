@@ -108,4 +108,15 @@ Status Sample(const SampleParams& p) {
   return Status::Ok();
 }
 
+Status Score(const ScoreParams& p) {
+  thread_local std::vector<float> host_row;
+  host_row.resize(static_cast<size_t>(p.vocab));
+  for (int64_t r = 0; r < p.rows; ++r) {
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(host_row.data(), p.logits + r * p.ld,
+                                           static_cast<size_t>(p.vocab) * sizeof(float), cudaMemcpyDeviceToHost));
+    p.out[r] = ScoreToken(std::span<const float>(host_row.data(), host_row.size()), p.tokens[r], p.top);
+  }
+  return Status::Ok();
+}
+
 }  // namespace mlarun::cuda
