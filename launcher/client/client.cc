@@ -123,6 +123,7 @@ struct SubmitResult {
   std::vector<int64_t> tokens;
   std::vector<double> logprobs;
   Json top_logprobs = Json::array();  // per token [[id, logprob], ...], when asked for
+  Json prompt_logprobs = Json::array(), prompt_top_logprobs = Json::array();  // as mlarun generate's
   std::optional<v1::Finished> finished;
 };
 
@@ -158,6 +159,21 @@ SubmitResult SubmitOne(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, d
         r.top_logprobs.push_back(std::move(entries));
       }
       if (on_token) on_token(t);
+    } else if (resp.has_prompt_logprobs()) {
+      const v1::PromptLogprobs& lp = resp.prompt_logprobs();
+      if (r.finished || !r.tokens.empty() || lp.start() != static_cast<int64_t>(r.prompt_logprobs.size()) + 1) {
+        protocol_error = "prompt logprobs from token " + std::to_string(lp.start()) + " arrived after " +
+                         std::to_string(r.prompt_logprobs.size()) + " of them and " + std::to_string(r.tokens.size()) +
+                         " tokens";
+        ctx.TryCancel();
+        continue;
+      }
+      for (const v1::PromptTokenLogprob& e : lp.entries()) {
+        r.prompt_logprobs.push_back(Json::array({e.token_id(), e.logprob()}));
+        Json entries = Json::array();
+        for (const v1::TokenLogprob& t : e.top_logprobs()) entries.push_back(Json::array({t.token_id(), t.logprob()}));
+        r.prompt_top_logprobs.push_back(std::move(entries));
+      }
     } else if (resp.has_finished()) {
       r.finished = resp.finished();
     }
@@ -178,6 +194,10 @@ std::string JsonResult(const SubmitResult& r) {
          {"finish_reason", r.finished->finish_reason()},
          {"dp_group", r.finished->dp_group()}};
   if (!r.top_logprobs.empty()) j["top_logprobs"] = r.top_logprobs;
+  if (!r.prompt_logprobs.empty()) {
+    j["prompt_logprobs"] = r.prompt_logprobs;
+    j["prompt_top_logprobs"] = r.prompt_top_logprobs;
+  }
   return j.dump();
 }
 

@@ -66,8 +66,8 @@ constexpr double kLogprobSlack = 1e-3;
 // that asked for `asked` of them from a group of `vocab` ids: more than
 // asked, an id outside the vocabulary, a logprob that is not finite and
 // <= 0, or not best first; nullopt when it is right.
-std::optional<std::string> CheckTopLogprobs(const v1::TokenEvent& ev, int64_t asked, int64_t vocab) {
-  const auto& top = ev.top_logprobs();
+std::optional<std::string> CheckTopLogprobs(const google::protobuf::RepeatedPtrField<v1::TokenLogprob>& top,
+                                            int64_t asked, int64_t vocab) {
   if (top.size() > asked) return StrCat(top.size(), " top_logprobs, more than the ", asked, " asked for");
   for (int i = 0; i < top.size(); ++i) {
     const v1::TokenLogprob& t = top[i];
@@ -78,6 +78,33 @@ std::optional<std::string> CheckTopLogprobs(const v1::TokenEvent& ev, int64_t as
     if (i > 0 && t.logprob() > top[i - 1].logprob())
       return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is above the one before it (", top[i - 1].logprob(),
                     "): not best first");
+  }
+  return std::nullopt;
+}
+
+// What is wrong with prompt logprobs a group sent for `route` (a request
+// whose tokens 1 .. `sent` had theirs passed on already): not asked for, not
+// consecutive with what came before, past the prompt, a token that is not
+// the prompt's, a logprob that cannot be one, or top_logprobs as
+// CheckTopLogprobs; nullopt when they are right.
+std::optional<std::string> CheckPromptLogprobs(const v1::PromptLogprobs& lp, const v1::RouteRequest& route,
+                                               int64_t sent, int64_t vocab) {
+  if (!route.sampling().has_prompt_logprobs()) return std::string("prompt_logprobs, which it did not ask for");
+  const int64_t prompt = route.prompt_ids_size(), n = lp.entries_size();
+  if (lp.start() < 1 || lp.start() > sent + 1)
+    return StrCat("prompt_logprobs.start ", lp.start(), " where ", sent + 1, " was next");
+  if (lp.start() + n > prompt)
+    return StrCat("prompt_logprobs for tokens ", lp.start(), " .. ", lp.start() + n - 1, " of a prompt of ", prompt);
+  for (int64_t i = 0; i < n; ++i) {
+    const v1::PromptTokenLogprob& e = lp.entries(static_cast<int>(i));
+    const int64_t at = lp.start() + i;
+    if (e.token_id() != route.prompt_ids(static_cast<int>(at)))
+      return StrCat("prompt_logprobs for token ", at, " name id ", e.token_id(), ", the prompt has ",
+                    route.prompt_ids(static_cast<int>(at)));
+    if (!std::isfinite(e.logprob()) || e.logprob() > kLogprobSlack)
+      return StrCat("prompt_logprobs for token ", at, ": logprob ", e.logprob(), " is not a finite log-probability (<= 0)");
+    if (auto bad = CheckTopLogprobs(e.top_logprobs(), route.sampling().prompt_logprobs(), vocab))
+      return StrCat("prompt_logprobs for token ", at, ": ", *bad);
   }
   return std::nullopt;
 }
@@ -153,6 +180,7 @@ struct Dispatcher::Request {
   std::list<Request*>::iterator queue_pos;  // valid while queued
   int group = -1;                           // routed to groups_[group]; -1 while queued
   int64_t tokens_sent = 0;
+  int64_t prompt_logprobs_sent = 0;  // prompt tokens 1 .. this have had their logprobs passed on
   std::vector<int32_t> completion;  // generated ids, kept for prefix_affinity only
   // Block-hash chains of the prompt, per block size seen (one in practice).
   std::vector<std::pair<int64_t, std::vector<uint64_t>>> chains;
@@ -688,6 +716,30 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
 std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, const v1::TokenBatch& batch,
                                                           Pending& pending) {
   const Clock::time_point now = Clock::now();
+  for (const v1::PromptLogprobsEvent& ev : batch.prompt_logprobs()) {
+    auto it = requests_.find(ev.request_id());
+    if (it == requests_.end() || it->second->group != group) continue;  // as tokens below
+    Request* r = it->second.get();
+    const v1::PromptLogprobs& lp = ev.logprobs();
+    if (std::optional<std::string> bad = CheckPromptLogprobs(lp, r->route, r->prompt_logprobs_sent, g.vocab_size))
+      return Violation{.request_id = r->wire_id, .what = StrCat("request '", r->id, "': ", *bad)};
+    // A re-routed request's new group sends them all again: only what the
+    // client has not had goes on, and none after its first token.
+    const int64_t skip = r->prompt_logprobs_sent + 1 - lp.start();
+    if (skip >= lp.entries_size()) continue;
+    if (r->tokens_sent > 0)
+      return Violation{.request_id = r->wire_id,
+                       .what = StrCat("request '", r->id, "': prompt_logprobs after its first token")};
+    v1::GenerateResponse out;
+    out.set_request_id(r->id);
+    v1::PromptLogprobs* fwd = out.mutable_prompt_logprobs();
+    fwd->set_start(lp.start() + skip);
+    fwd->mutable_entries()->CopyFrom(lp.entries());
+    if (skip > 0) fwd->mutable_entries()->DeleteSubrange(0, static_cast<int>(skip));
+    r->prompt_logprobs_sent = lp.start() + lp.entries_size() - 1;
+    r->client->Queue(std::move(out));
+    pending.Add(r->client);
+  }
   for (const v1::TokenEvent& ev : batch.events()) {
     auto it = requests_.find(ev.request_id());
     // Tokens of a request this group no longer serves (cancelled, timed out)
@@ -704,7 +756,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
                                       "' is not a finite log-probability (<= 0)")};
-    if (std::optional<std::string> bad = CheckTopLogprobs(ev, r->route.sampling().logprobs(), g.vocab_size))
+    if (std::optional<std::string> bad = CheckTopLogprobs(ev.top_logprobs(), r->route.sampling().logprobs(), g.vocab_size))
       return Violation{.request_id = r->wire_id, .what = StrCat("request '", r->id, "': ", *bad)};
     if (r->tokens_sent >= r->max_tokens)
       return Violation{.request_id = r->wire_id,

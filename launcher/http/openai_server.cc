@@ -249,6 +249,7 @@ struct Params {
   bool ignore_eos = false;
   bool logprobs = false;     // the chosen tokens' logprobs
   int64_t top_logprobs = 0;  // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
+  int64_t prompt_logprobs = -1;  // completions' echo with logprobs: the prompt's too, with this many beside each
   bool echo = false;
   bool skip_special_tokens = true;
 };
@@ -340,8 +341,9 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
     p.top_logprobs = k;
   }
   p.echo = GetBool(body, "echo", false);
-  if (p.echo && p.logprobs)
-    throw BadField("echo", "not supported with logprobs (the prompt's logprobs are not computed)");
+  // echo with logprobs: the prompt's tokens come with theirs (as vLLM's
+  // prompt_logprobs = logprobs), which the group computes from the whole prompt.
+  if (p.echo && p.logprobs) p.prompt_logprobs = p.top_logprobs;
   if (const json* suffix = Field(body, "suffix");
       suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty()))
     throw BadField("suffix", "not supported");
@@ -538,6 +540,7 @@ struct Choice {
   std::string text;      // not yet sent (streams) or all of it (whole answers)
   bool started = false;  // a stream's first chunk (role, echo) was sent
   std::vector<TokenLogprobs> tokens;  // not yet sent with logprobs (streams), or all
+  std::vector<TokenLogprobs> prompt_logprobs;  // prompt tokens 1, 2, ... (echo with logprobs)
   int64_t completion_tokens = 0;
   std::string finish_reason;  // set when it ended well
   bool ended = false;         // finished, stopped or failed: nothing more comes
@@ -664,6 +667,7 @@ class Exchange {
         for (int64_t id : params_.stop_token_ids) s->add_stop_token_ids(id);
         s->set_ignore_eos(params_.ignore_eos);
         s->set_logprobs(params_.top_logprobs);
+        if (params_.prompt_logprobs >= 0) s->set_prompt_logprobs(params_.prompt_logprobs);
         c.accepted = dispatcher_->Submit(std::make_shared<ChoiceOutlet>(state_, k), request,
                                          principal, deadline);
       }
@@ -761,7 +765,14 @@ class Exchange {
         choice["logprobs"] = params_.logprobs ? ChatLogprobs(c.tokens) : json(nullptr);
       } else {
         choice["text"] = (params_.echo ? params_.echo_texts[c.prompt] : std::string()) + c.text;
-        choice["logprobs"] = params_.logprobs ? CompletionLogprobs(c.tokens, 0) : json(nullptr);
+        choice["logprobs"] = json(nullptr);
+        if (params_.logprobs && params_.echo) {
+          json lp = EchoLogprobs(c);
+          Append(lp, CompletionLogprobs(c.tokens, PromptTextBytes(c)));
+          choice["logprobs"] = std::move(lp);
+        } else if (params_.logprobs) {
+          choice["logprobs"] = CompletionLogprobs(c.tokens, 0);
+        }
       }
       choices.push_back(std::move(choice));
     }
@@ -782,12 +793,18 @@ class Exchange {
       if (c.failed || c.finish_sent) continue;
       const bool first = !c.started;
       if (first) {
+        // echo with logprobs: the echo's chunk waits for the prompt's
+        // logprobs, which come before the first token.
+        const bool prompt_complete = c.prompt_logprobs.size() + 1 >= params_.prompts[c.prompt].size();
+        if (params_.prompt_logprobs >= 0 && !prompt_complete && c.completion_tokens == 0 && !c.ended) continue;
         c.started = true;
         if (params_.chat) {
           out += Event(
               Chunk(c, json{{"role", "assistant"}, {"content", ""}}, json(nullptr), json(nullptr)));
         } else if (params_.echo) {
-          out += Event(Chunk(c, params_.echo_texts[c.prompt], json(nullptr), json(nullptr)));
+          out += Event(Chunk(c, params_.echo_texts[c.prompt],
+                             params_.logprobs ? EchoLogprobs(c) : json(nullptr), json(nullptr)));
+          if (params_.logprobs) c.text_offset = PromptTextBytes(c);
         }
       }
       const bool finish = c.ended && !c.finish_reason.empty() && !c.finish_sent;
@@ -831,7 +848,14 @@ class Exchange {
   // Adds one message of the dispatcher to its choice.
   void Take(Choice& c, const v1::GenerateResponse& msg) {
     if (c.ended) return;  // stopped on a stop string: later tokens crossed the cancel
-    if (msg.has_token()) {
+    if (msg.has_prompt_logprobs()) {
+      for (const v1::PromptTokenLogprob& e : msg.prompt_logprobs().entries()) {
+        TokenLogprobs& t = c.prompt_logprobs.emplace_back(
+            TokenLogprobs{.id = static_cast<int32_t>(e.token_id()), .logprob = e.logprob()});
+        for (const v1::TokenLogprob& top : e.top_logprobs())
+          t.top.emplace_back(static_cast<int32_t>(top.token_id()), top.logprob());
+      }
+    } else if (msg.has_token()) {
       const int32_t id = static_cast<int32_t>(msg.token().token_id());
       ++c.completion_tokens;
       if (params_.logprobs) {
@@ -902,6 +926,49 @@ class Exchange {
             {"token_logprobs", std::move(lps)},
             {"top_logprobs", std::move(tops)},
             {"text_offset", std::move(offsets)}};
+  }
+  // The prompt's part of echo's completions logprobs: every prompt token's
+  // text and offset in the echo; its logprob and most likely tokens (as
+  // CompletionLogprobs) from the second token on, null for the first (and
+  // for any the group did not send).
+  json EchoLogprobs(const Choice& c) const {
+    json texts = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
+    int64_t offset = 0;
+    const std::vector<int32_t>& prompt = params_.prompts[c.prompt];
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      const std::string t = TokenText(prompt[i]);
+      texts.push_back(t);
+      offsets.push_back(offset);
+      offset += static_cast<int64_t>(t.size());
+      if (i == 0 || i > c.prompt_logprobs.size()) {
+        lps.push_back(nullptr);
+        tops.push_back(nullptr);
+        continue;
+      }
+      const TokenLogprobs& lp = c.prompt_logprobs[i - 1];
+      lps.push_back(lp.logprob);
+      json top = json::object();
+      for (const auto& [id, l] : lp.top) top.emplace(TokenText(id), l);
+      top.emplace(t, lp.logprob);
+      tops.push_back(std::move(top));
+    }
+    return {{"tokens", std::move(texts)},
+            {"token_logprobs", std::move(lps)},
+            {"top_logprobs", std::move(tops)},
+            {"text_offset", std::move(offsets)}};
+  }
+  // Where the completion's first token's text_offset lies after the echo's
+  // tokens: their texts' total length, as their offsets count (as vLLM's,
+  // which may differ from the echoed prompt: a BOS has text of its own).
+  int64_t PromptTextBytes(const Choice& c) const {
+    int64_t n = 0;
+    for (int32_t id : params_.prompts[c.prompt]) n += static_cast<int64_t>(TokenText(id).size());
+    return n;
+  }
+  // Appends the arrays of completions logprobs `more` to those of `to`.
+  static void Append(json& to, const json& more) {
+    for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+      for (const json& v : more[key]) to[key].push_back(v);
   }
   json Chunk(const Choice& c, json delta, json logprobs, json finish_reason) const {
     json choice = {{"index", c.index},

@@ -14,6 +14,7 @@ SamplingParams FromProto(const v1::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   s.ignore_eos = p.ignore_eos();
   s.logprobs = p.logprobs();
+  s.prompt_logprobs = p.has_prompt_logprobs() ? p.prompt_logprobs() : -1;
   return s;
 }
 
@@ -27,6 +28,11 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
   out->mutable_stop_token_ids()->Add(p.stop_token_ids.begin(), p.stop_token_ids.end());
   out->set_ignore_eos(p.ignore_eos);
   out->set_logprobs(p.logprobs);
+  if (p.prompt_logprobs >= 0) {
+    out->set_prompt_logprobs(p.prompt_logprobs);
+  } else {
+    out->clear_prompt_logprobs();
+  }
 }
 
 }  // namespace mlarun

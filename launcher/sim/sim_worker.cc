@@ -47,6 +47,10 @@ std::vector<SimToken> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab
   return top;
 }
 
+SimToken SimWorkerPromptToken(std::span<const int32_t> prompt, int64_t i) {
+  return {.token = prompt[static_cast<size_t>(i)], .logprob = -0.5 - 0.25 * static_cast<double>(i % 8)};
+}
+
 namespace {
 
 namespace v1 = ::mlarun::v1;
@@ -374,6 +378,22 @@ void SimGroup::Step() {
       const int64_t taken = static_cast<int64_t>(cache_->BlockTable(r->seq).size() - before);
       r->reserved_blocks -= taken;
       reserved_blocks_ -= taken;
+    }
+    if (r->generated == 0 && r->sampling.prompt_logprobs >= 0 && r->prompt.size() > 1) {
+      v1::PromptLogprobsEvent* pe = batch->add_prompt_logprobs();
+      pe->set_request_id(r->id);
+      pe->mutable_logprobs()->set_start(1);
+      for (int64_t i = 1; i < static_cast<int64_t>(r->prompt.size()); ++i) {
+        const SimToken pt = SimWorkerPromptToken(r->prompt, i);
+        v1::PromptTokenLogprob* entry = pe->mutable_logprobs()->add_entries();
+        entry->set_token_id(pt.token);
+        entry->set_logprob(pt.logprob);
+        for (const SimToken& top : SimWorkerTop(pt, r->sampling.prompt_logprobs, o_.vocab_size)) {
+          v1::TokenLogprob* t = entry->add_top_logprobs();
+          t->set_token_id(top.token);
+          t->set_logprob(top.logprob);
+        }
+      }
     }
     const SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
     v1::TokenEvent* e = batch->add_events();

@@ -70,5 +70,9 @@ SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t 
 // min(n, vocab_size) of them, entry j being token (tok.token + j) %
 // vocab_size with logprob tok.logprob - j (best first, all finite).
 std::vector<SimToken> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size);
+// With SamplingParams::prompt_logprobs = n >= 0, prompt token i >= 1 gets
+// logprob -0.5 - 0.25 (i % 8) and SimWorkerTop of {prompt[i], that} as its
+// most likely tokens, all sent before the first token.
+SimToken SimWorkerPromptToken(std::span<const int32_t> prompt, int64_t i);
 
 }  // namespace mlarun

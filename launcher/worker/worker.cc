@@ -198,7 +198,8 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   // The step loop, on every rank.
   struct Live {
     std::string request_id;
-    size_t sent = 0;
+    size_t sent = 0;         // tokens sent
+    size_t prompt_sent = 0;  // prompt logprobs sent
   };
   std::map<int64_t, Live> live;                   // engine id -> request (leaders)
   std::map<std::string, int64_t> by_request_id;
@@ -291,6 +292,29 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
       std::vector<int64_t> done;
       for (auto& [id, l] : live) {
         const GenerationOutput* out = runner.Output(id);
+        // The prompt's logprobs first, in messages of their own (a long
+        // prompt's would not fit in one): all are recorded by the step that
+        // draws the first token, so they precede it on the stream.
+        while (l.prompt_sent < out->prompt_logprobs.size()) {
+          constexpr size_t kPerMessage = 1024;
+          v1::WorkerMessage m;
+          v1::PromptLogprobsEvent* e = m.mutable_tokens()->add_prompt_logprobs();
+          e->set_request_id(l.request_id);
+          e->mutable_logprobs()->set_start(static_cast<int64_t>(l.prompt_sent) + 1);
+          for (size_t end = std::min(out->prompt_logprobs.size(), l.prompt_sent + kPerMessage); l.prompt_sent < end;
+               ++l.prompt_sent) {
+            const GenerationOutput::PromptLogprob& p = out->prompt_logprobs[l.prompt_sent];
+            v1::PromptTokenLogprob* entry = e->mutable_logprobs()->add_entries();
+            entry->set_token_id(p.token.token);
+            entry->set_logprob(p.token.logprob);
+            for (const TokenLogprob& top : p.top) {
+              v1::TokenLogprob* t = entry->add_top_logprobs();
+              t->set_token_id(top.token);
+              t->set_logprob(top.logprob);
+            }
+          }
+          link->Send(m);
+        }
         for (; l.sent < out->tokens.size(); ++l.sent) {
           v1::TokenEvent* t = tokens.mutable_tokens()->add_events();
           t->set_request_id(l.request_id);
