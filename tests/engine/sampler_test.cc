@@ -660,6 +660,11 @@ TEST(ValidateSamplingParams, RejectsEachBadField) {
   ExpectRejected(p, "logprobs", "-1");
   p.logprobs = kMaxTopLogprobs + 1;
   ExpectRejected(p, "logprobs", "21");
+  p = good;
+  p.prompt_logprobs = -2;
+  ExpectRejected(p, "prompt_logprobs", "-2");
+  p.prompt_logprobs = kMaxTopLogprobs + 1;
+  ExpectRejected(p, "prompt_logprobs", "21");
 
   p = good;
   p.stop_token_ids = {5, 1000};

@@ -483,6 +483,7 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   ASSERT_EQ(es, 200);
   EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me"))
       << echoed.dump();
+  EXPECT_TRUE(echoed["choices"][0]["logprobs"].is_null());
   // More than the engine lists, or top_logprobs without logprobs: 400.
   auto [ls, big] = d_->Post("/v1/completions", {{"prompt", "x"}, {"logprobs", 21}});
   EXPECT_EQ(ls, 400);
@@ -496,6 +497,61 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
                                                            {"top_logprobs", 21}});
   EXPECT_EQ(bs, 400);
   EXPECT_EQ(big_chat["error"]["param"], "top_logprobs");
+}
+
+// echo with logprobs: the prompt's tokens first, each (but the first, null)
+// with the logprob and most likely tokens the group sent for it (the
+// simulated group's: SimWorkerPromptToken, SimWorkerTop), then the
+// completion's; offsets run on over both. A stream's first chunk carries the
+// prompt's part.
+TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
+  auto text_of = [&](int64_t id) {
+    const int32_t one[1] = {static_cast<int32_t>(id)};
+    return Tok().Decode(one, false);
+  };
+  const int64_t vocab = Tok().vocab_size();
+  const json body = {{"prompt", "echo this"}, {"max_tokens", 3}, {"seed", 6}, {"logprobs", 2}, {"echo", true}};
+  auto [status, whole] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  const std::vector<int32_t> ids = Tok().Encode("echo this", true);
+  ASSERT_GE(ids.size(), 3u);
+  const json& lp = whole["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), ids.size() + 3) << lp.dump();
+  int64_t offset = 0;
+  for (size_t i = 0; i < ids.size() + 3; ++i) {
+    SCOPED_TRACE("token " + std::to_string(i));
+    const bool prompt = i < ids.size();
+    const SimToken tok = prompt ? SimWorkerPromptToken(ids, static_cast<int64_t>(i))
+                                : SimWorkerToken(ids, 6, static_cast<int64_t>(i - ids.size()), vocab);
+    EXPECT_EQ(lp["tokens"][i], text_of(tok.token));
+    EXPECT_EQ(lp["text_offset"][i], offset);
+    offset += static_cast<int64_t>(text_of(tok.token).size());
+    if (i == 0) {
+      EXPECT_TRUE(lp["token_logprobs"][i].is_null());
+      EXPECT_TRUE(lp["top_logprobs"][i].is_null());
+      continue;
+    }
+    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), tok.logprob);
+    std::map<std::string, double> expected;
+    for (const SimToken& t : SimWorkerTop(tok, 2, vocab)) expected.emplace(text_of(t.token), t.logprob);
+    expected.emplace(text_of(tok.token), tok.logprob);
+    const json& top = lp["top_logprobs"][i];
+    ASSERT_EQ(top.size(), expected.size()) << top.dump();
+    for (const auto& [text, logprob] : expected) EXPECT_DOUBLE_EQ(top.at(text).get<double>(), logprob);
+  }
+  // Streamed: the echo's chunk carries the prompt's part, then the tokens'.
+  auto [ss, events] = d_->Stream("/v1/completions", body);
+  ASSERT_EQ(ss, 200);
+  json joined = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+                 {"text_offset", json::array()}};
+  for (size_t e = 0; e + 1 < events.size(); ++e) {
+    const json c = json::parse(events[e]);
+    if (c["choices"].empty() || !c["choices"][0]["logprobs"].is_object()) continue;
+    if (e == 0) EXPECT_EQ(c["choices"][0]["logprobs"]["tokens"].size(), ids.size()) << "the echo's chunk";
+    for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+      for (const json& v : c["choices"][0]["logprobs"][key]) joined[key].push_back(v);
+  }
+  EXPECT_EQ(joined, lp);
 }
 
 // The most likely tokens of each step, as the group sent them (the simulated

@@ -205,6 +205,23 @@ for step, (tops, sampled) in enumerate(zip(got.top_logprobs, lp_ref["tokens"])):
     check(len(tops) <= 4, tops)
 print("completions logprobs=3: the sampled tokens' logprobs and the 3 most likely of each step equal mlarun generate's")
 
+# echo with logprobs: the prompt's tokens with theirs (as lm-evaluation-harness scores a continuation).
+echo_ref = reference([{"prompt_ids": prompt_ids, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True,
+                       "logprobs": 1, "prompt_logprobs": 1}])[0]
+echoed = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                   extra_body={"ignore_eos": True})
+elp = echoed.choices[0].logprobs
+n_prompt = len(prompt_ids)
+check(elp.tokens[:n_prompt] == [decode([i]) for i in prompt_ids], (elp.tokens, prompt_ids))
+check(elp.token_logprobs[0] is None and elp.top_logprobs[0] is None, elp)
+check(elp.token_logprobs[1:n_prompt] == [lp for _, lp in echo_ref["prompt_logprobs"]],
+      (elp.token_logprobs, echo_ref["prompt_logprobs"]))
+check(elp.token_logprobs[n_prompt:] == echo_ref["logprobs"], (elp.token_logprobs, echo_ref["logprobs"]))
+for i, (tops, best) in enumerate(zip(elp.top_logprobs[1:n_prompt], echo_ref["prompt_top_logprobs"])):
+    check(tops.get(decode([best[0][0]])) is not None and tops[decode([best[0][0]])] >= best[0][1], (i, tops, best))
+check(echoed.choices[0].text == decode(prompt_ids) + decode(echo_ref["tokens"]), echoed.choices[0].text)
+print(f"completions echo with logprobs: {n_prompt - 1} prompt tokens' logprobs equal mlarun generate's")
+
 # ---- Errors ------------------------------------------------------------------------------
 try:
     client.completions.create(model="not-this-one", prompt="x", max_tokens=2)

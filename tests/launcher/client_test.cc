@@ -331,9 +331,12 @@ TEST(Submit, JsonLineListsTheMostLikelyTokensWhenAsked) {
   o.json = true;
   o.sampling.max_tokens = 2;
   o.sampling.logprobs = 3;
+  o.sampling.prompt_logprobs = 0;
   std::ostringstream out, err;
   ASSERT_EQ(RunSubmit(o, out, err), 0) << err.str();
   EXPECT_EQ(svc.last().sampling().logprobs(), 3);
+  EXPECT_TRUE(svc.last().sampling().has_prompt_logprobs());
+  EXPECT_EQ(svc.last().sampling().prompt_logprobs(), 0);
   const auto lines = Lines(out.str());
   ASSERT_EQ(lines.size(), 1u) << out.str();
   const Json j = Json::parse(lines[0]);
@@ -358,6 +361,8 @@ TEST(Submit, DefaultsAreSentExplicitly) {
   EXPECT_EQ(s.top_p(), 1.0);
   EXPECT_TRUE(s.has_max_tokens());
   EXPECT_EQ(s.max_tokens(), 16);
+  EXPECT_EQ(s.logprobs(), 0);
+  EXPECT_FALSE(s.has_prompt_logprobs()) << "absent: off";
   EXPECT_EQ(svc.last().request_id(), "");
 }
 

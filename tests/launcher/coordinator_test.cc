@@ -326,6 +326,8 @@ struct GenResult {
   std::optional<v1::Finished> finished;
   std::set<std::string> ids;  // request_id of every response
   int after_finished = 0;     // responses after Finished (must be 0)
+  std::vector<v1::PromptLogprobs> prompt_logprobs;
+  int prompt_after_token = 0;  // prompt logprobs after a token (must be 0)
   double elapsed_ms = 0;
 };
 
@@ -341,6 +343,10 @@ GenResult Generate(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, Ms ti
     if (res.finished) ++res.after_finished;
     if (resp.has_token()) res.tokens.push_back(resp.token());
     if (resp.has_finished()) res.finished = resp.finished();
+    if (resp.has_prompt_logprobs()) {
+      res.prompt_logprobs.push_back(resp.prompt_logprobs());
+      res.prompt_after_token += !res.tokens.empty();
+    }
   }
   res.status = reader->Finish();
   res.elapsed_ms =
@@ -1719,6 +1725,43 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
   cases.push_back({"request 'victim': top_logprobs[1] logprob 0.5 is not a finite", with_top({{1, -1}, {2, 0.5}})});
   cases.push_back({"request 'victim': top_logprobs[1] logprob -1 is above the one before it (-2): not best first",
                    with_top({{1, -2}, {2, -1}})});
+  // The victim's prompt {3, 4, 5} with prompt_logprobs = 1: tokens 1 and 2
+  // may have theirs, consecutively, naming the prompt's ids.
+  struct PromptEntry {
+    int64_t id;
+    double logprob;
+    std::vector<std::pair<int64_t, double>> top;
+  };
+  auto with_prompt = [&](int64_t start, std::vector<PromptEntry> entries) -> Step {
+    return [start, entries](v1::WorkerMessage& batch, std::vector<v1::WorkerMessage>& dones) {
+      v1::PromptLogprobsEvent* e = batch.mutable_tokens()->add_prompt_logprobs();
+      e->set_request_id("victim");
+      e->mutable_logprobs()->set_start(start);
+      for (const PromptEntry& p : entries) {
+        v1::PromptTokenLogprob* x = e->mutable_logprobs()->add_entries();
+        x->set_token_id(p.id);
+        x->set_logprob(p.logprob);
+        for (const auto& [id, lp] : p.top) {
+          v1::TokenLogprob* t = x->add_top_logprobs();
+          t->set_token_id(id);
+          t->set_logprob(lp);
+        }
+      }
+      auto* events = batch.mutable_tokens()->mutable_events();
+      for (int i = events->size() - 1; i >= 0; --i)
+        if (events->Get(i).request_id() != "victim") events->DeleteSubrange(i, 1);
+      std::erase_if(dones, [](const v1::WorkerMessage& d) { return d.done().request_id() != "victim"; });
+    };
+  };
+  cases.push_back({"request 'victim': prompt_logprobs.start 2 where 1 was next", with_prompt(2, {{5, -1, {}}})});
+  cases.push_back({"request 'victim': prompt_logprobs for tokens 1 .. 3 of a prompt of 3",
+                   with_prompt(1, {{4, -1, {}}, {5, -1, {}}, {6, -1, {}}})});
+  cases.push_back({"request 'victim': prompt_logprobs for token 2 name id 9, the prompt has 5",
+                   with_prompt(1, {{4, -1, {}}, {9, -1, {}}})});
+  cases.push_back({"request 'victim': prompt_logprobs for token 1: logprob 0.5 is not a finite",
+                   with_prompt(1, {{4, 0.5, {}}})});
+  cases.push_back({"request 'victim': prompt_logprobs for token 1: 2 top_logprobs, more than the 1 asked for",
+                   with_prompt(1, {{4, -1, {{4, -1}, {7, -2}}}})});
 
   for (const Case& c : cases) {
     SCOPED_TRACE(c.violation);
@@ -1729,6 +1772,7 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
     ASSERT_TRUE(bad.WaitRoutes(1));
     v1::GenerateRequest victim_request = MakeRequest({3, 4, 5}, 4, 0, "victim");
     victim_request.mutable_sampling()->set_logprobs(2);
+    victim_request.mutable_sampling()->set_prompt_logprobs(1);
     const GenResult victim = Generate(*stub_, victim_request);
     EXPECT_EQ(victim.status.error_code(), grpc::StatusCode::INTERNAL) << victim.status.error_message();
     EXPECT_NE(victim.status.error_message().find("DP group 0 of worker 'bad' it violated the worker protocol"),
@@ -1752,6 +1796,47 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
     ExpectServed(other.Get(), {1, 2}, 0, 4);
     EXPECT_EQ(good.routes(), std::vector<std::string>{"other"});
   }
+}
+
+// A group's prompt logprobs reach the client as sent, once, before the first
+// token: the fake group sends the same ones with every step's batch (as a
+// re-routed request's new group would send what the client already has).
+TEST_F(CoordinatorTest, PromptLogprobsReachTheClientOnceBeforeTheFirstToken) {
+  StartCoordinator();
+  AddWorker({.worker_id = "job", .edit_step = [](v1::WorkerMessage& batch, std::vector<v1::WorkerMessage>&) {
+               v1::PromptLogprobsEvent* e = batch.mutable_tokens()->add_prompt_logprobs();
+               e->set_request_id("p");
+               e->mutable_logprobs()->set_start(1);
+               v1::PromptTokenLogprob* a = e->mutable_logprobs()->add_entries();
+               a->set_token_id(4);
+               a->set_logprob(-0.5);
+               v1::TokenLogprob* t = a->add_top_logprobs();
+               t->set_token_id(4);
+               t->set_logprob(-0.5);
+               v1::PromptTokenLogprob* b = e->mutable_logprobs()->add_entries();
+               b->set_token_id(5);
+               b->set_logprob(-1.5);
+             }});
+  v1::GenerateRequest req = MakeRequest({3, 4, 5}, 4, 0, "p");
+  req.mutable_sampling()->set_prompt_logprobs(1);
+  const GenResult r = Generate(*stub_, req);
+  ExpectServed(r, {3, 4, 5}, 0, 4);
+  ASSERT_EQ(r.prompt_logprobs.size(), 1u);
+  EXPECT_EQ(r.prompt_after_token, 0);
+  const v1::PromptLogprobs& lp = r.prompt_logprobs[0];
+  EXPECT_EQ(lp.start(), 1);
+  ASSERT_EQ(lp.entries_size(), 2);
+  EXPECT_EQ(lp.entries(0).token_id(), 4);
+  EXPECT_EQ(lp.entries(0).logprob(), -0.5);
+  ASSERT_EQ(lp.entries(0).top_logprobs_size(), 1);
+  EXPECT_EQ(lp.entries(0).top_logprobs(0).token_id(), 4);
+  EXPECT_EQ(lp.entries(1).token_id(), 5);
+  EXPECT_EQ(lp.entries(1).logprob(), -1.5);
+  // A request that did not ask for them: the group violated the protocol.
+  const GenResult q = Generate(*stub_, MakeRequest({3, 4, 5}, 4, 0, "p"));
+  EXPECT_EQ(q.status.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_NE(q.status.error_message().find("request 'p': prompt_logprobs, which it did not ask for"), std::string::npos)
+      << q.status.error_message();
 }
 
 TEST_F(CoordinatorTest, StatsOutOfRangeDisconnectTheGroup) {

@@ -24,7 +24,8 @@ std::vector<nlohmann::json> Lines(const std::string& text) {
 TEST(Generate, ParseRequestLine) {
   const SamplingParams defaults{.max_tokens = 7};
   auto r = ParseRequestLine(R"({"prompt_ids": [4, 5], "temperature": 0.5, "top_k": 3, "seed": 9,
-                                 "stop_token_ids": [8], "ignore_eos": true, "logprobs": 4})", defaults);
+                                 "stop_token_ids": [8], "ignore_eos": true, "logprobs": 4,
+                                 "prompt_logprobs": 0})", defaults);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->prompt, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(r->sampling.max_tokens, 7);
@@ -34,6 +35,8 @@ TEST(Generate, ParseRequestLine) {
   EXPECT_EQ(r->sampling.stop_token_ids, (std::vector<int64_t>{8}));
   EXPECT_TRUE(r->sampling.ignore_eos);
   EXPECT_EQ(r->sampling.logprobs, 4);
+  EXPECT_EQ(r->sampling.prompt_logprobs, 0);
+  EXPECT_EQ(ParseRequestLine(R"({"prompt_ids": [1]})", defaults)->sampling.prompt_logprobs, -1) << "off unless asked";
   for (const auto& [line, field] : std::vector<std::pair<std::string, std::string>>{
            {R"({"max_tokens": 3})", "prompt_ids"},
            {R"({"prompt_ids": "1,2"})", "prompt_ids"},

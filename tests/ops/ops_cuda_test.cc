@@ -689,5 +689,39 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
   }
 }
 
+// Prompt tokens scored on the device: each row read back and scored as the
+// CPU scores it, bit for bit.
+TEST(OpsCuda, ScoreGivesTheCpusLogprobs) {
+  MLARUN_SKIP_WITHOUT_GPU();
+  Random r(10);
+  for (int64_t vocab : {1, 7, 257, 129280}) {
+    SCOPED_TRACE("vocab " + std::to_string(vocab));
+    const int64_t rows = 5, ld = vocab + 3;
+    std::vector<float> logits(static_cast<size_t>(rows * ld), 1e30f);  // padding that must not be read
+    for (int64_t row = 0; row < rows; ++row) {
+      const std::vector<float> v = GreedyEdgeRow(r, static_cast<int>(row % 8), vocab);
+      std::copy(v.begin(), v.end(), logits.begin() + row * ld);
+    }
+    std::vector<int32_t> tokens;
+    for (int64_t row = 0; row < rows; ++row) tokens.push_back(static_cast<int32_t>((row * 31) % vocab));
+    const DeviceVec<float> dlogits = ToDevice(logits);
+    std::vector<SampledToken> want(static_cast<size_t>(rows)), got(static_cast<size_t>(rows));
+    ASSERT_TRUE(ScoreRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .tokens = tokens.data(),
+                          .top = 4, .out = want.data()})
+                    .ok());
+    const Status st = ScoreRun({.logits = dlogits.data(), .rows = rows, .vocab = vocab, .ld = ld,
+                                .tokens = tokens.data(), .top = 4, .out = got.data(), .backend = Backend::kCuda});
+    ASSERT_TRUE(st.ok()) << st;
+    for (int64_t row = 0; row < rows; ++row) {
+      const SampledToken& a = want[static_cast<size_t>(row)];
+      const SampledToken& b = got[static_cast<size_t>(row)];
+      EXPECT_EQ(b.token, a.token) << row;
+      EXPECT_EQ(std::memcmp(&a.logprob, &b.logprob, sizeof(double)), 0) << row;
+      ASSERT_EQ(b.num_top, a.num_top) << row;
+      for (int32_t j = 0; j < a.num_top; ++j) EXPECT_EQ(b.top[j], a.top[j]) << row;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace mlarun

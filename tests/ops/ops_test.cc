@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -477,6 +478,55 @@ TEST(SampleOp, RunsEachRowsSampler) {
                                .out = out});
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("samplers[1]"), std::string::npos) << st;
+}
+
+// Each row's token scored against a float64 log-softmax of the row, its most
+// likely tokens listed best first; NaN padding past vocab is never read.
+TEST(ScoreOp, ScoresEachRowsTokenAgainstFloat64) {
+  Random r(13);
+  const int64_t rows = 4, vocab = 300, ld = 301, top = 3;
+  std::vector<float> logits = r.Vector(static_cast<size_t>(rows * ld));
+  for (int64_t t = 0; t < rows; ++t) logits[static_cast<size_t>(t * ld + vocab)] = kNaN;
+  logits[2 * ld + 17] = -std::numeric_limits<float>::infinity();  // row 2 scores a token of no probability
+  const std::vector<int32_t> tokens = {5, 299, 17, 0};
+  std::vector<SampledToken> out(static_cast<size_t>(rows));
+  ASSERT_TRUE(ScoreRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .tokens = tokens.data(),
+                        .top = top, .out = out.data()})
+                  .ok());
+  for (int64_t t = 0; t < rows; ++t) {
+    SCOPED_TRACE("row " + std::to_string(t));
+    const float* row = logits.data() + t * ld;
+    double mx = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < vocab; ++j) mx = std::max(mx, static_cast<double>(row[j]));
+    for (int64_t j = 0; j < vocab; ++j) sum += std::exp(static_cast<double>(row[j]) - mx);
+    auto ref = [&](int64_t j) { return static_cast<double>(row[j]) - mx - std::log(sum); };
+    const SampledToken& s = out[static_cast<size_t>(t)];
+    EXPECT_EQ(s.token, tokens[static_cast<size_t>(t)]);
+    if (t == 2) {
+      EXPECT_EQ(s.logprob, kNoProbabilityLogprob);
+    } else {
+      EXPECT_NEAR(s.logprob, ref(tokens[static_cast<size_t>(t)]), 1e-9);
+    }
+    std::vector<int64_t> order(static_cast<size_t>(vocab));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return row[a] > row[b]; });
+    ASSERT_EQ(s.num_top, top);
+    for (int64_t k = 0; k < top; ++k) {
+      EXPECT_EQ(s.top[static_cast<size_t>(k)].token, order[static_cast<size_t>(k)]) << k;
+      EXPECT_NEAR(s.top[static_cast<size_t>(k)].logprob, ref(order[static_cast<size_t>(k)]), 1e-9) << k;
+    }
+  }
+  // A token outside the vocabulary, or too many alternatives: named.
+  const int32_t bad[1] = {300};
+  EXPECT_NE(ScoreRun({.logits = logits.data(), .rows = 1, .vocab = vocab, .ld = ld, .tokens = bad, .out = out.data()})
+                .message()
+                .find("tokens[0] = 300"),
+            std::string::npos);
+  EXPECT_NE(ScoreRun({.logits = logits.data(), .rows = 1, .vocab = vocab, .ld = ld, .tokens = tokens.data(),
+                      .top = kMaxTopLogprobs + 1, .out = out.data()})
+                .message()
+                .find("top (21)"),
+            std::string::npos);
 }
 
 TEST(LatentWriteOp, CpuWritesTheSlotsRows) {

@@ -5,6 +5,7 @@
 //   mpirun -np W parallel_model_test --layout dp=D,attn_tp=T[,moe=...]
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cstring>
 #include <random>
 
@@ -151,7 +152,10 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
                         .enable_prefix_caching = false};
   auto runner = RankRunner::Create(*model, ec, g);
   ASSERT_TRUE(runner.ok()) << runner.status();
-  const auto reqs = Requests();
+  auto reqs = Requests();
+  // Every other request also has its prompt's logprobs (its leader's runner
+  // scores them across prefill chunks).
+  for (size_t i = 1; i < reqs.size(); i += 2) reqs[i].sampling.prompt_logprobs = 2;
   // Request i goes to DP group i % dp (only its leader queues it).
   std::vector<std::pair<int, int64_t>> mine;
   for (size_t i = 0; i < reqs.size(); ++i) {
@@ -165,22 +169,30 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
     ASSERT_TRUE(more.ok()) << more.status();
     if (!*more) break;
   }
-  // Leaders send [index, n, tokens...] per request.
+  // Leaders send [index, n, tokens..., m, prompt logprobs' bits...] per request.
   std::vector<int64_t> out;
   for (const auto& [i, id] : mine) {
     const GenerationOutput* o = (*runner)->Output(id);
     out.push_back(i);
     out.push_back(static_cast<int64_t>(o->tokens.size()));
     out.insert(out.end(), o->tokens.begin(), o->tokens.end());
+    out.push_back(static_cast<int64_t>(o->prompt_logprobs.size()));
+    for (const GenerationOutput::PromptLogprob& p : o->prompt_logprobs)
+      out.push_back(std::bit_cast<int64_t>(p.token.logprob));
   }
   const auto all = GatherAll(*g.world, out, CommType::kI64);
   const auto written = GatherAll(*g.world, std::vector<int64_t>{(*runner)->cache_stats().bytes_written}, CommType::kI64);
   if (g.rank != 0) return;
   std::vector<std::vector<int64_t>> tokens(reqs.size());
+  std::vector<std::vector<double>> prompt_logprobs(reqs.size());
   for (const auto& v : all)
-    for (size_t k = 0; k < v.size(); k += 2 + static_cast<size_t>(v[k + 1]))
-      tokens[static_cast<size_t>(v[k])].assign(v.begin() + static_cast<int64_t>(k) + 2,
-                                               v.begin() + static_cast<int64_t>(k) + 2 + v[k + 1]);
+    for (size_t k = 0; k < v.size();) {
+      const size_t i = static_cast<size_t>(v[k]), n = static_cast<size_t>(v[k + 1]);
+      tokens[i].assign(v.begin() + static_cast<int64_t>(k + 2), v.begin() + static_cast<int64_t>(k + 2 + n));
+      const size_t m = static_cast<size_t>(v[k + 2 + n]);
+      for (size_t j = 0; j < m; ++j) prompt_logprobs[i].push_back(std::bit_cast<double>(v[k + 3 + n + j]));
+      k += 3 + n + m;
+    }
   auto whole = LoadTiny(ModelShard{});
   ASSERT_TRUE(whole);
   auto engine = Engine::Create(*whole, ec);
@@ -190,6 +202,11 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
   for (size_t i = 0; i < reqs.size(); ++i) {
     ASSERT_TRUE(ref[i].ok());
     EXPECT_EQ(tokens[i], ref[i]->tokens) << "request " << i << " under " << g_layout;
+    ASSERT_EQ(prompt_logprobs[i].size(), ref[i]->prompt_logprobs.size()) << "request " << i;
+    EXPECT_EQ(prompt_logprobs[i].empty(), reqs[i].sampling.prompt_logprobs < 0 || reqs[i].prompt.size() < 2);
+    for (size_t j = 0; j < prompt_logprobs[i].size(); ++j)  // head-sharded sums round differently
+      EXPECT_NEAR(prompt_logprobs[i][j], ref[i]->prompt_logprobs[j].token.logprob, 1e-4)
+          << "request " << i << ", prompt token " << j + 1 << " under " << g_layout;
   }
   // The latent cache: every member of a DP group holds the group's rows; the
   // groups' copies add up to one copy of the whole set.
