@@ -767,8 +767,11 @@ class Exchange {
         choice["text"] = (params_.echo ? params_.echo_texts[c.prompt] : std::string()) + c.text;
         choice["logprobs"] = json(nullptr);
         if (params_.logprobs && params_.echo) {
-          json lp = EchoLogprobs(c);
-          Append(lp, CompletionLogprobs(c.tokens, PromptTextBytes(c)));
+          // The completion's offsets run on after the prompt tokens' texts
+          // (as vLLM's; they may differ from the echo: a BOS has a text).
+          int64_t offset = 0;
+          json lp = EchoLogprobs(c, offset);
+          for (const TokenLogprobs& t : c.tokens) AddCompletionToken(lp, t.id, &t, offset);
           choice["logprobs"] = std::move(lp);
         } else if (params_.logprobs) {
           choice["logprobs"] = CompletionLogprobs(c.tokens, 0);
@@ -803,8 +806,7 @@ class Exchange {
               Chunk(c, json{{"role", "assistant"}, {"content", ""}}, json(nullptr), json(nullptr)));
         } else if (params_.echo) {
           out += Event(Chunk(c, params_.echo_texts[c.prompt],
-                             params_.logprobs ? EchoLogprobs(c) : json(nullptr), json(nullptr)));
-          if (params_.logprobs) c.text_offset = PromptTextBytes(c);
+                             params_.logprobs ? EchoLogprobs(c, c.text_offset) : json(nullptr), json(nullptr)));
         }
       }
       const bool finish = c.ended && !c.finish_reason.empty() && !c.finish_sent;
@@ -910,65 +912,44 @@ class Exchange {
   // one (so logprobs = 0 gives the sampled token alone). Tokens whose texts
   // coincide (partial UTF-8 sequences) share a key: the likelier one's.
   json CompletionLogprobs(const std::vector<TokenLogprobs>& tokens, int64_t offset) const {
-    json texts = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
-    for (const TokenLogprobs& tok : tokens) {
-      const std::string t = TokenText(tok.id);
-      texts.push_back(t);
-      lps.push_back(tok.logprob);
-      offsets.push_back(offset);
-      offset += static_cast<int64_t>(t.size());
-      json top = json::object();
-      for (const auto& [id, lp] : tok.top) top.emplace(TokenText(id), lp);  // best first: emplace keeps it
-      top.emplace(t, tok.logprob);
-      tops.push_back(std::move(top));
-    }
-    return {{"tokens", std::move(texts)},
-            {"token_logprobs", std::move(lps)},
-            {"top_logprobs", std::move(tops)},
-            {"text_offset", std::move(offsets)}};
+    json lp = EmptyCompletionLogprobs();
+    for (const TokenLogprobs& tok : tokens) AddCompletionToken(lp, tok.id, &tok, offset);
+    return lp;
   }
   // The prompt's part of echo's completions logprobs: every prompt token's
-  // text and offset in the echo; its logprob and most likely tokens (as
+  // text and offset; its logprob and most likely tokens (as
   // CompletionLogprobs) from the second token on, null for the first (and
-  // for any the group did not send).
-  json EchoLogprobs(const Choice& c) const {
-    json texts = json::array(), lps = json::array(), tops = json::array(), offsets = json::array();
-    int64_t offset = 0;
+  // for any the group did not send). `offset` ends past the last one's text.
+  json EchoLogprobs(const Choice& c, int64_t& offset) const {
+    json lp = EmptyCompletionLogprobs();
+    offset = 0;
     const std::vector<int32_t>& prompt = params_.prompts[c.prompt];
-    for (size_t i = 0; i < prompt.size(); ++i) {
-      const std::string t = TokenText(prompt[i]);
-      texts.push_back(t);
-      offsets.push_back(offset);
-      offset += static_cast<int64_t>(t.size());
-      if (i == 0 || i > c.prompt_logprobs.size()) {
-        lps.push_back(nullptr);
-        tops.push_back(nullptr);
-        continue;
-      }
-      const TokenLogprobs& lp = c.prompt_logprobs[i - 1];
-      lps.push_back(lp.logprob);
-      json top = json::object();
-      for (const auto& [id, l] : lp.top) top.emplace(TokenText(id), l);
-      top.emplace(t, lp.logprob);
-      tops.push_back(std::move(top));
+    for (size_t i = 0; i < prompt.size(); ++i)
+      AddCompletionToken(lp, prompt[i], i == 0 || i > c.prompt_logprobs.size() ? nullptr : &c.prompt_logprobs[i - 1],
+                         offset);
+    return lp;
+  }
+  static json EmptyCompletionLogprobs() {
+    return {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+            {"text_offset", json::array()}};
+  }
+  // Token `id` at `offset` (advanced past its text), with its logprob and
+  // most likely tokens when `scored`, else nulls.
+  void AddCompletionToken(json& lp, int32_t id, const TokenLogprobs* scored, int64_t& offset) const {
+    const std::string t = TokenText(id);
+    lp["tokens"].push_back(t);
+    lp["text_offset"].push_back(offset);
+    offset += static_cast<int64_t>(t.size());
+    if (scored == nullptr) {
+      lp["token_logprobs"].push_back(nullptr);
+      lp["top_logprobs"].push_back(nullptr);
+      return;
     }
-    return {{"tokens", std::move(texts)},
-            {"token_logprobs", std::move(lps)},
-            {"top_logprobs", std::move(tops)},
-            {"text_offset", std::move(offsets)}};
-  }
-  // Where the completion's first token's text_offset lies after the echo's
-  // tokens: their texts' total length, as their offsets count (as vLLM's,
-  // which may differ from the echoed prompt: a BOS has text of its own).
-  int64_t PromptTextBytes(const Choice& c) const {
-    int64_t n = 0;
-    for (int32_t id : params_.prompts[c.prompt]) n += static_cast<int64_t>(TokenText(id).size());
-    return n;
-  }
-  // Appends the arrays of completions logprobs `more` to those of `to`.
-  static void Append(json& to, const json& more) {
-    for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
-      for (const json& v : more[key]) to[key].push_back(v);
+    lp["token_logprobs"].push_back(scored->logprob);
+    json top = json::object();
+    for (const auto& [other, l] : scored->top) top.emplace(TokenText(other), l);  // best first: emplace keeps it
+    top.emplace(t, scored->logprob);
+    lp["top_logprobs"].push_back(std::move(top));
   }
   json Chunk(const Choice& c, json delta, json logprobs, json finish_reason) const {
     json choice = {{"index", c.index},

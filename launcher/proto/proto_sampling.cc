@@ -35,4 +35,20 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
   }
 }
 
+namespace {
+
+template <typename Message>
+void AddTop(std::span<const TokenLogprob> top, Message* out) {
+  for (const TokenLogprob& t : top) {
+    v1::TokenLogprob* e = out->add_top_logprobs();
+    e->set_token_id(t.token);
+    e->set_logprob(t.logprob);
+  }
+}
+
+}  // namespace
+
+void AddTopLogprobs(std::span<const TokenLogprob> top, v1::TokenEvent* out) { AddTop(top, out); }
+void AddTopLogprobs(std::span<const TokenLogprob> top, v1::PromptTokenLogprob* out) { AddTop(top, out); }
+
 }  // namespace mlarun

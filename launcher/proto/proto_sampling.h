@@ -4,11 +4,15 @@
 // generated message, so including it pulls in neither protobuf nor gRPC.
 #pragma once
 
+#include <span>
+
 #include "runtime/request/sampling_params.h"
 
 namespace mlarun {
 namespace v1 {
 class SamplingParams;
+class TokenEvent;
+class PromptTokenLogprob;
 }  // namespace v1
 
 // Absent optional fields (top_p, max_tokens) take SamplingParams{}'s values,
@@ -19,5 +23,9 @@ SamplingParams FromProto(const v1::SamplingParams& p);
 // Sets every field, the optional ones included, so the receiver never has to
 // guess what was meant.
 void ToProto(const SamplingParams& p, v1::SamplingParams* out);
+
+// Appends `top` (the most likely tokens, best first) to the message's top_logprobs.
+void AddTopLogprobs(std::span<const TokenLogprob> top, v1::TokenEvent* out);
+void AddTopLogprobs(std::span<const TokenLogprob> top, v1::PromptTokenLogprob* out);
 
 }  // namespace mlarun

@@ -40,8 +40,8 @@ SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t 
           .logprob = -8.0 * static_cast<double>(h >> 11) * 0x1p-53};
 }
 
-std::vector<SimToken> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size) {
-  std::vector<SimToken> top;
+std::vector<TokenLogprob> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size) {
+  std::vector<TokenLogprob> top;
   for (int64_t j = 0; j < std::min(n, vocab_size); ++j)
     top.push_back({.token = (tok.token + j) % vocab_size, .logprob = tok.logprob - static_cast<double>(j)});
   return top;
@@ -388,11 +388,7 @@ void SimGroup::Step() {
         v1::PromptTokenLogprob* entry = pe->mutable_logprobs()->add_entries();
         entry->set_token_id(pt.token);
         entry->set_logprob(pt.logprob);
-        for (const SimToken& top : SimWorkerTop(pt, r->sampling.prompt_logprobs, o_.vocab_size)) {
-          v1::TokenLogprob* t = entry->add_top_logprobs();
-          t->set_token_id(top.token);
-          t->set_logprob(top.logprob);
-        }
+        AddTopLogprobs(SimWorkerTop(pt, r->sampling.prompt_logprobs, o_.vocab_size), entry);
       }
     }
     const SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
@@ -400,11 +396,7 @@ void SimGroup::Step() {
     e->set_request_id(r->id);
     e->set_token_id(tok.token);
     e->set_logprob(tok.logprob);
-    for (const SimToken& top : SimWorkerTop(tok, r->sampling.logprobs, o_.vocab_size)) {
-      v1::TokenLogprob* t = e->add_top_logprobs();
-      t->set_token_id(top.token);
-      t->set_logprob(top.logprob);
-    }
+    AddTopLogprobs(SimWorkerTop(tok, r->sampling.logprobs, o_.vocab_size), e);
     ++r->generated;
     r->last_token = tok.token;
     const auto& stops = r->sampling.stop_token_ids;

@@ -12,6 +12,7 @@
 
 #include "launcher/security/security.h"
 #include "runtime/base/block_size.h"
+#include "runtime/request/sampling_params.h"
 
 namespace mlarun {
 
@@ -69,7 +70,7 @@ SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t 
 // Its most likely tokens, for a request with SamplingParams::logprobs = n:
 // min(n, vocab_size) of them, entry j being token (tok.token + j) %
 // vocab_size with logprob tok.logprob - j (best first, all finite).
-std::vector<SimToken> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size);
+std::vector<TokenLogprob> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size);
 // With SamplingParams::prompt_logprobs = n >= 0, prompt token i >= 1 gets
 // logprob -0.5 - 0.25 (i % 8) and SimWorkerTop of {prompt[i], that} as its
 // most likely tokens, all sent before the first token.

@@ -307,11 +307,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
             v1::PromptTokenLogprob* entry = e->mutable_logprobs()->add_entries();
             entry->set_token_id(p.token.token);
             entry->set_logprob(p.token.logprob);
-            for (const TokenLogprob& top : p.top) {
-              v1::TokenLogprob* t = entry->add_top_logprobs();
-              t->set_token_id(top.token);
-              t->set_logprob(top.logprob);
-            }
+            AddTopLogprobs(p.top, entry);
           }
           link->Send(m);
         }
@@ -320,12 +316,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           t->set_request_id(l.request_id);
           t->set_token_id(out->tokens[l.sent]);
           t->set_logprob(out->logprobs[l.sent]);
-          if (l.sent < out->top_logprobs.size())
-            for (const TokenLogprob& top : out->top_logprobs[l.sent]) {
-              v1::TokenLogprob* e = t->add_top_logprobs();
-              e->set_token_id(top.token);
-              e->set_logprob(top.logprob);
-            }
+          if (l.sent < out->top_logprobs.size()) AddTopLogprobs(out->top_logprobs[l.sent], t);
           ++tokens_since_stats;
         }
         if (out->finish_reason == FinishReason::kLength || out->finish_reason == FinishReason::kStop ||

@@ -20,12 +20,6 @@
 
 namespace mlarun {
 
-struct TokenLogprob {
-  int64_t token = 0;
-  double logprob = 0.0;  // natural log, unmodified distribution
-  friend bool operator==(const TokenLogprob&, const TokenLogprob&) = default;
-};
-
 struct SampledToken {
   int64_t token = 0;
   double logprob = 0.0;  // natural log, unmodified distribution

@@ -16,6 +16,14 @@ namespace mlarun {
 // top_logprobs bound.
 inline constexpr int64_t kMaxTopLogprobs = 20;
 
+// A token and its logprob (natural log, unmodified distribution): an entry
+// of the most likely tokens a request asks for.
+struct TokenLogprob {
+  int64_t token = 0;
+  double logprob = 0.0;
+  friend bool operator==(const TokenLogprob&, const TokenLogprob&) = default;
+};
+
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;         // <= 0: off

@@ -533,7 +533,7 @@ TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
     }
     EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), tok.logprob);
     std::map<std::string, double> expected;
-    for (const SimToken& t : SimWorkerTop(tok, 2, vocab)) expected.emplace(text_of(t.token), t.logprob);
+    for (const TokenLogprob& t : SimWorkerTop(tok, 2, vocab)) expected.emplace(text_of(t.token), t.logprob);
     expected.emplace(text_of(tok.token), tok.logprob);
     const json& top = lp["top_logprobs"][i];
     ASSERT_EQ(top.size(), expected.size()) << top.dump();
@@ -574,10 +574,10 @@ TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
     const std::vector<int32_t> ids = Tok().Encode("top", true);
     for (int i = 0; i < 5; ++i) {
       const SimToken tok = SimWorkerToken(ids, 4, i, vocab);
-      const std::vector<SimToken> want = SimWorkerTop(tok, 3, vocab);
+      const std::vector<TokenLogprob> want = SimWorkerTop(tok, 3, vocab);
       ASSERT_EQ(want.size(), 3u);
       std::map<std::string, double> expected;
-      for (const SimToken& t : want) expected.emplace(text_of(t.token), t.logprob);
+      for (const TokenLogprob& t : want) expected.emplace(text_of(t.token), t.logprob);
       expected.emplace(text_of(tok.token), tok.logprob);
       const json& top = lp["top_logprobs"][i];
       ASSERT_TRUE(top.is_object()) << top.dump();

@@ -220,6 +220,17 @@ TEST_P(HfFixture, GreedyTokensMatchTransformers) {
   }
 }
 
+// log_softmax of a fixture's row of logits, in float64.
+std::vector<double> LogSoftmax(const Json& row) {
+  std::vector<double> out;
+  for (const Json& v : row) out.push_back(v.get<double>());
+  const double mx = *std::max_element(out.begin(), out.end());
+  double sum = 0;
+  for (double v : out) sum += std::exp(v - mx);
+  for (double& v : out) v = v - mx - std::log(sum);
+  return out;
+}
+
 // The most likely tokens a request asks for (SamplingParams::logprobs) are
 // those of transformers' raw decode logits, with their log-softmax (float64
 // here): prompt 0, every step of its greedy continuation (the tokens equal
@@ -243,12 +254,7 @@ TEST_P(HfFixture, TopLogprobsMatchTransformers) {
   const GenerationOutput& out = *outs[0];
   ASSERT_EQ(out.top_logprobs.size(), steps.size());
   for (size_t t = 0; t < steps.size(); ++t) {
-    std::vector<double> ref;
-    for (const Json& v : steps[t]) ref.push_back(v.get<double>());
-    const double mx = *std::max_element(ref.begin(), ref.end());
-    double sum = 0;
-    for (double v : ref) sum += std::exp(v - mx);
-    for (double& v : ref) v = v - mx - std::log(sum);
+    const std::vector<double> ref = LogSoftmax(steps[t]);
     std::vector<double> sorted = ref;
     std::sort(sorted.begin(), sorted.end(), std::greater<>());
     const std::vector<TokenLogprob>& got = out.top_logprobs[t];
@@ -307,12 +313,7 @@ TEST_P(HfFixture, PromptLogprobsMatchTransformers) {
     const auto& got = outs[q]->prompt_logprobs;
     ASSERT_EQ(got.size(), prompt.size() - 1);
     for (size_t j = 0; j + 1 < prompt.size(); ++j) {
-      std::vector<double> ref;
-      for (const Json& v : rows[j]) ref.push_back(v.get<double>());
-      const double mx = *std::max_element(ref.begin(), ref.end());
-      double sum = 0;
-      for (double v : ref) sum += std::exp(v - mx);
-      for (double& v : ref) v = v - mx - std::log(sum);
+      const std::vector<double> ref = LogSoftmax(rows[j]);
       std::vector<double> sorted = ref;
       std::sort(sorted.begin(), sorted.end(), std::greater<>());
       EXPECT_EQ(got[j].token.token, prompt[j + 1]) << "position " << j;
