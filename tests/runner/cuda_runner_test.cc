@@ -178,14 +178,18 @@ TEST(CudaRunner, SamplesWhatTheCpuRunnerSamples) {
   for (int i = 0; i < 4; ++i) {
     std::vector<int32_t> prompt(static_cast<size_t>(6 + 9 * i));
     for (auto& t : prompt) t = static_cast<int32_t>(1 + rng() % 500);
-    const SamplingParams sp = i % 2 == 0 ? SamplingParams{.temperature = 0.0, .max_tokens = 10, .ignore_eos = true}
-                                         : SamplingParams{.temperature = 0.8, .top_k = 40, .top_p = 0.9,
-                                                          .seed = static_cast<uint64_t>(100 + i), .max_tokens = 10,
-                                                          .ignore_eos = true};
+    SamplingParams sp = i % 2 == 0 ? SamplingParams{.temperature = 0.0, .max_tokens = 10, .ignore_eos = true}
+                                   : SamplingParams{.temperature = 0.8, .top_k = 40, .top_p = 0.9,
+                                                    .seed = static_cast<uint64_t>(100 + i), .max_tokens = 10,
+                                                    .ignore_eos = true};
+    if (i >= 2) {  // the most likely tokens, and the prompt's logprobs: rows read back whole
+      sp.logprobs = 3;
+      sp.prompt_logprobs = 2;
+    }
     ASSERT_TRUE(s_cpu->Add(GenerationRequest{prompt, sp}).ok());
     ASSERT_TRUE(s_gpu->Add(GenerationRequest{prompt, sp}).ok());
   }
-  int steps = 0, compared = 0;
+  int steps = 0, compared = 0, scored = 0;
   while (s_cpu->HasWork()) {
     ASSERT_LT(++steps, 100);
     ASSERT_TRUE(s_gpu->HasWork());
@@ -197,15 +201,33 @@ TEST(CudaRunner, SamplesWhatTheCpuRunnerSamples) {
     ASSERT_TRUE(a.ok()) << a.status();
     ASSERT_TRUE(b.ok()) << b.status();
     ASSERT_EQ(a->size(), b->size());
+    auto same_list = [&](const SampledToken& x, const SampledToken& y, const std::string& what) {
+      ASSERT_EQ(x.num_top, y.num_top) << what;
+      for (int32_t j = 0; j < x.num_top; ++j) EXPECT_NEAR(x.top[j].logprob, y.top[j].logprob, 1e-3) << what;
+    };
     for (size_t i = 0; i < a->size(); ++i) {
       EXPECT_EQ((*a)[i].token, (*b)[i].token) << "step " << steps << " row " << i;
       EXPECT_NEAR((*a)[i].logprob, (*b)[i].logprob, 1e-3) << "step " << steps << " row " << i;
+      same_list((*a)[i], (*b)[i], "step " + std::to_string(steps) + " row " + std::to_string(i));
       ++compared;
     }
-    ASSERT_TRUE(s_cpu->Finish(*pc, *a).ok());
-    ASSERT_TRUE(s_gpu->Finish(*pg, *a).ok());  // the CPU's tokens: the two stay in step even after a difference
+    const auto sa = on_cpu->last_scores(), sb = on_gpu->last_scores();
+    ASSERT_EQ(sa.size(), sb.size());
+    for (size_t q = 0; q < sa.size(); ++q) {
+      ASSERT_EQ(sa[q].size(), sb[q].size()) << "step " << steps << " sequence " << q;
+      for (size_t j = 0; j < sa[q].size(); ++j) {
+        EXPECT_EQ(sa[q][j].token, sb[q][j].token);
+        EXPECT_NEAR(sa[q][j].logprob, sb[q][j].logprob, 1e-3) << "step " << steps << " sequence " << q << " row " << j;
+        same_list(sa[q][j], sb[q][j], "step " + std::to_string(steps) + " sequence " + std::to_string(q));
+        ++scored;
+      }
+    }
+    // The CPU's tokens and scores: the two stay in step even after a difference.
+    ASSERT_TRUE(s_cpu->Finish(*pc, *a, sa).ok());
+    ASSERT_TRUE(s_gpu->Finish(*pg, *a, sa).ok());
   }
   EXPECT_EQ(compared, 40);
+  EXPECT_EQ(scored, (6 + 9 * 2 - 1) + (6 + 9 * 3 - 1)) << "the prompt tokens of requests 2 and 3, after their first";
 }
 
 // Without a GPU, a CUDA model is refused with the reason, not a crash.
