@@ -97,6 +97,12 @@ TEST(Engine, PreemptionKeepsOutputs) {
   // growing to three blocks each while decoding: 12 blocks wanted, 8 exist.
   std::vector<GenerationRequest> reqs;
   for (uint32_t i = 0; i < 4; ++i) reqs.push_back({RandomPrompt(16, 40 + i), i % 2 ? Sampled(20, i) : Greedy(20)});
+  // Two of them also list their most likely tokens and their prompt's
+  // logprobs: recomputed after a preemption, recorded once.
+  for (size_t i : {size_t{1}, size_t{2}}) {
+    reqs[i].sampling.logprobs = 2;
+    reqs[i].sampling.prompt_logprobs = 1;
+  }
   const auto free_run = RunAll(*m, EngineConfig{.cache_budget_bytes = 16 << 20, .block_size = 16}, reqs);
   const LatentCacheConfig cc = m->CacheConfig(0, 16);
   const int64_t block_bytes = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * 4 * 16;
@@ -106,7 +112,23 @@ TEST(Engine, PreemptionKeepsOutputs) {
       RunAll(*m, EngineConfig{.cache_budget_bytes = 8 * block_bytes, .block_size = 16}, reqs, &stats, &retired);
   EXPECT_GT(stats.preemptions, 0) << "the cache was meant to run out";
   ASSERT_EQ(tight.size(), reqs.size());
-  for (size_t i = 0; i < reqs.size(); ++i) EXPECT_EQ(tight[i].tokens, free_run[i].tokens) << "request " << i;
+  EXPECT_GT(tight[1].preemptions + tight[2].preemptions, 0) << "a request with logprobs was meant to be recomputed";
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(tight[i].tokens, free_run[i].tokens) << "request " << i;
+    const bool listed = reqs[i].sampling.logprobs > 0;
+    ASSERT_EQ(tight[i].top_logprobs.size(), listed ? 20u : 0u) << "request " << i;
+    ASSERT_EQ(free_run[i].top_logprobs.size(), tight[i].top_logprobs.size());
+    for (size_t t = 0; t < tight[i].top_logprobs.size(); ++t) {
+      ASSERT_EQ(tight[i].top_logprobs[t].size(), 2u);
+      EXPECT_EQ(tight[i].top_logprobs[t][0].token, free_run[i].top_logprobs[t][0].token) << i << ", " << t;
+      EXPECT_NEAR(tight[i].top_logprobs[t][0].logprob, free_run[i].top_logprobs[t][0].logprob, 1e-4) << i << ", " << t;
+    }
+    ASSERT_EQ(tight[i].prompt_logprobs.size(), listed ? 15u : 0u) << "request " << i;
+    for (size_t j = 0; j < tight[i].prompt_logprobs.size(); ++j) {
+      EXPECT_EQ(tight[i].prompt_logprobs[j].token.token, reqs[i].prompt[j + 1]);
+      EXPECT_EQ(tight[i].prompt_logprobs[j].token.logprob, free_run[i].prompt_logprobs[j].token.logprob) << i << ", " << j;
+    }
+  }
   // Each request's footprint counts once, at its end, however often it was
   // preempted: 16 prompt + 20 generated - 1 = 35 cached tokens, 3 blocks.
   EXPECT_EQ(retired, 4 * 3);
