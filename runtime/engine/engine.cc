@@ -21,6 +21,8 @@ StatusOr<LatentCacheConfig> Engine::CacheConfig(const ModelConfig& model, const 
   if (config.max_num_batched_tokens < 1)
     return InvalidArgumentError("engine: max_num_batched_tokens must be >= 1, got ", config.max_num_batched_tokens);
   if (config.max_num_seqs < 1) return InvalidArgumentError("engine: max_num_seqs must be >= 1, got ", config.max_num_seqs);
+  if (config.max_scored_rows_per_step < 1)
+    return InvalidArgumentError("engine: max_scored_rows_per_step must be >= 1, got ", config.max_scored_rows_per_step);
   LatentCacheConfig cc = CacheConfigFor(model, config.cache_budget_bytes, config.block_size);
   cc.enable_prefix_caching = config.enable_prefix_caching;
   cc.commit_memory = config.commit_cache_memory;
@@ -135,21 +137,36 @@ StatusOr<StepPlan> Engine::Schedule() {
   };
   std::vector<Scheduled> scheduled;
   int64_t budget = config_.max_num_batched_tokens;
+  // Rows that score prompt tokens (each a whole row of logits) are bounded
+  // per step apart from the token budget.
+  int64_t score_budget = config_.max_scored_rows_per_step;
+  auto chunk = [&](const Req& r) {
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(r.tokens.size()) - r.computed, budget);
+    return ScoresPending(r) ? std::min(n, score_budget) : n;
+  };
   // 1. Running requests, oldest first: a decode token or the next prompt chunk.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Req& r = *running_[i];
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(r.tokens.size()) - r.computed, budget);
+    const int64_t n = chunk(r);
+    if (n == 0) {  // no scoring rows left this step
+      ++i;
+      continue;
+    }
+    const bool scores = ScoresPending(r);
     MLARUN_ASSIGN_OR_RETURN(const bool kept, Reserve(r, n));
     if (!kept) continue;  // r was the newest and got preempted; running_ shrank
     scheduled.push_back({&r, n});
     budget -= n;
+    if (scores) score_budget -= n;
     ++i;
   }
   // 2. Waiting requests, in order, while the budget and the cache allow.
   while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
     Req& r = *waiting_.front();
+    const bool scores = ScoresPending(r);
+    if (scores && score_budget == 0) break;
     MLARUN_RETURN_IF_ERROR(Admit(r));
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(r.tokens.size()) - r.computed, budget);
+    const int64_t n = chunk(r);
     MLARUN_ASSIGN_OR_RETURN(const int64_t need, cache_->BlocksNeeded(r.id, n));
     if (need > cache_->stats().blocks_allocatable()) {  // wait for running requests to free blocks
       MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
@@ -163,6 +180,7 @@ StatusOr<StepPlan> Engine::Schedule() {
     running_.push_back(&r);
     scheduled.push_back({&r, n});
     budget -= n;
+    if (scores) score_budget -= n;
   }
   if (scheduled.empty() && HasWork())
     return InternalError("engine: no request could be scheduled although work is pending");

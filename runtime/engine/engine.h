@@ -40,6 +40,10 @@ namespace mlarun {
 struct EngineConfig {
   int64_t max_num_batched_tokens = 512;  // tokens per step (decodes + prefill chunks)
   int64_t max_num_seqs = 64;             // running requests at once
+  // Prompt tokens scored per step (SamplingParams::prompt_logprobs): each
+  // takes a whole row of logits (vocab floats), so a long prompt's are
+  // computed in chunks of at most this many, whatever the token budget.
+  int64_t max_scored_rows_per_step = 64;
   int64_t cache_budget_bytes = int64_t{1} << 30;
   int64_t block_size = kDefaultBlockSize;
   bool enable_prefix_caching = true;

@@ -134,6 +134,36 @@ TEST(Engine, PreemptionKeepsOutputs) {
   EXPECT_EQ(retired, 4 * 3);
 }
 
+// A long prompt's logprobs are scored at most max_scored_rows_per_step rows a
+// step, whatever the token budget, and come out as they do in small chunks; a
+// plain request beside it still takes the rest of the budget.
+TEST(Engine, PromptScoresAreChunkedByTheirOwnBound) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  GenerationRequest scored{RandomPrompt(150, 77), Greedy(2)};
+  scored.sampling.prompt_logprobs = 1;
+  const GenerationRequest plain{RandomPrompt(100, 78), Greedy(2)};
+  EngineStats stats;
+  const auto big = RunAll(*m, EngineConfig{.max_num_batched_tokens = 512, .max_scored_rows_per_step = 64,
+                                           .cache_budget_bytes = 16 << 20},
+                          {scored, plain}, &stats);
+  // 150 prompt tokens at 64 a step: 3 prefill steps, then the second token's.
+  EXPECT_EQ(stats.steps, 4);
+  const auto small = RunAll(*m, EngineConfig{.max_num_batched_tokens = 16, .cache_budget_bytes = 16 << 20}, {scored});
+  ASSERT_EQ(big[0].prompt_logprobs.size(), 149u);
+  ASSERT_EQ(small[0].prompt_logprobs.size(), 149u);
+  for (size_t j = 0; j < 149; ++j) {
+    EXPECT_EQ(big[0].prompt_logprobs[j].token.token, scored.prompt[j + 1]);
+    EXPECT_NEAR(big[0].prompt_logprobs[j].token.logprob, small[0].prompt_logprobs[j].token.logprob, 1e-4) << j;
+    ASSERT_EQ(big[0].prompt_logprobs[j].top.size(), 1u);
+  }
+  EXPECT_EQ(big[0].tokens, small[0].tokens);
+  EXPECT_EQ(big[1].tokens.size(), 2u);
+  EXPECT_TRUE(big[1].prompt_logprobs.empty());
+  EXPECT_EQ(Engine::Create(*m, EngineConfig{.max_scored_rows_per_step = 0}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
 TEST(Engine, PrefixBlocksAreReused) {
   auto m = Tiny();
   ASSERT_TRUE(m);
