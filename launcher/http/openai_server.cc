@@ -251,6 +251,7 @@ struct Params {
   int64_t top_logprobs = 0;  // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
   int64_t prompt_logprobs = -1;  // completions' echo with logprobs: the prompt's too, with this many beside each
   bool echo = false;
+  bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
   bool skip_special_tokens = true;
 };
 
@@ -271,7 +272,8 @@ void ParseSampling(const json& body, Params& p) {
     p.max_tokens = GetInt(body, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max());
     p.max_tokens_field = "max_completion_tokens";
   } else {
-    p.max_tokens = GetInt(body, "max_tokens", 1, std::numeric_limits<int32_t>::max());
+    // 0 only with completions' echo (ParseCompletion): the prompt alone.
+    p.max_tokens = GetInt(body, "max_tokens", 0, std::numeric_limits<int32_t>::max());
   }
   if (std::optional<double> t = GetNumber(body, "temperature")) {
     if (*t < 0 || *t > 100) throw BadField("temperature", StrCat("must be in [0, 100], got ", *t));
@@ -344,6 +346,13 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
   // echo with logprobs: the prompt's tokens come with theirs (as vLLM's
   // prompt_logprobs = logprobs), which the group computes from the whole prompt.
   if (p.echo && p.logprobs) p.prompt_logprobs = p.top_logprobs;
+  // echo with max_tokens 0: the prompt alone (with its logprobs, if asked),
+  // as vLLM: the group generates one token, which is not shown.
+  if (p.max_tokens == 0) {
+    if (!p.echo)
+      throw BadField("max_tokens", "must be in [1, 2147483647], got 0 (0 only with echo: the prompt alone)");
+    p.echo_only = true;
+  }
   if (const json* suffix = Field(body, "suffix");
       suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty()))
     throw BadField("suffix", "not supported");
@@ -418,6 +427,7 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
                const std::string& template_error, Params& p) {
   ParseSampling(body, p);
   p.chat = true;
+  if (p.max_tokens == 0) throw BadField("max_tokens", "must be in [1, 2147483647], got 0");
   p.logprobs = GetBool(body, "logprobs", false);
   if (std::optional<int64_t> top = GetInt(body, "top_logprobs", 0, kMaxTopLogprobs); top && *top > 0) {
     if (!p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
@@ -641,7 +651,7 @@ class Exchange {
                               : std::chrono::system_clock::time_point::max();
     for (size_t p = 0; p < params_.prompts.size(); ++p) {
       const std::vector<int32_t>& prompt = params_.prompts[p];
-      int64_t max_tokens = params_.max_tokens.value_or(kDefaultMaxTokens);
+      int64_t max_tokens = params_.echo_only ? 1 : params_.max_tokens.value_or(kDefaultMaxTokens);
       if (!params_.max_tokens && params_.chat &&
           max_positions > static_cast<int64_t>(prompt.size()))
         max_tokens = max_positions -
@@ -857,6 +867,8 @@ class Exchange {
         for (const v1::TokenLogprob& top : e.top_logprobs())
           t.top.emplace_back(static_cast<int32_t>(top.token_id()), top.logprob());
       }
+    } else if (msg.has_token() && params_.echo_only) {
+      // Not shown: the prompt alone was asked for.
     } else if (msg.has_token()) {
       const int32_t id = static_cast<int32_t>(msg.token().token_id());
       ++c.completion_tokens;
@@ -877,7 +889,7 @@ class Exchange {
       text::StopMatcher::Result r = c.stop->Add(c.decoder->Finish());
       c.text += r.text;
       if (!r.stopped) c.text += c.stop->Finish();
-      c.finish_reason = r.stopped ? "stop" : msg.finished().finish_reason();
+      c.finish_reason = r.stopped ? "stop" : params_.echo_only ? "length" : msg.finished().finish_reason();
       c.ended = true;
     }
   }

@@ -552,6 +552,39 @@ TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
       for (const json& v : c["choices"][0]["logprobs"][key]) joined[key].push_back(v);
   }
   EXPECT_EQ(joined, lp);
+
+  // max_tokens 0: the prompt alone, with its logprobs (how a client scores a
+  // text without a continuation), whole and streamed.
+  json prompt_only = body;
+  prompt_only["max_tokens"] = 0;
+  auto [os, only] = d_->Post("/v1/completions", prompt_only);
+  ASSERT_EQ(os, 200) << only.dump();
+  EXPECT_EQ(only["choices"][0]["text"], "echo this");
+  EXPECT_EQ(only["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(only["usage"]["completion_tokens"], 0);
+  json prompt_part = json::object();
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+    prompt_part[key] = json(std::vector<json>(lp[key].begin(), lp[key].begin() + static_cast<int64_t>(ids.size())));
+  EXPECT_EQ(only["choices"][0]["logprobs"], prompt_part);
+  auto [ost, only_events] = d_->Stream("/v1/completions", prompt_only);
+  ASSERT_EQ(ost, 200);
+  std::string streamed_text;
+  json streamed_lp;
+  for (size_t e = 0; e + 1 < only_events.size(); ++e) {
+    const json c = json::parse(only_events[e]);
+    streamed_text += c["choices"][0]["text"].get<std::string>();
+    if (c["choices"][0]["logprobs"].is_object()) streamed_lp = c["choices"][0]["logprobs"];
+  }
+  EXPECT_EQ(streamed_text, "echo this");
+  EXPECT_EQ(streamed_lp, prompt_part);
+  // Without echo, or in chat, 0 stays refused.
+  auto [zs, zero] = d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 0}});
+  EXPECT_EQ(zs, 400);
+  EXPECT_EQ(zero["error"]["param"], "max_tokens");
+  auto [zc, zero_chat] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
+                                                            {"max_tokens", 0}});
+  EXPECT_EQ(zc, 400);
+  EXPECT_EQ(zero_chat["error"]["param"], "max_tokens");
 }
 
 // The most likely tokens of each step, as the group sent them (the simulated

@@ -220,7 +220,13 @@ check(elp.token_logprobs[n_prompt:] == echo_ref["logprobs"], (elp.token_logprobs
 for i, (tops, best) in enumerate(zip(elp.top_logprobs[1:n_prompt], echo_ref["prompt_top_logprobs"])):
     check(tops.get(decode([best[0][0]])) is not None and tops[decode([best[0][0]])] >= best[0][1], (i, tops, best))
 check(echoed.choices[0].text == decode(prompt_ids) + decode(echo_ref["tokens"]), echoed.choices[0].text)
-print(f"completions echo with logprobs: {n_prompt - 1} prompt tokens' logprobs equal mlarun generate's")
+# max_tokens=0: the prompt alone with its logprobs.
+only = client.completions.create(model=MODEL, prompt=prompt_ids, max_tokens=0, temperature=0, echo=True, logprobs=1)
+check(only.choices[0].text == decode(prompt_ids), only.choices[0].text)
+check(only.choices[0].logprobs.token_logprobs == elp.token_logprobs[:n_prompt], only.choices[0].logprobs)
+check(only.usage.completion_tokens == 0, only.usage)
+print(f"completions echo with logprobs: {n_prompt - 1} prompt tokens' logprobs equal mlarun generate's; "
+      "max_tokens=0 gives the prompt alone")
 
 # ---- Errors ------------------------------------------------------------------------------
 try:
