@@ -72,26 +72,7 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
   if (json) {
     Json j{{"tokens", r->tokens}, {"logprobs", r->logprobs},
            {"finish_reason", std::string(FinishReasonName(r->finish_reason))}};
-    if (!r->top_logprobs.empty()) {
-      Json tops = Json::array();
-      for (const std::vector<TokenLogprob>& step : r->top_logprobs) {
-        Json entries = Json::array();
-        for (const TokenLogprob& t : step) entries.push_back(Json::array({t.token, t.logprob}));
-        tops.push_back(std::move(entries));
-      }
-      j["top_logprobs"] = std::move(tops);
-    }
-    if (!r->prompt_logprobs.empty()) {
-      Json prompt = Json::array(), tops = Json::array();
-      for (const GenerationOutput::PromptLogprob& p : r->prompt_logprobs) {
-        prompt.push_back(Json::array({p.token.token, p.token.logprob}));
-        Json entries = Json::array();
-        for (const TokenLogprob& t : p.top) entries.push_back(Json::array({t.token, t.logprob}));
-        tops.push_back(std::move(entries));
-      }
-      j["prompt_logprobs"] = std::move(prompt);
-      j["prompt_top_logprobs"] = std::move(tops);
-    }
+    AddLogprobFields(j, r->top_logprobs, r->prompt_logprobs);
     out << j.dump();
   } else {
     out << "tokens:";

@@ -24,11 +24,8 @@ struct GenerateOptions {
 };
 
 // Prints one line per request: with `json`, {"tokens", "logprobs",
-// "finish_reason"} (and "top_logprobs", per token [[id, logprob], ...] best
-// first, when the request asked for them; with prompt_logprobs,
-// "prompt_logprobs" [[id, logprob], ...] for the prompt's tokens after the
-// first and "prompt_top_logprobs" per such token) or {"error"}; otherwise a
-// readable line. Progress goes to
+// "finish_reason"} (and the logprob fields the request asked for:
+// AddLogprobFields) or {"error"}; otherwise a readable line. Progress goes to
 // `log`. Returns the process exit code: 0 when every request completed, 1
 // when any was rejected or failed, 2 when the model could not be loaded.
 int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log);

@@ -122,8 +122,8 @@ struct SubmitResult {
   std::string request_id;
   std::vector<int64_t> tokens;
   std::vector<double> logprobs;
-  Json top_logprobs = Json::array();  // per token [[id, logprob], ...], when asked for
-  Json prompt_logprobs = Json::array(), prompt_top_logprobs = Json::array();  // as mlarun generate's
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // per token, when asked for
+  std::vector<LogprobEntry> prompt_logprobs;
   std::optional<v1::Finished> finished;
 };
 
@@ -153,11 +153,7 @@ SubmitResult SubmitOne(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, d
       }
       r.tokens.push_back(t.token_id());
       r.logprobs.push_back(t.logprob());
-      if (req.sampling().logprobs() > 0) {
-        Json entries = Json::array();
-        for (const v1::TokenLogprob& e : t.top_logprobs()) entries.push_back(Json::array({e.token_id(), e.logprob()}));
-        r.top_logprobs.push_back(std::move(entries));
-      }
+      if (req.sampling().logprobs() > 0) r.top_logprobs.push_back(LogprobEntryFrom(t).top);
       if (on_token) on_token(t);
     } else if (resp.has_prompt_logprobs()) {
       const v1::PromptLogprobs& lp = resp.prompt_logprobs();
@@ -168,12 +164,7 @@ SubmitResult SubmitOne(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, d
         ctx.TryCancel();
         continue;
       }
-      for (const v1::PromptTokenLogprob& e : lp.entries()) {
-        r.prompt_logprobs.push_back(Json::array({e.token_id(), e.logprob()}));
-        Json entries = Json::array();
-        for (const v1::TokenLogprob& t : e.top_logprobs()) entries.push_back(Json::array({t.token_id(), t.logprob()}));
-        r.prompt_top_logprobs.push_back(std::move(entries));
-      }
+      for (const v1::PromptTokenLogprob& e : lp.entries()) r.prompt_logprobs.push_back(LogprobEntryFrom(e));
     } else if (resp.has_finished()) {
       r.finished = resp.finished();
     }
@@ -193,11 +184,7 @@ std::string JsonResult(const SubmitResult& r) {
          {"logprobs", r.logprobs},
          {"finish_reason", r.finished->finish_reason()},
          {"dp_group", r.finished->dp_group()}};
-  if (!r.top_logprobs.empty()) j["top_logprobs"] = r.top_logprobs;
-  if (!r.prompt_logprobs.empty()) {
-    j["prompt_logprobs"] = r.prompt_logprobs;
-    j["prompt_top_logprobs"] = r.prompt_top_logprobs;
-  }
+  AddLogprobFields(j, r.top_logprobs, r.prompt_logprobs);
   return j.dump();
 }
 

@@ -61,6 +61,7 @@ int64_t RanksBytes(const google::protobuf::RepeatedPtrField<v1::RankStats>& rank
 // A logprob is a natural log of a probability, <= 0; this much above 0 is
 // rounding.
 constexpr double kLogprobSlack = 1e-3;
+bool IsLogprob(double x) { return std::isfinite(x) && x <= kLogprobSlack; }
 
 // What is wrong with a token's list of most likely tokens, for a request
 // that asked for `asked` of them from a group of `vocab` ids: more than
@@ -73,7 +74,7 @@ std::optional<std::string> CheckTopLogprobs(const google::protobuf::RepeatedPtrF
     const v1::TokenLogprob& t = top[i];
     if (t.token_id() < 0 || t.token_id() >= vocab)
       return StrCat("top_logprobs[", i, "] token id ", t.token_id(), " is outside its vocabulary [0, ", vocab, ")");
-    if (!std::isfinite(t.logprob()) || t.logprob() > kLogprobSlack)
+    if (!IsLogprob(t.logprob()))
       return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is not a finite log-probability (<= 0)");
     if (i > 0 && t.logprob() > top[i - 1].logprob())
       return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is above the one before it (", top[i - 1].logprob(),
@@ -101,7 +102,7 @@ std::optional<std::string> CheckPromptLogprobs(const v1::PromptLogprobs& lp, con
     if (e.token_id() != route.prompt_ids(static_cast<int>(at)))
       return StrCat("prompt_logprobs for token ", at, " name id ", e.token_id(), ", the prompt has ",
                     route.prompt_ids(static_cast<int>(at)));
-    if (!std::isfinite(e.logprob()) || e.logprob() > kLogprobSlack)
+    if (!IsLogprob(e.logprob()))
       return StrCat("prompt_logprobs for token ", at, ": logprob ", e.logprob(), " is not a finite log-probability (<= 0)");
     if (auto bad = CheckTopLogprobs(e.top_logprobs(), route.sampling().prompt_logprobs(), vocab))
       return StrCat("prompt_logprobs for token ", at, ": ", *bad);
@@ -752,7 +753,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("token id ", ev.token_id(), " for request '", r->id,
                                       "' is outside its vocabulary [0, ", g.vocab_size, ")")};
-    if (!std::isfinite(ev.logprob()) || ev.logprob() > kLogprobSlack)
+    if (!IsLogprob(ev.logprob()))
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
                                       "' is not a finite log-probability (<= 0)")};

@@ -43,10 +43,10 @@
 
 #include "launcher/coordinator/dispatcher.h"
 #include "launcher/http/metrics.h"
+#include "launcher/proto/proto_sampling.h"
 #include "launcher/text/chat_template.h"
 #include "launcher/text/tokenizer.h"
 #include "mlarun.pb.h"
-#include "runtime/request/sampling_params.h"
 
 namespace mlarun {
 namespace {
@@ -532,14 +532,6 @@ class ChoiceOutlet final : public coord::ClientOutlet {
   const size_t slot_;
 };
 
-// A generated token and its logprob, and the most likely tokens of its step
-// when asked for.
-struct TokenLogprobs {
-  int32_t id = 0;
-  double logprob = 0;
-  std::vector<std::pair<int32_t, double>> top;
-};
-
 // Where one choice's text stands.
 struct Choice {
   size_t index = 0;                                     // the choice's index in the answer
@@ -549,8 +541,8 @@ struct Choice {
   std::unique_ptr<text::StopMatcher> stop;
   std::string text;      // not yet sent (streams) or all of it (whole answers)
   bool started = false;  // a stream's first chunk (role, echo) was sent
-  std::vector<TokenLogprobs> tokens;  // not yet sent with logprobs (streams), or all
-  std::vector<TokenLogprobs> prompt_logprobs;  // prompt tokens 1, 2, ... (echo with logprobs)
+  std::vector<LogprobEntry> tokens;  // not yet sent with logprobs (streams), or all
+  std::vector<LogprobEntry> prompt_logprobs;  // prompt tokens 1, 2, ... (echo with logprobs)
   int64_t completion_tokens = 0;
   std::string finish_reason;  // set when it ended well
   bool ended = false;         // finished, stopped or failed: nothing more comes
@@ -781,7 +773,7 @@ class Exchange {
           // (as vLLM's; they may differ from the echo: a BOS has a text).
           int64_t offset = 0;
           json lp = EchoLogprobs(c, offset);
-          for (const TokenLogprobs& t : c.tokens) AddCompletionToken(lp, t.id, &t, offset);
+          for (const LogprobEntry& t : c.tokens) AddCompletionToken(lp, t.token.token, &t, offset);
           choice["logprobs"] = std::move(lp);
         } else if (params_.logprobs) {
           choice["logprobs"] = CompletionLogprobs(c.tokens, 0);
@@ -825,7 +817,7 @@ class Exchange {
       if (params_.logprobs && !c.tokens.empty()) {
         logprobs =
             params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
-        for (const TokenLogprobs& t : c.tokens) c.text_offset += static_cast<int64_t>(TokenText(t.id).size());
+        for (const LogprobEntry& t : c.tokens) c.text_offset += static_cast<int64_t>(TokenText(t.token.token).size());
       }
       json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}})
                                 : json(c.text);
@@ -861,22 +853,14 @@ class Exchange {
   void Take(Choice& c, const v1::GenerateResponse& msg) {
     if (c.ended) return;  // stopped on a stop string: later tokens crossed the cancel
     if (msg.has_prompt_logprobs()) {
-      for (const v1::PromptTokenLogprob& e : msg.prompt_logprobs().entries()) {
-        TokenLogprobs& t = c.prompt_logprobs.emplace_back(
-            TokenLogprobs{.id = static_cast<int32_t>(e.token_id()), .logprob = e.logprob()});
-        for (const v1::TokenLogprob& top : e.top_logprobs())
-          t.top.emplace_back(static_cast<int32_t>(top.token_id()), top.logprob());
-      }
+      for (const v1::PromptTokenLogprob& e : msg.prompt_logprobs().entries())
+        c.prompt_logprobs.push_back(LogprobEntryFrom(e));
     } else if (msg.has_token() && params_.echo_only) {
       // Not shown: the prompt alone was asked for.
     } else if (msg.has_token()) {
       const int32_t id = static_cast<int32_t>(msg.token().token_id());
       ++c.completion_tokens;
-      if (params_.logprobs) {
-        TokenLogprobs& t = c.tokens.emplace_back(TokenLogprobs{.id = id, .logprob = msg.token().logprob()});
-        for (const v1::TokenLogprob& top : msg.token().top_logprobs())
-          t.top.emplace_back(static_cast<int32_t>(top.token_id()), top.logprob());
-      }
+      if (params_.logprobs) c.tokens.push_back(LogprobEntryFrom(msg.token()));
       text::StopMatcher::Result r = c.stop->Add(c.decoder->Add(id));
       c.text += r.text;
       if (r.stopped) {
@@ -894,26 +878,26 @@ class Exchange {
     }
   }
 
-  std::string TokenText(int32_t id) const {
-    const int32_t one[1] = {id};
+  std::string TokenText(int64_t id) const {
+    const int32_t one[1] = {static_cast<int32_t>(id)};
     return tokenizer_.Decode(one, false);
   }
   // OpenAI's chat form: per token its text, logprob and bytes, and
   // top_logprobs the same for the step's most likely tokens (top_logprobs of
   // them; none asked: empty).
-  json ChatLogprobs(const std::vector<TokenLogprobs>& tokens) const {
-    auto entry = [&](int32_t id, double lp) {
+  json ChatLogprobs(const std::vector<LogprobEntry>& tokens) const {
+    auto entry = [&](const TokenLogprob& t) {
       // bytes: the token's own bytes, so that tokens that split a character
       // (their text a replacement character) join into it again.
       std::vector<int> bytes;
-      for (unsigned char ch : tokenizer_.TokenBytes(id, false)) bytes.push_back(ch);
-      return json{{"token", TokenText(id)}, {"logprob", lp}, {"bytes", std::move(bytes)}};
+      for (unsigned char ch : tokenizer_.TokenBytes(static_cast<int32_t>(t.token), false)) bytes.push_back(ch);
+      return json{{"token", TokenText(t.token)}, {"logprob", t.logprob}, {"bytes", std::move(bytes)}};
     };
     json content = json::array();
-    for (const TokenLogprobs& tok : tokens) {
-      json e = entry(tok.id, tok.logprob);
+    for (const LogprobEntry& tok : tokens) {
+      json e = entry(tok.token);
       json top = json::array();
-      for (const auto& [id, lp] : tok.top) top.push_back(entry(id, lp));
+      for (const TokenLogprob& t : tok.top) top.push_back(entry(t));
       e["top_logprobs"] = std::move(top);
       content.push_back(std::move(e));
     }
@@ -923,9 +907,9 @@ class Exchange {
   // text -> logprob holding the `logprobs` most likely tokens and the sampled
   // one (so logprobs = 0 gives the sampled token alone). Tokens whose texts
   // coincide (partial UTF-8 sequences) share a key: the likelier one's.
-  json CompletionLogprobs(const std::vector<TokenLogprobs>& tokens, int64_t offset) const {
+  json CompletionLogprobs(const std::vector<LogprobEntry>& tokens, int64_t offset) const {
     json lp = EmptyCompletionLogprobs();
-    for (const TokenLogprobs& tok : tokens) AddCompletionToken(lp, tok.id, &tok, offset);
+    for (const LogprobEntry& tok : tokens) AddCompletionToken(lp, tok.token.token, &tok, offset);
     return lp;
   }
   // The prompt's part of echo's completions logprobs: every prompt token's
@@ -947,7 +931,7 @@ class Exchange {
   }
   // Token `id` at `offset` (advanced past its text), with its logprob and
   // most likely tokens when `scored`, else nulls.
-  void AddCompletionToken(json& lp, int32_t id, const TokenLogprobs* scored, int64_t& offset) const {
+  void AddCompletionToken(json& lp, int64_t id, const LogprobEntry* scored, int64_t& offset) const {
     const std::string t = TokenText(id);
     lp["tokens"].push_back(t);
     lp["text_offset"].push_back(offset);
@@ -957,10 +941,10 @@ class Exchange {
       lp["top_logprobs"].push_back(nullptr);
       return;
     }
-    lp["token_logprobs"].push_back(scored->logprob);
+    lp["token_logprobs"].push_back(scored->token.logprob);
     json top = json::object();
-    for (const auto& [other, l] : scored->top) top.emplace(TokenText(other), l);  // best first: emplace keeps it
-    top.emplace(t, scored->logprob);
+    for (const TokenLogprob& other : scored->top) top.emplace(TokenText(other.token), other.logprob);  // best first: emplace keeps it
+    top.emplace(t, scored->token.logprob);
     lp["top_logprobs"].push_back(std::move(top));
   }
   json Chunk(const Choice& c, json delta, json logprobs, json finish_reason) const {

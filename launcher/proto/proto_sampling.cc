@@ -38,6 +38,13 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
 namespace {
 
 template <typename Message>
+LogprobEntry EntryFrom(const Message& m) {
+  LogprobEntry e{.token = {m.token_id(), m.logprob()}, .top = {}};
+  for (const v1::TokenLogprob& t : m.top_logprobs()) e.top.push_back({t.token_id(), t.logprob()});
+  return e;
+}
+
+template <typename Message>
 void AddTop(std::span<const TokenLogprob> top, Message* out) {
   for (const TokenLogprob& t : top) {
     v1::TokenLogprob* e = out->add_top_logprobs();
@@ -50,5 +57,7 @@ void AddTop(std::span<const TokenLogprob> top, Message* out) {
 
 void AddTopLogprobs(std::span<const TokenLogprob> top, v1::TokenEvent* out) { AddTop(top, out); }
 void AddTopLogprobs(std::span<const TokenLogprob> top, v1::PromptTokenLogprob* out) { AddTop(top, out); }
+LogprobEntry LogprobEntryFrom(const v1::Token& t) { return EntryFrom(t); }
+LogprobEntry LogprobEntryFrom(const v1::PromptTokenLogprob& t) { return EntryFrom(t); }
 
 }  // namespace mlarun

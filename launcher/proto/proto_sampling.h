@@ -13,6 +13,7 @@ namespace v1 {
 class SamplingParams;
 class TokenEvent;
 class PromptTokenLogprob;
+class Token;
 }  // namespace v1
 
 // Absent optional fields (top_p, max_tokens) take SamplingParams{}'s values,
@@ -27,5 +28,8 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out);
 // Appends `top` (the most likely tokens, best first) to the message's top_logprobs.
 void AddTopLogprobs(std::span<const TokenLogprob> top, v1::TokenEvent* out);
 void AddTopLogprobs(std::span<const TokenLogprob> top, v1::PromptTokenLogprob* out);
+// A generated token, or a prompt token, with its most likely tokens.
+LogprobEntry LogprobEntryFrom(const v1::Token& t);
+LogprobEntry LogprobEntryFrom(const v1::PromptTokenLogprob& t);
 
 }  // namespace mlarun

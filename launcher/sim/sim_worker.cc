@@ -42,8 +42,14 @@ SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t 
 
 std::vector<TokenLogprob> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size) {
   std::vector<TokenLogprob> top;
-  for (int64_t j = 0; j < std::min(n, vocab_size); ++j)
-    top.push_back({.token = (tok.token + j) % vocab_size, .logprob = tok.logprob - static_cast<double>(j)});
+  for (int64_t j = 0; j < std::min(n, vocab_size); ++j) {
+    if (j == 1) {
+      top.push_back({.token = tok.token, .logprob = tok.logprob});
+    } else {
+      top.push_back({.token = (tok.token + std::max<int64_t>(j, 1)) % vocab_size,
+                     .logprob = j == 0 ? tok.logprob / 2 : tok.logprob - static_cast<double>(j - 1)});
+    }
+  }
   return top;
 }
 

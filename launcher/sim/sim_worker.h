@@ -68,8 +68,10 @@ struct SimToken {
 };
 SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t index, int64_t vocab_size);
 // Its most likely tokens, for a request with SamplingParams::logprobs = n:
-// min(n, vocab_size) of them, entry j being token (tok.token + j) %
-// vocab_size with logprob tok.logprob - j (best first, all finite).
+// min(n, vocab_size) of them, best first: first token (tok.token + 1) %
+// vocab_size with logprob tok.logprob / 2 (so with n = 1 the token itself is
+// not listed), then the token itself, then for j >= 2 token (tok.token + j)
+// % vocab_size with logprob tok.logprob - (j - 1).
 std::vector<TokenLogprob> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size);
 // With SamplingParams::prompt_logprobs = n >= 0, prompt token i >= 1 gets
 // logprob -0.5 - 0.25 (i % 8) and SimWorkerTop of {prompt[i], that} as its

@@ -303,7 +303,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           e->mutable_logprobs()->set_start(static_cast<int64_t>(l.prompt_sent) + 1);
           for (size_t end = std::min(out->prompt_logprobs.size(), l.prompt_sent + kPerMessage); l.prompt_sent < end;
                ++l.prompt_sent) {
-            const GenerationOutput::PromptLogprob& p = out->prompt_logprobs[l.prompt_sent];
+            const LogprobEntry& p = out->prompt_logprobs[l.prompt_sent];
             v1::PromptTokenLogprob* entry = e->mutable_logprobs()->add_entries();
             entry->set_token_id(p.token.token);
             entry->set_logprob(p.token.logprob);

@@ -140,19 +140,19 @@ StatusOr<StepPlan> Engine::Schedule() {
   // Rows that score prompt tokens (each a whole row of logits) are bounded
   // per step apart from the token budget.
   int64_t score_budget = config_.max_scored_rows_per_step;
-  auto chunk = [&](const Req& r) {
+  auto chunk = [&](const Req& r, bool scores) {
     const int64_t n = std::min<int64_t>(static_cast<int64_t>(r.tokens.size()) - r.computed, budget);
-    return ScoresPending(r) ? std::min(n, score_budget) : n;
+    return scores ? std::min(n, score_budget) : n;
   };
   // 1. Running requests, oldest first: a decode token or the next prompt chunk.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Req& r = *running_[i];
-    const int64_t n = chunk(r);
+    const bool scores = ScoresPending(r);
+    const int64_t n = chunk(r, scores);
     if (n == 0) {  // no scoring rows left this step
       ++i;
       continue;
     }
-    const bool scores = ScoresPending(r);
     MLARUN_ASSIGN_OR_RETURN(const bool kept, Reserve(r, n));
     if (!kept) continue;  // r was the newest and got preempted; running_ shrank
     scheduled.push_back({&r, n});
@@ -166,7 +166,7 @@ StatusOr<StepPlan> Engine::Schedule() {
     const bool scores = ScoresPending(r);
     if (scores && score_budget == 0) break;
     MLARUN_RETURN_IF_ERROR(Admit(r));
-    const int64_t n = chunk(r);
+    const int64_t n = chunk(r, scores);
     MLARUN_ASSIGN_OR_RETURN(const int64_t need, cache_->BlocksNeeded(r.id, n));
     if (need > cache_->stats().blocks_allocatable()) {  // wait for running requests to free blocks
       MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
@@ -236,7 +236,7 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
       for (size_t i = 0; i < s.score_tokens.size(); ++i) {
         if (s.start_pos + static_cast<int64_t>(i) != static_cast<int64_t>(r.out.prompt_logprobs.size())) continue;
         const SampledToken& t = scores[q][i];
-        r.out.prompt_logprobs.push_back(GenerationOutput::PromptLogprob{
+        r.out.prompt_logprobs.push_back(LogprobEntry{
             .token = {t.token, t.logprob}, .top = {t.top_logprobs().begin(), t.top_logprobs().end()}});
       }
     }

@@ -63,11 +63,7 @@ struct GenerationOutput {
   // SamplingParams::prompt_logprobs >= 0: entry i for prompt token i + 1 (the
   // first has none), its logprob given the tokens before it and that
   // position's most likely tokens. Complete once the first token is out.
-  struct PromptLogprob {
-    TokenLogprob token;
-    std::vector<TokenLogprob> top;
-  };
-  std::vector<PromptLogprob> prompt_logprobs;
+  std::vector<LogprobEntry> prompt_logprobs;
   FinishReason finish_reason = FinishReason::kNone;
   Status error;                   // kError: why (the failed step's Status); OK otherwise
   int64_t prefix_hit_tokens = 0;  // prompt tokens reused from the prefix cache

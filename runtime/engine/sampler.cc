@@ -260,6 +260,19 @@ void FillTop(std::span<const float> logits, int64_t count, double max_logit, dou
   }
 }
 
+// The untempered weights of the row, relative to its max logit's (which
+// weighs exactly 1, so the sum is >= 1), into `weights`, with their block
+// sums; returns the sum, whose log is the log normalizer of the row's
+// log_softmax.
+double RawWeights(std::span<const float> logits, double max_logit, std::vector<double>& weights,
+                  std::vector<double>& block_sums) {
+  const int64_t vocab = static_cast<int64_t>(logits.size());
+  weights.resize(static_cast<size_t>(vocab));
+  block_sums.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
+  FillWeights(logits.data(), vocab, max_logit, 1.0, weights.data());
+  return BlockSums(weights.data(), vocab, block_sums.data());
+}
+
 // The greedy result from the argmax and the row's weight sum: the argmax
 // weighs exactly 1, so its logprob is minus the log normalizer.
 SampledToken GreedyToken(int64_t argmax, double weight_sum) {
@@ -295,8 +308,7 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   const uint64_t bits = internal::Xoshiro256StarStarNext(state_);
   const double u = static_cast<double>(bits >> 11) * 0x1.0p-53;  // [0, 1)
 
-  const int64_t vocab = static_cast<int64_t>(logits.size());
-  if (vocab == 0) return {0, kNegInf};
+  if (logits.empty()) return {0, kNegInf};
   const MaxLogit max = FindMax(logits);
   if (max.value == kNegInf) return {0, kNegInf};  // no distribution at all
   Scratch& s = ThreadScratch();
@@ -304,10 +316,7 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   // The reported logprob uses the unmodified distribution whatever the
   // sampling parameters. Weights are relative to the max token's, which is
   // exactly 1, so every sum below is >= 1.
-  s.probs.resize(static_cast<size_t>(vocab));
-  s.block_sums.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
-  FillWeights(logits.data(), vocab, max.value, 1.0, s.probs.data());
-  const double raw_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
+  const double raw_sum = RawWeights(logits, max.value, s.probs, s.block_sums);
   const double log_normalizer = std::log(raw_sum);
 
   SampledToken drawn = Draw(logits, max.value, max.index, max.has_positive_nan, raw_sum, log_normalizer, u, s);
@@ -369,15 +378,10 @@ SampledToken Sampler::Draw(std::span<const float> logits, double max_logit, int6
 
 SampledToken ScoreToken(std::span<const float> logits, int64_t token, int64_t top) {
   SampledToken out{token, kNoProbabilityLogprob};
-  const int64_t vocab = static_cast<int64_t>(logits.size());
   const MaxLogit max = FindMax(logits);
   if (max.value == kNegInf) return out;
-  std::vector<double>& weights = Sampler::ThreadScratch().probs;
-  weights.resize(static_cast<size_t>(vocab));
-  std::vector<double>& block_sums = Sampler::ThreadScratch().block_sums;
-  block_sums.resize(static_cast<size_t>((vocab + kBlock - 1) / kBlock));
-  FillWeights(logits.data(), vocab, max.value, 1.0, weights.data());
-  const double log_normalizer = std::log(BlockSums(weights.data(), vocab, block_sums.data()));
+  Sampler::Scratch& s = Sampler::ThreadScratch();
+  const double log_normalizer = std::log(RawWeights(logits, max.value, s.probs, s.block_sums));
   const double logprob = (CleanLogit(logits[token]) - max.value) - log_normalizer;
   if (logprob > kNegInf) out.logprob = logprob;
   if (top > 0) FillTop(logits, top, max.value, log_normalizer, out);

@@ -102,4 +102,27 @@ StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const Samp
   return r;
 }
 
+void AddLogprobFields(Json& line, const std::vector<std::vector<TokenLogprob>>& top,
+                      const std::vector<LogprobEntry>& prompt) {
+  auto pairs = [](const std::vector<TokenLogprob>& list) {
+    Json out = Json::array();
+    for (const TokenLogprob& t : list) out.push_back(Json::array({t.token, t.logprob}));
+    return out;
+  };
+  if (!top.empty()) {
+    Json steps = Json::array();
+    for (const std::vector<TokenLogprob>& step : top) steps.push_back(pairs(step));
+    line["top_logprobs"] = std::move(steps);
+  }
+  if (!prompt.empty()) {
+    Json tokens = Json::array(), tops = Json::array();
+    for (const LogprobEntry& p : prompt) {
+      tokens.push_back(Json::array({p.token.token, p.token.logprob}));
+      tops.push_back(pairs(p.top));
+    }
+    line["prompt_logprobs"] = std::move(tokens);
+    line["prompt_top_logprobs"] = std::move(tops);
+  }
+}
+
 }  // namespace mlarun

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json_fwd.hpp>
 #include <limits>
 #include <span>
 #include <string>
@@ -52,5 +53,13 @@ inline Status ValidateGenerationRequest(const GenerationRequest& request, const 
 // "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
 // "ignore_eos"; `defaults` fill absent fields. Errors name the field.
 StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const SamplingParams& defaults);
+
+// The logprob fields of a request's result line (`mlarun generate --json`,
+// `mlarun submit --json`), added to `line` when asked for: "top_logprobs",
+// per generated token its step's most likely tokens as [[id, logprob], ...]
+// best first; "prompt_logprobs", [id, logprob] for each prompt token after
+// the first, and "prompt_top_logprobs", each such position's most likely.
+void AddLogprobFields(nlohmann::json& line, const std::vector<std::vector<TokenLogprob>>& top,
+                      const std::vector<LogprobEntry>& prompt);
 
 }  // namespace mlarun

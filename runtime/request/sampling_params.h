@@ -24,6 +24,14 @@ struct TokenLogprob {
   friend bool operator==(const TokenLogprob&, const TokenLogprob&) = default;
 };
 
+// A token with its logprob, and the most likely tokens of its position
+// (SamplingParams::logprobs for a generated token, ::prompt_logprobs for a
+// prompt token), best first.
+struct LogprobEntry {
+  TokenLogprob token;
+  std::vector<TokenLogprob> top;
+};
+
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;         // <= 0: off

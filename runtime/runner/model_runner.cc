@@ -77,7 +77,7 @@ StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& pla
   for (size_t q = 0; q < plan.seqs.size(); ++q) {
     const StepPlan::Seq& s = plan.seqs[q];
     const ForwardSeq& f = seqs_[q];
-    if (f.logits == ForwardSeq::Logits::kNone) continue;
+    if (f.logits == ForwardSeq::Logits::kNone || s.tokens.empty()) continue;  // no rows (as samplers_ above)
     const int64_t rows = f.logits == ForwardSeq::Logits::kAll ? static_cast<int64_t>(s.tokens.size()) : 1;
     if (f.logits == ForwardSeq::Logits::kAll) {
       const int64_t n = std::min<int64_t>(static_cast<int64_t>(s.score_tokens.size()), rows);

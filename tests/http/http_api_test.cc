@@ -259,6 +259,27 @@ std::string Decode(const std::vector<int32_t>& ids) {
   return Tok().Decode(ids, /*skip_special_tokens=*/true);
 }
 
+// One token's text, as the completions form keys it.
+std::string TokenText(int64_t id) {
+  const int32_t one[1] = {static_cast<int32_t>(id)};
+  return Tok().Decode(one, false);
+}
+
+// A completions top_logprobs object for the simulated group's token `tok`
+// with n alternatives: SimWorkerTop's and the token itself, by text (texts
+// that coincide keep the likelier one's logprob).
+void ExpectSimCompletionTop(const json& top, const SimToken& tok, int64_t n) {
+  std::map<std::string, double> expected;
+  for (const TokenLogprob& t : SimWorkerTop(tok, n, Tok().vocab_size())) expected.emplace(TokenText(t.token), t.logprob);
+  expected.emplace(TokenText(tok.token), tok.logprob);
+  ASSERT_TRUE(top.is_object()) << top.dump();
+  ASSERT_EQ(top.size(), expected.size()) << top.dump();
+  for (const auto& [text, logprob] : expected) {
+    ASSERT_TRUE(top.contains(text)) << text << " missing from " << top.dump();
+    EXPECT_DOUBLE_EQ(top[text].get<double>(), logprob);
+  }
+}
+
 // The text of a streamed completion or chat, choice by choice; checks the
 // chunks' shape on the way.
 std::map<int, std::string> Concatenate(const std::vector<std::string>& events, bool chat,
@@ -484,19 +505,6 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me"))
       << echoed.dump();
   EXPECT_TRUE(echoed["choices"][0]["logprobs"].is_null());
-  // More than the engine lists, or top_logprobs without logprobs: 400.
-  auto [ls, big] = d_->Post("/v1/completions", {{"prompt", "x"}, {"logprobs", 21}});
-  EXPECT_EQ(ls, 400);
-  EXPECT_EQ(big["error"]["param"], "logprobs");
-  auto [ns, no_lp] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
-                                                        {"top_logprobs", 2}});
-  EXPECT_EQ(ns, 400);
-  EXPECT_EQ(no_lp["error"]["param"], "top_logprobs");
-  auto [bs, big_chat] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
-                                                           {"logprobs", true},
-                                                           {"top_logprobs", 21}});
-  EXPECT_EQ(bs, 400);
-  EXPECT_EQ(big_chat["error"]["param"], "top_logprobs");
 }
 
 // echo with logprobs: the prompt's tokens first, each (but the first, null)
@@ -505,10 +513,6 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
 // completion's; offsets run on over both. A stream's first chunk carries the
 // prompt's part.
 TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
-  auto text_of = [&](int64_t id) {
-    const int32_t one[1] = {static_cast<int32_t>(id)};
-    return Tok().Decode(one, false);
-  };
   const int64_t vocab = Tok().vocab_size();
   const json body = {{"prompt", "echo this"}, {"max_tokens", 3}, {"seed", 6}, {"logprobs", 2}, {"echo", true}};
   auto [status, whole] = d_->Post("/v1/completions", body);
@@ -523,21 +527,16 @@ TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
     const bool prompt = i < ids.size();
     const SimToken tok = prompt ? SimWorkerPromptToken(ids, static_cast<int64_t>(i))
                                 : SimWorkerToken(ids, 6, static_cast<int64_t>(i - ids.size()), vocab);
-    EXPECT_EQ(lp["tokens"][i], text_of(tok.token));
+    EXPECT_EQ(lp["tokens"][i], TokenText(tok.token));
     EXPECT_EQ(lp["text_offset"][i], offset);
-    offset += static_cast<int64_t>(text_of(tok.token).size());
+    offset += static_cast<int64_t>(TokenText(tok.token).size());
     if (i == 0) {
       EXPECT_TRUE(lp["token_logprobs"][i].is_null());
       EXPECT_TRUE(lp["top_logprobs"][i].is_null());
       continue;
     }
     EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), tok.logprob);
-    std::map<std::string, double> expected;
-    for (const TokenLogprob& t : SimWorkerTop(tok, 2, vocab)) expected.emplace(text_of(t.token), t.logprob);
-    expected.emplace(text_of(tok.token), tok.logprob);
-    const json& top = lp["top_logprobs"][i];
-    ASSERT_EQ(top.size(), expected.size()) << top.dump();
-    for (const auto& [text, logprob] : expected) EXPECT_DOUBLE_EQ(top.at(text).get<double>(), logprob);
+    ExpectSimCompletionTop(lp["top_logprobs"][i], tok, 2);
   }
   // Streamed: the echo's chunk carries the prompt's part, then the tokens'.
   auto [ss, events] = d_->Stream("/v1/completions", body);
@@ -577,49 +576,29 @@ TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
   }
   EXPECT_EQ(streamed_text, "echo this");
   EXPECT_EQ(streamed_lp, prompt_part);
-  // Without echo, or in chat, 0 stays refused.
-  auto [zs, zero] = d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 0}});
-  EXPECT_EQ(zs, 400);
-  EXPECT_EQ(zero["error"]["param"], "max_tokens");
-  auto [zc, zero_chat] = d_->Post("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}},
-                                                            {"max_tokens", 0}});
-  EXPECT_EQ(zc, 400);
-  EXPECT_EQ(zero_chat["error"]["param"], "max_tokens");
 }
 
 // The most likely tokens of each step, as the group sent them (the simulated
 // group's are SimWorkerTop's), in each endpoint's form.
 TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
-  auto text_of = [&](int64_t id) {
-    const int32_t one[1] = {static_cast<int32_t>(id)};
-    return Tok().Decode(one, false);
-  };
   const int64_t vocab = Tok().vocab_size();
-  // Completions, logprobs = 3: per token an object of text -> logprob with
-  // the 3 most likely and the sampled token (texts that coincide keep the
-  // likelier entry's logprob).
-  {
+  // Completions: per token an object of text -> logprob with the N most
+  // likely and the sampled token (texts that coincide keep the likelier
+  // entry's logprob). N = 1: the group's single entry is another token, so
+  // the sampled one is added; N = 3: it is among them.
+  for (int64_t n : {1, 3}) {
+    SCOPED_TRACE("logprobs " + std::to_string(n));
     auto [status, whole] =
-        d_->Post("/v1/completions", {{"prompt", "top"}, {"max_tokens", 5}, {"seed", 4}, {"logprobs", 3}});
+        d_->Post("/v1/completions", {{"prompt", "top"}, {"max_tokens", 5}, {"seed", 4}, {"logprobs", n}});
     ASSERT_EQ(status, 200) << whole.dump();
     const json& lp = whole["choices"][0]["logprobs"];
     ASSERT_EQ(lp["top_logprobs"].size(), 5u);
     const std::vector<int32_t> ids = Tok().Encode("top", true);
     for (int i = 0; i < 5; ++i) {
       const SimToken tok = SimWorkerToken(ids, 4, i, vocab);
-      const std::vector<TokenLogprob> want = SimWorkerTop(tok, 3, vocab);
-      ASSERT_EQ(want.size(), 3u);
-      std::map<std::string, double> expected;
-      for (const TokenLogprob& t : want) expected.emplace(text_of(t.token), t.logprob);
-      expected.emplace(text_of(tok.token), tok.logprob);
-      const json& top = lp["top_logprobs"][i];
-      ASSERT_TRUE(top.is_object()) << top.dump();
-      ASSERT_EQ(top.size(), expected.size()) << top.dump();
-      for (const auto& [text, logprob] : expected) {
-        ASSERT_TRUE(top.contains(text)) << text << " missing from " << top.dump();
-        EXPECT_DOUBLE_EQ(top[text].get<double>(), logprob);
-      }
-      EXPECT_EQ(lp["tokens"][i], text_of(tok.token));
+      ASSERT_EQ(SimWorkerTop(tok, n, vocab).size(), static_cast<size_t>(n));
+      ExpectSimCompletionTop(lp["top_logprobs"][i], tok, n);
+      EXPECT_EQ(lp["tokens"][i], TokenText(tok.token));
     }
   }
   // Chat, top_logprobs = 2: per token a list of the 2 most likely, best
@@ -631,7 +610,7 @@ TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
     ASSERT_EQ(status, 200) << chat.dump();
     const json& content = chat["choices"][0]["logprobs"]["content"];
     ASSERT_EQ(content.size(), 4u);
-    // The ids the group saw: the chat template's rendering of the message.
+    // Streamed: the same entries, token by token.
     auto [gs, streamed] = d_->Stream("/v1/chat/completions", body);
     ASSERT_EQ(gs, 200);
     size_t streamed_entries = 0;
@@ -647,12 +626,14 @@ TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
     EXPECT_EQ(streamed_entries, 4u);
     for (const json& entry : content) {
       ASSERT_EQ(entry["top_logprobs"].size(), 2u) << entry.dump();
-      // SimWorkerTop: the sampled token first, then the next id, one nat less.
+      // SimWorkerTop: another token at half the sampled one's logprob, then
+      // the sampled token itself.
       const json& best = entry["top_logprobs"][0];
       const json& second = entry["top_logprobs"][1];
-      EXPECT_EQ(best["token"], entry["token"]);
-      EXPECT_DOUBLE_EQ(best["logprob"].get<double>(), entry["logprob"].get<double>());
-      EXPECT_DOUBLE_EQ(second["logprob"].get<double>(), entry["logprob"].get<double>() - 1.0);
+      EXPECT_DOUBLE_EQ(best["logprob"].get<double>(), entry["logprob"].get<double>() / 2);
+      EXPECT_EQ(second["token"], entry["token"]);
+      EXPECT_EQ(second["bytes"], entry["bytes"]);
+      EXPECT_DOUBLE_EQ(second["logprob"].get<double>(), entry["logprob"].get<double>());
       for (const json* e : {&best, &second}) {
         // bytes: the token's own; they decode to its text where whole.
         std::string bytes;
@@ -682,7 +663,16 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
   check("/v1/completions", "{\"prompt\": \"x\",", 400, "");
   check("/v1/completions", "[1, 2]", 400, "");
   check("/v1/completions", R"({"prompt": "x", "max_tokens": "ten"})", 400, "max_tokens");
-  check("/v1/completions", R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens");
+  check("/v1/completions", R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens");  // 0 only with echo
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", 400,
+        "max_tokens");
+  // More alternatives than the engine lists, or top_logprobs without logprobs.
+  check("/v1/completions", R"({"prompt": "x", "logprobs": 21})", 400, "logprobs");
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", 400,
+        "top_logprobs");
+  check("/v1/chat/completions",
+        R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21})", 400,
+        "top_logprobs");
   check("/v1/completions", R"({"prompt": "x", "temperature": -1})", 400, "temperature");
   check("/v1/completions", R"({"prompt": "x", "top_p": 0})", 400, "top_p");
   check("/v1/completions", R"({"prompt": "x", "n": "2"})", 400, "n");

@@ -177,7 +177,7 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
     out.push_back(static_cast<int64_t>(o->tokens.size()));
     out.insert(out.end(), o->tokens.begin(), o->tokens.end());
     out.push_back(static_cast<int64_t>(o->prompt_logprobs.size()));
-    for (const GenerationOutput::PromptLogprob& p : o->prompt_logprobs)
+    for (const LogprobEntry& p : o->prompt_logprobs)
       out.push_back(std::bit_cast<int64_t>(p.token.logprob));
   }
   const auto all = GatherAll(*g.world, out, CommType::kI64);
