@@ -25,10 +25,10 @@
 #include <ostream>
 
 #include "attention/mla_params.h"
-#include "runtime/base/backend.h"
-#include "runtime/base/cpu_isa.h"
-#include "runtime/base/status.h"
-#include "runtime/base/workspace.h"
+#include "base/backend.h"
+#include "base/cpu_isa.h"
+#include "base/status.h"
+#include "base/workspace.h"
 
 namespace mlarun {
 

@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <ostream>
 
-#include "runtime/base/dtype.h"
-#include "runtime/base/tensor_view.h"
+#include "base/dtype.h"
+#include "base/tensor_view.h"
 
 namespace mlarun {
 

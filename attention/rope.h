@@ -13,7 +13,7 @@
 #include <ostream>
 #include <vector>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

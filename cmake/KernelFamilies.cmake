@@ -1,11 +1,11 @@
-# The CPU kernel families: one source (runtime/base/cpu/simd_kernels.inc)
+# The CPU kernel families: one source (gemm/cpu/simd_kernels.inc)
 # compiled once per family with that family's instructions; which one runs is
-# decided at run time (runtime/base/cpu_isa.h). Nothing else in the build uses
+# decided at run time (base/cpu_isa.h). Nothing else in the build uses
 # target flags, so the binary runs on any x86-64. Used by the main build
-# (runtime/base) and by the fuzz project (tests/fuzz), which must compile the
+# (base) and by the fuzz project (tests/fuzz), which must compile the
 # same files with the same flags.
 #
-# mlarun_kernel_family_sources(<out-var> <runtime/base/cpu directory>) sets
+# mlarun_kernel_family_sources(<out-var> <gemm/cpu directory>) sets
 # <out-var> to the family sources and their per-file compile options (source
 # properties are per directory, so each caller sets them for itself).
 # GCC 12 warns of uninitialized values inside its own AVX-512 intrinsic

@@ -27,9 +27,9 @@
 
 #include "kv/latent_pool.h"
 #include "kv/prefix_hash.h"
-#include "runtime/base/block_size.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "base/block_size.h"
+#include "base/dtype.h"
+#include "base/status.h"
 
 namespace mlarun {
 

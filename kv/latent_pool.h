@@ -16,11 +16,11 @@
 #include <memory>
 #include <span>
 
-#include "runtime/base/block_size.h"
-#include "runtime/base/device_memory.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
-#include "runtime/base/tensor_view.h"
+#include "base/block_size.h"
+#include "base/device_memory.h"
+#include "base/dtype.h"
+#include "base/status.h"
+#include "base/tensor_view.h"
 
 namespace mlarun {
 

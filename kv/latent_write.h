@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-#include "runtime/base/backend.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "base/backend.h"
+#include "base/dtype.h"
+#include "base/status.h"
 
 namespace mlarun {
 

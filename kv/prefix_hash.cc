@@ -1,6 +1,6 @@
 #include "kv/prefix_hash.h"
 
-#include "runtime/base/hash.h"
+#include "base/hash.h"
 
 namespace mlarun {
 

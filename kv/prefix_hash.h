@@ -1,6 +1,6 @@
 // The hash chain of a token sequence's full cache blocks, as the latent cache
 // publishes them for prefix reuse. Its own library (no cache, no model), so
-// that a router (launcher/coordinator) computes the same hashes without
+// that a router (serving/coordinator) computes the same hashes without
 // linking the cache.
 #pragma once
 

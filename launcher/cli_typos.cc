@@ -3,7 +3,7 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/base/suggest.h"
+#include "base/suggest.h"
 
 namespace mlarun {
 namespace {

@@ -2,18 +2,18 @@
 // name and default, and read once at start-up by main() (and the test mains).
 //
 //   MLARUN_CPU_ISA  scalar | avx2 | avx512 | amx. Limits the CPU kernel family
-//                   (runtime/base/cpu_isa.h) so a machine with a higher ISA can
+//                   (base/cpu_isa.h) so a machine with a higher ISA can
 //                   run, test and benchmark the lower paths. Default: unset,
 //                   the best this CPU supports. A value above what the CPU
 //                   supports is an error, never a crash later.
 //   MLARUN_ONEDNN   on | off. Off, no matrix product goes through oneDNN: all
-//                   run on mlarun's own kernels (runtime/base/cpu_gemm.h).
+//                   run on mlarun's own kernels (gemm/cpu_gemm.h).
 //                   Products of many rows (prefill) are slower where oneDNN
 //                   has the faster one (bf16 on AVX512-BF16 / AMX, f32), and
 //                   a step after warm-up allocates nothing at all (oneDNN
 //                   allocates inside every product it runs). Default: on.
 //   MLARUN_STREAM_PREFETCH  on | off. The streaming products' vendor rule
-//                   (cpu::StreamPrefetch, runtime/base/cpu/kernels.h): on,
+//                   (cpu::StreamPrefetch, gemm/cpu/kernels.h): on,
 //                   one row of A streams a weight with a software prefetch
 //                   ahead and two or three rows take tiles of weight rows
 //                   (what Intel CPUs measured faster); off, one to three rows
@@ -22,7 +22,7 @@
 //                   Default: on for GenuineIntel, off otherwise.
 #pragma once
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

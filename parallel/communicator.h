@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

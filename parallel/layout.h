@@ -14,7 +14,7 @@
 #include <string_view>
 
 #include "parallel/communicator.h"
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

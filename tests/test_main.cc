@@ -11,7 +11,7 @@
 #include <string>
 
 #include "launcher/env.h"
-#include "runtime/base/cpu_isa.h"
+#include "base/cpu_isa.h"
 
 namespace {
 

@@ -5,7 +5,8 @@
 #include <cstring>
 #include <limits>
 
-#include "runtime/base/cpu/kernels.h"
+#include "gemm/convert.h"
+#include "gemm/cpu/kernels.h"
 
 namespace mlarun::cpu {
 

@@ -11,9 +11,9 @@
 
 #include <cstdint>
 
-#include "runtime/base/cpu_gemm.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "gemm/cpu_gemm.h"
+#include "base/dtype.h"
+#include "base/status.h"
 
 namespace mlarun::cpu {
 

@@ -25,7 +25,8 @@
 
 #include "attention/backend.h"
 #include "attention/cpu/attend_tile.h"
-#include "runtime/base/first_error.h"
+#include "base/first_error.h"
+#include "gemm/convert.h"
 
 namespace mlarun::cpu {
 namespace {

@@ -20,7 +20,7 @@
 
 #include <cstdint>
 
-#include "runtime/base/host_device.h"
+#include "base/host_device.h"
 
 namespace mlarun {
 

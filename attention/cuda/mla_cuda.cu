@@ -52,8 +52,8 @@
 #include "attention/backend.h"
 #include "attention/cuda/mla_kernels.cuh"
 #include "attention/cuda/split_plan.h"
-#include "runtime/base/cuda/cublas.h"
-#include "runtime/base/cuda/cuda_check.h"
+#include "gemm/cuda/cublas.h"
+#include "base/cuda/cuda_check.h"
 
 namespace mlarun {
 namespace {

@@ -31,7 +31,7 @@
 
 #include "attention/cuda/lse_merge.h"
 #include "attention/cuda/split_plan.h"
-#include "runtime/base/cuda/convert.cuh"
+#include "base/cuda/convert.cuh"
 
 namespace mlarun::cuda_mla {
 

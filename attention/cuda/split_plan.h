@@ -33,7 +33,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

@@ -8,7 +8,7 @@
 certificate (its --tls-cert). --auth-token-file: send the token in the file as
 `authorization: Bearer TOKEN` (a line of the coordinator's --auth-token-file).
 
-Needs the stubs generated from launcher/proto/mlarun.proto (mlarun_pb2.py and
+Needs the stubs generated from serving/proto/mlarun.proto (mlarun_pb2.py and
 mlarun_pb2_grpc.py) on the Python path; see README.md.
 """
 import sys

@@ -1,3 +1,4 @@
+#include "gemm/convert.h"
 #include "kv/latent_write_backend.h"
 
 #include <cstddef>

@@ -6,8 +6,8 @@
 #include <cuda_bf16.h>
 
 #include "kv/latent_write_backend.h"
-#include "runtime/base/cuda/convert.cuh"
-#include "runtime/base/cuda/cuda_check.h"
+#include "base/cuda/convert.cuh"
+#include "base/cuda/cuda_check.h"
 
 namespace mlarun {
 namespace {

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/base/block_size.h"
-#include "launcher/security/security.h"
-#include "runtime/base/status.h"
+#include "base/block_size.h"
+#include "serving/security/security.h"
+#include "base/status.h"
 
 namespace mlarun {
 

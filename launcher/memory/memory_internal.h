@@ -7,8 +7,8 @@
 
 #include "launcher/memory/memory.h"
 #include "parallel/layout.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "base/dtype.h"
+#include "base/status.h"
 #include "runtime/model/model_config.h"
 
 namespace mlarun::memory_internal {

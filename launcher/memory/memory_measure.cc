@@ -9,11 +9,11 @@
 #include <sstream>
 #include <thread>
 
-#include "launcher/client/grpc_util.h"
+#include "serving/client/grpc_util.h"
 #include "launcher/memory/format.h"
 #include "launcher/memory/memory.h"
 #include "launcher/memory/memory_internal.h"
-#include "launcher/table.h"
+#include "serving/client/table.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/model/memory_plan.h"
 

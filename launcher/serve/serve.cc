@@ -20,8 +20,8 @@
 #include <sstream>
 #include <thread>
 
-#include "launcher/client/grpc_util.h"
-#include "launcher/security/security.h"
+#include "serving/client/grpc_util.h"
+#include "serving/security/security.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/layout.h"
 

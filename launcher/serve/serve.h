@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "launcher/coordinator/coordinator.h"
+#include "serving/coordinator/coordinator.h"
 
 namespace mlarun {
 

@@ -11,13 +11,13 @@
 #include <map>
 #include <sstream>
 
-#include "launcher/client/grpc_util.h"
-#include "launcher/link/worker_link_client.h"
-#include "launcher/proto/proto_sampling.h"
-#include "launcher/rank/bootstrap.h"
-#include "runtime/base/cuda_device.h"
+#include "serving/client/grpc_util.h"
+#include "serving/link/worker_link_client.h"
+#include "serving/proto/proto_sampling.h"
+#include "runtime/rank/bootstrap.h"
+#include "base/cuda_device.h"
 #include "parallel/mpi/mpi_world.h"
-#include "runtime/base/cpu_isa.h"
+#include "base/cpu_isa.h"
 #include "runtime/engine/rank_runner.h"
 #include "runtime/model/memory_plan.h"
 

@@ -17,16 +17,16 @@
 // the job: a leader that sees it first tells the coordinator why (a
 // `leaving` message), then every rank is stopped through MPI_Abort.
 //
-// Each rank prints its CPU (runtime/base/cpu_isa.h CpuSummary) once at
+// Each rank prints its CPU (base/cpu_isa.h CpuSummary) once at
 // start-up, prefixed with its rank and host, and reports it in GetStats.
 #pragma once
 
 #include <string>
 #include <string_view>
 
-#include "launcher/rank/bootstrap.h"
-#include "launcher/security/security.h"
-#include "runtime/base/status.h"
+#include "runtime/rank/bootstrap.h"
+#include "serving/security/security.h"
+#include "base/status.h"
 #include "runtime/engine/engine.h"
 
 namespace mlarun {

@@ -13,7 +13,8 @@
 #include <ctime>
 #include <vector>
 
-#include "runtime/base/dtype.h"
+#include "base/dtype.h"
+#include "gemm/convert.h"
 
 namespace mlarun {
 namespace {

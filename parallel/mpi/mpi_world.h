@@ -7,7 +7,7 @@
 
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

@@ -12,7 +12,7 @@
 // Not yet run on a GPU: the build machines have none. scripts/gpu-check runs
 // the NCCL test in tests/parallel/comm_test.cc when one is lent.
 #include "parallel/nccl/nccl_communicator.h"
-#include "runtime/base/cuda/cuda_check.h"
+#include "base/cuda/cuda_check.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>

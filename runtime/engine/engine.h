@@ -27,9 +27,9 @@
 #include <vector>
 
 #include "kv/latent_cache.h"
-#include "runtime/base/block_size.h"
-#include "runtime/base/status.h"
-#include "runtime/engine/sampler.h"
+#include "base/block_size.h"
+#include "base/status.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/model/model.h"
 #include "runtime/request/request.h"
 #include "runtime/runner/model_runner.h"

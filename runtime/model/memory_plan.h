@@ -12,10 +12,10 @@
 #include <optional>
 #include <string>
 
-#include "runtime/base/block_size.h"
+#include "base/block_size.h"
 #include "parallel/layout.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "base/dtype.h"
+#include "base/status.h"
 #include "runtime/model/model.h"
 #include "runtime/model/model_config.h"
 

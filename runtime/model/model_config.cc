@@ -1,5 +1,5 @@
 #include "runtime/model/model_config.h"
-#include "runtime/base/suggest.h"
+#include "base/suggest.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -593,7 +593,7 @@ constexpr std::string_view kYamlKeys[] = {
     "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "hidden_act",
     "attention_bias", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave", "dtype", "torch_dtype",
     "kv_dtype", "seed",
-    "tokenizer",  // a directory with tokenizer.json, relative to the YAML (launcher/text/tokenizer.h)
+    "tokenizer",  // a directory with tokenizer.json, relative to the YAML (text/tokenizer.h)
 };
 constexpr std::string_view kYamlRopeKeys[] = {
     "rope_theta", "rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",

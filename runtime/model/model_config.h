@@ -16,8 +16,8 @@
 
 #include "attention/mla_params.h"
 #include "attention/rope.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "base/dtype.h"
+#include "base/status.h"
 #include "runtime/ops/moe_gate.h"  // TopkMethod, ScoringFunc
 
 namespace mlarun {

@@ -12,8 +12,9 @@
 #include <limits>
 #include <set>
 
-#include "runtime/base/float8.h"
-#include "runtime/base/hash.h"
+#include "base/float8.h"
+#include "base/hash.h"
+#include "gemm/convert.h"
 #include "runtime/model/model.h"
 
 namespace mlarun {

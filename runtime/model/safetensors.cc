@@ -19,7 +19,8 @@
 #include <sstream>
 #include <utility>
 
-#include "runtime/base/float8.h"
+#include "base/float8.h"
+#include "gemm/convert.h"
 
 namespace mlarun {
 namespace {

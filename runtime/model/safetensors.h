@@ -20,8 +20,8 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/base/dtype.h"
-#include "runtime/base/status.h"
+#include "base/dtype.h"
+#include "base/status.h"
 
 namespace mlarun {
 

@@ -2,7 +2,7 @@
 
 #include <cstdlib>
 
-#include "runtime/base/large_buffer.h"
+#include "base/large_buffer.h"
 #include "runtime/ops/backend.h"
 
 namespace mlarun {

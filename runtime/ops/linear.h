@@ -13,11 +13,11 @@
 #include <cstdint>
 #include <memory>
 
-#include "runtime/base/backend.h"
-#include "runtime/base/device_memory.h"
-#include "runtime/base/dtype.h"
-#include "runtime/base/float8.h"
-#include "runtime/base/status.h"
+#include "base/backend.h"
+#include "base/device_memory.h"
+#include "base/dtype.h"
+#include "base/float8.h"
+#include "base/status.h"
 
 namespace mlarun {
 
@@ -31,7 +31,7 @@ namespace mlarun {
 // e4m3(data[r * ld + c]) * scale[(r / 128) * scale_ld + c / 128], one fp32
 // scale per 128 x 128 block (the checkpoint's weight_scale_inv).
 struct Linear {
-  static constexpr int64_t kFp8Block = mlarun::kFp8Block;  // runtime/base/float8.h
+  static constexpr int64_t kFp8Block = mlarun::kFp8Block;  // base/float8.h
   int64_t out = 0, in = 0;
   DType dtype = DType::kF32;
   const std::byte* data = nullptr;

@@ -22,9 +22,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "runtime/base/backend.h"
-#include "runtime/base/status.h"
-#include "runtime/base/workspace.h"
+#include "base/backend.h"
+#include "base/status.h"
+#include "base/workspace.h"
 #include "runtime/ops/linear.h"
 
 namespace mlarun {

@@ -13,8 +13,8 @@
 
 #include <cstdint>
 
-#include "runtime/base/backend.h"
-#include "runtime/base/status.h"
+#include "base/backend.h"
+#include "base/status.h"
 
 namespace mlarun {
 

@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "runtime/base/host_device.h"
+#include "base/host_device.h"
 
 namespace mlarun {
 

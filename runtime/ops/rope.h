@@ -6,8 +6,8 @@
 #include <cstdint>
 
 #include "attention/rope.h"
-#include "runtime/base/backend.h"
-#include "runtime/base/status.h"
+#include "base/backend.h"
+#include "base/status.h"
 
 namespace mlarun {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "attention/rope.h"
-#include "runtime/base/host_device.h"
+#include "base/host_device.h"
 
 namespace mlarun {
 

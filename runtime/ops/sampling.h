@@ -1,12 +1,12 @@
 // The next token of each logit row, by that row's sampler
-// (runtime/engine/sampler.h: the request's parameters and random stream).
+// (runtime/ops/sampler.h: the request's parameters and random stream).
 #pragma once
 
 #include <cstdint>
 
-#include "runtime/base/backend.h"
-#include "runtime/base/status.h"
-#include "runtime/engine/sampler.h"
+#include "base/backend.h"
+#include "base/status.h"
+#include "runtime/ops/sampler.h"
 
 namespace mlarun {
 

@@ -1,5 +1,5 @@
 // The greedy sampler's reduction over a logit row, as Sampler::Sample
-// (runtime/engine/sampler.cc) computes it, for backends that reduce the row
+// (runtime/ops/sampler.cc) computes it, for backends that reduce the row
 // where it lies (runtime/ops/cuda/sampling.cu) and hand the result to
 // Sampler::SampleGreedyFrom:
 //  * the argmax: the largest logit with NaN skipped, the lowest id holding it
@@ -9,7 +9,7 @@
 //    blocks added in id order; every operation the same correctly rounded
 //    IEEE double one as the sampler's, so the sums are equal bit for bit and
 //    so are the logprobs (the host takes the log).
-// sampler_greedy tests in tests/ops/ops_cuda_test.cc hold these to
+// sampler_greedy tests in tests/runtime/ops/ops_cuda_test.cc hold these to
 // Sampler::Sample on the host.
 #pragma once
 
@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "runtime/base/host_device.h"
+#include "base/host_device.h"
 
 namespace mlarun {
 
@@ -84,7 +84,7 @@ MLARUN_HD inline double SamplerCleanLogit(float x) {
   return d != d ? -INFINITY : (d > FLT_MAX ? static_cast<double>(FLT_MAX) : d);
 }
 
-// exp(x) for x <= 0, the sampler's (runtime/engine/sampler.cc includes this
+// exp(x) for x <= 0, the sampler's (runtime/ops/sampler.cc includes this
 // header under its own compile options).
 MLARUN_HD inline double SamplerExpNonPositive(double x) {
   using namespace sampler_math;

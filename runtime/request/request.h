@@ -10,8 +10,8 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/base/block_size.h"
-#include "runtime/base/status.h"
+#include "base/block_size.h"
+#include "base/status.h"
 #include "runtime/request/sampling_params.h"
 
 namespace mlarun {

@@ -1,13 +1,13 @@
 // A request's sampling parameters and their check: part of the serving
 // front end's types (runtime/request/), which the coordinator, the client
 // and the worker share without linking the engine, the model or the cache.
-// How they are applied: runtime/engine/sampler.h.
+// How they are applied: runtime/ops/sampler.h.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 
@@ -37,7 +37,7 @@ struct SamplingParams {
   int64_t top_k = 0;         // <= 0: off
   double top_p = 1.0;        // (0, 1]
   uint64_t seed = 0;         // per request; same seed and logits, same tokens
-  int64_t max_tokens = 16;   // > 0; also the wire's default (launcher/proto/proto_sampling.h)
+  int64_t max_tokens = 16;   // > 0; also the wire's default (serving/proto/proto_sampling.h)
   std::vector<int64_t> stop_token_ids;
   bool ignore_eos = false;
   // The most likely tokens to report beside each generated token, with their

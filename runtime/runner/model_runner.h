@@ -20,7 +20,7 @@
 
 #include "kv/latent_pool.h"
 #include "parallel/layout.h"
-#include "runtime/engine/sampler.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/model/model.h"
 #include "runtime/runner/step_plan.h"
 

@@ -12,7 +12,7 @@
 #include <span>
 #include <vector>
 
-#include "runtime/base/status.h"
+#include "base/status.h"
 
 namespace mlarun {
 

@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "attention/mla.h"
-#include "runtime/base/cuda_device.h"
-#include "attention/synthetic_batch.h"
+#include "base/cuda_device.h"
+#include "bench/synthetic_batch.h"
 
 namespace mlarun {
 namespace {

@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "attention/mla.h"
-#include "attention/synthetic_batch.h"
-#include "runtime/base/cuda_device.h"
-#include "runtime/base/device_memory.h"
-#include "runtime/base/workspace.h"
+#include "bench/synthetic_batch.h"
+#include "base/cuda_device.h"
+#include "base/device_memory.h"
+#include "base/workspace.h"
 
 namespace mlarun {
 namespace {

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "attention/mla.h"
-#include "attention/synthetic_batch.h"
+#include "bench/synthetic_batch.h"
 
 namespace mlarun {
 namespace {

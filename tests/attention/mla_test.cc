@@ -6,7 +6,7 @@
 #include <sstream>
 
 #include "attention/mla.h"
-#include "attention/synthetic_batch.h"
+#include "bench/synthetic_batch.h"
 #include "tests/ref/mla_ref.h"
 
 namespace mlarun {

@@ -1,4 +1,4 @@
-#include "runtime/base/contiguous_shares.h"
+#include "base/contiguous_shares.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,5 @@
-#include "runtime/base/dtype.h"
+#include "base/dtype.h"
+#include "gemm/convert.h"
 
 #include <gtest/gtest.h>
 

@@ -1,7 +1,7 @@
-// The e4m3 decodings of runtime/base/float8.h (the host-and-device functions
+// The e4m3 decodings of base/float8.h (the host-and-device functions
 // the CPU and CUDA kernels use) against an independent float64 decoding of
 // all 256 codes, and the block-scale index math.
-#include "runtime/base/float8.h"
+#include "base/float8.h"
 
 #include <gtest/gtest.h>
 

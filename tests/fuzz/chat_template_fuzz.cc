@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "launcher/text/chat_template.h"
+#include "text/chat_template.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string input(reinterpret_cast<const char*>(data), size);

@@ -16,8 +16,8 @@
 #include <memory>
 #include <string>
 
-#include "launcher/text/tokenizer.h"
-#include "launcher/text/utf8.h"
+#include "text/tokenizer.h"
+#include "text/utf8.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 
 #include "kv/latent_cache.h"
 #include "kv/latent_write.h"
-#include "runtime/base/cuda_device.h"
+#include "base/cuda_device.h"
 
 #ifdef MLARUN_HAVE_CUDA
 #include <cuda_runtime.h>

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "runtime/base/suggest.h"
+#include "base/suggest.h"
 
 namespace mlarun {
 namespace {

@@ -10,8 +10,8 @@
 #include <sstream>
 #include <string>
 
-#include "launcher/bench/memory_bench.h"
-#include "runtime/base/cpu/kernels.h"
+#include "bench/memory_bench.h"
+#include "gemm/cpu/kernels.h"
 
 namespace mlarun {
 namespace {

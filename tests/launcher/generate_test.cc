@@ -1,6 +1,6 @@
 // `mlarun generate` as a user sees it: JSON lines in input order, errors in
 // their slots, the exit code.
-#include "launcher/generate.h"
+#include "launcher/generate/generate.h"
 
 #include <gtest/gtest.h>
 

@@ -24,7 +24,7 @@
 #include "parallel/layout.h"
 #include "parallel/mpi/mpi_world.h"
 #include "parallel/nccl/nccl_communicator.h"
-#include "runtime/base/dtype.h"
+#include "base/dtype.h"
 #include "tests/parallel/mpi_gtest_main.h"
 
 #ifdef MLARUN_HAVE_CUDA

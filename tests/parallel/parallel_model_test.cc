@@ -12,7 +12,7 @@
 #include "launcher/env.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
-#include "runtime/model/local_cache.h"
+#include "bench/local_cache.h"
 #include "tests/parallel/mpi_gtest_main.h"
 #include "tests/test_paths.h"
 

@@ -3,7 +3,7 @@
 // DeepSeek-V2, V2.5, V3 and R1 and a ChatML template over many conversations,
 // and small templates exercising one feature each. Then what Parse refuses,
 // how runtime errors read, and the runaway guards.
-#include "launcher/text/chat_template.h"
+#include "text/chat_template.h"
 
 #include <gtest/gtest.h>
 

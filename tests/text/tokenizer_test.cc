@@ -9,9 +9,10 @@
 #include <sstream>
 #include <thread>
 
-#include "launcher/text/tokenize_cli.h"
-#include "launcher/text/tokenizer.h"
-#include "launcher/text/utf8.h"
+#include "bench/tokenize_bench.h"
+#include "launcher/tokenize/tokenize.h"
+#include "text/tokenizer.h"
+#include "text/utf8.h"
 #include "tests/test_paths.h"
 
 namespace mlarun::text {

@@ -1,3 +1,4 @@
+#include "gemm/convert.h"
 #include "runtime/ops/backend.h"
 
 namespace mlarun::cpu {

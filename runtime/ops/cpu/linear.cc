@@ -1,7 +1,7 @@
 // Linear layers on the CPU: the activations converted to the weight dtype
 // into per-thread scratch (kept fp32 for f8_e4m3 weights, which the kernels
 // decode with their block scales), then one CpuGemm product
-// (runtime/base/cpu_gemm.h: the kernel family the CPU detection chose, or
+// (gemm/cpu_gemm.h: the kernel family the CPU detection chose, or
 // oneDNN).
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "runtime/base/cpu_gemm.h"
+#include "gemm/convert.h"
+#include "gemm/cpu_gemm.h"
 #include "runtime/ops/backend.h"
 
 namespace mlarun::cpu {

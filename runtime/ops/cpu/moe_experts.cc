@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "runtime/base/contiguous_shares.h"
-#include "runtime/base/first_error.h"
+#include "base/contiguous_shares.h"
+#include "base/first_error.h"
 #include "runtime/ops/backend.h"
 
 namespace mlarun::cpu {

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <string_view>
 
-#include "runtime/base/cuda/cuda_check.h"
-#include "runtime/base/status.h"
+#include "base/cuda/cuda_check.h"
+#include "base/status.h"
 
 namespace mlarun::cuda {
 

@@ -7,7 +7,7 @@
 // so a bad id writes nothing, as on the CPU.
 #include <cuda_bf16.h>
 
-#include "runtime/base/cuda/convert.cuh"
+#include "base/cuda/convert.cuh"
 #include "runtime/ops/backend.h"
 #include "runtime/ops/cuda/common.cuh"
 

@@ -10,7 +10,7 @@
 // ApplyLinearFp8 (linear_fp8.cu).
 #include <cuda_bf16.h>
 
-#include "runtime/base/cuda/cublas.h"
+#include "gemm/cuda/cublas.h"
 #include "runtime/ops/backend.h"
 #include "runtime/ops/cuda/common.cuh"
 

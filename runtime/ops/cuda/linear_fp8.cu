@@ -27,7 +27,7 @@
 
 #include <cstdint>
 
-#include "runtime/base/float8.h"
+#include "base/float8.h"
 #include "runtime/ops/backend.h"
 #include "runtime/ops/cuda/common.cuh"
 

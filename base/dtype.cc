@@ -1,0 +1,38 @@
+#include "base/dtype.h"
+
+#include <string>
+
+namespace mlarun {
+
+size_t DTypeSize(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kBF16: return 2;
+    case DType::kF16: return 2;
+    case DType::kF8E4M3: return 1;
+  }
+  return 0;
+}
+
+std::string_view DTypeName(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kF8E4M3: return "f8_e4m3";
+  }
+  return "invalid";
+}
+
+bool IsValidDType(DType t) { return DTypeSize(t) != 0; }
+
+StatusOr<DType> ParseDType(std::string_view name) {
+  if (name == "f32" || name == "fp32" || name == "float32") return DType::kF32;
+  if (name == "bf16" || name == "bfloat16") return DType::kBF16;
+  if (name == "f16" || name == "fp16" || name == "float16") return DType::kF16;
+  if (name == "f8_e4m3" || name == "fp8_e4m3") return DType::kF8E4M3;
+  return InvalidArgumentError("unknown dtype '", std::string(name),
+                              "' (expected one of f32, bf16, f16, f8_e4m3)");
+}
+
+}  // namespace mlarun

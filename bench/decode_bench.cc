@@ -1,0 +1,451 @@
+#include "bench/decode_bench.h"
+
+#include "base/cuda_device.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "bench/timing.h"
+#include "gemm/convert.h"
+#include "runtime/rank/bootstrap.h"
+#include "gemm/cpu_gemm.h"
+#include "base/cpu_isa.h"
+#include "base/large_buffer.h"
+#include "parallel/mpi/mpi_world.h"
+#include "bench/local_cache.h"
+#include "runtime/model/model.h"
+
+namespace mlarun {
+namespace {
+
+using Json = nlohmann::json;
+
+// Where a step's time went, summed over the timed steps.
+struct Shares {
+  double attention = 0, moe = 0, dense = 0, lm_head = 0, other = 0;
+  void Add(const Model::StepTimes& t) {
+    attention += t.attention, moe += t.moe, dense += t.dense_mlp, lm_head += t.lm_head, other += t.other;
+  }
+  double total() const { return attention + moe + dense + lm_head + other; }
+  Json ToJson() const {
+    const double tt = total();
+    return {{"attention", attention / tt}, {"moe", moe / tt}, {"dense_mlp", dense / tt}, {"lm_head", lm_head / tt},
+            {"other", other / tt}, {"largest", Largest()}};
+  }
+  std::string Largest() const {
+    const std::pair<double, const char*> parts[] = {
+        {attention, "attention"}, {moe, "moe"}, {dense, "dense_mlp"}, {lm_head, "lm_head"}, {other, "other"}};
+    return std::max_element(std::begin(parts), std::end(parts))->second;
+  }
+};
+
+// What the timed steps read and computed, summed.
+struct Cost {
+  double weight_bytes = 0, cache_bytes = 0, flops = 0;
+  int64_t steps = 0;
+  void Add(const Model::StepTraffic& t) {
+    weight_bytes += static_cast<double>(t.weight_bytes), cache_bytes += static_cast<double>(t.cache_bytes);
+    flops += t.flops, ++steps;
+  }
+  double bytes_per_step() const { return steps ? (weight_bytes + cache_bytes) / static_cast<double>(steps) : 0; }
+  double flops_per_step() const { return steps ? flops / static_cast<double>(steps) : 0; }
+};
+
+std::string Pct(double v) { return Fmt(100 * v, 0) + "%"; }
+
+// Fills positions [0, n) of every layer of a new sequence `id` with random rows.
+Status FillContext(LocalLatentCache& cache, SeqId id, int64_t n, std::mt19937& rng) {
+  const LatentCacheConfig& c = cache.pool->config();
+  std::normal_distribution<float> d;
+  std::vector<float> kv(static_cast<size_t>(n * c.kv_lora_rank)), pe(static_cast<size_t>(n * c.rope_dim));
+  for (float& v : kv) v = d(rng);
+  for (float& v : pe) v = d(rng);
+  std::vector<int32_t> tokens(static_cast<size_t>(n), 2);
+  MLARUN_ASSIGN_OR_RETURN(const ForwardSeq s, cache.Append(id, tokens, ForwardSeq::Logits::kNone));
+  for (int64_t layer = 0; layer < c.num_layers; ++layer)
+    MLARUN_RETURN_IF_ERROR(
+        cache.pool->WriteRows(layer, s.block_table, 0, n, kv.data(), c.kv_lora_rank, pe.data(), c.rope_dim));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunDecodeBench(const DecodeBenchOptions& o) {
+  std::ostream& table = o.json ? std::cerr : std::cout;
+
+  MLARUN_ASSIGN_OR_RETURN(LoadedModel bm, LoadModelForSpec(o.deployment, ModelShard{}));
+  const ModelConfig& config = bm.config;
+  const WeightBytes& predicted = bm.predicted;
+  std::unique_ptr<Model>& model = bm.model;
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < config.num_hidden_layers; ++i) moe_layers += config.IsMoeLayer(i);
+  InitBenchmarkLibrary();
+
+  // The machine, in the same run: what memory delivers, and the matrix
+  // product rate of the weights' dtype at a prefill's shape.
+  // On a GPU the reference is the device's copy bandwidth (measured once)
+  // and the CPU's product peak is not measured.
+  const bool on_device = !model->memory().host_accessible();
+  std::unique_ptr<BandwidthProbe> probe;
+  ReadBandwidth bw{};
+  double device_gbps = 0;
+  if (on_device) {
+    MLARUN_ASSIGN_OR_RETURN(device_gbps, MeasureCudaCopyGBps());
+    bw.plain_gb_per_s = bw.product_gb_per_s = device_gbps;
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(probe, BandwidthProbe::Create());
+    MLARUN_ASSIGN_OR_RETURN(bw, probe->Best());
+  }
+  const int64_t H = config.hidden_size, peak_m = std::max<int64_t>(o.prefill_tokens, 256);
+  const DType wt = config.weight_dtype;
+  const GemmDesc peak_desc{.m = peak_m, .n = H, .k = H, .a_type = wt, .b_type = wt, .c_type = DType::kF32,
+                           .lda = H, .b_stride_k = 1, .b_stride_n = H, .ldc = H};
+  MLARUN_ASSIGN_OR_RETURN(auto peak_gemm, CpuGemm::Get(peak_desc));
+  // The peak is the faster of the product the runtime picks and oneDNN's
+  // (where it can build one), so a kernel of ours is measured against a
+  // reference it did not choose.
+  std::shared_ptr<const CpuGemm> peak_onednn;
+  if (!on_device && peak_gemm->impl() != GemmImpl::kOneDnn)
+    if (auto g = CpuGemm::Get(peak_desc, GemmImpl::kOneDnn); g.ok()) peak_onednn = *g;
+  const size_t es = DTypeSize(wt);
+  std::vector<std::byte> pa(static_cast<size_t>(peak_m * H) * es), pb(static_cast<size_t>(H * H) * es),
+      pscratch(std::max(peak_gemm->scratch_bytes(), peak_onednn ? peak_onednn->scratch_bytes() : 0) + 64);
+  std::vector<float> pc(static_cast<size_t>(peak_m * H));
+  {
+    std::vector<float> fill(static_cast<size_t>(H * H));
+    std::mt19937 prng(3);
+    std::normal_distribution<float> nd;
+    for (float& v : fill) v = nd(prng);
+    StoreFromF32(fill.data(), pb.data(), wt, H * H);
+    StoreFromF32(fill.data(), pa.data(), wt, std::min<int64_t>(H * H, peak_m * H));
+  }
+  double peak_gflops = 0, chosen_gflops = 0, onednn_gflops = 0;
+  std::string peak_impl = peak_gemm->impl_name();
+  if (!on_device) {
+    auto gflops_of = [&](const CpuGemm& g) -> StatusOr<double> {
+      MLARUN_ASSIGN_OR_RETURN(const double ms, TimeMs("gemm_peak", [&] {
+        return g.Run(pa.data(), pb.data(), pc.data(), pscratch.data());
+      }, Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
+      return 2.0 * static_cast<double>(peak_m * H * H) / (ms * 1e-3) * 1e-9;
+    };
+    MLARUN_ASSIGN_OR_RETURN(chosen_gflops, gflops_of(*peak_gemm));
+    peak_gflops = chosen_gflops;
+    if (peak_onednn) {
+      MLARUN_ASSIGN_OR_RETURN(onednn_gflops, gflops_of(*peak_onednn));
+      if (onednn_gflops > peak_gflops) peak_gflops = onednn_gflops, peak_impl = peak_onednn->impl_name();
+    }
+  }
+
+  Json doc;
+  doc["model"] = o.deployment.model;
+  doc["layers"] = config.num_hidden_layers;
+  doc["moe_layers"] = moe_layers;
+  doc["routed_experts"] = config.n_routed_experts;
+  doc["weight_dtype"] = std::string(DTypeName(config.weight_dtype));
+  doc["weights"] = o.deployment.weights;
+  doc["weight_bytes_in_place"] = model->weight_bytes_in_place();
+  doc["kv_dtype"] = std::string(DTypeName(config.kv_dtype));
+  doc["weight_bytes"] = predicted.total();
+  doc["threads"] = omp_get_max_threads();
+  doc["cpu"] = CpuJson();
+  doc["date"] = Today();
+  doc["device"] = o.deployment.device;
+  if (on_device)
+    doc["read_bandwidth"] = {{"device_copy_gb_per_s", device_gbps}};
+  else
+    doc["read_bandwidth"] = {{"plain_gb_per_s", bw.plain_gb_per_s}, {"product_gb_per_s", bw.product_gb_per_s},
+                             {"bytes", probe->bytes()}, {"threads", probe->threads()}};
+  doc["gemm_peak"] = {{"m", peak_m}, {"n", H}, {"k", H}, {"dtype", std::string(DTypeName(wt))},
+                      {"impl", peak_impl}, {"gflop_per_s", peak_gflops},
+                      {"chosen_impl", peak_gemm->impl_name()}, {"chosen_gflop_per_s", chosen_gflops}};
+  if (peak_onednn) {
+    doc["gemm_peak"]["onednn_impl"] = peak_onednn->impl_name();
+    doc["gemm_peak"]["onednn_gflop_per_s"] = onednn_gflops;
+  }
+  doc["decode"] = Json::array();
+  table << "mlarun bench decode: " << o.deployment.model << ", " << config.num_hidden_layers << " layers (" << moe_layers
+        << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok << "), weights "
+        << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
+        << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads, " << Today() << "\n"
+        << "  cpu: " << CpuSummary() << "\n";
+  if (on_device)
+    table << "  device: " << o.deployment.device << ", copy bandwidth " << Fmt(device_gbps, 1)
+          << " GB/s (read + write of a 1 GiB device-to-device copy, median of 5)\n";
+  else
+    table << "  memory read bandwidth: " << Fmt(bw.plain_gb_per_s, 1) << " GB/s plain read, " << Fmt(bw.product_gb_per_s, 1)
+          << " GB/s streaming bf16 weights through a one-row product (" << (probe->bytes() >> 20) << " MiB, "
+          << probe->threads() << " threads, best of 3 each; a pass of each is measured again before every timed step)\n"
+          << "  matrix product peak: " << Fmt(peak_gflops, 1) << " GFLOP/s (" << DTypeName(wt) << " " << peak_m << " x "
+          << H << " x " << H << ", " << peak_impl
+          << (peak_onednn ? "; " + peak_gemm->impl_name() + " " + Fmt(chosen_gflops, 1) + ", " +
+                                peak_onednn->impl_name() + " " + Fmt(onednn_gflops, 1)
+                          : std::string())
+          << ")\n";
+  if (!on_device) {
+    // bf16 weights against the fp8 the DeepSeek-V3 release ships (docs/fp8-weights.md): the same values, at
+    // decode's row counts, on a [n, 7168] weight (V3's hidden size) of 512 MiB in bf16.
+    MLARUN_ASSIGN_OR_RETURN(const WeightStreaming ws, MeasureWeightStreaming(7168, int64_t{512} << 20, {1, 2, 4, 8, 16, 32},
+                                                                             Timing{.repetitions = 5, .min_time_s = 0.2}));
+    Json rows = Json::array();
+    table << "  weight streaming, one [" << ws.n << ", " << ws.k << "] weight (bf16 " << (ws.bf16_bytes >> 20)
+          << " MiB, fp8 " << (ws.fp8_bytes >> 20) << " MiB with its scales), median of 5 (weight GB/s, time fp8 / bf16):\n";
+    for (const WeightStreamRow& r : ws.rows) {
+      table << "    rows " << r.rows << ": bf16 " << Fmt(r.bf16_gb_per_s, 1) << " GB/s (" << r.bf16_impl << "), fp8 "
+            << Fmt(r.fp8_gb_per_s, 1) << " GB/s (" << r.fp8_impl << "), time ratio " << Fmt(r.fp8_ms / r.bf16_ms, 2) << "\n";
+      rows.push_back({{"rows", r.rows}, {"bf16_ms", r.bf16_ms}, {"fp8_ms", r.fp8_ms}, {"bf16_gb_per_s", r.bf16_gb_per_s},
+                      {"fp8_gb_per_s", r.fp8_gb_per_s}, {"bf16_impl", r.bf16_impl}, {"fp8_impl", r.fp8_impl}});
+    }
+    doc["weight_streaming"] = {{"n", ws.n}, {"k", ws.k}, {"bf16_bytes", ws.bf16_bytes}, {"fp8_bytes", ws.fp8_bytes},
+                               {"rows", rows}};
+  }
+  table << "  decode (one token per sequence per step; each timed step follows a bandwidth pass: GB/s is their median,\n"
+        << "  of bound the median over steps of (bytes the step read / its time) / the pass's bandwidth):\n"
+        << "    batch context |   tok/s  step ms  warm-up | MB/step  GB/s  bound tok/s  of bound | attn   moe  dense  "
+           "lm_head  other\n";
+
+  const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
+  const WarmUpPolicy warm;
+  std::mt19937 rng(7);
+  const int64_t bytes_per_token = model->CacheConfig(0, 64).bytes_per_token();
+  // A cache for `seqs` sequences of up to `per_seq` tokens each.
+  auto make_cache = [&](int64_t seqs, int64_t per_seq) {
+    LatentCacheConfig cc = model->CacheConfig(0, 64);
+    cc.enable_prefix_caching = false;
+    cc.budget_bytes = seqs * ((per_seq + 63) / 64 + 1) * 64 * bytes_per_token;
+    return LocalLatentCache::Create(cc, model->memory());
+  };
+  std::vector<float> host_logits;  // a device model's logits, copied out for the argmax
+  for (int64_t batch : o.batches) {
+    for (int64_t context : o.contexts) {
+      if (batch < 1 || context < 1) return InvalidArgumentError("--batch and --context values must be positive");
+      const int64_t per_seq = context + warm.max_calls + o.repetitions + 2;
+      MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, make_cache(batch, per_seq));
+      for (int64_t s = 0; s < batch; ++s) MLARUN_RETURN_IF_ERROR(FillContext(cache, s, context, rng));
+      // Decode: one new token per sequence per step.
+      std::vector<int32_t> tok(static_cast<size_t>(batch), 3);
+      Shares shares;
+      Cost cost;
+      auto decode_step = [&]() -> Status {
+        std::vector<ForwardSeq> seqs;
+        for (int64_t s = 0; s < batch; ++s) {
+          MLARUN_ASSIGN_OR_RETURN(ForwardSeq fs, cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
+                                                               ForwardSeq::Logits::kLast));
+          seqs.push_back(fs);
+        }
+        MLARUN_ASSIGN_OR_RETURN(std::span<const float> logits, model->ForwardInto(seqs, *cache.pool));
+        if (on_device) {
+          host_logits.resize(logits.size());
+          MLARUN_RETURN_IF_ERROR(model->memory().CopyOut(host_logits.data(), logits.data(), logits.size() * sizeof(float)));
+          logits = host_logits;
+        }
+        for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
+          const float* row = logits.data() + s * config.vocab_size;
+          tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
+        }
+        shares.Add(model->last_step_times());
+        cost.Add(model->last_step_traffic());
+        return Status::Ok();
+      };
+      MLARUN_ASSIGN_OR_RETURN(const int discarded, WarmUpUntilStable(decode_step, warm));
+      shares = {};
+      cost = {};
+      // Timed steps, each right after a bandwidth pass: the ratio is taken
+      // pair by pair, as the memory this machine gets drifts.
+      std::vector<double> step_s, pass_gbs, fraction;
+      for (int r = 0; r < o.repetitions; ++r) {
+        ReadBandwidth pass = bw;
+        if (!on_device) {
+          MLARUN_ASSIGN_OR_RETURN(pass, probe->Pass());
+        }
+        const auto t0 = std::chrono::steady_clock::now();
+        MLARUN_RETURN_IF_ERROR(decode_step());
+        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const Model::StepTraffic& tr = model->last_step_traffic();
+        step_s.push_back(t);
+        pass_gbs.push_back(pass.bound_gb_per_s());
+        fraction.push_back(static_cast<double>(tr.weight_bytes + tr.cache_bytes) / t * 1e-9 / pass.bound_gb_per_s());
+      }
+      const double step_ms = Median(step_s) * 1e3, row_gbs = Median(pass_gbs);
+      const double tps = static_cast<double>(batch) / (step_ms * 1e-3);
+      const double bytes = cost.bytes_per_step();
+      const double bound_tps = static_cast<double>(batch) / (bytes / (row_gbs * 1e9));
+      const double of_bound = Median(fraction);
+      const Json js = shares.ToJson();
+      doc["decode"].push_back({{"batch", batch}, {"context", context}, {"tokens_per_s", tps}, {"step_ms", step_ms},
+                               {"warm_up_steps_discarded", discarded}, {"timed_steps", cost.steps},
+                               {"weight_bytes_per_step", cost.weight_bytes / static_cast<double>(cost.steps)},
+                               {"cache_bytes_per_step", cost.cache_bytes / static_cast<double>(cost.steps)},
+                               {"read_bandwidth_gb_per_s", row_gbs},
+                               {"bandwidth_bound_tokens_per_s", bound_tps}, {"fraction_of_bound", of_bound},
+                               {"share", js}});
+      table << "    " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(7) << Fmt(tps, 2)
+            << " " << std::setw(8) << Fmt(step_ms, 1) << " " << std::setw(8) << discarded << " | " << std::setw(7)
+            << Fmt(bytes * 1e-6, 0) << " " << std::setw(5) << Fmt(row_gbs, 1) << " " << std::setw(12)
+            << Fmt(bound_tps, 2) << " " << std::setw(9)
+            << Pct(of_bound) << " | " << std::setw(4) << Pct(js["attention"]) << " " << std::setw(5)
+            << Pct(js["moe"]) << " " << std::setw(6) << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"])
+            << " " << std::setw(6) << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
+    }
+  }
+
+  // Page sizes after the decode steps touched every weight: with 4 KiB pages
+  // a step pays a TLB miss per 4 KiB and the prefetchers stop at each page.
+  {
+    const HugePageUse hp = ProcessHugePageUse();
+    const int64_t in_place = model->weight_bytes_in_place();
+    doc["huge_pages"] = {{"weights_in_place_bytes", in_place}, {"file_pmd_mapped_bytes", hp.file_bytes},
+                         {"anon_huge_bytes", hp.anon_bytes}};
+    table << "  pages: " << (in_place >> 20) << " MiB of weights read in place from the mapped checkpoint; "
+          << (hp.file_bytes >> 20) << " MiB of file mappings and " << (hp.anon_bytes >> 20)
+          << " MiB of own memory on 2 MiB pages\n";
+  }
+
+  // Prefill: a fresh prompt of prefill_tokens, one step, as the engine runs
+  // a prompt that fits its token budget.
+  const int64_t P = o.prefill_tokens;
+  MLARUN_ASSIGN_OR_RETURN(auto pcache, make_cache(1, P + 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(P));
+  for (auto& t : prompt) t = static_cast<int32_t>(2 + rng() % static_cast<uint32_t>(config.vocab_size - 2));
+  Shares pshares;
+  Cost pcost;
+  SeqId next_id = 0;
+  auto prefill_step = [&]() -> Status {
+    const SeqId id = next_id++;
+    MLARUN_ASSIGN_OR_RETURN(const ForwardSeq s, pcache.Append(id, prompt, ForwardSeq::Logits::kLast));
+    MLARUN_ASSIGN_OR_RETURN(const auto logits, model->ForwardInto(std::span<const ForwardSeq>(&s, 1), *pcache.pool));
+    pshares.Add(model->last_step_times());
+    pcost.Add(model->last_step_traffic());
+    return pcache.blocks->Release(id);
+  };
+  MLARUN_ASSIGN_OR_RETURN(const int pdiscarded, WarmUpUntilStable(prefill_step, warm));
+  pshares = {};
+  pcost = {};
+  MLARUN_ASSIGN_OR_RETURN(const double prefill_ms, TimeMs("prefill", prefill_step, timing));
+  const double prefill_tps = static_cast<double>(P) / (prefill_ms * 1e-3);
+  const double gflops = pcost.flops_per_step() / (prefill_ms * 1e-3) * 1e-9;
+  const Json ps = pshares.ToJson();
+  doc["prefill"] = {{"tokens", P}, {"tokens_per_s", prefill_tps}, {"step_ms", prefill_ms},
+                    {"warm_up_steps_discarded", pdiscarded}, {"flops_per_step", pcost.flops_per_step()},
+                    {"gflop_per_s", gflops}, {"fraction_of_gemm_peak", on_device ? Json() : Json(gflops / peak_gflops)},
+                    {"share", ps}};
+  table << "  prefill (a " << P << "-token prompt, no cached prefix, one step):\n"
+        << "    tok/s " << Fmt(prefill_tps, 1) << ", step " << Fmt(prefill_ms, 1) << " ms (" << pdiscarded
+        << " warm-up steps discarded), " << Fmt(pcost.flops_per_step() * 1e-9, 1) << " GFLOP/step at "
+        << Fmt(gflops, 1) << " GFLOP/s" << (on_device ? std::string() : " = " + Pct(gflops / peak_gflops) + " of the product peak") << "; attn "
+        << Pct(ps["attention"]) << ", moe " << Pct(ps["moe"]) << ", dense " << Pct(ps["dense_mlp"]) << ", lm_head "
+        << Pct(ps["lm_head"]) << ", other " << Pct(ps["other"]) << "; largest: " << pshares.Largest() << "\n";
+  if (o.json) std::cout << doc.dump(2) << std::endl;
+  return Status::Ok();
+}
+
+Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) {
+  std::ostream& table = o.json ? std::cerr : std::cout;
+  // Every rank returns with the same outcome (see runtime/rank/bootstrap.h).
+  MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot, BootstrapRank(o.deployment, session, std::cerr, "mlarun bench decode"));
+  const ParallelLayout& layout = boot.layout;
+  ProcessGroups& groups = boot.groups;
+  LoadedModel* bm = &boot.loaded;
+  const bool root = groups.rank == 0;
+  const ModelConfig& config = bm->config;
+  Model& model = *bm->model;
+  InitBenchmarkLibrary();
+  const int64_t H = config.hidden_size, layers = config.num_hidden_layers;
+  Json doc;
+  doc["model"] = o.deployment.model;
+  doc["layout"] = o.deployment.parallel;
+  doc["world"] = layout.world();
+  doc["layers"] = layers;
+  doc["weight_bytes_rank0"] = bm->predicted.total();
+  doc["rows"] = Json::array();
+  if (root)
+    table << "mlarun bench decode --parallel " << layout << ": " << o.deployment.model << ", " << layers << " layers, "
+          << layout.world() << " ranks on " << omp_get_max_threads()
+          << " threads each (oversubscribed cores show the shape of the costs, not their speed)\n"
+          << "  batch context | decode tok/s  step ms | bytes/step on rank 0, measured (predicted): all-reduce  "
+             "all-gather  reduce-scatter\n";
+  const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
+  std::mt19937 rng(7 + static_cast<uint32_t>(groups.dp_rank()));
+  for (int64_t batch : o.batches) {
+    if (batch % layout.dp != 0)
+      return InvalidArgumentError("--batch ", batch, " is not divisible by dp=", layout.dp);
+    const int64_t b = batch / layout.dp;  // this DP group's sequences
+    for (int64_t context : o.contexts) {
+      LatentCacheConfig cc = model.CacheConfig(0, 64);
+      cc.enable_prefix_caching = false;
+      const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
+      cc.budget_bytes = b * ((context + o.repetitions + 2 + 63) / 64 + 1) * 64 * bytes_per_token;
+      MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, LocalLatentCache::Create(cc, model.memory()));
+      for (int64_t s = 0; s < b; ++s) MLARUN_RETURN_IF_ERROR(FillContext(cache, s, context, rng));
+      std::vector<int32_t> tok(static_cast<size_t>(b), 3);
+      const ParallelStep step{.attn_tp = groups.attn_tp.get(), .dp_peers = groups.dp_peers.get(),
+                              .device_attn_tp = groups.device_attn_tp.get(),
+                              .device_dp_peers = groups.device_dp_peers.get(),
+                              .dp_tokens = std::vector<int64_t>(static_cast<size_t>(layout.dp), b),
+                              .dp_rank = groups.dp_rank()};
+      auto decode_step = [&]() -> Status {
+        std::vector<ForwardSeq> seqs;
+        for (int64_t s = 0; s < b; ++s) {
+          MLARUN_ASSIGN_OR_RETURN(ForwardSeq fs, cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
+                                                               ForwardSeq::Logits::kLast));
+          seqs.push_back(fs);
+        }
+        return model.ForwardInto(seqs, *cache.pool, &step).status();
+      };
+      MLARUN_RETURN_IF_ERROR(decode_step());  // warm-up
+      groups.attn_tp->mutable_stats().Clear();
+      groups.dp_peers->mutable_stats().Clear();
+      for (auto* dev : {groups.device_attn_tp.get(), groups.device_dp_peers.get()})
+        if (dev != nullptr) dev->mutable_stats().Clear();
+      MLARUN_ASSIGN_OR_RETURN(const double step_ms, TimeMs("parallel_decode_step", decode_step, timing));
+      // Bytes this rank put into each kind of collective, per step, and the
+      // layout's prediction: per layer, the attn-TP group all-reduces the
+      // o_proj and MLP outputs of its b tokens; across DP groups each rank
+      // contributes its b hidden rows to the gather and sends all B rows of
+      // partial MLP output into the reduce-scatter.
+      const double steps = o.repetitions;
+      // (On a GPU the layers' collectives are the device communicators'.)
+      auto per_step = [&](auto member) {
+        int64_t bytes = 0;
+        for (auto* c : {groups.attn_tp.get(), groups.dp_peers.get(), groups.device_attn_tp.get(),
+                        groups.device_dp_peers.get()})
+          if (c != nullptr) bytes += (c->stats().*member).bytes;
+        return static_cast<double>(bytes) / steps;
+      };
+      const double ar = per_step(&CommStats::all_reduce), ag = per_step(&CommStats::all_gather),
+                   rs = per_step(&CommStats::reduce_scatter);
+      const int64_t fp = 4;
+      // Plus, per step, one fp32 flag summed over each communicator of more
+      // than one rank: whether any rank's computation failed (Model::Forward).
+      const double flag_pred = (layout.attn_tp > 1 ? fp : 0) + (layout.dp > 1 ? fp : 0);
+      const double ar_pred = (layout.attn_tp > 1 ? static_cast<double>(layers * 2 * b * H * fp) : 0) + flag_pred;
+      const double ag_pred = layout.dp > 1 ? static_cast<double>(layers * b * H * fp) : 0;
+      const double rs_pred = layout.dp > 1 ? static_cast<double>(layers * batch * H * fp) : 0;
+      const bool agree = ar == ar_pred && ag == ag_pred && rs == rs_pred;
+      // Every rank checks its own; the job agrees on the verdict.
+      float mismatches = agree ? 0.f : 1.f;
+      MLARUN_RETURN_IF_ERROR(groups.world->AllReduceSum(&mismatches, 1, CommType::kF32));
+      doc["rows"].push_back({{"batch", batch}, {"context", context}, {"decode_tokens_per_s", batch / (step_ms * 1e-3)},
+                             {"decode_step_ms", step_ms},
+                             {"bytes_per_step", {{"all_reduce", ar}, {"all_gather", ag}, {"reduce_scatter", rs}}},
+                             {"predicted_bytes_per_step", {{"all_reduce", ar_pred}, {"all_gather", ag_pred}, {"reduce_scatter", rs_pred}}},
+                             {"ranks_disagreeing_with_prediction", static_cast<int>(mismatches)}});
+      if (root)
+        table << "  " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(12) << std::fixed
+              << std::setprecision(2) << batch / (step_ms * 1e-3) << " " << std::setw(8) << std::setprecision(1) << step_ms
+              << " | " << std::setprecision(0) << ar << " (" << ar_pred << ")  " << ag << " (" << ag_pred << ")  " << rs
+              << " (" << rs_pred << ")" << (mismatches > 0 ? "  MISMATCH on some rank" : "") << "\n";
+      if (mismatches > 0) return InternalError("communication bytes differ from the layout's prediction on ", mismatches, " ranks");
+    }
+  }
+  if (o.json && root) std::cout << doc.dump(2) << std::endl;
+  return Status::Ok();
+}
+
+}  // namespace mlarun

@@ -1,0 +1,92 @@
+#include "bench/workload.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+namespace mlarun {
+namespace serve_bench {
+
+double Percentile(std::vector<double> values, double p) {
+  if (values.empty()) return NAN;
+  std::sort(values.begin(), values.end());
+  const double n = static_cast<double>(values.size());
+  // Multiplying first keeps whole ranks exact (0.99 * 100 is not 99 in binary).
+  const double rank = std::ceil(std::clamp(p, 0.0, 100.0) * n / 100.0);  // 1-based
+  const size_t i = static_cast<size_t>(std::clamp(rank, 1.0, n)) - 1;
+  return values[i];
+}
+
+double LoadImbalance(std::span<const int64_t> queued_tokens) {
+  if (queued_tokens.empty()) return NAN;
+  int64_t max = 0;
+  double sum = 0;
+  for (int64_t q : queued_tokens) {
+    max = std::max(max, q);
+    sum += static_cast<double>(q);
+  }
+  if (sum <= 0) return NAN;
+  return static_cast<double>(max) / (sum / static_cast<double>(queued_tokens.size()));
+}
+
+double MeanOfFinite(std::span<const double> values) {
+  double sum = 0;
+  int64_t n = 0;
+  for (double v : values) {
+    if (!std::isfinite(v)) continue;
+    sum += v;
+    ++n;
+  }
+  return n > 0 ? sum / static_cast<double>(n) : NAN;
+}
+
+double PrefixHitRate(std::span<const PrefixCounts> finished) {
+  int64_t prompt = 0, hit = 0;
+  for (const PrefixCounts& f : finished) {
+    prompt += f.prompt_tokens;
+    hit += f.prefix_hit_tokens;
+  }
+  return prompt > 0 ? static_cast<double>(hit) / static_cast<double>(prompt) : NAN;
+}
+
+SharedPrefixWorkload MakeSharedPrefixWorkload(const SharedPrefixSpec& spec) {
+  std::mt19937_64 rng(spec.seed);
+  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(std::max<int64_t>(spec.vocab_size, 3) - 1));
+  std::uniform_int_distribution<int64_t> suffix_len(spec.suffix_min, std::max(spec.suffix_min, spec.suffix_max));
+  std::vector<std::vector<int32_t>> system(static_cast<size_t>(std::max(spec.prefixes, 1)));
+  for (auto& s : system) {
+    s.resize(static_cast<size_t>(spec.prefix_tokens));
+    for (int32_t& t : s) t = token(rng);
+  }
+  SharedPrefixWorkload w;
+  for (int64_t i = 0; i < spec.requests; ++i) w.prefix_of.push_back(static_cast<int>(i % static_cast<int64_t>(system.size())));
+  std::shuffle(w.prefix_of.begin(), w.prefix_of.end(), rng);  // random arrival order
+  for (int p : w.prefix_of) {
+    std::vector<int32_t> prompt = system[static_cast<size_t>(p)];
+    const int64_t n = suffix_len(rng);
+    for (int64_t j = 0; j < n; ++j) prompt.push_back(token(rng));
+    w.prompts.push_back(std::move(prompt));
+  }
+  return w;
+}
+
+std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t vocab_size, uint64_t seed,
+                                         int64_t prompt_min, int64_t prompt_max) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> len(prompt_min, prompt_max);
+  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(vocab_size - 1));
+  std::vector<BenchRequest> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    BenchRequest& r = out[static_cast<size_t>(i)];
+    r.prompt.resize(static_cast<size_t>(len(rng)));
+    for (int32_t& t : r.prompt) t = token(rng);
+    r.seed = seed * 1000003 + static_cast<uint64_t>(i);
+    r.max_tokens = max_tokens;
+  }
+  return out;
+}
+
+}  // namespace serve_bench
+
+}  // namespace mlarun

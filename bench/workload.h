@@ -1,0 +1,66 @@
+// The serving benchmarks' shared parts (`mlarun bench serve`, and its --http
+// form in http_bench.h): the requests they send and the arithmetic of their
+// reports, exposed for tests.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace mlarun {
+namespace serve_bench {
+
+// The p-th percentile (p in [0, 100]) by the nearest-rank method: the smallest
+// value with at least p% of the values at or below it. NaN when empty.
+double Percentile(std::vector<double> values, double p);
+
+// Load imbalance of one GetStats sample: max / mean of the groups' queued
+// tokens. NaN when there are no groups or none has queued tokens (an idle
+// sample says nothing about balance; callers skip it).
+double LoadImbalance(std::span<const int64_t> queued_tokens);
+
+// One request of a benchmark's load: its prompt ids, seed and max_tokens.
+struct BenchRequest {
+  std::vector<int32_t> prompt;
+  uint64_t seed = 0;
+  int64_t max_tokens = 16;
+};
+// `n` independent prompts of prompt_min..prompt_max random ids in [2,
+// vocab_size) (no shared prefixes), request i seeded seed * 1000003 + i.
+// Deterministic in `seed`.
+std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t vocab_size, uint64_t seed,
+                                         int64_t prompt_min = 16, int64_t prompt_max = 256);
+
+// Mean of the finite values (the skipped samples are NaN). NaN when none.
+double MeanOfFinite(std::span<const double> values);
+
+// What one Finished message says about the prefix cache.
+struct PrefixCounts {
+  int64_t prompt_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+};
+// Sum of prefix_hit_tokens / sum of prompt_tokens. NaN when there are no
+// prompt tokens.
+double PrefixHitRate(std::span<const PrefixCounts> finished);
+
+// The shared-prefix workload: `prefixes` random "system prompts" of
+// `prefix_tokens` tokens each; request i is prompt prefix_of[i] followed by
+// a unique random suffix of suffix_min..suffix_max tokens; the requests come
+// in random order (each prefix used requests / prefixes times, +-1). Token
+// ids are in [2, vocab_size). Deterministic in `seed`.
+struct SharedPrefixSpec {
+  int prefixes = 8;
+  int64_t prefix_tokens = 256;  // 4 blocks of 64
+  int64_t requests = 512;
+  int64_t suffix_min = 8, suffix_max = 56;
+  int64_t vocab_size = 512;
+  uint64_t seed = 1;
+};
+struct SharedPrefixWorkload {
+  std::vector<std::vector<int32_t>> prompts;  // in arrival order
+  std::vector<int> prefix_of;                 // which system prompt each one starts with
+};
+SharedPrefixWorkload MakeSharedPrefixWorkload(const SharedPrefixSpec& spec);
+
+}  // namespace serve_bench
+}  // namespace mlarun

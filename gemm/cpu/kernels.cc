@@ -1,0 +1,40 @@
+#include "gemm/cpu/kernels.h"
+
+#include <atomic>
+
+namespace mlarun::cpu {
+namespace {
+std::atomic<bool> g_bf16_dot_allowed{true};
+std::atomic<bool> g_stream_prefetch{HostCpu().vendor == "GenuineIntel"};
+}  // namespace
+
+bool UseBf16Dot(const CpuKernels& k) {
+  return k.gemm_small_bt_bf16_dot != nullptr && HostCpu().avx512_bf16 && HostCpu().os_zmm &&
+         g_bf16_dot_allowed.load(std::memory_order_relaxed);
+}
+
+bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
+
+bool StreamPrefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
+
+bool SetStreamPrefetch(bool prefetch) { return g_stream_prefetch.exchange(prefetch); }
+
+const CpuKernels* KernelsFor(CpuIsa isa) {
+  // Never touch a family's code on a CPU that cannot run it.
+  if (static_cast<int>(isa) > static_cast<int>(HostCpu().best())) return nullptr;
+  switch (isa) {
+    case CpuIsa::kScalar: return &ScalarKernels();
+    case CpuIsa::kAvx2: return &Avx2Kernels();
+    case CpuIsa::kAvx512: return &Avx512Kernels();
+    case CpuIsa::kAmx: return &AmxKernels();
+  }
+  return nullptr;
+}
+
+const CpuKernels& Kernels() {
+  static const CpuKernels* const tables[4] = {KernelsFor(CpuIsa::kScalar), KernelsFor(CpuIsa::kAvx2),
+                                              KernelsFor(CpuIsa::kAvx512), KernelsFor(CpuIsa::kAmx)};
+  return *tables[static_cast<int>(ActiveCpuIsa())];
+}
+
+}  // namespace mlarun::cpu

@@ -1,0 +1,150 @@
+// The CPU kernels of one instruction-set family, as a table of functions.
+//
+// Each family is the same source (simd_kernels.inc) compiled in its own
+// translation unit with its own target flags (kernels_scalar.cc: baseline
+// x86-64; kernels_avx2.cc: -mavx2 -mfma; kernels_avx512.cc: -mavx512f/bw/vl/dq),
+// so one binary carries all of them and picks one at run time
+// (base/cpu_isa.h). No function here is called on a CPU that lacks
+// its family: KernelsFor() refuses, and Kernels() follows ActiveCpuIsa().
+//
+// bf16 operands are read as they are stored and widened to fp32 in registers
+// (a bf16 is the upper half of an fp32: a 16-bit shift); f8_e4m3 weights too
+// (moved into binary16 bit positions and converted with F16C / AVX-512, a
+// 256-entry table in the scalar family), times their block scale. Every
+// product accumulates in fp32. Nothing here allocates; callers pass scratch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "base/cpu_isa.h"
+#include "base/dtype.h"
+
+namespace mlarun::cpu {
+
+// One matrix product C[m, n] (=|+=) A[m, k] x B[k, n], the part of it in
+// columns [n_begin, n_end). Strides are in elements.
+struct GemmArgs {
+  int64_t m = 0, n = 0, k = 0;
+  // A[i, p] at a[i * lda + p]: fp32, or bf16 (the dot kernels; the packed
+  // kernels' prepare_a). The packed and tile kernels read A from where their
+  // prepare_a wrote it, in a layout of their own (a_type and lda unused),
+  // except gemm_packed with a_rows (below).
+  const void* a = nullptr;
+  DType a_type = DType::kF32;
+  int64_t lda = 0;
+  const void* b = nullptr;  // B[p, j] at b[p * b_stride_k + j * b_stride_n], f32, bf16 or f8_e4m3
+  DType b_type = DType::kF32;
+  int64_t b_stride_k = 0, b_stride_n = 0;  // one of them is 1 (b_stride_k for f8_e4m3)
+  // f8_e4m3 B only (with an fp32 A; gemm_small_bt and gemm_packed):
+  // B[p, j] = e4m3(b[j * b_stride_n + p]) * b_scale[((b_row0 + j) / 128) * b_scale_ld + p / 128].
+  const float* b_scale = nullptr;
+  int64_t b_scale_ld = 0, b_row0 = 0;
+  void* c = nullptr;  // C[i, j] at c[i * ldc + j], f32 or bf16 (rounded once)
+  DType c_type = DType::kF32;
+  int64_t ldc = 0;
+  bool accumulate = false;  // C += A x B (f32 C only)
+  // gemm_packed with an fp32 A: A read from its rows (a, lda) instead of
+  // prepared strips.
+  bool a_rows = false;
+};
+
+struct CpuKernels {
+  CpuIsa isa = CpuIsa::kScalar;
+
+  // Few rows, B with k contiguous (b_stride_k == 1; a linear layer's weight
+  // [out, in]): each thread streams its columns' B rows once from memory and
+  // dots them with all m rows of A. The decode path: bound by reading B.
+  // A must first be rewritten by small_bt_prepare_a into m x k fp32 (a
+  // layout of the kernel's own; g.a then points at it, lda = k).
+  void (*gemm_small_bt)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  void (*small_bt_prepare_a)(const GemmArgs& g, float* out) = nullptr;
+  // The same for a bf16 A and B with AVX512-BF16 dot products (A read as it
+  // is, no prepare). Present in the avx512 table; callable only when
+  // HostCpu().avx512_bf16 (see UseBf16Dot).
+  void (*gemm_small_bt_bf16_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  // Few rows, B with n contiguous (b_stride_n == 1): B rows are read once,
+  // each scaled by A's column and summed into C, a few vectors of C at a time.
+  void (*gemm_small_bn)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  // Any shape: panels of B (converted to fp32 once per panel) are packed
+  // into `scratch` (packed_scratch_bytes()) and multiplied with A's strips by
+  // a register-blocked micro-kernel. The prefill path. A must first be
+  // rewritten by packed_prepare_a, strips of packed_mr rows [s_begin, s_end)
+  // into `out` (packed_prepared_a_bytes(m, k) bytes, 64-byte aligned; g.a
+  // then points at it), once per product: the threads share it.
+  void (*gemm_packed)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  void (*packed_prepare_a)(const GemmArgs& g, int64_t s_begin, int64_t s_end, void* out) = nullptr;
+  size_t (*packed_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
+  int64_t packed_mr = 0;
+  // The same for a bf16 A and B with AVX512-BF16 dot products (panels of
+  // bf16 pairs, never widened; scratch per thread as gemm_packed's). Present
+  // in the avx512 table; callable only when UseBf16Dot.
+  void (*gemm_packed_bf16_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  // Its A, prepared as gemm_packed's is (a layout of pairs of its own).
+  void (*packed_dot_prepare_a)(const GemmArgs& g, int64_t s_begin, int64_t s_end, void* out) = nullptr;
+  size_t (*packed_dot_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
+  int64_t packed_dot_mr = 0;
+  // bf16 A x bf16 B with k contiguous on the AMX tile unit, any m (the amx
+  // table only; nullptr elsewhere). A must first be rewritten by
+  // tiles_prepare_a into tiles_prepared_a_bytes(m, k) bytes (64-byte
+  // aligned; g.a then points at it); B is read as stored. See amx_tiles.inc.
+  void (*gemm_tiles)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  void (*tiles_prepare_a)(const GemmArgs& g, void* out) = nullptr;
+  size_t (*tiles_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
+  // Scratch gemm_packed needs for an m x n x k product (n: the widest column
+  // range one call covers), whose C is bf16 or not.
+  size_t (*packed_scratch_bytes)(int64_t m, int64_t n, int64_t k, bool c_bf16) = nullptr;
+  // gemm_packed writes a bf16 C only when k is at most this (it rounds the
+  // whole sum once); callers route longer products through an fp32 C.
+  int64_t packed_max_k_bf16_c = 0;
+  // Column granularity the callers split n on across threads (keeps every
+  // thread's share a whole number of micro-kernel strips).
+  int64_t n_align = 1;
+
+  // Element-wise.
+  void (*f32_to_bf16)(const float* src, bf16_t* dst, int64_t n) = nullptr;  // round to nearest even, NaN stays NaN
+  void (*bf16_to_f32)(const bf16_t* src, float* dst, int64_t n) = nullptr;
+  float (*row_max)(const float* x, int64_t n) = nullptr;  // -inf for n == 0
+  // x[j] <- exp((x[j] - mx) * scale) for j < n (mx >= every x[j]); returns the sum.
+  float (*exp_shifted)(float* x, int64_t n, float mx, float scale) = nullptr;
+  void (*scale)(float* x, int64_t n, float s) = nullptr;                                   // x *= s
+  void (*axpby)(float* acc, const float* part, int64_t n, float wa, float wb) = nullptr;  // acc = acc wa + part wb
+
+  // Reads `bytes` (a multiple of 64) at `p` with the widest loads of the family,
+  // returns a value that depends on every byte (so the reads cannot be elided).
+  uint64_t (*stream_read)(const void* p, size_t bytes) = nullptr;
+};
+
+// Whether products may use gemm_small_bt_bf16_dot: the table has it, the CPU
+// has AVX512-BF16, and SetBf16DotAllowed did not turn it off.
+bool UseBf16Dot(const CpuKernels& k);
+// For tests, so the FMA path of the avx512 kernels runs on a CPU with
+// AVX512-BF16 too. Returns the previous setting. Products prepared before
+// keep what they were prepared with.
+bool SetBf16DotAllowed(bool allowed);
+
+// Whether one row's streaming products prefetch B in software, ahead of the
+// hardware prefetchers, and two or three rows take tiles of B rows instead
+// of streaming: on Intel CPUs (GenuineIntel), where the hardware prefetchers
+// alone kept one row's stream at 22-29 GB/s of ~30 (by where its loop fell
+// in the code) and a prefetch 1 KiB ahead read 31-34, and two or three rows
+// streamed at 19-23 (prefetched 25-29) where tiles read 28-31; not on AMD,
+// where software prefetch measured slower than the plain stream and
+// streaming was the faster up to three rows (docs/cpu-kernels.md).
+bool StreamPrefetch();
+// For tests and MLARUN_STREAM_PREFETCH (launcher/env.h), so either vendor's
+// streaming path runs on any CPU. Returns the previous setting.
+bool SetStreamPrefetch(bool prefetch);
+
+// The table of `isa`; nullptr when this CPU cannot run it.
+const CpuKernels* KernelsFor(CpuIsa isa);
+// The table of ActiveCpuIsa(). Cheap (one atomic load and an index).
+const CpuKernels& Kernels();
+
+// The families' tables, one per translation unit. Call through KernelsFor.
+const CpuKernels& ScalarKernels();
+const CpuKernels& Avx2Kernels();
+const CpuKernels& Avx512Kernels();
+const CpuKernels& AmxKernels();
+
+}  // namespace mlarun::cpu

@@ -1,0 +1,538 @@
+#include "gemm/cpu_gemm.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <list>
+#include <mutex>
+#include <oneapi/dnnl/dnnl.hpp>
+#include <unordered_map>
+
+#include "base/contiguous_shares.h"
+#include "gemm/cpu/kernels.h"
+#include "base/cpu_isa.h"
+#include "base/thread_annotations.h"
+
+namespace mlarun {
+namespace {
+
+using dnnl::memory;
+
+memory::data_type ToDnnl(DType t) {
+  return t == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
+}
+
+dnnl::engine& CpuEngine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// A prepared product depends on the description, the implementation asked
+// for and the kernel family in force when it was prepared.
+struct GemmKey {
+  GemmDesc desc;
+  GemmImpl impl;
+  CpuIsa isa;
+  bool bf16_dot;
+  bool onednn;
+  friend bool operator==(const GemmKey&, const GemmKey&) = default;
+};
+
+struct KeyHash {
+  size_t operator()(const GemmKey& key) const {
+    const GemmDesc& d = key.desc;
+    size_t h = 0x9e3779b97f4a7c15ull;
+    auto mix = [&h](int64_t v) { h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
+    mix(d.m), mix(d.n), mix(d.k), mix(d.lda), mix(d.b_stride_k), mix(d.b_stride_n), mix(d.ldc);
+    mix(static_cast<int64_t>(d.a_type) | static_cast<int64_t>(d.b_type) << 8 | static_cast<int64_t>(d.c_type) << 16 |
+        static_cast<int64_t>(d.accumulate) << 24 | static_cast<int64_t>(key.impl) << 32 |
+        static_cast<int64_t>(key.isa) << 40 | static_cast<int64_t>(key.bf16_dot) << 48 |
+        static_cast<int64_t>(key.onednn) << 49);
+    return h;
+  }
+};
+
+// Process-wide LRU of prepared products. Entries are shared_ptr so a plan that
+// holds one keeps it alive after eviction.
+class GemmCache {
+ public:
+  static constexpr size_t kCapacity = 4096;
+
+  std::shared_ptr<const CpuGemm> Find(const GemmKey& k) {
+    MutexLock lock(mutex_);
+    auto it = map_.find(k);
+    if (it == map_.end()) return nullptr;
+    lru_.splice(lru_.begin(), lru_, it->second);
+    return it->second->second;
+  }
+  void Insert(const GemmKey& k, std::shared_ptr<const CpuGemm> g) {
+    MutexLock lock(mutex_);
+    if (map_.count(k)) return;
+    lru_.emplace_front(k, std::move(g));
+    map_[k] = lru_.begin();
+    if (lru_.size() > kCapacity) {
+      map_.erase(lru_.back().first);
+      lru_.pop_back();
+    }
+  }
+
+ private:
+  using Entry = std::pair<GemmKey, std::shared_ptr<const CpuGemm>>;
+  Mutex mutex_;
+  std::list<Entry> lru_ MLARUN_GUARDED_BY(mutex_);  // most recent first
+  std::unordered_map<GemmKey, std::list<Entry>::iterator, KeyHash> map_ MLARUN_GUARDED_BY(mutex_);
+};
+
+GemmCache& Cache() {
+  static GemmCache cache;
+  return cache;
+}
+
+std::atomic<int64_t> g_prepared{0};
+std::atomic<bool> g_onednn_enabled{true};
+
+// May oneDNN run this product under the kernel family in force (asked for
+// by name, or chosen under AMX)? f32 from AVX2 up; bf16 only where the CPU
+// has bf16 arithmetic (AVX512-BF16, AMX): elsewhere Debian's oneDNN 2.6
+// cannot build one (AVX2) or would emulate it.
+bool OneDnnAllowed(const GemmDesc& d) {
+  if (!g_onednn_enabled.load(std::memory_order_relaxed)) return false;
+  if (d.b_type == DType::kF8E4M3) return false;  // no block-scaled e4m3 in oneDNN 2.6
+  const CpuIsa isa = ActiveCpuIsa();
+  if (d.a_type == DType::kF32) return isa >= CpuIsa::kAvx2;
+  return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
+}
+
+// Products of bf16 weights on AMX: from kTilesFromRows rows on, the tile
+// kernel (fewer: the AVX512-BF16 streaming kernels), up to where oneDNN's AMX
+// product (which packs the weight) is faster. Measured on a Xeon with AMX, 2
+// threads, a weight from memory, 2026-12-03): the dot products stream at
+// 30-35 GB/s up to 6 rows and fall to 23 at 8 and 13 at 16; the tiles, one
+// weight tile per pass (amx_tiles.inc), read 30-33 from 1 to 16 rows, within
+// 2 GB/s of the dots up to 6 (k = 2048 and 7168), and 27-32 at 8-32 rows
+// where oneDNN read 16-20 and the dots 6-23 (the lm_head's [102400, 2048], the
+// dense MLP's [2048, 10944] and [10944, 2048]); against oneDNN on
+// DeepSeek-V2/V3 projection shapes, tiles 1.1-1.8x at 64 rows and 1.0-1.5x
+// at 128-256 rows, but 0.6-0.9x with k = 16384 and 0.8-0.95x on a 420 MB
+// lm_head from 128 rows (the weight read once per band of A rows from
+// memory), and 0.8-1.2x at 512 rows. So k past kTilesMaxK takes tiles only
+// up to two blocks of A rows (kTilesAnyKRows: A's tiles, at most 2 x 32 B
+// per element of k, stay in L2 while the weight streams past once).
+constexpr int64_t kTilesFromRows = 7;
+constexpr int64_t kTilesMaxK = 8192;
+constexpr int64_t kTilesAnyKRows = 32;
+// Columns below which packing A costs as much as the tile products save (the
+// attention's score tiles over a few keys).
+constexpr int64_t kTilesMinN = 128;
+// Shapes whose tile products beat the other choices (given m >= kTilesFromRows).
+bool TilesShape(const GemmDesc& d) { return (d.k <= kTilesMaxK || d.m <= kTilesAnyKRows) && d.n >= kTilesMinN; }
+bool TilesFaster(const GemmDesc& d) {
+  if (!TilesShape(d)) return false;
+  return d.m <= 64 || (d.m <= 256 && d.n * d.k * 2 <= (int64_t{128} << 20));
+}
+
+// Can the packed dot kernel of family `k` run this product?
+bool PackedDotUsable(const cpu::CpuKernels& k, const GemmDesc& d) {
+  return d.a_type == DType::kBF16 && d.b_type == DType::kBF16 && k.gemm_packed_bf16_dot != nullptr &&
+         cpu::UseBf16Dot(k);
+}
+// bf16 products past the streaming kernels' rows on AVX512-BF16 without AMX:
+// our packed dot-product kernel rather than oneDNN's brgemm, which allocates
+// inside every call. Measured on a Zen 4 (docs/cpu-kernels.md): as fast on
+// the DeepSeek-V2-Lite prefill shapes (oneDNN's time over ours 0.83-1.17,
+// most 0.96-1.03) and on the attention's (0.90-1.08); a whole 512-token
+// prefill 0.96-1.10x, batch-32 decode 1.10-1.14x.
+bool PackedDotPreferred(const GemmDesc& d) {
+  return ActiveCpuIsa() == CpuIsa::kAvx512 && PackedDotUsable(cpu::Kernels(), d);
+}
+// Products of many rows that neither the streaming nor the tile kernels
+// take go to oneDNN only where its product is the faster one: bf16 under AMX
+// (its AMX product, several times our dot products' rate), and on
+// AVX512-BF16 when our dot products are turned off. Everything else runs on
+// our packed kernels, f32 included: against oneDNN's f32 matmul on the
+// DeepSeek-V2-Lite prefill shapes (32-512 rows, Zen 4, 2 threads;
+// docs/cpu-kernels.md) oneDNN's time over ours is 0.89-1.07 under AVX-512
+// and 0.87-1.18 under AVX2, and its execute allocates inside every call
+// where ours allocates nothing.
+bool OneDnnPreferred(const GemmDesc& d) {
+  return d.a_type == DType::kBF16 && !PackedDotPreferred(d) && OneDnnAllowed(d);
+}
+
+// Can our AMX tile kernel run this product under the family in force?
+bool TilesAllowed(const GemmDesc& d) {
+  return cpu::Kernels().gemm_tiles != nullptr && d.a_type == DType::kBF16 && d.b_type == DType::kBF16 &&
+         d.b_stride_k == 1;
+}
+
+}  // namespace
+
+int64_t GemmSmallRowsLimit(const GemmDesc& d) {
+  // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
+  // oneDNN; the streaming kernels decode B once per group of rows.
+  if (d.b_type == DType::kF8E4M3) return 32;
+  // f32: the streaming kernels' time over our packed kernel's on a 20480 x
+  // 2048 weight from memory (Zen 4, 2 threads): AVX-512 0.68-0.70 at 8-12
+  // rows, 0.91 at 24, 0.95 at 32; AVX2 0.87-0.95 at 8, 1.12-1.15 at 12,
+  // 1.17 at 16 (AVX2's 16 registers hold a 4-row tile of sums).
+  if (d.a_type == DType::kF32) {
+    const CpuIsa isa = ActiveCpuIsa();
+    return isa >= CpuIsa::kAvx512 ? 32 : isa == CpuIsa::kAvx2 ? 8 : 16;
+  }
+  if (TilesAllowed(d)) return TilesShape(d) ? kTilesFromRows - 1 : 16;
+  // Our packed dot kernel (PackedDotPreferred): the streaming dot products'
+  // time over its, on a weight from memory, 0.98-0.99 at 16 rows, 1.10-1.15
+  // at 24, 1.28-1.29 at 32 (Zen 4).
+  if (PackedDotPreferred(d)) return 16;
+  // bf16 without bf16 arithmetic: our packed kernel converts each panel of B
+  // once and runs a 6 x 16 FMA tile under AVX2. On a 20480 x 2048 weight from
+  // memory (Zen 4, 2 threads) the streaming kernels' time over its was
+  // 0.79-0.80 at 6-8 rows, 0.90-1.15 at 12-20 and 1.09-1.31 at 24-32 (also
+  // on 2816 x 2048 and the dense down projection's 2048 x 10944; the MoE's
+  // items on one thread, 1.06-1.22 at 24-32). With B n-contiguous (the
+  // folds) they were even at 24-32 rows. AVX-512 without BF16 and SSE2:
+  // streaming stayed faster up to 32 (0.83-0.89 and 0.92 at 32).
+  if (!OneDnnAllowed(d)) return ActiveCpuIsa() == CpuIsa::kAvx2 && d.b_stride_k == 1 ? 20 : 32;
+  // B n-contiguous (the attention's folds through W_UK^T and W_UV) has no dot
+  // products to use; on AMX oneDNN's product was as fast from 4 rows and
+  // 1.5-2x faster at 8-16 (128 heads' [128 x 512] folds, 2 threads).
+  if (d.b_stride_n == 1 && ActiveCpuIsa() == CpuIsa::kAmx) return 4;
+  return cpu::UseBf16Dot(cpu::Kernels()) ? 16 : 8;
+}
+
+namespace {
+
+constexpr size_t kAlign = 64;
+// An fp32 A of a packed product at most this wide is read from its rows, not
+// rewritten into strips first: each strip would serve only n / NR column
+// strips, and the rewrite costs a pass over A. On the Zen 4, oneDNN's time
+// over ours, rows against strips: the MoE's items on one thread (24-512 x
+// 128-352, k 1408-2816) AVX-512 0.83-0.96 -> 0.88-1.06, AVX2 0.90-1.19 ->
+// 0.97-1.16; 512 x 64 x 2048 on 2 threads 0.81 -> 0.97. Wider, strips were
+// as fast or faster (AVX2 512 x 576: 1.02 against 0.93).
+constexpr int64_t kPackedARowsMaxN = 384;
+// The tile kernel's column granularity: 4 tiles of 16 weight rows.
+constexpr int64_t kTilesNAlign = 64;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+}  // namespace
+
+std::string_view GemmImplName(GemmImpl impl) {
+  switch (impl) {
+    case GemmImpl::kAuto: return "auto";
+    case GemmImpl::kOneDnn: return "onednn";
+    case GemmImpl::kSmall: return "small";
+    case GemmImpl::kPacked: return "packed";
+    case GemmImpl::kTiles: return "tiles";
+  }
+  return "invalid";
+}
+
+// Depth of oneDNN executions on this thread (CpuGemm::InOneDnnExecute).
+thread_local int t_onednn_execute_depth = 0;
+
+// The memory objects of one oneDNN execution: A, B, C and the scratchpad,
+// made when the product is prepared and pointed at each call's buffers.
+struct OneDnnArgs {
+  std::atomic<bool> busy{false};
+  memory m[4];
+};
+
+struct CpuGemm::Impl {
+  // oneDNN.
+  dnnl::matmul::primitive_desc pd;
+  dnnl::matmul prim;
+  memory::desc a_md, b_md, c_md, scratch_md;
+  // One argument set per OpenMP thread (the threads of a parallel region
+  // may run the same product at once: experts of one shape); a caller that
+  // finds all of them busy makes its own.
+  std::unique_ptr<OneDnnArgs[]> onednn_args;
+  int onednn_arg_sets = 0;
+  // Ours.
+  const cpu::CpuKernels* kernels = nullptr;
+  bool small_bt = false;   // kSmall over a k-contiguous B (else n-contiguous)
+  bool bf16_dot = false;   // kSmall, kPacked: AVX512-BF16 dot products on bf16 A as it is
+  size_t a_f32_bytes = 0;  // kSmall with a bf16 A: A widened into scratch first
+  size_t c_f32_bytes = 0;  // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
+  size_t thread_bytes = 0; // kPacked: packing buffers per thread
+  size_t a_prepared_bytes = 0; // kTiles, kPacked: A rewritten into the kernel's layout first
+  bool a_rows = false;     // kPacked with an fp32 A of few columns: A read from its rows
+  int threads = 1;         // threads the scratch was sized for
+};
+
+std::ostream& operator<<(std::ostream& os, const GemmDesc& d) {
+  return os << "gemm{m=" << d.m << " n=" << d.n << " k=" << d.k << " types=" << DTypeName(d.a_type) << "x"
+            << DTypeName(d.b_type) << "->" << DTypeName(d.c_type) << " lda=" << d.lda
+            << " b_strides=(" << d.b_stride_k << "," << d.b_stride_n << ") ldc=" << d.ldc
+            << (d.accumulate ? " +=" : "") << "}";
+}
+
+Status ValidateGemmDesc(const GemmDesc& d) {
+  if (d.m <= 0 || d.n <= 0 || d.k <= 0) return InvalidArgumentError("non-positive size in ", d);
+  const bool fp8 = d.a_type == DType::kF32 && d.b_type == DType::kF8E4M3;
+  if (!fp8 && (d.a_type != d.b_type || (d.a_type != DType::kF32 && d.a_type != DType::kBF16)))
+    return InvalidArgumentError("unsupported operand types in ", d, " (both f32, both bf16, or f32 x f8_e4m3)");
+  if (fp8 && !(d.b_stride_k == 1 && d.b_stride_n >= d.k))
+    return InvalidArgumentError("an f8_e4m3 B must have k contiguous (b_stride_k == 1: a weight [n, k]) in ", d);
+  if (d.c_type != DType::kF32 && d.c_type != DType::kBF16)
+    return InvalidArgumentError("unsupported result type in ", d);
+  if (d.accumulate && d.c_type != DType::kF32)
+    return InvalidArgumentError("accumulation needs an f32 result in ", d);
+  if (d.lda < d.k) return InvalidArgumentError("lda < k in ", d);
+  if (d.ldc < d.n) return InvalidArgumentError("ldc < n in ", d);
+  const bool b_row_major = d.b_stride_n == 1 && d.b_stride_k >= d.n;
+  const bool b_col_major = d.b_stride_k == 1 && d.b_stride_n >= d.k;
+  if (!b_row_major && !b_col_major) return InvalidArgumentError("B strides are neither row- nor column-major in ", d);
+  return Status::Ok();
+}
+
+CpuGemm::CpuGemm(const GemmDesc& desc) : desc_(desc) {}
+CpuGemm::~CpuGemm() = default;
+
+int64_t CpuGemm::PreparedCount() { return g_prepared.load(); }
+
+void SetOneDnnEnabled(bool enabled) { g_onednn_enabled.store(enabled); }
+bool OneDnnEnabled() { return g_onednn_enabled.load(std::memory_order_relaxed); }
+
+StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImpl want) {
+  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), OneDnnEnabled()};
+  if (auto hit = Cache().Find(key)) return hit;
+  MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
+  if (want != GemmImpl::kAuto && want != GemmImpl::kOneDnn && want != GemmImpl::kSmall && want != GemmImpl::kPacked &&
+      want != GemmImpl::kTiles)
+    return InvalidArgumentError("unknown GemmImpl value ", static_cast<int>(want));
+  if (want == GemmImpl::kTiles && !TilesAllowed(d))
+    return InvalidArgumentError("the tile kernel needs the amx kernel family and bf16 A and B with B k-contiguous: ", d,
+                                " under ", CpuIsaName(ActiveCpuIsa()));
+  std::shared_ptr<CpuGemm> g(new CpuGemm(d));
+  auto impl = std::make_unique<Impl>();
+  GemmImpl chosen = want;
+  if (want == GemmImpl::kAuto)
+    chosen = d.m <= GemmSmallRowsLimit(d)        ? GemmImpl::kSmall
+             : TilesAllowed(d) && TilesFaster(d) ? GemmImpl::kTiles
+             : OneDnnPreferred(d)                ? GemmImpl::kOneDnn
+                                                 : GemmImpl::kPacked;
+
+  // oneDNN, where the family allows it and oneDNN can build the product.
+  std::string onednn_error;
+  if (chosen == GemmImpl::kOneDnn) {
+    if (!OneDnnEnabled()) {
+      onednn_error = "oneDNN is turned off (MLARUN_ONEDNN=off)";
+    } else if (!OneDnnAllowed(d)) {
+      onednn_error = "not used for " + std::string(DTypeName(d.a_type)) + " products by the " +
+                     std::string(CpuIsaName(ActiveCpuIsa())) + " kernel family";
+    } else {
+      try {
+        impl->a_md = memory::desc({d.m, d.k}, ToDnnl(d.a_type), {d.lda, 1});
+        impl->b_md = memory::desc({d.k, d.n}, ToDnnl(d.b_type), {d.b_stride_k, d.b_stride_n});
+        impl->c_md = memory::desc({d.m, d.n}, ToDnnl(d.c_type), {d.ldc, 1});
+        dnnl::primitive_attr attr;
+        attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+        if (d.accumulate) {
+          dnnl::post_ops ops;
+          ops.append_sum(1.f);
+          attr.set_post_ops(ops);
+        }
+        impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a_md, impl->b_md, impl->c_md), attr,
+                                                CpuEngine());
+        impl->prim = dnnl::matmul(impl->pd);
+        impl->scratch_md = impl->pd.scratchpad_desc();
+        impl->onednn_arg_sets = std::max(1, omp_get_max_threads());
+        impl->onednn_args = std::make_unique<OneDnnArgs[]>(static_cast<size_t>(impl->onednn_arg_sets));
+        const memory::desc* mds[4] = {&impl->a_md, &impl->b_md, &impl->c_md, &impl->scratch_md};
+        for (int s = 0; s < impl->onednn_arg_sets; ++s)
+          for (int i = 0; i < 4; ++i) impl->onednn_args[s].m[i] = memory(*mds[i], CpuEngine(), nullptr);
+        g->scratch_bytes_ = impl->scratch_md.get_size();
+        g->impl_name_ = std::string("onednn:") + impl->pd.impl_info_str();
+      } catch (const dnnl::error& e) {
+        onednn_error = e.what();
+      }
+    }
+    if (!onednn_error.empty()) {
+      if (want == GemmImpl::kOneDnn) return InternalError("oneDNN cannot prepare ", d, ": ", onednn_error);
+      chosen = GemmImpl::kPacked;  // kAuto: ours
+    }
+  }
+
+  // Ours.
+  if (chosen == GemmImpl::kSmall || chosen == GemmImpl::kPacked || chosen == GemmImpl::kTiles) {
+    impl->kernels = &cpu::Kernels();
+    const cpu::CpuKernels& k = *impl->kernels;
+    impl->threads = std::max(1, omp_get_max_threads());
+    if (chosen == GemmImpl::kTiles) {
+      impl->a_prepared_bytes = AlignUp(k.tiles_prepared_a_bytes(d.m, d.k));
+      g->impl_name_ = "tiles:" + std::string(CpuIsaName(k.isa));
+    } else if (chosen == GemmImpl::kSmall) {
+      impl->small_bt = d.b_stride_k == 1;
+      impl->bf16_dot = impl->small_bt && d.a_type == DType::kBF16 && cpu::UseBf16Dot(k);
+      // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
+      // is); small_bn reads fp32 A.
+      if (!impl->bf16_dot && (impl->small_bt || d.a_type == DType::kBF16))
+        impl->a_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.k) * sizeof(float));
+      g->impl_name_ = std::string(impl->bf16_dot ? "small_bt_dpbf16:" : impl->small_bt ? "small_bt:" : "small_bn:") +
+                      std::string(CpuIsaName(k.isa));
+    } else {
+      const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
+      if (c_via_f32) impl->c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));
+      // Any thread may draw any chunk of columns (RunOwn), up to all of them;
+      // the kernel's panels bound what that needs.
+      impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
+      impl->bf16_dot = PackedDotUsable(k, d);
+      impl->a_rows = !impl->bf16_dot && d.a_type == DType::kF32 && d.n <= kPackedARowsMaxN;
+      if (!impl->a_rows)
+        impl->a_prepared_bytes =
+            AlignUp((impl->bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
+      g->impl_name_ = std::string(impl->bf16_dot ? "packed_dpbf16:" : "packed:") + std::string(CpuIsaName(k.isa));
+    }
+    g->scratch_bytes_ = impl->a_f32_bytes + impl->a_prepared_bytes + impl->c_f32_bytes +
+                        static_cast<size_t>(impl->threads) * impl->thread_bytes;
+    if (g->scratch_bytes_ > 0) g->scratch_bytes_ += kAlign;  // RunOwn aligns the start
+  }
+  g->kind_ = chosen;
+  g->impl_ = std::move(impl);
+  ++g_prepared;
+  Cache().Insert(key, g);
+  return std::shared_ptr<const CpuGemm>(std::move(g));
+}
+
+Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales) const {
+  const Impl& im = *impl_;
+  const cpu::CpuKernels& k = *im.kernels;
+  const GemmDesc& d = desc_;
+  // Our layouts start on a cache line (the tile kernel's staging buffer
+  // especially); scratch_bytes() leaves room for the adjustment.
+  std::byte* s = static_cast<std::byte*>(scratch);
+  s += (kAlign - reinterpret_cast<uintptr_t>(s) % kAlign) % kAlign;
+  cpu::GemmArgs g{.m = d.m, .n = d.n, .k = d.k, .a = a, .a_type = d.a_type, .lda = d.lda, .b = b,
+                  .b_type = d.b_type, .b_stride_k = d.b_stride_k, .b_stride_n = d.b_stride_n, .c = c,
+                  .c_type = d.c_type, .ldc = d.ldc, .accumulate = d.accumulate};
+  if (d.b_type == DType::kF8E4M3) {
+    if (b_scales == nullptr || b_scales->scale == nullptr)
+      return InvalidArgumentError("an f8_e4m3 product needs its block scales: ", d);
+    if (b_scales->ld < (d.k + 127) / 128 || b_scales->row0 < 0)
+      return InvalidArgumentError("f8_e4m3 block scales with ld ", b_scales->ld, " (< ceil(k / 128) = ", (d.k + 127) / 128,
+                                  ") or row0 ", b_scales->row0, " < 0 for ", d);
+    g.b_scale = b_scales->scale, g.b_scale_ld = b_scales->ld, g.b_row0 = b_scales->row0;
+  }
+  if (im.a_f32_bytes > 0) {  // the streaming kernels read fp32 A rows
+    auto* af = reinterpret_cast<float*>(s);
+    if (im.small_bt) {
+      k.small_bt_prepare_a(g, af);
+    } else {
+      for (int64_t i = 0; i < d.m; ++i)
+        k.bf16_to_f32(static_cast<const bf16_t*>(a) + i * d.lda, af + i * d.k, d.k);
+    }
+    g.a = af, g.a_type = DType::kF32, g.lda = d.k;
+    s += im.a_f32_bytes;
+  }
+  g.a_rows = im.a_rows;
+  if (im.a_prepared_bytes > 0) {  // the kernel reads A in its own layout
+    if (kind_ == GemmImpl::kTiles) {
+      k.tiles_prepare_a(g, s);
+    } else {  // the packed kernels' strips of rows, shared out when there are many
+      const auto prepare = im.bf16_dot ? k.packed_dot_prepare_a : k.packed_prepare_a;
+      const int64_t mr = im.bf16_dot ? k.packed_dot_mr : k.packed_mr;
+      const int64_t strips = (d.m + mr - 1) / mr, per = 8;
+      const int prep_threads = std::min(im.threads, omp_get_max_threads());
+#pragma omp parallel for schedule(static) num_threads(prep_threads) if (strips > per && !omp_in_parallel())
+      for (int64_t s0 = 0; s0 < strips; s0 += per) prepare(g, s0, std::min(strips, s0 + per), s);
+    }
+    g.a = s;
+    s += im.a_prepared_bytes;
+  }
+  float* c_f32 = nullptr;
+  if (im.c_f32_bytes > 0) {
+    c_f32 = reinterpret_cast<float*>(s);
+    g.c = c_f32, g.c_type = DType::kF32, g.ldc = d.n, g.accumulate = false;
+    s += im.c_f32_bytes;
+  }
+  const bool packed = kind_ == GemmImpl::kPacked;
+  const bool tiles = kind_ == GemmImpl::kTiles;
+  auto part = [&](int t, int64_t n0, int64_t n1) {
+    if (n0 >= n1) return;
+    if (tiles) {
+      k.gemm_tiles(g, n0, n1);
+    } else if (!packed) {
+      (im.bf16_dot ? k.gemm_small_bt_bf16_dot : im.small_bt ? k.gemm_small_bt : k.gemm_small_bn)(g, n0, n1);
+    } else {
+      (im.bf16_dot ? k.gemm_packed_bf16_dot : k.gemm_packed)(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
+    }
+  };
+  // The streaming kernels: one contiguous share of the columns per thread,
+  // taken front to back, so each reads one long sequential run of B (every
+  // new run starts the prefetchers cold: handing out chunks as threads finish
+  // measured 5-8% slower on 1-13 MB weights); a thread done with its share
+  // takes half of what is left of a slower one's, from its back
+  // (ContiguousShares). The packed kernel, bound by arithmetic: chunks of
+  // whole panels handed out as threads finish. Inside a parallel region the
+  // calling thread does it all.
+  const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
+  const int64_t align = tiles ? kTilesNAlign : k.n_align;
+  const int64_t strips = (d.n + align - 1) / align;
+  if (threads <= 1 || strips <= 1) {
+    part(0, 0, d.n);
+  } else if (!packed) {
+    ContiguousShares shares(strips, threads, strips / (64 * threads));
+#pragma omp parallel num_threads(threads)
+    {
+      const int t = omp_get_thread_num();
+      shares.Run(t, [&](int64_t s0, int64_t s1) { part(t, std::min(d.n, s0 * align), std::min(d.n, s1 * align)); });
+    }
+  } else {
+    // A is prepared once and shared, so small chunks cost only the
+    // scheduling and even out the threads (18 strips in 9 chunks of 2 left
+    // one thread 10% idle).
+    const int64_t per_chunk = std::max<int64_t>(1, strips / (16 * threads));
+    const int64_t chunks = (strips + per_chunk - 1) / per_chunk;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t c = 0; c < chunks; ++c)
+      part(omp_get_thread_num(), std::min(d.n, c * per_chunk * k.n_align), std::min(d.n, (c + 1) * per_chunk * k.n_align));
+  }
+  if (c_f32 != nullptr)
+    for (int64_t i = 0; i < d.m; ++i) k.f32_to_bf16(c_f32 + i * d.n, static_cast<bf16_t*>(c) + i * d.ldc, d.n);
+  return Status::Ok();
+}
+
+bool CpuGemm::InOneDnnExecute() { return t_onednn_execute_depth > 0; }
+
+Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales) const {
+  if (kind_ != GemmImpl::kOneDnn) return RunOwn(a, b, c, scratch, b_scales);
+  Impl& im = *impl_;
+  // A CPU stream only records the engine; keep one per thread so concurrent
+  // callers never share one.
+  thread_local dnnl::stream stream(CpuEngine());
+  // A free argument set of this product: a call makes no memory objects (and
+  // so allocates nothing outside oneDNN's execute); only a caller that finds
+  // every set busy makes its own below.
+  OneDnnArgs* set = nullptr;
+  for (int i = 0; i < im.onednn_arg_sets && set == nullptr; ++i) {
+    OneDnnArgs& s = im.onednn_args[static_cast<size_t>(i)];
+    if (!s.busy.load(std::memory_order_relaxed) && !s.busy.exchange(true, std::memory_order_acquire)) set = &s;
+  }
+  OneDnnArgs own;  // every set busy: this call's own
+  if (set == nullptr) set = &own;
+  void* const handles[4] = {const_cast<void*>(a), const_cast<void*>(b), c, scratch};
+  const memory::desc* const mds[4] = {&im.a_md, &im.b_md, &im.c_md, &im.scratch_md};
+  Status st;
+  try {
+    for (int i = 0; i < 4; ++i) {
+      if (set->m[i]) set->m[i].set_data_handle(handles[i]);
+      else set->m[i] = memory(*mds[i], CpuEngine(), handles[i]);
+    }
+    // The C API takes the arguments as an array: the C++ one builds a hash
+    // map of them per call.
+    const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, set->m[0].get()}, {DNNL_ARG_WEIGHTS, set->m[1].get()},
+                                     {DNNL_ARG_DST, set->m[2].get()}, {DNNL_ARG_SCRATCHPAD, set->m[3].get()}};
+    ++t_onednn_execute_depth;
+    const dnnl_status_t rc = dnnl_primitive_execute(im.prim.get(), stream.get(), 4, args);
+    --t_onednn_execute_depth;
+    if (rc != dnnl_success) st = InternalError("oneDNN failed to run ", desc_, ": status ", static_cast<int>(rc));
+  } catch (const dnnl::error& e) {
+    st = InternalError("oneDNN failed to run ", desc_, ": ", e.what());
+  }
+  if (set != &own) set->busy.store(false, std::memory_order_release);
+  return st;
+}
+
+}  // namespace mlarun

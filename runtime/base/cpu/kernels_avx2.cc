@@ -1,9 +1,0 @@
-// The avx2 kernel family: simd_kernels.inc compiled with this family's
-// target flags (runtime/base/CMakeLists.txt). Call only through KernelsFor().
-#define MLARUN_SIMD_AVX2 1
-#define MLARUN_SIMD_NS avx2
-#include "runtime/base/cpu/simd_kernels.inc"
-
-namespace mlarun::cpu {
-const CpuKernels& Avx2Kernels() { return avx2::Table(); }
-}  // namespace mlarun::cpu

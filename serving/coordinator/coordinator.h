@@ -1,0 +1,156 @@
+// The coordinator: the gRPC service that takes requests from clients, routes
+// each to exactly one DP group of the registered workers, and streams the
+// tokens back (serving/proto/mlarun.proto documents every message).
+//
+// Start() binds and serves on its own threads; the object is thread-safe.
+// No gRPC header is visible here.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "serving/security/security.h"
+#include "base/status.h"
+
+namespace mlarun {
+namespace text {
+class Tokenizer;
+}
+
+enum class RoutingPolicy : uint8_t {
+  kRoundRobin = 0,
+  kLeastLoaded = 1,     // fewest queued tokens, then most free blocks
+  kPrefixAffinity = 2,  // longest cached prompt prefix, unless too loaded
+};
+std::string_view RoutingPolicyName(RoutingPolicy p);
+StatusOr<RoutingPolicy> ParseRoutingPolicy(std::string_view name);  // round_robin | least_loaded | prefix_affinity
+
+struct CoordinatorOptions {
+  // host:port; port 0 picks a free port (see Coordinator::address()).
+  std::string listen = "127.0.0.1:50051";
+  RoutingPolicy policy = RoutingPolicy::kPrefixAffinity;
+  // Requests accepted but not yet routed (no group registered, or all groups
+  // full); more are RESOURCE_EXHAUSTED. Default 4096.
+  int64_t max_queued = 4096;
+  // Requests routed and not finished, per group; beyond this they wait in the
+  // coordinator's queue. Default 256.
+  int64_t max_in_flight_per_group = 256;
+  // prefix_affinity: take the group with the longest cached prefix unless its
+  // queued tokens exceed the least loaded group's by more than this many
+  // tokens (SGLang's router uses a similar absolute-plus-relative threshold).
+  int64_t balance_abs_tokens = 2048;
+  double balance_rel = 1.5;  // ... and by more than this factor
+  // The queue timeout: a request that finds no DP group connected waits at
+  // most this long (from its arrival, or less when its own deadline is
+  // nearer) for one to register, then fails with UNAVAILABLE saying that none
+  // did, or which group went away before and why. It bounds only the wait for
+  // a group: a request routed to a group runs as long as it takes (or until
+  // its own deadline), and one waiting for room in connected groups waits
+  // for them. Default 30 s (`--queue-timeout-s`).
+  double queue_timeout_s = 30;
+  // When the last connected group goes away, the requests left waiting (those
+  // it had not answered yet, re-routed, and those queued for room) wait this
+  // much longer for a group to (re)register, at most until their own
+  // deadline, then fail with UNAVAILABLE saying which group went away and
+  // why. Default 5 s (`--lost-group-wait-s`): a worker whose link broke
+  // reconnects within its 2 s back-off, and a client without a deadline
+  // learns of the loss within 10 s.
+  double lost_group_wait_s = 5;
+  // A group with requests in flight that sends nothing at all (no token, no
+  // completion, no stats; a live worker reports stats every 0.5 s from its
+  // step loop) for this long is taken as stalled, and so is an idle group
+  // that reported stats on its stream before (a step that never ends, a rank
+  // stopped or stuck in a collective): its stream is closed with UNAVAILABLE
+  // and it
+  // is treated as gone (requests without a token re-routed, the others
+  // UNAVAILABLE naming the group and the stall). A worker that was only slow
+  // reconnects and registers again. Default 30 s (`--stall-timeout-s`).
+  double stall_timeout_s = 30;
+  // DP groups the coordinator remembers (connected, and gone ones for
+  // GetStats and the messages of requests that lost them). When a new group
+  // registers into a full registry, the one that went away first is
+  // forgotten; only if all are connected is it refused (RESOURCE_EXHAUSTED).
+  // Default 1024.
+  int64_t max_known_groups = 1024;
+  // prefix_affinity: block hashes remembered per group (least recently routed
+  // forgotten first; about 40 B each). Default 100,000 (~4 MB per group).
+  int64_t prefix_hashes_per_group = 100000;
+  // The worker link's shared secret (`--worker-secret-file`, trimmed): a
+  // worker's Connect must carry it (or a client certificate, below), or it
+  // ends with UNAUTHENTICATED before its registration is read. With neither
+  // a secret nor a client-certificate CA the link is open, which Start
+  // allows only when `listen` is a loopback address (127.0.0.0/8, [::1],
+  // localhost) or `open_worker_link_off_loopback` is set.
+  std::string worker_secret;
+  // Lets a coordinator bound beyond loopback run with an open worker link
+  // (any process that reaches the port can then register as a worker).
+  bool open_worker_link_off_loopback = false;
+  // TLS on the port (both services) when tls.cert is set (LoadServerTls).
+  // With tls.ca, workers may authenticate with a client certificate signed
+  // by it instead of the secret.
+  TlsPem tls;
+  // The client API's principals (`--auth-token-file`). Set: Generate, Cancel
+  // and GetStats need `authorization: Bearer TOKEN` with one of the tokens
+  // (UNAUTHENTICATED otherwise), and a principal sees and cancels only its
+  // own requests. Empty: the client API is open; GetStats then tells the
+  // ranks' hosts, model paths and worker ids only to callers on loopback.
+  // Health is always open (for probes).
+  AuthTokens auth_tokens;
+
+  // Log to stderr when a DP group registers or goes away (and why), with
+  // the count of connected groups. `mlarun coordinator` and `mlarun serve`
+  // set it; tests and benchmarks leave it off.
+  bool log_groups = false;
+
+  // ---- The OpenAI-compatible HTTP API and /metrics (docs/http-api.md) ----
+  // host:port of the HTTP API (`--http`); empty (the default): off. Its
+  // bearer tokens are `auth_tokens`; /health is open.
+  std::string http_listen;
+  // The model whose tokenizer (and chat template) and name the HTTP API
+  // uses (`--model`): a configs/models/*.yaml with a `tokenizer:` key, a
+  // checkpoint directory or a tokenizer directory. Required with
+  // http_listen unless http_tokenizer is given.
+  std::string http_model;
+  // The name requests must give as `model` (`--served-model-name`); empty:
+  // http_model's last path component without ".yaml".
+  std::string served_model_name;
+  // A tokenizer already loaded (tests); when set, http_model is not read.
+  std::shared_ptr<const text::Tokenizer> http_tokenizer;
+  // HTTP handler threads (each open connection or stream holds one).
+  // Default 512.
+  int http_threads = 512;
+  // Larger request bodies get 413. Default 32 MiB.
+  int64_t http_max_body_bytes = int64_t{32} << 20;
+  // Each HTTP request's deadline (504 when it passes); 0 (default): none.
+  double http_request_timeout_s = 0;
+};
+
+// Whether `listen` (host:port) binds only the loopback interface:
+// 127.0.0.0/8, [::1] or localhost (0.0.0.0 and [::] are not).
+bool IsLoopbackListenAddress(const std::string& listen);
+
+// The HTTP API's model name for a model path: its last component without
+// ".yaml" ("configs/models/tiny.yaml" -> "tiny", "/ckpt/DeepSeek-V3/" ->
+// "DeepSeek-V3").
+std::string DefaultServedModelName(const std::string& model_path);
+
+class Coordinator {
+ public:
+  // Binds `listen` and starts serving. INVALID_ARGUMENT for a bad address,
+  // UNAVAILABLE if the port cannot be bound.
+  static StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options);
+  virtual ~Coordinator() = default;
+
+  // The bound address (host:port, with the real port when 0 was asked).
+  virtual std::string address() const = 0;
+  // The HTTP API's bound address; "" when it is off.
+  virtual std::string http_address() const = 0;
+  // Stops accepting, ends every stream (clients get UNAVAILABLE), returns when
+  // the server is down.
+  virtual void Shutdown() = 0;
+  // Blocks until Shutdown() (or a signal handler calling it).
+  virtual void Wait() = 0;
+};
+
+}  // namespace mlarun

@@ -1,0 +1,1308 @@
+// The HTTP API around the Dispatcher. One exchange (an HTTP request) is:
+//   parse and check the JSON body (ParseBody: every field's type and range,
+//   400 naming it), turn the prompt or the messages into token ids, submit one
+//   dispatcher request per choice with a ChoiceOutlet of the exchange, then
+//   wait on the exchange's condition variable, turning each choice's tokens
+//   into text (IncrementalDecoder, then StopMatcher), and answer: the whole
+//   object, or server-sent events.
+//
+// A streamed answer commits to HTTP 200 only once every choice has a token
+// (or an end): an error before that (a full queue, no DP group, a request
+// the groups refuse) still gets its own status. Later errors are a
+// `data: {"error": ...}` event before `data: [DONE]`.
+//
+// Client disconnects. cpp-httplib 0.11 tells a handler nothing about its
+// connection, so the handler finds its socket by its two addresses (once per
+// exchange) and peeks at it while it waits: an orderly close or a reset means
+// the client is gone, and its requests are cancelled at their groups. The
+// socket stays open (httplib closes it only after the handler and the
+// response are done), so the descriptor cannot change owners meanwhile.
+#include "serving/http/openai_server.h"
+
+#include <dirent.h>
+#include <httplib.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <ctime>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "serving/coordinator/dispatcher.h"
+#include "serving/http/metrics.h"
+#include "serving/proto/proto_sampling.h"
+#include "text/chat_template.h"
+#include "text/tokenizer.h"
+#include "mlarun.pb.h"
+
+namespace mlarun {
+namespace {
+
+// Ordered: a request's objects keep their keys' order into the chat
+// template (Python's dicts do), and answers list fields in OpenAI's order.
+using json = nlohmann::ordered_json;
+using internal::StrCat;
+using SteadyClock = std::chrono::steady_clock;
+
+// How often a waiting handler looks at its client's socket.
+constexpr auto kProbeInterval = std::chrono::milliseconds(50);
+// The accept backlog (httplib listens with 5; re-listening raises it), so
+// that hundreds of clients connecting at once are not made to retry.
+constexpr int kListenBacklog = 1024;
+// Bounds of what one request may ask for.
+constexpr int64_t kMaxChoices = 128;       // n
+constexpr size_t kMaxStops = 16;           // stop strings
+constexpr size_t kMaxPrompts = 1024;       // a batch of prompts
+constexpr size_t kMaxRequests = 1024;      // prompts x n: the dispatcher requests of one exchange
+constexpr int64_t kDefaultMaxTokens = 16;  // completions, as OpenAI
+
+// ---- Errors -------------------------------------------------------------------
+
+// An answer that is an OpenAI error object. Thrown only inside this file,
+// from the parsing of a request to its reply (the handler catches it).
+struct ApiError {
+  int status = 400;
+  std::string message;
+  std::string param;  // "" -> null
+  std::string type = "invalid_request_error";
+  std::string code;  // "" -> null
+};
+
+json ErrorBody(const ApiError& e) {
+  json err = {{"message", e.message},
+              {"type", e.type},
+              {"param", e.param.empty() ? json(nullptr) : json(e.param)},
+              {"code", e.code.empty() ? json(nullptr) : json(e.code)}};
+  return json{{"error", std::move(err)}};
+}
+
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
+void ReplyJson(httplib::Response& res, int status, const json& body) {
+  res.status = status;
+  res.set_content(Dump(body), "application/json");
+}
+
+void ReplyError(httplib::Response& res, const ApiError& e) {
+  ReplyJson(res, e.status, ErrorBody(e));
+}
+
+ApiError BadField(const std::string& field, const std::string& what) {
+  return ApiError{.status = 400, .message = StrCat(field, ": ", what), .param = field};
+}
+
+// A dispatcher's final status as the HTTP error OpenAI clients expect.
+// `chat`: the prompt is `messages`.
+ApiError FromDispatcher(grpc::StatusCode code, const std::string& message, bool chat) {
+  switch (code) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::ALREADY_EXISTS:
+    case grpc::StatusCode::OUT_OF_RANGE: {
+      // The dispatcher names its fields ("prompt_ids[3]: ...",
+      // "sampling.max_tokens: ..."); the HTTP request's names are these.
+      std::string param;
+      if (message.starts_with("prompt_ids")) {
+        param = chat ? "messages" : "prompt";
+      } else if (message.starts_with("sampling.")) {
+        const size_t end = message.find_first_of(":[ ", 9);
+        param = message.substr(9, end == std::string::npos ? std::string::npos : end - 9);
+      }
+      return ApiError{.status = 400, .message = message, .param = param};
+    }
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return ApiError{
+          .status = 429, .message = message, .type = "rate_limit_error", .code = "queue_full"};
+    case grpc::StatusCode::UNAVAILABLE:
+      return ApiError{
+          .status = 503, .message = message, .type = "service_unavailable", .code = "unavailable"};
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return ApiError{
+          .status = 504, .message = message, .type = "timeout", .code = "deadline_exceeded"};
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return ApiError{.status = 401,
+                      .message = message,
+                      .type = "authentication_error",
+                      .code = "invalid_api_key"};
+    default:
+      return ApiError{.status = 500, .message = message, .type = "server_error"};
+  }
+}
+
+// ---- Request bodies -------------------------------------------------------------
+
+const char* TypeName(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    case json::value_t::number_float:
+      return "a number";
+    default:
+      return "an integer";
+  }
+}
+
+// The body's field `name`, if present and not null.
+const json* Field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+bool GetBool(const json& body, const char* name, bool fallback) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return fallback;
+  if (!v->is_boolean()) throw BadField(name, StrCat("must be a boolean, got ", TypeName(*v)));
+  return v->get<bool>();
+}
+
+// An integer (a float with an integral value too, as Python's JSON gives
+// 1.0 for 1 sometimes), in [lo, hi].
+std::optional<int64_t> GetInt(const json& body, const char* name, int64_t lo, int64_t hi) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::nullopt;
+  int64_t x = 0;
+  if (v->is_number_integer()) {
+    if (v->is_number_unsigned() &&
+        v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      throw BadField(name, StrCat("must be at most ", hi));
+    x = v->get<int64_t>();
+  } else if (v->is_number_float() && std::isfinite(v->get<double>()) &&
+             std::floor(v->get<double>()) == v->get<double>() &&
+             std::fabs(v->get<double>()) < 9e15) {
+    x = static_cast<int64_t>(v->get<double>());
+  } else {
+    throw BadField(name, StrCat("must be an integer, got ", TypeName(*v)));
+  }
+  if (x < lo || x > hi) throw BadField(name, StrCat("must be in [", lo, ", ", hi, "], got ", x));
+  return x;
+}
+
+std::optional<double> GetNumber(const json& body, const char* name) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_number()) throw BadField(name, StrCat("must be a number, got ", TypeName(*v)));
+  const double x = v->get<double>();
+  if (!std::isfinite(x)) throw BadField(name, "must be finite");
+  return x;
+}
+
+// A field that only one value of is supported (penalties: 0).
+void RequireValue(const json& body, const char* name, double supported, const char* why) {
+  if (std::optional<double> x = GetNumber(body, name); x && *x != supported)
+    throw BadField(name, StrCat("only ", supported, " is supported (", why, "), got ", *x));
+}
+
+std::vector<int32_t> TokenIds(const json& v, const std::string& field) {
+  std::vector<int32_t> ids;
+  ids.reserve(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const json& t = v[i];
+    if (!t.is_number_integer())
+      throw BadField(field,
+                     StrCat("element ", i, " must be a token id (an integer), got ", TypeName(t)));
+    const int64_t id = t.get<int64_t>();
+    if (id < 0 || id > std::numeric_limits<int32_t>::max())
+      throw BadField(field, StrCat("token id ", id, " at ", i, " is out of range"));
+    ids.push_back(static_cast<int32_t>(id));
+  }
+  if (ids.empty()) throw BadField(field, "must not be empty");
+  return ids;
+}
+
+// What a completion or chat request asks for, checked.
+struct Params {
+  bool chat = false;
+  bool stream = false;
+  bool include_usage = false;
+  std::vector<std::vector<int32_t>> prompts;  // token ids, one per prompt of the batch
+  std::vector<std::string> echo_texts;        // per prompt, when `echo`
+  int64_t n = 1;
+  std::optional<int64_t> max_tokens;
+  std::string max_tokens_field = "max_tokens";
+  double temperature = 1.0;
+  double top_p = 1.0;
+  int64_t top_k = 0;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  std::vector<int64_t> stop_token_ids;
+  bool ignore_eos = false;
+  bool logprobs = false;     // the chosen tokens' logprobs
+  int64_t top_logprobs = 0;  // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
+  int64_t prompt_logprobs = -1;  // completions' echo with logprobs: the prompt's too, with this many beside each
+  bool echo = false;
+  bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
+  bool skip_special_tokens = true;
+};
+
+// Fields common to both endpoints (everything but the prompt).
+void ParseSampling(const json& body, Params& p) {
+  p.stream = GetBool(body, "stream", false);
+  if (const json* so = Field(body, "stream_options")) {
+    if (!so->is_object())
+      throw BadField("stream_options", StrCat("must be an object, got ", TypeName(*so)));
+    if (!p.stream) throw BadField("stream_options", "only allowed with stream: true");
+    p.include_usage = GetBool(*so, "include_usage", false);
+  }
+  p.n = GetInt(body, "n", 1, kMaxChoices).value_or(1);
+  if (std::optional<int64_t> best_of = GetInt(body, "best_of", 1, kMaxChoices);
+      best_of && *best_of != p.n)
+    throw BadField("best_of", "only best_of == n is supported (each choice is one sample)");
+  if (Field(body, "max_completion_tokens") != nullptr) {
+    p.max_tokens = GetInt(body, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max());
+    p.max_tokens_field = "max_completion_tokens";
+  } else {
+    // 0 only with completions' echo (ParseCompletion): the prompt alone.
+    p.max_tokens = GetInt(body, "max_tokens", 0, std::numeric_limits<int32_t>::max());
+  }
+  if (std::optional<double> t = GetNumber(body, "temperature")) {
+    if (*t < 0 || *t > 100) throw BadField("temperature", StrCat("must be in [0, 100], got ", *t));
+    p.temperature = *t;
+  }
+  if (std::optional<double> t = GetNumber(body, "top_p")) {
+    if (!(*t > 0) || *t > 1) throw BadField("top_p", StrCat("must be in (0, 1], got ", *t));
+    p.top_p = *t;
+  }
+  p.top_k = GetInt(body, "top_k", -1, std::numeric_limits<int32_t>::max()).value_or(0);
+  if (std::optional<int64_t> s = GetInt(body, "seed", std::numeric_limits<int64_t>::min(),
+                                        std::numeric_limits<int64_t>::max()))
+    p.seed = static_cast<uint64_t>(*s);
+  if (const json* stop = Field(body, "stop")) {
+    if (stop->is_string()) {
+      p.stop.push_back(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (stop->size() > kMaxStops)
+        throw BadField("stop", StrCat("at most ", kMaxStops, " strings, got ", stop->size()));
+      for (const json& s : *stop) {
+        if (!s.is_string())
+          throw BadField("stop",
+                         StrCat("must be a string or an array of strings, got an array holding ",
+                                TypeName(s)));
+        p.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      throw BadField("stop",
+                     StrCat("must be a string or an array of strings, got ", TypeName(*stop)));
+    }
+  }
+  if (const json* ids = Field(body, "stop_token_ids")) {
+    if (!ids->is_array())
+      throw BadField("stop_token_ids",
+                     StrCat("must be an array of token ids, got ", TypeName(*ids)));
+    for (const json& t : *ids) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0)
+        throw BadField("stop_token_ids", "must hold token ids (integers >= 0)");
+      p.stop_token_ids.push_back(t.get<int64_t>());
+    }
+  }
+  p.ignore_eos = GetBool(body, "ignore_eos", false);
+  p.skip_special_tokens = GetBool(body, "skip_special_tokens", true);
+  if (GetInt(body, "min_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(0) > 0)
+    throw BadField("min_tokens", "only 0 is supported (the engine has no minimum length)");
+  RequireValue(body, "presence_penalty", 0, "the engine applies no penalties");
+  RequireValue(body, "frequency_penalty", 0, "the engine applies no penalties");
+  RequireValue(body, "repetition_penalty", 1, "the engine applies no penalties");
+  if (const json* bias = Field(body, "logit_bias");
+      bias != nullptr && !(bias->is_object() && bias->empty()))
+    throw BadField("logit_bias", "not supported (the engine applies no biases)");
+  if (const json* user = Field(body, "user"); user != nullptr && !user->is_string())
+    throw BadField("user", StrCat("must be a string, got ", TypeName(*user)));
+  if (const json* model = Field(body, "model"); model != nullptr && !model->is_string())
+    throw BadField("model", StrCat("must be a string, got ", TypeName(*model)));
+}
+
+void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
+  ParseSampling(body, p);
+  if (const json* lp = Field(body, "logprobs")) {
+    if (!lp->is_number_integer())
+      throw BadField("logprobs", StrCat("must be an integer, got ", TypeName(*lp)));
+    const int64_t k = lp->get<int64_t>();
+    if (k < 0 || k > kMaxTopLogprobs)
+      throw BadField("logprobs", StrCat("must be in [0, ", kMaxTopLogprobs, "], got ", k));
+    p.logprobs = true;
+    p.top_logprobs = k;
+  }
+  p.echo = GetBool(body, "echo", false);
+  // echo with logprobs: the prompt's tokens come with theirs (as vLLM's
+  // prompt_logprobs = logprobs), which the group computes from the whole prompt.
+  if (p.echo && p.logprobs) p.prompt_logprobs = p.top_logprobs;
+  // echo with max_tokens 0: the prompt alone (with its logprobs, if asked),
+  // as vLLM: the group generates one token, which is not shown.
+  if (p.max_tokens == 0) {
+    if (!p.echo)
+      throw BadField("max_tokens", "must be in [1, 2147483647], got 0 (0 only with echo: the prompt alone)");
+    p.echo_only = true;
+  }
+  if (const json* suffix = Field(body, "suffix");
+      suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty()))
+    throw BadField("suffix", "not supported");
+  const json* prompt = Field(body, "prompt");
+  if (prompt == nullptr) throw BadField("prompt", "required");
+  auto add_text = [&](const std::string& text) {
+    std::vector<int32_t> ids = tokenizer.Encode(text, /*add_special_tokens=*/true);
+    if (ids.empty()) throw BadField("prompt", "must not be empty");
+    p.prompts.push_back(std::move(ids));
+    if (p.echo) p.echo_texts.push_back(text);
+  };
+  auto add_ids = [&](const json& arr) {
+    p.prompts.push_back(TokenIds(arr, "prompt"));
+    if (p.echo) p.echo_texts.push_back(tokenizer.Decode(p.prompts.back(), p.skip_special_tokens));
+  };
+  if (prompt->is_string()) {
+    add_text(prompt->get<std::string>());
+  } else if (prompt->is_array()) {
+    if (prompt->empty()) throw BadField("prompt", "must not be empty");
+    if (prompt->size() > kMaxPrompts)
+      throw BadField("prompt",
+                     StrCat("a batch of at most ", kMaxPrompts, " prompts, got ", prompt->size()));
+    const json& first = (*prompt)[0];
+    if (first.is_number_integer()) {
+      add_ids(*prompt);
+    } else {
+      for (const json& one : *prompt) {
+        if (one.is_string()) {
+          add_text(one.get<std::string>());
+        } else if (one.is_array()) {
+          add_ids(one);
+        } else {
+          throw BadField(
+              "prompt",
+              StrCat("must be a string, an array of strings, an array of token ids or an array "
+                     "of such arrays; got an array holding ",
+                     TypeName(one)));
+        }
+      }
+    }
+  } else {
+    throw BadField("prompt",
+                   StrCat("must be a string, an array of strings or an array of token ids, got ",
+                          TypeName(*prompt)));
+  }
+}
+
+// A message's content as the templates take it: a string (or null); an
+// array of text parts is joined with newlines, as vLLM does.
+json MessageContent(const json& content, size_t i) {
+  if (content.is_null() || content.is_string()) return content;
+  const std::string field = StrCat("messages[", i, "].content");
+  if (!content.is_array())
+    throw BadField(field, StrCat("must be a string or an array of parts, got ", TypeName(content)));
+  std::string joined;
+  for (size_t j = 0; j < content.size(); ++j) {
+    const json& part = content[j];
+    const std::string at = StrCat(field, "[", j, "]");
+    if (!part.is_object()) throw BadField(at, StrCat("must be an object, got ", TypeName(part)));
+    auto type = part.find("type");
+    if (type == part.end() || !type->is_string() || *type != "text")
+      throw BadField(at + ".type", "only 'text' parts are supported");
+    auto t = part.find("text");
+    if (t == part.end() || !t->is_string()) throw BadField(at + ".text", "must be a string");
+    if (!joined.empty()) joined += "\n";
+    joined += t->get<std::string>();
+  }
+  return joined;
+}
+
+void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::ChatTemplate* tmpl,
+               const std::string& template_error, Params& p) {
+  ParseSampling(body, p);
+  p.chat = true;
+  if (p.max_tokens == 0) throw BadField("max_tokens", "must be in [1, 2147483647], got 0");
+  p.logprobs = GetBool(body, "logprobs", false);
+  if (std::optional<int64_t> top = GetInt(body, "top_logprobs", 0, kMaxTopLogprobs); top && *top > 0) {
+    if (!p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
+    p.top_logprobs = *top;
+  }
+  if (const json* tools = Field(body, "tools");
+      tools != nullptr && !(tools->is_array() && tools->empty()))
+    throw BadField("tools", "tool calls are not supported");
+  if (const json* rf = Field(body, "response_format")) {
+    if (!rf->is_object() || rf->value("type", "") != "text")
+      throw BadField("response_format", "only {\"type\": \"text\"} is supported");
+  }
+  const json* messages = Field(body, "messages");
+  if (messages == nullptr) throw BadField("messages", "required");
+  if (!messages->is_array())
+    throw BadField("messages", StrCat("must be an array, got ", TypeName(*messages)));
+  if (messages->empty()) throw BadField("messages", "must not be empty");
+  json msgs = json::array();
+  for (size_t i = 0; i < messages->size(); ++i) {
+    const json& m = (*messages)[i];
+    const std::string at = StrCat("messages[", i, "]");
+    if (!m.is_object()) throw BadField(at, StrCat("must be an object, got ", TypeName(m)));
+    auto role = m.find("role");
+    if (role == m.end() || !role->is_string()) throw BadField(at + ".role", "required, a string");
+    json copy = m;
+    copy["content"] = MessageContent(m.value("content", json(nullptr)), i);
+    msgs.push_back(std::move(copy));
+  }
+  if (tmpl == nullptr) {
+    throw ApiError{.status = 400,
+                   .message = template_error,
+                   .param = "messages",
+                   .code = "chat_template_unsupported"};
+  }
+  json context = {{"messages", std::move(msgs)},
+                  {"add_generation_prompt", GetBool(body, "add_generation_prompt", true)},
+                  {"bos_token", tokenizer.bos_token()},
+                  {"eos_token", tokenizer.eos_token()}};
+  if (const json* kw = Field(body, "chat_template_kwargs")) {
+    if (!kw->is_object())
+      throw BadField("chat_template_kwargs", StrCat("must be an object, got ", TypeName(*kw)));
+    for (auto it = kw->begin(); it != kw->end(); ++it) {
+      if (it.key() != "messages") context[it.key()] = it.value();
+    }
+  }
+  StatusOr<std::string> rendered = tmpl->Render(context);
+  if (!rendered.ok()) {
+    throw ApiError{
+        .status = 400,
+        .message = StrCat(
+            "the model's chat template cannot render these messages: ", rendered.status().message(),
+            "; /v1/completions takes a prompt string rendered by the client instead"),
+        .param = "messages",
+        .code = "chat_template_error"};
+  }
+  std::vector<int32_t> ids = tokenizer.Encode(
+      *rendered, /*add_special_tokens=*/GetBool(body, "add_special_tokens", false));
+  if (ids.empty()) throw BadField("messages", "the rendered conversation has no tokens");
+  p.prompts.push_back(std::move(ids));
+}
+
+// ---- One exchange: its choices' outlets ------------------------------------------
+
+// What the outlets of one exchange share with its handler thread.
+struct ExchangeState {
+  struct Slot {
+    std::deque<v1::GenerateResponse> events;  // tokens and Finished, as queued
+    bool closed = false;                      // the request ended (code, message)
+    bool close_seen = false;                  // ... and the handler has taken that in
+    grpc::StatusCode code = grpc::StatusCode::OK;
+    std::string message;
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<Slot> slots;  // one per choice; the vector is sized before any outlet exists
+};
+
+// One choice's request as the dispatcher sees its client. Queue and Close
+// take only the exchange's lock (after the dispatcher's, as its lock order
+// allows) and never call back; Flush wakes the handler.
+class ChoiceOutlet final : public coord::ClientOutlet {
+ public:
+  ChoiceOutlet(std::shared_ptr<ExchangeState> state, size_t slot)
+      : state_(std::move(state)), slot_(slot) {}
+  void Queue(v1::GenerateResponse msg) override {
+    std::lock_guard lock(state_->mu);
+    ExchangeState::Slot& s = state_->slots[slot_];
+    if (!s.closed) s.events.push_back(std::move(msg));
+  }
+  void Close(grpc::StatusCode code, std::string message) override {
+    std::lock_guard lock(state_->mu);
+    ExchangeState::Slot& s = state_->slots[slot_];
+    if (s.closed) return;
+    s.closed = true;
+    s.code = code;
+    s.message = std::move(message);
+  }
+  void Flush() override { state_->cv.notify_all(); }
+
+ private:
+  const std::shared_ptr<ExchangeState> state_;
+  const size_t slot_;
+};
+
+// Where one choice's text stands.
+struct Choice {
+  size_t index = 0;                                     // the choice's index in the answer
+  size_t prompt = 0;                                    // which prompt of the batch
+  std::optional<coord::Dispatcher::Accepted> accepted;  // nullopt: rejected at Submit
+  std::unique_ptr<text::IncrementalDecoder> decoder;
+  std::unique_ptr<text::StopMatcher> stop;
+  std::string text;      // not yet sent (streams) or all of it (whole answers)
+  bool started = false;  // a stream's first chunk (role, echo) was sent
+  std::vector<LogprobEntry> tokens;  // not yet sent with logprobs (streams), or all
+  std::vector<LogprobEntry> prompt_logprobs;  // prompt tokens 1, 2, ... (echo with logprobs)
+  int64_t completion_tokens = 0;
+  std::string finish_reason;  // set when it ended well
+  bool ended = false;         // finished, stopped or failed: nothing more comes
+  bool failed = false;
+  bool finish_sent = false;  // a stream's final chunk of this choice is out
+  int64_t text_offset = 0;   // a stream's completions logprobs: offset of the next token's text
+  grpc::StatusCode code = grpc::StatusCode::OK;
+  std::string message;
+};
+
+// A descriptor-level look at the client's connection (see the top comment).
+class Connection {
+ public:
+  explicit Connection(const httplib::Request& req)
+      : local_addr_(req.local_addr), remote_addr_(req.remote_addr), local_port_(req.local_port),
+        remote_port_(req.remote_port) {}
+  // True when the peer closed or reset the connection. The descriptor is
+  // looked up at the first call: an exchange answered within one probe
+  // interval (most) never scans /proc/self/fd.
+  bool Gone() {
+    if (!looked_up_) fd_ = Find(), looked_up_ = true;
+    if (fd_ < 0) return false;
+    char c;
+    const ssize_t n = recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n > 0) return false;
+    if (n == 0) return true;
+    return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+  }
+
+ private:
+  static bool Matches(const sockaddr_storage& a, socklen_t len, const std::string& addr, int port) {
+    char host[NI_MAXHOST], serv[NI_MAXSERV];
+    if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, serv,
+                    sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+      return false;
+    return std::atoi(serv) == port && addr == host;
+  }
+  int Find() const {
+    DIR* dir = opendir("/proc/self/fd");
+    if (dir == nullptr) return -1;
+    int found = -1;
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
+      const int fd = std::atoi(e->d_name);
+      sockaddr_storage local{}, peer{};
+      socklen_t local_len = sizeof local, peer_len = sizeof peer;
+      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0) continue;
+      if (local.ss_family != AF_INET && local.ss_family != AF_INET6) continue;
+      if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) continue;
+      if (Matches(local, local_len, local_addr_, local_port_) &&
+          Matches(peer, peer_len, remote_addr_, remote_port_)) {
+        found = fd;
+        break;
+      }
+    }
+    closedir(dir);
+    return found;
+  }
+  const std::string local_addr_, remote_addr_;  // the request's, to find its socket by
+  const int local_port_, remote_port_;
+  bool looked_up_ = false;
+  int fd_ = -1;
+};
+
+// One exchange from submission to its last byte. Owned by the handler,
+// then by the stream's content provider; its destructor cancels whatever
+// is still live (the client went away, a write failed, the server stops).
+class Exchange {
+ public:
+  Exchange(std::shared_ptr<coord::Dispatcher> dispatcher, const text::Tokenizer& tokenizer,
+           Params params, std::string id, std::string model, const httplib::Request& req)
+      : dispatcher_(std::move(dispatcher)),
+        tokenizer_(tokenizer),
+        params_(std::move(params)),
+        id_(std::move(id)),
+        model_(std::move(model)),
+        created_(static_cast<int64_t>(std::time(nullptr))),
+        connection_(req),
+        state_(std::make_shared<ExchangeState>()) {}
+  ~Exchange() {
+    for (Choice& c : choices_) {
+      if (c.accepted && !c.ended) dispatcher_->ClientGone(c.accepted->wire_id, c.accepted->serial);
+    }
+  }
+
+  const Params& params() const { return params_; }
+
+  // One dispatcher request per choice.
+  void Submit(const std::string& principal, double timeout_s, int64_t max_positions) {
+    const size_t total = params_.prompts.size() * static_cast<size_t>(params_.n);
+    state_->slots.resize(total);
+    choices_.resize(total);
+    static thread_local std::mt19937_64 rng(std::random_device{}());
+    const auto deadline = timeout_s > 0
+                              ? std::chrono::system_clock::now() +
+                                    std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                        std::chrono::duration<double>(timeout_s))
+                              : std::chrono::system_clock::time_point::max();
+    for (size_t p = 0; p < params_.prompts.size(); ++p) {
+      const std::vector<int32_t>& prompt = params_.prompts[p];
+      int64_t max_tokens = params_.echo_only ? 1 : params_.max_tokens.value_or(kDefaultMaxTokens);
+      if (!params_.max_tokens && params_.chat &&
+          max_positions > static_cast<int64_t>(prompt.size()))
+        max_tokens = max_positions -
+                     static_cast<int64_t>(prompt.size());  // chat: up to the context, as vLLM
+      for (int64_t i = 0; i < params_.n; ++i) {
+        const size_t k = p * static_cast<size_t>(params_.n) + static_cast<size_t>(i);
+        Choice& c = choices_[k];
+        c.index = k;
+        c.prompt = p;
+        c.decoder =
+            std::make_unique<text::IncrementalDecoder>(tokenizer_, params_.skip_special_tokens);
+        c.stop = std::make_unique<text::StopMatcher>(params_.stop);
+        v1::GenerateRequest request;
+        request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
+        v1::SamplingParams* s = request.mutable_sampling();
+        s->set_temperature(params_.temperature);
+        s->set_top_k(params_.top_k);
+        s->set_top_p(params_.top_p);
+        // n choices of one request: seed, seed + 1, ... (reproducible, and
+        // distinct when sampling); without a seed, each its own random one.
+        s->set_seed(params_.seed ? *params_.seed + static_cast<uint64_t>(i) : rng());
+        s->set_max_tokens(max_tokens);
+        for (int64_t id : params_.stop_token_ids) s->add_stop_token_ids(id);
+        s->set_ignore_eos(params_.ignore_eos);
+        s->set_logprobs(params_.top_logprobs);
+        if (params_.prompt_logprobs >= 0) s->set_prompt_logprobs(params_.prompt_logprobs);
+        c.accepted = dispatcher_->Submit(std::make_shared<ChoiceOutlet>(state_, k), request,
+                                         principal, deadline);
+      }
+    }
+  }
+
+  // Waits for news and takes it in, until `done(choices)` holds or the
+  // client goes away (false). Never holds the exchange's lock while calling
+  // the dispatcher.
+  template <class Done>
+  bool WaitUntil(Done done) {
+    auto last_probe = SteadyClock::now();
+    while (!done()) {
+      std::vector<std::pair<size_t, v1::GenerateResponse>> events;
+      std::vector<size_t> closed;
+      {
+        std::unique_lock lock(state_->mu);
+        auto news = [&] {
+          for (const ExchangeState::Slot& s : state_->slots)
+            if (!s.events.empty() || (s.closed && !s.close_seen)) return true;
+          return false;
+        };
+        state_->cv.wait_for(lock, kProbeInterval, news);
+        for (size_t k = 0; k < state_->slots.size(); ++k) {
+          ExchangeState::Slot& s = state_->slots[k];
+          while (!s.events.empty()) {
+            events.emplace_back(k, std::move(s.events.front()));
+            s.events.pop_front();
+          }
+          if (s.closed && !s.close_seen) {
+            s.close_seen = true;
+            closed.push_back(k);
+            Choice& c = choices_[k];
+            c.code = s.code;
+            c.message = s.message;
+          }
+        }
+      }
+      if (!events.empty() || !closed.empty()) ++progress_;
+      for (auto& [k, msg] : events) Take(choices_[k], msg);
+      for (size_t k : closed) {
+        Choice& c = choices_[k];
+        if (!c.ended) {
+          c.ended = true;
+          c.failed = true;
+          if (c.code == grpc::StatusCode::OK) {
+            c.code = grpc::StatusCode::INTERNAL;
+            c.message = "the request ended without finishing";
+          }
+        }
+      }
+      if (SteadyClock::now() - last_probe >= kProbeInterval) {
+        last_probe = SteadyClock::now();
+        if (connection_.Gone()) return false;
+      }
+    }
+    return true;
+  }
+
+  bool AllEnded() const {
+    return std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) { return c.ended; });
+  }
+  // Every choice has something to show (a token or its end), or one failed.
+  bool ReadyToStream() const {
+    return AnyFailed() || std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) {
+             return c.ended || c.completion_tokens > 0;
+           });
+  }
+  const Choice* AnyFailed() const {
+    for (const Choice& c : choices_)
+      if (c.failed) return &c;
+    return nullptr;
+  }
+  // Ends the others when one failed (the exchange is answered with its error).
+  void CancelLive() {
+    for (Choice& c : choices_) {
+      if (c.accepted && !c.ended) {
+        dispatcher_->ClientGone(c.accepted->wire_id, c.accepted->serial);
+        c.ended = true;
+      }
+    }
+  }
+
+  ApiError ErrorOf(const Choice& c) const {
+    return FromDispatcher(c.code, c.message, params_.chat);
+  }
+
+  // ---- Whole answers ----
+  json Whole() {
+    json choices = json::array();
+    for (Choice& c : choices_) {
+      json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
+      if (params_.chat) {
+        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+        choice["logprobs"] = params_.logprobs ? ChatLogprobs(c.tokens) : json(nullptr);
+      } else {
+        choice["text"] = (params_.echo ? params_.echo_texts[c.prompt] : std::string()) + c.text;
+        choice["logprobs"] = json(nullptr);
+        if (params_.logprobs && params_.echo) {
+          // The completion's offsets run on after the prompt tokens' texts
+          // (as vLLM's; they may differ from the echo: a BOS has a text).
+          int64_t offset = 0;
+          json lp = EchoLogprobs(c, offset);
+          for (const LogprobEntry& t : c.tokens) AddCompletionToken(lp, t.token.token, &t, offset);
+          choice["logprobs"] = std::move(lp);
+        } else if (params_.logprobs) {
+          choice["logprobs"] = CompletionLogprobs(c.tokens, 0);
+        }
+      }
+      choices.push_back(std::move(choice));
+    }
+    return {{"id", id_},
+            {"object", params_.chat ? "chat.completion" : "text_completion"},
+            {"created", created_},
+            {"model", model_},
+            {"choices", std::move(choices)},
+            {"usage", Usage()}};
+  }
+
+  // ---- Streams ----
+  // The chunks of everything taken in since the last call (and the final
+  // chunks of the choices that ended), as `data: ...\n\n` events.
+  std::string Chunks() {
+    std::string out;
+    for (Choice& c : choices_) {
+      if (c.failed || c.finish_sent) continue;
+      const bool first = !c.started;
+      if (first) {
+        // echo with logprobs: the echo's chunk waits for the prompt's
+        // logprobs, which come before the first token.
+        const bool prompt_complete = c.prompt_logprobs.size() + 1 >= params_.prompts[c.prompt].size();
+        if (params_.prompt_logprobs >= 0 && !prompt_complete && c.completion_tokens == 0 && !c.ended) continue;
+        c.started = true;
+        if (params_.chat) {
+          out += Event(
+              Chunk(c, json{{"role", "assistant"}, {"content", ""}}, json(nullptr), json(nullptr)));
+        } else if (params_.echo) {
+          out += Event(Chunk(c, params_.echo_texts[c.prompt],
+                             params_.logprobs ? EchoLogprobs(c, c.text_offset) : json(nullptr), json(nullptr)));
+        }
+      }
+      const bool finish = c.ended && !c.finish_reason.empty() && !c.finish_sent;
+      if (c.text.empty() && !finish && (c.tokens.empty() || !params_.logprobs)) continue;
+      json logprobs = json(nullptr);
+      if (params_.logprobs && !c.tokens.empty()) {
+        logprobs =
+            params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
+        for (const LogprobEntry& t : c.tokens) c.text_offset += static_cast<int64_t>(TokenText(t.token.token).size());
+      }
+      json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}})
+                                : json(c.text);
+      out += Event(Chunk(c, std::move(delta), std::move(logprobs),
+                         finish ? json(c.finish_reason) : json(nullptr)));
+      c.text.clear();
+      c.tokens.clear();
+      if (finish) c.finish_sent = true;
+    }
+    return out;
+  }
+  std::string Closing() {
+    std::string out;
+    if (params_.include_usage) {
+      out += Event({{"id", id_},
+                    {"object", params_.chat ? "chat.completion.chunk" : "text_completion"},
+                    {"created", created_},
+                    {"model", model_},
+                    {"choices", json::array()},
+                    {"usage", Usage()}});
+    }
+    return out + "data: [DONE]\n\n";
+  }
+  static std::string Event(const json& j) { return "data: " + Dump(j) + "\n\n"; }
+
+  bool WaitForNews() {
+    const int64_t before = progress_;
+    return WaitUntil([&] { return progress_ != before || AllEnded(); });
+  }
+
+ private:
+  // Adds one message of the dispatcher to its choice.
+  void Take(Choice& c, const v1::GenerateResponse& msg) {
+    if (c.ended) return;  // stopped on a stop string: later tokens crossed the cancel
+    if (msg.has_prompt_logprobs()) {
+      for (const v1::PromptTokenLogprob& e : msg.prompt_logprobs().entries())
+        c.prompt_logprobs.push_back(LogprobEntryFrom(e));
+    } else if (msg.has_token() && params_.echo_only) {
+      // Not shown: the prompt alone was asked for.
+    } else if (msg.has_token()) {
+      const int32_t id = static_cast<int32_t>(msg.token().token_id());
+      ++c.completion_tokens;
+      if (params_.logprobs) c.tokens.push_back(LogprobEntryFrom(msg.token()));
+      text::StopMatcher::Result r = c.stop->Add(c.decoder->Add(id));
+      c.text += r.text;
+      if (r.stopped) {
+        c.finish_reason = "stop";
+        c.ended = true;
+        // The rest is not wanted: the group stops generating it.
+        dispatcher_->EndEarly(c.accepted->wire_id, c.accepted->serial, "stop");
+      }
+    } else if (msg.has_finished()) {
+      text::StopMatcher::Result r = c.stop->Add(c.decoder->Finish());
+      c.text += r.text;
+      if (!r.stopped) c.text += c.stop->Finish();
+      c.finish_reason = r.stopped ? "stop" : params_.echo_only ? "length" : msg.finished().finish_reason();
+      c.ended = true;
+    }
+  }
+
+  std::string TokenText(int64_t id) const {
+    const int32_t one[1] = {static_cast<int32_t>(id)};
+    return tokenizer_.Decode(one, false);
+  }
+  // OpenAI's chat form: per token its text, logprob and bytes, and
+  // top_logprobs the same for the step's most likely tokens (top_logprobs of
+  // them; none asked: empty).
+  json ChatLogprobs(const std::vector<LogprobEntry>& tokens) const {
+    auto entry = [&](const TokenLogprob& t) {
+      // bytes: the token's own bytes, so that tokens that split a character
+      // (their text a replacement character) join into it again.
+      std::vector<int> bytes;
+      for (unsigned char ch : tokenizer_.TokenBytes(static_cast<int32_t>(t.token), false)) bytes.push_back(ch);
+      return json{{"token", TokenText(t.token)}, {"logprob", t.logprob}, {"bytes", std::move(bytes)}};
+    };
+    json content = json::array();
+    for (const LogprobEntry& tok : tokens) {
+      json e = entry(tok.token);
+      json top = json::array();
+      for (const TokenLogprob& t : tok.top) top.push_back(entry(t));
+      e["top_logprobs"] = std::move(top);
+      content.push_back(std::move(e));
+    }
+    return {{"content", std::move(content)}};
+  }
+  // The completions form. top_logprobs, as vLLM's: per token an object of
+  // text -> logprob holding the `logprobs` most likely tokens and the sampled
+  // one (so logprobs = 0 gives the sampled token alone). Tokens whose texts
+  // coincide (partial UTF-8 sequences) share a key: the likelier one's.
+  json CompletionLogprobs(const std::vector<LogprobEntry>& tokens, int64_t offset) const {
+    json lp = EmptyCompletionLogprobs();
+    for (const LogprobEntry& tok : tokens) AddCompletionToken(lp, tok.token.token, &tok, offset);
+    return lp;
+  }
+  // The prompt's part of echo's completions logprobs: every prompt token's
+  // text and offset; its logprob and most likely tokens (as
+  // CompletionLogprobs) from the second token on, null for the first (and
+  // for any the group did not send). `offset` ends past the last one's text.
+  json EchoLogprobs(const Choice& c, int64_t& offset) const {
+    json lp = EmptyCompletionLogprobs();
+    offset = 0;
+    const std::vector<int32_t>& prompt = params_.prompts[c.prompt];
+    for (size_t i = 0; i < prompt.size(); ++i)
+      AddCompletionToken(lp, prompt[i], i == 0 || i > c.prompt_logprobs.size() ? nullptr : &c.prompt_logprobs[i - 1],
+                         offset);
+    return lp;
+  }
+  static json EmptyCompletionLogprobs() {
+    return {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+            {"text_offset", json::array()}};
+  }
+  // Token `id` at `offset` (advanced past its text), with its logprob and
+  // most likely tokens when `scored`, else nulls.
+  void AddCompletionToken(json& lp, int64_t id, const LogprobEntry* scored, int64_t& offset) const {
+    const std::string t = TokenText(id);
+    lp["tokens"].push_back(t);
+    lp["text_offset"].push_back(offset);
+    offset += static_cast<int64_t>(t.size());
+    if (scored == nullptr) {
+      lp["token_logprobs"].push_back(nullptr);
+      lp["top_logprobs"].push_back(nullptr);
+      return;
+    }
+    lp["token_logprobs"].push_back(scored->token.logprob);
+    json top = json::object();
+    for (const TokenLogprob& other : scored->top) top.emplace(TokenText(other.token), other.logprob);  // best first: emplace keeps it
+    top.emplace(t, scored->token.logprob);
+    lp["top_logprobs"].push_back(std::move(top));
+  }
+  json Chunk(const Choice& c, json delta, json logprobs, json finish_reason) const {
+    json choice = {{"index", c.index},
+                   {"logprobs", std::move(logprobs)},
+                   {"finish_reason", std::move(finish_reason)}};
+    choice[params_.chat ? "delta" : "text"] = std::move(delta);
+    json chunk = {{"id", id_},
+                  {"object", params_.chat ? "chat.completion.chunk" : "text_completion"},
+                  {"created", created_},
+                  {"model", model_},
+                  {"choices", json::array({std::move(choice)})}};
+    if (params_.include_usage)
+      chunk["usage"] = nullptr;  // as OpenAI: every chunk has it, null but the last
+    return chunk;
+  }
+  json Usage() const {
+    // The prompt once per prompt of the batch (not per choice), as vLLM.
+    int64_t prompt = 0, completion = 0;
+    for (const auto& ids : params_.prompts) prompt += static_cast<int64_t>(ids.size());
+    for (const Choice& c : choices_) completion += c.completion_tokens;
+    return {{"prompt_tokens", prompt},
+            {"completion_tokens", completion},
+            {"total_tokens", prompt + completion}};
+  }
+
+  const std::shared_ptr<coord::Dispatcher> dispatcher_;
+  const text::Tokenizer& tokenizer_;
+  const Params params_;
+  const std::string id_;
+  const std::string model_;
+  const int64_t created_;
+  Connection connection_;
+  const std::shared_ptr<ExchangeState> state_;
+  std::vector<Choice> choices_;
+  int64_t progress_ = 0;  // rounds of WaitUntil that took something in
+};
+
+// ---- The server --------------------------------------------------------------------
+
+// httplib's server with its listening socket in reach (for the backlog).
+class Server final : public httplib::Server {
+ public:
+  int listen_fd() const { return svr_sock_; }
+};
+
+bool ParseHostPort(const std::string& listen, std::string* host, int* port) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size()) return false;
+  *host = listen.substr(0, colon);
+  if (host->front() == '[') {
+    if (host->back() != ']') return false;
+    *host = host->substr(1, host->size() - 2);
+  }
+  const std::string p = listen.substr(colon + 1);
+  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos) return false;
+  *port = std::atoi(p.c_str());
+  return *port <= 65535;
+}
+
+bool IsLoopbackPeer(const std::string& addr) {
+  return addr.starts_with("127.") || addr == "::1" || addr.starts_with("::ffff:127.");
+}
+
+class HttpApiImpl final : public HttpApi {
+ public:
+  HttpApiImpl(const HttpApiOptions& options, std::shared_ptr<coord::Dispatcher> dispatcher,
+              std::shared_ptr<Metrics> metrics)
+      : options_(options), dispatcher_(std::move(dispatcher)), metrics_(std::move(metrics)) {
+    LoadTemplate(options_.tokenizer->chat_template());
+  }
+  ~HttpApiImpl() override { Shutdown(); }
+
+  Status Bind() {
+    std::string host;
+    int port = 0;
+    if (!ParseHostPort(options_.listen, &host, &port))
+      return InvalidArgumentError("http_listen: expected HOST:PORT, got '", options_.listen, "'");
+    const size_t threads = static_cast<size_t>(options_.threads);
+    server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    server_.set_payload_max_length(static_cast<size_t>(options_.max_body_bytes));
+    server_.set_keep_alive_max_count(100000);
+    server_.set_keep_alive_timeout(options_.keep_alive_timeout_s);
+    server_.set_read_timeout(30);
+    server_.set_write_timeout(10);
+    server_.set_tcp_nodelay(true);
+    Routes();
+    const int bound =
+        port == 0 ? server_.bind_to_any_port(host) : (server_.bind_to_port(host, port) ? port : -1);
+    if (bound < 0) return UnavailableError("http_listen: cannot bind ", options_.listen);
+    // httplib listens with a backlog of 5; a second listen() raises it.
+    ::listen(server_.listen_fd(), kListenBacklog);
+    address_ = StrCat(host.find(':') != std::string::npos ? "[" + host + "]" : host, ":", bound);
+    thread_ = std::thread([this] { server_.listen_after_bind(); });
+    return Status::Ok();
+  }
+
+  std::string address() const override { return address_; }
+
+  void Shutdown() override {
+    std::lock_guard lock(shutdown_mu_);
+    if (thread_.joinable()) {
+      server_.stop();
+      thread_.join();
+    }
+  }
+
+ private:
+  // The chat template, parsed once; when it cannot be, template_error_ says
+  // why (chat requests get it as their 400).
+  void LoadTemplate(const std::string& source) {
+    constexpr const char* kWayAround =
+        "; /v1/completions takes a prompt string rendered by the client instead";
+    if (source.empty()) {
+      template_error_ = StrCat(
+          "the model's tokenizer has no chat template (tokenizer_config.json: chat_template)",
+          kWayAround);
+    } else if (auto parsed = text::ChatTemplate::Parse(source); parsed.ok()) {
+      template_ = *parsed;
+    } else {
+      template_error_ = StrCat(
+          "the model's chat template cannot be used: ", parsed.status().message(), kWayAround);
+    }
+  }
+
+  // The principal of the request's bearer token; throws 401 when the API
+  // has tokens and the request lacks a good one.
+  std::string Authenticate(const httplib::Request& req, bool* details) const {
+    if (options_.auth_tokens.empty()) {
+      *details = IsLoopbackPeer(req.remote_addr);
+      return "";
+    }
+    if (!req.has_header("Authorization"))
+      throw ApiError{
+          .status = 401,
+          .message =
+              "this server needs an API key: send `Authorization: Bearer TOKEN` with a token of "
+              "the coordinator's --auth-token-file",
+          .type = "authentication_error",
+          .code = "invalid_api_key"};
+    const Principal* p = options_.auth_tokens.Authenticate(req.get_header_value("Authorization"));
+    if (p == nullptr)
+      throw ApiError{
+          .status = 401,
+          .message =
+              "the Authorization header is not `Bearer TOKEN` with a token of the coordinator's "
+              "--auth-token-file",
+          .type = "authentication_error",
+          .code = "invalid_api_key"};
+    *details = true;
+    return p->name;
+  }
+
+  void Routes() {
+    server_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      Guarded(res, [&] { Generate(req, res, /*chat=*/false); });
+    });
+    server_.Post("/v1/chat/completions",
+                 [this](const httplib::Request& req, httplib::Response& res) {
+                   Guarded(res, [&] { Generate(req, res, /*chat=*/true); });
+                 });
+    server_.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+      Guarded(res, [&] {
+        bool details = false;
+        Authenticate(req, &details);
+        json model = {{"id", options_.served_model_name},
+                      {"object", "model"},
+                      {"created", started_},
+                      {"owned_by", "mlarun"},
+                      {"root", options_.served_model_name}};
+        if (const int64_t max_pos = dispatcher_->model_limits().max_position_embeddings;
+            max_pos > 0)
+          model["max_model_len"] = max_pos;
+        ReplyJson(res, 200, {{"object", "list"}, {"data", json::array({std::move(model)})}});
+      });
+    });
+    server_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+      v1::HealthResponse h;
+      dispatcher_->FillHealth(&h);
+      const bool ok = h.serving() && h.groups_connected() > 0;
+      ReplyJson(
+          res, ok ? 200 : 503,
+          {{"status", ok ? "ok" : "unavailable"}, {"dp_groups_connected", h.groups_connected()}});
+    });
+    server_.Get("/metrics", [this](const httplib::Request& req, httplib::Response& res) {
+      Guarded(res, [&] {
+        bool details = false;
+        Authenticate(req, &details);
+        if (metrics_ == nullptr)
+          throw ApiError{.status = 404, .message = "metrics are off", .code = "not_found"};
+        v1::GetStatsResponse stats;
+        dispatcher_->FillStats(&stats, true);
+        res.status = 200;
+        res.set_content(metrics_->Render(stats, dispatcher_->live_requests(), details),
+                        "text/plain; version=0.0.4; charset=utf-8");
+      });
+    });
+    // Answers httplib makes itself (no route, a body over the limit, a
+    // request it cannot parse) get OpenAI's error object too.
+    server_.set_error_handler(httplib::Server::HandlerWithResponse(
+        [](const httplib::Request& req, httplib::Response& res) {
+          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+          ApiError e{.status = res.status, .message = StrCat("HTTP ", res.status)};
+          if (res.status == 404) {
+            e.message = StrCat("no such path: ", req.method, " ", req.path);
+            e.code = "not_found";
+          } else if (res.status == 413) {
+            e.message = "the request body is larger than the server's limit";
+            e.code = "request_too_large";
+          } else if (res.status >= 500) {
+            e.type = "server_error";
+          }
+          ReplyError(res, e);
+          return httplib::Server::HandlerResponse::Handled;
+        }));
+    server_.set_exception_handler(
+        [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+          std::string what = "internal error";
+          try {
+            if (ep) std::rethrow_exception(ep);
+          } catch (const std::exception& e) {
+            what = e.what();
+          } catch (...) {
+          }
+          ReplyError(res, ApiError{.status = 500, .message = what, .type = "server_error"});
+        });
+    if (metrics_ != nullptr) {
+      server_.set_logger([m = metrics_](const httplib::Request& req, const httplib::Response& res) {
+        m->OnHttp(req.path, res.status);
+      });
+    }
+  }
+
+  template <class Body>
+  static void Guarded(httplib::Response& res, Body body) {
+    try {
+      body();
+    } catch (const ApiError& e) {
+      ReplyError(res, e);
+    } catch (const json::exception& e) {
+      ReplyError(res, ApiError{.status = 400, .message = StrCat("the request body: ", e.what())});
+    }
+  }
+
+  void Generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+    bool details = false;
+    const std::string principal = Authenticate(req, &details);
+    json body;
+    try {
+      body = json::parse(req.body);
+    } catch (const json::parse_error& e) {
+      throw ApiError{.status = 400,
+                     .message = StrCat("the request body is not valid JSON: ", e.what())};
+    }
+    if (!body.is_object())
+      throw ApiError{.status = 400, .message = "the request body must be a JSON object"};
+    if (const json* model = Field(body, "model");
+        model != nullptr && model->is_string() &&
+        model->get<std::string>() != options_.served_model_name) {
+      throw ApiError{.status = 404,
+                     .message = StrCat("The model `", model->get<std::string>(),
+                                       "` does not exist; this server serves `",
+                                       options_.served_model_name, "`"),
+                     .param = "model",
+                     .code = "model_not_found"};
+    }
+    Params params;
+    if (chat) {
+      ParseChat(body, *options_.tokenizer, template_.get(), template_error_, params);
+    } else {
+      ParseCompletion(body, *options_.tokenizer, params);
+    }
+    if (params.prompts.size() * static_cast<size_t>(params.n) > kMaxRequests)
+      throw BadField("n", StrCat("prompts x n must be at most ", kMaxRequests, ", got ",
+                                 params.prompts.size(), " x ", params.n));
+    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + NewRandomRequestId().substr(4);
+    auto exchange = std::make_shared<Exchange>(dispatcher_, *options_.tokenizer, std::move(params),
+                                               id, options_.served_model_name, req);
+    exchange->Submit(principal, options_.request_timeout_s,
+                     dispatcher_->model_limits().max_position_embeddings);
+
+    if (!exchange->params().stream) {
+      if (!exchange->WaitUntil(
+              [&] { return exchange->AllEnded() || exchange->AnyFailed() != nullptr; }))
+        return;
+      if (const Choice* failed = exchange->AnyFailed()) {
+        const ApiError e = exchange->ErrorOf(*failed);
+        exchange->CancelLive();
+        throw e;
+      }
+      ReplyJson(res, 200, exchange->Whole());
+      return;
+    }
+    // A stream commits to 200 once every choice has shown something.
+    if (!exchange->WaitUntil([&] { return exchange->ReadyToStream(); })) return;
+    if (const Choice* failed = exchange->AnyFailed()) {
+      const ApiError e = exchange->ErrorOf(*failed);
+      exchange->CancelLive();
+      throw e;
+    }
+    res.status = 200;
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream", [exchange](size_t, httplib::DataSink& sink) {
+          auto write = [&](const std::string& s) {
+            return s.empty() || sink.write(s.data(), s.size());
+          };
+          for (;;) {
+            if (!write(exchange->Chunks())) return false;
+            if (const Choice* failed = exchange->AnyFailed()) {
+              const json err = ErrorBody(exchange->ErrorOf(*failed));
+              exchange->CancelLive();
+              if (!write(Exchange::Event(err)) || !write("data: [DONE]\n\n")) return false;
+              sink.done();
+              return true;
+            }
+            if (exchange->AllEnded()) {
+              if (!write(exchange->Closing())) return false;
+              sink.done();
+              return true;
+            }
+            if (!exchange->WaitForNews()) return false;  // the client went away
+          }
+        });
+  }
+
+  const HttpApiOptions options_;
+  const std::shared_ptr<coord::Dispatcher> dispatcher_;
+  const std::shared_ptr<Metrics> metrics_;
+  const int64_t started_ = static_cast<int64_t>(std::time(nullptr));
+  std::shared_ptr<const text::ChatTemplate> template_;  // nullptr: template_error_ says why
+  std::string template_error_;
+  Server server_;
+  std::string address_;
+  std::mutex shutdown_mu_;
+  std::thread thread_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const HttpApiOptions& options,
+                                                  std::shared_ptr<coord::Dispatcher> dispatcher,
+                                                  std::shared_ptr<Metrics> metrics) {
+  if (options.tokenizer == nullptr)
+    return InvalidArgumentError("http: a tokenizer is required (--model)");
+  if (options.threads < 1 || options.threads > 65536)
+    return InvalidArgumentError("http_threads: must be in [1, 65536], got ", options.threads);
+  if (options.max_body_bytes < 1024)
+    return InvalidArgumentError("http_max_body_bytes: must be >= 1024, got ",
+                                options.max_body_bytes);
+  if (!(options.request_timeout_s >= 0) || !std::isfinite(options.request_timeout_s))
+    return InvalidArgumentError("http_request_timeout_s: must be >= 0 and finite, got ",
+                                options.request_timeout_s);
+  if (options.served_model_name.empty())
+    return InvalidArgumentError("served_model_name: must not be empty");
+  auto impl = std::make_unique<HttpApiImpl>(options, std::move(dispatcher), std::move(metrics));
+  MLARUN_RETURN_IF_ERROR(impl->Bind());
+  return std::unique_ptr<HttpApi>(std::move(impl));
+}
+
+}  // namespace mlarun

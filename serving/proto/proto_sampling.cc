@@ -1,0 +1,63 @@
+#include "serving/proto/proto_sampling.h"
+
+#include "mlarun.pb.h"
+
+namespace mlarun {
+
+SamplingParams FromProto(const v1::SamplingParams& p) {
+  SamplingParams s;  // the defaults of absent fields
+  s.temperature = p.temperature();
+  s.top_k = p.top_k();
+  if (p.has_top_p()) s.top_p = p.top_p();
+  s.seed = p.seed();
+  if (p.has_max_tokens()) s.max_tokens = p.max_tokens();
+  s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
+  s.ignore_eos = p.ignore_eos();
+  s.logprobs = p.logprobs();
+  s.prompt_logprobs = p.has_prompt_logprobs() ? p.prompt_logprobs() : -1;
+  return s;
+}
+
+void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
+  out->set_temperature(p.temperature);
+  out->set_top_k(p.top_k);
+  out->set_top_p(p.top_p);
+  out->set_seed(p.seed);
+  out->set_max_tokens(p.max_tokens);
+  out->clear_stop_token_ids();
+  out->mutable_stop_token_ids()->Add(p.stop_token_ids.begin(), p.stop_token_ids.end());
+  out->set_ignore_eos(p.ignore_eos);
+  out->set_logprobs(p.logprobs);
+  if (p.prompt_logprobs >= 0) {
+    out->set_prompt_logprobs(p.prompt_logprobs);
+  } else {
+    out->clear_prompt_logprobs();
+  }
+}
+
+namespace {
+
+template <typename Message>
+LogprobEntry EntryFrom(const Message& m) {
+  LogprobEntry e{.token = {m.token_id(), m.logprob()}, .top = {}};
+  for (const v1::TokenLogprob& t : m.top_logprobs()) e.top.push_back({t.token_id(), t.logprob()});
+  return e;
+}
+
+template <typename Message>
+void AddTop(std::span<const TokenLogprob> top, Message* out) {
+  for (const TokenLogprob& t : top) {
+    v1::TokenLogprob* e = out->add_top_logprobs();
+    e->set_token_id(t.token);
+    e->set_logprob(t.logprob);
+  }
+}
+
+}  // namespace
+
+void AddTopLogprobs(std::span<const TokenLogprob> top, v1::TokenEvent* out) { AddTop(top, out); }
+void AddTopLogprobs(std::span<const TokenLogprob> top, v1::PromptTokenLogprob* out) { AddTop(top, out); }
+LogprobEntry LogprobEntryFrom(const v1::Token& t) { return EntryFrom(t); }
+LogprobEntry LogprobEntryFrom(const v1::PromptTokenLogprob& t) { return EntryFrom(t); }
+
+}  // namespace mlarun

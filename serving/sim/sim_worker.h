@@ -1,0 +1,81 @@
+// `mlarun sim-worker`: DP groups without a model that speak the WorkerLink
+// protocol (for tests, examples and the serving benchmark). No gRPC header is
+// visible here.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <iosfwd>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "serving/security/security.h"
+#include "base/block_size.h"
+#include "runtime/request/sampling_params.h"
+
+namespace mlarun {
+
+// Simulated DP groups: one process opens `groups` WorkerLink streams and
+// answers every routed request with deterministic tokens (a function of the
+// prompt, the seed and the token index, so equal requests get equal tokens)
+// at `tokens_per_s` per group, keeping a simulated prefix cache (hash chain of
+// full blocks, LRU) so prefix hits are reported as a real group would.
+// Reconnects when the coordinator restarts. Runs until `stop` is set.
+struct SimWorkerOptions {
+  std::string coordinator = "127.0.0.1:50051";
+  std::string worker_id = "sim";
+  // The worker link's shared secret (--worker-secret-file); empty: none.
+  std::string worker_secret;
+  TlsPem tls;  // TLS to the coordinator, as the worker's --tls-* flags
+  int groups = 1;
+  double tokens_per_s = 1000;  // per group; 0: as fast as possible
+  int64_t vocab_size = 512;
+  int64_t max_position_embeddings = 4096;
+  int64_t block_size = kDefaultBlockSize;
+  int64_t cache_blocks = 1024;   // per group
+  int64_t eos_token_id = -1;     // -1: never stops early
+};
+// In detail: each group registers as (worker_id, dp_group = i) with dp = groups, attn_tp =
+// 1 and one synthetic rank (rank = dp_group = i, attn_tp_rank 0, host =
+// gethostname()) whose fixed numbers are recognizably fake: weights 16 MiB
+// attention, 64 MiB MoE, 8 MiB dense MLP, 4 MiB embedding + head;
+// cache_bytes_per_token 1 KiB, so cache_block_bytes = block_size KiB. Cache
+// used/peak/running/waiting/tokens_per_s are the simulation's real values.
+// Routed requests get Engine::Add's checks (RequestDone with error_code 3 and
+// its message), then wait FIFO until their blocks (prompt + max_tokens - 1
+// rows) fit and fewer than 256 run. The cache is a LatentCache with tiny rows,
+// so prefix hits follow the engine's rules exactly (PrefixChainHash over full
+// blocks, LRU of released blocks, at least one prompt token recomputed). A
+// step emits one TokenBatch with one token of every running request, then
+// the RequestDone of those that finished; steps are paced so a group makes
+// `tokens_per_s` tokens per second in total. WorkerStats every 200 ms
+// (free_blocks = allocatable blocks not reserved by running requests). A
+// CancelRoute drops the request before the next step. When the stream breaks,
+// the group drops its in-flight requests and reconnects with back-off 100 ms
+// doubling to 2 s. Returns 0 once `*stop` is seen (polled every 20 ms), 2 for
+// bad options (message on `log`). Blocks; thread-safe to call concurrently.
+int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::ostream& log);
+
+// The simulated worker's output, exposed so tests and benchmarks can predict
+// it: token `index` (0 = the first generated token) of a request is a
+// splitmix64 fold h of (seed, prompt ids, index), token = h % vocab_size and
+// logprob = -8 * (the top 53 bits of h as a fraction in [0, 1)). Temperature,
+// top-k and top-p are validated but otherwise ignored (there are no logits).
+struct SimToken {
+  int64_t token = 0;
+  double logprob = 0.0;
+};
+SimToken SimWorkerToken(std::span<const int32_t> prompt, uint64_t seed, int64_t index, int64_t vocab_size);
+// Its most likely tokens, for a request with SamplingParams::logprobs = n:
+// min(n, vocab_size) of them, best first: first token (tok.token + 1) %
+// vocab_size with logprob tok.logprob / 2 (so with n = 1 the token itself is
+// not listed), then the token itself, then for j >= 2 token (tok.token + j)
+// % vocab_size with logprob tok.logprob - (j - 1).
+std::vector<TokenLogprob> SimWorkerTop(const SimToken& tok, int64_t n, int64_t vocab_size);
+// With SamplingParams::prompt_logprobs = n >= 0, prompt token i >= 1 gets
+// logprob -0.5 - 0.25 (i % 8) and SimWorkerTop of {prompt[i], that} as its
+// most likely tokens, all sent before the first token.
+SimToken SimWorkerPromptToken(std::span<const int32_t> prompt, int64_t i);
+
+}  // namespace mlarun

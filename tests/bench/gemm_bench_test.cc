@@ -1,0 +1,98 @@
+// `mlarun bench gemm`: bad options are refused by name; every implementation
+// asked for is reported, run (checked against float64 inside the benchmark)
+// and timed where this CPU can run it, or said not to run; the figures are
+// consistent with the times (the times themselves are the machine's).
+#include "bench/gemm_bench.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "gemm/cpu_gemm.h"
+#include "base/cpu_isa.h"
+
+namespace mlarun {
+namespace {
+
+TEST(GemmBench, RefusesBadOptionsNamingThem) {
+  const struct {
+    GemmBenchOptions o;
+    const char* names;
+  } cases[] = {
+      {{.rows = {}}, "--rows"},
+      {{.rows = {0}}, "--rows"},
+      {{.rows = {4, 70000}}, "--rows"},
+      {{.n = -1}, "--n"},
+      {{.k = 0}, "--k"},
+      {{.dtype = "fp16"}, "--dtype"},
+      {{.layout = "columns"}, "--layout"},
+      {{.impls = {"small", "fastest"}}, "--impl"},
+      {{.impls = {}}, "--impl"},
+      {{.repetitions = 0}, "--repetitions"},
+      {{.rows = {65536}, .n = 1 << 20}, "--rows / --n"},
+  };
+  for (const auto& c : cases) {
+    std::ostringstream out, err;
+    const Status st = RunGemmBench(c.o, out, err);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << c.names << ": " << st;
+    EXPECT_NE(st.message().find(c.names), std::string::npos) << st;
+    EXPECT_EQ(out.str(), "");
+  }
+}
+
+TEST(GemmBench, ReportsEveryImplementationRunOrNot) {
+  for (const char* dtype : {"bf16", "f32"})
+    for (const char* layout : {"weight", "rows"}) {
+      GemmBenchOptions o{.rows = {1, 7}, .n = 80, .k = 70, .dtype = dtype, .layout = layout,
+                         .impls = {"small", "packed", "tiles", "onednn", "auto"}, .repetitions = 1, .json = true};
+      std::ostringstream out, err;
+      const Status st = RunGemmBench(o, out, err);
+      ASSERT_TRUE(st.ok()) << dtype << " " << layout << ": " << st;
+      const nlohmann::json doc = nlohmann::json::parse(out.str());
+      EXPECT_EQ(doc["n"], 80);
+      EXPECT_EQ(doc["k"], 70);
+      EXPECT_TRUE(doc["cpu"].contains("kernels"));
+      ASSERT_EQ(doc["rows"].size(), 2u);
+      for (const auto& row : doc["rows"]) {
+        const int64_t m = row["m"];
+        const bool weight = std::string(layout) == "weight";
+        const DType t = std::string(dtype) == "bf16" ? DType::kBF16 : DType::kF32;
+        const GemmDesc d{.m = m, .n = 80, .k = 70, .a_type = t, .b_type = t, .c_type = DType::kF32, .lda = 70,
+                         .b_stride_k = weight ? 1 : 80, .b_stride_n = weight ? 70 : 1, .ldc = 80};
+        auto chosen = CpuGemm::Get(d);
+        ASSERT_TRUE(chosen.ok()) << chosen.status();
+        EXPECT_EQ(row["auto"], (*chosen)->impl_name());
+        ASSERT_EQ(row["results"].size(), 5u);
+        std::string fastest;
+        double best = INFINITY;
+        for (size_t x = 0; x < 5; ++x) {
+          const auto& r = row["results"][x];
+          EXPECT_EQ(r["impl"], o.impls[x]);
+          if (r.contains("unavailable")) {
+            // Our own kernels run on every family; tiles only under AMX
+            // with bf16 weights.
+            EXPECT_NE(o.impls[x], "small") << r.dump();
+            EXPECT_NE(o.impls[x], "packed") << r.dump();
+            EXPECT_NE(o.impls[x], "auto") << r.dump();
+            if (o.impls[x] == "tiles") {
+              EXPECT_FALSE(ActiveCpuIsa() == CpuIsa::kAmx && t == DType::kBF16 && weight) << r.dump();
+            }
+            continue;
+          }
+          const double ms = r["ms"];
+          ASSERT_TRUE(std::isfinite(ms) && ms > 0) << r.dump();
+          EXPECT_NEAR(r["gflop_per_s"].get<double>(), 2.0 * m * 80 * 70 / (ms * 1e6), 1e-9 * r["gflop_per_s"].get<double>());
+          EXPECT_NEAR(r["b_gb_per_s"].get<double>(), 80.0 * 70 * DTypeSize(t) / (ms * 1e6), 1e-9 * r["b_gb_per_s"].get<double>());
+          EXPECT_LE(r["error_over_tolerance"].get<double>(), 1.0);
+          if (ms < best) best = ms, fastest = o.impls[x];
+        }
+        EXPECT_EQ(row["fastest"], fastest);
+      }
+      EXPECT_NE(err.str().find("fastest"), std::string::npos) << err.str();  // the table, beside the JSON
+    }
+}
+
+}  // namespace
+}  // namespace mlarun

@@ -1,0 +1,926 @@
+// The coordinator's HTTP API in-process: a real Coordinator (gRPC and HTTP on
+// 127.0.0.1, port 0) with simulated DP groups (SimWorkerThread), driven by
+// cpp-httplib clients and, for the reference tokens, a gRPC Generate stub.
+// Checks that text over HTTP (whole and streamed) is the tokenizer's decode
+// of exactly the tokens the gRPC path yields for the same prompt and seed,
+// the OpenAI error objects and statuses, disconnects, and /metrics.
+#include <arpa/inet.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "serving/coordinator/coordinator.h"
+#include "bench/http_bench.h"
+#include "text/tokenizer.h"
+#include "mlarun.grpc.pb.h"
+#include "tests/serving/sim_worker_thread.h"
+#ifndef MLARUN_NO_CHAT_TEMPLATE
+#include "text/chat_template.h"
+#endif
+
+namespace mlarun {
+namespace {
+
+using json = nlohmann::json;
+using namespace std::chrono_literals;
+
+// ---- A tokenizer -------------------------------------------------------------
+
+// The tiny model's own (configs/models/tiny.yaml: tokenizer:).
+std::shared_ptr<const text::Tokenizer> TestTokenizer() {
+  static std::shared_ptr<const text::Tokenizer> tokenizer = [] {
+    auto loaded = text::Tokenizer::Load(MLARUN_CONFIGS_DIR "/models/tiny.yaml");
+    EXPECT_TRUE(loaded.ok()) << loaded.status().ToString();
+    return loaded.ok() ? std::shared_ptr<const text::Tokenizer>(std::move(*loaded)) : nullptr;
+  }();
+  return tokenizer;
+}
+
+// ---- The Prometheus text format ----------------------------------------------
+
+// Every line is a comment or `name{labels} value`; HELP and TYPE come before
+// a family's samples; a histogram's buckets are cumulative and end in +Inf,
+// equal to its _count. Returns the samples by `name{labels}` as printed.
+std::map<std::string, double> ParsePrometheus(const std::string& text) {
+  std::map<std::string, double> samples;
+  std::map<std::string, std::string> types;
+  std::set<std::string> helped;
+  std::map<std::string, std::vector<std::pair<std::string, double>>>
+      buckets;  // series (labels without le) -> (le, v)
+  std::istringstream in(text);
+  std::string line;
+  auto family_of = [&](const std::string& name) {
+    for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+      const std::string s = suffix;
+      if (name.size() > s.size() && name.ends_with(s) &&
+          types.contains(name.substr(0, name.size() - s.size())))
+        return name.substr(0, name.size() - s.size());
+    }
+    return name;
+  };
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    if (line[0] == '#') {
+      std::istringstream c(line);
+      std::string hash, kind, name;
+      c >> hash >> kind >> name;
+      if (kind == "HELP") helped.insert(name);
+      if (kind == "TYPE") {
+        std::string type;
+        c >> type;
+        EXPECT_TRUE(type == "counter" || type == "gauge" || type == "histogram" ||
+                    type == "summary" || type == "untyped")
+            << line;
+        types[name] = type;
+      }
+      continue;
+    }
+    size_t i = 0;
+    while (i < line.size() &&
+           (std::isalnum(static_cast<unsigned char>(line[i])) || line[i] == '_' || line[i] == ':'))
+      ++i;
+    const std::string name = line.substr(0, i);
+    EXPECT_FALSE(name.empty()) << line;
+    std::string labels, le;
+    if (i < line.size() && line[i] == '{') {
+      const size_t start = i;
+      bool quoted = false;
+      for (++i; i < line.size(); ++i) {
+        if (quoted && line[i] == '\\') {
+          ++i;
+        } else if (line[i] == '"') {
+          quoted = !quoted;
+        } else if (!quoted && line[i] == '}') {
+          break;
+        }
+      }
+      EXPECT_LT(i, line.size()) << "unterminated labels: " << line;
+      labels = line.substr(start, i - start + 1);
+      ++i;
+      if (const size_t at = labels.find("le=\""); at != std::string::npos) {
+        const size_t end = labels.find('"', at + 4);
+        le = labels.substr(at + 4, end - at - 4);
+        std::string rest = labels.substr(0, at) + labels.substr(end + 1);
+        labels = rest;
+      }
+    }
+    EXPECT_TRUE(i < line.size() && line[i] == ' ') << line;
+    const std::string value_text = line.substr(i + 1, line.find(' ', i + 1) - i - 1);
+    char* end = nullptr;
+    const double value = std::strtod(value_text.c_str(), &end);
+    EXPECT_TRUE(end != value_text.c_str() || value_text == "+Inf" || value_text == "NaN") << line;
+    const std::string family = family_of(name);
+    EXPECT_TRUE(types.contains(family)) << "sample before its TYPE: " << line;
+    EXPECT_TRUE(helped.contains(family)) << "sample before its HELP: " << line;
+    if (name.ends_with("_bucket") && types[family] == "histogram") {
+      buckets[family + labels].emplace_back(le, value);
+    } else {
+      samples[name + labels] = value;
+    }
+  }
+  for (const auto& [series, bs] : buckets) {
+    EXPECT_FALSE(bs.empty());
+    for (size_t k = 1; k < bs.size(); ++k)
+      EXPECT_LE(bs[k - 1].second, bs[k].second) << series << " not cumulative";
+    EXPECT_EQ(bs.back().first, "+Inf") << series;
+    const size_t brace = series.find('{');
+    const std::string fam = series.substr(0, brace);
+    std::string lab = brace == std::string::npos ? "" : series.substr(brace);
+    if (lab == "{}") lab = "";
+    auto count = samples.find(fam + "_count" + lab);
+    if (count == samples.end()) count = samples.find(fam + "_count");
+    EXPECT_NE(count, samples.end()) << series;
+    if (count != samples.end()) EXPECT_EQ(count->second, bs.back().second) << series;
+    samples[fam + "_inf_bucket"] = bs.back().second;
+  }
+  return samples;
+}
+
+double Sample(const std::map<std::string, double>& m, const std::string& key) {
+  auto it = m.find(key);
+  return it == m.end() ? 0.0 : it->second;
+}
+
+// ---- The deployment ---------------------------------------------------------------
+
+struct Deployment {
+  explicit Deployment(CoordinatorOptions o, int groups = 2, double tokens_per_s = 2000) {
+    o.listen = "127.0.0.1:0";
+    o.http_listen = "127.0.0.1:0";
+    o.http_tokenizer = TestTokenizer();
+    if (o.served_model_name.empty()) o.served_model_name = "tiny";
+    auto started = Coordinator::Start(o);
+    EXPECT_TRUE(started.ok()) << started.status().ToString();
+    if (!started.ok()) return;
+    coordinator = std::move(*started);
+    const std::string http = coordinator->http_address();
+    port = std::stoi(http.substr(http.rfind(':') + 1));
+    if (groups > 0) {
+      SimWorkerOptions s;
+      s.coordinator = coordinator->address();
+      s.worker_id = "sim-http";
+      s.groups = groups;
+      s.tokens_per_s = tokens_per_s;
+      s.vocab_size = o.http_tokenizer->vocab_size();
+      s.max_position_embeddings = 4096;
+      s.block_size = 16;
+      s.cache_blocks = 4096;
+      sim = std::make_unique<SimWorkerThread>(s);
+      for (int i = 0; i < 500; ++i) {
+        auto res = Client().Get("/health");
+        if (res && res->status == 200) break;
+        std::this_thread::sleep_for(10ms);
+      }
+    }
+  }
+  ~Deployment() {
+    sim.reset();
+    if (coordinator) coordinator->Shutdown();
+  }
+  httplib::Client Client(const std::string& token = "") const {
+    httplib::Client c("127.0.0.1", port);
+    c.set_read_timeout(30, 0);
+    c.set_connection_timeout(5, 0);
+    if (!token.empty()) c.set_bearer_token_auth(token);
+    return c;
+  }
+  // A whole answer: status and body.
+  std::pair<int, json> Post(const std::string& path, const json& body,
+                            const std::string& token = "") const {
+    auto res = Client(token).Post(path, body.dump(), "application/json");
+    if (!res) return {-1, json()};
+    json parsed = json::parse(res->body, nullptr, false);
+    return {res->status, parsed};
+  }
+  // A streamed answer: every `data:` payload in order (the last "[DONE]").
+  std::pair<int, std::vector<std::string>> Stream(const std::string& path, json body) const {
+    body["stream"] = true;
+    std::string all;
+    httplib::Headers headers;
+    auto res = Client().Post(path, headers, body.dump(), "application/json");
+    if (!res) return {-1, {}};
+    all = res->body;
+    std::vector<std::string> events;
+    size_t at = 0;
+    while (res->status == 200 && (at = all.find("data: ", at)) != std::string::npos) {
+      const size_t end = all.find("\n\n", at);
+      events.push_back(all.substr(at + 6, end - at - 6));
+      at = end + 2;
+    }
+    if (res->status != 200) events.push_back(res->body);
+    return {res->status, events};
+  }
+  std::map<std::string, double> Metrics() const {
+    auto res = Client().Get("/metrics");
+    EXPECT_TRUE(res && res->status == 200);
+    return res ? ParsePrometheus(res->body) : std::map<std::string, double>{};
+  }
+  // The tokens the gRPC API gives for this prompt and sampling.
+  std::vector<int32_t> GrpcTokens(const std::vector<int32_t>& prompt, uint64_t seed,
+                                  int64_t max_tokens, double temperature) const {
+    auto stub = v1::Mlarun::NewStub(
+        grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 20s);
+    v1::GenerateRequest req;
+    req.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
+    req.mutable_sampling()->set_seed(seed);
+    req.mutable_sampling()->set_max_tokens(max_tokens);
+    req.mutable_sampling()->set_temperature(temperature);
+    auto reader = stub->Generate(&ctx, req);
+    std::vector<int32_t> out;
+    v1::GenerateResponse r;
+    while (reader->Read(&r)) {
+      if (r.has_token()) out.push_back(static_cast<int32_t>(r.token().token_id()));
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return out;
+  }
+  std::unique_ptr<Coordinator> coordinator;
+  std::unique_ptr<SimWorkerThread> sim;
+  int port = 0;
+};
+
+const text::Tokenizer& Tok() { return *TestTokenizer(); }
+
+std::string Decode(const std::vector<int32_t>& ids) {
+  return Tok().Decode(ids, /*skip_special_tokens=*/true);
+}
+
+// One token's text, as the completions form keys it.
+std::string TokenText(int64_t id) {
+  const int32_t one[1] = {static_cast<int32_t>(id)};
+  return Tok().Decode(one, false);
+}
+
+// A completions top_logprobs object for the simulated group's token `tok`
+// with n alternatives: SimWorkerTop's and the token itself, by text (texts
+// that coincide keep the likelier one's logprob).
+void ExpectSimCompletionTop(const json& top, const SimToken& tok, int64_t n) {
+  std::map<std::string, double> expected;
+  for (const TokenLogprob& t : SimWorkerTop(tok, n, Tok().vocab_size())) expected.emplace(TokenText(t.token), t.logprob);
+  expected.emplace(TokenText(tok.token), tok.logprob);
+  ASSERT_TRUE(top.is_object()) << top.dump();
+  ASSERT_EQ(top.size(), expected.size()) << top.dump();
+  for (const auto& [text, logprob] : expected) {
+    ASSERT_TRUE(top.contains(text)) << text << " missing from " << top.dump();
+    EXPECT_DOUBLE_EQ(top[text].get<double>(), logprob);
+  }
+}
+
+// The text of a streamed completion or chat, choice by choice; checks the
+// chunks' shape on the way.
+std::map<int, std::string> Concatenate(const std::vector<std::string>& events, bool chat,
+                                       std::map<int, std::string>* finish = nullptr,
+                                       json* usage = nullptr) {
+  std::map<int, std::string> text;
+  EXPECT_FALSE(events.empty());
+  if (events.empty()) return text;
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::set<int> roles;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i]);
+    EXPECT_FALSE(chunk.contains("error")) << events[i];
+    EXPECT_EQ(chunk["object"], chat ? "chat.completion.chunk" : "text_completion");
+    if (chunk["choices"].empty()) {
+      if (usage != nullptr) *usage = chunk["usage"];
+      continue;
+    }
+    for (const json& c : chunk["choices"]) {
+      const int index = c["index"].get<int>();
+      if (chat) {
+        if (c["delta"].contains("role")) {
+          EXPECT_EQ(c["delta"]["role"], "assistant");
+          roles.insert(index);
+        } else {
+          EXPECT_TRUE(roles.contains(index)) << "a chat delta before its role chunk";
+        }
+        if (c["delta"].contains("content")) text[index] += c["delta"]["content"].get<std::string>();
+      } else {
+        text[index] += c["text"].get<std::string>();
+      }
+      if (!c["finish_reason"].is_null() && finish != nullptr) (*finish)[index] = c["finish_reason"];
+    }
+  }
+  return text;
+}
+
+// ---- Tests ---------------------------------------------------------------------------
+
+class HttpApiTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    CoordinatorOptions o;
+    o.http_max_body_bytes = 64 << 10;
+    d_ = new Deployment(o);
+  }
+  static void TearDownTestSuite() {
+    delete d_;
+    d_ = nullptr;
+  }
+  static Deployment* d_;
+};
+Deployment* HttpApiTest::d_ = nullptr;
+
+TEST_F(HttpApiTest, CompletionTextIsTheDecodeOfTheGrpcTokens) {
+  ASSERT_NE(TestTokenizer(), nullptr);
+  const std::string prompt = "The latent cache holds";
+  const std::vector<int32_t> ids = Tok().Encode(prompt, /*add_special_tokens=*/true);
+  const std::vector<int32_t> grpc_tokens = d_->GrpcTokens(ids, 7, 24, 0.8);
+  ASSERT_EQ(grpc_tokens.size(), 24u);
+  const json body = {
+      {"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}};
+  auto [status, whole] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  EXPECT_EQ(whole["object"], "text_completion");
+  EXPECT_EQ(whole["model"], "tiny");
+  ASSERT_EQ(whole["choices"].size(), 1u);
+  EXPECT_EQ(whole["choices"][0]["text"], Decode(grpc_tokens));
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(whole["usage"]["prompt_tokens"], ids.size());
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 24);
+  EXPECT_EQ(whole["usage"]["total_tokens"], ids.size() + 24);
+
+  json stream_body = body;
+  stream_body["stream_options"] = {{"include_usage", true}};
+  auto [sstatus, events] = d_->Stream("/v1/completions", stream_body);
+  ASSERT_EQ(sstatus, 200);
+  std::map<int, std::string> finish;
+  json usage;
+  auto text = Concatenate(events, false, &finish, &usage);
+  EXPECT_EQ(text[0], Decode(grpc_tokens));
+  EXPECT_EQ(finish[0], "length");
+  EXPECT_EQ(usage["completion_tokens"], 24);
+  EXPECT_EQ(usage["prompt_tokens"], ids.size());
+
+  // A prompt of token ids is taken as it is.
+  auto [istatus, by_ids] = d_->Post(
+      "/v1/completions", {{"prompt", ids}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}});
+  ASSERT_EQ(istatus, 200);
+  EXPECT_EQ(by_ids["choices"][0]["text"], Decode(grpc_tokens));
+}
+
+TEST_F(HttpApiTest, ChatUsesTheTemplate) {
+  const json messages = json::array({{{"role", "user"}, {"content", "Route this to a group"}}});
+  const json body = {{"messages", messages}, {"max_tokens", 16}, {"seed", 3}, {"temperature", 0.5}};
+  auto [status, whole] = d_->Post("/v1/chat/completions", body);
+#ifdef MLARUN_NO_CHAT_TEMPLATE
+  ASSERT_EQ(status, 400) << whole.dump();
+  EXPECT_NE(whole["error"]["message"].get<std::string>().find("/v1/completions"),
+            std::string::npos);
+  GTEST_SKIP() << "no chat-template interpreter in this build: " << whole.dump();
+#else
+  ASSERT_EQ(status, 200) << whole.dump();
+  auto tmpl = text::ChatTemplate::Parse(Tok().chat_template());
+  ASSERT_TRUE(tmpl.ok()) << tmpl.status().ToString();
+  auto rendered = (*tmpl)->Render(json{{"messages", messages},
+                                   {"add_generation_prompt", true},
+                                   {"bos_token", Tok().bos_token()},
+                                   {"eos_token", Tok().eos_token()}});
+  ASSERT_TRUE(rendered.ok());
+  const std::vector<int32_t> ids = Tok().Encode(*rendered, /*add_special_tokens=*/false);
+  const std::vector<int32_t> grpc_tokens = d_->GrpcTokens(ids, 3, 16, 0.5);
+  EXPECT_EQ(whole["object"], "chat.completion");
+  EXPECT_EQ(whole["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(whole["choices"][0]["message"]["content"], Decode(grpc_tokens));
+  EXPECT_EQ(whole["usage"]["prompt_tokens"], ids.size());
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 16);
+  auto [sstatus, events] = d_->Stream("/v1/chat/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  std::map<int, std::string> finish;
+  EXPECT_EQ(Concatenate(events, true, &finish)[0], Decode(grpc_tokens));
+  EXPECT_EQ(finish[0], "length");
+#endif
+}
+
+TEST_F(HttpApiTest, StopStringsEndTheTextAndTheRequest) {
+  const json base = {
+      {"prompt", "stop here"}, {"max_tokens", 48}, {"seed", 11}, {"temperature", 1.0}};
+  auto [status, whole] = d_->Post("/v1/completions", base);
+  ASSERT_EQ(status, 200);
+  const std::string full = whole["choices"][0]["text"];
+  // A stop string from the middle of the text, on character boundaries.
+  size_t from = full.size() / 2;
+  while (from < full.size() && (static_cast<unsigned char>(full[from]) & 0xC0) == 0x80) ++from;
+  size_t to = from + 1;
+  while (to < full.size() && (static_cast<unsigned char>(full[to]) & 0xC0) == 0x80) ++to;
+  ASSERT_LT(from, full.size());
+  const std::string stop = full.substr(from, to - from);
+  const std::string expected = full.substr(0, full.find(stop));
+  const auto before = d_->Metrics();
+  json body = base;
+  body["stop"] = json::array({stop, "never-in-there"});
+  auto [sstatus, stopped] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  EXPECT_EQ(stopped["choices"][0]["text"], expected);
+  EXPECT_EQ(stopped["choices"][0]["finish_reason"], "stop");
+  EXPECT_LT(stopped["usage"]["completion_tokens"].get<int>(), 48);
+  std::map<int, std::string> finish;
+  auto [st, events] = d_->Stream("/v1/completions", body);
+  ASSERT_EQ(st, 200);
+  EXPECT_EQ(Concatenate(events, false, &finish)[0], expected);
+  EXPECT_EQ(finish[0], "stop");
+  // Both ended as finished (not cancelled), and nothing is left live.
+  std::map<std::string, double> after;
+  for (int i = 0; i < 200; ++i) {
+    after = d_->Metrics();
+    if (Sample(after, "mlarun:num_requests_live") == 0) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(Sample(after, "mlarun:num_requests_live"), 0);
+  EXPECT_EQ(Sample(after, "mlarun:request_success_total{finished_reason=\"stop\"}") -
+                Sample(before, "mlarun:request_success_total{finished_reason=\"stop\"}"),
+            2);
+}
+
+TEST_F(HttpApiTest, TwoChoicesAreSeedAndSeedPlusOne) {
+  const std::vector<int32_t> ids = Tok().Encode("two choices", true);
+  const json body = {
+      {"prompt", "two choices"}, {"max_tokens", 12}, {"seed", 40}, {"temperature", 0.9}, {"n", 2}};
+  auto [status, whole] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  ASSERT_EQ(whole["choices"].size(), 2u);
+  EXPECT_EQ(whole["choices"][0]["index"], 0);
+  EXPECT_EQ(whole["choices"][1]["index"], 1);
+  EXPECT_EQ(whole["choices"][0]["text"], Decode(d_->GrpcTokens(ids, 40, 12, 0.9)));
+  EXPECT_EQ(whole["choices"][1]["text"], Decode(d_->GrpcTokens(ids, 41, 12, 0.9)));
+  EXPECT_NE(whole["choices"][0]["text"], whole["choices"][1]["text"]);
+  EXPECT_EQ(whole["usage"]["prompt_tokens"], ids.size());
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 24);
+  auto [st, events] = d_->Stream("/v1/completions", body);
+  ASSERT_EQ(st, 200);
+  auto text = Concatenate(events, false);
+  EXPECT_EQ(text[0], whole["choices"][0]["text"]);
+  EXPECT_EQ(text[1], whole["choices"][1]["text"]);
+  // A batch of two prompts: choice indexes 0..3, prompt by prompt.
+  auto [bs, batch] = d_->Post("/v1/completions",
+                              {{"prompt", {"a", "b"}}, {"max_tokens", 4}, {"n", 2}, {"seed", 1}});
+  ASSERT_EQ(bs, 200) << batch.dump();
+  ASSERT_EQ(batch["choices"].size(), 4u);
+  EXPECT_EQ(batch["choices"][2]["text"],
+            Decode(d_->GrpcTokens(Tok().Encode("b", true), 1, 4, 1.0)));
+}
+
+TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
+  const json body = {{"prompt", "logprobs"}, {"max_tokens", 6}, {"seed", 2}, {"logprobs", 0}};
+  auto [status, whole] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  const json& lp = whole["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["token_logprobs"].size(), 6u);
+  const std::vector<int32_t> ids = Tok().Encode("logprobs", true);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(),
+                     SimWorkerToken(ids, 2, i, Tok().vocab_size()).logprob);
+  }
+  // Streamed, every token's logprob arrives once, with the chunk of its text
+  // (or a later one when its bytes end inside a character).
+  auto [ss, events] =
+      d_->Stream("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "y"}}}},
+                                          {"max_tokens", 9},
+                                          {"logprobs", true}});
+  ASSERT_EQ(ss, 200);
+  size_t streamed_logprobs = 0;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json c = json::parse(events[i]);
+    if (!c["choices"].empty() && c["choices"][0]["logprobs"].is_object())
+      streamed_logprobs += c["choices"][0]["logprobs"]["content"].size();
+  }
+  EXPECT_EQ(streamed_logprobs, 9u);
+  // echo: the prompt's text comes first.
+  auto [es, echoed] = d_->Post(
+      "/v1/completions", {{"prompt", "echo me"}, {"max_tokens", 3}, {"seed", 2}, {"echo", true}});
+  ASSERT_EQ(es, 200);
+  EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me"))
+      << echoed.dump();
+  EXPECT_TRUE(echoed["choices"][0]["logprobs"].is_null());
+}
+
+// echo with logprobs: the prompt's tokens first, each (but the first, null)
+// with the logprob and most likely tokens the group sent for it (the
+// simulated group's: SimWorkerPromptToken, SimWorkerTop), then the
+// completion's; offsets run on over both. A stream's first chunk carries the
+// prompt's part.
+TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
+  const int64_t vocab = Tok().vocab_size();
+  const json body = {{"prompt", "echo this"}, {"max_tokens", 3}, {"seed", 6}, {"logprobs", 2}, {"echo", true}};
+  auto [status, whole] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  const std::vector<int32_t> ids = Tok().Encode("echo this", true);
+  ASSERT_GE(ids.size(), 3u);
+  const json& lp = whole["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), ids.size() + 3) << lp.dump();
+  int64_t offset = 0;
+  for (size_t i = 0; i < ids.size() + 3; ++i) {
+    SCOPED_TRACE("token " + std::to_string(i));
+    const bool prompt = i < ids.size();
+    const SimToken tok = prompt ? SimWorkerPromptToken(ids, static_cast<int64_t>(i))
+                                : SimWorkerToken(ids, 6, static_cast<int64_t>(i - ids.size()), vocab);
+    EXPECT_EQ(lp["tokens"][i], TokenText(tok.token));
+    EXPECT_EQ(lp["text_offset"][i], offset);
+    offset += static_cast<int64_t>(TokenText(tok.token).size());
+    if (i == 0) {
+      EXPECT_TRUE(lp["token_logprobs"][i].is_null());
+      EXPECT_TRUE(lp["top_logprobs"][i].is_null());
+      continue;
+    }
+    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), tok.logprob);
+    ExpectSimCompletionTop(lp["top_logprobs"][i], tok, 2);
+  }
+  // Streamed: the echo's chunk carries the prompt's part, then the tokens'.
+  auto [ss, events] = d_->Stream("/v1/completions", body);
+  ASSERT_EQ(ss, 200);
+  json joined = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+                 {"text_offset", json::array()}};
+  for (size_t e = 0; e + 1 < events.size(); ++e) {
+    const json c = json::parse(events[e]);
+    if (c["choices"].empty() || !c["choices"][0]["logprobs"].is_object()) continue;
+    if (e == 0) EXPECT_EQ(c["choices"][0]["logprobs"]["tokens"].size(), ids.size()) << "the echo's chunk";
+    for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+      for (const json& v : c["choices"][0]["logprobs"][key]) joined[key].push_back(v);
+  }
+  EXPECT_EQ(joined, lp);
+
+  // max_tokens 0: the prompt alone, with its logprobs (how a client scores a
+  // text without a continuation), whole and streamed.
+  json prompt_only = body;
+  prompt_only["max_tokens"] = 0;
+  auto [os, only] = d_->Post("/v1/completions", prompt_only);
+  ASSERT_EQ(os, 200) << only.dump();
+  EXPECT_EQ(only["choices"][0]["text"], "echo this");
+  EXPECT_EQ(only["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(only["usage"]["completion_tokens"], 0);
+  json prompt_part = json::object();
+  for (const char* key : {"tokens", "token_logprobs", "top_logprobs", "text_offset"})
+    prompt_part[key] = json(std::vector<json>(lp[key].begin(), lp[key].begin() + static_cast<int64_t>(ids.size())));
+  EXPECT_EQ(only["choices"][0]["logprobs"], prompt_part);
+  auto [ost, only_events] = d_->Stream("/v1/completions", prompt_only);
+  ASSERT_EQ(ost, 200);
+  std::string streamed_text;
+  json streamed_lp;
+  for (size_t e = 0; e + 1 < only_events.size(); ++e) {
+    const json c = json::parse(only_events[e]);
+    streamed_text += c["choices"][0]["text"].get<std::string>();
+    if (c["choices"][0]["logprobs"].is_object()) streamed_lp = c["choices"][0]["logprobs"];
+  }
+  EXPECT_EQ(streamed_text, "echo this");
+  EXPECT_EQ(streamed_lp, prompt_part);
+}
+
+// The most likely tokens of each step, as the group sent them (the simulated
+// group's are SimWorkerTop's), in each endpoint's form.
+TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
+  const int64_t vocab = Tok().vocab_size();
+  // Completions: per token an object of text -> logprob with the N most
+  // likely and the sampled token (texts that coincide keep the likelier
+  // entry's logprob). N = 1: the group's single entry is another token, so
+  // the sampled one is added; N = 3: it is among them.
+  for (int64_t n : {1, 3}) {
+    SCOPED_TRACE("logprobs " + std::to_string(n));
+    auto [status, whole] =
+        d_->Post("/v1/completions", {{"prompt", "top"}, {"max_tokens", 5}, {"seed", 4}, {"logprobs", n}});
+    ASSERT_EQ(status, 200) << whole.dump();
+    const json& lp = whole["choices"][0]["logprobs"];
+    ASSERT_EQ(lp["top_logprobs"].size(), 5u);
+    const std::vector<int32_t> ids = Tok().Encode("top", true);
+    for (int i = 0; i < 5; ++i) {
+      const SimToken tok = SimWorkerToken(ids, 4, i, vocab);
+      ASSERT_EQ(SimWorkerTop(tok, n, vocab).size(), static_cast<size_t>(n));
+      ExpectSimCompletionTop(lp["top_logprobs"][i], tok, n);
+      EXPECT_EQ(lp["tokens"][i], TokenText(tok.token));
+    }
+  }
+  // Chat, top_logprobs = 2: per token a list of the 2 most likely, best
+  // first, each with its text, logprob and the token's own bytes.
+  {
+    const json body = {{"messages", {{{"role", "user"}, {"content", "tops"}}}},
+                       {"max_tokens", 4}, {"seed", 9}, {"logprobs", true}, {"top_logprobs", 2}};
+    auto [status, chat] = d_->Post("/v1/chat/completions", body);
+    ASSERT_EQ(status, 200) << chat.dump();
+    const json& content = chat["choices"][0]["logprobs"]["content"];
+    ASSERT_EQ(content.size(), 4u);
+    // Streamed: the same entries, token by token.
+    auto [gs, streamed] = d_->Stream("/v1/chat/completions", body);
+    ASSERT_EQ(gs, 200);
+    size_t streamed_entries = 0;
+    for (size_t e = 0; e + 1 < streamed.size(); ++e) {
+      const json c = json::parse(streamed[e]);
+      if (c["choices"].empty() || !c["choices"][0]["logprobs"].is_object()) continue;
+      for (const json& entry : c["choices"][0]["logprobs"]["content"]) {
+        ASSERT_LT(streamed_entries, content.size());
+        EXPECT_EQ(entry, content[streamed_entries]) << "streamed and whole answers differ at token " << streamed_entries;
+        ++streamed_entries;
+      }
+    }
+    EXPECT_EQ(streamed_entries, 4u);
+    for (const json& entry : content) {
+      ASSERT_EQ(entry["top_logprobs"].size(), 2u) << entry.dump();
+      // SimWorkerTop: another token at half the sampled one's logprob, then
+      // the sampled token itself.
+      const json& best = entry["top_logprobs"][0];
+      const json& second = entry["top_logprobs"][1];
+      EXPECT_DOUBLE_EQ(best["logprob"].get<double>(), entry["logprob"].get<double>() / 2);
+      EXPECT_EQ(second["token"], entry["token"]);
+      EXPECT_EQ(second["bytes"], entry["bytes"]);
+      EXPECT_DOUBLE_EQ(second["logprob"].get<double>(), entry["logprob"].get<double>());
+      for (const json* e : {&best, &second}) {
+        // bytes: the token's own; they decode to its text where whole.
+        std::string bytes;
+        for (const json& b : (*e)["bytes"]) bytes.push_back(static_cast<char>(b.get<int>()));
+        ASSERT_FALSE(bytes.empty());
+        const std::string text = (*e)["token"].get<std::string>();
+        if (text.find("\xef\xbf\xbd") == std::string::npos) EXPECT_EQ(bytes, text);
+      }
+    }
+  }
+}
+
+TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
+  auto check = [&](const std::string& path, const std::string& raw, int status,
+                   const std::string& param) {
+    auto res = d_->Client().Post(path, raw, "application/json");
+    ASSERT_TRUE(res);
+    EXPECT_EQ(res->status, status) << raw << " -> " << res->body;
+    const json e = json::parse(res->body, nullptr, false);
+    ASSERT_TRUE(e.contains("error")) << res->body;
+    for (const char* k : {"message", "type", "param", "code"})
+      EXPECT_TRUE(e["error"].contains(k)) << res->body;
+    if (!param.empty()) {
+      EXPECT_EQ(e["error"]["param"], param) << res->body;
+    }
+  };
+  check("/v1/completions", "{\"prompt\": \"x\",", 400, "");
+  check("/v1/completions", "[1, 2]", 400, "");
+  check("/v1/completions", R"({"prompt": "x", "max_tokens": "ten"})", 400, "max_tokens");
+  check("/v1/completions", R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens");  // 0 only with echo
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})", 400,
+        "max_tokens");
+  // More alternatives than the engine lists, or top_logprobs without logprobs.
+  check("/v1/completions", R"({"prompt": "x", "logprobs": 21})", 400, "logprobs");
+  check("/v1/chat/completions", R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", 400,
+        "top_logprobs");
+  check("/v1/chat/completions",
+        R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21})", 400,
+        "top_logprobs");
+  check("/v1/completions", R"({"prompt": "x", "temperature": -1})", 400, "temperature");
+  check("/v1/completions", R"({"prompt": "x", "top_p": 0})", 400, "top_p");
+  check("/v1/completions", R"({"prompt": "x", "n": "2"})", 400, "n");
+  check("/v1/completions", R"({"prompt": "x", "stream": "yes"})", 400, "stream");
+  check("/v1/completions", R"({"prompt": "x", "stop": 5})", 400, "stop");
+  check("/v1/completions", R"({"prompt": 5})", 400, "prompt");
+  check("/v1/completions", R"({"max_tokens": 3})", 400, "prompt");
+  check("/v1/completions", R"({"prompt": "x", "max_tokens": 5000})", 400, "max_tokens");
+  check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "prompt");
+  check("/v1/completions", json{{"prompt", std::vector<std::string>(20, "a")}, {"n", 100}}.dump(),
+        400, "n");
+  check("/v1/chat/completions", R"({"messages": "hi"})", 400, "messages");
+  check("/v1/chat/completions", R"({"messages": [{"content": "hi"}]})", 400, "messages[0].role");
+  check("/v1/completions", R"({"model": "gpt-4", "prompt": "x"})", 404, "model");
+  check("/v1/nothing", "{}", 404, "");
+  // Unknown fields are ignored, as OpenAI servers do.
+  auto [ok, body] =
+      d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}, {"frobnicate", {1, 2}}});
+  EXPECT_EQ(ok, 200) << body.dump();
+  // A body over the limit (64 KiB here).
+  const std::string big = json{{"prompt", std::string(100 << 10, 'a')}}.dump();
+  check("/v1/completions", big, 413, "");
+  // The server keeps serving.
+  auto [again, _] = d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(again, 200);
+}
+
+TEST_F(HttpApiTest, ModelsAndHealth) {
+  auto res = d_->Client().Get("/v1/models");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200);
+  const json models = json::parse(res->body);
+  EXPECT_EQ(models["object"], "list");
+  EXPECT_EQ(models["data"][0]["id"], "tiny");
+  EXPECT_EQ(models["data"][0]["max_model_len"], 4096);
+  auto health = d_->Client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST_F(HttpApiTest, TwoHundredConcurrentStreamsComplete) {
+  constexpr int kStreams = 200;
+  std::atomic<int> complete{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kStreams; ++i) {
+    clients.emplace_back([&, i] {
+      auto [status, events] =
+          d_->Stream("/v1/completions", {{"prompt", "stream " + std::to_string(i)},
+                                         {"max_tokens", 8},
+                                         {"seed", i},
+                                         {"stream_options", {{"include_usage", true}}}});
+      if (status != 200) return;
+      json usage;
+      Concatenate(events, false, nullptr, &usage);
+      if (!events.empty() && events.back() == "[DONE]" && usage.value("completion_tokens", 0) == 8)
+        ++complete;
+    });
+  }
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(complete.load(), kStreams);
+}
+
+// A raw connection to the HTTP API (reads time out after 10 s), and a request
+// to send on it.
+int ConnectTo(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  timeval tv{.tv_sec = 10, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+std::string HttpPost(const std::string& path, const std::string& body) {
+  return "POST " + path +
+         " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+         std::to_string(body.size()) + "\r\n\r\n" + body;
+}
+
+TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
+  const auto before = d_->Metrics();
+  // Mid-stream: the first chunk arrives, then the client closes.
+  {
+    const int fd = ConnectTo(d_->port);
+    const std::string req = HttpPost(
+        "/v1/completions",
+        json{{"prompt", "a long one"}, {"max_tokens", 3000}, {"stream", true}, {"ignore_eos", true}}
+            .dump());
+    ASSERT_EQ(send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    std::string got;
+    char buf[4096];
+    while (got.find("data: ") == std::string::npos) {
+      const ssize_t n = recv(fd, buf, sizeof buf, 0);
+      ASSERT_GT(n, 0);
+      got.append(buf, static_cast<size_t>(n));
+    }
+    close(fd);
+  }
+  // While waiting for a whole answer.
+  {
+    const int fd = ConnectTo(d_->port);
+    const std::string req = HttpPost(
+        "/v1/completions",
+        json{{"prompt", "a long one too"}, {"max_tokens", 3000}, {"ignore_eos", true}}.dump());
+    ASSERT_EQ(send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
+    std::this_thread::sleep_for(100ms);
+    close(fd);
+  }
+  std::map<std::string, double> after;
+  for (int i = 0; i < 300; ++i) {
+    after = d_->Metrics();
+    if (Sample(after, "mlarun:num_requests_live") == 0 &&
+        Sample(after, "mlarun:request_error_total{code=\"CANCELLED\"}") -
+                Sample(before, "mlarun:request_error_total{code=\"CANCELLED\"}") >=
+            2)
+      break;
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_EQ(Sample(after, "mlarun:num_requests_live"), 0);
+  EXPECT_EQ(Sample(after, "mlarun:request_error_total{code=\"CANCELLED\"}") -
+                Sample(before, "mlarun:request_error_total{code=\"CANCELLED\"}"),
+            2);
+  // Far fewer than the 2 x 3000 tokens asked for were generated.
+  EXPECT_LT(Sample(after, "mlarun:generation_tokens_total") -
+                Sample(before, "mlarun:generation_tokens_total"),
+            3000);
+  auto [status, _] = d_->Post("/v1/completions", {{"prompt", "still serving"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200);
+}
+
+TEST_F(HttpApiTest, MetricsCountRequestsOfBothApis) {
+  // An HTTP exchange is counted once its answer is written, which may be just
+  // after its client has read it: let the previous tests' exchanges settle.
+  const std::string http_ok = "mlarun:http_requests_total{path=\"/v1/completions\",status=\"200\"}";
+  std::this_thread::sleep_for(200ms);
+  const auto before = d_->Metrics();
+  auto [status, whole] = d_->Post("/v1/completions", {{"prompt", "count me"}, {"max_tokens", 5}});
+  ASSERT_EQ(status, 200);
+  const int64_t prompt_tokens = whole["usage"]["prompt_tokens"];
+  d_->GrpcTokens({5, 6, 7}, 1, 4, 0);
+  auto after = d_->Metrics();
+  for (int i = 0; i < 100 && Sample(after, http_ok) == Sample(before, http_ok); ++i) {
+    std::this_thread::sleep_for(10ms);
+    after = d_->Metrics();
+  }
+  auto delta = [&](const std::string& k) { return Sample(after, k) - Sample(before, k); };
+  EXPECT_EQ(delta("mlarun:request_success_total{finished_reason=\"length\"}"), 2);
+  EXPECT_EQ(delta("mlarun:generation_tokens_total"), 9);
+  EXPECT_EQ(delta("mlarun:prompt_tokens_total"), static_cast<double>(prompt_tokens + 3));
+  EXPECT_EQ(delta("mlarun:prefix_cache_queries_total"), static_cast<double>(prompt_tokens + 3));
+  EXPECT_EQ(delta("mlarun:e2e_request_latency_seconds_count"), 2);
+  EXPECT_EQ(delta("mlarun:time_to_first_token_seconds_count"), 2);
+  EXPECT_EQ(delta("mlarun:inter_token_latency_seconds_count"), 7);
+  EXPECT_EQ(delta("mlarun:requests_received_total"), 2);
+  EXPECT_EQ(delta(http_ok), 1);
+  double routed = 0;
+  for (const auto& [k, v] : after) {
+    if (k.starts_with("mlarun:routing_decisions_total{")) {
+      EXPECT_NE(k.find("policy=\"prefix_affinity\""), std::string::npos) << k;
+      routed += v - Sample(before, k);
+    }
+  }
+  EXPECT_EQ(routed, 2);
+  EXPECT_EQ(Sample(after, "mlarun:dp_groups_connected"), 2);
+  EXPECT_GT(
+      Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
+  EXPECT_TRUE(after.contains("mlarun:num_requests_running{dp_group=\"1\",worker=\"worker-0\"}"));
+  EXPECT_EQ(Sample(after, "mlarun:num_requests_queued"), 0);
+}
+
+TEST(HttpApiAuth, BearerTokensAsTheGrpcApi) {
+  CoordinatorOptions o;
+  auto tokens = AuthTokens::Parse("0123456789abcdef0123 alice\n", "test-tokens");
+  ASSERT_TRUE(tokens.ok());
+  o.auth_tokens = *tokens;
+  Deployment d(o, 1);
+  const json body = {{"prompt", "x"}, {"max_tokens", 2}};
+  auto [none, e1] = d.Post("/v1/completions", body);
+  EXPECT_EQ(none, 401);
+  EXPECT_EQ(e1["error"]["code"], "invalid_api_key");
+  auto [wrong, e2] = d.Post("/v1/completions", body, "not-the-token-at-all");
+  EXPECT_EQ(wrong, 401);
+  auto [right, ok] = d.Post("/v1/completions", body, "0123456789abcdef0123");
+  EXPECT_EQ(right, 200) << ok.dump();
+  auto metrics = d.Client().Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_EQ(metrics->status, 401);
+  auto health = d.Client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+}
+
+TEST(HttpApiNoGroup, HealthAndRequestsAre503) {
+  CoordinatorOptions o;
+  o.queue_timeout_s = 0.3;
+  Deployment d(o, /*groups=*/0);
+  auto health = d.Client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503);
+  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 503) << e.dump();
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("no DP group"), std::string::npos)
+      << e.dump();
+  auto [sstatus, events] = d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(sstatus, 503);
+}
+
+TEST(HttpApiNoGroup, AFullQueueIs429) {
+  CoordinatorOptions o;
+  o.max_queued = 0;
+  Deployment d(o, /*groups=*/0);
+  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 429) << e.dump();
+  EXPECT_EQ(e["error"]["code"], "queue_full");
+}
+
+TEST(HttpApiDeadline, PassedDeadlineIs504) {
+  CoordinatorOptions o;
+  o.http_request_timeout_s = 0.2;
+  Deployment d(o, /*groups=*/1, /*tokens_per_s=*/500);
+  auto [status, e] =
+      d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  EXPECT_EQ(status, 504) << e.dump();
+  EXPECT_EQ(e["error"]["code"], "deadline_exceeded");
+  // Streamed, the deadline comes after the 200: an error event, then [DONE].
+  auto [sstatus, events] =
+      d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  ASSERT_EQ(sstatus, 200);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_EQ(json::parse(events[events.size() - 2])["error"]["code"], "deadline_exceeded");
+}
+
+TEST(HttpBench, ASmallRunIsVerified) {
+  std::ostringstream table;
+  bool verified = false;
+  auto doc = RunHttpBench(HttpBenchOptions{.clients = 4, .requests = 16, .max_tokens = 4, .groups = 2,
+                                           .tokens_per_s = 0, .overhead_requests = 8},
+                          table, &verified);
+  ASSERT_TRUE(doc.ok()) << doc.status().ToString();
+  EXPECT_TRUE(verified) << table.str();
+  ASSERT_EQ((*doc)["load"].size(), 2u);
+  EXPECT_EQ((*doc)["load"][1]["api"], "HTTP");
+  EXPECT_EQ((*doc)["load"][1]["failed"], 0);
+  EXPECT_NE(table.str().find("HTTP streamed"), std::string::npos) << table.str();
+}
+
+}  // namespace
+}  // namespace mlarun
