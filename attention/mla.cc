@@ -7,8 +7,8 @@
 namespace mlarun {
 
 std::ostream& operator<<(std::ostream& os, const MlaShape& s) {
-  return os << "mla{h_q=" << s.h_q << " L=" << s.d_latent << " R=" << s.d_rope << " P=" << s.d_nope
-            << " V=" << s.d_v << "}";
+  return os << "mla{h_q=" << s.h_q << " L=" << s.d_latent << " R=" << s.d_rope << " P=" << s.d_nope << " V=" << s.d_v
+            << "}";
 }
 
 std::ostream& operator<<(std::ostream& os, const MlaConfig& c) {
@@ -48,8 +48,10 @@ Status MlaCheck(const MlaParams& p) {
   if (s.h_q <= 0) return InvalidArgumentError("mla: head count h_q must be positive, got ", s.h_q);
   if (s.d_latent <= 0 || s.d_nope <= 0 || s.d_v <= 0 || s.d_rope < 0)
     return InvalidArgumentError("mla: dimensions must be positive (d_rope >= 0), got ", s);
-  if (!IsValidDType(p.cache.dtype)) return InvalidArgumentError("mla: unknown cache dtype value ", static_cast<int>(p.cache.dtype));
-  if (!IsValidDType(p.w_dtype)) return InvalidArgumentError("mla: unknown weight dtype value ", static_cast<int>(p.w_dtype));
+  if (!IsValidDType(p.cache.dtype))
+    return InvalidArgumentError("mla: unknown cache dtype value ", static_cast<int>(p.cache.dtype));
+  if (!IsValidDType(p.w_dtype))
+    return InvalidArgumentError("mla: unknown weight dtype value ", static_cast<int>(p.w_dtype));
   if (p.cache.dtype != DType::kF32 && p.cache.dtype != DType::kBF16)
     return InvalidArgumentError("mla: cache dtype ", DTypeName(p.cache.dtype), " is not supported (f32 or bf16)");
   if (p.w_dtype != p.cache.dtype)
@@ -60,8 +62,8 @@ Status MlaCheck(const MlaParams& p) {
   const PagedRowsView& c = p.cache;
   if (c.data == nullptr) return InvalidArgumentError("mla: cache.data is null");
   if (c.row_width != s.d_cache())
-    return InvalidArgumentError("mla: cache row width ", c.row_width, " != d_latent + d_rope = ", s.d_cache(),
-                                " for ", s);
+    return InvalidArgumentError("mla: cache row width ", c.row_width, " != d_latent + d_rope = ", s.d_cache(), " for ",
+                                s);
   if (c.block_size <= 0 || c.num_blocks <= 0)
     return InvalidArgumentError("mla: cache block_size (", c.block_size, ") and num_blocks (", c.num_blocks,
                                 ") must be positive");
@@ -104,8 +106,8 @@ Status MlaCheck(const MlaParams& p) {
     const int32_t* row = p.block_table + i * p.block_table_stride;
     for (int64_t j = 0; j < blocks; ++j) {
       if (row[j] < 0 || row[j] >= c.num_blocks)
-        return InvalidArgumentError("mla: block_table[", i, "][", j, "] = ", row[j], " is outside [0, ",
-                                    c.num_blocks, ")");
+        return InvalidArgumentError("mla: block_table[", i, "][", j, "] = ", row[j], " is outside [0, ", c.num_blocks,
+                                    ")");
     }
   }
   return Status::Ok();
@@ -120,10 +122,12 @@ AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa) {
   // expanded path's up-projection cheap enough to win from 32 tokens, the
   // others from 64.
   switch (isa) {
-    case CpuIsa::kAmx: return {.with_prefix = 256, .no_prefix = 32};
+    case CpuIsa::kAmx:
+      return {.with_prefix = 256, .no_prefix = 32};
     case CpuIsa::kAvx512:
     case CpuIsa::kAvx2:
-    case CpuIsa::kScalar: return {.with_prefix = 256, .no_prefix = 64};
+    case CpuIsa::kScalar:
+      return {.with_prefix = 256, .no_prefix = 64};
   }
   return {.with_prefix = 256, .no_prefix = 64};
 }
@@ -131,8 +135,9 @@ AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa) {
 AbsorbThresholds MlaAbsorbThresholds(const MlaConfig& c) {
   const AbsorbThresholds cpu = DefaultAbsorbThresholds(ActiveCpuIsa());
   return {.with_prefix = c.absorb_below_query_len == kAbsorbThresholdOfCpu ? cpu.with_prefix : c.absorb_below_query_len,
-          .no_prefix = c.absorb_below_query_len_no_prefix == kAbsorbThresholdOfCpu ? cpu.no_prefix
-                                                                                   : c.absorb_below_query_len_no_prefix};
+          .no_prefix = c.absorb_below_query_len_no_prefix == kAbsorbThresholdOfCpu
+                           ? cpu.no_prefix
+                           : c.absorb_below_query_len_no_prefix};
 }
 
 MlaPath MlaPathFor(const MlaConfig& c, int64_t query_len, int64_t prefix_len) {
@@ -173,8 +178,10 @@ Status MlaRun(const MlaParams& p, const MlaPlan& plan, WorkspaceView ws) {
   if (!plan.impl) return InvalidArgumentError("MlaRun: empty plan");
   if (p.num_tokens == 0) return Status::Ok();
   switch (plan.backend) {
-    case Backend::kCpu: return cpu::RunMla(p, *plan.impl, ws);
-    case Backend::kCuda: return cuda::RunMla(p, *plan.impl, ws);
+    case Backend::kCpu:
+      return cpu::RunMla(p, *plan.impl, ws);
+    case Backend::kCuda:
+      return cuda::RunMla(p, *plan.impl, ws);
   }
   return UnimplementedError("MlaRun: backend ", BackendName(plan.backend), " is not available");
 }
@@ -204,8 +211,8 @@ double MlaAbsorbedFlops(const MlaShape& s, int64_t q, int64_t seq_len) {
 
 double MlaExpandedFlops(const MlaShape& s, int64_t q, int64_t seq_len) {
   const double n = static_cast<double>(s.h_q);
-  const double up = 2.0 * static_cast<double>(seq_len) * n * static_cast<double>(s.d_latent) *
-                    static_cast<double>(s.d_nope + s.d_v);
+  const double up =
+      2.0 * static_cast<double>(seq_len) * n * static_cast<double>(s.d_latent) * static_cast<double>(s.d_nope + s.d_v);
   const double per_pair = n * (2.0 * static_cast<double>(s.d_qk()) + 2.0 * static_cast<double>(s.d_v));
   return up + CausalPairs(q, seq_len) * per_pair;
 }

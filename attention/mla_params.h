@@ -21,8 +21,8 @@ struct MlaShape {
   int64_t d_nope = 0;    // qk_nope_head_dim (P)
   int64_t d_v = 0;       // v_head_dim (V)
 
-  int64_t d_qk() const { return d_nope + d_rope; }          // expanded key width, 192 in DeepSeek-V3
-  int64_t d_cache() const { return d_latent + d_rope; }     // cache row width, 576 in DeepSeek-V3
+  int64_t d_qk() const { return d_nope + d_rope; }       // expanded key width, 192 in DeepSeek-V3
+  int64_t d_cache() const { return d_latent + d_rope; }  // cache row width, 576 in DeepSeek-V3
   friend bool operator==(const MlaShape&, const MlaShape&) = default;
 };
 std::ostream& operator<<(std::ostream& os, const MlaShape& s);

@@ -11,8 +11,8 @@ std::ostream& operator<<(std::ostream& os, const RopeConfig& c) {
   os << "rope{dim=" << c.dim << " theta=" << c.theta << " layout=" << static_cast<int>(c.layout);
   if (c.scaling.type == RopeScaling::Type::kYarn)
     os << " yarn{factor=" << c.scaling.factor << " orig_max=" << c.scaling.original_max_position_embeddings
-       << " beta_fast=" << c.scaling.beta_fast << " beta_slow=" << c.scaling.beta_slow
-       << " mscale=" << c.scaling.mscale << " mscale_all_dim=" << c.scaling.mscale_all_dim << "}";
+       << " beta_fast=" << c.scaling.beta_fast << " beta_slow=" << c.scaling.beta_slow << " mscale=" << c.scaling.mscale
+       << " mscale_all_dim=" << c.scaling.mscale_all_dim << "}";
   return os << "}";
 }
 
@@ -86,8 +86,7 @@ StatusOr<Rope> Rope::Create(const RopeConfig& c) {
       const float interpolation = 1.f / (factor * pf);
       const float ramp = std::clamp((static_cast<float>(j) - lo) / span, 0.f, 1.f);
       const float extrapolation_factor = 1.f - ramp;
-      inv[static_cast<size_t>(j)] =
-          interpolation * (1.f - extrapolation_factor) + extrapolation * extrapolation_factor;
+      inv[static_cast<size_t>(j)] = interpolation * (1.f - extrapolation_factor) + extrapolation * extrapolation_factor;
     }
   } else {
     return InvalidArgumentError("rope: unknown scaling type ", static_cast<int>(c.scaling.type));

@@ -36,9 +36,9 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 4096;
   double beta_fast = 32.0;
   double beta_slow = 1.0;
-  double mscale = 1.0;           // 0 means absent
-  double mscale_all_dim = 0.0;   // 0 means absent
-  double attention_factor = 0.0; // 0: derived from factor/mscale/mscale_all_dim as HF does
+  double mscale = 1.0;            // 0 means absent
+  double mscale_all_dim = 0.0;    // 0 means absent
+  double attention_factor = 0.0;  // 0: derived from factor/mscale/mscale_all_dim as HF does
   bool truncate = true;
 
   friend bool operator==(const RopeScaling&, const RopeScaling&) = default;

@@ -12,8 +12,10 @@ enum class Backend : uint8_t { kCpu = 0, kCuda = 1 };
 
 constexpr std::string_view BackendName(Backend b) {
   switch (b) {
-    case Backend::kCpu: return "cpu";
-    case Backend::kCuda: return "cuda";
+    case Backend::kCpu:
+      return "cpu";
+    case Backend::kCuda:
+      return "cuda";
   }
   return "invalid";
 }

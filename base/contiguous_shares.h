@@ -58,7 +58,7 @@ class ContiguousShares {
 
  private:
   struct alignas(64) Run64 {
-    std::atomic<uint64_t> v{0};  // front | back << 32: the run's items not yet taken
+    std::atomic<uint64_t> v{0};        // front | back << 32: the run's items not yet taken
     std::atomic<bool> started{false};  // its owner has begun taking it
   };
   static uint64_t Pack(int64_t front, int64_t back) {

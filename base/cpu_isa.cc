@@ -1,13 +1,13 @@
 #include "base/cpu_isa.h"
 
 #include <cpuid.h>
+#include <oneapi/dnnl/dnnl.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cstring>
 #include <mutex>
-#include <oneapi/dnnl/dnnl.h>
 
 namespace mlarun {
 namespace {
@@ -92,10 +92,14 @@ std::once_flag g_onednn_once;
 
 std::string_view CpuIsaName(CpuIsa isa) {
   switch (isa) {
-    case CpuIsa::kScalar: return "scalar";
-    case CpuIsa::kAvx2: return "avx2";
-    case CpuIsa::kAvx512: return "avx512";
-    case CpuIsa::kAmx: return "amx";
+    case CpuIsa::kScalar:
+      return "scalar";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAmx:
+      return "amx";
   }
   return "invalid";
 }
@@ -176,10 +180,18 @@ Status SetCpuIsaLimit(CpuIsa isa) {
   std::call_once(g_onednn_once, [isa] {
     dnnl_cpu_isa_t cap = dnnl_cpu_isa_all;
     switch (isa) {
-      case CpuIsa::kScalar: cap = dnnl_cpu_isa_sse41; break;
-      case CpuIsa::kAvx2: cap = dnnl_cpu_isa_avx2; break;
-      case CpuIsa::kAvx512: cap = dnnl_cpu_isa_avx512_core_bf16; break;
-      case CpuIsa::kAmx: cap = dnnl_cpu_isa_all; break;
+      case CpuIsa::kScalar:
+        cap = dnnl_cpu_isa_sse41;
+        break;
+      case CpuIsa::kAvx2:
+        cap = dnnl_cpu_isa_avx2;
+        break;
+      case CpuIsa::kAvx512:
+        cap = dnnl_cpu_isa_avx512_core_bf16;
+        break;
+      case CpuIsa::kAmx:
+        cap = dnnl_cpu_isa_all;
+        break;
     }
     // Fails only once oneDNN has generated code; the limit then holds for
     // our own dispatch, which is what decides whether oneDNN is called.

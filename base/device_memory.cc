@@ -34,8 +34,10 @@ DeviceMemory& HostMemory() {
 
 StatusOr<DeviceMemory*> MemoryFor(Backend backend) {
   switch (backend) {
-    case Backend::kCpu: return &HostMemory();
-    case Backend::kCuda: return CudaMemory();
+    case Backend::kCpu:
+      return &HostMemory();
+    case Backend::kCuda:
+      return CudaMemory();
   }
   return InvalidArgumentError("no memory for backend ", static_cast<int>(backend));
 }

@@ -58,7 +58,9 @@ class DeviceBuffer {
   static StatusOr<DeviceBuffer> Allocate(DeviceMemory& memory, size_t bytes, std::string_view what);
   ~DeviceBuffer() { Reset(); }
   DeviceBuffer(DeviceBuffer&& o) noexcept
-      : memory_(std::exchange(o.memory_, nullptr)), data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+      : memory_(std::exchange(o.memory_, nullptr)),
+        data_(std::exchange(o.data_, nullptr)),
+        bytes_(std::exchange(o.bytes_, 0)) {}
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
     if (this != &o) {
       Reset();

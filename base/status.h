@@ -144,10 +144,10 @@ class [[nodiscard]] StatusOr {
 #define MLARUN_STATUS_CONCAT(a, b) MLARUN_STATUS_CONCAT_INNER(a, b)
 
 // Returns from the enclosing function if `expr` is not OK.
-#define MLARUN_RETURN_IF_ERROR(expr)                    \
-  do {                                                  \
-    ::mlarun::Status mlarun_status_ = (expr);           \
-    if (!mlarun_status_.ok()) return mlarun_status_;    \
+#define MLARUN_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::mlarun::Status mlarun_status_ = (expr);        \
+    if (!mlarun_status_.ok()) return mlarun_status_; \
   } while (0)
 
 // `lhs = value of expr`, or returns its Status.

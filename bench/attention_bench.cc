@@ -18,13 +18,13 @@
 #include <sstream>
 
 #include "attention/mla.h"
+#include "base/block_size.h"
+#include "base/cpu_isa.h"
 #include "bench/synthetic_batch.h"
 #include "bench/timing.h"
 #include "gemm/convert.h"
-#include "runtime/rank/thresholds.h"
-#include "base/block_size.h"
-#include "base/cpu_isa.h"
 #include "gemm/cpu_gemm.h"
+#include "runtime/rank/thresholds.h"
 
 namespace mlarun {
 namespace {
@@ -38,10 +38,19 @@ using Json = nlohmann::json;
 class PathPair {
  public:
   PathPair(const AttentionBenchOptions& o, int64_t batch, int64_t q_len, int64_t context, uint64_t seed)
-      : shape_(DeepSeekV3MlaShape(o.heads)), q_len_(q_len), context_(context), batch_size_(batch),
-        batch_(SyntheticSpec{.shape = shape_, .dtype = o.dtype, .block_size = kDefaultBlockSize,
-                             .seqs = std::vector<SyntheticSeq>(static_cast<size_t>(batch), SyntheticSeq{q_len, context + q_len}),
-                             .seed = seed, .shuffle_blocks = true, .poison = false, .spare_blocks = 0}) {}
+      : shape_(DeepSeekV3MlaShape(o.heads)),
+        q_len_(q_len),
+        context_(context),
+        batch_size_(batch),
+        batch_(SyntheticSpec{
+            .shape = shape_,
+            .dtype = o.dtype,
+            .block_size = kDefaultBlockSize,
+            .seqs = std::vector<SyntheticSeq>(static_cast<size_t>(batch), SyntheticSeq{q_len, context + q_len}),
+            .seed = seed,
+            .shuffle_blocks = true,
+            .poison = false,
+            .spare_blocks = 0}) {}
 
   Status Prepare(MlaPath path) {
     MlaConfig c{.path = path};
@@ -65,8 +74,12 @@ class PathPair {
     }
     return all;
   }
-  double AbsorbedFlops() const { return static_cast<double>(batch_size_) * MlaAbsorbedFlops(shape_, q_len_, context_ + q_len_); }
-  double ExpandedFlops() const { return static_cast<double>(batch_size_) * MlaExpandedFlops(shape_, q_len_, context_ + q_len_); }
+  double AbsorbedFlops() const {
+    return static_cast<double>(batch_size_) * MlaAbsorbedFlops(shape_, q_len_, context_ + q_len_);
+  }
+  double ExpandedFlops() const {
+    return static_cast<double>(batch_size_) * MlaExpandedFlops(shape_, q_len_, context_ + q_len_);
+  }
 
  private:
   static int Index(MlaPath p) { return p == MlaPath::kAbsorbed ? 0 : 1; }
@@ -113,14 +126,46 @@ class SameShapeGemms {
     scores_.resize(static_cast<size_t>(batch * N * keys));
     out_lat_.resize(static_cast<size_t>(batch * N * L));
     out_.resize(static_cast<size_t>(batch * N * V));
-    MLARUN_ASSIGN_OR_RETURN(fold1_, CpuGemm::Get(GemmDesc{.m = batch, .n = L, .k = P, .a_type = dt, .b_type = dt, .c_type = dt,
-                                                         .lda = N * P, .b_stride_k = L, .b_stride_n = 1, .ldc = N * W}));
-    MLARUN_ASSIGN_OR_RETURN(fold2_, CpuGemm::Get(GemmDesc{.m = batch, .n = V, .k = L, .a_type = dt, .b_type = dt,
-                                                         .c_type = DType::kF32, .lda = N * L, .b_stride_k = V, .b_stride_n = 1, .ldc = N * V}));
-    MLARUN_ASSIGN_OR_RETURN(qk_, CpuGemm::Get(GemmDesc{.m = N, .n = keys, .k = W, .a_type = dt, .b_type = dt,
-                                                      .c_type = DType::kF32, .lda = W, .b_stride_k = 1, .b_stride_n = W, .ldc = keys}));
-    MLARUN_ASSIGN_OR_RETURN(pv_, CpuGemm::Get(GemmDesc{.m = N, .n = L, .k = keys, .a_type = dt, .b_type = dt,
-                                                      .c_type = DType::kF32, .lda = keys, .b_stride_k = W, .b_stride_n = 1, .ldc = L}));
+    MLARUN_ASSIGN_OR_RETURN(fold1_, CpuGemm::Get(GemmDesc{.m = batch,
+                                                          .n = L,
+                                                          .k = P,
+                                                          .a_type = dt,
+                                                          .b_type = dt,
+                                                          .c_type = dt,
+                                                          .lda = N * P,
+                                                          .b_stride_k = L,
+                                                          .b_stride_n = 1,
+                                                          .ldc = N * W}));
+    MLARUN_ASSIGN_OR_RETURN(fold2_, CpuGemm::Get(GemmDesc{.m = batch,
+                                                          .n = V,
+                                                          .k = L,
+                                                          .a_type = dt,
+                                                          .b_type = dt,
+                                                          .c_type = DType::kF32,
+                                                          .lda = N * L,
+                                                          .b_stride_k = V,
+                                                          .b_stride_n = 1,
+                                                          .ldc = N * V}));
+    MLARUN_ASSIGN_OR_RETURN(qk_, CpuGemm::Get(GemmDesc{.m = N,
+                                                       .n = keys,
+                                                       .k = W,
+                                                       .a_type = dt,
+                                                       .b_type = dt,
+                                                       .c_type = DType::kF32,
+                                                       .lda = W,
+                                                       .b_stride_k = 1,
+                                                       .b_stride_n = W,
+                                                       .ldc = keys}));
+    MLARUN_ASSIGN_OR_RETURN(pv_, CpuGemm::Get(GemmDesc{.m = N,
+                                                       .n = L,
+                                                       .k = keys,
+                                                       .a_type = dt,
+                                                       .b_type = dt,
+                                                       .c_type = DType::kF32,
+                                                       .lda = keys,
+                                                       .b_stride_k = W,
+                                                       .b_stride_n = 1,
+                                                       .ldc = L}));
     scratch_each_ = 64;
     for (const auto& g : {fold1_, fold2_, qk_, pv_}) scratch_each_ = std::max(scratch_each_, g->scratch_bytes() + 64);
     scratch_.resize(scratch_each_ * static_cast<size_t>(omp_get_max_threads()));
@@ -140,10 +185,13 @@ class SameShapeGemms {
     ErrorOnce err;
 #pragma omp parallel for schedule(static)
     for (int64_t h = 0; h < N; ++h)
-      err.Set(fold1_->Run(At(q_nope_, h * P), At(w_uk_, h * P * L), q_fold_.data() + h * W * static_cast<int64_t>(es_), Scratch()));
+      err.Set(fold1_->Run(At(q_nope_, h * P), At(w_uk_, h * P * L), q_fold_.data() + h * W * static_cast<int64_t>(es_),
+                          Scratch()));
     auto seq = [&](int64_t i) {
-      Status st = qk_->Run(At(q_abs_, i * N * W), At(keys_buf_, i * keys_ * W), scores_.data() + i * N * keys_, Scratch());
-      if (st.ok()) st = pv_->Run(At(probs_, i * N * keys_), At(keys_buf_, i * keys_ * W), out_lat_.data() + i * N * L, Scratch());
+      Status st =
+          qk_->Run(At(q_abs_, i * N * W), At(keys_buf_, i * keys_ * W), scores_.data() + i * N * keys_, Scratch());
+      if (st.ok())
+        st = pv_->Run(At(probs_, i * N * keys_), At(keys_buf_, i * keys_ * W), out_lat_.data() + i * N * L, Scratch());
       return st;
     };
     if (batch_ >= omp_get_max_threads()) {
@@ -181,7 +229,9 @@ class SameShapeGemms {
     StoreFromF32(f.data(), out.data(), dt_, n);
     return out;
   }
-  const std::byte* At(const std::vector<std::byte>& v, int64_t elems) const { return v.data() + elems * static_cast<int64_t>(es_); }
+  const std::byte* At(const std::vector<std::byte>& v, int64_t elems) const {
+    return v.data() + elems * static_cast<int64_t>(es_);
+  }
   void* Scratch() { return scratch_.data() + scratch_each_ * static_cast<size_t>(omp_get_thread_num()); }
 
   MlaShape s_;
@@ -197,8 +247,16 @@ class SameShapeGemms {
 // GFLOP/s of the 2048^3 product, and the implementation that ran it.
 StatusOr<std::pair<double, std::string>> SquareGemmPeak(DType dt, const Timing& t) {
   const int64_t n = 2048;
-  MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(GemmDesc{.m = n, .n = n, .k = n, .a_type = dt, .b_type = dt,
-                                                        .c_type = DType::kF32, .lda = n, .b_stride_k = n, .b_stride_n = 1, .ldc = n}));
+  MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(GemmDesc{.m = n,
+                                                        .n = n,
+                                                        .k = n,
+                                                        .a_type = dt,
+                                                        .b_type = dt,
+                                                        .c_type = DType::kF32,
+                                                        .lda = n,
+                                                        .b_stride_k = n,
+                                                        .b_stride_n = 1,
+                                                        .ldc = n}));
   std::vector<float> f(static_cast<size_t>(n * n));
   std::mt19937 rng(5);
   std::normal_distribution<float> dist;
@@ -206,7 +264,9 @@ StatusOr<std::pair<double, std::string>> SquareGemmPeak(DType dt, const Timing& 
   std::vector<std::byte> a(f.size() * DTypeSize(dt)), scratch(g->scratch_bytes() + 64);
   StoreFromF32(f.data(), a.data(), dt, n * n);
   std::vector<float> c(static_cast<size_t>(n * n));
-  MLARUN_ASSIGN_OR_RETURN(double ms, TimeMs("gemm_square_2048", [&] { return g->Run(a.data(), a.data(), c.data(), scratch.data()); }, t));
+  MLARUN_ASSIGN_OR_RETURN(
+      double ms, TimeMs(
+                     "gemm_square_2048", [&] { return g->Run(a.data(), a.data(), c.data(), scratch.data()); }, t));
   return std::make_pair(2.0 * n * n * n / (ms * 1e-3) / 1e9, g->impl_name());
 }
 
@@ -220,14 +280,16 @@ struct GridCell {
 void WriteSvg(const std::string& path, const std::vector<int64_t>& contexts, const std::vector<int64_t>& qs,
               const std::vector<GridCell>& cells, const std::string& title) {
   const int cw = 76, ch = 44, left = 90, top = 60;
-  const int width = left + cw * static_cast<int>(qs.size()) + 20, height = top + ch * static_cast<int>(contexts.size()) + 70;
+  const int width = left + cw * static_cast<int>(qs.size()) + 20,
+            height = top + ch * static_cast<int>(contexts.size()) + 70;
   std::ofstream f(path);
   f << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='" << height
     << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n";
   f << "<text x='" << left << "' y='20' font-size='14'>" << title << "</text>\n";
   f << "<text x='" << left << "' y='40'>query length Q &#8594;  (cell: winner, and how many times faster)</text>\n";
   for (size_t j = 0; j < qs.size(); ++j)
-    f << "<text x='" << left + cw * static_cast<int>(j) + cw / 2 << "' y='" << top - 6 << "' text-anchor='middle'>" << qs[j] << "</text>\n";
+    f << "<text x='" << left + cw * static_cast<int>(j) + cw / 2 << "' y='" << top - 6 << "' text-anchor='middle'>"
+      << qs[j] << "</text>\n";
   for (size_t i = 0; i < contexts.size(); ++i) {
     const int y = top + ch * static_cast<int>(i);
     f << "<text x='" << left - 8 << "' y='" << y + ch / 2 + 4 << "' text-anchor='end'>S=" << contexts[i] << "</text>\n";
@@ -250,13 +312,15 @@ void WriteSvg(const std::string& path, const std::vector<int64_t>& contexts, con
         fill = "rgb(255,200,140)";
         label = "exp (abs skipped)";
       }
-      f << "<rect x='" << x << "' y='" << y << "' width='" << cw - 2 << "' height='" << ch - 2 << "' fill='" << fill << "'/>\n";
+      f << "<rect x='" << x << "' y='" << y << "' width='" << cw - 2 << "' height='" << ch - 2 << "' fill='" << fill
+        << "'/>\n";
       f << "<text x='" << x + cw / 2 << "' y='" << y + ch / 2 + 4 << "' text-anchor='middle' font-size='"
         << (label.size() > 10 ? 9 : 12) << "'>" << label << "</text>\n";
     }
   }
   f << "<text x='" << left << "' y='" << height - 20
-    << "'>blue: absorbed faster; orange: expanded faster; gray: not measured (Q &gt; max or absorbed already &gt;2x slower)</text>\n";
+    << "'>blue: absorbed faster; orange: expanded faster; gray: not measured (Q &gt; max or absorbed already &gt;2x "
+       "slower)</text>\n";
   f << "</svg>\n";
 }
 
@@ -299,7 +363,8 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   if (contexts.empty())
     contexts = o.quick ? std::vector<int64_t>{0, 256, 1024} : std::vector<int64_t>{0, 256, 1024, 4096, 16384};
   if (qs.empty())
-    qs = o.quick ? std::vector<int64_t>{1, 4, 16, 64, 256} : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+    qs = o.quick ? std::vector<int64_t>{1, 4, 16, 64, 256}
+                 : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
   for (int64_t v : contexts)
     if (v < 0) return InvalidArgumentError("--contexts must be >= 0, got ", v);
   for (int64_t v : qs)
@@ -315,11 +380,14 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   doc["machine"] = {{"cpu", CpuModel()}, {"threads", threads}, {"kernels", CpuJson()}};
   doc["date"] = Today();
   doc["dtype"] = std::string(DTypeName(o.dtype));
-  doc["shape"] = {{"heads", shape.h_q}, {"kv_lora_rank", shape.d_latent}, {"qk_rope_head_dim", shape.d_rope},
-                  {"qk_nope_head_dim", shape.d_nope}, {"v_head_dim", shape.d_v}};
+  doc["shape"] = {{"heads", shape.h_q},
+                  {"kv_lora_rank", shape.d_latent},
+                  {"qk_rope_head_dim", shape.d_rope},
+                  {"qk_nope_head_dim", shape.d_nope},
+                  {"v_head_dim", shape.d_v}};
   doc["timing"] = {{"repetitions", timing.repetitions}, {"statistic", "median"}, {"min_time_s", timing.min_time_s}};
-  table << "mlarun bench attention: " << shape << " dtype " << DTypeName(o.dtype) << ", " << threads
-        << " threads, " << CpuModel() << ", " << Today() << "\ncpu: " << CpuSummary() << "\n";
+  table << "mlarun bench attention: " << shape << " dtype " << DTypeName(o.dtype) << ", " << threads << " threads, "
+        << CpuModel() << ", " << Today() << "\ncpu: " << CpuSummary() << "\n";
 
   MLARUN_ASSIGN_OR_RETURN(const auto peak_impl, SquareGemmPeak(o.dtype, timing));
   const double peak = peak_impl.first;
@@ -329,12 +397,14 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
         << " GFLOP/s\n\n";
 
   // Decode: one token over 4096 cached tokens.
-  const double per_token_abs = MlaAbsorbedFlops(shape, 1, 1) - 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
+  const double per_token_abs =
+      MlaAbsorbedFlops(shape, 1, 1) - 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
   const double per_token_naive = 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
   const int rounds = o.quick ? 1 : 7;
-  table << "decode, context 4096 (FLOP per context token: absorbed " << Fmt(per_token_abs, 0) << ", naive up-projection "
-        << Fmt(per_token_naive, 0) << ")\n";
-  table << "  batch  absorbed_ms  naive_ms  measured_ratio  predicted_ratio  absorbed_GFLOP/s  gemm_same_shapes_GFLOP/s  fraction\n";
+  table << "decode, context 4096 (FLOP per context token: absorbed " << Fmt(per_token_abs, 0)
+        << ", naive up-projection " << Fmt(per_token_naive, 0) << ")\n";
+  table << "  batch  absorbed_ms  naive_ms  measured_ratio  predicted_ratio  absorbed_GFLOP/s  "
+           "gemm_same_shapes_GFLOP/s  fraction\n";
   doc["decode"] = Json::array();
   for (int64_t batch : {int64_t{1}, int64_t{32}}) {
     const int64_t context = 4096;
@@ -355,20 +425,32 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
     const Timing one{.repetitions = 1, .min_time_s = timing.min_time_s};
     std::vector<double> abs_runs, lib_runs, ratios;
     for (int round = 0; round < rounds; ++round) {
-      MLARUN_ASSIGN_OR_RETURN(const double a_ms, TimeMs("decode_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, one));
-      MLARUN_ASSIGN_OR_RETURN(const double l_ms, TimeMs("gemm_same_shapes", [&] { return lib.Run(); }, one));
+      MLARUN_ASSIGN_OR_RETURN(const double a_ms,
+                              TimeMs(
+                                  "decode_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, one));
+      MLARUN_ASSIGN_OR_RETURN(const double l_ms, TimeMs(
+                                                     "gemm_same_shapes", [&] { return lib.Run(); }, one));
       abs_runs.push_back(a_ms);
       lib_runs.push_back(lib.Flops() / (l_ms * 1e-3) / 1e9);
       ratios.push_back(pair.AbsorbedFlops() / (a_ms * 1e-3) / 1e9 / lib_runs.back());
     }
     const double abs_ms = Median(abs_runs), same = Median(lib_runs), fraction = Median(ratios);
-    MLARUN_ASSIGN_OR_RETURN(const double naive_ms, TimeMs("decode_naive", [&] { return pair.Run(MlaPath::kExpanded); }, heavy));
+    MLARUN_ASSIGN_OR_RETURN(const double naive_ms,
+                            TimeMs(
+                                "decode_naive", [&] { return pair.Run(MlaPath::kExpanded); }, heavy));
     const double abs_gflops = pair.AbsorbedFlops() / (abs_ms * 1e-3) / 1e9;
     const double predicted = pair.ExpandedFlops() / pair.AbsorbedFlops();
-    doc["decode"].push_back({{"batch", batch}, {"context", context}, {"absorbed_ms", abs_ms}, {"naive_ms", naive_ms},
-                             {"measured_ratio", naive_ms / abs_ms}, {"predicted_ratio", predicted},
-                             {"absorbed_gflops", abs_gflops}, {"gemm_same_shapes_gflops", same},
-                             {"fraction_of_same_shapes", fraction}, {"rounds", rounds}, {"paths_max_rel_diff", diff}});
+    doc["decode"].push_back({{"batch", batch},
+                             {"context", context},
+                             {"absorbed_ms", abs_ms},
+                             {"naive_ms", naive_ms},
+                             {"measured_ratio", naive_ms / abs_ms},
+                             {"predicted_ratio", predicted},
+                             {"absorbed_gflops", abs_gflops},
+                             {"gemm_same_shapes_gflops", same},
+                             {"fraction_of_same_shapes", fraction},
+                             {"rounds", rounds},
+                             {"paths_max_rel_diff", diff}});
     table << "  " << std::setw(5) << batch << "  " << std::setw(11) << Fmt(abs_ms, 3) << "  " << std::setw(8)
           << Fmt(naive_ms, 1) << "  " << std::setw(14) << Fmt(naive_ms / abs_ms, 1) << "  " << std::setw(15)
           << Fmt(predicted, 1) << "  " << std::setw(16) << Fmt(abs_gflops, 1) << "  " << std::setw(24) << Fmt(same, 1)
@@ -394,7 +476,9 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
       MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
       const auto exp_out = pair.Outputs();
       const bool expanded_heavy = pair.ExpandedFlops() > 2e10;
-      MLARUN_ASSIGN_OR_RETURN(cell.expanded_ms, TimeMs("grid_expanded", [&] { return pair.Run(MlaPath::kExpanded); }, expanded_heavy ? heavy : timing));
+      MLARUN_ASSIGN_OR_RETURN(cell.expanded_ms, TimeMs(
+                                                    "grid_expanded", [&] { return pair.Run(MlaPath::kExpanded); },
+                                                    expanded_heavy ? heavy : timing));
       double diff = NAN;
       if (run_abs) {
         MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
@@ -402,17 +486,23 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
         if (diff > VerifyTolerance(o.dtype))
           return InternalError("grid S=", S, " Q=", Q, ": absorbed and expanded outputs differ by ", diff);
         const bool absorbed_heavy = pair.AbsorbedFlops() > 2e10;
-        MLARUN_ASSIGN_OR_RETURN(cell.absorbed_ms, TimeMs("grid_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, absorbed_heavy ? heavy : timing));
+        MLARUN_ASSIGN_OR_RETURN(cell.absorbed_ms, TimeMs(
+                                                      "grid_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); },
+                                                      absorbed_heavy ? heavy : timing));
         slower = cell.absorbed_ms > 2 * cell.expanded_ms ? slower + 1 : 0;
       }
       const bool exp_wins = !(cell.absorbed_ms <= cell.expanded_ms);
       if (exp_wins && crossover < 0) crossover = Q;
       if (!exp_wins) crossover = -1;  // the crossover is where expanded starts winning for good
       cells.push_back(cell);
-      doc["grid"].push_back({{"context", S}, {"query_len", Q}, {"absorbed_ms", OrNull(cell.absorbed_ms)},
-                             {"expanded_ms", cell.expanded_ms}, {"paths_max_rel_diff", OrNull(diff)}});
-      table << "  " << std::setw(6) << S << " " << std::setw(5) << Q << "  " << std::setw(12) << Fmt(cell.absorbed_ms, 3)
-            << "  " << std::setw(12) << Fmt(cell.expanded_ms, 3) << "   " << (exp_wins ? "expanded" : "absorbed") << "\n";
+      doc["grid"].push_back({{"context", S},
+                             {"query_len", Q},
+                             {"absorbed_ms", OrNull(cell.absorbed_ms)},
+                             {"expanded_ms", cell.expanded_ms},
+                             {"paths_max_rel_diff", OrNull(diff)}});
+      table << "  " << std::setw(6) << S << " " << std::setw(5) << Q << "  " << std::setw(12)
+            << Fmt(cell.absorbed_ms, 3) << "  " << std::setw(12) << Fmt(cell.expanded_ms, 3) << "   "
+            << (exp_wins ? "expanded" : "absorbed") << "\n";
     }
     doc["crossover"].push_back({{"context", S}, {"query_len", crossover < 0 ? Json(nullptr) : Json(crossover)}});
   }
@@ -427,7 +517,8 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   doc["configured_absorb_below_query_len_no_prefix"] = configured.no_prefix;
   table << "\ncrossover (smallest Q from which the expanded path wins):";
   for (const auto& c : doc["crossover"])
-    table << "  S=" << c["context"] << ": " << (c["query_len"].is_null() ? std::string("none measured") : "Q=" + c["query_len"].dump());
+    table << "  S=" << c["context"] << ": "
+          << (c["query_len"].is_null() ? std::string("none measured") : "Q=" + c["query_len"].dump());
   auto describe = [&](const char* what, const Json& j, int64_t configured) {
     table << "\nsuggested " << what << ": ";
     if (j.is_null()) {

@@ -21,17 +21,17 @@
 namespace mlarun {
 
 struct AttentionBenchOptions {
-  bool quick = false;       // decode rows + a small grid, for scripts and the demo
-  bool json = false;        // JSON document on stdout (the table goes to stderr)
-  std::string svg_path;     // draw the Q x S grid here when set
+  bool quick = false;    // decode rows + a small grid, for scripts and the demo
+  bool json = false;     // JSON document on stdout (the table goes to stderr)
+  std::string svg_path;  // draw the Q x S grid here when set
   DType dtype = DType::kBF16;
   int64_t heads = 128;
-  int threads = 0;          // 0: OpenMP default
-  int repetitions = 0;      // 0: 3 (1 with quick)
-  double min_time_s = 0;    // per repetition; 0: 0.3 s (0.05 with quick)
-  std::vector<int64_t> contexts;     // grid S; empty: default
-  std::vector<int64_t> query_lens;   // grid Q; empty: default
-  std::string write_thresholds;      // write the suggested thresholds here (runtime/rank/thresholds.h)
+  int threads = 0;                  // 0: OpenMP default
+  int repetitions = 0;              // 0: 3 (1 with quick)
+  double min_time_s = 0;            // per repetition; 0: 0.3 s (0.05 with quick)
+  std::vector<int64_t> contexts;    // grid S; empty: default
+  std::vector<int64_t> query_lens;  // grid Q; empty: default
+  std::string write_thresholds;     // write the suggested thresholds here (runtime/rank/thresholds.h)
 };
 
 Status RunAttentionBench(const AttentionBenchOptions& options);

@@ -24,14 +24,14 @@ using Clock = std::chrono::steady_clock;
 
 // One collective of the step, as it is timed and reported.
 struct Collective {
-  std::string name;       // "attn_tp_all_reduce", ...
-  std::string op;         // all_reduce, all_gather, reduce_scatter, broadcast
-  std::string group;      // attn_tp, dp_peers, world
+  std::string name;   // "attn_tp_all_reduce", ...
+  std::string op;     // all_reduce, all_gather, reduce_scatter, broadcast
+  std::string group;  // attn_tp, dp_peers, world
   Communicator* comm = nullptr;
   int64_t calls_per_step = 0;
-  int64_t bytes = 0;             // nccl-tests' size of one call (see the header)
-  double bus_factor = 1;         // busbw / algbw
-  int64_t sent_bytes = 0;        // what this rank puts into one call (CommStats)
+  int64_t bytes = 0;       // nccl-tests' size of one call (see the header)
+  double bus_factor = 1;   // busbw / algbw
+  int64_t sent_bytes = 0;  // what this rank puts into one call (CommStats)
   CommStats::Entry CommStats::*stat = nullptr;
   std::function<Status()> call;
   // Measured.
@@ -49,7 +49,7 @@ Status Agree(Communicator& world, const Status& local) {
     const int code = std::atoi(all[r].substr(0, bar).c_str());
     const std::string text = "rank " + std::to_string(r) + ": " + all[r].substr(bar + 1);
     return Status(code > 0 && code <= static_cast<int>(StatusCode::kUnauthenticated) ? static_cast<StatusCode>(code)
-                                                                                      : StatusCode::kInternal,
+                                                                                     : StatusCode::kInternal,
                   text);
   }
   return Status::Ok();
@@ -90,7 +90,8 @@ Status TimeCollective(Collective& c, Communicator& world, int repetitions) {
       world.AllGather(mine.data(), static_cast<int64_t>(mine.size() * sizeof(double)), all.data(), CommType::kU8));
   std::vector<double> slowest(mine.size(), 0);
   for (int r = 0; r < n; ++r)
-    for (size_t i = 0; i < mine.size(); ++i) slowest[i] = std::max(slowest[i], all[static_cast<size_t>(r) * mine.size() + i]);
+    for (size_t i = 0; i < mine.size(); ++i)
+      slowest[i] = std::max(slowest[i], all[static_cast<size_t>(r) * mine.size() + i]);
   c.time_s = Median(slowest);
   return Status::Ok();
 }
@@ -143,7 +144,8 @@ Status RunCommBench(const CommBenchOptions& o, MpiSession& session, std::ostream
     MLARUN_ASSIGN_OR_RETURN(std::vector<std::string> all, AllGatherStrings(*world, mine.str()));
     for (size_t r = 1; r < all.size(); ++r)
       if (all[r] != all[0])
-        return InvalidArgumentError("rank ", r, " was started with other options (", all[r], ") than rank 0 (", all[0], ")");
+        return InvalidArgumentError("rank ", r, " was started with other options (", all[r], ") than rank 0 (", all[0],
+                                    ")");
   }
   MLARUN_ASSIGN_OR_RETURN(ProcessGroups groups, session.Groups(layout));
   const bool root = groups.rank == 0;
@@ -182,33 +184,64 @@ Status RunCommBench(const CommBenchOptions& o, MpiSession& session, std::ostream
 
     std::vector<Collective> cs;
     if (tp > 1)
-      cs.push_back({.name = "attn_tp_all_reduce", .op = "all_reduce", .group = "attn_tp", .comm = groups.attn_tp.get(),
-                    .calls_per_step = 2 * L, .bytes = rows * fp, .bus_factor = 2.0 * (tp - 1) / tp,
-                    .sent_bytes = rows * fp, .stat = &CommStats::all_reduce,
+      cs.push_back({.name = "attn_tp_all_reduce",
+                    .op = "all_reduce",
+                    .group = "attn_tp",
+                    .comm = groups.attn_tp.get(),
+                    .calls_per_step = 2 * L,
+                    .bytes = rows * fp,
+                    .bus_factor = 2.0 * (tp - 1) / tp,
+                    .sent_bytes = rows * fp,
+                    .stat = &CommStats::all_reduce,
                     .call = [&] { return groups.attn_tp->AllReduceSum(ar_buf.data(), rows, CommType::kF32); }});
     if (dp > 1) {
-      cs.push_back({.name = "dp_all_gather_v", .op = "all_gather", .group = "dp_peers", .comm = groups.dp_peers.get(),
-                    .calls_per_step = L, .bytes = dp * rows * fp, .bus_factor = 1.0 * (dp - 1) / dp,
-                    .sent_bytes = rows * fp, .stat = &CommStats::all_gather,
-                    .call = [&] { return groups.dp_peers->AllGatherV(x.data(), counts, x_all.data(), CommType::kF32); }});
-      cs.push_back({.name = "dp_reduce_scatter_v", .op = "reduce_scatter", .group = "dp_peers",
-                    .comm = groups.dp_peers.get(), .calls_per_step = L, .bytes = dp * rows * fp,
-                    .bus_factor = 1.0 * (dp - 1) / dp, .sent_bytes = dp * rows * fp, .stat = &CommStats::reduce_scatter,
+      cs.push_back(
+          {.name = "dp_all_gather_v",
+           .op = "all_gather",
+           .group = "dp_peers",
+           .comm = groups.dp_peers.get(),
+           .calls_per_step = L,
+           .bytes = dp * rows * fp,
+           .bus_factor = 1.0 * (dp - 1) / dp,
+           .sent_bytes = rows * fp,
+           .stat = &CommStats::all_gather,
+           .call = [&] { return groups.dp_peers->AllGatherV(x.data(), counts, x_all.data(), CommType::kF32); }});
+      cs.push_back({.name = "dp_reduce_scatter_v",
+                    .op = "reduce_scatter",
+                    .group = "dp_peers",
+                    .comm = groups.dp_peers.get(),
+                    .calls_per_step = L,
+                    .bytes = dp * rows * fp,
+                    .bus_factor = 1.0 * (dp - 1) / dp,
+                    .sent_bytes = dp * rows * fp,
+                    .stat = &CommStats::reduce_scatter,
                     .call = [&] {
                       return groups.dp_peers->ReduceScatterSumV(y_all.data(), counts, y_local.data(), CommType::kF32);
                     }});
     }
-    cs.push_back({.name = "lockstep_all_gather", .op = "all_gather", .group = "world", .comm = world.get(),
-                  .calls_per_step = 1, .bytes = W * LockstepReport::kWords * word, .bus_factor = 1.0 * (W - 1) / W,
-                  .sent_bytes = LockstepReport::kWords * word, .stat = &CommStats::all_gather,
+    cs.push_back({.name = "lockstep_all_gather",
+                  .op = "all_gather",
+                  .group = "world",
+                  .comm = world.get(),
+                  .calls_per_step = 1,
+                  .bytes = W * LockstepReport::kWords * word,
+                  .bus_factor = 1.0 * (W - 1) / W,
+                  .sent_bytes = LockstepReport::kWords * word,
+                  .stat = &CommStats::all_gather,
                   .call = [&] {
                     return world->AllGather(report.data(), LockstepReport::kWords, reports.data(), CommType::kI64);
                   }});
     if (tp > 1)
-      cs.push_back({.name = "plan_broadcast", .op = "broadcast", .group = "attn_tp", .comm = groups.attn_tp.get(),
-                    .calls_per_step = 1, .bytes = (1 + plan_words) * word, .bus_factor = 1,
+      cs.push_back({.name = "plan_broadcast",
+                    .op = "broadcast",
+                    .group = "attn_tp",
+                    .comm = groups.attn_tp.get(),
+                    .calls_per_step = 1,
+                    .bytes = (1 + plan_words) * word,
+                    .bus_factor = 1,
                     .sent_bytes = groups.attn_tp->rank() == 0 ? (1 + plan_words) * word : 0,
-                    .stat = &CommStats::broadcast, .call = [&]() -> Status {
+                    .stat = &CommStats::broadcast,
+                    .call = [&]() -> Status {
                       int64_t n = plan_words;
                       MLARUN_RETURN_IF_ERROR(groups.attn_tp->Broadcast(&n, 1, CommType::kI64, 0));
                       return groups.attn_tp->Broadcast(plan.data(), n, CommType::kI64, 0);
@@ -228,13 +261,14 @@ Status RunCommBench(const CommBenchOptions& o, MpiSession& session, std::ostream
       if (c.comm == world.get() && c.stat == &CommStats::all_gather) own -= o.repetitions * 8;
       if (own != calls * c.sent_bytes) {
         ++mismatches_here;
-        mismatch = c.name + ": " + std::to_string(own / calls) + " bytes per call, predicted " +
-                   std::to_string(c.sent_bytes);
+        mismatch =
+            c.name + ": " + std::to_string(own / calls) + " bytes per call, predicted " + std::to_string(c.sent_bytes);
       }
     }
     MLARUN_RETURN_IF_ERROR(Agree(*world, mismatches_here == 0 ? Status::Ok()
-                                                               : InternalError("bytes sent differ from the layout's "
-                                                                               "prediction: ", mismatch)));
+                                                              : InternalError("bytes sent differ from the layout's "
+                                                                              "prediction: ",
+                                                                              mismatch)));
 
     Json row = {{"batch", T}, {"tokens_per_step", dp * T}, {"collectives", Json::array()}};
     double step_s = 0, step_bytes = 0, step_bus_bytes = 0;
@@ -247,11 +281,17 @@ Status RunCommBench(const CommBenchOptions& o, MpiSession& session, std::ostream
       step_s += static_cast<double>(c.calls_per_step) * c.time_s;
       step_bytes += static_cast<double>(c.calls_per_step * c.bytes);
       step_bus_bytes += static_cast<double>(c.calls_per_step) * static_cast<double>(c.bytes) * c.bus_factor;
-      row["collectives"].push_back({{"name", c.name}, {"op", c.op}, {"group", c.group}, {"ranks", c.comm->size()},
-                                    {"calls_per_step", c.calls_per_step}, {"bytes", c.bytes},
+      row["collectives"].push_back({{"name", c.name},
+                                    {"op", c.op},
+                                    {"group", c.group},
+                                    {"ranks", c.comm->size()},
+                                    {"calls_per_step", c.calls_per_step},
+                                    {"bytes", c.bytes},
                                     {"bus_bytes", static_cast<double>(c.bytes) * c.bus_factor},
-                                    {"rank0_sent_bytes", c.sent_bytes}, {"time_us", c.time_s * 1e6},
-                                    {"algbw_gbps", algbw}, {"busbw_gbps", busbw},
+                                    {"rank0_sent_bytes", c.sent_bytes},
+                                    {"time_us", c.time_s * 1e6},
+                                    {"algbw_gbps", algbw},
+                                    {"busbw_gbps", busbw},
                                     {"step_time_us", static_cast<double>(c.calls_per_step) * c.time_s * 1e6}});
       if (root)
         table << "    " << std::left << std::setw(20) << c.name << "  " << std::setw(8) << c.group << std::right

@@ -47,10 +47,10 @@ class MpiSession;
 
 struct CommBenchOptions {
   std::string model = "configs/models/deepseek-v2-lite.yaml";  // YAML or checkpoint dir: its config only
-  std::string parallel;                   // dp=D,attn_tp=T; its world must be the job's size
-  std::vector<int64_t> batches = {1, 8, 32};  // tokens per DP group per step
-  int repetitions = 20;                   // timed calls per collective (median)
-  bool json = false;                      // one JSON document on rank 0's stdout; the table to stderr
+  std::string parallel;                                        // dp=D,attn_tp=T; its world must be the job's size
+  std::vector<int64_t> batches = {1, 8, 32};                   // tokens per DP group per step
+  int repetitions = 20;                                        // timed calls per collective (median)
+  bool json = false;  // one JSON document on rank 0's stdout; the table to stderr
 };
 
 // Cached tokens per sequence of the plan the broadcast carries (its block

@@ -1,7 +1,5 @@
 #include "bench/decode_bench.h"
 
-#include "base/cuda_device.h"
-
 #include <omp.h>
 
 #include <algorithm>
@@ -12,15 +10,16 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "base/cpu_isa.h"
+#include "base/cuda_device.h"
+#include "base/large_buffer.h"
+#include "bench/local_cache.h"
 #include "bench/timing.h"
 #include "gemm/convert.h"
-#include "runtime/rank/bootstrap.h"
 #include "gemm/cpu_gemm.h"
-#include "base/cpu_isa.h"
-#include "base/large_buffer.h"
 #include "parallel/mpi/mpi_world.h"
-#include "bench/local_cache.h"
 #include "runtime/model/model.h"
+#include "runtime/rank/bootstrap.h"
 
 namespace mlarun {
 namespace {
@@ -36,8 +35,8 @@ struct Shares {
   double total() const { return attention + moe + dense + lm_head + other; }
   Json ToJson() const {
     const double tt = total();
-    return {{"attention", attention / tt}, {"moe", moe / tt}, {"dense_mlp", dense / tt}, {"lm_head", lm_head / tt},
-            {"other", other / tt}, {"largest", Largest()}};
+    return {{"attention", attention / tt}, {"moe", moe / tt},     {"dense_mlp", dense / tt},
+            {"lm_head", lm_head / tt},     {"other", other / tt}, {"largest", Largest()}};
   }
   std::string Largest() const {
     const std::pair<double, const char*> parts[] = {
@@ -105,8 +104,16 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   }
   const int64_t H = config.hidden_size, peak_m = std::max<int64_t>(o.prefill_tokens, 256);
   const DType wt = config.weight_dtype;
-  const GemmDesc peak_desc{.m = peak_m, .n = H, .k = H, .a_type = wt, .b_type = wt, .c_type = DType::kF32,
-                           .lda = H, .b_stride_k = 1, .b_stride_n = H, .ldc = H};
+  const GemmDesc peak_desc{.m = peak_m,
+                           .n = H,
+                           .k = H,
+                           .a_type = wt,
+                           .b_type = wt,
+                           .c_type = DType::kF32,
+                           .lda = H,
+                           .b_stride_k = 1,
+                           .b_stride_n = H,
+                           .ldc = H};
   MLARUN_ASSIGN_OR_RETURN(auto peak_gemm, CpuGemm::Get(peak_desc));
   // The peak is the faster of the product the runtime picks and oneDNN's
   // (where it can build one), so a kernel of ours is measured against a
@@ -130,9 +137,10 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   std::string peak_impl = peak_gemm->impl_name();
   if (!on_device) {
     auto gflops_of = [&](const CpuGemm& g) -> StatusOr<double> {
-      MLARUN_ASSIGN_OR_RETURN(const double ms, TimeMs("gemm_peak", [&] {
-        return g.Run(pa.data(), pb.data(), pc.data(), pscratch.data());
-      }, Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
+      MLARUN_ASSIGN_OR_RETURN(const double ms,
+                              TimeMs(
+                                  "gemm_peak", [&] { return g.Run(pa.data(), pb.data(), pc.data(), pscratch.data()); },
+                                  Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
       return 2.0 * static_cast<double>(peak_m * H * H) / (ms * 1e-3) * 1e-9;
     };
     MLARUN_ASSIGN_OR_RETURN(chosen_gflops, gflops_of(*peak_gemm));
@@ -160,28 +168,36 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   if (on_device)
     doc["read_bandwidth"] = {{"device_copy_gb_per_s", device_gbps}};
   else
-    doc["read_bandwidth"] = {{"plain_gb_per_s", bw.plain_gb_per_s}, {"product_gb_per_s", bw.product_gb_per_s},
-                             {"bytes", probe->bytes()}, {"threads", probe->threads()}};
-  doc["gemm_peak"] = {{"m", peak_m}, {"n", H}, {"k", H}, {"dtype", std::string(DTypeName(wt))},
-                      {"impl", peak_impl}, {"gflop_per_s", peak_gflops},
-                      {"chosen_impl", peak_gemm->impl_name()}, {"chosen_gflop_per_s", chosen_gflops}};
+    doc["read_bandwidth"] = {{"plain_gb_per_s", bw.plain_gb_per_s},
+                             {"product_gb_per_s", bw.product_gb_per_s},
+                             {"bytes", probe->bytes()},
+                             {"threads", probe->threads()}};
+  doc["gemm_peak"] = {{"m", peak_m},
+                      {"n", H},
+                      {"k", H},
+                      {"dtype", std::string(DTypeName(wt))},
+                      {"impl", peak_impl},
+                      {"gflop_per_s", peak_gflops},
+                      {"chosen_impl", peak_gemm->impl_name()},
+                      {"chosen_gflop_per_s", chosen_gflops}};
   if (peak_onednn) {
     doc["gemm_peak"]["onednn_impl"] = peak_onednn->impl_name();
     doc["gemm_peak"]["onednn_gflop_per_s"] = onednn_gflops;
   }
   doc["decode"] = Json::array();
-  table << "mlarun bench decode: " << o.deployment.model << ", " << config.num_hidden_layers << " layers (" << moe_layers
-        << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok << "), weights "
-        << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
+  table << "mlarun bench decode: " << o.deployment.model << ", " << config.num_hidden_layers << " layers ("
+        << moe_layers << " MoE, " << config.n_routed_experts << " routed experts, top-" << config.num_experts_per_tok
+        << "), weights " << DTypeName(config.weight_dtype) << " " << (predicted.total() >> 20) << " MiB, cache "
         << DTypeName(config.kv_dtype) << ", " << omp_get_max_threads() << " threads, " << Today() << "\n"
         << "  cpu: " << CpuSummary() << "\n";
   if (on_device)
     table << "  device: " << o.deployment.device << ", copy bandwidth " << Fmt(device_gbps, 1)
           << " GB/s (read + write of a 1 GiB device-to-device copy, median of 5)\n";
   else
-    table << "  memory read bandwidth: " << Fmt(bw.plain_gb_per_s, 1) << " GB/s plain read, " << Fmt(bw.product_gb_per_s, 1)
-          << " GB/s streaming bf16 weights through a one-row product (" << (probe->bytes() >> 20) << " MiB, "
-          << probe->threads() << " threads, best of 3 each; a pass of each is measured again before every timed step)\n"
+    table << "  memory read bandwidth: " << Fmt(bw.plain_gb_per_s, 1) << " GB/s plain read, "
+          << Fmt(bw.product_gb_per_s, 1) << " GB/s streaming bf16 weights through a one-row product ("
+          << (probe->bytes() >> 20) << " MiB, " << probe->threads()
+          << " threads, best of 3 each; a pass of each is measured again before every timed step)\n"
           << "  matrix product peak: " << Fmt(peak_gflops, 1) << " GFLOP/s (" << DTypeName(wt) << " " << peak_m << " x "
           << H << " x " << H << ", " << peak_impl
           << (peak_onednn ? "; " + peak_gemm->impl_name() + " " + Fmt(chosen_gflops, 1) + ", " +
@@ -191,24 +207,33 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   if (!on_device) {
     // bf16 weights against the fp8 the DeepSeek-V3 release ships (docs/fp8-weights.md): the same values, at
     // decode's row counts, on a [n, 7168] weight (V3's hidden size) of 512 MiB in bf16.
-    MLARUN_ASSIGN_OR_RETURN(const WeightStreaming ws, MeasureWeightStreaming(7168, int64_t{512} << 20, {1, 2, 4, 8, 16, 32},
-                                                                             Timing{.repetitions = 5, .min_time_s = 0.2}));
+    MLARUN_ASSIGN_OR_RETURN(const WeightStreaming ws,
+                            MeasureWeightStreaming(7168, int64_t{512} << 20, {1, 2, 4, 8, 16, 32},
+                                                   Timing{.repetitions = 5, .min_time_s = 0.2}));
     Json rows = Json::array();
     table << "  weight streaming, one [" << ws.n << ", " << ws.k << "] weight (bf16 " << (ws.bf16_bytes >> 20)
-          << " MiB, fp8 " << (ws.fp8_bytes >> 20) << " MiB with its scales), median of 5 (weight GB/s, time fp8 / bf16):\n";
+          << " MiB, fp8 " << (ws.fp8_bytes >> 20)
+          << " MiB with its scales), median of 5 (weight GB/s, time fp8 / bf16):\n";
     for (const WeightStreamRow& r : ws.rows) {
       table << "    rows " << r.rows << ": bf16 " << Fmt(r.bf16_gb_per_s, 1) << " GB/s (" << r.bf16_impl << "), fp8 "
-            << Fmt(r.fp8_gb_per_s, 1) << " GB/s (" << r.fp8_impl << "), time ratio " << Fmt(r.fp8_ms / r.bf16_ms, 2) << "\n";
-      rows.push_back({{"rows", r.rows}, {"bf16_ms", r.bf16_ms}, {"fp8_ms", r.fp8_ms}, {"bf16_gb_per_s", r.bf16_gb_per_s},
-                      {"fp8_gb_per_s", r.fp8_gb_per_s}, {"bf16_impl", r.bf16_impl}, {"fp8_impl", r.fp8_impl}});
+            << Fmt(r.fp8_gb_per_s, 1) << " GB/s (" << r.fp8_impl << "), time ratio " << Fmt(r.fp8_ms / r.bf16_ms, 2)
+            << "\n";
+      rows.push_back({{"rows", r.rows},
+                      {"bf16_ms", r.bf16_ms},
+                      {"fp8_ms", r.fp8_ms},
+                      {"bf16_gb_per_s", r.bf16_gb_per_s},
+                      {"fp8_gb_per_s", r.fp8_gb_per_s},
+                      {"bf16_impl", r.bf16_impl},
+                      {"fp8_impl", r.fp8_impl}});
     }
-    doc["weight_streaming"] = {{"n", ws.n}, {"k", ws.k}, {"bf16_bytes", ws.bf16_bytes}, {"fp8_bytes", ws.fp8_bytes},
-                               {"rows", rows}};
+    doc["weight_streaming"] = {
+        {"n", ws.n}, {"k", ws.k}, {"bf16_bytes", ws.bf16_bytes}, {"fp8_bytes", ws.fp8_bytes}, {"rows", rows}};
   }
-  table << "  decode (one token per sequence per step; each timed step follows a bandwidth pass: GB/s is their median,\n"
-        << "  of bound the median over steps of (bytes the step read / its time) / the pass's bandwidth):\n"
-        << "    batch context |   tok/s  step ms  warm-up | MB/step  GB/s  bound tok/s  of bound | attn   moe  dense  "
-           "lm_head  other\n";
+  table
+      << "  decode (one token per sequence per step; each timed step follows a bandwidth pass: GB/s is their median,\n"
+      << "  of bound the median over steps of (bytes the step read / its time) / the pass's bandwidth):\n"
+      << "    batch context |   tok/s  step ms  warm-up | MB/step  GB/s  bound tok/s  of bound | attn   moe  dense  "
+         "lm_head  other\n";
 
   const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
   const WarmUpPolicy warm;
@@ -235,14 +260,16 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
       auto decode_step = [&]() -> Status {
         std::vector<ForwardSeq> seqs;
         for (int64_t s = 0; s < batch; ++s) {
-          MLARUN_ASSIGN_OR_RETURN(ForwardSeq fs, cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
-                                                               ForwardSeq::Logits::kLast));
+          MLARUN_ASSIGN_OR_RETURN(
+              ForwardSeq fs,
+              cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1), ForwardSeq::Logits::kLast));
           seqs.push_back(fs);
         }
         MLARUN_ASSIGN_OR_RETURN(std::span<const float> logits, model->ForwardInto(seqs, *cache.pool));
         if (on_device) {
           host_logits.resize(logits.size());
-          MLARUN_RETURN_IF_ERROR(model->memory().CopyOut(host_logits.data(), logits.data(), logits.size() * sizeof(float)));
+          MLARUN_RETURN_IF_ERROR(
+              model->memory().CopyOut(host_logits.data(), logits.data(), logits.size() * sizeof(float)));
           logits = host_logits;
         }
         for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
@@ -278,20 +305,25 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
       const double bound_tps = static_cast<double>(batch) / (bytes / (row_gbs * 1e9));
       const double of_bound = Median(fraction);
       const Json js = shares.ToJson();
-      doc["decode"].push_back({{"batch", batch}, {"context", context}, {"tokens_per_s", tps}, {"step_ms", step_ms},
-                               {"warm_up_steps_discarded", discarded}, {"timed_steps", cost.steps},
+      doc["decode"].push_back({{"batch", batch},
+                               {"context", context},
+                               {"tokens_per_s", tps},
+                               {"step_ms", step_ms},
+                               {"warm_up_steps_discarded", discarded},
+                               {"timed_steps", cost.steps},
                                {"weight_bytes_per_step", cost.weight_bytes / static_cast<double>(cost.steps)},
                                {"cache_bytes_per_step", cost.cache_bytes / static_cast<double>(cost.steps)},
                                {"read_bandwidth_gb_per_s", row_gbs},
-                               {"bandwidth_bound_tokens_per_s", bound_tps}, {"fraction_of_bound", of_bound},
+                               {"bandwidth_bound_tokens_per_s", bound_tps},
+                               {"fraction_of_bound", of_bound},
                                {"share", js}});
       table << "    " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(7) << Fmt(tps, 2)
             << " " << std::setw(8) << Fmt(step_ms, 1) << " " << std::setw(8) << discarded << " | " << std::setw(7)
             << Fmt(bytes * 1e-6, 0) << " " << std::setw(5) << Fmt(row_gbs, 1) << " " << std::setw(12)
-            << Fmt(bound_tps, 2) << " " << std::setw(9)
-            << Pct(of_bound) << " | " << std::setw(4) << Pct(js["attention"]) << " " << std::setw(5)
-            << Pct(js["moe"]) << " " << std::setw(6) << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"])
-            << " " << std::setw(6) << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
+            << Fmt(bound_tps, 2) << " " << std::setw(9) << Pct(of_bound) << " | " << std::setw(4)
+            << Pct(js["attention"]) << " " << std::setw(5) << Pct(js["moe"]) << " " << std::setw(6)
+            << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"]) << " " << std::setw(6)
+            << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
     }
   }
 
@@ -300,7 +332,8 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   {
     const HugePageUse hp = ProcessHugePageUse();
     const int64_t in_place = model->weight_bytes_in_place();
-    doc["huge_pages"] = {{"weights_in_place_bytes", in_place}, {"file_pmd_mapped_bytes", hp.file_bytes},
+    doc["huge_pages"] = {{"weights_in_place_bytes", in_place},
+                         {"file_pmd_mapped_bytes", hp.file_bytes},
                          {"anon_huge_bytes", hp.anon_bytes}};
     table << "  pages: " << (in_place >> 20) << " MiB of weights read in place from the mapped checkpoint; "
           << (hp.file_bytes >> 20) << " MiB of file mappings and " << (hp.anon_bytes >> 20)
@@ -331,16 +364,21 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   const double prefill_tps = static_cast<double>(P) / (prefill_ms * 1e-3);
   const double gflops = pcost.flops_per_step() / (prefill_ms * 1e-3) * 1e-9;
   const Json ps = pshares.ToJson();
-  doc["prefill"] = {{"tokens", P}, {"tokens_per_s", prefill_tps}, {"step_ms", prefill_ms},
-                    {"warm_up_steps_discarded", pdiscarded}, {"flops_per_step", pcost.flops_per_step()},
-                    {"gflop_per_s", gflops}, {"fraction_of_gemm_peak", on_device ? Json() : Json(gflops / peak_gflops)},
+  doc["prefill"] = {{"tokens", P},
+                    {"tokens_per_s", prefill_tps},
+                    {"step_ms", prefill_ms},
+                    {"warm_up_steps_discarded", pdiscarded},
+                    {"flops_per_step", pcost.flops_per_step()},
+                    {"gflop_per_s", gflops},
+                    {"fraction_of_gemm_peak", on_device ? Json() : Json(gflops / peak_gflops)},
                     {"share", ps}};
   table << "  prefill (a " << P << "-token prompt, no cached prefix, one step):\n"
         << "    tok/s " << Fmt(prefill_tps, 1) << ", step " << Fmt(prefill_ms, 1) << " ms (" << pdiscarded
-        << " warm-up steps discarded), " << Fmt(pcost.flops_per_step() * 1e-9, 1) << " GFLOP/step at "
-        << Fmt(gflops, 1) << " GFLOP/s" << (on_device ? std::string() : " = " + Pct(gflops / peak_gflops) + " of the product peak") << "; attn "
-        << Pct(ps["attention"]) << ", moe " << Pct(ps["moe"]) << ", dense " << Pct(ps["dense_mlp"]) << ", lm_head "
-        << Pct(ps["lm_head"]) << ", other " << Pct(ps["other"]) << "; largest: " << pshares.Largest() << "\n";
+        << " warm-up steps discarded), " << Fmt(pcost.flops_per_step() * 1e-9, 1) << " GFLOP/step at " << Fmt(gflops, 1)
+        << " GFLOP/s" << (on_device ? std::string() : " = " + Pct(gflops / peak_gflops) + " of the product peak")
+        << "; attn " << Pct(ps["attention"]) << ", moe " << Pct(ps["moe"]) << ", dense " << Pct(ps["dense_mlp"])
+        << ", lm_head " << Pct(ps["lm_head"]) << ", other " << Pct(ps["other"]) << "; largest: " << pshares.Largest()
+        << "\n";
   if (o.json) std::cout << doc.dump(2) << std::endl;
   return Status::Ok();
 }
@@ -348,7 +386,8 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
 Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) {
   std::ostream& table = o.json ? std::cerr : std::cout;
   // Every rank returns with the same outcome (see runtime/rank/bootstrap.h).
-  MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot, BootstrapRank(o.deployment, session, std::cerr, "mlarun bench decode"));
+  MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot,
+                          BootstrapRank(o.deployment, session, std::cerr, "mlarun bench decode"));
   const ParallelLayout& layout = boot.layout;
   ProcessGroups& groups = boot.groups;
   LoadedModel* bm = &boot.loaded;
@@ -373,18 +412,19 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
   const Timing timing{.repetitions = o.repetitions, .min_time_s = 0, .warm_up = false};
   std::mt19937 rng(7 + static_cast<uint32_t>(groups.dp_rank()));
   for (int64_t batch : o.batches) {
-    if (batch % layout.dp != 0)
-      return InvalidArgumentError("--batch ", batch, " is not divisible by dp=", layout.dp);
+    if (batch % layout.dp != 0) return InvalidArgumentError("--batch ", batch, " is not divisible by dp=", layout.dp);
     const int64_t b = batch / layout.dp;  // this DP group's sequences
     for (int64_t context : o.contexts) {
       LatentCacheConfig cc = model.CacheConfig(0, 64);
       cc.enable_prefix_caching = false;
-      const int64_t bytes_per_token = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
+      const int64_t bytes_per_token =
+          cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * static_cast<int64_t>(DTypeSize(cc.dtype));
       cc.budget_bytes = b * ((context + o.repetitions + 2 + 63) / 64 + 1) * 64 * bytes_per_token;
       MLARUN_ASSIGN_OR_RETURN(LocalLatentCache cache, LocalLatentCache::Create(cc, model.memory()));
       for (int64_t s = 0; s < b; ++s) MLARUN_RETURN_IF_ERROR(FillContext(cache, s, context, rng));
       std::vector<int32_t> tok(static_cast<size_t>(b), 3);
-      const ParallelStep step{.attn_tp = groups.attn_tp.get(), .dp_peers = groups.dp_peers.get(),
+      const ParallelStep step{.attn_tp = groups.attn_tp.get(),
+                              .dp_peers = groups.dp_peers.get(),
                               .device_attn_tp = groups.device_attn_tp.get(),
                               .device_dp_peers = groups.device_dp_peers.get(),
                               .dp_tokens = std::vector<int64_t>(static_cast<size_t>(layout.dp), b),
@@ -392,8 +432,9 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       auto decode_step = [&]() -> Status {
         std::vector<ForwardSeq> seqs;
         for (int64_t s = 0; s < b; ++s) {
-          MLARUN_ASSIGN_OR_RETURN(ForwardSeq fs, cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1),
-                                                               ForwardSeq::Logits::kLast));
+          MLARUN_ASSIGN_OR_RETURN(
+              ForwardSeq fs,
+              cache.Append(s, std::span<const int32_t>(&tok[static_cast<size_t>(s)], 1), ForwardSeq::Logits::kLast));
           seqs.push_back(fs);
         }
         return model.ForwardInto(seqs, *cache.pool, &step).status();
@@ -413,8 +454,8 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       // (On a GPU the layers' collectives are the device communicators'.)
       auto per_step = [&](auto member) {
         int64_t bytes = 0;
-        for (auto* c : {groups.attn_tp.get(), groups.dp_peers.get(), groups.device_attn_tp.get(),
-                        groups.device_dp_peers.get()})
+        for (auto* c :
+             {groups.attn_tp.get(), groups.dp_peers.get(), groups.device_attn_tp.get(), groups.device_dp_peers.get()})
           if (c != nullptr) bytes += (c->stats().*member).bytes;
         return static_cast<double>(bytes) / steps;
       };
@@ -431,17 +472,21 @@ Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) 
       // Every rank checks its own; the job agrees on the verdict.
       float mismatches = agree ? 0.f : 1.f;
       MLARUN_RETURN_IF_ERROR(groups.world->AllReduceSum(&mismatches, 1, CommType::kF32));
-      doc["rows"].push_back({{"batch", batch}, {"context", context}, {"decode_tokens_per_s", batch / (step_ms * 1e-3)},
+      doc["rows"].push_back({{"batch", batch},
+                             {"context", context},
+                             {"decode_tokens_per_s", batch / (step_ms * 1e-3)},
                              {"decode_step_ms", step_ms},
                              {"bytes_per_step", {{"all_reduce", ar}, {"all_gather", ag}, {"reduce_scatter", rs}}},
-                             {"predicted_bytes_per_step", {{"all_reduce", ar_pred}, {"all_gather", ag_pred}, {"reduce_scatter", rs_pred}}},
+                             {"predicted_bytes_per_step",
+                              {{"all_reduce", ar_pred}, {"all_gather", ag_pred}, {"reduce_scatter", rs_pred}}},
                              {"ranks_disagreeing_with_prediction", static_cast<int>(mismatches)}});
       if (root)
         table << "  " << std::setw(5) << batch << " " << std::setw(7) << context << " | " << std::setw(12) << std::fixed
-              << std::setprecision(2) << batch / (step_ms * 1e-3) << " " << std::setw(8) << std::setprecision(1) << step_ms
-              << " | " << std::setprecision(0) << ar << " (" << ar_pred << ")  " << ag << " (" << ag_pred << ")  " << rs
-              << " (" << rs_pred << ")" << (mismatches > 0 ? "  MISMATCH on some rank" : "") << "\n";
-      if (mismatches > 0) return InternalError("communication bytes differ from the layout's prediction on ", mismatches, " ranks");
+              << std::setprecision(2) << batch / (step_ms * 1e-3) << " " << std::setw(8) << std::setprecision(1)
+              << step_ms << " | " << std::setprecision(0) << ar << " (" << ar_pred << ")  " << ag << " (" << ag_pred
+              << ")  " << rs << " (" << rs_pred << ")" << (mismatches > 0 ? "  MISMATCH on some rank" : "") << "\n";
+      if (mismatches > 0)
+        return InternalError("communication bytes differ from the layout's prediction on ", mismatches, " ranks");
     }
   }
   if (o.json && root) std::cout << doc.dump(2) << std::endl;

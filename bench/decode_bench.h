@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/rank/bootstrap.h"
 #include "base/status.h"
+#include "runtime/rank/bootstrap.h"
 
 namespace mlarun {
 

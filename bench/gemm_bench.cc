@@ -12,11 +12,11 @@
 #include <ostream>
 #include <sstream>
 
-#include "bench/timing.h"
-#include "gemm/cpu_gemm.h"
 #include "base/cpu_isa.h"
 #include "base/dtype.h"
 #include "base/large_buffer.h"
+#include "bench/timing.h"
+#include "gemm/cpu_gemm.h"
 
 namespace mlarun {
 namespace {
@@ -50,7 +50,8 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
   for (int64_t m : o.rows)
     if (m < 1 || m > 65536) return InvalidArgumentError("--rows: ", m, " is outside [1, 65536]");
   if (o.k < 1) return InvalidArgumentError("--k must be at least 1, got ", o.k);
-  if (o.n < 0) return InvalidArgumentError("--n must be 0 (a weight of 4 x the last-level cache) or positive, got ", o.n);
+  if (o.n < 0)
+    return InvalidArgumentError("--n must be 0 (a weight of 4 x the last-level cache) or positive, got ", o.n);
   if (o.dtype != "bf16" && o.dtype != "f32") return InvalidArgumentError("--dtype: '", o.dtype, "' is not bf16 or f32");
   if (o.layout != "weight" && o.layout != "rows")
     return InvalidArgumentError("--layout: '", o.layout, "' is not weight (B [n, k]) or rows (B [k, n])");
@@ -76,13 +77,16 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
   using Buffer = std::unique_ptr<void, void (*)(void*)>;
   const Buffer b(AllocateLarge(static_cast<size_t>(b_bytes), false), std::free);
   const Buffer a(AllocateLarge(static_cast<size_t>(max_m * k * es), false), std::free);
-  if (b == nullptr || a == nullptr) return ResourceExhaustedError("bench gemm: cannot allocate B of ", b_bytes, " bytes");
+  if (b == nullptr || a == nullptr)
+    return ResourceExhaustedError("bench gemm: cannot allocate B of ", b_bytes, " bytes");
   auto fill = [&](void* p, int64_t count, uint64_t salt) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; ++i) {
       const float v = Pseudo(static_cast<uint64_t>(i), salt);
-      if (t == DType::kBF16) static_cast<bf16_t*>(p)[i] = FloatToBf16(v);
-      else static_cast<float*>(p)[i] = v;
+      if (t == DType::kBF16)
+        static_cast<bf16_t*>(p)[i] = FloatToBf16(v);
+      else
+        static_cast<float*>(p)[i] = v;
     }
   };
   fill(b.get(), b_elems, 1);
@@ -109,8 +113,16 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
   for (const std::string& s : o.impls) table << std::setw(18) << s << " |";
   table << " auto takes             | fastest\n";
   for (int64_t m : o.rows) {
-    const GemmDesc d{.m = m, .n = n, .k = k, .a_type = t, .b_type = t, .c_type = DType::kF32, .lda = k,
-                     .b_stride_k = weight ? 1 : n, .b_stride_n = weight ? k : 1, .ldc = n};
+    const GemmDesc d{.m = m,
+                     .n = n,
+                     .k = k,
+                     .a_type = t,
+                     .b_type = t,
+                     .c_type = DType::kF32,
+                     .lda = k,
+                     .b_stride_k = weight ? 1 : n,
+                     .b_stride_n = weight ? k : 1,
+                     .ldc = n};
     MLARUN_ASSIGN_OR_RETURN(const std::shared_ptr<const CpuGemm> chosen, CpuGemm::Get(d));
     std::vector<Result> results;
     for (size_t x = 0; x < impls.size(); ++x) {
@@ -163,8 +175,11 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
       table << std::setw(18) << cell << " |";
       nlohmann::json j = {{"impl", r.impl}};
       if (r.unavailable.empty())
-        j.update({{"impl_name", r.impl_name}, {"ms", r.ms}, {"gflop_per_s", r.gflop_per_s},
-                  {"b_gb_per_s", r.b_gb_per_s}, {"error_over_tolerance", r.max_error}});
+        j.update({{"impl_name", r.impl_name},
+                  {"ms", r.ms},
+                  {"gflop_per_s", r.gflop_per_s},
+                  {"b_gb_per_s", r.b_gb_per_s},
+                  {"error_over_tolerance", r.max_error}});
       else
         j["unavailable"] = r.unavailable;
       row["results"].push_back(j);
@@ -178,8 +193,13 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
   if (o.json) {
     doc["cpu"] = CpuJson();
     doc["date"] = Today();
-    doc.update({{"n", n}, {"k", k}, {"dtype", o.dtype}, {"layout", o.layout}, {"b_bytes", b_bytes},
-                {"threads", threads}, {"repetitions", o.repetitions}});
+    doc.update({{"n", n},
+                {"k", k},
+                {"dtype", o.dtype},
+                {"layout", o.layout},
+                {"b_bytes", b_bytes},
+                {"threads", threads},
+                {"repetitions", o.repetitions}});
     out << doc.dump(2) << "\n";
   }
   return Status::Ok();

@@ -23,13 +23,13 @@ namespace mlarun {
 
 struct GemmBenchOptions {
   std::vector<int64_t> rows = {1, 2, 4, 8, 12, 16, 20, 24, 32, 64};
-  int64_t n = 0;                  // B's columns (a weight's rows); 0: a weight of 4 x the LLC, 1-2 GiB
+  int64_t n = 0;  // B's columns (a weight's rows); 0: a weight of 4 x the LLC, 1-2 GiB
   int64_t k = 2048;
   std::string dtype = "bf16";     // A and B: bf16 or f32 (C is f32)
   std::string layout = "weight";  // weight: B as a weight [n, k] is stored (k contiguous); rows: B [k, n]
   std::vector<std::string> impls = {"small", "packed", "tiles", "onednn"};
   int repetitions = 5;
-  bool json = false;              // one JSON document on `out` (the table then goes to `err`)
+  bool json = false;  // one JSON document on `out` (the table then goes to `err`)
 };
 
 // Refuses bad options with InvalidArgument naming the option: no rows, a row

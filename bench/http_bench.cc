@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "bench/workload.h"
+#include "mlarun.grpc.pb.h"
 #include "serving/coordinator/coordinator.h"
 #include "serving/sim/sim_worker.h"
 #include "text/tokenizer.h"
-#include "mlarun.grpc.pb.h"
 
 namespace mlarun {
 namespace {
@@ -50,8 +50,7 @@ StatusOr<std::unique_ptr<text::Tokenizer>> BytesTokenizer() {
   std::vector<int> cps(256);
   int next = 256;
   for (int b = 0; b < 256; ++b) {
-    const bool printable =
-        (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+    const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
     cps[b] = printable ? b : next++;
   }
   auto utf8 = [](int cp) {
@@ -76,31 +75,27 @@ StatusOr<std::unique_ptr<text::Tokenizer>> BytesTokenizer() {
                      {"rstrip", false},
                      {"normalized", false},
                      {"special", true}});
-  const json tok = {{"version", "1.0"},
-                    {"added_tokens", added},
-                    {"normalizer", nullptr},
-                    {"pre_tokenizer",
-                     {{"type", "Sequence"},
-                      {"pretokenizers", json::array({{{"type", "ByteLevel"},
-                                                      {"add_prefix_space", false},
-                                                      {"trim_offsets", true},
-                                                      {"use_regex", false}}})}}},
-                    {"post_processor", nullptr},
-                    {"decoder",
-                     {{"type", "ByteLevel"},
-                      {"add_prefix_space", true},
-                      {"trim_offsets", true},
-                      {"use_regex", true}}},
-                    {"model",
-                     {{"type", "BPE"},
-                      {"dropout", nullptr},
-                      {"unk_token", nullptr},
-                      {"continuing_subword_prefix", nullptr},
-                      {"end_of_word_suffix", nullptr},
-                      {"fuse_unk", false},
-                      {"byte_fallback", false},
-                      {"vocab", vocab},
-                      {"merges", json::array()}}}};
+  const json tok = {
+      {"version", "1.0"},
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer",
+       {{"type", "Sequence"},
+        {"pretokenizers",
+         json::array(
+             {{{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}}})}}},
+      {"post_processor", nullptr},
+      {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+      {"model",
+       {{"type", "BPE"},
+        {"dropout", nullptr},
+        {"unk_token", nullptr},
+        {"continuing_subword_prefix", nullptr},
+        {"end_of_word_suffix", nullptr},
+        {"fuse_unk", false},
+        {"byte_fallback", false},
+        {"vocab", vocab},
+        {"merges", json::array()}}}};
   const json config = {{"bos_token", bos}, {"eos_token", eos}, {"add_bos_token", false}};
   return text::Tokenizer::FromJson(tok.dump(), config.dump());
 }
@@ -165,11 +160,8 @@ Outcome CallGrpc(v1::Mlarun::Stub& stub, const Request& r, int64_t vocab) {
 }
 
 json Body(const Request& r, bool stream) {
-  json b = {{"prompt", r.prompt},
-            {"max_tokens", r.max_tokens},
-            {"seed", r.seed},
-            {"temperature", 1.0},
-            {"ignore_eos", true}};
+  json b = {
+      {"prompt", r.prompt}, {"max_tokens", r.max_tokens}, {"seed", r.seed}, {"temperature", 1.0}, {"ignore_eos", true}};
   if (stream) {
     b["stream"] = true;
     b["stream_options"] = {{"include_usage", true}};
@@ -178,8 +170,7 @@ json Body(const Request& r, bool stream) {
 }
 
 // One request over HTTP, whole or streamed, on `client` (kept alive).
-Outcome CallHttp(httplib::Client& client, const Request& r, bool stream, const text::Tokenizer& tok,
-                 int64_t vocab) {
+Outcome CallHttp(httplib::Client& client, const Request& r, bool stream, const text::Tokenizer& tok, int64_t vocab) {
   Outcome o;
   const std::string want = tok.Decode(SimTokens(r, vocab), true);
   const Clock::time_point t0 = Clock::now();
@@ -191,8 +182,7 @@ Outcome CallHttp(httplib::Client& client, const Request& r, bool stream, const t
       return o;
     }
     const json j = json::parse(res->body, nullptr, false);
-    if (j.is_discarded() || j["choices"][0]["text"] != want ||
-        j["usage"]["completion_tokens"] != r.max_tokens)
+    if (j.is_discarded() || j["choices"][0]["text"] != want || j["usage"]["completion_tokens"] != r.max_tokens)
       o.error = "the text or usage is not the simulated group's";
     o.ok = o.error.empty();
     return o;
@@ -218,8 +208,7 @@ Outcome CallHttp(httplib::Client& client, const Request& r, bool stream, const t
       }
       const json j = json::parse(event.substr(6), nullptr, false);
       if (j.is_discarded()) continue;
-      if (j.contains("usage") && j["usage"].is_object())
-        completion_tokens = j["usage"]["completion_tokens"];
+      if (j.contains("usage") && j["usage"].is_object()) completion_tokens = j["usage"]["completion_tokens"];
       if (j["choices"].empty()) continue;
       const std::string piece = j["choices"][0].value("text", "");
       if (piece.empty()) continue;
@@ -247,8 +236,8 @@ Outcome CallHttp(httplib::Client& client, const Request& r, bool stream, const t
 // A coordinator with the HTTP API on 127.0.0.1 and simulated groups.
 class Target {
  public:
-  static StatusOr<std::unique_ptr<Target>> Start(std::shared_ptr<const text::Tokenizer> tok,
-                                                 int64_t vocab, int groups, double tokens_per_s) {
+  static StatusOr<std::unique_ptr<Target>> Start(std::shared_ptr<const text::Tokenizer> tok, int64_t vocab, int groups,
+                                                 double tokens_per_s) {
     std::unique_ptr<Target> t(new Target());
     CoordinatorOptions co;
     co.listen = "127.0.0.1:0";
@@ -307,9 +296,7 @@ std::unique_ptr<httplib::Client> NewClient(int port) {
   return c;
 }
 
-json Summary(const std::vector<double>& v) {
-  return {{"p50", Percentile(v, 50)}, {"p99", Percentile(v, 99)}};
-}
+json Summary(const std::vector<double>& v) { return {{"p50", Percentile(v, 50)}, {"p99", Percentile(v, 99)}}; }
 
 }  // namespace
 
@@ -325,8 +312,7 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
   // ---- Overhead: one client, one group as fast as it can, max_tokens 1.
   {
     MLARUN_ASSIGN_OR_RETURN(auto target, Target::Start(tok, vocab, 1, 0));
-    auto stub = v1::Mlarun::NewStub(
-        grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
+    auto stub = v1::Mlarun::NewStub(grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
     auto http = NewClient(target->port());
     constexpr int kWarmUp = 32, kRounds = 4;
     const std::vector<Request> requests = Requests(o.overhead_requests + kWarmUp, 1, vocab, 3);
@@ -338,8 +324,8 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
       const size_t end = std::min(requests.size(), start + per_round);
       for (int path = 0; path < 3; ++path) {
         for (size_t i = start; i < end; ++i) {
-          const Outcome oc = path == 0 ? CallGrpc(*stub, requests[i], vocab)
-                                       : CallHttp(*http, requests[i], path == 2, *tok, vocab);
+          const Outcome oc =
+              path == 0 ? CallGrpc(*stub, requests[i], vocab) : CallHttp(*http, requests[i], path == 2, *tok, vocab);
           if (!oc.ok) {
             if (first_error.empty()) first_error = oc.error;
             ++failed;
@@ -354,20 +340,17 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
     target->Stop();
     *verified = *verified && failed == 0;
     const double g50 = Percentile(grpc_ms, 50);
-    t << "\nHTTP overhead (one client, one simulated group as fast as it can, max_tokens 1, "
-      << o.overhead_requests << " requests per path after " << kWarmUp
-      << " warm-up, alternating in rounds; HTTP keep-alive)\n"
+    t << "\nHTTP overhead (one client, one simulated group as fast as it can, max_tokens 1, " << o.overhead_requests
+      << " requests per path after " << kWarmUp << " warm-up, alternating in rounds; HTTP keep-alive)\n"
       << "  path                 p50 ms   p99 ms   p50 - gRPC p50\n";
     auto row = [&](const char* name, const std::vector<double>& v) {
-      t << "  " << std::left << std::setw(19) << name << std::right << std::setw(8)
-        << Fmt(Percentile(v, 50), 3) << std::setw(9) << Fmt(Percentile(v, 99), 3) << std::setw(12)
-        << Fmt(Percentile(v, 50) - g50, 3) << "\n";
+      t << "  " << std::left << std::setw(19) << name << std::right << std::setw(8) << Fmt(Percentile(v, 50), 3)
+        << std::setw(9) << Fmt(Percentile(v, 99), 3) << std::setw(12) << Fmt(Percentile(v, 50) - g50, 3) << "\n";
     };
     row("gRPC Generate", grpc_ms);
     row("HTTP whole", whole_ms);
     row("HTTP streamed", stream_ms);
-    if (failed > 0)
-      t << "  NOT VERIFIED: " << failed << " requests failed; first: " << first_error << "\n";
+    if (failed > 0) t << "  NOT VERIFIED: " << failed << " requests failed; first: " << first_error << "\n";
     doc["overhead"] = {{"requests", o.overhead_requests},
                        {"grpc_ms", Summary(grpc_ms)},
                        {"http_whole_ms", Summary(whole_ms)},
@@ -381,10 +364,9 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
   {
     MLARUN_ASSIGN_OR_RETURN(auto target, Target::Start(tok, vocab, o.groups, o.tokens_per_s));
     const std::vector<Request> requests = Requests(o.requests, o.max_tokens, vocab, 11);
-    t << "\nHTTP vs gRPC under load (" << o.clients << " streaming clients, " << o.requests
-      << " requests of " << o.max_tokens << " tokens, prompts 16-256 tokens, " << o.groups
-      << " simulated groups at " << Fmt(o.tokens_per_s, 0)
-      << " tokens/s each; HTTP gaps are between text chunks)\n"
+    t << "\nHTTP vs gRPC under load (" << o.clients << " streaming clients, " << o.requests << " requests of "
+      << o.max_tokens << " tokens, prompts 16-256 tokens, " << o.groups << " simulated groups at "
+      << Fmt(o.tokens_per_s, 0) << " tokens/s each; HTTP gaps are between text chunks)\n"
       << "  api      req/s   ttft p50 ms  ttft p99 ms  itl p50 ms  itl p99 ms  verified\n";
     doc["load"] = json::array();
     for (int api = 0; api < 2; ++api) {
@@ -397,13 +379,12 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
       std::vector<std::thread> clients;
       for (int c = 0; c < o.clients; ++c) {
         clients.emplace_back([&] {
-          auto stub = v1::Mlarun::NewStub(
-              grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
+          auto stub =
+              v1::Mlarun::NewStub(grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
           auto http = NewClient(target->port());
           for (int64_t i; (i = next++) < static_cast<int64_t>(requests.size());) {
             const Request& r = requests[static_cast<size_t>(i)];
-            const Outcome oc =
-                api == 0 ? CallGrpc(*stub, r, vocab) : CallHttp(*http, r, true, *tok, vocab);
+            const Outcome oc = api == 0 ? CallGrpc(*stub, r, vocab) : CallHttp(*http, r, true, *tok, vocab);
             std::lock_guard lock(mu);
             if (!oc.ok) {
               if (first_error.empty()) first_error = oc.error;
@@ -420,10 +401,9 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
       const double rps = static_cast<double>(requests.size()) / secs;
       *verified = *verified && failed == 0;
       const char* name = api == 0 ? "gRPC" : "HTTP";
-      t << "  " << std::left << std::setw(6) << name << std::right << std::setw(8) << Fmt(rps, 0)
-        << std::setw(14) << Fmt(Percentile(ttft, 50), 2) << std::setw(13)
-        << Fmt(Percentile(ttft, 99), 2) << std::setw(12) << Fmt(Percentile(gaps, 50), 2)
-        << std::setw(12) << Fmt(Percentile(gaps, 99), 2) << "  "
+      t << "  " << std::left << std::setw(6) << name << std::right << std::setw(8) << Fmt(rps, 0) << std::setw(14)
+        << Fmt(Percentile(ttft, 50), 2) << std::setw(13) << Fmt(Percentile(ttft, 99), 2) << std::setw(12)
+        << Fmt(Percentile(gaps, 50), 2) << std::setw(12) << Fmt(Percentile(gaps, 99), 2) << "  "
         << (failed == 0 ? "yes" : StrCat("NO (", failed, "): ", first_error)) << "\n";
       doc["load"].push_back({{"api", name},
                              {"requests_per_s", rps},

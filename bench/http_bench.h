@@ -37,7 +37,6 @@ struct HttpBenchOptions {
 
 // The tables go to `table`; the returned JSON holds the same numbers.
 // `verified` is set to whether every request passed.
-StatusOr<nlohmann::json> RunHttpBench(const HttpBenchOptions& o, std::ostream& table,
-                                      bool* verified);
+StatusOr<nlohmann::json> RunHttpBench(const HttpBenchOptions& o, std::ostream& table, bool* verified);
 
 }  // namespace mlarun

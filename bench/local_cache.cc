@@ -13,8 +13,8 @@ StatusOr<ForwardSeq> LocalLatentCache::Append(SeqId id, std::span<const int32_t>
   if (!blocks->HasSequence(id)) MLARUN_RETURN_IF_ERROR(blocks->AddSequence(id));
   const int64_t start = blocks->NumTokens(id);
   MLARUN_RETURN_IF_ERROR(blocks->Append(id, tokens));
-  return ForwardSeq{.id = id, .tokens = tokens, .start_pos = start, .block_table = blocks->BlockTable(id),
-                    .logits = logits};
+  return ForwardSeq{
+      .id = id, .tokens = tokens, .start_pos = start, .block_table = blocks->BlockTable(id), .logits = logits};
 }
 
 }  // namespace mlarun

@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "bench/timing.h"
 #include "base/cpu_isa.h"
+#include "bench/timing.h"
 
 namespace mlarun {
 

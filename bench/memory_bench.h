@@ -17,9 +17,9 @@
 namespace mlarun {
 
 struct MemoryBenchOptions {
-  int passes = 5;         // timed passes, after one untimed
-  int64_t bytes = 0;      // the buffer; 0: BandwidthProbe's default (4 x LLC, 1-2 GiB)
-  bool json = false;      // one JSON document on `out` (the table then goes to `err`)
+  int passes = 5;     // timed passes, after one untimed
+  int64_t bytes = 0;  // the buffer; 0: BandwidthProbe's default (4 x LLC, 1-2 GiB)
+  bool json = false;  // one JSON document on `out` (the table then goes to `err`)
 };
 
 // Refuses passes < 1 and a negative or sub-MiB buffer (InvalidArgument).

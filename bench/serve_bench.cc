@@ -31,15 +31,15 @@
 #include <sstream>
 #include <thread>
 
+#include "base/block_size.h"
+#include "bench/http_bench.h"
 #include "bench/timing.h"
 #include "bench/workload.h"
+#include "mlarun.grpc.pb.h"
 #include "serving/client/grpc_util.h"
 #include "serving/coordinator/coordinator.h"
-#include "bench/http_bench.h"
 #include "serving/link/link_server.h"
 #include "serving/sim/sim_worker.h"
-#include "mlarun.grpc.pb.h"
-#include "base/block_size.h"
 
 namespace mlarun {
 
@@ -48,8 +48,8 @@ namespace {
 namespace v1 = ::mlarun::v1;
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
-using serve_bench::MeanOfFinite;
 using serve_bench::BenchRequest;
+using serve_bench::MeanOfFinite;
 using serve_bench::Percentile;
 // MakeChannel gives each channel its own connection (not shared with other
 // channels of this process), so clients spread over several connections
@@ -75,8 +75,8 @@ constexpr int kClientsPerGroup = 4;
 constexpr int64_t kRequestsPerClient = 8;
 constexpr int kMaxConnections = 64;
 constexpr auto kSamplePeriod = std::chrono::milliseconds(25);
-constexpr double kCallTimeout_s = 120;     // one Generate call, queueing included
-constexpr double kStartTimeout_s = 60;     // every group registered
+constexpr double kCallTimeout_s = 120;  // one Generate call, queueing included
+constexpr double kStartTimeout_s = 60;  // every group registered
 // The prefix workload (SGLang's router benchmark shape, scaled down): 8
 // groups whose caches (24 blocks) cannot hold all 8 system prompts (32
 // blocks), so where each prompt goes decides whether it stays cached.
@@ -85,9 +85,13 @@ constexpr int64_t kPrefixCacheBlocks = 24;
 constexpr int kSystemPrompts = 8;
 constexpr int64_t kSystemPromptBlocks = 4;
 
-double MsSince(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); }
+double MsSince(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
 
-Json P50P99(const std::vector<double>& v) { return {{"p50", OrNull(Percentile(v, 50))}, {"p99", OrNull(Percentile(v, 99))}}; }
+Json P50P99(const std::vector<double>& v) {
+  return {{"p50", OrNull(Percentile(v, 50))}, {"p99", OrNull(Percentile(v, 99))}};
+}
 
 // The 1-minute load average: other work on the machine (builds, tests) shares
 // its cores with everything measured here, so the report says how busy it was.
@@ -128,7 +132,8 @@ std::map<int, double> NamedThreadsCpuSeconds(const std::string& name) {
     std::ifstream comm(e.path() / "comm"), sched(e.path() / "schedstat");
     std::string thread_name;
     double run_ns = 0;
-    if (!std::getline(comm, thread_name) || thread_name != name || !(sched >> run_ns)) continue;  // or it exited meanwhile
+    if (!std::getline(comm, thread_name) || thread_name != name || !(sched >> run_ns))
+      continue;  // or it exited meanwhile
     out[std::atoi(e.path().filename().c_str())] = run_ns * 1e-9;
   }
   return out;
@@ -188,8 +193,8 @@ std::string CheckToken(const BenchRequest& rq, const Expect& ex, int64_t index, 
   if (!ex.sim_tokens) return "";
   const SimToken want = SimWorkerToken(rq.prompt, rq.seed, index, kVocabSize);
   if (want.token == token && want.logprob == logprob) return "";
-  return internal::StrCat("token ", index, " is ", token, " (logprob ", logprob, "), the simulated group makes ", want.token,
-                          " (", want.logprob, ")");
+  return internal::StrCat("token ", index, " is ", token, " (logprob ", logprob, "), the simulated group makes ",
+                          want.token, " (", want.logprob, ")");
 }
 
 v1::SamplingParams Sampling(const BenchRequest& rq) {
@@ -202,7 +207,7 @@ v1::SamplingParams Sampling(const BenchRequest& rq) {
 
 // Common end-of-request checks; `error` is the first problem seen so far.
 void CheckEnd(const BenchRequest& rq, std::string error, bool finished, const std::string& finish_reason,
-            int64_t completion_tokens, Outcome& o) {
+              int64_t completion_tokens, Outcome& o) {
   if (error.empty() && !finished) error = "no finished message";
   if (error.empty() && o.tokens != rq.max_tokens)
     error = internal::StrCat(o.tokens, " tokens, expected max_tokens = ", rq.max_tokens);
@@ -265,8 +270,7 @@ Outcome CallGenerate(v1::Mlarun::Stub& stub, const BenchRequest& rq, const Expec
     }
   }
   const grpc::Status st = reader->Finish();
-  if (error.empty() && !st.ok())
-    error = internal::StrCat(GrpcCodeName(st.error_code()), ": ", st.error_message());
+  if (error.empty() && !st.ok()) error = internal::StrCat(GrpcCodeName(st.error_code()), ": ", st.error_message());
   CheckEnd(rq, std::move(error), finished, finish_reason, completion_tokens, o);
   return o;
 }
@@ -285,7 +289,8 @@ StatusOr<v1::GetStatsResponse> GetStats(v1::Mlarun::Stub& stub, const ClientSecu
 
 // Polls Health until at least `want` groups are connected; returns how many are.
 StatusOr<int> WaitForGroups(v1::Mlarun::Stub& stub, int want, double timeout_s) {
-  const Clock::time_point end = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const Clock::time_point end =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   std::string last = "no answer";
   while (true) {
     grpc::ClientContext ctx;
@@ -295,7 +300,8 @@ StatusOr<int> WaitForGroups(v1::Mlarun::Stub& stub, int want, double timeout_s) 
     if (st.ok() && resp.groups_connected() >= want) return resp.groups_connected();
     last = st.ok() ? internal::StrCat(resp.groups_connected(), " of ", want, " groups connected")
                    : internal::StrCat("Health: ", GrpcCodeName(st.error_code()), ": ", st.error_message());
-    if (Clock::now() > end) return UnavailableError("the coordinator was not ready within ", timeout_s, " s (", last, ")");
+    if (Clock::now() > end)
+      return UnavailableError("the coordinator was not ready within ", timeout_s, " s (", last, ")");
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
 }
@@ -334,8 +340,8 @@ class InProcessTarget {
     const auto ready = WaitForGroups(*stub, sim.groups, kStartTimeout_s);
     if (!ready.ok()) {
       t->Stop();  // the log is ours to read once the simulated groups are joined
-      return ready.status().WithContext(internal::StrCat("simulated groups (RunSimWorker returned ", t->sim_rc_, "; log: ",
-                                                         t->log_.str(), ")"));
+      return ready.status().WithContext(
+          internal::StrCat("simulated groups (RunSimWorker returned ", t->sim_rc_, "; log: ", t->log_.str(), ")"));
     }
     return t;
   }
@@ -412,7 +418,8 @@ Outcome CallDirect(LinkPeer& peer, size_t& next, const BenchRequest& rq, const s
     }
     // WorkerStats (every 200 ms) are not part of the exchange.
   }
-  if (error.empty() && !finished) error = peer.ended() ? "the direct link broke" : "no answer on the direct link in time";
+  if (error.empty() && !finished)
+    error = peer.ended() ? "the direct link broke" : "no answer on the direct link in time";
   CheckEnd(rq, std::move(error), finished, finish_reason, completion_tokens, o);
   return o;
 }
@@ -462,8 +469,7 @@ StatusOr<LoadRun> RunLoad(const LoadSpec& spec) {
   for (int c = 0; c < run.connections; ++c) {
     auto channel = MakeChannel(spec.address, spec.security.tls);
     // Connect before the clock starts, so no request pays the handshake.
-    if (!AwaitConnection(*channel, 10))
-      return UnavailableError("cannot connect to the coordinator at ", spec.address);
+    if (!AwaitConnection(*channel, 10)) return UnavailableError("cannot connect to the coordinator at ", spec.address);
     stubs.push_back(v1::Mlarun::NewStub(channel));
   }
   auto control = v1::Mlarun::NewStub(ConnectChannel(spec.address, spec.security.tls));
@@ -556,13 +562,15 @@ LoadRow Summarize(const LoadRun& run, const LoadSpec& spec, int groups, const st
   // completed each exactly once.
   row.verified = row.failed == 0 && (!in_process || (received == row.requests && completed == row.requests));
   if (row.verified == false && row.failed == 0 && row.first_error.empty())
-    row.first_error = internal::StrCat("the coordinator counted ", received, " received and ", completed, " completed for ",
-                                       row.requests, " requests");
+    row.first_error = internal::StrCat("the coordinator counted ", received, " received and ", completed,
+                                       " completed for ", row.requests, " requests");
   const double req_s = static_cast<double>(row.completed) / run.wall_s;
   // Everything but the client, group and sampler threads: the coordinator's
   // reactors and dispatcher, and gRPC's own threads (for every connection).
   const double rest_cpu_s = std::max(0.0, run.cpu_s - run.client_cpu_s - run.sim_cpu_s - run.sampler_cpu_s);
-  auto per_request = [&](double cpu_s) { return 1e3 * cpu_s / static_cast<double>(std::max<int64_t>(row.requests, 1)); };
+  auto per_request = [&](double cpu_s) {
+    return 1e3 * cpu_s / static_cast<double>(std::max<int64_t>(row.requests, 1));
+  };
   const double tok_s = static_cast<double>(row.tokens) / run.wall_s;
   row.json = {{"groups", groups},
               {"policy", policy},
@@ -576,12 +584,11 @@ LoadRow Summarize(const LoadRun& run, const LoadSpec& spec, int groups, const st
               {"wall_s", run.wall_s},
               {"requests_per_s", req_s},
               {"tokens_per_s", tok_s},
-              {"cpu_ms_per_request",
-               in_process ? Json{{"process", per_request(run.cpu_s)},
-                                 {"clients", per_request(run.client_cpu_s)},
-                                 {"simulated_groups", per_request(run.sim_cpu_s)},
-                                 {"coordinator_and_grpc", per_request(rest_cpu_s)}}
-                          : Json{{"process", per_request(run.cpu_s)}}},  // the clients only
+              {"cpu_ms_per_request", in_process ? Json{{"process", per_request(run.cpu_s)},
+                                                       {"clients", per_request(run.client_cpu_s)},
+                                                       {"simulated_groups", per_request(run.sim_cpu_s)},
+                                                       {"coordinator_and_grpc", per_request(rest_cpu_s)}}
+                                                : Json{{"process", per_request(run.cpu_s)}}},  // the clients only
               {"process_cpu_cores", run.cpu_s / run.wall_s},
               {"simulated_capacity_tokens_per_s", OrNull(capacity)},
               {"ttft_ms", P50P99(ttft)},
@@ -589,7 +596,8 @@ LoadRow Summarize(const LoadRun& run, const LoadSpec& spec, int groups, const st
               {"latency_ms", P50P99(total)},
               {"imbalance",
                {{"mean", OrNull(MeanOfFinite(run.imbalance))},
-                {"max", run.imbalance.empty() ? Json(nullptr) : Json(*std::max_element(run.imbalance.begin(), run.imbalance.end()))},
+                {"max", run.imbalance.empty() ? Json(nullptr)
+                                              : Json(*std::max_element(run.imbalance.begin(), run.imbalance.end()))},
                 {"samples", run.imbalance.size()},
                 {"idle_samples_skipped", run.idle_samples},
                 {"period_ms", kSamplePeriod.count()}}},
@@ -609,21 +617,21 @@ void PrintLoadHeader(std::ostream& t) {
 }
 
 // j[key] as a number; NaN when absent or null.
-double Number(const Json& j, const char* key) { return j.contains(key) && j[key].is_number() ? j[key].get<double>() : NAN; }
+double Number(const Json& j, const char* key) {
+  return j.contains(key) && j[key].is_number() ? j[key].get<double>() : NAN;
+}
 
 void PrintLoadRow(std::ostream& t, const LoadRow& r) {
   const Json& j = r.json;
-  auto pair = [&](const char* key) {
-    return Fmt(Number(j[key], "p50"), 2) + " / " + Fmt(Number(j[key], "p99"), 2);
-  };
+  auto pair = [&](const char* key) { return Fmt(Number(j[key], "p50"), 2) + " / " + Fmt(Number(j[key], "p99"), 2); };
   const double tok_s = j["tokens_per_s"].get<double>();
   const double imb = Number(j["imbalance"], "mean");
-  t << "  " << std::setw(6) << r.groups << "  " << std::left << std::setw(15) << r.policy << std::right << "  " << std::setw(7)
-    << r.clients << "  " << std::setw(8) << r.requests << "  " << std::setw(8) << Fmt(j["requests_per_s"].get<double>(), 0)
-    << "  " << std::setw(9) << Fmt(tok_s, 0) << "  " << std::setw(11)
+  t << "  " << std::setw(6) << r.groups << "  " << std::left << std::setw(15) << r.policy << std::right << "  "
+    << std::setw(7) << r.clients << "  " << std::setw(8) << r.requests << "  " << std::setw(8)
+    << Fmt(j["requests_per_s"].get<double>(), 0) << "  " << std::setw(9) << Fmt(tok_s, 0) << "  " << std::setw(11)
     << (std::isfinite(r.capacity_tokens_per_s) ? Fmt(100 * tok_s / r.capacity_tokens_per_s, 0) + "%" : "-") << "  "
-    << std::setw(15) << pair("ttft_ms") << "  " << std::setw(14) << pair("itl_ms") << "  " << std::setw(9) << Fmt(imb, 2)
-    << "  " << std::setw(20)
+    << std::setw(15) << pair("ttft_ms") << "  " << std::setw(14) << pair("itl_ms") << "  " << std::setw(9)
+    << Fmt(imb, 2) << "  " << std::setw(20)
     << Fmt(Number(j["cpu_ms_per_request"], "process"), 2) + " / " +
            Fmt(Number(j["cpu_ms_per_request"], "coordinator_and_grpc"), 2)
     << "  " << std::setw(5) << Fmt(j["process_cpu_cores"].get<double>(), 1) << "  "
@@ -643,7 +651,8 @@ StatusOr<Resolved> Resolve(const ServeBenchOptions& o) {
   Resolved r;
   if (o.clients < 0) return InvalidArgumentError("--clients must be >= 1, got ", o.clients);
   if (o.requests < 0) return InvalidArgumentError("--requests must be >= 1, got ", o.requests);
-  if (o.max_tokens < 0 || o.max_tokens > 1024) return InvalidArgumentError("--max-tokens must be in [1, 1024], got ", o.max_tokens);
+  if (o.max_tokens < 0 || o.max_tokens > 1024)
+    return InvalidArgumentError("--max-tokens must be in [1, 1024], got ", o.max_tokens);
   if (!(o.tokens_per_s >= 0)) return InvalidArgumentError("--tokens-per-s must be >= 0, got ", o.tokens_per_s);
   r.clients = o.clients > 0 ? o.clients : (o.quick ? 8 : 64);
   r.requests = o.requests > 0 ? o.requests : (o.quick ? 64 : 512);
@@ -737,15 +746,17 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
   InitBenchmarkLibrary();
   size_t k = 0;
   int64_t sink = 0;
-  MLARUN_ASSIGN_OR_RETURN(
-      const double token_fn_ms,
-      TimeMs("sim_token_function", [&]() -> Status {
-        const BenchRequest& r = requests[k++ % requests.size()];
-        for (int32_t id : r.prompt)
-          if (id < 0 || id >= kVocabSize) return InternalError("prompt id out of range");
-        sink += SimWorkerToken(r.prompt, r.seed, 0, kVocabSize).token;
-        return Status::Ok();
-      }, Timing{.repetitions = 3, .min_time_s = 0.05}));
+  MLARUN_ASSIGN_OR_RETURN(const double token_fn_ms, TimeMs(
+                                                        "sim_token_function",
+                                                        [&]() -> Status {
+                                                          const BenchRequest& r = requests[k++ % requests.size()];
+                                                          for (int32_t id : r.prompt)
+                                                            if (id < 0 || id >= kVocabSize)
+                                                              return InternalError("prompt id out of range");
+                                                          sink += SimWorkerToken(r.prompt, r.seed, 0, kVocabSize).token;
+                                                          return Status::Ok();
+                                                        },
+                                                        Timing{.repetitions = 3, .min_time_s = 0.05}));
   (void)sink;
 
   const double via50 = Percentile(via, 50), via99 = Percentile(via, 99);
@@ -756,18 +767,18 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
   t << "\ncoordinator overhead (1 simulated group at full speed, max_tokens 1, one request at a time, " << n
     << " requests per path in " << kRounds << " alternating rounds after " << kWarmUp << " warm-up)\n";
   t << "  path                                                    p50 ms    p99 ms\n";
-  t << "  through the coordinator (client -> coordinator -> group)  " << std::setw(7) << Fmt(via50, 3) << "  " << std::setw(8)
-    << Fmt(via99, 3) << "\n";
-  t << "  direct on the worker link (bench -> group)                " << std::setw(7) << Fmt(dir50, 3) << "  " << std::setw(8)
-    << Fmt(dir99, 3) << "\n";
+  t << "  through the coordinator (client -> coordinator -> group)  " << std::setw(7) << Fmt(via50, 3) << "  "
+    << std::setw(8) << Fmt(via99, 3) << "\n";
+  t << "  direct on the worker link (bench -> group)                " << std::setw(7) << Fmt(dir50, 3) << "  "
+    << std::setw(8) << Fmt(dir99, 3) << "\n";
   t << "  coordinator's own overhead (difference)                   " << std::setw(7) << Fmt(via50 - dir50, 3) << "  "
     << std::setw(8) << Fmt(via99 - dir99, 3) << "\n";
-  t << "  inside the coordinator (arrival -> finished, its Timings) " << std::setw(7) << Fmt(in50, 3) << "  " << std::setw(8)
-    << Fmt(in99, 3) << "\n";
+  t << "  inside the coordinator (arrival -> finished, its Timings) " << std::setw(7) << Fmt(in50, 3) << "  "
+    << std::setw(8) << Fmt(in99, 3) << "\n";
   t << "  token function only (range check + SimWorkerToken, in process, median): " << Fmt(token_fn_ms * 1e3, 2)
     << " us per request\n";
-  t << "  goal: under 1 ms at p50: " << (meets ? "met" : "NOT met") << "; verified: "
-    << (failed == 0 ? "yes" : "NO: " + first_error) << "\n";
+  t << "  goal: under 1 ms at p50: " << (meets ? "met" : "NOT met")
+    << "; verified: " << (failed == 0 ? "yes" : "NO: " + first_error) << "\n";
   return Json{{"requests_per_path", n},
               {"rounds", kRounds},
               {"warm_up", kWarmUp},
@@ -807,7 +818,8 @@ StatusOr<Json> ExternalLatencySection(const std::string& address, const ClientSe
     inside.push_back(o.coordinator_total_ms);
   }
   *verified = failed == 0;
-  t << "\nlatency at concurrency 1, max_tokens 1 (" << n << " requests; the deployment's groups dial the coordinator, so "
+  t << "\nlatency at concurrency 1, max_tokens 1 (" << n
+    << " requests; the deployment's groups dial the coordinator, so "
     << "there is no direct path to compare with)\n";
   t << "  through the coordinator p50/p99 ms: " << Fmt(Percentile(via, 50), 3) << " / " << Fmt(Percentile(via, 99), 3)
     << "; inside the coordinator (its Timings): " << Fmt(Percentile(inside, 50), 3) << " / "
@@ -841,7 +853,11 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
                                                                      .tokens_per_s = o.tokens_per_s,
                                                                      .overhead_requests = r.overhead_requests},
                                                     t, &verified));
-    Json doc = {{"benchmark", "serve-http"}, {"date", Today()}, {"machine", {{"cpu", CpuModel()}, {"cores", std::thread::hardware_concurrency()}}}, {"http", http}, {"all_verified", verified}};
+    Json doc = {{"benchmark", "serve-http"},
+                {"date", Today()},
+                {"machine", {{"cpu", CpuModel()}, {"cores", std::thread::hardware_concurrency()}}},
+                {"http", http},
+                {"all_verified", verified}};
     if (o.json) out << doc.dump(2) << std::endl;
     if (!verified) return InternalError("some requests failed verification (see the tables)");
     return Status::Ok();
@@ -858,11 +874,17 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
                     {"load_average_1min_at_start", OrNull(LoadAverage())}};
   doc["target"] = external ? Json{{"kind", "external"}, {"address", o.coordinator}}
                            : Json{{"kind", "in-process"}, {"address", "127.0.0.1:0"}};
-  doc["config"] = {{"clients", r.clients},       {"requests", r.requests},     {"max_tokens", r.max_tokens},
-                   {"tokens_per_s", o.tokens_per_s}, {"groups", r.groups},       {"quick", o.quick},
-                   {"prompt_tokens", {{"min", kPromptMin}, {"max", kPromptMax}}}, {"vocab_size", kVocabSize},
+  doc["config"] = {{"clients", r.clients},
+                   {"requests", r.requests},
+                   {"max_tokens", r.max_tokens},
+                   {"tokens_per_s", o.tokens_per_s},
+                   {"groups", r.groups},
+                   {"quick", o.quick},
+                   {"prompt_tokens", {{"min", kPromptMin}, {"max", kPromptMax}}},
+                   {"vocab_size", kVocabSize},
                    {"block_size", kBlockSize}};
-  t << "mlarun bench serve: " << (external ? "the deployment at " + o.coordinator : "in-process coordinator and simulated groups")
+  t << "mlarun bench serve: "
+    << (external ? "the deployment at " + o.coordinator : "in-process coordinator and simulated groups")
     << ", over loopback (127.0.0.1); " << CpuModel() << ", " << std::thread::hardware_concurrency()
     << " cores shared by clients, coordinator and groups; load average " << Fmt(LoadAverage(), 1) << " at start; gRPC "
     << grpc::Version() << "; " << Today() << "\n";
@@ -877,8 +899,8 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
     const LoadSpec spec{
         .address = o.coordinator, .clients = r.clients, .requests = &requests, .expect = {}, .security = o.security};
     t << "\nclient load (" << r.clients << " clients, max_tokens " << r.max_tokens << ", prompts " << kPromptMin << "-"
-      << kPromptMax << " tokens; imbalance = max/mean of queued tokens over groups, GetStats every " << kSamplePeriod.count()
-      << " ms while every client has work; CPU: this process, i.e. the clients, only)\n";
+      << kPromptMax << " tokens; imbalance = max/mean of queued tokens over groups, GetStats every "
+      << kSamplePeriod.count() << " ms while every client has work; CPU: this process, i.e. the clients, only)\n";
     PrintLoadHeader(t);
     MLARUN_ASSIGN_OR_RETURN(const LoadRun run, RunLoad(spec));
     const LoadRow row = Summarize(run, spec, groups, stats.coordinator().policy(), NAN, /*in_process=*/false);
@@ -887,9 +909,11 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
     doc["load"].push_back(row.json);
   } else {
     t << "\nclient load and routing (simulated groups at " << Fmt(o.tokens_per_s, 0) << " tokens/s each, max_tokens "
-      << r.max_tokens << ", prompts " << kPromptMin << "-" << kPromptMax << " random tokens; clients = max(" << r.clients
-      << ", " << kClientsPerGroup << " per group), requests = max(" << r.requests << ", " << kRequestsPerClient
-      << " per client); capacity = groups x tokens/s; imbalance = max/mean of queued tokens over groups, GetStats every "
+      << r.max_tokens << ", prompts " << kPromptMin << "-" << kPromptMax << " random tokens; clients = max("
+      << r.clients << ", " << kClientsPerGroup << " per group), requests = max(" << r.requests << ", "
+      << kRequestsPerClient
+      << " per client); capacity = groups x tokens/s; imbalance = max/mean of queued tokens over groups, GetStats "
+         "every "
       << kSamplePeriod.count() << " ms while every client has work, mean of the samples)\n";
     PrintLoadHeader(t);
     for (int groups : r.groups) {
@@ -898,12 +922,14 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
       const std::vector<BenchRequest> requests = MixedRequests(n, r.max_tokens, static_cast<uint64_t>(groups));
       for (RoutingPolicy p : r.policies) {
         MLARUN_ASSIGN_OR_RETURN(auto target, InProcessTarget::Start(p, SimOptions(groups, o.tokens_per_s, 1024)));
-        const LoadSpec spec{.address = target->address(), .clients = clients, .requests = &requests, .expect = {.sim_tokens = true}};
+        const LoadSpec spec{
+            .address = target->address(), .clients = clients, .requests = &requests, .expect = {.sim_tokens = true}};
         auto run = RunLoad(spec);
         target->Stop();
         if (!run.ok()) return run.status();
         const double capacity = o.tokens_per_s > 0 ? groups * o.tokens_per_s : NAN;
-        const LoadRow row = Summarize(*run, spec, groups, std::string(RoutingPolicyName(p)), capacity, /*in_process=*/true);
+        const LoadRow row =
+            Summarize(*run, spec, groups, std::string(RoutingPolicyName(p)), capacity, /*in_process=*/true);
         PrintLoadRow(t, row);
         all_verified = all_verified && row.verified;
         doc["load"].push_back(row.json);
@@ -914,7 +940,8 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
   // ---- Coordinator overhead.
   bool verified = false;
   if (external) {
-    MLARUN_ASSIGN_OR_RETURN(doc["overhead"], ExternalLatencySection(o.coordinator, o.security, r.overhead_requests, t, &verified));
+    MLARUN_ASSIGN_OR_RETURN(doc["overhead"],
+                            ExternalLatencySection(o.coordinator, o.security, r.overhead_requests, t, &verified));
   } else {
     MLARUN_ASSIGN_OR_RETURN(doc["overhead"], OverheadSection(r.overhead_requests, t, &verified));
   }
@@ -939,24 +966,28 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
                  {"clients", r.clients},
                  {"rows", Json::array()}};
   if (external) {
-    t << "\nprefix cache (the deployment's groups and policy; " << spec.requests << " requests = one of " << spec.prefixes
-      << " system prompts of " << spec.prefix_tokens << " tokens + " << spec.suffix_min << "-" << spec.suffix_max
-      << " unique tokens, random order; " << r.clients << " clients)\n";
+    t << "\nprefix cache (the deployment's groups and policy; " << spec.requests << " requests = one of "
+      << spec.prefixes << " system prompts of " << spec.prefix_tokens << " tokens + " << spec.suffix_min << "-"
+      << spec.suffix_max << " unique tokens, random order; " << r.clients << " clients)\n";
   } else {
     prefix["groups"] = kPrefixGroups;
     prefix["cache_blocks_per_group"] = kPrefixCacheBlocks;
     prefix["tokens_per_s"] = o.tokens_per_s;
     t << "\nprefix cache (" << kPrefixGroups << " simulated groups of " << kPrefixCacheBlocks << " cache blocks of "
       << kBlockSize << " tokens; " << spec.requests << " requests = one of " << spec.prefixes << " system prompts of "
-      << kSystemPromptBlocks << " blocks + " << spec.suffix_min << "-" << spec.suffix_max << " unique tokens, random order; "
-      << r.clients << " clients; hit rate = sum prefix_hit_tokens / sum prompt tokens)\n";
+      << kSystemPromptBlocks << " blocks + " << spec.suffix_min << "-" << spec.suffix_max
+      << " unique tokens, random order; " << r.clients
+      << " clients; hit rate = sum prefix_hit_tokens / sum prompt tokens)\n";
   }
   t << "  policy           hit rate   hit tokens / prompt tokens     req/s  imbalance  verified\n";
   // `exact`: an in-process target (simulated tokens, open); else the
   // deployment at o.coordinator, with its security.
   auto prefix_row = [&](const std::string& address, int groups, const std::string& policy, bool exact) -> Status {
-    const LoadSpec ls{.address = address, .clients = r.clients, .requests = &prefix_requests,
-                      .expect = {.sim_tokens = exact}, .security = exact ? ClientSecurity{} : o.security};
+    const LoadSpec ls{.address = address,
+                      .clients = r.clients,
+                      .requests = &prefix_requests,
+                      .expect = {.sim_tokens = exact},
+                      .security = exact ? ClientSecurity{} : o.security};
     MLARUN_ASSIGN_OR_RETURN(const LoadRun run, RunLoad(ls));
     const LoadRow row = Summarize(run, ls, groups, policy, NAN, exact);
     std::vector<serve_bench::PrefixCounts> counts;
@@ -967,10 +998,10 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
     const double rate = serve_bench::PrefixHitRate(counts);
     const Json& j = row.json;
     const double imb = Number(j["imbalance"], "mean");
-    t << "  " << std::left << std::setw(15) << policy << std::right << "  " << std::setw(7) << Fmt(100 * rate, 1) << "%  "
-      << std::setw(12) << hit_tokens << " / " << std::left << std::setw(12) << prompt_tokens << std::right << "  "
-      << std::setw(8) << Fmt(j["requests_per_s"].get<double>(), 0) << "  " << std::setw(9) << Fmt(imb, 2) << "  "
-      << (row.verified ? "yes" : "NO: " + row.first_error) << "\n";
+    t << "  " << std::left << std::setw(15) << policy << std::right << "  " << std::setw(7) << Fmt(100 * rate, 1)
+      << "%  " << std::setw(12) << hit_tokens << " / " << std::left << std::setw(12) << prompt_tokens << std::right
+      << "  " << std::setw(8) << Fmt(j["requests_per_s"].get<double>(), 0) << "  " << std::setw(9) << Fmt(imb, 2)
+      << "  " << (row.verified ? "yes" : "NO: " + row.first_error) << "\n";
     all_verified = all_verified && row.verified;
     Json out_row = row.json;
     out_row["hit_rate"] = OrNull(rate);

@@ -33,23 +33,23 @@
 #include <string>
 #include <vector>
 
-#include "serving/security/security.h"
 #include "base/status.h"
 #include "bench/workload.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 
 struct ServeBenchOptions {
-  int clients = 0;                  // 0: 64 (8 with quick). Load rows use max(clients, 4 per group).
-  int64_t requests = 0;             // per load row; 0: 512 (64 with quick), at least 8 per client
-  int64_t max_tokens = 0;           // per request; 0: 16 (8 with quick)
-  std::vector<int> groups;          // simulated groups of the load rows; empty: 4, 64, 256 (4, 16 with quick)
-  double tokens_per_s = 1000;       // per simulated group (0: as fast as possible)
+  int clients = 0;                    // 0: 64 (8 with quick). Load rows use max(clients, 4 per group).
+  int64_t requests = 0;               // per load row; 0: 512 (64 with quick), at least 8 per client
+  int64_t max_tokens = 0;             // per request; 0: 16 (8 with quick)
+  std::vector<int> groups;            // simulated groups of the load rows; empty: 4, 64, 256 (4, 16 with quick)
+  double tokens_per_s = 1000;         // per simulated group (0: as fast as possible)
   std::vector<std::string> policies;  // round_robin | least_loaded | prefix_affinity; empty or "all": all three
-  std::string coordinator;          // host:port of a running deployment; empty: everything in-process
-  bool quick = false;               // small numbers (well under a minute)
-  bool json = false;                // one JSON document on `out`
-  ClientSecurity security;          // with `coordinator`: its TLS and client token (--tls-ca, --auth-token-file)
+  std::string coordinator;            // host:port of a running deployment; empty: everything in-process
+  bool quick = false;                 // small numbers (well under a minute)
+  bool json = false;                  // one JSON document on `out`
+  ClientSecurity security;            // with `coordinator`: its TLS and client token (--tls-ca, --auth-token-file)
   // Instead of the sections above: the HTTP API against gRPC on one
   // in-process coordinator (bench/http_bench.h), with clients,
   // requests, max_tokens, tokens_per_s and the first of `groups`.

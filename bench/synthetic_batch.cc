@@ -57,13 +57,15 @@ SyntheticBatch::SyntheticBatch(const SyntheticSpec& spec) : spec_(spec) {
   size_t next = 0;
   for (size_t i = 0; i < spec.seqs.size(); ++i) {
     const int64_t blocks = (spec.seqs[i].seq_len + bs - 1) / bs;
-    for (int64_t j = 0; j < blocks; ++j) block_table_[i * static_cast<size_t>(table_stride_) + static_cast<size_t>(j)] = ids[next++];
+    for (int64_t j = 0; j < blocks; ++j)
+      block_table_[i * static_cast<size_t>(table_stride_) + static_cast<size_t>(j)] = ids[next++];
   }
 
   // Cache pool: NaN everywhere, then each sequence's rows.
   pool_.resize(static_cast<size_t>(num_blocks_ * bs * W * es));
   const float fill = spec.poison ? nan : 0.f;
-  for (size_t i = 0; i < pool_.size() / static_cast<size_t>(es); ++i) StoreOne(fill, pool_.data() + i * static_cast<size_t>(es), spec.dtype);
+  for (size_t i = 0; i < pool_.size() / static_cast<size_t>(es); ++i)
+    StoreOne(fill, pool_.data() + i * static_cast<size_t>(es), spec.dtype);
   std::vector<float> row(static_cast<size_t>(W));
   for (size_t i = 0; i < spec.seqs.size(); ++i) {
     for (int64_t pos = 0; pos < spec.seqs[i].seq_len; ++pos) {
@@ -103,9 +105,13 @@ MlaParams SyntheticBatch::params() {
   p.w_uk_t = w_uk_t_.data();
   p.w_uv = w_uv_.data();
   p.w_dtype = spec_.dtype;
-  p.cache = PagedRowsView{.data = pool_.data(), .dtype = spec_.dtype, .num_blocks = num_blocks_,
-                          .block_size = spec_.block_size, .row_width = s.d_cache(),
-                          .stride_block = spec_.block_size * s.d_cache(), .stride_token = s.d_cache()};
+  p.cache = PagedRowsView{.data = pool_.data(),
+                          .dtype = spec_.dtype,
+                          .num_blocks = num_blocks_,
+                          .block_size = spec_.block_size,
+                          .row_width = s.d_cache(),
+                          .stride_block = spec_.block_size * s.d_cache(),
+                          .stride_token = s.d_cache()};
   p.num_seqs = static_cast<int32_t>(spec_.seqs.size());
   p.query_start = query_start_.data();
   p.seq_lens = seq_lens_.data();

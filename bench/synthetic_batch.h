@@ -53,14 +53,16 @@ class SyntheticBatch {
 
   // Writable access for tests that craft special inputs.
   void SetRow(int64_t seq, int64_t pos, const std::vector<float>& row);  // [L + R]
-  float* query(int64_t token, int64_t head) { return &q_[static_cast<size_t>(token * q_stride_token_ + head * q_stride_head_)]; }
+  float* query(int64_t token, int64_t head) {
+    return &q_[static_cast<size_t>(token * q_stride_token_ + head * q_stride_head_)];
+  }
   int64_t num_blocks() const { return num_blocks_; }
   std::vector<int32_t>& block_table() { return block_table_; }
 
  private:
   // [q_len, h_q, width] of sequence `seq` from a strided per-token buffer.
-  std::vector<double> SeqTokens(const std::vector<float>& buf, int64_t seq, int64_t stride_token,
-                                int64_t stride_head, int64_t width) const;
+  std::vector<double> SeqTokens(const std::vector<float>& buf, int64_t seq, int64_t stride_token, int64_t stride_head,
+                                int64_t width) const;
   const std::byte* RowPtr(int64_t seq, int64_t pos) const;
 
   SyntheticSpec spec_;

@@ -14,11 +14,11 @@
 #include <sstream>
 #include <vector>
 
-#include "gemm/cpu/kernels.h"
-#include "gemm/cpu_gemm.h"
 #include "base/cpu_isa.h"
 #include "base/float8.h"
 #include "base/large_buffer.h"
+#include "gemm/cpu/kernels.h"
+#include "gemm/cpu_gemm.h"
 #include "runtime/ops/linear.h"
 
 namespace mlarun {
@@ -58,7 +58,8 @@ StatusOr<double> TimeMs(const std::string& name, const std::function<Status()>& 
     const auto t0 = std::chrono::steady_clock::now();
     MLARUN_RETURN_IF_ERROR(fn());
     const double first_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    iterations = std::clamp<int64_t>(static_cast<int64_t>(std::ceil(t.min_time_s / std::max(first_s, 1e-6))), 1, 100000);
+    iterations =
+        std::clamp<int64_t>(static_cast<int64_t>(std::ceil(t.min_time_s / std::max(first_s, 1e-6))), 1, 100000);
   }
   Status err;
   auto* b = benchmark::RegisterBenchmark(name.c_str(), [&](benchmark::State& state) {
@@ -118,8 +119,16 @@ StatusOr<std::unique_ptr<BandwidthProbe>> BandwidthProbe::Create(int64_t bytes) 
   auto* h = reinterpret_cast<bf16_t*>(p->buf_);
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < p->bytes_ / 2; ++i) h[i] = static_cast<bf16_t>(0x3c00 + ((i * 2654435761u) >> 24 & 0xff));
-  const GemmDesc d{.m = 1, .n = p->rows_, .k = kCols, .a_type = DType::kBF16, .b_type = DType::kBF16,
-                   .c_type = DType::kF32, .lda = kCols, .b_stride_k = 1, .b_stride_n = kCols, .ldc = p->rows_};
+  const GemmDesc d{.m = 1,
+                   .n = p->rows_,
+                   .k = kCols,
+                   .a_type = DType::kBF16,
+                   .b_type = DType::kBF16,
+                   .c_type = DType::kF32,
+                   .lda = kCols,
+                   .b_stride_k = 1,
+                   .b_stride_n = kCols,
+                   .ldc = p->rows_};
   MLARUN_ASSIGN_OR_RETURN(p->product_, CpuGemm::Get(d));
   p->a_.assign(static_cast<size_t>(kCols), static_cast<bf16_t>(0x3c00));
   p->c_.resize(static_cast<size_t>(p->rows_));
@@ -213,13 +222,23 @@ StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, 
       return InternalError("weight streaming: the fp8 and bf16 products differ by ", worst, " (scale ", scale, ") at ",
                            m, " rows");
     for (DType dt : {DType::kBF16, DType::kF8E4M3}) {
-      const GemmDesc d{.m = m, .n = n, .k = k, .a_type = dt == DType::kBF16 ? DType::kBF16 : DType::kF32, .b_type = dt,
-                       .c_type = DType::kF32, .lda = k, .b_stride_k = 1, .b_stride_n = k, .ldc = n};
+      const GemmDesc d{.m = m,
+                       .n = n,
+                       .k = k,
+                       .a_type = dt == DType::kBF16 ? DType::kBF16 : DType::kF32,
+                       .b_type = dt,
+                       .c_type = DType::kF32,
+                       .lda = k,
+                       .b_stride_k = 1,
+                       .b_stride_n = k,
+                       .ldc = n};
       MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(d));
       (dt == DType::kBF16 ? row.bf16_impl : row.fp8_impl) = g->impl_name();
     }
-    MLARUN_ASSIGN_OR_RETURN(row.bf16_ms, TimeMs("weights_bf16", [&] { return run(b16, y16); }, t));
-    MLARUN_ASSIGN_OR_RETURN(row.fp8_ms, TimeMs("weights_fp8", [&] { return run(f8, y8); }, t));
+    MLARUN_ASSIGN_OR_RETURN(row.bf16_ms, TimeMs(
+                                             "weights_bf16", [&] { return run(b16, y16); }, t));
+    MLARUN_ASSIGN_OR_RETURN(row.fp8_ms, TimeMs(
+                                            "weights_fp8", [&] { return run(f8, y8); }, t));
     row.bf16_gb_per_s = static_cast<double>(ws.bf16_bytes) / (row.bf16_ms * 1e-3) * 1e-9;
     row.fp8_gb_per_s = static_cast<double>(ws.fp8_bytes) / (row.fp8_ms * 1e-3) * 1e-9;
     ws.rows.push_back(row);
@@ -237,8 +256,11 @@ std::string CpuModel() {
 
 nlohmann::json CpuJson() {
   const CpuFeatures& f = HostCpu();
-  return {{"model", f.model_name.empty() ? CpuModel() : f.model_name}, {"vendor", f.vendor}, {"flags", f.FlagList()},
-          {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))}, {"best_kernels", std::string(CpuIsaName(f.best()))},
+  return {{"model", f.model_name.empty() ? CpuModel() : f.model_name},
+          {"vendor", f.vendor},
+          {"flags", f.FlagList()},
+          {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))},
+          {"best_kernels", std::string(CpuIsaName(f.best()))},
           {"stream_prefetch", cpu::StreamPrefetch()}};
 }
 

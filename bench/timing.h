@@ -5,13 +5,13 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
-#include <vector>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <vector>
 
-#include "gemm/cpu_gemm.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "gemm/cpu_gemm.h"
 
 namespace mlarun {
 

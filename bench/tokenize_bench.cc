@@ -73,21 +73,22 @@ int RunTokenizeBench(const TokenizeBenchOptions& options, std::ostream& out, std
   }
   std::vector<double> sorted = seconds;
   std::sort(sorted.begin(), sorted.end());
-  const double median = sorted.size() % 2 ? sorted[sorted.size() / 2]
-                                          : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
+  const double median =
+      sorted.size() % 2 ? sorted[sorted.size() / 2] : (sorted[sorted.size() / 2 - 1] + sorted[sorted.size() / 2]) / 2;
   const double tokens_per_s = double(tokens) / median;
   const double mb_per_s = double(text.size()) / 1e6 / median;
   if (options.json) {
-    out << json{{"model", options.model},    {"text_file", options.text_file}, {"mode", options.mode},
-                {"bytes", text.size()},      {"tokens", tokens},               {"threads", 1},
-                {"median_s", median},        {"tokens_per_s", tokens_per_s},   {"mb_per_s", mb_per_s},
-                {"runs_s", seconds}}
+    out << json{{"model", options.model}, {"text_file", options.text_file},
+                {"mode", options.mode},   {"bytes", text.size()},
+                {"tokens", tokens},       {"threads", 1},
+                {"median_s", median},     {"tokens_per_s", tokens_per_s},
+                {"mb_per_s", mb_per_s},   {"runs_s", seconds}}
                .dump()
         << "\n";
   } else {
     out << "tokenize " << options.mode << ": " << text.size() << " bytes, " << tokens << " tokens, 1 thread\n"
-        << "median " << median << " s over " << seconds.size() << " runs: " << tokens_per_s << " tokens/s, "
-        << mb_per_s << " MB/s\n";
+        << "median " << median << " s over " << seconds.size() << " runs: " << tokens_per_s << " tokens/s, " << mb_per_s
+        << " MB/s\n";
   }
   return 0;
 }

@@ -60,7 +60,8 @@ SharedPrefixWorkload MakeSharedPrefixWorkload(const SharedPrefixSpec& spec) {
     for (int32_t& t : s) t = token(rng);
   }
   SharedPrefixWorkload w;
-  for (int64_t i = 0; i < spec.requests; ++i) w.prefix_of.push_back(static_cast<int>(i % static_cast<int64_t>(system.size())));
+  for (int64_t i = 0; i < spec.requests; ++i)
+    w.prefix_of.push_back(static_cast<int>(i % static_cast<int64_t>(system.size())));
   std::shuffle(w.prefix_of.begin(), w.prefix_of.end(), rng);  // random arrival order
   for (int p : w.prefix_of) {
     std::vector<int32_t> prompt = system[static_cast<size_t>(p)];

@@ -11,18 +11,16 @@
 #include <unordered_map>
 
 #include "base/contiguous_shares.h"
-#include "gemm/cpu/kernels.h"
 #include "base/cpu_isa.h"
 #include "base/thread_annotations.h"
+#include "gemm/cpu/kernels.h"
 
 namespace mlarun {
 namespace {
 
 using dnnl::memory;
 
-memory::data_type ToDnnl(DType t) {
-  return t == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32;
-}
+memory::data_type ToDnnl(DType t) { return t == DType::kBF16 ? memory::data_type::bf16 : memory::data_type::f32; }
 
 dnnl::engine& CpuEngine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -220,11 +218,16 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 std::string_view GemmImplName(GemmImpl impl) {
   switch (impl) {
-    case GemmImpl::kAuto: return "auto";
-    case GemmImpl::kOneDnn: return "onednn";
-    case GemmImpl::kSmall: return "small";
-    case GemmImpl::kPacked: return "packed";
-    case GemmImpl::kTiles: return "tiles";
+    case GemmImpl::kAuto:
+      return "auto";
+    case GemmImpl::kOneDnn:
+      return "onednn";
+    case GemmImpl::kSmall:
+      return "small";
+    case GemmImpl::kPacked:
+      return "packed";
+    case GemmImpl::kTiles:
+      return "tiles";
   }
   return "invalid";
 }
@@ -251,21 +254,20 @@ struct CpuGemm::Impl {
   int onednn_arg_sets = 0;
   // Ours.
   const cpu::CpuKernels* kernels = nullptr;
-  bool small_bt = false;   // kSmall over a k-contiguous B (else n-contiguous)
-  bool bf16_dot = false;   // kSmall, kPacked: AVX512-BF16 dot products on bf16 A as it is
-  size_t a_f32_bytes = 0;  // kSmall with a bf16 A: A widened into scratch first
-  size_t c_f32_bytes = 0;  // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
-  size_t thread_bytes = 0; // kPacked: packing buffers per thread
-  size_t a_prepared_bytes = 0; // kTiles, kPacked: A rewritten into the kernel's layout first
-  bool a_rows = false;     // kPacked with an fp32 A of few columns: A read from its rows
-  int threads = 1;         // threads the scratch was sized for
+  bool small_bt = false;        // kSmall over a k-contiguous B (else n-contiguous)
+  bool bf16_dot = false;        // kSmall, kPacked: AVX512-BF16 dot products on bf16 A as it is
+  size_t a_f32_bytes = 0;       // kSmall with a bf16 A: A widened into scratch first
+  size_t c_f32_bytes = 0;       // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
+  size_t thread_bytes = 0;      // kPacked: packing buffers per thread
+  size_t a_prepared_bytes = 0;  // kTiles, kPacked: A rewritten into the kernel's layout first
+  bool a_rows = false;          // kPacked with an fp32 A of few columns: A read from its rows
+  int threads = 1;              // threads the scratch was sized for
 };
 
 std::ostream& operator<<(std::ostream& os, const GemmDesc& d) {
   return os << "gemm{m=" << d.m << " n=" << d.n << " k=" << d.k << " types=" << DTypeName(d.a_type) << "x"
-            << DTypeName(d.b_type) << "->" << DTypeName(d.c_type) << " lda=" << d.lda
-            << " b_strides=(" << d.b_stride_k << "," << d.b_stride_n << ") ldc=" << d.ldc
-            << (d.accumulate ? " +=" : "") << "}";
+            << DTypeName(d.b_type) << "->" << DTypeName(d.c_type) << " lda=" << d.lda << " b_strides=(" << d.b_stride_k
+            << "," << d.b_stride_n << ") ldc=" << d.ldc << (d.accumulate ? " +=" : "") << "}";
 }
 
 Status ValidateGemmDesc(const GemmDesc& d) {
@@ -277,8 +279,7 @@ Status ValidateGemmDesc(const GemmDesc& d) {
     return InvalidArgumentError("an f8_e4m3 B must have k contiguous (b_stride_k == 1: a weight [n, k]) in ", d);
   if (d.c_type != DType::kF32 && d.c_type != DType::kBF16)
     return InvalidArgumentError("unsupported result type in ", d);
-  if (d.accumulate && d.c_type != DType::kF32)
-    return InvalidArgumentError("accumulation needs an f32 result in ", d);
+  if (d.accumulate && d.c_type != DType::kF32) return InvalidArgumentError("accumulation needs an f32 result in ", d);
   if (d.lda < d.k) return InvalidArgumentError("lda < k in ", d);
   if (d.ldc < d.n) return InvalidArgumentError("ldc < n in ", d);
   const bool b_row_major = d.b_stride_n == 1 && d.b_stride_k >= d.n;
@@ -334,8 +335,8 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
           ops.append_sum(1.f);
           attr.set_post_ops(ops);
         }
-        impl->pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a_md, impl->b_md, impl->c_md), attr,
-                                                CpuEngine());
+        impl->pd =
+            dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a_md, impl->b_md, impl->c_md), attr, CpuEngine());
         impl->prim = dnnl::matmul(impl->pd);
         impl->scratch_md = impl->pd.scratchpad_desc();
         impl->onednn_arg_sets = std::max(1, omp_get_max_threads());
@@ -370,7 +371,9 @@ StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImp
       // is); small_bn reads fp32 A.
       if (!impl->bf16_dot && (impl->small_bt || d.a_type == DType::kBF16))
         impl->a_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.k) * sizeof(float));
-      g->impl_name_ = std::string(impl->bf16_dot ? "small_bt_dpbf16:" : impl->small_bt ? "small_bt:" : "small_bn:") +
+      g->impl_name_ = std::string(impl->bf16_dot   ? "small_bt_dpbf16:"
+                                  : impl->small_bt ? "small_bt:"
+                                                   : "small_bn:") +
                       std::string(CpuIsaName(k.isa));
     } else {
       const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
@@ -404,15 +407,27 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   // especially); scratch_bytes() leaves room for the adjustment.
   std::byte* s = static_cast<std::byte*>(scratch);
   s += (kAlign - reinterpret_cast<uintptr_t>(s) % kAlign) % kAlign;
-  cpu::GemmArgs g{.m = d.m, .n = d.n, .k = d.k, .a = a, .a_type = d.a_type, .lda = d.lda, .b = b,
-                  .b_type = d.b_type, .b_stride_k = d.b_stride_k, .b_stride_n = d.b_stride_n, .c = c,
-                  .c_type = d.c_type, .ldc = d.ldc, .accumulate = d.accumulate};
+  cpu::GemmArgs g{.m = d.m,
+                  .n = d.n,
+                  .k = d.k,
+                  .a = a,
+                  .a_type = d.a_type,
+                  .lda = d.lda,
+                  .b = b,
+                  .b_type = d.b_type,
+                  .b_stride_k = d.b_stride_k,
+                  .b_stride_n = d.b_stride_n,
+                  .c = c,
+                  .c_type = d.c_type,
+                  .ldc = d.ldc,
+                  .accumulate = d.accumulate};
   if (d.b_type == DType::kF8E4M3) {
     if (b_scales == nullptr || b_scales->scale == nullptr)
       return InvalidArgumentError("an f8_e4m3 product needs its block scales: ", d);
     if (b_scales->ld < (d.k + 127) / 128 || b_scales->row0 < 0)
-      return InvalidArgumentError("f8_e4m3 block scales with ld ", b_scales->ld, " (< ceil(k / 128) = ", (d.k + 127) / 128,
-                                  ") or row0 ", b_scales->row0, " < 0 for ", d);
+      return InvalidArgumentError("f8_e4m3 block scales with ld ", b_scales->ld,
+                                  " (< ceil(k / 128) = ", (d.k + 127) / 128, ") or row0 ", b_scales->row0, " < 0 for ",
+                                  d);
     g.b_scale = b_scales->scale, g.b_scale_ld = b_scales->ld, g.b_row0 = b_scales->row0;
   }
   if (im.a_f32_bytes > 0) {  // the streaming kernels read fp32 A rows
@@ -420,8 +435,7 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     if (im.small_bt) {
       k.small_bt_prepare_a(g, af);
     } else {
-      for (int64_t i = 0; i < d.m; ++i)
-        k.bf16_to_f32(static_cast<const bf16_t*>(a) + i * d.lda, af + i * d.k, d.k);
+      for (int64_t i = 0; i < d.m; ++i) k.bf16_to_f32(static_cast<const bf16_t*>(a) + i * d.lda, af + i * d.k, d.k);
     }
     g.a = af, g.a_type = DType::kF32, g.lda = d.k;
     s += im.a_f32_bytes;
@@ -487,7 +501,8 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     const int64_t chunks = (strips + per_chunk - 1) / per_chunk;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t c = 0; c < chunks; ++c)
-      part(omp_get_thread_num(), std::min(d.n, c * per_chunk * k.n_align), std::min(d.n, (c + 1) * per_chunk * k.n_align));
+      part(omp_get_thread_num(), std::min(d.n, c * per_chunk * k.n_align),
+           std::min(d.n, (c + 1) * per_chunk * k.n_align));
   }
   if (c_f32 != nullptr)
     for (int64_t i = 0; i < d.m; ++i) k.f32_to_bf16(c_f32 + i * d.n, static_cast<bf16_t*>(c) + i * d.ldc, d.n);
@@ -517,13 +532,17 @@ Status CpuGemm::Run(const void* a, const void* b, void* c, void* scratch, const 
   Status st;
   try {
     for (int i = 0; i < 4; ++i) {
-      if (set->m[i]) set->m[i].set_data_handle(handles[i]);
-      else set->m[i] = memory(*mds[i], CpuEngine(), handles[i]);
+      if (set->m[i])
+        set->m[i].set_data_handle(handles[i]);
+      else
+        set->m[i] = memory(*mds[i], CpuEngine(), handles[i]);
     }
     // The C API takes the arguments as an array: the C++ one builds a hash
     // map of them per call.
-    const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, set->m[0].get()}, {DNNL_ARG_WEIGHTS, set->m[1].get()},
-                                     {DNNL_ARG_DST, set->m[2].get()}, {DNNL_ARG_SCRATCHPAD, set->m[3].get()}};
+    const dnnl_exec_arg_t args[4] = {{DNNL_ARG_SRC, set->m[0].get()},
+                                     {DNNL_ARG_WEIGHTS, set->m[1].get()},
+                                     {DNNL_ARG_DST, set->m[2].get()},
+                                     {DNNL_ARG_SCRATCHPAD, set->m[3].get()}};
     ++t_onednn_execute_depth;
     const dnnl_status_t rc = dnnl_primitive_execute(im.prim.get(), stream.get(), 4, args);
     --t_onednn_execute_depth;

@@ -80,11 +80,11 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d);
 inline constexpr int64_t kGemmSmallRows = 32;
 
 enum class GemmImpl : uint8_t {
-  kAuto = 0,     // the order above
-  kOneDnn = 1,   // oneDNN's matmul (fails where oneDNN cannot build it)
-  kSmall = 2,    // our streaming kernels, any m (slow for many rows)
-  kPacked = 3,   // our packed kernel
-  kTiles = 4,    // our AMX tile kernel (bf16 x bf16, B k-contiguous; amx family only)
+  kAuto = 0,    // the order above
+  kOneDnn = 1,  // oneDNN's matmul (fails where oneDNN cannot build it)
+  kSmall = 2,   // our streaming kernels, any m (slow for many rows)
+  kPacked = 3,  // our packed kernel
+  kTiles = 4,   // our AMX tile kernel (bf16 x bf16, B k-contiguous; amx family only)
 };
 std::string_view GemmImplName(GemmImpl impl);
 

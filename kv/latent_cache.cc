@@ -40,9 +40,7 @@ const LatentCache::Sequence* LatentCache::Find(SeqId id) const {
   return it == seqs_.end() ? nullptr : &it->second;
 }
 
-int64_t LatentCache::BlocksFor(int64_t tokens) const {
-  return (tokens + config_.block_size - 1) / config_.block_size;
-}
+int64_t LatentCache::BlocksFor(int64_t tokens) const { return (tokens + config_.block_size - 1) / config_.block_size; }
 
 Status LatentCache::AddSequence(SeqId id) {
   if (!seqs_.try_emplace(id).second) return InvalidArgumentError("latent cache: sequence ", id, " already exists");
@@ -55,8 +53,7 @@ int32_t LatentCache::Lookup(uint64_t parent, std::span<const int32_t> tokens, ui
   if (it == index_.end()) return -1;
   const BlockMeta& m = blocks_[static_cast<size_t>(it->second)];
   // Exact check: a hash collision must never hand out another prompt's rows.
-  if (m.parent_hash != parent || !std::equal(m.tokens.begin(), m.tokens.end(), tokens.begin(), tokens.end()))
-    return -1;
+  if (m.parent_hash != parent || !std::equal(m.tokens.begin(), m.tokens.end(), tokens.begin(), tokens.end())) return -1;
   return it->second;
 }
 
@@ -127,12 +124,12 @@ int32_t LatentCache::TakeBlock() {
 Status LatentCache::Append(SeqId id, std::span<const int32_t> tokens) {
   Sequence* s = Find(id);
   if (s == nullptr) return NotFoundError("latent cache: unknown sequence ", id);
-  const int64_t need = BlocksFor(static_cast<int64_t>(s->tokens.size() + tokens.size())) -
-                       static_cast<int64_t>(s->blocks.size());
+  const int64_t need =
+      BlocksFor(static_cast<int64_t>(s->tokens.size() + tokens.size())) - static_cast<int64_t>(s->blocks.size());
   const int64_t have = static_cast<int64_t>(free_.size() + evictable_.size());
   if (need > have)
-    return ResourceExhaustedError("latent cache: sequence ", id, " needs ", need, " more blocks for ",
-                                  tokens.size(), " tokens, ", have, " of ", num_blocks_, " are allocatable");
+    return ResourceExhaustedError("latent cache: sequence ", id, " needs ", need, " more blocks for ", tokens.size(),
+                                  " tokens, ", have, " of ", num_blocks_, " are allocatable");
   for (int64_t i = 0; i < need; ++i) s->blocks.push_back(TakeBlock());
   s->tokens.insert(s->tokens.end(), tokens.begin(), tokens.end());
   return Status::Ok();
@@ -147,8 +144,8 @@ Status LatentCache::Commit(SeqId id) {
     // Extend the sequence's hash chain over the blocks that are now full and
     // written, and publish each unless another sequence published it first.
     for (int64_t j = static_cast<int64_t>(s->chain.size()); (j + 1) * bs <= total; ++j) {
-      auto block_tokens = std::span<const int32_t>(s->tokens).subspan(static_cast<size_t>(j * bs),
-                                                                      static_cast<size_t>(bs));
+      auto block_tokens =
+          std::span<const int32_t>(s->tokens).subspan(static_cast<size_t>(j * bs), static_cast<size_t>(bs));
       const uint64_t parent = j == 0 ? kPrefixChainSeed : s->chain.back();
       const uint64_t h = PrefixChainHash(parent, block_tokens);
       s->chain.push_back(h);

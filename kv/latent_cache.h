@@ -25,11 +25,11 @@
 #include <unordered_map>
 #include <vector>
 
-#include "kv/latent_pool.h"
-#include "kv/prefix_hash.h"
 #include "base/block_size.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "kv/latent_pool.h"
+#include "kv/prefix_hash.h"
 
 namespace mlarun {
 
@@ -37,11 +37,11 @@ struct LatentCacheStats {
   int64_t bytes_per_token = 0;  // num_layers * (L + R) * dtype size
   int64_t block_bytes = 0;      // block_size * bytes_per_token
   int64_t blocks_total = 0;
-  int64_t blocks_used = 0;    // referenced by at least one sequence
-  int64_t blocks_cached = 0;  // unreferenced, holding a reusable prefix (evictable)
-  int64_t blocks_free = 0;    // unreferenced and empty
-  int64_t bytes_capacity = 0;  // blocks_total * block_bytes
-  int64_t bytes_used = 0;      // blocks_used * block_bytes
+  int64_t blocks_used = 0;        // referenced by at least one sequence
+  int64_t blocks_cached = 0;      // unreferenced, holding a reusable prefix (evictable)
+  int64_t blocks_free = 0;        // unreferenced and empty
+  int64_t bytes_capacity = 0;     // blocks_total * block_bytes
+  int64_t bytes_used = 0;         // blocks_used * block_bytes
   int64_t prefix_hit_tokens = 0;  // tokens attached from cached prefixes, cumulative
   int64_t evictions = 0;          // cached blocks reclaimed, cumulative
   // Blocks in the block tables of retired sequences (Retire: done, not
@@ -121,9 +121,9 @@ class LatentCache {
   struct BlockMeta {
     int32_t ref_count = 0;
     bool published = false;
-    uint64_t hash = 0;         // valid when published
-    uint64_t parent_hash = 0;  // hash of the previous block in the chain (0 for the first)
-    std::vector<int32_t> tokens;  // the block's token ids, for exact match on lookup
+    uint64_t hash = 0;                     // valid when published
+    uint64_t parent_hash = 0;              // hash of the previous block in the chain (0 for the first)
+    std::vector<int32_t> tokens;           // the block's token ids, for exact match on lookup
     std::list<int32_t>::iterator lru_pos;  // valid while in evictable_
   };
   struct Sequence {
@@ -146,8 +146,8 @@ class LatentCache {
   const int64_t num_blocks_;
 
   std::vector<BlockMeta> blocks_;
-  std::vector<int32_t> free_;       // empty blocks; back() is taken first
-  std::list<int32_t> evictable_;    // cached, unreferenced; front() is evicted first
+  std::vector<int32_t> free_;                    // empty blocks; back() is taken first
+  std::list<int32_t> evictable_;                 // cached, unreferenced; front() is evicted first
   std::unordered_map<uint64_t, int32_t> index_;  // chain hash -> published block
   std::unordered_map<SeqId, Sequence> seqs_;
   int64_t prefix_hit_tokens_ = 0;

@@ -10,7 +10,8 @@ namespace mlarun {
 
 Status ValidateLatentCacheConfig(const LatentCacheConfig& c) {
   if (c.num_layers <= 0) return InvalidArgumentError("latent cache: num_layers must be positive, got ", c.num_layers);
-  if (c.kv_lora_rank <= 0) return InvalidArgumentError("latent cache: kv_lora_rank must be positive, got ", c.kv_lora_rank);
+  if (c.kv_lora_rank <= 0)
+    return InvalidArgumentError("latent cache: kv_lora_rank must be positive, got ", c.kv_lora_rank);
   if (c.rope_dim < 0) return InvalidArgumentError("latent cache: rope_dim must be >= 0, got ", c.rope_dim);
   if (c.block_size <= 0) return InvalidArgumentError("latent cache: block_size must be positive, got ", c.block_size);
   if (c.dtype != DType::kBF16 && c.dtype != DType::kF32)
@@ -67,13 +68,22 @@ Status LatentPool::WriteRows(int64_t layer, std::span<const int32_t> table, int6
                            " blocks of the block table");
   for (int64_t b = pos / bs; b * bs < pos + n; ++b)
     if (table[static_cast<size_t>(b)] < 0 || table[static_cast<size_t>(b)] >= num_blocks_)
-      return OutOfRangeError("latent cache: block id ", table[static_cast<size_t>(b)], " outside [0, ", num_blocks_, ")");
+      return OutOfRangeError("latent cache: block id ", table[static_cast<size_t>(b)], " outside [0, ", num_blocks_,
+                             ")");
   const PagedRowsView v = Layer(layer);
   const int64_t L = config_.kv_lora_rank, R = config_.rope_dim;
   DeviceMemory& memory = *buffer_.memory();
-  LatentWriteParams w{.cache = LayerData(layer), .dtype = v.dtype, .block_size = bs, .num_blocks = num_blocks_,
-                      .stride_block = v.stride_block, .stride_token = v.stride_token, .d_latent = L,
-                      .d_rope = R, .n = 1, .kv_c_stride = kv_c_stride, .k_pe_stride = k_pe_stride,
+  LatentWriteParams w{.cache = LayerData(layer),
+                      .dtype = v.dtype,
+                      .block_size = bs,
+                      .num_blocks = num_blocks_,
+                      .stride_block = v.stride_block,
+                      .stride_token = v.stride_token,
+                      .d_latent = L,
+                      .d_rope = R,
+                      .n = 1,
+                      .kv_c_stride = kv_c_stride,
+                      .k_pe_stride = k_pe_stride,
                       .backend = memory.backend()};
   if (memory.host_accessible()) {
     for (int64_t t = 0; t < n; ++t) {  // one row at a time: no slot list to allocate
@@ -98,8 +108,10 @@ Status LatentPool::WriteRows(int64_t layer, std::span<const int32_t> table, int6
     std::copy_n(kv_c + t * kv_c_stride, L, rows.begin() + t * (L + R));
     std::copy_n(k_pe + t * k_pe_stride, R, rows.begin() + t * (L + R) + L);
   }
-  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer d_rows, DeviceBuffer::Allocate(memory, rows.size() * sizeof(float), "latent rows"));
-  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer d_slots, DeviceBuffer::Allocate(memory, slots.size() * sizeof(int64_t), "slots"));
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer d_rows,
+                          DeviceBuffer::Allocate(memory, rows.size() * sizeof(float), "latent rows"));
+  MLARUN_ASSIGN_OR_RETURN(DeviceBuffer d_slots,
+                          DeviceBuffer::Allocate(memory, slots.size() * sizeof(int64_t), "slots"));
   MLARUN_RETURN_IF_ERROR(memory.CopyIn(d_rows.data(), rows.data(), rows.size() * sizeof(float)));
   MLARUN_RETURN_IF_ERROR(memory.CopyIn(d_slots.data(), slots.data(), slots.size() * sizeof(int64_t)));
   w.n = n;

@@ -26,10 +26,10 @@ namespace mlarun {
 
 struct LatentCacheConfig {
   int64_t num_layers = 1;
-  int64_t kv_lora_rank = 512;  // L: width of kv_c
-  int64_t rope_dim = 64;       // R: width of k_pe
+  int64_t kv_lora_rank = 512;              // L: width of kv_c
+  int64_t rope_dim = 64;                   // R: width of k_pe
   int64_t block_size = kDefaultBlockSize;  // tokens per block
-  DType dtype = DType::kBF16;  // bf16 or f32
+  DType dtype = DType::kBF16;              // bf16 or f32
   // Capacity: as many whole blocks as fit in this many bytes.
   int64_t budget_bytes = int64_t{1} << 30;
   // Publish full blocks for reuse by later sequences with the same prefix

@@ -30,7 +30,8 @@ Status LatentWriteRun(const LatentWriteParams& p) {
     case Backend::kCpu:
       MLARUN_RETURN_IF_ERROR(LatentWriteCheck(p));
       return p.n == 0 ? Status::Ok() : cpu::WriteLatentRows(p);
-    case Backend::kCuda: return cuda::LaunchWriteLatentRows(p);
+    case Backend::kCuda:
+      return cuda::LaunchWriteLatentRows(p);
   }
   return InvalidArgumentError("latent write: unknown backend ", static_cast<int>(p.backend));
 }

@@ -19,7 +19,7 @@ struct LatentWriteParams {
   void* cache = nullptr;
   DType dtype = DType::kBF16;  // bf16 or f32
   int64_t block_size = 0;
-  int64_t num_blocks = 0;      // the layer's blocks: slots lie in [0, num_blocks * block_size)
+  int64_t num_blocks = 0;  // the layer's blocks: slots lie in [0, num_blocks * block_size)
   int64_t stride_block = 0;
   int64_t stride_token = 0;
   int64_t d_latent = 0;  // L

@@ -48,7 +48,8 @@ std::optional<std::string> FindTypo(const CLI::App& app, int argc, const char* c
                (best.empty() ? std::string() : " (did you mean --" + best + "?)");
       }
       // Flags take no word; an option given as --name=value took its value.
-      values_left = eq != std::string_view::npos || opt->get_items_expected_max() == 0 ? 0 : opt->get_items_expected_max();
+      values_left =
+          eq != std::string_view::npos || opt->get_items_expected_max() == 0 ? 0 : opt->get_items_expected_max();
       continue;
     }
     if (word.size() >= 2 && word[0] == '-') {  // a short flag: CLI11 checks it
@@ -67,7 +68,8 @@ std::optional<std::string> FindTypo(const CLI::App& app, int argc, const char* c
       continue;
     }
     std::vector<std::string> names;
-    for (const CLI::App* s : current->get_subcommands([](const CLI::App*) { return true; })) names.push_back(s->get_name());
+    for (const CLI::App* s : current->get_subcommands([](const CLI::App*) { return true; }))
+      names.push_back(s->get_name());
     if (names.empty()) continue;  // a positional argument: CLI11 checks it
     const std::string best = NearestName(word, names);
     const std::string where = Path(current);

@@ -3,9 +3,9 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/cpu_isa.h"
 #include "gemm/cpu/kernels.h"
 #include "gemm/cpu_gemm.h"
-#include "base/cpu_isa.h"
 
 namespace mlarun {
 namespace {

@@ -1,8 +1,13 @@
 // mlarun: the command-line entry point. The only place that exits.
 #include <omp.h>
+#include <pthread.h>
 
 #include <CLI/CLI.hpp>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <thread>
 
 #include "bench/attention_bench.h"
 #include "bench/comm_bench.h"
@@ -12,24 +17,17 @@
 #include "bench/serve_bench.h"
 #include "bench/tokenize_bench.h"
 #include "launcher/cli_typos.h"
-#include "serving/client/client.h"
-#include "serving/coordinator/coordinator.h"
 #include "launcher/env.h"
 #include "launcher/generate/generate.h"
 #include "launcher/memory/memory.h"
 #include "launcher/serve/serve.h"
-#include "serving/sim/sim_worker.h"
 #include "launcher/tokenize/tokenize.h"
 #include "launcher/worker/worker.h"
 #include "parallel/layout.h"
 #include "parallel/mpi/mpi_world.h"
-
-#include <pthread.h>
-
-#include <csignal>
-#include <cstring>
-#include <iostream>
-#include <thread>
+#include "serving/client/client.h"
+#include "serving/coordinator/coordinator.h"
+#include "serving/sim/sim_worker.h"
 
 // The sampling flags `generate` and `submit` share (vLLM's SamplingParams names).
 void AddSamplingFlags(CLI::App* cmd, mlarun::SamplingParams& p) {
@@ -65,8 +63,9 @@ void AddFp8WeightsFlag(CLI::App* app, std::string& fp8) {
       ->capture_default_str();
 }
 void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
-  app->add_option("--attention-thresholds", path,
-                  "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
+  app->add_option(
+      "--attention-thresholds", path,
+      "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
 }
 
 // The security flags of the serving commands: file paths, read after parsing
@@ -86,7 +85,8 @@ void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
                     "Client API tokens, one per line (TOKEN [NAME]): clients must send `authorization: Bearer TOKEN`");
     cmd->add_option("--tls-cert", f.tls.cert, "TLS: the coordinator's certificate chain (PEM)");
     cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
-    cmd->add_option("--tls-ca", f.tls.ca, "TLS: workers with a client certificate signed by this CA (PEM) need no secret");
+    cmd->add_option("--tls-ca", f.tls.ca,
+                    "TLS: workers with a client certificate signed by this CA (PEM) need no secret");
     return;
   }
   if (role == R::kWorker) {
@@ -95,8 +95,9 @@ void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
     cmd->add_option("--tls-cert", f.tls.cert, "TLS: this worker's client certificate (PEM; needs --tls-ca)");
     cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
   } else {
-    cmd->add_option("--auth-token-file", f.auth_token_file,
-                    "File holding the client API token: its first line's token (a line of the coordinator's --auth-token-file)");
+    cmd->add_option(
+        "--auth-token-file", f.auth_token_file,
+        "File holding the client API token: its first line's token (a line of the coordinator's --auth-token-file)");
   }
   cmd->add_option("--tls-ca", f.tls.ca, "TLS to the coordinator, trusting the CA (PEM) that signed its certificate");
 }
@@ -155,9 +156,12 @@ int main(int argc, char** argv) {
   attn->add_flag("--json", ab.json, "Print one JSON document on stdout (the table goes to stderr)");
   attn->add_option("--svg", ab.svg_path, "Draw the query-length x context grid into this SVG file");
   attn->add_option("--dtype", dtype, "Cache and weight dtype: bf16 or f32")->capture_default_str();
-  attn->add_option("--heads", ab.heads, "Query heads (128 = DeepSeek-V3 at TP 1)")->capture_default_str()->check(CLI::PositiveNumber);
+  attn->add_option("--heads", ab.heads, "Query heads (128 = DeepSeek-V3 at TP 1)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   attn->add_option("--threads", ab.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
-  attn->add_option("--repetitions", ab.repetitions, "Timed repetitions per point (median reported)")->check(CLI::NonNegativeNumber);
+  attn->add_option("--repetitions", ab.repetitions, "Timed repetitions per point (median reported)")
+      ->check(CLI::NonNegativeNumber);
   attn->add_option("--min-time", ab.min_time_s, "Seconds per repetition")->check(CLI::NonNegativeNumber);
   attn->add_option("--contexts", ab.contexts, "Grid contexts S (cached tokens before the query block)")->delimiter(',');
   attn->add_option("--query-lens", ab.query_lens, "Grid query lengths Q")->delimiter(',');
@@ -167,13 +171,22 @@ int main(int argc, char** argv) {
   mlarun::DecodeBenchOptions db;
   int decode_threads = 0;
   auto* dec = bench->add_subcommand("decode", "Decode and prefill throughput of one process, and where a step goes");
-  dec->add_option("--model", db.deployment.model, "Checkpoint directory or configs/models/*.yaml")->capture_default_str();
+  dec->add_option("--model", db.deployment.model, "Checkpoint directory or configs/models/*.yaml")
+      ->capture_default_str();
   dec->add_option("--num-layers", db.deployment.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
-  dec->add_option("--experts", db.deployment.experts, "Routed experts kept (YAML models), so large shapes fit in memory")->check(CLI::PositiveNumber);
+  dec->add_option("--experts", db.deployment.experts,
+                  "Routed experts kept (YAML models), so large shapes fit in memory")
+      ->check(CLI::PositiveNumber);
   dec->add_option("--batch", db.batches, "Batch sizes")->delimiter(',')->capture_default_str();
-  dec->add_option("--context", db.contexts, "Context lengths (tokens already cached per sequence)")->delimiter(',')->capture_default_str();
-  dec->add_option("--prefill-tokens", db.prefill_tokens, "Prompt tokens of the prefill measurement")->capture_default_str()->check(CLI::PositiveNumber);
-  dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")->capture_default_str()->check(CLI::PositiveNumber);
+  dec->add_option("--context", db.contexts, "Context lengths (tokens already cached per sequence)")
+      ->delimiter(',')
+      ->capture_default_str();
+  dec->add_option("--prefill-tokens", db.prefill_tokens, "Prompt tokens of the prefill measurement")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   dec->add_option("--kv-dtype", db.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
   AddWeightsFlag(dec, db.deployment.weights);
   AddDeviceFlag(dec, db.deployment.device);
@@ -184,7 +197,8 @@ int main(int argc, char** argv) {
 
   mlarun::MemoryBenchOptions mb;
   int memory_threads = 0;
-  auto* bench_mem = bench->add_subcommand("memory", "The memory's streaming read bandwidth, as bench decode measures it next to each step");
+  auto* bench_mem = bench->add_subcommand(
+      "memory", "The memory's streaming read bandwidth, as bench decode measures it next to each step");
   bench_mem->add_option("--passes", mb.passes, "Timed passes (after one untimed)")->capture_default_str();
   bench_mem->add_option("--bytes", mb.bytes, "Buffer bytes (default: 4 x the last-level cache, 1-2 GiB)");
   bench_mem->add_option("--threads", memory_threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
@@ -192,8 +206,11 @@ int main(int argc, char** argv) {
 
   mlarun::GemmBenchOptions gb;
   int gemm_threads = 0;
-  auto* bench_gemm = bench->add_subcommand("gemm", "Our matrix-product kernels against each other and oneDNN, by row count");
-  bench_gemm->add_option("--rows", gb.rows, "Row counts of A (m), comma-separated")->delimiter(',')->capture_default_str();
+  auto* bench_gemm =
+      bench->add_subcommand("gemm", "Our matrix-product kernels against each other and oneDNN, by row count");
+  bench_gemm->add_option("--rows", gb.rows, "Row counts of A (m), comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
   bench_gemm->add_option("--n", gb.n, "B's columns, a weight's rows (default: a weight of 4 x the last-level cache)");
   bench_gemm->add_option("--k", gb.k, "The inner dimension")->capture_default_str();
   bench_gemm->add_option("--dtype", gb.dtype, "A and B: bf16 or f32")->capture_default_str();
@@ -208,46 +225,62 @@ int main(int argc, char** argv) {
   bench_gemm->add_flag("--json", gb.json, "One JSON document on stdout (the table goes to stderr)");
 
   mlarun::CommBenchOptions cb;
-  auto* comm = bench->add_subcommand("comm", "Under mpirun: a layout's collectives at one decode step's sizes (time, algbw, busbw)");
-  comm->add_option("--model", cb.model, "Checkpoint directory or configs/models/*.yaml (its config only)")->capture_default_str();
+  auto* comm = bench->add_subcommand(
+      "comm", "Under mpirun: a layout's collectives at one decode step's sizes (time, algbw, busbw)");
+  comm->add_option("--model", cb.model, "Checkpoint directory or configs/models/*.yaml (its config only)")
+      ->capture_default_str();
   comm->add_option("--parallel", cb.parallel, "dp=D,attn_tp=T (its world must be the job's size)")->required();
   comm->add_option("--batch", cb.batches, "Tokens per DP group per step")->delimiter(',')->capture_default_str();
   comm->add_option("--repetitions", cb.repetitions, "Timed calls per collective (median)")->capture_default_str();
   comm->add_flag("--json", cb.json, "One JSON document on stdout (the table goes to stderr)");
 
   mlarun::ServeBenchOptions sb;
-  auto* serve = bench->add_subcommand("serve", "The serving path over loopback: client load, coordinator overhead, routing");
-  serve->add_option("--clients", sb.clients, "Concurrent client threads (default 64; load rows use at least 4 per group)")
+  auto* serve =
+      bench->add_subcommand("serve", "The serving path over loopback: client load, coordinator overhead, routing");
+  serve
+      ->add_option("--clients", sb.clients,
+                   "Concurrent client threads (default 64; load rows use at least 4 per group)")
       ->check(CLI::PositiveNumber);
   serve->add_option("--requests", sb.requests, "Requests per load row (default 512)")->check(CLI::PositiveNumber);
   serve->add_option("--max-tokens", sb.max_tokens, "Tokens per request (default 16)")->check(CLI::Range(1, 1024));
   serve->add_option("--groups", sb.groups, "Simulated DP groups of the load rows (default 4,64,256)")->delimiter(',');
   serve->add_option("--tokens-per-s", sb.tokens_per_s, "Per simulated group; 0: as fast as possible")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  serve->add_option("--policy", sb.policies, "round_robin,least_loaded,prefix_affinity or all (default all)")->delimiter(',');
-  serve->add_option("--coordinator", sb.coordinator, "Drive this running deployment (host:port) instead of an in-process one");
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  serve->add_option("--policy", sb.policies, "round_robin,least_loaded,prefix_affinity or all (default all)")
+      ->delimiter(',');
+  serve->add_option("--coordinator", sb.coordinator,
+                    "Drive this running deployment (host:port) instead of an in-process one");
   serve->add_flag("--quick", sb.quick, "Small numbers (well under a minute)");
   serve->add_flag("--json", sb.json, "One JSON document on stdout (the tables go to stderr)");
-  serve->add_flag("--http", sb.http, "Only the HTTP API against gRPC on one in-process coordinator (overhead, then load)");
+  serve->add_flag("--http", sb.http,
+                  "Only the HTTP API against gRPC on one in-process coordinator (overhead, then load)");
   SecurityFlags sb_security;
   AddSecurityFlags(serve, sb_security, SecurityRole::kClient);
 
   mlarun::GenerateOptions gen;
   auto* generate = app.add_subcommand("generate", "Generate tokens with a model on this process");
-  generate->add_option("--model", gen.deployment.model, "Hugging Face checkpoint directory, or configs/models/*.yaml")->required();
-  auto* ids_opt = generate->add_option("--prompt-ids", gen.prompt_ids, "One prompt as token ids: 1,2,3")->delimiter(',');
+  generate->add_option("--model", gen.deployment.model, "Hugging Face checkpoint directory, or configs/models/*.yaml")
+      ->required();
+  auto* ids_opt =
+      generate->add_option("--prompt-ids", gen.prompt_ids, "One prompt as token ids: 1,2,3")->delimiter(',');
   auto* file_opt = generate->add_option("--prompts", gen.prompts_path, "JSON lines: prompt_ids and sampling fields");
   ids_opt->excludes(file_opt);
   AddSamplingFlags(generate, gen.sampling);
   generate->add_flag("--json", gen.json, "One JSON object per request, in input order");
-  generate->add_option("--kv-dtype", gen.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
-  generate->add_option("--num-layers", gen.deployment.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
+  generate->add_option("--kv-dtype", gen.deployment.kv_dtype,
+                       "Latent cache dtype: bf16 or fp32 (default: the model's)");
+  generate->add_option("--num-layers", gen.deployment.num_layers, "Reduced depth for YAML models")
+      ->check(CLI::PositiveNumber);
   generate->add_option("--threads", gen.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
-  generate->add_option("--max-batched-tokens", gen.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
+  generate->add_option("--max-batched-tokens", gen.engine.max_num_batched_tokens, "Tokens per step")
+      ->capture_default_str();
   generate->add_option("--max-num-seqs", gen.engine.max_num_seqs, "Running requests at once")->capture_default_str();
-  generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")->capture_default_str();
+  generate->add_option("--cache-bytes", gen.engine.cache_budget_bytes, "Latent cache budget in bytes")
+      ->capture_default_str();
   generate->add_option("--block-size", gen.engine.block_size, "Tokens per cache block")->capture_default_str();
-  generate->add_option("--parallel", gen.deployment.parallel, "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
+  generate->add_option("--parallel", gen.deployment.parallel,
+                       "Run on the ranks of mpirun: dp=D,attn_tp=T[,moe=expert|intermediate]");
   AddWeightsFlag(generate, gen.deployment.weights);
   AddAttentionThresholdsFlag(generate, gen.deployment.attention_thresholds);
   AddDeviceFlag(generate, gen.deployment.device);
@@ -255,22 +288,29 @@ int main(int argc, char** argv) {
 
   std::string config_path;
   mlarun::MemoryOptions mem;
-  auto* memory = app.add_subcommand("memory", "Per-rank memory under TP and DP-attention layouts: predicted, or beside a live run");
+  auto* memory = app.add_subcommand(
+      "memory", "Per-rank memory under TP and DP-attention layouts: predicted, or beside a live run");
   memory->add_option("--model", mem.model, "Checkpoint directory, config.json, or configs/models/*.yaml");
   memory->add_option("--world", mem.world, "Ranks")->capture_default_str()->check(CLI::PositiveNumber);
   memory->add_option("--layouts", mem.layouts, "tpN, dpN, dpAxtpB or dp=A,attn_tp=B (default: tpW, dpW, dp2xtpW/2)")
       ->delimiter(',');
-  memory->add_option("--hbm-gib,--memory-gib", mem.memory_gib, "Memory per rank in GiB (H200: 141)")->capture_default_str();
+  memory->add_option("--hbm-gib,--memory-gib", mem.memory_gib, "Memory per rank in GiB (H200: 141)")
+      ->capture_default_str();
   memory->add_option("--kv-dtype", mem.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
-  memory->add_option("--weight-dtype", mem.weight_dtype,
-                     "Projection weights: bf16 or fp32 (what mlarun holds; default the model's) or fp8 (the release's block-fp8)");
+  memory->add_option(
+      "--weight-dtype", mem.weight_dtype,
+      "Projection weights: bf16 or fp32 (what mlarun holds; default the model's) or fp8 (the release's block-fp8)");
   memory->add_option("--num-layers", mem.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
-  memory->add_option("--block-size", mem.block_size, "Tokens per cache block")->capture_default_str()->check(CLI::PositiveNumber);
+  memory->add_option("--block-size", mem.block_size, "Tokens per cache block")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   memory->add_option("--chunk-rows", mem.chunk_rows, "Rows of the expanded path's up-projection chunk")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   memory->add_flag("--json", mem.json, "One JSON document instead of the tables");
   memory->add_option("--json-out", mem.json_path, "Also write the JSON document to this file");
-  memory->add_option("--svg", mem.svg_path, "Draw per-rank memory by category and the max cached tokens into this SVG file");
+  memory->add_option("--svg", mem.svg_path,
+                     "Draw per-rank memory by category and the max cached tokens into this SVG file");
   memory->add_flag("--measure", mem.measure, "Compare with a live deployment (GetStats from --coordinator)");
   auto* m_coord = memory->add_option("--coordinator", mem.coordinator, "Coordinator host:port (with --measure)");
   memory->add_option("--requests", mem.requests_path, "With --measure: the request set submitted (JSON lines)");
@@ -285,35 +325,49 @@ int main(int argc, char** argv) {
   mlarun::CoordinatorOptions co;
   std::string policy = "prefix_affinity";
   auto* coord = app.add_subcommand("coordinator", "Serve the client API and route requests to the workers' DP groups");
-  auto* c_listen = coord->add_option("--listen", co.listen, "host:port to bind (loopback by default)")->capture_default_str();
-  auto* c_policy = coord->add_option("--policy", policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
-  coord->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")->capture_default_str();
-  coord->add_option("--queue-timeout-s", co.queue_timeout_s,
-                    "Longest wait of a request for a DP group to register when none is connected")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  coord->add_option("--lost-group-wait-s", co.lost_group_wait_s,
-                    "After the last group went away, how long its unanswered requests wait for one to come back")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  coord->add_option("--stall-timeout-s", co.stall_timeout_s,
-                    "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+  auto* c_listen =
+      coord->add_option("--listen", co.listen, "host:port to bind (loopback by default)")->capture_default_str();
+  auto* c_policy =
+      coord->add_option("--policy", policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
+  coord->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  coord
+      ->add_option("--queue-timeout-s", co.queue_timeout_s,
+                   "Longest wait of a request for a DP group to register when none is connected")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  coord
+      ->add_option("--lost-group-wait-s", co.lost_group_wait_s,
+                   "After the last group went away, how long its unanswered requests wait for one to come back")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  coord
+      ->add_option("--stall-timeout-s", co.stall_timeout_s,
+                   "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   coord->add_option("--config", config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
-  auto* c_http = coord->add_option("--http", co.http_listen,
-                                   "Serve the OpenAI-compatible HTTP API and /metrics on host:port (off unless given; "
-                                   "127.0.0.1:8000 when given without a value)")
-                    ->expected(0, 1);
+  auto* c_http = coord
+                     ->add_option("--http", co.http_listen,
+                                  "Serve the OpenAI-compatible HTTP API and /metrics on host:port (off unless given; "
+                                  "127.0.0.1:8000 when given without a value)")
+                     ->expected(0, 1);
   coord->add_option("--model", co.http_model,
                     "With --http: the model (configs/models/*.yaml, checkpoint or tokenizer directory); only its "
                     "tokenizer, chat template and name are read");
   coord->add_option("--served-model-name", co.served_model_name,
                     "With --http: the model name clients send (default: --model's basename without .yaml)");
   coord->add_option("--http-threads", co.http_threads, "With --http: handler threads (one per open connection)")
-      ->capture_default_str()->check(CLI::Range(1, 65536));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
   coord->add_option("--http-max-body-bytes", co.http_max_body_bytes, "With --http: larger request bodies get 413")
-      ->capture_default_str()->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
-  coord->add_option("--http-request-timeout-s", co.http_request_timeout_s,
-                    "With --http: each request's deadline (504 when it passes); 0: none")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
+  coord
+      ->add_option("--http-request-timeout-s", co.http_request_timeout_s,
+                   "With --http: each request's deadline (504 when it passes); 0: none")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   SecurityFlags c_security;
   AddSecurityFlags(coord, c_security, SecurityRole::kCoordinator);
 
@@ -321,14 +375,21 @@ int main(int argc, char** argv) {
   auto* worker = app.add_subcommand("worker", "Serve a model on the ranks of mpirun for a coordinator");
   auto* w_coord = worker->add_option("--coordinator", wo.coordinator, "Coordinator host:port")->capture_default_str();
   auto* w_model = worker->add_option("--model", wo.deployment.model, "Checkpoint directory or configs/models/*.yaml");
-  auto* w_par = worker->add_option("--parallel", wo.deployment.parallel, "dp=D,attn_tp=T[,moe=expert|intermediate]")->capture_default_str();
+  auto* w_par = worker->add_option("--parallel", wo.deployment.parallel, "dp=D,attn_tp=T[,moe=expert|intermediate]")
+                    ->capture_default_str();
   auto* w_kv = worker->add_option("--kv-dtype", wo.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
-  worker->add_option("--num-layers", wo.deployment.num_layers, "Reduced depth for YAML models")->check(CLI::PositiveNumber);
-  auto* w_cache = worker->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank")->capture_default_str();
-  auto* w_mem = worker->add_option("--memory-gib", wo.memory_gib,
-                     "Memory per rank: the cache gets what the weights and the prefill workspace leave (as mlarun memory predicts)")
-      ->check(CLI::PositiveNumber)->excludes(w_cache);
-  auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")->capture_default_str();
+  worker->add_option("--num-layers", wo.deployment.num_layers, "Reduced depth for YAML models")
+      ->check(CLI::PositiveNumber);
+  auto* w_cache = worker->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank")
+                      ->capture_default_str();
+  auto* w_mem = worker
+                    ->add_option("--memory-gib", wo.memory_gib,
+                                 "Memory per rank: the cache gets what the weights and the prefill workspace leave (as "
+                                 "mlarun memory predicts)")
+                    ->check(CLI::PositiveNumber)
+                    ->excludes(w_cache);
+  auto* w_mbt = worker->add_option("--max-batched-tokens", wo.engine.max_num_batched_tokens, "Tokens per step")
+                    ->capture_default_str();
   worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
   AddWeightsFlag(worker, wo.deployment.weights);
@@ -356,8 +417,10 @@ int main(int argc, char** argv) {
   AddSecurityFlags(sim, s_security, SecurityRole::kWorker);
   sim->add_option("--block-size", so.block_size, "Tokens per cache block")->capture_default_str();
   sim->add_option("--cache-blocks", so.cache_blocks, "Simulated cache blocks per group")->capture_default_str();
-  sim->add_option("--max-position-embeddings", so.max_position_embeddings, "Longest prompt + max_tokens accepted")->capture_default_str();
-  sim->add_option("--eos-token-id", so.eos_token_id, "Stop at this id unless ignore_eos (-1: never)")->capture_default_str();
+  sim->add_option("--max-position-embeddings", so.max_position_embeddings, "Longest prompt + max_tokens accepted")
+      ->capture_default_str();
+  sim->add_option("--eos-token-id", so.eos_token_id, "Stop at this id unless ignore_eos (-1: never)")
+      ->capture_default_str();
 
   mlarun::SubmitOptions sub;
   auto* submit = app.add_subcommand("submit", "Send one request to a coordinator");
@@ -365,9 +428,11 @@ int main(int argc, char** argv) {
   auto* s_ids = submit->add_option("--prompt-ids", sub.prompt_ids, "Prompt token ids: 1,2,3")->delimiter(',');
   auto* s_file = submit->add_option("--prompts", sub.prompts_path, "JSON lines, sent --concurrency at a time");
   s_ids->excludes(s_file);
-  submit->add_option("--concurrency", sub.concurrency, "Requests in flight at once (with --prompts)")->capture_default_str();
+  submit->add_option("--concurrency", sub.concurrency, "Requests in flight at once (with --prompts)")
+      ->capture_default_str();
   AddSamplingFlags(submit, sub.sampling);
-  submit->add_option("--request-id", sub.request_id, "Request id (default: the coordinator picks one)")->excludes(s_file);
+  submit->add_option("--request-id", sub.request_id, "Request id (default: the coordinator picks one)")
+      ->excludes(s_file);
   submit->add_flag("--stream", sub.stream, "Print each token as it arrives")->excludes(s_file);
   submit->add_flag("--json", sub.json, "The object mlarun generate prints, plus dp_group");
   submit->add_option("--timeout", sub.timeout_s, "Deadline in seconds")->capture_default_str();
@@ -387,7 +452,8 @@ int main(int argc, char** argv) {
   mlarun::text::TokenizeOptions tk;
   auto* tokenize = app.add_subcommand(
       "tokenize", "The model's tokenizer: one JSON string per stdin line -> one JSON array of ids per stdout line");
-  tokenize->add_option("--model", tk.model, "Checkpoint or tokenizer directory, tokenizer.json, or configs/models/*.yaml")
+  tokenize
+      ->add_option("--model", tk.model, "Checkpoint or tokenizer directory, tokenizer.json, or configs/models/*.yaml")
       ->required();
   tokenize->add_flag("--decode", tk.decode, "The reverse: one JSON array of ids per line -> one JSON string");
   tokenize->add_flag("!--no-special-tokens", tk.add_special_tokens,
@@ -399,8 +465,10 @@ int main(int argc, char** argv) {
   tok_bench->add_option("--model", tb.model, "As for mlarun tokenize")->required();
   tok_bench->add_option("--text", tb.text_file, "The text to encode (a file)")->required();
   tok_bench->add_option("--mode", tb.mode, "whole: one Encode of the file; lines: one per line")
-      ->capture_default_str()->check(CLI::IsMember({"whole", "lines"}));
-  tok_bench->add_option("--runs", tb.runs, "Timed runs (the median is reported)")->capture_default_str()
+      ->capture_default_str()
+      ->check(CLI::IsMember({"whole", "lines"}));
+  tok_bench->add_option("--runs", tb.runs, "Timed runs (the median is reported)")
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
   tok_bench->add_flag("--json", tb.json, "One JSON object instead of the text report");
 
@@ -411,10 +479,12 @@ int main(int argc, char** argv) {
   auto* serve_cmd = app.add_subcommand(
       "serve", "One machine: the coordinator here and the workers as a supervised mpirun job, until SIGINT/SIGTERM");
   serve_cmd->add_option("--model", sv.model, "Checkpoint directory or configs/models/*.yaml")->required();
-  serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")->capture_default_str();
+  serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")
+      ->capture_default_str();
   sv.coordinator.http_listen = "127.0.0.1:8000";
-  serve_cmd->add_option("--http", sv.coordinator.http_listen,
-                        "host:port of the OpenAI-compatible HTTP API (loopback by default; \"\" turns it off)")
+  serve_cmd
+      ->add_option("--http", sv.coordinator.http_listen,
+                   "host:port of the OpenAI-compatible HTTP API (loopback by default; \"\" turns it off)")
       ->capture_default_str();
   serve_cmd->add_option("--served-model-name", sv.coordinator.served_model_name,
                         "The model name HTTP clients send (default: --model's basename without .yaml)");
@@ -429,10 +499,13 @@ int main(int argc, char** argv) {
                         "One more `mlarun worker` argument, e.g. --worker-arg=--kv-dtype --worker-arg=fp32 (repeat)");
   serve_cmd->add_option("--mpirun-arg", sv.mpirun_args, "One more mpirun argument before -np (repeat)");
   serve_cmd->add_option("--ready-timeout-s", sv.ready_timeout_s, "The first job's groups must all register within this")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  serve_cmd->add_option("--restart-backoff-max-s", sv.restart_backoff_max_s,
-                        "A job that died is started again after 1 s, doubling up to this")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  serve_cmd
+      ->add_option("--restart-backoff-max-s", sv.restart_backoff_max_s,
+                   "A job that died is started again after 1 s, doubling up to this")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
 
   if (const auto typo = mlarun::FindTypo(app, argc, argv)) {
     std::fprintf(stderr, "mlarun %s\nRun with --help for more information.\n", typo->c_str());
@@ -488,7 +561,8 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "mlarun coordinator: listening on %s, policy %s\n", (*server)->address().c_str(),
                  std::string(mlarun::RoutingPolicyName(co.policy)).c_str());
-    if (c_http->count() > 0) std::fprintf(stderr, "mlarun coordinator: HTTP API on http://%s\n", (*server)->http_address().c_str());
+    if (c_http->count() > 0)
+      std::fprintf(stderr, "mlarun coordinator: HTTP API on http://%s\n", (*server)->http_address().c_str());
     std::thread stopper([&] {
       int sig = 0;
       sigwait(&stop_signals, &sig);
@@ -595,7 +669,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "mlarun memory: --measure needs --coordinator (or coordinator: in --config)\n");
       return 2;
     }
-    const mlarun::Status st = mem.measure ? mlarun::RunMemoryMeasure(mem, std::cout) : mlarun::RunMemory(mem, std::cout);
+    const mlarun::Status st =
+        mem.measure ? mlarun::RunMemoryMeasure(mem, std::cout) : mlarun::RunMemory(mem, std::cout);
     if (!st.ok()) {
       std::fprintf(stderr, "mlarun memory: %s\n", st.ToString().c_str());
       return st.code() == mlarun::StatusCode::kInvalidArgument || st.code() == mlarun::StatusCode::kNotFound ? 2 : 1;
@@ -633,8 +708,8 @@ int main(int argc, char** argv) {
   }
   if (comm->parsed()) {
     auto session = mlarun::MpiSession::Init(&argc, &argv);
-    return ExitStatus("bench comm",
-                      session.ok() ? mlarun::RunCommBench(cb, **session, cb.json ? std::cerr : std::cout) : session.status());
+    return ExitStatus("bench comm", session.ok() ? mlarun::RunCommBench(cb, **session, cb.json ? std::cerr : std::cout)
+                                                 : session.status());
   }
   if (generate->parsed()) {
     if (gen.prompt_ids.empty() && gen.prompts_path.empty()) {

@@ -17,8 +17,10 @@ std::string_view Trim(std::string_view s) {
 
 std::string_view MoeName(MoeSharding m) {
   switch (m) {
-    case MoeSharding::kByExpert: return "expert";
-    case MoeSharding::kByIntermediate: return "intermediate";
+    case MoeSharding::kByExpert:
+      return "expert";
+    case MoeSharding::kByIntermediate:
+      return "intermediate";
   }
   return "unknown";
 }

@@ -13,8 +13,8 @@
 #include <string>
 #include <string_view>
 
-#include "parallel/communicator.h"
 #include "base/status.h"
+#include "parallel/communicator.h"
 
 namespace mlarun {
 
@@ -45,10 +45,10 @@ StatusOr<ParallelLayout> ParseParallelLayout(std::string_view text);
 // The communicators one rank uses, split from the world communicator.
 struct ProcessGroups {
   ParallelLayout layout;
-  int rank = 0;                              // in the world
+  int rank = 0;  // in the world
   std::unique_ptr<Communicator> world;
-  std::unique_ptr<Communicator> attn_tp;     // this rank's DP group (size attn_tp)
-  std::unique_ptr<Communicator> dp_peers;    // ranks with this attn_tp_rank (size dp)
+  std::unique_ptr<Communicator> attn_tp;   // this rank's DP group (size attn_tp)
+  std::unique_ptr<Communicator> dp_peers;  // ranks with this attn_tp_rank (size dp)
   // With a device runner (CUDA): NCCL over the same ranks as attn_tp and
   // dp_peers, for the step's collectives on device buffers; nullptr for the
   // CPU, and for a group of one rank. The host-side agreements (the plan,

@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "launcher/env.h"
 #include "base/cpu_isa.h"
+#include "launcher/env.h"
 
 namespace {
 
@@ -43,7 +43,8 @@ int main(int argc, char** argv) {
     } else if (static_cast<int>(*isa) > static_cast<int>(mlarun::HostCpu().best())) {
       reason = "this CPU cannot run the " + std::string(below) + " kernels";
     } else if (*isa == mlarun::HostCpu().best()) {
-      reason = "the " + std::string(below) + " kernels are this CPU's own family: the run without MLARUN_CPU_ISA covered them";
+      reason = "the " + std::string(below) +
+               " kernels are this CPU's own family: the run without MLARUN_CPU_ISA covered them";
     } else if (const mlarun::Status set = mlarun::SetCpuIsaLimit(*isa); !set.ok()) {
       reason = set.ToString();
     }

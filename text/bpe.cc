@@ -34,7 +34,8 @@ class WordCache {
     for (size_t i = hash & kMask;; i = (i + 1) & kMask) {
       const Slot& s = slots_[i];
       if (s.hash == 0) return false;
-      if (s.hash == hash && s.key_len == key.size() && std::memcmp(keys_.data() + s.key_off, key.data(), key.size()) == 0) {
+      if (s.hash == hash && s.key_len == key.size() &&
+          std::memcmp(keys_.data() + s.key_off, key.data(), key.size()) == 0) {
         *ids = ids_.data() + s.ids_off;
         *n = s.ids_len;
         return true;

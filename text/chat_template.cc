@@ -155,9 +155,7 @@ std::string Strip(const std::string& s, const Value* chars, bool left, bool righ
   std::u32string set;
   bool use_set = chars != nullptr && chars->is_string();
   if (use_set) set = jinja::DecodeUtf8(chars->s);
-  auto strip_it = [&](char32_t c) {
-    return use_set ? set.find(c) != std::u32string::npos : jinja::IsPyWhitespace(c);
-  };
+  auto strip_it = [&](char32_t c) { return use_set ? set.find(c) != std::u32string::npos : jinja::IsPyWhitespace(c); };
   size_t b = 0, e = u.size();
   if (left) {
     while (b < e && strip_it(u[b])) ++b;
@@ -197,8 +195,7 @@ ValueList Split(const std::string& s, const Value* sep, int64_t maxsplit, bool f
         words = std::move(w2);
       }
     }
-    for (auto [b, e] : words)
-      out.push_back(Value::Str(jinja::EncodeUtf8(std::u32string_view(u).substr(b, e - b))));
+    for (auto [b, e] : words) out.push_back(Value::Str(jinja::EncodeUtf8(std::u32string_view(u).substr(b, e - b))));
     return out;
   }
   const std::string& d = sep->s;
@@ -234,8 +231,7 @@ ValueList Split(const std::string& s, const Value* sep, int64_t maxsplit, bool f
 }
 
 // Python's str.replace.
-std::string Replace(const std::string& s, const std::string& old, const std::string& repl,
-                    int64_t count) {
+std::string Replace(const std::string& s, const std::string& old, const std::string& repl, int64_t count) {
   std::string out;
   if (old.empty()) {
     std::u32string u = jinja::DecodeUtf8(s);
@@ -377,23 +373,19 @@ StatusOr<std::string> PrintfFormat(const std::string& fmt, const Value& v) {
       }
     } else if (conv == 'd' || conv == 'i' || conv == 'x' || conv == 'X' || conv == 'o') {
       if (!a.is_number())
-        return InvalidArgumentError("%", conv, " format: a real number is required, not ",
-                                    jinja::TypeName(a));
+        return InvalidArgumentError("%", conv, " format: a real number is required, not ", jinja::TypeName(a));
       long long x = a.kind == Kind::kFloat ? static_cast<long long>(a.f) : a.as_int();
       std::snprintf(buf, sizeof(buf), ("%" + spec + "ll" + (conv == 'i' ? 'd' : conv)).c_str(), x);
       out += buf;
-    } else if (conv == 'f' || conv == 'F' || conv == 'e' || conv == 'E' || conv == 'g' ||
-               conv == 'G') {
-      if (!a.is_number())
-        return InvalidArgumentError("must be real number, not ", jinja::TypeName(a));
+    } else if (conv == 'f' || conv == 'F' || conv == 'e' || conv == 'E' || conv == 'g' || conv == 'G') {
+      if (!a.is_number()) return InvalidArgumentError("must be real number, not ", jinja::TypeName(a));
       std::snprintf(buf, sizeof(buf), ("%" + spec + conv).c_str(), a.as_double());
       out += buf;
     } else {
       return InvalidArgumentError("unsupported format character '", std::string(1, conv), "'");
     }
   }
-  if (next < args.size())
-    return InvalidArgumentError("not all arguments converted during string formatting");
+  if (next < args.size()) return InvalidArgumentError("not all arguments converted during string formatting");
   return out;
 }
 
@@ -457,8 +449,8 @@ class Renderer {
   // in a loop), so the stores check.
   static Status CheckDepth(const Value& v, int line) {
     if (v.depth > kMaxValueDepth) {
-      return ResourceExhaustedError("chat template line ", line, ": a value nests more than ",
-                                    kMaxValueDepth, " lists/dicts deep; a runaway template?");
+      return ResourceExhaustedError("chat template line ", line, ": a value nests more than ", kMaxValueDepth,
+                                    " lists/dicts deep; a runaway template?");
     }
     return Status::Ok();
   }
@@ -490,13 +482,10 @@ class Renderer {
 
   Status ExecFor(const Node& n, const std::shared_ptr<Scope>& scope, std::string* out);
   Status ExecMacro(const Node& n, const std::shared_ptr<Scope>& scope);
-  Status Assign(const Node& n, const std::vector<std::string>& targets, bool unpack, const Value& v,
-                Scope* scope);
+  Status Assign(const Node& n, const std::vector<std::string>& targets, bool unpack, const Value& v, Scope* scope);
   StatusOr<Value> EvalBinary(const Expr& e, const Value& a, const Value& b);
-  StatusOr<Value> EvalFilter(const Expr& e, const Value& input,
-                             const std::shared_ptr<Scope>& scope);
-  StatusOr<Value> Slice(const Expr& e, const Value& obj, const Value* start, const Value* stop,
-                        const Value* step);
+  StatusOr<Value> EvalFilter(const Expr& e, const Value& input, const std::shared_ptr<Scope>& scope);
+  StatusOr<Value> Slice(const Expr& e, const Value& obj, const Value* start, const Value* stop, const Value* step);
   Status Fail(const Expr& e, const std::string& message) const {
     return InvalidArgumentError("chat template line ", e.line, ": `", e.text, "`: ", message);
   }
@@ -517,8 +506,7 @@ class Renderer {
 
 // ----- statements -----
 
-Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope,
-                      std::string* out) {
+Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope, std::string* out) {
   for (const auto& np : nodes) {
     const Node& n = *np;
     MLARUN_RETURN_IF_ERROR(Step());
@@ -562,9 +550,9 @@ Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope
             }
           }
           if (target.kind != Kind::kNamespace) {
-            return InvalidArgumentError("chat template line ", n.line, ": {% set ", n.targets[0],
-                                        ".", n.attr, " %}: cannot assign an attribute of a ",
-                                        jinja::TypeName(target), " (only of a namespace())");
+            return InvalidArgumentError("chat template line ", n.line, ": {% set ", n.targets[0], ".", n.attr,
+                                        " %}: cannot assign an attribute of a ", jinja::TypeName(target),
+                                        " (only of a namespace())");
           }
           target.ns->attrs.Set(n.attr, std::move(v));
         } else {
@@ -622,21 +610,20 @@ Status Renderer::Exec(const NodeList& nodes, const std::shared_ptr<Scope>& scope
   return Status::Ok();
 }
 
-Status Renderer::Assign(const Node& n, const std::vector<std::string>& targets, bool unpack,
-                        const Value& v, Scope* scope) {
+Status Renderer::Assign(const Node& n, const std::vector<std::string>& targets, bool unpack, const Value& v,
+                        Scope* scope) {
   if (!unpack) {
     scope->vars[targets[0]] = v;
     return Status::Ok();
   }
   ValueList items;
   if (v.is_undefined()) {
-    return InvalidArgumentError("chat template line ", n.line,
-                                ": cannot unpack an undefined value (", v.s, ")");
+    return InvalidArgumentError("chat template line ", n.line, ": cannot unpack an undefined value (", v.s, ")");
   }
   MLARUN_ASSIGN_OR_RETURN(items, Iterate(v));
   if (items.size() != targets.size()) {
-    return InvalidArgumentError("chat template line ", n.line, ": cannot unpack ", items.size(),
-                                " values into ", targets.size(), " names");
+    return InvalidArgumentError("chat template line ", n.line, ": cannot unpack ", items.size(), " values into ",
+                                targets.size(), " names");
   }
   for (size_t k = 0; k < targets.size(); ++k) scope->vars[targets[k]] = items[k];
   return Status::Ok();
@@ -679,18 +666,16 @@ Status Renderer::ExecFor(const Node& n, const std::shared_ptr<Scope>& scope, std
   enum : size_t { kIndex, kIndex0, kRevindex, kRevindex0, kFirst, kLast, kPrev, kNext };
   auto position = std::make_shared<int64_t>(0);
   Dict proto;
-  for (const char* key :
-       {"index", "index0", "revindex", "revindex0", "first", "last", "previtem", "nextitem"}) {
+  for (const char* key : {"index", "index0", "revindex", "revindex0", "first", "last", "previtem", "nextitem"}) {
     proto.items.emplace_back(key, Value());
   }
   proto.items.emplace_back("length", Value::Int(length));
   proto.items.emplace_back("depth", Value::Int(1));
   proto.items.emplace_back("depth0", Value::Int(0));
-  proto.items.emplace_back(
-      "cycle", Value::MakeCallable("loop.cycle", [position](CallArgs& a) -> StatusOr<Value> {
-        if (a.args.empty()) return InvalidArgumentError("loop.cycle() needs at least one value");
-        return a.args[static_cast<size_t>(*position) % a.args.size()];
-      }));
+  proto.items.emplace_back("cycle", Value::MakeCallable("loop.cycle", [position](CallArgs& a) -> StatusOr<Value> {
+                             if (a.args.empty()) return InvalidArgumentError("loop.cycle() needs at least one value");
+                             return a.args[static_cast<size_t>(*position) % a.args.size()];
+                           }));
   for (int64_t k = 0; k < length; ++k) {
     MLARUN_RETURN_IF_ERROR(Step());
     auto s = std::make_shared<Scope>();
@@ -705,8 +690,7 @@ Status Renderer::ExecFor(const Node& n, const std::shared_ptr<Scope>& scope, std
     loop.items[kFirst].second = Value::Bool(k == 0);
     loop.items[kLast].second = Value::Bool(k == length - 1);
     loop.items[kPrev].second = k > 0 ? items[k - 1] : Value::Undefined("there is no previous item");
-    loop.items[kNext].second =
-        k + 1 < length ? items[k + 1] : Value::Undefined("there is no next item");
+    loop.items[kNext].second = k + 1 < length ? items[k + 1] : Value::Undefined("there is no next item");
     s->vars["loop"] = Value::MakeDict(std::move(loop));
     MLARUN_RETURN_IF_ERROR(Exec(n.body, s, out));
     if (flow_ == Flow::kBreak) {
@@ -732,13 +716,12 @@ Status Renderer::ExecMacro(const Node& n, const std::shared_ptr<Scope>& scope) {
         }
         if (a.args.size() > node->params.size()) {
           return InvalidArgumentError("chat template line ", node->line, ": macro '", node->name,
-                                      "' takes not more than ", node->params.size(),
-                                      " argument(s)");
+                                      "' takes not more than ", node->params.size(), " argument(s)");
         }
         if (++self->call_depth_ > kMaxCallDepth) {
           --self->call_depth_;
-          return ResourceExhaustedError("chat template: macro calls nest deeper than ",
-                                        kMaxCallDepth, "; a runaway template?");
+          return ResourceExhaustedError("chat template: macro calls nest deeper than ", kMaxCallDepth,
+                                        "; a runaway template?");
         }
         MLARUN_RETURN_IF_ERROR(self->Step());
         auto s = std::make_shared<Scope>();
@@ -769,8 +752,8 @@ Status Renderer::ExecMacro(const Node& n, const std::shared_ptr<Scope>& scope) {
             }
             s->vars[node->params[p]] = std::move(d).value();
           } else {
-            s->vars[node->params[p]] = Value::Undefined(
-                "parameter '" + node->params[p] + "' of macro '" + node->name + "' was not given");
+            s->vars[node->params[p]] =
+                Value::Undefined("parameter '" + node->params[p] + "' of macro '" + node->name + "' was not given");
           }
         }
         std::string text;
@@ -813,11 +796,11 @@ StatusOr<ValueList> Renderer::Iterate(const Value& v) {
 }
 
 StatusOr<Value> Renderer::GetAttr(const Value& obj, const std::string& name) {
-  static const char* kStrMethods[] = {
-      "split",   "rsplit",  "strip",   "lstrip",     "rstrip",       "startswith",  "endswith",
-      "replace", "upper",   "lower",   "title",      "capitalize",   "find",        "rfind",
-      "index",   "count",   "format",  "join",       "isdigit",      "isalpha",     "isalnum",
-      "isspace", "islower", "isupper", "splitlines", "removeprefix", "removesuffix"};
+  static const char* kStrMethods[] = {"split",      "rsplit",       "strip",       "lstrip",  "rstrip",  "startswith",
+                                      "endswith",   "replace",      "upper",       "lower",   "title",   "capitalize",
+                                      "find",       "rfind",        "index",       "count",   "format",  "join",
+                                      "isdigit",    "isalpha",      "isalnum",     "isspace", "islower", "isupper",
+                                      "splitlines", "removeprefix", "removesuffix"};
   static const char* kDictMethods[] = {"get", "items", "keys", "values"};
   static const char* kListMethods[] = {"index", "count"};
   auto bound = [&](const char* const* names, size_t n) -> bool {
@@ -829,8 +812,7 @@ StatusOr<Value> Renderer::GetAttr(const Value& obj, const std::string& name) {
   auto method = [this, &obj, &name]() {
     Value self = obj;
     std::string m = name;
-    return Value::MakeCallable(name,
-                               [this, self, m](CallArgs& a) { return CallMethod(self, m, a); });
+    return Value::MakeCallable(name, [this, self, m](CallArgs& a) { return CallMethod(self, m, a); });
   };
   switch (obj.kind) {
     case Kind::kUndefined:
@@ -873,8 +855,7 @@ StatusOr<Value> Renderer::GetItem(const Value& obj, const Value& key) {
     case Kind::kString: {
       if (!key.is_integral()) {
         if (key.is_string()) return GetAttr(obj, key.s);
-        return Value::Undefined("'" + jinja::TypeName(obj) + " object' has no attribute " +
-                                jinja::Repr(key));
+        return Value::Undefined("'" + jinja::TypeName(obj) + " object' has no attribute " + jinja::Repr(key));
       }
       int64_t i = key.as_int();
       if (obj.is_list()) {
@@ -897,19 +878,16 @@ StatusOr<Value> Renderer::GetItem(const Value& obj, const Value& key) {
     default:
       break;
   }
-  return Value::Undefined("'" + jinja::TypeName(obj) + " object' has no attribute " +
-                          jinja::Repr(key));
+  return Value::Undefined("'" + jinja::TypeName(obj) + " object' has no attribute " + jinja::Repr(key));
 }
 
-StatusOr<Value> Renderer::Slice(const Expr& e, const Value& obj, const Value* start,
-                                const Value* stop, const Value* step) {
+StatusOr<Value> Renderer::Slice(const Expr& e, const Value& obj, const Value* start, const Value* stop,
+                                const Value* step) {
   if (obj.is_undefined()) return Fail(e, UndefinedError(obj).message());
-  if (!obj.is_list() && !obj.is_string())
-    return Fail(e, "'" + jinja::TypeName(obj) + "' object is not subscriptable");
+  if (!obj.is_list() && !obj.is_string()) return Fail(e, "'" + jinja::TypeName(obj) + "' object is not subscriptable");
   auto as_index = [&](const Value* v, const char* what) -> StatusOr<std::optional<int64_t>> {
     if (v == nullptr || v->is_none()) return std::optional<int64_t>();
-    if (!v->is_integral())
-      return Fail(e, std::string("slice ") + what + " must be an integer or None");
+    if (!v->is_integral()) return Fail(e, std::string("slice ") + what + " must be an integer or None");
     return std::optional<int64_t>(v->as_int());
   };
   std::optional<int64_t> b, en, st;
@@ -972,8 +950,7 @@ StatusOr<bool> Renderer::Contains(const Value& container, const Value& item) {
       return false;
     case Kind::kString:
       if (!item.is_string()) {
-        return InvalidArgumentError("'in <string>' requires string as left operand, not ",
-                                    jinja::TypeName(item));
+        return InvalidArgumentError("'in <string>' requires string as left operand, not ", jinja::TypeName(item));
       }
       return container.s.find(item.s) != std::string::npos;
     case Kind::kList:
@@ -984,8 +961,7 @@ StatusOr<bool> Renderer::Contains(const Value& container, const Value& item) {
     case Kind::kDict:
       return item.is_string() && container.dict->Find(item.s) != nullptr;
     default:
-      return InvalidArgumentError("argument of type '", jinja::TypeName(container),
-                                  "' is not iterable");
+      return InvalidArgumentError("argument of type '", jinja::TypeName(container), "' is not iterable");
   }
 }
 
@@ -999,9 +975,8 @@ StatusOr<Value> Renderer::EvalBinary(const Expr& e, const Value& a, const Value&
   if (b.is_undefined()) return Fail(e, UndefinedError(b).message());
   static const char* kSymbols[] = {"+", "-", "*", "/", "//", "%", "**", "~"};
   auto unsupported = [&]() {
-    return Fail(e, std::string("unsupported operand type(s) for ") +
-                       kSymbols[static_cast<int>(e.op)] + ": '" + jinja::TypeName(a) + "' and '" +
-                       jinja::TypeName(b) + "'");
+    return Fail(e, std::string("unsupported operand type(s) for ") + kSymbols[static_cast<int>(e.op)] + ": '" +
+                       jinja::TypeName(a) + "' and '" + jinja::TypeName(b) + "'");
   };
   auto overflow = [&]() { return Fail(e, "integer overflow (beyond 64 bits)"); };
   const bool ints = a.is_integral() && b.is_integral();
@@ -1024,10 +999,8 @@ StatusOr<Value> Renderer::EvalBinary(const Expr& e, const Value& a, const Value&
         MLARUN_RETURN_IF_ERROR(Step(static_cast<int64_t>(r.size())));
         return Value::List(std::move(r), a.tuple);
       }
-      if (a.is_string())
-        return Fail(e, "can only concatenate str (not \"" + jinja::TypeName(b) + "\") to str");
-      if (a.is_list())
-        return Fail(e, "can only concatenate list (not \"" + jinja::TypeName(b) + "\") to list");
+      if (a.is_string()) return Fail(e, "can only concatenate str (not \"" + jinja::TypeName(b) + "\") to str");
+      if (a.is_list()) return Fail(e, "can only concatenate list (not \"" + jinja::TypeName(b) + "\") to list");
       return unsupported();
     case BinOp::kSub:
       if (ints) {
@@ -1121,8 +1094,7 @@ StatusOr<Value> Renderer::EvalBinary(const Expr& e, const Value& a, const Value&
   return unsupported();
 }
 
-StatusOr<Value> Renderer::EvalFilter(const Expr& e, const Value& block_input,
-                                     const std::shared_ptr<Scope>& scope) {
+StatusOr<Value> Renderer::EvalFilter(const Expr& e, const Value& block_input, const std::shared_ptr<Scope>& scope) {
   // The innermost operand of a {% filter %} block is a placeholder for the
   // block's text.
   Value input;
@@ -1162,8 +1134,7 @@ StatusOr<Value> Renderer::AttributePath(const Value& v, const Value& path) {
   while (true) {
     size_t dot = p.find('.', pos);
     std::string part = p.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
-    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(),
-                                                [](char c) { return c >= '0' && c <= '9'; });
+    bool numeric = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
     if (numeric) {
       MLARUN_ASSIGN_OR_RETURN(cur, GetItem(cur, Value::Int(std::stoll(part))));
     } else {
@@ -1260,9 +1231,8 @@ StatusOr<Value> Renderer::Eval(const Expr& e, const std::shared_ptr<Scope>& scop
       MLARUN_ASSIGN_OR_RETURN(v, Eval(*e.children[0], scope));
       if (v.is_undefined()) return Fail(e, UndefinedError(v).message());
       if (!v.is_number()) {
-        return Fail(e, std::string("bad operand type for unary ") +
-                           (e.kind == ExprKind::kNeg ? "-" : "+") + ": '" + jinja::TypeName(v) +
-                           "'");
+        return Fail(e, std::string("bad operand type for unary ") + (e.kind == ExprKind::kNeg ? "-" : "+") + ": '" +
+                           jinja::TypeName(v) + "'");
       }
       if (e.kind == ExprKind::kPos) return v.kind == Kind::kBool ? Value::Int(v.as_int()) : v;
       if (v.kind == Kind::kFloat) return Value::Float(-v.f);
@@ -1317,15 +1287,11 @@ StatusOr<Value> Renderer::Eval(const Expr& e, const std::shared_ptr<Scope>& scop
             static const char* kSym[] = {"==", "!=", "<", "<=", ">", ">=", "in", "not in"};
             std::string msg = c.status().message();
             size_t q = msg.find("'<'");
-            if (q != std::string::npos)
-              msg.replace(q, 3, std::string("'") + kSym[static_cast<int>(op)] + "'");
+            if (q != std::string::npos) msg.replace(q, 3, std::string("'") + kSym[static_cast<int>(op)] + "'");
             return Fail(e, msg);
           }
           int cv = *c;
-          r = op == CmpOp::kLt   ? cv < 0
-              : op == CmpOp::kLe ? cv <= 0
-              : op == CmpOp::kGt ? cv > 0
-                                 : cv >= 0;
+          r = op == CmpOp::kLt ? cv < 0 : op == CmpOp::kLe ? cv <= 0 : op == CmpOp::kGt ? cv > 0 : cv >= 0;
         }
         if (!r) return Value::Bool(false);
         left = std::move(right);
@@ -1340,15 +1306,13 @@ StatusOr<Value> Renderer::Eval(const Expr& e, const std::shared_ptr<Scope>& scop
 
 StatusOr<int64_t> IntArg(const Value* v, int64_t def, const char* what) {
   if (v == nullptr || v->is_none()) return def;
-  if (!v->is_integral())
-    return InvalidArgumentError(what, " must be an integer, not ", jinja::TypeName(*v));
+  if (!v->is_integral()) return InvalidArgumentError(what, " must be an integer, not ", jinja::TypeName(*v));
   return v->as_int();
 }
 
 StatusOr<std::string> StrArg(const Value* v, const char* what) {
   if (v == nullptr) return InvalidArgumentError(what, " is missing");
-  if (!v->is_string())
-    return InvalidArgumentError(what, " must be a str, not ", jinja::TypeName(*v));
+  if (!v->is_string()) return InvalidArgumentError(what, " must be a str, not ", jinja::TypeName(*v));
   return v->s;
 }
 
@@ -1374,22 +1338,18 @@ StatusOr<std::string> PyFormat(const std::string& fmt, const CallArgs& a) {
       continue;
     }
     size_t close = fmt.find('}', i);
-    if (close == std::string::npos)
-      return InvalidArgumentError("Single '{' encountered in format string");
+    if (close == std::string::npos) return InvalidArgumentError("Single '{' encountered in format string");
     std::string field = fmt.substr(i + 1, close - i - 1);
     if (field.find_first_of(":!") != std::string::npos) {
       return InvalidArgumentError("format specs and conversions in str.format are not supported");
     }
     const Value* v = nullptr;
     if (field.empty()) {
-      if (auto_index >= a.args.size())
-        return InvalidArgumentError("Replacement index ", auto_index, " out of range");
+      if (auto_index >= a.args.size()) return InvalidArgumentError("Replacement index ", auto_index, " out of range");
       v = &a.args[auto_index++];
-    } else if (std::all_of(field.begin(), field.end(),
-                           [](char d) { return d >= '0' && d <= '9'; })) {
+    } else if (std::all_of(field.begin(), field.end(), [](char d) { return d >= '0' && d <= '9'; })) {
       size_t idx = std::stoul(field);
-      if (idx >= a.args.size())
-        return InvalidArgumentError("Replacement index ", idx, " out of range");
+      if (idx >= a.args.size()) return InvalidArgumentError("Replacement index ", idx, " out of range");
       v = &a.args[idx];
     } else {
       for (const auto& [k, x] : a.kwargs) {
@@ -1404,8 +1364,7 @@ StatusOr<std::string> PyFormat(const std::string& fmt, const CallArgs& a) {
 }
 
 // Code point offsets of `sub` in `s` (find/rfind/count/index).
-int64_t FindCp(const std::u32string& s, const std::u32string& sub, int64_t start, int64_t end,
-               bool reverse) {
+int64_t FindCp(const std::u32string& s, const std::u32string& sub, int64_t start, int64_t end, bool reverse) {
   int64_t n = static_cast<int64_t>(s.size());
   if (start < 0) start = std::max<int64_t>(0, start + n);
   if (end < 0) end = std::max<int64_t>(0, end + n);
@@ -1466,8 +1425,7 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
   if (name == "split" || name == "rsplit") {
     const Value* sep = Arg(a, 0, "sep");
     if (sep != nullptr && !sep->is_none()) {
-      if (!sep->is_string())
-        return InvalidArgumentError("must be str or None, not ", jinja::TypeName(*sep));
+      if (!sep->is_string()) return InvalidArgumentError("must be str or None, not ", jinja::TypeName(*sep));
       if (sep->s.empty()) return InvalidArgumentError("empty separator");
     }
     int64_t maxsplit;
@@ -1508,12 +1466,11 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
     }
     for (const Value& o : options) {
       if (!o.is_string()) {
-        return InvalidArgumentError(name, " first arg must be str or a tuple of str, not ",
-                                    jinja::TypeName(o));
+        return InvalidArgumentError(name, " first arg must be str or a tuple of str, not ", jinja::TypeName(o));
       }
-      bool hit = name == "startswith" ? s.compare(0, o.s.size(), o.s) == 0
-                                      : (s.size() >= o.s.size() &&
-                                         s.compare(s.size() - o.s.size(), o.s.size(), o.s) == 0);
+      bool hit = name == "startswith"
+                     ? s.compare(0, o.s.size(), o.s) == 0
+                     : (s.size() >= o.s.size() && s.compare(s.size() - o.s.size(), o.s.size(), o.s) == 0);
       if (hit) return Value::Bool(true);
     }
     return Value::Bool(false);
@@ -1573,8 +1530,8 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
     std::string r;
     for (size_t k = 0; k < items.size(); ++k) {
       if (!items[k].is_string()) {
-        return InvalidArgumentError("sequence item ", k, ": expected str instance, ",
-                                    jinja::TypeName(items[k]), " found");
+        return InvalidArgumentError("sequence item ", k, ": expected str instance, ", jinja::TypeName(items[k]),
+                                    " found");
       }
       if (k > 0) r += s;
       r += items[k].s;
@@ -1585,8 +1542,7 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
   if (name == "removeprefix" || name == "removesuffix") {
     std::string p;
     MLARUN_ASSIGN_OR_RETURN(p, StrArg(Arg(a, 0, "prefix"), (name + "() argument").c_str()));
-    if (name == "removeprefix" && s.compare(0, p.size(), p) == 0)
-      return Value::Str(s.substr(p.size()));
+    if (name == "removeprefix" && s.compare(0, p.size(), p) == 0) return Value::Str(s.substr(p.size()));
     if (name == "removesuffix" && !p.empty() && s.size() >= p.size() &&
         s.compare(s.size() - p.size(), p.size(), p) == 0) {
       return Value::Str(s.substr(0, s.size() - p.size()));
@@ -1598,10 +1554,8 @@ StatusOr<Value> Renderer::CallMethod(const Value& obj, const std::string& name, 
   auto all = [&](auto pred) { return !u.empty() && std::all_of(u.begin(), u.end(), pred); };
   if (name == "isdigit") return Value::Bool(all([](char32_t c) { return c >= '0' && c <= '9'; }));
   if (name == "isalpha") return Value::Bool(all([](char32_t c) { return IsAsciiAlpha(c); }));
-  if (name == "isalnum")
-    return Value::Bool(all([](char32_t c) { return IsAsciiAlpha(c) || (c >= '0' && c <= '9'); }));
-  if (name == "isspace")
-    return Value::Bool(all([](char32_t c) { return jinja::IsPyWhitespace(c); }));
+  if (name == "isalnum") return Value::Bool(all([](char32_t c) { return IsAsciiAlpha(c) || (c >= '0' && c <= '9'); }));
+  if (name == "isspace") return Value::Bool(all([](char32_t c) { return jinja::IsPyWhitespace(c); }));
   if (name == "islower" || name == "isupper") {
     bool cased = false, ok = true;
     for (char32_t c : u) {
@@ -1638,33 +1592,21 @@ StatusOr<Value> FLength(Renderer&, const Value& v, CallArgs&) {
 StatusOr<Value> FDefault(Renderer&, const Value& v, CallArgs& a) {
   const Value* def = Arg(a, 0, "default_value");
   const Value* boolean = Arg(a, 1, "boolean");
-  bool use =
-      v.is_undefined() || (boolean != nullptr && jinja::Truthy(*boolean) && !jinja::Truthy(v));
+  bool use = v.is_undefined() || (boolean != nullptr && jinja::Truthy(*boolean) && !jinja::Truthy(v));
   if (!use) return v;
   return def != nullptr ? *def : Value::Str("");
 }
 
 StatusOr<Value> FTrim(Renderer&, const Value& v, CallArgs& a) {
   const Value* chars = Arg(a, 0, "chars");
-  return Value::Str(
-      Strip(jinja::ToStr(v), chars != nullptr && chars->is_string() ? chars : nullptr, true, true));
+  return Value::Str(Strip(jinja::ToStr(v), chars != nullptr && chars->is_string() ? chars : nullptr, true, true));
 }
 
-StatusOr<Value> FUpper(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(PyUpper(jinja::ToStr(v)));
-}
-StatusOr<Value> FLower(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(PyLower(jinja::ToStr(v)));
-}
-StatusOr<Value> FCapitalize(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(PyCapitalize(jinja::ToStr(v)));
-}
-StatusOr<Value> FTitle(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(JinjaTitle(jinja::ToStr(v)));
-}
-StatusOr<Value> FString(Renderer&, const Value& v, CallArgs&) {
-  return Value::Str(jinja::ToStr(v));
-}
+StatusOr<Value> FUpper(Renderer&, const Value& v, CallArgs&) { return Value::Str(PyUpper(jinja::ToStr(v))); }
+StatusOr<Value> FLower(Renderer&, const Value& v, CallArgs&) { return Value::Str(PyLower(jinja::ToStr(v))); }
+StatusOr<Value> FCapitalize(Renderer&, const Value& v, CallArgs&) { return Value::Str(PyCapitalize(jinja::ToStr(v))); }
+StatusOr<Value> FTitle(Renderer&, const Value& v, CallArgs&) { return Value::Str(JinjaTitle(jinja::ToStr(v))); }
+StatusOr<Value> FString(Renderer&, const Value& v, CallArgs&) { return Value::Str(jinja::ToStr(v)); }
 StatusOr<Value> FSafe(Renderer&, const Value& v, CallArgs&) { return v; }
 
 StatusOr<Value> FEscape(Renderer& r, const Value& v, CallArgs&) {
@@ -1717,8 +1659,7 @@ StatusOr<Value> FJoin(Renderer& r, const Value& v, CallArgs& a) {
 StatusOr<Value> FReplace(Renderer& r, const Value& v, CallArgs& a) {
   const Value* old = Arg(a, 0, "old");
   const Value* repl = Arg(a, 1, "new");
-  if (old == nullptr || repl == nullptr)
-    return InvalidArgumentError("replace needs the old and the new string");
+  if (old == nullptr || repl == nullptr) return InvalidArgumentError("replace needs the old and the new string");
   int64_t count;
   MLARUN_ASSIGN_OR_RETURN(count, IntArg(Arg(a, 2, "count"), -1, "count"));
   std::string out = Replace(jinja::ToStr(v), jinja::ToStr(*old), jinja::ToStr(*repl), count);
@@ -1738,8 +1679,7 @@ StatusOr<Value> FToJson(Renderer& r, const Value& v, CallArgs& a) {
     ind = static_cast<int>(std::clamp<int64_t>(indent->as_int(), 0, 64));
   }
   std::string out;
-  MLARUN_ASSIGN_OR_RETURN(out,
-                          jinja::ToJson(v, ind, sort_keys != nullptr && jinja::Truthy(*sort_keys)));
+  MLARUN_ASSIGN_OR_RETURN(out, jinja::ToJson(v, ind, sort_keys != nullptr && jinja::Truthy(*sort_keys)));
   MLARUN_RETURN_IF_ERROR(r.Charge(out.size()));
   return Value::Str(std::move(out));
 }
@@ -1825,8 +1765,7 @@ StatusOr<Value> FList(Renderer& r, const Value& v, CallArgs&) {
 
 StatusOr<Value> FItems(Renderer& r, const Value& v, CallArgs& a) {
   if (v.is_undefined()) return Value::List({});
-  if (!v.is_dict())
-    return InvalidArgumentError("can only get item pairs from a mapping, not ", jinja::TypeName(v));
+  if (!v.is_dict()) return InvalidArgumentError("can only get item pairs from a mapping, not ", jinja::TypeName(v));
   Value items;
   MLARUN_ASSIGN_OR_RETURN(items, r.CallMethod(v, "items", a));
   items.view = nullptr;
@@ -1847,8 +1786,7 @@ StatusOr<Value> FRound(Renderer&, const Value& v, CallArgs& a) {
   MLARUN_ASSIGN_OR_RETURN(precision, IntArg(Arg(a, 0, "precision"), 0, "precision"));
   const Value* method = Arg(a, 1, "method");
   std::string m = method != nullptr ? jinja::ToStr(*method) : "common";
-  if (!v.is_number())
-    return InvalidArgumentError("type ", jinja::TypeName(v), " doesn't define __round__ method");
+  if (!v.is_number()) return InvalidArgumentError("type ", jinja::TypeName(v), " doesn't define __round__ method");
   if (m != "common" && m != "floor" && m != "ceil") {
     return InvalidArgumentError("method must be common, ceil or floor");
   }
@@ -1946,8 +1884,7 @@ StatusOr<Value> MinMax(Renderer& r, const Value& v, CallArgs& a, bool want_max) 
   if (items.empty()) return Value::Undefined("No aggregated item, sequence was empty.");
   size_t best = 0;
   Value best_key;
-  MLARUN_ASSIGN_OR_RETURN(best_key,
-                          SortKey(r, items[0], attr, cs != nullptr && jinja::Truthy(*cs)));
+  MLARUN_ASSIGN_OR_RETURN(best_key, SortKey(r, items[0], attr, cs != nullptr && jinja::Truthy(*cs)));
   for (size_t k = 1; k < items.size(); ++k) {
     Value key;
     MLARUN_ASSIGN_OR_RETURN(key, SortKey(r, items[k], attr, cs != nullptr && jinja::Truthy(*cs)));
@@ -1975,13 +1912,12 @@ StatusOr<Value> FSum(Renderer& r, const Value& v, CallArgs& a) {
       MLARUN_ASSIGN_OR_RETURN(x, r.AttributePath(item, *attr));
     }
     if (!total.is_number() || !x.is_number()) {
-      return InvalidArgumentError("unsupported operand type(s) for +: '", jinja::TypeName(total),
-                                  "' and '", jinja::TypeName(x), "'");
+      return InvalidArgumentError("unsupported operand type(s) for +: '", jinja::TypeName(total), "' and '",
+                                  jinja::TypeName(x), "'");
     }
     if (total.is_integral() && x.is_integral()) {
       int64_t s;
-      if (__builtin_add_overflow(total.as_int(), x.as_int(), &s))
-        return InvalidArgumentError("integer overflow");
+      if (__builtin_add_overflow(total.as_int(), x.as_int(), &s)) return InvalidArgumentError("integer overflow");
       total = Value::Int(s);
     } else {
       total = Value::Float(total.as_double() + x.as_double());
@@ -2005,8 +1941,7 @@ StatusOr<Value> SelectOrReject(Renderer& r, const Value& v, CallArgs& a, bool by
   if (next < a.args.size()) {
     if (!a.args[next].is_string()) return InvalidArgumentError("the test name must be a string");
     test = a.args[next++].s;
-    if (Tests().find(test) == Tests().end())
-      return InvalidArgumentError("no test named '", test, "'");
+    if (Tests().find(test) == Tests().end()) return InvalidArgumentError("no test named '", test, "'");
   }
   CallArgs test_args;
   test_args.args.assign(a.args.begin() + static_cast<std::ptrdiff_t>(next), a.args.end());
@@ -2027,18 +1962,10 @@ StatusOr<Value> SelectOrReject(Renderer& r, const Value& v, CallArgs& a, bool by
   }
   return Value::List(std::move(out));
 }
-StatusOr<Value> FSelect(Renderer& r, const Value& v, CallArgs& a) {
-  return SelectOrReject(r, v, a, false, true);
-}
-StatusOr<Value> FReject(Renderer& r, const Value& v, CallArgs& a) {
-  return SelectOrReject(r, v, a, false, false);
-}
-StatusOr<Value> FSelectAttr(Renderer& r, const Value& v, CallArgs& a) {
-  return SelectOrReject(r, v, a, true, true);
-}
-StatusOr<Value> FRejectAttr(Renderer& r, const Value& v, CallArgs& a) {
-  return SelectOrReject(r, v, a, true, false);
-}
+StatusOr<Value> FSelect(Renderer& r, const Value& v, CallArgs& a) { return SelectOrReject(r, v, a, false, true); }
+StatusOr<Value> FReject(Renderer& r, const Value& v, CallArgs& a) { return SelectOrReject(r, v, a, false, false); }
+StatusOr<Value> FSelectAttr(Renderer& r, const Value& v, CallArgs& a) { return SelectOrReject(r, v, a, true, true); }
+StatusOr<Value> FRejectAttr(Renderer& r, const Value& v, CallArgs& a) { return SelectOrReject(r, v, a, true, false); }
 
 StatusOr<Value> FMap(Renderer& r, const Value& v, CallArgs& a) {
   ValueList items;
@@ -2059,8 +1986,7 @@ StatusOr<Value> FMap(Renderer& r, const Value& v, CallArgs& a) {
     }
     return Value::List(std::move(out));
   }
-  if (a.args.empty() || !a.args[0].is_string())
-    return InvalidArgumentError("map needs a filter name or attribute=");
+  if (a.args.empty() || !a.args[0].is_string()) return InvalidArgumentError("map needs a filter name or attribute=");
   std::string filter = a.args[0].s;
   CallArgs rest;
   rest.args.assign(a.args.begin() + 1, a.args.end());
@@ -2130,8 +2056,7 @@ StatusOr<Value> FWordcount(Renderer&, const Value& v, CallArgs&) {
 }
 
 StatusOr<Value> FDictsort(Renderer& r, const Value& v, CallArgs& a) {
-  if (!v.is_dict())
-    return InvalidArgumentError("dictsort needs a mapping, not ", jinja::TypeName(v));
+  if (!v.is_dict()) return InvalidArgumentError("dictsort needs a mapping, not ", jinja::TypeName(v));
   const Value* cs = Arg(a, 0, "case_sensitive");
   const Value* by = Arg(a, 1, "by");
   const Value* rev = Arg(a, 2, "reverse");
@@ -2140,8 +2065,8 @@ StatusOr<Value> FDictsort(Renderer& r, const Value& v, CallArgs& a) {
   Value items;
   MLARUN_ASSIGN_OR_RETURN(items, r.CallMethod(v, "items", none));
   CallArgs sort_args;
-  sort_args.args = {rev != nullptr ? *rev : Value::Bool(false),
-                    cs != nullptr ? *cs : Value::Bool(false), Value::Int(by_value ? 1 : 0)};
+  sort_args.args = {rev != nullptr ? *rev : Value::Bool(false), cs != nullptr ? *cs : Value::Bool(false),
+                    Value::Int(by_value ? 1 : 0)};
   return FSort(r, items, sort_args);
 }
 
@@ -2201,9 +2126,7 @@ StatusOr<bool> TInteger(Renderer&, const Value& v, CallArgs&) { return v.kind ==
 StatusOr<bool> TFloat(Renderer&, const Value& v, CallArgs&) { return v.kind == Kind::kFloat; }
 StatusOr<bool> TBoolean(Renderer&, const Value& v, CallArgs&) { return v.kind == Kind::kBool; }
 StatusOr<bool> TTrue(Renderer&, const Value& v, CallArgs&) { return v.kind == Kind::kBool && v.b; }
-StatusOr<bool> TFalse(Renderer&, const Value& v, CallArgs&) {
-  return v.kind == Kind::kBool && !v.b;
-}
+StatusOr<bool> TFalse(Renderer&, const Value& v, CallArgs&) { return v.kind == Kind::kBool && !v.b; }
 StatusOr<bool> TMapping(Renderer&, const Value& v, CallArgs&) { return v.is_dict(); }
 StatusOr<bool> TIterable(Renderer&, const Value& v, CallArgs&) {
   return v.is_undefined() || v.is_string() || v.is_list() || v.is_dict();
@@ -2261,16 +2184,14 @@ StatusOr<bool> TSameAs(Renderer&, const Value& v, CallArgs& a) {
 }
 StatusOr<bool> TOddEven(const Value& v, bool odd) {
   if (v.is_undefined()) return InvalidArgumentError(v.s);
-  if (!v.is_integral())
-    return InvalidArgumentError("odd/even need an integer, not ", jinja::TypeName(v));
+  if (!v.is_integral()) return InvalidArgumentError("odd/even need an integer, not ", jinja::TypeName(v));
   return (FloorMod(v.as_int(), 2) == 1) == odd;
 }
 StatusOr<bool> TOdd(Renderer&, const Value& v, CallArgs&) { return TOddEven(v, true); }
 StatusOr<bool> TEven(Renderer&, const Value& v, CallArgs&) { return TOddEven(v, false); }
 StatusOr<bool> TDivisibleBy(Renderer&, const Value& v, CallArgs& a) {
   const Value* o = Arg(a, 0, "num");
-  if (o == nullptr || !o->is_integral() || !v.is_integral())
-    return InvalidArgumentError("divisibleby needs integers");
+  if (o == nullptr || !o->is_integral() || !v.is_integral()) return InvalidArgumentError("divisibleby needs integers");
   if (o->as_int() == 0) return InvalidArgumentError("integer division or modulo by zero");
   return FloorMod(v.as_int(), o->as_int()) == 0;
 }
@@ -2334,37 +2255,32 @@ const std::unordered_map<std::string, TestFn>& Tests() {
 
 void Renderer::InstallGlobals(Scope* root) {
   Renderer* self = this;
-  root->vars["raise_exception"] =
-      Value::MakeCallable("raise_exception", [](CallArgs& a) -> StatusOr<Value> {
-        std::string msg = a.args.empty() ? "" : jinja::ToStr(a.args[0]);
-        return Status(StatusCode::kInvalidArgument, "chat template raised an error: " + msg);
-      });
-  root->vars["strftime_now"] =
-      Value::MakeCallable("strftime_now", [](CallArgs& a) -> StatusOr<Value> {
-        const Value* fmt = Arg(a, 0, "format");
-        if (fmt == nullptr || !fmt->is_string())
-          return InvalidArgumentError("strftime_now needs a format string");
-        std::time_t now = std::time(nullptr);
-        std::tm tm{};
-        localtime_r(&now, &tm);
-        std::vector<char> buf(256 + fmt->s.size() * 8);
-        size_t n = std::strftime(buf.data(), buf.size(), fmt->s.c_str(), &tm);
-        return Value::Str(std::string(buf.data(), n));
-      });
-  root->vars["namespace"] =
-      Value::MakeCallable("namespace", [self](CallArgs& a) -> StatusOr<Value> {
-        Value v;
-        v.kind = Kind::kNamespace;
-        v.ns = std::make_shared<jinja::Namespace>();
-        self->namespaces_.push_back(v.ns);
-        for (const Value& init : a.args) {
-          if (!init.is_dict())
-            return InvalidArgumentError("namespace() takes keyword arguments or a dict");
-          for (const auto& [k, x] : init.dict->items) v.ns->attrs.Set(k, x);
-        }
-        for (const auto& [k, x] : a.kwargs) v.ns->attrs.Set(k, x);
-        return v;
-      });
+  root->vars["raise_exception"] = Value::MakeCallable("raise_exception", [](CallArgs& a) -> StatusOr<Value> {
+    std::string msg = a.args.empty() ? "" : jinja::ToStr(a.args[0]);
+    return Status(StatusCode::kInvalidArgument, "chat template raised an error: " + msg);
+  });
+  root->vars["strftime_now"] = Value::MakeCallable("strftime_now", [](CallArgs& a) -> StatusOr<Value> {
+    const Value* fmt = Arg(a, 0, "format");
+    if (fmt == nullptr || !fmt->is_string()) return InvalidArgumentError("strftime_now needs a format string");
+    std::time_t now = std::time(nullptr);
+    std::tm tm{};
+    localtime_r(&now, &tm);
+    std::vector<char> buf(256 + fmt->s.size() * 8);
+    size_t n = std::strftime(buf.data(), buf.size(), fmt->s.c_str(), &tm);
+    return Value::Str(std::string(buf.data(), n));
+  });
+  root->vars["namespace"] = Value::MakeCallable("namespace", [self](CallArgs& a) -> StatusOr<Value> {
+    Value v;
+    v.kind = Kind::kNamespace;
+    v.ns = std::make_shared<jinja::Namespace>();
+    self->namespaces_.push_back(v.ns);
+    for (const Value& init : a.args) {
+      if (!init.is_dict()) return InvalidArgumentError("namespace() takes keyword arguments or a dict");
+      for (const auto& [k, x] : init.dict->items) v.ns->attrs.Set(k, x);
+    }
+    for (const auto& [k, x] : a.kwargs) v.ns->attrs.Set(k, x);
+    return v;
+  });
   root->vars["dict"] = Value::MakeCallable("dict", [](CallArgs& a) -> StatusOr<Value> {
     Dict d;
     for (const Value& init : a.args) {
@@ -2375,12 +2291,10 @@ void Renderer::InstallGlobals(Scope* root) {
     return Value::MakeDict(std::move(d));
   });
   root->vars["range"] = Value::MakeCallable("range", [self](CallArgs& a) -> StatusOr<Value> {
-    if (a.args.empty() || a.args.size() > 3)
-      return InvalidArgumentError("range expected 1 to 3 arguments");
+    if (a.args.empty() || a.args.size() > 3) return InvalidArgumentError("range expected 1 to 3 arguments");
     for (const Value& x : a.args) {
       if (!x.is_integral()) {
-        return InvalidArgumentError("'", jinja::TypeName(x),
-                                    "' object cannot be interpreted as an integer");
+        return InvalidArgumentError("'", jinja::TypeName(x), "' object cannot be interpreted as an integer");
       }
     }
     int64_t start = 0, stop, step = 1;
@@ -2397,14 +2311,12 @@ void Renderer::InstallGlobals(Scope* root) {
     if (count < 0) count = 0;
     if (count > kMaxRangeLength) {
       return ResourceExhaustedError("chat template: range() of ", static_cast<int64_t>(count),
-                                    " items is more than the ", kMaxRangeLength,
-                                    " allowed; a runaway template?");
+                                    " items is more than the ", kMaxRangeLength, " allowed; a runaway template?");
     }
     MLARUN_RETURN_IF_ERROR(self->Step(static_cast<int64_t>(count)));
     ValueList out;
     out.reserve(static_cast<size_t>(count));
-    for (int64_t k = 0; k < static_cast<int64_t>(count); ++k)
-      out.push_back(Value::Int(start + k * step));
+    for (int64_t k = 0; k < static_cast<int64_t>(count); ++k) out.push_back(Value::Int(start + k * step));
     return Value::List(std::move(out));
   });
 }
@@ -2436,8 +2348,7 @@ class ChatTemplateImpl final : public ChatTemplate {
   using ChatTemplate::Render;
   StatusOr<std::string> Render(const nlohmann::ordered_json& context) const override {
     if (!context.is_object() && !context.is_null()) {
-      return InvalidArgumentError("chat template: the context must be a JSON object, not ",
-                                  context.type_name());
+      return InvalidArgumentError("chat template: the context must be a JSON object, not ", context.type_name());
     }
     Renderer renderer;
     auto root = std::make_shared<Scope>();
@@ -2446,8 +2357,7 @@ class ChatTemplateImpl final : public ChatTemplate {
     vars->parent = root;
     if (context.is_object()) {
       MLARUN_RETURN_IF_ERROR(CheckContextDepth(context));
-      for (auto it = context.begin(); it != context.end(); ++it)
-        vars->vars[it.key()] = jinja::FromJson(it.value());
+      for (auto it = context.begin(); it != context.end(); ++it) vars->vars[it.key()] = jinja::FromJson(it.value());
     }
     std::string out;
     MLARUN_RETURN_IF_ERROR(renderer.Exec(nodes_, vars, &out));

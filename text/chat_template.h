@@ -16,9 +16,8 @@
 #pragma once
 
 #include <memory>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "base/status.h"
 
@@ -42,9 +41,7 @@ class ChatTemplate {
   // (raise_exception: its message) or an operation fails on the values given
   // (named: "messages[2].content is not a string").
   virtual StatusOr<std::string> Render(const nlohmann::ordered_json& context) const = 0;
-  StatusOr<std::string> Render(const nlohmann::json& context) const {
-    return Render(nlohmann::ordered_json(context));
-  }
+  StatusOr<std::string> Render(const nlohmann::json& context) const { return Render(nlohmann::ordered_json(context)); }
 };
 
 }  // namespace mlarun::text

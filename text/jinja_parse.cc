@@ -100,8 +100,8 @@ class Lexer {
       bool strip_after = false, keep_after = false;
       size_t after = 0;
       MLARUN_RETURN_IF_ERROR(Tokenize(q, seg.type, &seg.tokens, &after, &strip_after, &keep_after));
-      if (seg.type == SegType::kBlock && seg.tokens.size() == 2 &&
-          seg.tokens[0].type == TokType::kName && seg.tokens[0].text == "raw") {
+      if (seg.type == SegType::kBlock && seg.tokens.size() == 2 && seg.tokens[0].type == TokType::kName &&
+          seg.tokens[0].text == "raw") {
         MLARUN_ASSIGN_OR_RETURN(pos, Raw(AfterTag(after, strip_after, !keep_after), line, &segs));
         continue;
       }
@@ -218,16 +218,15 @@ class Lexer {
 
   // The tokens of a tag's inside, from `pos` to its `}}` or `%}` (outside
   // brackets, as jinja2 only ends a tag once they balance).
-  Status Tokenize(size_t pos, SegType type, std::vector<Token>* out, size_t* after, bool* strip,
-                  bool* keep) {
+  Status Tokenize(size_t pos, SegType type, std::vector<Token>* out, size_t* after, bool* strip, bool* keep) {
     const char* close = type == SegType::kVar ? "}}" : "%}";
     int depth = 0;
     int start_line = LineAt(pos);
     while (true) {
       while (pos < src_.size() && IsTagSpace(src_[pos])) ++pos;
       if (pos >= src_.size()) {
-        return SyntaxError(start_line, type == SegType::kVar ? "a {{ ... }} is not closed"
-                                                             : "a {% ... %} is not closed");
+        return SyntaxError(start_line,
+                           type == SegType::kVar ? "a {{ ... }} is not closed" : "a {% ... %} is not closed");
       }
       if (depth == 0) {
         if ((src_[pos] == '-' || src_[pos] == '+') && src_.compare(pos + 1, 2, close) == 0) {
@@ -256,9 +255,8 @@ class Lexer {
       } else if (c == '\'' || c == '"') {
         MLARUN_RETURN_IF_ERROR(String(&pos, &tok));
       } else {
-        static const char* kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*",
-                                     "/",  "%",  "~",  "<",  ">",  "=",  "(", ")", "[",
-                                     "]",  "{",  "}",  ",",  ".",  ":",  "|", ";"};
+        static const char* kOps[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<",
+                                     ">",  "=",  "(",  ")",  "[",  "]",  "{", "}", ",", ".", ":", "|", ";"};
         const char* found = nullptr;
         for (const char* op : kOps) {
           if (src_.compare(pos, std::char_traits<char>::length(op), op) == 0) {
@@ -290,8 +288,7 @@ class Lexer {
     size_t p = *pos;
     std::string digits;
     auto take_digits = [&]() {
-      while (p < src_.size() && (IsDigit(src_[p]) ||
-                                 (src_[p] == '_' && p + 1 < src_.size() && IsDigit(src_[p + 1])))) {
+      while (p < src_.size() && (IsDigit(src_[p]) || (src_[p] == '_' && p + 1 < src_.size() && IsDigit(src_[p + 1])))) {
         if (src_[p] != '_') digits += src_[p];
         ++p;
       }
@@ -323,8 +320,7 @@ class Lexer {
       tok->type = TokType::kInt;
       errno = 0;
       long long v = std::strtoll(digits.c_str(), nullptr, 10);
-      if (errno == ERANGE)
-        return SyntaxError(tok->line, "the integer " + tok->text + " is too large");
+      if (errno == ERANGE) return SyntaxError(tok->line, "the integer " + tok->text + " is too large");
       tok->int_value = v;
     }
     *pos = p;
@@ -402,20 +398,17 @@ class Lexer {
         case '\n':
           break;
         case 'x':
-          if (!hex(p, 2, &cp))
-            return SyntaxError(tok->line, "a bad \\x escape in a string literal");
+          if (!hex(p, 2, &cp)) return SyntaxError(tok->line, "a bad \\x escape in a string literal");
           AppendUtf8(&out, cp);
           p += 2;
           break;
         case 'u':
-          if (!hex(p, 4, &cp))
-            return SyntaxError(tok->line, "a bad \\u escape in a string literal");
+          if (!hex(p, 4, &cp)) return SyntaxError(tok->line, "a bad \\u escape in a string literal");
           AppendUtf8(&out, cp);
           p += 4;
           break;
         case 'U':
-          if (!hex(p, 8, &cp) || cp > 0x10FFFF)
-            return SyntaxError(tok->line, "a bad \\U escape in a string literal");
+          if (!hex(p, 8, &cp) || cp > 0x10FFFF) return SyntaxError(tok->line, "a bad \\U escape in a string literal");
           AppendUtf8(&out, cp);
           p += 8;
           break;
@@ -445,9 +438,8 @@ class Lexer {
 // Constructs jinja2 has that the interpreter does not: refused by name.
 const std::set<std::string>& RefusedTags() {
   static const auto* tags = new std::set<std::string>{
-      "include",  "extends",   "import", "from",       "block",         "endblock",
-      "call",     "endcall",   "do",     "autoescape", "endautoescape", "trans",
-      "endtrans", "pluralize", "print",  "debug"};
+      "include", "extends",    "import",        "from",  "block",    "endblock",  "call",  "endcall",
+      "do",      "autoescape", "endautoescape", "trans", "endtrans", "pluralize", "print", "debug"};
   return *tags;
 }
 
@@ -493,8 +485,7 @@ class Parser {
         continue;
       }
       const Token& first = Cur();
-      if (first.type != TokType::kName)
-        return SyntaxError(seg.line, "a {% ... %} tag must start with a tag name");
+      if (first.type != TokType::kName) return SyntaxError(seg.line, "a {% ... %} tag must start with a tag name");
       if (ends.count(first.text)) {
         *stop = first.text;
         --block_depth_;
@@ -504,8 +495,7 @@ class Parser {
     }
     if (!ends.empty()) {
       std::string names;
-      for (const auto& e : ends)
-        names += (names.empty() ? "" : " or ") + std::string("{% ") + e + " %}";
+      for (const auto& e : ends) names += (names.empty() ? "" : " or ") + std::string("{% ") + e + " %}";
       return SyntaxError(open_line_, "the template ended where " + names + " was expected");
     }
     --block_depth_;
@@ -551,15 +541,12 @@ class Parser {
     }
     if (RefusedTags().count(tag)) {
       return InvalidArgumentError("chat template line ", line, ": {% ", tag,
-                                  " %} is not supported by mlarun's chat template interpreter",
-                                  kRenderYourselfHint);
+                                  " %} is not supported by mlarun's chat template interpreter", kRenderYourselfHint);
     }
-    static const std::set<std::string> kStray = {
-        "endif",    "elif",    "else",      "endfor",        "endset",
-        "endmacro", "endwith", "endfilter", "endgeneration", "endraw"};
+    static const std::set<std::string> kStray = {"endif",    "elif",    "else",      "endfor",        "endset",
+                                                 "endmacro", "endwith", "endfilter", "endgeneration", "endraw"};
     if (kStray.count(tag)) return SyntaxError(line, "{% " + tag + " %} without its opening tag");
-    return InvalidArgumentError("chat template line ", line, ": unknown tag {% ", tag, " %}",
-                                kRenderYourselfHint);
+    return InvalidArgumentError("chat template line ", line, ": unknown tag {% ", tag, " %}", kRenderYourselfHint);
   }
 
   // The tag that closes a block: `{% endX %}` with nothing after the name.
@@ -606,8 +593,7 @@ class Parser {
     bool paren = IsOp("(");
     if (paren) Next();
     while (true) {
-      if (Cur().type != TokType::kName)
-        return SyntaxError(Cur().line, "expected a variable name, got " + Describe());
+      if (Cur().type != TokType::kName) return SyntaxError(Cur().line, "expected a variable name, got " + Describe());
       node->targets.push_back(Cur().text);
       Next();
       if (!IsOp(",")) break;
@@ -617,8 +603,7 @@ class Parser {
     }
     if (paren) MLARUN_RETURN_IF_ERROR(ExpectOp(")"));
     for (const auto& t : node->targets) {
-      if (t == "true" || t == "false" || t == "none" || t == "True" || t == "False" ||
-          t == "None") {
+      if (t == "true" || t == "false" || t == "none" || t == "True" || t == "False" || t == "None") {
         return SyntaxError(Cur().line, "cannot assign to " + t);
       }
     }
@@ -632,8 +617,7 @@ class Parser {
     int open = node->line;
     Next();
     MLARUN_RETURN_IF_ERROR(Targets(node.get()));
-    if (!IsName("in"))
-      return SyntaxError(Cur().line, "expected 'in' in {% for %}, got " + Describe());
+    if (!IsName("in")) return SyntaxError(Cur().line, "expected 'in' in {% for %}, got " + Describe());
     Next();
     MLARUN_ASSIGN_OR_RETURN(node->expr, Tuple(false, false));
     if (IsName("if")) {
@@ -641,11 +625,10 @@ class Parser {
       MLARUN_ASSIGN_OR_RETURN(node->cond, Expression(true));
     }
     if (IsName("recursive")) {
-      return InvalidArgumentError(
-          "chat template line ", node->line,
-          ": recursive loops ({% for ... recursive %}) are not supported by mlarun's chat "
-          "template interpreter",
-          kRenderYourselfHint);
+      return InvalidArgumentError("chat template line ", node->line,
+                                  ": recursive loops ({% for ... recursive %}) are not supported by mlarun's chat "
+                                  "template interpreter",
+                                  kRenderYourselfHint);
     }
     MLARUN_RETURN_IF_ERROR(ExpectEnd());
     ++seg_;
@@ -674,8 +657,7 @@ class Parser {
       node->targets.push_back(Cur().text);
       Next();
       Next();
-      if (Cur().type != TokType::kName)
-        return SyntaxError(Cur().line, "expected an attribute name, got " + Describe());
+      if (Cur().type != TokType::kName) return SyntaxError(Cur().line, "expected an attribute name, got " + Describe());
       node->attr = Cur().text;
       Next();
     } else {
@@ -690,8 +672,7 @@ class Parser {
       out->push_back(std::move(node));
       return Status::Ok();
     }
-    if (!node->attr.empty() || node->unpack)
-      return SyntaxError(Cur().line, "expected '=' in {% set %}");
+    if (!node->attr.empty() || node->unpack) return SyntaxError(Cur().line, "expected '=' in {% set %}");
     if (IsOp("|")) {  // {% set x | filter %}: the filters apply to the body's text
       Next();
       MLARUN_ASSIGN_OR_RETURN(node->expr, FilterChain(node->line));
@@ -712,20 +693,17 @@ class Parser {
     node->kind = NodeKind::kMacro;
     node->line = segs_[seg_].line;
     Next();
-    if (Cur().type != TokType::kName)
-      return SyntaxError(Cur().line, "expected a macro name, got " + Describe());
+    if (Cur().type != TokType::kName) return SyntaxError(Cur().line, "expected a macro name, got " + Describe());
     node->name = Cur().text;
     Next();
     MLARUN_RETURN_IF_ERROR(ExpectOp("("));
     while (!IsOp(")")) {
       if (IsOp("*") || IsOp("**")) {
-        return InvalidArgumentError(
-            "chat template line ", node->line,
-            ": macro varargs/kwargs are not supported by mlarun's chat template interpreter",
-            kRenderYourselfHint);
+        return InvalidArgumentError("chat template line ", node->line,
+                                    ": macro varargs/kwargs are not supported by mlarun's chat template interpreter",
+                                    kRenderYourselfHint);
       }
-      if (Cur().type != TokType::kName)
-        return SyntaxError(Cur().line, "expected a parameter name, got " + Describe());
+      if (Cur().type != TokType::kName) return SyntaxError(Cur().line, "expected a parameter name, got " + Describe());
       node->params.push_back(Cur().text);
       Next();
       std::unique_ptr<Expr> def;
@@ -757,8 +735,7 @@ class Parser {
     node->line = segs_[seg_].line;
     Next();
     while (!IsEnd()) {
-      if (Cur().type != TokType::kName)
-        return SyntaxError(Cur().line, "expected a variable name, got " + Describe());
+      if (Cur().type != TokType::kName) return SyntaxError(Cur().line, "expected a variable name, got " + Describe());
       node->targets.push_back(Cur().text);
       Next();
       MLARUN_RETURN_IF_ERROR(ExpectOp("="));
@@ -834,8 +811,7 @@ class Parser {
     }
   }
   Status ExpectOp(const char* op) {
-    if (!IsOp(op))
-      return SyntaxError(Cur().line, std::string("expected '") + op + "', got " + Describe());
+    if (!IsOp(op)) return SyntaxError(Cur().line, std::string("expected '") + op + "', got " + Describe());
     Next();
     return Status::Ok();
   }
@@ -893,8 +869,7 @@ class Parser {
 
   StatusOr<std::unique_ptr<Expr>> Expression(bool with_condexpr) {
     DepthGuard guard(&expr_depth_);
-    if (expr_depth_ > kMaxExprDepth)
-      return SyntaxError(Cur().line, "the expression nests too deeply");
+    if (expr_depth_ > kMaxExprDepth) return SyntaxError(Cur().line, "the expression nests too deeply");
     if (with_condexpr) return CondExpr();
     return Or();
   }
@@ -961,8 +936,7 @@ class Parser {
 
   StatusOr<std::unique_ptr<Expr>> Not() {
     DepthGuard guard(&expr_depth_);
-    if (expr_depth_ > kMaxExprDepth)
-      return SyntaxError(Cur().line, "the expression nests too deeply");
+    if (expr_depth_ > kMaxExprDepth) return SyntaxError(Cur().line, "the expression nests too deeply");
     size_t begin = Cur().begin;
     int line = Cur().line;
     if (IsName("not")) {
@@ -1021,8 +995,7 @@ class Parser {
   }
 
   template <typename Sub>
-  StatusOr<std::unique_ptr<Expr>> BinaryLevel(
-      Sub sub, std::initializer_list<std::pair<const char*, BinOp>> ops) {
+  StatusOr<std::unique_ptr<Expr>> BinaryLevel(Sub sub, std::initializer_list<std::pair<const char*, BinOp>> ops) {
     size_t begin = Cur().begin;
     int line = Cur().line;
     std::unique_ptr<Expr> e;
@@ -1049,23 +1022,17 @@ class Parser {
   StatusOr<std::unique_ptr<Expr>> Math1() {
     return BinaryLevel(&Parser::Concat, {{"+", BinOp::kAdd}, {"-", BinOp::kSub}});
   }
-  StatusOr<std::unique_ptr<Expr>> Concat() {
-    return BinaryLevel(&Parser::Math2, {{"~", BinOp::kConcat}});
-  }
+  StatusOr<std::unique_ptr<Expr>> Concat() { return BinaryLevel(&Parser::Math2, {{"~", BinOp::kConcat}}); }
   StatusOr<std::unique_ptr<Expr>> Math2() {
-    return BinaryLevel(
-        &Parser::Pow,
-        {{"*", BinOp::kMul}, {"/", BinOp::kDiv}, {"//", BinOp::kFloorDiv}, {"%", BinOp::kMod}});
+    return BinaryLevel(&Parser::Pow,
+                       {{"*", BinOp::kMul}, {"/", BinOp::kDiv}, {"//", BinOp::kFloorDiv}, {"%", BinOp::kMod}});
   }
-  StatusOr<std::unique_ptr<Expr>> Pow() {
-    return BinaryLevel(&Parser::UnaryWithFilters, {{"**", BinOp::kPow}});
-  }
+  StatusOr<std::unique_ptr<Expr>> Pow() { return BinaryLevel(&Parser::UnaryWithFilters, {{"**", BinOp::kPow}}); }
   StatusOr<std::unique_ptr<Expr>> UnaryWithFilters() { return Unary(true); }
 
   StatusOr<std::unique_ptr<Expr>> Unary(bool with_filter) {
     DepthGuard guard(&expr_depth_);
-    if (expr_depth_ > kMaxExprDepth)
-      return SyntaxError(Cur().line, "the expression nests too deeply");
+    if (expr_depth_ > kMaxExprDepth) return SyntaxError(Cur().line, "the expression nests too deeply");
     size_t begin = Cur().begin;
     int line = Cur().line;
     std::unique_ptr<Expr> e;
@@ -1240,11 +1207,10 @@ class Parser {
     MLARUN_RETURN_IF_ERROR(ExpectOp("("));
     while (!IsOp(")")) {
       if (IsOp("*") || IsOp("**")) {
-        return InvalidArgumentError(
-            "chat template line ", Cur().line,
-            ": *args/**kwargs in a call are not supported by mlarun's chat template "
-            "interpreter",
-            kRenderYourselfHint);
+        return InvalidArgumentError("chat template line ", Cur().line,
+                                    ": *args/**kwargs in a call are not supported by mlarun's chat template "
+                                    "interpreter",
+                                    kRenderYourselfHint);
       }
       if (Cur().type == TokType::kName && Peek().type == TokType::kOp && Peek().text == "=") {
         std::string key = Cur().text;
@@ -1254,8 +1220,7 @@ class Parser {
         MLARUN_ASSIGN_OR_RETURN(value, Expression(true));
         e->kwargs.emplace_back(key, std::move(value));
       } else {
-        if (!e->kwargs.empty())
-          return SyntaxError(Cur().line, "a positional argument after a keyword argument");
+        if (!e->kwargs.empty()) return SyntaxError(Cur().line, "a positional argument after a keyword argument");
         std::unique_ptr<Expr> value;
         MLARUN_ASSIGN_OR_RETURN(value, Expression(true));
         e->children.push_back(std::move(value));
@@ -1276,13 +1241,11 @@ class Parser {
 
   StatusOr<std::unique_ptr<Expr>> Filter(std::unique_ptr<Expr> input, size_t begin) {
     int line = Cur().line;
-    if (Cur().type != TokType::kName)
-      return SyntaxError(line, "expected a filter name after '|', got " + Describe());
+    if (Cur().type != TokType::kName) return SyntaxError(line, "expected a filter name after '|', got " + Describe());
     std::string name = Cur().text;
     if (!IsKnownFilter(name)) {
       return InvalidArgumentError("chat template line ", line, ": the filter '", name,
-                                  "' is not supported by mlarun's chat template interpreter",
-                                  kRenderYourselfHint);
+                                  "' is not supported by mlarun's chat template interpreter", kRenderYourselfHint);
     }
     Next();
     auto f = Make(ExprKind::kFilter, begin, line);
@@ -1311,16 +1274,14 @@ class Parser {
         t->name = Cur().text;
         if (!IsKnownTest(t->name)) {
           return InvalidArgumentError("chat template line ", line, ": the test '", t->name,
-                                      "' is not supported by mlarun's chat template interpreter",
-                                      kRenderYourselfHint);
+                                      "' is not supported by mlarun's chat template interpreter", kRenderYourselfHint);
         }
         Next();
         t->children.push_back(std::move(e));
         if (IsOp("(")) {
           MLARUN_RETURN_IF_ERROR(Args(t.get()));
-        } else if ((Cur().type == TokType::kName || Cur().type == TokType::kString ||
-                    Cur().type == TokType::kInt || Cur().type == TokType::kFloat || IsOp("(") ||
-                    IsOp("[") || IsOp("{")) &&
+        } else if ((Cur().type == TokType::kName || Cur().type == TokType::kString || Cur().type == TokType::kInt ||
+                    Cur().type == TokType::kFloat || IsOp("(") || IsOp("[") || IsOp("{")) &&
                    !IsName("else") && !IsName("or") && !IsName("and")) {
           if (IsName("is")) return SyntaxError(Cur().line, "tests cannot be chained with 'is'");
           size_t arg_begin = Cur().begin;

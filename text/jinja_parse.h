@@ -14,8 +14,8 @@
 #include <utility>
 #include <vector>
 
-#include "text/jinja_value.h"
 #include "base/status.h"
+#include "text/jinja_value.h"
 
 namespace mlarun::text::jinja {
 
@@ -103,7 +103,6 @@ bool IsKnownFilter(const std::string& name);
 bool IsKnownTest(const std::string& name);
 
 // The advice every refusal ends with.
-inline constexpr char kRenderYourselfHint[] =
-    "; render the prompt yourself and send it to /v1/completions as `prompt`";
+inline constexpr char kRenderYourselfHint[] = "; render the prompt yourself and send it to /v1/completions as `prompt`";
 
 }  // namespace mlarun::text::jinja

@@ -16,8 +16,7 @@ Value Value::MakeDict(Dict d) {
   return v;
 }
 
-Value Value::MakeCallable(std::string name, std::function<StatusOr<Value>(CallArgs&)> fn,
-                          bool is_macro) {
+Value Value::MakeCallable(std::string name, std::function<StatusOr<Value>(CallArgs&)> fn, bool is_macro) {
   Value v;
   v.kind = Kind::kCallable;
   v.fn = std::make_shared<const Callable>(Callable{std::move(name), std::move(fn), is_macro});
@@ -192,8 +191,8 @@ std::u32string DecodeUtf8(std::string_view s) {
       if ((cc & 0xC0) != 0x80) ok = false;
       cp = (cp << 6) | (cc & 0x3F);
     }
-    if (ok && ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) ||
-               (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF))) {
+    if (ok && ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) ||
+               (cp >= 0xD800 && cp <= 0xDFFF))) {
       ok = false;
     }
     if (!ok) {
@@ -215,9 +214,8 @@ std::string EncodeUtf8(std::u32string_view s) {
 }
 
 bool IsPyWhitespace(char32_t c) {
-  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 ||
-         c == 0x1680 || (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F ||
-         c == 0x205F || c == 0x3000;
+  return (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x20) || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+         (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F || c == 0x3000;
 }
 
 namespace {
@@ -227,9 +225,8 @@ namespace {
 // zero-width and direction marks, the line and paragraph separators, BOM.
 bool PyNonPrintable(char32_t c) {
   return c < 0x20 || (c >= 0x7F && c <= 0xA0) || c == 0xAD || (c >= 0x2000 && c <= 0x200F) ||
-         (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x206F) || c == 0x3000 ||
-         c == 0xFEFF || (c >= 0xD800 && c <= 0xDFFF) || c == 0x1680 || c == 0xFFF9 || c == 0xFFFA ||
-         c == 0xFFFB;
+         (c >= 0x2028 && c <= 0x202F) || (c >= 0x205F && c <= 0x206F) || c == 0x3000 || c == 0xFEFF ||
+         (c >= 0xD800 && c <= 0xDFFF) || c == 0x1680 || c == 0xFFF9 || c == 0xFFFA || c == 0xFFFB;
 }
 
 std::string StrRepr(const std::string& s) {
@@ -352,13 +349,11 @@ Status JsonValue(const Value& v, int indent, bool sort_keys, int level, std::str
     }
     case Kind::kDict:
     case Kind::kNamespace: {
-      if (v.kind == Kind::kNamespace)
-        return InvalidArgumentError("Object of type Namespace is not JSON serializable");
+      if (v.kind == Kind::kNamespace) return InvalidArgumentError("Object of type Namespace is not JSON serializable");
       std::vector<const std::pair<std::string, Value>*> items;
       for (const auto& kv : v.dict->items) items.push_back(&kv);
       if (sort_keys) {
-        std::stable_sort(items.begin(), items.end(),
-                         [](auto* a, auto* b) { return a->first < b->first; });
+        std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) { return a->first < b->first; });
       }
       if (items.empty()) {
         *out += "{}";
@@ -517,8 +512,7 @@ StatusOr<int> Compare(const Value& a, const Value& b) {
     }
     return a.list->size() < b.list->size() ? -1 : (a.list->size() > b.list->size() ? 1 : 0);
   }
-  return InvalidArgumentError("'<' not supported between instances of '", TypeName(a), "' and '",
-                              TypeName(b), "'");
+  return InvalidArgumentError("'<' not supported between instances of '", TypeName(a), "' and '", TypeName(b), "'");
 }
 
 StatusOr<std::string> ToJson(const Value& v, int indent, bool sort_keys) {

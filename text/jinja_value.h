@@ -115,9 +115,7 @@ struct Value {
   bool is_list() const { return kind == Kind::kList; }
   bool is_dict() const { return kind == Kind::kDict; }
   // int, float or bool (Python's numbers.Number; bool is an int there).
-  bool is_number() const {
-    return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool;
-  }
+  bool is_number() const { return kind == Kind::kInt || kind == Kind::kFloat || kind == Kind::kBool; }
   // int or bool, as an int64.
   bool is_integral() const { return kind == Kind::kInt || kind == Kind::kBool; }
   int64_t as_int() const { return kind == Kind::kBool ? (b ? 1 : 0) : i; }

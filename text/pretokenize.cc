@@ -85,8 +85,8 @@ StatusOr<std::unique_ptr<Regex>> Regex::Compile(std::string_view pattern, bool l
   const uint32_t options = PCRE2_UTF | PCRE2_NO_UTF_CHECK | (literal ? PCRE2_LITERAL : PCRE2_UCP | PCRE2_MULTILINE);
   int error = 0;
   PCRE2_SIZE offset = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), options,
-                                   &error, &offset, nullptr);
+  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(translated.data()), translated.size(), options, &error,
+                                   &offset, nullptr);
   if (code == nullptr) {
     PCRE2_UCHAR msg[256];
     pcre2_get_error_message(error, msg, sizeof(msg));
@@ -126,7 +126,8 @@ PreTokenizer::PreTokenizer(PreTokenizer&&) noexcept = default;
 PreTokenizer& PreTokenizer::operator=(PreTokenizer&&) noexcept = default;
 
 Status PreTokenizer::AddStep(const json& j, const std::string& path, bool last) {
-  const std::string type = j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "";
+  const std::string type =
+      j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "";
   if (type == "ByteLevel") {
     if (!last) return InvalidArgumentError(path, ": ByteLevel is supported only as the last pre-tokenizer");
     byte_level_ = true;
@@ -176,12 +177,14 @@ Status PreTokenizer::Init(const json& j, const std::string& path) {
   steps_.clear();
   byte_level_ = false;
   if (j.is_null()) return InvalidArgumentError(path, " is null: a byte-level BPE needs a ByteLevel pre-tokenizer");
-  const std::string type = j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "";
+  const std::string type =
+      j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "";
   if (type == "Sequence") {
     const json& list = j.value("pretokenizers", json());
     if (!list.is_array()) return InvalidArgumentError(path, ".pretokenizers is not an array");
     for (size_t i = 0; i < list.size(); ++i)
-      MLARUN_RETURN_IF_ERROR(AddStep(list[i], path + ".pretokenizers[" + std::to_string(i) + "]", i + 1 == list.size()));
+      MLARUN_RETURN_IF_ERROR(
+          AddStep(list[i], path + ".pretokenizers[" + std::to_string(i) + "]", i + 1 == list.size()));
   } else {
     MLARUN_RETURN_IF_ERROR(AddStep(j, path, true));
   }
@@ -195,7 +198,8 @@ void PreTokenizer::Run(std::string_view text, const std::function<void(std::stri
   if (!text.empty()) RunFrom(0, text, emit);
 }
 
-void PreTokenizer::RunFrom(size_t step, std::string_view text, const std::function<void(std::string_view)>& emit) const {
+void PreTokenizer::RunFrom(size_t step, std::string_view text,
+                           const std::function<void(std::string_view)>& emit) const {
   if (step == prefix_step_ && add_prefix_space_ && text[0] != ' ') {
     // ByteLevel's add_prefix_space, on each piece that reaches it. One
     // buffer per thread is enough: the steps below never come back here.

@@ -157,17 +157,14 @@ bool IsWordChar(char32_t cp) {
 
 class BpeTokenizer final : public Tokenizer {
  public:
-  static StatusOr<std::unique_ptr<Tokenizer>> Create(std::string_view tokenizer_json,
-                                                     std::string_view config_json);
+  static StatusOr<std::unique_ptr<Tokenizer>> Create(std::string_view tokenizer_json, std::string_view config_json);
 
   std::vector<int32_t> Encode(std::string_view text, bool add_special_tokens) const override;
   std::string Decode(std::span<const int32_t> ids, bool skip_special_tokens) const override;
   int64_t vocab_size() const override { return vocab_size_; }
   std::optional<int32_t> TokenToId(std::string_view token) const override;
   std::optional<std::string> IdToToken(int32_t id) const override;
-  bool IsSpecial(int32_t id) const override {
-    return id >= 0 && size_t(id) < special_.size() && special_[id];
-  }
+  bool IsSpecial(int32_t id) const override { return id >= 0 && size_t(id) < special_.size() && special_[id]; }
   std::optional<int32_t> bos_id() const override { return bos_id_; }
   std::optional<int32_t> eos_id() const override { return eos_id_; }
   const std::string& bos_token() const override { return bos_token_; }
@@ -310,7 +307,8 @@ std::string TokenString(const json& j) {
 Status BpeTokenizer::ParseConfig(std::string_view config_json) {
   if (config_json.empty()) return Status::Ok();
   json c = json::parse(config_json, nullptr, false);
-  if (c.is_discarded() || !c.is_object()) return InvalidArgumentError("tokenizer_config.json does not parse as a JSON object");
+  if (c.is_discarded() || !c.is_object())
+    return InvalidArgumentError("tokenizer_config.json does not parse as a JSON object");
   if (c.contains("bos_token")) bos_token_ = TokenString(c["bos_token"]);
   if (c.contains("eos_token")) eos_token_ = TokenString(c["eos_token"]);
   if (auto it = c.find("chat_template"); it != c.end()) {
@@ -337,12 +335,14 @@ Status BpeTokenizer::ParseConfig(std::string_view config_json) {
     suffix_ids_.clear();
     if (add_bos && !bos_token_.empty()) {
       auto id = TokenToId(bos_token_);
-      if (!id) return InvalidArgumentError("tokenizer_config.json: bos_token '", bos_token_, "' is not in the vocabulary");
+      if (!id)
+        return InvalidArgumentError("tokenizer_config.json: bos_token '", bos_token_, "' is not in the vocabulary");
       prefix_ids_.push_back(*id);
     }
     if (add_eos && !eos_token_.empty()) {
       auto id = TokenToId(eos_token_);
-      if (!id) return InvalidArgumentError("tokenizer_config.json: eos_token '", eos_token_, "' is not in the vocabulary");
+      if (!id)
+        return InvalidArgumentError("tokenizer_config.json: eos_token '", eos_token_, "' is not in the vocabulary");
       suffix_ids_.push_back(*id);
     }
   }

@@ -54,8 +54,7 @@ inline char32_t Next(std::string_view s, size_t* i) {
     return (char32_t(p[0] & 0x0F) << 12) | (char32_t(p[1] & 0x3F) << 6) | (p[2] & 0x3F);
   }
   *i += 4;
-  return (char32_t(p[0] & 0x07) << 18) | (char32_t(p[1] & 0x3F) << 12) | (char32_t(p[2] & 0x3F) << 6) |
-         (p[3] & 0x3F);
+  return (char32_t(p[0] & 0x07) << 18) | (char32_t(p[1] & 0x3F) << 12) | (char32_t(p[2] & 0x3F) << 6) | (p[3] & 0x3F);
 }
 
 // The code point ending just before s[end] and moves `end` to its start.

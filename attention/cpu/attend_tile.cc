@@ -11,13 +11,29 @@
 namespace mlarun::cpu {
 
 GemmDesc TileScoresDesc(DType dtype, int64_t rows, int64_t n_pad, int64_t d_qk, int64_t ldq, int64_t ldk) {
-  return GemmDesc{.m = rows, .n = n_pad, .k = d_qk, .a_type = dtype, .b_type = dtype, .c_type = DType::kF32,
-                  .lda = ldq, .b_stride_k = 1, .b_stride_n = ldk, .ldc = n_pad};
+  return GemmDesc{.m = rows,
+                  .n = n_pad,
+                  .k = d_qk,
+                  .a_type = dtype,
+                  .b_type = dtype,
+                  .c_type = DType::kF32,
+                  .lda = ldq,
+                  .b_stride_k = 1,
+                  .b_stride_n = ldk,
+                  .ldc = n_pad};
 }
 
 GemmDesc TilePvDesc(DType dtype, int64_t rows, int64_t n_pad, int64_t d_v, int64_t ldv, int64_t ldo) {
-  return GemmDesc{.m = rows, .n = d_v, .k = n_pad, .a_type = dtype, .b_type = dtype, .c_type = DType::kF32,
-                  .lda = n_pad, .b_stride_k = ldv, .b_stride_n = 1, .ldc = ldo};
+  return GemmDesc{.m = rows,
+                  .n = d_v,
+                  .k = n_pad,
+                  .a_type = dtype,
+                  .b_type = dtype,
+                  .c_type = DType::kF32,
+                  .lda = n_pad,
+                  .b_stride_k = ldv,
+                  .b_stride_n = 1,
+                  .ldc = ldo};
 }
 
 Status AttendTile(const TileArgs& a) {
@@ -50,8 +66,8 @@ Status AttendTile(const TileArgs& a) {
   return Status::Ok();
 }
 
-void MergeLse(float* acc, int64_t ld_acc, float* acc_lse, const float* part, int64_t ld_part,
-              const float* part_lse, int64_t rows, int64_t d) {
+void MergeLse(float* acc, int64_t ld_acc, float* acc_lse, const float* part, int64_t ld_part, const float* part_lse,
+              int64_t rows, int64_t d) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < rows; ++i) {
     const float b = part_lse[i];

@@ -11,9 +11,9 @@
 
 #include <cstdint>
 
-#include "gemm/cpu_gemm.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "gemm/cpu_gemm.h"
 
 namespace mlarun::cpu {
 
@@ -39,7 +39,7 @@ struct TileArgs {
   int64_t vis_offset = 0;
   int64_t row_base = 0;
   int64_t rows_per_token = 1;
-  float scale = 1.f;  // softmax scale
+  float scale = 1.f;                     // softmax scale
   const CpuGemm* scores_gemm = nullptr;  // TileScoresDesc(...)
   const CpuGemm* pv_gemm = nullptr;      // TilePvDesc(..., ldo)
   // Per-thread scratch.
@@ -58,7 +58,7 @@ Status AttendTile(const TileArgs& a);
 
 // acc <- merge(acc, part): rows x d, both normalized with their lse. Exact:
 // lse = log(e^lse_acc + e^lse_part), acc = acc w_acc + part w_part.
-void MergeLse(float* acc, int64_t ld_acc, float* acc_lse, const float* part, int64_t ld_part,
-              const float* part_lse, int64_t rows, int64_t d);
+void MergeLse(float* acc, int64_t ld_acc, float* acc_lse, const float* part, int64_t ld_part, const float* part_lse,
+              int64_t rows, int64_t d);
 
 }  // namespace mlarun::cpu

@@ -91,21 +91,21 @@ struct CpuMlaPlan final : MlaPlanImpl {
 // Workspace buffers; carved identically when sizing and when running.
 struct Buffers {
   // absorbed
-  void* qn = nullptr;       // [t_abs, N, P] dtype
-  void* qa = nullptr;       // [t_abs, N, L + R] dtype
-  float* olat = nullptr;    // [t_abs, N, L]
-  float* olse = nullptr;    // [t_abs, N]
-  void* olat_c = nullptr;   // [t_abs, N, L] dtype (aliases olat for f32)
-  float* oabs = nullptr;    // [t_abs, N, V]
-  float* partial = nullptr; // [partial_rows, L]
+  void* qn = nullptr;        // [t_abs, N, P] dtype
+  void* qa = nullptr;        // [t_abs, N, L + R] dtype
+  float* olat = nullptr;     // [t_abs, N, L]
+  float* olse = nullptr;     // [t_abs, N]
+  void* olat_c = nullptr;    // [t_abs, N, L] dtype (aliases olat for f32)
+  float* oabs = nullptr;     // [t_abs, N, V]
+  float* partial = nullptr;  // [partial_rows, L]
   float* partial_lse = nullptr;
   // expanded
-  void* qe = nullptr;       // [N, q_max, P + R] dtype
-  void* lat = nullptr;      // [rows_pad_max, L + R] dtype
-  void* kx = nullptr;       // [N, rows_pad_max, P + R] dtype
-  void* vx = nullptr;       // [N, rows_pad_max, V] dtype
-  float* acc = nullptr;     // [N, q_max, V]
-  float* acc_lse = nullptr; // [N, q_max]
+  void* qe = nullptr;            // [N, q_max, P + R] dtype
+  void* lat = nullptr;           // [rows_pad_max, L + R] dtype
+  void* kx = nullptr;            // [N, rows_pad_max, P + R] dtype
+  void* vx = nullptr;            // [N, rows_pad_max, V] dtype
+  float* acc = nullptr;          // [N, q_max, V]
+  float* acc_lse = nullptr;      // [N, q_max]
   std::byte* threads = nullptr;  // threads x thread_bytes
 };
 
@@ -169,7 +169,8 @@ ThreadScratch ThreadAt(const CpuMlaPlan& pl, const Buffers& b, int t) {
 
 template <typename T = std::byte>
 T* At(const void* base, int64_t elems, size_t esize) {
-  return reinterpret_cast<T*>(const_cast<std::byte*>(static_cast<const std::byte*>(base)) + elems * static_cast<int64_t>(esize));
+  return reinterpret_cast<T*>(const_cast<std::byte*>(static_cast<const std::byte*>(base)) +
+                              elems * static_cast<int64_t>(esize));
 }
 
 // Calls f(kb, len) for consecutive key tiles of at most `tile` keys in [begin, end).
@@ -210,7 +211,6 @@ void GatherRows(const PagedRowsView& c, const int32_t* table, int64_t k0, int64_
   std::memset(out + n * row_bytes, 0, static_cast<size_t>(n_pad - n) * row_bytes);
 }
 
-
 Status GetGemm(const GemmDesc& d, GemmPtr* out, size_t* scratch) {
   auto g = CpuGemm::Get(d);
   if (!g.ok()) return g.status();
@@ -219,8 +219,8 @@ Status GetGemm(const GemmDesc& d, GemmPtr* out, size_t* scratch) {
   return Status::Ok();
 }
 
-Status GetTile(std::map<TileKey, TileGemms>& tiles, DType dt, int64_t rows, int64_t n_pad, int64_t d_qk,
-               int64_t ldq, int64_t ldk, int64_t d_v, int64_t ldv, size_t* scratch) {
+Status GetTile(std::map<TileKey, TileGemms>& tiles, DType dt, int64_t rows, int64_t n_pad, int64_t d_qk, int64_t ldq,
+               int64_t ldk, int64_t d_v, int64_t ldv, size_t* scratch) {
   TileGemms& t = tiles[TileKey{rows, n_pad}];
   if (t.scores) return Status::Ok();
   MLARUN_RETURN_IF_ERROR(GetGemm(TileScoresDesc(dt, rows, n_pad, d_qk, ldq, ldk), &t.scores, scratch));
@@ -286,10 +286,26 @@ Status PlanAbsorbed(CpuMlaPlan& pl) {
     });
     MLARUN_RETURN_IF_ERROR(st);
   }
-  const GemmDesc fold1{.m = pl.t_abs, .n = L, .k = s.d_nope, .a_type = pl.dtype, .b_type = pl.dtype,
-                       .c_type = pl.dtype, .lda = N * s.d_nope, .b_stride_k = L, .b_stride_n = 1, .ldc = N * Dk};
-  const GemmDesc fold2{.m = pl.t_abs, .n = s.d_v, .k = L, .a_type = pl.dtype, .b_type = pl.dtype,
-                       .c_type = DType::kF32, .lda = N * L, .b_stride_k = s.d_v, .b_stride_n = 1, .ldc = N * s.d_v};
+  const GemmDesc fold1{.m = pl.t_abs,
+                       .n = L,
+                       .k = s.d_nope,
+                       .a_type = pl.dtype,
+                       .b_type = pl.dtype,
+                       .c_type = pl.dtype,
+                       .lda = N * s.d_nope,
+                       .b_stride_k = L,
+                       .b_stride_n = 1,
+                       .ldc = N * Dk};
+  const GemmDesc fold2{.m = pl.t_abs,
+                       .n = s.d_v,
+                       .k = L,
+                       .a_type = pl.dtype,
+                       .b_type = pl.dtype,
+                       .c_type = DType::kF32,
+                       .lda = N * L,
+                       .b_stride_k = s.d_v,
+                       .b_stride_n = 1,
+                       .ldc = N * s.d_v};
   MLARUN_RETURN_IF_ERROR(GetGemm(fold1, &pl.fold1, &pl.gemm_scratch));
   return GetGemm(fold2, &pl.fold2, &pl.gemm_scratch);
 }
@@ -305,10 +321,26 @@ Status PlanExpanded(CpuMlaPlan& pl) {
       pl.exp_rows_pad_max = std::max(pl.exp_rows_pad_max, rows_pad);
       auto& up = pl.up_proj[rows_pad];
       if (st.ok() && !up.first) {
-        const GemmDesc k{.m = rows_pad, .n = s.d_nope, .k = L, .a_type = pl.dtype, .b_type = pl.dtype,
-                         .c_type = pl.dtype, .lda = Dk, .b_stride_k = 1, .b_stride_n = L, .ldc = Dq};
-        const GemmDesc v{.m = rows_pad, .n = V, .k = L, .a_type = pl.dtype, .b_type = pl.dtype,
-                         .c_type = pl.dtype, .lda = Dk, .b_stride_k = V, .b_stride_n = 1, .ldc = V};
+        const GemmDesc k{.m = rows_pad,
+                         .n = s.d_nope,
+                         .k = L,
+                         .a_type = pl.dtype,
+                         .b_type = pl.dtype,
+                         .c_type = pl.dtype,
+                         .lda = Dk,
+                         .b_stride_k = 1,
+                         .b_stride_n = L,
+                         .ldc = Dq};
+        const GemmDesc v{.m = rows_pad,
+                         .n = V,
+                         .k = L,
+                         .a_type = pl.dtype,
+                         .b_type = pl.dtype,
+                         .c_type = pl.dtype,
+                         .lda = Dk,
+                         .b_stride_k = V,
+                         .b_stride_n = 1,
+                         .ldc = V};
         st = GetGemm(k, &up.first, &pl.gemm_scratch);
         if (st.ok()) st = GetGemm(v, &up.second, &pl.gemm_scratch);
       }
@@ -367,12 +399,27 @@ Status RunAbsorbed(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b) {
       const int64_t n_pad = PadKeys(len);
       GatherRows(p.cache, table, kb, len, n_pad, ts.gather);
       const TileGemms& g = pl.abs_tiles.at(TileKey{it.rows, n_pad});
-      TileArgs ta{.dtype = dt, .q = At(b.qa, first_row * Dk, es), .k = ts.gather, .v = ts.gather,
-                  .rows = it.rows, .d_v = L, .n_keys = len, .n_pad = n_pad,
-                  .vis_offset = q.prefix + 1 - kb, .row_base = it.row0, .rows_per_token = N,
-                  .scale = p.softmax_scale, .scores_gemm = g.scores.get(), .pv_gemm = g.pv.get(),
-                  .scores = ts.scores, .probs = ts.probs, .row_scale = ts.row_scale, .gemm_scratch = ts.gemm,
-                  .out = first ? dest : ts.tout, .ldo = L, .lse = first ? dest_lse : ts.tlse};
+      TileArgs ta{.dtype = dt,
+                  .q = At(b.qa, first_row * Dk, es),
+                  .k = ts.gather,
+                  .v = ts.gather,
+                  .rows = it.rows,
+                  .d_v = L,
+                  .n_keys = len,
+                  .n_pad = n_pad,
+                  .vis_offset = q.prefix + 1 - kb,
+                  .row_base = it.row0,
+                  .rows_per_token = N,
+                  .scale = p.softmax_scale,
+                  .scores_gemm = g.scores.get(),
+                  .pv_gemm = g.pv.get(),
+                  .scores = ts.scores,
+                  .probs = ts.probs,
+                  .row_scale = ts.row_scale,
+                  .gemm_scratch = ts.gemm,
+                  .out = first ? dest : ts.tout,
+                  .ldo = L,
+                  .lse = first ? dest_lse : ts.tlse};
       err.Set(AttendTile(ta));
       if (!first) MergeLse(dest, L, dest_lse, ts.tout, L, ts.tlse, it.rows, L);
       first = false;
@@ -388,8 +435,7 @@ Status RunAbsorbed(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b) {
     float* dest = b.olat + first_row * L;
     float* dest_lse = b.olse + first_row;
     std::fill(dest_lse, dest_lse + m.rows, -std::numeric_limits<float>::infinity());
-    for (int64_t pr : m.partial_rows)
-      MergeLse(dest, L, dest_lse, b.partial + pr * L, L, b.partial_lse + pr, m.rows, L);
+    for (int64_t pr : m.partial_rows) MergeLse(dest, L, dest_lse, b.partial + pr * L, L, b.partial_lse + pr, m.rows, L);
   }
 
   // 4. Fold W_UV into the latent outputs.
@@ -454,10 +500,11 @@ Status RunExpandedSeq(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b
       err.Set(up.first->Run(b.lat, At(p.w_uk_t, h * P * L, es), kh, ts.gemm));
       err.Set(up.second->Run(b.lat, At(p.w_uv, h * L * V, es), At(b.vx, h * rows_pad * V, es), ts.gemm));
       for (int64_t r = 0; r < rows_pad; ++r)
-        std::memcpy(kh + (r * Dq + P) * static_cast<int64_t>(es), At(b.lat, r * Dk + L, es), static_cast<size_t>(R) * es);
+        std::memcpy(kh + (r * Dq + P) * static_cast<int64_t>(es), At(b.lat, r * Dk + L, es),
+                    static_cast<size_t>(R) * es);
     }
     if (!err.Get().ok()) return;
-    // Causal MHA tiles, merged into the running result.
+      // Causal MHA tiles, merged into the running result.
 #pragma omp parallel for num_threads(pl.threads) schedule(dynamic, 1)
     for (int64_t idx = 0; idx < N * q_tiles; ++idx) {
       const int64_t h = idx / q_tiles, j0 = idx % q_tiles * pl.q_tile, qrows = std::min(pl.q_tile, Q - j0);
@@ -465,13 +512,27 @@ Status RunExpandedSeq(const MlaParams& p, const CpuMlaPlan& pl, const Buffers& b
       ForEachKeyTile(c0, ExpTileKeyEnd(e, j0, qrows, c1), pl.kv_tile, [&](int64_t kb, int64_t len) {
         const int64_t n_pad = PadKeys(len);
         const TileGemms& g = pl.exp_tiles.at(TileKey{qrows, n_pad});
-        TileArgs ta{.dtype = dt, .q = At(b.qe, (h * Q + j0) * Dq, es),
-                    .k = At(b.kx, (h * rows_pad + kb - c0) * Dq, es), .v = At(b.vx, (h * rows_pad + kb - c0) * V, es),
-                    .rows = qrows, .d_v = V, .n_keys = len, .n_pad = n_pad,
-                    .vis_offset = e.prefix + 1 - kb, .row_base = j0, .rows_per_token = 1,
-                    .scale = p.softmax_scale, .scores_gemm = g.scores.get(), .pv_gemm = g.pv.get(),
-                    .scores = ts.scores, .probs = ts.probs, .row_scale = ts.row_scale, .gemm_scratch = ts.gemm,
-                    .out = ts.tout, .ldo = V, .lse = ts.tlse};
+        TileArgs ta{.dtype = dt,
+                    .q = At(b.qe, (h * Q + j0) * Dq, es),
+                    .k = At(b.kx, (h * rows_pad + kb - c0) * Dq, es),
+                    .v = At(b.vx, (h * rows_pad + kb - c0) * V, es),
+                    .rows = qrows,
+                    .d_v = V,
+                    .n_keys = len,
+                    .n_pad = n_pad,
+                    .vis_offset = e.prefix + 1 - kb,
+                    .row_base = j0,
+                    .rows_per_token = 1,
+                    .scale = p.softmax_scale,
+                    .scores_gemm = g.scores.get(),
+                    .pv_gemm = g.pv.get(),
+                    .scores = ts.scores,
+                    .probs = ts.probs,
+                    .row_scale = ts.row_scale,
+                    .gemm_scratch = ts.gemm,
+                    .out = ts.tout,
+                    .ldo = V,
+                    .lse = ts.tlse};
         err.Set(AttendTile(ta));
         MergeLse(b.acc + (h * Q + j0) * V, V, b.acc_lse + h * Q + j0, ts.tout, V, ts.tlse, qrows, V);
       });

@@ -38,8 +38,6 @@
 //
 // Everything runs on the legacy default stream; RunMla waits for it before
 // returning (MlaRun's contract: blocks until done).
-#include "attention/cuda/mla_cuda.h"
-
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -50,10 +48,11 @@
 #include <vector>
 
 #include "attention/backend.h"
+#include "attention/cuda/mla_cuda.h"
 #include "attention/cuda/mla_kernels.cuh"
 #include "attention/cuda/split_plan.h"
-#include "gemm/cuda/cublas.h"
 #include "base/cuda/cuda_check.h"
+#include "gemm/cuda/cublas.h"
 
 namespace mlarun {
 namespace {
@@ -105,8 +104,8 @@ __global__ void ScatterOutKernel(const float* oabs, const int32_t* abs_tokens, i
 // One block per query token j of an expanded sequence: q -> qe [H, Q, Dq]
 // in the cache dtype, and the running result emptied (acc 0, lse -inf).
 template <typename T>
-__global__ void ExpandedQueryKernel(const float* q, int64_t q_stride_token, int64_t q_stride_head, int64_t t0,
-                                    int Q, int H, int Dq, int V, T* qe, float* acc, float* acc_lse) {
+__global__ void ExpandedQueryKernel(const float* q, int64_t q_stride_token, int64_t q_stride_head, int64_t t0, int Q,
+                                    int H, int Dq, int V, T* qe, float* acc, float* acc_lse) {
   const int64_t j = blockIdx.x;
   for (int idx = threadIdx.x; idx < H * Dq; idx += blockDim.x) {
     const int h = idx / Dq, c = idx - h * Dq;
@@ -130,7 +129,8 @@ __global__ void GatherChunkKernel(const T* cache, int64_t stride_block, int64_t 
   const int64_t r = blockIdx.x;
   const int64_t key = c0 + r;
   const int Dk = L + R, Dq = P + R;
-  const T* src = cache + static_cast<int64_t>(table[key / block_size]) * stride_block + (key % block_size) * stride_token;
+  const T* src =
+      cache + static_cast<int64_t>(table[key / block_size]) * stride_block + (key % block_size) * stride_token;
   for (int c = threadIdx.x; c < Dk; c += blockDim.x) lat[r * Dk + c] = src[c];
   for (int idx = threadIdx.x; idx < H * R; idx += blockDim.x) {
     const int h = idx / R, c = idx - h * R;
@@ -168,8 +168,8 @@ struct Variant {
     return static_cast<size_t>(kRows + kKeys) * LdWords<T>(d_cache) * 4 + static_cast<size_t>(kRows) * kKeys * 4;
   }
   static size_t ExpandSmem(int d_qk, int d_v) {
-    return static_cast<size_t>(kRows + kKeys) * LdWords<T>(d_qk) * 4 + static_cast<size_t>(kKeys) * LdWords<T>(d_v) * 4 +
-           static_cast<size_t>(kRows) * kKeys * 4;
+    return static_cast<size_t>(kRows + kKeys) * LdWords<T>(d_qk) * 4 +
+           static_cast<size_t>(kKeys) * LdWords<T>(d_v) * 4 + static_cast<size_t>(kRows) * kKeys * 4;
   }
   static auto DecodeKernel() { return cuda_mla::MlaSplitDecodeKernel<T, kRowsPerWarp, kKeysPerLane, kNJ>; }
   static auto ExpandKernel() { return cuda_mla::MlaExpandedAttentionKernel<T, kRowsPerWarp, kKeysPerLane, kNJ>; }
@@ -184,8 +184,8 @@ using Bf16Wide = Variant<__nv_bfloat16, 8, 2, 8>;    // <= 512
 // ranks): 16-row tiles keep all 8 warps busy, and at 96 KB two blocks fit
 // an SM.
 using Bf16Few = Variant<__nv_bfloat16, 2, 2, 8>;
-using F32Narrow = Variant<float, 4, 1, 4>;           // <= 128
-using F32Wide = Variant<float, 4, 1, 16>;            // <= 512
+using F32Narrow = Variant<float, 4, 1, 4>;  // <= 128
+using F32Wide = Variant<float, 4, 1, 16>;   // <= 512
 
 constexpr int64_t kMaxValueWidth = 512;
 
@@ -208,12 +208,18 @@ VariantId PickVariant(DType dt, int64_t d_v, int64_t max_rows) {
 template <typename F>
 Status WithVariant(VariantId id, F&& f) {
   switch (id) {
-    case VariantId::kBf16Narrow: return f(Bf16Narrow{});
-    case VariantId::kBf16Wide: return f(Bf16Wide{});
-    case VariantId::kBf16Few: return f(Bf16Few{});
-    case VariantId::kF32Narrow: return f(F32Narrow{});
-    case VariantId::kF32Wide: return f(F32Wide{});
-    case VariantId::kNone: break;
+    case VariantId::kBf16Narrow:
+      return f(Bf16Narrow{});
+    case VariantId::kBf16Wide:
+      return f(Bf16Wide{});
+    case VariantId::kBf16Few:
+      return f(Bf16Few{});
+    case VariantId::kF32Narrow:
+      return f(F32Narrow{});
+    case VariantId::kF32Wide:
+      return f(F32Wide{});
+    case VariantId::kNone:
+      break;
   }
   return InternalError("mla cuda: no kernel variant chosen");
 }
@@ -314,7 +320,8 @@ void StageTables(const CudaMlaPlan& pl, const MlaParams& p) {
 
 Status CheckIntRange(int64_t v, const char* what) {
   if (v > std::numeric_limits<int32_t>::max())
-    return InvalidArgumentError("mla cuda: ", what, " = ", v, " does not fit the int32 sizes of cuBLAS and the kernels");
+    return InvalidArgumentError("mla cuda: ", what, " = ", v,
+                                " does not fit the int32 sizes of cuBLAS and the kernels");
   return Status::Ok();
 }
 
@@ -377,8 +384,12 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
       for (int64_t j = 0; j < q_len; ++j) pl.abs_tokens.push_back(static_cast<int32_t>(p.query_start[i] + j));
       pl.t_abs += q_len;
     } else {
-      pl.exp.push_back(ExpSeq{.seq = i, .q_len = q_len, .seq_len = seq_len, .prefix = prefix,
-                              .token0 = p.query_start[i], .table_offset = pl.table_entries});
+      pl.exp.push_back(ExpSeq{.seq = i,
+                              .q_len = q_len,
+                              .seq_len = seq_len,
+                              .prefix = prefix,
+                              .token0 = p.query_start[i],
+                              .table_offset = pl.table_entries});
       pl.exp_q_max = std::max(pl.exp_q_max, q_len);
       pl.exp_cap = std::max(pl.exp_cap, std::min(seq_len, c.expand_chunk_rows));
     }
@@ -397,21 +408,25 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
       using V = decltype(v);
       pl.decode_smem = V::DecodeSmem(static_cast<int>(s.d_cache()));
       if (static_cast<int64_t>(pl.decode_smem) > pl.smem_optin)
-        return InvalidArgumentError("mla cuda: cache rows of d_latent + d_rope = ", s.d_cache(), " (", DTypeName(pl.dtype),
-                                    ") need ", pl.decode_smem, " bytes of shared memory per decode block; the device allows ",
-                                    pl.smem_optin, " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+        return InvalidArgumentError("mla cuda: cache rows of d_latent + d_rope = ", s.d_cache(), " (",
+                                    DTypeName(pl.dtype), ") need ", pl.decode_smem,
+                                    " bytes of shared memory per decode block; the device allows ", pl.smem_optin,
+                                    " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
       MLARUN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(V::DecodeKernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(pl.smem_optin)));
-      MLARUN_CUDA_RETURN_IF_ERROR(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pl.blocks_per_sm, V::DecodeKernel(), kThreads, pl.decode_smem));
+      MLARUN_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pl.blocks_per_sm, V::DecodeKernel(),
+                                                                                kThreads, pl.decode_smem));
       if (pl.blocks_per_sm < 1)
         return InternalError("mla cuda: the decode kernel cannot be resident (", pl.decode_smem,
                              " bytes of shared memory, ", kThreads, " threads)");
-      const SplitPlanConfig sc{.h_q = s.h_q, .rows_per_block = V::kRows, .page_rows = bs, .num_sms = pl.num_sms,
-                               .blocks_per_sm = pl.blocks_per_sm, .min_split_keys = 128,
+      const SplitPlanConfig sc{.h_q = s.h_q,
+                               .rows_per_block = V::kRows,
+                               .page_rows = bs,
+                               .num_sms = pl.num_sms,
+                               .blocks_per_sm = pl.blocks_per_sm,
+                               .min_split_keys = 128,
                                .max_splits = cuda_mla::kMaxSplits};
-      MLARUN_RETURN_IF_ERROR(
-          CheckSplitPlanInput(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size())));
+      MLARUN_RETURN_IF_ERROR(CheckSplitPlanInput(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size())));
       PlanSplits(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size()), &pl.split);
       return Status::Ok();
     }));
@@ -427,7 +442,8 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
       }
     }
     if (pl.split_seqs.size() > 65535)
-      return InvalidArgumentError("mla cuda: ", pl.split_seqs.size(), " split sequences exceed one combine grid (65535)");
+      return InvalidArgumentError("mla cuda: ", pl.split_seqs.size(),
+                                  " split sequences exceed one combine grid (65535)");
   }
   // Every token absorbed (no expanded sequence): fold 2 writes out directly.
   pl.out_direct = pl.exp.empty();
@@ -442,9 +458,10 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
       using V = decltype(v);
       pl.expand_smem = V::ExpandSmem(static_cast<int>(s.d_qk()), static_cast<int>(s.d_v));
       if (static_cast<int64_t>(pl.expand_smem) > pl.smem_optin)
-        return InvalidArgumentError("mla cuda: expanded keys of d_nope + d_rope = ", s.d_qk(), " and values of d_v = ",
-                                    s.d_v, " need ", pl.expand_smem, " bytes of shared memory per block; the device allows ",
-                                    pl.smem_optin, " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+        return InvalidArgumentError("mla cuda: expanded keys of d_nope + d_rope = ", s.d_qk(),
+                                    " and values of d_v = ", s.d_v, " need ", pl.expand_smem,
+                                    " bytes of shared memory per block; the device allows ", pl.smem_optin,
+                                    " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
       MLARUN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(V::ExpandKernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                        static_cast<int>(pl.smem_optin)));
       return Status::Ok();
@@ -515,7 +532,8 @@ Status CheckRun(const MlaParams& p, const CudaMlaPlan* pl, WorkspaceView ws) {
   int device = 0;
   MLARUN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   if (device != pl->device)
-    return FailedPreconditionError("MlaRun: the plan was made on CUDA device ", pl->device, ", the current one is ", device);
+    return FailedPreconditionError("MlaRun: the plan was made on CUDA device ", pl->device, ", the current one is ",
+                                   device);
   return Status::Ok();
 }
 
@@ -555,8 +573,12 @@ Status LaunchDecodeCore(const MlaParams& p, const CudaMlaPlan& pl, Ws w, bool co
     if (combine && !pl.split_seqs.empty()) {
       const cuda_mla::CombineParams cp{.seqs = d.seqs,
                                        .split_seqs = w.at<const int32_t>(pl.layout.meta + pl.off_split_seqs),
-                                       .h_q = d.h_q, .d_latent = d.d_latent, .partial = d.partial,
-                                       .partial_lse = d.partial_lse, .olat = d.olat, .lse = p.lse};
+                                       .h_q = d.h_q,
+                                       .d_latent = d.d_latent,
+                                       .partial = d.partial,
+                                       .partial_lse = d.partial_lse,
+                                       .olat = d.olat,
+                                       .lse = p.lse};
       const dim3 grid(static_cast<unsigned>((pl.combine_rows_max + kWarps - 1) / kWarps),
                       static_cast<unsigned>(pl.split_seqs.size()));
       cuda_mla::MlaCombineKernel<T><<<grid, kThreads>>>(cp);
@@ -588,10 +610,9 @@ struct BatchedGemm {
 Status RunBatchedGemm(const BatchedGemm& g) {
   MLARUN_ASSIGN_OR_RETURN(cublasHandle_t h, cuda::CublasHandle());
   const float one = 1.f, zero = 0.f;
-  MLARUN_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(h, g.op_a, CUBLAS_OP_N, g.m, g.n, g.k, &one, g.a, g.a_type,
-                                                           g.lda, g.stride_a, g.b, g.a_type, g.ldb, g.stride_b, &zero,
-                                                           g.c, g.c_type, g.ldc, g.stride_c, g.batch,
-                                                           CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  MLARUN_CUBLAS_RETURN_IF_ERROR(cublasGemmStridedBatchedEx(
+      h, g.op_a, CUBLAS_OP_N, g.m, g.n, g.k, &one, g.a, g.a_type, g.lda, g.stride_a, g.b, g.a_type, g.ldb, g.stride_b,
+      &zero, g.c, g.c_type, g.ldc, g.stride_c, g.batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return Status::Ok();
 }
 
@@ -604,15 +625,25 @@ Status RunAbsorbed(const MlaParams& p, const CudaMlaPlan& pl, Ws w) {
   const cudaDataType_t dt = CudaType(pl.dtype);
   const int32_t* abs_tokens = w.at<const int32_t>(pl.layout.meta + pl.off_tokens);
 
-  AbsorbedQueryKernel<T><<<static_cast<unsigned>(ta), kThreads>>>(p.q, p.q_stride_token, p.q_stride_head, abs_tokens,
-                                                                   H, P, R, L, w.at<T>(pl.layout.qn),
-                                                                   w.at<T>(pl.layout.qa));
+  AbsorbedQueryKernel<T><<<static_cast<unsigned>(ta), kThreads>>>(
+      p.q, p.q_stride_token, p.q_stride_head, abs_tokens, H, P, R, L, w.at<T>(pl.layout.qn), w.at<T>(pl.layout.qa));
   MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("AbsorbedQueryKernel");
   // qa[:, h, :L] (L x t_abs, column-major, ld H Dk) = W_UK^T[h] (L x P, ld L) x qn[:, h] (P x t_abs, ld H P).
-  MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_N, .m = L, .n = ta, .k = P, .a = p.w_uk_t, .a_type = dt,
-                                         .lda = L, .stride_a = static_cast<long long>(P) * L,
-                                         .b = w.at(pl.layout.qn), .ldb = H * P, .stride_b = P,
-                                         .c = w.at(pl.layout.qa), .c_type = dt, .ldc = H * Dk, .stride_c = Dk,
+  MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_N,
+                                         .m = L,
+                                         .n = ta,
+                                         .k = P,
+                                         .a = p.w_uk_t,
+                                         .a_type = dt,
+                                         .lda = L,
+                                         .stride_a = static_cast<long long>(P) * L,
+                                         .b = w.at(pl.layout.qn),
+                                         .ldb = H * P,
+                                         .stride_b = P,
+                                         .c = w.at(pl.layout.qa),
+                                         .c_type = dt,
+                                         .ldc = H * Dk,
+                                         .stride_c = Dk,
                                          .batch = H}));
   MLARUN_RETURN_IF_ERROR(LaunchDecodeCore(p, pl, w, /*combine=*/true));
   // out[:, h] (V x t_abs, ld out_stride_token) = W_UV[h] (V x L, ld V) x olat[:, h] (L x t_abs, ld H L).
@@ -620,11 +651,22 @@ Status RunAbsorbed(const MlaParams& p, const CudaMlaPlan& pl, Ws w) {
   const int64_t ldc = pl.out_direct ? p.out_stride_token : int64_t{H} * V;
   const int64_t stride_c = pl.out_direct ? p.out_stride_head : V;
   MLARUN_RETURN_IF_ERROR(CheckIntRange(ldc, "out_stride_token"));
-  MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_N, .m = V, .n = ta, .k = L, .a = p.w_uv, .a_type = dt,
-                                         .lda = V, .stride_a = static_cast<long long>(L) * V,
-                                         .b = w.at(pl.layout.olat), .ldb = H * L, .stride_b = L, .c = out,
-                                         .c_type = CUDA_R_32F, .ldc = static_cast<int>(ldc),
-                                         .stride_c = static_cast<long long>(stride_c), .batch = H}));
+  MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_N,
+                                         .m = V,
+                                         .n = ta,
+                                         .k = L,
+                                         .a = p.w_uv,
+                                         .a_type = dt,
+                                         .lda = V,
+                                         .stride_a = static_cast<long long>(L) * V,
+                                         .b = w.at(pl.layout.olat),
+                                         .ldb = H * L,
+                                         .stride_b = L,
+                                         .c = out,
+                                         .c_type = CUDA_R_32F,
+                                         .ldc = static_cast<int>(ldc),
+                                         .stride_c = static_cast<long long>(stride_c),
+                                         .batch = H}));
   if (!pl.out_direct) {
     ScatterOutKernel<<<static_cast<unsigned>(ta), kThreads>>>(w.at<const float>(pl.layout.oabs), abs_tokens, H, V,
                                                               p.out, p.out_stride_token, p.out_stride_head);
@@ -651,8 +693,8 @@ Status RunExpandedSeq(const MlaParams& p, const CudaMlaPlan& pl, Ws w, const Exp
   float* acc_lse = w.at<float>(pl.layout.acc_lse);
   const int32_t* table = w.at<const int32_t>(pl.layout.meta + pl.off_table) + e.table_offset;
 
-  ExpandedQueryKernel<T><<<static_cast<unsigned>(Q), kThreads>>>(p.q, p.q_stride_token, p.q_stride_head, e.token0, Q,
-                                                                 H, Dq, V, qe, acc, acc_lse);
+  ExpandedQueryKernel<T><<<static_cast<unsigned>(Q), kThreads>>>(p.q, p.q_stride_token, p.q_stride_head, e.token0, Q, H,
+                                                                 Dq, V, qe, acc, acc_lse);
   MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("ExpandedQueryKernel");
 
   for (int64_t c0 = 0; c0 < e.seq_len; c0 += pl.chunk_rows) {
@@ -663,15 +705,39 @@ Status RunExpandedSeq(const MlaParams& p, const CudaMlaPlan& pl, Ws w, const Exp
                                                             table, c0, H, L, R, P, cap, lat, kx);
     MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("GatherChunkKernel");
     // kx[h][:, :P] (P x n, ld Dq) = op_T(W_UK^T[h] as L x P, ld L) x lat (L x n, ld Dk).
-    MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_T, .m = P, .n = n, .k = L, .a = p.w_uk_t, .a_type = dt,
-                                           .lda = L, .stride_a = static_cast<long long>(P) * L, .b = lat,
-                                           .ldb = Dk, .stride_b = 0, .c = kx, .c_type = dt, .ldc = Dq,
-                                           .stride_c = static_cast<long long>(cap) * Dq, .batch = H}));
+    MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_T,
+                                           .m = P,
+                                           .n = n,
+                                           .k = L,
+                                           .a = p.w_uk_t,
+                                           .a_type = dt,
+                                           .lda = L,
+                                           .stride_a = static_cast<long long>(P) * L,
+                                           .b = lat,
+                                           .ldb = Dk,
+                                           .stride_b = 0,
+                                           .c = kx,
+                                           .c_type = dt,
+                                           .ldc = Dq,
+                                           .stride_c = static_cast<long long>(cap) * Dq,
+                                           .batch = H}));
     // vx[h] (V x n, ld V) = W_UV[h] (V x L, ld V) x lat (L x n, ld Dk).
-    MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_N, .m = V, .n = n, .k = L, .a = p.w_uv, .a_type = dt,
-                                           .lda = V, .stride_a = static_cast<long long>(L) * V, .b = lat,
-                                           .ldb = Dk, .stride_b = 0, .c = vx, .c_type = dt, .ldc = V,
-                                           .stride_c = static_cast<long long>(cap) * V, .batch = H}));
+    MLARUN_RETURN_IF_ERROR(RunBatchedGemm({.op_a = CUBLAS_OP_N,
+                                           .m = V,
+                                           .n = n,
+                                           .k = L,
+                                           .a = p.w_uv,
+                                           .a_type = dt,
+                                           .lda = V,
+                                           .stride_a = static_cast<long long>(L) * V,
+                                           .b = lat,
+                                           .ldb = Dk,
+                                           .stride_b = 0,
+                                           .c = vx,
+                                           .c_type = dt,
+                                           .ldc = V,
+                                           .stride_c = static_cast<long long>(cap) * V,
+                                           .batch = H}));
     cuda_mla::ExpandParams ep{};
     ep.q = qe;
     ep.k = kx;

@@ -11,12 +11,12 @@ namespace mlarun::cuda {
 
 // What a CUDA plan decided for its absorbed sequences.
 struct MlaCudaPlanStats {
-  int64_t decode_blocks = 0;    // work items of the split decode kernel
-  int64_t split_seqs = 0;       // sequences with more than one split
-  int64_t max_splits = 0;       // most splits of one sequence
-  int64_t rows_per_block = 0;   // query rows (token x head) per decode block
-  int64_t split_keys = 0;       // the split length of the rule (attention/cuda/split_plan.h)
-  int64_t blocks_per_sm = 0;    // resident decode blocks per SM
+  int64_t decode_blocks = 0;   // work items of the split decode kernel
+  int64_t split_seqs = 0;      // sequences with more than one split
+  int64_t max_splits = 0;      // most splits of one sequence
+  int64_t rows_per_block = 0;  // query rows (token x head) per decode block
+  int64_t split_keys = 0;      // the split length of the rule (attention/cuda/split_plan.h)
+  int64_t blocks_per_sm = 0;   // resident decode blocks per SM
 };
 StatusOr<MlaCudaPlanStats> MlaCudaStats(const MlaPlanImpl& plan);
 

@@ -66,13 +66,17 @@ using cuda_convert::FromFloat;
 using cuda_convert::ToFloat;
 // What the CPU multiplies the values with: the probability in the cache dtype.
 template <typename T>
-__device__ inline float RoundLikeCache(float v) { return ToFloat(FromFloat<T>(v)); }
+__device__ inline float RoundLikeCache(float v) {
+  return ToFloat(FromFloat<T>(v));
+}
 
 // The kVec elements of a word, as floats.
 template <typename T>
 __device__ inline void Unpack(uint32_t w, float* out);
 template <>
-__device__ inline void Unpack<float>(uint32_t w, float* out) { out[0] = __uint_as_float(w); }
+__device__ inline void Unpack<float>(uint32_t w, float* out) {
+  out[0] = __uint_as_float(w);
+}
 template <>
 __device__ inline void Unpack<__nv_bfloat16>(uint32_t w, float* out) {
   out[0] = __uint_as_float(w << 16);
@@ -145,10 +149,11 @@ struct RowState {
 //           a row past the tile;
 //   warp_active: the warp has at least one row (else it only helps loading).
 template <typename T, int kRowsPerWarp, int kKeysPerLane, int kNJ, typename LoadTile>
-__device__ __forceinline__ void AttendRange(const uint32_t* sQ, int ldq, const uint32_t* sK, int ldk, const uint32_t* sV,
-                                   int ldv, float* sP, int qk_words, int v_words, int64_t k_begin, int64_t k_end,
-                                   const int64_t* vis, bool warp_active, float scale, LoadTile&& load_tile,
-                                   RowState<kRowsPerWarp, kNJ * Elem<T>::kVec>& st) {
+__device__ __forceinline__ void AttendRange(const uint32_t* sQ, int ldq, const uint32_t* sK, int ldk,
+                                            const uint32_t* sV, int ldv, float* sP, int qk_words, int v_words,
+                                            int64_t k_begin, int64_t k_end, const int64_t* vis, bool warp_active,
+                                            float scale, LoadTile&& load_tile,
+                                            RowState<kRowsPerWarp, kNJ * Elem<T>::kVec>& st) {
   constexpr int kKeys = 32 * kKeysPerLane;
   constexpr int kVec = Elem<T>::kVec;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -229,11 +234,11 @@ __device__ __forceinline__ void AttendRange(const uint32_t* sQ, int ldq, const u
 
 // Per absorbed sequence (device copy of the plan's).
 struct DecodeSeq {
-  int32_t tok_offset;    // its first absorbed token: rows tok_offset * h_q + r of qa / olat
-  int32_t token0;        // its first token in the batch: rows token0 * h_q + r of lse
-  int32_t prefix;        // cached keys before its query block
+  int32_t tok_offset;  // its first absorbed token: rows tok_offset * h_q + r of qa / olat
+  int32_t token0;      // its first token in the batch: rows token0 * h_q + r of lse
+  int32_t prefix;      // cached keys before its query block
   int32_t q_len;
-  int64_t table_offset;  // its block-table row in the compacted table
+  int64_t table_offset;    // its block-table row in the compacted table
   int64_t partial_offset;  // first partial row (split s, row r at + s * q_len * h_q + r), -1 if not split
   int32_t num_splits;
   int32_t pad_;
@@ -312,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1) MlaSplitDecodeKernel(DecodeParams
     }
   };
   AttendRange<T, kRowsPerWarp, kKeysPerLane, kNJ>(sQ, ld, sK, ld, sK, ld, sP, (Dk + kVec - 1) / kVec,
-                                                   (L + kVec - 1) / kVec, it.key_begin, it.key_end, vis,
-                                                   warp_active, p.scale, load_tile, st);
+                                                  (L + kVec - 1) / kVec, it.key_begin, it.key_end, vis, warp_active,
+                                                  p.scale, load_tile, st);
   if (!warp_active) return;
 
 #pragma unroll
@@ -426,8 +431,8 @@ __global__ void __launch_bounds__(kThreads, 1) MlaExpandedAttentionKernel(Expand
 
   const T* q = static_cast<const T*>(p.q) + (static_cast<int64_t>(h) * p.q_len + j0) * p.d_qk;
   for (int r = warp; r < kQRows; r += kWarps)
-    CopyRowToSmem<T>(sQ + r * ldq, ldq, r < rows ? q + static_cast<int64_t>(r) * p.d_qk : nullptr, p.d_qk,
-                     p.q_vec16, lane);
+    CopyRowToSmem<T>(sQ + r * ldq, ldq, r < rows ? q + static_cast<int64_t>(r) * p.d_qk : nullptr, p.d_qk, p.q_vec16,
+                     lane);
 
   RowState<kRowsPerWarp, kCols> st;
   int64_t vis[kRowsPerWarp];
@@ -452,8 +457,8 @@ __global__ void __launch_bounds__(kThreads, 1) MlaExpandedAttentionKernel(Expand
     }
   };
   AttendRange<T, kRowsPerWarp, kKeysPerLane, kNJ>(sQ, ldq, sK, ldq, sV, ldv, sP, (p.d_qk + kVec - 1) / kVec,
-                                                   (p.d_v + kVec - 1) / kVec, p.c0, k_end, vis, warp_active,
-                                                   p.scale, load_tile, st);
+                                                  (p.d_v + kVec - 1) / kVec, p.c0, k_end, vis, warp_active, p.scale,
+                                                  load_tile, st);
   if (!warp_active) return;
 
 #pragma unroll

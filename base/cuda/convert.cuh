@@ -12,8 +12,12 @@ __device__ inline float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <typename T>
 __device__ inline T FromFloat(float v);
 template <>
-__device__ inline float FromFloat<float>(float v) { return v; }
+__device__ inline float FromFloat<float>(float v) {
+  return v;
+}
 template <>
-__device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+__device__ inline __nv_bfloat16 FromFloat<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
 
 }  // namespace mlarun::cuda_convert

@@ -1,9 +1,8 @@
-#include "base/cuda/cuda_check.h"
-
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
 
+#include "base/cuda/cuda_check.h"
 #include "base/cuda_device.h"
 
 namespace mlarun {

@@ -26,17 +26,16 @@ Status LaunchStatus(const char* what, const char* file, int line);
 
 }  // namespace mlarun::cuda_check
 
-#define MLARUN_CUDA_RETURN_IF_ERROR(expr)                                                          \
-  do {                                                                                              \
-    const cudaError_t mlarun_cuda_err_ = (expr);                                                    \
-    if (mlarun_cuda_err_ != cudaSuccess)                                                            \
-      return ::mlarun::InternalError(#expr, " failed at ", __FILE__, ":", __LINE__,                \
-                                     ::mlarun::cuda_check::Where(), ": ",                           \
-                                     cudaGetErrorName(mlarun_cuda_err_), " (",                      \
-                                     cudaGetErrorString(mlarun_cuda_err_), ")");                    \
+#define MLARUN_CUDA_RETURN_IF_ERROR(expr)                                                                          \
+  do {                                                                                                             \
+    const cudaError_t mlarun_cuda_err_ = (expr);                                                                   \
+    if (mlarun_cuda_err_ != cudaSuccess)                                                                           \
+      return ::mlarun::InternalError(#expr, " failed at ", __FILE__, ":", __LINE__, ::mlarun::cuda_check::Where(), \
+                                     ": ", cudaGetErrorName(mlarun_cuda_err_), " (",                               \
+                                     cudaGetErrorString(mlarun_cuda_err_), ")");                                   \
   } while (0)
 
 // After a <<<...>>> launch: the launch's own error (bad configuration, no
 // kernel image for this GPU) and, under MLARUN_CUDA_SYNC=1, the kernel's.
-#define MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED(what)                                                  \
+#define MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED(what) \
   MLARUN_RETURN_IF_ERROR(::mlarun::cuda_check::LaunchStatus(what, __FILE__, __LINE__))

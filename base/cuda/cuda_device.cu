@@ -1,11 +1,10 @@
-#include "base/cuda_device.h"
-
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
 
 #include "base/cuda/cuda_check.h"
+#include "base/cuda_device.h"
 
 namespace mlarun {
 
@@ -23,7 +22,10 @@ StatusOr<std::vector<CudaDevice>> CudaDevices() {
   for (int i = 0; i < count; ++i) {
     cudaDeviceProp prop{};
     if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
-    out.push_back(CudaDevice{.index = i, .name = prop.name, .sm_major = prop.major, .sm_minor = prop.minor,
+    out.push_back(CudaDevice{.index = i,
+                             .name = prop.name,
+                             .sm_major = prop.major,
+                             .sm_minor = prop.minor,
                              .total_bytes = static_cast<int64_t>(prop.totalGlobalMem)});
   }
   return out;

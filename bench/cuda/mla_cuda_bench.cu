@@ -30,11 +30,11 @@
 
 #include "attention/cuda/mla_cuda.h"
 #include "attention/mla.h"
-#include "gemm/cuda/cublas.h"
 #include "base/cuda/cuda_check.h"
 #include "base/cuda_device.h"
 #include "base/device_memory.h"
 #include "base/workspace.h"
+#include "gemm/cuda/cublas.h"
 
 namespace mlarun {
 namespace {
@@ -121,9 +121,9 @@ StatusOr<double> CopyBandwidthGBps(int reps) {
   MLARUN_RETURN_IF_ERROR(Alloc(dst, bytes));
   MLARUN_CUDA_RETURN_IF_ERROR(cudaMemset(src.p, 1, bytes));
   MLARUN_ASSIGN_OR_RETURN(double ms, MedianMs(2, reps, [&]() -> Status {
-    MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice));
-    return Status::Ok();
-  }));
+                            MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(dst.p, src.p, bytes, cudaMemcpyDeviceToDevice));
+                            return Status::Ok();
+                          }));
   return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
 }
 
@@ -139,11 +139,11 @@ StatusOr<double> GemmTflops(int reps) {
   MLARUN_ASSIGN_OR_RETURN(cublasHandle_t h, cuda::CublasHandle());
   const float one = 1.f, zero = 0.f;
   MLARUN_ASSIGN_OR_RETURN(double ms, MedianMs(2, reps, [&]() -> Status {
-    MLARUN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p,
-                                               CUDA_R_16BF, n, &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                               CUBLAS_GEMM_DEFAULT));
-    return Status::Ok();
-  }));
+                            MLARUN_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(
+                                h, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a.p, CUDA_R_16BF, n, b.p, CUDA_R_16BF, n,
+                                &zero, c.p, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                            return Status::Ok();
+                          }));
   return 2.0 * n * static_cast<double>(n) * n / (ms * 1e-3) / 1e12;
 }
 
@@ -168,7 +168,8 @@ Status MakeInputs(Inputs& in, int64_t max_batch, int64_t max_context, int64_t ma
   const uint64_t pool_elems = static_cast<uint64_t>(in.pool_blocks * kPage * s.d_cache());
   MLARUN_RETURN_IF_ERROR(Alloc(in.pool, pool_elems * 2));
   MLARUN_RETURN_IF_ERROR(Fill(static_cast<__nv_bfloat16*>(in.pool.p), pool_elems, 3, 1.f));
-  const uint64_t wuk = static_cast<uint64_t>(s.h_q * s.d_nope * s.d_latent), wuv = static_cast<uint64_t>(s.h_q * s.d_latent * s.d_v);
+  const uint64_t wuk = static_cast<uint64_t>(s.h_q * s.d_nope * s.d_latent),
+                 wuv = static_cast<uint64_t>(s.h_q * s.d_latent * s.d_v);
   const float w_scale = 1.f / std::sqrt(static_cast<float>(s.d_latent)) * std::sqrt(3.f);
   MLARUN_RETURN_IF_ERROR(Alloc(in.wuk, wuk * 2));
   MLARUN_RETURN_IF_ERROR(Alloc(in.wuv, wuv * 2));
@@ -190,19 +191,34 @@ Status MakeInputs(Inputs& in, int64_t max_batch, int64_t max_context, int64_t ma
 StatusOr<DecodeResult> BenchDecode(Inputs& in, int64_t heads, int64_t batch, int64_t context, Workspace& ws) {
   const MlaShape s = DeepSeekV3MlaShape(heads);
   const int64_t blocks = (context + kPage - 1) / kPage;
-  std::vector<int32_t> query_start(static_cast<size_t>(batch + 1)), seq_lens(static_cast<size_t>(batch), static_cast<int32_t>(context));
+  std::vector<int32_t> query_start(static_cast<size_t>(batch + 1)),
+      seq_lens(static_cast<size_t>(batch), static_cast<int32_t>(context));
   std::iota(query_start.begin(), query_start.end(), 0);
   std::vector<int32_t> table(in.block_ids.begin(), in.block_ids.begin() + batch * blocks);
-  MlaParams p{.shape = s, .q = static_cast<const float*>(in.q.p), .num_tokens = batch,
-              .q_stride_token = s.h_q * s.d_qk(), .q_stride_head = s.d_qk(), .w_uk_t = in.wuk.p, .w_uv = in.wuv.p,
+  MlaParams p{.shape = s,
+              .q = static_cast<const float*>(in.q.p),
+              .num_tokens = batch,
+              .q_stride_token = s.h_q * s.d_qk(),
+              .q_stride_head = s.d_qk(),
+              .w_uk_t = in.wuk.p,
+              .w_uv = in.wuv.p,
               .w_dtype = DType::kBF16,
-              .cache = PagedRowsView{.data = in.pool.p, .dtype = DType::kBF16, .num_blocks = in.pool_blocks,
-                                     .block_size = kPage, .row_width = s.d_cache(), .stride_block = kPage * s.d_cache(),
+              .cache = PagedRowsView{.data = in.pool.p,
+                                     .dtype = DType::kBF16,
+                                     .num_blocks = in.pool_blocks,
+                                     .block_size = kPage,
+                                     .row_width = s.d_cache(),
+                                     .stride_block = kPage * s.d_cache(),
                                      .stride_token = s.d_cache()},
-              .num_seqs = static_cast<int32_t>(batch), .query_start = query_start.data(), .seq_lens = seq_lens.data(),
-              .block_table = table.data(), .block_table_stride = blocks,
+              .num_seqs = static_cast<int32_t>(batch),
+              .query_start = query_start.data(),
+              .seq_lens = seq_lens.data(),
+              .block_table = table.data(),
+              .block_table_stride = blocks,
               .softmax_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.d_qk()))),
-              .out = static_cast<float*>(in.out.p), .out_stride_token = s.h_q * s.d_v, .out_stride_head = s.d_v,
+              .out = static_cast<float*>(in.out.p),
+              .out_stride_token = s.h_q * s.d_v,
+              .out_stride_head = s.d_v,
               .lse = static_cast<float*>(in.lse.p)};
   const MlaConfig c{.backend = Backend::kCuda, .path = MlaPath::kAbsorbed};
   MLARUN_ASSIGN_OR_RETURN(MlaPlan plan, MlaMakePlan(p, c));
@@ -216,14 +232,17 @@ StatusOr<DecodeResult> BenchDecode(Inputs& in, int64_t heads, int64_t batch, int
   MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(out.data(), in.out.p, out.size() * 4, cudaMemcpyDeviceToHost));
   MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(lse.data(), in.lse.p, lse.size() * 4, cudaMemcpyDeviceToHost));
   for (float v : out)
-    if (!std::isfinite(v)) return InternalError("bench: non-finite output at h_q ", heads, " batch ", batch, " context ", context);
+    if (!std::isfinite(v))
+      return InternalError("bench: non-finite output at h_q ", heads, " batch ", batch, " context ", context);
   for (float v : lse)
-    if (!std::isfinite(v)) return InternalError("bench: non-finite lse at h_q ", heads, " batch ", batch, " context ", context);
+    if (!std::isfinite(v))
+      return InternalError("bench: non-finite lse at h_q ", heads, " batch ", batch, " context ", context);
 
   DecodeResult r{.h_q = heads, .batch = batch, .context = context};
   MLARUN_ASSIGN_OR_RETURN(r.stats, cuda::MlaCudaStats(*plan.impl));
   MLARUN_ASSIGN_OR_RETURN(r.run_ms, MedianMs(3, 20, [&] { return MlaRun(p, plan, view); }));
-  MLARUN_ASSIGN_OR_RETURN(r.kernel_ms, MedianMs(3, 20, [&] { return cuda::RunMlaDecodeCore(p, *plan.impl, view, false); }));
+  MLARUN_ASSIGN_OR_RETURN(r.kernel_ms,
+                          MedianMs(3, 20, [&] { return cuda::RunMlaDecodeCore(p, *plan.impl, view, false); }));
 
   const double rows = static_cast<double>(batch) * static_cast<double>(heads);
   const double cache_bytes = static_cast<double>(batch * context * s.d_cache()) * 2.0;
@@ -231,7 +250,8 @@ StatusOr<DecodeResult> BenchDecode(Inputs& in, int64_t heads, int64_t batch, int
                            static_cast<double>(heads * s.d_latent * (s.d_nope + s.d_v)) * 2.0;
   const double kernel_bytes = cache_bytes + rows * static_cast<double>(s.d_cache() + s.d_latent) * 2.0;
   const double run_flops = static_cast<double>(batch) * MlaAbsorbedFlops(s, 1, context);
-  const double kernel_flops = rows * static_cast<double>(context) * static_cast<double>(2 * s.d_cache() + 2 * s.d_latent);
+  const double kernel_flops =
+      rows * static_cast<double>(context) * static_cast<double>(2 * s.d_cache() + 2 * s.d_latent);
   r.run_gbps = run_bytes / (r.run_ms * 1e-3) / 1e9;
   r.kernel_gbps = kernel_bytes / (r.kernel_ms * 1e-3) / 1e9;
   r.run_tflops = run_flops / (r.run_ms * 1e-3) / 1e12;
@@ -260,7 +280,8 @@ int Main(int argc, char** argv) {
   }
   const CudaDevice& dev = devices->front();
   const std::vector<int64_t> heads{128, 16};
-  const std::vector<int64_t> batches = quick ? std::vector<int64_t>{1, 16, 128} : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128};
+  const std::vector<int64_t> batches =
+      quick ? std::vector<int64_t>{1, 16, 128} : std::vector<int64_t>{1, 2, 4, 8, 16, 32, 64, 128};
   const std::vector<int64_t> contexts = quick ? std::vector<int64_t>{4096} : std::vector<int64_t>{4096, 16384};
   const int reps = quick ? 5 : 10;
 
@@ -272,8 +293,9 @@ int Main(int argc, char** argv) {
   if (!copy.ok()) return fail(copy.status());
   auto gemm = GemmTflops(reps);
   if (!gemm.ok()) return fail(gemm.status());
-  std::printf("device %s (sm_%d%d)\n(a) D2D copy, 1 GiB: %.0f GB/s (read + write)\n(b) cuBLAS bf16 GEMM 8192^3: %.1f TFLOP/s\n",
-              dev.name.c_str(), dev.sm_major, dev.sm_minor, *copy, *gemm);
+  std::printf(
+      "device %s (sm_%d%d)\n(a) D2D copy, 1 GiB: %.0f GB/s (read + write)\n(b) cuBLAS bf16 GEMM 8192^3: %.1f TFLOP/s\n",
+      dev.name.c_str(), dev.sm_major, dev.sm_minor, *copy, *gemm);
 
   Inputs in;
   const Status made = MakeInputs(in, batches.back(), contexts.back(), heads.front());
@@ -283,18 +305,18 @@ int Main(int argc, char** argv) {
   Workspace ws(*memory);
   std::vector<DecodeResult> results;
   std::printf("(c) absorbed decode, DeepSeek-V3 L 512 R 64, bf16, q_len 1 (median of 20)\n");
-  std::printf("%5s %6s %8s | %10s %9s %8s | %10s %9s %8s %8s | %7s %6s\n", "h_q", "batch", "context", "run ms",
-              "GB/s", "TFLOP/s", "kernel ms", "GB/s", "TFLOP/s", "of_copy", "blocks", "splits");
+  std::printf("%5s %6s %8s | %10s %9s %8s | %10s %9s %8s %8s | %7s %6s\n", "h_q", "batch", "context", "run ms", "GB/s",
+              "TFLOP/s", "kernel ms", "GB/s", "TFLOP/s", "of_copy", "blocks", "splits");
   for (int64_t h : heads) {
     for (int64_t ctx : contexts) {
       for (int64_t b : batches) {
         auto r = BenchDecode(in, h, b, ctx, ws);
         if (!r.ok()) return fail(r.status());
         results.push_back(*r);
-        std::printf("%5ld %6ld %8ld | %10.3f %9.0f %8.2f | %10.3f %9.0f %8.2f %8.3f | %7ld %6ld\n", static_cast<long>(h),
-                    static_cast<long>(b), static_cast<long>(ctx), r->run_ms, r->run_gbps, r->run_tflops, r->kernel_ms,
-                    r->kernel_gbps, r->kernel_tflops, r->kernel_gbps / *copy, static_cast<long>(r->stats.decode_blocks),
-                    static_cast<long>(r->stats.max_splits));
+        std::printf("%5ld %6ld %8ld | %10.3f %9.0f %8.2f | %10.3f %9.0f %8.2f %8.3f | %7ld %6ld\n",
+                    static_cast<long>(h), static_cast<long>(b), static_cast<long>(ctx), r->run_ms, r->run_gbps,
+                    r->run_tflops, r->kernel_ms, r->kernel_gbps, r->kernel_tflops, r->kernel_gbps / *copy,
+                    static_cast<long>(r->stats.decode_blocks), static_cast<long>(r->stats.max_splits));
       }
     }
   }
@@ -305,21 +327,22 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "mla_cuda_bench: cannot write %s\n", json_path.c_str());
       return 1;
     }
-    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm\": \"%d.%d\",\n  \"quick\": %s,\n", dev.name.c_str(), dev.sm_major,
-                 dev.sm_minor, quick ? "true" : "false");
+    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm\": \"%d.%d\",\n  \"quick\": %s,\n", dev.name.c_str(),
+                 dev.sm_major, dev.sm_minor, quick ? "true" : "false");
     std::fprintf(f, "  \"copy_gbps\": %.3f,\n  \"gemm_bf16_8192_tflops\": %.3f,\n  \"decode\": [\n", *copy, *gemm);
     for (size_t i = 0; i < results.size(); ++i) {
       const DecodeResult& r = results[i];
-      std::fprintf(f,
-                   "    {\"h_q\": %ld, \"batch\": %ld, \"context\": %ld, \"q_len\": 1, \"run_ms\": %.5f, \"run_gbps\": %.3f, "
-                   "\"run_tflops\": %.4f, \"run_of_copy\": %.4f, \"kernel_ms\": %.5f, \"kernel_gbps\": %.3f, "
-                   "\"kernel_tflops\": %.4f, \"kernel_of_copy\": %.4f, \"decode_blocks\": %ld, \"max_splits\": %ld, "
-                   "\"rows_per_block\": %ld, \"blocks_per_sm\": %ld}%s\n",
-                   static_cast<long>(r.h_q), static_cast<long>(r.batch), static_cast<long>(r.context), r.run_ms,
-                   r.run_gbps, r.run_tflops, r.run_gbps / *copy, r.kernel_ms, r.kernel_gbps, r.kernel_tflops,
-                   r.kernel_gbps / *copy, static_cast<long>(r.stats.decode_blocks), static_cast<long>(r.stats.max_splits),
-                   static_cast<long>(r.stats.rows_per_block), static_cast<long>(r.stats.blocks_per_sm),
-                   i + 1 < results.size() ? "," : "");
+      std::fprintf(
+          f,
+          "    {\"h_q\": %ld, \"batch\": %ld, \"context\": %ld, \"q_len\": 1, \"run_ms\": %.5f, \"run_gbps\": %.3f, "
+          "\"run_tflops\": %.4f, \"run_of_copy\": %.4f, \"kernel_ms\": %.5f, \"kernel_gbps\": %.3f, "
+          "\"kernel_tflops\": %.4f, \"kernel_of_copy\": %.4f, \"decode_blocks\": %ld, \"max_splits\": %ld, "
+          "\"rows_per_block\": %ld, \"blocks_per_sm\": %ld}%s\n",
+          static_cast<long>(r.h_q), static_cast<long>(r.batch), static_cast<long>(r.context), r.run_ms, r.run_gbps,
+          r.run_tflops, r.run_gbps / *copy, r.kernel_ms, r.kernel_gbps, r.kernel_tflops, r.kernel_gbps / *copy,
+          static_cast<long>(r.stats.decode_blocks), static_cast<long>(r.stats.max_splits),
+          static_cast<long>(r.stats.rows_per_block), static_cast<long>(r.stats.blocks_per_sm),
+          i + 1 < results.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

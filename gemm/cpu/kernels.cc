@@ -23,10 +23,14 @@ const CpuKernels* KernelsFor(CpuIsa isa) {
   // Never touch a family's code on a CPU that cannot run it.
   if (static_cast<int>(isa) > static_cast<int>(HostCpu().best())) return nullptr;
   switch (isa) {
-    case CpuIsa::kScalar: return &ScalarKernels();
-    case CpuIsa::kAvx2: return &Avx2Kernels();
-    case CpuIsa::kAvx512: return &Avx512Kernels();
-    case CpuIsa::kAmx: return &AmxKernels();
+    case CpuIsa::kScalar:
+      return &ScalarKernels();
+    case CpuIsa::kAvx2:
+      return &Avx2Kernels();
+    case CpuIsa::kAvx512:
+      return &Avx512Kernels();
+    case CpuIsa::kAmx:
+      return &AmxKernels();
   }
   return nullptr;
 }

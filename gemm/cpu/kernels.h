@@ -107,7 +107,7 @@ struct CpuKernels {
   float (*row_max)(const float* x, int64_t n) = nullptr;  // -inf for n == 0
   // x[j] <- exp((x[j] - mx) * scale) for j < n (mx >= every x[j]); returns the sum.
   float (*exp_shifted)(float* x, int64_t n, float mx, float scale) = nullptr;
-  void (*scale)(float* x, int64_t n, float s) = nullptr;                                   // x *= s
+  void (*scale)(float* x, int64_t n, float s) = nullptr;                                  // x *= s
   void (*axpby)(float* acc, const float* part, int64_t n, float wa, float wb) = nullptr;  // acc = acc wa + part wb
 
   // Reads `bytes` (a multiple of 64) at `p` with the widest loads of the family,

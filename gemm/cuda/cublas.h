@@ -17,11 +17,10 @@ const char* CublasStatusName(cublasStatus_t s);
 
 }  // namespace mlarun::cuda
 
-#define MLARUN_CUBLAS_RETURN_IF_ERROR(expr)                                                        \
-  do {                                                                                              \
-    const cublasStatus_t mlarun_cublas_st_ = (expr);                                                \
-    if (mlarun_cublas_st_ != CUBLAS_STATUS_SUCCESS)                                                 \
-      return ::mlarun::InternalError(#expr, " failed at ", __FILE__, ":", __LINE__,                \
-                                     ::mlarun::cuda_check::Where(), ": ",                           \
-                                     ::mlarun::cuda::CublasStatusName(mlarun_cublas_st_));          \
+#define MLARUN_CUBLAS_RETURN_IF_ERROR(expr)                                                                        \
+  do {                                                                                                             \
+    const cublasStatus_t mlarun_cublas_st_ = (expr);                                                               \
+    if (mlarun_cublas_st_ != CUBLAS_STATUS_SUCCESS)                                                                \
+      return ::mlarun::InternalError(#expr, " failed at ", __FILE__, ":", __LINE__, ::mlarun::cuda_check::Where(), \
+                                     ": ", ::mlarun::cuda::CublasStatusName(mlarun_cublas_st_));                   \
   } while (0)

@@ -1,7 +1,7 @@
+#include <cstddef>
+
 #include "gemm/convert.h"
 #include "kv/latent_write_backend.h"
-
-#include <cstddef>
 
 namespace mlarun::cpu {
 
@@ -15,10 +15,12 @@ Status WriteLatentRows(const LatentWriteParams& p) {
   for (int64_t t = 0; t < p.n; ++t) {
     const int64_t s = p.slots[t];
     if (s < 0) continue;
-    std::byte* row = static_cast<std::byte*>(p.cache) +
-                     ((s / p.block_size) * p.stride_block + (s % p.block_size) * p.stride_token) * static_cast<int64_t>(es);
+    std::byte* row =
+        static_cast<std::byte*>(p.cache) +
+        ((s / p.block_size) * p.stride_block + (s % p.block_size) * p.stride_token) * static_cast<int64_t>(es);
     StoreFromF32(p.kv_c + t * p.kv_c_stride, row, p.dtype, p.d_latent);
-    if (p.d_rope > 0) StoreFromF32(p.k_pe + t * p.k_pe_stride, row + p.d_latent * static_cast<int64_t>(es), p.dtype, p.d_rope);
+    if (p.d_rope > 0)
+      StoreFromF32(p.k_pe + t * p.k_pe_stride, row + p.d_latent * static_cast<int64_t>(es), p.dtype, p.d_rope);
   }
   return Status::Ok();
 }

@@ -5,9 +5,9 @@
 // (kv/latent_write.h) on the CUDA backend.
 #include <cuda_bf16.h>
 
-#include "kv/latent_write_backend.h"
 #include "base/cuda/convert.cuh"
 #include "base/cuda/cuda_check.h"
+#include "kv/latent_write_backend.h"
 
 namespace mlarun {
 namespace {

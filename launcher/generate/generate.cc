@@ -3,17 +3,17 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <iomanip>
-#include <sstream>
 #include <fstream>
-#include <map>
+#include <iomanip>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
-#include "parallel/mpi/mpi_world.h"
-#include "runtime/rank/bootstrap.h"
 #include "base/cpu_isa.h"
+#include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
+#include "runtime/rank/bootstrap.h"
 
 namespace mlarun {
 namespace {
@@ -47,7 +47,8 @@ std::vector<StatusOr<GenerationRequest>> ParseRequests(const std::string& text, 
     ++line_no;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     auto r = ParseRequestLine(line, o.sampling);
-    parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(origin + ":" + std::to_string(line_no))));
+    parsed.push_back(
+        r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(origin + ":" + std::to_string(line_no))));
   }
   return parsed;
 }
@@ -70,7 +71,8 @@ std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
     return out.str();
   }
   if (json) {
-    Json j{{"tokens", r->tokens}, {"logprobs", r->logprobs},
+    Json j{{"tokens", r->tokens},
+           {"logprobs", r->logprobs},
            {"finish_reason", std::string(FinishReasonName(r->finish_reason))}};
     AddLogprobFields(j, r->top_logprobs, r->prompt_logprobs);
     out << j.dump();
@@ -108,8 +110,8 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   Model& model = *loaded->model;
   log << "mlarun generate: cpu " << CpuSummary() << "\n";
   log << "loaded " << o.deployment.model << " (" << static_cast<double>(model.weight_bytes().total()) / (1 << 20)
-      << " MiB of weights) in "
-      << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() << " s\n";
+      << " MiB of weights) in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+      << " s\n";
   auto engine = Engine::Create(model, o.engine);
   if (!engine.ok()) {
     log << "mlarun generate: " << engine.status() << "\n";
@@ -189,7 +191,8 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   if (!requests_comm.Broadcast(&length, 1, CommType::kI64, 0).ok()) session.Abort("cannot broadcast the requests", 2);
   if (length < 0) return 2;
   text.resize(static_cast<size_t>(length));
-  if (!requests_comm.Broadcast(text.data(), length, CommType::kU8, 0).ok()) session.Abort("cannot broadcast the requests", 2);
+  if (!requests_comm.Broadcast(text.data(), length, CommType::kU8, 0).ok())
+    session.Abort("cannot broadcast the requests", 2);
   std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(text, o);
 
   // Every rank gets the same outcome: a start-up failure (different flags on
@@ -207,8 +210,8 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   auto runner = RankRunner::Create(model, o.engine, groups, boot->name);
   if (!runner.ok()) session.Abort(runner.status().ToString(), 2);
   if (root)
-    log << "loaded " << o.deployment.model << " on " << session.size() << " ranks (" << layout << ") in " << boot->load_seconds
-        << " s\n";
+    log << "loaded " << o.deployment.model << " on " << session.size() << " ranks (" << layout << ") in "
+        << boot->load_seconds << " s\n";
 
   // Request i goes to DP group i % dp; its leader queues it.
   std::map<size_t, StatusOr<GenerationOutput>> mine;  // this leader's results by input index
@@ -240,8 +243,9 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   static_assert(sizeof(RankMemory) == 10 * sizeof(int64_t));
   const WeightBytes wb = model.weight_bytes();
   const RankCacheStats& cs = (*runner)->cache_stats();
-  const RankMemory mem{session.rank(), groups.dp_rank(), groups.attn_tp_rank(), wb.attention, wb.moe, wb.dense_mlp,
-                       wb.embedding_and_head, cs.now.bytes_capacity, cs.peak_bytes_used(), cs.bytes_written};
+  const RankMemory mem{
+      session.rank(), groups.dp_rank(),      groups.attn_tp_rank(), wb.attention,         wb.moe,
+      wb.dense_mlp,   wb.embedding_and_head, cs.now.bytes_capacity, cs.peak_bytes_used(), cs.bytes_written};
   std::vector<RankMemory> all_mem(static_cast<size_t>(world.size()));
   if (!world.AllGather(&mem, 10, all_mem.data(), CommType::kI64).ok()) session.Abort("cannot gather the memory", 1);
   auto all_lines = AllGatherStrings(world, lines);

@@ -7,17 +7,17 @@
 #include <string>
 #include <vector>
 
-#include "runtime/rank/bootstrap.h"
 #include "runtime/engine/engine.h"
+#include "runtime/rank/bootstrap.h"
 
 namespace mlarun {
 
 struct GenerateOptions {
   // The model, and with `parallel` set, the layout on the ranks of mpirun.
   DeploymentSpec deployment;
-  std::vector<int64_t> prompt_ids;    // one request, or
-  std::string prompts_path;           // JSON lines: {"prompt_ids": [...], sampling fields...}
-  SamplingParams sampling;            // defaults for every request (JSON lines override per field)
+  std::vector<int64_t> prompt_ids;  // one request, or
+  std::string prompts_path;         // JSON lines: {"prompt_ids": [...], sampling fields...}
+  SamplingParams sampling;          // defaults for every request (JSON lines override per field)
   bool json = false;
   EngineConfig engine;
   int threads = 0;

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "base/block_size.h"
-#include "serving/security/security.h"
 #include "base/status.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 
@@ -25,10 +25,10 @@ struct MemoryOptions {
   std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8
   int64_t num_layers = 0;            // YAML models: reduced depth
   int64_t block_size = kDefaultBlockSize;
-  int64_t chunk_rows = 65536;        // expanded-path workspace rows
-  bool json = false;                 // one JSON document instead of the tables
-  std::string json_path;             // also write that document to this file (the tables still print)
-  std::string svg_path;              // the chart, if set
+  int64_t chunk_rows = 65536;  // expanded-path workspace rows
+  bool json = false;           // one JSON document instead of the tables
+  std::string json_path;       // also write that document to this file (the tables still print)
+  std::string svg_path;        // the chart, if set
 
   // --measure: compare with a live deployment.
   bool measure = false;

@@ -5,10 +5,10 @@
 #include <optional>
 #include <string>
 
-#include "launcher/memory/memory.h"
-#include "parallel/layout.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "launcher/memory/memory.h"
+#include "parallel/layout.h"
 #include "runtime/model/model_config.h"
 
 namespace mlarun::memory_internal {

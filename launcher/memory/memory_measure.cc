@@ -9,13 +9,13 @@
 #include <sstream>
 #include <thread>
 
-#include "serving/client/grpc_util.h"
 #include "launcher/memory/format.h"
 #include "launcher/memory/memory.h"
 #include "launcher/memory/memory_internal.h"
-#include "serving/client/table.h"
 #include "mlarun.grpc.pb.h"
 #include "runtime/model/memory_plan.h"
+#include "serving/client/grpc_util.h"
+#include "serving/client/table.h"
 
 namespace mlarun {
 namespace {
@@ -59,7 +59,8 @@ struct RequestSet {
   int64_t blocks_total = 0;
 };
 
-StatusOr<RequestSet> ReadRequestSet(const std::string& requests_path, const std::string& results_path, int64_t block_size) {
+StatusOr<RequestSet> ReadRequestSet(const std::string& requests_path, const std::string& results_path,
+                                    int64_t block_size) {
   std::ifstream rq(requests_path), rs(results_path);
   if (!rq) return NotFoundError("--requests ", requests_path, ": cannot open the file");
   if (!rs) return NotFoundError("--results ", results_path, ": cannot open the file");
@@ -118,7 +119,8 @@ Json SideJson(const Side& s) {
 Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   MLARUN_RETURN_IF_ERROR(client_internal::CheckAddress(opt.coordinator));
   if (opt.requests_path.empty() != opt.results_path.empty())
-    return InvalidArgumentError("--requests and --results go together (the request set and its `mlarun submit --json` output)");
+    return InvalidArgumentError(
+        "--requests and --results go together (the request set and its `mlarun submit --json` output)");
   auto stub = v1::Mlarun::NewStub(client_internal::ConnectChannel(opt.coordinator, opt.security.tls, opt.timeout_s));
   // Wait for the reports to settle (or the timeout), then take the last one.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(opt.timeout_s);
@@ -131,7 +133,8 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
     stats = std::move(next);
     if (settled) break;
   }
-  if (stats.ranks_size() == 0) return UnavailableError("the coordinator at ", opt.coordinator, " has no ranks registered");
+  if (stats.ranks_size() == 0)
+    return UnavailableError("the coordinator at ", opt.coordinator, " has no ranks registered");
 
   // One prediction per worker job (one mpirun).
   std::map<std::string, std::vector<const v1::RankStats*>> jobs;
@@ -163,8 +166,8 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       set = std::move(s);
     }
     text << "mlarun memory --measure: " << opt.coordinator << ", job " << worker_id << ", " << model << " ("
-         << c.num_hidden_layers << " layers, cache " << DTypeName(c.kv_dtype) << "), " << memory_internal::LayoutName(layout)
-         << " (" << first.parallel() << ")\n";
+         << c.num_hidden_layers << " layers, cache " << DTypeName(c.kv_dtype) << "), "
+         << memory_internal::LayoutName(layout) << " (" << first.parallel() << ")\n";
     if (first.memory_budget_bytes() > 0) {
       text << "  cache sized from " << Thousands(first.memory_budget_bytes())
            << " B per rank minus weights and prefill workspace\n";
@@ -172,8 +175,9 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       text << "  cache sized by a budget of " << Thousands(first.cache_budget_bytes()) << " B per rank\n";
     }
     text << "  each cell: predicted | measured\n";
-    const std::vector<std::string> header{"rank", "group", "tp", "weights (B)", "cache B/token", "cache capacity (B)",
-                                          "blocks", "request blocks", "peak", "agree", "resident (RSS)", "not accounted"};
+    const std::vector<std::string> header{
+        "rank",   "group",          "tp",   "weights (B)", "cache B/token",  "cache capacity (B)",
+        "blocks", "request blocks", "peak", "agree",       "resident (RSS)", "not accounted"};
     const std::vector<bool> left{true, true, true, false, false, false, false, false, false, true, false, false};
     std::vector<std::vector<std::string>> rows, gpu_rows;
     Json ranks_json = Json::array();
@@ -217,28 +221,29 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       const bool agree = weights_agree && cache_agree && workspace == k->workspace_bytes();
       all_agree &= agree;
       auto pair = [](int64_t x, int64_t y) { return Thousands(x) + " | " + Thousands(y); };
-      rows.push_back({std::to_string(k->rank()), std::to_string(k->dp_group()), std::to_string(k->attn_tp_rank()),
-                      pair(p.weights.total(), m.weights.total()), pair(p.bytes_per_token, m.bytes_per_token),
-                      pair(p.blocks_total * p.block_bytes, m.blocks_total * m.block_bytes),
-                      pair(p.blocks_total, m.blocks_total),
-                      set ? pair(p.request_blocks, m.request_blocks) : std::string("-"), Thousands(k->cache_blocks_peak()),
-                      agree             ? "yes"
-                      : !weights_agree  ? "NO (weights)"
-                      : !cache_agree    ? "NO (cache)"
-                                        : "NO (workspace reserved)",
-                      memory_internal::Human(k->resident_bytes()),
-                      memory_internal::Human(k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes)});
-      ranks_json.push_back(Json{{"rank", k->rank()},
-                                {"dp_group", k->dp_group()},
-                                {"attn_tp_rank", k->attn_tp_rank()},
-                                {"predicted", SideJson(p)},
-                                {"measured", SideJson(m)},
-                                {"workspace_reserved_bytes", k->workspace_bytes()},
-                                {"cache_blocks_peak", k->cache_blocks_peak()},
-                                {"cache_bytes_peak", k->cache_bytes_peak()},
-                                {"resident_bytes", k->resident_bytes()},
-                                {"not_accounted_bytes", k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes},
-                                {"agree", agree}});
+      rows.push_back(
+          {std::to_string(k->rank()), std::to_string(k->dp_group()), std::to_string(k->attn_tp_rank()),
+           pair(p.weights.total(), m.weights.total()), pair(p.bytes_per_token, m.bytes_per_token),
+           pair(p.blocks_total * p.block_bytes, m.blocks_total * m.block_bytes), pair(p.blocks_total, m.blocks_total),
+           set ? pair(p.request_blocks, m.request_blocks) : std::string("-"), Thousands(k->cache_blocks_peak()),
+           agree            ? "yes"
+           : !weights_agree ? "NO (weights)"
+           : !cache_agree   ? "NO (cache)"
+                            : "NO (workspace reserved)",
+           memory_internal::Human(k->resident_bytes()),
+           memory_internal::Human(k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes)});
+      ranks_json.push_back(
+          Json{{"rank", k->rank()},
+               {"dp_group", k->dp_group()},
+               {"attn_tp_rank", k->attn_tp_rank()},
+               {"predicted", SideJson(p)},
+               {"measured", SideJson(m)},
+               {"workspace_reserved_bytes", k->workspace_bytes()},
+               {"cache_blocks_peak", k->cache_blocks_peak()},
+               {"cache_bytes_peak", k->cache_bytes_peak()},
+               {"resident_bytes", k->resident_bytes()},
+               {"not_accounted_bytes", k->resident_bytes() - m.weights.total() - m.blocks_total * m.block_bytes},
+               {"agree", agree}});
       // A GPU rank: what its runner allocated on the device against the
       // prediction (weights + cache pool). The allocation also holds the
       // RoPE tables and cudaMalloc's 256-byte rounding, so it agrees when it
@@ -265,9 +270,13 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
       PrintTable(text, {"rank", "device", "predicted (B)", "allocated (B)", "other (B)", "free", "total", "agree"},
                  {true, true, false, false, false, false, false, true}, gpu_rows, "  ");
     }
-    Json job{{"worker_id", worker_id}, {"model", model}, {"parallel", first.parallel()},
-             {"layout", memory_internal::LayoutName(layout)}, {"block_size", first.block_size()},
-             {"memory_budget_bytes", first.memory_budget_bytes()}, {"ranks", ranks_json}};
+    Json job{{"worker_id", worker_id},
+             {"model", model},
+             {"parallel", first.parallel()},
+             {"layout", memory_internal::LayoutName(layout)},
+             {"block_size", first.block_size()},
+             {"memory_budget_bytes", first.memory_budget_bytes()},
+             {"ranks", ranks_json}};
     if (set) {
       const int64_t predicted = set->blocks_total * layout.attn_tp;
       job["request_set"] = Json{{"requests", set->requests},
@@ -275,7 +284,8 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
                                 {"blocks_once", set->blocks_total},
                                 {"blocks_predicted_all_ranks", predicted},
                                 {"blocks_measured_all_ranks", measured_request_blocks}};
-      text << "  the request set (" << set->requests << " requests" << (set->errors ? ", " + std::to_string(set->errors) + " failed" : "")
+      text << "  the request set (" << set->requests << " requests"
+           << (set->errors ? ", " + std::to_string(set->errors) + " failed" : "")
            << "): " << Thousands(set->blocks_total) << " blocks of latent cache; held " << layout.attn_tp
            << (layout.attn_tp == 1 ? " time" : " times") << " over the ranks: " << Thousands(predicted)
            << " blocks predicted, " << Thousands(measured_request_blocks) << " measured\n";
@@ -288,7 +298,8 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   if (!settled) text << "note: the ranks' reports had not settled within " << opt.timeout_s << " s\n";
   MLARUN_RETURN_IF_ERROR(memory_internal::Emit(
       opt,
-      Json{{"coordinator", opt.coordinator}, {"settled", settled}, {"agree", all_agree}, {"jobs", jobs_json}}.dump(2) + "\n",
+      Json{{"coordinator", opt.coordinator}, {"settled", settled}, {"agree", all_agree}, {"jobs", jobs_json}}.dump(2) +
+          "\n",
       text.str(), out));
   if (!all_agree) return FailedPreconditionError("predicted and measured memory differ");
   return Status::Ok();

@@ -24,8 +24,9 @@ StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world) {
   std::string text = name;
   if (name.find('=') == std::string::npos) {
     if (!std::regex_match(name, m, kShort))
-      return InvalidArgumentError("layout '", name, "': expected tpN, dpN, dpAxtpB or dp=A,attn_tp=B[,moe=expert|intermediate]");
-    text = m[1].matched ? "dp=" + m[1].str()
+      return InvalidArgumentError("layout '", name,
+                                  "': expected tpN, dpN, dpAxtpB or dp=A,attn_tp=B[,moe=expert|intermediate]");
+    text = m[1].matched   ? "dp=" + m[1].str()
            : m[2].matched ? "attn_tp=" + m[2].str()
                           : "dp=" + m[3].str() + ",attn_tp=" + m[4].str();
   }
@@ -38,14 +39,15 @@ StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world) {
 }
 
 std::string LayoutName(const ParallelLayout& l) {
-  std::string s = l.dp == 1 ? "tp" + std::to_string(l.attn_tp)
+  std::string s = l.dp == 1        ? "tp" + std::to_string(l.attn_tp)
                   : l.attn_tp == 1 ? "dp" + std::to_string(l.dp)
                                    : "dp" + std::to_string(l.dp) + "xtp" + std::to_string(l.attn_tp);
   return l.moe == MoeSharding::kByIntermediate ? s + "(moe=intermediate)" : s;
 }
 
 StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string& kv_dtype, int64_t num_layers) {
-  if (path.empty()) return InvalidArgumentError("--model is required (a checkpoint directory, config.json or YAML file)");
+  if (path.empty())
+    return InvalidArgumentError("--model is required (a checkpoint directory, config.json or YAML file)");
   if (!std::filesystem::exists(path)) return NotFoundError("--model ", path, ": no such file or directory");
   MLARUN_ASSIGN_OR_RETURN(const ModelOverrides ov, ParseModelOverrides(kv_dtype, num_layers));
   return Model::LoadConfig(path, ov);  // parsed configs are validated
@@ -62,7 +64,7 @@ Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string&
 std::optional<DType> CheckpointProjectionDType(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::is_directory(path, ec)) return std::nullopt;  // a config.json or YAML: no weights to look at
-  auto ckpt = Checkpoint::Open(path);  // maps the files and reads their headers only
+  auto ckpt = Checkpoint::Open(path);                                 // maps the files and reads their headers only
   if (!ckpt.ok()) return std::nullopt;
   // Every DeepSeek layer has kv_a; the release stores all its projections
   // alike, and the loader keeps them fp8 (Fp8Weights::kKeep, the default).
@@ -144,7 +146,8 @@ StatusOr<Report> Build(const MemoryOptions& o) {
                                                      std::string(DTypeName(r.config.weight_dtype)) + " embeddings"
                                                : std::string(DTypeName(proj.value_or(r.config.weight_dtype)));
   if (o.world < 1) return InvalidArgumentError("--world must be at least 1, got ", o.world);
-  if (!(o.memory_gib > 0) || o.memory_gib > 1e6) return InvalidArgumentError("--hbm-gib must be in (0, 1e6], got ", o.memory_gib);
+  if (!(o.memory_gib > 0) || o.memory_gib > 1e6)
+    return InvalidArgumentError("--hbm-gib must be in (0, 1e6], got ", o.memory_gib);
   r.memory_bytes = static_cast<int64_t>(o.memory_gib * kGiB);
   // Split on commas by the CLI: rejoin the parts of "dp=2,attn_tp=4,moe=..."
   // (a key=value part continues the layout before it unless it repeats a key).
@@ -162,8 +165,8 @@ StatusOr<Report> Build(const MemoryOptions& o) {
     names = {"tp" + std::to_string(o.world), "dp" + std::to_string(o.world)};
     if (o.world >= 4 && o.world % 2 == 0) names.push_back("dp2xtp" + std::to_string(o.world / 2));
   }
-  const MemoryPlanOptions mo{.memory_bytes = r.memory_bytes, .block_size = o.block_size, .chunk_rows = o.chunk_rows,
-                             .projection_dtype = proj};
+  const MemoryPlanOptions mo{
+      .memory_bytes = r.memory_bytes, .block_size = o.block_size, .chunk_rows = o.chunk_rows, .projection_dtype = proj};
   for (const std::string& n : names) {
     MLARUN_ASSIGN_OR_RETURN(const ParallelLayout l, memory_internal::ParseLayoutName(n, o.world));
     auto plan = PlanRankMemory(r.config, l, mo);
@@ -188,11 +191,12 @@ StatusOr<Report> Build(const MemoryOptions& o) {
       auto m = BreakEvenMemoryBytes(A, B);
       if (!m.ok()) continue;  // not a pair with more DP groups on the right
       const bool both = A.cluster_cached_tokens() > 0 && B.cluster_cached_tokens() > 0;
-      r.break_even.push_back({.less_dp = a, .more_dp = b,
-                              .extra_bytes = (B.weights.total() + B.workspace.total()) -
-                                             (A.weights.total() + A.workspace.total()),
-                              .memory_bytes = *m,
-                              .tokens_ratio = both ? static_cast<double>(B.cluster_cached_tokens()) / A.cluster_cached_tokens() : 0});
+      r.break_even.push_back(
+          {.less_dp = a,
+           .more_dp = b,
+           .extra_bytes = (B.weights.total() + B.workspace.total()) - (A.weights.total() + A.workspace.total()),
+           .memory_bytes = *m,
+           .tokens_ratio = both ? static_cast<double>(B.cluster_cached_tokens()) / A.cluster_cached_tokens() : 0});
     }
   }
   return r;
@@ -214,24 +218,28 @@ Json ToJson(const Report& r) {
   Json layouts = Json::array();
   for (size_t i = 0; i < r.plans.size(); ++i) {
     const RankMemory& p = r.plans[i];
-    layouts.push_back(Json{
-        {"name", r.names[i]}, {"dp", p.layout.dp}, {"attn_tp", p.layout.attn_tp},
-        {"moe", p.layout.moe == MoeSharding::kByExpert ? "expert" : "intermediate"},
-        {"per_rank",
-         {{"weights", WeightsJson(p.weights)},
-          {"prefill_workspace_bytes", p.workspace.total()},
-          {"prefill_workspace", {{"rows", p.workspace.rows}, {"heads", p.workspace.heads},
-                                 {"latent_bytes", p.workspace.latent_bytes}, {"key_bytes", p.workspace.key_bytes},
-                                 {"value_bytes", p.workspace.value_bytes}}},
-          {"cache_bytes_per_token", p.cache_bytes_per_token},
-          {"cache_budget_bytes", p.cache_budget_bytes},
-          {"cache_blocks", p.cache_blocks},
-          {"max_cached_tokens", p.max_cached_tokens},
-          {"fits", p.fits()}}},
-        {"cluster",
-         {{"distinct_cached_tokens", p.cluster_cached_tokens()},
-          {"copies_per_token", p.layout.attn_tp},
-          {"cache_bytes_per_distinct_token", p.cache_bytes_per_token * p.layout.attn_tp}}}});
+    layouts.push_back(Json{{"name", r.names[i]},
+                           {"dp", p.layout.dp},
+                           {"attn_tp", p.layout.attn_tp},
+                           {"moe", p.layout.moe == MoeSharding::kByExpert ? "expert" : "intermediate"},
+                           {"per_rank",
+                            {{"weights", WeightsJson(p.weights)},
+                             {"prefill_workspace_bytes", p.workspace.total()},
+                             {"prefill_workspace",
+                              {{"rows", p.workspace.rows},
+                               {"heads", p.workspace.heads},
+                               {"latent_bytes", p.workspace.latent_bytes},
+                               {"key_bytes", p.workspace.key_bytes},
+                               {"value_bytes", p.workspace.value_bytes}}},
+                             {"cache_bytes_per_token", p.cache_bytes_per_token},
+                             {"cache_budget_bytes", p.cache_budget_bytes},
+                             {"cache_blocks", p.cache_blocks},
+                             {"max_cached_tokens", p.max_cached_tokens},
+                             {"fits", p.fits()}}},
+                           {"cluster",
+                            {{"distinct_cached_tokens", p.cluster_cached_tokens()},
+                             {"copies_per_token", p.layout.attn_tp},
+                             {"cache_bytes_per_distinct_token", p.cache_bytes_per_token * p.layout.attn_tp}}}});
   }
   Json break_even = Json::array();
   for (const Report::BreakEven& e : r.break_even) {
@@ -249,38 +257,49 @@ Json ToJson(const Report& r) {
                             {"gqa_bytes_per_rank", GqaKvBytesPerTokenPerRank(r.gqa, tp)},
                             {"gqa_bytes_per_group", GqaKvBytesPerTokenPerRank(r.gqa, tp) * tp}});
   }
-  return Json{
-      {"model", {{"name", r.model_name}, {"path", r.model_path}, {"layers", c.num_hidden_layers},
-                 {"heads", c.num_attention_heads}, {"kv_lora_rank", c.kv_lora_rank}, {"qk_rope_head_dim", c.qk_rope_head_dim},
-                 {"weights", r.weight_dtype_name}, {"kv_dtype", DTypeName(c.kv_dtype)}, {"indexer", c.has_indexer()}}},
-      {"world", r.opt.world},
-      {"memory_bytes_per_rank", r.memory_bytes},
-      {"block_size", r.opt.block_size},
-      {"cache_per_token",
-       {{"latent_bytes_per_layer", r.latent_layer},
-        {"latent_bytes", r.latent_token},
-        {"latent_kib", r.latent_token / kKiB},
-        {"bytes", r.cache_token},
-        {"expanded_bytes", r.expanded_token},
-        {"expanded_mib", r.expanded_token / kMiB},
-        {"expanded_ratio", std::round(100.0 * r.expanded_token / r.latent_token) / 100.0},
-        {"v32_indexer_key",
-         {{"in_model", c.has_indexer()},
-          {"bytes_per_layer", r.indexer_layer},
-          {"layers", c.num_hidden_layers},
-          {"bytes", r.indexer_token},
-          {"kib", std::round(100.0 * r.indexer_token / kKiB) / 100.0}}}}},
-      {"prefill_workspace_all_heads",
-       {{"rows", r.workspace_tp1.rows},
-        {"latent_bytes", r.workspace_tp1.latent_bytes},
-        {"key_bytes", r.workspace_tp1.key_bytes},
-        {"value_bytes", r.workspace_tp1.value_bytes}}},
-      {"layouts", layouts},
-      {"break_even", break_even},
-      {"gqa_comparison",
-       {{"model", r.gqa.name}, {"layers", r.gqa.layers}, {"kv_heads", r.gqa.kv_heads}, {"head_dim", r.gqa.head_dim},
-        {"bytes_per_token", r.gqa_token}, {"kib_per_token", r.gqa_token / kKiB},
-        {"mla_tp_break_even", std::round(100.0 * r.tp_break_even) / 100.0}, {"rows", gqa_rows}}}};
+  return Json{{"model",
+               {{"name", r.model_name},
+                {"path", r.model_path},
+                {"layers", c.num_hidden_layers},
+                {"heads", c.num_attention_heads},
+                {"kv_lora_rank", c.kv_lora_rank},
+                {"qk_rope_head_dim", c.qk_rope_head_dim},
+                {"weights", r.weight_dtype_name},
+                {"kv_dtype", DTypeName(c.kv_dtype)},
+                {"indexer", c.has_indexer()}}},
+              {"world", r.opt.world},
+              {"memory_bytes_per_rank", r.memory_bytes},
+              {"block_size", r.opt.block_size},
+              {"cache_per_token",
+               {{"latent_bytes_per_layer", r.latent_layer},
+                {"latent_bytes", r.latent_token},
+                {"latent_kib", r.latent_token / kKiB},
+                {"bytes", r.cache_token},
+                {"expanded_bytes", r.expanded_token},
+                {"expanded_mib", r.expanded_token / kMiB},
+                {"expanded_ratio", std::round(100.0 * r.expanded_token / r.latent_token) / 100.0},
+                {"v32_indexer_key",
+                 {{"in_model", c.has_indexer()},
+                  {"bytes_per_layer", r.indexer_layer},
+                  {"layers", c.num_hidden_layers},
+                  {"bytes", r.indexer_token},
+                  {"kib", std::round(100.0 * r.indexer_token / kKiB) / 100.0}}}}},
+              {"prefill_workspace_all_heads",
+               {{"rows", r.workspace_tp1.rows},
+                {"latent_bytes", r.workspace_tp1.latent_bytes},
+                {"key_bytes", r.workspace_tp1.key_bytes},
+                {"value_bytes", r.workspace_tp1.value_bytes}}},
+              {"layouts", layouts},
+              {"break_even", break_even},
+              {"gqa_comparison",
+               {{"model", r.gqa.name},
+                {"layers", r.gqa.layers},
+                {"kv_heads", r.gqa.kv_heads},
+                {"head_dim", r.gqa.head_dim},
+                {"bytes_per_token", r.gqa_token},
+                {"kib_per_token", r.gqa_token / kKiB},
+                {"mla_tp_break_even", std::round(100.0 * r.tp_break_even) / 100.0},
+                {"rows", gqa_rows}}}};
 }
 
 // ---- Text ----------------------------------------------------------------------
@@ -301,12 +320,12 @@ void PrintText(const Report& r, std::ostream& out) {
   out << "  all " << n << " layers" << std::string(n < 10 ? 15 : 14, ' ') << n << " x " << Thousands(r.latent_layer)
       << " B = " << BytesAndUnit(r.latent_token) << "\n";
   out << "  expanded per-head K/V      " << n << " x " << c.num_attention_heads << " x (" << c.q_head_dim() << " + "
-      << c.v_head_dim << ") x " << e << " B = " << BytesAndUnit(r.expanded_token) << " (" << Decimal(std::round(100.0 * r.expanded_token / r.latent_token) / 100.0)
-      << "x the latent)\n";
+      << c.v_head_dim << ") x " << e << " B = " << BytesAndUnit(r.expanded_token) << " ("
+      << Decimal(std::round(100.0 * r.expanded_token / r.latent_token) / 100.0) << "x the latent)\n";
   out << "  DeepSeek-V3.2 indexer key  " << (c.has_indexer() ? c.index_head_dim : kV32IndexHeadDim)
-      << " fp8 + 4 B scale = " << r.indexer_layer << " B per layer; " << n << " layers: " << BytesAndUnit(r.indexer_token)
-      << (c.has_indexer() ? " (this model has it: cached per token "
-                          : " (not in this model; V3.2 adds it to its ")
+      << " fp8 + 4 B scale = " << r.indexer_layer << " B per layer; " << n
+      << " layers: " << BytesAndUnit(r.indexer_token)
+      << (c.has_indexer() ? " (this model has it: cached per token " : " (not in this model; V3.2 adds it to its ")
       << Thousands(r.latent_token) << " B latent)\n";
   if (c.has_indexer()) out << "  cached per token           " << Thousands(r.cache_token) << " B\n";
 
@@ -315,7 +334,8 @@ void PrintText(const Report& r, std::ostream& out) {
   out << "  latent chunk               " << Thousands(w.rows) << " x " << L + R << " x " << e
       << " B = " << Thousands(w.latent_bytes) << " B\n";
   out << "  up-projected keys          " << Thousands(w.rows) << " x " << c.num_attention_heads << " x "
-      << c.q_head_dim() << " x " << e << " B = " << Thousands(w.key_bytes) << " B (" << Decimal(std::round(100.0 * w.key_bytes / w.latent_bytes) / 100.0)
+      << c.q_head_dim() << " x " << e << " B = " << Thousands(w.key_bytes) << " B ("
+      << Decimal(std::round(100.0 * w.key_bytes / w.latent_bytes) / 100.0)
       << "x the latent; a rank keeps heads / attn_tp)\n";
   out << "  up-projected values        " << Thousands(w.rows) << " x " << c.num_attention_heads << " x " << c.v_head_dim
       << " x " << e << " B = " << Thousands(w.value_bytes) << " B\n";
@@ -332,7 +352,8 @@ void PrintText(const Report& r, std::ostream& out) {
   for (const std::string& s : r.names) head.push_back(s);
   rows.push_back(head);
   row("  attention, replicated", [](const RankMemory& p) { return Human(p.weights.attention_replicated); });
-  row("  attention, split by head", [](const RankMemory& p) { return Human(p.weights.attention - p.weights.attention_replicated); });
+  row("  attention, split by head",
+      [](const RankMemory& p) { return Human(p.weights.attention - p.weights.attention_replicated); });
   row("  MoE experts and routers", [](const RankMemory& p) { return Human(p.weights.moe); });
   row("  dense MLP", [](const RankMemory& p) { return Human(p.weights.dense_mlp); });
   row("  embeddings and head", [](const RankMemory& p) { return Human(p.weights.embedding_and_head); });
@@ -376,8 +397,8 @@ void PrintText(const Report& r, std::ostream& out) {
   if (!r.break_even.empty())
     out << "\nBreak-even: DP replicates attention weights and workspace; TP replicates every cached token\n";
   for (const Report::BreakEven& e : r.break_even) {
-    out << "  " << r.names[e.more_dp] << " vs " << r.names[e.less_dp] << ": " << Human(e.extra_bytes) << " more per rank ("
-        << Thousands(e.extra_bytes / r.plans[e.less_dp].cache_bytes_per_token)
+    out << "  " << r.names[e.more_dp] << " vs " << r.names[e.less_dp] << ": " << Human(e.extra_bytes)
+        << " more per rank (" << Thousands(e.extra_bytes / r.plans[e.less_dp].cache_bytes_per_token)
         << " tokens of cache); it caches more distinct tokens "
         << (e.memory_bytes <= 0 ? std::string("at any memory size")
                                 : "once a rank has more than " + Human(static_cast<int64_t>(e.memory_bytes)));
@@ -387,16 +408,15 @@ void PrintText(const Report& r, std::ostream& out) {
     out << "\n";
   }
 
-  out << "\nMLA vs GQA under tensor parallelism (" << r.gqa.name << ": " << r.gqa.layers << " layers, " << r.gqa.kv_heads
-      << " KV heads of " << r.gqa.head_dim << ", bf16: " << r.gqa.layers << " x " << r.gqa.kv_heads << " x "
-      << r.gqa.head_dim << " x 2 x 2 B = " << BytesAndUnit(r.gqa_token)
-      << " per token)\n";
+  out << "\nMLA vs GQA under tensor parallelism (" << r.gqa.name << ": " << r.gqa.layers << " layers, "
+      << r.gqa.kv_heads << " KV heads of " << r.gqa.head_dim << ", bf16: " << r.gqa.layers << " x " << r.gqa.kv_heads
+      << " x " << r.gqa.head_dim << " x 2 x 2 B = " << BytesAndUnit(r.gqa_token) << " per token)\n";
   out << "  KiB per token:  TP   MLA per rank   MLA per TP group   GQA per rank   GQA per TP group\n";
   for (int tp : {1, 2, 4, 8}) {
     const int64_t g = GqaKvBytesPerTokenPerRank(r.gqa, tp);
-    out << "                 " << std::setw(3) << std::right << tp << "   " << std::setw(12) << Decimal(r.latent_token / kKiB)
-        << "   " << std::setw(16) << Decimal(r.latent_token * tp / kKiB) << "   " << std::setw(12) << Decimal(g / kKiB)
-        << "   " << std::setw(16) << Decimal(g * tp / kKiB) << std::left << "\n";
+    out << "                 " << std::setw(3) << std::right << tp << "   " << std::setw(12)
+        << Decimal(r.latent_token / kKiB) << "   " << std::setw(16) << Decimal(r.latent_token * tp / kKiB) << "   "
+        << std::setw(12) << Decimal(g / kKiB) << "   " << std::setw(16) << Decimal(g * tp / kKiB) << std::left << "\n";
   }
   out << "  The latent is replicated on every TP rank, GQA heads are split: MLA + TP stops winning at TP = "
       << Decimal(r.gqa_token / kKiB) << " / " << Decimal(r.latent_token / kKiB) << " = "
@@ -408,10 +428,16 @@ void PrintText(const Report& r, std::ostream& out) {
 Status WriteSvg(const Report& r, const std::string& path) {
   std::ofstream f(path);
   if (!f) return InvalidArgumentError("--svg ", path, ": cannot write the file");
-  struct Part { const char* name; const char* color; };
-  const Part parts[] = {{"attention, replicated", "#c0392b"}, {"attention, split by head", "#e67e22"},
-                        {"MoE", "#2980b9"},                   {"dense MLP", "#8e44ad"},
-                        {"embeddings and head", "#7f8c8d"},   {"prefill workspace", "#f1c40f"},
+  struct Part {
+    const char* name;
+    const char* color;
+  };
+  const Part parts[] = {{"attention, replicated", "#c0392b"},
+                        {"attention, split by head", "#e67e22"},
+                        {"MoE", "#2980b9"},
+                        {"dense MLP", "#8e44ad"},
+                        {"embeddings and head", "#7f8c8d"},
+                        {"prefill workspace", "#f1c40f"},
                         {"latent cache", "#27ae60"}};
   const int bar_w = 90, gap = 70, left = 80, top = 70, plot_h = 300;
   const int k = static_cast<int>(r.plans.size());
@@ -428,9 +454,12 @@ Status WriteSvg(const Report& r, const std::string& path) {
     << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n";
   f << "<text x='" << left << "' y='22' font-size='15'>" << r.model_name << ": memory per rank, " << r.opt.world
     << " ranks x " << Decimal(r.opt.memory_gib) << " GiB (weights "
-    << (r.weight_dtype_name.starts_with("fp8") ? std::string("fp8 projections") : std::string(DTypeName(r.config.weight_dtype)))
+    << (r.weight_dtype_name.starts_with("fp8") ? std::string("fp8 projections")
+                                               : std::string(DTypeName(r.config.weight_dtype)))
     << ", cache " << DTypeName(r.config.kv_dtype) << ")</text>\n";
-  f << "<text x='" << left << "' y='42'>bars: what one rank holds; under each: max cached tokens per rank and distinct tokens in the cluster</text>\n";
+  f << "<text x='" << left
+    << "' y='42'>bars: what one rank holds; under each: max cached tokens per rank and distinct tokens in the "
+       "cluster</text>\n";
   // Axis in GiB.
   const double step_gib = std::max(1.0, std::pow(10.0, std::floor(std::log10(max_bytes / kGiB / 2))));
   for (double g = 0; g * kGiB <= max_bytes * 1.0001; g += step_gib) {
@@ -442,9 +471,13 @@ Status WriteSvg(const Report& r, const std::string& path) {
   const double hbm_y = y_of(static_cast<double>(r.memory_bytes));
   for (int i = 0; i < k; ++i) {
     const RankMemory& p = r.plans[static_cast<size_t>(i)];
-    const double vals[] = {double(p.weights.attention_replicated), double(p.weights.attention - p.weights.attention_replicated),
-                           double(p.weights.moe), double(p.weights.dense_mlp), double(p.weights.embedding_and_head),
-                           double(p.workspace.total()), double(std::max<int64_t>(0, p.cache_blocks * p.block_bytes))};
+    const double vals[] = {double(p.weights.attention_replicated),
+                           double(p.weights.attention - p.weights.attention_replicated),
+                           double(p.weights.moe),
+                           double(p.weights.dense_mlp),
+                           double(p.weights.embedding_and_head),
+                           double(p.workspace.total()),
+                           double(std::max<int64_t>(0, p.cache_blocks * p.block_bytes))};
     const int x = left + gap / 2 + i * (bar_w + gap);
     double acc = 0;
     for (int j = 0; j < 7; ++j) {

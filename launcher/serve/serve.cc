@@ -20,10 +20,10 @@
 #include <sstream>
 #include <thread>
 
-#include "serving/client/grpc_util.h"
-#include "serving/security/security.h"
 #include "mlarun.grpc.pb.h"
 #include "parallel/layout.h"
+#include "serving/client/grpc_util.h"
+#include "serving/security/security.h"
 
 extern char** environ;
 
@@ -123,7 +123,8 @@ class Serve {
 
   bool MakeSecret() {
     char dir_template[] = "/tmp/mlarun-serve-XXXXXX";
-    if (mkdtemp(dir_template) == nullptr) return Say(std::string("cannot make a temporary directory: ") + strerror(errno)), false;
+    if (mkdtemp(dir_template) == nullptr)
+      return Say(std::string("cannot make a temporary directory: ") + strerror(errno)), false;
     dir_ = dir_template;
     secret_ = RandomHex(32);
     secret_path_ = dir_ + "/worker-secret";
@@ -158,10 +159,9 @@ class Serve {
     const bool oversubscribe_given =
         std::find(o_.mpirun_args.begin(), o_.mpirun_args.end(), "--oversubscribe") != o_.mpirun_args.end();
     if (!oversubscribe_given && static_cast<unsigned>(layout_.world()) > cores) argv.push_back("--oversubscribe");
-    argv.insert(argv.end(), {"-np", std::to_string(layout_.world()),
-                             SelfExe(), "worker",
-                             "--coordinator", coordinator_->address(), "--model", o_.model, "--parallel", o_.parallel,
-                             "--worker-secret-file", secret_path_});
+    argv.insert(argv.end(),
+                {"-np", std::to_string(layout_.world()), SelfExe(), "worker", "--coordinator", coordinator_->address(),
+                 "--model", o_.model, "--parallel", o_.parallel, "--worker-secret-file", secret_path_});
     for (const std::string& a : o_.worker_args) argv.push_back(a);
     return argv;
   }
@@ -177,7 +177,8 @@ class Serve {
     for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
     if (geteuid() == 0) {
       // Open MPI refuses root unless told; serve's ranks are our own children.
-      for (const char* v : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"}) env_strings.emplace_back(v);
+      for (const char* v : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"})
+        env_strings.emplace_back(v);
     }
     std::vector<char*> envp;
     for (std::string& e : env_strings) envp.push_back(e.data());
@@ -215,8 +216,8 @@ class Serve {
   void StopJob() {
     if (job_ > 0) kill(-job_, SIGTERM);
     for (pid_t p : Children()) kill(p, SIGTERM);
-    const auto kill_at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                            std::chrono::duration<double>(o_.stop_grace_s));
+    const auto kill_at =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.stop_grace_s));
     bool killed = false;
     for (;;) {
       ReapAll(job_);
@@ -254,8 +255,8 @@ class Serve {
       if (!StartJob()) return 1;
       bool ready = false;
       auto last_note = Clock::now();
-      const auto ready_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                                     std::chrono::duration<double>(o_.ready_timeout_s));
+      const auto ready_deadline =
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.ready_timeout_s));
       std::optional<int> ended;
       while (!Stopping()) {
         if ((ended = ReapAll(job_))) break;
@@ -265,9 +266,9 @@ class Serve {
             ready = ever_ready = true;
             Say("ready: " + std::to_string(layout_.dp) + " DP group(s) of " + o_.parallel + " registered after " +
                 Format(Seconds(Clock::now() - job_started_)) + " s; gRPC client API at " + coordinator_->address() +
-                (coordinator_->http_address().empty() ? std::string()
-                                                      : ", OpenAI-compatible HTTP API at http://" +
-                                                            coordinator_->http_address() + "/v1"));
+                (coordinator_->http_address().empty()
+                     ? std::string()
+                     : ", OpenAI-compatible HTTP API at http://" + coordinator_->http_address() + "/v1"));
           } else if (Clock::now() >= ready_deadline) {
             Say("the worker job's groups did not all register within " + Format(o_.ready_timeout_s) + " s (" +
                 std::to_string(std::max(connected, 0)) + " of " + std::to_string(layout_.dp) + ")");
@@ -282,8 +283,8 @@ class Serve {
       }
       if (Stopping()) return 0;
       const double ran = Seconds(Clock::now() - job_started_);
-      Say("the worker job (pid " + std::to_string(job_) + ") " + DescribeExit(*ended) + " after " + Format(ran) +
-          " s" + (ready ? "" : ", before its groups registered"));
+      Say("the worker job (pid " + std::to_string(job_) + ") " + DescribeExit(*ended) + " after " + Format(ran) + " s" +
+          (ready ? "" : ", before its groups registered"));
       StopJob();  // what it left behind
       if (!ever_ready) {
         Say("not restarting a job that never became ready: see its messages above");
@@ -291,7 +292,8 @@ class Serve {
       }
       if (ran >= 60) backoff = o_.restart_backoff_s;
       Say("restarting it in " + Format(backoff) + " s");
-      const auto resume = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(backoff));
+      const auto resume =
+          Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(backoff));
       while (!Stopping() && Clock::now() < resume) std::this_thread::sleep_for(std::chrono::milliseconds(50));
       backoff = std::min(backoff * 2, o_.restart_backoff_max_s);
     }

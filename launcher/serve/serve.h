@@ -25,16 +25,16 @@ struct ServeOptions {
   // http_listen: the OpenAI-compatible HTTP API, its http_model defaulting to
   // `model`). Its worker_secret is replaced by the generated one.
   CoordinatorOptions coordinator;
-  std::string model;                   // checkpoint directory or configs/models/*.yaml
-  std::string parallel = "dp=1";       // the worker job's layout: dp x attn_tp ranks
+  std::string model;                     // checkpoint directory or configs/models/*.yaml
+  std::string parallel = "dp=1";         // the worker job's layout: dp x attn_tp ranks
   std::vector<std::string> worker_args;  // more `mlarun worker` flags (--kv-dtype, --memory-gib, ...)
-  std::string mpirun = "mpirun";       // the launcher, found on PATH
+  std::string mpirun = "mpirun";         // the launcher, found on PATH
   std::vector<std::string> mpirun_args;  // before -np; --oversubscribe is added when ranks exceed cores
-  std::string self_exe;                // the mlarun binary the ranks run (default: /proc/self/exe)
-  double ready_timeout_s = 600;        // the first start: every group registered within this
-  double restart_backoff_s = 1;        // the first restart's delay; doubles per restart ...
-  double restart_backoff_max_s = 30;   // ... up to this; back to the first after a job ran 60 s
-  double stop_grace_s = 10;            // SIGTERM to the job, then SIGKILL after this
+  std::string self_exe;                  // the mlarun binary the ranks run (default: /proc/self/exe)
+  double ready_timeout_s = 600;          // the first start: every group registered within this
+  double restart_backoff_s = 1;          // the first restart's delay; doubles per restart ...
+  double restart_backoff_max_s = 30;     // ... up to this; back to the first after a job ran 60 s
+  double stop_grace_s = 10;              // SIGTERM to the job, then SIGKILL after this
 };
 
 // Runs until `*stop` becomes true (a signal handler sets it), then stops

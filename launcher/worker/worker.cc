@@ -11,15 +11,15 @@
 #include <map>
 #include <sstream>
 
+#include "base/cpu_isa.h"
+#include "base/cuda_device.h"
+#include "parallel/mpi/mpi_world.h"
+#include "runtime/engine/rank_runner.h"
+#include "runtime/model/memory_plan.h"
+#include "runtime/rank/bootstrap.h"
 #include "serving/client/grpc_util.h"
 #include "serving/link/worker_link_client.h"
 #include "serving/proto/proto_sampling.h"
-#include "runtime/rank/bootstrap.h"
-#include "base/cuda_device.h"
-#include "parallel/mpi/mpi_world.h"
-#include "base/cpu_isa.h"
-#include "runtime/engine/rank_runner.h"
-#include "runtime/model/memory_plan.h"
 
 namespace mlarun {
 namespace {
@@ -34,7 +34,6 @@ int64_t ResidentBytes() {
   if (!(statm >> size >> resident)) return 0;
   return resident * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
-
 
 }  // namespace
 
@@ -72,9 +71,10 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     const int64_t block_bytes = cache_config.block_bytes();
     if (cache_config.num_blocks() == 0)
       session.Abort("--memory-gib " + std::to_string(o.memory_gib) + ": " + std::to_string(memory_bytes) +
-                        " B per rank minus weights (" + std::to_string(weights.total()) + " B) and prefill workspace (" +
-                        std::to_string(workspace.total()) + " B) leaves " + std::to_string(engine.cache_budget_bytes) +
-                        " B, less than one cache block (" + std::to_string(block_bytes) + " B)",
+                        " B per rank minus weights (" + std::to_string(weights.total()) +
+                        " B) and prefill workspace (" + std::to_string(workspace.total()) + " B) leaves " +
+                        std::to_string(engine.cache_budget_bytes) + " B, less than one cache block (" +
+                        std::to_string(block_bytes) + " B)",
                     2);
   }
   auto runner_or = RankRunner::Create(model, engine, groups, rank_name);
@@ -188,8 +188,8 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     reg.set_block_size(engine.block_size);
     reg.set_cache_blocks_total(runner.cache_stats().now.blocks_total);
     *reg.mutable_ranks() = rank_stats(0);
-    link = std::make_unique<WorkerLinkClient>(
-        WorkerLinkClient::Options{.coordinator = o.coordinator, .registration = reg, .secret = o.worker_secret, .tls = o.tls});
+    link = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
+        .coordinator = o.coordinator, .registration = reg, .secret = o.worker_secret, .tls = o.tls});
   }
   if (session.rank() == 0)
     std::cerr << "mlarun worker " << worker_id << ": " << layout << ", " << o.deployment.model << ", coordinator "
@@ -201,7 +201,7 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
     size_t sent = 0;         // tokens sent
     size_t prompt_sent = 0;  // prompt logprobs sent
   };
-  std::map<int64_t, Live> live;                   // engine id -> request (leaders)
+  std::map<int64_t, Live> live;  // engine id -> request (leaders)
   std::map<std::string, int64_t> by_request_id;
   auto last_stats = std::chrono::steady_clock::now();
   int64_t tokens_since_stats = 0;
@@ -245,9 +245,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
           // out of range, the group held by another stream) repeats at every
           // retry of the back-off: said once per distinct answer.
           const grpc::StatusCode code = e.status.error_code();
-          if (!e.registered && (code == grpc::StatusCode::UNAUTHENTICATED ||
-                                code == grpc::StatusCode::INVALID_ARGUMENT ||
-                                code == grpc::StatusCode::ALREADY_EXISTS)) {
+          if (!e.registered &&
+              (code == grpc::StatusCode::UNAUTHENTICATED || code == grpc::StatusCode::INVALID_ARGUMENT ||
+               code == grpc::StatusCode::ALREADY_EXISTS)) {
             std::string why = std::string(client_internal::GrpcCodeName(code)) + ": " + e.status.error_message();
             if (why != last_refusal)
               std::cerr << "mlarun worker " << worker_id << ": " << rank_name << ": the coordinator at "
@@ -264,8 +264,9 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
               std::chrono::steady_clock::now() - waiting_said >= std::chrono::seconds(10)) {
             waiting_said = std::chrono::steady_clock::now();
             std::cerr << "mlarun worker " << worker_id << ": " << rank_name << ": still waiting for the coordinator at "
-                      << o.coordinator << " (" << unregistered_attempts << " attempts; last: "
-                      << client_internal::GrpcCodeName(code) << ": " << e.status.error_message() << ")\n";
+                      << o.coordinator << " (" << unregistered_attempts
+                      << " attempts; last: " << client_internal::GrpcCodeName(code) << ": " << e.status.error_message()
+                      << ")\n";
           }
           for (const auto& [id, l] : live) {
             (void)runner.engine()->Cancel(id);

@@ -24,10 +24,10 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/rank/bootstrap.h"
-#include "serving/security/security.h"
 #include "base/status.h"
 #include "runtime/engine/engine.h"
+#include "runtime/rank/bootstrap.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 

@@ -36,8 +36,8 @@ Status MpiCallError(int code, const char* expr, const char* file, int line) {
   int len = 0;
   if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
   return InternalError(expr, " failed at ", file, ":", line, ": ",
-                       len > 0 ? std::string(text, len) : "MPI error " + std::to_string(code), " (rank ",
-                       g_world_rank, " on ", LocalHostName(), ")");
+                       len > 0 ? std::string(text, len) : "MPI error " + std::to_string(code), " (rank ", g_world_rank,
+                       " on ", LocalHostName(), ")");
 }
 
 }  // namespace
@@ -45,11 +45,10 @@ Status MpiCallError(int code, const char* expr, const char* file, int line) {
 
 // Every MPI call goes through this. It relies on MPI_ERRORS_RETURN being set on
 // the communicator (the default, MPI_ERRORS_ARE_FATAL, would end the job first).
-#define MLARUN_MPI_RETURN_IF_ERROR(expr)                                                  \
-  do {                                                                                    \
-    const int mlarun_mpi_rc_ = (expr);                                                    \
-    if (mlarun_mpi_rc_ != MPI_SUCCESS)                                                    \
-      return ::mlarun::MpiCallError(mlarun_mpi_rc_, #expr, __FILE__, __LINE__);           \
+#define MLARUN_MPI_RETURN_IF_ERROR(expr)                                                                         \
+  do {                                                                                                           \
+    const int mlarun_mpi_rc_ = (expr);                                                                           \
+    if (mlarun_mpi_rc_ != MPI_SUCCESS) return ::mlarun::MpiCallError(mlarun_mpi_rc_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 namespace mlarun {
@@ -90,11 +89,16 @@ Status WaitForRequest(MPI_Request* request) {
 // (gathers, broadcast) or is widened to fp32 (sums).
 MPI_Datatype MpiType(CommType t) {
   switch (t) {
-    case CommType::kF32: return MPI_FLOAT;
-    case CommType::kBF16: return MPI_UINT16_T;
-    case CommType::kI32: return MPI_INT32_T;
-    case CommType::kI64: return MPI_INT64_T;
-    case CommType::kU8: return MPI_UINT8_T;
+    case CommType::kF32:
+      return MPI_FLOAT;
+    case CommType::kBF16:
+      return MPI_UINT16_T;
+    case CommType::kI32:
+      return MPI_INT32_T;
+    case CommType::kI64:
+      return MPI_INT64_T;
+    case CommType::kU8:
+      return MPI_UINT8_T;
   }
   return MPI_DATATYPE_NULL;
 }
@@ -109,8 +113,8 @@ Status CheckCount(int64_t count, const char* what) {
 
 // Fills `ints` (the counts) and `displs` (their prefix sums), both as MPI
 // ints, and returns the total in `total`.
-Status CountsAsInts(std::span<const int64_t> counts, const char* what, std::vector<int>* ints,
-                    std::vector<int>* displs, int64_t* total) {
+Status CountsAsInts(std::span<const int64_t> counts, const char* what, std::vector<int>* ints, std::vector<int>* displs,
+                    int64_t* total) {
   ints->resize(counts.size());
   displs->resize(counts.size());
   int64_t sum = 0;
@@ -176,8 +180,8 @@ class MpiCommunicator final : public Communicator {
     int64_t total = 0;
     MLARUN_RETURN_IF_ERROR(CountsAsInts(counts, "AllGatherV", &ints, &displs, &total));
     MPI_Request request;
-    MLARUN_MPI_RETURN_IF_ERROR(MPI_Iallgatherv(send, ints[rank_], MpiType(t), recv, ints.data(), displs.data(),
-                                               MpiType(t), comm_, &request));
+    MLARUN_MPI_RETURN_IF_ERROR(
+        MPI_Iallgatherv(send, ints[rank_], MpiType(t), recv, ints.data(), displs.data(), MpiType(t), comm_, &request));
     return WaitForRequest(&request);
   }
 
@@ -190,14 +194,13 @@ class MpiCommunicator final : public Communicator {
       // As in AllReduceSum: widen, reduce in fp32, round once.
       std::vector<float> wide_send(total), wide_recv(counts[rank_]);
       ConvertBf16ToF32(static_cast<const bf16_t*>(send), wide_send.data(), total);
-      MLARUN_MPI_RETURN_IF_ERROR(MPI_Ireduce_scatter(wide_send.data(), wide_recv.data(), ints.data(), MPI_FLOAT,
-                                                     MPI_SUM, comm_, &request));
+      MLARUN_MPI_RETURN_IF_ERROR(
+          MPI_Ireduce_scatter(wide_send.data(), wide_recv.data(), ints.data(), MPI_FLOAT, MPI_SUM, comm_, &request));
       MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
       ConvertF32ToBf16(wide_recv.data(), static_cast<bf16_t*>(recv), counts[rank_]);
       return Status::Ok();
     }
-    MLARUN_MPI_RETURN_IF_ERROR(
-        MPI_Ireduce_scatter(send, recv, ints.data(), MpiType(t), MPI_SUM, comm_, &request));
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Ireduce_scatter(send, recv, ints.data(), MpiType(t), MPI_SUM, comm_, &request));
     return WaitForRequest(&request);
   }
 

@@ -5,9 +5,9 @@
 #include <memory>
 #include <string>
 
+#include "base/status.h"
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
-#include "base/status.h"
 
 namespace mlarun {
 

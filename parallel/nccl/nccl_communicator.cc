@@ -12,7 +12,6 @@
 // Not yet run on a GPU: the build machines have none. scripts/gpu-check runs
 // the NCCL test in tests/parallel/comm_test.cc when one is lent.
 #include "parallel/nccl/nccl_communicator.h"
-#include "base/cuda/cuda_check.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -21,6 +20,8 @@
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "base/cuda/cuda_check.h"
 
 namespace mlarun {
 namespace {
@@ -34,7 +35,6 @@ Status NcclCallError(ncclResult_t rc, ncclComm_t comm, const char* expr, const c
                        last != nullptr && last[0] != '\0' ? std::string(" (") + last + ")" : std::string());
 }
 
-
 }  // namespace
 }  // namespace mlarun
 
@@ -46,17 +46,21 @@ Status NcclCallError(ncclResult_t rc, ncclComm_t comm, const char* expr, const c
       return ::mlarun::NcclCallError(mlarun_nccl_rc_, comm, #expr, __FILE__, __LINE__); \
   } while (0)
 
-
 namespace mlarun {
 namespace {
 
 StatusOr<ncclDataType_t> NcclType(CommType t) {
   switch (t) {
-    case CommType::kF32: return ncclFloat32;
-    case CommType::kBF16: return ncclBfloat16;
-    case CommType::kI32: return ncclInt32;
-    case CommType::kI64: return ncclInt64;
-    case CommType::kU8: return ncclUint8;
+    case CommType::kF32:
+      return ncclFloat32;
+    case CommType::kBF16:
+      return ncclBfloat16;
+    case CommType::kI32:
+      return ncclInt32;
+    case CommType::kI64:
+      return ncclInt64;
+    case CommType::kU8:
+      return ncclUint8;
   }
   return InvalidArgumentError("unknown CommType ", static_cast<int>(t));
 }
@@ -107,8 +111,8 @@ class NcclCommunicator final : public Communicator {
   Status DoAllReduceSum(void* buf, int64_t count, CommType t) override {
     MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_NCCL_RETURN_IF_ERROR(
-        ncclAllReduce(buf, buf, static_cast<size_t>(count), type, ncclSum, comm_, stream_), comm_);
+    MLARUN_NCCL_RETURN_IF_ERROR(ncclAllReduce(buf, buf, static_cast<size_t>(count), type, ncclSum, comm_, stream_),
+                                comm_);
     return Synchronize();
   }
 
@@ -124,8 +128,8 @@ class NcclCommunicator final : public Communicator {
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
     const size_t elem = CommTypeSize(t);
     if (AllEqual(counts)) {
-      MLARUN_NCCL_RETURN_IF_ERROR(
-          ncclAllGather(send, recv, static_cast<size_t>(counts[0]), type, comm_, stream_), comm_);
+      MLARUN_NCCL_RETURN_IF_ERROR(ncclAllGather(send, recv, static_cast<size_t>(counts[0]), type, comm_, stream_),
+                                  comm_);
       return Synchronize();
     }
     // Unequal counts: one broadcast per contributing rank into its offset,
@@ -137,10 +141,10 @@ class NcclCommunicator final : public Communicator {
         const size_t n = static_cast<size_t>(counts[r]);
         if (n > 0) {
           // sendbuff is read only on the root.
-          MLARUN_NCCL_RETURN_IF_ERROR(ncclBroadcast(r == rank_ ? send : nullptr,
-                                                    static_cast<char*>(recv) + offset * elem, n, type, r, comm_,
-                                                    stream_),
-                                      comm_);
+          MLARUN_NCCL_RETURN_IF_ERROR(
+              ncclBroadcast(r == rank_ ? send : nullptr, static_cast<char*>(recv) + offset * elem, n, type, r, comm_,
+                            stream_),
+              comm_);
         }
         offset += n;
       }
@@ -179,8 +183,7 @@ class NcclCommunicator final : public Communicator {
   Status DoBroadcast(void* buf, int64_t count, CommType t, int root) override {
     MLARUN_RETURN_IF_ERROR(WaitForInputs());
     MLARUN_ASSIGN_OR_RETURN(const ncclDataType_t type, NcclType(t));
-    MLARUN_NCCL_RETURN_IF_ERROR(
-        ncclBroadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), comm_);
+    MLARUN_NCCL_RETURN_IF_ERROR(ncclBroadcast(buf, buf, static_cast<size_t>(count), type, root, comm_, stream_), comm_);
     return Synchronize();
   }
 
@@ -235,7 +238,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t inputs_ready_ = nullptr;  // recorded on the legacy stream before each collective
-  void* scratch_ = nullptr;  // one float, for Barrier()
+  void* scratch_ = nullptr;             // one float, for Barrier()
 };
 
 // This rank's part before any collective: a usable device, and on rank 0

@@ -7,20 +7,25 @@ namespace mlarun {
 
 std::string_view FinishReasonName(FinishReason r) {
   switch (r) {
-    case FinishReason::kNone: return "none";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kStop: return "stop";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kError: return "error";
+    case FinishReason::kNone:
+      return "none";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
   }
   return "none";
 }
 
-
 StatusOr<LatentCacheConfig> Engine::CacheConfig(const ModelConfig& model, const EngineConfig& config) {
   if (config.max_num_batched_tokens < 1)
     return InvalidArgumentError("engine: max_num_batched_tokens must be >= 1, got ", config.max_num_batched_tokens);
-  if (config.max_num_seqs < 1) return InvalidArgumentError("engine: max_num_seqs must be >= 1, got ", config.max_num_seqs);
+  if (config.max_num_seqs < 1)
+    return InvalidArgumentError("engine: max_num_seqs must be >= 1, got ", config.max_num_seqs);
   if (config.max_scored_rows_per_step < 1)
     return InvalidArgumentError("engine: max_scored_rows_per_step must be >= 1, got ", config.max_scored_rows_per_step);
   LatentCacheConfig cc = CacheConfigFor(model, config.cache_budget_bytes, config.block_size);
@@ -192,11 +197,12 @@ StatusOr<StepPlan> Engine::Schedule() {
     MLARUN_RETURN_IF_ERROR(cache_->CheckWritable(r.id, r.computed, s.n));
     const std::span<const int32_t> table = cache_->BlockTable(r.id);
     const bool last = r.computed + s.n == static_cast<int64_t>(r.tokens.size());
-    plan.seqs.push_back(StepPlan::Seq{.id = r.id, .start_pos = r.computed,
-                                      .tokens = std::vector<int32_t>(r.tokens.begin() + r.computed,
-                                                                     r.tokens.begin() + r.computed + s.n),
-                                      .block_table = std::vector<int32_t>(table.begin(), table.end()),
-                                      .sampler = last ? r.sampler.get() : nullptr});
+    plan.seqs.push_back(StepPlan::Seq{
+        .id = r.id,
+        .start_pos = r.computed,
+        .tokens = std::vector<int32_t>(r.tokens.begin() + r.computed, r.tokens.begin() + r.computed + s.n),
+        .block_table = std::vector<int32_t>(table.begin(), table.end()),
+        .sampler = last ? r.sampler.get() : nullptr});
     if (ScoresPending(r)) {
       // Row i scores the prompt token after its position, while there is one.
       const int64_t prompt = static_cast<int64_t>(r.request.prompt.size());
@@ -209,8 +215,11 @@ StatusOr<StepPlan> Engine::Schedule() {
                                                                              : stats_.prefill_tokens) += s.n;
   }
   const LatentCacheStats cs = cache_->stats();
-  plan.cache = {.blocks_used = cs.blocks_used, .blocks_cached = cs.blocks_cached, .blocks_retired = cs.blocks_retired,
-                .prefix_hit_tokens = cs.prefix_hit_tokens, .evictions = cs.evictions};
+  plan.cache = {.blocks_used = cs.blocks_used,
+                .blocks_cached = cs.blocks_cached,
+                .blocks_retired = cs.blocks_retired,
+                .prefix_hit_tokens = cs.prefix_hit_tokens,
+                .evictions = cs.evictions};
   plan.has_work = HasWork();
   return plan;
 }
@@ -236,8 +245,8 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
       for (size_t i = 0; i < s.score_tokens.size(); ++i) {
         if (s.start_pos + static_cast<int64_t>(i) != static_cast<int64_t>(r.out.prompt_logprobs.size())) continue;
         const SampledToken& t = scores[q][i];
-        r.out.prompt_logprobs.push_back(LogprobEntry{
-            .token = {t.token, t.logprob}, .top = {t.top_logprobs().begin(), t.top_logprobs().end()}});
+        r.out.prompt_logprobs.push_back(
+            LogprobEntry{.token = {t.token, t.logprob}, .top = {t.top_logprobs().begin(), t.top_logprobs().end()}});
       }
     }
     r.computed += static_cast<int64_t>(s.tokens.size());
@@ -252,8 +261,10 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
       r.out.top_logprobs.emplace_back(tok.top_logprobs().begin(), tok.top_logprobs().end());
     r.tokens.push_back(static_cast<int32_t>(tok.token));
     const SamplingParams& sp = r.request.sampling;
-    const bool stop_id = std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok.token) != sp.stop_token_ids.end();
-    const bool eos = !sp.ignore_eos && std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), tok.token) != c.eos_token_ids.end();
+    const bool stop_id =
+        std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok.token) != sp.stop_token_ids.end();
+    const bool eos =
+        !sp.ignore_eos && std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), tok.token) != c.eos_token_ids.end();
     if (stop_id || eos) {
       r.out.finish_reason = FinishReason::kStop;
     } else if (static_cast<int64_t>(r.out.tokens.size()) >= sp.max_tokens) {
@@ -302,7 +313,8 @@ void Engine::RecordStepTimes(double forward_seconds, const Model::StepTimes& par
 }
 
 StatusOr<std::vector<int64_t>> Engine::Step() {
-  if (runner_ == nullptr) return FailedPreconditionError("engine: a scheduler alone does not step; its ranks' runners do");
+  if (runner_ == nullptr)
+    return FailedPreconditionError("engine: a scheduler alone does not step; its ranks' runners do");
   MLARUN_ASSIGN_OR_RETURN(const StepPlan plan, Schedule());
   if (plan.seqs.empty()) return std::vector<int64_t>{};
   auto sampled = runner_->Execute(plan);
@@ -322,7 +334,8 @@ std::vector<StatusOr<GenerationOutput>> Engine::Generate(std::vector<GenerationR
   for (GenerationRequest& r : requests) {
     auto id = Add(std::move(r));
     ids.push_back(id.ok() ? *id : -1);
-    out.emplace_back(id.ok() ? StatusOr<GenerationOutput>(GenerationOutput{}) : StatusOr<GenerationOutput>(id.status()));
+    out.emplace_back(id.ok() ? StatusOr<GenerationOutput>(GenerationOutput{})
+                             : StatusOr<GenerationOutput>(id.status()));
   }
   Status failure;
   while (HasWork()) {

@@ -26,11 +26,11 @@
 #include <string>
 #include <vector>
 
-#include "kv/latent_cache.h"
 #include "base/block_size.h"
 #include "base/status.h"
-#include "runtime/ops/sampler.h"
+#include "kv/latent_cache.h"
 #include "runtime/model/model.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/request/request.h"
 #include "runtime/runner/model_runner.h"
 #include "runtime/runner/step_plan.h"
@@ -55,8 +55,8 @@ enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2, kCancelle
 std::string_view FinishReasonName(FinishReason r);  // "length", "stop", "cancelled", "error"
 
 struct GenerationOutput {
-  std::vector<int64_t> tokens;    // generated ids only (those of the steps before a failure, if any)
-  std::vector<double> logprobs;   // natural log, unmodified distribution
+  std::vector<int64_t> tokens;   // generated ids only (those of the steps before a failure, if any)
+  std::vector<double> logprobs;  // natural log, unmodified distribution
   // SamplingParams::logprobs > 0: per generated token, its step's most likely
   // tokens (SampledToken::top); empty otherwise.
   std::vector<std::vector<TokenLogprob>> top_logprobs;

@@ -93,7 +93,8 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   for (size_t r = 0; r < all.size(); ++r) {
     any_work |= all[r].has_work != 0;
     any_stop |= all[r].stop != 0;
-    world_cache_[r] = {.blocks_used = all[r].blocks_used, .peak_blocks_used = all[r].peak_blocks_used,
+    world_cache_[r] = {.blocks_used = all[r].blocks_used,
+                       .peak_blocks_used = all[r].peak_blocks_used,
                        .blocks_retired = all[r].blocks_retired};
   }
   if (any_stop) return StepResult::kStop;

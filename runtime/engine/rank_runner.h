@@ -47,7 +47,7 @@ struct RankCacheStats {
 struct RankCacheSnapshot {
   int64_t blocks_used = 0;
   int64_t peak_blocks_used = 0;  // RankCacheStats::peak_blocks_used
-  int64_t blocks_retired = 0;   // LatentCacheStats::blocks_retired
+  int64_t blocks_retired = 0;    // LatentCacheStats::blocks_retired
 };
 
 // One rank's part of the lock-step exchange before every step: a world

@@ -8,7 +8,9 @@ namespace {
 int64_t Size(DType t) { return static_cast<int64_t>(DTypeSize(t)); }
 }  // namespace
 
-int64_t LatentBytesPerTokenLayer(const ModelConfig& c) { return (c.kv_lora_rank + c.qk_rope_head_dim) * Size(c.kv_dtype); }
+int64_t LatentBytesPerTokenLayer(const ModelConfig& c) {
+  return (c.kv_lora_rank + c.qk_rope_head_dim) * Size(c.kv_dtype);
+}
 
 int64_t LatentBytesPerToken(const ModelConfig& c) { return CacheConfigFor(c, 0, 1).bytes_per_token(); }
 
@@ -18,7 +20,8 @@ int64_t IndexerKeyBytesPerTokenLayer(int64_t index_head_dim) {
 }
 
 int64_t CacheBytesPerToken(const ModelConfig& c) {
-  return LatentBytesPerToken(c) + (c.has_indexer() ? c.num_hidden_layers * IndexerKeyBytesPerTokenLayer(c.index_head_dim) : 0);
+  return LatentBytesPerToken(c) +
+         (c.has_indexer() ? c.num_hidden_layers * IndexerKeyBytesPerTokenLayer(c.index_head_dim) : 0);
 }
 
 int64_t ExpandedKvBytesPerToken(const ModelConfig& c) {

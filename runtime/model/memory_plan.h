@@ -13,9 +13,9 @@
 #include <string>
 
 #include "base/block_size.h"
-#include "parallel/layout.h"
 #include "base/dtype.h"
 #include "base/status.h"
+#include "parallel/layout.h"
 #include "runtime/model/model.h"
 #include "runtime/model/model_config.h"
 
@@ -79,10 +79,10 @@ PrefillWorkspace PredictPrefillWorkspace(const ModelConfig& c, int attn_tp, int6
 // ---- One rank --------------------------------------------------------------------
 
 struct MemoryPlanOptions {
-  int64_t memory_bytes = 0;   // per rank: HBM on a GPU, the share of host memory on CPU
+  int64_t memory_bytes = 0;                // per rank: HBM on a GPU, the share of host memory on CPU
   int64_t block_size = kDefaultBlockSize;  // tokens per cache block
-  int64_t chunk_rows = 65536; // expanded-path chunk (MlaConfig::expand_chunk_rows)
-  std::optional<DType> projection_dtype;  // PredictWeightBytes' what-if (kF8E4M3)
+  int64_t chunk_rows = 65536;              // expanded-path chunk (MlaConfig::expand_chunk_rows)
+  std::optional<DType> projection_dtype;   // PredictWeightBytes' what-if (kF8E4M3)
 };
 
 struct RankMemory {

@@ -33,8 +33,25 @@ constexpr double kLatentNormEps = 1e-6;
 // it is not the host).
 struct Model::StepScratch {
   explicit StepScratch(DeviceMemory* m)
-      : h(m), x(m), q(m), qa(m), kv(m), kv_c(m), k_pe(m), attn(m), o_out(m), mlp_hidden(m), x_all(m), y_all(m),
-        y_local(m), rows(m), logits(m), router_logits(m), route_weights(m), route_experts(m), moe_ws(m) {}
+      : h(m),
+        x(m),
+        q(m),
+        qa(m),
+        kv(m),
+        kv_c(m),
+        k_pe(m),
+        attn(m),
+        o_out(m),
+        mlp_hidden(m),
+        x_all(m),
+        y_all(m),
+        y_local(m),
+        rows(m),
+        logits(m),
+        router_logits(m),
+        route_weights(m),
+        route_experts(m),
+        moe_ws(m) {}
   // ForwardImpl
   std::vector<int32_t> query_start, seq_lens, block_table;
   StagedArray<int32_t> positions, tokens, logit_ids;
@@ -46,7 +63,7 @@ struct Model::StepScratch {
   DeviceArray<float> router_logits, route_weights;
   DeviceArray<int32_t> route_experts;
   std::vector<int32_t> route_experts_host;  // when the memory is not the host's
-  MoePlan moe_plan;  // re-planned every MoE layer into the same memory (MoeReplan)
+  MoePlan moe_plan;                         // re-planned every MoE layer into the same memory (MoeReplan)
   Workspace moe_ws;
   MlaPlan attn_plan;  // re-planned every step into the same memory (MlaReplan)
 };
@@ -128,11 +145,11 @@ WeightBytes Model::weight_bytes() const {
   b.embedding_and_head = embed_.bytes() + (lm_head_.data == embed_.data ? 0 : lm_head_.bytes()) + vec(final_norm_);
   for (const DecoderLayer& l : layers_) {
     const AttentionLayer& a = l.attn;
-    const int64_t replicated = a.q_a.bytes() + vec(a.q_a_norm) + a.kv_a.bytes() + vec(a.kv_a_norm) +
-                               vec(l.input_norm) + vec(l.post_attention_norm);
+    const int64_t replicated = a.q_a.bytes() + vec(a.q_a_norm) + a.kv_a.bytes() + vec(a.kv_a_norm) + vec(l.input_norm) +
+                               vec(l.post_attention_norm);
     b.attention_replicated += replicated;
-    b.attention += replicated + a.q_b.bytes() + a.q.bytes() + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size()) +
-                   a.o.bytes();
+    b.attention +=
+        replicated + a.q_b.bytes() + a.q.bytes() + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size()) + a.o.bytes();
     if (!l.moe) {
       b.dense_mlp += mlp(l.mlp);
       continue;
@@ -167,8 +184,11 @@ int64_t Model::weight_bytes_in_place() const {
 }
 
 LatentCacheConfig CacheConfigFor(const ModelConfig& c, int64_t budget_bytes, int64_t block_size) {
-  return LatentCacheConfig{.num_layers = c.num_hidden_layers, .kv_lora_rank = c.kv_lora_rank,
-                           .rope_dim = c.qk_rope_head_dim, .block_size = block_size, .dtype = c.kv_dtype,
+  return LatentCacheConfig{.num_layers = c.num_hidden_layers,
+                           .kv_lora_rank = c.kv_lora_rank,
+                           .rope_dim = c.qk_rope_head_dim,
+                           .block_size = block_size,
+                           .dtype = c.kv_dtype,
                            .budget_bytes = budget_bytes};
 }
 
@@ -186,25 +206,39 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   StepScratch& sc = *scratch_;
   DeviceArray<float>& router_logits = sc.router_logits;
   MLARUN_RETURN_IF_ERROR(router_logits.Zeroed(static_cast<size_t>(T * E), "the router's logits"));
-  MLARUN_RETURN_IF_ERROR(LinearRun(
-      {.w = &moe.router, .x = X, .rows = T, .ldx = H, .y = router_logits.data(), .ldy = E, .router = true, .backend = be}));
+  MLARUN_RETURN_IF_ERROR(LinearRun({.w = &moe.router,
+                                    .x = X,
+                                    .rows = T,
+                                    .ldx = H,
+                                    .y = router_logits.data(),
+                                    .ldy = E,
+                                    .router = true,
+                                    .backend = be}));
   DeviceArray<int32_t>& route_experts = sc.route_experts;
   DeviceArray<float>& route_weights = sc.route_weights;
   MLARUN_RETURN_IF_ERROR(route_experts.Zeroed(static_cast<size_t>(T * K), "the routed expert ids"));
   MLARUN_RETURN_IF_ERROR(route_weights.Zeroed(static_cast<size_t>(T * K), "the routing weights"));
-  MLARUN_RETURN_IF_ERROR(MoeGateRun({.logits = router_logits.data(), .tokens = T, .num_experts = E,
+  MLARUN_RETURN_IF_ERROR(MoeGateRun({.logits = router_logits.data(),
+                                     .tokens = T,
+                                     .num_experts = E,
                                      .bias = moe.score_bias.empty() ? nullptr : moe.score_bias.data(),
-                                     .scoring = c.scoring_func, .method = c.topk_method, .top_k = K,
-                                     .n_group = c.n_group, .topk_group = c.topk_group,
+                                     .scoring = c.scoring_func,
+                                     .method = c.topk_method,
+                                     .top_k = K,
+                                     .n_group = c.n_group,
+                                     .topk_group = c.topk_group,
                                      .norm_topk_prob = c.norm_topk_prob,
                                      .routed_scaling_factor = c.routed_scaling_factor,
-                                     .experts = route_experts.data(), .weights = route_weights.data(), .backend = be}));
+                                     .experts = route_experts.data(),
+                                     .weights = route_weights.data(),
+                                     .backend = be}));
   // The expert ids on the host: the MoE plan (tokens grouped by expert) is
   // made there.
   const int32_t* ids = route_experts.data();
   if (!memory_->host_accessible()) {
     sc.route_experts_host.resize(static_cast<size_t>(T * K));
-    MLARUN_RETURN_IF_ERROR(memory_->CopyOut(sc.route_experts_host.data(), ids, static_cast<size_t>(T * K) * sizeof(int32_t)));
+    MLARUN_RETURN_IF_ERROR(
+        memory_->CopyOut(sc.route_experts_host.data(), ids, static_cast<size_t>(T * K) * sizeof(int32_t)));
     ids = sc.route_experts_host.data();
   }
   if (routing_.size() <= routing_layers_) routing_.emplace_back();
@@ -212,11 +246,19 @@ Status Model::MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* 
   routed.assign(ids, ids + T * K);
   for (int64_t t = 0; t < T; ++t) std::sort(routed.begin() + t * K, routed.begin() + (t + 1) * K);
 
-  const MoeExpertsParams p{.experts = moe.experts.data(), .num_local = static_cast<int64_t>(moe.experts.size()),
-                           .expert_begin = moe.expert_begin, .num_experts = E,
-                           .shared = moe.has_shared ? &moe.shared : nullptr, .x = X, .tokens = T, .hidden = H,
-                           .route_experts = route_experts.data(), .route_weights = route_weights.data(), .top_k = K,
-                           .y = Y, .backend = be};
+  const MoeExpertsParams p{.experts = moe.experts.data(),
+                           .num_local = static_cast<int64_t>(moe.experts.size()),
+                           .expert_begin = moe.expert_begin,
+                           .num_experts = E,
+                           .shared = moe.has_shared ? &moe.shared : nullptr,
+                           .x = X,
+                           .tokens = T,
+                           .hidden = H,
+                           .route_experts = route_experts.data(),
+                           .route_weights = route_weights.data(),
+                           .top_k = K,
+                           .y = Y,
+                           .backend = be};
   MoePlan& plan = sc.moe_plan;
   MoeExpertsParams host_ids = p;  // what the plan reads: the ids on the host
   host_ids.route_experts = ids;
@@ -259,8 +301,8 @@ Agreement AgreeOnFailure(Communicator* tp, Communicator* peers, const Status& lo
   if (flag == 0.f) return out;
   std::string mine;
   if (!local.ok())
-    mine = std::to_string(static_cast<int>(local.code())) + "|" + (rank_name.empty() ? "a rank" : rank_name) +
-           ": " + local.message();
+    mine = std::to_string(static_cast<int>(local.code())) + "|" + (rank_name.empty() ? "a rank" : rank_name) + ": " +
+           local.message();
   for (Communicator* c : {tp, peers}) {
     if (c == nullptr) continue;
     auto all = AllGatherStrings(*c, mine);
@@ -276,7 +318,8 @@ Agreement AgreeOnFailure(Communicator* tp, Communicator* peers, const Status& lo
   }
   const size_t bar = mine.find('|');
   const int code = bar == std::string::npos ? static_cast<int>(StatusCode::kInternal) : std::atoi(mine.c_str());
-  out.failure = Status(static_cast<StatusCode>(code), "step failed on " + mine.substr(bar == std::string::npos ? 0 : bar + 1));
+  out.failure =
+      Status(static_cast<StatusCode>(code), "step failed on " + mine.substr(bar == std::string::npos ? 0 : bar + 1));
   return out;
 }
 }  // namespace
@@ -309,7 +352,7 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
                                    " runner over several ranks needs device communicators (NCCL) for its collectives");
   Status collective;
   const Status local = ForwardImpl(seqs, pool, parallel, data_tp, data_peers, call, &collective);
-  routing_.resize(routing_layers_);  // the MoE layers this step ran (shrinks only when a step stopped early)
+  routing_.resize(routing_layers_);         // the MoE layers this step ran (shrinks only when a step stopped early)
   if (!collective.ok()) return collective;  // nobody can be waited for
   if (parallel == nullptr) {
     last_failure_ = local;
@@ -369,8 +412,8 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     // write addresses them through slots, unchecked on a device.
     for (int64_t b = s.start_pos / cc.block_size; st.ok() && b * cc.block_size < end; ++b)
       if (const int32_t id = s.block_table[static_cast<size_t>(b)]; id < 0 || id >= pool.num_blocks())
-        fail(OutOfRangeError("model forward: sequence ", s.id, ": block_table[", b, "] = ", id, " outside the pool's [0, ",
-                             pool.num_blocks(), ")"));
+        fail(OutOfRangeError("model forward: sequence ", s.id, ": block_table[", b, "] = ", id,
+                             " outside the pool's [0, ", pool.num_blocks(), ")"));
     if (end > c.max_position_embeddings)
       fail(InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
                                 ", beyond max_position_embeddings ", c.max_position_embeddings));
@@ -457,8 +500,16 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   // Embeddings.
   const size_t wes = DTypeSize(c.weight_dtype);
   if (st.ok())
-    fail(EmbeddingRun({.table = embed_.data, .dtype = embed_.dtype, .num_rows = embed_.out, .width = H, .ld = embed_.ld,
-                       .ids = d_tokens, .n = T, .out = h.data(), .ld_out = H, .backend = be}));
+    fail(EmbeddingRun({.table = embed_.data,
+                       .dtype = embed_.dtype,
+                       .num_rows = embed_.out,
+                       .width = H,
+                       .ld = embed_.ld,
+                       .ids = d_tokens,
+                       .n = T,
+                       .out = h.data(),
+                       .ld_out = H,
+                       .backend = be}));
 
   MlaParams ap;
   ap.shape = c.mla_shape();
@@ -489,13 +540,27 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   auto attention = [&](const DecoderLayer& layer, int64_t li) -> Status {
     const AttentionLayer& a = layer.attn;
     const int64_t QL = c.q_lora_rank;
-    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = h.data(), .ldx = H, .y = x.data(), .ldy = H, .rows = T, .n = H,
-                                       .weight = layer.input_norm.data(), .eps = c.rms_norm_eps, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = h.data(),
+                                       .ldx = H,
+                                       .y = x.data(),
+                                       .ldy = H,
+                                       .rows = T,
+                                       .n = H,
+                                       .weight = layer.input_norm.data(),
+                                       .eps = c.rms_norm_eps,
+                                       .backend = be}));
     if (QL > 0) {
       MLARUN_RETURN_IF_ERROR(
           LinearRun({.w = &a.q_a, .x = x.data(), .rows = T, .ldx = H, .y = qa.data(), .ldy = QL, .backend = be}));
-      MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = qa.data(), .ldx = QL, .y = qa.data(), .ldy = QL, .rows = T, .n = QL,
-                                         .weight = a.q_a_norm.data(), .eps = kLatentNormEps, .backend = be}));
+      MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = qa.data(),
+                                         .ldx = QL,
+                                         .y = qa.data(),
+                                         .ldy = QL,
+                                         .rows = T,
+                                         .n = QL,
+                                         .weight = a.q_a_norm.data(),
+                                         .eps = kLatentNormEps,
+                                         .backend = be}));
       MLARUN_RETURN_IF_ERROR(
           LinearRun({.w = &a.q_b, .x = qa.data(), .rows = T, .ldx = QL, .y = q.data(), .ldy = N * Dq, .backend = be}));
     } else {
@@ -504,23 +569,44 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     }
     MLARUN_RETURN_IF_ERROR(
         LinearRun({.w = &a.kv_a, .x = x.data(), .rows = T, .ldx = H, .y = kv.data(), .ldy = L + R, .backend = be}));
-    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = kv.data(), .ldx = L + R, .y = kv_c.data(), .ldy = L, .rows = T, .n = L,
-                                       .weight = a.kv_a_norm.data(), .eps = kLatentNormEps, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = kv.data(),
+                                       .ldx = L + R,
+                                       .y = kv_c.data(),
+                                       .ldy = L,
+                                       .rows = T,
+                                       .n = L,
+                                       .weight = a.kv_a_norm.data(),
+                                       .eps = kLatentNormEps,
+                                       .backend = be}));
     MLARUN_RETURN_IF_ERROR(CopyRowsRun(
         {.x = kv.data() + L, .ldx = L + R, .y = k_pe.data(), .ldy = R, .rows = T, .cols = R, .backend = be}));
-    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = q.data() + P, .n_tokens = T, .n_heads = N,
-                                                   .stride_token = N * Dq, .stride_head = Dq,
-                                                   .positions = d_positions, .backend = be},
+    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = q.data() + P,
+                                                   .n_tokens = T,
+                                                   .n_heads = N,
+                                                   .stride_token = N * Dq,
+                                                   .stride_head = Dq,
+                                                   .positions = d_positions,
+                                                   .backend = be},
                                                   *rope_, rope_inv_freq_.data())));
-    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = k_pe.data(), .n_tokens = T, .n_heads = 1, .stride_token = R,
-                                                   .positions = d_positions, .backend = be},
-                                                  *rope_, rope_inv_freq_.data())));
+    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables(
+        {.x = k_pe.data(), .n_tokens = T, .n_heads = 1, .stride_token = R, .positions = d_positions, .backend = be},
+        *rope_, rope_inv_freq_.data())));
     const PagedRowsView cache = pool.Layer(li);
-    MLARUN_RETURN_IF_ERROR(LatentWriteRun({.cache = pool.LayerData(li), .dtype = cache.dtype, .block_size = cache.block_size,
-                                           .num_blocks = cache.num_blocks, .stride_block = cache.stride_block,
-                                           .stride_token = cache.stride_token, .d_latent = L, .d_rope = R, .n = T,
-                                           .slots = d_slots, .kv_c = kv_c.data(), .kv_c_stride = L,
-                                           .k_pe = k_pe.data(), .k_pe_stride = R, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(LatentWriteRun({.cache = pool.LayerData(li),
+                                           .dtype = cache.dtype,
+                                           .block_size = cache.block_size,
+                                           .num_blocks = cache.num_blocks,
+                                           .stride_block = cache.stride_block,
+                                           .stride_token = cache.stride_token,
+                                           .d_latent = L,
+                                           .d_rope = R,
+                                           .n = T,
+                                           .slots = d_slots,
+                                           .kv_c = kv_c.data(),
+                                           .kv_c_stride = L,
+                                           .k_pe = k_pe.data(),
+                                           .k_pe_stride = R,
+                                           .backend = be}));
     ap.w_uk_t = a.w_uk_t.data();
     ap.w_uv = a.w_uv.data();
     ap.cache = cache;
@@ -531,13 +617,15 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     const MlaPlan& plan = sc.attn_plan;
     WorkspaceView ws = attn_ws_.Reserve(plan.workspace_bytes);
     if (plan.workspace_bytes > 0 && ws.data == nullptr)
-      return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes, " bytes of attention workspace");
+      return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes,
+                                    " bytes of attention workspace");
     if (Status run = MlaRun(ap, plan, ws); !run.ok()) return run.WithContext("layer " + std::to_string(li));
     MLARUN_RETURN_IF_ERROR(
         LinearRun({.w = &a.o, .x = attn.data(), .rows = T, .ldx = N * V, .y = o_out.data(), .ldy = H, .backend = be}));
     const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
     traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
-    const int64_t proj_elements = a.q_a.elements() + a.q_b.elements() + a.q.elements() + a.kv_a.elements() + a.o.elements();
+    const int64_t proj_elements =
+        a.q_a.elements() + a.q_b.elements() + a.q.elements() + a.kv_a.elements() + a.o.elements();
     traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_elements);
     for (int32_t i = 0; i < S; ++i) {
       const int64_t q_len = query_start[static_cast<size_t>(i) + 1] - query_start[static_cast<size_t>(i)];
@@ -564,8 +652,15 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
 
     t0 = Clock::now();
     if (st.ok())
-      fail(RmsNormRun({.x = h.data(), .ldx = H, .y = x.data(), .ldy = H, .rows = T, .n = H,
-                       .weight = layer.post_attention_norm.data(), .eps = c.rms_norm_eps, .backend = be}));
+      fail(RmsNormRun({.x = h.data(),
+                       .ldx = H,
+                       .y = x.data(),
+                       .ldy = H,
+                       .rows = T,
+                       .n = H,
+                       .weight = layer.post_attention_norm.data(),
+                       .eps = c.rms_norm_eps,
+                       .backend = be}));
     // Every DP group's tokens, in dp_rank order.
     const float* X = x.data();
     if (peers) {
@@ -578,8 +673,15 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
       if (!layer.moe) {
         const size_t hidden = static_cast<size_t>(T_all * 2 * layer.mlp.intermediate());
         if (mlp_hidden.size() < hidden) fail(mlp_hidden.Resize(hidden, "the MLP's hidden rows"));
-        if (st.ok()) fail(MlpRun({.mlp = &layer.mlp, .x = X, .rows = T_all, .ldx = H, .y = y_all.data(), .ldy = H,
-                     .hidden = mlp_hidden.data(), .backend = be}));
+        if (st.ok())
+          fail(MlpRun({.mlp = &layer.mlp,
+                       .x = X,
+                       .rows = T_all,
+                       .ldx = H,
+                       .y = y_all.data(),
+                       .ldy = H,
+                       .hidden = mlp_hidden.data(),
+                       .backend = be}));
         if (T_all > 0) {
           traffic_.weight_bytes += layer.mlp.bytes();
           traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.elements());
@@ -611,13 +713,32 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     for (int32_t j = s.logits == ForwardSeq::Logits::kAll ? 0 : n - 1; j < n; ++j) logit_ids.push_back(t0 + j);
   }
   MLARUN_ASSIGN_OR_RETURN(const int32_t* d_logit_ids, sc.logit_ids.Publish(*memory_, "the logit row ids"));
-  MLARUN_RETURN_IF_ERROR(EmbeddingRun({.table = h.data(), .dtype = DType::kF32, .num_rows = T, .width = H, .ld = H,
-                                       .ids = d_logit_ids, .n = logit_rows, .out = rows.data(), .ld_out = H,
+  MLARUN_RETURN_IF_ERROR(EmbeddingRun({.table = h.data(),
+                                       .dtype = DType::kF32,
+                                       .num_rows = T,
+                                       .width = H,
+                                       .ld = H,
+                                       .ids = d_logit_ids,
+                                       .n = logit_rows,
+                                       .out = rows.data(),
+                                       .ld_out = H,
                                        .backend = be}));
-  MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = rows.data(), .ldx = H, .y = rows.data(), .ldy = H, .rows = logit_rows,
-                                     .n = H, .weight = final_norm_.data(), .eps = c.rms_norm_eps, .backend = be}));
-  MLARUN_RETURN_IF_ERROR(LinearRun({.w = &lm_head_, .x = rows.data(), .rows = logit_rows, .ldx = H,
-                                    .y = logits_out.data(), .ldy = vocab, .backend = be}));
+  MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = rows.data(),
+                                     .ldx = H,
+                                     .y = rows.data(),
+                                     .ldy = H,
+                                     .rows = logit_rows,
+                                     .n = H,
+                                     .weight = final_norm_.data(),
+                                     .eps = c.rms_norm_eps,
+                                     .backend = be}));
+  MLARUN_RETURN_IF_ERROR(LinearRun({.w = &lm_head_,
+                                    .x = rows.data(),
+                                    .rows = logit_rows,
+                                    .ldx = H,
+                                    .y = logits_out.data(),
+                                    .ldy = vocab,
+                                    .backend = be}));
   if (logit_rows > 0) {
     traffic_.weight_bytes += lm_head_.bytes();
     traffic_.flops += 2.0 * static_cast<double>(logit_rows * vocab * H);

@@ -20,11 +20,11 @@
 
 #include "attention/mla.h"
 #include "attention/rope.h"
-#include "kv/latent_pool.h"
 #include "base/block_size.h"
+#include "base/status.h"
+#include "kv/latent_pool.h"
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
-#include "base/status.h"
 #include "runtime/model/model_config.h"
 #include "runtime/model/safetensors.h"
 #include "runtime/ops/linear.h"
@@ -32,29 +32,29 @@
 namespace mlarun {
 
 struct MoeLayer {
-  Linear router;                         // [E, H], always f32 (HF computes the router in fp32)
-  PlacedVector<float> score_bias;        // [E] e_score_correction_bias (V3), empty for V2
-  int64_t expert_begin = 0;              // global id of experts[0] (sharding by expert)
-  std::vector<Mlp> experts;              // this rank's experts (all of them, narrowed, by intermediate)
-  Mlp shared;                            // n_shared_experts fused into one MLP (empty if none)
+  Linear router;                   // [E, H], always f32 (HF computes the router in fp32)
+  PlacedVector<float> score_bias;  // [E] e_score_correction_bias (V3), empty for V2
+  int64_t expert_begin = 0;        // global id of experts[0] (sharding by expert)
+  std::vector<Mlp> experts;        // this rank's experts (all of them, narrowed, by intermediate)
+  Mlp shared;                      // n_shared_experts fused into one MLP (empty if none)
   bool has_shared = false;
 };
 
 struct AttentionLayer {
-  Linear q_a, q_b, q;            // q_a + q_b when q_lora_rank > 0, else q
-  PlacedVector<float> q_a_norm;   // [q_lora_rank]
-  Linear kv_a;                    // [L + R, H]
-  PlacedVector<float> kv_a_norm;  // [L]
-  PlacedVector<std::byte> w_uk_t; // [N, P, L] in the cache dtype
-  PlacedVector<std::byte> w_uv;   // [N, L, V] in the cache dtype
-  Linear o;                      // [H, N * V]
+  Linear q_a, q_b, q;              // q_a + q_b when q_lora_rank > 0, else q
+  PlacedVector<float> q_a_norm;    // [q_lora_rank]
+  Linear kv_a;                     // [L + R, H]
+  PlacedVector<float> kv_a_norm;   // [L]
+  PlacedVector<std::byte> w_uk_t;  // [N, P, L] in the cache dtype
+  PlacedVector<std::byte> w_uv;    // [N, L, V] in the cache dtype
+  Linear o;                        // [H, N * V]
 };
 
 struct DecoderLayer {
   PlacedVector<float> input_norm, post_attention_norm;  // [H]
   AttentionLayer attn;
   bool moe = false;
-  Mlp mlp;      // dense layers
+  Mlp mlp;  // dense layers
   MoeLayer moe_mlp;
 };
 
@@ -66,7 +66,7 @@ struct WeightBytes {
   // rest (q_b, W_UK / W_UV, o_proj) is split by head.
   int64_t attention_replicated = 0;
   int64_t dense_mlp = 0;
-  int64_t moe = 0;        // routed + shared experts and routers
+  int64_t moe = 0;  // routed + shared experts and routers
   int64_t embedding_and_head = 0;
   int64_t total() const { return attention + dense_mlp + moe + embedding_and_head; }
 };
@@ -94,8 +94,11 @@ struct ModelShard {
   MoeSharding moe = MoeSharding::kByExpert;
 
   static ModelShard For(const ParallelLayout& layout, int rank) {
-    return ModelShard{.attn_tp_size = layout.attn_tp, .attn_tp_rank = layout.attn_tp_rank(rank),
-                      .mlp_size = layout.world(), .mlp_rank = rank, .moe = layout.moe};
+    return ModelShard{.attn_tp_size = layout.attn_tp,
+                      .attn_tp_rank = layout.attn_tp_rank(rank),
+                      .mlp_size = layout.world(),
+                      .mlp_rank = rank,
+                      .moe = layout.moe};
   }
   friend bool operator==(const ModelShard&, const ModelShard&) = default;
 };
@@ -125,14 +128,14 @@ LatentCacheConfig CacheConfigFor(const ModelConfig& config, int64_t budget_bytes
 
 // The collectives and token counts of one step across ranks.
 struct ParallelStep {
-  Communicator* attn_tp = nullptr;    // this DP group (all-reduce of o_proj and MLP outputs)
-  Communicator* dp_peers = nullptr;   // one rank per DP group (gather / reduce-scatter of hidden states)
+  Communicator* attn_tp = nullptr;   // this DP group (all-reduce of o_proj and MLP outputs)
+  Communicator* dp_peers = nullptr;  // one rank per DP group (gather / reduce-scatter of hidden states)
   // A device runner's collectives on device buffers (NCCL) over the same
   // ranks; nullptr: attn_tp / dp_peers take them (the CPU's, in host memory).
   // The step's failure agreement always uses attn_tp / dp_peers.
   Communicator* device_attn_tp = nullptr;
   Communicator* device_dp_peers = nullptr;
-  std::vector<int64_t> dp_tokens;     // tokens of every DP group this step, by dp_rank
+  std::vector<int64_t> dp_tokens;  // tokens of every DP group this step, by dp_rank
   int dp_rank = 0;
   // This rank as error messages name it, e.g. "rank 3 (node1)".
   std::string rank_name;
@@ -181,7 +184,7 @@ struct ModelOptions {
   // null. Loading places every weight there (PlaceWeights); on the host's
   // memory nothing moves. Must outlive the model.
   DeviceMemory* memory = nullptr;
-  ModelShard shard;           // default: the whole model
+  ModelShard shard;                                  // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
   // Testing: the Forward call with this 0-based index (counted per Model)
   // fails with INTERNAL on this process, in its first layer after the
@@ -191,8 +194,8 @@ struct ModelOptions {
 
 // Overrides applied to a model's config when loading it.
 struct ModelOverrides {
-  std::optional<DType> kv_dtype;        // --kv-dtype
-  std::optional<int64_t> num_layers;    // reduced depth (YAML models only)
+  std::optional<DType> kv_dtype;      // --kv-dtype
+  std::optional<int64_t> num_layers;  // reduced depth (YAML models only)
 };
 // From the command line's --kv-dtype ("" keeps the model's; bf16 or fp32) and
 // --num-layers (0 keeps the model's). The error names the flag.
@@ -310,8 +313,8 @@ class Model {
   Status MoeForward(const MoeLayer& moe, const float* X, int64_t T, float* Y);
   // Forward on this rank: returns its computation's status; a failed
   // collective goes to *collective and ends the step at once.
-  Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel,
-                     Communicator* tp, Communicator* peers, int64_t call, Status* collective);
+  Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel, Communicator* tp,
+                     Communicator* peers, int64_t call, Status* collective);
 
   ModelConfig config_;
   ModelOptions options_;

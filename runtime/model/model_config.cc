@@ -1,5 +1,4 @@
 #include "runtime/model/model_config.h"
-#include "base/suggest.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -15,6 +14,8 @@
 #include <sstream>
 #include <string>
 #include <utility>
+
+#include "base/suggest.h"
 
 namespace mlarun {
 namespace {
@@ -36,25 +37,32 @@ constexpr double kDefaultBetaSlow = 1.0;
 
 std::string_view ModelTypeName(ModelType t) {
   switch (t) {
-    case ModelType::kDeepSeekV2: return "deepseek_v2";
-    case ModelType::kDeepSeekV3: return "deepseek_v3";
+    case ModelType::kDeepSeekV2:
+      return "deepseek_v2";
+    case ModelType::kDeepSeekV3:
+      return "deepseek_v3";
   }
   return "?";
 }
 
 std::string_view TopkMethodName(TopkMethod m) {
   switch (m) {
-    case TopkMethod::kGreedy: return "greedy";
-    case TopkMethod::kGroupLimitedGreedy: return "group_limited_greedy";
-    case TopkMethod::kNoauxTc: return "noaux_tc";
+    case TopkMethod::kGreedy:
+      return "greedy";
+    case TopkMethod::kGroupLimitedGreedy:
+      return "group_limited_greedy";
+    case TopkMethod::kNoauxTc:
+      return "noaux_tc";
   }
   return "?";
 }
 
 std::string_view ScoringFuncName(ScoringFunc f) {
   switch (f) {
-    case ScoringFunc::kSoftmax: return "softmax";
-    case ScoringFunc::kSigmoid: return "sigmoid";
+    case ScoringFunc::kSoftmax:
+      return "softmax";
+    case ScoringFunc::kSigmoid:
+      return "sigmoid";
   }
   return "?";
 }
@@ -112,8 +120,8 @@ ModelConfig TransformersDefaults(ModelType type) {
     c.n_shared_experts = 2;
     c.n_routed_experts = 64;
     c.routed_scaling_factor = 1.0;
-    c.n_group = 1;      // None
-    c.topk_group = 1;   // None
+    c.n_group = 1;              // None
+    c.topk_group = 1;           // None
     c.num_experts_per_tok = 0;  // None
     c.first_k_dense_replace = 0;
     c.norm_topk_prob = false;
@@ -121,7 +129,7 @@ ModelConfig TransformersDefaults(ModelType type) {
     c.bos_token_id = 1;
     c.eos_token_ids = {2};
     c.topk_method = TopkMethod::kGreedy;
-    c.scoring_func = ScoringFunc::kSoftmax;  // DeepseekV2TopkRouter: softmax only
+    c.scoring_func = ScoringFunc::kSoftmax;    // DeepseekV2TopkRouter: softmax only
     c.rope.layout = RopeLayout::kInterleaved;  // apply_rotary_emb on complex pairs
   }
   c.rope.dim = c.qk_rope_head_dim;
@@ -280,8 +288,8 @@ Status ReadRope(const FieldReader& f, std::string_view origin, ModelConfig* c) {
       // _compute_yarn_parameters: factor None -> max_position_embeddings /
       // original_max_position_embeddings (transformers itself requires the key
       // to be present; an absent key is treated like null here).
-      y.factor = static_cast<double>(c->max_position_embeddings) /
-                 static_cast<double>(y.original_max_position_embeddings);
+      y.factor =
+          static_cast<double>(c->max_position_embeddings) / static_cast<double>(y.original_max_position_embeddings);
       MLARUN_RETURN_IF_ERROR(s.Double("factor", &y.factor, y.factor));
       // `beta_fast or 32`: absent, null and 0 all mean the default.
       y.beta_fast = kDefaultBetaFast;
@@ -344,12 +352,19 @@ Status ReadWeightDtype(const FieldReader& f, ModelConfig* c) {
   StatusOr<DType> dtype = ParseDType(name);
   if (!dtype.ok()) return f.Error(key, "unsupported dtype '", name, "' (expected float32 or bfloat16)");
   switch (*dtype) {
-    case DType::kF32: c->weight_dtype = DType::kF32; break;
-    case DType::kBF16: c->weight_dtype = DType::kBF16; break;
+    case DType::kF32:
+      c->weight_dtype = DType::kF32;
+      break;
+    case DType::kBF16:
+      c->weight_dtype = DType::kBF16;
+      break;
     // fp16 -> bf16 would drop 3 mantissa bits; fp16 -> fp32 is exact, so an fp16
     // checkpoint computes in fp32 (the loader widens at load time).
-    case DType::kF16: c->weight_dtype = DType::kF32; break;
-    default: return f.Error(key, "unsupported dtype '", name, "' (expected float32 or bfloat16)");
+    case DType::kF16:
+      c->weight_dtype = DType::kF32;
+      break;
+    default:
+      return f.Error(key, "unsupported dtype '", name, "' (expected float32 or bfloat16)");
   }
   return Status::Ok();
 }
@@ -386,7 +401,8 @@ Status IntWithAlias(const FieldReader& f, std::string_view key, std::string_view
 
 // The shared parser: `root` is the config as JSON, whichever file it came from.
 StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origin) {
-  if (!root.is_object()) return InvalidArgumentError(origin, ": top level must be an object/mapping, got ", Describe(root));
+  if (!root.is_object())
+    return InvalidArgumentError(origin, ": top level must be an object/mapping, got ", Describe(root));
   const FieldReader f(root, origin);
 
   std::string model_type_name;
@@ -421,8 +437,8 @@ StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origi
   MLARUN_RETURN_IF_ERROR(f.Int("qk_rope_head_dim", &c.qk_rope_head_dim));
   MLARUN_RETURN_IF_ERROR(f.Int("v_head_dim", &c.v_head_dim));
 
-  MLARUN_RETURN_IF_ERROR(IntWithAlias(f, "n_routed_experts", v3 ? "num_local_experts" : "num_experts",
-                                      &c.n_routed_experts));
+  MLARUN_RETURN_IF_ERROR(
+      IntWithAlias(f, "n_routed_experts", v3 ? "num_local_experts" : "num_experts", &c.n_routed_experts));
   MLARUN_RETURN_IF_ERROR(f.Int("n_shared_experts", &c.n_shared_experts));
   MLARUN_RETURN_IF_ERROR(f.Int("num_experts_per_tok", &c.num_experts_per_tok, 0));
   MLARUN_RETURN_IF_ERROR(f.Int("first_k_dense_replace", &c.first_k_dense_replace));
@@ -585,19 +601,56 @@ Status YamlToJson(const YAML::Node& node, std::string_view origin, const std::st
 // Every key ParseConfigObject and ReadRope read (in any model_type), plus
 // the YAML format's own `seed`.
 constexpr std::string_view kYamlKeys[] = {
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-    "n_routed_experts", "num_local_experts", "num_experts", "n_shared_experts", "num_experts_per_tok",
-    "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "n_group", "topk_group", "norm_topk_prob",
-    "routed_scaling_factor", "scoring_func", "topk_method", "index_n_heads", "index_head_dim", "index_topk",
-    "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id", "tie_word_embeddings", "hidden_act",
-    "attention_bias", "rope_theta", "rope_scaling", "rope_parameters", "rope_interleave", "dtype", "torch_dtype",
-    "kv_dtype", "seed",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_local_experts",
+    "num_experts",
+    "n_shared_experts",
+    "num_experts_per_tok",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "num_nextn_predict_layers",
+    "n_group",
+    "topk_group",
+    "norm_topk_prob",
+    "routed_scaling_factor",
+    "scoring_func",
+    "topk_method",
+    "index_n_heads",
+    "index_head_dim",
+    "index_topk",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "tie_word_embeddings",
+    "hidden_act",
+    "attention_bias",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "rope_interleave",
+    "dtype",
+    "torch_dtype",
+    "kv_dtype",
+    "seed",
     "tokenizer",  // a directory with tokenizer.json, relative to the YAML (text/tokenizer.h)
 };
 constexpr std::string_view kYamlRopeKeys[] = {
-    "rope_theta", "rope_type", "type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-    "mscale", "mscale_all_dim", "attention_factor", "truncate",
+    "rope_theta", "rope_type", "type",   "factor",         "original_max_position_embeddings",
+    "beta_fast",  "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+    "truncate",
 };
 
 // A YAML model file is mlarun's own format, so a key it does not know (a
@@ -691,11 +744,11 @@ std::vector<WeightTensorSize> WeightTensorSizes(const ModelConfig& c) {
   const std::string a = "model.layers.*.self_attn.";
   if (c.q_lora_rank > 0) {
     add(a + "q_a_proj.weight", "q_lora_rank x hidden_size", Q, H, layers, w);
-    add(a + "q_b_proj.weight", "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) x q_lora_rank",
-        N * (P + R), Q, layers, w);
+    add(a + "q_b_proj.weight", "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) x q_lora_rank", N * (P + R),
+        Q, layers, w);
   } else {
-    add(a + "q_proj.weight", "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) x hidden_size",
-        N * (P + R), H, layers, w);
+    add(a + "q_proj.weight", "num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim) x hidden_size", N * (P + R),
+        H, layers, w);
   }
   add(a + "kv_a_proj_with_mqa.weight", "(kv_lora_rank + qk_rope_head_dim) x hidden_size", L + R, H, layers, w);
   add(a + "kv_b_proj.weight", "num_attention_heads x (qk_nope_head_dim + v_head_dim) x kv_lora_rank", N * (P + V), L,
@@ -708,11 +761,10 @@ std::vector<WeightTensorSize> WeightTensorSizes(const ModelConfig& c) {
     add(a + "indexer.weights_proj.weight", "index_n_heads x hidden_size", ih, H, layers, w);
   }
   const std::string m = "model.layers.*.mlp.";
-  add(m + "{gate,up,down}_proj.weight", "intermediate_size x hidden_size", static_cast<double>(c.intermediate_size),
-      H, 3 * dense_layers, w);
+  add(m + "{gate,up,down}_proj.weight", "intermediate_size x hidden_size", static_cast<double>(c.intermediate_size), H,
+      3 * dense_layers, w);
   add(m + "gate.weight", "n_routed_experts x hidden_size", E, H, moe_layers, 4);
-  add(m + "experts.*.{gate,up,down}_proj.weight", "moe_intermediate_size x hidden_size", Im, H,
-      3 * E * moe_layers, w);
+  add(m + "experts.*.{gate,up,down}_proj.weight", "moe_intermediate_size x hidden_size", Im, H, 3 * E * moe_layers, w);
   if (c.n_shared_experts > 0)
     add(m + "shared_experts.{gate,up,down}_proj.weight", "moe_intermediate_size x n_shared_experts x hidden_size",
         Im * static_cast<double>(c.n_shared_experts), H, 3 * moe_layers, w);
@@ -845,8 +897,8 @@ Status ValidateModelConfig(const ModelConfig& c) {
       // Only the experts of the kept groups are candidates.
       if (c.num_experts_per_tok > c.topk_group * per_group)
         return InvalidArgumentError("num_experts_per_tok (", c.num_experts_per_tok, ") exceeds the ",
-                                    c.topk_group * per_group, " experts of topk_group (", c.topk_group,
-                                    ") groups of ", per_group);
+                                    c.topk_group * per_group, " experts of topk_group (", c.topk_group, ") groups of ",
+                                    per_group);
     }
   }
   if (!std::isfinite(c.routed_scaling_factor) || !(c.routed_scaling_factor > 0.0))
@@ -871,8 +923,7 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (c.bos_token_id < -1) return InvalidArgumentError("bos_token_id must be -1 (none) or an id, got ", c.bos_token_id);
   for (int64_t id : c.eos_token_ids)
     if (id < 0) return InvalidArgumentError("eos_token_id must be non-negative, got ", id);
-  if (c.hidden_act != "silu")
-    return InvalidArgumentError("hidden_act '", c.hidden_act, "' is unsupported (only silu)");
+  if (c.hidden_act != "silu") return InvalidArgumentError("hidden_act '", c.hidden_act, "' is unsupported (only silu)");
   if (c.attention_bias) return InvalidArgumentError("attention_bias true is unsupported (only false)");
   if (c.weight_dtype != DType::kF32 && c.weight_dtype != DType::kBF16)
     return InvalidArgumentError("weight_dtype (torch_dtype/dtype) must be f32 or bf16, got ",

@@ -28,8 +28,8 @@ struct ModelConfig {
   ModelType model_type = ModelType::kDeepSeekV3;
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;       // dense MLP
-  int64_t moe_intermediate_size = 0;   // per expert
+  int64_t intermediate_size = 0;      // dense MLP
+  int64_t moe_intermediate_size = 0;  // per expert
   int64_t num_hidden_layers = 0;
   int64_t num_attention_heads = 0;
   // MLA
@@ -65,19 +65,20 @@ struct ModelConfig {
   double rms_norm_eps = 1e-6;
   RopeConfig rope;  // dim = qk_rope_head_dim; layout: V3 interleave-to-half (rope_interleave), V2 interleaved
   int64_t max_position_embeddings = 0;
-  int64_t bos_token_id = -1;               // -1: none
-  std::vector<int64_t> eos_token_ids;      // config's eos_token_id (int or list)
+  int64_t bos_token_id = -1;           // -1: none
+  std::vector<int64_t> eos_token_ids;  // config's eos_token_id (int or list)
   bool tie_word_embeddings = false;
-  std::string hidden_act = "silu";         // only silu is supported
-  bool attention_bias = false;             // only false is supported
+  std::string hidden_act = "silu";  // only silu is supported
+  bool attention_bias = false;      // only false is supported
   // Storage
   DType weight_dtype = DType::kBF16;  // compute weights (torch_dtype / dtype): f32 or bf16
   DType kv_dtype = DType::kBF16;      // latent cache (mlarun field kv_dtype; default bf16)
 
   // Derived.
-  bool IsMoeLayer(int64_t layer) const;  // n_routed_experts > 0, layer >= first_k_dense_replace, layer % moe_layer_freq == 0
-  MlaShape mla_shape() const;            // h_q = num_attention_heads
-  double softmax_scale() const;          // MlaSoftmaxScale(qk_nope, qk_rope, rope.scaling)
+  bool IsMoeLayer(
+      int64_t layer) const;      // n_routed_experts > 0, layer >= first_k_dense_replace, layer % moe_layer_freq == 0
+  MlaShape mla_shape() const;    // h_q = num_attention_heads
+  double softmax_scale() const;  // MlaSoftmaxScale(qk_nope, qk_rope, rope.scaling)
   int64_t q_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
   bool has_indexer() const { return index_n_heads > 0; }  // a DeepSeek-V3.2 (sparse attention) config
 
@@ -90,9 +91,9 @@ std::ostream& operator<<(std::ostream& os, const ModelConfig& c);
 // bytes) before anything is allocated, so every size computed from a valid
 // config fits int64. DeepSeek-V3 is far below each: 61 layers, 256 experts,
 // 0.93 G elements in its largest tensor, 1.3 TB of bf16 weights.
-inline constexpr int64_t kMaxLayers = int64_t{1} << 16;        // num_hidden_layers, num_nextn_predict_layers
-inline constexpr int64_t kMaxExperts = int64_t{1} << 16;       // n_routed_experts, n_shared_experts
-inline constexpr int64_t kMaxTensorElems = int64_t{1} << 40;   // any one weight tensor
+inline constexpr int64_t kMaxLayers = int64_t{1} << 16;            // num_hidden_layers, num_nextn_predict_layers
+inline constexpr int64_t kMaxExperts = int64_t{1} << 16;           // n_routed_experts, n_shared_experts
+inline constexpr int64_t kMaxTensorElems = int64_t{1} << 40;       // any one weight tensor
 inline constexpr int64_t kMaxModelWeightBytes = int64_t{1} << 60;  // all weights together
 
 // One kind of weight tensor of a config, as the whole (unsharded) model holds

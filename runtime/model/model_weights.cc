@@ -167,8 +167,9 @@ class CheckpointSource final : public WeightSource {
     for (const std::string& name : ckpt_.Names()) {
       if (used_.count(name)) continue;
       static const std::string kScale = "_scale_inv";
-      if (name.size() > kScale.size() && name.ends_with(kScale) && used_.count(name.substr(0, name.size() - kScale.size())))
-        continue;  // consumed with its fp8 weight
+      if (name.size() > kScale.size() && name.ends_with(kScale) &&
+          used_.count(name.substr(0, name.size() - kScale.size())))
+        continue;                                           // consumed with its fp8 weight
       if (name.ends_with("rotary_emb.inv_freq")) continue;  // a buffer some exports include
       int64_t layer = -1;
       if (std::sscanf(name.c_str(), "model.layers.%ld.", &layer) == 1 && layer >= c.num_hidden_layers &&
@@ -238,14 +239,16 @@ class CheckpointSource final : public WeightSource {
       l = Linear::Owned(out, in, DType::kF8E4M3);
       if (l.mutable_data() == nullptr && l.bytes() > 0)
         return ResourceExhaustedError("cannot allocate ", l.bytes(), " bytes for weight ", name);
-      for (int64_t r = 0; r < out; ++r) std::memcpy(l.mutable_data() + r * in, first + r * cols, static_cast<size_t>(in));
+      for (int64_t r = 0; r < out; ++r)
+        std::memcpy(l.mutable_data() + r * in, first + r * cols, static_cast<size_t>(in));
       scales = l.mutable_scale();
     } else {
       l.out = out, l.in = in, l.dtype = DType::kF8E4M3, l.ld = cols;
       l.data = first;
       l.storage = std::shared_ptr<const void>(owner_, l.data);  // keeps the mapping alive
       l.scale_ld = Fp8Blocks(in);
-      own_scales.reset(new (std::nothrow) float[static_cast<size_t>(std::max<int64_t>(1, Fp8Blocks(out) * l.scale_ld))]);
+      own_scales.reset(
+          new (std::nothrow) float[static_cast<size_t>(std::max<int64_t>(1, Fp8Blocks(out) * l.scale_ld))]);
       if (own_scales == nullptr) return ResourceExhaustedError("cannot allocate the block scales of weight ", name);
       scales = own_scales.get();
       l.scale = scales;
@@ -288,8 +291,10 @@ class RandomSource final : public WeightSource {
       float buf[256];
       for (int64_t j = c0; j < c1; j += 256) {
         const int64_t m = std::min<int64_t>(256, c1 - j);
-        for (int64_t t = 0; t < m; ++t) buf[t] = static_cast<float>(a * Unit(h, static_cast<uint64_t>(i * cols + j + t)));
-        StoreFromF32(buf, static_cast<std::byte*>(out) + ((i - r0) * w + (j - c0)) * static_cast<int64_t>(es), dtype, m);
+        for (int64_t t = 0; t < m; ++t)
+          buf[t] = static_cast<float>(a * Unit(h, static_cast<uint64_t>(i * cols + j + t)));
+        StoreFromF32(buf, static_cast<std::byte*>(out) + ((i - r0) * w + (j - c0)) * static_cast<int64_t>(es), dtype,
+                     m);
       }
     }
     return Status::Ok();
@@ -323,8 +328,9 @@ enum class Matrix : uint8_t { kOther, kProjection };
 Status LoadRows(WeightSource& src, const std::string& name, int64_t rows, int64_t in, int64_t r0, int64_t r1,
                 DType dtype, Linear* l, Matrix kind = Matrix::kProjection) {
   const double std = 1.0 / std::sqrt(static_cast<double>(in));
-  MLARUN_ASSIGN_OR_RETURN(*l, kind == Matrix::kProjection ? src.ProjectionSlice(name, rows, in, r0, r1, 0, in, dtype, std)
-                                                          : src.LinearSlice(name, rows, in, r0, r1, 0, in, dtype, std));
+  MLARUN_ASSIGN_OR_RETURN(*l, kind == Matrix::kProjection
+                                  ? src.ProjectionSlice(name, rows, in, r0, r1, 0, in, dtype, std)
+                                  : src.LinearSlice(name, rows, in, r0, r1, 0, in, dtype, std));
   return Status::Ok();
 }
 
@@ -332,7 +338,8 @@ Status LoadRows(WeightSource& src, const std::string& name, int64_t rows, int64_
 // shard: its partial products are summed across ranks).
 Status LoadCols(WeightSource& src, const std::string& name, int64_t out, int64_t cols, int64_t c0, int64_t c1,
                 DType dtype, Linear* l) {
-  MLARUN_ASSIGN_OR_RETURN(*l, src.ProjectionSlice(name, out, cols, 0, out, c0, c1, dtype, 1.0 / std::sqrt(static_cast<double>(cols))));
+  MLARUN_ASSIGN_OR_RETURN(
+      *l, src.ProjectionSlice(name, out, cols, 0, out, c0, c1, dtype, 1.0 / std::sqrt(static_cast<double>(cols))));
   return Status::Ok();
 }
 
@@ -358,7 +365,8 @@ Status LoadNorm(WeightSource& src, const std::string& name, int64_t n, std::vect
 int64_t MachineMemoryBytes() {
   struct sysinfo si {};
   if (sysinfo(&si) != 0) return 0;
-  const long double bytes = (static_cast<long double>(si.totalram) + static_cast<long double>(si.totalswap)) * si.mem_unit;
+  const long double bytes =
+      (static_cast<long double>(si.totalram) + static_cast<long double>(si.totalswap)) * si.mem_unit;
   return bytes > static_cast<long double>(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
                                                                                : static_cast<int64_t>(bytes);
 }
@@ -384,8 +392,8 @@ Status CheckWeightsFitMachine(const ModelConfig& c, const ModelShard& s, int64_t
   }
   return ResourceExhaustedError("model: the weights would need ", need, " bytes (", need >> 30, " GiB)",
                                 mapped_bytes > 0 ? " beyond the checkpoint's mapped files" : "",
-                                ", more than this machine's memory and swap (", machine, " bytes); the largest: ",
-                                largest);
+                                ", more than this machine's memory and swap (", machine,
+                                " bytes); the largest: ", largest);
 }
 
 // [begin, end) of `n` split in `parts` equal pieces.
@@ -416,8 +424,8 @@ Status ValidateModelShard(const ModelConfig& c, const ModelShard& s) {
       return InvalidArgumentError("moe_intermediate_size (", c.moe_intermediate_size, ") is not divisible by ", W,
                                   " ranks (moe=intermediate)");
     if (c.n_shared_experts > 0 && (c.moe_intermediate_size * c.n_shared_experts) % W != 0)
-      return InvalidArgumentError("the shared experts' intermediate size (", c.moe_intermediate_size * c.n_shared_experts,
-                                  ") is not divisible by ", W, " ranks");
+      return InvalidArgumentError("the shared experts' intermediate size (",
+                                  c.moe_intermediate_size * c.n_shared_experts, ") is not divisible by ", W, " ranks");
   }
   return Status::Ok();
 }
@@ -444,8 +452,8 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, std::o
   WeightBytes b;
   b.embedding_and_head = (c.tie_word_embeddings ? 1 : 2) * c.vocab_size * H * w + H * f;  // tied: one matrix
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    int64_t replicated = proj(L + R, H) + L * f + 2 * H * f;  // kv_a, its norm, the layer norms
-    int64_t split = N * (P + V) * L * kv + proj(H, N * V, 0, h0 * V);   // W_UK, W_UV, o_proj
+    int64_t replicated = proj(L + R, H) + L * f + 2 * H * f;           // kv_a, its norm, the layer norms
+    int64_t split = N * (P + V) * L * kv + proj(H, N * V, 0, h0 * V);  // W_UK, W_UV, o_proj
     if (c.q_lora_rank > 0) {
       replicated += proj(c.q_lora_rank, H) + c.q_lora_rank * f;
       split += proj(N * Dq, c.q_lora_rank, h0 * Dq, 0);
@@ -487,13 +495,14 @@ class ModelLoader {
     auto progress = [&](const std::string& msg) {
       if (m.options_.progress) m.options_.progress(msg);
     };
-    MLARUN_ASSIGN_OR_RETURN(m.embed_, src.LinearSlice("model.embed_tokens.weight", c.vocab_size, H, 0, c.vocab_size, 0,
-                                                      H, wt, 1.0));
+    MLARUN_ASSIGN_OR_RETURN(
+        m.embed_, src.LinearSlice("model.embed_tokens.weight", c.vocab_size, H, 0, c.vocab_size, 0, H, wt, 1.0));
     MLARUN_RETURN_IF_ERROR(LoadNorm(src, "model.norm.weight", H, &m.final_norm_.host));
     if (c.tie_word_embeddings) {
       m.lm_head_ = m.embed_;  // the same bytes
     } else {
-      MLARUN_RETURN_IF_ERROR(LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_, Matrix::kOther));
+      MLARUN_RETURN_IF_ERROR(
+          LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_, Matrix::kOther));
     }
     m.layers_.resize(static_cast<size_t>(c.num_hidden_layers));
     std::vector<float> kv_b;
@@ -509,7 +518,8 @@ class ModelLoader {
       if (c.q_lora_rank > 0) {
         MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_a_proj.weight", c.q_lora_rank, H, 0, c.q_lora_rank, wt, &a.q_a));
         MLARUN_RETURN_IF_ERROR(LoadNorm(src, ap + "q_a_layernorm.weight", c.q_lora_rank, &a.q_a_norm.host));
-        MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_b_proj.weight", N * Dq, c.q_lora_rank, h0 * Dq, h1 * Dq, wt, &a.q_b));
+        MLARUN_RETURN_IF_ERROR(
+            LoadRows(src, ap + "q_b_proj.weight", N * Dq, c.q_lora_rank, h0 * Dq, h1 * Dq, wt, &a.q_b));
       } else {
         MLARUN_RETURN_IF_ERROR(LoadRows(src, ap + "q_proj.weight", N * Dq, H, h0 * Dq, h1 * Dq, wt, &a.q));
       }
@@ -546,7 +556,8 @@ class ModelLoader {
       MLARUN_RETURN_IF_ERROR(LoadRows(src, mp + "gate.weight", E, H, 0, E, DType::kF32, &moe.router, Matrix::kOther));
       if (c.model_type == ModelType::kDeepSeekV3) {
         moe.score_bias.host.resize(static_cast<size_t>(E));
-        MLARUN_RETURN_IF_ERROR(src.Vector(mp + "gate.e_score_correction_bias", E, moe.score_bias.host.data(), 0.0, 0.1));
+        MLARUN_RETURN_IF_ERROR(
+            src.Vector(mp + "gate.e_score_correction_bias", E, moe.score_bias.host.data(), 0.0, 0.1));
       }
       const bool by_expert = s.moe == MoeSharding::kByExpert;
       const auto [e0, e1] = by_expert ? Piece(E, s.mlp_size, s.mlp_rank) : std::pair<int64_t, int64_t>{0, E};
@@ -643,7 +654,8 @@ StatusOr<ModelConfig> Model::LoadConfig(const std::string& path, const ModelOver
   if (overrides.kv_dtype) config.kv_dtype = *overrides.kv_dtype;
   if (overrides.num_layers) {
     if (!yaml)
-      return InvalidArgumentError("model ", path, ": --num-layers applies to YAML models only (a checkpoint has all its layers)");
+      return InvalidArgumentError("model ", path,
+                                  ": --num-layers applies to YAML models only (a checkpoint has all its layers)");
     if (*overrides.num_layers < 1 || *overrides.num_layers > config.num_hidden_layers)
       return InvalidArgumentError("model ", path, ": --num-layers must be in [1, ", config.num_hidden_layers, "], got ",
                                   *overrides.num_layers);

@@ -135,8 +135,7 @@ float HalfToFloat(uint16_t h) {
   const uint32_t mantissa = h & 0x3ffu;
   if (exponent == 0x1f) {
     // Inf stays inf; NaN keeps its payload (shifted into the fp32 mantissa), quieted.
-    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13) |
-                                (mantissa ? 0x00400000u : 0u));
+    return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13) | (mantissa ? 0x00400000u : 0u));
   }
   if (exponent == 0) {
     // Subnormal (or zero): mantissa * 2^-24, exact in fp32; sign kept for -0.
@@ -149,9 +148,7 @@ float HalfToFloat(uint16_t h) {
 std::string Quoted(std::string_view s) { return internal::StrCat('\'', s, '\''); }
 
 // Tensor names and file names in messages: "tensor 'x' in /path/f.safetensors".
-std::string Where(const TensorRef& t) {
-  return internal::StrCat("tensor ", Quoted(t.name), " in ", *t.file);
-}
+std::string Where(const TensorRef& t) { return internal::StrCat("tensor ", Quoted(t.name), " in ", *t.file); }
 
 Status ReadSmallFile(const std::string& path, std::string* out) {
   std::ifstream in(path, std::ios::binary);
@@ -160,8 +157,7 @@ Status ReadSmallFile(const std::string& path, std::string* out) {
   const std::streamoff size = in.tellg();
   if (size < 0) return InvalidArgumentError("cannot read ", path);
   if (static_cast<uint64_t>(size) > kMaxIndexBytes) {
-    return InvalidArgumentError(path, ": ", size, " bytes is larger than the ", kMaxIndexBytes,
-                                "-byte limit");
+    return InvalidArgumentError(path, ": ", size, " bytes is larger than the ", kMaxIndexBytes, "-byte limit");
   }
   out->assign(static_cast<size_t>(size), '\0');
   in.seekg(0, std::ios::beg);
@@ -182,9 +178,8 @@ std::string JoinPath(const std::string& dir, std::string_view name) {
 // A shard must be a plain file name inside the checkpoint directory: a hostile
 // index could otherwise point us at any file on the machine.
 bool IsPlainFileName(std::string_view name) {
-  return !name.empty() && name.find('/') == std::string_view::npos &&
-         name.find('\\') == std::string_view::npos && name.find("..") == std::string_view::npos &&
-         name != "." && name.find('\0') == std::string_view::npos;
+  return !name.empty() && name.find('/') == std::string_view::npos && name.find('\\') == std::string_view::npos &&
+         name.find("..") == std::string_view::npos && name != "." && name.find('\0') == std::string_view::npos;
 }
 
 }  // namespace
@@ -205,8 +200,7 @@ std::string_view SafetensorsDTypeName(SafetensorsDType t) {
 
 int64_t TensorRef::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape)
-    n *= d;  // cannot overflow: Open checked the same product times the element size
+  for (int64_t d : shape) n *= d;  // cannot overflow: Open checked the same product times the element size
   return n;
 }
 
@@ -224,8 +218,7 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
-    if (err == ENOENT || err == ENOTDIR)
-      return NotFoundError("safetensors file ", path, " not found");
+    if (err == ENOENT || err == ENOTDIR) return NotFoundError("safetensors file ", path, " not found");
     return FailedPreconditionError("cannot open safetensors file ", path, ": ", std::strerror(err));
   }
   struct stat st;
@@ -241,14 +234,12 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
   if (file_bytes < 8) {
     ::close(fd);
-    return InvalidArgumentError(path, ": ", file_bytes,
-                                " bytes is too small for a safetensors file (need 8 + header)");
+    return InvalidArgumentError(path, ": ", file_bytes, " bytes is too small for a safetensors file (need 8 + header)");
   }
   void* map = MapHugePageAligned(fd, file_bytes);
   const int mmap_errno = errno;
   ::close(fd);  // the mapping keeps the file alive
-  if (map == MAP_FAILED)
-    return FailedPreconditionError("cannot mmap ", path, ": ", std::strerror(mmap_errno));
+  if (map == MAP_FAILED) return FailedPreconditionError("cannot mmap ", path, ": ", std::strerror(mmap_errno));
   file->map_ = map;
   file->map_bytes_ = file_bytes;
   const auto* base = static_cast<const std::byte*>(map);
@@ -256,12 +247,12 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   uint64_t header_bytes = 0;
   for (int i = 7; i >= 0; --i) header_bytes = (header_bytes << 8) | static_cast<uint8_t>(base[i]);
   if (header_bytes > file_bytes - 8) {
-    return InvalidArgumentError(path, ": header length ", header_bytes, " exceeds the ",
-                                file_bytes - 8, " bytes after the length field");
+    return InvalidArgumentError(path, ": header length ", header_bytes, " exceeds the ", file_bytes - 8,
+                                " bytes after the length field");
   }
   if (header_bytes > kMaxHeaderBytes) {
-    return InvalidArgumentError(path, ": header length ", header_bytes, " exceeds the ",
-                                kMaxHeaderBytes, "-byte limit");
+    return InvalidArgumentError(path, ": header length ", header_bytes, " exceeds the ", kMaxHeaderBytes,
+                                "-byte limit");
   }
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
   const std::byte* data = base + 8 + header_bytes;
@@ -284,8 +275,7 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
                                     /*allow_exceptions=*/false);
     if (header.is_discarded()) return InvalidArgumentError(path, ": header is not valid JSON");
     if (!header.is_object()) return InvalidArgumentError(path, ": header is not a JSON object");
-    if (!duplicate.empty())
-      return InvalidArgumentError(path, ": header lists ", Quoted(duplicate), " twice");
+    if (!duplicate.empty()) return InvalidArgumentError(path, ": header lists ", Quoted(duplicate), " twice");
 
     struct Range {
       uint64_t begin, end;
@@ -294,12 +284,10 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
     std::vector<Range> ranges;
     for (const auto& [name, entry] : header.items()) {
       if (name == "__metadata__") {
-        if (!entry.is_object())
-          return InvalidArgumentError(path, ": __metadata__ is not a JSON object");
+        if (!entry.is_object()) return InvalidArgumentError(path, ": __metadata__ is not a JSON object");
         for (const auto& [key, value] : entry.items()) {
           if (!value.is_string()) {
-            return InvalidArgumentError(path, ": __metadata__ value for ", Quoted(key),
-                                        " is not a string");
+            return InvalidArgumentError(path, ": __metadata__ value for ", Quoted(key), " is not a string");
           }
           file->metadata_.emplace(key, value.get<std::string>());
         }
@@ -328,36 +316,32 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
       uint64_t bytes = SafetensorsDTypeSize(t.dtype);
       for (const json& d : *shape_it) {
         uint64_t dim = 0;
-        if (!GetUnsigned(d, &dim) ||
-            dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-          return InvalidArgumentError(where, ": shape ", shape_it->dump(),
-                                      " is not a list of non-negative integers");
+        if (!GetUnsigned(d, &dim) || dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          return InvalidArgumentError(where, ": shape ", shape_it->dump(), " is not a list of non-negative integers");
         }
         if (__builtin_mul_overflow(bytes, dim, &bytes)) {
-          return InvalidArgumentError(where, ": shape ", shape_it->dump(),
-                                      " overflows the byte size");
+          return InvalidArgumentError(where, ": shape ", shape_it->dump(), " overflows the byte size");
         }
         t.shape.push_back(static_cast<int64_t>(dim));
       }
 
       uint64_t begin = 0, end = 0;
-      if (!offsets_it->is_array() || offsets_it->size() != 2 ||
-          !GetUnsigned((*offsets_it)[0], &begin) || !GetUnsigned((*offsets_it)[1], &end)) {
+      if (!offsets_it->is_array() || offsets_it->size() != 2 || !GetUnsigned((*offsets_it)[0], &begin) ||
+          !GetUnsigned((*offsets_it)[1], &end)) {
         return InvalidArgumentError(where, ": data_offsets ", offsets_it->dump(),
                                     " is not a pair of non-negative integers");
       }
       if (begin > end) {
-        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end,
-                                    "] begin after end");
+        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] begin after end");
       }
       if (end > data_bytes) {
-        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] run past the ",
-                                    data_bytes, "-byte data section (file truncated?)");
+        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] run past the ", data_bytes,
+                                    "-byte data section (file truncated?)");
       }
       if (end - begin != bytes) {
-        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] span ",
-                                    end - begin, " bytes but dtype ", dtype_name, " and shape ",
-                                    ShapeString(t.shape), " need ", bytes);
+        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] span ", end - begin,
+                                    " bytes but dtype ", dtype_name, " and shape ", ShapeString(t.shape), " need ",
+                                    bytes);
       }
       t.data = data + begin;
       t.bytes = static_cast<size_t>(bytes);
@@ -367,20 +351,18 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
       file->tensors_.push_back(std::move(t));
     }
 
-    std::sort(ranges.begin(), ranges.end(), [](const Range& a, const Range& b) {
-      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-    });
+    std::sort(ranges.begin(), ranges.end(),
+              [](const Range& a, const Range& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
     for (size_t i = 1; i < ranges.size(); ++i) {
       if (ranges[i].begin < ranges[i - 1].end) {
         const TensorRef& a = file->tensors_[ranges[i - 1].tensor];
         const TensorRef& b = file->tensors_[ranges[i].tensor];
-        return InvalidArgumentError(path, ": tensors ", Quoted(a.name), " [", ranges[i - 1].begin,
-                                    ", ", ranges[i - 1].end, ") and ", Quoted(b.name), " [",
-                                    ranges[i].begin, ", ", ranges[i].end, ") overlap");
+        return InvalidArgumentError(path, ": tensors ", Quoted(a.name), " [", ranges[i - 1].begin, ", ",
+                                    ranges[i - 1].end, ") and ", Quoted(b.name), " [", ranges[i].begin, ", ",
+                                    ranges[i].end, ") overlap");
       }
     }
-    for (size_t i = 0; i < file->tensors_.size(); ++i)
-      file->index_.emplace(file->tensors_[i].name, i);
+    for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_.emplace(file->tensors_[i].name, i);
   } catch (const std::bad_alloc&) {
     return ResourceExhaustedError(path, ": out of memory parsing the header");
   } catch (const std::exception& e) {
@@ -408,11 +390,9 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
 
   if (!IsRegularFile(index_path)) {
     if (!IsRegularFile(single_path)) {
-      return NotFoundError("checkpoint directory ", dir, " has neither ", kSingleFileName, " nor ",
-                           kIndexFileName);
+      return NotFoundError("checkpoint directory ", dir, " has neither ", kSingleFileName, " nor ", kIndexFileName);
     }
-    MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
-                            SafetensorsFile::Open(single_path));
+    MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(single_path));
     for (const TensorRef& t : file->tensors()) ckpt->tensors_.emplace(t.name, &t);
     ckpt->files_.push_back(std::move(file));
     return ckpt;
@@ -441,9 +421,8 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
       }
       const std::string& shard_name = shard.get_ref<const std::string&>();
       if (!IsPlainFileName(shard_name)) {
-        return InvalidArgumentError(index_path, ": weight_map places tensor ", Quoted(tensor),
-                                    " in ", Quoted(shard_name),
-                                    ", which is not a plain file name inside ", dir);
+        return InvalidArgumentError(index_path, ": weight_map places tensor ", Quoted(tensor), " in ",
+                                    Quoted(shard_name), ", which is not a plain file name inside ", dir);
       }
       weight_map.emplace(tensor, shard_name);
     }
@@ -459,8 +438,7 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
     if (shards.count(shard_name)) continue;
     auto file = SafetensorsFile::Open(JoinPath(dir, shard_name));
     if (!file.ok()) {
-      return file.status().WithContext(
-          internal::StrCat(index_path, " lists shard ", Quoted(shard_name)));
+      return file.status().WithContext(internal::StrCat(index_path, " lists shard ", Quoted(shard_name)));
     }
     shards.emplace(shard_name, file->get());
     ckpt->files_.push_back(std::move(file).value());
@@ -469,8 +447,8 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
   for (const auto& [tensor, shard_name] : weight_map) {
     const SafetensorsFile* shard = shards.at(shard_name);
     if (shard->Find(tensor) == nullptr) {
-      return InvalidArgumentError(index_path, " places tensor ", Quoted(tensor), " in ",
-                                  shard->path(), ", which does not contain it");
+      return InvalidArgumentError(index_path, " places tensor ", Quoted(tensor), " in ", shard->path(),
+                                  ", which does not contain it");
     }
   }
   for (const auto& file : ckpt->files_) {
@@ -525,8 +503,7 @@ struct BlockScales {
 // m elements of `dtype` (F32/BF16/F16/F8_E4M3) at `src` to fp32 `dst`. Wider
 // types are copied to aligned scratch (`u16`, or `dst` itself for F32) before
 // they are read as numbers: a crafted header may put a tensor at any byte offset.
-void ConvertToF32(SafetensorsDType dtype, const std::byte* src, int64_t m, uint16_t* u16,
-                  float* dst) {
+void ConvertToF32(SafetensorsDType dtype, const std::byte* src, int64_t m, uint16_t* u16, float* dst) {
   switch (dtype) {
     case SafetensorsDType::kF32:
       std::memcpy(dst, src, static_cast<size_t>(m) * 4);
@@ -553,8 +530,8 @@ void ConvertToF32(SafetensorsDType dtype, const std::byte* src, int64_t m, uint1
 // shard touches only its shard's pages of the mapping.
 // REQUIRES: t is F32/BF16/F16/F8_E4M3, the region is non-empty and inside the
 // matrix, out_dtype is kF32 or kBF16, out is not null.
-void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const BlockScales* scales,
-                DType out_dtype, std::byte* out) {
+void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const BlockScales* scales, DType out_dtype,
+                std::byte* out) {
   const size_t in_size = SafetensorsDTypeSize(t.dtype);
   const size_t out_size = DTypeSize(out_dtype);
   // First byte of the first selected row; rows below are relative to it.
@@ -574,8 +551,7 @@ void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const Bl
     // Same type: bit-exact copy, one memcpy per row.
     for (int64_t r = 0; r < rows; ++r) {
       std::memcpy(out + static_cast<size_t>(r * width) * out_size,
-                  base + static_cast<size_t>(r * cols + col_begin) * in_size,
-                  static_cast<size_t>(width) * in_size);
+                  base + static_cast<size_t>(r * cols + col_begin) * in_size, static_cast<size_t>(width) * in_size);
     }
     return;
   }
@@ -594,13 +570,11 @@ void CopyRegion(const TensorRef& t, int64_t cols, const Region& region, const Bl
     const float* row_scales =
         scales == nullptr ? nullptr
                           : scales->values.data() +
-                                ((region.row_begin + r) / kFp8Block - scales->first_block_row) *
-                                    scales->block_cols;
+                                ((region.row_begin + r) / kFp8Block - scales->first_block_row) * scales->block_cols;
     for (int64_t c = col_begin; c < col_end;) {
       const int64_t m = std::min(col_end - c, capacity - filled);
       float* piece = f32.data() + filled;
-      ConvertToF32(t.dtype, base + static_cast<size_t>(r * cols + c) * in_size, m, u16.data(),
-                   piece);
+      ConvertToF32(t.dtype, base + static_cast<size_t>(r * cols + c) * in_size, m, u16.data(), piece);
       if (row_scales != nullptr) {
         // Global column j is in block column j / 128. One fp32 multiply per
         // element (the rounding torch's dequantization does), one lookup per block.
@@ -633,8 +607,7 @@ StatusOr<const TensorRef*> FindForLoad(const Checkpoint& ckpt, std::string_view 
                                 IsValidDType(out_dtype) ? DTypeName(out_dtype) : "invalid");
   }
   const TensorRef* t = ckpt.Find(name);
-  if (t == nullptr)
-    return NotFoundError("tensor ", Quoted(name), " not found in checkpoint ", ckpt.dir());
+  if (t == nullptr) return NotFoundError("tensor ", Quoted(name), " not found in checkpoint ", ckpt.dir());
   if (!std::equal(t->shape.begin(), t->shape.end(), expected_shape.begin(), expected_shape.end())) {
     return InvalidArgumentError(Where(*t), " has shape ", ShapeString(t->shape), ", expected ",
                                 ShapeString(expected_shape));
@@ -658,18 +631,15 @@ StatusOr<const TensorRef*> Fp8ScaleOf(const Checkpoint& ckpt, const TensorRef& t
     return InvalidArgumentError(Where(t), " is F8_E4M3 but its scale tensor ", Quoted(scale_name),
                                 " is not in checkpoint ", ckpt.dir());
   }
-  const std::array<int64_t, 2> scale_shape = {Fp8Blocks(t.shape[0]),
-                                              Fp8Blocks(t.shape[1])};
+  const std::array<int64_t, 2> scale_shape = {Fp8Blocks(t.shape[0]), Fp8Blocks(t.shape[1])};
   if (scale->dtype != SafetensorsDType::kF32 && scale->dtype != SafetensorsDType::kBF16) {
-    return InvalidArgumentError("scale ", Where(*scale), " for F8_E4M3 tensor ", Quoted(t.name),
-                                " is ", SafetensorsDTypeName(scale->dtype),
-                                "; expected F32 or BF16");
+    return InvalidArgumentError("scale ", Where(*scale), " for F8_E4M3 tensor ", Quoted(t.name), " is ",
+                                SafetensorsDTypeName(scale->dtype), "; expected F32 or BF16");
   }
-  if (!std::equal(scale->shape.begin(), scale->shape.end(), scale_shape.begin(),
-                  scale_shape.end())) {
-    return InvalidArgumentError("scale ", Where(*scale), " has shape ", ShapeString(scale->shape),
-                                ", expected ", ShapeString(scale_shape), " (128x128 blocks of ",
-                                Quoted(t.name), " with shape ", ShapeString(t.shape), ")");
+  if (!std::equal(scale->shape.begin(), scale->shape.end(), scale_shape.begin(), scale_shape.end())) {
+    return InvalidArgumentError("scale ", Where(*scale), " has shape ", ShapeString(scale->shape), ", expected ",
+                                ShapeString(scale_shape), " (128x128 blocks of ", Quoted(t.name), " with shape ",
+                                ShapeString(t.shape), ")");
   }
   return scale;
 }
@@ -684,22 +654,20 @@ Region BlocksOf(const Region& r) {
 // dtype (and for F8_E4M3 its block scales), then copies `region` of `t`,
 // viewed as a row-major matrix with `cols` columns (a 2-D tensor's own shape;
 // [1, numel] for a whole tensor of another rank).
-Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, const Region& region,
-                  DType out_dtype, void* out) {
+Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, const Region& region, DType out_dtype,
+                  void* out) {
   switch (t.dtype) {
     case SafetensorsDType::kF32:
     case SafetensorsDType::kBF16:
     case SafetensorsDType::kF16:
       if (region.empty()) return Status::Ok();
-      if (out == nullptr)
-        return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
+      if (out == nullptr) return InvalidArgumentError("loading ", Where(t), ": output buffer is null");
       CopyRegion(t, cols, region, /*scales=*/nullptr, out_dtype, static_cast<std::byte*>(out));
       return Status::Ok();
     case SafetensorsDType::kF8E4M3:
       break;
     default:
-      return InvalidArgumentError("unsupported dtype for loading: ", Where(t), " is ",
-                                  SafetensorsDTypeName(t.dtype),
+      return InvalidArgumentError("unsupported dtype for loading: ", Where(t), " is ", SafetensorsDTypeName(t.dtype),
                                   " (loadable: F32, BF16, F16, F8_E4M3)");
   }
 
@@ -723,9 +691,8 @@ Status LoadRegion(const Checkpoint& ckpt, const TensorRef& t, int64_t cols, cons
 
 }  // namespace
 
-
-Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected_shape,
-                        DType out_dtype, void* out) const {
+Status Checkpoint::Load(std::string_view name, std::span<const int64_t> expected_shape, DType out_dtype,
+                        void* out) const {
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, out_dtype));
   // A 2-D tensor loads as its whole slice. Any other rank is one contiguous
   // run, loaded as a single row (LoadRegion refuses it for F8_E4M3, whose
@@ -767,7 +734,8 @@ Status Checkpoint::LoadFp8Scales(std::string_view name, std::span<const int64_t>
                                  int64_t row_end, int64_t col_begin, int64_t col_end, float* out) const {
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, DType::kF32));
   if (t->dtype != SafetensorsDType::kF8E4M3)
-    return InvalidArgumentError(Where(*t), " is ", SafetensorsDTypeName(t->dtype), ", not F8_E4M3: it has no block scales");
+    return InvalidArgumentError(Where(*t), " is ", SafetensorsDTypeName(t->dtype),
+                                ", not F8_E4M3: it has no block scales");
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* scale, Fp8ScaleOf(*this, *t));
   const Region region{row_begin, row_end, col_begin, col_end};
   if (row_begin < 0 || row_begin > row_end || row_end > t->shape[0] || col_begin < 0 || col_begin > col_end ||
@@ -782,9 +750,8 @@ Status Checkpoint::LoadFp8Scales(std::string_view name, std::span<const int64_t>
   return Status::Ok();
 }
 
-Status Checkpoint::LoadSlice(std::string_view name, std::span<const int64_t> expected_shape,
-                             int64_t row_begin, int64_t row_end, int64_t col_begin, int64_t col_end,
-                             DType out_dtype, void* out) const {
+Status Checkpoint::LoadSlice(std::string_view name, std::span<const int64_t> expected_shape, int64_t row_begin,
+                             int64_t row_end, int64_t col_begin, int64_t col_end, DType out_dtype, void* out) const {
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, FindForLoad(*this, name, expected_shape, out_dtype));
   if (t->shape.size() != 2) {
     return InvalidArgumentError("slicing ", Where(*t), ": it has shape ", ShapeString(t->shape),
@@ -792,14 +759,12 @@ Status Checkpoint::LoadSlice(std::string_view name, std::span<const int64_t> exp
   }
   const int64_t rows = t->shape[0], cols = t->shape[1];
   if (row_begin < 0 || row_begin > row_end || row_end > rows) {
-    return InvalidArgumentError("slicing ", Where(*t), " with shape ", ShapeString(t->shape),
-                                ": rows [", row_begin, ", ", row_end,
-                                ") are not an ordered range within [0, ", rows, ")");
+    return InvalidArgumentError("slicing ", Where(*t), " with shape ", ShapeString(t->shape), ": rows [", row_begin,
+                                ", ", row_end, ") are not an ordered range within [0, ", rows, ")");
   }
   if (col_begin < 0 || col_begin > col_end || col_end > cols) {
-    return InvalidArgumentError("slicing ", Where(*t), " with shape ", ShapeString(t->shape),
-                                ": columns [", col_begin, ", ", col_end,
-                                ") are not an ordered range within [0, ", cols, ")");
+    return InvalidArgumentError("slicing ", Where(*t), " with shape ", ShapeString(t->shape), ": columns [", col_begin,
+                                ", ", col_end, ") are not an ordered range within [0, ", cols, ")");
   }
   return LoadRegion(*this, *t, cols, {row_begin, row_end, col_begin, col_end}, out_dtype, out);
 }

@@ -29,7 +29,21 @@ namespace mlarun {
 // F8_E4M3 can be loaded; the others are accepted in a header (so a checkpoint
 // with, e.g., an I64 buffer opens) but rejected by the loaders.
 enum class SafetensorsDType : uint8_t {
-  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64, kF8E4M3, kF8E5M2,
+  kBool,
+  kU8,
+  kI8,
+  kI16,
+  kU16,
+  kF16,
+  kBF16,
+  kI32,
+  kU32,
+  kF32,
+  kF64,
+  kI64,
+  kU64,
+  kF8E4M3,
+  kF8E5M2,
 };
 size_t SafetensorsDTypeSize(SafetensorsDType t);
 std::string_view SafetensorsDTypeName(SafetensorsDType t);
@@ -39,8 +53,8 @@ struct TensorRef {
   std::string name;
   SafetensorsDType dtype = SafetensorsDType::kF32;
   std::vector<int64_t> shape;
-  const std::byte* data = nullptr;  // inside the mapping
-  size_t bytes = 0;                 // == numel * element size (checked at open)
+  const std::byte* data = nullptr;    // inside the mapping
+  size_t bytes = 0;                   // == numel * element size (checked at open)
   const std::string* file = nullptr;  // path, for messages
 
   int64_t numel() const;
@@ -102,8 +116,7 @@ class Checkpoint {
   // tensor is stored as exactly that dtype (F32 or BF16) at an address
   // aligned to its element size; nullptr when it must be converted (through
   // Load or LoadSlice). Valid while this Checkpoint lives. Errors as Load.
-  StatusOr<const std::byte*> InPlace(std::string_view name, std::span<const int64_t> expected_shape,
-                                     DType dtype) const;
+  StatusOr<const std::byte*> InPlace(std::string_view name, std::span<const int64_t> expected_shape, DType dtype) const;
 
   // The e4m3 bytes of F8_E4M3 tensor `name` (2-D, shape `expected_shape`,
   // with a well-formed `<name>_scale_inv`), for keeping it fp8: a pointer into

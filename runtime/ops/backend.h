@@ -30,7 +30,7 @@ struct LinearBufferSizes {
   void Grow(const LinearBufferSizes& o);  // to the elementwise maximum
 };
 StatusOr<LinearBufferSizes> LinearBuffersFor(const LinearParams& p);  // REQUIRES: as ApplyLinear
-void ReserveLinearBuffers(const LinearBufferSizes& s);                 // the calling thread's
+void ReserveLinearBuffers(const LinearBufferSizes& s);                // the calling thread's
 Status SiluMul(const SiluMulParams& p);
 Status ApplyMlp(const MlpParams& p);
 Status Add(const AddParams& p);
@@ -51,7 +51,7 @@ Status Score(const ScoreParams& p);
 namespace cuda {
 Status Embedding(const EmbeddingParams& p);
 Status RmsNorm(const RmsNormParams& p);
-Status ApplyLinear(const LinearParams& p);  // REQUIRES: p.col_end resolved; f32 and bf16 weights
+Status ApplyLinear(const LinearParams& p);     // REQUIRES: p.col_end resolved; f32 and bf16 weights
 Status ApplyLinearFp8(const LinearParams& p);  // REQUIRES: as ApplyLinear; w->dtype == kF8E4M3 (linear_fp8.cu)
 Status SiluMul(const SiluMulParams& p);
 Status ApplyMlp(const MlpParams& p);

@@ -9,8 +9,10 @@ Status AddRun(const AddParams& p) {
   if (p.n == 0) return Status::Ok();
   if (p.x == nullptr || p.y == nullptr) return InvalidArgumentError("add: x and y must be set");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::Add(p);
-    case Backend::kCuda: return cuda::Add(p);
+    case Backend::kCpu:
+      return cpu::Add(p);
+    case Backend::kCuda:
+      return cuda::Add(p);
   }
   return NoBackend("add", p.backend);
 }
@@ -23,8 +25,10 @@ Status CopyRowsRun(const CopyRowsParams& p) {
   if (p.ldx < p.cols || p.ldy < p.cols)
     return InvalidArgumentError("copy_rows: ldx (", p.ldx, ") and ldy (", p.ldy, ") must be >= cols (", p.cols, ")");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::CopyRows(p);
-    case Backend::kCuda: return cuda::CopyRows(p);
+    case Backend::kCpu:
+      return cpu::CopyRows(p);
+    case Backend::kCuda:
+      return cuda::CopyRows(p);
   }
   return NoBackend("copy_rows", p.backend);
 }

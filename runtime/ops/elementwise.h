@@ -22,7 +22,7 @@ Status AddRun(const AddParams& p);
 struct CopyRowsParams {
   const float* x = nullptr;  // [rows, cols], row stride ldx
   int64_t ldx = 0;
-  float* y = nullptr;        // [rows, cols], row stride ldy; must not overlap x
+  float* y = nullptr;  // [rows, cols], row stride ldy; must not overlap x
   int64_t ldy = 0;
   int64_t rows = 0;
   int64_t cols = 0;

@@ -17,8 +17,10 @@ Status EmbeddingRun(const EmbeddingParams& p) {
     return InvalidArgumentError("embedding: table, ids and out must be set");
   if (p.ld_out < p.width) return InvalidArgumentError("embedding: ld_out (", p.ld_out, ") < width (", p.width, ")");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::Embedding(p);
-    case Backend::kCuda: return cuda::Embedding(p);
+    case Backend::kCpu:
+      return cpu::Embedding(p);
+    case Backend::kCuda:
+      return cuda::Embedding(p);
   }
   return NoBackend("embedding", p.backend);
 }

@@ -21,7 +21,7 @@ struct EmbeddingParams {
   int64_t ld = 0;
   const int32_t* ids = nullptr;  // [n]
   int64_t n = 0;
-  float* out = nullptr;          // [n, width], row stride ld_out
+  float* out = nullptr;  // [n, width], row stride ld_out
   int64_t ld_out = 0;
   Backend backend = Backend::kCpu;
 };

@@ -19,7 +19,8 @@ Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
   if (dtype == DType::kF8E4M3) {
     l.scale_ld = Fp8Blocks(in);
     const size_t scale_bytes = static_cast<size_t>(Fp8Blocks(out) * l.scale_ld) * sizeof(float);
-    std::shared_ptr<float> s(static_cast<float*>(AllocateLarge(scale_bytes, /*zero=*/true)), [](float* p) { std::free(p); });
+    std::shared_ptr<float> s(static_cast<float*>(AllocateLarge(scale_bytes, /*zero=*/true)),
+                             [](float* p) { std::free(p); });
     l.scale = s.get();
     l.scale_storage = std::move(s);
     l.owned_scale_ = l.scale != nullptr;
@@ -61,7 +62,8 @@ Status Linear::Place(DeviceMemory& memory, std::string_view what) {
 namespace {
 
 Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) {
-  if (w.data == nullptr) return FailedPreconditionError(op, ": weight ", name, " [", w.out, ", ", w.in, "] has no data");
+  if (w.data == nullptr)
+    return FailedPreconditionError(op, ": weight ", name, " [", w.out, ", ", w.in, "] has no data");
   if (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF8E4M3)
     return InvalidArgumentError(op, ": weight ", name, " dtype ",
                                 IsValidDType(w.dtype) ? DTypeName(w.dtype) : std::string_view("invalid"),
@@ -95,8 +97,10 @@ Status LinearRun(const LinearParams& p) {
   if (p.ldx < p.w->in) return InvalidArgumentError("linear: ldx (", p.ldx, ") < w->in (", p.w->in, ")");
   if (p.ldy < n) return InvalidArgumentError("linear: ldy (", p.ldy, ") < col_end - col_begin (", n, ")");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::ApplyLinear(q);
-    case Backend::kCuda: return cuda::ApplyLinear(q);
+    case Backend::kCpu:
+      return cpu::ApplyLinear(q);
+    case Backend::kCuda:
+      return cuda::ApplyLinear(q);
   }
   return NoBackend("linear", p.backend);
 }
@@ -106,8 +110,10 @@ Status SiluMulRun(const SiluMulParams& p) {
     return InvalidArgumentError("silu_mul: rows (", p.rows, ") and inter (", p.inter, ") must be >= 0");
   if (p.rows > 0 && p.inter > 0 && p.hidden == nullptr) return InvalidArgumentError("silu_mul: hidden is null");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::SiluMul(p);
-    case Backend::kCuda: return cuda::SiluMul(p);
+    case Backend::kCpu:
+      return cpu::SiluMul(p);
+    case Backend::kCuda:
+      return cuda::SiluMul(p);
   }
   return NoBackend("silu_mul", p.backend);
 }
@@ -128,8 +134,10 @@ Status MlpRun(const MlpParams& p) {
   if (p.ldx < m.gate.in) return InvalidArgumentError("mlp: ldx (", p.ldx, ") < gate.in (", m.gate.in, ")");
   if (p.ldy < m.down.out) return InvalidArgumentError("mlp: ldy (", p.ldy, ") < down.out (", m.down.out, ")");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::ApplyMlp(p);
-    case Backend::kCuda: return cuda::ApplyMlp(p);
+    case Backend::kCpu:
+      return cpu::ApplyMlp(p);
+    case Backend::kCuda:
+      return cuda::ApplyMlp(p);
   }
   return NoBackend("mlp", p.backend);
 }

@@ -49,9 +49,7 @@ struct Linear {
   int64_t bytes() const { return data_bytes() + scale_bytes(); }
   int64_t data_bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
   int64_t elements() const { return out * in; }
-  int64_t scale_bytes() const {
-    return dtype == DType::kF8E4M3 ? Fp8Blocks(out) * Fp8Blocks(in) * 4 : 0;
-  }
+  int64_t scale_bytes() const { return dtype == DType::kF8E4M3 ? Fp8Blocks(out) * Fp8Blocks(in) * 4 : 0; }
   const std::byte* row(int64_t r) const { return data + r * ld * static_cast<int64_t>(DTypeSize(dtype)); }
   // A zero-filled [out, in] matrix of its own (ld = in, 64-byte aligned); for
   // f8_e4m3 also zero-filled scales of its own (scale_ld = ceil(in / 128)).
@@ -87,11 +85,11 @@ struct Mlp {
 struct LinearParams {
   const Linear* w = nullptr;
   int64_t col_begin = 0;
-  int64_t col_end = -1;          // -1: w->out
-  const float* x = nullptr;      // [rows, w->in], row stride ldx; may be nullptr when rows == 0
+  int64_t col_end = -1;      // -1: w->out
+  const float* x = nullptr;  // [rows, w->in], row stride ldx; may be nullptr when rows == 0
   int64_t rows = 0;
   int64_t ldx = 0;
-  float* y = nullptr;            // [rows, col_end - col_begin], row stride ldy
+  float* y = nullptr;  // [rows, col_end - col_begin], row stride ldy
   int64_t ldy = 0;
   bool accumulate = false;
   // The MoE router's logits: a narrow fp32 product (one column per expert).
@@ -119,13 +117,13 @@ Status SiluMulRun(const SiluMulParams& p);
 // y (=|+=) Mlp(x) for `rows` rows of width H.
 struct MlpParams {
   const Mlp* mlp = nullptr;
-  const float* x = nullptr;   // [rows, H], row stride ldx
+  const float* x = nullptr;  // [rows, H], row stride ldx
   int64_t rows = 0;
   int64_t ldx = 0;
-  float* y = nullptr;         // [rows, H], row stride ldy
+  float* y = nullptr;  // [rows, H], row stride ldy
   int64_t ldy = 0;
   bool accumulate = false;
-  float* hidden = nullptr;    // scratch [rows, 2 * mlp->intermediate()], caller-owned
+  float* hidden = nullptr;  // scratch [rows, 2 * mlp->intermediate()], caller-owned
   Backend backend = Backend::kCpu;
 };
 Status MlpRun(const MlpParams& p);

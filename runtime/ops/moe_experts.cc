@@ -9,7 +9,8 @@ namespace {
 
 Status Check(const MoeExpertsParams& p) {
   if (p.tokens < 0 || p.hidden <= 0)
-    return InvalidArgumentError("moe_experts: tokens (", p.tokens, ") must be >= 0 and hidden (", p.hidden, ") positive");
+    return InvalidArgumentError("moe_experts: tokens (", p.tokens, ") must be >= 0 and hidden (", p.hidden,
+                                ") positive");
   if (p.num_experts <= 0 || p.top_k <= 0 || p.top_k > p.num_experts)
     return InvalidArgumentError("moe_experts: num_experts (", p.num_experts, ") must be positive and top_k (", p.top_k,
                                 ") in [1, num_experts]");
@@ -87,7 +88,8 @@ Status MoeReplan(const MoeExpertsParams& p, MoePlan& plan) {
   plan.down_items.clear();
   constexpr int64_t kItemBytes = int64_t{1} << 20;
   auto split = [](std::vector<MoePlan::Item>& out, uint32_t job, uint8_t matrix, const Linear& w) {
-    const int64_t parts = std::clamp<int64_t>((w.bytes() + kItemBytes - 1) / kItemBytes, 1, std::max<int64_t>(w.out / 16, 1));
+    const int64_t parts =
+        std::clamp<int64_t>((w.bytes() + kItemBytes - 1) / kItemBytes, 1, std::max<int64_t>(w.out / 16, 1));
     for (int64_t q = 0; q < parts; ++q)
       out.push_back(MoePlan::Item{job, matrix, w.out * q / parts, w.out * (q + 1) / parts});
   };
@@ -112,10 +114,13 @@ Status MoeExpertsRun(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceVi
     return InvalidArgumentError("moe_experts: the plan is for tokens ", plan.tokens, ", hidden ", plan.hidden,
                                 ", top_k ", plan.top_k, "; the params have ", p.tokens, ", ", p.hidden, ", ", p.top_k);
   if (ws.bytes < plan.workspace_bytes || (plan.workspace_bytes > 0 && ws.data == nullptr))
-    return InvalidArgumentError("moe_experts: workspace of ", ws.bytes, " bytes, the plan needs ", plan.workspace_bytes);
+    return InvalidArgumentError("moe_experts: workspace of ", ws.bytes, " bytes, the plan needs ",
+                                plan.workspace_bytes);
   switch (p.backend) {
-    case Backend::kCpu: return cpu::MoeExperts(p, plan, ws);
-    case Backend::kCuda: return cuda::MoeExperts(p, plan, ws);
+    case Backend::kCpu:
+      return cpu::MoeExperts(p, plan, ws);
+    case Backend::kCuda:
+      return cuda::MoeExperts(p, plan, ws);
   }
   return NoBackend("moe_experts", p.backend);
 }

@@ -30,18 +30,18 @@
 namespace mlarun {
 
 struct MoeExpertsParams {
-  const Mlp* experts = nullptr;   // [num_local]: global expert ids [expert_begin, expert_begin + num_local)
+  const Mlp* experts = nullptr;  // [num_local]: global expert ids [expert_begin, expert_begin + num_local)
   int64_t num_local = 0;
   int64_t expert_begin = 0;
-  int64_t num_experts = 0;        // E: route ids lie in [0, E)
-  const Mlp* shared = nullptr;    // the shared experts (fused), over every token; nullptr: none
-  const float* x = nullptr;       // [tokens, hidden], contiguous
+  int64_t num_experts = 0;      // E: route ids lie in [0, E)
+  const Mlp* shared = nullptr;  // the shared experts (fused), over every token; nullptr: none
+  const float* x = nullptr;     // [tokens, hidden], contiguous
   int64_t tokens = 0;
   int64_t hidden = 0;
   const int32_t* route_experts = nullptr;  // [tokens, top_k] (MoeGateRun's)
   const float* route_weights = nullptr;    // [tokens, top_k]
   int64_t top_k = 0;
-  float* y = nullptr;             // [tokens, hidden], contiguous; overwritten
+  float* y = nullptr;  // [tokens, hidden], contiguous; overwritten
   Backend backend = Backend::kCpu;
 };
 
@@ -64,9 +64,9 @@ struct MoePlan {
   std::vector<std::vector<int32_t>> by_expert;  // [num_experts]: slots routed to each expert
   std::vector<Job> jobs;                        // the routed experts some token chose, then the shared
   size_t routed_jobs = 0;
-  std::vector<Item> up_items, down_items;       // gate and up items, down items, in job order
-  std::vector<int64_t> slot_y;                  // [tokens * top_k]: its output row's offset in y, -1: none here
-  size_t x_elems = 0, h_elems = 0, y_elems = 0; // buffer sizes (floats)
+  std::vector<Item> up_items, down_items;        // gate and up items, down items, in job order
+  std::vector<int64_t> slot_y;                   // [tokens * top_k]: its output row's offset in y, -1: none here
+  size_t x_elems = 0, h_elems = 0, y_elems = 0;  // buffer sizes (floats)
   size_t workspace_bytes = 0;
 };
 

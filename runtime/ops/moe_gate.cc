@@ -13,7 +13,8 @@ Status MoeGateRun(const MoeGateParams& p) {
     return InvalidArgumentError("moe_gate: top_k (", p.top_k, ") must be in [1, num_experts = ", p.num_experts, "]");
   if (p.scoring != ScoringFunc::kSoftmax && p.scoring != ScoringFunc::kSigmoid)
     return InvalidArgumentError("moe_gate: unknown scoring ", static_cast<int>(p.scoring));
-  if (p.method != TopkMethod::kGreedy && p.method != TopkMethod::kGroupLimitedGreedy && p.method != TopkMethod::kNoauxTc)
+  if (p.method != TopkMethod::kGreedy && p.method != TopkMethod::kGroupLimitedGreedy &&
+      p.method != TopkMethod::kNoauxTc)
     return InvalidArgumentError("moe_gate: unknown method ", static_cast<int>(p.method));
   if (p.n_group <= 0 || p.num_experts % p.n_group != 0)
     return InvalidArgumentError("moe_gate: n_group (", p.n_group, ") must divide num_experts (", p.num_experts, ")");
@@ -25,8 +26,10 @@ Status MoeGateRun(const MoeGateParams& p) {
   if (p.logits == nullptr || p.experts == nullptr || p.weights == nullptr)
     return InvalidArgumentError("moe_gate: logits, experts and weights must be set");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::MoeGate(p);
-    case Backend::kCuda: return cuda::MoeGate(p);
+    case Backend::kCpu:
+      return cpu::MoeGate(p);
+    case Backend::kCuda:
+      return cuda::MoeGate(p);
   }
   return NoBackend("moe_gate", p.backend);
 }

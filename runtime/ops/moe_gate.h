@@ -26,16 +26,16 @@ struct MoeGateParams {
   const float* logits = nullptr;  // [tokens, num_experts] router logits, contiguous
   int64_t tokens = 0;
   int64_t num_experts = 0;
-  const float* bias = nullptr;    // [num_experts] e_score_correction_bias; nullptr: none (V2)
+  const float* bias = nullptr;  // [num_experts] e_score_correction_bias; nullptr: none (V2)
   ScoringFunc scoring = ScoringFunc::kSoftmax;
   TopkMethod method = TopkMethod::kGreedy;
-  int64_t top_k = 0;              // num_experts_per_tok
-  int64_t n_group = 1;            // expert groups; num_experts a multiple of it
-  int64_t topk_group = 1;         // groups kept per token (group-limited methods)
+  int64_t top_k = 0;       // num_experts_per_tok
+  int64_t n_group = 1;     // expert groups; num_experts a multiple of it
+  int64_t topk_group = 1;  // groups kept per token (group-limited methods)
   bool norm_topk_prob = false;
   double routed_scaling_factor = 1.0;
-  int32_t* experts = nullptr;     // [tokens, top_k] out: ids, best choice score first
-  float* weights = nullptr;       // [tokens, top_k] out
+  int32_t* experts = nullptr;  // [tokens, top_k] out: ids, best choice score first
+  float* weights = nullptr;    // [tokens, top_k] out
   Backend backend = Backend::kCpu;
 };
 // CPU: one thread; per-thread scratch, grown once.

@@ -10,9 +10,9 @@
 namespace mlarun {
 
 struct RmsNormParams {
-  const float* x = nullptr;       // [rows, n], row stride ldx (ldx >= n: the first n of wider rows)
+  const float* x = nullptr;  // [rows, n], row stride ldx (ldx >= n: the first n of wider rows)
   int64_t ldx = 0;
-  float* y = nullptr;             // [rows, n], row stride ldy; y == x (with ldy == ldx) normalizes in place
+  float* y = nullptr;  // [rows, n], row stride ldy; y == x (with ldy == ldx) normalizes in place
   int64_t ldy = 0;
   int64_t rows = 0;
   int64_t n = 0;

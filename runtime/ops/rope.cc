@@ -15,13 +15,16 @@ Status RopeRun(const RopeParams& p) {
   if (p.x == nullptr || p.positions == nullptr || p.inv_freq == nullptr)
     return InvalidArgumentError("rope: x, positions and inv_freq must be set");
   if (p.n_heads > 1 && p.stride_head < p.dim)
-    return InvalidArgumentError("rope: stride_head (", p.stride_head, ") < dim (", p.dim, ") with ", p.n_heads, " heads");
+    return InvalidArgumentError("rope: stride_head (", p.stride_head, ") < dim (", p.dim, ") with ", p.n_heads,
+                                " heads");
   if (p.n_tokens > 1 && p.stride_token < (p.n_heads - 1) * p.stride_head + p.dim)
     return InvalidArgumentError("rope: stride_token (", p.stride_token, ") is too small for ", p.n_heads,
                                 " heads of stride_head ", p.stride_head, " and dim ", p.dim);
   switch (p.backend) {
-    case Backend::kCpu: return cpu::ApplyRope(p);
-    case Backend::kCuda: return cuda::ApplyRope(p);
+    case Backend::kCpu:
+      return cpu::ApplyRope(p);
+    case Backend::kCuda:
+      return cuda::ApplyRope(p);
   }
   return NoBackend("rope", p.backend);
 }

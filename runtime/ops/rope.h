@@ -18,7 +18,7 @@ struct RopeParams {
   int64_t n_tokens = 0;
   int64_t n_heads = 0;
   int64_t stride_token = 0;
-  int64_t stride_head = 0;        // may be 0 when n_heads == 1
+  int64_t stride_head = 0;             // may be 0 when n_heads == 1
   const int32_t* positions = nullptr;  // [n_tokens], >= 0
   // The tables: Rope::config().dim and .layout, Rope::inv_freq() [dim / 2],
   // Rope::attention_factor().

@@ -22,9 +22,12 @@ struct RopePair {
 
 MLARUN_HD inline RopePair RopePairOf(RopeLayout layout, int64_t j, int64_t half) {
   switch (layout) {
-    case RopeLayout::kInterleavedToHalf: return {2 * j, 2 * j + 1, j, j + half};
-    case RopeLayout::kInterleaved: return {2 * j, 2 * j + 1, 2 * j, 2 * j + 1};
-    case RopeLayout::kHalf: break;
+    case RopeLayout::kInterleavedToHalf:
+      return {2 * j, 2 * j + 1, j, j + half};
+    case RopeLayout::kInterleaved:
+      return {2 * j, 2 * j + 1, 2 * j, 2 * j + 1};
+    case RopeLayout::kHalf:
+      break;
   }
   return {j, j + half, j, j + half};
 }

@@ -35,8 +35,7 @@
 // -DMLARUN_SAMPLER_CLONES= turns that off.
 #if !defined(MLARUN_SAMPLER_CLONES)
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define MLARUN_SAMPLER_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define MLARUN_SAMPLER_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define MLARUN_SAMPLER_CLONES
 #endif
@@ -46,9 +45,7 @@ namespace mlarun {
 
 namespace internal {
 
-uint64_t SplitMix64Next(uint64_t& state) {
-  return Mix64(state += kGoldenGamma);
-}
+uint64_t SplitMix64Next(uint64_t& state) { return Mix64(state += kGoldenGamma); }
 
 uint64_t Xoshiro256StarStarNext(uint64_t (&state)[4]) {
   const uint64_t result = std::rotl(state[1] * 5, 7) * 9;
@@ -120,7 +117,6 @@ inline float FromOrderedBits(int32_t ordered) {
   return x;
 }
 
-
 inline int32_t MaxKey(const float* logits, int64_t n) {
   int32_t m = std::numeric_limits<int32_t>::min();
   for (int64_t i = 0; i < n; ++i) {
@@ -130,13 +126,10 @@ inline int32_t MaxKey(const float* logits, int64_t n) {
   return m;
 }
 
-MLARUN_SAMPLER_CLONES int32_t RowMaxKey(const float* logits, int64_t n) {
-  return MaxKey(logits, n);
-}
+MLARUN_SAMPLER_CLONES int32_t RowMaxKey(const float* logits, int64_t n) { return MaxKey(logits, n); }
 
 // out[b] = max OrderedKey over logits[b * block, (b + 1) * block).
-MLARUN_SAMPLER_CLONES void BlockMaxKeys(const float* logits, int64_t n, int64_t block,
-                                        int32_t* out) {
+MLARUN_SAMPLER_CLONES void BlockMaxKeys(const float* logits, int64_t n, int64_t block, int32_t* out) {
   for (int64_t start = 0, b = 0; start < n; start += block, ++b)
     out[b] = MaxKey(logits + start, std::min(block, n - start));
 }
@@ -168,15 +161,13 @@ MaxLogit FindMax(std::span<const float> logits) {
 }
 
 // out[i] = exp((logit_i - max_logit) * scale), scale > 0.
-MLARUN_SAMPLER_CLONES void FillWeights(const float* logits, int64_t n, double max_logit,
-                                       double scale, double* out) {
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = SamplerExpNonPositive((CleanLogit(logits[i]) - max_logit) * scale);
+MLARUN_SAMPLER_CLONES void FillWeights(const float* logits, int64_t n, double max_logit, double scale, double* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = SamplerExpNonPositive((CleanLogit(logits[i]) - max_logit) * scale);
 }
 
 // Zeroes the weights of tokens ordered after `worst` (see Sampler::SelectKept).
-MLARUN_SAMPLER_CLONES void DropAfter(const float* logits, int64_t n, float worst_key,
-                                     int64_t worst_id, double* weights) {
+MLARUN_SAMPLER_CLONES void DropAfter(const float* logits, int64_t n, float worst_key, int64_t worst_id,
+                                     double* weights) {
   for (int64_t i = 0; i < n; ++i) {
     const float key = CleanKey(logits[i]);
     const bool kept = key > worst_key || (key == worst_key && i <= worst_id);
@@ -236,8 +227,7 @@ int64_t InverseCdf(const double* weights, int64_t n, const double* block_sums, d
 // then lower id (a tie with the worst kept token never displaces it, as ids
 // only grow), each with its logprob under the unmodified distribution.
 // Tokens of logit -inf (or NaN) have no probability and are not listed.
-void FillTop(std::span<const float> logits, int64_t count, double max_logit, double log_normalizer,
-             SampledToken& out) {
+void FillTop(std::span<const float> logits, int64_t count, double max_logit, double log_normalizer, SampledToken& out) {
   struct Best {
     float key;
     int32_t id;
@@ -250,7 +240,8 @@ void FillTop(std::span<const float> logits, int64_t count, double max_logit, dou
     if (!(key > kNegInfF)) continue;
     if (n == want && !(key > best[static_cast<size_t>(n - 1)].key)) continue;
     int64_t j = n < want ? n++ : n - 1;  // the slot it enters from: a new one, or the worst's
-    for (; j > 0 && key > best[static_cast<size_t>(j - 1)].key; --j) best[static_cast<size_t>(j)] = best[static_cast<size_t>(j - 1)];
+    for (; j > 0 && key > best[static_cast<size_t>(j - 1)].key; --j)
+      best[static_cast<size_t>(j)] = best[static_cast<size_t>(j - 1)];
     best[static_cast<size_t>(j)] = {key, static_cast<int32_t>(i)};
   }
   out.num_top = static_cast<int32_t>(n);
@@ -281,7 +272,6 @@ SampledToken GreedyToken(int64_t argmax, double weight_sum) {
 }
 
 }  // namespace
-
 
 struct Sampler::Scratch {
   std::vector<Candidate> candidates;
@@ -324,8 +314,8 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   return drawn;
 }
 
-SampledToken Sampler::Draw(std::span<const float> logits, double max_logit, int64_t max_index,
-                           bool has_positive_nan, double raw_sum, double log_normalizer, double u, Scratch& s) {
+SampledToken Sampler::Draw(std::span<const float> logits, double max_logit, int64_t max_index, bool has_positive_nan,
+                           double raw_sum, double log_normalizer, double u, Scratch& s) {
   const int64_t vocab = static_cast<int64_t>(logits.size());
   auto result = [&](int64_t token) {
     return SampledToken{token, (CleanLogit(logits[token]) - max_logit) - log_normalizer};
@@ -343,16 +333,13 @@ SampledToken Sampler::Draw(std::span<const float> logits, double max_logit, int6
     FillWeights(logits.data(), vocab, max_logit, inv_temperature, s.probs.data());
     scaled_sum = BlockSums(s.probs.data(), vocab, s.block_sums.data());
   }
-  if (!top_k_on && !top_p_on)
-    return result(InverseCdf(s.probs.data(), vocab, s.block_sums.data(), u * scaled_sum));
+  if (!top_k_on && !top_p_on) return result(InverseCdf(s.probs.data(), vocab, s.block_sums.data(), u * scaled_sum));
 
-  const int64_t kept =
-      SelectKept(logits, max_logit, has_positive_nan, inv_temperature, scaled_sum, s);
+  const int64_t kept = SelectKept(logits, max_logit, has_positive_nan, inv_temperature, scaled_sum, s);
   if (kept * kSparseKeptRatio <= vocab) {
     // Few kept tokens: put them in id order and walk them directly.
     auto first = s.candidates.begin();
-    std::sort(first, first + kept,
-              [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
+    std::sort(first, first + kept, [](const Candidate& a, const Candidate& b) { return a.id < b.id; });
     double kept_sum = 0.0;
     for (int64_t j = 0; j < kept; ++j) kept_sum += s.probs[s.candidates[j].id];
     const double target = u * kept_sum;
@@ -399,9 +386,7 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
   // Larger logit first, then lower id: a strict total order, so the kept set
   // is exact even with ties at a boundary. Logit order is probability order
   // at any temperature.
-  auto before = [](const Candidate& a, const Candidate& b) {
-    return a.key > b.key || (a.key == b.key && a.id < b.id);
-  };
+  auto before = [](const Candidate& a, const Candidate& b) { return a.key > b.key || (a.key == b.key && a.id < b.id); };
   auto weight = [&](const Candidate& c) { return s.probs[c.id]; };
   const bool top_k_on = params_.top_k > 0 && params_.top_k < vocab;
 
@@ -421,8 +406,7 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
       const int64_t block = std::clamp<int64_t>(vocab / (4 * n), 1, kBlock);
       s.block_keys.resize(static_cast<size_t>((vocab + block - 1) / block));
       BlockMaxKeys(logits.data(), vocab, block, s.block_keys.data());
-      std::nth_element(s.block_keys.begin(), s.block_keys.begin() + (n - 1), s.block_keys.end(),
-                       std::greater<>());
+      std::nth_element(s.block_keys.begin(), s.block_keys.begin() + (n - 1), s.block_keys.end(), std::greater<>());
       const int32_t threshold = s.block_keys[n - 1];
       for (int64_t start = 0; start < vocab; start += block) {
         const int64_t end = std::min(vocab, start + block);
@@ -433,12 +417,10 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
         }
       }
     } else {
-      for (int64_t i = 0; i < vocab; ++i)
-        s.candidates[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+      for (int64_t i = 0; i < vocab; ++i) s.candidates[count++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
     }
     // The n best, worst of them last.
-    std::nth_element(s.candidates.begin(), s.candidates.begin() + (n - 1),
-                     s.candidates.begin() + count, before);
+    std::nth_element(s.candidates.begin(), s.candidates.begin() + (n - 1), s.candidates.begin() + count, before);
     s.candidates.resize(static_cast<size_t>(n));
     // s.probs still holds untempered weights; only the candidates need theirs.
     if (inv_temperature != 1.0) {
@@ -457,8 +439,7 @@ int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, boo
     const double min_weight = 0.5 * (1.0 - params_.top_p) * scaled_sum / static_cast<double>(vocab);
     s.candidates.resize(static_cast<size_t>(vocab));
     for (int64_t i = 0; i < vocab; ++i) {
-      if (s.probs[i] >= min_weight)
-        s.candidates[n++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
+      if (s.probs[i] >= min_weight) s.candidates[n++] = {CleanKey(logits[i]), static_cast<int32_t>(i)};
     }
     s.candidates.resize(static_cast<size_t>(n));  // n >= 1: the max token weighs 1 > min_weight
   }

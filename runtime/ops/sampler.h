@@ -98,8 +98,8 @@ class Sampler {
   // Top-k / top-p: leaves the kept set in s.candidates[0, m), its worst
   // member last (kept tokens are exactly those ordered no later than it),
   // with the tempered weight of each in s.probs[id]; returns m.
-  int64_t SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,
-                     double inv_temperature, double scaled_sum, Scratch& s);
+  int64_t SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan, double inv_temperature,
+                     double scaled_sum, Scratch& s);
 
   SamplingParams params_;
   uint64_t state_[4];  // xoshiro256** state

@@ -14,8 +14,10 @@ Status SampleRun(const SampleParams& p) {
   for (int64_t r = 0; r < p.rows; ++r)
     if (p.samplers[r] == nullptr) return InvalidArgumentError("sample: samplers[", r, "] is null");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::Sample(p);
-    case Backend::kCuda: return cuda::Sample(p);
+    case Backend::kCpu:
+      return cpu::Sample(p);
+    case Backend::kCuda:
+      return cuda::Sample(p);
   }
   return NoBackend("sample", p.backend);
 }
@@ -33,8 +35,10 @@ Status ScoreRun(const ScoreParams& p) {
     if (p.tokens[r] < 0 || p.tokens[r] >= p.vocab)
       return InvalidArgumentError("score: tokens[", r, "] = ", p.tokens[r], " outside [0, ", p.vocab, ")");
   switch (p.backend) {
-    case Backend::kCpu: return cpu::Score(p);
-    case Backend::kCuda: return cuda::Score(p);
+    case Backend::kCpu:
+      return cpu::Score(p);
+    case Backend::kCuda:
+      return cuda::Score(p);
   }
   return NoBackend("score", p.backend);
 }

@@ -11,7 +11,7 @@
 namespace mlarun {
 
 struct SampleParams {
-  const float* logits = nullptr;       // [rows, vocab], row stride ld
+  const float* logits = nullptr;  // [rows, vocab], row stride ld
   int64_t rows = 0;
   int64_t vocab = 0;
   int64_t ld = 0;

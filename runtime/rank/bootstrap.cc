@@ -7,13 +7,13 @@
 #include <nlohmann/json.hpp>
 #include <ostream>
 
-#include "runtime/rank/thresholds.h"
+#include "base/cpu_isa.h"
+#include "base/cuda_device.h"
 #include "parallel/communicator.h"
 #include "parallel/mpi/mpi_world.h"
 #include "parallel/nccl/nccl_communicator.h"
-#include "base/cuda_device.h"
-#include "base/cpu_isa.h"
 #include "runtime/model/model_config.h"
+#include "runtime/rank/thresholds.h"
 
 namespace mlarun {
 
@@ -109,9 +109,12 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
                                   spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
   lm.options.shard = shard;
   MLARUN_ASSIGN_OR_RETURN(lm.options.attention.backend, ParseDeviceFlag(spec.device));
-  if (spec.fp8_weights == "keep") lm.options.fp8_weights = Fp8Weights::kKeep;
-  else if (spec.fp8_weights == "dequantize") lm.options.fp8_weights = Fp8Weights::kDequantize;
-  else return InvalidArgumentError("--fp8-weights: expected keep or dequantize, got '", spec.fp8_weights, "'");
+  if (spec.fp8_weights == "keep")
+    lm.options.fp8_weights = Fp8Weights::kKeep;
+  else if (spec.fp8_weights == "dequantize")
+    lm.options.fp8_weights = Fp8Weights::kDequantize;
+  else
+    return InvalidArgumentError("--fp8-weights: expected keep or dequantize, got '", spec.fp8_weights, "'");
   if (lm.options.attention.backend == Backend::kCuda) MLARUN_RETURN_IF_ERROR(SelectDeviceForSpec(spec, rank).status());
   if (const Status st = ApplyAbsorbThresholdsFile(spec.attention_thresholds, &lm.options.attention); !st.ok())
     return st.WithContext("--attention-thresholds");
@@ -133,7 +136,8 @@ Status AgreeOnOutcome(Communicator& world, const Status& mine, const std::string
   const std::string note =
       mine.ok() ? std::string() : std::to_string(static_cast<int>(mine.code())) + "\t" + name + "\t" + mine.message();
   auto all = AllGatherStrings(world, note);
-  if (!all.ok()) return UnavailableError(phase, ": the ranks could not exchange their outcome: ", all.status().message());
+  if (!all.ok())
+    return UnavailableError(phase, ": the ranks could not exchange their outcome: ", all.status().message());
   std::vector<std::pair<std::string, std::string>> by_message;  // (message, rank names), first seen first
   int failed = 0;
   StatusCode code = StatusCode::kOk;
@@ -150,8 +154,8 @@ Status AgreeOnOutcome(Communicator& world, const Status& mine, const std::string
     }
   }
   if (failed == 0) return Status::Ok();
-  std::string message = std::string(phase) + " failed on " + std::to_string(failed) + " of " +
-                        std::to_string(all->size()) + " ranks: ";
+  std::string message =
+      std::string(phase) + " failed on " + std::to_string(failed) + " of " + std::to_string(all->size()) + " ranks: ";
   for (size_t i = 0; i < by_message.size(); ++i)
     message += (i ? "; " : "") + by_message[i].second + ": " + by_message[i].first;
   return Status(code, message);
@@ -180,9 +184,10 @@ StatusOr<BootstrappedRank> BootstrapRank(const DeploymentSpec& spec, MpiSession&
       differences += (differing++ ? "; " : "") + DescribeSpecDifference(first, other, static_cast<int>(i));
     }
     if (differing > 0)
-      return InvalidArgumentError("the ranks were started with different settings (every rank of a job needs the "
-                                  "same model flags): ",
-                                  differences);
+      return InvalidArgumentError(
+          "the ranks were started with different settings (every rank of a job needs the "
+          "same model flags): ",
+          differences);
   }
   if (spec.fail_forward_rank >= session.size())
     return InvalidArgumentError("--fail-forward-call: rank ", spec.fail_forward_rank, " is not in the world of ",

@@ -23,8 +23,8 @@
 #include <utility>
 #include <vector>
 
-#include "parallel/layout.h"
 #include "base/status.h"
+#include "parallel/layout.h"
 #include "runtime/model/model.h"
 
 namespace mlarun {
@@ -96,9 +96,9 @@ struct BootstrappedRank {
   ParallelLayout layout;
   ProcessGroups groups;
   LoadedModel loaded;
-  std::string name;          // "rank 3 (host)", for logs and errors
-  double load_seconds = 0;   // loading the weights (slowest rank)
-  int cuda_device = -1;      // --device cuda: this rank's GPU
+  std::string name;         // "rank 3 (host)", for logs and errors
+  double load_seconds = 0;  // loading the weights (slowest rank)
+  int cuda_device = -1;     // --device cuda: this rank's GPU
 };
 
 // See the top of this file. `command` names the caller in log lines

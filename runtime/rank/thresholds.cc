@@ -46,7 +46,8 @@ StatusOr<AbsorbThresholds> LoadAbsorbThresholds(const std::string& path) {
   MLARUN_ASSIGN_OR_RETURN(t.with_prefix, field("absorb_below_query_len"));
   MLARUN_ASSIGN_OR_RETURN(t.no_prefix, field("absorb_below_query_len_no_prefix"));
   if (j.contains("kernels")) {
-    if (!j["kernels"].is_string()) return InvalidArgumentError("thresholds file ", path, ": \"kernels\" must be a string");
+    if (!j["kernels"].is_string())
+      return InvalidArgumentError("thresholds file ", path, ": \"kernels\" must be a string");
     const std::string kernels = j["kernels"].get<std::string>();
     MLARUN_ASSIGN_OR_RETURN(const CpuIsa isa, ParseCpuIsa(kernels));
     if (isa != ActiveCpuIsa())

@@ -33,7 +33,8 @@ Status ReadIntList(const Json& j, const char* field, std::vector<int64_t>* out) 
   if (!v.is_array()) return InvalidArgumentError("field '", field, "' must be a list of integers");
   out->clear();
   for (const Json& e : v) {
-    if (!e.is_number_integer()) return InvalidArgumentError("field '", field, "' must be a list of integers, found ", e.dump());
+    if (!e.is_number_integer())
+      return InvalidArgumentError("field '", field, "' must be a list of integers, found ", e.dump());
     out->push_back(e.get<int64_t>());
   }
   return Status::Ok();

@@ -3,8 +3,8 @@
 #pragma once
 
 #include <cstdint>
-#include <nlohmann/json_fwd.hpp>
 #include <limits>
+#include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
 #include <string_view>
@@ -30,7 +30,7 @@ inline constexpr int64_t kLimitUnknown = std::numeric_limits<int64_t>::max();
 struct RequestLimits {
   int64_t vocab_size = kLimitUnknown;
   int64_t max_position_embeddings = kLimitUnknown;
-  int64_t block_size = kDefaultBlockSize;     // tokens per cache block, > 0
+  int64_t block_size = kDefaultBlockSize;      // tokens per cache block, > 0
   int64_t cache_blocks_total = kLimitUnknown;  // blocks of the whole cache
   // Whose limits these are, in messages: "the model's", "the registered DP groups'".
   std::string_view whose = "the model's";

@@ -18,8 +18,8 @@ StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(Model& model, const L
     return InvalidArgumentError("model runner: a model shard needs the rank's process groups");
   }
   const LatentCacheConfig want = model.CacheConfig(pool.budget_bytes, pool.block_size);
-  if (pool.num_layers != want.num_layers || pool.kv_lora_rank != want.kv_lora_rank ||
-      pool.rope_dim != want.rope_dim || pool.dtype != want.dtype)
+  if (pool.num_layers != want.num_layers || pool.kv_lora_rank != want.kv_lora_rank || pool.rope_dim != want.rope_dim ||
+      pool.dtype != want.dtype)
     return InvalidArgumentError("model runner: the cache pool's layers, widths or dtype do not match the model's");
   MLARUN_ASSIGN_OR_RETURN(auto p, LatentPool::Create(pool, model.memory()));
   if (rank_name.empty()) rank_name = "rank " + std::to_string(groups ? groups->rank : 0);
@@ -44,8 +44,11 @@ StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& pla
   for (const StepPlan::Seq& s : plan.seqs) {
     const bool all = !s.score_tokens.empty() && !s.tokens.empty();
     any_all |= all;
-    seqs_.push_back(ForwardSeq{.id = s.id, .tokens = s.tokens, .start_pos = s.start_pos, .block_table = s.block_table,
-                               .logits = all        ? ForwardSeq::Logits::kAll
+    seqs_.push_back(ForwardSeq{.id = s.id,
+                               .tokens = s.tokens,
+                               .start_pos = s.start_pos,
+                               .block_table = s.block_table,
+                               .logits = all         ? ForwardSeq::Logits::kAll
                                          : s.sampler ? ForwardSeq::Logits::kLast
                                                      : ForwardSeq::Logits::kNone});
   }
@@ -63,9 +66,13 @@ StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& pla
   if (!any_all) {
     // The logit rows are the sampled sequences', in plan order: one call for
     // all of them (a device sampler reads its rows where they are).
-    MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data(), .rows = static_cast<int64_t>(samplers_.size()),
-                                      .vocab = vocab, .ld = vocab, .samplers = samplers_.data(),
-                                      .out = sampled_.data(), .backend = model_.backend()}));
+    MLARUN_RETURN_IF_ERROR(SampleRun({.logits = logits->data(),
+                                      .rows = static_cast<int64_t>(samplers_.size()),
+                                      .vocab = vocab,
+                                      .ld = vocab,
+                                      .samplers = samplers_.data(),
+                                      .out = sampled_.data(),
+                                      .backend = model_.backend()}));
     return std::span<const SampledToken>(sampled_);
   }
   // Some sequences have a row per token: walk the rows sequence by sequence.
@@ -81,15 +88,24 @@ StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& pla
     const int64_t rows = f.logits == ForwardSeq::Logits::kAll ? static_cast<int64_t>(s.tokens.size()) : 1;
     if (f.logits == ForwardSeq::Logits::kAll) {
       const int64_t n = std::min<int64_t>(static_cast<int64_t>(s.score_tokens.size()), rows);
-      MLARUN_RETURN_IF_ERROR(ScoreRun({.logits = row, .rows = n, .vocab = vocab, .ld = vocab,
-                                       .tokens = s.score_tokens.data(), .top = s.score_top, .out = &scored_[at],
+      MLARUN_RETURN_IF_ERROR(ScoreRun({.logits = row,
+                                       .rows = n,
+                                       .vocab = vocab,
+                                       .ld = vocab,
+                                       .tokens = s.score_tokens.data(),
+                                       .top = s.score_top,
+                                       .out = &scored_[at],
                                        .backend = model_.backend()}));
       scores_[q] = std::span<const SampledToken>(&scored_[at], static_cast<size_t>(n));
       at += static_cast<size_t>(n);
     }
     if (s.sampler != nullptr) {
-      MLARUN_RETURN_IF_ERROR(SampleRun({.logits = row + (rows - 1) * vocab, .rows = 1, .vocab = vocab, .ld = vocab,
-                                        .samplers = &samplers_[sampled], .out = &sampled_[sampled],
+      MLARUN_RETURN_IF_ERROR(SampleRun({.logits = row + (rows - 1) * vocab,
+                                        .rows = 1,
+                                        .vocab = vocab,
+                                        .ld = vocab,
+                                        .samplers = &samplers_[sampled],
+                                        .out = &sampled_[sampled],
                                         .backend = model_.backend()}));
       ++sampled;
     }

@@ -20,8 +20,8 @@
 
 #include "kv/latent_pool.h"
 #include "parallel/layout.h"
-#include "runtime/ops/sampler.h"
 #include "runtime/model/model.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/runner/step_plan.h"
 
 namespace mlarun {
@@ -67,8 +67,8 @@ class ModelRunner {
   ParallelStep step_;  // reused: the groups' communicators, this step's dp_tokens
   std::vector<ForwardSeq> seqs_;
   std::vector<SampledToken> sampled_;
-  std::vector<Sampler*> samplers_;  // the sampled rows' samplers, in plan order
-  std::vector<SampledToken> scored_;                // every sequence's scored rows, in plan order
+  std::vector<Sampler*> samplers_;                     // the sampled rows' samplers, in plan order
+  std::vector<SampledToken> scored_;                   // every sequence's scored rows, in plan order
   std::vector<std::span<const SampledToken>> scores_;  // per plan sequence, into scored_
   double last_seconds_ = 0;
 };

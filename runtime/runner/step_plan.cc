@@ -18,8 +18,12 @@ int64_t StepPlan::num_sampled() const {
 
 // [has_work, cache use (5), n_seqs, per seq: id, start_pos, n_tokens, tokens..., n_blocks, blocks...]
 std::vector<int64_t> StepPlan::Encode() const {
-  std::vector<int64_t> out = {has_work ? 1 : 0,     cache.blocks_used,       cache.blocks_cached,
-                              cache.blocks_retired, cache.prefix_hit_tokens, cache.evictions,
+  std::vector<int64_t> out = {has_work ? 1 : 0,
+                              cache.blocks_used,
+                              cache.blocks_cached,
+                              cache.blocks_retired,
+                              cache.prefix_hit_tokens,
+                              cache.evictions,
                               static_cast<int64_t>(seqs.size())};
   for (const Seq& s : seqs) {
     out.insert(out.end(), {s.id, s.start_pos, static_cast<int64_t>(s.tokens.size())});

@@ -21,7 +21,7 @@ class Sampler;
 struct StepPlan {
   struct Seq {
     int64_t id = 0;
-    int64_t start_pos = 0;             // tokens sit at [start_pos, start_pos + tokens.size())
+    int64_t start_pos = 0;  // tokens sit at [start_pos, start_pos + tokens.size())
     std::vector<int32_t> tokens;
     std::vector<int32_t> block_table;  // the pool blocks of positions [0, start_pos + tokens.size()), in order
     // The request's sampler (its parameters and its random stream) when this

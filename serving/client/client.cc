@@ -1,29 +1,28 @@
 // The deployment file, `mlarun submit` and `mlarun stats`.
 #include "serving/client/client.h"
 
-#include "runtime/request/request.h"
-
 #include <google/protobuf/util/json_util.h>
 #include <yaml-cpp/yaml.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <chrono>
-#include <thread>
-#include <functional>
-#include <atomic>
 #include <ostream>
 #include <set>
 #include <sstream>
+#include <thread>
 
-#include "serving/client/grpc_util.h"
-#include "serving/proto/proto_sampling.h"
-#include "serving/client/table.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/request/request.h"
+#include "serving/client/grpc_util.h"
+#include "serving/client/table.h"
+#include "serving/proto/proto_sampling.h"
 
 namespace mlarun {
 namespace {
@@ -73,16 +72,18 @@ void PrintStatsTable(const v1::GetStatsResponse& r, std::ostream& out) {
   out << "ranks (weights and cache in MiB)\n";
   std::vector<std::vector<std::string>> rows;
   for (const v1::RankStats& k : r.ranks()) {
-    rows.push_back({k.worker_id(), std::to_string(k.rank()), std::to_string(k.dp_group()), std::to_string(k.attn_tp_rank()),
-                    k.host(), MiB(k.attention_weight_bytes()), MiB(k.moe_weight_bytes()), MiB(k.dense_mlp_weight_bytes()),
-                    MiB(k.embedding_head_weight_bytes()), MiB(k.cache_bytes_capacity()), MiB(k.cache_bytes_used()),
-                    MiB(k.cache_bytes_peak()), std::to_string(k.requests_running()), std::to_string(k.requests_waiting()),
+    rows.push_back({k.worker_id(), std::to_string(k.rank()), std::to_string(k.dp_group()),
+                    std::to_string(k.attn_tp_rank()), k.host(), MiB(k.attention_weight_bytes()),
+                    MiB(k.moe_weight_bytes()), MiB(k.dense_mlp_weight_bytes()), MiB(k.embedding_head_weight_bytes()),
+                    MiB(k.cache_bytes_capacity()), MiB(k.cache_bytes_used()), MiB(k.cache_bytes_peak()),
+                    std::to_string(k.requests_running()), std::to_string(k.requests_waiting()),
                     Fixed1(k.tokens_per_s())});
   }
   PrintTable(out,
-             {"worker", "rank", "dp", "tp", "host", "attn", "moe", "mlp", "emb+head", "cache", "used", "peak", "running",
-              "waiting", "tok/s"},
-             {true, false, false, false, true, false, false, false, false, false, false, false, false, false, false}, rows);
+             {"worker", "rank", "dp", "tp", "host", "attn", "moe", "mlp", "emb+head", "cache", "used", "peak",
+              "running", "waiting", "tok/s"},
+             {true, false, false, false, true, false, false, false, false, false, false, false, false, false, false},
+             rows);
   out << "\ngroups\n";
   rows.clear();
   for (const v1::GroupStats& g : r.groups()) {
@@ -91,8 +92,9 @@ void PrintStatsTable(const v1::GetStatsResponse& r, std::ostream& out) {
                     std::to_string(g.requests_in_flight()), std::to_string(g.tokens_generated()),
                     std::to_string(g.free_blocks()), std::to_string(g.queued_tokens())});
   }
-  PrintTable(out, {"worker", "dp", "connected", "routed", "completed", "in flight", "tokens", "free blocks", "queued tokens"},
-             {true, false, true, false, false, false, false, false, false}, rows);
+  PrintTable(
+      out, {"worker", "dp", "connected", "routed", "completed", "in flight", "tokens", "free blocks", "queued tokens"},
+      {true, false, true, false, false, false, false, false, false}, rows);
   for (const v1::GroupStats& g : r.groups()) {
     if (!g.connected() && !g.disconnect_reason().empty())
       out << "  group " << g.dp_group() << " of " << g.worker_id() << " went away: " << g.disconnect_reason() << "\n";
@@ -203,7 +205,8 @@ int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err)
   for (int64_t n = 1; std::getline(f, line); ++n) {
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     auto r = ParseRequestLine(line, o.sampling);
-    parsed.push_back(r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(o.prompts_path + ":" + std::to_string(n))));
+    parsed.push_back(
+        r.ok() ? r : StatusOr<GenerationRequest>(r.status().WithContext(o.prompts_path + ":" + std::to_string(n))));
   }
   auto stub = Connect(o.coordinator, o.security.tls, o.timeout_s);
   std::vector<SubmitResult> results(parsed.size());
@@ -249,7 +252,8 @@ int RunSubmitBatch(const SubmitOptions& o, std::ostream& out, std::ostream& err)
     } else {
       out << "tokens:";
       for (int64_t t : results[i].tokens) out << " " << t;
-      out << "  (finish: " << results[i].finished->finish_reason() << ", dp_group " << results[i].finished->dp_group() << ")\n";
+      out << "  (finish: " << results[i].finished->finish_reason() << ", dp_group " << results[i].finished->dp_group()
+          << ")\n";
     }
   }
   return code;

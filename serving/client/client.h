@@ -9,9 +9,9 @@
 #include <string_view>
 #include <vector>
 
-#include "serving/security/security.h"
 #include "base/status.h"
 #include "runtime/request/sampling_params.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 
@@ -28,9 +28,9 @@ namespace mlarun {
 // Unknown keys and wrong types are errors naming the file and key.
 struct DeploymentConfig {
   std::string model, parallel, coordinator, listen, policy, kv_dtype;
-  int64_t cache_bytes = 0;          // 0: not set
-  double memory_gib = 0;            // 0: not set (excludes cache_bytes)
-  int64_t max_batched_tokens = 0;   // 0: not set
+  int64_t cache_bytes = 0;         // 0: not set
+  double memory_gib = 0;           // 0: not set (excludes cache_bytes)
+  int64_t max_batched_tokens = 0;  // 0: not set
 };
 StatusOr<DeploymentConfig> LoadDeploymentConfig(const std::string& path);
 // The same from the file's text; `path` names it in messages.
@@ -46,11 +46,11 @@ struct SubmitOptions {
   std::string prompts_path;
   int concurrency = 16;
   SamplingParams sampling;
-  std::string request_id;  // empty: the coordinator generates one
-  bool stream = false;     // print each token as it arrives
-  bool json = false;       // the same object as `mlarun generate`, plus "dp_group"
-  double timeout_s = 60;   // the call's deadline
-  ClientSecurity security; // TLS and the bearer token (--tls-ca, --auth-token-file)
+  std::string request_id;   // empty: the coordinator generates one
+  bool stream = false;      // print each token as it arrives
+  bool json = false;        // the same object as `mlarun generate`, plus "dp_group"
+  double timeout_s = 60;    // the call's deadline
+  ClientSecurity security;  // TLS and the bearer token (--tls-ca, --auth-token-file)
 };
 // Exit code: 0 done, 1 a request failed (its gRPC status is printed), 2 bad usage.
 int RunSubmit(const SubmitOptions& o, std::ostream& out, std::ostream& err);

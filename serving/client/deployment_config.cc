@@ -28,7 +28,9 @@ Status ReadString(const std::string& path, const std::string& key, const YAML::N
   // value, a list or a mapping is a wrong type.
   if (!v.IsScalar())
     return InvalidArgumentError(Where(path, v), ": key '", key, "' must be a string, got ",
-                                v.IsNull() ? "nothing" : v.IsSequence() ? "a list" : "a mapping");
+                                v.IsNull()       ? "nothing"
+                                : v.IsSequence() ? "a list"
+                                                 : "a mapping");
   *out = v.Scalar();
   return Status::Ok();
 }
@@ -44,8 +46,9 @@ Status ReadPositiveInt(const std::string& path, const std::string& key, const YA
     }
   }
   if (!ok)
-    return InvalidArgumentError(Where(path, v), ": key '", key, "' must be an integer, got ",
-                                v.IsScalar() ? "'" + v.Scalar() + "'" : std::string(v.IsNull() ? "nothing" : "a collection"));
+    return InvalidArgumentError(
+        Where(path, v), ": key '", key, "' must be an integer, got ",
+        v.IsScalar() ? "'" + v.Scalar() + "'" : std::string(v.IsNull() ? "nothing" : "a collection"));
   // 0 means "not set" in DeploymentConfig; writing it in a file is a mistake.
   if (x <= 0) return InvalidArgumentError(Where(path, v), ": key '", key, "' must be positive, got ", x);
   *out = x;
@@ -54,7 +57,8 @@ Status ReadPositiveInt(const std::string& path, const std::string& key, const YA
 
 Status ParseDeployment(const std::string& path, const YAML::Node& root, DeploymentConfig* c) {
   if (root.IsNull()) return Status::Ok();  // empty, or comments only: nothing set
-  if (!root.IsMap()) return InvalidArgumentError(path, ": expected a mapping of deployment keys (", kDeploymentKeys, ")");
+  if (!root.IsMap())
+    return InvalidArgumentError(path, ": expected a mapping of deployment keys (", kDeploymentKeys, ")");
   std::set<std::string> seen;
   for (const auto& kv : root) {
     if (!kv.first.IsScalar()) return InvalidArgumentError(Where(path, kv.first), ": keys must be plain names");
@@ -106,7 +110,8 @@ Status ParseDeployment(const std::string& path, const YAML::Node& root, Deployme
 StatusOr<DeploymentConfig> LoadDeploymentConfig(const std::string& path) {
   std::error_code ec;
   if (!std::filesystem::exists(path, ec)) return NotFoundError("deployment config ", path, ": no such file");
-  if (std::filesystem::is_directory(path, ec)) return InvalidArgumentError("deployment config ", path, ": is a directory");
+  if (std::filesystem::is_directory(path, ec))
+    return InvalidArgumentError("deployment config ", path, ": is a directory");
   std::ifstream f(path, std::ios::binary);
   if (!f) return NotFoundError("deployment config ", path, ": cannot read the file");
   std::ostringstream text;
@@ -130,7 +135,5 @@ StatusOr<DeploymentConfig> ParseDeploymentConfig(std::string_view yaml_text, con
   }
   return c;
 }
-
-
 
 }  // namespace mlarun

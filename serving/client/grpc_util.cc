@@ -21,7 +21,8 @@ Status CheckAddress(std::string_view address) {
   if (address.empty()) return InvalidArgumentError("the address is empty (want host:port)");
   for (std::string_view scheme : {"dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:"}) {
     if (address.substr(0, scheme.size()) == scheme) {
-      if (address.size() == scheme.size()) return InvalidArgumentError("'", address, "' names no target after the scheme");
+      if (address.size() == scheme.size())
+        return InvalidArgumentError("'", address, "' names no target after the scheme");
       return Status::Ok();
     }
   }
@@ -38,7 +39,8 @@ Status CheckAddress(std::string_view address) {
       !std::all_of(port.begin(), port.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
     return InvalidArgumentError("cannot parse address '", address, "': the port must be a number");
   const int p = std::stoi(std::string(port));
-  if (p < 1 || p > 65535) return InvalidArgumentError("cannot parse address '", address, "': port ", p, " is out of range");
+  if (p < 1 || p > 65535)
+    return InvalidArgumentError("cannot parse address '", address, "': port ", p, " is out of range");
   return Status::Ok();
 }
 

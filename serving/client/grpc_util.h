@@ -11,8 +11,8 @@
 #include <string>
 #include <string_view>
 
-#include "serving/security/security.h"
 #include "base/status.h"
+#include "serving/security/security.h"
 
 namespace mlarun::client_internal {
 

@@ -24,13 +24,13 @@
 #include <string>
 #include <vector>
 
+#include "base/thread_annotations.h"
+#include "mlarun.grpc.pb.h"
 #include "serving/coordinator/dispatcher.h"
 #include "serving/http/metrics.h"
 #include "serving/http/openai_server.h"
 #include "serving/link/link_server.h"
 #include "text/tokenizer.h"
-#include "mlarun.grpc.pb.h"
-#include "base/thread_annotations.h"
 
 namespace mlarun {
 namespace coord {
@@ -82,8 +82,7 @@ grpc::ByteBuffer Serialize(const Msg& msg) {
 
 // One Generate call. Owns itself (self_) from creation until gRPC's OnDone;
 // the dispatcher holds it as the request's ClientOutlet while it is live.
-class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
-                           public Outbound<v1::GenerateResponse> {
+class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, public Outbound<v1::GenerateResponse> {
  public:
   static GenerateCall* Start(std::shared_ptr<Dispatcher> dispatcher, grpc::CallbackServerContext* ctx,
                              const grpc::ByteBuffer* bytes, const Caller& caller) {
@@ -120,8 +119,7 @@ class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>,
   void OnDone() override { self_.reset(); }  // may delete this: nothing after it
 
  private:
-  explicit GenerateCall(std::shared_ptr<Dispatcher> dispatcher)
-      : dispatcher_(std::move(dispatcher)) {}
+  explicit GenerateCall(std::shared_ptr<Dispatcher> dispatcher) : dispatcher_(std::move(dispatcher)) {}
   void StartWriteNow(const v1::GenerateResponse* msg) override {
     // One write in flight at a time (Outbound), so one buffer suffices; gRPC
     // reads it until OnWriteDone.
@@ -276,9 +274,9 @@ class CoordinatorImpl final : public Coordinator {
 std::string NewCoordinatorId() {
   // Distinct per process start, so a worker can tell that the coordinator
   // restarted (and its routing state is gone).
-  const auto now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
-                          std::chrono::system_clock::now().time_since_epoch())
-                          .count();
+  const auto now_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
   return "coordinator-" + std::to_string(getpid()) + "-" + std::to_string(now_ms);
 }
 
@@ -298,37 +296,32 @@ std::string DefaultServedModelName(const std::string& model_path) {
 }
 
 StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptions& options) {
-  if (options.max_queued < 0)
-    return InvalidArgumentError("max_queued: must be >= 0, got ", options.max_queued);
+  if (options.max_queued < 0) return InvalidArgumentError("max_queued: must be >= 0, got ", options.max_queued);
   if (options.max_in_flight_per_group < 1)
-    return InvalidArgumentError("max_in_flight_per_group: must be >= 1, got ",
-                                options.max_in_flight_per_group);
+    return InvalidArgumentError("max_in_flight_per_group: must be >= 1, got ", options.max_in_flight_per_group);
   if (options.balance_abs_tokens < 0)
-    return InvalidArgumentError("balance_abs_tokens: must be >= 0, got ",
-                                options.balance_abs_tokens);
-  if (!(options.balance_rel >= 0))
-    return InvalidArgumentError("balance_rel: must be >= 0, got ", options.balance_rel);
+    return InvalidArgumentError("balance_abs_tokens: must be >= 0, got ", options.balance_abs_tokens);
+  if (!(options.balance_rel >= 0)) return InvalidArgumentError("balance_rel: must be >= 0, got ", options.balance_rel);
   if (!(options.queue_timeout_s > 0) || !std::isfinite(options.queue_timeout_s))
     return InvalidArgumentError("queue_timeout_s: must be > 0 and finite, got ", options.queue_timeout_s);
   if (!(options.stall_timeout_s > 0) || !std::isfinite(options.stall_timeout_s))
     return InvalidArgumentError("stall_timeout_s: must be > 0 and finite, got ", options.stall_timeout_s);
   if (!(options.lost_group_wait_s >= 0) || !std::isfinite(options.lost_group_wait_s))
-    return InvalidArgumentError("lost_group_wait_s: must be >= 0 and finite, got ",
-                                options.lost_group_wait_s);
+    return InvalidArgumentError("lost_group_wait_s: must be >= 0 and finite, got ", options.lost_group_wait_s);
   if (options.max_known_groups < 1 || options.max_known_groups > (int64_t{1} << 20))
     return InvalidArgumentError("max_known_groups: must be in [1, 2^20], got ", options.max_known_groups);
   if (options.prefix_hashes_per_group < 0)
-    return InvalidArgumentError("prefix_hashes_per_group: must be >= 0, got ",
-                                options.prefix_hashes_per_group);
+    return InvalidArgumentError("prefix_hashes_per_group: must be >= 0, got ", options.prefix_hashes_per_group);
 
   if (!options.tls.ca.empty() && options.tls.cert.empty())
-    return InvalidArgumentError("--tls-ca needs --tls-cert and --tls-key: client certificates are verified only over TLS");
+    return InvalidArgumentError(
+        "--tls-ca needs --tls-cert and --tls-key: client certificates are verified only over TLS");
   if (options.worker_secret.empty() && options.tls.ca.empty() && !options.open_worker_link_off_loopback &&
       !IsLoopbackListen(options.listen))
-    return InvalidArgumentError("--worker-secret-file (or --tls-ca, for workers' client certificates): required when "
-                                "--listen binds beyond loopback (got '",
-                                options.listen,
-                                "'): without it any process that reaches the port can register as a worker");
+    return InvalidArgumentError(
+        "--worker-secret-file (or --tls-ca, for workers' client certificates): required when "
+        "--listen binds beyond loopback (got '",
+        options.listen, "'): without it any process that reaches the port can register as a worker");
 
   // The HTTP API's tokenizer and metrics come first: a model path that
   // does not load fails the start before any port is bound.

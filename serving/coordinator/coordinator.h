@@ -10,8 +10,8 @@
 #include <memory>
 #include <string>
 
-#include "serving/security/security.h"
 #include "base/status.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 namespace text {

@@ -1,15 +1,15 @@
 #include "serving/coordinator/dispatcher.h"
 
 #include <algorithm>
-#include <iostream>
 #include <cmath>
+#include <iostream>
 #include <limits>
 
+#include "base/status.h"
 #include "kv/prefix_hash.h"
+#include "runtime/request/request.h"
 #include "serving/proto/proto_sampling.h"
 #include "serving/security/security.h"
-#include "runtime/request/request.h"
-#include "base/status.h"
 
 namespace mlarun::coord {
 namespace {
@@ -41,12 +41,12 @@ using internal::StrCat;
 constexpr size_t kMaxWorkerIdBytes = 256;
 constexpr int32_t kMaxDp = 4096;
 constexpr int32_t kMaxAttnTp = 1024;
-constexpr int64_t kMaxRanksPerJob = 65536;              // dp * attn_tp
-constexpr int64_t kMaxVocab = int64_t{1} << 31;         // token ids fit in int32
+constexpr int64_t kMaxRanksPerJob = 65536;       // dp * attn_tp
+constexpr int64_t kMaxVocab = int64_t{1} << 31;  // token ids fit in int32
 constexpr int64_t kMaxPositions = int64_t{1} << 31;
 constexpr int64_t kMaxBlockSize = int64_t{1} << 20;
 constexpr int64_t kMaxBlocks = int64_t{1} << 40;
-constexpr size_t kMaxRankStatsBytes = 8 << 10;          // one RankStats (its strings, mostly)
+constexpr size_t kMaxRankStatsBytes = 8 << 10;  // one RankStats (its strings, mostly)
 // What GetStats answers must fit the 4 MiB a gRPC client takes by default:
 // the rank stats of every group known (2 MiB: ~2000 ranks as workers report
 // them), and the groups themselves with their disconnect reasons (1 KiB).
@@ -77,8 +77,8 @@ std::optional<std::string> CheckTopLogprobs(const google::protobuf::RepeatedPtrF
     if (!IsLogprob(t.logprob()))
       return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is not a finite log-probability (<= 0)");
     if (i > 0 && t.logprob() > top[i - 1].logprob())
-      return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is above the one before it (", top[i - 1].logprob(),
-                    "): not best first");
+      return StrCat("top_logprobs[", i, "] logprob ", t.logprob(), " is above the one before it (",
+                    top[i - 1].logprob(), "): not best first");
   }
   return std::nullopt;
 }
@@ -103,7 +103,8 @@ std::optional<std::string> CheckPromptLogprobs(const v1::PromptLogprobs& lp, con
       return StrCat("prompt_logprobs for token ", at, " name id ", e.token_id(), ", the prompt has ",
                     route.prompt_ids(static_cast<int>(at)));
     if (!IsLogprob(e.logprob()))
-      return StrCat("prompt_logprobs for token ", at, ": logprob ", e.logprob(), " is not a finite log-probability (<= 0)");
+      return StrCat("prompt_logprobs for token ", at, ": logprob ", e.logprob(),
+                    " is not a finite log-probability (<= 0)");
     if (auto bad = CheckTopLogprobs(e.top_logprobs(), route.sampling().prompt_logprobs(), vocab))
       return StrCat("prompt_logprobs for token ", at, ": ", *bad);
   }
@@ -148,7 +149,8 @@ std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v
     const std::string at = StrCat(field, "[", i, "]");
     if (r.rank() < 0 || r.rank() >= world)
       return StrCat(at, ".rank: must be in [0, dp * attn_tp = ", world, "), got ", r.rank());
-    if (r.dp_group() != dp_group) return StrCat(at, ".dp_group: must be the group's ", dp_group, ", got ", r.dp_group());
+    if (r.dp_group() != dp_group)
+      return StrCat(at, ".dp_group: must be the group's ", dp_group, ", got ", r.dp_group());
     if (r.attn_tp_rank() < 0 || r.attn_tp_rank() >= attn_tp)
       return StrCat(at, ".attn_tp_rank: must be in [0, attn_tp = ", attn_tp, "), got ", r.attn_tp_rank());
     if (r.ByteSizeLong() > kMaxRankStatsBytes)
@@ -161,9 +163,9 @@ std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v
 
 struct Dispatcher::Request {
   uint64_t serial = 0;
-  std::string id;         // the client's name for it (its own, or a random one)
-  std::string principal;  // who sent it ("" when the client API is open)
-  std::string wire_id;    // the group's name for it: unique among live requests
+  std::string id;          // the client's name for it (its own, or a random one)
+  std::string principal;   // who sent it ("" when the client API is open)
+  std::string wire_id;     // the group's name for it: unique among live requests
   v1::RouteRequest route;  // what the group gets: id, prompt, sampling with every field set
   int64_t prompt_tokens = 0;
   int64_t max_tokens = 0;
@@ -171,10 +173,10 @@ struct Dispatcher::Request {
   std::shared_ptr<ClientOutlet> client;
   bool client_deadline = false;  // the call carried a gRPC deadline
   Clock::time_point arrival, routed_at, first_token_at, last_token_at;
-  Clock::time_point unavailable_at;  // queued with no connected group: UNAVAILABLE from here
-  Clock::time_point deadline;        // DEADLINE_EXCEEDED from here
+  Clock::time_point unavailable_at;       // queued with no connected group: UNAVAILABLE from here
+  Clock::time_point deadline;             // DEADLINE_EXCEEDED from here
   Clock::duration unavailable_margin{0};  // deadline - unavailable_at as submitted (0 without a deadline)
-  int lost_group = -1;  // the group that went away before answering it (re-routed), if any
+  int lost_group = -1;                    // the group that went away before answering it (re-routed), if any
   std::multimap<Clock::time_point, Request*>::iterator timer;  // valid while armed
   bool armed = false;
   bool queued = false;
@@ -182,7 +184,7 @@ struct Dispatcher::Request {
   int group = -1;                           // routed to groups_[group]; -1 while queued
   int64_t tokens_sent = 0;
   int64_t prompt_logprobs_sent = 0;  // prompt tokens 1 .. this have had their logprobs passed on
-  std::vector<int32_t> completion;  // generated ids, kept for prefix_affinity only
+  std::vector<int32_t> completion;   // generated ids, kept for prefix_affinity only
   // Block-hash chains of the prompt, per block size seen (one in practice).
   std::vector<std::pair<int64_t, std::vector<uint64_t>>> chains;
 };
@@ -241,17 +243,15 @@ class Dispatcher::Pending {
 
 namespace {
 
-const std::vector<uint64_t>& ChainFor(
-    std::vector<std::pair<int64_t, std::vector<uint64_t>>>& chains, const v1::RouteRequest& route,
-    int64_t block_size) {
+const std::vector<uint64_t>& ChainFor(std::vector<std::pair<int64_t, std::vector<uint64_t>>>& chains,
+                                      const v1::RouteRequest& route, int64_t block_size) {
   for (auto& [bs, chain] : chains) {
     if (bs == block_size) return chain;
   }
   const auto& prompt = route.prompt_ids();
   chains.emplace_back(
       block_size,
-      PrefixBlockHashes(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())),
-                        block_size));
+      PrefixBlockHashes(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())), block_size));
   return chains.back().second;
 }
 
@@ -306,8 +306,7 @@ void Dispatcher::Observe(const Request& r, grpc::StatusCode code, std::string_vi
       .completion_tokens = r.tokens_sent,
       .prefix_hit_tokens = prefix_hit_tokens,
       .queued_s = routed ? std::chrono::duration<double>(r.routed_at - r.arrival).count() : -1.0,
-      .first_token_s =
-          r.tokens_sent > 0 ? std::chrono::duration<double>(r.first_token_at - r.arrival).count() : -1.0,
+      .first_token_s = r.tokens_sent > 0 ? std::chrono::duration<double>(r.first_token_at - r.arrival).count() : -1.0,
       .total_s = std::chrono::duration<double>(now - r.arrival).count(),
   });
 }
@@ -317,24 +316,26 @@ std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& reque
   const ModelLimits limits = Limits();
   const int64_t vocab = limits.vocab_size, max_pos = limits.max_position_embeddings;
   const auto& prompt = request.prompt_ids();
-  const Status st = ValidateRequest(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())), sampling,
-                                    {.vocab_size = vocab > 0 ? vocab : kLimitUnknown,
-                                     .max_position_embeddings = max_pos > 0 ? max_pos : kLimitUnknown,
-                                     .whose = "the registered DP groups'"});
+  const Status st =
+      ValidateRequest(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())), sampling,
+                      {.vocab_size = vocab > 0 ? vocab : kLimitUnknown,
+                       .max_position_embeddings = max_pos > 0 ? max_pos : kLimitUnknown,
+                       .whose = "the registered DP groups'"});
   if (st.ok()) return std::nullopt;
   return st.message();
 }
 
-std::optional<Dispatcher::Accepted> Dispatcher::Submit(
-    std::shared_ptr<ClientOutlet> client, const v1::GenerateRequest& request, const std::string& principal,
-    std::chrono::system_clock::time_point grpc_deadline) {
+std::optional<Dispatcher::Accepted> Dispatcher::Submit(std::shared_ptr<ClientOutlet> client,
+                                                       const v1::GenerateRequest& request, const std::string& principal,
+                                                       std::chrono::system_clock::time_point grpc_deadline) {
   const Clock::time_point now = Clock::now();
   // The gRPC deadline is wall-clock; the dispatcher works in steady time.
   const bool has_deadline = grpc_deadline != std::chrono::system_clock::time_point::max();
   const Clock::duration budget =
-      has_deadline ? std::max(Clock::duration::zero(), std::chrono::duration_cast<Clock::duration>(
-                                                           grpc_deadline - std::chrono::system_clock::now()))
-                   : Clock::duration::zero();
+      has_deadline
+          ? std::max(Clock::duration::zero(),
+                     std::chrono::duration_cast<Clock::duration>(grpc_deadline - std::chrono::system_clock::now()))
+          : Clock::duration::zero();
   const Clock::duration queue_timeout = SecondsToDuration(options_.queue_timeout_s);
 
   const SamplingParams sampling = FromProto(request.sampling());  // absent fields filled in
@@ -384,8 +385,7 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(
       r->deadline = has_deadline ? now + budget : Clock::time_point::max();
       if (has_deadline) {
         r->unavailable_margin = std::min<Clock::duration>(
-            kUnavailableMarginMax,
-            std::chrono::duration_cast<Clock::duration>(budget * kUnavailableMarginFraction));
+            kUnavailableMarginMax, std::chrono::duration_cast<Clock::duration>(budget * kUnavailableMarginFraction));
       }
       r->unavailable_at = std::min(now + queue_timeout, r->deadline - r->unavailable_margin);
       requests_.emplace(r->wire_id, std::move(owned));
@@ -576,20 +576,23 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;
       error = StrCat("register: the coordinator knows ", groups_.size(),
                      " DP groups, its limit, and every one of them is connected");
-    } else if (const int64_t before = held != group_index_.end() ? groups_[static_cast<size_t>(held->second)]->ranks_bytes
-                                      : reuse >= 0                ? groups_[static_cast<size_t>(reuse)]->ranks_bytes
-                                                                  : 0;
+    } else if (const int64_t before = held != group_index_.end()
+                                          ? groups_[static_cast<size_t>(held->second)]->ranks_bytes
+                                      : reuse >= 0 ? groups_[static_cast<size_t>(reuse)]->ranks_bytes
+                                                   : 0;
                rank_stats_bytes_ - before + RanksBytes(reg.ranks()) > kMaxRankStatsTotalBytes) {
       code = grpc::StatusCode::RESOURCE_EXHAUSTED;
-      error = StrCat("register.ranks: the rank stats of all groups may take at most ", kMaxRankStatsTotalBytes,
-                     " bytes");
+      error =
+          StrCat("register.ranks: the rank stats of all groups may take at most ", kMaxRankStatsTotalBytes, " bytes");
     }
     if (!error.empty()) {
       link->Close(code, std::move(error));
       pending.Add(link);
     } else {
       const auto key = std::make_pair(reg.worker_id(), reg.dp_group());
-      auto fresh = [&] { return std::make_unique<Group>(reg.worker_id(), reg.dp_group(), options_.prefix_hashes_per_group); };
+      auto fresh = [&] {
+        return std::make_unique<Group>(reg.worker_id(), reg.dp_group(), options_.prefix_hashes_per_group);
+      };
       if (reuse >= 0) {
         Replace(reuse, fresh());  // forgets the gone group only now that the registration holds
         group_index_.emplace(key, reuse);
@@ -653,8 +656,8 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
         break;
       case v1::WorkerMessage::kStats:
         if (msg.stats().free_blocks() < 0 || msg.stats().free_blocks() > kMaxBlocks) {
-          violation = Violation{.what = StrCat("stats.free_blocks: must be in [0, ", kMaxBlocks, "], got ",
-                                               msg.stats().free_blocks())};
+          violation = Violation{
+              .what = StrCat("stats.free_blocks: must be in [0, ", kMaxBlocks, "], got ", msg.stats().free_blocks())};
           break;
         }
         if (std::optional<std::string> bad =
@@ -757,16 +760,17 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
       return Violation{.request_id = r->wire_id,
                        .what = StrCat("logprob ", ev.logprob(), " for request '", r->id,
                                       "' is not a finite log-probability (<= 0)")};
-    if (std::optional<std::string> bad = CheckTopLogprobs(ev.top_logprobs(), r->route.sampling().logprobs(), g.vocab_size))
+    if (std::optional<std::string> bad =
+            CheckTopLogprobs(ev.top_logprobs(), r->route.sampling().logprobs(), g.vocab_size))
       return Violation{.request_id = r->wire_id, .what = StrCat("request '", r->id, "': ", *bad)};
     if (r->tokens_sent >= r->max_tokens)
-      return Violation{.request_id = r->wire_id,
-                       .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens,
-                                      " tokens")};
+      return Violation{
+          .request_id = r->wire_id,
+          .what = StrCat("request '", r->id, "' got more than its max_tokens = ", r->max_tokens, " tokens")};
     if (observer_ != nullptr)
-      observer_->OnToken(r->tokens_sent == 0,
-                         std::chrono::duration<double>(now - (r->tokens_sent == 0 ? r->arrival : r->last_token_at))
-                             .count());
+      observer_->OnToken(
+          r->tokens_sent == 0,
+          std::chrono::duration<double>(now - (r->tokens_sent == 0 ? r->arrival : r->last_token_at)).count());
     if (r->tokens_sent == 0) r->first_token_at = now;
     r->last_token_at = now;
     v1::GenerateResponse out;
@@ -785,8 +789,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
   return std::nullopt;
 }
 
-std::optional<Dispatcher::Violation> Dispatcher::OnDone(int group, const v1::RequestDone& done,
-                                                        Pending& pending) {
+std::optional<Dispatcher::Violation> Dispatcher::OnDone(int group, const v1::RequestDone& done, Pending& pending) {
   auto it = requests_.find(done.request_id());
   if (it == requests_.end() || it->second->group != group) return std::nullopt;
   Request* r = it->second.get();
@@ -818,12 +821,12 @@ void Dispatcher::ProtocolViolation(int group, Violation v, Pending& pending) {
   // The request it was answering fails (whatever the client saw may be
   // wrong); the group's others are handled as on any loss: re-routed
   // without a token, UNAVAILABLE with.
-  if (auto it = requests_.find(v.request_id); !v.request_id.empty() && it != requests_.end() &&
-                                              it->second->group == group) {
-    Fail(it->second.get(), grpc::StatusCode::INTERNAL,
-         StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' ", reason,
-                "; the coordinator disconnected it"),
-         false, pending);
+  if (auto it = requests_.find(v.request_id);
+      !v.request_id.empty() && it != requests_.end() && it->second->group == group) {
+    Fail(
+        it->second.get(), grpc::StatusCode::INTERNAL,
+        StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' ", reason, "; the coordinator disconnected it"),
+        false, pending);
   }
   std::shared_ptr<WorkerOutlet> owned = g.link;
   Disconnect(group, reason, pending);
@@ -873,8 +876,7 @@ void Dispatcher::Shutdown() {
     timer_cv_.notify_all();
     pending.Flush();
   }
-  if (timer_thread_.joinable() && timer_thread_.get_id() != std::this_thread::get_id())
-    timer_thread_.join();
+  if (timer_thread_.joinable() && timer_thread_.get_id() != std::this_thread::get_id()) timer_thread_.join();
 }
 
 // ---- Internals (REQUIRE mu_) ---------------------------------------------------
@@ -894,9 +896,7 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = *groups_[i];
     if (!Eligible(g)) continue;
-    Candidate c{.index = static_cast<int>(i),
-                .queued_tokens = g.queued_tokens,
-                .free_blocks = g.free_blocks};
+    Candidate c{.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks};
     if (router_.policy() == RoutingPolicy::kPrefixAffinity)
       c.prefix_blocks = g.prefix.LeadingMatch(ChainFor(r->chains, r->route, g.block_size));
     candidates.push_back(c);
@@ -920,8 +920,7 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
   }
   ++g.routed;
   if (observer_ != nullptr) observer_->OnRouted(g.worker_id, g.dp_group);
-  if (router_.policy() == RoutingPolicy::kPrefixAffinity)
-    g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
+  if (router_.policy() == RoutingPolicy::kPrefixAffinity) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
   v1::CoordinatorMessage msg;
   *msg.mutable_route() = r->route;
   g.link->Queue(std::move(msg));
@@ -945,10 +944,8 @@ void Dispatcher::ArmTimer(Request* r, Clock::time_point at) {
 
 void Dispatcher::OnTimer(Request* r, Clock::time_point now, Pending& pending) {
   if (now >= r->deadline) {
-    Fail(
-        r, grpc::StatusCode::DEADLINE_EXCEEDED,
-        r->group >= 0 ? "deadline exceeded" : "deadline exceeded while waiting for a free DP group",
-        true, pending);
+    Fail(r, grpc::StatusCode::DEADLINE_EXCEEDED,
+         r->group >= 0 ? "deadline exceeded" : "deadline exceeded while waiting for a free DP group", true, pending);
   } else if (r->queued && ConnectedGroups() == 0 && now >= r->unavailable_at) {
     Fail(r, grpc::StatusCode::UNAVAILABLE, NoGroupMessage(*r, now), false, pending);
   } else {
@@ -996,8 +993,7 @@ void Dispatcher::CheckStalls(Clock::time_point now, Pending& pending) {
     const std::string reason =
         g.in_flight > 0
             ? StrCat("it stalled: its leader sent nothing for ", Seconds(now - g.heard_at), " s with ", g.in_flight,
-                     g.in_flight == 1 ? " request" : " requests", " in flight (stall timeout ", Seconds(timeout),
-                     " s)")
+                     g.in_flight == 1 ? " request" : " requests", " in flight (stall timeout ", Seconds(timeout), " s)")
             : StrCat("it stalled: its leader, which reports stats while it runs, sent nothing for ",
                      Seconds(now - g.heard_at), " s while idle (stall timeout ", Seconds(timeout), " s)");
     std::shared_ptr<WorkerOutlet> owned = g.link;
@@ -1043,8 +1039,7 @@ void Dispatcher::CancelRoute(const Request& r, Pending& pending) {
   pending.Add(g.link);
 }
 
-void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
-                      Pending& pending) {
+void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route, Pending& pending) {
   if (cancel_route && r->group >= 0) CancelRoute(*r, pending);
   Count(code);
   Observe(*r, code, "", 0, Clock::now());
@@ -1059,8 +1054,7 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
   ++g.completed;
   Count(grpc::StatusCode::OK);
   Observe(*r, grpc::StatusCode::OK, done.finish_reason(), done.prefix_hit_tokens(), now);
-  if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() &&
-      g.block_size > 0) {
+  if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() && g.block_size > 0) {
     // The group's cache now also holds the generated tokens' blocks (all but
     // the last token, whose row is never written): a follow-up turn that
     // resends prompt + answer should find them.
@@ -1113,8 +1107,9 @@ std::string Dispatcher::NoGroupMessage(const Request& r, Clock::time_point now) 
                                     " (waited ", Ms(now - r.arrival), " ms)");
   if (last == nullptr) return StrCat("no DP group registered ", waited);
   return StrCat("no DP group connected ", waited, ": ",
-                groups_.size() == 1 ? std::string("the one DP group registered before, ")
-                                    : StrCat("all ", groups_.size(), " DP groups registered before went away; the last, "),
+                groups_.size() == 1
+                    ? std::string("the one DP group registered before, ")
+                    : StrCat("all ", groups_.size(), " DP groups registered before went away; the last, "),
                 "DP group ", last->dp_group, " of worker '", last->worker_id, "', went away ",
                 Seconds(now - last->left_at), " s ago: ", last->disconnect_reason);
 }
@@ -1133,15 +1128,14 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
     if (r->group == group) affected.push_back(r.get());
   }
   // Oldest first, so the re-routed keep their arrival order at the queue's head.
-  std::sort(affected.begin(), affected.end(),
-            [](Request* a, Request* b) { return a->serial < b->serial; });
+  std::sort(affected.begin(), affected.end(), [](Request* a, Request* b) { return a->serial < b->serial; });
   auto head = queue_.begin();
   for (Request* r : affected) {
     if (r->tokens_sent > 0) {
       // The client saw part of the answer: another group cannot continue it.
       Fail(r, grpc::StatusCode::UNAVAILABLE,
-           StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away after sending ",
-                  r->tokens_sent, r->tokens_sent == 1 ? " token: " : " tokens: ", g.disconnect_reason),
+           StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away after sending ", r->tokens_sent,
+                  r->tokens_sent == 1 ? " token: " : " tokens: ", g.disconnect_reason),
            false, pending);
     } else {
       ReleaseFromGroup(r);

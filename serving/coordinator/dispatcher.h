@@ -48,13 +48,13 @@
 #include <utility>
 #include <vector>
 
+#include "base/thread_annotations.h"
+#include "mlarun.pb.h"
+#include "runtime/request/sampling_params.h"
 #include "serving/coordinator/coordinator.h"
 #include "serving/coordinator/dispatcher_observer.h"
 #include "serving/coordinator/router.h"
 #include "serving/link/link_server.h"
-#include "mlarun.pb.h"
-#include "base/thread_annotations.h"
-#include "runtime/request/sampling_params.h"
 
 namespace mlarun::coord {
 
@@ -86,9 +86,8 @@ class Dispatcher final : public WorkerLinkHandler {
   // rejection `client` is closed with the error and nullopt is returned.
   // `grpc_deadline` is the call's deadline (time_point::max() when the
   // client set none).
-  std::optional<Accepted> Submit(std::shared_ptr<ClientOutlet> client,
-                                 const v1::GenerateRequest& request, const std::string& principal,
-                                 std::chrono::system_clock::time_point grpc_deadline);
+  std::optional<Accepted> Submit(std::shared_ptr<ClientOutlet> client, const v1::GenerateRequest& request,
+                                 const std::string& principal, std::chrono::system_clock::time_point grpc_deadline);
   // The client cancelled the call, disconnected, or its deadline passed inside
   // gRPC. Ends the request (if still live) and sends CancelRoute to its group.
   void ClientGone(const std::string& wire_id, uint64_t serial);
@@ -146,8 +145,8 @@ class Dispatcher final : public WorkerLinkHandler {
   // All of these REQUIRE mu_.
   // The request's checks, `sampling` being its SamplingParams with absent
   // fields filled in; the error names the field.
-  std::optional<std::string> Validate(const v1::GenerateRequest& request,
-                                      const SamplingParams& sampling) const MLARUN_REQUIRES(mu_);
+  std::optional<std::string> Validate(const v1::GenerateRequest& request, const SamplingParams& sampling) const
+      MLARUN_REQUIRES(mu_);
   int64_t ConnectedGroups() const MLARUN_REQUIRES(mu_);
   bool Eligible(const Group& g) const MLARUN_REQUIRES(mu_);
   bool TryRoute(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
@@ -185,8 +184,8 @@ class Dispatcher final : public WorkerLinkHandler {
   void CancelRoute(const Request& r, Pending& pending) MLARUN_REQUIRES(mu_);
   // Ends `r` with an error status (destroys it), counted by Count. CancelRoute
   // goes to its group when `cancel_route` and it is routed.
-  void Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route,
-            Pending& pending) MLARUN_REQUIRES(mu_);
+  void Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route, Pending& pending)
+      MLARUN_REQUIRES(mu_);
   void Complete(Request* r, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
   void Forget(Request* r) MLARUN_REQUIRES(mu_);  // unlinks and destroys r
   // The group went away (`reason` says how, for messages and GetStats): its

@@ -17,8 +17,7 @@ std::string_view RoutingPolicyName(RoutingPolicy p) {
 }
 
 StatusOr<RoutingPolicy> ParseRoutingPolicy(std::string_view name) {
-  for (RoutingPolicy p :
-       {RoutingPolicy::kRoundRobin, RoutingPolicy::kLeastLoaded, RoutingPolicy::kPrefixAffinity}) {
+  for (RoutingPolicy p : {RoutingPolicy::kRoundRobin, RoutingPolicy::kLeastLoaded, RoutingPolicy::kPrefixAffinity}) {
     if (name == RoutingPolicyName(p)) return p;
   }
   return InvalidArgumentError("policy: unknown routing policy '", name,
@@ -61,8 +60,7 @@ void PrefixIndex::Evict() {
   ticks.reserve(last_use_.size());
   for (const auto& [h, t] : last_use_) ticks.push_back(t);
   const size_t drop = ticks.size() - static_cast<size_t>(capacity_);
-  std::nth_element(ticks.begin(), ticks.begin() + static_cast<std::ptrdiff_t>(drop - 1),
-                   ticks.end());
+  std::nth_element(ticks.begin(), ticks.begin() + static_cast<std::ptrdiff_t>(drop - 1), ticks.end());
   const uint64_t cut = ticks[drop - 1];
   std::erase_if(last_use_, [cut](const auto& kv) { return kv.second <= cut; });
 }
@@ -98,8 +96,7 @@ size_t Router::Pick(std::span<const Candidate> candidates) {
       int64_t best_blocks = candidates[least].prefix_blocks;
       for (size_t i = 0; i < candidates.size(); ++i) {
         const Candidate& c = candidates[i];
-        if (c.prefix_blocks > best_blocks ||
-            (c.prefix_blocks == best_blocks && LessLoaded(c, candidates[best]))) {
+        if (c.prefix_blocks > best_blocks || (c.prefix_blocks == best_blocks && LessLoaded(c, candidates[best]))) {
           best = i;
           best_blocks = c.prefix_blocks;
         }
@@ -110,9 +107,7 @@ size_t Router::Pick(std::span<const Candidate> candidates) {
       // large gap between two busy groups may still be a small ratio.
       const double q_best = static_cast<double>(candidates[best].queued_tokens);
       const double q_least = static_cast<double>(candidates[least].queued_tokens);
-      if (q_best - q_least > static_cast<double>(balance_abs_tokens_) &&
-          q_best > balance_rel_ * q_least)
-        return least;
+      if (q_best - q_least > static_cast<double>(balance_abs_tokens_) && q_best > balance_rel_ * q_least) return least;
       return best;
     }
   }

@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "mlarun.pb.h"
 #include "base/status.h"
+#include "mlarun.pb.h"
 
 namespace mlarun {
 namespace {
@@ -23,15 +23,12 @@ using Buckets = prometheus::Histogram::BucketBoundaries;
 
 // vLLM's boundaries, with finer ones below them: a simulated group or a
 // small model on CPU answers in well under a millisecond per token.
-const Buckets kTtftBuckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02,  0.04, 0.06,
-                              0.08,   0.1,   0.25,   0.5,   0.75, 1.0,   2.5,  5.0,
-                              7.5,    10.0,  20.0,   40.0,  80.0, 160.0, 640.0};
-const Buckets kItlBuckets = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-                             0.075,  0.1,     0.15,   0.2,   0.3,    0.4,   0.5,  0.75,  1.0,
-                             2.5,    5.0,     7.5,    10.0,  20.0,   40.0,  80.0};
-const Buckets kE2eBuckets = {0.001, 0.005, 0.01, 0.025, 0.05,  0.1,   0.3,   0.5,   0.8,
-                             1.0,   1.5,   2.0,  2.5,   5.0,   10.0,  15.0,  20.0,  30.0,
-                             40.0,  50.0,  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0};
+const Buckets kTtftBuckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1,   0.25, 0.5,
+                              0.75,   1.0,   2.5,    5.0,   7.5,  10.0, 20.0, 40.0, 80.0, 160.0, 640.0};
+const Buckets kItlBuckets = {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,  0.15, 0.2,
+                             0.3,    0.4,     0.5,    0.75,  1.0,    2.5,   5.0,  7.5,   10.0, 20.0,  40.0, 80.0};
+const Buckets kE2eBuckets = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1,  0.3,  0.5,  0.8,   1.0,   1.5,   2.0,   2.5,
+                             5.0,   10.0,  15.0, 20.0,  30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0};
 
 // Finished reasons the protocol allows (dispatcher.cc checks them).
 constexpr std::array<std::string_view, 2> kFinishReasons = {"length", "stop"};
@@ -67,11 +64,10 @@ struct Metrics::Impl {
           .Name("mlarun:prompt_tokens_total")
           .Help("Prompt tokens of the requests routed to a DP group, counted when they end")
           .Register(*registry);
-  prometheus::Family<prometheus::Counter>& generation_tokens =
-      prometheus::BuildCounter()
-          .Name("mlarun:generation_tokens_total")
-          .Help("Generated tokens sent to clients")
-          .Register(*registry);
+  prometheus::Family<prometheus::Counter>& generation_tokens = prometheus::BuildCounter()
+                                                                   .Name("mlarun:generation_tokens_total")
+                                                                   .Help("Generated tokens sent to clients")
+                                                                   .Register(*registry);
   prometheus::Family<prometheus::Counter>& prefix_queries =
       prometheus::BuildCounter()
           .Name("mlarun:prefix_cache_queries_total")
@@ -87,11 +83,10 @@ struct Metrics::Impl {
           .Name("mlarun:routing_decisions_total")
           .Help("Requests routed, by routing policy and DP group (re-routings included)")
           .Register(*registry);
-  prometheus::Family<prometheus::Counter>& http =
-      prometheus::BuildCounter()
-          .Name("mlarun:http_requests_total")
-          .Help("HTTP exchanges answered, by path and HTTP status")
-          .Register(*registry);
+  prometheus::Family<prometheus::Counter>& http = prometheus::BuildCounter()
+                                                      .Name("mlarun:http_requests_total")
+                                                      .Help("HTTP exchanges answered, by path and HTTP status")
+                                                      .Register(*registry);
   prometheus::Family<prometheus::Histogram>& ttft =
       prometheus::BuildHistogram()
           .Name("mlarun:time_to_first_token_seconds")
@@ -133,19 +128,16 @@ struct Metrics::Impl {
 
   const std::string& Alias(std::string_view worker_id) {  // REQUIRES mu
     auto it = alias.find(worker_id);
-    if (it == alias.end())
-      it = alias.emplace(std::string(worker_id), "worker-" + std::to_string(alias.size())).first;
+    if (it == alias.end()) it = alias.emplace(std::string(worker_id), "worker-" + std::to_string(alias.size())).first;
     return it->second;
   }
 };
 
 Metrics::Metrics(std::string policy) : impl_(std::make_unique<Impl>(std::move(policy))) {
   for (size_t i = 0; i < kFinishReasons.size(); ++i)
-    impl_->success_by_reason[i] =
-        &impl_->success.Add({{"finished_reason", std::string(kFinishReasons[i])}});
+    impl_->success_by_reason[i] = &impl_->success.Add({{"finished_reason", std::string(kFinishReasons[i])}});
   for (int c = 1; c < kCodes; ++c)
-    impl_->error_by_code[c] =
-        &impl_->errors.Add({{"code", std::string(StatusCodeName(static_cast<StatusCode>(c)))}});
+    impl_->error_by_code[c] = &impl_->errors.Add({{"code", std::string(StatusCodeName(static_cast<StatusCode>(c)))}});
 }
 
 Metrics::~Metrics() = default;
@@ -155,8 +147,8 @@ void Metrics::OnRouted(std::string_view worker_id, int32_t dp_group) {
   const std::string& alias = impl_->Alias(worker_id);
   auto [it, fresh] = impl_->routed.try_emplace({alias, dp_group}, nullptr);
   if (fresh) {
-    it->second = &impl_->routing.Add(
-        {{"policy", impl_->policy}, {"worker", alias}, {"dp_group", std::to_string(dp_group)}});
+    it->second =
+        &impl_->routing.Add({{"policy", impl_->policy}, {"worker", alias}, {"dp_group", std::to_string(dp_group)}});
   }
   it->second->Increment();
 }
@@ -169,8 +161,7 @@ void Metrics::OnToken(bool first, double since_s) {
 void Metrics::OnEnd(const coord::RequestEnd& end) {
   if (end.queued_s >= 0) impl_->prompt->Increment(static_cast<double>(end.prompt_tokens));
   if (end.status_code != 0) {
-    if (end.status_code > 0 && end.status_code < kCodes)
-      impl_->error_by_code[end.status_code]->Increment();
+    if (end.status_code > 0 && end.status_code < kCodes) impl_->error_by_code[end.status_code]->Increment();
     return;
   }
   for (size_t i = 0; i < kFinishReasons.size(); ++i) {
@@ -189,54 +180,40 @@ void Metrics::OnHttp(std::string_view path, int status) {
   }
   std::lock_guard lock(impl_->mu);
   auto [it, fresh] = impl_->http_counters.try_emplace({std::string(label), status}, nullptr);
-  if (fresh)
-    it->second =
-        &impl_->http.Add({{"path", std::string(label)}, {"status", std::to_string(status)}});
+  if (fresh) it->second = &impl_->http.Add({{"path", std::string(label)}, {"status", std::to_string(status)}});
   it->second->Increment();
 }
 
-std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requests,
-                            bool details) {
+std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requests, bool details) {
   // The gauges are read now, into a registry of this scrape only: groups and
   // ranks that are gone are simply absent.
   prometheus::Registry now;
-  auto gauge = [&](const std::string& name,
-                   const std::string& help) -> prometheus::Family<prometheus::Gauge>& {
+  auto gauge = [&](const std::string& name, const std::string& help) -> prometheus::Family<prometheus::Gauge>& {
     return prometheus::BuildGauge().Name(name).Help(help).Register(now);
   };
   auto& queued = gauge("mlarun:num_requests_queued",
                        "Requests waiting in the coordinator's queue for a DP group (no group "
                        "connected, or all full)");
-  auto& live =
-      gauge("mlarun:num_requests_live", "Requests accepted and not ended (queued or routed)");
+  auto& live = gauge("mlarun:num_requests_live", "Requests accepted and not ended (queued or routed)");
   auto& connected = gauge("mlarun:dp_groups_connected", "DP groups registered and connected");
-  auto& in_flight =
-      gauge("mlarun:num_requests_in_flight", "Requests routed to the DP group and not ended");
-  auto& running = gauge("mlarun:num_requests_running",
-                        "Requests running in the DP group, as its leader last reported");
-  auto& waiting =
-      gauge("mlarun:num_requests_waiting",
-            "Requests waiting inside the DP group for cache blocks, as its leader last reported");
+  auto& in_flight = gauge("mlarun:num_requests_in_flight", "Requests routed to the DP group and not ended");
+  auto& running = gauge("mlarun:num_requests_running", "Requests running in the DP group, as its leader last reported");
+  auto& waiting = gauge("mlarun:num_requests_waiting",
+                        "Requests waiting inside the DP group for cache blocks, as its leader last reported");
   auto& queued_tokens =
-      gauge("mlarun:group_queued_tokens",
-            "Prompt + max_tokens of the requests routed to the DP group and not ended");
-  auto& free_blocks = gauge("mlarun:group_free_blocks",
-                            "Free (or evictable) cache blocks the DP group last reported");
-  auto& blocks_used =
-      gauge("mlarun:cache_blocks_used", "Latent cache blocks in use on the rank, as last reported");
+      gauge("mlarun:group_queued_tokens", "Prompt + max_tokens of the requests routed to the DP group and not ended");
+  auto& free_blocks = gauge("mlarun:group_free_blocks", "Free (or evictable) cache blocks the DP group last reported");
+  auto& blocks_used = gauge("mlarun:cache_blocks_used", "Latent cache blocks in use on the rank, as last reported");
   auto& blocks_total = gauge("mlarun:cache_blocks_total", "Latent cache blocks of the rank");
-  auto& usage = gauge("mlarun:cache_usage_perc",
-                      "Fraction of the rank's latent cache blocks in use (0 to 1)");
+  auto& usage = gauge("mlarun:cache_usage_perc", "Fraction of the rank's latent cache blocks in use (0 to 1)");
   auto& received = prometheus::BuildCounter()
                        .Name("mlarun:requests_received_total")
                        .Help("Generate requests received by the coordinator (gRPC and HTTP)")
                        .Register(now);
-  auto& rerouted =
-      prometheus::BuildCounter()
-          .Name("mlarun:requests_rerouted_total")
-          .Help(
-              "Requests moved to another DP group after theirs went away before their first token")
-          .Register(now);
+  auto& rerouted = prometheus::BuildCounter()
+                       .Name("mlarun:requests_rerouted_total")
+                       .Help("Requests moved to another DP group after theirs went away before their first token")
+                       .Register(now);
 
   queued.Add({}).Set(static_cast<double>(stats.coordinator().requests_queued()));
   live.Add({}).Set(static_cast<double>(live_requests));
@@ -251,8 +228,7 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
       ++n_connected;
       const std::string& alias = impl_->Alias(g.worker_id());
       shown.emplace(alias, g.worker_id());
-      const prometheus::Labels labels = {{"worker", alias},
-                                         {"dp_group", std::to_string(g.dp_group())}};
+      const prometheus::Labels labels = {{"worker", alias}, {"dp_group", std::to_string(g.dp_group())}};
       in_flight.Add(labels).Set(static_cast<double>(g.requests_in_flight()));
       queued_tokens.Add(labels).Set(static_cast<double>(g.queued_tokens()));
       free_blocks.Add(labels).Set(static_cast<double>(g.free_blocks()));
@@ -262,29 +238,26 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
           running.Add(labels).Set(static_cast<double>(r.requests_running()));
           waiting.Add(labels).Set(static_cast<double>(r.requests_waiting()));
         }
-        const prometheus::Labels rank_labels = {{"worker", alias},
-                                                {"dp_group", std::to_string(r.dp_group())},
-                                                {"rank", std::to_string(r.rank())}};
+        const prometheus::Labels rank_labels = {
+            {"worker", alias}, {"dp_group", std::to_string(r.dp_group())}, {"rank", std::to_string(r.rank())}};
         blocks_used.Add(rank_labels).Set(static_cast<double>(r.cache_blocks_used()));
         blocks_total.Add(rank_labels).Set(static_cast<double>(r.cache_blocks_total()));
         usage.Add(rank_labels)
-            .Set(r.cache_blocks_total() > 0 ? static_cast<double>(r.cache_blocks_used()) /
-                                                  static_cast<double>(r.cache_blocks_total())
-                                            : 0.0);
+            .Set(r.cache_blocks_total() > 0
+                     ? static_cast<double>(r.cache_blocks_used()) / static_cast<double>(r.cache_blocks_total())
+                     : 0.0);
       }
     }
   }
   connected.Add({}).Set(static_cast<double>(n_connected));
   if (details) {
-    auto& info = gauge("mlarun:worker_info",
-                       "1 for each connected worker job: its alias and its id (leader host:pid)");
+    auto& info = gauge("mlarun:worker_info", "1 for each connected worker job: its alias and its id (leader host:pid)");
     for (const auto& [alias, id] : shown) info.Add({{"worker", alias}, {"worker_id", id}}).Set(1);
   }
 
   std::vector<prometheus::MetricFamily> families = impl_->registry->Collect();
   std::vector<prometheus::MetricFamily> gauges = now.Collect();
-  families.insert(families.end(), std::make_move_iterator(gauges.begin()),
-                  std::make_move_iterator(gauges.end()));
+  families.insert(families.end(), std::make_move_iterator(gauges.begin()), std::make_move_iterator(gauges.end()));
   return prometheus::TextSerializer().Serialize(families);
 }
 

@@ -41,12 +41,12 @@
 #include <utility>
 #include <vector>
 
+#include "mlarun.pb.h"
 #include "serving/coordinator/dispatcher.h"
 #include "serving/http/metrics.h"
 #include "serving/proto/proto_sampling.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
-#include "mlarun.pb.h"
 
 namespace mlarun {
 namespace {
@@ -96,9 +96,7 @@ void ReplyJson(httplib::Response& res, int status, const json& body) {
   res.set_content(Dump(body), "application/json");
 }
 
-void ReplyError(httplib::Response& res, const ApiError& e) {
-  ReplyJson(res, e.status, ErrorBody(e));
-}
+void ReplyError(httplib::Response& res, const ApiError& e) { ReplyJson(res, e.status, ErrorBody(e)); }
 
 ApiError BadField(const std::string& field, const std::string& what) {
   return ApiError{.status = 400, .message = StrCat(field, ": ", what), .param = field};
@@ -123,19 +121,13 @@ ApiError FromDispatcher(grpc::StatusCode code, const std::string& message, bool 
       return ApiError{.status = 400, .message = message, .param = param};
     }
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return ApiError{
-          .status = 429, .message = message, .type = "rate_limit_error", .code = "queue_full"};
+      return ApiError{.status = 429, .message = message, .type = "rate_limit_error", .code = "queue_full"};
     case grpc::StatusCode::UNAVAILABLE:
-      return ApiError{
-          .status = 503, .message = message, .type = "service_unavailable", .code = "unavailable"};
+      return ApiError{.status = 503, .message = message, .type = "service_unavailable", .code = "unavailable"};
     case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return ApiError{
-          .status = 504, .message = message, .type = "timeout", .code = "deadline_exceeded"};
+      return ApiError{.status = 504, .message = message, .type = "timeout", .code = "deadline_exceeded"};
     case grpc::StatusCode::UNAUTHENTICATED:
-      return ApiError{.status = 401,
-                      .message = message,
-                      .type = "authentication_error",
-                      .code = "invalid_api_key"};
+      return ApiError{.status = 401, .message = message, .type = "authentication_error", .code = "invalid_api_key"};
     default:
       return ApiError{.status = 500, .message = message, .type = "server_error"};
   }
@@ -183,13 +175,11 @@ std::optional<int64_t> GetInt(const json& body, const char* name, int64_t lo, in
   if (v == nullptr) return std::nullopt;
   int64_t x = 0;
   if (v->is_number_integer()) {
-    if (v->is_number_unsigned() &&
-        v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
       throw BadField(name, StrCat("must be at most ", hi));
     x = v->get<int64_t>();
   } else if (v->is_number_float() && std::isfinite(v->get<double>()) &&
-             std::floor(v->get<double>()) == v->get<double>() &&
-             std::fabs(v->get<double>()) < 9e15) {
+             std::floor(v->get<double>()) == v->get<double>() && std::fabs(v->get<double>()) < 9e15) {
     x = static_cast<int64_t>(v->get<double>());
   } else {
     throw BadField(name, StrCat("must be an integer, got ", TypeName(*v)));
@@ -219,8 +209,7 @@ std::vector<int32_t> TokenIds(const json& v, const std::string& field) {
   for (size_t i = 0; i < v.size(); ++i) {
     const json& t = v[i];
     if (!t.is_number_integer())
-      throw BadField(field,
-                     StrCat("element ", i, " must be a token id (an integer), got ", TypeName(t)));
+      throw BadField(field, StrCat("element ", i, " must be a token id (an integer), got ", TypeName(t)));
     const int64_t id = t.get<int64_t>();
     if (id < 0 || id > std::numeric_limits<int32_t>::max())
       throw BadField(field, StrCat("token id ", id, " at ", i, " is out of range"));
@@ -247,8 +236,8 @@ struct Params {
   std::vector<std::string> stop;
   std::vector<int64_t> stop_token_ids;
   bool ignore_eos = false;
-  bool logprobs = false;     // the chosen tokens' logprobs
-  int64_t top_logprobs = 0;  // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
+  bool logprobs = false;         // the chosen tokens' logprobs
+  int64_t top_logprobs = 0;      // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
   int64_t prompt_logprobs = -1;  // completions' echo with logprobs: the prompt's too, with this many beside each
   bool echo = false;
   bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
@@ -259,14 +248,12 @@ struct Params {
 void ParseSampling(const json& body, Params& p) {
   p.stream = GetBool(body, "stream", false);
   if (const json* so = Field(body, "stream_options")) {
-    if (!so->is_object())
-      throw BadField("stream_options", StrCat("must be an object, got ", TypeName(*so)));
+    if (!so->is_object()) throw BadField("stream_options", StrCat("must be an object, got ", TypeName(*so)));
     if (!p.stream) throw BadField("stream_options", "only allowed with stream: true");
     p.include_usage = GetBool(*so, "include_usage", false);
   }
   p.n = GetInt(body, "n", 1, kMaxChoices).value_or(1);
-  if (std::optional<int64_t> best_of = GetInt(body, "best_of", 1, kMaxChoices);
-      best_of && *best_of != p.n)
+  if (std::optional<int64_t> best_of = GetInt(body, "best_of", 1, kMaxChoices); best_of && *best_of != p.n)
     throw BadField("best_of", "only best_of == n is supported (each choice is one sample)");
   if (Field(body, "max_completion_tokens") != nullptr) {
     p.max_tokens = GetInt(body, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max());
@@ -284,8 +271,8 @@ void ParseSampling(const json& body, Params& p) {
     p.top_p = *t;
   }
   p.top_k = GetInt(body, "top_k", -1, std::numeric_limits<int32_t>::max()).value_or(0);
-  if (std::optional<int64_t> s = GetInt(body, "seed", std::numeric_limits<int64_t>::min(),
-                                        std::numeric_limits<int64_t>::max()))
+  if (std::optional<int64_t> s =
+          GetInt(body, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
     p.seed = static_cast<uint64_t>(*s);
   if (const json* stop = Field(body, "stop")) {
     if (stop->is_string()) {
@@ -295,20 +282,16 @@ void ParseSampling(const json& body, Params& p) {
         throw BadField("stop", StrCat("at most ", kMaxStops, " strings, got ", stop->size()));
       for (const json& s : *stop) {
         if (!s.is_string())
-          throw BadField("stop",
-                         StrCat("must be a string or an array of strings, got an array holding ",
-                                TypeName(s)));
+          throw BadField("stop", StrCat("must be a string or an array of strings, got an array holding ", TypeName(s)));
         p.stop.push_back(s.get<std::string>());
       }
     } else {
-      throw BadField("stop",
-                     StrCat("must be a string or an array of strings, got ", TypeName(*stop)));
+      throw BadField("stop", StrCat("must be a string or an array of strings, got ", TypeName(*stop)));
     }
   }
   if (const json* ids = Field(body, "stop_token_ids")) {
     if (!ids->is_array())
-      throw BadField("stop_token_ids",
-                     StrCat("must be an array of token ids, got ", TypeName(*ids)));
+      throw BadField("stop_token_ids", StrCat("must be an array of token ids, got ", TypeName(*ids)));
     for (const json& t : *ids) {
       if (!t.is_number_integer() || t.get<int64_t>() < 0)
         throw BadField("stop_token_ids", "must hold token ids (integers >= 0)");
@@ -322,8 +305,7 @@ void ParseSampling(const json& body, Params& p) {
   RequireValue(body, "presence_penalty", 0, "the engine applies no penalties");
   RequireValue(body, "frequency_penalty", 0, "the engine applies no penalties");
   RequireValue(body, "repetition_penalty", 1, "the engine applies no penalties");
-  if (const json* bias = Field(body, "logit_bias");
-      bias != nullptr && !(bias->is_object() && bias->empty()))
+  if (const json* bias = Field(body, "logit_bias"); bias != nullptr && !(bias->is_object() && bias->empty()))
     throw BadField("logit_bias", "not supported (the engine applies no biases)");
   if (const json* user = Field(body, "user"); user != nullptr && !user->is_string())
     throw BadField("user", StrCat("must be a string, got ", TypeName(*user)));
@@ -334,8 +316,7 @@ void ParseSampling(const json& body, Params& p) {
 void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
   ParseSampling(body, p);
   if (const json* lp = Field(body, "logprobs")) {
-    if (!lp->is_number_integer())
-      throw BadField("logprobs", StrCat("must be an integer, got ", TypeName(*lp)));
+    if (!lp->is_number_integer()) throw BadField("logprobs", StrCat("must be an integer, got ", TypeName(*lp)));
     const int64_t k = lp->get<int64_t>();
     if (k < 0 || k > kMaxTopLogprobs)
       throw BadField("logprobs", StrCat("must be in [0, ", kMaxTopLogprobs, "], got ", k));
@@ -349,8 +330,7 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
   // echo with max_tokens 0: the prompt alone (with its logprobs, if asked),
   // as vLLM: the group generates one token, which is not shown.
   if (p.max_tokens == 0) {
-    if (!p.echo)
-      throw BadField("max_tokens", "must be in [1, 2147483647], got 0 (0 only with echo: the prompt alone)");
+    if (!p.echo) throw BadField("max_tokens", "must be in [1, 2147483647], got 0 (0 only with echo: the prompt alone)");
     p.echo_only = true;
   }
   if (const json* suffix = Field(body, "suffix");
@@ -373,8 +353,7 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
   } else if (prompt->is_array()) {
     if (prompt->empty()) throw BadField("prompt", "must not be empty");
     if (prompt->size() > kMaxPrompts)
-      throw BadField("prompt",
-                     StrCat("a batch of at most ", kMaxPrompts, " prompts, got ", prompt->size()));
+      throw BadField("prompt", StrCat("a batch of at most ", kMaxPrompts, " prompts, got ", prompt->size()));
     const json& first = (*prompt)[0];
     if (first.is_number_integer()) {
       add_ids(*prompt);
@@ -385,18 +364,15 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
         } else if (one.is_array()) {
           add_ids(one);
         } else {
-          throw BadField(
-              "prompt",
-              StrCat("must be a string, an array of strings, an array of token ids or an array "
-                     "of such arrays; got an array holding ",
-                     TypeName(one)));
+          throw BadField("prompt", StrCat("must be a string, an array of strings, an array of token ids or an array "
+                                          "of such arrays; got an array holding ",
+                                          TypeName(one)));
         }
       }
     }
   } else {
     throw BadField("prompt",
-                   StrCat("must be a string, an array of strings or an array of token ids, got ",
-                          TypeName(*prompt)));
+                   StrCat("must be a string, an array of strings or an array of token ids, got ", TypeName(*prompt)));
   }
 }
 
@@ -433,8 +409,7 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
     if (!p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
     p.top_logprobs = *top;
   }
-  if (const json* tools = Field(body, "tools");
-      tools != nullptr && !(tools->is_array() && tools->empty()))
+  if (const json* tools = Field(body, "tools"); tools != nullptr && !(tools->is_array() && tools->empty()))
     throw BadField("tools", "tool calls are not supported");
   if (const json* rf = Field(body, "response_format")) {
     if (!rf->is_object() || rf->value("type", "") != "text")
@@ -442,8 +417,7 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
   }
   const json* messages = Field(body, "messages");
   if (messages == nullptr) throw BadField("messages", "required");
-  if (!messages->is_array())
-    throw BadField("messages", StrCat("must be an array, got ", TypeName(*messages)));
+  if (!messages->is_array()) throw BadField("messages", StrCat("must be an array, got ", TypeName(*messages)));
   if (messages->empty()) throw BadField("messages", "must not be empty");
   json msgs = json::array();
   for (size_t i = 0; i < messages->size(); ++i) {
@@ -457,18 +431,14 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
     msgs.push_back(std::move(copy));
   }
   if (tmpl == nullptr) {
-    throw ApiError{.status = 400,
-                   .message = template_error,
-                   .param = "messages",
-                   .code = "chat_template_unsupported"};
+    throw ApiError{.status = 400, .message = template_error, .param = "messages", .code = "chat_template_unsupported"};
   }
   json context = {{"messages", std::move(msgs)},
                   {"add_generation_prompt", GetBool(body, "add_generation_prompt", true)},
                   {"bos_token", tokenizer.bos_token()},
                   {"eos_token", tokenizer.eos_token()}};
   if (const json* kw = Field(body, "chat_template_kwargs")) {
-    if (!kw->is_object())
-      throw BadField("chat_template_kwargs", StrCat("must be an object, got ", TypeName(*kw)));
+    if (!kw->is_object()) throw BadField("chat_template_kwargs", StrCat("must be an object, got ", TypeName(*kw)));
     for (auto it = kw->begin(); it != kw->end(); ++it) {
       if (it.key() != "messages") context[it.key()] = it.value();
     }
@@ -477,14 +447,13 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
   if (!rendered.ok()) {
     throw ApiError{
         .status = 400,
-        .message = StrCat(
-            "the model's chat template cannot render these messages: ", rendered.status().message(),
-            "; /v1/completions takes a prompt string rendered by the client instead"),
+        .message = StrCat("the model's chat template cannot render these messages: ", rendered.status().message(),
+                          "; /v1/completions takes a prompt string rendered by the client instead"),
         .param = "messages",
         .code = "chat_template_error"};
   }
-  std::vector<int32_t> ids = tokenizer.Encode(
-      *rendered, /*add_special_tokens=*/GetBool(body, "add_special_tokens", false));
+  std::vector<int32_t> ids =
+      tokenizer.Encode(*rendered, /*add_special_tokens=*/GetBool(body, "add_special_tokens", false));
   if (ids.empty()) throw BadField("messages", "the rendered conversation has no tokens");
   p.prompts.push_back(std::move(ids));
 }
@@ -510,8 +479,7 @@ struct ExchangeState {
 // allows) and never call back; Flush wakes the handler.
 class ChoiceOutlet final : public coord::ClientOutlet {
  public:
-  ChoiceOutlet(std::shared_ptr<ExchangeState> state, size_t slot)
-      : state_(std::move(state)), slot_(slot) {}
+  ChoiceOutlet(std::shared_ptr<ExchangeState> state, size_t slot) : state_(std::move(state)), slot_(slot) {}
   void Queue(v1::GenerateResponse msg) override {
     std::lock_guard lock(state_->mu);
     ExchangeState::Slot& s = state_->slots[slot_];
@@ -539,9 +507,9 @@ struct Choice {
   std::optional<coord::Dispatcher::Accepted> accepted;  // nullopt: rejected at Submit
   std::unique_ptr<text::IncrementalDecoder> decoder;
   std::unique_ptr<text::StopMatcher> stop;
-  std::string text;      // not yet sent (streams) or all of it (whole answers)
-  bool started = false;  // a stream's first chunk (role, echo) was sent
-  std::vector<LogprobEntry> tokens;  // not yet sent with logprobs (streams), or all
+  std::string text;                           // not yet sent (streams) or all of it (whole answers)
+  bool started = false;                       // a stream's first chunk (role, echo) was sent
+  std::vector<LogprobEntry> tokens;           // not yet sent with logprobs (streams), or all
   std::vector<LogprobEntry> prompt_logprobs;  // prompt tokens 1, 2, ... (echo with logprobs)
   int64_t completion_tokens = 0;
   std::string finish_reason;  // set when it ended well
@@ -557,7 +525,9 @@ struct Choice {
 class Connection {
  public:
   explicit Connection(const httplib::Request& req)
-      : local_addr_(req.local_addr), remote_addr_(req.remote_addr), local_port_(req.local_port),
+      : local_addr_(req.local_addr),
+        remote_addr_(req.remote_addr),
+        local_port_(req.local_port),
         remote_port_(req.remote_port) {}
   // True when the peer closed or reset the connection. The descriptor is
   // looked up at the first call: an exchange answered within one probe
@@ -575,8 +545,8 @@ class Connection {
  private:
   static bool Matches(const sockaddr_storage& a, socklen_t len, const std::string& addr, int port) {
     char host[NI_MAXHOST], serv[NI_MAXSERV];
-    if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, serv,
-                    sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, serv, sizeof serv,
+                    NI_NUMERICHOST | NI_NUMERICSERV) != 0)
       return false;
     return std::atoi(serv) == port && addr == host;
   }
@@ -592,8 +562,7 @@ class Connection {
       if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0) continue;
       if (local.ss_family != AF_INET && local.ss_family != AF_INET6) continue;
       if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) continue;
-      if (Matches(local, local_len, local_addr_, local_port_) &&
-          Matches(peer, peer_len, remote_addr_, remote_port_)) {
+      if (Matches(local, local_len, local_addr_, local_port_) && Matches(peer, peer_len, remote_addr_, remote_port_)) {
         found = fd;
         break;
       }
@@ -612,8 +581,8 @@ class Connection {
 // is still live (the client went away, a write failed, the server stops).
 class Exchange {
  public:
-  Exchange(std::shared_ptr<coord::Dispatcher> dispatcher, const text::Tokenizer& tokenizer,
-           Params params, std::string id, std::string model, const httplib::Request& req)
+  Exchange(std::shared_ptr<coord::Dispatcher> dispatcher, const text::Tokenizer& tokenizer, Params params,
+           std::string id, std::string model, const httplib::Request& req)
       : dispatcher_(std::move(dispatcher)),
         tokenizer_(tokenizer),
         params_(std::move(params)),
@@ -636,25 +605,21 @@ class Exchange {
     state_->slots.resize(total);
     choices_.resize(total);
     static thread_local std::mt19937_64 rng(std::random_device{}());
-    const auto deadline = timeout_s > 0
-                              ? std::chrono::system_clock::now() +
-                                    std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                                        std::chrono::duration<double>(timeout_s))
-                              : std::chrono::system_clock::time_point::max();
+    const auto deadline = timeout_s > 0 ? std::chrono::system_clock::now() +
+                                              std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                                                  std::chrono::duration<double>(timeout_s))
+                                        : std::chrono::system_clock::time_point::max();
     for (size_t p = 0; p < params_.prompts.size(); ++p) {
       const std::vector<int32_t>& prompt = params_.prompts[p];
       int64_t max_tokens = params_.echo_only ? 1 : params_.max_tokens.value_or(kDefaultMaxTokens);
-      if (!params_.max_tokens && params_.chat &&
-          max_positions > static_cast<int64_t>(prompt.size()))
-        max_tokens = max_positions -
-                     static_cast<int64_t>(prompt.size());  // chat: up to the context, as vLLM
+      if (!params_.max_tokens && params_.chat && max_positions > static_cast<int64_t>(prompt.size()))
+        max_tokens = max_positions - static_cast<int64_t>(prompt.size());  // chat: up to the context, as vLLM
       for (int64_t i = 0; i < params_.n; ++i) {
         const size_t k = p * static_cast<size_t>(params_.n) + static_cast<size_t>(i);
         Choice& c = choices_[k];
         c.index = k;
         c.prompt = p;
-        c.decoder =
-            std::make_unique<text::IncrementalDecoder>(tokenizer_, params_.skip_special_tokens);
+        c.decoder = std::make_unique<text::IncrementalDecoder>(tokenizer_, params_.skip_special_tokens);
         c.stop = std::make_unique<text::StopMatcher>(params_.stop);
         v1::GenerateRequest request;
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
@@ -670,8 +635,7 @@ class Exchange {
         s->set_ignore_eos(params_.ignore_eos);
         s->set_logprobs(params_.top_logprobs);
         if (params_.prompt_logprobs >= 0) s->set_prompt_logprobs(params_.prompt_logprobs);
-        c.accepted = dispatcher_->Submit(std::make_shared<ChoiceOutlet>(state_, k), request,
-                                         principal, deadline);
+        c.accepted = dispatcher_->Submit(std::make_shared<ChoiceOutlet>(state_, k), request, principal, deadline);
       }
     }
   }
@@ -734,9 +698,8 @@ class Exchange {
   }
   // Every choice has something to show (a token or its end), or one failed.
   bool ReadyToStream() const {
-    return AnyFailed() || std::all_of(choices_.begin(), choices_.end(), [](const Choice& c) {
-             return c.ended || c.completion_tokens > 0;
-           });
+    return AnyFailed() || std::all_of(choices_.begin(), choices_.end(),
+                                      [](const Choice& c) { return c.ended || c.completion_tokens > 0; });
   }
   const Choice* AnyFailed() const {
     for (const Choice& c : choices_)
@@ -753,9 +716,7 @@ class Exchange {
     }
   }
 
-  ApiError ErrorOf(const Choice& c) const {
-    return FromDispatcher(c.code, c.message, params_.chat);
-  }
+  ApiError ErrorOf(const Choice& c) const { return FromDispatcher(c.code, c.message, params_.chat); }
 
   // ---- Whole answers ----
   json Whole() {
@@ -804,8 +765,7 @@ class Exchange {
         if (params_.prompt_logprobs >= 0 && !prompt_complete && c.completion_tokens == 0 && !c.ended) continue;
         c.started = true;
         if (params_.chat) {
-          out += Event(
-              Chunk(c, json{{"role", "assistant"}, {"content", ""}}, json(nullptr), json(nullptr)));
+          out += Event(Chunk(c, json{{"role", "assistant"}, {"content", ""}}, json(nullptr), json(nullptr)));
         } else if (params_.echo) {
           out += Event(Chunk(c, params_.echo_texts[c.prompt],
                              params_.logprobs ? EchoLogprobs(c, c.text_offset) : json(nullptr), json(nullptr)));
@@ -815,14 +775,11 @@ class Exchange {
       if (c.text.empty() && !finish && (c.tokens.empty() || !params_.logprobs)) continue;
       json logprobs = json(nullptr);
       if (params_.logprobs && !c.tokens.empty()) {
-        logprobs =
-            params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
+        logprobs = params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
         for (const LogprobEntry& t : c.tokens) c.text_offset += static_cast<int64_t>(TokenText(t.token.token).size());
       }
-      json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}})
-                                : json(c.text);
-      out += Event(Chunk(c, std::move(delta), std::move(logprobs),
-                         finish ? json(c.finish_reason) : json(nullptr)));
+      json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}}) : json(c.text);
+      out += Event(Chunk(c, std::move(delta), std::move(logprobs), finish ? json(c.finish_reason) : json(nullptr)));
       c.text.clear();
       c.tokens.clear();
       if (finish) c.finish_sent = true;
@@ -926,7 +883,9 @@ class Exchange {
     return lp;
   }
   static json EmptyCompletionLogprobs() {
-    return {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+    return {{"tokens", json::array()},
+            {"token_logprobs", json::array()},
+            {"top_logprobs", json::array()},
             {"text_offset", json::array()}};
   }
   // Token `id` at `offset` (advanced past its text), with its logprob and
@@ -943,22 +902,20 @@ class Exchange {
     }
     lp["token_logprobs"].push_back(scored->token.logprob);
     json top = json::object();
-    for (const TokenLogprob& other : scored->top) top.emplace(TokenText(other.token), other.logprob);  // best first: emplace keeps it
+    for (const TokenLogprob& other : scored->top)
+      top.emplace(TokenText(other.token), other.logprob);  // best first: emplace keeps it
     top.emplace(t, scored->token.logprob);
     lp["top_logprobs"].push_back(std::move(top));
   }
   json Chunk(const Choice& c, json delta, json logprobs, json finish_reason) const {
-    json choice = {{"index", c.index},
-                   {"logprobs", std::move(logprobs)},
-                   {"finish_reason", std::move(finish_reason)}};
+    json choice = {{"index", c.index}, {"logprobs", std::move(logprobs)}, {"finish_reason", std::move(finish_reason)}};
     choice[params_.chat ? "delta" : "text"] = std::move(delta);
     json chunk = {{"id", id_},
                   {"object", params_.chat ? "chat.completion.chunk" : "text_completion"},
                   {"created", created_},
                   {"model", model_},
                   {"choices", json::array({std::move(choice)})}};
-    if (params_.include_usage)
-      chunk["usage"] = nullptr;  // as OpenAI: every chunk has it, null but the last
+    if (params_.include_usage) chunk["usage"] = nullptr;  // as OpenAI: every chunk has it, null but the last
     return chunk;
   }
   json Usage() const {
@@ -966,9 +923,7 @@ class Exchange {
     int64_t prompt = 0, completion = 0;
     for (const auto& ids : params_.prompts) prompt += static_cast<int64_t>(ids.size());
     for (const Choice& c : choices_) completion += c.completion_tokens;
-    return {{"prompt_tokens", prompt},
-            {"completion_tokens", completion},
-            {"total_tokens", prompt + completion}};
+    return {{"prompt_tokens", prompt}, {"completion_tokens", completion}, {"total_tokens", prompt + completion}};
   }
 
   const std::shared_ptr<coord::Dispatcher> dispatcher_;
@@ -1032,8 +987,7 @@ class HttpApiImpl final : public HttpApi {
     server_.set_write_timeout(10);
     server_.set_tcp_nodelay(true);
     Routes();
-    const int bound =
-        port == 0 ? server_.bind_to_any_port(host) : (server_.bind_to_port(host, port) ? port : -1);
+    const int bound = port == 0 ? server_.bind_to_any_port(host) : (server_.bind_to_port(host, port) ? port : -1);
     if (bound < 0) return UnavailableError("http_listen: cannot bind ", options_.listen);
     // httplib listens with a backlog of 5; a second listen() raises it.
     ::listen(server_.listen_fd(), kListenBacklog);
@@ -1056,17 +1010,14 @@ class HttpApiImpl final : public HttpApi {
   // The chat template, parsed once; when it cannot be, template_error_ says
   // why (chat requests get it as their 400).
   void LoadTemplate(const std::string& source) {
-    constexpr const char* kWayAround =
-        "; /v1/completions takes a prompt string rendered by the client instead";
+    constexpr const char* kWayAround = "; /v1/completions takes a prompt string rendered by the client instead";
     if (source.empty()) {
-      template_error_ = StrCat(
-          "the model's tokenizer has no chat template (tokenizer_config.json: chat_template)",
-          kWayAround);
+      template_error_ =
+          StrCat("the model's tokenizer has no chat template (tokenizer_config.json: chat_template)", kWayAround);
     } else if (auto parsed = text::ChatTemplate::Parse(source); parsed.ok()) {
       template_ = *parsed;
     } else {
-      template_error_ = StrCat(
-          "the model's chat template cannot be used: ", parsed.status().message(), kWayAround);
+      template_error_ = StrCat("the model's chat template cannot be used: ", parsed.status().message(), kWayAround);
     }
   }
 
@@ -1078,22 +1029,20 @@ class HttpApiImpl final : public HttpApi {
       return "";
     }
     if (!req.has_header("Authorization"))
-      throw ApiError{
-          .status = 401,
-          .message =
-              "this server needs an API key: send `Authorization: Bearer TOKEN` with a token of "
-              "the coordinator's --auth-token-file",
-          .type = "authentication_error",
-          .code = "invalid_api_key"};
+      throw ApiError{.status = 401,
+                     .message =
+                         "this server needs an API key: send `Authorization: Bearer TOKEN` with a token of "
+                         "the coordinator's --auth-token-file",
+                     .type = "authentication_error",
+                     .code = "invalid_api_key"};
     const Principal* p = options_.auth_tokens.Authenticate(req.get_header_value("Authorization"));
     if (p == nullptr)
-      throw ApiError{
-          .status = 401,
-          .message =
-              "the Authorization header is not `Bearer TOKEN` with a token of the coordinator's "
-              "--auth-token-file",
-          .type = "authentication_error",
-          .code = "invalid_api_key"};
+      throw ApiError{.status = 401,
+                     .message =
+                         "the Authorization header is not `Bearer TOKEN` with a token of the coordinator's "
+                         "--auth-token-file",
+                     .type = "authentication_error",
+                     .code = "invalid_api_key"};
     *details = true;
     return p->name;
   }
@@ -1102,10 +1051,9 @@ class HttpApiImpl final : public HttpApi {
     server_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
       Guarded(res, [&] { Generate(req, res, /*chat=*/false); });
     });
-    server_.Post("/v1/chat/completions",
-                 [this](const httplib::Request& req, httplib::Response& res) {
-                   Guarded(res, [&] { Generate(req, res, /*chat=*/true); });
-                 });
+    server_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+      Guarded(res, [&] { Generate(req, res, /*chat=*/true); });
+    });
     server_.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
       Guarded(res, [&] {
         bool details = false;
@@ -1115,8 +1063,7 @@ class HttpApiImpl final : public HttpApi {
                       {"created", started_},
                       {"owned_by", "mlarun"},
                       {"root", options_.served_model_name}};
-        if (const int64_t max_pos = dispatcher_->model_limits().max_position_embeddings;
-            max_pos > 0)
+        if (const int64_t max_pos = dispatcher_->model_limits().max_position_embeddings; max_pos > 0)
           model["max_model_len"] = max_pos;
         ReplyJson(res, 200, {{"object", "list"}, {"data", json::array({std::move(model)})}});
       });
@@ -1125,16 +1072,14 @@ class HttpApiImpl final : public HttpApi {
       v1::HealthResponse h;
       dispatcher_->FillHealth(&h);
       const bool ok = h.serving() && h.groups_connected() > 0;
-      ReplyJson(
-          res, ok ? 200 : 503,
-          {{"status", ok ? "ok" : "unavailable"}, {"dp_groups_connected", h.groups_connected()}});
+      ReplyJson(res, ok ? 200 : 503,
+                {{"status", ok ? "ok" : "unavailable"}, {"dp_groups_connected", h.groups_connected()}});
     });
     server_.Get("/metrics", [this](const httplib::Request& req, httplib::Response& res) {
       Guarded(res, [&] {
         bool details = false;
         Authenticate(req, &details);
-        if (metrics_ == nullptr)
-          throw ApiError{.status = 404, .message = "metrics are off", .code = "not_found"};
+        if (metrics_ == nullptr) throw ApiError{.status = 404, .message = "metrics are off", .code = "not_found"};
         v1::GetStatsResponse stats;
         dispatcher_->FillStats(&stats, true);
         res.status = 200;
@@ -1144,8 +1089,8 @@ class HttpApiImpl final : public HttpApi {
     });
     // Answers httplib makes itself (no route, a body over the limit, a
     // request it cannot parse) get OpenAI's error object too.
-    server_.set_error_handler(httplib::Server::HandlerWithResponse(
-        [](const httplib::Request& req, httplib::Response& res) {
+    server_.set_error_handler(
+        httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
           if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
           ApiError e{.status = res.status, .message = StrCat("HTTP ", res.status)};
           if (res.status == 404) {
@@ -1160,17 +1105,16 @@ class HttpApiImpl final : public HttpApi {
           ReplyError(res, e);
           return httplib::Server::HandlerResponse::Handled;
         }));
-    server_.set_exception_handler(
-        [](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-          std::string what = "internal error";
-          try {
-            if (ep) std::rethrow_exception(ep);
-          } catch (const std::exception& e) {
-            what = e.what();
-          } catch (...) {
-          }
-          ReplyError(res, ApiError{.status = 500, .message = what, .type = "server_error"});
-        });
+    server_.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
+      std::string what = "internal error";
+      try {
+        if (ep) std::rethrow_exception(ep);
+      } catch (const std::exception& e) {
+        what = e.what();
+      } catch (...) {
+      }
+      ReplyError(res, ApiError{.status = 500, .message = what, .type = "server_error"});
+    });
     if (metrics_ != nullptr) {
       server_.set_logger([m = metrics_](const httplib::Request& req, const httplib::Response& res) {
         m->OnHttp(req.path, res.status);
@@ -1196,18 +1140,14 @@ class HttpApiImpl final : public HttpApi {
     try {
       body = json::parse(req.body);
     } catch (const json::parse_error& e) {
-      throw ApiError{.status = 400,
-                     .message = StrCat("the request body is not valid JSON: ", e.what())};
+      throw ApiError{.status = 400, .message = StrCat("the request body is not valid JSON: ", e.what())};
     }
-    if (!body.is_object())
-      throw ApiError{.status = 400, .message = "the request body must be a JSON object"};
+    if (!body.is_object()) throw ApiError{.status = 400, .message = "the request body must be a JSON object"};
     if (const json* model = Field(body, "model");
-        model != nullptr && model->is_string() &&
-        model->get<std::string>() != options_.served_model_name) {
+        model != nullptr && model->is_string() && model->get<std::string>() != options_.served_model_name) {
       throw ApiError{.status = 404,
                      .message = StrCat("The model `", model->get<std::string>(),
-                                       "` does not exist; this server serves `",
-                                       options_.served_model_name, "`"),
+                                       "` does not exist; this server serves `", options_.served_model_name, "`"),
                      .param = "model",
                      .code = "model_not_found"};
     }
@@ -1218,18 +1158,15 @@ class HttpApiImpl final : public HttpApi {
       ParseCompletion(body, *options_.tokenizer, params);
     }
     if (params.prompts.size() * static_cast<size_t>(params.n) > kMaxRequests)
-      throw BadField("n", StrCat("prompts x n must be at most ", kMaxRequests, ", got ",
-                                 params.prompts.size(), " x ", params.n));
+      throw BadField(
+          "n", StrCat("prompts x n must be at most ", kMaxRequests, ", got ", params.prompts.size(), " x ", params.n));
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + NewRandomRequestId().substr(4);
-    auto exchange = std::make_shared<Exchange>(dispatcher_, *options_.tokenizer, std::move(params),
-                                               id, options_.served_model_name, req);
-    exchange->Submit(principal, options_.request_timeout_s,
-                     dispatcher_->model_limits().max_position_embeddings);
+    auto exchange = std::make_shared<Exchange>(dispatcher_, *options_.tokenizer, std::move(params), id,
+                                               options_.served_model_name, req);
+    exchange->Submit(principal, options_.request_timeout_s, dispatcher_->model_limits().max_position_embeddings);
 
     if (!exchange->params().stream) {
-      if (!exchange->WaitUntil(
-              [&] { return exchange->AllEnded() || exchange->AnyFailed() != nullptr; }))
-        return;
+      if (!exchange->WaitUntil([&] { return exchange->AllEnded() || exchange->AnyFailed() != nullptr; })) return;
       if (const Choice* failed = exchange->AnyFailed()) {
         const ApiError e = exchange->ErrorOf(*failed);
         exchange->CancelLive();
@@ -1247,28 +1184,25 @@ class HttpApiImpl final : public HttpApi {
     }
     res.status = 200;
     res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream", [exchange](size_t, httplib::DataSink& sink) {
-          auto write = [&](const std::string& s) {
-            return s.empty() || sink.write(s.data(), s.size());
-          };
-          for (;;) {
-            if (!write(exchange->Chunks())) return false;
-            if (const Choice* failed = exchange->AnyFailed()) {
-              const json err = ErrorBody(exchange->ErrorOf(*failed));
-              exchange->CancelLive();
-              if (!write(Exchange::Event(err)) || !write("data: [DONE]\n\n")) return false;
-              sink.done();
-              return true;
-            }
-            if (exchange->AllEnded()) {
-              if (!write(exchange->Closing())) return false;
-              sink.done();
-              return true;
-            }
-            if (!exchange->WaitForNews()) return false;  // the client went away
-          }
-        });
+    res.set_chunked_content_provider("text/event-stream", [exchange](size_t, httplib::DataSink& sink) {
+      auto write = [&](const std::string& s) { return s.empty() || sink.write(s.data(), s.size()); };
+      for (;;) {
+        if (!write(exchange->Chunks())) return false;
+        if (const Choice* failed = exchange->AnyFailed()) {
+          const json err = ErrorBody(exchange->ErrorOf(*failed));
+          exchange->CancelLive();
+          if (!write(Exchange::Event(err)) || !write("data: [DONE]\n\n")) return false;
+          sink.done();
+          return true;
+        }
+        if (exchange->AllEnded()) {
+          if (!write(exchange->Closing())) return false;
+          sink.done();
+          return true;
+        }
+        if (!exchange->WaitForNews()) return false;  // the client went away
+      }
+    });
   }
 
   const HttpApiOptions options_;
@@ -1288,18 +1222,14 @@ class HttpApiImpl final : public HttpApi {
 StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const HttpApiOptions& options,
                                                   std::shared_ptr<coord::Dispatcher> dispatcher,
                                                   std::shared_ptr<Metrics> metrics) {
-  if (options.tokenizer == nullptr)
-    return InvalidArgumentError("http: a tokenizer is required (--model)");
+  if (options.tokenizer == nullptr) return InvalidArgumentError("http: a tokenizer is required (--model)");
   if (options.threads < 1 || options.threads > 65536)
     return InvalidArgumentError("http_threads: must be in [1, 65536], got ", options.threads);
   if (options.max_body_bytes < 1024)
-    return InvalidArgumentError("http_max_body_bytes: must be >= 1024, got ",
-                                options.max_body_bytes);
+    return InvalidArgumentError("http_max_body_bytes: must be >= 1024, got ", options.max_body_bytes);
   if (!(options.request_timeout_s >= 0) || !std::isfinite(options.request_timeout_s))
-    return InvalidArgumentError("http_request_timeout_s: must be >= 0 and finite, got ",
-                                options.request_timeout_s);
-  if (options.served_model_name.empty())
-    return InvalidArgumentError("served_model_name: must not be empty");
+    return InvalidArgumentError("http_request_timeout_s: must be >= 0 and finite, got ", options.request_timeout_s);
+  if (options.served_model_name.empty()) return InvalidArgumentError("served_model_name: must not be empty");
   auto impl = std::make_unique<HttpApiImpl>(options, std::move(dispatcher), std::move(metrics));
   MLARUN_RETURN_IF_ERROR(impl->Bind());
   return std::unique_ptr<HttpApi>(std::move(impl));

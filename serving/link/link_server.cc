@@ -145,8 +145,6 @@ static std::shared_ptr<grpc::ServerCredentials> ServerCredentials(const TlsPem& 
   return grpc::SslServerCredentials(options);
 }
 
-
-
 bool IsLoopbackListen(const std::string& listen) {
   StatusOr<std::string> host = SplitListen(listen);
   if (!host.ok()) return false;

@@ -23,10 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "serving/security/security.h"
-#include "mlarun.grpc.pb.h"
 #include "base/status.h"
 #include "base/thread_annotations.h"
+#include "mlarun.grpc.pb.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 

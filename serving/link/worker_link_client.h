@@ -30,9 +30,9 @@
 #include <string>
 #include <thread>
 
-#include "serving/security/security.h"
-#include "mlarun.grpc.pb.h"
 #include "base/thread_annotations.h"
+#include "mlarun.grpc.pb.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 
@@ -56,7 +56,7 @@ struct WorkerLinkEvent {
 class WorkerLinkClient {
  public:
   struct Options {
-    std::string coordinator;   // host:port
+    std::string coordinator;    // host:port
     v1::Register registration;  // the first message of every attempt
     // False: one attempt only (the coordinator test breaks and reconnects
     // its fake groups by hand).
@@ -122,13 +122,13 @@ class WorkerLinkClient {
   std::condition_variable changed_;  // an event, Wake(), an attempt's end, stopping_
   v1::Register registration_ MLARUN_GUARDED_BY(mu_);
   std::deque<WorkerLinkEvent> inbox_ MLARUN_GUARDED_BY(mu_);
-  std::shared_ptr<Stream> stream_ MLARUN_GUARDED_BY(mu_);  // the registered stream, while it lasts
+  std::shared_ptr<Stream> stream_ MLARUN_GUARDED_BY(mu_);                // the registered stream, while it lasts
   std::shared_ptr<grpc::ClientContext> context_ MLARUN_GUARDED_BY(mu_);  // the attempt's, for cancelling
-  bool drained_ MLARUN_GUARDED_BY(mu_) = false;   // the consumer has drained stream_'s Registered
+  bool drained_ MLARUN_GUARDED_BY(mu_) = false;  // the consumer has drained stream_'s Registered
   bool woken_ MLARUN_GUARDED_BY(mu_) = false;
   bool stopping_ MLARUN_GUARDED_BY(mu_) = false;  // being destroyed
   bool leaving_ MLARUN_GUARDED_BY(mu_) = false;   // Leave() was called: no new attempt
-  std::thread thread_;  // last: started once everything above is set
+  std::thread thread_;                            // last: started once everything above is set
 };
 
 }  // namespace mlarun

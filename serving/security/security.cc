@@ -41,8 +41,7 @@ StatusOr<std::string> ReadWhole(std::string_view flag, const std::string& path, 
   content << in.rdbuf();
   if (in.bad()) return InvalidArgumentError(flag, ": cannot read '", path, "'");
   std::string s = std::move(content).str();
-  if (s.size() > max_bytes)
-    return InvalidArgumentError(flag, ": '", path, "' is larger than ", max_bytes, " bytes");
+  if (s.size() > max_bytes) return InvalidArgumentError(flag, ": '", path, "' is larger than ", max_bytes, " bytes");
   return s;
 }
 
@@ -156,8 +155,9 @@ StatusOr<TlsPem> ReadTls(const TlsFiles& files) {
 
 StatusOr<TlsPem> LoadServerTls(const TlsFiles& files) {
   if (!files.ca.empty() && files.cert.empty())
-    return InvalidArgumentError("--tls-ca needs --tls-cert and --tls-key: the coordinator verifies workers' client "
-                                "certificates only over TLS");
+    return InvalidArgumentError(
+        "--tls-ca needs --tls-cert and --tls-key: the coordinator verifies workers' client "
+        "certificates only over TLS");
   return ReadTls(files);
 }
 

@@ -95,8 +95,8 @@ StatusOr<TlsPem> LoadClientTls(const TlsFiles& files);
 
 // What a client of the coordinator sends besides its requests.
 struct ClientSecurity {
-  TlsPem tls;          // TLS when tls.enabled()
-  std::string token;   // the client API's bearer token; empty: none
+  TlsPem tls;         // TLS when tls.enabled()
+  std::string token;  // the client API's bearer token; empty: none
 };
 
 // `n` bytes of getrandom(2) as 2n lowercase hex digits (secrets, ids).

@@ -22,13 +22,13 @@
 #include <ostream>
 #include <thread>
 
+#include "base/cpu_isa.h"
+#include "base/hash.h"
 #include "kv/latent_cache.h"
+#include "runtime/request/request.h"
 #include "serving/client/grpc_util.h"
 #include "serving/link/worker_link_client.h"
 #include "serving/proto/proto_sampling.h"
-#include "base/cpu_isa.h"
-#include "base/hash.h"
-#include "runtime/request/request.h"
 
 namespace mlarun {
 
@@ -119,7 +119,8 @@ class SimGroup {
         stopping_(stopping),
         log_(*log),
         cache_(std::move(cache)),
-        link_({.coordinator = o.coordinator, .registration = Registration(), .secret = o.worker_secret, .tls = o.tls}) {}
+        link_({.coordinator = o.coordinator, .registration = Registration(), .secret = o.worker_secret, .tls = o.tls}) {
+  }
 
   // The group's thread: serves what the link brings until `stopping`.
   void Run();
@@ -452,7 +453,8 @@ Status CheckOptions(const SimWorkerOptions& o) {
   if (o.cache_blocks < 1 || o.cache_blocks > INT32_MAX)
     return InvalidArgumentError("--cache-blocks must be in [1, 2^31), got ", o.cache_blocks);
   if (o.eos_token_id >= o.vocab_size)
-    return InvalidArgumentError("--eos-token-id ", o.eos_token_id, " is outside the vocabulary [0, ", o.vocab_size, ")");
+    return InvalidArgumentError("--eos-token-id ", o.eos_token_id, " is outside the vocabulary [0, ", o.vocab_size,
+                                ")");
   return Status::Ok();
 }
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "serving/security/security.h"
 #include "base/block_size.h"
 #include "runtime/request/sampling_params.h"
+#include "serving/security/security.h"
 
 namespace mlarun {
 
@@ -33,8 +33,8 @@ struct SimWorkerOptions {
   int64_t vocab_size = 512;
   int64_t max_position_embeddings = 4096;
   int64_t block_size = kDefaultBlockSize;
-  int64_t cache_blocks = 1024;   // per group
-  int64_t eos_token_id = -1;     // -1: never stops early
+  int64_t cache_blocks = 1024;  // per group
+  int64_t eos_token_id = -1;    // -1: never stops early
 };
 // In detail: each group registers as (worker_id, dp_group = i) with dp = groups, attn_tp =
 // 1 and one synthetic rank (rank = dp_group = i, attn_tp_rank 0, host =

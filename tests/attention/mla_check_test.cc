@@ -13,7 +13,9 @@ class MlaCheckTest : public ::testing::Test {
  protected:
   MlaCheckTest()
       : batch_(SyntheticSpec{.shape = MlaShape{.h_q = 4, .d_latent = 16, .d_rope = 4, .d_nope = 8, .d_v = 8},
-                             .dtype = DType::kF32, .block_size = 16, .seqs = {{1, 20}, {3, 10}}}) {}
+                             .dtype = DType::kF32,
+                             .block_size = 16,
+                             .seqs = {{1, 20}, {3, 10}}}) {}
 
   // Expects `p` to be rejected with INVALID_ARGUMENT and a message containing `what`.
   void ExpectRejected(const MlaParams& p, const std::string& what, const MlaConfig& c = {}) {
@@ -141,9 +143,11 @@ TEST(MlaDispatch, PathPerSequence) {
 
 TEST(MlaDispatch, PlanCountsEachPath) {
   SyntheticBatch batch(SyntheticSpec{.shape = MlaShape{.h_q = 2, .d_latent = 16, .d_rope = 4, .d_nope = 8, .d_v = 8},
-                                     .dtype = DType::kF32, .block_size = 16,
+                                     .dtype = DType::kF32,
+                                     .block_size = 16,
                                      .seqs = {{1, 20}, {3, 10}, {5, 5}, {40, 90}}});
-  auto plan = MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len = 4, .absorb_below_query_len_no_prefix = 2});
+  auto plan =
+      MlaMakePlan(batch.params(), MlaConfig{.absorb_below_query_len = 4, .absorb_below_query_len_no_prefix = 2});
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->absorbed_seqs, 2);  // q 1 and 3 over a prefix
   EXPECT_EQ(plan->expanded_seqs, 2);  // the 5-token cold prefill and the 40-token block

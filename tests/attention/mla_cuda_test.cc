@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "attention/mla.h"
-#include "bench/synthetic_batch.h"
 #include "base/cuda_device.h"
 #include "base/device_memory.h"
 #include "base/workspace.h"
+#include "bench/synthetic_batch.h"
 
 namespace mlarun {
 namespace {
@@ -47,14 +47,18 @@ struct Case {
 
 // q_len <= 4 absorbed, longer blocks expanded (with or without a prefix).
 MlaConfig ConfigFor(const Case& c, Backend b) {
-  return MlaConfig{.backend = b, .path = c.path, .absorb_below_query_len = 5, .absorb_below_query_len_no_prefix = 5,
+  return MlaConfig{.backend = b,
+                   .path = c.path,
+                   .absorb_below_query_len = 5,
+                   .absorb_below_query_len_no_prefix = 5,
                    .expand_chunk_rows = c.expand_chunk_rows};
 }
 
 std::vector<SyntheticSeq> Varlen(int64_t b, int64_t q_len, int64_t lo, int64_t hi, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<SyntheticSeq> s(static_cast<size_t>(b));
-  for (SyntheticSeq& e : s) e = {.q_len = q_len, .seq_len = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1))};
+  for (SyntheticSeq& e : s)
+    e = {.q_len = q_len, .seq_len = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(hi - lo + 1))};
   return s;
 }
 
@@ -74,8 +78,8 @@ void RunCase(const Case& c, MlaPlan* reuse = nullptr) {
   auto memory = CudaMemory();
   ASSERT_TRUE(memory.ok()) << memory.status();
   DeviceMemory& dm = **memory;
-  SyntheticBatch batch(SyntheticSpec{.shape = c.shape, .dtype = c.dtype, .block_size = c.block_size, .seqs = c.seqs,
-                                     .seed = 17});
+  SyntheticBatch batch(
+      SyntheticSpec{.shape = c.shape, .dtype = c.dtype, .block_size = c.block_size, .seqs = c.seqs, .seed = 17});
   MlaParams hp = batch.params();
   const MlaShape& s = c.shape;
   const size_t es = DTypeSize(c.dtype);
@@ -157,8 +161,8 @@ void RunCase(const Case& c, MlaPlan* reuse = nullptr) {
   const bool bf16 = c.dtype == DType::kBF16;
   const double cos_tol = bf16 ? 1e-5 : 1e-9, err_tol = bf16 ? 2e-2 : 1e-4, lse_tol = bf16 ? 2e-2 : 1e-4;
   std::cout << "[ mla_cuda ] " << c.name << " " << DTypeName(c.dtype) << " " << s << ": cos_diff " << d.cos_diff
-            << " (< " << cos_tol << "), max err / max |ref| " << d.max_err_rel << " (< " << err_tol
-            << "), max lse err " << d.max_lse_err << " (< " << lse_tol << ")\n";
+            << " (< " << cos_tol << "), max err / max |ref| " << d.max_err_rel << " (< " << err_tol << "), max lse err "
+            << d.max_lse_err << " (< " << lse_tol << ")\n";
   EXPECT_TRUE(d.finite) << "NaN or inf in the CUDA output";
   EXPECT_LT(d.cos_diff, cos_tol);
   EXPECT_LT(d.max_err_rel, err_tol);
@@ -167,10 +171,10 @@ void RunCase(const Case& c, MlaPlan* reuse = nullptr) {
   EXPECT_GT(bb, 0.0) << "the reference output is all zeros: the test checks nothing";
 }
 
-#define MLARUN_REQUIRE_GPU()                                 \
-  do {                                                       \
-    auto devices = CudaDevices();                            \
-    if (!devices.ok()) GTEST_SKIP() << devices.status();     \
+#define MLARUN_REQUIRE_GPU()                             \
+  do {                                                   \
+    auto devices = CudaDevices();                        \
+    if (!devices.ok()) GTEST_SKIP() << devices.status(); \
   } while (0)
 
 // FlashMLA's decoding shapes (DeepSeek-V3: L 512, R 64), a subset that runs
@@ -185,7 +189,9 @@ TEST(MlaCuda, DecodeMatchesCpu) {
       {.name = "b128_h63_q1_varlen", .shape = DeepSeekV3MlaShape(63), .seqs = Varlen(128, 1, 20, 600, 4)},
       {.name = "b128_h16_q1_short", .shape = DeepSeekV3MlaShape(16), .seqs = Varlen(128, 1, 1, 64, 5)},
       {.name = "b4_h128_q2_8k", .shape = DeepSeekV3MlaShape(128), .seqs = {{2, 8192}, {2, 300}, {2, 64}, {2, 65}}},
-      {.name = "b3_h3_varq", .shape = DeepSeekV3MlaShape(3), .dtype = DType::kF32,
+      {.name = "b3_h3_varq",
+       .shape = DeepSeekV3MlaShape(3),
+       .dtype = DType::kF32,
        .seqs = {{1, 20}, {2, 2000}, {4, 16384}}},
       {.name = "b1_h1_q1", .shape = DeepSeekV3MlaShape(1), .dtype = DType::kF32, .seqs = {{1, 777}}},
       {.name = "b1_h1_q1_bf16", .shape = DeepSeekV3MlaShape(1), .seqs = {{1, 3000}}},
@@ -201,10 +207,18 @@ TEST(MlaCuda, OddDimensionsMatchCpu) {
   MLARUN_REQUIRE_GPU();
   const MlaShape odd{.h_q = 5, .d_latent = 63, .d_rope = 5, .d_nope = 16, .d_v = 33};
   for (DType dt : {DType::kBF16, DType::kF32}) {
-    RunCase({.name = "odd_decode", .shape = odd, .dtype = dt, .block_size = 16,
+    RunCase({.name = "odd_decode",
+             .shape = odd,
+             .dtype = dt,
+             .block_size = 16,
              .seqs = {{1, 300}, {3, 50}, {2, 2}, {4, 4}}});
-    RunCase({.name = "odd_prefill", .shape = odd, .dtype = dt, .block_size = 16,
-             .seqs = {{77, 77}, {30, 250}, {2, 90}}, .path = MlaPath::kExpanded, .expand_chunk_rows = 40});
+    RunCase({.name = "odd_prefill",
+             .shape = odd,
+             .dtype = dt,
+             .block_size = 16,
+             .seqs = {{77, 77}, {30, 250}, {2, 90}},
+             .path = MlaPath::kExpanded,
+             .expand_chunk_rows = 40});
   }
 }
 
@@ -213,13 +227,23 @@ TEST(MlaCuda, OddDimensionsMatchCpu) {
 // decode sequence in the same call.
 TEST(MlaCuda, PrefillMatchesCpu) {
   MLARUN_REQUIRE_GPU();
-  RunCase({.name = "prefill_mixed", .shape = DeepSeekV3MlaShape(16),
-           .seqs = {{300, 300}, {100, 600}, {1, 700}, {7, 7}}, .expand_chunk_rows = 96});
-  RunCase({.name = "prefill_f32", .shape = DeepSeekV3MlaShape(3), .dtype = DType::kF32,
-           .seqs = {{129, 129}, {1, 300}, {65, 1000}}, .expand_chunk_rows = 256});
-  RunCase({.name = "expanded_q1", .shape = DeepSeekV3MlaShape(3), .seqs = {{1, 130}, {5, 5}},
-           .path = MlaPath::kExpanded, .expand_chunk_rows = 64});
-  RunCase({.name = "prefill_qlen0", .shape = DeepSeekV3MlaShape(16), .seqs = {{0, 100}, {40, 100}, {0, 0}, {1, 200}},
+  RunCase({.name = "prefill_mixed",
+           .shape = DeepSeekV3MlaShape(16),
+           .seqs = {{300, 300}, {100, 600}, {1, 700}, {7, 7}},
+           .expand_chunk_rows = 96});
+  RunCase({.name = "prefill_f32",
+           .shape = DeepSeekV3MlaShape(3),
+           .dtype = DType::kF32,
+           .seqs = {{129, 129}, {1, 300}, {65, 1000}},
+           .expand_chunk_rows = 256});
+  RunCase({.name = "expanded_q1",
+           .shape = DeepSeekV3MlaShape(3),
+           .seqs = {{1, 130}, {5, 5}},
+           .path = MlaPath::kExpanded,
+           .expand_chunk_rows = 64});
+  RunCase({.name = "prefill_qlen0",
+           .shape = DeepSeekV3MlaShape(16),
+           .seqs = {{0, 100}, {40, 100}, {0, 0}, {1, 200}},
            .expand_chunk_rows = 64});
 }
 
@@ -235,7 +259,9 @@ TEST(MlaCuda, ReplanMatchesCpu) {
 TEST(MlaCuda, RefusesUnsupportedShapes) {
   MLARUN_REQUIRE_GPU();
   SyntheticBatch batch(SyntheticSpec{.shape = {.h_q = 2, .d_latent = 1024, .d_rope = 64, .d_nope = 16, .d_v = 16},
-                                     .dtype = DType::kBF16, .seqs = {{1, 10}}, .poison = false});
+                                     .dtype = DType::kBF16,
+                                     .seqs = {{1, 10}},
+                                     .poison = false});
   MlaParams p = batch.params();  // host pointers: planning must refuse before touching them
   auto plan = MlaMakePlan(p, MlaConfig{.backend = Backend::kCuda, .path = MlaPath::kAbsorbed});
   ASSERT_FALSE(plan.ok());

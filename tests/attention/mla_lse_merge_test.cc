@@ -1,7 +1,5 @@
 // attention/cuda/lse_merge.h on the host: online softmax over key tiles and
 // merges of partial results against a float64 softmax over the union.
-#include "attention/cuda/lse_merge.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,14 +8,15 @@
 #include <random>
 #include <vector>
 
+#include "attention/cuda/lse_merge.h"
+
 namespace mlarun {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // float64 softmax of scores (masked = -inf) applied to values [n, d].
-void Reference(const std::vector<float>& x, const std::vector<float>& v, int d, std::vector<double>* o,
-               double* lse) {
+void Reference(const std::vector<float>& x, const std::vector<float>& v, int d, std::vector<double>* o, double* lse) {
   double m = -INFINITY;
   for (float s : x) m = std::max(m, static_cast<double>(s));
   o->assign(static_cast<size_t>(d), 0.0);

@@ -81,8 +81,8 @@ TEST(MlaSeed, CausalPairsFromTheMask) {
 TEST(MlaSeed, CausalPairsFromTheKernels) {
   const MlaShape shape{.h_q = 2, .d_latent = 8, .d_rope = 4, .d_nope = 6, .d_v = 5};
   for (MlaPath path : {MlaPath::kAbsorbed, MlaPath::kExpanded}) {
-    SyntheticBatch batch(SyntheticSpec{.shape = shape, .dtype = DType::kF32, .block_size = 4,
-                                       .seqs = {{3, 8}}, .seed = 7});
+    SyntheticBatch batch(
+        SyntheticSpec{.shape = shape, .dtype = DType::kF32, .block_size = 4, .seqs = {{3, 8}}, .seed = 7});
     std::mt19937_64 rng(3);
     std::normal_distribution<float> d;
     std::vector<float> row(static_cast<size_t>(shape.d_cache()));

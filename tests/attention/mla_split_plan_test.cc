@@ -1,13 +1,12 @@
 // The CUDA decode's split plan (attention/cuda/split_plan.h): host-only
 // properties over random batches.
-#include "attention/cuda/split_plan.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <random>
 #include <vector>
 
+#include "attention/cuda/split_plan.h"
 #include "attention/mla_params.h"
 
 namespace mlarun {
@@ -40,8 +39,7 @@ void ExpectValidPlan(const SplitPlanConfig& c, const std::vector<SplitSeq>& seqs
   // tile cover [0, seq_len) exactly, page-aligned and non-empty; each item's
   // range is its split clipped to what its last token sees.
   std::vector<std::vector<int>> seen(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i)
-    seen[i].assign(static_cast<size_t>(seqs[i].q_len * c.h_q * plan.num_splits[i]), 0);
+  for (int64_t i = 0; i < n; ++i) seen[i].assign(static_cast<size_t>(seqs[i].q_len * c.h_q * plan.num_splits[i]), 0);
   for (const SplitWorkItem& it : plan.items) {
     ASSERT_GE(it.seq, 0);
     ASSERT_LT(it.seq, n);
@@ -59,8 +57,7 @@ void ExpectValidPlan(const SplitPlanConfig& c, const std::vector<SplitSeq>& seqs
     EXPECT_EQ(it.key_begin, r.begin);
     const int64_t visible = CausalVisibleKeys(s.seq_len - s.q_len, (it.row0 + it.rows - 1) / c.h_q);
     EXPECT_EQ(it.key_end, std::min(r.end, visible));
-    EXPECT_EQ(it.partial_row,
-              ns > 1 ? plan.partial_offset[it.seq] + it.split * s.q_len * c.h_q + it.row0 : -1);
+    EXPECT_EQ(it.partial_row, ns > 1 ? plan.partial_offset[it.seq] + it.split * s.q_len * c.h_q + it.row0 : -1);
     for (int32_t row = it.row0; row < it.row0 + it.rows; ++row) ++seen[it.seq][row * ns + it.split];
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -168,7 +165,8 @@ TEST(MlaSplitPlan, DeterministicAndReusable) {
   std::mt19937_64 rng(7);
   SplitPlanConfig c{.h_q = 16, .rows_per_block = 64, .page_rows = 64, .num_sms = 108};
   std::vector<SplitSeq> a(9), b(3);
-  for (SplitSeq& s : a) s = {.q_len = 1 + static_cast<int64_t>(rng() % 4), .seq_len = 5 + static_cast<int64_t>(rng() % 9000)};
+  for (SplitSeq& s : a)
+    s = {.q_len = 1 + static_cast<int64_t>(rng() % 4), .seq_len = 5 + static_cast<int64_t>(rng() % 9000)};
   for (SplitSeq& s : b) s = {.q_len = 2, .seq_len = 70 + static_cast<int64_t>(rng() % 3000)};
   SplitPlan fresh_a, fresh_b, reused;
   PlanSplits(c, a.data(), 9, &fresh_a);

@@ -1,11 +1,12 @@
 // MLA attention against the float64 reference: absorbed, expanded and the
 // per-sequence dispatch, on random inputs with everything unused NaN-poisoned.
+#include "attention/mla.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <sstream>
 
-#include "attention/mla.h"
 #include "bench/synthetic_batch.h"
 #include "tests/ref/mla_ref.h"
 
@@ -32,7 +33,10 @@ class MlaVsReference : public ::testing::TestWithParam<std::tuple<DatasetSpec, D
  protected:
   void SetUp() override {
     const auto& [d, dtype] = GetParam();
-    SyntheticSpec s{.shape = d.shape, .dtype = dtype, .block_size = d.block_size, .seqs = d.seqs,
+    SyntheticSpec s{.shape = d.shape,
+                    .dtype = dtype,
+                    .block_size = d.block_size,
+                    .seqs = d.seqs,
                     .seed = std::hash<std::string>()(d.name) ^ static_cast<uint64_t>(dtype)};
     batch_ = std::make_unique<SyntheticBatch>(s);
     const ref::MlaRefShape rs{d.shape.h_q, d.shape.d_latent, d.shape.d_rope, d.shape.d_nope, d.shape.d_v};
@@ -92,12 +96,17 @@ TEST_P(MlaVsReference, AllPathsMatch) {
       {"absorbed", MlaConfig{.path = MlaPath::kAbsorbed}},
       {"expanded", MlaConfig{.path = MlaPath::kExpanded}},
       // Dispatch: a threshold in the middle of the batch's query lengths.
-      {"dispatch", MlaConfig{.path = MlaPath::kAuto, .absorb_below_query_len = std::max<int64_t>(2, max_q / 2 + 1),
+      {"dispatch", MlaConfig{.path = MlaPath::kAuto,
+                             .absorb_below_query_len = std::max<int64_t>(2, max_q / 2 + 1),
                              .absorb_below_query_len_no_prefix = std::max<int64_t>(2, max_q / 4 + 1)}},
       // Small tiles and chunks: many LSE merges, key splits across 4 threads.
-      {"absorbed-small-tiles", MlaConfig{.path = MlaPath::kAbsorbed, .kv_tile_rows = 64, .q_tile_rows = 37, .num_threads = 4}},
-      {"expanded-chunked", MlaConfig{.path = MlaPath::kExpanded, .expand_chunk_rows = 100, .kv_tile_rows = 64,
-                                     .q_tile_rows = 5, .num_threads = 3}},
+      {"absorbed-small-tiles",
+       MlaConfig{.path = MlaPath::kAbsorbed, .kv_tile_rows = 64, .q_tile_rows = 37, .num_threads = 4}},
+      {"expanded-chunked", MlaConfig{.path = MlaPath::kExpanded,
+                                     .expand_chunk_rows = 100,
+                                     .kv_tile_rows = 64,
+                                     .q_tile_rows = 5,
+                                     .num_threads = 3}},
   };
   for (const Variant& v : variants) {
     SCOPED_TRACE(v.name);
@@ -128,8 +137,7 @@ INSTANTIATE_TEST_SUITE_P(Mla, MlaVsReference,
                          ::testing::Combine(::testing::ValuesIn(kDatasets),
                                             ::testing::Values(DType::kF32, DType::kBF16)),
                          [](const auto& info) {
-                           return std::get<0>(info.param).name + "_" +
-                                  std::string(DTypeName(std::get<1>(info.param)));
+                           return std::get<0>(info.param).name + "_" + std::string(DTypeName(std::get<1>(info.param)));
                          });
 
 }  // namespace

@@ -1,12 +1,13 @@
 // RoPE / YaRN against outputs produced by Hugging Face transformers'
 // DeepSeek-V2/V3 code (tests/fixtures/gen_rope_fixture.py).
+#include "attention/rope.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "attention/rope.h"
 #include "runtime/ops/rope.h"
 
 namespace mlarun {
@@ -59,8 +60,11 @@ TEST(Rope, MatchesHuggingFace) {
       EXPECT_NEAR(MlaSoftmaxScale(128, dim, ConfigOf(c, layout).scaling), c["softmax_scale"].get<double>(), 1e-12);
       // Rotated vectors: input is [positions, heads, dim].
       std::vector<float> x = input;
-      ASSERT_TRUE(RopeRun(WithRopeTables({.x = x.data(), .n_tokens = static_cast<int64_t>(positions.size()),
-                                          .n_heads = heads, .stride_token = heads * dim, .stride_head = dim,
+      ASSERT_TRUE(RopeRun(WithRopeTables({.x = x.data(),
+                                          .n_tokens = static_cast<int64_t>(positions.size()),
+                                          .n_heads = heads,
+                                          .stride_token = heads * dim,
+                                          .stride_head = dim,
                                           .positions = positions.data()},
                                          *rope))
                       .ok());
@@ -87,7 +91,8 @@ TEST(Rope, YarnCorrectionsSeparate) {
 
 TEST(Rope, BadConfigIsAnError) {
   EXPECT_EQ(Rope::Create(RopeConfig{.dim = 63, .scaling = {}}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(Rope::Create(RopeConfig{.dim = 64, .theta = 0, .scaling = {}}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Rope::Create(RopeConfig{.dim = 64, .theta = 0, .scaling = {}}).status().code(),
+            StatusCode::kInvalidArgument);
   RopeConfig bad{.dim = 64, .scaling = {}};
   bad.scaling = RopeScaling{.type = RopeScaling::Type::kYarn, .factor = -2};
   const Status st = Rope::Create(bad).status();

@@ -1,11 +1,12 @@
 #include "base/dtype.h"
-#include "gemm/convert.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <random>
+
+#include "gemm/convert.h"
 
 namespace mlarun {
 namespace {

@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "gemm/cpu_gemm.h"
 #include "base/cpu_isa.h"
+#include "gemm/cpu_gemm.h"
 
 namespace mlarun {
 namespace {
@@ -45,8 +45,14 @@ TEST(GemmBench, RefusesBadOptionsNamingThem) {
 TEST(GemmBench, ReportsEveryImplementationRunOrNot) {
   for (const char* dtype : {"bf16", "f32"})
     for (const char* layout : {"weight", "rows"}) {
-      GemmBenchOptions o{.rows = {1, 7}, .n = 80, .k = 70, .dtype = dtype, .layout = layout,
-                         .impls = {"small", "packed", "tiles", "onednn", "auto"}, .repetitions = 1, .json = true};
+      GemmBenchOptions o{.rows = {1, 7},
+                         .n = 80,
+                         .k = 70,
+                         .dtype = dtype,
+                         .layout = layout,
+                         .impls = {"small", "packed", "tiles", "onednn", "auto"},
+                         .repetitions = 1,
+                         .json = true};
       std::ostringstream out, err;
       const Status st = RunGemmBench(o, out, err);
       ASSERT_TRUE(st.ok()) << dtype << " " << layout << ": " << st;
@@ -59,8 +65,16 @@ TEST(GemmBench, ReportsEveryImplementationRunOrNot) {
         const int64_t m = row["m"];
         const bool weight = std::string(layout) == "weight";
         const DType t = std::string(dtype) == "bf16" ? DType::kBF16 : DType::kF32;
-        const GemmDesc d{.m = m, .n = 80, .k = 70, .a_type = t, .b_type = t, .c_type = DType::kF32, .lda = 70,
-                         .b_stride_k = weight ? 1 : 80, .b_stride_n = weight ? 70 : 1, .ldc = 80};
+        const GemmDesc d{.m = m,
+                         .n = 80,
+                         .k = 70,
+                         .a_type = t,
+                         .b_type = t,
+                         .c_type = DType::kF32,
+                         .lda = 70,
+                         .b_stride_k = weight ? 1 : 80,
+                         .b_stride_n = weight ? 70 : 1,
+                         .ldc = 80};
         auto chosen = CpuGemm::Get(d);
         ASSERT_TRUE(chosen.ok()) << chosen.status();
         EXPECT_EQ(row["auto"], (*chosen)->impl_name());
@@ -83,8 +97,10 @@ TEST(GemmBench, ReportsEveryImplementationRunOrNot) {
           }
           const double ms = r["ms"];
           ASSERT_TRUE(std::isfinite(ms) && ms > 0) << r.dump();
-          EXPECT_NEAR(r["gflop_per_s"].get<double>(), 2.0 * m * 80 * 70 / (ms * 1e6), 1e-9 * r["gflop_per_s"].get<double>());
-          EXPECT_NEAR(r["b_gb_per_s"].get<double>(), 80.0 * 70 * DTypeSize(t) / (ms * 1e6), 1e-9 * r["b_gb_per_s"].get<double>());
+          EXPECT_NEAR(r["gflop_per_s"].get<double>(), 2.0 * m * 80 * 70 / (ms * 1e6),
+                      1e-9 * r["gflop_per_s"].get<double>());
+          EXPECT_NEAR(r["b_gb_per_s"].get<double>(), 80.0 * 70 * DTypeSize(t) / (ms * 1e6),
+                      1e-9 * r["b_gb_per_s"].get<double>());
           EXPECT_LE(r["error_over_tolerance"].get<double>(), 1.0);
           if (ms < best) best = ms, fastest = o.impls[x];
         }

@@ -59,8 +59,13 @@ TEST(ServeBenchArithmetic, HitRateIsSumOverSum) {
 }
 
 TEST(ServeBenchWorkload, SharedPrefixes) {
-  const serve_bench::SharedPrefixSpec spec{.prefixes = 8, .prefix_tokens = 256, .requests = 100, .suffix_min = 8,
-                                           .suffix_max = 56, .vocab_size = 512, .seed = 3};
+  const serve_bench::SharedPrefixSpec spec{.prefixes = 8,
+                                           .prefix_tokens = 256,
+                                           .requests = 100,
+                                           .suffix_min = 8,
+                                           .suffix_max = 56,
+                                           .vocab_size = 512,
+                                           .seed = 3};
   const auto w = serve_bench::MakeSharedPrefixWorkload(spec);
   ASSERT_EQ(w.prompts.size(), 100u);
   ASSERT_EQ(w.prefix_of.size(), 100u);
@@ -173,8 +178,8 @@ TEST(ServeBench, QuickRunInProcess) {
 // stops at its first GetStats, naming the refusal.
 TEST(ServeBench, DrivesADeploymentThatNeedsAToken) {
   constexpr char kToken[] = "bench-token-0123456789abcdef";
-  auto coord = Coordinator::Start({.listen = "127.0.0.1:0",
-                                   .auth_tokens = AuthTokens(std::vector<Principal>{{.token = kToken, .name = "bench"}})});
+  auto coord = Coordinator::Start(
+      {.listen = "127.0.0.1:0", .auth_tokens = AuthTokens(std::vector<Principal>{{.token = kToken, .name = "bench"}})});
   ASSERT_TRUE(coord.ok()) << coord.status();
   SimWorkerOptions so;
   so.coordinator = (*coord)->address();

@@ -5,9 +5,8 @@
 // hang.
 #include <cstddef>
 #include <cstdint>
-#include <string>
-
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "text/chat_template.h"
 
@@ -20,13 +19,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!parsed.ok()) return 0;
   nlohmann::json context;
   try {
-    context = {{"messages",
-                {{{"role", "system"}, {"content", "be brief"}},
-                 {{"role", "user"}, {"content", nlohmann::json(content).dump(-1, ' ', false,
-                                                                        nlohmann::json::error_handler_t::replace)}}}},
-               {"add_generation_prompt", true},
-               {"bos_token", "<s>"},
-               {"eos_token", "</s>"}};
+    context = {
+        {"messages",
+         {{{"role", "system"}, {"content", "be brief"}},
+          {{"role", "user"},
+           {"content", nlohmann::json(content).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)}}}},
+        {"add_generation_prompt", true},
+        {"bos_token", "<s>"},
+        {"eos_token", "</s>"}};
   } catch (...) {
     return 0;
   }

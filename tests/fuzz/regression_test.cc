@@ -19,8 +19,8 @@ TEST(FuzzRegression, MaxTokensInt64MaxDoesNotOverflow) {
   // No limit known: nothing to exceed.
   EXPECT_TRUE(ValidateGenerationRequest(*r, RequestLimits{}).ok());
   // A cache of known size: the blocks it would need are named, saturated.
-  const RequestLimits cache{.vocab_size = 512, .max_position_embeddings = kLimitUnknown, .block_size = 16,
-                            .cache_blocks_total = 64};
+  const RequestLimits cache{
+      .vocab_size = 512, .max_position_embeddings = kLimitUnknown, .block_size = 16, .cache_blocks_total = 64};
   const Status st = ValidateGenerationRequest(*r, cache);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("sampling.max_tokens"), std::string::npos) << st;

@@ -17,11 +17,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!r.ok()) return 0;
   mlarun::RequestLimits limits;
   switch (pick % 4) {
-    case 0: break;  // nothing known
-    case 1: limits = {.vocab_size = 512, .max_position_embeddings = 4096, .block_size = 16, .cache_blocks_total = 64}; break;
-    case 2: limits = {.vocab_size = 129280, .max_position_embeddings = mlarun::kLimitUnknown, .block_size = 64}; break;
+    case 0:
+      break;  // nothing known
+    case 1:
+      limits = {.vocab_size = 512, .max_position_embeddings = 4096, .block_size = 16, .cache_blocks_total = 64};
+      break;
+    case 2:
+      limits = {.vocab_size = 129280, .max_position_embeddings = mlarun::kLimitUnknown, .block_size = 64};
+      break;
     default:
-      limits = {.vocab_size = INT64_MAX - 1, .max_position_embeddings = INT64_MAX - 1, .block_size = 1,
+      limits = {.vocab_size = INT64_MAX - 1,
+                .max_position_embeddings = INT64_MAX - 1,
+                .block_size = 1,
                 .cache_blocks_total = INT64_MAX - 1};
   }
   (void)mlarun::ValidateGenerationRequest(*r, limits);

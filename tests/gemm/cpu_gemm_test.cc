@@ -1,8 +1,6 @@
-#include "gemm/convert.h"
 #include "gemm/cpu_gemm.h"
 
 #include <gtest/gtest.h>
-
 #include <omp.h>
 
 #include <cmath>
@@ -10,6 +8,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "gemm/convert.h"
 
 namespace mlarun {
 namespace {
@@ -69,8 +69,17 @@ TEST(CpuGemm, MatchesDoubleReference) {
       for (bool accumulate : {false, true}) {
         const int64_t m = 37, n = 53, k = 71, lda = k + 3, ldc = n + 5;
         const int64_t bsk = b_col_major ? 1 : n + 2, bsn = b_col_major ? k + 4 : 1;
-        const GemmDesc desc{.m = m, .n = n, .k = k, .a_type = t, .b_type = t, .c_type = DType::kF32, .lda = lda,
-                            .b_stride_k = bsk, .b_stride_n = bsn, .ldc = ldc, .accumulate = accumulate};
+        const GemmDesc desc{.m = m,
+                            .n = n,
+                            .k = k,
+                            .a_type = t,
+                            .b_type = t,
+                            .c_type = DType::kF32,
+                            .lda = lda,
+                            .b_stride_k = bsk,
+                            .b_stride_n = bsn,
+                            .ldc = ldc,
+                            .accumulate = accumulate};
         EXPECT_LT(RunAgainstDouble(desc, rng), 1e-3) << desc;
       }
     }
@@ -87,8 +96,16 @@ TEST(CpuGemm, OneDnnTurnedOffRunsOurs) {
   SetOneDnnEnabled(false);
   std::mt19937 rng(12);
   for (DType t : {DType::kF32, DType::kBF16}) {
-    const GemmDesc desc{.m = 96, .n = 80, .k = 64, .a_type = t, .b_type = t, .c_type = DType::kF32, .lda = 64,
-                        .b_stride_k = 1, .b_stride_n = 64, .ldc = 80};
+    const GemmDesc desc{.m = 96,
+                        .n = 80,
+                        .k = 64,
+                        .a_type = t,
+                        .b_type = t,
+                        .c_type = DType::kF32,
+                        .lda = 64,
+                        .b_stride_k = 1,
+                        .b_stride_n = 64,
+                        .ldc = 80};
     std::string name;
     EXPECT_LT(RunAgainstDouble(desc, rng, GemmImpl::kAuto, &name), 1e-3) << desc;
     EXPECT_EQ(name.rfind("onednn", 0), std::string::npos) << name << " for " << desc;
@@ -102,8 +119,16 @@ TEST(CpuGemm, OneDnnTurnedOffRunsOurs) {
 // thread; more callers at once than that make their own. Many threads
 // running one product at once must each get their own result.
 TEST(CpuGemm, OneDnnProductRunByManyThreadsAtOnce) {
-  const GemmDesc desc{.m = 64, .n = 48, .k = 40, .a_type = DType::kF32, .b_type = DType::kF32,
-                      .c_type = DType::kF32, .lda = 40, .b_stride_k = 1, .b_stride_n = 40, .ldc = 48};
+  const GemmDesc desc{.m = 64,
+                      .n = 48,
+                      .k = 40,
+                      .a_type = DType::kF32,
+                      .b_type = DType::kF32,
+                      .c_type = DType::kF32,
+                      .lda = 40,
+                      .b_stride_k = 1,
+                      .b_stride_n = 40,
+                      .ldc = 48};
   auto g = CpuGemm::Get(desc, GemmImpl::kOneDnn);
   if (!g.ok()) GTEST_SKIP() << "no oneDNN f32 product under this kernel family: " << g.status();
   const int callers = 3 * std::max(1, omp_get_max_threads()) + 1, rounds = 200;
@@ -134,8 +159,7 @@ TEST(CpuGemm, OneDnnProductRunByManyThreadsAtOnce) {
         c[i].assign(want[i].size(), NAN);
         const Status st = (*g)->Run(a[i].data(), b.data(), c[i].data(), scratch.data());
         if (!st.ok()) failed[i] = st.ToString();
-        for (size_t j = 0; j < want[i].size(); ++j)
-          err[i] = std::max(err[i], std::abs(double{c[i][j]} - want[i][j]));
+        for (size_t j = 0; j < want[i].size(); ++j) err[i] = std::max(err[i], std::abs(double{c[i][j]} - want[i][j]));
       }
     });
   for (std::thread& t : threads) t.join();

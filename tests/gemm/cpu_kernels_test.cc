@@ -15,10 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "base/cpu_isa.h"
 #include "gemm/convert.h"
 #include "gemm/cpu/kernels.h"
 #include "gemm/cpu_gemm.h"
-#include "base/cpu_isa.h"
 
 namespace mlarun {
 
@@ -83,8 +83,17 @@ void CheckOne(const Case& cs, const Shape& sh, std::mt19937& rng) {
   const int64_t m = sh.m, n = sh.n, k = sh.k;
   const int64_t lda = k + 3, ldc = n + 5;
   const int64_t bsk = cs.b_col_major ? 1 : n + 2, bsn = cs.b_col_major ? k + 4 : 1;
-  const GemmDesc desc{.m = m, .n = n, .k = k, .a_type = cs.dtype, .b_type = cs.dtype, .c_type = cs.c_type,
-                      .lda = lda, .b_stride_k = bsk, .b_stride_n = bsn, .ldc = ldc, .accumulate = cs.accumulate};
+  const GemmDesc desc{.m = m,
+                      .n = n,
+                      .k = k,
+                      .a_type = cs.dtype,
+                      .b_type = cs.dtype,
+                      .c_type = cs.c_type,
+                      .lda = lda,
+                      .b_stride_k = bsk,
+                      .b_stride_n = bsn,
+                      .ldc = ldc,
+                      .accumulate = cs.accumulate};
   ScopedCpuIsa scope(cs.isa);
   ASSERT_TRUE(scope.status().ok()) << scope.status();
   auto g = CpuGemm::Get(desc, cs.impl);
@@ -140,7 +149,8 @@ void CheckOne(const Case& cs, const Shape& sh, std::mt19937& rng) {
       ASSERT_TRUE(std::isfinite(got[static_cast<size_t>(i * ldc + j)])) << Name(cs, sh) << " at " << i << "," << j;
       // fp32 accumulation: a few ulps of the sum of magnitudes; a bf16 C adds
       // its own rounding (2^-8 relative).
-      const double tol = 1e-6 * mag * std::sqrt(static_cast<double>(k)) + (cs.c_type == DType::kBF16 ? std::abs(ref) / 256 : 0) + 1e-6;
+      const double tol =
+          1e-6 * mag * std::sqrt(static_cast<double>(k)) + (cs.c_type == DType::kBF16 ? std::abs(ref) / 256 : 0) + 1e-6;
       max_err = std::max(max_err, err / tol);
       max_ref = std::max(max_ref, std::abs(ref));
     }
@@ -167,11 +177,11 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   // a k between the bf16 dots' streaming limit with the prefetch (Intel) and
   // without it (5000: tiles with it, a stream without), and one whose stream
   // prefetches across rows and ends in a tail (2100).
-  const std::vector<Shape> shapes = {{1, 1, 1},   {1, 37, 64},   {2, 53, 71},    {3, 64, 40},   {4, 97, 129},
-                                     {5, 33, 17}, {7, 130, 300}, {16, 48, 576},  {17, 65, 33},  {37, 53, 71},
-                                     {64, 64, 64}, {97, 161, 257}, {9, 40, 1100}, {33, 200, 100},
-                                     {16, 128, 64}, {48, 96, 33}, {21, 419, 70}, {1, 29, 8300}, {2, 19, 8231},
-                                     {3, 11, 8250}, {1, 23, 5000}, {1, 45, 2100}};
+  const std::vector<Shape> shapes = {{1, 1, 1},     {1, 37, 64},    {2, 53, 71},   {3, 64, 40},    {4, 97, 129},
+                                     {5, 33, 17},   {7, 130, 300},  {16, 48, 576}, {17, 65, 33},   {37, 53, 71},
+                                     {64, 64, 64},  {97, 161, 257}, {9, 40, 1100}, {33, 200, 100}, {16, 128, 64},
+                                     {48, 96, 33},  {21, 419, 70},  {1, 29, 8300}, {2, 19, 8231},  {3, 11, 8250},
+                                     {1, 23, 5000}, {1, 45, 2100}};
   // On a CPU with AVX512-BF16 the avx512 streaming kernels use its dot
   // products; run their FMA path too.
   const bool dot_variants = isa >= CpuIsa::kAvx512 && HostCpu().avx512_bf16;
@@ -180,29 +190,29 @@ TEST_P(GemmEveryIsa, EveryImplementationMatchesFloat64) {
   // other vendor's paths run too, on the shapes of up to three rows.
   const bool vendor_prefetch = cpu::StreamPrefetch();
   for (bool prefetch : {vendor_prefetch, !vendor_prefetch}) {
-  const bool previous_prefetch = cpu::SetStreamPrefetch(prefetch);
-  for (bool dot : dot_variants ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
-  const bool previous = cpu::SetBf16DotAllowed(dot);
-  for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kOneDnn, GemmImpl::kTiles, GemmImpl::kAuto})
-    for (DType t : {DType::kF32, DType::kBF16})
-      for (DType ct : {DType::kF32, DType::kBF16})
-        for (bool col : {false, true})
-          for (bool acc : {false, true}) {
-            if (acc && ct == DType::kBF16) continue;
-            for (const Shape& s : shapes) {
-              if (impl == GemmImpl::kSmall && s.m > 40) continue;  // the streaming kernels are for few rows
-              if (prefetch != vendor_prefetch && s.m > 3) continue;
-              CheckOne(Case{isa, impl, t, ct, col, acc}, s, rng);
-              if (HasFatalFailure()) {
-                cpu::SetBf16DotAllowed(previous);
-                cpu::SetStreamPrefetch(previous_prefetch);
-                return;
+    const bool previous_prefetch = cpu::SetStreamPrefetch(prefetch);
+    for (bool dot : dot_variants ? std::vector<bool>{true, false} : std::vector<bool>{true}) {
+      const bool previous = cpu::SetBf16DotAllowed(dot);
+      for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked, GemmImpl::kOneDnn, GemmImpl::kTiles, GemmImpl::kAuto})
+        for (DType t : {DType::kF32, DType::kBF16})
+          for (DType ct : {DType::kF32, DType::kBF16})
+            for (bool col : {false, true})
+              for (bool acc : {false, true}) {
+                if (acc && ct == DType::kBF16) continue;
+                for (const Shape& s : shapes) {
+                  if (impl == GemmImpl::kSmall && s.m > 40) continue;  // the streaming kernels are for few rows
+                  if (prefetch != vendor_prefetch && s.m > 3) continue;
+                  CheckOne(Case{isa, impl, t, ct, col, acc}, s, rng);
+                  if (HasFatalFailure()) {
+                    cpu::SetBf16DotAllowed(previous);
+                    cpu::SetStreamPrefetch(previous_prefetch);
+                    return;
+                  }
+                }
               }
-            }
-          }
-  cpu::SetBf16DotAllowed(previous);
-  }
-  cpu::SetStreamPrefetch(previous_prefetch);
+      cpu::SetBf16DotAllowed(previous);
+    }
+    cpu::SetStreamPrefetch(previous_prefetch);
   }
 }
 
@@ -213,8 +223,15 @@ INSTANTIATE_TEST_SUITE_P(Isa, GemmEveryIsa,
 // The automatic choice: few rows stream; bf16 products without bf16
 // arithmetic and f32 products never reach oneDNN.
 TEST(GemmDispatch, ChoosesByShapeAndFamily) {
-  const GemmDesc small{.m = 1, .n = 64, .k = 40, .a_type = DType::kBF16, .b_type = DType::kBF16,
-                       .lda = 40, .b_stride_k = 1, .b_stride_n = 40, .ldc = 64};
+  const GemmDesc small{.m = 1,
+                       .n = 64,
+                       .k = 40,
+                       .a_type = DType::kBF16,
+                       .b_type = DType::kBF16,
+                       .lda = 40,
+                       .b_stride_k = 1,
+                       .b_stride_n = 40,
+                       .ldc = 64};
   GemmDesc large = small;
   large.m = 128;
   large.lda = 40;
@@ -295,7 +312,8 @@ TEST(CpuKernels, ElementwiseMatchScalarDefinitions) {
       for (float& v : part) v = d(rng);
       k->axpby(acc.data(), part.data(), n, 0.25f, -1.5f);
       for (int64_t i = 0; i < n; ++i)
-        EXPECT_NEAR(acc[static_cast<size_t>(i)], x[static_cast<size_t>(i)] * 0.25f - 1.5f * part[static_cast<size_t>(i)], 1e-5);
+        EXPECT_NEAR(acc[static_cast<size_t>(i)],
+                    x[static_cast<size_t>(i)] * 0.25f - 1.5f * part[static_cast<size_t>(i)], 1e-5);
       k->scale(acc.data(), n, 2.f);
     }
     // stream_read depends on every word.

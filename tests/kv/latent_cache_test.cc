@@ -24,8 +24,12 @@ LatentCacheConfig SmallConfig(int64_t blocks, DType dtype = DType::kF32) {
 }
 
 TEST(LatentCache, Accounting) {
-  LatentCacheConfig c{.num_layers = 61, .kv_lora_rank = 512, .rope_dim = 64, .block_size = 64,
-                      .dtype = DType::kBF16, .budget_bytes = 100 << 20};
+  LatentCacheConfig c{.num_layers = 61,
+                      .kv_lora_rank = 512,
+                      .rope_dim = 64,
+                      .block_size = 64,
+                      .dtype = DType::kBF16,
+                      .budget_bytes = 100 << 20};
   auto cache = LatentCache::Create(c);
   ASSERT_TRUE(cache.ok()) << cache.status();
   const LatentCacheStats s = (*cache)->stats();
@@ -77,12 +81,14 @@ TEST(LatentCache, AppendAcrossBlocksAndWriteRows) {
   for (float& v : kv) v = d(rng);
   for (float& v : pe) v = d(rng);
   auto pool = std::move(LatentPool::Create(cache->config())).value();
-  for (int64_t layer = 0; layer < 3; ++layer) ASSERT_TRUE(pool->WriteRows(layer, table, 0, 9, kv.data(), 8, pe.data(), 4).ok());
+  for (int64_t layer = 0; layer < 3; ++layer)
+    ASSERT_TRUE(pool->WriteRows(layer, table, 0, 9, kv.data(), 8, pe.data(), 4).ok());
   for (int64_t layer = 0; layer < 3; ++layer) {
     const PagedRowsView v = pool->Layer(layer);
     EXPECT_EQ(v.row_width, 12);
     for (int64_t pos = 0; pos < 9; ++pos) {
-      const float* row = static_cast<const float*>(v.data) + table[static_cast<size_t>(pos / 4)] * v.stride_block + pos % 4 * v.stride_token;
+      const float* row = static_cast<const float*>(v.data) + table[static_cast<size_t>(pos / 4)] * v.stride_block +
+                         pos % 4 * v.stride_token;
       for (int c = 0; c < 8; ++c) ASSERT_EQ(row[c], kv[static_cast<size_t>(pos * 8 + c)]);
       for (int c = 0; c < 4; ++c) ASSERT_EQ(row[8 + c], pe[static_cast<size_t>(pos * 4 + c)]);
     }
@@ -133,9 +139,9 @@ TEST(LatentCache, ExhaustionIsAStatusAndChangesNothing) {
   EXPECT_EQ(cache->NumTokens(1), 9);
   ASSERT_TRUE(cache->Append(1, Tokens(3, 200)).ok());  // still room in the last block
   ASSERT_TRUE(cache->Retire(1).ok());
-  EXPECT_EQ(cache->stats().blocks_retired, 3);  // 12 tokens; the refused appends took nothing
+  EXPECT_EQ(cache->stats().blocks_retired, 3);     // 12 tokens; the refused appends took nothing
   EXPECT_TRUE(cache->Append(2, Tokens(12)).ok());  // everything is free again
-  ASSERT_TRUE(cache->Release(2).ok());  // released, not retired: not counted
+  ASSERT_TRUE(cache->Release(2).ok());             // released, not retired: not counted
   EXPECT_EQ(cache->stats().blocks_retired, 3);
 }
 
@@ -149,10 +155,10 @@ TEST(LatentCache, PrefixSharing) {
   EXPECT_EQ(cache->MatchPrefix(prompt), 8);  // two full blocks of 4
   auto other = prompt;
   other[5] = 999;
-  EXPECT_EQ(cache->MatchPrefix(other), 4);   // diverges in the second block
+  EXPECT_EQ(cache->MatchPrefix(other), 4);  // diverges in the second block
   other = prompt;
   other[0] = 999;
-  EXPECT_EQ(cache->MatchPrefix(other), 0);   // a later block never matches without its parent
+  EXPECT_EQ(cache->MatchPrefix(other), 0);  // a later block never matches without its parent
 
   // A second request with the same prompt attaches the two full blocks.
   ASSERT_TRUE(cache->AddSequence(2).ok());

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <random>
 
+#include "base/cuda_device.h"
 #include "kv/latent_cache.h"
 #include "kv/latent_write.h"
-#include "base/cuda_device.h"
 
 #ifdef MLARUN_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -63,11 +63,21 @@ TEST(LatentWriteCuda, MatchesHostCache) {
     cudaMemcpy(d_slots, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice);
     cudaMemcpy(d_kv, kv.data(), kv.size() * 4, cudaMemcpyHostToDevice);
     cudaMemcpy(d_pe, pe.data(), pe.size() * 4, cudaMemcpyHostToDevice);
-    LatentWriteParams p{.cache = d_pool, .dtype = dt, .block_size = 16, .num_blocks = view.num_blocks,
-                        .stride_block = view.stride_block, .stride_token = view.stride_token, .d_latent = L,
-                        .d_rope = R, .n = n, .slots = static_cast<const int64_t*>(d_slots),
-                        .kv_c = static_cast<const float*>(d_kv), .kv_c_stride = L,
-                        .k_pe = static_cast<const float*>(d_pe), .k_pe_stride = R, .backend = Backend::kCuda};
+    LatentWriteParams p{.cache = d_pool,
+                        .dtype = dt,
+                        .block_size = 16,
+                        .num_blocks = view.num_blocks,
+                        .stride_block = view.stride_block,
+                        .stride_token = view.stride_token,
+                        .d_latent = L,
+                        .d_rope = R,
+                        .n = n,
+                        .slots = static_cast<const int64_t*>(d_slots),
+                        .kv_c = static_cast<const float*>(d_kv),
+                        .kv_c_stride = L,
+                        .k_pe = static_cast<const float*>(d_pe),
+                        .k_pe_stride = R,
+                        .backend = Backend::kCuda};
     ASSERT_TRUE(LatentWriteRun(p).ok());
     std::vector<std::byte> back(pool_bytes);
     ASSERT_EQ(cudaMemcpy(back.data(), d_pool, pool_bytes, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -82,8 +92,13 @@ TEST(LatentWriteCuda, MatchesHostCache) {
 }
 
 TEST(LatentWriteCuda, BadParamsAreErrors) {
-  LatentWriteParams p{.dtype = DType::kF16, .block_size = 16, .stride_block = 16 * 8, .stride_token = 8,
-                      .d_latent = 6, .d_rope = 2, .backend = Backend::kCuda};
+  LatentWriteParams p{.dtype = DType::kF16,
+                      .block_size = 16,
+                      .stride_block = 16 * 8,
+                      .stride_token = 8,
+                      .d_latent = 6,
+                      .d_rope = 2,
+                      .backend = Backend::kCuda};
   const Status st = LatentWriteRun(p);
   // MLARUN_HAVE_CUDA comes with mlarun_base (a PUBLIC definition) exactly when
   // the CUDA backend is built. The argument check runs before any device work,

@@ -25,8 +25,10 @@ class ScopedPrefetchEnv {
     setenv(kName, value, 1);
   }
   ~ScopedPrefetchEnv() {
-    if (had_) setenv(kName, old_.c_str(), 1);
-    else unsetenv(kName);
+    if (had_)
+      setenv(kName, old_.c_str(), 1);
+    else
+      unsetenv(kName);
     cpu::SetStreamPrefetch(rule_);
   }
 

@@ -25,7 +25,8 @@ TEST(Generate, ParseRequestLine) {
   const SamplingParams defaults{.max_tokens = 7};
   auto r = ParseRequestLine(R"({"prompt_ids": [4, 5], "temperature": 0.5, "top_k": 3, "seed": 9,
                                  "stop_token_ids": [8], "ignore_eos": true, "logprobs": 4,
-                                 "prompt_logprobs": 0})", defaults);
+                                 "prompt_logprobs": 0})",
+                            defaults);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->prompt, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(r->sampling.max_tokens, 7);
@@ -37,15 +38,15 @@ TEST(Generate, ParseRequestLine) {
   EXPECT_EQ(r->sampling.logprobs, 4);
   EXPECT_EQ(r->sampling.prompt_logprobs, 0);
   EXPECT_EQ(ParseRequestLine(R"({"prompt_ids": [1]})", defaults)->sampling.prompt_logprobs, -1) << "off unless asked";
-  for (const auto& [line, field] : std::vector<std::pair<std::string, std::string>>{
-           {R"({"max_tokens": 3})", "prompt_ids"},
-           {R"({"prompt_ids": "1,2"})", "prompt_ids"},
-           {R"({"prompt_ids": [1, 2.5]})", "prompt_ids"},
-           {R"({"prompt_ids": [1], "max_tokens": 2.5})", "max_tokens"},
-           {R"({"prompt_ids": [1], "seed": -1})", "seed"},
-           {R"({"prompt_ids": [1], "ignore_eos": 1})", "ignore_eos"},
-           {R"({"prompt_ids": [1], "logprobs": true})", "logprobs"},
-           {R"(not json)", "JSON"}}) {
+  for (const auto& [line, field] :
+       std::vector<std::pair<std::string, std::string>>{{R"({"max_tokens": 3})", "prompt_ids"},
+                                                        {R"({"prompt_ids": "1,2"})", "prompt_ids"},
+                                                        {R"({"prompt_ids": [1, 2.5]})", "prompt_ids"},
+                                                        {R"({"prompt_ids": [1], "max_tokens": 2.5})", "max_tokens"},
+                                                        {R"({"prompt_ids": [1], "seed": -1})", "seed"},
+                                                        {R"({"prompt_ids": [1], "ignore_eos": 1})", "ignore_eos"},
+                                                        {R"({"prompt_ids": [1], "logprobs": true})", "logprobs"},
+                                                        {R"(not json)", "JSON"}}) {
     const Status st = ParseRequestLine(line, defaults).status();
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << line;
     EXPECT_NE(st.message().find(field), std::string::npos) << st;
@@ -54,11 +55,15 @@ TEST(Generate, ParseRequestLine) {
 
 TEST(Generate, JsonLinesInInputOrder) {
   const std::string path = testing::TempDir() + "/prompts.jsonl";
-  std::ofstream(path) << R"({"prompt_ids": [3, 4, 5], "max_tokens": 4, "ignore_eos": true})" << "\n"
-                      << R"({"prompt_ids": [], "max_tokens": 3})" << "\n\n"
-                      << R"({"prompt_ids": [9, 10], "max_tokens": 5, "temperature": 0.7, "seed": 3, "ignore_eos": true})"
-                      << "\n"
-                      << R"({"prompt_ids": [7, 99999]})" << "\n";
+  std::ofstream(path)
+      << R"({"prompt_ids": [3, 4, 5], "max_tokens": 4, "ignore_eos": true})"
+      << "\n"
+      << R"({"prompt_ids": [], "max_tokens": 3})"
+      << "\n\n"
+      << R"({"prompt_ids": [9, 10], "max_tokens": 5, "temperature": 0.7, "seed": 3, "ignore_eos": true})"
+      << "\n"
+      << R"({"prompt_ids": [7, 99999]})"
+      << "\n";
   GenerateOptions o{.deployment = {.model = TinyYaml()}, .prompts_path = path, .json = true};
   std::ostringstream out, log;
   EXPECT_EQ(RunGenerate(o, out, log), 1) << "a rejected request makes the exit code 1";

@@ -8,8 +8,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "tests/ref/deepseek_v3_by_hand.h"
@@ -57,9 +57,9 @@ void ExpectRank(const Json& r, const v3_by_hand::Rank& want, int64_t memory, con
 
 TEST(MemoryCommand, TableCarriesThePinnedNumbers) {
   const std::string text = Report(V3Options());
-  for (const char* s : {"1,152 B", "70,272 B = 68.625 KiB", "4,997,120 B = 4.765625 MiB", "71.11x", "320 KiB",
-                        "= 4.66", "75,497,472 B", "3,221,225,472 B", "132 B per layer", "8,052 B = 7.86 KiB", "tp8",
-                        "dp8", "dp2xtp4"}) {
+  for (const char* s :
+       {"1,152 B", "70,272 B = 68.625 KiB", "4,997,120 B = 4.765625 MiB", "71.11x", "320 KiB", "= 4.66", "75,497,472 B",
+        "3,221,225,472 B", "132 B per layer", "8,052 B = 7.86 KiB", "tp8", "dp8", "dp2xtp4"}) {
     EXPECT_NE(text.find(s), std::string::npos) << "missing '" << s << "' in:\n" << text;
   }
   // bf16 weights of V3 do not fit 8 x 141 GiB: the report says so.
@@ -94,7 +94,8 @@ TEST(MemoryCommand, JsonCarriesThePinnedNumbers) {
   EXPECT_EQ(tp8["name"], "tp8");
   EXPECT_EQ(tp8["cluster"]["copies_per_token"], 8);
   EXPECT_EQ(dp8["cluster"]["copies_per_token"], 1);
-  const int64_t split_tp1 = 61 * ((int64_t{128} * 192 * 1536 + int64_t{7168} * 128 * 128) * 2 + int64_t{128} * 256 * 512 * 2);
+  const int64_t split_tp1 =
+      61 * ((int64_t{128} * 192 * 1536 + int64_t{7168} * 128 * 128) * 2 + int64_t{128} * 256 * 512 * 2);
   EXPECT_EQ(dp8["per_rank"]["weights"]["attention_split"], split_tp1);
   EXPECT_EQ(tp8["per_rank"]["weights"]["attention_split"], split_tp1 / 8);
   EXPECT_EQ(dp8["per_rank"]["prefill_workspace_bytes"], int64_t{65536} * (576 + 128 * 192 + 128 * 128) * 2);
@@ -155,7 +156,8 @@ TEST(MemoryCommand, DeepSeekV32IndexerIsCached) {
     std::ifstream in(kModels + "deepseek-v3.yaml");
     std::ofstream out(dir / "v32.yaml");
     std::string line;
-    while (std::getline(in, line)) out << (line.rfind("model_type:", 0) == 0 ? "model_type: deepseek_v32" : line) << "\n";
+    while (std::getline(in, line))
+      out << (line.rfind("model_type:", 0) == 0 ? "model_type: deepseek_v32" : line) << "\n";
   }
   MemoryOptions o = V3Options();
   o.model = (dir / "v32.yaml").string();

@@ -67,9 +67,7 @@ Output Shell(const std::string& command) {
   return out;
 }
 
-bool Have(const std::string& program) {
-  return Shell("command -v " + program + " >/dev/null").status == 0;
-}
+bool Have(const std::string& program) { return Shell("command -v " + program + " >/dev/null").status == 0; }
 
 std::vector<std::string> Split(const std::string& s, char sep) {
   std::vector<std::string> parts;
@@ -179,8 +177,7 @@ std::vector<Command> ShellCommands(const std::string& text) {
       std::string op(1, c);
       while (i + 1 < text.size() && (text[i + 1] == '>' || text[i + 1] == '&')) op += text[++i];
       while (i + 1 < text.size() && text[i + 1] == ' ') ++i;
-      while (i + 1 < text.size() && !std::isspace(static_cast<unsigned char>(text[i + 1])))
-        op += text[++i];
+      while (i + 1 < text.size() && !std::isspace(static_cast<unsigned char>(text[i + 1]))) op += text[++i];
       word.clear();
       in_word = false;
       commands.back().push_back({op, true});
@@ -249,9 +246,7 @@ Command YamlCommand(const YAML::Node& container) {
 
 bool IsProgram(const std::string& word, const std::string& program) {
   std::string w = word;
-  w.erase(
-      std::remove_if(w.begin(), w.end(), [](char c) { return c == '$' || c == '{' || c == '}'; }),
-      w.end());
+  w.erase(std::remove_if(w.begin(), w.end(), [](char c) { return c == '$' || c == '{' || c == '}'; }), w.end());
   const size_t slash = w.find_last_of('/');
   if (slash != std::string::npos) w = w.substr(slash + 1);
   std::transform(w.begin(), w.end(), w.begin(), ::tolower);
@@ -265,18 +260,15 @@ struct Invocation {
   std::vector<std::string> args;
 };
 
-std::vector<Invocation> Invocations(const std::vector<Command>& commands,
-                                    const std::string& where) {
+std::vector<Invocation> Invocations(const std::vector<Command>& commands, const std::string& where) {
   std::vector<Invocation> found;
   const Help& top = HelpOf("");
   for (const Command& c : commands) {
     for (size_t i = 0; i + 1 < c.size(); ++i) {
-      if (c[i].op || !IsProgram(c[i].text, "mlarun") || !top.subcommands.count(c[i + 1].text))
-        continue;
+      if (c[i].op || !IsProgram(c[i].text, "mlarun") || !top.subcommands.count(c[i + 1].text)) continue;
       Invocation inv{where, c[i + 1].text, {}};
       size_t j = i + 2;
-      if (j < c.size() && !c[j].op && HelpOf(inv.path).subcommands.count(c[j].text))
-        inv.path += " " + c[j++].text;
+      if (j < c.size() && !c[j].op && HelpOf(inv.path).subcommands.count(c[j].text)) inv.path += " " + c[j++].text;
       for (; j < c.size() && !c[j].op; ++j) inv.args.push_back(c[j].text);
       found.push_back(inv);
     }
@@ -382,16 +374,15 @@ TEST(DeployFiles, MlarunFlagsAreInHelp) {
     if (auto e = expected.find(file); e != expected.end()) {
       const std::set<std::string> got = PathsIn(invs);
       for (const std::string& path : e->second)
-        EXPECT_TRUE(got.count(path))
-            << file << ": no `mlarun " << path << "` found (the parser missed it?)";
+        EXPECT_TRUE(got.count(path)) << file << ": no `mlarun " << path << "` found (the parser missed it?)";
     }
     for (const Invocation& inv : invs) {
       const Help& help = HelpOf(inv.path);
       for (const std::string& arg : inv.args) {
         if (arg.rfind("--", 0) != 0) continue;
         const std::string flag = arg.substr(0, arg.find('='));
-        EXPECT_TRUE(help.flags.count(flag)) << inv.where << ": `mlarun " << inv.path << " " << flag
-                                            << "` is not in `mlarun " << inv.path << " --help`";
+        EXPECT_TRUE(help.flags.count(flag))
+            << inv.where << ": `mlarun " << inv.path << " " << flag << "` is not in `mlarun " << inv.path << " --help`";
         ++checked;
       }
       const std::string policy = FlagValue(inv.args, "--policy");
@@ -436,8 +427,7 @@ std::string Expand(std::string s, const YAML::Node& container) {
   if (container["env"])
     for (const auto& e : container["env"]) {
       const std::string ref = "$(" + e["name"].as<std::string>() + ")";
-      for (size_t at; (at = s.find(ref)) != std::string::npos;)
-        s.replace(at, ref.size(), e["value"].as<std::string>());
+      for (size_t at; (at = s.find(ref)) != std::string::npos;) s.replace(at, ref.size(), e["value"].as<std::string>());
     }
   return s;
 }
@@ -463,10 +453,8 @@ TEST(DeployFiles, CoordinatorPortIsTheSameEverywhere) {
   const int port = DefaultCoordinatorPort();
   ASSERT_GT(port, 0);
   const Kube k = LoadKube();
-  ASSERT_TRUE(k.deployment && k.service)
-      << kCoordinatorYaml << ": needs a Deployment and a Service";
-  const YAML::Node c =
-      OnlyContainer(k.deployment["spec"]["template"], "the coordinator Deployment");
+  ASSERT_TRUE(k.deployment && k.service) << kCoordinatorYaml << ": needs a Deployment and a Service";
+  const YAML::Node c = OnlyContainer(k.deployment["spec"]["template"], "the coordinator Deployment");
   const Command cmd = YamlCommand(c);
   const std::vector<Invocation> coord = Invocations({cmd}, kCoordinatorYaml);
   ASSERT_EQ(coord.size(), 1u);
@@ -475,12 +463,10 @@ TEST(DeployFiles, CoordinatorPortIsTheSameEverywhere) {
   EXPECT_EQ(PortOf(listen), port) << "--listen " << listen;
   ASSERT_TRUE(c["ports"] && c["ports"].size() == 1);
   const int container_port = c["ports"][0]["containerPort"].as<int>();
-  const std::string port_name =
-      c["ports"][0]["name"] ? c["ports"][0]["name"].as<std::string>() : "";
+  const std::string port_name = c["ports"][0]["name"] ? c["ports"][0]["name"].as<std::string>() : "";
   EXPECT_EQ(container_port, port);
   // Readiness through `mlarun stats` on the same port.
-  const std::vector<Invocation> probe =
-      Invocations({YamlCommand(c["readinessProbe"]["exec"])}, kCoordinatorYaml);
+  const std::vector<Invocation> probe = Invocations({YamlCommand(c["readinessProbe"]["exec"])}, kCoordinatorYaml);
   ASSERT_EQ(probe.size(), 1u);
   EXPECT_EQ(probe[0].path, "stats");
   EXPECT_EQ(PortOf(FlagValue(probe[0].args, "--coordinator")), port);
@@ -495,18 +481,15 @@ TEST(DeployFiles, CoordinatorPortIsTheSameEverywhere) {
   const YAML::Node sp = k.service["spec"]["ports"][0];
   EXPECT_EQ(sp["port"].as<int>(), port);
   const std::string target = sp["targetPort"].as<std::string>();
-  EXPECT_TRUE(target == port_name || target == std::to_string(container_port))
-      << "targetPort " << target;
+  EXPECT_TRUE(target == port_name || target == std::to_string(container_port)) << "targetPort " << target;
   // The workers reach it as <Service>:<port>.
-  const YAML::Node launcher =
-      OnlyContainer(k.mpijob["spec"]["mpiReplicaSpecs"]["Launcher"]["template"], "Launcher");
+  const YAML::Node launcher = OnlyContainer(k.mpijob["spec"]["mpiReplicaSpecs"]["Launcher"]["template"], "Launcher");
   const std::vector<Invocation> worker = Invocations({YamlCommand(launcher)}, kMpiJobYaml);
   ASSERT_EQ(worker.size(), 1u);
   const std::string address = FlagValue(worker[0].args, "--coordinator");
   EXPECT_EQ(address, k.service["metadata"]["name"].as<std::string>() + ":" + std::to_string(port));
   // The images and the Slurm script.
-  for (const char* dockerfile : kDockerfiles)
-    EXPECT_EQ(Exposed(dockerfile), std::set<int>{port}) << dockerfile;
+  for (const char* dockerfile : kDockerfiles) EXPECT_EQ(Exposed(dockerfile), std::set<int>{port}) << dockerfile;
   std::smatch m;
   const std::string sbatch = ReadFile(kSbatch);
   ASSERT_TRUE(std::regex_search(sbatch, m, std::regex(R"(MLARUN_PORT:-(\d+))")));
@@ -516,25 +499,20 @@ TEST(DeployFiles, CoordinatorPortIsTheSameEverywhere) {
 TEST(DeployFiles, ImagesAgree) {
   const Kube k = LoadKube();
   std::set<std::string> images;
-  images.insert(
-      OnlyContainer(k.deployment["spec"]["template"], "coordinator")["image"].as<std::string>());
+  images.insert(OnlyContainer(k.deployment["spec"]["template"], "coordinator")["image"].as<std::string>());
   for (const char* role : {"Launcher", "Worker"})
     images.insert(
-        OnlyContainer(k.mpijob["spec"]["mpiReplicaSpecs"][role]["template"], role)["image"]
-            .as<std::string>());
+        OnlyContainer(k.mpijob["spec"]["mpiReplicaSpecs"][role]["template"], role)["image"].as<std::string>());
   ASSERT_EQ(images.size(), 1u) << "the coordinator, Launcher and Worker pods run different images";
   const std::string image = *images.begin();
   const std::string readme = ReadFile("deploy/README.md");
-  EXPECT_NE(readme.find("docker build -t " + image + " -f deploy/docker/Dockerfile ."),
-            std::string::npos)
+  EXPECT_NE(readme.find("docker build -t " + image + " -f deploy/docker/Dockerfile ."), std::string::npos)
       << "deploy/README.md does not build " << image << " from deploy/docker/Dockerfile";
   // The containers call `mlarun`, `mpirun` and `sshd`: the image has them.
   const std::string dockerfile = ReadFile("deploy/docker/Dockerfile");
-  EXPECT_NE(dockerfile.find("/usr/local/bin/mlarun"), std::string::npos)
-      << "mlarun is not on the image's PATH";
+  EXPECT_NE(dockerfile.find("/usr/local/bin/mlarun"), std::string::npos) << "mlarun is not on the image's PATH";
   EXPECT_NE(dockerfile.find("openmpi-bin"), std::string::npos);
-  const YAML::Node worker =
-      OnlyContainer(k.mpijob["spec"]["mpiReplicaSpecs"]["Worker"]["template"], "Worker");
+  const YAML::Node worker = OnlyContainer(k.mpijob["spec"]["mpiReplicaSpecs"]["Worker"]["template"], "Worker");
   EXPECT_EQ(worker["command"][0].as<std::string>(), "/usr/sbin/sshd");
   EXPECT_NE(dockerfile.find("openssh-server"), std::string::npos);
   EXPECT_NE(dockerfile.find("mkdir -p /run/sshd"), std::string::npos) << "sshd needs /run/sshd";
@@ -572,18 +550,15 @@ TEST(DeployFiles, MpiJobAgreesWithItsLayout) {
   const std::string model = FlagValue(inv[0].args, "--model");
   // The model is the one the image copies from configs/.
   const std::string in_image = "/opt/mlarun/configs/";
-  ASSERT_EQ(model.rfind(in_image, 0), 0u)
-      << "the MPIJob's model " << model << " is not in the image";
+  ASSERT_EQ(model.rfind(in_image, 0), 0u) << "the MPIJob's model " << model << " is not in the image";
   const std::string rel = "configs/" + model.substr(in_image.size());
   EXPECT_TRUE(fs::exists(kSource + "/" + rel)) << rel;
   for (const char* dockerfile : kDockerfiles)
-    EXPECT_NE(ReadFile(dockerfile).find("COPY configs /opt/mlarun/configs"), std::string::npos)
-        << dockerfile;
+    EXPECT_NE(ReadFile(dockerfile).find("COPY configs /opt/mlarun/configs"), std::string::npos) << dockerfile;
   // The layout fits the ranks and the model (mlarun memory checks both).
-  const Output check = Shell("'" + kMlarun + "' memory --model '" + kSource + "/" + rel +
-                             "' --world " + np + " --layouts '" + layout + "'");
-  EXPECT_EQ(check.status, 0) << "layout " << layout << " on " << np << " ranks of " << rel << ": "
-                             << check.text;
+  const Output check = Shell("'" + kMlarun + "' memory --model '" + kSource + "/" + rel + "' --world " + np +
+                             " --layouts '" + layout + "'");
+  EXPECT_EQ(check.status, 0) << "layout " << layout << " on " << np << " ranks of " << rel << ": " << check.text;
 }
 
 // ---- Dockerfiles ------------------------------------------------------------------
@@ -592,37 +567,31 @@ TEST(DeployFiles, DockerfilesBuildWithTheProjectScripts) {
   for (const char* name : {"scripts/install-deps", "scripts/build"}) {
     const fs::path p = fs::path(kSource) / name;
     ASSERT_TRUE(fs::exists(p)) << name;
-    EXPECT_NE(fs::status(p).permissions() & fs::perms::owner_exec, fs::perms::none)
-        << name << " is not executable";
+    EXPECT_NE(fs::status(p).permissions() & fs::perms::owner_exec, fs::perms::none) << name << " is not executable";
   }
   // scripts/build TYPE builds into build/<type in lower case>.
   const std::string build_script = ReadFile("scripts/build");
-  ASSERT_NE(build_script.find("dir=\"$root/build/$(echo \"$type\" | tr '[:upper:]' '[:lower:]')\""),
-            std::string::npos)
+  ASSERT_NE(build_script.find("dir=\"$root/build/$(echo \"$type\" | tr '[:upper:]' '[:lower:]')\""), std::string::npos)
       << "scripts/build no longer builds into build/<type>: update the Dockerfiles and this test";
   for (const char* dockerfile : kDockerfiles) {
     SCOPED_TRACE(dockerfile);
     const std::string text = ReadFile(dockerfile);
     std::smatch m;
     ASSERT_TRUE(std::regex_search(
-        text, m,
-        std::regex(
-            R"(WORKDIR (\S+)\nCOPY \. \.\nRUN .*scripts/install-deps && scripts/build (\w+))")));
+        text, m, std::regex(R"(WORKDIR (\S+)\nCOPY \. \.\nRUN .*scripts/install-deps && scripts/build (\w+))")));
     const std::string workdir = m[1], type = m[2];
     std::string lower = type;
     std::transform(lower.begin(), lower.end(), lower.begin(), ::tolower);
-    EXPECT_NE(text.find("COPY --from=build " + workdir + "/build/" + lower +
-                        "/mlarun /usr/local/bin/mlarun"),
+    EXPECT_NE(text.find("COPY --from=build " + workdir + "/build/" + lower + "/mlarun /usr/local/bin/mlarun"),
               std::string::npos)
         << "the binary is not copied from " << workdir << "/build/" << lower;
-    EXPECT_TRUE(fs::exists(fs::path(kSource) / "deploy/docker" /
-                           (fs::path(dockerfile).filename().string() + ".dockerignore")))
+    EXPECT_TRUE(
+        fs::exists(fs::path(kSource) / "deploy/docker" / (fs::path(dockerfile).filename().string() + ".dockerignore")))
         << "no .dockerignore beside it: the build context would carry build/";
   }
   const std::string cuda = ReadFile("deploy/docker/Dockerfile.cuda");
   ASSERT_NE(cuda.find("-DMLARUN_CUDA=ON"), std::string::npos);
-  EXPECT_NE(ReadFile("CMakeLists.txt").find("set(MLARUN_CUDA "), std::string::npos)
-      << "MLARUN_CUDA is no CMake option";
+  EXPECT_NE(ReadFile("CMakeLists.txt").find("set(MLARUN_CUDA "), std::string::npos) << "MLARUN_CUDA is no CMake option";
 }
 
 // The Debian packages a Dockerfile's runtime stage installs (its last
@@ -643,8 +612,7 @@ std::vector<std::string> RuntimePackages(const std::string& dockerfile) {
 }
 
 TEST(DeployFiles, RuntimeImageHasEveryLibraryTheBinaryLinks) {
-  if (!Have("dpkg") || !Have("apt-cache") || !Have("ldd"))
-    GTEST_SKIP() << "needs dpkg, apt-cache and ldd";
+  if (!Have("dpkg") || !Have("apt-cache") || !Have("ldd")) GTEST_SKIP() << "needs dpkg, apt-cache and ldd";
 #if defined(__SANITIZE_ADDRESS__)
   GTEST_SKIP() << "a sanitizer build (MLARUN_SANITIZE) links the sanitizer runtimes, which the image does not ship";
 #endif
@@ -682,9 +650,7 @@ TEST(DeployFiles, RuntimeImageHasEveryLibraryTheBinaryLinks) {
     // NVIDIA's packages (CUDA runtime, NCCL) are not in Debian's lists.
     std::string debian, nvidia;
     for (const std::string& p : packages)
-      (p.find("cuda") != std::string::npos || p.find("nccl") != std::string::npos ? nvidia
-                                                                                  : debian) +=
-          " " + p;
+      (p.find("cuda") != std::string::npos || p.find("nccl") != std::string::npos ? nvidia : debian) += " " + p;
     const Output deps = Shell(
         "apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts --no-breaks "
         "--no-replaces --no-enhances" +
@@ -693,14 +659,12 @@ TEST(DeployFiles, RuntimeImageHasEveryLibraryTheBinaryLinks) {
     std::set<std::string> closure;
     std::istringstream lines(deps.text);
     for (std::string line; std::getline(lines, line);)
-      if (!line.empty() && line[0] != ' ' && line[0] != '<')
-        closure.insert(line.substr(0, line.find(':')));
+      if (!line.empty() && line[0] != ' ' && line[0] != '<') closure.insert(line.substr(0, line.find(':')));
     for (const std::string& pkg : linked)
       EXPECT_TRUE(closure.count(pkg)) << "the binary links a library of " << pkg
                                       << ", which the runtime image does not install";
     if (std::string(dockerfile).find("cuda") != std::string::npos) {
-      EXPECT_NE(nvidia.find("cuda-cudart-"), std::string::npos)
-          << "no CUDA runtime in the CUDA image";
+      EXPECT_NE(nvidia.find("cuda-cudart-"), std::string::npos) << "no CUDA runtime in the CUDA image";
       EXPECT_NE(nvidia.find("libnccl2"), std::string::npos) << "no NCCL in the CUDA image";
     } else {
       EXPECT_TRUE(nvidia.empty()) << "the CPU image installs" << nvidia;
@@ -719,8 +683,7 @@ TEST(DeployFiles, MpiSettingsExistInThisOpenMpi) {
   for (std::sregex_iterator it(info.text.begin(), info.text.end(), kParam), end; it != end; ++it)
     params.insert((*it)[1]);
   ASSERT_GT(params.size(), 100u);
-  const Output help =
-      Shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --help all");
+  const Output help = Shell("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --help all");
   ASSERT_NE(help.text.find("--map-by"), std::string::npos) << help.text.substr(0, 2000);
   int mca = 0, options = 0;
   for (const auto& [file, commands] : AllCommands()) {
@@ -728,8 +691,7 @@ TEST(DeployFiles, MpiSettingsExistInThisOpenMpi) {
     for (const Command& c : commands)
       for (size_t i = 0; i + 1 < c.size(); ++i)
         if (!c[i].op && (c[i].text == "--mca" || c[i].text == "-mca")) {
-          EXPECT_TRUE(params.count(c[i + 1].text))
-              << file << ": no MCA parameter " << c[i + 1].text;
+          EXPECT_TRUE(params.count(c[i + 1].text)) << file << ": no MCA parameter " << c[i + 1].text;
           ++mca;
         }
     // mpirun's own options, up to the program it starts.
@@ -744,8 +706,7 @@ TEST(DeployFiles, MpiSettingsExistInThisOpenMpi) {
           }
           if (w.size() < 2 || w[0] != '-' || w[1] == '$') continue;
           const std::regex listed("(^|[\\s|,])" + w + "([\\s|,]|$)");
-          EXPECT_TRUE(std::regex_search(help.text, listed))
-              << file << ": mpirun has no option " << w;
+          EXPECT_TRUE(std::regex_search(help.text, listed)) << file << ": mpirun has no option " << w;
           ++options;
         }
       }
@@ -773,8 +734,7 @@ TEST(DeployFiles, SlurmScriptParsesAndHasBothLaunchers) {
     if (IsProgram(c[0].text, "mpirun")) by_mpirun = true;
     if (IsProgram(c[0].text, "srun")) {
       by_srun = true;
-      EXPECT_TRUE(
-          std::any_of(c.begin(), c.end(), [](const Word& w) { return w.text == "--mpi=pmix"; }));
+      EXPECT_TRUE(std::any_of(c.begin(), c.end(), [](const Word& w) { return w.text == "--mpi=pmix"; }));
     }
     EXPECT_EQ(FlagValue(invs[0].args, "--parallel"), "$layout");
     EXPECT_EQ(FlagValue(invs[0].args, "--threads"), "$cpus");

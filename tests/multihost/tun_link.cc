@@ -110,8 +110,8 @@ struct Host {
   std::string netns;
   uint32_t addr;  // network order
   int fd = -1;
-  int64_t tx_free_ns = 0;  // when its NIC has sent everything it was given
-  int64_t rx_free_ns = 0;  // when its port has delivered the last arrival
+  int64_t tx_free_ns = 0;    // when its NIC has sent everything it was given
+  int64_t rx_free_ns = 0;    // when its port has delivered the last arrival
   std::deque<Packet> queue;  // arriving here, in due order
   int64_t queued_bytes = 0;
 };
@@ -175,7 +175,8 @@ int RunLink(int argc, char** argv) {
       hosts.push_back(std::move(h));
     } else {
       errno = 0;
-      Die("unknown argument '" + a + "' (tun_link link [--delay-us D] [--rate-mbit R] [--dev NAME] "
+      Die("unknown argument '" + a +
+          "' (tun_link link [--delay-us D] [--rate-mbit R] [--dev NAME] "
           "[--ready FILE] [--queue-bytes Q] NETNS=ADDR...)");
     }
   }
@@ -192,7 +193,7 @@ int RunLink(int argc, char** argv) {
   sigprocmask(SIG_BLOCK, &block, &wait_mask);
   sigdelset(&wait_mask, SIGTERM);
   sigdelset(&wait_mask, SIGINT);
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = OnSignal;
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
@@ -468,8 +469,8 @@ int RunSend(const char* addr, const char* port, const char* bytes_s) {
   close(fd);
   const uint64_t sent_hash = hash.Finish();
   const bool intact = answer[0] == static_cast<uint64_t>(bytes) && answer[1] == sent_hash;
-  std::printf("send bytes=%" PRId64 " seconds=%.4f gbit_per_s=%.3f %s\n", bytes, s, static_cast<double>(bytes) * 8 / s / 1e9,
-              intact ? "intact" : "CORRUPTED");
+  std::printf("send bytes=%" PRId64 " seconds=%.4f gbit_per_s=%.3f %s\n", bytes, s,
+              static_cast<double>(bytes) * 8 / s / 1e9, intact ? "intact" : "CORRUPTED");
   if (!intact)
     std::fprintf(stderr, "tun_link: the server received %" PRIu64 " bytes (sent %" PRId64 "), hash %s\n", answer[0],
                  bytes, answer[1] == sent_hash ? "equal" : "different");

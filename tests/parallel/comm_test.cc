@@ -20,11 +20,11 @@
 #include <thread>
 #include <vector>
 
+#include "base/dtype.h"
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
 #include "parallel/mpi/mpi_world.h"
 #include "parallel/nccl/nccl_communicator.h"
-#include "base/dtype.h"
 #include "tests/parallel/mpi_gtest_main.h"
 
 #ifdef MLARUN_HAVE_CUDA
@@ -419,8 +419,8 @@ TEST(ProcessGroups, WrongWorldSizeIsRefusedOnEveryRank) {
   const auto groups = g_session->Groups(layout);
   ASSERT_FALSE(groups.ok());
   EXPECT_EQ(groups.status().code(), StatusCode::kInvalidArgument);
-  const std::string want = "layout dp=" + std::to_string(Size()) + " x attn_tp=2 needs " +
-                           std::to_string(2 * Size()) + " ranks, mpirun started " + std::to_string(Size());
+  const std::string want = "layout dp=" + std::to_string(Size()) + " x attn_tp=2 needs " + std::to_string(2 * Size()) +
+                           " ranks, mpirun started " + std::to_string(Size());
   EXPECT_EQ(groups.status().message(), want);
   // Nobody is stuck in a collective: the world still works.
   EXPECT_TRUE(g_world->Barrier().ok());
@@ -493,7 +493,7 @@ TEST(NcclComm, DeviceCollectives) {
 
   // AllGatherV and ReduceScatterSumV, equal and unequal counts (idle ranks).
   std::mt19937 rng(7);
-  std::vector<std::vector<int64_t>> count_sets = {std::vector<int64_t>(Size(), 100)};
+  std::vector<std::vector<int64_t> > count_sets = {std::vector<int64_t>(Size(), 100)};
   for (int i = 0; i < 5; ++i) count_sets.push_back(RandomCounts(rng, Size(), kN));
   for (const auto& counts : count_sets) {
     const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});

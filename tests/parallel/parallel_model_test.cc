@@ -9,10 +9,10 @@
 #include <cstring>
 #include <random>
 
+#include "bench/local_cache.h"
 #include "launcher/env.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
-#include "bench/local_cache.h"
 #include "tests/parallel/mpi_gtest_main.h"
 #include "tests/test_paths.h"
 
@@ -148,8 +148,8 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
   ASSERT_TRUE(Groups(&g));
   auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
   ASSERT_TRUE(model);
-  const EngineConfig ec{.max_num_batched_tokens = 16, .cache_budget_bytes = 16 << 20, .block_size = 16,
-                        .enable_prefix_caching = false};
+  const EngineConfig ec{
+      .max_num_batched_tokens = 16, .cache_budget_bytes = 16 << 20, .block_size = 16, .enable_prefix_caching = false};
   auto runner = RankRunner::Create(*model, ec, g);
   ASSERT_TRUE(runner.ok()) << runner.status();
   auto reqs = Requests();
@@ -177,11 +177,11 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
     out.push_back(static_cast<int64_t>(o->tokens.size()));
     out.insert(out.end(), o->tokens.begin(), o->tokens.end());
     out.push_back(static_cast<int64_t>(o->prompt_logprobs.size()));
-    for (const LogprobEntry& p : o->prompt_logprobs)
-      out.push_back(std::bit_cast<int64_t>(p.token.logprob));
+    for (const LogprobEntry& p : o->prompt_logprobs) out.push_back(std::bit_cast<int64_t>(p.token.logprob));
   }
   const auto all = GatherAll(*g.world, out, CommType::kI64);
-  const auto written = GatherAll(*g.world, std::vector<int64_t>{(*runner)->cache_stats().bytes_written}, CommType::kI64);
+  const auto written =
+      GatherAll(*g.world, std::vector<int64_t>{(*runner)->cache_stats().bytes_written}, CommType::kI64);
   if (g.rank != 0) return;
   std::vector<std::vector<int64_t>> tokens(reqs.size());
   std::vector<std::vector<double>> prompt_logprobs(reqs.size());
@@ -213,13 +213,14 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
   int64_t total = 0;
   for (const auto& req : reqs)
     total += static_cast<int64_t>(req.prompt.size()) + req.sampling.max_tokens - 1;  // the last token is never fed back
-  const int64_t per_token = whole->CacheConfig(0).num_layers *
-                            (whole->config().kv_lora_rank + whole->config().qk_rope_head_dim) * 4;
+  const int64_t per_token =
+      whole->CacheConfig(0).num_layers * (whole->config().kv_lora_rank + whole->config().qk_rope_head_dim) * 4;
   int64_t sum_over_groups = 0;
   for (int grp = 0; grp < g_layout.dp; ++grp) {
     const int64_t leader = written[static_cast<size_t>(g_layout.leader_of(grp))][0];
     for (int t = 0; t < g_layout.attn_tp; ++t)
-      EXPECT_EQ(written[static_cast<size_t>(g_layout.leader_of(grp) + t)][0], leader) << "group " << grp << " member " << t;
+      EXPECT_EQ(written[static_cast<size_t>(g_layout.leader_of(grp) + t)][0], leader)
+          << "group " << grp << " member " << t;
     sum_over_groups += leader;
   }
   EXPECT_EQ(sum_over_groups, total * per_token);

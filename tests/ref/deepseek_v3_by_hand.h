@@ -35,7 +35,9 @@ constexpr int64_t Mlp(int64_t inter, bool fp8) { return 2 * Proj(inter, kHidden,
 struct Rank {
   int64_t attention_replicated = 0, attention_split = 0, dense_mlp = 0, moe = 0, embedding_and_head = 0;
   int64_t workspace = 0;
-  constexpr int64_t weights() const { return attention_replicated + attention_split + dense_mlp + moe + embedding_and_head; }
+  constexpr int64_t weights() const {
+    return attention_replicated + attention_split + dense_mlp + moe + embedding_and_head;
+  }
 };
 
 // One rank of dp x attn_tp = 8 (moe split by expert).
@@ -46,8 +48,8 @@ constexpr Rank ByHand(int64_t attn_tp, bool fp8) {
   r.attention_replicated =
       kLayers * (Proj(1536, kHidden, fp8) + Proj(576, kHidden, fp8) + (1536 + 512 + 2 * kHidden) * 4);
   // q_b [heads x 192, 1536], W_UK and W_UV [heads x 128 x 512] each (bf16), o [7168, heads x 128].
-  r.attention_split = kLayers * (Proj(heads * 192, 1536, fp8) + heads * 2 * 128 * 512 * 2 +
-                                 Proj(kHidden, heads * 128, fp8));
+  r.attention_split =
+      kLayers * (Proj(heads * 192, 1536, fp8) + heads * 2 * 128 * 512 * 2 + Proj(kHidden, heads * 128, fp8));
   r.dense_mlp = kDenseLayers * Mlp(18432 / kWorld, fp8);
   r.moe = kMoeLayers * ((256 / kWorld) * Mlp(2048, fp8) + Mlp(2048 / kWorld, fp8) + 256 * kHidden * 4 + 256 * 4);
   // embed_tokens and lm_head [129280, 7168] bf16, the final norm fp32.

@@ -3,6 +3,8 @@
 // coordinator (serving/link's LinkEndpoint). Everything listens on 127.0.0.1
 // port 0 and every wait has a deadline, so a broken client fails a test
 // instead of hanging it.
+#include "serving/client/client.h"
+
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -10,26 +12,24 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cerrno>
-
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
-#include <random>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <thread>
 
-#include "serving/client/client.h"
+#include "base/cpu_isa.h"
+#include "mlarun.grpc.pb.h"
 #include "serving/link/link_server.h"
 #include "serving/sim/sim_worker.h"
 #include "tests/serving/sim_worker_thread.h"
-#include "mlarun.grpc.pb.h"
-#include "base/cpu_isa.h"
 #include "tests/test_paths.h"
 
 // The connect() that gRPC's client calls (this definition takes the place of
@@ -43,7 +43,8 @@ std::atomic<int> g_failing_port{0};
 extern "C" int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   int port = -1;
   if (addr != nullptr && addr->sa_family == AF_INET) port = ntohs(reinterpret_cast<const sockaddr_in*>(addr)->sin_port);
-  if (addr != nullptr && addr->sa_family == AF_INET6) port = ntohs(reinterpret_cast<const sockaddr_in6*>(addr)->sin6_port);
+  if (addr != nullptr && addr->sa_family == AF_INET6)
+    port = ntohs(reinterpret_cast<const sockaddr_in6*>(addr)->sin6_port);
   if (port == g_failing_port.load() && g_failing_connects.load() > 0 && g_failing_connects.fetch_sub(1) > 0) {
     errno = ENOENT;
     return -1;
@@ -130,9 +131,7 @@ void ExpectInvalid(const std::string& name, const std::string& text, const std::
   EXPECT_NE(c.status().message().find("'" + key + "'"), std::string::npos) << c.status();
 }
 
-TEST(DeploymentConfig, UnknownKeyNamesFileAndKey) {
-  ExpectInvalid("unknown.yaml", "model: x\nmodle: y\n", "modle");
-}
+TEST(DeploymentConfig, UnknownKeyNamesFileAndKey) { ExpectInvalid("unknown.yaml", "model: x\nmodle: y\n", "modle"); }
 
 TEST(DeploymentConfig, WrongTypesNameFileAndKey) {
   ExpectInvalid("wrong_int.yaml", "cache_bytes: lots\n", "cache_bytes");
@@ -575,10 +574,12 @@ struct Link {
   // The RequestDone of `id`, waiting up to `timeout` for it.
   std::optional<v1::RequestDone> WaitDone(const std::string& id, std::chrono::milliseconds timeout = 10s) {
     std::optional<v1::RequestDone> done;
-    Find([&](const v1::WorkerMessage& m) {
-      if (m.has_done() && m.done().request_id() == id) done = m.done();
-      return done.has_value();
-    }, timeout);
+    Find(
+        [&](const v1::WorkerMessage& m) {
+          if (m.has_done() && m.done().request_id() == id) done = m.done();
+          return done.has_value();
+        },
+        timeout);
     return done;
   }
   // Every token event of `id` so far, in order.

@@ -22,9 +22,9 @@
 #include <thread>
 
 #include "kv/latent_cache.h"
+#include "mlarun.grpc.pb.h"
 #include "serving/coordinator/router.h"
 #include "serving/link/worker_link_client.h"
-#include "mlarun.grpc.pb.h"
 
 namespace mlarun {
 namespace {
@@ -34,17 +34,14 @@ using Ms = std::chrono::milliseconds;
 using SysClock = std::chrono::system_clock;
 
 // The fake groups' tokens: a function of prompt, seed and index only.
-int64_t ExpectedToken(const std::vector<int32_t>& prompt, uint64_t seed, int64_t index,
-                      int64_t vocab) {
+int64_t ExpectedToken(const std::vector<int32_t>& prompt, uint64_t seed, int64_t index, int64_t vocab) {
   int64_t sum = 0;
   for (int32_t t : prompt) sum += t;
   return static_cast<int64_t>((static_cast<uint64_t>(sum) + seed + static_cast<uint64_t>(index)) %
                               static_cast<uint64_t>(vocab));
 }
 
-std::vector<int32_t> ToVector(const google::protobuf::RepeatedField<int32_t>& f) {
-  return {f.begin(), f.end()};
-}
+std::vector<int32_t> ToVector(const google::protobuf::RepeatedField<int32_t>& f) { return {f.begin(), f.end()}; }
 
 // ---- A fake DP group --------------------------------------------------------
 
@@ -61,7 +58,7 @@ struct FakeWorkerOptions {
   bool hold = false;         // routed requests stay silent until Release()
   int32_t reject_code = 0;   // answer every request with this error (RequestDone.error_code)
   std::string reject_message;
-  std::string secret;        // sent as the worker secret when not empty
+  std::string secret;  // sent as the worker secret when not empty
   // Changes the registration before it is sent (the refusal tests).
   std::function<void(v1::Register&)> edit_register;
   // Changes each step's batch before it is sent (the forged-token tests);
@@ -349,20 +346,18 @@ GenResult Generate(v1::Mlarun::Stub& stub, const v1::GenerateRequest& req, Ms ti
     }
   }
   res.status = reader->Finish();
-  res.elapsed_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  res.elapsed_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   return res;
 }
 
 // Checks a successful result against the fake groups' token function.
-void ExpectServed(const GenResult& r, const std::vector<int32_t>& prompt, uint64_t seed,
-                  int64_t max_tokens, int64_t vocab = 1000) {
+void ExpectServed(const GenResult& r, const std::vector<int32_t>& prompt, uint64_t seed, int64_t max_tokens,
+                  int64_t vocab = 1000) {
   ASSERT_TRUE(r.status.ok()) << r.status.error_code() << " " << r.status.error_message();
   ASSERT_EQ(static_cast<int64_t>(r.tokens.size()), max_tokens);
   for (int64_t i = 0; i < max_tokens; ++i) {
     EXPECT_EQ(r.tokens[static_cast<size_t>(i)].index(), i);
-    EXPECT_EQ(r.tokens[static_cast<size_t>(i)].token_id(), ExpectedToken(prompt, seed, i, vocab))
-        << i;
+    EXPECT_EQ(r.tokens[static_cast<size_t>(i)].token_id(), ExpectedToken(prompt, seed, i, vocab)) << i;
   }
   ASSERT_TRUE(r.finished.has_value());
   EXPECT_EQ(r.finished->finish_reason(), "length");
@@ -376,9 +371,7 @@ void ExpectServed(const GenResult& r, const std::vector<int32_t>& prompt, uint64
 class AsyncGenerate {
  public:
   AsyncGenerate(v1::Mlarun::Stub& stub, v1::GenerateRequest req, Ms timeout = 10s)
-      : thread_([this, &stub, req = std::move(req), timeout] {
-          result_ = Generate(stub, req, timeout);
-        }) {}
+      : thread_([this, &stub, req = std::move(req), timeout] { result_ = Generate(stub, req, timeout); }) {}
   ~AsyncGenerate() {
     if (thread_.joinable()) thread_.join();
   }
@@ -502,8 +495,7 @@ class CoordinatorTest : public ::testing::Test {
     auto c = Coordinator::Start(o);
     ASSERT_TRUE(c.ok()) << c.status();
     coord_ = std::move(*c);
-    stub_ = v1::Mlarun::NewStub(
-        grpc::CreateChannel(coord_->address(), grpc::InsecureChannelCredentials()));
+    stub_ = v1::Mlarun::NewStub(grpc::CreateChannel(coord_->address(), grpc::InsecureChannelCredentials()));
   }
   FakeWorker& AddWorker(FakeWorkerOptions o) {
     workers_.push_back(std::make_unique<FakeWorker>(coord_->address(), std::move(o)));
@@ -553,8 +545,7 @@ class CoordinatorTest : public ::testing::Test {
     for (const auto& g : s.groups()) n += g.requests_routed();
     return n;
   }
-  static const v1::GroupStats* FindGroup(const v1::GetStatsResponse& s, const std::string& worker,
-                                         int dp) {
+  static const v1::GroupStats* FindGroup(const v1::GetStatsResponse& s, const std::string& worker, int dp) {
     for (const auto& g : s.groups()) {
       if (g.worker_id() == worker && g.dp_group() == dp) return &g;
     }
@@ -604,8 +595,8 @@ TEST_F(CoordinatorTest, SixtyFourConcurrentClientsOverFourGroups) {
   for (int i = 0; i < kClients; ++i) {
     prompts[i] = {i + 1, 2 * i + 3, 7, 11, i % 5};
     threads.emplace_back([&, i] {
-      results[i] = Generate(*stub_, MakeRequest(prompts[i], kMaxTokens, static_cast<uint64_t>(i),
-                                                "c" + std::to_string(i)));
+      results[i] =
+          Generate(*stub_, MakeRequest(prompts[i], kMaxTokens, static_cast<uint64_t>(i), "c" + std::to_string(i)));
     });
   }
   for (auto& t : threads) t.join();
@@ -621,8 +612,7 @@ TEST_F(CoordinatorTest, SixtyFourConcurrentClientsOverFourGroups) {
     for (const auto& id : w->routes()) routed.insert(id);
   }
   EXPECT_EQ(routed.size(), static_cast<size_t>(kClients));
-  EXPECT_EQ(std::set<std::string>(routed.begin(), routed.end()).size(),
-            static_cast<size_t>(kClients));
+  EXPECT_EQ(std::set<std::string>(routed.begin(), routed.end()).size(), static_cast<size_t>(kClients));
 
   const v1::GetStatsResponse s = Stats();
   EXPECT_EQ(s.coordinator().requests_received(), kClients);
@@ -665,8 +655,7 @@ TEST_F(CoordinatorTest, LeastLoadedCountsRequestsWhenRouted) {
   constexpr int kBurst = 8;
   std::vector<std::unique_ptr<AsyncGenerate>> calls;
   for (int i = 0; i < kBurst; ++i)
-    calls.push_back(std::make_unique<AsyncGenerate>(
-        *stub_, MakeRequest({1, 2, 3, 4}, 4, 0, "ll" + std::to_string(i))));
+    calls.push_back(std::make_unique<AsyncGenerate>(*stub_, MakeRequest({1, 2, 3, 4}, 4, 0, "ll" + std::to_string(i))));
   ASSERT_TRUE(WaitStats([&](const auto& s) { return Routed(s) == kBurst; }));
   const v1::GetStatsResponse s = Stats();
   ASSERT_EQ(s.groups_size(), 2);
@@ -687,8 +676,7 @@ TEST_F(CoordinatorTest, LeastLoadedCountsRequestsWhenRouted) {
 }
 
 TEST_F(CoordinatorTest, PrefixAffinityKeepsSharedPrefixOnOneGroupUntilTooLoaded) {
-  StartCoordinator(
-      {.policy = RoutingPolicy::kPrefixAffinity, .balance_abs_tokens = 100, .balance_rel = 1.5});
+  StartCoordinator({.policy = RoutingPolicy::kPrefixAffinity, .balance_abs_tokens = 100, .balance_rel = 1.5});
   FakeWorker& a = AddWorker({.dp_group = 0, .block_size = 4, .hold = true});
   FakeWorker& b = AddWorker({.dp_group = 1, .block_size = 4, .hold = true});
   std::vector<int32_t> shared;
@@ -699,8 +687,7 @@ TEST_F(CoordinatorTest, PrefixAffinityKeepsSharedPrefixOnOneGroupUntilTooLoaded)
     std::vector<int32_t> prompt = shared;
     prompt.push_back(500 + i);
     prompt.push_back(600 + i);
-    calls.push_back(std::make_unique<AsyncGenerate>(
-        *stub_, MakeRequest(prompt, 16, 0, "p" + std::to_string(i))));
+    calls.push_back(std::make_unique<AsyncGenerate>(*stub_, MakeRequest(prompt, 16, 0, "p" + std::to_string(i))));
     ASSERT_TRUE(WaitStats([&](const auto& s) { return Routed(s) == i + 1; }));
   }
   // p0: no match anywhere, both idle -> group 0. p1, p2: group 0 holds the
@@ -711,8 +698,7 @@ TEST_F(CoordinatorTest, PrefixAffinityKeepsSharedPrefixOnOneGroupUntilTooLoaded)
   EXPECT_EQ(a.routes(), (std::vector<std::string>{"p0", "p1", "p2"}));
   EXPECT_EQ(b.routes(), (std::vector<std::string>{"p3"}));
   // An unrelated prompt goes to the least loaded (group 1 at 50 < 150).
-  calls.push_back(
-      std::make_unique<AsyncGenerate>(*stub_, MakeRequest({7, 7, 7, 7, 7}, 16, 0, "other")));
+  calls.push_back(std::make_unique<AsyncGenerate>(*stub_, MakeRequest({7, 7, 7, 7, 7}, 16, 0, "other")));
   ASSERT_TRUE(b.WaitRoutes(2));
   EXPECT_EQ(b.routes().back(), "other");
   a.SetHold(false);
@@ -737,8 +723,7 @@ TEST_F(CoordinatorTest, PrefixAffinityReturnsToTheGroupHoldingThePrefix) {
   for (int i = 0; i < 3; ++i) {
     std::vector<int32_t> q = p;
     q.push_back(i);
-    EXPECT_EQ(Generate(*stub_, MakeRequest(q, 4, static_cast<uint64_t>(i))).finished->dp_group(),
-              1);
+    EXPECT_EQ(Generate(*stub_, MakeRequest(q, 4, static_cast<uint64_t>(i))).finished->dp_group(), 1);
   }
   // A prompt without a cached prefix goes to the least loaded.
   EXPECT_EQ(Generate(*stub_, MakeRequest({1, 2, 3, 4, 5}, 4)).finished->dp_group(), 0);
@@ -756,14 +741,12 @@ TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
       {[](auto& r) { r.set_prompt_ids(1, -4); }, "prompt_ids[1]"},
       {[](auto& r) { r.mutable_sampling()->set_temperature(-0.1); }, "sampling.temperature"},
       {[](auto& r) { r.mutable_sampling()->set_temperature(100.5); }, "sampling.temperature"},
-      {[](auto& r) { r.mutable_sampling()->set_temperature(std::nan("")); },
-       "sampling.temperature"},
+      {[](auto& r) { r.mutable_sampling()->set_temperature(std::nan("")); }, "sampling.temperature"},
       {[](auto& r) { r.mutable_sampling()->set_top_p(0); }, "sampling.top_p"},
       {[](auto& r) { r.mutable_sampling()->set_top_p(1.01); }, "sampling.top_p"},
       {[](auto& r) { r.mutable_sampling()->set_max_tokens(0); }, "sampling.max_tokens"},
       {[](auto& r) { r.mutable_sampling()->add_stop_token_ids(-1); }, "sampling.stop_token_ids[0]"},
-      {[](auto& r) { r.mutable_sampling()->add_stop_token_ids(100); },
-       "sampling.stop_token_ids[0]"},
+      {[](auto& r) { r.mutable_sampling()->add_stop_token_ids(100); }, "sampling.stop_token_ids[0]"},
       {[](auto& r) { r.mutable_sampling()->set_top_k(-2); }, "sampling.top_k"},
       {[](auto& r) { r.set_prompt_ids(2, 100); }, "vocab_size"},
       {[](auto& r) { r.mutable_sampling()->set_max_tokens(62); }, "max_position_embeddings"},
@@ -773,8 +756,7 @@ TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
     c.mutate(req);
     const GenResult r = Generate(*stub_, req);
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.field;
-    EXPECT_NE(r.status.error_message().find(c.field), std::string::npos)
-        << r.status.error_message();
+    EXPECT_NE(r.status.error_message().find(c.field), std::string::npos) << r.status.error_message();
     EXPECT_TRUE(r.tokens.empty());
   }
   // Still serving; 3 + 61 = 64 positions is the limit and fits.
@@ -792,8 +774,7 @@ TEST_F(CoordinatorTest, ValidationWithoutGroupsChecksWhatItCan) {
   bad.mutable_sampling()->set_max_tokens(0);
   const GenResult r = Generate(*stub_, bad);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_NE(r.status.error_message().find("sampling.max_tokens"), std::string::npos)
-      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("sampling.max_tokens"), std::string::npos) << r.status.error_message();
   EXPECT_EQ(r.status.error_message().find("922337"), std::string::npos)  // no INT64_MAX bound
       << r.status.error_message();
   v1::GenerateRequest big = MakeRequest({1, 2}, 1000000);
@@ -855,8 +836,7 @@ TEST_F(CoordinatorTest, NoGroupBeforeDeadlineIsUnavailable) {
   StartCoordinator();
   const GenResult r = Generate(*stub_, MakeRequest({1, 2}, 2), 300ms);
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
-  EXPECT_NE(r.status.error_message().find("no DP group registered"), std::string::npos)
-      << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("no DP group registered"), std::string::npos) << r.status.error_message();
   EXPECT_GT(r.elapsed_ms, 200);
   EXPECT_TRUE(Health().serving());
   EXPECT_EQ(Health().groups_connected(), 0);
@@ -1002,8 +982,7 @@ TEST_F(CoordinatorTest, BrokenGroupFailsStartedRequestsAndReroutesTheOthers) {
   EXPECT_TRUE(FindGroup(s, "a", 0)->connected());
   EXPECT_EQ(FindGroup(s, "a", 0)->requests_routed(), 2);
   std::set<int> served;
-  for (int i = 0; i < 2; ++i)
-    served.insert(Generate(*stub_, MakeRequest({1}, 2, i)).finished->dp_group());
+  for (int i = 0; i < 2; ++i) served.insert(Generate(*stub_, MakeRequest({1}, 2, i)).finished->dp_group());
   EXPECT_EQ(served, (std::set<int>{0, 1}));
   EXPECT_EQ(FindGroup(Stats(), "a", 0)->requests_completed(), 1);
 }
@@ -1031,8 +1010,7 @@ TEST_F(CoordinatorTest, LeavingGroupEndsItsRequestsWithItsReasonWithinTheLostGro
   const double since_left_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - left).count();
   EXPECT_EQ(g2.status.error_code(), grpc::StatusCode::UNAVAILABLE) << g2.status.error_message();
-  EXPECT_NE(g2.status.error_message().find("DP group 0 of worker 'a'"), std::string::npos)
-      << g2.status.error_message();
+  EXPECT_NE(g2.status.error_message().find("DP group 0 of worker 'a'"), std::string::npos) << g2.status.error_message();
   EXPECT_NE(g2.status.error_message().find(why), std::string::npos) << g2.status.error_message();
   EXPECT_GE(since_left_ms, 250) << "it waited for a group to come back";
   EXPECT_LT(since_left_ms, 3000) << "within the lost-group wait, not the 10 s deadline";
@@ -1072,8 +1050,7 @@ TEST_F(CoordinatorTest, FaultSilentGroupBreaksRequestsWithoutDeadlineEndWithinTh
   StartCoordinator({.queue_timeout_s = 0.2, .lost_group_wait_s = 0.3});
   FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 2, .hold = true});
   std::vector<std::unique_ptr<UnboundedGenerate>> calls;
-  for (int i = 0; i < 3; ++i)
-    calls.push_back(std::make_unique<UnboundedGenerate>(*stub_, MakeRequest({1, 2, i}, 4)));
+  for (int i = 0; i < 3; ++i) calls.push_back(std::make_unique<UnboundedGenerate>(*stub_, MakeRequest({1, 2, i}, 4)));
   ASSERT_TRUE(a.WaitRoutes(3));
   std::this_thread::sleep_for(400ms);  // past the queue timeout, routed and silent
   const auto lost = std::chrono::steady_clock::now();
@@ -1256,8 +1233,7 @@ TEST_F(CoordinatorTest, FaultNoGroupEndsAtTheQueueTimeoutWithOrWithoutDeadline) 
   for (const GenResult* r : {&with_deadline, &unbounded.Get()}) {
     const std::string& m = r->status.error_message();
     EXPECT_EQ(r->status.error_code(), grpc::StatusCode::UNAVAILABLE) << m;
-    EXPECT_NE(m.find("no DP group registered within the coordinator's queue timeout of 0.3 s"), std::string::npos)
-        << m;
+    EXPECT_NE(m.find("no DP group registered within the coordinator's queue timeout of 0.3 s"), std::string::npos) << m;
     EXPECT_GE(r->elapsed_ms, 250);
     EXPECT_LT(r->elapsed_ms, 3000);
   }
@@ -1318,7 +1294,8 @@ TEST_F(CoordinatorTest, UnparsableRequestsAreInvalidArgumentWithAMessage) {
   const std::string bad_utf8("\x0a\x02\xff\xfe", 4);
   // Field 2 (prompt_ids, packed) claiming 10 bytes, holding 2.
   const std::string truncated("\x12\x0a\x01\x02", 4);
-  for (const std::string& method : {std::string("/mlarun.v1.Mlarun/Generate"), std::string("/mlarun.v1.Mlarun/Cancel")}) {
+  for (const std::string& method :
+       {std::string("/mlarun.v1.Mlarun/Generate"), std::string("/mlarun.v1.Mlarun/Cancel")}) {
     for (const std::string& bytes : {bad_utf8, truncated}) {
       const grpc::Status st = call(method, bytes);
       EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << method << ": " << st.error_message();
@@ -1396,8 +1373,7 @@ TEST_F(CoordinatorTest, MixedTrafficKeepsTheBooksBalanced) {
   EXPECT_GT(by_code[grpc::StatusCode::OK], 0);
   for (const auto& [code, n] : by_code) {
     EXPECT_TRUE(code == grpc::StatusCode::OK || code == grpc::StatusCode::CANCELLED ||
-                code == grpc::StatusCode::DEADLINE_EXCEEDED ||
-                code == grpc::StatusCode::UNAVAILABLE)
+                code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::UNAVAILABLE)
         << code;
   }
   // Client-side deadlines can beat the coordinator's answer, so compare the
@@ -1414,9 +1390,8 @@ TEST_F(CoordinatorTest, MixedTrafficKeepsTheBooksBalanced) {
   // not have seen.
   EXPECT_LE(c.requests_received(), kClients);
   EXPECT_GE(c.requests_received(), kClients - by_code[grpc::StatusCode::DEADLINE_EXCEEDED]);
-  EXPECT_EQ(
-      c.requests_completed() + c.requests_rejected() + c.requests_failed() + c.requests_cancelled(),
-      c.requests_received());
+  EXPECT_EQ(c.requests_completed() + c.requests_rejected() + c.requests_failed() + c.requests_cancelled(),
+            c.requests_received());
   EXPECT_EQ(c.requests_queued(), 0);
   int64_t completed = 0;
   for (const auto& g : s.groups()) {
@@ -1487,8 +1462,16 @@ TEST_F(CoordinatorTest, RegistrationOutOfRangeIsRefusedNamingTheField) {
       {"register.dp:", [](v1::Register& r) { r.set_dp(-5); }},
       {"register.dp:", [](v1::Register& r) { r.set_dp(1 << 30); }},
       {"register.attn_tp", [](v1::Register& r) { r.set_attn_tp(-1); }},
-      {"register: dp * attn_tp", [](v1::Register& r) { r.set_dp(4096); r.set_attn_tp(1024); }},
-      {"register.dp_group", [](v1::Register& r) { r.set_dp_group(2); r.set_dp(2); }},
+      {"register: dp * attn_tp",
+       [](v1::Register& r) {
+         r.set_dp(4096);
+         r.set_attn_tp(1024);
+       }},
+      {"register.dp_group",
+       [](v1::Register& r) {
+         r.set_dp_group(2);
+         r.set_dp(2);
+       }},
       {"register.vocab_size", [](v1::Register& r) { r.set_vocab_size(int64_t{1} << 62); }},
       {"register.vocab_size", [](v1::Register& r) { r.set_vocab_size(0); }},
       {"register.max_position_embeddings", [](v1::Register& r) { r.set_max_position_embeddings(-1); }},
@@ -1497,9 +1480,14 @@ TEST_F(CoordinatorTest, RegistrationOutOfRangeIsRefusedNamingTheField) {
       {"register.ranks[0].rank", [](v1::Register& r) { r.mutable_ranks(0)->set_rank(-7); }},
       {"register.ranks[0].attn_tp_rank", [](v1::Register& r) { r.mutable_ranks(0)->set_attn_tp_rank(3); }},
       {"register.ranks[0].dp_group", [](v1::Register& r) { r.mutable_ranks(0)->set_dp_group(1); }},
-      {"register.ranks: at most attn_tp", [](v1::Register& r) { for (int i = 0; i < 5; ++i) *r.add_ranks() = r.ranks(0); }},
-      {"register.ranks[0]: at most 8192 bytes", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(9 << 10, 'h')); }},
-      {"WorkerMessage may take at most", [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(5 << 20, 'h')); },
+      {"register.ranks: at most attn_tp",
+       [](v1::Register& r) {
+         for (int i = 0; i < 5; ++i) *r.add_ranks() = r.ranks(0);
+       }},
+      {"register.ranks[0]: at most 8192 bytes",
+       [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(9 << 10, 'h')); }},
+      {"WorkerMessage may take at most",
+       [](v1::Register& r) { r.mutable_ranks(0)->set_host(std::string(5 << 20, 'h')); },
        grpc::StatusCode::RESOURCE_EXHAUSTED},
   };
   for (const Case& c : cases) {
@@ -1536,8 +1524,8 @@ TEST_F(CoordinatorTest, RankStatsOfAllGroupsAreBoundedAndGetStatsKeepsWorking) {
   };
   std::vector<std::unique_ptr<FakeWorker>> held;
   for (int i = 0; i < 4; ++i) {
-    held.push_back(std::make_unique<FakeWorker>(coord_->address(),
-                                                FakeWorkerOptions{.worker_id = "big" + std::to_string(i), .edit_register = big}));
+    held.push_back(std::make_unique<FakeWorker>(
+        coord_->address(), FakeWorkerOptions{.worker_id = "big" + std::to_string(i), .edit_register = big}));
     ASSERT_TRUE(held.back()->ConnectOnce()) << i << ": " << held.back()->end_status().error_message();
   }
   FakeWorker fifth(coord_->address(), {.worker_id = "big4", .edit_register = big});
@@ -1594,7 +1582,8 @@ TEST_F(CoordinatorTest, WorkerSecretIsRequiredWhenSet) {
   grpc::Status s = none.WaitEnded();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED) << s.error_message();
   EXPECT_NE(s.error_message().find("--worker-secret-file"), std::string::npos) << s.error_message();
-  for (const std::string& wrong : std::vector<std::string>{"s3cret-valuE", "s3cret-value2", "s", std::string(4000, 'x')}) {
+  for (const std::string& wrong :
+       std::vector<std::string>{"s3cret-valuE", "s3cret-value2", "s", std::string(4000, 'x')}) {
     FakeWorker w(coord_->address(), {.worker_id = "wrong", .secret = wrong});
     EXPECT_FALSE(w.ConnectOnce());
     s = w.WaitEnded();
@@ -1658,7 +1647,8 @@ TEST(ReadSecretFile, TrimsAndRefusesEmptyOrUnreadable) {
 // takes what it left.
 TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
   using Step = std::function<void(v1::WorkerMessage&, std::vector<v1::WorkerMessage>&)>;
-  auto only_victim = [](std::function<void(v1::TokenEvent&)> token, std::function<void(v1::RequestDone&)> done) -> Step {
+  auto only_victim = [](std::function<void(v1::TokenEvent&)> token,
+                        std::function<void(v1::RequestDone&)> done) -> Step {
     return [token, done](v1::WorkerMessage& batch, std::vector<v1::WorkerMessage>& dones) {
       auto* events = batch.mutable_tokens()->mutable_events();
       for (int i = events->size() - 1; i >= 0; --i)
@@ -1680,7 +1670,8 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
        only_victim([](v1::TokenEvent& e) { e.set_token_id(-5); }, keep_done)},
       {"token id 1152921504606846976 for request 'victim' is outside",
        only_victim([](v1::TokenEvent& e) { e.set_token_id(int64_t{1} << 60); }, keep_done)},
-      {"token id 1000 for request 'victim' is outside", only_victim([](v1::TokenEvent& e) { e.set_token_id(1000); }, keep_done)},
+      {"token id 1000 for request 'victim' is outside",
+       only_victim([](v1::TokenEvent& e) { e.set_token_id(1000); }, keep_done)},
       {"logprob nan for request 'victim' is not a finite log-probability",
        only_victim([](v1::TokenEvent& e) { e.set_logprob(std::nan("")); }, keep_done)},
       {"logprob inf for request 'victim'",
@@ -1708,20 +1699,23 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
   // The victim asks for 2 most likely tokens per step (the fake group lists
   // none, which is allowed): more, or entries that cannot be right, are not.
   auto with_top = [&](std::vector<std::pair<int64_t, double>> top) {
-    return only_victim([top](v1::TokenEvent& e) {
-      for (const auto& [id, lp] : top) {
-        v1::TokenLogprob* t = e.add_top_logprobs();
-        t->set_token_id(id);
-        t->set_logprob(lp);
-      }
-    }, keep_done);
+    return only_victim(
+        [top](v1::TokenEvent& e) {
+          for (const auto& [id, lp] : top) {
+            v1::TokenLogprob* t = e.add_top_logprobs();
+            t->set_token_id(id);
+            t->set_logprob(lp);
+          }
+        },
+        keep_done);
   };
-  cases.push_back({"request 'victim': 3 top_logprobs, more than the 2 asked for", with_top({{1, -1}, {2, -2}, {3, -3}})});
+  cases.push_back(
+      {"request 'victim': 3 top_logprobs, more than the 2 asked for", with_top({{1, -1}, {2, -2}, {3, -3}})});
   cases.push_back({"request 'victim': top_logprobs[1] token id 1000 is outside its vocabulary [0, 1000)",
                    with_top({{1, -1}, {1000, -2}})});
   cases.push_back({"request 'victim': top_logprobs[0] token id -1 is outside", with_top({{-1, -1}})});
-  cases.push_back({"request 'victim': top_logprobs[0] logprob nan is not a finite log-probability",
-                   with_top({{1, std::nan("")}})});
+  cases.push_back(
+      {"request 'victim': top_logprobs[0] logprob nan is not a finite log-probability", with_top({{1, std::nan("")}})});
   cases.push_back({"request 'victim': top_logprobs[1] logprob 0.5 is not a finite", with_top({{1, -1}, {2, 0.5}})});
   cases.push_back({"request 'victim': top_logprobs[1] logprob -1 is above the one before it (-2): not best first",
                    with_top({{1, -2}, {2, -1}})});
@@ -1758,8 +1752,8 @@ TEST_F(CoordinatorTest, ForgedAnswersDisconnectTheGroupAndNeverReachTheClient) {
                    with_prompt(1, {{4, -1, {}}, {5, -1, {}}, {6, -1, {}}})});
   cases.push_back({"request 'victim': prompt_logprobs for token 2 name id 9, the prompt has 5",
                    with_prompt(1, {{4, -1, {}}, {9, -1, {}}})});
-  cases.push_back({"request 'victim': prompt_logprobs for token 1: logprob 0.5 is not a finite",
-                   with_prompt(1, {{4, 0.5, {}}})});
+  cases.push_back(
+      {"request 'victim': prompt_logprobs for token 1: logprob 0.5 is not a finite", with_prompt(1, {{4, 0.5, {}}})});
   cases.push_back({"request 'victim': prompt_logprobs for token 1: 2 top_logprobs, more than the 1 asked for",
                    with_prompt(1, {{4, -1, {{4, -1}, {7, -2}}}})});
 
@@ -1852,11 +1846,9 @@ TEST_F(CoordinatorTest, StatsOutOfRangeDisconnectTheGroup) {
 TEST(CoordinatorStart, RejectsBadOptions) {
   auto bad = Coordinator::Start({.listen = "no-port"});
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:99999"}).status().code(),
+  EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:99999"}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:0", .max_in_flight_per_group = 0}).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(
-      Coordinator::Start({.listen = "127.0.0.1:0", .max_in_flight_per_group = 0}).status().code(),
-      StatusCode::kInvalidArgument);
   EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:0", .queue_timeout_s = 0}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(Coordinator::Start({.listen = "127.0.0.1:0", .stall_timeout_s = -1}).status().code(),
@@ -1868,8 +1860,7 @@ TEST(CoordinatorStart, RejectsBadOptions) {
 }
 
 TEST(RoutingPolicyNames, RoundTrip) {
-  for (RoutingPolicy p :
-       {RoutingPolicy::kRoundRobin, RoutingPolicy::kLeastLoaded, RoutingPolicy::kPrefixAffinity}) {
+  for (RoutingPolicy p : {RoutingPolicy::kRoundRobin, RoutingPolicy::kLeastLoaded, RoutingPolicy::kPrefixAffinity}) {
     auto parsed = ParseRoutingPolicy(RoutingPolicyName(p));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, p);
@@ -1909,8 +1900,7 @@ TEST(PrefixIndex, MatchesLeadingRunAndStaysBounded) {
     EXPECT_LE(index.size(), 16 + 16 / 8);
   }
   EXPECT_EQ(index.LeadingMatch(chain), 0) << "least recently routed forgotten";
-  EXPECT_EQ(index.LeadingMatch(std::vector<uint64_t>{1396, 1397, 1398, 1399}), 4)
-      << "most recent kept";
+  EXPECT_EQ(index.LeadingMatch(std::vector<uint64_t>{1396, 1397, 1398, 1399}), 4) << "most recent kept";
 }
 
 TEST(Router, Policies) {
@@ -1922,30 +1912,23 @@ TEST(Router, Policies) {
   EXPECT_EQ(picks, (std::vector<int>{0, 2, 5, 0, 2, 5}));
 
   coord::Router ll(RoutingPolicy::kLeastLoaded, 0, 0);
-  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 5},
-                                           {.index = 1, .queued_tokens = 3}}),
-            1u);
+  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 5}, {.index = 1, .queued_tokens = 3}}), 1u);
   EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 3, .free_blocks = 1},
                                            {.index = 1, .queued_tokens = 3, .free_blocks = 9}}),
             1u);
-  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 3},
-                                           {.index = 1, .queued_tokens = 3}}),
-            0u);
+  EXPECT_EQ(ll.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 3}, {.index = 1, .queued_tokens = 3}}), 0u);
 
   coord::Router pa(RoutingPolicy::kPrefixAffinity, 2048, 1.5);
   auto pick = [&](int64_t q_hit, int64_t q_other) {
-    return pa.Pick(
-        std::vector<Candidate>{{.index = 0, .queued_tokens = q_hit, .prefix_blocks = 3},
-                               {.index = 1, .queued_tokens = q_other, .prefix_blocks = 1}});
+    return pa.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = q_hit, .prefix_blocks = 3},
+                                          {.index = 1, .queued_tokens = q_other, .prefix_blocks = 1}});
   };
   EXPECT_EQ(pick(3000, 2500), 0u) << "500 ahead: within the absolute threshold";
   EXPECT_EQ(pick(3000, 500), 1u) << "2500 ahead and 6x: too loaded";
   EXPECT_EQ(pick(10000, 7500), 0u) << "2500 ahead but only 1.33x";
   EXPECT_EQ(pick(20000, 7500), 1u);
   // No prefix anywhere: least loaded.
-  EXPECT_EQ(pa.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 9},
-                                           {.index = 1, .queued_tokens = 1}}),
-            1u);
+  EXPECT_EQ(pa.Pick(std::vector<Candidate>{{.index = 0, .queued_tokens = 9}, {.index = 1, .queued_tokens = 1}}), 1u);
 }
 
 }  // namespace

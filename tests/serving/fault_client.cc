@@ -56,9 +56,7 @@ using Clock = std::chrono::steady_clock;
 
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-double UnixNow() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double UnixNow() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 std::string Json(const std::string& s) {
   std::string out = "\"";
@@ -176,8 +174,8 @@ int Watch(const std::string& addr, double seconds, const std::string& stop_file)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   max_gap_s = std::max(max_gap_s, Since(last_answer));
-  std::printf("{\"samples\": %ld, \"failed\": %ld, \"max_gap_s\": %.3f, \"end\": %.3f}\n", samples, failed,
-              max_gap_s, UnixNow());
+  std::printf("{\"samples\": %ld, \"failed\": %ld, \"max_gap_s\": %.3f, \"end\": %.3f}\n", samples, failed, max_gap_s,
+              UnixNow());
   return 0;
 }
 
@@ -300,14 +298,16 @@ int Load(const std::string& addr, int n, int64_t max_tokens, const std::string& 
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  if (mode == "generate" && argc == 6) return Generate(argv[2], std::atoi(argv[3]), std::atoll(argv[4]), std::atof(argv[5]));
+  if (mode == "generate" && argc == 6)
+    return Generate(argv[2], std::atoi(argv[3]), std::atoll(argv[4]), std::atof(argv[5]));
   if (mode == "rejoin" && argc == 5) return Rejoin(argv[2], std::atoi(argv[3]), std::atof(argv[4]));
   if (mode == "watch" && argc == 5) return Watch(argv[2], std::atof(argv[3]), argv[4]);
   if (mode == "load" && argc == 7)
     return Load(argv[2], std::atoi(argv[3]), std::atoll(argv[4]), argv[5], std::atof(argv[6]));
-  std::fprintf(stderr,
-               "usage: fault_client generate ADDR N MAX_TOKENS WATCHDOG_S | fault_client rejoin ADDR GROUPS TIMEOUT_S |\n"
-               "       fault_client watch ADDR SECONDS STOP_FILE | fault_client load ADDR N MAX_TOKENS PROMPTS_FILE "
-               "WATCHDOG_S\n");
+  std::fprintf(
+      stderr,
+      "usage: fault_client generate ADDR N MAX_TOKENS WATCHDOG_S | fault_client rejoin ADDR GROUPS TIMEOUT_S |\n"
+      "       fault_client watch ADDR SECONDS STOP_FILE | fault_client load ADDR N MAX_TOKENS PROMPTS_FILE "
+      "WATCHDOG_S\n");
   return 2;
 }

@@ -7,10 +7,12 @@
 // (scripts/install-deps installs it): a CA, a server certificate for
 // 127.0.0.1 and localhost, a worker client certificate, and a second CA
 // with its own client certificate that the coordinator must not trust.
+#include "serving/security/security.h"
+
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <ifaddrs.h>
 #include <netinet/in.h>
-#include <arpa/inet.h>
 
 #include <atomic>
 #include <chrono>
@@ -21,14 +23,13 @@
 #include <sstream>
 #include <thread>
 
+#include "mlarun.grpc.pb.h"
 #include "serving/client/client.h"
 #include "serving/client/grpc_util.h"
 #include "serving/coordinator/coordinator.h"
 #include "serving/link/worker_link_client.h"
-#include "serving/security/security.h"
 #include "serving/sim/sim_worker.h"
 #include "tests/serving/sim_worker_thread.h"
-#include "mlarun.grpc.pb.h"
 
 namespace mlarun {
 namespace {
@@ -76,8 +77,8 @@ Pki MakePki() {
                   ".csr -subj /CN=" + name,
               &p.error) &&
            Sh("openssl x509 -req -in " + d + "/" + name + ".csr -CA " + d + "/" + ca_name + ".crt -CAkey " + d + "/" +
-                  ca_name + ".key -CAcreateserial -days 3 -out " + d + "/" + name + ".crt -extfile " + d + "/" +
-                  name + ".ext",
+                  ca_name + ".key -CAcreateserial -days 3 -out " + d + "/" + name + ".crt -extfile " + d + "/" + name +
+                  ".ext",
               &p.error);
   };
   if (!(ca("ca") && ca("rogue-ca") &&
@@ -321,8 +322,11 @@ grpc::Status RegisterOnce(const std::string& address, TlsPem tls, std::string se
   reg.set_dp(1);
   reg.set_attn_tp(1);
   reg.set_vocab_size(kVocab);
-  WorkerLinkClient link({.coordinator = address, .registration = reg, .reconnect = false,
-                         .secret = std::move(secret), .tls = std::move(tls)});
+  WorkerLinkClient link({.coordinator = address,
+                         .registration = reg,
+                         .reconnect = false,
+                         .secret = std::move(secret),
+                         .tls = std::move(tls)});
   const auto end = std::chrono::steady_clock::now() + 15s;
   *registered = false;
   while (std::chrono::steady_clock::now() < end) {
@@ -359,8 +363,8 @@ TEST_F(Security, WorkersAuthenticateByClientCertificateOrSecret) {
 
   // With a secret as well, either one admits a worker; a wrong secret
   // without a certificate does not.
-  auto both = Coordinator::Start({.listen = "127.0.0.1:0", .worker_secret = "s3cret-value-of-the-link",
-                                  .tls = ServerTls(true)});
+  auto both = Coordinator::Start(
+      {.listen = "127.0.0.1:0", .worker_secret = "s3cret-value-of-the-link", .tls = ServerTls(true)});
   ASSERT_TRUE(both.ok()) << both.status();
   RegisterOnce((*both)->address(), ClientTls(p.ca), "s3cret-value-of-the-link", &registered);
   EXPECT_TRUE(registered);
@@ -392,9 +396,7 @@ TEST_F(Security, StartRefusesAnOpenWorkerLinkBeyondLoopbackAndACaWithoutACertifi
 constexpr char kAlice[] = "alice-token-0123456789abcdef";
 constexpr char kBob[] = "bob-token-fedcba9876543210xyz";
 
-AuthTokens AliceAndBob() {
-  return AuthTokens({{.token = kAlice, .name = "alice"}, {.token = kBob, .name = "bob"}});
-}
+AuthTokens AliceAndBob() { return AuthTokens({{.token = kAlice, .name = "alice"}, {.token = kBob, .name = "bob"}}); }
 
 TEST_F(Security, TokensAreRequiredForGenerateCancelAndStatsButNotHealth) {
   auto coord = Coordinator::Start({.listen = "127.0.0.1:0", .auth_tokens = AliceAndBob()});

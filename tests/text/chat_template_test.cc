@@ -21,9 +21,7 @@
 namespace mlarun::text {
 namespace {
 
-std::string FixturePath(const std::string& rel) {
-  return std::string(MLARUN_FIXTURES_DIR) + "/" + rel;
-}
+std::string FixturePath(const std::string& rel) { return std::string(MLARUN_FIXTURES_DIR) + "/" + rel; }
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -36,8 +34,7 @@ std::string ReadFile(const std::string& path) {
 std::vector<nlohmann::json> ReadJsonl(const std::string& path) {
   std::vector<nlohmann::json> out;
   std::ifstream in(path);
-  EXPECT_TRUE(in.good()) << "cannot open " << path
-                         << " (run tests/text/make_chat_template_fixtures.py)";
+  EXPECT_TRUE(in.good()) << "cannot open " << path << " (run tests/text/make_chat_template_fixtures.py)";
   std::string line;
   while (std::getline(in, line)) {
     if (!line.empty()) out.push_back(nlohmann::json::parse(line));
@@ -69,8 +66,7 @@ void CheckCase(const nlohmann::json& c, const std::string& source) {
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument) << out.status();
   const std::string raised = "TemplateError: ";
   if (error.rfind(raised, 0) == 0) {
-    EXPECT_NE(out.status().message().find(error.substr(raised.size())), std::string::npos)
-        << out.status();
+    EXPECT_NE(out.status().message().find(error.substr(raised.size())), std::string::npos) << out.status();
   }
 }
 
@@ -83,9 +79,8 @@ TEST(ChatTemplateTest, CheckpointTemplatesMatchJinja2) {
     templates.insert(file);
     CheckCase(c, ReadFile(FixturePath("chat_templates/" + file)));
   }
-  for (const char* want :
-       {"deepseek_v2.jinja", "deepseek_v2_5.jinja", "deepseek_v3.jinja", "deepseek_r1.jinja",
-        "deepseek_r1_distill_multiline.jinja", "chatml.jinja"}) {
+  for (const char* want : {"deepseek_v2.jinja", "deepseek_v2_5.jinja", "deepseek_v3.jinja", "deepseek_r1.jinja",
+                           "deepseek_r1_distill_multiline.jinja", "chatml.jinja"}) {
     EXPECT_TRUE(templates.count(want)) << want;
   }
 }
@@ -185,8 +180,8 @@ TEST(ChatTemplateTest, SyntaxErrorsNameTheirLine) {
 TEST(ChatTemplateTest, ContextObjectsKeepTheirKeyOrder) {
   auto t = MustParse("{{ messages[0] | tojson }}|{% for k, v in messages[0].items() %}{{ k }},{% endfor %}");
   ASSERT_NE(t, nullptr);
-  const auto ordered = nlohmann::ordered_json::parse(
-      R"({"messages": [{"role": "user", "content": "hi", "name": "x"}]})");
+  const auto ordered =
+      nlohmann::ordered_json::parse(R"({"messages": [{"role": "user", "content": "hi", "name": "x"}]})");
   auto out = t->Render(ordered);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(*out, R"({"role": "user", "content": "hi", "name": "x"}|role,content,name,)");
@@ -203,16 +198,14 @@ TEST(ChatTemplateTest, RuntimeErrorsNameTheExpression) {
   EXPECT_EQ(out.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(out.status().message().find("line 2"), std::string::npos) << out.status();
   EXPECT_NE(out.status().message().find("`m['content'] + 1`"), std::string::npos) << out.status();
-  EXPECT_NE(out.status().message().find("can only concatenate str"), std::string::npos)
-      << out.status();
+  EXPECT_NE(out.status().message().find("can only concatenate str"), std::string::npos) << out.status();
 
   auto raise = MustParse("{{ raise_exception('Only user and assistant roles are supported!') }}");
   ASSERT_NE(raise, nullptr);
   auto r = raise->Render(nlohmann::json::object());
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("Only user and assistant roles are supported!"),
-            std::string::npos);
+  EXPECT_NE(r.status().message().find("Only user and assistant roles are supported!"), std::string::npos);
 
   auto any = MustParse("x");
   ASSERT_NE(any, nullptr);
@@ -282,8 +275,7 @@ TEST(ChatTemplateTest, NamespaceCyclesAndChains) {
   ASSERT_NE(cycle, nullptr);
   auto printed = cycle->Render(nlohmann::json::object());
   ASSERT_TRUE(printed.ok()) << printed.status();
-  EXPECT_EQ(printed->rfind("<Namespace {'a': 1, 'self': <Namespace", 0), 0u)
-      << printed->substr(0, 80);
+  EXPECT_EQ(printed->rfind("<Namespace {'a': 1, 'self': <Namespace", 0), 0u) << printed->substr(0, 80);
   EXPECT_NE(printed->find("..."), std::string::npos);
 
   auto chain = MustParse(
@@ -379,11 +371,8 @@ TEST(ChatTemplateTest, RandomFragmentsNeverCrash) {
       "-%}",
       "\n",
   };
-  nlohmann::json ctx = {{"x", "a,b"},
-                        {"y", "1,2"},
-                        {"xs", {1, "two", nullptr, 3.5}},
-                        {"d", {{"k", 1}}},
-                        {"n", nullptr}};
+  nlohmann::json ctx = {
+      {"x", "a,b"}, {"y", "1,2"}, {"xs", {1, "two", nullptr, 3.5}}, {"d", {{"k", 1}}}, {"n", nullptr}};
   std::mt19937 rng(1234);
   const size_t count = std::size(fragments);
   int parsed = 0;

@@ -1,6 +1,8 @@
 // The tokenizer against Hugging Face tokenizers / transformers (fixtures made
 // by tests/text/make_tokenizer_fixtures.py), the UTF-8 repair, streaming
 // detokenization, stop strings, refusals, `mlarun tokenize`'s function.
+#include "text/tokenizer.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -11,9 +13,8 @@
 
 #include "bench/tokenize_bench.h"
 #include "launcher/tokenize/tokenize.h"
-#include "text/tokenizer.h"
-#include "text/utf8.h"
 #include "tests/test_paths.h"
+#include "text/utf8.h"
 
 namespace mlarun::text {
 namespace {
@@ -68,13 +69,17 @@ std::vector<int32_t> Ids(const json& j) { return j.get<std::vector<int32_t>>(); 
 
 TEST(Utf8, LossyReplacesMaximalSubparts) {
   const std::string r(utf8::kReplacement);
-  EXPECT_EQ(utf8::Lossy("\xF0\x9F\x98" "A"), r + "A");
+  EXPECT_EQ(utf8::Lossy("\xF0\x9F\x98"
+                        "A"),
+            r + "A");
   EXPECT_EQ(utf8::Lossy("\xED\xA0\x80"), r + r + r);
   EXPECT_EQ(utf8::Lossy("\xC0\x80"), r + r);
   EXPECT_EQ(utf8::Lossy("\xE2\x82"), r);
   EXPECT_EQ(utf8::Lossy("\xF4\x90\x80\x80"), r + r + r + r);
   EXPECT_EQ(utf8::Lossy("\xE0\x80\xAF"), r + r + r);
-  EXPECT_EQ(utf8::Lossy("a\xFF" "b\xC3"), "a" + r + "b" + r);
+  EXPECT_EQ(utf8::Lossy("a\xFF"
+                        "b\xC3"),
+            "a" + r + "b" + r);
   EXPECT_EQ(utf8::Lossy("\xF0\x9F\x98\x80"), "\xF0\x9F\x98\x80");
   EXPECT_EQ(utf8::Lossy("\xF0\x9F\x98\x80\x80"), "\xF0\x9F\x98\x80" + r);
   EXPECT_TRUE(utf8::IsValid("h\xC3\xA9llo \xE4\xB8\xAD"));
@@ -200,7 +205,8 @@ TEST(Tokenizer, TinyModelYaml) {
   EXPECT_EQ(t->Decode(ids, true), "hello world");
   EXPECT_EQ(t->Decode(ids, false), "<｜begin▁of▁sentence｜>hello world");
   // The directory and the tokenizer.json itself load the same tokenizer.
-  for (const std::string& p : {ConfigPath("models/tiny-tokenizer"), ConfigPath("models/tiny-tokenizer/tokenizer.json")}) {
+  for (const std::string& p :
+       {ConfigPath("models/tiny-tokenizer"), ConfigPath("models/tiny-tokenizer/tokenizer.json")}) {
     auto u = LoadOrDie(p);
     ASSERT_NE(u, nullptr);
     EXPECT_EQ(u->Encode("hello world", true), ids);
@@ -226,12 +232,19 @@ TEST(Tokenizer, RefusesUnsupportedComponentsByPath) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {[](json& j) { j["pre_tokenizer"]["pretokenizers"][1] = {{"type", "Metaspace"}}; },
+      {[](json& j) {
+         j["pre_tokenizer"]["pretokenizers"][1] = {{"type", "Metaspace"}};
+       },
        "pre_tokenizer.pretokenizers[1].type 'Metaspace' is not supported"},
-      {[](json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }, "pre_tokenizer.type 'Whitespace' is not supported"},
+      {[](json& j) {
+         j["pre_tokenizer"] = {{"type", "Whitespace"}};
+       },
+       "pre_tokenizer.type 'Whitespace' is not supported"},
       {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Sideways"; },
        "pre_tokenizer.pretokenizers[0].behavior 'Sideways' is not supported"},
-      {[](json& j) { j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(unclosed"}}; },
+      {[](json& j) {
+         j["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"Regex", "(unclosed"}};
+       },
        "pre_tokenizer.pretokenizers[0].pattern.Regex: the pattern does not compile"},
       {[](json& j) {
          auto bl = j["pre_tokenizer"]["pretokenizers"][3];
@@ -244,16 +257,32 @@ TEST(Tokenizer, RefusesUnsupportedComponentsByPath) {
       {[](json& j) { j["model"]["continuing_subword_prefix"] = "##"; },
        "model.continuing_subword_prefix '\"##\"' is not supported"},
       {[](json& j) { j["model"]["end_of_word_suffix"] = "</w>"; }, "model.end_of_word_suffix"},
-      {[](json& j) { j["normalizer"] = {{"type", "NFC"}}; }, "normalizer.type 'NFC' is not supported"},
-      {[](json& j) { j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "Lowercase"}}}}}; },
+      {[](json& j) {
+         j["normalizer"] = {{"type", "NFC"}};
+       },
+       "normalizer.type 'NFC' is not supported"},
+      {[](json& j) {
+         j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "Lowercase"}}}}};
+       },
        "normalizer.normalizers[0].type 'Lowercase' is not supported"},
-      {[](json& j) { j["post_processor"] = {{"type", "RobertaProcessing"}}; },
+      {[](json& j) {
+         j["post_processor"] = {{"type", "RobertaProcessing"}};
+       },
        "post_processor.type 'RobertaProcessing' is not supported"},
-      {[](json& j) { j["decoder"] = {{"type", "Metaspace"}}; }, "decoder.type 'Metaspace' is not supported"},
+      {[](json& j) {
+         j["decoder"] = {{"type", "Metaspace"}};
+       },
+       "decoder.type 'Metaspace' is not supported"},
       {[](json& j) { j["decoder"] = nullptr; }, "decoder.type 'null' is not supported"},
       {[](json& j) { j["model"]["merges"][0] = "nospace"; }, "model.merges[0] 'nospace' is not 'a b'"},
-      {[](json& j) { j["model"]["merges"][0] = json::array({"Ġ", "zzzz"}); }, "model.merges[0] 'Ġ zzzz': a part is not in"},
-      {[](json& j) { j["truncation"] = {{"max_length", 8}}; }, "truncation"},
+      {[](json& j) {
+         j["model"]["merges"][0] = json::array({"Ġ", "zzzz"});
+       },
+       "model.merges[0] 'Ġ zzzz': a part is not in"},
+      {[](json& j) {
+         j["truncation"] = {{"max_length", 8}};
+       },
+       "truncation"},
   };
   for (const Case& c : cases) {
     json j = base;
@@ -479,8 +508,8 @@ TEST(TokenizeCli, Bench) {
   }
   for (const std::string& mode : {std::string("whole"), std::string("lines")}) {
     std::ostringstream out, err;
-    ASSERT_EQ(RunTokenizeBench({.model = TinyYaml(), .text_file = path, .mode = mode, .runs = 3, .json = true}, out, err),
-              0)
+    ASSERT_EQ(
+        RunTokenizeBench({.model = TinyYaml(), .text_file = path, .mode = mode, .runs = 3, .json = true}, out, err), 0)
         << err.str();
     const json r = json::parse(out.str());
     EXPECT_EQ(r["bytes"].get<size_t>(), ReadAll(path).size());

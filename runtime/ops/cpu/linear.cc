@@ -45,14 +45,21 @@ StatusOr<Product> Prepare(const LinearParams& p) {
   const int64_t rows = p.rows, n = p.col_end - p.col_begin;
   if (w.data == nullptr) return FailedPreconditionError("linear: weight [", w.out, ", ", w.in, "] has no data");
   const bool fp8 = w.dtype == DType::kF8E4M3;
-  if (fp8 && w.scale == nullptr) return FailedPreconditionError("linear: f8_e4m3 weight [", w.out, ", ", w.in, "] has no scales");
+  if (fp8 && w.scale == nullptr)
+    return FailedPreconditionError("linear: f8_e4m3 weight [", w.out, ", ", w.in, "] has no scales");
   Product q;
   q.rows_pad = rows <= kGemmSmallRows ? rows : (rows + kRowPad - 1) / kRowPad * kRowPad;
   q.a_type = fp8 ? DType::kF32 : w.dtype;
   q.direct = q.rows_pad == rows && !p.accumulate;
-  MLARUN_ASSIGN_OR_RETURN(q.gemm, CpuGemm::Get(GemmDesc{.m = q.rows_pad, .n = n, .k = w.in, .a_type = q.a_type,
-                                                        .b_type = w.dtype, .c_type = DType::kF32, .lda = w.in,
-                                                        .b_stride_k = 1, .b_stride_n = w.ld,
+  MLARUN_ASSIGN_OR_RETURN(q.gemm, CpuGemm::Get(GemmDesc{.m = q.rows_pad,
+                                                        .n = n,
+                                                        .k = w.in,
+                                                        .a_type = q.a_type,
+                                                        .b_type = w.dtype,
+                                                        .c_type = DType::kF32,
+                                                        .lda = w.in,
+                                                        .b_stride_k = 1,
+                                                        .b_stride_n = w.ld,
                                                         .ldc = q.direct ? p.ldy : n},
                                                p.router ? GemmImpl::kSmall : GemmImpl::kAuto));
   q.sizes.a_bytes = static_cast<size_t>(q.rows_pad * w.in) * DTypeSize(q.a_type);
@@ -93,8 +100,10 @@ Status ApplyLinear(const LinearParams& p) {
   ThreadBuffers& tb = Buffers();
   // A: the activations in the weight dtype (fp32 for fp8), padded rows zeroed.
   const size_t es = DTypeSize(q.a_type);
-  for (int64_t r = 0; r < rows; ++r) StoreFromF32(x + r * p.ldx, tb.a.data() + r * w.in * static_cast<int64_t>(es), q.a_type, w.in);
-  std::memset(tb.a.data() + rows * w.in * static_cast<int64_t>(es), 0, static_cast<size_t>((q.rows_pad - rows) * w.in) * es);
+  for (int64_t r = 0; r < rows; ++r)
+    StoreFromF32(x + r * p.ldx, tb.a.data() + r * w.in * static_cast<int64_t>(es), q.a_type, w.in);
+  std::memset(tb.a.data() + rows * w.in * static_cast<int64_t>(es), 0,
+              static_cast<size_t>((q.rows_pad - rows) * w.in) * es);
   const std::byte* b = w.row(col_begin);
   // The product's column 0 is weight row col_begin: its block row of scales.
   const GemmBScales scales{.scale = w.scale, .ld = w.scale_ld, .row0 = col_begin};
@@ -128,13 +137,24 @@ Status SiluMul(const SiluMulParams& p) {
 Status ApplyMlp(const MlpParams& p) {
   const Mlp& m = *p.mlp;
   const int64_t inter = m.intermediate();
-  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.gate, .col_end = m.gate.out, .x = p.x, .rows = p.rows, .ldx = p.ldx,
-                                      .y = p.hidden, .ldy = 2 * inter}));
-  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.up, .col_end = m.up.out, .x = p.x, .rows = p.rows, .ldx = p.ldx,
-                                      .y = p.hidden + inter, .ldy = 2 * inter}));
+  MLARUN_RETURN_IF_ERROR(ApplyLinear(
+      {.w = &m.gate, .col_end = m.gate.out, .x = p.x, .rows = p.rows, .ldx = p.ldx, .y = p.hidden, .ldy = 2 * inter}));
+  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.up,
+                                      .col_end = m.up.out,
+                                      .x = p.x,
+                                      .rows = p.rows,
+                                      .ldx = p.ldx,
+                                      .y = p.hidden + inter,
+                                      .ldy = 2 * inter}));
   MLARUN_RETURN_IF_ERROR(SiluMul({.hidden = p.hidden, .rows = p.rows, .inter = inter}));
-  return ApplyLinear({.w = &m.down, .col_end = m.down.out, .x = p.hidden, .rows = p.rows, .ldx = 2 * inter, .y = p.y,
-                      .ldy = p.ldy, .accumulate = p.accumulate});
+  return ApplyLinear({.w = &m.down,
+                      .col_end = m.down.out,
+                      .x = p.hidden,
+                      .rows = p.rows,
+                      .ldx = 2 * inter,
+                      .y = p.y,
+                      .ldy = p.ldy,
+                      .accumulate = p.accumulate});
 }
 
 }  // namespace mlarun::cpu

@@ -30,15 +30,25 @@ Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView 
     const Job& j = jobs[item.job];
     const int64_t I = j.mlp->intermediate();
     const bool up = item.matrix == 1;
-    return LinearParams{.w = up ? &j.mlp->up : &j.mlp->gate, .col_begin = item.c0, .col_end = item.c1,
-                        .x = rows_of(j), .rows = j.n, .ldx = H,
-                        .y = moe_h + j.h + static_cast<size_t>((up ? I : 0) + item.c0), .ldy = 2 * I};
+    return LinearParams{.w = up ? &j.mlp->up : &j.mlp->gate,
+                        .col_begin = item.c0,
+                        .col_end = item.c1,
+                        .x = rows_of(j),
+                        .rows = j.n,
+                        .ldx = H,
+                        .y = moe_h + j.h + static_cast<size_t>((up ? I : 0) + item.c0),
+                        .ldy = 2 * I};
   };
   auto down_params = [&](const Item& item) {
     const Job& j = jobs[item.job];
-    return LinearParams{.w = &j.mlp->down, .col_begin = item.c0, .col_end = item.c1, .x = moe_h + j.h,
-                        .rows = j.n, .ldx = 2 * j.mlp->intermediate(),
-                        .y = moe_y + j.y + static_cast<size_t>(item.c0), .ldy = H};
+    return LinearParams{.w = &j.mlp->down,
+                        .col_begin = item.c0,
+                        .col_end = item.c1,
+                        .x = moe_h + j.h,
+                        .rows = j.n,
+                        .ldx = 2 * j.mlp->intermediate(),
+                        .y = moe_y + j.y + static_cast<size_t>(item.c0),
+                        .ldy = H};
   };
   // Threads take the items dynamically (ContiguousShares: a thread slowed by
   // a shared core does not hold the others at the barrier), so each first

@@ -10,7 +10,8 @@ Status Sample(const SampleParams& p) {
 
 Status Score(const ScoreParams& p) {
   for (int64_t r = 0; r < p.rows; ++r)
-    p.out[r] = ScoreToken(std::span<const float>(p.logits + r * p.ld, static_cast<size_t>(p.vocab)), p.tokens[r], p.top);
+    p.out[r] =
+        ScoreToken(std::span<const float>(p.logits + r * p.ld, static_cast<size_t>(p.vocab)), p.tokens[r], p.top);
   return Status::Ok();
 }
 

@@ -103,7 +103,9 @@ __device__ inline T BlockReduce(T v, Op op, T identity) {
 
 struct SumOp {
   template <class T>
-  __device__ T operator()(T a, T b) const { return a + b; }
+  __device__ T operator()(T a, T b) const {
+    return a + b;
+  }
 };
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }

@@ -26,10 +26,9 @@ Status Add(const AddParams& p) {
 
 Status CopyRows(const CopyRowsParams& p) {
   if (p.rows == 0 || p.cols == 0) return Status::Ok();
-  MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(p.y, static_cast<size_t>(p.ldy) * sizeof(float), p.x,
-                                                static_cast<size_t>(p.ldx) * sizeof(float),
-                                                static_cast<size_t>(p.cols) * sizeof(float),
-                                                static_cast<size_t>(p.rows), cudaMemcpyDeviceToDevice, 0));
+  MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(
+      p.y, static_cast<size_t>(p.ldy) * sizeof(float), p.x, static_cast<size_t>(p.ldx) * sizeof(float),
+      static_cast<size_t>(p.cols) * sizeof(float), static_cast<size_t>(p.rows), cudaMemcpyDeviceToDevice, 0));
   return Status::Ok();
 }
 

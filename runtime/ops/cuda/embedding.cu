@@ -53,16 +53,15 @@ Status Embedding(const EmbeddingParams& p) {
   unsigned long long bad = kNoBadId;
   MLARUN_CUDA_RETURN_IF_ERROR(cudaMemcpy(&bad, first_bad, sizeof bad, cudaMemcpyDeviceToHost));
   if (bad != kNoBadId)
-    return InvalidArgumentError("embedding: ids[", static_cast<int64_t>(bad >> 32), "] = ",
-                                static_cast<int32_t>(static_cast<uint32_t>(bad & 0xffffffffull)), " outside [0, ",
-                                p.num_rows, ")");
+    return InvalidArgumentError("embedding: ids[", static_cast<int64_t>(bad >> 32),
+                                "] = ", static_cast<int32_t>(static_cast<uint32_t>(bad & 0xffffffffull)),
+                                " outside [0, ", p.num_rows, ")");
   const unsigned blocks = static_cast<unsigned>(p.n);
   if (p.dtype == DType::kBF16) {
     GatherRowsKernel<<<blocks, kThreads>>>(static_cast<const __nv_bfloat16*>(p.table), p.ld, p.ids, p.width, p.out,
                                            p.ld_out);
   } else {
-    GatherRowsKernel<<<blocks, kThreads>>>(static_cast<const float*>(p.table), p.ld, p.ids, p.width, p.out,
-                                           p.ld_out);
+    GatherRowsKernel<<<blocks, kThreads>>>(static_cast<const float*>(p.table), p.ld, p.ids, p.width, p.out, p.ld_out);
   }
   MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("GatherRowsKernel");
   return Status::Ok();

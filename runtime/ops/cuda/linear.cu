@@ -69,7 +69,7 @@ Status ApplyLinear(const LinearParams& p) {
     MLARUN_ASSIGN_OR_RETURN(void* xb, scratch.Get(static_cast<size_t>(rows * w.in) * sizeof(__nv_bfloat16),
                                                   "linear: the bf16 activations"));
     F32ToBf16Kernel<<<GridFor(rows * w.in, kThreads), kThreads>>>(p.x, p.ldx, rows, w.in,
-                                                                 static_cast<__nv_bfloat16*>(xb));
+                                                                  static_cast<__nv_bfloat16*>(xb));
     MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("F32ToBf16Kernel");
     b = xb;
     ldb = static_cast<int>(w.in);
@@ -94,13 +94,32 @@ Status SiluMul(const SiluMulParams& p) {
 Status ApplyMlp(const MlpParams& p) {
   const Mlp& m = *p.mlp;
   const int64_t inter = m.intermediate();
-  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.gate, .col_end = m.gate.out, .x = p.x, .rows = p.rows, .ldx = p.ldx,
-                                      .y = p.hidden, .ldy = 2 * inter, .backend = Backend::kCuda}));
-  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.up, .col_end = m.up.out, .x = p.x, .rows = p.rows, .ldx = p.ldx,
-                                      .y = p.hidden + inter, .ldy = 2 * inter, .backend = Backend::kCuda}));
+  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.gate,
+                                      .col_end = m.gate.out,
+                                      .x = p.x,
+                                      .rows = p.rows,
+                                      .ldx = p.ldx,
+                                      .y = p.hidden,
+                                      .ldy = 2 * inter,
+                                      .backend = Backend::kCuda}));
+  MLARUN_RETURN_IF_ERROR(ApplyLinear({.w = &m.up,
+                                      .col_end = m.up.out,
+                                      .x = p.x,
+                                      .rows = p.rows,
+                                      .ldx = p.ldx,
+                                      .y = p.hidden + inter,
+                                      .ldy = 2 * inter,
+                                      .backend = Backend::kCuda}));
   MLARUN_RETURN_IF_ERROR(SiluMul({.hidden = p.hidden, .rows = p.rows, .inter = inter, .backend = Backend::kCuda}));
-  return ApplyLinear({.w = &m.down, .col_end = m.down.out, .x = p.hidden, .rows = p.rows, .ldx = 2 * inter,
-                      .y = p.y, .ldy = p.ldy, .accumulate = p.accumulate, .backend = Backend::kCuda});
+  return ApplyLinear({.w = &m.down,
+                      .col_end = m.down.out,
+                      .x = p.hidden,
+                      .rows = p.rows,
+                      .ldx = 2 * inter,
+                      .y = p.y,
+                      .ldy = p.ldy,
+                      .accumulate = p.accumulate,
+                      .backend = Backend::kCuda});
 }
 
 }  // namespace mlarun::cuda

@@ -215,11 +215,11 @@ Status LaunchGemv(const LinearParams& p, const uint8_t* base, int64_t n, bool ve
   const Linear& w = *p.w;
   const unsigned blocks = static_cast<unsigned>((n + kGemvWarps - 1) / kGemvWarps);
   if (vec) {
-    Fp8GemvKernel<MR, true><<<blocks, kGemvThreads>>>(base, w.ld, w.scale, w.scale_ld, p.col_begin, n, w.in, p.x,
-                                                     p.ldx, p.y, p.ldy, p.accumulate);
+    Fp8GemvKernel<MR, true><<<blocks, kGemvThreads>>>(base, w.ld, w.scale, w.scale_ld, p.col_begin, n, w.in, p.x, p.ldx,
+                                                      p.y, p.ldy, p.accumulate);
   } else {
     Fp8GemvKernel<MR, false><<<blocks, kGemvThreads>>>(base, w.ld, w.scale, w.scale_ld, p.col_begin, n, w.in, p.x,
-                                                      p.ldx, p.y, p.ldy, p.accumulate);
+                                                       p.ldx, p.y, p.ldy, p.accumulate);
   }
   MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("Fp8GemvKernel");
   return Status::Ok();
@@ -235,7 +235,8 @@ Status ApplyLinearFp8(const LinearParams& p) {
   if (w.dtype != DType::kF8E4M3)
     return InvalidArgumentError("linear (f8_e4m3): weight dtype is ", DTypeName(w.dtype), ", not f8_e4m3");
   if (p.col_begin < 0 || n < 0 || col_end > w.out)
-    return InvalidArgumentError("linear (f8_e4m3): columns [", p.col_begin, ", ", col_end, ") outside [0, ", w.out, ")");
+    return InvalidArgumentError("linear (f8_e4m3): columns [", p.col_begin, ", ", col_end, ") outside [0, ", w.out,
+                                ")");
   if (rows == 0 || n == 0) return Status::Ok();
   if (w.data == nullptr || w.scale == nullptr)
     return FailedPreconditionError("linear (f8_e4m3): weight [", w.out, ", ", w.in, "] has no data or no scales");
@@ -249,10 +250,14 @@ Status ApplyLinearFp8(const LinearParams& p) {
   if (rows <= 4) {
     const bool vec = w_vec && Aligned16(p.x) && p.ldx % 4 == 0;
     switch (rows) {
-      case 1: return LaunchGemv<1>(p, base, n, vec);
-      case 2: return LaunchGemv<2>(p, base, n, vec);
-      case 3: return LaunchGemv<3>(p, base, n, vec);
-      default: return LaunchGemv<4>(p, base, n, vec);
+      case 1:
+        return LaunchGemv<1>(p, base, n, vec);
+      case 2:
+        return LaunchGemv<2>(p, base, n, vec);
+      case 3:
+        return LaunchGemv<3>(p, base, n, vec);
+      default:
+        return LaunchGemv<4>(p, base, n, vec);
     }
   }
   const int64_t row_tiles = (rows + kTileM - 1) / kTileM;

@@ -102,13 +102,17 @@ Status MoeExperts(const MoeExpertsParams& p, const MoePlan& plan, WorkspaceView 
   }
   for (size_t ji = 0; ji < jobs.size(); ++ji) {
     const Job& j = jobs[ji];
-    MLARUN_RETURN_IF_ERROR(ApplyMlp({.mlp = j.mlp, .x = j.slots != nullptr ? moe_x + j.x : p.x, .rows = j.n,
-                                     .ldx = H, .y = moe_y + j.y, .ldy = H, .hidden = moe_h + j.h,
+    MLARUN_RETURN_IF_ERROR(ApplyMlp({.mlp = j.mlp,
+                                     .x = j.slots != nullptr ? moe_x + j.x : p.x,
+                                     .rows = j.n,
+                                     .ldx = H,
+                                     .y = moe_y + j.y,
+                                     .ldy = H,
+                                     .hidden = moe_h + j.h,
                                      .backend = Backend::kCuda}));
   }
   const float* shared = jobs.size() > plan.routed_jobs ? moe_y + jobs.back().y : nullptr;
-  WeightedSlotSumKernel<<<GridFor(T * H, kThreads), kThreads>>>(moe_y, slot_y, p.route_weights, shared, T, H, K,
-                                                               p.y);
+  WeightedSlotSumKernel<<<GridFor(T * H, kThreads), kThreads>>>(moe_y, slot_y, p.route_weights, shared, T, H, K, p.y);
   MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("WeightedSlotSumKernel");
   return Status::Ok();
 }

@@ -64,8 +64,7 @@ __global__ void MoeGateKernel(GateArgs a) {
   } else {
     for (int64_t e = threadIdx.x; e < E; e += kThreads) scores[e] = GateSigmoid(logits[e]);
   }
-  for (int64_t e = threadIdx.x; e < E; e += kThreads)
-    choice[e] = a.bias != nullptr ? scores[e] + a.bias[e] : scores[e];
+  for (int64_t e = threadIdx.x; e < E; e += kThreads) choice[e] = a.bias != nullptr ? scores[e] + a.bias[e] : scores[e];
   __syncthreads();
 
   if (a.grouped && G > 1) {

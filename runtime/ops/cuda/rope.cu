@@ -57,9 +57,8 @@ Status ApplyRope(const RopeParams& p) {
   if (smem > 48 * 1024)
     return InvalidArgumentError("rope: dim ", p.dim, " needs ", smem, " bytes of shared memory on cuda (at most ",
                                 48 * 1024, ")");
-  RopeKernel<<<static_cast<unsigned>(p.n_tokens), kThreads, smem>>>(p.x, p.n_heads, p.stride_token, p.stride_head,
-                                                                     p.positions, p.dim, p.layout, p.inv_freq,
-                                                                     p.attention_factor);
+  RopeKernel<<<static_cast<unsigned>(p.n_tokens), kThreads, smem>>>(
+      p.x, p.n_heads, p.stride_token, p.stride_head, p.positions, p.dim, p.layout, p.inv_freq, p.attention_factor);
   MLARUN_CUDA_RETURN_IF_LAUNCH_FAILED("RopeKernel");
   return Status::Ok();
 }

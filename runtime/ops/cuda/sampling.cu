@@ -42,7 +42,7 @@ __global__ void GreedyReduceKernel(const float* __restrict__ logits, int64_t voc
   float max_key = -INFINITY;
   for (int64_t i = threadIdx.x; i < vocab; i += kThreads) max_key = row[i] > max_key ? row[i] : max_key;
   max_key = BlockReduce(max_key, MaxOp{}, -INFINITY);  // no NaN reaches the reduction
-  if (!(max_key > -INFINITY)) {  // the same for every thread of the block
+  if (!(max_key > -INFINITY)) {                        // the same for every thread of the block
     if (threadIdx.x == 0) out[r] = GreedyRow{0.0, -1};
     return;
   }

@@ -28,15 +28,19 @@ SamplingParams Greedy(int64_t max_tokens) {
   return SamplingParams{.max_tokens = max_tokens, .stop_token_ids = {}, .ignore_eos = true};
 }
 SamplingParams Sampled(int64_t max_tokens, uint64_t seed) {
-  return SamplingParams{.temperature = 0.8, .top_k = 50, .top_p = 0.9, .seed = seed, .max_tokens = max_tokens,
-                        .stop_token_ids = {}, .ignore_eos = true};
+  return SamplingParams{.temperature = 0.8,
+                        .top_k = 50,
+                        .top_p = 0.9,
+                        .seed = seed,
+                        .max_tokens = max_tokens,
+                        .stop_token_ids = {},
+                        .ignore_eos = true};
 }
 
 std::vector<GenerationRequest> MixedRequests() {
   return {
-      {RandomPrompt(1, 1), Greedy(6)},        {RandomPrompt(7, 2), Sampled(9, 11)},
-      {RandomPrompt(70, 3), Greedy(4)},       {RandomPrompt(150, 4), Sampled(5, 12)},
-      {RandomPrompt(3, 5), Sampled(12, 13)},  {RandomPrompt(33, 6), Greedy(10)},
+      {RandomPrompt(1, 1), Greedy(6)},        {RandomPrompt(7, 2), Sampled(9, 11)},  {RandomPrompt(70, 3), Greedy(4)},
+      {RandomPrompt(150, 4), Sampled(5, 12)}, {RandomPrompt(3, 5), Sampled(12, 13)}, {RandomPrompt(33, 6), Greedy(10)},
   };
 }
 
@@ -65,7 +69,8 @@ TEST(Engine, MixedBatchGivesEachRequestItsTokensAlone) {
   // Together, with a small token budget: prompts are chunked and mixed with
   // other requests' decodes.
   EngineStats stats;
-  const auto together = RunAll(*m, EngineConfig{.max_num_batched_tokens = 24, .cache_budget_bytes = 16 << 20}, reqs, &stats);
+  const auto together =
+      RunAll(*m, EngineConfig{.max_num_batched_tokens = 24, .cache_budget_bytes = 16 << 20}, reqs, &stats);
   ASSERT_EQ(together.size(), reqs.size());
   ASSERT_EQ(alone.size(), reqs.size());
   for (size_t i = 0; i < reqs.size(); ++i) {
@@ -126,7 +131,8 @@ TEST(Engine, PreemptionKeepsOutputs) {
     ASSERT_EQ(tight[i].prompt_logprobs.size(), listed ? 15u : 0u) << "request " << i;
     for (size_t j = 0; j < tight[i].prompt_logprobs.size(); ++j) {
       EXPECT_EQ(tight[i].prompt_logprobs[j].token.token, reqs[i].prompt[j + 1]);
-      EXPECT_EQ(tight[i].prompt_logprobs[j].token.logprob, free_run[i].prompt_logprobs[j].token.logprob) << i << ", " << j;
+      EXPECT_EQ(tight[i].prompt_logprobs[j].token.logprob, free_run[i].prompt_logprobs[j].token.logprob)
+          << i << ", " << j;
     }
   }
   // Each request's footprint counts once, at its end, however often it was
@@ -144,9 +150,9 @@ TEST(Engine, PromptScoresAreChunkedByTheirOwnBound) {
   scored.sampling.prompt_logprobs = 1;
   const GenerationRequest plain{RandomPrompt(100, 78), Greedy(2)};
   EngineStats stats;
-  const auto big = RunAll(*m, EngineConfig{.max_num_batched_tokens = 512, .max_scored_rows_per_step = 64,
-                                           .cache_budget_bytes = 16 << 20},
-                          {scored, plain}, &stats);
+  const auto big = RunAll(
+      *m, EngineConfig{.max_num_batched_tokens = 512, .max_scored_rows_per_step = 64, .cache_budget_bytes = 16 << 20},
+      {scored, plain}, &stats);
   // 150 prompt tokens at 64 a step: 3 prefill steps, then the second token's.
   EXPECT_EQ(stats.steps, 4);
   const auto small = RunAll(*m, EngineConfig{.max_num_batched_tokens = 16, .cache_budget_bytes = 16 << 20}, {scored});
@@ -214,15 +220,16 @@ TEST(Engine, BadRequestsAreRejectedOthersComplete) {
   bad_top_p.top_p = 0;
   std::vector<GenerationRequest> reqs = {
       {RandomPrompt(5, 1), Greedy(4)},
-      {{}, Greedy(4)},                              // empty prompt
-      {{3, 512, 4}, Greedy(4)},                     // id == vocab size
-      {RandomPrompt(4090, 2), Greedy(10)},          // beyond max_position_embeddings (4096)
+      {{}, Greedy(4)},                      // empty prompt
+      {{3, 512, 4}, Greedy(4)},             // id == vocab size
+      {RandomPrompt(4090, 2), Greedy(10)},  // beyond max_position_embeddings (4096)
       {RandomPrompt(5, 3), bad_sampling},
       {RandomPrompt(5, 4), bad_top_p},
       {RandomPrompt(6, 5), Greedy(3)},
   };
   const auto out = engine->Generate(reqs);
-  const std::vector<std::string> field = {"", "empty", "vocabulary", "max_position_embeddings", "temperature", "top_p", ""};
+  const std::vector<std::string> field = {"",      "empty", "vocabulary", "max_position_embeddings", "temperature",
+                                          "top_p", ""};
   ASSERT_EQ(field.size(), reqs.size());
   ASSERT_EQ(out.size(), reqs.size());
   for (size_t i = 0; i < out.size(); ++i) {
@@ -384,8 +391,8 @@ TEST(ValidateRequest, UnknownLimitsCheckOnlyTheRequestItself) {
 }
 
 TEST(ValidateRequest, KnownLimitsNameFieldAndOwner) {
-  const RequestLimits limits{.vocab_size = 100, .max_position_embeddings = 20, .block_size = 4,
-                             .cache_blocks_total = 3, .whose = "group 2's"};
+  const RequestLimits limits{
+      .vocab_size = 100, .max_position_embeddings = 20, .block_size = 4, .cache_blocks_total = 3, .whose = "group 2's"};
   SamplingParams s;
   s.max_tokens = 5;
   const std::vector<int32_t> ok = {1, 2, 3, 4, 5, 6, 7};  // 7 + 5 = 12 tokens = 3 blocks
@@ -397,9 +404,11 @@ TEST(ValidateRequest, KnownLimitsNameFieldAndOwner) {
   EXPECT_EQ(ValidateRequest(ok, s, limits).message(),
             "sampling.max_tokens: prompt_ids + max_tokens need 4 cache blocks, the whole cache has 3");
   s.max_tokens = 14;  // 21 positions
-  const std::string m = ValidateRequest(ok, s, RequestLimits{.vocab_size = 100, .max_position_embeddings = 20}).message();
-  EXPECT_EQ(m, "sampling.max_tokens: prompt_ids (7 tokens) + max_tokens (14) = 21 exceeds the model's "
-               "max_position_embeddings 20");
+  const std::string m =
+      ValidateRequest(ok, s, RequestLimits{.vocab_size = 100, .max_position_embeddings = 20}).message();
+  EXPECT_EQ(m,
+            "sampling.max_tokens: prompt_ids (7 tokens) + max_tokens (14) = 21 exceeds the model's "
+            "max_position_embeddings 20");
   s.max_tokens = 21;  // more than the context alone
   EXPECT_EQ(ValidateRequest(ok, s, limits).message().rfind("sampling.max_tokens must be in [1, 20]", 0), 0u);
 }

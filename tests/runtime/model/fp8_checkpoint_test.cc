@@ -5,6 +5,7 @@
 // logits and greedy tokens equal those of the same checkpoint dequantized to
 // f32 at load.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,11 +14,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <unistd.h>
 
 #include "base/float8.h"
-#include "runtime/engine/engine.h"
 #include "bench/local_cache.h"
+#include "runtime/engine/engine.h"
 #include "runtime/model/model.h"
 
 namespace mlarun {
@@ -47,7 +47,8 @@ Fp8Bytes ProjectionFp8Bytes() {
   return b;
 }
 
-std::unique_ptr<Model> LoadWith(const ModelConfig& config, Fp8Weights fp8, WeightLoading loading = WeightLoading::kMapped) {
+std::unique_ptr<Model> LoadWith(const ModelConfig& config, Fp8Weights fp8,
+                                WeightLoading loading = WeightLoading::kMapped) {
   auto ckpt = Checkpoint::Open(kDir);
   EXPECT_TRUE(ckpt.ok()) << ckpt.status();
   if (!ckpt.ok()) return nullptr;
@@ -184,8 +185,8 @@ TEST(Fp8Checkpoint, ShardsKeepAlignedSlicesOnly) {
       o.progress = [&lines](const std::string& l) { lines.push_back(l); };
       auto m = Model::FromCheckpoint(config, std::shared_ptr<const Checkpoint>(std::move(ckpt).value()), o);
       ASSERT_TRUE(m.ok()) << m.status();
-      const std::string what = std::string(moe == MoeSharding::kByExpert ? "by expert" : "by intermediate") +
-                               " rank " + std::to_string(rank);
+      const std::string what = std::string(moe == MoeSharding::kByExpert ? "by expert" : "by intermediate") + " rank " +
+                               std::to_string(rank);
       ExpectBytes((*m)->weight_bytes(), PredictWeightBytes(config, shard, DType::kF8E4M3), what);
       const int64_t fallbacks = std::count_if(lines.begin(), lines.end(), [](const std::string& l) {
         return l.find("does not start on a 128 boundary; dequantized to bf16") != std::string::npos;

@@ -196,7 +196,8 @@ TEST(MemoryPlan, AgreesWithLoadedFp8Checkpoint) {
   ASSERT_TRUE(config.ok()) << config.status();
   for (const char* text : {"dp=2", "attn_tp=2", "dp=2,moe=intermediate", "attn_tp=2,moe=intermediate"}) {
     const ParallelLayout layout = *ParseParallelLayout(text);
-    auto plan = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20, .projection_dtype = DType::kF8E4M3});
+    auto plan =
+        PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20, .projection_dtype = DType::kF8E4M3});
     ASSERT_TRUE(plan.ok()) << plan.status();
     for (int rank = 0; rank < layout.world(); ++rank) {
       ModelOptions mo;

@@ -250,7 +250,8 @@ TEST(ModelConfig, RopeParametersForm) {
   EXPECT_DOUBLE_EQ(c.softmax_scale(), 1.0 / std::sqrt(192.0));
 
   // rope_parameters without rope_theta: the top-level field, then default_theta 10000.
-  c = MustParseJson(R"({"model_type": "deepseek_v3", "rope_theta": 1000, "rope_parameters": {"rope_type": "default"}})");
+  c = MustParseJson(
+      R"({"model_type": "deepseek_v3", "rope_theta": 1000, "rope_parameters": {"rope_type": "default"}})");
   EXPECT_DOUBLE_EQ(c.rope.theta, 1000.0);
   c = MustParseJson(R"({"model_type": "deepseek_v3", "rope_parameters": null, "rope_scaling": null})");
   EXPECT_DOUBLE_EQ(c.rope.theta, 10000.0);
@@ -391,17 +392,15 @@ TEST(ModelConfig, RopeLayouts) {
   EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v3"})").rope.layout, RopeLayout::kInterleavedToHalf);
   EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v3", "rope_interleave": true})").rope.layout,
             RopeLayout::kInterleavedToHalf);
-  EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v3", "rope_interleave": false})").rope.layout,
-            RopeLayout::kHalf);
+  EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v3", "rope_interleave": false})").rope.layout, RopeLayout::kHalf);
   // `if self.config.rope_interleave:` -- None is falsy.
-  EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v3", "rope_interleave": null})").rope.layout,
-            RopeLayout::kHalf);
+  EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v3", "rope_interleave": null})").rope.layout, RopeLayout::kHalf);
   // V2 always rotates complex pairs; it has no rope_interleave switch.
   EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 6})").rope.layout,
             RopeLayout::kInterleaved);
-  EXPECT_EQ(MustParseJson(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 6, "rope_interleave": false})")
-                .rope.layout,
-            RopeLayout::kInterleaved);
+  EXPECT_EQ(
+      MustParseJson(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 6, "rope_interleave": false})").rope.layout,
+      RopeLayout::kInterleaved);
 }
 
 TEST(ModelConfig, Gating) {
@@ -732,8 +731,8 @@ TEST(ModelConfig, DeepSeekV32ConfigJson) {
   EXPECT_FALSE(c == v3);  // the index fields take part in equality
 
   // YAML goes through the same parser.
-  const ModelConfig y = MustParseYaml(
-      "model_type: deepseek_v32\nindex_n_heads: 16\nindex_head_dim: 64\nindex_topk: 512\n").config;
+  const ModelConfig y =
+      MustParseYaml("model_type: deepseek_v32\nindex_n_heads: 16\nindex_head_dim: 64\nindex_topk: 512\n").config;
   EXPECT_TRUE(y.has_indexer());
   EXPECT_EQ(y.index_n_heads, 16);
   EXPECT_EQ(y.index_head_dim, 64);
@@ -777,18 +776,17 @@ TEST(ModelConfig, DeepSeekV32ErrorsNameFileAndField) {
   for (const BadCase& bad : cases) {
     const std::string text = std::string(R"({"model_type": "deepseek_v32", )") + bad.json + "}";
     SCOPED_TRACE(text);
-    ExpectFieldError(ParseHfConfigJson(text, "/models/v32/config.json").status(), "/models/v32/config.json",
-                     bad.field);
+    ExpectFieldError(ParseHfConfigJson(text, "/models/v32/config.json").status(), "/models/v32/config.json", bad.field);
   }
   ExpectFieldError(ParseModelYaml("model_type: deepseek_v32\nindex_topk: 0\n", "v32.yaml").status(), "v32.yaml",
                    "index_topk");
-  ExpectFieldError(ParseModelYaml("model_type: deepseek_v32\nindex_head_dim: '128'\n", "v32.yaml").status(),
-                   "v32.yaml", "index_head_dim");
+  ExpectFieldError(ParseModelYaml("model_type: deepseek_v32\nindex_head_dim: '128'\n", "v32.yaml").status(), "v32.yaml",
+                   "index_head_dim");
 }
 
 TEST(ModelConfig, IndexKeysIgnoredOutsideV32) {
-  const ModelConfig v3 = MustParseJson(
-      R"({"model_type": "deepseek_v3", "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048})");
+  const ModelConfig v3 =
+      MustParseJson(R"({"model_type": "deepseek_v3", "index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048})");
   EXPECT_FALSE(v3.has_indexer());
   EXPECT_EQ(v3.index_n_heads, 0);
   EXPECT_EQ(v3.index_head_dim, 0);
@@ -796,8 +794,8 @@ TEST(ModelConfig, IndexKeysIgnoredOutsideV32) {
   EXPECT_EQ(v3, MustParseJson(R"({"model_type": "deepseek_v3"})"));
   // Not even read there, so a value that deepseek_v32 would refuse is no error.
   EXPECT_FALSE(MustParseJson(R"({"model_type": "deepseek_v3", "index_n_heads": "x", "index_topk": 0})").has_indexer());
-  EXPECT_FALSE(MustParseJson(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 6, "index_n_heads": 64})")
-                   .has_indexer());
+  EXPECT_FALSE(
+      MustParseJson(R"({"model_type": "deepseek_v2", "num_experts_per_tok": 6, "index_n_heads": 64})").has_indexer());
   EXPECT_FALSE(MustParseYaml("model_type: deepseek_v3\nindex_n_heads: 64\n").config.has_indexer());
 }
 
@@ -865,7 +863,8 @@ TEST(ModelConfigSizes, TensorsBeyondTheLimitAreRefused) {
     std::string json, fields, bytes;
   };
   const Case cases[] = {
-      {R"("vocab_size": 1099511627776, "hidden_size": 64)", "vocab_size x hidden_size", "140737488355328 bytes"},  // bf16
+      {R"("vocab_size": 1099511627776, "hidden_size": 64)", "vocab_size x hidden_size",
+       "140737488355328 bytes"},  // bf16
       {R"("hidden_size": 4611686018427387904)", "vocab_size x hidden_size", "bytes"},
       {R"("moe_intermediate_size": 4611686018427387904, "hidden_size": 4611686018427387904)",
        "vocab_size x hidden_size", "bytes"},
@@ -903,7 +902,8 @@ TEST(ModelConfigSizes, CountsAndTotalsBeyondTheLimitAreRefused) {
     EXPECT_NE(st.message().find(expect), std::string::npos) << st;
   }
   // YAML goes through the same checks.
-  const Status st = ParseModelYaml("model_type: deepseek_v3\nvocab_size: 1099511627776\nhidden_size: 64\n", "m.yaml").status();
+  const Status st =
+      ParseModelYaml("model_type: deepseek_v3\nvocab_size: 1099511627776\nhidden_size: 64\n", "m.yaml").status();
   ExpectFieldError(st, "m.yaml", "vocab_size x hidden_size");
 }
 
@@ -945,11 +945,13 @@ TEST(ModelConfigYamlKeys, UnknownKeysAreErrors) {
               7168);
   // Every key the parser reads is accepted, including the aliases and the
   // keys of other model types.
-  MustParseYaml("model_type: deepseek_v3\nnum_local_experts: 16\nrope_interleave: false\ntorch_dtype: bfloat16\n"
-                "index_n_heads: 4\nseed: 3\nrope_parameters: {rope_type: default, rope_theta: 10000}\n");
-  MustParseYaml("model_type: deepseek_v2\nnum_experts: 16\nnum_experts_per_tok: 2\nrope_scaling: {type: yarn, "
-                "factor: 2, original_max_position_embeddings: 1024, beta_fast: 32, beta_slow: 1, mscale: 1, "
-                "mscale_all_dim: 1, attention_factor: 1, truncate: true}\n");
+  MustParseYaml(
+      "model_type: deepseek_v3\nnum_local_experts: 16\nrope_interleave: false\ntorch_dtype: bfloat16\n"
+      "index_n_heads: 4\nseed: 3\nrope_parameters: {rope_type: default, rope_theta: 10000}\n");
+  MustParseYaml(
+      "model_type: deepseek_v2\nnum_experts: 16\nnum_experts_per_tok: 2\nrope_scaling: {type: yarn, "
+      "factor: 2, original_max_position_embeddings: 1024, beta_fast: 32, beta_slow: 1, mscale: 1, "
+      "mscale_all_dim: 1, attention_factor: 1, truncate: true}\n");
 }
 
 }  // namespace

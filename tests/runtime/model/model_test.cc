@@ -1,23 +1,23 @@
 // The model against Hugging Face transformers (tests/fixtures/models, made by
 // gen_model_fixtures.py): logits of full forwards, greedy tokens, incremental
 // decoding through the paged cache.
+#include "runtime/model/model.h"
+
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
-#include <unistd.h>
-
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iterator>
-#include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 
-#include "runtime/engine/engine.h"
-#include "runtime/model/model.h"
 #include "bench/local_cache.h"
+#include "runtime/engine/engine.h"
 #include "tests/test_paths.h"
 
 namespace mlarun {
@@ -161,11 +161,13 @@ TEST_P(HfFixture, GreedyTokensMatchTransformers) {
   const DType cache_dtype = bf16 ? DType::kBF16 : DType::kF32;
   Loaded l = Load(GetParam(), cache_dtype);
   ASSERT_TRUE(l.model);
-  auto engine = std::move(Engine::Create(*l.model, EngineConfig{.cache_budget_bytes = 64 << 20, .block_size = 16})).value();
+  auto engine =
+      std::move(Engine::Create(*l.model, EngineConfig{.cache_budget_bytes = 64 << 20, .block_size = 16})).value();
   std::vector<GenerationRequest> reqs;
   for (const auto& p : l.expected["prompts"])
-    reqs.push_back(GenerationRequest{.prompt = p.get<std::vector<int32_t>>(),
-                                     .sampling = SamplingParams{.max_tokens = kNewTokens, .stop_token_ids = {}, .ignore_eos = true}});
+    reqs.push_back(GenerationRequest{
+        .prompt = p.get<std::vector<int32_t>>(),
+        .sampling = SamplingParams{.max_tokens = kNewTokens, .stop_token_ids = {}, .ignore_eos = true}});
   const auto outs = engine->Generate(reqs);
   ASSERT_EQ(outs.size(), reqs.size());
   ASSERT_EQ(l.expected["greedy"].size(), reqs.size());
@@ -207,8 +209,8 @@ TEST_P(HfFixture, GreedyTokensMatchTransformers) {
       EXPECT_EQ(got[0], want[0]) << "prompt " << i << ": top-2 gap " << a - b << ", scale " << scale;
       ++exact;
     } else {
-      EXPECT_TRUE(got[0] == first || got[0] == second)
-          << "prompt " << i << ": " << got[0] << " is neither " << first << " nor " << second << " (gap " << a - b << ")";
+      EXPECT_TRUE(got[0] == first || got[0] == second) << "prompt " << i << ": " << got[0] << " is neither " << first
+                                                       << " nor " << second << " (gap " << a - b << ")";
       ++top2;
     }
   }
@@ -244,12 +246,13 @@ TEST_P(HfFixture, TopLogprobsMatchTransformers) {
   constexpr double kTol = 1e-3;  // logits within 1e-4 abs (fp32 path); log-softmax within a few times that
   Loaded l = Load(GetParam(), DType::kF32);
   ASSERT_TRUE(l.model);
-  auto engine = std::move(Engine::Create(*l.model, EngineConfig{.cache_budget_bytes = 64 << 20, .block_size = 16})).value();
+  auto engine =
+      std::move(Engine::Create(*l.model, EngineConfig{.cache_budget_bytes = 64 << 20, .block_size = 16})).value();
   const Json& steps = l.expected["decode_logits"];
   SamplingParams sp{.max_tokens = static_cast<int64_t>(steps.size()), .stop_token_ids = {}, .ignore_eos = true};
   sp.logprobs = kTop;
-  auto outs = engine->Generate({GenerationRequest{.prompt = l.expected["prompts"][0].get<std::vector<int32_t>>(),
-                                                  .sampling = sp}});
+  auto outs = engine->Generate(
+      {GenerationRequest{.prompt = l.expected["prompts"][0].get<std::vector<int32_t>>(), .sampling = sp}});
   ASSERT_TRUE(outs[0].ok()) << outs[0].status();
   const GenerationOutput& out = *outs[0];
   ASSERT_EQ(out.top_logprobs.size(), steps.size());
@@ -287,7 +290,8 @@ TEST_P(HfFixture, PromptLogprobsMatchTransformers) {
   Loaded l = Load(GetParam(), DType::kF32);
   ASSERT_TRUE(l.model);
   auto engine = std::move(Engine::Create(*l.model, EngineConfig{.max_num_batched_tokens = 5,
-                                                                .cache_budget_bytes = 64 << 20, .block_size = 4}))
+                                                                .cache_budget_bytes = 64 << 20,
+                                                                .block_size = 4}))
                     .value();
   const Json& prompts = l.expected["prompts"];
   std::vector<GenerationRequest> reqs;
@@ -335,8 +339,8 @@ TEST_P(HfFixture, PromptLogprobsMatchTransformers) {
   }
   EXPECT_GT(checked, 20);
   // Without prompt logprobs the same prompt does reuse its cached blocks.
-  auto plain = engine->Generate({GenerationRequest{.prompt = reqs.back().prompt,
-                                                   .sampling = SamplingParams{.max_tokens = 1}}});
+  auto plain =
+      engine->Generate({GenerationRequest{.prompt = reqs.back().prompt, .sampling = SamplingParams{.max_tokens = 1}}});
   ASSERT_TRUE(plain[0].ok());
   EXPECT_GT(plain[0]->prefix_hit_tokens, 0);
   EXPECT_TRUE(plain[0]->prompt_logprobs.empty());
@@ -476,8 +480,8 @@ TEST(ModelLoad, CheckpointWeightsAreReadInPlace) {
       norms += (2 * H + c.kv_lora_rank + std::max<int64_t>(c.q_lora_rank, 0)) * 4;
       if (c.IsMoeLayer(i)) routers += c.n_routed_experts * (H + (c.model_type == ModelType::kDeepSeekV3 ? 1 : 0)) * 4;
     }
-    const int64_t split = c.num_hidden_layers * c.num_attention_heads * c.kv_lora_rank * (c.qk_nope_head_dim + c.v_head_dim) *
-                          static_cast<int64_t>(DTypeSize(c.kv_dtype));
+    const int64_t split = c.num_hidden_layers * c.num_attention_heads * c.kv_lora_rank *
+                          (c.qk_nope_head_dim + c.v_head_dim) * static_cast<int64_t>(DTypeSize(c.kv_dtype));
     // Everything but norms, W_UK / W_UV and (bf16 checkpoints) the fp32 routers.
     const int64_t want = wb.total() - norms - split - (es == 4 ? 0 : routers) -
                          (c.model_type == ModelType::kDeepSeekV3 && es == 4 ? routers / (H + 1) : 0);
@@ -531,19 +535,23 @@ TEST(ModelShard, ValidationNamesTheField) {
   auto ym = LoadModelYaml(yaml);
   ASSERT_TRUE(ym.ok()) << ym.status();
   const ModelConfig& c = ym->config;  // 4 heads, 8 experts of width 32, dense width 128, shared width 32
-  EXPECT_TRUE(ValidateModelShard(c, ModelShard{.attn_tp_size = 4, .attn_tp_rank = 3, .mlp_size = 4, .mlp_rank = 3}).ok());
+  EXPECT_TRUE(
+      ValidateModelShard(c, ModelShard{.attn_tp_size = 4, .attn_tp_rank = 3, .mlp_size = 4, .mlp_rank = 3}).ok());
   auto err = [&](const ModelShard& s) { return ValidateModelShard(c, s).message(); };
   EXPECT_NE(err({.attn_tp_size = 3, .mlp_size = 3}).find("num_attention_heads (4)"), std::string::npos);
   ModelConfig no_dense = c;
   no_dense.first_k_dense_replace = 0;
-  EXPECT_NE(ValidateModelShard(no_dense, {.mlp_size = 16}).message().find("n_routed_experts (8) cannot be split over 16"),
-            std::string::npos);
+  EXPECT_NE(
+      ValidateModelShard(no_dense, {.mlp_size = 16}).message().find("n_routed_experts (8) cannot be split over 16"),
+      std::string::npos);
   EXPECT_TRUE(ValidateModelShard(no_dense, {.mlp_size = 16, .moe = MoeSharding::kByIntermediate}).ok());
   ModelConfig odd_shared = no_dense;
   odd_shared.moe_intermediate_size = 36;  // whole experts split 8 ways, but the shared expert's 36 does not
   EXPECT_NE(ValidateModelShard(odd_shared, {.mlp_size = 8}).message().find("shared experts' intermediate size (36)"),
             std::string::npos);
-  EXPECT_NE(ValidateModelShard(no_dense, {.mlp_size = 64, .moe = MoeSharding::kByIntermediate}).message().find("moe_intermediate_size"),
+  EXPECT_NE(ValidateModelShard(no_dense, {.mlp_size = 64, .moe = MoeSharding::kByIntermediate})
+                .message()
+                .find("moe_intermediate_size"),
             std::string::npos);
   EXPECT_NE(err({.mlp_size = 3}).find("intermediate_size (128)"), std::string::npos);
 }
@@ -601,9 +609,9 @@ TEST(ModelLoad, NonFiniteWeightsAreRefused) {
   };
   const int64_t cols = layer_cols("v3_bf16", expert);
   const Case cases[] = {
-      {"v3_bf16", expert, 2 * cols + 5, nan, "[2, 5]", WeightLoading::kMapped, false},     // in place
-      {"v3_bf16", expert, 2 * cols + 5, inf, "[2, 5]", WeightLoading::kCopied, false},     // copied
-      {"v3_bf16", expert, 2 * cols + 5, -inf, "[2, 5]", WeightLoading::kMapped, true},     // bf16 -> f32
+      {"v3_bf16", expert, 2 * cols + 5, nan, "[2, 5]", WeightLoading::kMapped, false},  // in place
+      {"v3_bf16", expert, 2 * cols + 5, inf, "[2, 5]", WeightLoading::kCopied, false},  // copied
+      {"v3_bf16", expert, 2 * cols + 5, -inf, "[2, 5]", WeightLoading::kMapped, true},  // bf16 -> f32
       {"v3_fp32", "model.embed_tokens.weight", 7, nan, "[0, 7]", WeightLoading::kMapped, false},
       {"v3_fp32", "model.layers.0.input_layernorm.weight", 3, inf, "[3]", WeightLoading::kMapped, false},
       {"v3_fp32", "model.layers.0.self_attn.kv_b_proj.weight", 0, nan, "[0, 0]", WeightLoading::kMapped, false},

@@ -36,8 +36,8 @@ using json = nlohmann::json;
 double E4M3Reference(uint8_t v) {
   const int sign = v >> 7, exponent = (v >> 3) & 0xf, mantissa = v & 0x7;
   if (exponent == 0xf && mantissa == 0x7) return std::nan("");
-  const double magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0, 1 - 7)
-                                         : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
+  const double magnitude =
+      exponent == 0 ? std::ldexp(mantissa / 8.0, 1 - 7) : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
   return sign ? -magnitude : magnitude;
 }
 
@@ -59,20 +59,18 @@ float Bf16Reference(uint16_t b) { return std::bit_cast<float>(static_cast<uint32
 
 // Equal as values, -0 distinct from +0, NaN equal to NaN.
 testing::AssertionResult SameFloat(float got, double want) {
-  if (std::isnan(want)
-          ? std::isnan(got)
-          : (got == static_cast<float>(want) && std::signbit(got) == std::signbit(want))) {
+  if (std::isnan(want) ? std::isnan(got)
+                       : (got == static_cast<float>(want) && std::signbit(got) == std::signbit(want))) {
     return testing::AssertionSuccess();
   }
-  return testing::AssertionFailure() << "got " << got << " (0x" << std::hex
-                                     << std::bit_cast<uint32_t>(got) << "), want " << want;
+  return testing::AssertionFailure() << "got " << got << " (0x" << std::hex << std::bit_cast<uint32_t>(got)
+                                     << "), want " << want;
 }
 
-testing::AssertionResult IsError(const Status& st, StatusCode code,
-                                 std::initializer_list<std::string> needles) {
+testing::AssertionResult IsError(const Status& st, StatusCode code, std::initializer_list<std::string> needles) {
   if (st.code() != code) {
-    return testing::AssertionFailure() << "code " << StatusCodeName(st.code()) << ", want "
-                                       << StatusCodeName(code) << ": " << st;
+    return testing::AssertionFailure() << "code " << StatusCodeName(st.code()) << ", want " << StatusCodeName(code)
+                                       << ": " << st;
   }
   for (const std::string& n : needles) {
     if (st.message().find(n) == std::string::npos) {
@@ -103,11 +101,9 @@ std::string RawBytes(const std::vector<T>& v) {
 // Appends tensors to the data section in order, with matching header entries.
 class FileBuilder {
  public:
-  FileBuilder& Add(const std::string& name, const std::string& dtype,
-                   const std::vector<int64_t>& shape, std::string_view bytes) {
-    header_[name] = {{"dtype", dtype},
-                     {"shape", shape},
-                     {"data_offsets", {data_.size(), data_.size() + bytes.size()}}};
+  FileBuilder& Add(const std::string& name, const std::string& dtype, const std::vector<int64_t>& shape,
+                   std::string_view bytes) {
+    header_[name] = {{"dtype", dtype}, {"shape", shape}, {"data_offsets", {data_.size(), data_.size() + bytes.size()}}};
     data_.append(bytes);
     return *this;
   }
@@ -144,9 +140,8 @@ class SafetensorsTest : public testing::Test {
  protected:
   void SetUp() override {
     const testing::TestInfo* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::path(testing::TempDir()) /
-           (std::string("mlarun_safetensors_") + info->test_suite_name() + "_" + info->name() +
-            "_" + std::to_string(::getpid()));
+    dir_ = fs::path(testing::TempDir()) / (std::string("mlarun_safetensors_") + info->test_suite_name() + "_" +
+                                           info->name() + "_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -166,8 +161,7 @@ class SafetensorsTest : public testing::Test {
   }
 
   // Writes `bytes` as a file and expects Open to fail with `code`, naming the file and `needles`.
-  void ExpectOpenError(std::string_view bytes, StatusCode code,
-                       std::initializer_list<std::string> needles,
+  void ExpectOpenError(std::string_view bytes, StatusCode code, std::initializer_list<std::string> needles,
                        const std::string& file_name = "bad.safetensors") {
     const std::string path = Write(file_name, bytes);
     const Status st = SafetensorsFile::Open(path).status();
@@ -190,8 +184,7 @@ TEST(Float8, AllBytesMatchDefinition) {
   for (int v = 0; v < 256; ++v) {
     const double want = E4M3Reference(static_cast<uint8_t>(v));
     nans += std::isnan(want);
-    EXPECT_TRUE(SameFloat(Float8E4M3ToFloat(static_cast<uint8_t>(v)), want))
-        << "byte 0x" << std::hex << v;
+    EXPECT_TRUE(SameFloat(Float8E4M3ToFloat(static_cast<uint8_t>(v)), want)) << "byte 0x" << std::hex << v;
     EXPECT_TRUE(SameFloat(bulk[static_cast<size_t>(v)], want)) << "byte 0x" << std::hex << v;
   }
   EXPECT_EQ(nans, 2);  // 0x7f and 0xff only
@@ -232,8 +225,7 @@ TEST_F(SafetensorsTest, RoundTripsF32Bf16F16) {
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ((*file)->path(), path);
   EXPECT_EQ((*file)->tensors().size(), 7u);
-  EXPECT_EQ((*file)->metadata(),
-            (std::map<std::string, std::string>{{"format", "pt"}, {"note", "hello"}}));
+  EXPECT_EQ((*file)->metadata(), (std::map<std::string, std::string>{{"format", "pt"}, {"note", "hello"}}));
   EXPECT_EQ((*file)->Find("__metadata__"), nullptr);
   EXPECT_EQ((*file)->Find("nope"), nullptr);
   const TensorRef* t = (*file)->Find("w.f32");
@@ -259,11 +251,9 @@ TEST_F(SafetensorsTest, RoundTripsF32Bf16F16) {
 
   auto ckpt = Checkpoint::Open((dir_ / "ckpt").string());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  EXPECT_EQ((*ckpt)->Names(), (std::vector<std::string>{"empty", "ids", "odd", "scalar", "w.bf16",
-                                                        "w.f16", "w.f32"}));
+  EXPECT_EQ((*ckpt)->Names(), (std::vector<std::string>{"empty", "ids", "odd", "scalar", "w.bf16", "w.f16", "w.f32"}));
 
-  const std::vector<int64_t> s34 = {3, 4}, s25 = {2, 5}, s_f16 = {513, 256}, s_scalar = {},
-                             s_empty = {0, 7};
+  const std::vector<int64_t> s34 = {3, 4}, s25 = {2, 5}, s_f16 = {513, 256}, s_scalar = {}, s_empty = {0, 7};
   std::vector<float> out(f16.size());
   std::vector<uint16_t> out_bf16(f16.size());
 
@@ -273,8 +263,7 @@ TEST_F(SafetensorsTest, RoundTripsF32Bf16F16) {
   for (size_t i = 0; i < f32.size(); ++i) EXPECT_EQ(out_bf16[i], FloatToBf16(f32[i])) << i;
 
   ASSERT_TRUE((*ckpt)->Load("w.bf16", s25, DType::kF32, out.data()).ok());
-  for (size_t i = 0; i < bf16.size(); ++i)
-    EXPECT_TRUE(SameFloat(out[i], Bf16Reference(bf16[i]))) << i;
+  for (size_t i = 0; i < bf16.size(); ++i) EXPECT_TRUE(SameFloat(out[i], Bf16Reference(bf16[i]))) << i;
   ASSERT_TRUE((*ckpt)->Load("w.bf16", s25, DType::kBF16, out_bf16.data()).ok());
   for (size_t i = 0; i < bf16.size(); ++i) EXPECT_EQ(out_bf16[i], bf16[i]) << i;
 
@@ -298,14 +287,12 @@ TEST_F(SafetensorsTest, RoundTripsF32Bf16F16) {
   EXPECT_TRUE((*ckpt)->Load("empty", s_empty, DType::kF32, nullptr).ok());
 
   const std::vector<int64_t> s2 = {2}, s3 = {3};
-  EXPECT_TRUE(IsError((*ckpt)->Load("ids", s2, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError((*ckpt)->Load("ids", s2, DType::kF32, out.data()), StatusCode::kInvalidArgument,
                       {"unsupported dtype for loading", "'ids'", path, "I64"}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("odd", s3, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError((*ckpt)->Load("odd", s3, DType::kF32, out.data()), StatusCode::kInvalidArgument,
                       {"unsupported dtype for loading", "'odd'", path}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("w.f32", s34, DType::kF16, out.data()),
-                      StatusCode::kInvalidArgument, {"w.f32", "f16"}));
+  EXPECT_TRUE(
+      IsError((*ckpt)->Load("w.f32", s34, DType::kF16, out.data()), StatusCode::kInvalidArgument, {"w.f32", "f16"}));
 }
 
 TEST_F(SafetensorsTest, EmptyTensorInsideAnotherIsNotAnOverlap) {
@@ -317,7 +304,6 @@ TEST_F(SafetensorsTest, EmptyTensorInsideAnotherIsNotAnOverlap) {
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_EQ((*file)->Find("z")->bytes, 0u);
 }
-
 
 // Files of 2 MiB and more are mapped at a 2 MiB-aligned address (so the page
 // cache's 2 MiB folios can be mapped whole); every byte still reads back,
@@ -352,8 +338,8 @@ TEST_F(SafetensorsTest, LargeFilesMapAlignedAndReadBack) {
     // The page after the mapping's end was part of the reservation that
     // placed it: a fresh mapping there works once it was given back.
     const uintptr_t end = (base + bytes.size() + 4095) / 4096 * 4096;
-    void* probe = ::mmap(reinterpret_cast<void*>(end), 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE,
-                         -1, 0);
+    void* probe =
+        ::mmap(reinterpret_cast<void*>(end), 4096, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
     if (probe != MAP_FAILED) {
       EXPECT_EQ(reinterpret_cast<uintptr_t>(probe), end);
       ::munmap(probe, 4096);
@@ -371,13 +357,10 @@ TEST_F(SafetensorsTest, MissingFile) {
   EXPECT_TRUE(IsError(SafetensorsFile::Open(path).status(), StatusCode::kNotFound, {path}));
 }
 
-TEST_F(SafetensorsTest, EmptyFile) {
-  ExpectOpenError("", StatusCode::kInvalidArgument, {"too small"});
-}
+TEST_F(SafetensorsTest, EmptyFile) { ExpectOpenError("", StatusCode::kInvalidArgument, {"too small"}); }
 
 TEST_F(SafetensorsTest, ShortFile) {
-  ExpectOpenError(std::string("\x02\0\0\0", 4), StatusCode::kInvalidArgument,
-                  {"4 bytes is too small"});
+  ExpectOpenError(std::string("\x02\0\0\0", 4), StatusCode::kInvalidArgument, {"4 bytes is too small"});
 }
 
 TEST_F(SafetensorsTest, HeaderLengthBeyondFile) {
@@ -399,29 +382,26 @@ TEST_F(SafetensorsTest, HeaderLengthAboveCap) {
 }
 
 TEST_F(SafetensorsTest, HeaderNotJson) {
-  ExpectOpenError(SafetensorsBytes("{\"a\": {\"dtype\": ", "12345678"),
-                  StatusCode::kInvalidArgument, {"not valid JSON"});
+  ExpectOpenError(SafetensorsBytes("{\"a\": {\"dtype\": ", "12345678"), StatusCode::kInvalidArgument,
+                  {"not valid JSON"});
   ExpectOpenError(SafetensorsBytes("", "1234"), StatusCode::kInvalidArgument, {"not valid JSON"});
 }
 
 TEST_F(SafetensorsTest, HeaderNotObject) {
-  ExpectOpenError(SafetensorsBytes("[1, 2, 3]", ""), StatusCode::kInvalidArgument,
-                  {"not a JSON object"});
-  ExpectOpenError(SafetensorsBytes("\"x\"", ""), StatusCode::kInvalidArgument,
-                  {"not a JSON object"});
+  ExpectOpenError(SafetensorsBytes("[1, 2, 3]", ""), StatusCode::kInvalidArgument, {"not a JSON object"});
+  ExpectOpenError(SafetensorsBytes("\"x\"", ""), StatusCode::kInvalidArgument, {"not a JSON object"});
 }
 
 TEST_F(SafetensorsTest, EntryNotObjectOrIncomplete) {
   ExpectOpenError(SafetensorsBytes(R"({"w": 5})", ""), StatusCode::kInvalidArgument, {"'w'"});
-  ExpectOpenError(SafetensorsBytes(R"({"w": {"dtype": "F32", "shape": [1]}})", "1234"),
-                  StatusCode::kInvalidArgument, {"'w'", "data_offsets"});
+  ExpectOpenError(SafetensorsBytes(R"({"w": {"dtype": "F32", "shape": [1]}})", "1234"), StatusCode::kInvalidArgument,
+                  {"'w'", "data_offsets"});
 }
 
 TEST_F(SafetensorsTest, UnknownDtype) {
   FileBuilder b;
   b.Add("good", "F32", {1}, "abcd").Add("layers.0.q", "Q4_K", {4}, "abcd");
-  ExpectOpenError(b.Build(), StatusCode::kInvalidArgument,
-                  {"unknown dtype", "'layers.0.q'", "Q4_K"});
+  ExpectOpenError(b.Build(), StatusCode::kInvalidArgument, {"unknown dtype", "'layers.0.q'", "Q4_K"});
   FileBuilder lower;
   lower.Add("t", "f32", {1}, "abcd");  // names are case-sensitive
   ExpectOpenError(lower.Build(), StatusCode::kInvalidArgument, {"unknown dtype", "'t'"});
@@ -449,8 +429,7 @@ TEST_F(SafetensorsTest, BadShapes) {
 TEST_F(SafetensorsTest, OffsetsPastEndOfTruncatedFile) {
   const std::vector<float> v = RandomFloats(16, 6);
   FileBuilder b;
-  b.Add("first", "F32", {4}, RawBytes(v).substr(0, 16))
-      .Add("cut", "F32", {12}, RawBytes(v).substr(16));
+  b.Add("first", "F32", {4}, RawBytes(v).substr(0, 16)).Add("cut", "F32", {12}, RawBytes(v).substr(16));
   std::string bytes = b.Build();
   bytes.resize(bytes.size() - 4);  // the last tensor loses its last element
   ExpectOpenError(bytes, StatusCode::kInvalidArgument, {"'cut'", "past"});
@@ -467,8 +446,7 @@ TEST_F(SafetensorsTest, BadOffsets) {
   reversed.Add("r", "U8", {0}, "");
   reversed.data() = "abcd";
   reversed.header()["r"]["data_offsets"] = {3, 1};
-  ExpectOpenError(reversed.Build(), StatusCode::kInvalidArgument,
-                  {"'r'", "[3, 1]", "begin after end"});
+  ExpectOpenError(reversed.Build(), StatusCode::kInvalidArgument, {"'r'", "[3, 1]", "begin after end"});
   FileBuilder negative;
   negative.Add("n", "U8", {2}, "ab");
   negative.header()["n"]["data_offsets"] = {-2, 0};
@@ -484,8 +462,7 @@ TEST_F(SafetensorsTest, OverlappingTensors) {
   FileBuilder partial;
   partial.Add("a", "F32", {4}, RawBytes(v).substr(0, 16));
   partial.data() = RawBytes(v);
-  partial.header()["b"] = {
-      {"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {8, 24}}};  // shares 8 bytes with a
+  partial.header()["b"] = {{"dtype", "F32"}, {"shape", {4}}, {"data_offsets", {8, 24}}};  // shares 8 bytes with a
   ExpectOpenError(partial.Build(), StatusCode::kInvalidArgument, {"'a'", "'b'", "overlap"});
 
   // One range inside another, listed (by name order) before it.
@@ -533,9 +510,7 @@ TEST_F(SafetensorsTest, CorruptedFilesFailCleanly) {
   const std::string good = b.Build();
   const size_t header_end = 8 + b.header().dump().size();
   std::mt19937 rng(43);
-  auto pick = [&rng](size_t lo, size_t hi) {
-    return std::uniform_int_distribution<size_t>(lo, hi)(rng);
-  };
+  auto pick = [&rng](size_t lo, size_t hi) { return std::uniform_int_distribution<size_t>(lo, hi)(rng); };
   int opened = 0;
   for (int iter = 0; iter < 1500; ++iter) {
     std::string bytes = good;
@@ -544,8 +519,7 @@ TEST_F(SafetensorsTest, CorruptedFilesFailCleanly) {
       switch (pick(0, 3)) {
         case 0: {  // a digit in the header becomes another digit: plausible offsets and shapes
           const size_t at = pick(8, header_end - 1);
-          if (std::isdigit(static_cast<unsigned char>(bytes[at])))
-            bytes[at] = static_cast<char>('0' + pick(0, 9));
+          if (std::isdigit(static_cast<unsigned char>(bytes[at]))) bytes[at] = static_cast<char>('0' + pick(0, 9));
           break;
         }
         case 1:  // any header byte
@@ -562,8 +536,7 @@ TEST_F(SafetensorsTest, CorruptedFilesFailCleanly) {
     const std::string path = Write("ckpt/model.safetensors", bytes);
     auto ckpt = Checkpoint::Open((dir_ / "ckpt").string());
     if (!ckpt.ok()) {
-      ASSERT_TRUE(IsError(ckpt.status(), StatusCode::kInvalidArgument, {path}))
-          << "iteration " << iter;
+      ASSERT_TRUE(IsError(ckpt.status(), StatusCode::kInvalidArgument, {path})) << "iteration " << iter;
       continue;
     }
     ++opened;
@@ -577,8 +550,8 @@ TEST_F(SafetensorsTest, CorruptedFilesFailCleanly) {
       if (t->shape.size() == 2) {
         // A slice from an interior row and column goes through the same checks.
         const int64_t rows = t->shape[0], cols = t->shape[1];
-        const Status slice = (*ckpt)->LoadSlice(name, t->shape, rows / 3, rows, cols / 2, cols,
-                                                DType::kF32, out.data());
+        const Status slice =
+            (*ckpt)->LoadSlice(name, t->shape, rows / 3, rows, cols / 2, cols, DType::kF32, out.data());
         if (!slice.ok()) {
           ASSERT_TRUE(IsError(slice, StatusCode::kInvalidArgument, {name})) << "iteration " << iter;
         }
@@ -673,8 +646,8 @@ TEST_F(CheckpointTest, IndexShardOutsideDirectory) {
   FileBuilder evil;
   evil.Add("a.weight", "F32", {2, 3}, RawBytes(RandomFloats(6, 13)));
   const std::string evil_path = Write("evil.safetensors", evil.Build());
-  for (const std::string& shard : {std::string("../evil.safetensors"), evil_path,
-                                   std::string("sub/../../evil.safetensors"), std::string("..")}) {
+  for (const std::string& shard :
+       {std::string("../evil.safetensors"), evil_path, std::string("sub/../../evil.safetensors"), std::string("..")}) {
     index_["weight_map"]["a.weight"] = shard;
     WriteIndex();
     EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
@@ -687,8 +660,8 @@ TEST_F(CheckpointTest, TensorInIndexButNotInShard) {
   WriteShards();
   index_["weight_map"]["ghost.weight"] = "model-00002-of-00002.safetensors";
   WriteIndex();
-  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
-                      {"'ghost.weight'", shard2_}));
+  EXPECT_TRUE(
+      IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument, {"'ghost.weight'", shard2_}));
 }
 
 TEST_F(CheckpointTest, TensorInIndexPointsAtWrongShard) {
@@ -724,25 +697,21 @@ TEST_F(CheckpointTest, DuplicateTensorAcrossShards) {
 TEST_F(CheckpointTest, BadIndex) {
   WriteShards();
   const std::string index_path = Write("ckpt/model.safetensors.index.json", "{\"weight_map\": {");
-  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
-                      {index_path, "JSON"}));
+  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument, {index_path, "JSON"}));
   Write("ckpt/model.safetensors.index.json", R"({"metadata": {}})");
-  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
-                      {index_path, "weight_map"}));
+  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument, {index_path, "weight_map"}));
   Write("ckpt/model.safetensors.index.json", R"({"weight_map": {}})");
-  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
-                      {index_path, "empty"}));
+  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument, {index_path, "empty"}));
   Write("ckpt/model.safetensors.index.json", R"({"weight_map": {"a.weight": 1}})");
-  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
-                      {index_path, "'a.weight'"}));
+  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument, {index_path, "'a.weight'"}));
 }
 
 TEST_F(CheckpointTest, BadShardReportsShardPath) {
   WriteShards();
   Write("ckpt/model-00002-of-00002.safetensors", SafetensorsBytes("[]", ""));
   WriteIndex();
-  EXPECT_TRUE(IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument,
-                      {shard2_, "not a JSON object"}));
+  EXPECT_TRUE(
+      IsError(Checkpoint::Open(ckpt_dir()).status(), StatusCode::kInvalidArgument, {shard2_, "not a JSON object"}));
 }
 
 TEST_F(CheckpointTest, LoadWrongShapeAndMissingTensor) {
@@ -753,15 +722,14 @@ TEST_F(CheckpointTest, LoadWrongShapeAndMissingTensor) {
   std::vector<float> out(64, 0.0f);
   const std::vector<int64_t> s32 = {3, 2}, s6 = {6}, s231 = {2, 3, 1};
   for (const std::vector<int64_t>& shape : {s32, s6, s231}) {
-    EXPECT_TRUE(IsError((*ckpt)->Load("a.weight", shape, DType::kF32, out.data()),
-                        StatusCode::kInvalidArgument, {"'a.weight'", shard1_, "[2, 3]"}));
+    EXPECT_TRUE(IsError((*ckpt)->Load("a.weight", shape, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                        {"'a.weight'", shard1_, "[2, 3]"}));
   }
-  EXPECT_TRUE(IsError((*ckpt)->Load("a.weight", s32, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"[3, 2]"}));
-  EXPECT_TRUE(std::all_of(out.begin(), out.end(),
-                          [](float x) { return x == 0.0f; }));  // untouched on error
-  EXPECT_TRUE(IsError((*ckpt)->Load("model.norm.weight", s6, DType::kF32, out.data()),
-                      StatusCode::kNotFound, {"'model.norm.weight'", ckpt_dir()}));
+  EXPECT_TRUE(
+      IsError((*ckpt)->Load("a.weight", s32, DType::kF32, out.data()), StatusCode::kInvalidArgument, {"[3, 2]"}));
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.0f; }));  // untouched on error
+  EXPECT_TRUE(IsError((*ckpt)->Load("model.norm.weight", s6, DType::kF32, out.data()), StatusCode::kNotFound,
+                      {"'model.norm.weight'", ckpt_dir()}));
 }
 
 // ---------------------------------------------------------------------------
@@ -770,8 +738,8 @@ TEST_F(CheckpointTest, LoadWrongShapeAndMissingTensor) {
 // w[i][j] = e4m3(w[i][j]) * scale[i/128][j/128], in double. The fp8 value has
 // at most 4 significant bits and the scale 24, so the double product is exact
 // and rounding it to float is the one rounding an fp32 multiply does.
-std::vector<float> DequantReference(const std::vector<uint8_t>& w, const std::vector<float>& scale,
-                                    int64_t rows, int64_t cols) {
+std::vector<float> DequantReference(const std::vector<uint8_t>& w, const std::vector<float>& scale, int64_t rows,
+                                    int64_t cols) {
   const int64_t scale_cols = (cols + 127) / 128;
   std::vector<float> ref(w.size());
   for (int64_t i = 0; i < rows; ++i) {
@@ -813,23 +781,17 @@ TEST_F(CheckpointTest, Fp8BlockDequantization) {
   const std::vector<float> ref = DequantReference(w, scale, kRows, kCols);
   const std::vector<int64_t> shape = {kRows, kCols};
   std::vector<float> out(ref.size());
-  ASSERT_TRUE(
-      (*ckpt)->Load("model.layers.0.mlp.gate_proj.weight", shape, DType::kF32, out.data()).ok());
+  ASSERT_TRUE((*ckpt)->Load("model.layers.0.mlp.gate_proj.weight", shape, DType::kF32, out.data()).ok());
   for (size_t i = 0; i < ref.size(); ++i) ASSERT_TRUE(SameFloat(out[i], ref[i])) << "element " << i;
   std::vector<uint16_t> out_bf16(ref.size());
-  ASSERT_TRUE(
-      (*ckpt)
-          ->Load("model.layers.0.mlp.gate_proj.weight", shape, DType::kBF16, out_bf16.data())
-          .ok());
-  for (size_t i = 0; i < ref.size(); ++i)
-    ASSERT_EQ(out_bf16[i], FloatToBf16(ref[i])) << "element " << i;
+  ASSERT_TRUE((*ckpt)->Load("model.layers.0.mlp.gate_proj.weight", shape, DType::kBF16, out_bf16.data()).ok());
+  for (size_t i = 0; i < ref.size(); ++i) ASSERT_EQ(out_bf16[i], FloatToBf16(ref[i])) << "element " << i;
 
   const std::vector<float> ref2 = DequantReference(w2, scale2, kRows2, kCols2);
   const std::vector<int64_t> shape2 = {kRows2, kCols2};
   std::vector<float> out2(ref2.size());
   ASSERT_TRUE((*ckpt)->Load("small.weight", shape2, DType::kF32, out2.data()).ok());
-  for (size_t i = 0; i < ref2.size(); ++i)
-    ASSERT_TRUE(SameFloat(out2[i], ref2[i])) << "element " << i;
+  for (size_t i = 0; i < ref2.size(); ++i) ASSERT_TRUE(SameFloat(out2[i], ref2[i])) << "element " << i;
 }
 
 TEST_F(CheckpointTest, Fp8ScaleProblems) {
@@ -838,8 +800,7 @@ TEST_F(CheckpointTest, Fp8ScaleProblems) {
   FileBuilder b;
   b.Add("no_scale.weight", "F8_E4M3", {130, 260}, RawBytes(w));
   b.Add("short.weight", "F8_E4M3", {130, 260}, RawBytes(w));
-  b.Add("short.weight_scale_inv", "F32", {1, 3},
-        RawBytes(scale).substr(0, 12));  // floor instead of ceil
+  b.Add("short.weight_scale_inv", "F32", {1, 3}, RawBytes(scale).substr(0, 12));  // floor instead of ceil
   b.Add("transposed.weight", "F8_E4M3", {130, 260}, RawBytes(w));
   b.Add("transposed.weight_scale_inv", "F32", {3, 2}, RawBytes(scale));
   b.Add("f16scale.weight", "F8_E4M3", {130, 260}, RawBytes(w));
@@ -853,21 +814,17 @@ TEST_F(CheckpointTest, Fp8ScaleProblems) {
 
   std::vector<float> out(130 * 260);
   const std::vector<int64_t> shape = {130, 260}, flat = {64}, s22 = {2, 2};
-  EXPECT_TRUE(IsError((*ckpt)->Load("no_scale.weight", shape, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError((*ckpt)->Load("no_scale.weight", shape, DType::kF32, out.data()), StatusCode::kInvalidArgument,
                       {"'no_scale.weight'", "'no_scale.weight_scale_inv'", path}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("short.weight", shape, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError((*ckpt)->Load("short.weight", shape, DType::kF32, out.data()), StatusCode::kInvalidArgument,
                       {"'short.weight_scale_inv'", path, "[1, 3]", "[2, 3]"}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("transposed.weight", shape, DType::kBF16, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError((*ckpt)->Load("transposed.weight", shape, DType::kBF16, out.data()), StatusCode::kInvalidArgument,
                       {"'transposed.weight_scale_inv'", "[3, 2]", "[2, 3]"}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("f16scale.weight", shape, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"'f16scale.weight_scale_inv'", path, "F16"}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("flat.weight", flat, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"'flat.weight'", path, "2-D"}));
-  EXPECT_TRUE(IsError((*ckpt)->Load("e5m2.weight", s22, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError((*ckpt)->Load("f16scale.weight", shape, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                      {"'f16scale.weight_scale_inv'", path, "F16"}));
+  EXPECT_TRUE(IsError((*ckpt)->Load("flat.weight", flat, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                      {"'flat.weight'", path, "2-D"}));
+  EXPECT_TRUE(IsError((*ckpt)->Load("e5m2.weight", s22, DType::kF32, out.data()), StatusCode::kInvalidArgument,
                       {"unsupported dtype for loading", "'e5m2.weight'", "F8_E5M2"}));
 }
 
@@ -884,8 +841,8 @@ struct SliceCase {
 };
 
 std::ostream& operator<<(std::ostream& os, const SliceCase& s) {
-  return os << "rows [" << s.row_begin << ", " << s.row_end << ") x columns [" << s.col_begin
-            << ", " << s.col_end << ")";
+  return os << "rows [" << s.row_begin << ", " << s.row_end << ") x columns [" << s.col_begin << ", " << s.col_end
+            << ")";
 }
 
 // Slices of a [rows, cols] tensor with rows > 200, cols > 200, chosen around
@@ -909,14 +866,13 @@ std::vector<SliceCase> SliceCases(int64_t rows, int64_t cols) {
 // it errors or writes outside the [rows, cols] output. `Bits` is uint32_t for
 // f32 output, uint16_t for bf16.
 template <typename Bits>
-void LoadSliceGuarded(const Checkpoint& ckpt, const std::string& name,
-                      const std::vector<int64_t>& shape, const SliceCase& s, DType out_dtype,
-                      std::vector<Bits>* out) {
+void LoadSliceGuarded(const Checkpoint& ckpt, const std::string& name, const std::vector<int64_t>& shape,
+                      const SliceCase& s, DType out_dtype, std::vector<Bits>* out) {
   constexpr size_t kGuard = 64;
   constexpr Bits kSentinel = static_cast<Bits>(0x7fa5a5a5u);
   std::vector<Bits> buf(s.numel() + 2 * kGuard, kSentinel);
-  const Status st = ckpt.LoadSlice(name, shape, s.row_begin, s.row_end, s.col_begin, s.col_end,
-                                   out_dtype, buf.data() + kGuard);
+  const Status st =
+      ckpt.LoadSlice(name, shape, s.row_begin, s.row_end, s.col_begin, s.col_end, out_dtype, buf.data() + kGuard);
   ASSERT_TRUE(st.ok()) << st;
   for (size_t i = 0; i < kGuard; ++i) {
     ASSERT_EQ(buf[i], kSentinel) << "wrote before the output";
@@ -950,13 +906,11 @@ void ExpectSlicesMatch(const Checkpoint& ckpt, const std::string& name, int64_t 
         ASSERT_EQ(got_f32[at], full_f32[full_at]) << "element (" << gi << ", " << gj << ")";
         ASSERT_EQ(got_bf16[at], full_bf16[full_at]) << "element (" << gi << ", " << gj << ")";
         const double want = reference(gi, gj);
-        ASSERT_TRUE(SameFloat(std::bit_cast<float>(got_f32[at]), want))
-            << "element (" << gi << ", " << gj << ")";
+        ASSERT_TRUE(SameFloat(std::bit_cast<float>(got_f32[at]), want)) << "element (" << gi << ", " << gj << ")";
         if (std::isnan(want)) {
           ASSERT_TRUE(std::isnan(Bf16Reference(got_bf16[at])));
         } else {
-          ASSERT_EQ(got_bf16[at], FloatToBf16(static_cast<float>(want)))
-              << "element (" << gi << ", " << gj << ")";
+          ASSERT_EQ(got_bf16[at], FloatToBf16(static_cast<float>(want))) << "element (" << gi << ", " << gj << ")";
         }
       }
     }
@@ -987,15 +941,12 @@ TEST_F(CheckpointTest, SliceFloatTensors) {
   auto ckpt = Checkpoint::Open(ckpt_dir());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
 
-  ExpectSlicesMatch(**ckpt, "w.f32", kF32Rows, kF32Cols, [&](int64_t i, int64_t j) {
-    return f32[static_cast<size_t>(i * kF32Cols + j)];
-  });
-  ExpectSlicesMatch(**ckpt, "w.bf16", kBf16Rows, kBf16Cols, [&](int64_t i, int64_t j) {
-    return Bf16Reference(bf16[static_cast<size_t>(i * kBf16Cols + j)]);
-  });
-  ExpectSlicesMatch(**ckpt, "w.f16", kF16Rows, kF16Cols, [&](int64_t i, int64_t j) {
-    return F16Reference(f16[static_cast<size_t>(i * kF16Cols + j)]);
-  });
+  ExpectSlicesMatch(**ckpt, "w.f32", kF32Rows, kF32Cols,
+                    [&](int64_t i, int64_t j) { return f32[static_cast<size_t>(i * kF32Cols + j)]; });
+  ExpectSlicesMatch(**ckpt, "w.bf16", kBf16Rows, kBf16Cols,
+                    [&](int64_t i, int64_t j) { return Bf16Reference(bf16[static_cast<size_t>(i * kBf16Cols + j)]); });
+  ExpectSlicesMatch(**ckpt, "w.f16", kF16Rows, kF16Cols,
+                    [&](int64_t i, int64_t j) { return F16Reference(f16[static_cast<size_t>(i * kF16Cols + j)]); });
 }
 
 TEST_F(CheckpointTest, SliceFp8UsesGlobalBlockIndices) {
@@ -1023,8 +974,7 @@ TEST_F(CheckpointTest, SliceFp8UsesGlobalBlockIndices) {
   // scale 24, so the product is exact and its rounding to float is the one
   // rounding an fp32 multiply does.
   const auto reference_a = [&](int64_t i, int64_t j) {
-    return E4M3Reference(w[static_cast<size_t>(i * kCols + j)]) *
-           scale[static_cast<size_t>(i / 128 * 3 + j / 128)];
+    return E4M3Reference(w[static_cast<size_t>(i * kCols + j)]) * scale[static_cast<size_t>(i / 128 * 3 + j / 128)];
   };
   ExpectSlicesMatch(**ckpt, "a.weight", kRows, kCols, reference_a);
   ExpectSlicesMatch(**ckpt, "b.weight", kRows2, kCols2, [&](int64_t i, int64_t j) {
@@ -1059,8 +1009,7 @@ TEST_F(CheckpointTest, SliceErrors) {
   const Checkpoint& c = **ckpt;
 
   std::vector<float> out(64, 0.0f);
-  const std::vector<int64_t> s65 = {6, 5}, s56 = {5, 6}, s6 = {6}, s22 = {2, 2}, s44 = {4, 4},
-                             s05 = {0, 5};
+  const std::vector<int64_t> s65 = {6, 5}, s56 = {5, 6}, s6 = {6}, s22 = {2, 2}, s44 = {4, 4}, s05 = {0, 5};
   struct BadRange {
     int64_t row_begin, row_end, col_begin, col_end;
     std::string needle;
@@ -1075,33 +1024,31 @@ TEST_F(CheckpointTest, SliceErrors) {
            {0, 6, 0, 6, "columns [0, 6)"},    // col_end > cols
            {2, 3, 6, 6, "columns [6, 6)"},    // empty, but outside
        }) {
-    EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, r.row_begin, r.row_end, r.col_begin, r.col_end,
-                                    DType::kF32, out.data()),
-                        StatusCode::kInvalidArgument, {"'w.2d'", path, r.needle}))
+    EXPECT_TRUE(
+        IsError(c.LoadSlice("w.2d", s65, r.row_begin, r.row_end, r.col_begin, r.col_end, DType::kF32, out.data()),
+                StatusCode::kInvalidArgument, {"'w.2d'", path, r.needle}))
         << r.needle;
   }
-  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s56, 0, 1, 0, 1, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"'w.2d'", path, "[6, 5]", "[5, 6]"}));
-  EXPECT_TRUE(IsError(c.LoadSlice("nope", s65, 0, 1, 0, 1, DType::kF32, out.data()),
-                      StatusCode::kNotFound, {"'nope'", ckpt_dir()}));
-  EXPECT_TRUE(IsError(c.LoadSlice("w.1d", s6, 0, 1, 0, 1, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"'w.1d'", path, "[6]", "2-D"}));
-  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, 0, 1, 0, 1, DType::kF16, out.data()),
-                      StatusCode::kInvalidArgument, {"'w.2d'", "f16"}));
-  EXPECT_TRUE(IsError(c.LoadSlice("ids", s22, 0, 1, 0, 1, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"'ids'", path, "I64", "unsupported"}));
-  EXPECT_TRUE(IsError(c.LoadSlice("fp8.weight", s44, 0, 1, 0, 1, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument,
+  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s56, 0, 1, 0, 1, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                      {"'w.2d'", path, "[6, 5]", "[5, 6]"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("nope", s65, 0, 1, 0, 1, DType::kF32, out.data()), StatusCode::kNotFound,
+                      {"'nope'", ckpt_dir()}));
+  EXPECT_TRUE(IsError(c.LoadSlice("w.1d", s6, 0, 1, 0, 1, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                      {"'w.1d'", path, "[6]", "2-D"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, 0, 1, 0, 1, DType::kF16, out.data()), StatusCode::kInvalidArgument,
+                      {"'w.2d'", "f16"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("ids", s22, 0, 1, 0, 1, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                      {"'ids'", path, "I64", "unsupported"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("fp8.weight", s44, 0, 1, 0, 1, DType::kF32, out.data()), StatusCode::kInvalidArgument,
                       {"'fp8.weight'", "'fp8.weight_scale_inv'", path}));
-  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, 0, 1, 0, 1, DType::kF32, nullptr),
-                      StatusCode::kInvalidArgument, {"'w.2d'", "null"}));
-  EXPECT_TRUE(std::all_of(out.begin(), out.end(),
-                          [](float x) { return x == 0.0f; }));  // untouched on error
+  EXPECT_TRUE(IsError(c.LoadSlice("w.2d", s65, 0, 1, 0, 1, DType::kF32, nullptr), StatusCode::kInvalidArgument,
+                      {"'w.2d'", "null"}));
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 0.0f; }));  // untouched on error
 
   // A tensor with no rows: only the empty row range exists.
   EXPECT_TRUE(c.LoadSlice("empty", s05, 0, 0, 1, 4, DType::kF32, nullptr).ok());
-  EXPECT_TRUE(IsError(c.LoadSlice("empty", s05, 0, 1, 0, 5, DType::kF32, out.data()),
-                      StatusCode::kInvalidArgument, {"'empty'", "rows [0, 1)"}));
+  EXPECT_TRUE(IsError(c.LoadSlice("empty", s05, 0, 1, 0, 5, DType::kF32, out.data()), StatusCode::kInvalidArgument,
+                      {"'empty'", "rows [0, 1)"}));
 }
 
 // Marks PROT_NONE every page of the mapping that lies wholly inside `t`'s
@@ -1117,8 +1064,7 @@ int64_t ProtectUnselectedPages(const TensorRef& t, const SliceCase& s) {
     bool selected = false;
     const int64_t first_row = static_cast<int64_t>((p - begin) / row_bytes);
     const int64_t last_row = static_cast<int64_t>((p + page - 1 - begin) / row_bytes);
-    for (int64_t r = std::max(first_row, s.row_begin);
-         r <= std::min(last_row, s.row_end - 1) && !selected; ++r) {
+    for (int64_t r = std::max(first_row, s.row_begin); r <= std::min(last_row, s.row_end - 1) && !selected; ++r) {
       const uintptr_t row = begin + static_cast<uintptr_t>(r) * row_bytes;
       const uintptr_t sel_begin = row + static_cast<uintptr_t>(s.col_begin) * element;
       const uintptr_t sel_end = row + static_cast<uintptr_t>(s.col_end) * element;
@@ -1147,18 +1093,14 @@ TEST_F(CheckpointDeathTest, SliceReadsOnlySelectedBytes) {
   const int64_t f32_cols = 3 * page / 4, bf16_cols = 3 * page / 2, fp8_cols = 3 * page;
   constexpr int64_t kRows = 40, kFp8Rows = 260;
   std::vector<uint16_t> bf16;
-  for (float x : RandomFloats(static_cast<size_t>(kRows * bf16_cols), 81))
-    bf16.push_back(FloatToBf16(x));
+  for (float x : RandomFloats(static_cast<size_t>(kRows * bf16_cols), 81)) bf16.push_back(FloatToBf16(x));
   const int64_t scale_cols = (fp8_cols + 127) / 128;
   std::vector<float> scale;
-  for (float x : RandomFloats(static_cast<size_t>(3 * scale_cols), 83))
-    scale.push_back(std::abs(x) + 0.5f);
+  for (float x : RandomFloats(static_cast<size_t>(3 * scale_cols), 83)) scale.push_back(std::abs(x) + 0.5f);
   FileBuilder b;
-  b.Add("f32", "F32", {kRows, f32_cols},
-        RawBytes(RandomFloats(static_cast<size_t>(kRows * f32_cols), 80)));
+  b.Add("f32", "F32", {kRows, f32_cols}, RawBytes(RandomFloats(static_cast<size_t>(kRows * f32_cols), 80)));
   b.Add("bf16", "BF16", {kRows, bf16_cols}, RawBytes(bf16));
-  b.Add("fp8", "F8_E4M3", {kFp8Rows, fp8_cols},
-        RawBytes(RandomFp8(static_cast<size_t>(kFp8Rows * fp8_cols), 82)));
+  b.Add("fp8", "F8_E4M3", {kFp8Rows, fp8_cols}, RawBytes(RandomFp8(static_cast<size_t>(kFp8Rows * fp8_cols), 82)));
   b.Add("fp8_scale_inv", "F32", {3, scale_cols}, RawBytes(scale));
   Write("ckpt/model.safetensors", b.Build());
   auto ckpt = Checkpoint::Open(ckpt_dir());
@@ -1181,9 +1123,7 @@ TEST_F(CheckpointDeathTest, SliceReadsOnlySelectedBytes) {
       const auto slice_under_protection = [&]() -> int {
         if (ProtectUnselectedPages(*c.Find(name), s) <= 0) return 3;
         std::vector<uint32_t> got(s.numel());
-        if (!c.LoadSlice(name, shape, s.row_begin, s.row_end, s.col_begin, s.col_end, DType::kF32,
-                         got.data())
-                 .ok()) {
+        if (!c.LoadSlice(name, shape, s.row_begin, s.row_end, s.col_begin, s.col_end, DType::kF32, got.data()).ok()) {
           return 2;
         }
         for (int64_t i = 0; i < s.rows(); ++i) {

@@ -22,16 +22,16 @@
 #include <cstdlib>
 #include <new>
 #include <optional>
-#include <utility>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "kv/latent_cache.h"
-#include "gemm/cpu_gemm.h"
 #include "base/cpu_isa.h"
-#include "runtime/ops/sampler.h"
+#include "gemm/cpu_gemm.h"
+#include "kv/latent_cache.h"
 #include "runtime/model/model.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/runner/model_runner.h"
 
 namespace {
@@ -96,9 +96,9 @@ std::vector<int64_t> Pass(ModelRunner& runner, LatentCache& blocks, SeqId first,
   std::mt19937 rng(5);
   std::vector<std::vector<int32_t>> prompts(3);
   std::vector<std::unique_ptr<Sampler>> samplers;
-  for (const SamplingParams& sp : {SamplingParams{.temperature = 0},
-                                   SamplingParams{.temperature = 0.8, .top_k = 20, .seed = 3},
-                                   SamplingParams{.temperature = 1.2, .top_p = 0.9, .seed = 4}})
+  for (const SamplingParams& sp :
+       {SamplingParams{.temperature = 0}, SamplingParams{.temperature = 0.8, .top_k = 20, .seed = 3},
+        SamplingParams{.temperature = 1.2, .top_p = 0.9, .seed = 4}})
     samplers.push_back(std::make_unique<Sampler>(sp));
   std::vector<int64_t> counts;
   for (size_t i = 0; i < prompts.size(); ++i) {
@@ -114,7 +114,9 @@ std::vector<int64_t> Pass(ModelRunner& runner, LatentCache& blocks, SeqId first,
       const int64_t start = blocks.NumTokens(id);
       EXPECT_TRUE(blocks.Append(id, tokens).ok());
       const auto table = blocks.BlockTable(id);
-      plan.seqs.push_back({.id = id, .start_pos = start, .tokens = tokens,
+      plan.seqs.push_back({.id = id,
+                           .start_pos = start,
+                           .tokens = tokens,
                            .block_table = std::vector<int32_t>(table.begin(), table.end()),
                            .sampler = samplers[i].get()});
     }
@@ -137,7 +139,7 @@ std::vector<int64_t> Pass(ModelRunner& runner, LatentCache& blocks, SeqId first,
 // new size), so the count is not trivially zero.
 TEST(StepAllocations, StepsOfShapesSeenBeforeAllocateNothing) {
   for (const auto& [weights, kv] : {std::pair{DType::kF32, DType::kF32}, std::pair{DType::kF32, DType::kBF16},
-                                   std::pair{DType::kBF16, DType::kBF16}}) {
+                                    std::pair{DType::kBF16, DType::kBF16}}) {
     uint64_t seed = 0;
     auto config = Model::LoadConfig(kTiny, ModelOverrides{.kv_dtype = kv}, &seed);
     ASSERT_TRUE(config.ok()) << config.status();
@@ -156,8 +158,8 @@ TEST(StepAllocations, StepsOfShapesSeenBeforeAllocateNothing) {
     for (size_t s = 0; s < again.size(); ++s)
       EXPECT_EQ(again[s], 0) << (s == 0 ? "the prefill step" : "decode step " + std::to_string(s))
                              << " of the second pass, weights " << DTypeName(weights) << ", cache " << DTypeName(kv)
-                             << " (first pass: " << first[s] << "; inside oneDNN's execute, not counted: "
-                             << onednn_again << ")";
+                             << " (first pass: " << first[s]
+                             << "; inside oneDNN's execute, not counted: " << onednn_again << ")";
     // Without oneDNN products the step allocates nothing at all: every
     // family runs f32 products and (below AMX) bf16 ones on our kernels, and
     // so does every family under MLARUN_ONEDNN=off. Under AMX, oneDNN's AMX
@@ -196,7 +198,7 @@ TEST(StepAllocations, ANewRequestsFirstSampleAllocatesNothing) {
   EXPECT_GT(warm, 0) << "the thread's first rows of this size grow its scratch; 0 means nothing was counted";
   for (const SamplingParams& p : params) {
     std::optional<Sampler> fresh;
-    fresh.emplace(p);  // constructed outside the count: the request's own state
+    fresh.emplace(p);                                   // constructed outside the count: the request's own state
     logits[static_cast<size_t>(rng() % vocab)] += 5.f;  // a different row, same size
     SampledToken t;
     EXPECT_EQ(Allocations([&] { t = fresh->Sample(logits); }), 0)

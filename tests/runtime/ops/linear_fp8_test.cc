@@ -17,10 +17,10 @@
 #include <string>
 #include <vector>
 
-#include "gemm/cpu_gemm.h"
 #include "base/cuda_device.h"
 #include "base/device_memory.h"
 #include "base/float8.h"
+#include "gemm/cpu_gemm.h"
 #include "runtime/ops/linear.h"
 
 namespace mlarun {
@@ -77,9 +77,9 @@ std::string Name(const Case& c, int64_t rows, bool acc) {
 // one or two fp32 rows of it no longer stay in L1 beside a streamed weight,
 // so the streaming kernel takes tiles of weight rows (kStreamMaxABytes).
 const Case kCases[] = {
-    {300, 200, 264, 0, 300},  {300, 200, 264, 5, 297},  {129, 130, 131, 100, 129}, {64, 7, 16, 0, 64},
-    {257, 1000, 1024, 128, 257}, {40, 300, 333, 3, 37}, {1, 128, 128, 0, 1},        {200, 520, 520, 60, 190},
-    {40, 5000, 5011, 3, 37},
+    {300, 200, 264, 0, 300}, {300, 200, 264, 5, 297},     {129, 130, 131, 100, 129},
+    {64, 7, 16, 0, 64},      {257, 1000, 1024, 128, 257}, {40, 300, 333, 3, 37},
+    {1, 128, 128, 0, 1},     {200, 520, 520, 60, 190},    {40, 5000, 5011, 3, 37},
 };
 
 struct Inputs {
@@ -141,8 +141,15 @@ TEST(LinearFp8, MatchesFloat64Reference) {
         SCOPED_TRACE(Name(c, rows, acc));
         Inputs in = MakeInputs(rng, c, rows, acc);
         const std::vector<float> y0 = in.y;
-        const Status st = LinearRun({.w = &w, .col_begin = c.c0, .col_end = c.c1, .x = in.x.data(), .rows = rows,
-                                     .ldx = in.ldx, .y = in.y.data(), .ldy = in.ldy, .accumulate = acc});
+        const Status st = LinearRun({.w = &w,
+                                     .col_begin = c.c0,
+                                     .col_end = c.c1,
+                                     .x = in.x.data(),
+                                     .rows = rows,
+                                     .ldx = in.ldx,
+                                     .y = in.y.data(),
+                                     .ldy = in.ldy,
+                                     .accumulate = acc});
         ASSERT_TRUE(st.ok()) << st;
         Check(w, c, rows, acc, in, y0, in.y);
       }
@@ -163,8 +170,16 @@ TEST(LinearFp8, BothGemmKernels) {
         std::vector<float> a(static_cast<size_t>(rows * c.in));
         for (int64_t r = 0; r < rows; ++r)
           std::memcpy(&a[static_cast<size_t>(r * c.in)], &in.x[static_cast<size_t>(r * in.ldx)], c.in * sizeof(float));
-        auto g = CpuGemm::Get({.m = rows, .n = in.n, .k = c.in, .a_type = DType::kF32, .b_type = DType::kF8E4M3,
-                               .c_type = DType::kF32, .lda = c.in, .b_stride_k = 1, .b_stride_n = w.ld, .ldc = in.ldy},
+        auto g = CpuGemm::Get({.m = rows,
+                               .n = in.n,
+                               .k = c.in,
+                               .a_type = DType::kF32,
+                               .b_type = DType::kF8E4M3,
+                               .c_type = DType::kF32,
+                               .lda = c.in,
+                               .b_stride_k = 1,
+                               .b_stride_n = w.ld,
+                               .ldc = in.ldy},
                               impl);
         ASSERT_TRUE(g.ok()) << g.status();
         EXPECT_EQ((*g)->impl(), impl);
@@ -192,11 +207,27 @@ TEST(LinearFp8, Errors) {
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st;
   EXPECT_NE(st.message().find("scale_ld"), std::string::npos) << st;
   // A GemmDesc with an f8_e4m3 B needs k contiguous, and its Run the scales.
-  auto bad = CpuGemm::Get({.m = 1, .n = 8, .k = 200, .a_type = DType::kF32, .b_type = DType::kF8E4M3,
-                           .c_type = DType::kF32, .lda = 200, .b_stride_k = 8, .b_stride_n = 1, .ldc = 8});
+  auto bad = CpuGemm::Get({.m = 1,
+                           .n = 8,
+                           .k = 200,
+                           .a_type = DType::kF32,
+                           .b_type = DType::kF8E4M3,
+                           .c_type = DType::kF32,
+                           .lda = 200,
+                           .b_stride_k = 8,
+                           .b_stride_n = 1,
+                           .ldc = 8});
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
-  auto g = CpuGemm::Get({.m = 1, .n = 8, .k = 200, .a_type = DType::kF32, .b_type = DType::kF8E4M3,
-                         .c_type = DType::kF32, .lda = 200, .b_stride_k = 1, .b_stride_n = 200, .ldc = 8});
+  auto g = CpuGemm::Get({.m = 1,
+                         .n = 8,
+                         .k = 200,
+                         .a_type = DType::kF32,
+                         .b_type = DType::kF8E4M3,
+                         .c_type = DType::kF32,
+                         .lda = 200,
+                         .b_stride_k = 1,
+                         .b_stride_n = 200,
+                         .ldc = 8});
   ASSERT_TRUE(g.ok()) << g.status();
   std::vector<std::byte> scratch((*g)->scratch_bytes() + 64);
   EXPECT_EQ((*g)->Run(x.data(), w.data, y.data(), scratch.data()).code(), StatusCode::kInvalidArgument);
@@ -239,17 +270,31 @@ TEST(LinearFp8Cuda, MatchesCpu) {
         SCOPED_TRACE(Name(c, rows, acc));
         Inputs in = MakeInputs(rng, c, rows, acc);
         std::vector<float> cpu = in.y;
-        ASSERT_TRUE(LinearRun({.w = &host_w, .col_begin = c.c0, .col_end = c.c1, .x = in.x.data(), .rows = rows,
-                               .ldx = in.ldx, .y = cpu.data(), .ldy = in.ldy, .accumulate = acc})
+        ASSERT_TRUE(LinearRun({.w = &host_w,
+                               .col_begin = c.c0,
+                               .col_end = c.c1,
+                               .x = in.x.data(),
+                               .rows = rows,
+                               .ldx = in.ldx,
+                               .y = cpu.data(),
+                               .ldy = in.ldy,
+                               .accumulate = acc})
                         .ok());
         auto dx = DeviceBuffer::Allocate(dm, in.x.size() * sizeof(float), "x");
         auto dy = DeviceBuffer::Allocate(dm, in.y.size() * sizeof(float), "y");
         ASSERT_TRUE(dx.ok() && dy.ok());
         ASSERT_TRUE(dm.CopyIn(dx->data(), in.x.data(), in.x.size() * sizeof(float)).ok());
         ASSERT_TRUE(dm.CopyIn(dy->data(), in.y.data(), in.y.size() * sizeof(float)).ok());
-        const Status st = LinearRun({.w = &w, .col_begin = c.c0, .col_end = c.c1, .x = static_cast<float*>(dx->data()),
-                                     .rows = rows, .ldx = in.ldx, .y = static_cast<float*>(dy->data()),
-                                     .ldy = in.ldy, .accumulate = acc, .backend = Backend::kCuda});
+        const Status st = LinearRun({.w = &w,
+                                     .col_begin = c.c0,
+                                     .col_end = c.c1,
+                                     .x = static_cast<float*>(dx->data()),
+                                     .rows = rows,
+                                     .ldx = in.ldx,
+                                     .y = static_cast<float*>(dy->data()),
+                                     .ldy = in.ldy,
+                                     .accumulate = acc,
+                                     .backend = Backend::kCuda});
         ASSERT_TRUE(st.ok()) << st;
         std::vector<float> gpu(in.y.size());
         ASSERT_TRUE(dm.CopyOut(gpu.data(), dy->data(), gpu.size() * sizeof(float)).ok());

@@ -28,7 +28,6 @@
 #include "base/cuda_device.h"
 #include "base/device_memory.h"
 #include "gemm/convert.h"
-#include "runtime/ops/sampler.h"
 #include "runtime/ops/elementwise.h"
 #include "runtime/ops/embedding.h"
 #include "runtime/ops/linear.h"
@@ -38,6 +37,7 @@
 #include "runtime/ops/norm.h"
 #include "runtime/ops/rope.h"
 #include "runtime/ops/rope_math.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/ops/sampling.h"
 #include "runtime/ops/sampling_math.h"
 #include "tests/runtime/ops/random_values.h"
@@ -141,13 +141,21 @@ std::vector<float> GreedyEdgeRow(Random& r, int kind, int64_t vocab) {
   if (vocab == 0) return row;
   auto at = [&](int64_t i) -> float& { return row[static_cast<size_t>(i % vocab)]; };
   switch (kind) {
-    case 1: at(vocab - 1) = at(vocab / 3) = 40.f; break;
+    case 1:
+      at(vocab - 1) = at(vocab / 3) = 40.f;
+      break;
     case 2:
       at(0) = kNaN, at(vocab / 2) = -kNaN, at(vocab / 2 + 1) = 35.f, at(vocab - 1) = kNaN;
       break;
-    case 3: std::fill(row.begin(), row.end(), kNaN); break;
-    case 4: std::fill(row.begin(), row.end(), -kInf); break;
-    case 5: at(vocab / 4) = kInf, at(vocab - 2) = kInf; break;
+    case 3:
+      std::fill(row.begin(), row.end(), kNaN);
+      break;
+    case 4:
+      std::fill(row.begin(), row.end(), -kInf);
+      break;
+    case 5:
+      at(vocab / 4) = kInf, at(vocab - 2) = kInf;
+      break;
     case 6:
       std::fill(row.begin(), row.end(), -kInf);
       at(4) = -0.f, at(9) = 0.f;
@@ -156,7 +164,8 @@ std::vector<float> GreedyEdgeRow(Random& r, int kind, int64_t vocab) {
       for (int64_t i = 0; i < vocab; i += 2) row[static_cast<size_t>(i)] = -1000.f;
       at(vocab / 5) = 800.f;
       break;
-    default: break;
+    default:
+      break;
   }
   return row;
 }
@@ -190,8 +199,16 @@ TEST(OpsMath, CudaMoePlansAddTheSlotListsToTheWorkspace) {
   const std::vector<int32_t> route = {0, 1, 1, 2, 0, 2, 1, 3, 0, 1};
   const std::vector<float> x = r.Vector(static_cast<size_t>(T * H)), w = r.Vector(route.size());
   std::vector<float> y(x.size());
-  MoeExpertsParams p{.experts = experts.data(), .num_local = E, .num_experts = E, .shared = &m, .x = x.data(),
-                     .tokens = T, .hidden = H, .route_experts = route.data(), .route_weights = w.data(), .top_k = K,
+  MoeExpertsParams p{.experts = experts.data(),
+                     .num_local = E,
+                     .num_experts = E,
+                     .shared = &m,
+                     .x = x.data(),
+                     .tokens = T,
+                     .hidden = H,
+                     .route_experts = route.data(),
+                     .route_weights = w.data(),
+                     .top_k = K,
                      .y = y.data()};
   MoePlan cpu, cuda;
   ASSERT_TRUE(MoeReplan(p, cpu).ok());
@@ -207,9 +224,9 @@ TEST(OpsMath, CudaMoePlansAddTheSlotListsToTheWorkspace) {
 // ---------------------------------------------------------------------------
 // CUDA against CPU (skip without a GPU).
 
-#define MLARUN_SKIP_WITHOUT_GPU()                                 \
-  do {                                                            \
-    auto mlarun_devices_ = CudaDevices();                         \
+#define MLARUN_SKIP_WITHOUT_GPU()                                        \
+  do {                                                                   \
+    auto mlarun_devices_ = CudaDevices();                                \
     if (!mlarun_devices_.ok()) GTEST_SKIP() << mlarun_devices_.status(); \
   } while (0)
 
@@ -290,7 +307,8 @@ Linear OnGpu(const Linear& w) {
   return d;
 }
 Mlp RandomMlp(Random& r, int64_t hidden, int64_t inter, DType dt) {
-  return Mlp{.gate = RandomLinear(r, inter, hidden, dt), .up = RandomLinear(r, inter, hidden, dt),
+  return Mlp{.gate = RandomLinear(r, inter, hidden, dt),
+             .up = RandomLinear(r, inter, hidden, dt),
              .down = RandomLinear(r, hidden, inter, dt)};
 }
 Mlp OnGpu(const Mlp& m) { return Mlp{.gate = OnGpu(m.gate), .up = OnGpu(m.up), .down = OnGpu(m.down)}; }
@@ -339,15 +357,33 @@ TEST(OpsCuda, LinearMatchesCpu) {
             // that the product must overwrite without reading.
             std::vector<float> y = accumulate ? Rows(r, rows, n, ldy) : std::vector<float>(rows * ldy, kNaN);
             const DeviceVec<float> dx = ToDevice(x), dy = ToDevice(y);
-            ASSERT_TRUE(LinearRun({.w = &w, .col_begin = c0, .col_end = c1, .x = x.data(), .rows = rows, .ldx = ldx,
-                                   .y = y.data(), .ldy = ldy, .accumulate = accumulate})
+            ASSERT_TRUE(LinearRun({.w = &w,
+                                   .col_begin = c0,
+                                   .col_end = c1,
+                                   .x = x.data(),
+                                   .rows = rows,
+                                   .ldx = ldx,
+                                   .y = y.data(),
+                                   .ldy = ldy,
+                                   .accumulate = accumulate})
                             .ok());
-            const Status st = LinearRun({.w = &dw, .col_begin = c0, .col_end = c1, .x = dx.data(), .rows = rows,
-                                         .ldx = ldx, .y = dy.data(), .ldy = ldy, .accumulate = accumulate,
+            const Status st = LinearRun({.w = &dw,
+                                         .col_begin = c0,
+                                         .col_end = c1,
+                                         .x = dx.data(),
+                                         .rows = rows,
+                                         .ldx = ldx,
+                                         .y = dy.data(),
+                                         .ldy = ldy,
+                                         .accumulate = accumulate,
                                          .backend = Backend::kCuda});
             ASSERT_TRUE(st.ok()) << st;
             agree.Add(y, ToHost(dy, y.size()),
-                      Shape({{"out", d.out}, {"in", d.in}, {"rows", rows}, {"c0", c0}, {"c1", c1},
+                      Shape({{"out", d.out},
+                             {"in", d.in},
+                             {"rows", rows},
+                             {"c0", c0},
+                             {"c1", c1},
                              {"accumulate", accumulate}}));
           }
     }
@@ -380,11 +416,24 @@ TEST(OpsCuda, SiluMulAndMlpMatchCpu) {
         std::vector<float> y = accumulate ? Rows(r, rows, H, ldy) : std::vector<float>(rows * ldy, kNaN);
         std::vector<float> hidden(static_cast<size_t>(rows * 2 * inter), kNaN);
         const DeviceVec<float> dx = ToDevice(x), dy = ToDevice(y), dh = ToDevice(hidden);
-        ASSERT_TRUE(MlpRun({.mlp = &m, .x = x.data(), .rows = rows, .ldx = ldx, .y = y.data(), .ldy = ldy,
-                            .accumulate = accumulate, .hidden = hidden.data()})
+        ASSERT_TRUE(MlpRun({.mlp = &m,
+                            .x = x.data(),
+                            .rows = rows,
+                            .ldx = ldx,
+                            .y = y.data(),
+                            .ldy = ldy,
+                            .accumulate = accumulate,
+                            .hidden = hidden.data()})
                         .ok());
-        const Status st = MlpRun({.mlp = &dm, .x = dx.data(), .rows = rows, .ldx = ldx, .y = dy.data(), .ldy = ldy,
-                                  .accumulate = accumulate, .hidden = dh.data(), .backend = Backend::kCuda});
+        const Status st = MlpRun({.mlp = &dm,
+                                  .x = dx.data(),
+                                  .rows = rows,
+                                  .ldx = ldx,
+                                  .y = dy.data(),
+                                  .ldy = ldy,
+                                  .accumulate = accumulate,
+                                  .hidden = dh.data(),
+                                  .backend = Backend::kCuda});
         ASSERT_TRUE(st.ok()) << st;
         agree.Add(y, ToHost(dy, y.size()), Shape({{"rows", rows}, {"accumulate", accumulate}}));
       }
@@ -403,11 +452,22 @@ TEST(OpsCuda, RmsNormMatchesCpuInAndOutOfPlace) {
         const std::vector<float> weight = r.Vector(static_cast<size_t>(n));
         std::vector<float> y(static_cast<size_t>(rows * ldy), kNaN);
         const DeviceVec<float> dx = ToDevice(x), dy = ToDevice(y), dw = ToDevice(weight);
-        ASSERT_TRUE(RmsNormRun({.x = x.data(), .ldx = ldx, .y = in_place ? x.data() : y.data(), .ldy = ldy,
-                                .rows = rows, .n = n, .weight = weight.data()})
+        ASSERT_TRUE(RmsNormRun({.x = x.data(),
+                                .ldx = ldx,
+                                .y = in_place ? x.data() : y.data(),
+                                .ldy = ldy,
+                                .rows = rows,
+                                .n = n,
+                                .weight = weight.data()})
                         .ok());
-        const Status st = RmsNormRun({.x = dx.data(), .ldx = ldx, .y = in_place ? dx.data() : dy.data(), .ldy = ldy,
-                                      .rows = rows, .n = n, .weight = dw.data(), .backend = Backend::kCuda});
+        const Status st = RmsNormRun({.x = dx.data(),
+                                      .ldx = ldx,
+                                      .y = in_place ? dx.data() : dy.data(),
+                                      .ldy = ldy,
+                                      .rows = rows,
+                                      .n = n,
+                                      .weight = dw.data(),
+                                      .backend = Backend::kCuda});
         ASSERT_TRUE(st.ok()) << st;
         const std::string where = Shape({{"rows", rows}, {"n", n}, {"in_place", in_place}});
         if (in_place) {
@@ -436,8 +496,15 @@ TEST(OpsCuda, EmbeddingMatchesCpuAndRefusesBadIdsWritingNothing) {
         std::vector<float> out(static_cast<size_t>(n * ld_out), kNaN);
         const DeviceVec<int32_t> dids = ToDevice(ids);
         const DeviceVec<float> dout = ToDevice(out);
-        EmbeddingParams p{.table = table.data(), .dtype = dt, .num_rows = num_rows, .width = width, .ld = ld,
-                          .ids = ids.data(), .n = n, .out = out.data(), .ld_out = ld_out};
+        EmbeddingParams p{.table = table.data(),
+                          .dtype = dt,
+                          .num_rows = num_rows,
+                          .width = width,
+                          .ld = ld,
+                          .ids = ids.data(),
+                          .n = n,
+                          .out = out.data(),
+                          .ld_out = ld_out};
         ASSERT_TRUE(EmbeddingRun(p).ok());
         p.table = dtable.data(), p.ids = dids.data(), p.out = dout.data(), p.backend = Backend::kCuda;
         const Status st = EmbeddingRun(p);
@@ -480,7 +547,12 @@ TEST(OpsCuda, AddAndCopyRowsMatchCpu) {
       std::vector<float> y(static_cast<size_t>(rows * ldy), kNaN);
       const DeviceVec<float> dx = ToDevice(x), dy = ToDevice(y);
       ASSERT_TRUE(CopyRowsRun({.x = x.data(), .ldx = ldx, .y = y.data(), .ldy = ldy, .rows = rows, .cols = cols}).ok());
-      ASSERT_TRUE(CopyRowsRun({.x = dx.data(), .ldx = ldx, .y = dy.data(), .ldy = ldy, .rows = rows, .cols = cols,
+      ASSERT_TRUE(CopyRowsRun({.x = dx.data(),
+                               .ldx = ldx,
+                               .y = dy.data(),
+                               .ldy = ldy,
+                               .rows = rows,
+                               .cols = cols,
                                .backend = Backend::kCuda})
                       .ok());
       agree.Add(y, ToHost(dy, y.size()), Shape({{"copy rows", rows}, {"cols", cols}}));
@@ -494,8 +566,11 @@ TEST(OpsCuda, RopeMatchesCpuInEveryLayout) {
   for (RopeLayout layout : {RopeLayout::kInterleavedToHalf, RopeLayout::kInterleaved, RopeLayout::kHalf})
     for (int64_t dim : {8, 64}) {
       RopeConfig config{.dim = dim, .theta = 10000.0, .layout = layout, .scaling = {}};
-      config.scaling = RopeScaling{.type = RopeScaling::Type::kYarn, .factor = 40,
-                                   .original_max_position_embeddings = 4096, .mscale = 1, .mscale_all_dim = 1};
+      config.scaling = RopeScaling{.type = RopeScaling::Type::kYarn,
+                                   .factor = 40,
+                                   .original_max_position_embeddings = 4096,
+                                   .mscale = 1,
+                                   .mscale_all_dim = 1};
       auto rope = Rope::Create(config);
       ASSERT_TRUE(rope.ok()) << rope.status();
       const DeviceVec<float> dfreq = ToDevice(rope->inv_freq());
@@ -513,8 +588,8 @@ TEST(OpsCuda, RopeMatchesCpuInEveryLayout) {
           for (int32_t& p : positions) p = r.Int(0, 160000);
           const DeviceVec<float> dx = ToDevice(x);
           const DeviceVec<int32_t> dpos = ToDevice(positions);
-          const RopeParams base{.n_tokens = tokens, .n_heads = heads, .stride_token = stride_token,
-                                .stride_head = stride_head};
+          const RopeParams base{
+              .n_tokens = tokens, .n_heads = heads, .stride_token = stride_token, .stride_head = stride_head};
           RopeParams p = WithRopeTables(base, *rope);
           p.x = x.data() + offset, p.positions = positions.data();
           ASSERT_TRUE(RopeRun(p).ok());
@@ -540,8 +615,8 @@ TEST(OpsCuda, MoeGateChoosesTheCpusExpertsAndWeights) {
   };
   for (const Case& c : {
            Case{"v2 greedy", ScoringFunc::kSoftmax, TopkMethod::kGreedy, 37, 5, 1, 1, false, false, false},
-           Case{"v2 group-limited", ScoringFunc::kSoftmax, TopkMethod::kGroupLimitedGreedy, 160, 6, 8, 3, false,
-                false, false},
+           Case{"v2 group-limited", ScoringFunc::kSoftmax, TopkMethod::kGroupLimitedGreedy, 160, 6, 8, 3, false, false,
+                false},
            Case{"v2 group-limited ties", ScoringFunc::kSoftmax, TopkMethod::kGroupLimitedGreedy, 64, 6, 8, 3, false,
                 true, true},
            Case{"v3 noaux_tc", ScoringFunc::kSigmoid, TopkMethod::kNoauxTc, 256, 8, 8, 4, true, true, false},
@@ -560,10 +635,19 @@ TEST(OpsCuda, MoeGateChoosesTheCpusExpertsAndWeights) {
       std::vector<float> weights(experts.size(), kNaN);
       const DeviceVec<float> dlogits = ToDevice(logits), dbias = ToDevice(bias), dweights = ToDevice(weights);
       const DeviceVec<int32_t> dexperts = ToDevice(experts);
-      MoeGateParams p{.logits = logits.data(), .tokens = tokens, .num_experts = E,
-                      .bias = c.bias ? bias.data() : nullptr, .scoring = c.scoring, .method = c.method, .top_k = K,
-                      .n_group = c.n_group, .topk_group = c.topk_group, .norm_topk_prob = c.norm,
-                      .routed_scaling_factor = 2.5, .experts = experts.data(), .weights = weights.data()};
+      MoeGateParams p{.logits = logits.data(),
+                      .tokens = tokens,
+                      .num_experts = E,
+                      .bias = c.bias ? bias.data() : nullptr,
+                      .scoring = c.scoring,
+                      .method = c.method,
+                      .top_k = K,
+                      .n_group = c.n_group,
+                      .topk_group = c.topk_group,
+                      .norm_topk_prob = c.norm,
+                      .routed_scaling_factor = 2.5,
+                      .experts = experts.data(),
+                      .weights = weights.data()};
       ASSERT_TRUE(MoeGateRun(p).ok());
       p.logits = dlogits.data(), p.bias = c.bias ? dbias.data() : nullptr, p.experts = dexperts.data(),
       p.weights = dweights.data(), p.backend = Backend::kCuda;
@@ -602,9 +686,17 @@ TEST(OpsCuda, MoeExpertsMatchCpuWithEmptyOneAndManyTokenExperts) {
         const std::vector<float> x = r.Vector(static_cast<size_t>(tokens * H)), weights = r.Vector(route.size());
         std::vector<float> y(static_cast<size_t>(tokens * H), kNaN);
         const DeviceVec<float> dx = ToDevice(x), dweights = ToDevice(weights), dy = ToDevice(y);
-        MoeExpertsParams p{.experts = experts.data(), .num_local = local, .expert_begin = begin, .num_experts = E,
-                           .shared = with_shared ? &shared : nullptr, .x = x.data(), .tokens = tokens, .hidden = H,
-                           .route_experts = route.data(), .route_weights = weights.data(), .top_k = K,
+        MoeExpertsParams p{.experts = experts.data(),
+                           .num_local = local,
+                           .expert_begin = begin,
+                           .num_experts = E,
+                           .shared = with_shared ? &shared : nullptr,
+                           .x = x.data(),
+                           .tokens = tokens,
+                           .hidden = H,
+                           .route_experts = route.data(),
+                           .route_weights = weights.data(),
+                           .top_k = K,
                            .y = y.data()};
         MoePlan plan;
         ASSERT_TRUE(MoeReplan(p, plan).ok());
@@ -654,7 +746,9 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
     // so every edge meets greedy and tempered samplers.
     std::vector<Sampler> cpu, cuda;
     for (int64_t row = 0; row < rows; ++row) {
-      const size_t kind = row / 8 == 0 ? 0 : row / 8 == 1 ? 1 + static_cast<size_t>(row % 3) : 4 + static_cast<size_t>(row % 2);
+      const size_t kind = row / 8 == 0   ? 0
+                          : row / 8 == 1 ? 1 + static_cast<size_t>(row % 3)
+                                         : 4 + static_cast<size_t>(row % 2);
       const SamplingParams& sp = kinds[kind];
       cpu.emplace_back(sp);
       cuda.emplace_back(sp);
@@ -670,11 +764,19 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
       }
       const DeviceVec<float> dlogits = ToDevice(logits);
       std::vector<SampledToken> want(static_cast<size_t>(rows)), got(static_cast<size_t>(rows));
-      ASSERT_TRUE(SampleRun({.logits = vocab > 0 ? logits.data() : nullptr, .rows = rows, .vocab = vocab, .ld = ld,
-                             .samplers = cpu_ptrs.data(), .out = want.data()})
+      ASSERT_TRUE(SampleRun({.logits = vocab > 0 ? logits.data() : nullptr,
+                             .rows = rows,
+                             .vocab = vocab,
+                             .ld = ld,
+                             .samplers = cpu_ptrs.data(),
+                             .out = want.data()})
                       .ok());
-      const Status st = SampleRun({.logits = vocab > 0 ? dlogits.data() : nullptr, .rows = rows, .vocab = vocab,
-                                   .ld = ld, .samplers = cuda_ptrs.data(), .out = got.data(),
+      const Status st = SampleRun({.logits = vocab > 0 ? dlogits.data() : nullptr,
+                                   .rows = rows,
+                                   .vocab = vocab,
+                                   .ld = ld,
+                                   .samplers = cuda_ptrs.data(),
+                                   .out = got.data(),
                                    .backend = Backend::kCuda});
       ASSERT_TRUE(st.ok()) << st;
       for (int64_t row = 0; row < rows; ++row) {
@@ -707,11 +809,22 @@ TEST(OpsCuda, ScoreGivesTheCpusLogprobs) {
     for (int64_t row = 0; row < rows; ++row) tokens.push_back(static_cast<int32_t>((row * 31) % vocab));
     const DeviceVec<float> dlogits = ToDevice(logits);
     std::vector<SampledToken> want(static_cast<size_t>(rows)), got(static_cast<size_t>(rows));
-    ASSERT_TRUE(ScoreRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .tokens = tokens.data(),
-                          .top = 4, .out = want.data()})
+    ASSERT_TRUE(ScoreRun({.logits = logits.data(),
+                          .rows = rows,
+                          .vocab = vocab,
+                          .ld = ld,
+                          .tokens = tokens.data(),
+                          .top = 4,
+                          .out = want.data()})
                     .ok());
-    const Status st = ScoreRun({.logits = dlogits.data(), .rows = rows, .vocab = vocab, .ld = ld,
-                                .tokens = tokens.data(), .top = 4, .out = got.data(), .backend = Backend::kCuda});
+    const Status st = ScoreRun({.logits = dlogits.data(),
+                                .rows = rows,
+                                .vocab = vocab,
+                                .ld = ld,
+                                .tokens = tokens.data(),
+                                .top = 4,
+                                .out = got.data(),
+                                .backend = Backend::kCuda});
     ASSERT_TRUE(st.ok()) << st;
     for (int64_t row = 0; row < rows; ++row) {
       const SampledToken& a = want[static_cast<size_t>(row)];

@@ -15,10 +15,9 @@
 #include <vector>
 
 #include "attention/rope.h"
+#include "base/cuda_device.h"
 #include "gemm/convert.h"
 #include "kv/latent_write.h"
-#include "base/cuda_device.h"
-#include "runtime/ops/sampler.h"
 #include "runtime/ops/elementwise.h"
 #include "runtime/ops/embedding.h"
 #include "runtime/ops/linear.h"
@@ -26,6 +25,7 @@
 #include "runtime/ops/moe_gate.h"
 #include "runtime/ops/norm.h"
 #include "runtime/ops/rope.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/ops/sampling.h"
 #include "tests/runtime/ops/random_values.h"
 
@@ -86,8 +86,15 @@ TEST(LinearOp, MatchesReference) {
         for (int64_t t = 0; t < rows; ++t)
           for (int64_t j = 0; j < n; ++j)
             if (accumulate) y[static_cast<size_t>(t * ldy + j)] = y0[static_cast<size_t>(t * ldy + j)];
-        ASSERT_TRUE(LinearRun({.w = &w, .col_begin = c0, .col_end = c1, .x = x.data(), .rows = rows, .ldx = ldx,
-                               .y = y.data(), .ldy = ldy, .accumulate = accumulate})
+        ASSERT_TRUE(LinearRun({.w = &w,
+                               .col_begin = c0,
+                               .col_end = c1,
+                               .x = x.data(),
+                               .rows = rows,
+                               .ldx = ldx,
+                               .y = y.data(),
+                               .ldy = ldy,
+                               .accumulate = accumulate})
                         .ok());
         const Ref ref = RefLinear(w, x.data(), rows, ldx);
         for (int64_t t = 0; t < rows; ++t) {
@@ -96,7 +103,8 @@ TEST(LinearOp, MatchesReference) {
             const double want = ref.v[k] + (accumulate ? y0[static_cast<size_t>(t * ldy + j)] : 0.0);
             ASSERT_NEAR(y[static_cast<size_t>(t * ldy + j)], want, Tol(ref.mag[k] + 1)) << t << ", " << j;
           }
-          for (int64_t j = n; j < ldy; ++j) ASSERT_TRUE(std::isnan(y[static_cast<size_t>(t * ldy + j)])) << "padding written";
+          for (int64_t j = n; j < ldy; ++j)
+            ASSERT_TRUE(std::isnan(y[static_cast<size_t>(t * ldy + j)])) << "padding written";
         }
       }
 }
@@ -139,7 +147,8 @@ Ref RefMlp(const Mlp& m, const float* x, int64_t rows, int64_t ldx) {
 double MlpTol(DType dt, double mag) { return (dt == DType::kBF16 ? 2e-4 : 2e-5) * mag; }
 
 Mlp RandomMlp(Random& r, int64_t hidden, int64_t inter, DType dt) {
-  return Mlp{.gate = RandomLinear(r, inter, hidden, dt), .up = RandomLinear(r, inter, hidden, dt),
+  return Mlp{.gate = RandomLinear(r, inter, hidden, dt),
+             .up = RandomLinear(r, inter, hidden, dt),
              .down = RandomLinear(r, hidden, inter, dt)};
 }
 
@@ -150,11 +159,12 @@ TEST(MlpOp, MatchesReference) {
     const int64_t rows = 5, H = 24, inter = 40, ldx = H + 2, ldy = H + 3;
     const Mlp m = RandomMlp(r, H, inter, dt);
     std::vector<float> x = r.Vector(static_cast<size_t>(rows * ldx));
-    for (int64_t t = 0; t < rows; ++t) x[static_cast<size_t>(t * ldx + H)] = x[static_cast<size_t>(t * ldx + H + 1)] = kNaN;
+    for (int64_t t = 0; t < rows; ++t)
+      x[static_cast<size_t>(t * ldx + H)] = x[static_cast<size_t>(t * ldx + H + 1)] = kNaN;
     std::vector<float> y(static_cast<size_t>(rows * ldy), kNaN), hidden(static_cast<size_t>(rows * 2 * inter), kNaN);
-    ASSERT_TRUE(MlpRun({.mlp = &m, .x = x.data(), .rows = rows, .ldx = ldx, .y = y.data(), .ldy = ldy,
-                        .hidden = hidden.data()})
-                    .ok());
+    ASSERT_TRUE(
+        MlpRun({.mlp = &m, .x = x.data(), .rows = rows, .ldx = ldx, .y = y.data(), .ldy = ldy, .hidden = hidden.data()})
+            .ok());
     const Ref ref = RefMlp(m, x.data(), rows, ldx);
     for (int64_t t = 0; t < rows; ++t) {
       for (int64_t j = 0; j < H; ++j) {
@@ -178,17 +188,31 @@ TEST(RmsNormOp, MatchesReferenceInAndOutOfPlace) {
     std::vector<double> ref(static_cast<size_t>(rows * n));
     for (int64_t t = 0; t < rows; ++t) {
       double ss = 0;
-      for (int64_t i = 0; i < n; ++i) ss += double{x[static_cast<size_t>(t * ldx + i)]} * x[static_cast<size_t>(t * ldx + i)];
+      for (int64_t i = 0; i < n; ++i)
+        ss += double{x[static_cast<size_t>(t * ldx + i)]} * x[static_cast<size_t>(t * ldx + i)];
       const double inv = 1.0 / std::sqrt(ss / static_cast<double>(n) + eps);
       for (int64_t i = 0; i < n; ++i)
-        ref[static_cast<size_t>(t * n + i)] = weight[static_cast<size_t>(i)] * x[static_cast<size_t>(t * ldx + i)] * inv;
+        ref[static_cast<size_t>(t * n + i)] =
+            weight[static_cast<size_t>(i)] * x[static_cast<size_t>(t * ldx + i)] * inv;
     }
     std::vector<float> y(static_cast<size_t>(rows * ldy), kNaN);
-    ASSERT_TRUE(RmsNormRun({.x = x.data(), .ldx = ldx, .y = y.data(), .ldy = ldy, .rows = rows, .n = n,
-                            .weight = weight.data(), .eps = eps})
+    ASSERT_TRUE(RmsNormRun({.x = x.data(),
+                            .ldx = ldx,
+                            .y = y.data(),
+                            .ldy = ldy,
+                            .rows = rows,
+                            .n = n,
+                            .weight = weight.data(),
+                            .eps = eps})
                     .ok());
-    ASSERT_TRUE(RmsNormRun({.x = x.data(), .ldx = ldx, .y = x.data(), .ldy = ldx, .rows = rows, .n = n,
-                            .weight = weight.data(), .eps = eps})
+    ASSERT_TRUE(RmsNormRun({.x = x.data(),
+                            .ldx = ldx,
+                            .y = x.data(),
+                            .ldy = ldx,
+                            .rows = rows,
+                            .n = n,
+                            .weight = weight.data(),
+                            .eps = eps})
                     .ok());
     for (int64_t t = 0; t < rows; ++t) {
       for (int64_t i = 0; i < n; ++i) {
@@ -213,8 +237,15 @@ TEST(EmbeddingOp, RowsByIdInEveryDtype) {
     for (int32_t& id : ids) id = r.Int(0, static_cast<int>(vocab) - 1);
     ids[3] = static_cast<int32_t>(vocab) - 1;
     std::vector<float> out(static_cast<size_t>(n * ld_out), kNaN);
-    const EmbeddingParams p{.table = table.data(), .dtype = dt, .num_rows = vocab, .width = width, .ld = ld,
-                            .ids = ids.data(), .n = n, .out = out.data(), .ld_out = ld_out};
+    const EmbeddingParams p{.table = table.data(),
+                            .dtype = dt,
+                            .num_rows = vocab,
+                            .width = width,
+                            .ld = ld,
+                            .ids = ids.data(),
+                            .n = n,
+                            .out = out.data(),
+                            .ld_out = ld_out};
     ASSERT_TRUE(EmbeddingRun(p).ok());
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < width; ++j)
@@ -243,7 +274,8 @@ TEST(ElementwiseOps, AddAndCopyRows) {
   const int64_t rows = 4, L = 9, R = 6;
   const std::vector<float> kv = r.Vector(static_cast<size_t>(rows * (L + R)));
   std::vector<float> k_pe(static_cast<size_t>(rows * (R + 1)), kNaN);
-  ASSERT_TRUE(CopyRowsRun({.x = kv.data() + L, .ldx = L + R, .y = k_pe.data(), .ldy = R + 1, .rows = rows, .cols = R}).ok());
+  ASSERT_TRUE(
+      CopyRowsRun({.x = kv.data() + L, .ldx = L + R, .y = k_pe.data(), .ldy = R + 1, .rows = rows, .cols = R}).ok());
   for (int64_t t = 0; t < rows; ++t) {
     for (int64_t j = 0; j < R; ++j)
       EXPECT_EQ(k_pe[static_cast<size_t>(t * (R + 1) + j)], kv[static_cast<size_t>(t * (L + R) + L + j)]);
@@ -256,8 +288,11 @@ TEST(RopeOp, MatchesReferenceInEveryLayout) {
   for (RopeLayout layout : {RopeLayout::kInterleavedToHalf, RopeLayout::kInterleaved, RopeLayout::kHalf}) {
     SCOPED_TRACE(static_cast<int>(layout));
     RopeConfig config{.dim = 16, .theta = 10000.0, .layout = layout, .scaling = {}};
-    config.scaling = RopeScaling{.type = RopeScaling::Type::kYarn, .factor = 4, .original_max_position_embeddings = 64,
-                                 .mscale = 1, .mscale_all_dim = 0.5};
+    config.scaling = RopeScaling{.type = RopeScaling::Type::kYarn,
+                                 .factor = 4,
+                                 .original_max_position_embeddings = 64,
+                                 .mscale = 1,
+                                 .mscale_all_dim = 0.5};
     auto rope = Rope::Create(config);
     ASSERT_TRUE(rope.ok()) << rope.status();
     const int64_t T = 5, heads = 3, dim = 16, offset = 4, stride_head = dim + 6, stride_token = heads * stride_head + 2;
@@ -268,10 +303,14 @@ TEST(RopeOp, MatchesReferenceInEveryLayout) {
     std::vector<float> x(static_cast<size_t>(T * stride_token), kNaN);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < heads; ++h)
-        for (int64_t j = 0; j < dim; ++j) x[static_cast<size_t>(t * stride_token + h * stride_head + offset + j)] = r.Next();
+        for (int64_t j = 0; j < dim; ++j)
+          x[static_cast<size_t>(t * stride_token + h * stride_head + offset + j)] = r.Next();
     const std::vector<float> in = x;
-    ASSERT_TRUE(RopeRun(WithRopeTables({.x = x.data() + offset, .n_tokens = T, .n_heads = heads,
-                                        .stride_token = stride_token, .stride_head = stride_head,
+    ASSERT_TRUE(RopeRun(WithRopeTables({.x = x.data() + offset,
+                                        .n_tokens = T,
+                                        .n_heads = heads,
+                                        .stride_token = stride_token,
+                                        .stride_head = stride_head,
                                         .positions = positions.data()},
                                        *rope))
                     .ok());
@@ -283,8 +322,10 @@ TEST(RopeOp, MatchesReferenceInEveryLayout) {
         std::vector<double> want(static_cast<size_t>(dim));
         for (int64_t j = 0; j < half; ++j) {
           // The angle as HF forms it, in fp32; the rotation in float64.
-          const float angle = static_cast<float>(positions[static_cast<size_t>(t)]) * rope->inv_freq()[static_cast<size_t>(j)];
-          const double c = std::cos(double{angle}) * rope->attention_factor(), s = std::sin(double{angle}) * rope->attention_factor();
+          const float angle =
+              static_cast<float>(positions[static_cast<size_t>(t)]) * rope->inv_freq()[static_cast<size_t>(j)];
+          const double c = std::cos(double{angle}) * rope->attention_factor(),
+                       s = std::sin(double{angle}) * rope->attention_factor();
           const size_t J = static_cast<size_t>(j), Hf = static_cast<size_t>(half);
           if (layout == RopeLayout::kInterleavedToHalf) {
             want[J] = a[2 * J] * c - a[2 * J + 1] * s;
@@ -297,7 +338,8 @@ TEST(RopeOp, MatchesReferenceInEveryLayout) {
             want[J + Hf] = a[J + Hf] * c + a[J] * s;
           }
         }
-        for (int64_t j = 0; j < dim; ++j) ASSERT_NEAR(got[j], want[static_cast<size_t>(j)], 1e-6) << t << ", " << h << ", " << j;
+        for (int64_t j = 0; j < dim; ++j)
+          ASSERT_NEAR(got[j], want[static_cast<size_t>(j)], 1e-6) << t << ", " << h << ", " << j;
       }
     for (size_t i = 0; i < x.size(); ++i) {
       if (std::isnan(in[i])) {
@@ -361,19 +403,29 @@ TEST(MoeGateOp, MatchesReferenceForV2AndV3Routing) {
     int64_t n_group, topk_group;
     bool bias, norm;
   };
-  for (const Case& c : {Case{"v2 greedy", ScoringFunc::kSoftmax, TopkMethod::kGreedy, 1, 1, false, false},
-                        Case{"v2 group-limited", ScoringFunc::kSoftmax, TopkMethod::kGroupLimitedGreedy, 4, 2, false, true},
-                        Case{"v3 noaux_tc", ScoringFunc::kSigmoid, TopkMethod::kNoauxTc, 4, 2, true, true},
-                        Case{"v3 one group", ScoringFunc::kSigmoid, TopkMethod::kNoauxTc, 1, 1, true, false}}) {
+  for (const Case& c :
+       {Case{"v2 greedy", ScoringFunc::kSoftmax, TopkMethod::kGreedy, 1, 1, false, false},
+        Case{"v2 group-limited", ScoringFunc::kSoftmax, TopkMethod::kGroupLimitedGreedy, 4, 2, false, true},
+        Case{"v3 noaux_tc", ScoringFunc::kSigmoid, TopkMethod::kNoauxTc, 4, 2, true, true},
+        Case{"v3 one group", ScoringFunc::kSigmoid, TopkMethod::kNoauxTc, 1, 1, true, false}}) {
     SCOPED_TRACE(c.name);
     const int64_t T = 6, E = 16, K = 3;
     const std::vector<float> logits = r.Vector(static_cast<size_t>(T * E)), bias = r.Vector(static_cast<size_t>(E));
     std::vector<int32_t> experts(static_cast<size_t>(T * K), -7);
     std::vector<float> weights(static_cast<size_t>(T * K), kNaN);
-    const MoeGateParams p{.logits = logits.data(), .tokens = T, .num_experts = E, .bias = c.bias ? bias.data() : nullptr,
-                          .scoring = c.scoring, .method = c.method, .top_k = K, .n_group = c.n_group,
-                          .topk_group = c.topk_group, .norm_topk_prob = c.norm, .routed_scaling_factor = 2.5,
-                          .experts = experts.data(), .weights = weights.data()};
+    const MoeGateParams p{.logits = logits.data(),
+                          .tokens = T,
+                          .num_experts = E,
+                          .bias = c.bias ? bias.data() : nullptr,
+                          .scoring = c.scoring,
+                          .method = c.method,
+                          .top_k = K,
+                          .n_group = c.n_group,
+                          .topk_group = c.topk_group,
+                          .norm_topk_prob = c.norm,
+                          .routed_scaling_factor = 2.5,
+                          .experts = experts.data(),
+                          .weights = weights.data()};
     ASSERT_TRUE(MoeGateRun(p).ok());
     std::vector<int32_t> want_experts;
     std::vector<double> want_weights;
@@ -405,14 +457,24 @@ TEST(MoeExpertsOp, MatchesReferenceWithSplitItemsAndOtherRanksExperts) {
     }
     route[0] = begin, route[1] = begin + 1, route[2] = 0;  // local experts and another rank's
     std::vector<float> y(static_cast<size_t>(T * H), kNaN);
-    const MoeExpertsParams p{.experts = experts.data(), .num_local = local, .expert_begin = begin, .num_experts = E,
-                             .shared = &shared, .x = x.data(), .tokens = T, .hidden = H, .route_experts = route.data(),
-                             .route_weights = weights.data(), .top_k = K, .y = y.data()};
+    const MoeExpertsParams p{.experts = experts.data(),
+                             .num_local = local,
+                             .expert_begin = begin,
+                             .num_experts = E,
+                             .shared = &shared,
+                             .x = x.data(),
+                             .tokens = T,
+                             .hidden = H,
+                             .route_experts = route.data(),
+                             .route_weights = weights.data(),
+                             .top_k = K,
+                             .y = y.data()};
     MoePlan plan;
     ASSERT_TRUE(MoeReplan(p, plan).ok());
     std::vector<int32_t> chosen;
     for (int32_t e : route)
-      if (e >= begin && e < begin + local && std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      if (e >= begin && e < begin + local && std::find(chosen.begin(), chosen.end(), e) == chosen.end())
+        chosen.push_back(e);
     EXPECT_EQ(plan.routed_jobs, chosen.size());
     EXPECT_EQ(plan.jobs.size(), chosen.size() + 1);
     if (dt == DType::kF32) {
@@ -438,7 +500,8 @@ TEST(MoeExpertsOp, MatchesReferenceWithSplitItemsAndOtherRanksExperts) {
         }
       }
       for (int64_t j = 0; j < H; ++j)
-        ASSERT_NEAR(y[static_cast<size_t>(t * H + j)], want[static_cast<size_t>(j)], MlpTol(dt, mag[static_cast<size_t>(j)]))
+        ASSERT_NEAR(y[static_cast<size_t>(t * H + j)], want[static_cast<size_t>(j)],
+                    MlpTol(dt, mag[static_cast<size_t>(j)]))
             << t << ", " << j;
     }
 
@@ -463,9 +526,9 @@ TEST(SampleOp, RunsEachRowsSampler) {
   Sampler* expected[] = {&a2, &b2, &c2};
   for (int step = 0; step < 4; ++step) {
     SampledToken out[rows];
-    ASSERT_TRUE(SampleRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .samplers = samplers,
-                           .out = out})
-                    .ok());
+    ASSERT_TRUE(
+        SampleRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .samplers = samplers, .out = out})
+            .ok());
     for (int64_t t = 0; t < rows; ++t) {
       const SampledToken want =
           expected[t]->Sample(std::span<const float>(logits.data() + t * ld, static_cast<size_t>(vocab)));
@@ -475,8 +538,8 @@ TEST(SampleOp, RunsEachRowsSampler) {
   }
   Sampler* missing[] = {&a, nullptr, &c};
   SampledToken out[rows];
-  const Status st = SampleRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .samplers = missing,
-                               .out = out});
+  const Status st =
+      SampleRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .samplers = missing, .out = out});
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("samplers[1]"), std::string::npos) << st;
 }
@@ -491,8 +554,13 @@ TEST(ScoreOp, ScoresEachRowsTokenAgainstFloat64) {
   logits[2 * ld + 17] = -std::numeric_limits<float>::infinity();  // row 2 scores a token of no probability
   const std::vector<int32_t> tokens = {5, 299, 17, 0};
   std::vector<SampledToken> out(static_cast<size_t>(rows));
-  ASSERT_TRUE(ScoreRun({.logits = logits.data(), .rows = rows, .vocab = vocab, .ld = ld, .tokens = tokens.data(),
-                        .top = top, .out = out.data()})
+  ASSERT_TRUE(ScoreRun({.logits = logits.data(),
+                        .rows = rows,
+                        .vocab = vocab,
+                        .ld = ld,
+                        .tokens = tokens.data(),
+                        .top = top,
+                        .out = out.data()})
                   .ok());
   for (int64_t t = 0; t < rows; ++t) {
     SCOPED_TRACE("row " + std::to_string(t));
@@ -523,8 +591,13 @@ TEST(ScoreOp, ScoresEachRowsTokenAgainstFloat64) {
                 .message()
                 .find("tokens[0] = 300"),
             std::string::npos);
-  EXPECT_NE(ScoreRun({.logits = logits.data(), .rows = 1, .vocab = vocab, .ld = ld, .tokens = tokens.data(),
-                      .top = kMaxTopLogprobs + 1, .out = out.data()})
+  EXPECT_NE(ScoreRun({.logits = logits.data(),
+                      .rows = 1,
+                      .vocab = vocab,
+                      .ld = ld,
+                      .tokens = tokens.data(),
+                      .top = kMaxTopLogprobs + 1,
+                      .out = out.data()})
                 .message()
                 .find("top (21)"),
             std::string::npos);
@@ -540,9 +613,19 @@ TEST(LatentWriteOp, CpuWritesTheSlotsRows) {
     const std::vector<std::byte> poison = cache;
     const std::vector<int64_t> slots = {3, 17, -1, 4, 19, 8};
     const std::vector<float> kv = r.Vector(static_cast<size_t>(n * (L + 1))), pe = r.Vector(static_cast<size_t>(n * R));
-    LatentWriteParams p{.cache = cache.data(), .dtype = dt, .block_size = bs, .num_blocks = blocks,
-                        .stride_block = stride_block, .stride_token = stride_token, .d_latent = L, .d_rope = R, .n = n,
-                        .slots = slots.data(), .kv_c = kv.data(), .kv_c_stride = L + 1, .k_pe = pe.data(),
+    LatentWriteParams p{.cache = cache.data(),
+                        .dtype = dt,
+                        .block_size = bs,
+                        .num_blocks = blocks,
+                        .stride_block = stride_block,
+                        .stride_token = stride_token,
+                        .d_latent = L,
+                        .d_rope = R,
+                        .n = n,
+                        .slots = slots.data(),
+                        .kv_c = kv.data(),
+                        .kv_c_stride = L + 1,
+                        .k_pe = pe.data(),
                         .k_pe_stride = R};
     ASSERT_TRUE(LatentWriteRun(p).ok());
     std::vector<char> written(cache.size() / static_cast<size_t>(es), 0);
@@ -561,7 +644,9 @@ TEST(LatentWriteOp, CpuWritesTheSlotsRows) {
     for (size_t i = 0; i < written.size(); ++i) {
       if (!written[i]) {
         ASSERT_EQ(std::memcmp(cache.data() + i * static_cast<size_t>(es), poison.data() + i * static_cast<size_t>(es),
-                              static_cast<size_t>(es)), 0) << "element " << i << " written";
+                              static_cast<size_t>(es)),
+                  0)
+            << "element " << i << " written";
       }
     }
 
@@ -611,27 +696,38 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
   ExpectNamed(MlpRun(with(mlp, [](MlpParams& p) { p.hidden = nullptr; })), "hidden");
   ExpectNamed(MlpRun(with(mlp, [](MlpParams& p) { p.ldy = 15; })), "ldy");
   if (!CudaBuilt()) ExpectNoCuda(MlpRun(with(mlp, [](MlpParams& p) { p.backend = Backend::kCuda; })), "mlp");
-  if (!CudaBuilt()) ExpectNoCuda(SiluMulRun({.hidden = h.data(), .rows = 2, .inter = 8, .backend = Backend::kCuda}), "silu_mul");
+  if (!CudaBuilt())
+    ExpectNoCuda(SiluMulRun({.hidden = h.data(), .rows = 2, .inter = 8, .backend = Backend::kCuda}), "silu_mul");
 
-  const RmsNormParams norm{.x = x.data(), .ldx = 16, .y = y.data(), .ldy = 16, .rows = 2, .n = 16,
-                           .weight = weight.data()};
+  const RmsNormParams norm{
+      .x = x.data(), .ldx = 16, .y = y.data(), .ldy = 16, .rows = 2, .n = 16, .weight = weight.data()};
   ExpectNamed(RmsNormRun(with(norm, [](RmsNormParams& p) { p.ldy = 8; })), "ldy");
   ExpectNamed(RmsNormRun(with(norm, [&](RmsNormParams& p) { p.y = x.data(), p.ldy = 32; })), "in place");
   ExpectNamed(RmsNormRun(with(norm, [](RmsNormParams& p) { p.weight = nullptr; })), "weight");
-  if (!CudaBuilt()) ExpectNoCuda(RmsNormRun(with(norm, [](RmsNormParams& p) { p.backend = Backend::kCuda; })), "rms_norm");
+  if (!CudaBuilt())
+    ExpectNoCuda(RmsNormRun(with(norm, [](RmsNormParams& p) { p.backend = Backend::kCuda; })), "rms_norm");
 
   const int32_t ids[2] = {1, 2};
-  const EmbeddingParams emb{.table = x.data(), .dtype = DType::kF32, .num_rows = 4, .width = 16, .ld = 16,
-                            .ids = ids, .n = 2, .out = y.data(), .ld_out = 16};
+  const EmbeddingParams emb{.table = x.data(),
+                            .dtype = DType::kF32,
+                            .num_rows = 4,
+                            .width = 16,
+                            .ld = 16,
+                            .ids = ids,
+                            .n = 2,
+                            .out = y.data(),
+                            .ld_out = 16};
   ExpectNamed(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.ld_out = 15; })), "ld_out");
   ExpectNamed(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.dtype = DType::kF16; })), "dtype");
-  if (!CudaBuilt()) ExpectNoCuda(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.backend = Backend::kCuda; })), "embedding");
+  if (!CudaBuilt())
+    ExpectNoCuda(EmbeddingRun(with(emb, [](EmbeddingParams& p) { p.backend = Backend::kCuda; })), "embedding");
 
   ExpectNamed(AddRun({.y = y.data(), .x = nullptr, .n = 4}), "x and y");
   if (!CudaBuilt()) ExpectNoCuda(AddRun({.y = y.data(), .x = x.data(), .n = 4, .backend = Backend::kCuda}), "add");
   const CopyRowsParams copy{.x = x.data(), .ldx = 8, .y = y.data(), .ldy = 8, .rows = 2, .cols = 8};
   ExpectNamed(CopyRowsRun(with(copy, [](CopyRowsParams& p) { p.ldx = 7; })), "ldx");
-  if (!CudaBuilt()) ExpectNoCuda(CopyRowsRun(with(copy, [](CopyRowsParams& p) { p.backend = Backend::kCuda; })), "copy_rows");
+  if (!CudaBuilt())
+    ExpectNoCuda(CopyRowsRun(with(copy, [](CopyRowsParams& p) { p.backend = Backend::kCuda; })), "copy_rows");
 
   auto rope = Rope::Create(RopeConfig{.dim = 8, .scaling = {}});
   ASSERT_TRUE(rope.ok());
@@ -646,19 +742,27 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
 
   int32_t experts[6];
   float weights[6];
-  const MoeGateParams gate{.logits = x.data(), .tokens = 2, .num_experts = 8, .top_k = 3, .experts = experts,
-                           .weights = weights};
+  const MoeGateParams gate{
+      .logits = x.data(), .tokens = 2, .num_experts = 8, .top_k = 3, .experts = experts, .weights = weights};
   ExpectNamed(MoeGateRun(with(gate, [](MoeGateParams& p) { p.top_k = 9; })), "top_k");
   ExpectNamed(MoeGateRun(with(gate, [](MoeGateParams& p) { p.n_group = 3; })), "n_group");
-  ExpectNamed(MoeGateRun(with(gate, [](MoeGateParams& p) {
-                p.method = TopkMethod::kNoauxTc, p.n_group = 4, p.topk_group = 5;
-              })),
+  ExpectNamed(MoeGateRun(with(
+                  gate, [](MoeGateParams& p) { p.method = TopkMethod::kNoauxTc, p.n_group = 4, p.topk_group = 5; })),
               "topk_group");
-  if (!CudaBuilt()) ExpectNoCuda(MoeGateRun(with(gate, [](MoeGateParams& p) { p.backend = Backend::kCuda; })), "moe_gate");
+  if (!CudaBuilt())
+    ExpectNoCuda(MoeGateRun(with(gate, [](MoeGateParams& p) { p.backend = Backend::kCuda; })), "moe_gate");
 
   int32_t route[6] = {0, 1, 2, 3, 4, 5};
-  const MoeExpertsParams moe{.experts = &m, .num_local = 1, .expert_begin = 0, .num_experts = 8, .x = x.data(),
-                             .tokens = 2, .hidden = 16, .route_experts = route, .route_weights = weights, .top_k = 3,
+  const MoeExpertsParams moe{.experts = &m,
+                             .num_local = 1,
+                             .expert_begin = 0,
+                             .num_experts = 8,
+                             .x = x.data(),
+                             .tokens = 2,
+                             .hidden = 16,
+                             .route_experts = route,
+                             .route_weights = weights,
+                             .top_k = 3,
                              .y = y.data()};
   MoePlan plan;
   ExpectNamed(MoeReplan(with(moe, [](MoeExpertsParams& p) { p.expert_begin = 8; }), plan), "expert_begin");
@@ -670,23 +774,41 @@ TEST(OpsErrors, BadParamsAreNamedAndCudaIsUnimplemented) {
   ExpectNamed(MoeExpertsRun(moe, plan, {}), "workspace");
   ExpectNamed(MoeExpertsRun(with(moe, [](MoeExpertsParams& p) { p.tokens = 1; }), plan, {}), "plan");
   Workspace ws;
-  if (!CudaBuilt()) ExpectNoCuda(MoeExpertsRun(with(moe, [](MoeExpertsParams& p) { p.backend = Backend::kCuda; }), plan,
-                             ws.Reserve(plan.workspace_bytes)),
-               "moe_experts");
+  if (!CudaBuilt())
+    ExpectNoCuda(MoeExpertsRun(with(moe, [](MoeExpertsParams& p) { p.backend = Backend::kCuda; }), plan,
+                               ws.Reserve(plan.workspace_bytes)),
+                 "moe_experts");
 
   Sampler s(SamplingParams{});
   Sampler* samplers[1] = {&s};
   SampledToken out[1];
   ExpectNamed(SampleRun({.logits = x.data(), .rows = 1, .vocab = 16, .ld = 8, .samplers = samplers, .out = out}), "ld");
-  if (!CudaBuilt()) ExpectNoCuda(SampleRun({.logits = x.data(), .rows = 1, .vocab = 16, .ld = 16, .samplers = samplers, .out = out,
-                          .backend = Backend::kCuda}),
-               "sample");
+  if (!CudaBuilt())
+    ExpectNoCuda(SampleRun({.logits = x.data(),
+                            .rows = 1,
+                            .vocab = 16,
+                            .ld = 16,
+                            .samplers = samplers,
+                            .out = out,
+                            .backend = Backend::kCuda}),
+                 "sample");
 
   std::vector<std::byte> cache(4096);
   const int64_t slot = 0;
-  const LatentWriteParams lw{.cache = cache.data(), .dtype = DType::kF32, .block_size = 4, .num_blocks = 2,
-                             .stride_block = 4 * 12, .stride_token = 12, .d_latent = 8, .d_rope = 4, .n = 1,
-                             .slots = &slot, .kv_c = x.data(), .kv_c_stride = 8, .k_pe = x.data(), .k_pe_stride = 4};
+  const LatentWriteParams lw{.cache = cache.data(),
+                             .dtype = DType::kF32,
+                             .block_size = 4,
+                             .num_blocks = 2,
+                             .stride_block = 4 * 12,
+                             .stride_token = 12,
+                             .d_latent = 8,
+                             .d_rope = 4,
+                             .n = 1,
+                             .slots = &slot,
+                             .kv_c = x.data(),
+                             .kv_c_stride = 8,
+                             .k_pe = x.data(),
+                             .k_pe_stride = 4};
   ExpectNamed(LatentWriteRun(with(lw, [](LatentWriteParams& p) { p.dtype = DType::kF16; })), "dtype");
   ExpectNamed(LatentWriteRun(with(lw, [](LatentWriteParams& p) { p.stride_token = 11; })), "strides");
   ExpectNamed(LatentWriteRun(with(lw, [](LatentWriteParams& p) { p.num_blocks = 0; })), "num_blocks");

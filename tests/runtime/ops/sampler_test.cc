@@ -54,8 +54,7 @@ std::vector<float> LogitsOfProbs(const std::vector<double>& probs) {
   return out;
 }
 
-std::vector<int64_t> Histogram(const SamplingParams& params, const std::vector<float>& logits,
-                               int64_t draws) {
+std::vector<int64_t> Histogram(const SamplingParams& params, const std::vector<float>& logits, int64_t draws) {
   Sampler sampler(params);
   std::vector<int64_t> counts(logits.size(), 0);
   for (int64_t i = 0; i < draws; ++i) {
@@ -69,8 +68,7 @@ std::vector<int64_t> Histogram(const SamplingParams& params, const std::vector<f
 
 // Each token's frequency within kSigmas binomial standard errors of its
 // expected probability; tokens with probability 0 must never appear.
-void ExpectDistribution(const std::vector<int64_t>& counts, const std::vector<double>& expected,
-                        int64_t draws) {
+void ExpectDistribution(const std::vector<int64_t>& counts, const std::vector<double>& expected, int64_t draws) {
   ASSERT_EQ(counts.size(), expected.size());
   for (size_t i = 0; i < counts.size(); ++i) {
     const double p = expected[i];
@@ -84,8 +82,7 @@ void ExpectDistribution(const std::vector<int64_t>& counts, const std::vector<do
   }
 }
 
-SamplingParams Params(double temperature, int64_t top_k = 0, double top_p = 1.0,
-                      uint64_t seed = 42) {
+SamplingParams Params(double temperature, int64_t top_k = 0, double top_p = 1.0, uint64_t seed = 42) {
   SamplingParams p;
   p.temperature = temperature;
   p.top_k = top_k;
@@ -100,8 +97,8 @@ TEST(SamplerRng, PublishedVectors) {
   // splitmix64 from state 0 and xoshiro256** from state {1, 2, 3, 4}: the
   // published outputs of the reference implementations.
   uint64_t sm = 0;
-  const uint64_t sm_expected[] = {0xE220A8397B1DCDAFull, 0x6E789E6AA1B965F4ull,
-                                  0x06C45D188009454Full, 0xF88BB8A8724C81ECull};
+  const uint64_t sm_expected[] = {0xE220A8397B1DCDAFull, 0x6E789E6AA1B965F4ull, 0x06C45D188009454Full,
+                                  0xF88BB8A8724C81ECull};
   for (uint64_t e : sm_expected) EXPECT_EQ(internal::SplitMix64Next(sm), e);
   uint64_t s[4] = {1, 2, 3, 4};
   const uint64_t xo_expected[] = {11520ull,
@@ -164,8 +161,7 @@ TEST(Sampler, SameSeedSameTokensDifferentSeedDifferentTokens) {
   std::vector<std::vector<float>> rows(1000, std::vector<float>(50));
   for (auto& row : rows)
     for (float& x : row) x = normal(rng);
-  for (const SamplingParams& base :
-       {Params(1.0), Params(0.8, 10), Params(1.3, 0, 0.9), Params(0.7, 20, 0.8)}) {
+  for (const SamplingParams& base : {Params(1.0), Params(0.8, 10), Params(1.3, 0, 0.9), Params(0.7, 20, 0.8)}) {
     SamplingParams p1 = base, p2 = base, p3 = base;
     p1.seed = p2.seed = 1234;
     p3.seed = 1235;
@@ -213,8 +209,7 @@ TEST(Sampler, TemperatureMatchesSoftmax) {
   constexpr int64_t kDraws = 200000;
   for (double t : {1.0, 0.5, 2.0}) {
     SCOPED_TRACE("temperature " + std::to_string(t));
-    ExpectDistribution(Histogram(Params(t), kSixLogits, kDraws), TemperedProbs(kSixLogits, t),
-                       kDraws);
+    ExpectDistribution(Histogram(Params(t), kSixLogits, kDraws), TemperedProbs(kSixLogits, t), kDraws);
   }
 }
 
@@ -223,14 +218,11 @@ TEST(Sampler, TopKKeepsTopTokensRenormalized) {
   // Top 2 of kSixLogits: ids 4 (3.0) and 1 (2.0).
   for (double t : {1.0, 0.5}) {
     SCOPED_TRACE("temperature " + std::to_string(t));
-    ExpectDistribution(Histogram(Params(t, 2), kSixLogits, kDraws),
-                       TemperedProbs(kSixLogits, t, {4, 1}), kDraws);
+    ExpectDistribution(Histogram(Params(t, 2), kSixLogits, kDraws), TemperedProbs(kSixLogits, t, {4, 1}), kDraws);
   }
   // top_k >= vocab and -1 are off.
-  ExpectDistribution(Histogram(Params(1.0, 6), kSixLogits, kDraws), TemperedProbs(kSixLogits, 1.0),
-                     kDraws);
-  ExpectDistribution(Histogram(Params(1.0, -1), kSixLogits, kDraws), TemperedProbs(kSixLogits, 1.0),
-                     kDraws);
+  ExpectDistribution(Histogram(Params(1.0, 6), kSixLogits, kDraws), TemperedProbs(kSixLogits, 1.0), kDraws);
+  ExpectDistribution(Histogram(Params(1.0, -1), kSixLogits, kDraws), TemperedProbs(kSixLogits, 1.0), kDraws);
 }
 
 TEST(Sampler, TopKTiesAtBoundaryKeepLowerIds) {
@@ -244,12 +236,10 @@ TEST(Sampler, TopPKeepsSmallestPrefix) {
   // Probabilities 0.5, 0.3, 0.15, 0.05 placed out of id order: top_p 0.7
   // keeps the two most likely (ids 1 and 3), renormalized to 0.625 / 0.375.
   const std::vector<float> logits = LogitsOfProbs({0.15, 0.5, 0.05, 0.3});
-  ExpectDistribution(Histogram(Params(1.0, 0, 0.7), logits, kDraws), {0.0, 0.625, 0.0, 0.375},
-                     kDraws);
+  ExpectDistribution(Histogram(Params(1.0, 0, 0.7), logits, kDraws), {0.0, 0.625, 0.0, 0.375}, kDraws);
   // Temperature applies first: at T = 2 the probabilities flatten to about
   // 0.379, 0.294, 0.208, 0.120, so 0.7 needs the third token as well.
-  ExpectDistribution(Histogram(Params(2.0, 0, 0.7), logits, kDraws),
-                     TemperedProbs(logits, 2.0, {1, 3, 0}), kDraws);
+  ExpectDistribution(Histogram(Params(2.0, 0, 0.7), logits, kDraws), TemperedProbs(logits, 2.0, {1, 3, 0}), kDraws);
   // A tiny top_p keeps only the most likely token.
   ExpectDistribution(Histogram(Params(1.0, 0, 1e-9), logits, 1000), {0.0, 1.0, 0.0, 0.0}, 1000);
 }
@@ -267,16 +257,16 @@ TEST(Sampler, TopKThenTopPRenormalizesOverTopK) {
   // about 0.665, 0.245, 0.090, so top_p 0.9 keeps {4, 1} (cumulative 0.910).
   // Over the whole vocabulary the first two only reach 0.827 and top_p alone
   // would also keep id 0: the check catches normalizing over the wrong set.
-  ExpectDistribution(Histogram(Params(1.0, 3, 0.9), kSixLogits, kDraws),
-                     TemperedProbs(kSixLogits, 1.0, {4, 1}), kDraws);
-  ExpectDistribution(Histogram(Params(1.0, 0, 0.9), kSixLogits, kDraws),
-                     TemperedProbs(kSixLogits, 1.0, {4, 1, 0}), kDraws);
+  ExpectDistribution(Histogram(Params(1.0, 3, 0.9), kSixLogits, kDraws), TemperedProbs(kSixLogits, 1.0, {4, 1}),
+                     kDraws);
+  ExpectDistribution(Histogram(Params(1.0, 0, 0.9), kSixLogits, kDraws), TemperedProbs(kSixLogits, 1.0, {4, 1, 0}),
+                     kDraws);
 }
 
 TEST(Sampler, LogprobIsFromUnmodifiedDistribution) {
   const std::vector<double> ref = LogSoftmax(kSixLogits);
-  for (const SamplingParams& p : {Params(0.0), Params(1.0), Params(0.5), Params(2.0, 2),
-                                  Params(1.0, 0, 0.7), Params(0.3, 3, 0.9)}) {
+  for (const SamplingParams& p :
+       {Params(0.0), Params(1.0), Params(0.5), Params(2.0, 2), Params(1.0, 0, 0.7), Params(0.3, 3, 0.9)}) {
     Sampler sampler(p);
     for (int i = 0; i < 200; ++i) {
       const SampledToken s = sampler.Sample(kSixLogits);
@@ -395,9 +385,8 @@ std::set<int64_t> TopPSet(const std::vector<float>& logits, double t, double top
   const std::vector<double> probs = TemperedProbs(logits, t);
   std::vector<int64_t> ids(logits.size());
   std::iota(ids.begin(), ids.end(), 0);
-  std::sort(ids.begin(), ids.end(), [&](int64_t a, int64_t b) {
-    return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
-  });
+  std::sort(ids.begin(), ids.end(),
+            [&](int64_t a, int64_t b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
   std::set<int64_t> kept;
   double cum = 0.0;
   for (int64_t id : ids) {
@@ -515,8 +504,8 @@ TEST(Sampler, FewKeptTokensMatchTheDensePath) {
   std::vector<float> padded = kSixLogits;
   padded.resize(1000, -kFloatInf);
   const std::vector<double> ref = LogSoftmax(kSixLogits);
-  for (const SamplingParams& p : {Params(1.0, 2), Params(0.5, 3, 0.9), Params(1.0, 0, 0.7),
-                                  Params(2.0, 0, 0.95), Params(1.3, 5, 0.99)}) {
+  for (const SamplingParams& p :
+       {Params(1.0, 2), Params(0.5, 3, 0.9), Params(1.0, 0, 0.7), Params(2.0, 0, 0.95), Params(1.3, 5, 0.99)}) {
     Sampler dense(p), sparse(p);
     std::set<int64_t> seen;
     for (int i = 0; i < 2000; ++i) {
@@ -539,8 +528,7 @@ TEST(Sampler, TopKTiesInLargeVocabKeepLowerIds) {
   for (float& x : logits) x = 0.25f * static_cast<float>(level(rng));
   std::vector<int64_t> ranked(kVocab);
   std::iota(ranked.begin(), ranked.end(), 0);
-  std::stable_sort(ranked.begin(), ranked.end(),
-                   [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
+  std::stable_sort(ranked.begin(), ranked.end(), [&](int64_t a, int64_t b) { return logits[a] > logits[b]; });
   for (int64_t k : {int64_t{1}, int64_t{7}, int64_t{100}, int64_t{5000}, int64_t{60000}}) {
     const std::set<int64_t> expected(ranked.begin(), ranked.begin() + k);
     Sampler sampler(Params(1.0, k, 1.0, static_cast<uint64_t>(k)));
@@ -558,8 +546,7 @@ TEST(Sampler, TopKTiesInLargeVocabKeepLowerIds) {
 
 TEST(Sampler, SignedZerosTie) {
   // -0 and +0 are the same logit: the lower id wins ties either way round.
-  for (const std::vector<float>& logits :
-       {std::vector<float>{-0.0f, 0.0f, -1.0f}, std::vector<float>{0.0f, -0.0f}}) {
+  for (const std::vector<float>& logits : {std::vector<float>{-0.0f, 0.0f, -1.0f}, std::vector<float>{0.0f, -0.0f}}) {
     EXPECT_EQ(Sampler(Params(0.0)).Sample(logits).token, 0);
     Sampler top1(Params(1.0, 1, 1.0, 3));
     for (int i = 0; i < 20; ++i) EXPECT_EQ(top1.Sample(logits).token, 0);
@@ -585,13 +572,11 @@ TEST(Sampler, NaNsInLargeVocab) {
     const std::vector<double> ref_inf = LogSoftmax(as_inf);
     std::vector<int64_t> ranked(kVocab);
     std::iota(ranked.begin(), ranked.end(), 0);
-    std::stable_sort(ranked.begin(), ranked.end(),
-                     [&](int64_t a, int64_t b) { return as_inf[a] > as_inf[b]; });
+    std::stable_sort(ranked.begin(), ranked.end(), [&](int64_t a, int64_t b) { return as_inf[a] > as_inf[b]; });
     const int64_t argmax = ranked[0];
     EXPECT_EQ(Sampler(Params(0.0)).Sample(logits).token, argmax);
     const std::set<int64_t> top50(ranked.begin(), ranked.begin() + 50);
-    for (const SamplingParams& p :
-         {Params(1.0, 50), Params(0.8, 50, 0.9), Params(1.0, 0, 0.5), Params(1.0)}) {
+    for (const SamplingParams& p : {Params(1.0, 50), Params(0.8, 50, 0.9), Params(1.0, 0, 0.5), Params(1.0)}) {
       Sampler sampler(p);
       for (int i = 0; i < 50; ++i) {
         const SampledToken s = sampler.Sample(logits);

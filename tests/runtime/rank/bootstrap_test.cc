@@ -51,7 +51,8 @@ TEST(DeploymentSpec, NamesTheFirstFieldThatDiffers) {
     std::string expect;
   };
   const Case cases[] = {
-      {[](DeploymentSpec& s) { s.model = "other.yaml"; }, "--model: rank 3 has 'other.yaml', rank 0 has '" + kTiny + "'"},
+      {[](DeploymentSpec& s) { s.model = "other.yaml"; },
+       "--model: rank 3 has 'other.yaml', rank 0 has '" + kTiny + "'"},
       {[](DeploymentSpec& s) { s.parallel = "dp=4"; }, "--parallel: rank 3 has 'dp=4', rank 0 has 'dp=2,attn_tp=2'"},
       {[](DeploymentSpec& s) { s.kv_dtype = ""; }, "--kv-dtype: rank 3 has none, rank 0 has 'bf16'"},
       {[](DeploymentSpec& s) { s.num_layers = 2; }, "--num-layers: rank 3 has '2', rank 0 has '3'"},
@@ -122,7 +123,8 @@ TEST(LoadModelForSpec, RefusesBadSettingsByName) {
       {{.model = kTiny, .experts = 3}, StatusCode::kInvalidArgument, "--experts 3"},
       {{.model = kTiny, .weights = "borrowed"}, StatusCode::kInvalidArgument, "--weights"},
       {{.model = kTiny, .max_weight_bytes = 1000}, StatusCode::kResourceExhausted, "limit"},
-      {{.model = std::string(MLARUN_FIXTURES_DIR) + "/no-such-checkpoint", .experts = 8}, StatusCode::kInvalidArgument,
+      {{.model = std::string(MLARUN_FIXTURES_DIR) + "/no-such-checkpoint", .experts = 8},
+       StatusCode::kInvalidArgument,
        "YAML models only"},
       {{.model = kTiny, .attention_thresholds = "/no/such/thresholds.json"}, StatusCode::kNotFound, ""},
   };

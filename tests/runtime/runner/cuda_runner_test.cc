@@ -16,8 +16,8 @@
 
 #include "base/cuda_device.h"
 #include "base/device_memory.h"
-#include "runtime/engine/engine.h"
 #include "bench/local_cache.h"
+#include "runtime/engine/engine.h"
 #include "runtime/model/model.h"
 #include "runtime/runner/model_runner.h"
 #include "tests/test_paths.h"
@@ -52,7 +52,7 @@ double Margin(const float* row, int64_t n) {
 }
 
 struct Compared {
-  double rel_err = 0;      // max over steps of max |cuda - cpu| / max |cpu|
+  double rel_err = 0;  // max over steps of max |cuda - cpu| / max |cpu|
   int tokens = 0, same = 0, near_ties = 0;
 };
 
@@ -101,8 +101,10 @@ Compared CompareModels(Model& cpu, Model& gpu, int decode_steps) {
       const float* rg = lg->data() + i * vocab;
       const int64_t want = Argmax(rc, vocab), got = Argmax(rg, vocab);
       ++out.tokens;
-      if (want == got) ++out.same;
-      else if (Margin(rc, vocab) < 4 * num) ++out.near_ties;  // within the measured error: either is right
+      if (want == got)
+        ++out.same;
+      else if (Margin(rc, vocab) < 4 * num)
+        ++out.near_ties;  // within the measured error: either is right
       next[static_cast<size_t>(i)] = {static_cast<int32_t>(want)};
     }
   }
@@ -145,13 +147,12 @@ std::vector<std::string> Models() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Checkpoints, CudaModel, ::testing::ValuesIn(Models()),
-                         [](const auto& info) {
-                           std::string n = fs::path(info.param).stem().string();
-                           for (char& ch : n)
-                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(Checkpoints, CudaModel, ::testing::ValuesIn(Models()), [](const auto& info) {
+  std::string n = fs::path(info.param).stem().string();
+  for (char& ch : n)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return n;
+});
 
 // The runner on the GPU, its sampler on the device for the greedy rows and
 // the host's for the seeded ones: the same plans give the same tokens as the
@@ -165,8 +166,8 @@ TEST(CudaRunner, SamplesWhatTheCpuRunnerSamples) {
   auto cpu = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = DType::kF32}, co);
   auto gpu = Model::Load(TinyYaml(), ModelOverrides{.kv_dtype = DType::kF32}, go);
   ASSERT_TRUE(cpu.ok() && gpu.ok());
-  const EngineConfig ec{.max_num_batched_tokens = 64, .max_num_seqs = 4, .cache_budget_bytes = 4 << 20,
-                        .block_size = 16};
+  const EngineConfig ec{
+      .max_num_batched_tokens = 64, .max_num_seqs = 4, .cache_budget_bytes = 4 << 20, .block_size = 16};
   const LatentCacheConfig pool = std::move(Engine::CacheConfig((*cpu)->config(), ec)).value();
   auto on_cpu = std::move(ModelRunner::Create(**cpu, pool)).value();
   auto on_gpu = std::move(ModelRunner::Create(**gpu, pool)).value();
@@ -179,8 +180,11 @@ TEST(CudaRunner, SamplesWhatTheCpuRunnerSamples) {
     std::vector<int32_t> prompt(static_cast<size_t>(6 + 9 * i));
     for (auto& t : prompt) t = static_cast<int32_t>(1 + rng() % 500);
     SamplingParams sp = i % 2 == 0 ? SamplingParams{.temperature = 0.0, .max_tokens = 10, .ignore_eos = true}
-                                   : SamplingParams{.temperature = 0.8, .top_k = 40, .top_p = 0.9,
-                                                    .seed = static_cast<uint64_t>(100 + i), .max_tokens = 10,
+                                   : SamplingParams{.temperature = 0.8,
+                                                    .top_k = 40,
+                                                    .top_p = 0.9,
+                                                    .seed = static_cast<uint64_t>(100 + i),
+                                                    .max_tokens = 10,
                                                     .ignore_eos = true};
     if (i >= 2) {  // the most likely tokens, and the prompt's logprobs: rows read back whole
       sp.logprobs = 3;

@@ -33,13 +33,17 @@ std::vector<int32_t> RandomTokens(int n, uint32_t seed) {
 StepPlan RandomPlan(std::mt19937& rng) {
   StepPlan p;
   p.has_work = rng() % 2 == 0;
-  p.cache = {.blocks_used = int64_t(rng() % 1000), .blocks_cached = int64_t(rng() % 100),
-             .blocks_retired = int64_t(rng() % 5000), .prefix_hit_tokens = int64_t(rng()), .evictions = 7};
+  p.cache = {.blocks_used = int64_t(rng() % 1000),
+             .blocks_cached = int64_t(rng() % 100),
+             .blocks_retired = int64_t(rng() % 5000),
+             .prefix_hit_tokens = int64_t(rng()),
+             .evictions = 7};
   const int n = 1 + static_cast<int>(rng() % 6);
   for (int i = 0; i < n; ++i) {
     StepPlan::Seq s{.id = int64_t(rng()) << 8, .start_pos = int64_t(rng() % 4000)};
     s.tokens = RandomTokens(1 + static_cast<int>(rng() % 40), rng());
-    for (int b = 0, nb = 1 + static_cast<int>(rng() % 70); b < nb; ++b) s.block_table.push_back(int32_t(rng() % 100000));
+    for (int b = 0, nb = 1 + static_cast<int>(rng() % 70); b < nb; ++b)
+      s.block_table.push_back(int32_t(rng() % 100000));
     p.seqs.push_back(std::move(s));
   }
   return p;
@@ -92,17 +96,18 @@ TEST(StepPlan, DecodeRefusesWhatIsNotAPlan) {
 TEST(ModelRunner, AMemberNeedsOnlyThePlans) {
   auto m = Tiny();
   ASSERT_TRUE(m);
-  const EngineConfig ec{.max_num_batched_tokens = 24, .max_num_seqs = 4, .cache_budget_bytes = 4 << 20,
-                        .block_size = 16};
+  const EngineConfig ec{
+      .max_num_batched_tokens = 24, .max_num_seqs = 4, .cache_budget_bytes = 4 << 20, .block_size = 16};
   auto scheduler = std::move(Engine::CreateScheduler(m->config(), ec)).value();
   const LatentCacheConfig pool = std::move(Engine::CacheConfig(m->config(), ec)).value();
   auto leader = std::move(ModelRunner::Create(*m, pool)).value();
   auto member = std::move(ModelRunner::Create(*m, pool)).value();
   std::vector<int64_t> ids;
   for (int i = 0; i < 4; ++i) {
-    GenerationRequest r{RandomTokens(5 + 13 * i, 10 + i),
-                        SamplingParams{.temperature = i % 2 ? 0.7 : 0.0, .top_k = 40, .seed = uint64_t(i),
-                                       .max_tokens = 6, .ignore_eos = true}};
+    GenerationRequest r{
+        RandomTokens(5 + 13 * i, 10 + i),
+        SamplingParams{
+            .temperature = i % 2 ? 0.7 : 0.0, .top_k = 40, .seed = uint64_t(i), .max_tokens = 6, .ignore_eos = true}};
     ids.push_back(std::move(scheduler->Add(std::move(r))).value());
   }
   std::set<int32_t> used;

@@ -75,8 +75,8 @@ TEST(Placement, ARunnerOnMemoryTheHostCannotAddressComputesTheSame) {
   EXPECT_EQ(static_cast<int64_t>(device.allocated_bytes), weights + rope_bytes) << "every weight is placed";
   EXPECT_GE(static_cast<int64_t>(device.copied_in), weights);
 
-  const EngineConfig ec{.max_num_batched_tokens = 64, .max_num_seqs = 4, .cache_budget_bytes = 4 << 20,
-                        .block_size = 16};
+  const EngineConfig ec{
+      .max_num_batched_tokens = 64, .max_num_seqs = 4, .cache_budget_bytes = 4 << 20, .block_size = 16};
   const LatentCacheConfig pool = std::move(Engine::CacheConfig(host_model->config(), ec)).value();
   const size_t before_pool = device.allocated_bytes;
   auto on_host = std::move(ModelRunner::Create(*host_model, pool)).value();
@@ -91,9 +91,10 @@ TEST(Placement, ARunnerOnMemoryTheHostCannotAddressComputesTheSame) {
   for (int i = 0; i < 4; ++i) {
     std::vector<int32_t> prompt(static_cast<size_t>(9 + 7 * i));
     for (auto& t : prompt) t = static_cast<int32_t>(1 + rng() % 500);
-    ASSERT_TRUE(scheduler->Add(GenerationRequest{prompt, SamplingParams{.temperature = 0.0, .max_tokens = 12,
-                                                                         .ignore_eos = true}})
-                    .ok());
+    ASSERT_TRUE(
+        scheduler
+            ->Add(GenerationRequest{prompt, SamplingParams{.temperature = 0.0, .max_tokens = 12, .ignore_eos = true}})
+            .ok());
   }
   int steps = 0, decode_steps = 0;
   int64_t warm_allocations = -1;

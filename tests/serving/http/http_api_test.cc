@@ -21,11 +21,11 @@
 #include <thread>
 #include <vector>
 
-#include "serving/coordinator/coordinator.h"
 #include "bench/http_bench.h"
-#include "text/tokenizer.h"
 #include "mlarun.grpc.pb.h"
+#include "serving/coordinator/coordinator.h"
 #include "tests/serving/sim_worker_thread.h"
+#include "text/tokenizer.h"
 #ifndef MLARUN_NO_CHAT_TEMPLATE
 #include "text/chat_template.h"
 #endif
@@ -57,15 +57,13 @@ std::map<std::string, double> ParsePrometheus(const std::string& text) {
   std::map<std::string, double> samples;
   std::map<std::string, std::string> types;
   std::set<std::string> helped;
-  std::map<std::string, std::vector<std::pair<std::string, double>>>
-      buckets;  // series (labels without le) -> (le, v)
+  std::map<std::string, std::vector<std::pair<std::string, double>>> buckets;  // series (labels without le) -> (le, v)
   std::istringstream in(text);
   std::string line;
   auto family_of = [&](const std::string& name) {
     for (const char* suffix : {"_bucket", "_sum", "_count"}) {
       const std::string s = suffix;
-      if (name.size() > s.size() && name.ends_with(s) &&
-          types.contains(name.substr(0, name.size() - s.size())))
+      if (name.size() > s.size() && name.ends_with(s) && types.contains(name.substr(0, name.size() - s.size())))
         return name.substr(0, name.size() - s.size());
     }
     return name;
@@ -80,16 +78,15 @@ std::map<std::string, double> ParsePrometheus(const std::string& text) {
       if (kind == "TYPE") {
         std::string type;
         c >> type;
-        EXPECT_TRUE(type == "counter" || type == "gauge" || type == "histogram" ||
-                    type == "summary" || type == "untyped")
+        EXPECT_TRUE(type == "counter" || type == "gauge" || type == "histogram" || type == "summary" ||
+                    type == "untyped")
             << line;
         types[name] = type;
       }
       continue;
     }
     size_t i = 0;
-    while (i < line.size() &&
-           (std::isalnum(static_cast<unsigned char>(line[i])) || line[i] == '_' || line[i] == ':'))
+    while (i < line.size() && (std::isalnum(static_cast<unsigned char>(line[i])) || line[i] == '_' || line[i] == ':'))
       ++i;
     const std::string name = line.substr(0, i);
     EXPECT_FALSE(name.empty()) << line;
@@ -132,8 +129,7 @@ std::map<std::string, double> ParsePrometheus(const std::string& text) {
   }
   for (const auto& [series, bs] : buckets) {
     EXPECT_FALSE(bs.empty());
-    for (size_t k = 1; k < bs.size(); ++k)
-      EXPECT_LE(bs[k - 1].second, bs[k].second) << series << " not cumulative";
+    for (size_t k = 1; k < bs.size(); ++k) EXPECT_LE(bs[k - 1].second, bs[k].second) << series << " not cumulative";
     EXPECT_EQ(bs.back().first, "+Inf") << series;
     const size_t brace = series.find('{');
     const std::string fam = series.substr(0, brace);
@@ -197,8 +193,7 @@ struct Deployment {
     return c;
   }
   // A whole answer: status and body.
-  std::pair<int, json> Post(const std::string& path, const json& body,
-                            const std::string& token = "") const {
+  std::pair<int, json> Post(const std::string& path, const json& body, const std::string& token = "") const {
     auto res = Client(token).Post(path, body.dump(), "application/json");
     if (!res) return {-1, json()};
     json parsed = json::parse(res->body, nullptr, false);
@@ -228,10 +223,9 @@ struct Deployment {
     return res ? ParsePrometheus(res->body) : std::map<std::string, double>{};
   }
   // The tokens the gRPC API gives for this prompt and sampling.
-  std::vector<int32_t> GrpcTokens(const std::vector<int32_t>& prompt, uint64_t seed,
-                                  int64_t max_tokens, double temperature) const {
-    auto stub = v1::Mlarun::NewStub(
-        grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
+  std::vector<int32_t> GrpcTokens(const std::vector<int32_t>& prompt, uint64_t seed, int64_t max_tokens,
+                                  double temperature) const {
+    auto stub = v1::Mlarun::NewStub(grpc::CreateChannel(coordinator->address(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + 20s);
     v1::GenerateRequest req;
@@ -255,9 +249,7 @@ struct Deployment {
 
 const text::Tokenizer& Tok() { return *TestTokenizer(); }
 
-std::string Decode(const std::vector<int32_t>& ids) {
-  return Tok().Decode(ids, /*skip_special_tokens=*/true);
-}
+std::string Decode(const std::vector<int32_t>& ids) { return Tok().Decode(ids, /*skip_special_tokens=*/true); }
 
 // One token's text, as the completions form keys it.
 std::string TokenText(int64_t id) {
@@ -270,7 +262,8 @@ std::string TokenText(int64_t id) {
 // that coincide keep the likelier one's logprob).
 void ExpectSimCompletionTop(const json& top, const SimToken& tok, int64_t n) {
   std::map<std::string, double> expected;
-  for (const TokenLogprob& t : SimWorkerTop(tok, n, Tok().vocab_size())) expected.emplace(TokenText(t.token), t.logprob);
+  for (const TokenLogprob& t : SimWorkerTop(tok, n, Tok().vocab_size()))
+    expected.emplace(TokenText(t.token), t.logprob);
   expected.emplace(TokenText(tok.token), tok.logprob);
   ASSERT_TRUE(top.is_object()) << top.dump();
   ASSERT_EQ(top.size(), expected.size()) << top.dump();
@@ -283,8 +276,7 @@ void ExpectSimCompletionTop(const json& top, const SimToken& tok, int64_t n) {
 // The text of a streamed completion or chat, choice by choice; checks the
 // chunks' shape on the way.
 std::map<int, std::string> Concatenate(const std::vector<std::string>& events, bool chat,
-                                       std::map<int, std::string>* finish = nullptr,
-                                       json* usage = nullptr) {
+                                       std::map<int, std::string>* finish = nullptr, json* usage = nullptr) {
   std::map<int, std::string> text;
   EXPECT_FALSE(events.empty());
   if (events.empty()) return text;
@@ -340,8 +332,7 @@ TEST_F(HttpApiTest, CompletionTextIsTheDecodeOfTheGrpcTokens) {
   const std::vector<int32_t> ids = Tok().Encode(prompt, /*add_special_tokens=*/true);
   const std::vector<int32_t> grpc_tokens = d_->GrpcTokens(ids, 7, 24, 0.8);
   ASSERT_EQ(grpc_tokens.size(), 24u);
-  const json body = {
-      {"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}};
+  const json body = {{"model", "tiny"}, {"prompt", prompt}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}};
   auto [status, whole] = d_->Post("/v1/completions", body);
   ASSERT_EQ(status, 200) << whole.dump();
   EXPECT_EQ(whole["object"], "text_completion");
@@ -366,8 +357,8 @@ TEST_F(HttpApiTest, CompletionTextIsTheDecodeOfTheGrpcTokens) {
   EXPECT_EQ(usage["prompt_tokens"], ids.size());
 
   // A prompt of token ids is taken as it is.
-  auto [istatus, by_ids] = d_->Post(
-      "/v1/completions", {{"prompt", ids}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}});
+  auto [istatus, by_ids] =
+      d_->Post("/v1/completions", {{"prompt", ids}, {"max_tokens", 24}, {"seed", 7}, {"temperature", 0.8}});
   ASSERT_EQ(istatus, 200);
   EXPECT_EQ(by_ids["choices"][0]["text"], Decode(grpc_tokens));
 }
@@ -378,17 +369,16 @@ TEST_F(HttpApiTest, ChatUsesTheTemplate) {
   auto [status, whole] = d_->Post("/v1/chat/completions", body);
 #ifdef MLARUN_NO_CHAT_TEMPLATE
   ASSERT_EQ(status, 400) << whole.dump();
-  EXPECT_NE(whole["error"]["message"].get<std::string>().find("/v1/completions"),
-            std::string::npos);
+  EXPECT_NE(whole["error"]["message"].get<std::string>().find("/v1/completions"), std::string::npos);
   GTEST_SKIP() << "no chat-template interpreter in this build: " << whole.dump();
 #else
   ASSERT_EQ(status, 200) << whole.dump();
   auto tmpl = text::ChatTemplate::Parse(Tok().chat_template());
   ASSERT_TRUE(tmpl.ok()) << tmpl.status().ToString();
   auto rendered = (*tmpl)->Render(json{{"messages", messages},
-                                   {"add_generation_prompt", true},
-                                   {"bos_token", Tok().bos_token()},
-                                   {"eos_token", Tok().eos_token()}});
+                                       {"add_generation_prompt", true},
+                                       {"bos_token", Tok().bos_token()},
+                                       {"eos_token", Tok().eos_token()}});
   ASSERT_TRUE(rendered.ok());
   const std::vector<int32_t> ids = Tok().Encode(*rendered, /*add_special_tokens=*/false);
   const std::vector<int32_t> grpc_tokens = d_->GrpcTokens(ids, 3, 16, 0.5);
@@ -406,8 +396,7 @@ TEST_F(HttpApiTest, ChatUsesTheTemplate) {
 }
 
 TEST_F(HttpApiTest, StopStringsEndTheTextAndTheRequest) {
-  const json base = {
-      {"prompt", "stop here"}, {"max_tokens", 48}, {"seed", 11}, {"temperature", 1.0}};
+  const json base = {{"prompt", "stop here"}, {"max_tokens", 48}, {"seed", 11}, {"temperature", 1.0}};
   auto [status, whole] = d_->Post("/v1/completions", base);
   ASSERT_EQ(status, 200);
   const std::string full = whole["choices"][0]["text"];
@@ -447,8 +436,7 @@ TEST_F(HttpApiTest, StopStringsEndTheTextAndTheRequest) {
 
 TEST_F(HttpApiTest, TwoChoicesAreSeedAndSeedPlusOne) {
   const std::vector<int32_t> ids = Tok().Encode("two choices", true);
-  const json body = {
-      {"prompt", "two choices"}, {"max_tokens", 12}, {"seed", 40}, {"temperature", 0.9}, {"n", 2}};
+  const json body = {{"prompt", "two choices"}, {"max_tokens", 12}, {"seed", 40}, {"temperature", 0.9}, {"n", 2}};
   auto [status, whole] = d_->Post("/v1/completions", body);
   ASSERT_EQ(status, 200) << whole.dump();
   ASSERT_EQ(whole["choices"].size(), 2u);
@@ -465,12 +453,10 @@ TEST_F(HttpApiTest, TwoChoicesAreSeedAndSeedPlusOne) {
   EXPECT_EQ(text[0], whole["choices"][0]["text"]);
   EXPECT_EQ(text[1], whole["choices"][1]["text"]);
   // A batch of two prompts: choice indexes 0..3, prompt by prompt.
-  auto [bs, batch] = d_->Post("/v1/completions",
-                              {{"prompt", {"a", "b"}}, {"max_tokens", 4}, {"n", 2}, {"seed", 1}});
+  auto [bs, batch] = d_->Post("/v1/completions", {{"prompt", {"a", "b"}}, {"max_tokens", 4}, {"n", 2}, {"seed", 1}});
   ASSERT_EQ(bs, 200) << batch.dump();
   ASSERT_EQ(batch["choices"].size(), 4u);
-  EXPECT_EQ(batch["choices"][2]["text"],
-            Decode(d_->GrpcTokens(Tok().Encode("b", true), 1, 4, 1.0)));
+  EXPECT_EQ(batch["choices"][2]["text"], Decode(d_->GrpcTokens(Tok().Encode("b", true), 1, 4, 1.0)));
 }
 
 TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
@@ -481,15 +467,13 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   ASSERT_EQ(lp["token_logprobs"].size(), 6u);
   const std::vector<int32_t> ids = Tok().Encode("logprobs", true);
   for (int i = 0; i < 6; ++i) {
-    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(),
-                     SimWorkerToken(ids, 2, i, Tok().vocab_size()).logprob);
+    EXPECT_DOUBLE_EQ(lp["token_logprobs"][i].get<double>(), SimWorkerToken(ids, 2, i, Tok().vocab_size()).logprob);
   }
   // Streamed, every token's logprob arrives once, with the chunk of its text
   // (or a later one when its bytes end inside a character).
   auto [ss, events] =
-      d_->Stream("/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "y"}}}},
-                                          {"max_tokens", 9},
-                                          {"logprobs", true}});
+      d_->Stream("/v1/chat/completions",
+                 {{"messages", {{{"role", "user"}, {"content", "y"}}}}, {"max_tokens", 9}, {"logprobs", true}});
   ASSERT_EQ(ss, 200);
   size_t streamed_logprobs = 0;
   for (size_t i = 0; i + 1 < events.size(); ++i) {
@@ -499,11 +483,10 @@ TEST_F(HttpApiTest, LogprobsAreTheSampledTokens) {
   }
   EXPECT_EQ(streamed_logprobs, 9u);
   // echo: the prompt's text comes first.
-  auto [es, echoed] = d_->Post(
-      "/v1/completions", {{"prompt", "echo me"}, {"max_tokens", 3}, {"seed", 2}, {"echo", true}});
+  auto [es, echoed] =
+      d_->Post("/v1/completions", {{"prompt", "echo me"}, {"max_tokens", 3}, {"seed", 2}, {"echo", true}});
   ASSERT_EQ(es, 200);
-  EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me"))
-      << echoed.dump();
+  EXPECT_TRUE(echoed["choices"][0]["text"].get<std::string>().starts_with("echo me")) << echoed.dump();
   EXPECT_TRUE(echoed["choices"][0]["logprobs"].is_null());
 }
 
@@ -541,7 +524,9 @@ TEST_F(HttpApiTest, EchoWithLogprobsListsThePromptsTokensFirst) {
   // Streamed: the echo's chunk carries the prompt's part, then the tokens'.
   auto [ss, events] = d_->Stream("/v1/completions", body);
   ASSERT_EQ(ss, 200);
-  json joined = {{"tokens", json::array()}, {"token_logprobs", json::array()}, {"top_logprobs", json::array()},
+  json joined = {{"tokens", json::array()},
+                 {"token_logprobs", json::array()},
+                 {"top_logprobs", json::array()},
                  {"text_offset", json::array()}};
   for (size_t e = 0; e + 1 < events.size(); ++e) {
     const json c = json::parse(events[e]);
@@ -605,7 +590,10 @@ TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
   // first, each with its text, logprob and the token's own bytes.
   {
     const json body = {{"messages", {{{"role", "user"}, {"content", "tops"}}}},
-                       {"max_tokens", 4}, {"seed", 9}, {"logprobs", true}, {"top_logprobs", 2}};
+                       {"max_tokens", 4},
+                       {"seed", 9},
+                       {"logprobs", true},
+                       {"top_logprobs", 2}};
     auto [status, chat] = d_->Post("/v1/chat/completions", body);
     ASSERT_EQ(status, 200) << chat.dump();
     const json& content = chat["choices"][0]["logprobs"]["content"];
@@ -619,7 +607,8 @@ TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
       if (c["choices"].empty() || !c["choices"][0]["logprobs"].is_object()) continue;
       for (const json& entry : c["choices"][0]["logprobs"]["content"]) {
         ASSERT_LT(streamed_entries, content.size());
-        EXPECT_EQ(entry, content[streamed_entries]) << "streamed and whole answers differ at token " << streamed_entries;
+        EXPECT_EQ(entry, content[streamed_entries])
+            << "streamed and whole answers differ at token " << streamed_entries;
         ++streamed_entries;
       }
     }
@@ -647,15 +636,13 @@ TEST_F(HttpApiTest, TopLogprobsAreTheGroupsInEachEndpointsForm) {
 }
 
 TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
-  auto check = [&](const std::string& path, const std::string& raw, int status,
-                   const std::string& param) {
+  auto check = [&](const std::string& path, const std::string& raw, int status, const std::string& param) {
     auto res = d_->Client().Post(path, raw, "application/json");
     ASSERT_TRUE(res);
     EXPECT_EQ(res->status, status) << raw << " -> " << res->body;
     const json e = json::parse(res->body, nullptr, false);
     ASSERT_TRUE(e.contains("error")) << res->body;
-    for (const char* k : {"message", "type", "param", "code"})
-      EXPECT_TRUE(e["error"].contains(k)) << res->body;
+    for (const char* k : {"message", "type", "param", "code"}) EXPECT_TRUE(e["error"].contains(k)) << res->body;
     if (!param.empty()) {
       EXPECT_EQ(e["error"]["param"], param) << res->body;
     }
@@ -682,15 +669,13 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
   check("/v1/completions", R"({"max_tokens": 3})", 400, "prompt");
   check("/v1/completions", R"({"prompt": "x", "max_tokens": 5000})", 400, "max_tokens");
   check("/v1/completions", R"({"prompt": [1, 99999]})", 400, "prompt");
-  check("/v1/completions", json{{"prompt", std::vector<std::string>(20, "a")}, {"n", 100}}.dump(),
-        400, "n");
+  check("/v1/completions", json{{"prompt", std::vector<std::string>(20, "a")}, {"n", 100}}.dump(), 400, "n");
   check("/v1/chat/completions", R"({"messages": "hi"})", 400, "messages");
   check("/v1/chat/completions", R"({"messages": [{"content": "hi"}]})", 400, "messages[0].role");
   check("/v1/completions", R"({"model": "gpt-4", "prompt": "x"})", 404, "model");
   check("/v1/nothing", "{}", 404, "");
   // Unknown fields are ignored, as OpenAI servers do.
-  auto [ok, body] =
-      d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}, {"frobnicate", {1, 2}}});
+  auto [ok, body] = d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}, {"frobnicate", {1, 2}}});
   EXPECT_EQ(ok, 200) << body.dump();
   // A body over the limit (64 KiB here).
   const std::string big = json{{"prompt", std::string(100 << 10, 'a')}}.dump();
@@ -719,16 +704,14 @@ TEST_F(HttpApiTest, TwoHundredConcurrentStreamsComplete) {
   std::vector<std::thread> clients;
   for (int i = 0; i < kStreams; ++i) {
     clients.emplace_back([&, i] {
-      auto [status, events] =
-          d_->Stream("/v1/completions", {{"prompt", "stream " + std::to_string(i)},
-                                         {"max_tokens", 8},
-                                         {"seed", i},
-                                         {"stream_options", {{"include_usage", true}}}});
+      auto [status, events] = d_->Stream("/v1/completions", {{"prompt", "stream " + std::to_string(i)},
+                                                             {"max_tokens", 8},
+                                                             {"seed", i},
+                                                             {"stream_options", {{"include_usage", true}}}});
       if (status != 200) return;
       json usage;
       Concatenate(events, false, nullptr, &usage);
-      if (!events.empty() && events.back() == "[DONE]" && usage.value("completion_tokens", 0) == 8)
-        ++complete;
+      if (!events.empty() && events.back() == "[DONE]" && usage.value("completion_tokens", 0) == 8) ++complete;
     });
   }
   for (auto& t : clients) t.join();
@@ -749,8 +732,7 @@ int ConnectTo(int port) {
   return fd;
 }
 std::string HttpPost(const std::string& path, const std::string& body) {
-  return "POST " + path +
-         " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
+  return "POST " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: " +
          std::to_string(body.size()) + "\r\n\r\n" + body;
 }
 
@@ -759,10 +741,9 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
   // Mid-stream: the first chunk arrives, then the client closes.
   {
     const int fd = ConnectTo(d_->port);
-    const std::string req = HttpPost(
-        "/v1/completions",
-        json{{"prompt", "a long one"}, {"max_tokens", 3000}, {"stream", true}, {"ignore_eos", true}}
-            .dump());
+    const std::string req =
+        HttpPost("/v1/completions",
+                 json{{"prompt", "a long one"}, {"max_tokens", 3000}, {"stream", true}, {"ignore_eos", true}}.dump());
     ASSERT_EQ(send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
     std::string got;
     char buf[4096];
@@ -777,8 +758,7 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
   {
     const int fd = ConnectTo(d_->port);
     const std::string req = HttpPost(
-        "/v1/completions",
-        json{{"prompt", "a long one too"}, {"max_tokens", 3000}, {"ignore_eos", true}}.dump());
+        "/v1/completions", json{{"prompt", "a long one too"}, {"max_tokens", 3000}, {"ignore_eos", true}}.dump());
     ASSERT_EQ(send(fd, req.data(), req.size(), 0), static_cast<ssize_t>(req.size()));
     std::this_thread::sleep_for(100ms);
     close(fd);
@@ -798,9 +778,7 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
                 Sample(before, "mlarun:request_error_total{code=\"CANCELLED\"}"),
             2);
   // Far fewer than the 2 x 3000 tokens asked for were generated.
-  EXPECT_LT(Sample(after, "mlarun:generation_tokens_total") -
-                Sample(before, "mlarun:generation_tokens_total"),
-            3000);
+  EXPECT_LT(Sample(after, "mlarun:generation_tokens_total") - Sample(before, "mlarun:generation_tokens_total"), 3000);
   auto [status, _] = d_->Post("/v1/completions", {{"prompt", "still serving"}, {"max_tokens", 2}});
   EXPECT_EQ(status, 200);
 }
@@ -839,8 +817,7 @@ TEST_F(HttpApiTest, MetricsCountRequestsOfBothApis) {
   }
   EXPECT_EQ(routed, 2);
   EXPECT_EQ(Sample(after, "mlarun:dp_groups_connected"), 2);
-  EXPECT_GT(
-      Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
+  EXPECT_GT(Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
   EXPECT_TRUE(after.contains("mlarun:num_requests_running{dp_group=\"1\",worker=\"worker-0\"}"));
   EXPECT_EQ(Sample(after, "mlarun:num_requests_queued"), 0);
 }
@@ -876,8 +853,7 @@ TEST(HttpApiNoGroup, HealthAndRequestsAre503) {
   EXPECT_EQ(health->status, 503);
   auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
   EXPECT_EQ(status, 503) << e.dump();
-  EXPECT_NE(e["error"]["message"].get<std::string>().find("no DP group"), std::string::npos)
-      << e.dump();
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("no DP group"), std::string::npos) << e.dump();
   auto [sstatus, events] = d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
   EXPECT_EQ(sstatus, 503);
 }
@@ -895,13 +871,11 @@ TEST(HttpApiDeadline, PassedDeadlineIs504) {
   CoordinatorOptions o;
   o.http_request_timeout_s = 0.2;
   Deployment d(o, /*groups=*/1, /*tokens_per_s=*/500);
-  auto [status, e] =
-      d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
   EXPECT_EQ(status, 504) << e.dump();
   EXPECT_EQ(e["error"]["code"], "deadline_exceeded");
   // Streamed, the deadline comes after the 200: an error event, then [DONE].
-  auto [sstatus, events] =
-      d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
+  auto [sstatus, events] = d.Stream("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2000}, {"ignore_eos", true}});
   ASSERT_EQ(sstatus, 200);
   ASSERT_GE(events.size(), 2u);
   EXPECT_EQ(events.back(), "[DONE]");
@@ -911,9 +885,10 @@ TEST(HttpApiDeadline, PassedDeadlineIs504) {
 TEST(HttpBench, ASmallRunIsVerified) {
   std::ostringstream table;
   bool verified = false;
-  auto doc = RunHttpBench(HttpBenchOptions{.clients = 4, .requests = 16, .max_tokens = 4, .groups = 2,
-                                           .tokens_per_s = 0, .overhead_requests = 8},
-                          table, &verified);
+  auto doc = RunHttpBench(
+      HttpBenchOptions{
+          .clients = 4, .requests = 16, .max_tokens = 4, .groups = 2, .tokens_per_s = 0, .overhead_requests = 8},
+      table, &verified);
   ASSERT_TRUE(doc.ok()) << doc.status().ToString();
   EXPECT_TRUE(verified) << table.str();
   ASSERT_EQ((*doc)["load"].size(), 2u);
