@@ -1,6 +1,6 @@
 // MLA attention entry points: validation, planning, running, dispatch.
 //
-// Two formulations over one paged latent cache (DESIGN.md "Attention"):
+// Two formulations over one paged latent cache (docs/design.md "Attention"):
 //  * absorbed: q_nope is folded through W_UK^T into latent space, attention
 //    runs MQA-shaped against the [L + R]-wide cached rows (values: their first L
 //    columns), and the [L]-wide result is folded through W_UV. Cheap per

@@ -1,7 +1,7 @@
 // Plain parameter structs for MLA attention. No CUDA, MPI or gRPC includes:
 // every backend (cpu/, cuda/) consumes exactly these.
 //
-// Glossary (DESIGN.md, the MLA notes): h_q heads N, d_latent = kv_lora_rank L,
+// Glossary (docs/design.md "Attention"): h_q heads N, d_latent = kv_lora_rank L,
 // d_rope R, d_nope P, d_v V. A cache row is [kv_c (L) | k_pe (R)], kv_c after
 // kv_a_layernorm and k_pe after RoPE.
 #pragma once

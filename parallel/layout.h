@@ -1,4 +1,4 @@
-// How W = dp x attn_tp ranks divide the work (DESIGN.md "Processes").
+// How W = dp x attn_tp ranks divide the work (docs/design.md "Processes").
 //
 //   dp_rank = rank / attn_tp, attn_tp_rank = rank % attn_tp.
 // The attn-TP group of a DP group (ranks dp_rank * attn_tp .. + attn_tp - 1)

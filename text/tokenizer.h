@@ -14,7 +14,7 @@
 // match state per thread (a few MiB for each thread that encodes, bounded).
 //
 // What is supported and refused, and how the ids are checked against
-// tokenizers: docs/tokenizer-2026-12-01.md.
+// tokenizers: docs/tokenizer.md.
 #pragma once
 
 #include <cstdint>

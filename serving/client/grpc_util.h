@@ -1,7 +1,7 @@
-// Internal to launcher/: the client-side gRPC glue shared by `submit`,
+// Internal to serving/ and what stands on it: the client-side gRPC glue shared by `submit`,
 // `stats`, `memory --measure`, the serving benchmark, the simulated worker and
 // the worker link. Includes gRPC, so no public header may include it
-// (STYLE.md: gRPC stays out of public headers).
+// (gRPC stays out of public headers).
 #pragma once
 
 #include <grpcpp/grpcpp.h>

@@ -9,7 +9,7 @@
 // handler's methods may be called concurrently for different streams, and
 // for one stream never concurrently with each other except Detach.
 //
-// Internal to launcher/: includes gRPC and the generated messages.
+// Internal to serving/ and what stands on it: includes gRPC and the generated messages.
 #pragma once
 
 #include <grpcpp/grpcpp.h>

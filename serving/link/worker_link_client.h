@@ -18,7 +18,7 @@
 // of a broken stream reaches the next one: the coordinator has already ended
 // or re-routed those, and the group drops them when it drains the `ended`.
 //
-// Internal to launcher/: includes gRPC and the generated messages.
+// Internal to serving/ and what stands on it: includes gRPC and the generated messages.
 #pragma once
 
 #include <grpcpp/grpcpp.h>

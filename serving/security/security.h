@@ -3,7 +3,7 @@
 // certificates, and unguessable request ids. Every secret is read from a file
 // (never from the command line, where `ps` shows it to every user).
 //
-// What each flag does (README, "Security"):
+// What each flag does (docs/security.md):
 //   coordinator --worker-secret-file F   workers must send the secret in F
 //               --auth-token-file F      clients must send one of F's tokens
 //               --tls-cert C --tls-key K TLS on the coordinator's port

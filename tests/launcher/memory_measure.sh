@@ -85,7 +85,7 @@ want_weights = {
     "embedding_head_weight_bytes": 2 * vocab * H * f + H * f,  # embed_tokens, lm_head, final norm
 }
 weights = sum(want_weights.values())
-# README's table (tiny model, 4 ranks): 683,360 B per rank under dp=4, 572,768 B under attn_tp=4.
+# docs/memory.md's table (tiny model, 4 ranks): 683,360 B per rank under dp=4, 572,768 B under attn_tp=4.
 readme = {(4, 1): 683_360, (1, 4): 572_768}
 if world == 4 and "moe" not in kv:
     assert weights == readme[(dp, tp)], (weights, readme[(dp, tp)])

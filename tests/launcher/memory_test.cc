@@ -124,7 +124,7 @@ TEST(MemoryCommand, Fp8FitsAndDpHoldsMoreDistinctTokens) {
   std::map<std::string, Json> by;
   for (const Json& l : j["layouts"]) by[l["name"]] = l;
   ASSERT_EQ(by.size(), 3u);
-  // README's table, max cached tokens per rank: 881,152 / 670,976 / 851,136.
+  // docs/memory.md's table, max cached tokens per rank: 881,152 / 670,976 / 851,136.
   const std::map<std::string, std::pair<int64_t, int64_t>> layouts = {
       {"tp8", {8, 881'152}}, {"dp8", {1, 670'976}}, {"dp2xtp4", {4, 851'136}}};
   for (const auto& [name, tp_tokens] : layouts) {
@@ -132,7 +132,7 @@ TEST(MemoryCommand, Fp8FitsAndDpHoldsMoreDistinctTokens) {
     const Json& l = by[name];
     const v3_by_hand::Rank want = v3_by_hand::ByHand(tp_tokens.first, /*fp8=*/true);
     const v3_by_hand::Cache cache = v3_by_hand::CacheOf(want, int64_t{141} << 30);
-    EXPECT_EQ(cache.tokens, tp_tokens.second) << name << ": the hand arithmetic against the README";
+    EXPECT_EQ(cache.tokens, tp_tokens.second) << name << ": the hand arithmetic against docs/memory.md";
     ExpectRank(l["per_rank"], want, int64_t{141} << 30, name);
     EXPECT_EQ(l["per_rank"]["fits"], true) << name;
     EXPECT_EQ(l["dp"], 8 / tp_tokens.first) << name;

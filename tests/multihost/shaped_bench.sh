@@ -178,7 +178,7 @@ for s in shapes:
         print(f"{s:<16}{b:>6} | {med(one):>11.1f} | {dcell} | {med(tp):>12.1f} {b / med(tp) * 1e3:>7.1f} "
               f"{ratio(tp, tpb):>8.2f} | {ratio(tp, dp) if dp else float('nan'):>7.2f}")
 print()
-print("bytes per step on rank 0 by collective, measured by bench decode (its prediction: docs/comm-bench-2026-12-01.txt)")
+print("bytes per step on rank 0 by collective, measured by bench decode (its prediction: docs/notes/2026-12-01-comm-bench.md)")
 print(f"{'layout':<10}{'batch':>6} {'all-reduce':>22} {'all-gather':>22} {'reduce-scatter':>22}  agree")
 for lay in ("dp3", "tp3"):
     for b, row in sorted(decode_rows(load(f"r1-{tag(shapes[0])}-{lay}-decode")).items()):

@@ -1,5 +1,5 @@
 // The memory model against numbers worked out by hand from the shapes
-// (DESIGN.md "The numbers that define the problem"), and against what a
+// (docs/design.md "The numbers that define the problem"), and against what a
 // loaded model and a real LatentCache occupy.
 #include "runtime/model/memory_plan.h"
 
@@ -122,7 +122,7 @@ TEST(MemoryPlan, DeepSeekV3Fp8On8RanksByHand) {
   static_assert(hand::ByHand(8, true).moe == 82'503'702'656);
   static_assert(hand::ByHand(1, true).moe == 82'503'702'656);  // attn_tp does not touch the MLPs
   static_assert(hand::ByHand(8, true).dense_mlp == 148'671'936);
-  // README's table: max cached tokens per rank.
+  // docs/memory.md's table: max cached tokens per rank.
   constexpr int64_t kMemory = int64_t{141} << 30;
   static_assert(hand::CacheOf(hand::ByHand(8, true), kMemory).tokens == 881'152);
   static_assert(hand::CacheOf(hand::ByHand(1, true), kMemory).tokens == 670'976);
