@@ -75,7 +75,7 @@ fail() {
 
 # Stubs, exactly as examples/python/README.md generates them.
 protoc --python_out="$tmp" --grpc_python_out="$tmp" --plugin=protoc-gen-grpc_python="$plugin" \
-  -I "$src/launcher/proto" "$src/serving/proto/mlarun.proto" || fail "protoc could not generate the stubs"
+  -I "$src/serving/proto" "$src/serving/proto/mlarun.proto" || fail "protoc could not generate the stubs"
 
 # A free port: bind port 0, read it back, release it. (Another process could
 # take it in between; the coordinator then fails to bind and the test says so.)
