@@ -353,13 +353,30 @@ Json SuggestThreshold(const std::vector<GridCell>& cells, const std::vector<int6
   return best;
 }
 
-}  // namespace
+// What the phases of one `mlarun bench attention` share: the options, the
+// timing and grid they resolve to, the attention shape, the JSON document the
+// phases add to, and the grid's measured cells.
+struct AttentionRun {
+  const AttentionBenchOptions& o;
+  std::ostream& table;
+  Timing timing, heavy;
+  std::vector<int64_t> contexts, qs;
+  MlaShape shape;
+  int threads = 0;
+  Json doc;
+  std::vector<GridCell> cells;
+};
 
-Status RunAttentionBench(const AttentionBenchOptions& o) {
-  const Timing timing{.repetitions = o.repetitions > 0 ? o.repetitions : (o.quick ? 1 : 3),
+// The timing and the grid's contexts and query lengths, defaults filled in
+// (query lengths sorted); INVALID_ARGUMENT for a negative context or a query
+// length below 1.
+Status ResolveOptions(AttentionRun& run) {
+  const AttentionBenchOptions& o = run.o;
+  run.timing = Timing{.repetitions = o.repetitions > 0 ? o.repetitions : (o.quick ? 1 : 3),
                       .min_time_s = o.min_time_s > 0 ? o.min_time_s : (o.quick ? 0.05 : 0.3)};
-  const Timing heavy{.repetitions = timing.repetitions, .min_time_s = 0, .warm_up = false};
-  std::vector<int64_t> contexts = o.contexts, qs = o.query_lens;
+  run.heavy = Timing{.repetitions = run.timing.repetitions, .min_time_s = 0, .warm_up = false};
+  std::vector<int64_t>&contexts = run.contexts, &qs = run.qs;
+  contexts = o.contexts, qs = o.query_lens;
   if (contexts.empty())
     contexts = o.quick ? std::vector<int64_t>{0, 256, 1024} : std::vector<int64_t>{0, 256, 1024, 4096, 16384};
   if (qs.empty())
@@ -370,14 +387,17 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
   for (int64_t v : qs)
     if (v <= 0) return InvalidArgumentError("--query-lens must be positive, got ", v);
   std::sort(qs.begin(), qs.end());
-  std::ostream& table = o.json ? std::cerr : std::cout;
+  return Status::Ok();
+}
 
-  InitBenchmarkLibrary();
-
-  const MlaShape shape = DeepSeekV3MlaShape(o.heads);
-  const int threads = omp_get_max_threads();
-  Json doc;
-  doc["machine"] = {{"cpu", CpuModel()}, {"threads", threads}, {"kernels", CpuJson()}};
+// The machine, the shape, the timing and the square GEMM peak: the
+// document's leading fields and the table's first lines.
+Status Describe(AttentionRun& run) {
+  const AttentionBenchOptions& o = run.o;
+  const MlaShape& shape = run.shape;
+  std::ostream& table = run.table;
+  Json& doc = run.doc;
+  doc["machine"] = {{"cpu", CpuModel()}, {"threads", run.threads}, {"kernels", CpuJson()}};
   doc["date"] = Today();
   doc["dtype"] = std::string(DTypeName(o.dtype));
   doc["shape"] = {{"heads", shape.h_q},
@@ -385,116 +405,156 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
                   {"qk_rope_head_dim", shape.d_rope},
                   {"qk_nope_head_dim", shape.d_nope},
                   {"v_head_dim", shape.d_v}};
-  doc["timing"] = {{"repetitions", timing.repetitions}, {"statistic", "median"}, {"min_time_s", timing.min_time_s}};
-  table << "mlarun bench attention: " << shape << " dtype " << DTypeName(o.dtype) << ", " << threads << " threads, "
+  doc["timing"] = {
+      {"repetitions", run.timing.repetitions}, {"statistic", "median"}, {"min_time_s", run.timing.min_time_s}};
+  table << "mlarun bench attention: " << shape << " dtype " << DTypeName(o.dtype) << ", " << run.threads << " threads, "
         << CpuModel() << ", " << Today() << "\ncpu: " << CpuSummary() << "\n";
 
-  MLARUN_ASSIGN_OR_RETURN(const auto peak_impl, SquareGemmPeak(o.dtype, timing));
+  MLARUN_ASSIGN_OR_RETURN(const auto peak_impl, SquareGemmPeak(o.dtype, run.timing));
   const double peak = peak_impl.first;
   doc["gemm_peak_gflops"] = peak;
   doc["gemm_peak_impl"] = peak_impl.second;
   table << "GEMM peak (2048^3, " << DTypeName(o.dtype) << ", " << peak_impl.second << "): " << Fmt(peak, 1)
         << " GFLOP/s\n\n";
+  return Status::Ok();
+}
 
-  // Decode: one token over 4096 cached tokens.
+// What a decode row measured: the absorbed path's median time over the
+// rounds, the library's GFLOP/s on the same shapes and the median per-round
+// fraction of it, and the naive path's time.
+struct DecodeTimes {
+  double abs_ms = 0, same = 0, fraction = 0, naive_ms = 0;
+};
+
+// Times a verified pair: the absorbed path and the library alternately for
+// `rounds` rounds, then the naive path.
+StatusOr<DecodeTimes> TimeDecodeRow(AttentionRun& run, PathPair& pair, int64_t batch, int64_t context, int rounds) {
+  // The kernel and the library on the same shapes, alternated round by
+  // round so both see the same machine load; the fraction is the median of
+  // the per-round ratios.
+  SameShapeGemms lib;
+  MLARUN_RETURN_IF_ERROR(lib.Prepare(run.shape, run.o.dtype, batch, context + 1));
+  const Timing one{.repetitions = 1, .min_time_s = run.timing.min_time_s};
+  std::vector<double> abs_runs, lib_runs, ratios;
+  for (int round = 0; round < rounds; ++round) {
+    MLARUN_ASSIGN_OR_RETURN(const double a_ms,
+                            TimeMs(
+                                "decode_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, one));
+    MLARUN_ASSIGN_OR_RETURN(const double l_ms, TimeMs(
+                                                   "gemm_same_shapes", [&] { return lib.Run(); }, one));
+    abs_runs.push_back(a_ms);
+    lib_runs.push_back(lib.Flops() / (l_ms * 1e-3) / 1e9);
+    ratios.push_back(pair.AbsorbedFlops() / (a_ms * 1e-3) / 1e9 / lib_runs.back());
+  }
+  DecodeTimes t{.abs_ms = Median(abs_runs), .same = Median(lib_runs), .fraction = Median(ratios)};
+  MLARUN_ASSIGN_OR_RETURN(t.naive_ms, TimeMs(
+                                          "decode_naive", [&] { return pair.Run(MlaPath::kExpanded); }, run.heavy));
+  return t;
+}
+
+// One decode row: batch `batch`, one token over 4096 cached tokens, both
+// paths verified against each other, timed, added to the document and
+// printed.
+Status DecodeRow(AttentionRun& run, int64_t batch, int rounds) {
+  const AttentionBenchOptions& o = run.o;
+  const int64_t context = 4096;
+  PathPair pair(o, batch, 1, context, 100 + static_cast<uint64_t>(batch));
+  MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kAbsorbed));
+  MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kExpanded));
+  MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
+  const auto naive_out = pair.Outputs();
+  MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
+  const double diff = MaxRelDiff(pair.Outputs(), naive_out);
+  if (diff > VerifyTolerance(o.dtype))
+    return InternalError("decode batch ", batch, ": absorbed and naive outputs differ by ", diff);
+  MLARUN_ASSIGN_OR_RETURN(const DecodeTimes t, TimeDecodeRow(run, pair, batch, context, rounds));
+  const double abs_ms = t.abs_ms, naive_ms = t.naive_ms, same = t.same, fraction = t.fraction;
+  const double abs_gflops = pair.AbsorbedFlops() / (abs_ms * 1e-3) / 1e9;
+  const double predicted = pair.ExpandedFlops() / pair.AbsorbedFlops();
+  run.doc["decode"].push_back({{"batch", batch},
+                               {"context", context},
+                               {"absorbed_ms", abs_ms},
+                               {"naive_ms", naive_ms},
+                               {"measured_ratio", naive_ms / abs_ms},
+                               {"predicted_ratio", predicted},
+                               {"absorbed_gflops", abs_gflops},
+                               {"gemm_same_shapes_gflops", same},
+                               {"fraction_of_same_shapes", fraction},
+                               {"rounds", rounds},
+                               {"paths_max_rel_diff", diff}});
+  run.table << "  " << std::setw(5) << batch << "  " << std::setw(11) << Fmt(abs_ms, 3) << "  " << std::setw(8)
+            << Fmt(naive_ms, 1) << "  " << std::setw(14) << Fmt(naive_ms / abs_ms, 1) << "  " << std::setw(15)
+            << Fmt(predicted, 1) << "  " << std::setw(16) << Fmt(abs_gflops, 1) << "  " << std::setw(24) << Fmt(same, 1)
+            << "  " << std::setw(8) << Fmt(fraction * 100, 0) << "%\n";
+  return Status::Ok();
+}
+
+// Decode: one token over 4096 cached tokens, at batch 1 and 32.
+Status DecodeSection(AttentionRun& run) {
+  const MlaShape& shape = run.shape;
   const double per_token_abs =
       MlaAbsorbedFlops(shape, 1, 1) - 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
   const double per_token_naive = 2.0 * shape.h_q * shape.d_latent * (shape.d_nope + shape.d_v);
-  const int rounds = o.quick ? 1 : 7;
-  table << "decode, context 4096 (FLOP per context token: absorbed " << Fmt(per_token_abs, 0)
-        << ", naive up-projection " << Fmt(per_token_naive, 0) << ")\n";
-  table << "  batch  absorbed_ms  naive_ms  measured_ratio  predicted_ratio  absorbed_GFLOP/s  "
-           "gemm_same_shapes_GFLOP/s  fraction\n";
-  doc["decode"] = Json::array();
-  for (int64_t batch : {int64_t{1}, int64_t{32}}) {
-    const int64_t context = 4096;
-    PathPair pair(o, batch, 1, context, 100 + static_cast<uint64_t>(batch));
-    MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kAbsorbed));
-    MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kExpanded));
-    MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
-    const auto naive_out = pair.Outputs();
-    MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
-    const double diff = MaxRelDiff(pair.Outputs(), naive_out);
-    if (diff > VerifyTolerance(o.dtype))
-      return InternalError("decode batch ", batch, ": absorbed and naive outputs differ by ", diff);
-    // The kernel and the library on the same shapes, alternated round by
-    // round so both see the same machine load; the fraction is the median of
-    // the per-round ratios.
-    SameShapeGemms lib;
-    MLARUN_RETURN_IF_ERROR(lib.Prepare(shape, o.dtype, batch, context + 1));
-    const Timing one{.repetitions = 1, .min_time_s = timing.min_time_s};
-    std::vector<double> abs_runs, lib_runs, ratios;
-    for (int round = 0; round < rounds; ++round) {
-      MLARUN_ASSIGN_OR_RETURN(const double a_ms,
-                              TimeMs(
-                                  "decode_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); }, one));
-      MLARUN_ASSIGN_OR_RETURN(const double l_ms, TimeMs(
-                                                     "gemm_same_shapes", [&] { return lib.Run(); }, one));
-      abs_runs.push_back(a_ms);
-      lib_runs.push_back(lib.Flops() / (l_ms * 1e-3) / 1e9);
-      ratios.push_back(pair.AbsorbedFlops() / (a_ms * 1e-3) / 1e9 / lib_runs.back());
-    }
-    const double abs_ms = Median(abs_runs), same = Median(lib_runs), fraction = Median(ratios);
-    MLARUN_ASSIGN_OR_RETURN(const double naive_ms,
-                            TimeMs(
-                                "decode_naive", [&] { return pair.Run(MlaPath::kExpanded); }, heavy));
-    const double abs_gflops = pair.AbsorbedFlops() / (abs_ms * 1e-3) / 1e9;
-    const double predicted = pair.ExpandedFlops() / pair.AbsorbedFlops();
-    doc["decode"].push_back({{"batch", batch},
-                             {"context", context},
-                             {"absorbed_ms", abs_ms},
-                             {"naive_ms", naive_ms},
-                             {"measured_ratio", naive_ms / abs_ms},
-                             {"predicted_ratio", predicted},
-                             {"absorbed_gflops", abs_gflops},
-                             {"gemm_same_shapes_gflops", same},
-                             {"fraction_of_same_shapes", fraction},
-                             {"rounds", rounds},
-                             {"paths_max_rel_diff", diff}});
-    table << "  " << std::setw(5) << batch << "  " << std::setw(11) << Fmt(abs_ms, 3) << "  " << std::setw(8)
-          << Fmt(naive_ms, 1) << "  " << std::setw(14) << Fmt(naive_ms / abs_ms, 1) << "  " << std::setw(15)
-          << Fmt(predicted, 1) << "  " << std::setw(16) << Fmt(abs_gflops, 1) << "  " << std::setw(24) << Fmt(same, 1)
-          << "  " << std::setw(8) << Fmt(fraction * 100, 0) << "%\n";
-  }
+  const int rounds = run.o.quick ? 1 : 7;
+  run.table << "decode, context 4096 (FLOP per context token: absorbed " << Fmt(per_token_abs, 0)
+            << ", naive up-projection " << Fmt(per_token_naive, 0) << ")\n";
+  run.table << "  batch  absorbed_ms  naive_ms  measured_ratio  predicted_ratio  absorbed_GFLOP/s  "
+               "gemm_same_shapes_GFLOP/s  fraction\n";
+  run.doc["decode"] = Json::array();
+  for (int64_t batch : {int64_t{1}, int64_t{32}}) MLARUN_RETURN_IF_ERROR(DecodeRow(run, batch, rounds));
+  return Status::Ok();
+}
 
+// One grid cell, batch 1: the expanded path, and the absorbed path when
+// `run_abs`, verified against each other and timed. `diff` gets how far apart
+// their outputs are (NaN when the absorbed path is skipped).
+StatusOr<GridCell> MeasureGridCell(AttentionRun& run, int64_t S, int64_t Q, bool run_abs, double& diff) {
+  GridCell cell{S, Q};
+  PathPair pair(run.o, 1, Q, S, static_cast<uint64_t>(S * 7919 + Q));
+  MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kExpanded));
+  if (run_abs) MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kAbsorbed));
+  MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
+  const auto exp_out = pair.Outputs();
+  const bool expanded_heavy = pair.ExpandedFlops() > 2e10;
+  MLARUN_ASSIGN_OR_RETURN(cell.expanded_ms, TimeMs(
+                                                "grid_expanded", [&] { return pair.Run(MlaPath::kExpanded); },
+                                                expanded_heavy ? run.heavy : run.timing));
+  diff = NAN;
+  if (run_abs) {
+    MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
+    diff = MaxRelDiff(pair.Outputs(), exp_out);
+    if (diff > VerifyTolerance(run.o.dtype))
+      return InternalError("grid S=", S, " Q=", Q, ": absorbed and expanded outputs differ by ", diff);
+    const bool absorbed_heavy = pair.AbsorbedFlops() > 2e10;
+    MLARUN_ASSIGN_OR_RETURN(cell.absorbed_ms, TimeMs(
+                                                  "grid_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); },
+                                                  absorbed_heavy ? run.heavy : run.timing));
+  }
+  return cell;
+}
+
+// The Q x S grid, batch 1, with the crossover of each S.
+Status GridSection(AttentionRun& run) {
+  std::ostream& table = run.table;
+  Json& doc = run.doc;
   // The Q x S grid, batch 1. Past the crossover the absorbed path is skipped
   // once it is more than 2x slower twice in a row (its cost grows as Q x S).
   table << "\ngrid, batch 1 (ms; context S = cached tokens before the query block)\n";
   table << "  S      Q      absorbed_ms   expanded_ms   winner\n";
-  std::vector<GridCell> cells;
   doc["grid"] = Json::array();
   doc["crossover"] = Json::array();
-  for (int64_t S : contexts) {
+  for (int64_t S : run.contexts) {
     int slower = 0;
     int64_t crossover = -1;  // none yet
-    for (int64_t Q : qs) {
-      GridCell cell{S, Q};
-      PathPair pair(o, 1, Q, S, static_cast<uint64_t>(S * 7919 + Q));
+    for (int64_t Q : run.qs) {
       const bool run_abs = slower < 2;
-      MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kExpanded));
-      if (run_abs) MLARUN_RETURN_IF_ERROR(pair.Prepare(MlaPath::kAbsorbed));
-      MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kExpanded));
-      const auto exp_out = pair.Outputs();
-      const bool expanded_heavy = pair.ExpandedFlops() > 2e10;
-      MLARUN_ASSIGN_OR_RETURN(cell.expanded_ms, TimeMs(
-                                                    "grid_expanded", [&] { return pair.Run(MlaPath::kExpanded); },
-                                                    expanded_heavy ? heavy : timing));
       double diff = NAN;
-      if (run_abs) {
-        MLARUN_RETURN_IF_ERROR(pair.Run(MlaPath::kAbsorbed));
-        diff = MaxRelDiff(pair.Outputs(), exp_out);
-        if (diff > VerifyTolerance(o.dtype))
-          return InternalError("grid S=", S, " Q=", Q, ": absorbed and expanded outputs differ by ", diff);
-        const bool absorbed_heavy = pair.AbsorbedFlops() > 2e10;
-        MLARUN_ASSIGN_OR_RETURN(cell.absorbed_ms, TimeMs(
-                                                      "grid_absorbed", [&] { return pair.Run(MlaPath::kAbsorbed); },
-                                                      absorbed_heavy ? heavy : timing));
-        slower = cell.absorbed_ms > 2 * cell.expanded_ms ? slower + 1 : 0;
-      }
+      MLARUN_ASSIGN_OR_RETURN(const GridCell cell, MeasureGridCell(run, S, Q, run_abs, diff));
+      if (run_abs) slower = cell.absorbed_ms > 2 * cell.expanded_ms ? slower + 1 : 0;
       const bool exp_wins = !(cell.absorbed_ms <= cell.expanded_ms);
       if (exp_wins && crossover < 0) crossover = Q;
       if (!exp_wins) crossover = -1;  // the crossover is where expanded starts winning for good
-      cells.push_back(cell);
+      run.cells.push_back(cell);
       doc["grid"].push_back({{"context", S},
                              {"query_len", Q},
                              {"absorbed_ms", OrNull(cell.absorbed_ms)},
@@ -506,10 +566,19 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
     }
     doc["crossover"].push_back({{"context", S}, {"query_len", crossover < 0 ? Json(nullptr) : Json(crossover)}});
   }
+  return Status::Ok();
+}
+
+// The crossovers and the suggested thresholds next to the configured ones;
+// with o.write_thresholds, the suggestion written there.
+Status ThresholdsSection(AttentionRun& run) {
+  const AttentionBenchOptions& o = run.o;
+  std::ostream& table = run.table;
+  Json& doc = run.doc;
   // Suggested thresholds, for blocks over a cached prefix (S > 0) and for
   // blocks without one (S = 0).
-  const Json with_prefix = SuggestThreshold(cells, qs, /*no_prefix=*/false);
-  const Json no_prefix = SuggestThreshold(cells, qs, /*no_prefix=*/true);
+  const Json with_prefix = SuggestThreshold(run.cells, run.qs, /*no_prefix=*/false);
+  const Json no_prefix = SuggestThreshold(run.cells, run.qs, /*no_prefix=*/true);
   doc["suggested_absorb_below_query_len"] = with_prefix;
   doc["suggested_absorb_below_query_len_no_prefix"] = no_prefix;
   const AbsorbThresholds configured = DefaultAbsorbThresholds(ActiveCpuIsa());
@@ -540,14 +609,31 @@ Status RunAttentionBench(const AttentionBenchOptions& o) {
     MLARUN_RETURN_IF_ERROR(WriteAbsorbThresholds(o.write_thresholds, t));
     table << "thresholds written to " << o.write_thresholds << " (use with --attention-thresholds)\n";
   }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunAttentionBench(const AttentionBenchOptions& o) {
+  AttentionRun run{.o = o, .table = o.json ? std::cerr : std::cout};
+  MLARUN_RETURN_IF_ERROR(ResolveOptions(run));
+
+  InitBenchmarkLibrary();
+
+  run.shape = DeepSeekV3MlaShape(o.heads);
+  run.threads = omp_get_max_threads();
+  MLARUN_RETURN_IF_ERROR(Describe(run));
+  MLARUN_RETURN_IF_ERROR(DecodeSection(run));
+  MLARUN_RETURN_IF_ERROR(GridSection(run));
+  MLARUN_RETURN_IF_ERROR(ThresholdsSection(run));
 
   if (!o.svg_path.empty()) {
-    WriteSvg(o.svg_path, contexts, qs, cells,
-             "MLA absorbed vs expanded, " + std::string(DTypeName(o.dtype)) + ", " + std::to_string(shape.h_q) +
-                 " heads, batch 1, " + std::to_string(threads) + " threads, " + Today());
-    table << "grid drawn to " << o.svg_path << "\n";
+    WriteSvg(o.svg_path, run.contexts, run.qs, run.cells,
+             "MLA absorbed vs expanded, " + std::string(DTypeName(o.dtype)) + ", " + std::to_string(run.shape.h_q) +
+                 " heads, batch 1, " + std::to_string(run.threads) + " threads, " + Today());
+    run.table << "grid drawn to " << o.svg_path << "\n";
   }
-  if (o.json) std::cout << doc.dump(2) << std::endl;
+  if (o.json) std::cout << run.doc.dump(2) << std::endl;
   return Status::Ok();
 }
 
