@@ -677,13 +677,23 @@ StatusOr<Resolved> Resolve(const ServeBenchOptions& o) {
 
 // ---- Sections --------------------------------------------------------------------
 
-// The coordinator's own overhead: one simulated group as fast as it can go,
-// max_tokens 1, one request at a time, through the coordinator and straight
-// down a worker link, alternating in rounds so both paths see the same
-// machine state.
-StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
-  constexpr int kRounds = 4, kWarmUp = 32;
-  const std::vector<BenchRequest> requests = MixedRequests(n + kWarmUp, 1, 3);
+// The overhead section's requests: kOverheadWarmUp first, then the timed
+// ones in kOverheadRounds rounds.
+constexpr int kOverheadRounds = 4, kOverheadWarmUp = 32;
+
+// The overhead section's latencies after the warm-up: through the
+// coordinator, straight down the worker link, and inside the coordinator (its
+// Timings, for the requests through it); and the requests that failed.
+struct OverheadLatencies {
+  std::vector<double> via, straight, inside;
+  std::string first_error;
+  int64_t failed = 0;
+};
+
+// Sends `requests` (kOverheadWarmUp, then n in kOverheadRounds rounds) one at a time through
+// an in-process coordinator and straight down a worker link of the
+// benchmark's own, each to one simulated group as fast as it can go.
+StatusOr<OverheadLatencies> TimeOverheadPaths(const std::vector<BenchRequest>& requests, int64_t n) {
   const Expect ex{.sim_tokens = true};
 
   MLARUN_ASSIGN_OR_RETURN(auto target, InProcessTarget::Start(RoutingPolicy::kPrefixAffinity, SimOptions(1, 0, 1024)));
@@ -714,9 +724,10 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
   }
   size_t next = 0;
   auto direct_call = [&](size_t i) { return CallDirect(*peer, next, requests[i], "direct-" + std::to_string(i), ex); };
-  std::vector<double> via, straight, inside;
-  std::string first_error;
-  int64_t failed = 0;
+  OverheadLatencies m;
+  std::vector<double>&via = m.via, &straight = m.straight, &inside = m.inside;
+  std::string& first_error = m.first_error;
+  int64_t& failed = m.failed;
   auto record = [&](const Outcome& o, std::vector<double>& into) {
     if (!o.ok) {
       ++failed;
@@ -726,23 +737,27 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
     into.push_back(o.total_ms);
     if (&into == &via) inside.push_back(o.coordinator_total_ms);
   };
-  for (size_t i = 0; i < static_cast<size_t>(kWarmUp); ++i) {  // connections, allocators, caches
+  for (size_t i = 0; i < static_cast<size_t>(kOverheadWarmUp); ++i) {  // connections, allocators, caches
     record(direct_call(i), straight);
     record(CallGenerate(*stub, requests[i], ex), via);
   }
   via.clear(), straight.clear(), inside.clear();
-  const int64_t chunk = (n + kRounds - 1) / kRounds;
-  for (int round = 0; round < kRounds; ++round) {
-    const int64_t begin = kWarmUp + round * chunk, end = std::min<int64_t>(kWarmUp + n, begin + chunk);
+  const int64_t chunk = (n + kOverheadRounds - 1) / kOverheadRounds;
+  for (int round = 0; round < kOverheadRounds; ++round) {
+    const int64_t begin = kOverheadWarmUp + round * chunk, end = std::min<int64_t>(kOverheadWarmUp + n, begin + chunk);
     for (int64_t i = begin; i < end; ++i) record(direct_call(static_cast<size_t>(i)), straight);
     for (int64_t i = begin; i < end; ++i) record(CallGenerate(*stub, requests[static_cast<size_t>(i)], ex), via);
   }
   cleanup();
+  return m;
+}
 
-  // For scale: the simulated group's token function alone (a prompt range
-  // check and SimWorkerToken), in process. Not the group's request path
-  // (no validation, cache, batching or stream writes), so it only shows how
-  // little of the direct path's latency is the token computation itself.
+// For scale: the simulated group's token function alone (a prompt range
+// check and SimWorkerToken), in process. Not the group's request path
+// (no validation, cache, batching or stream writes), so it only shows how
+// little of the direct path's latency is the token computation itself.
+// Returns its median time per request in ms.
+StatusOr<double> TimeTokenFunction(const std::vector<BenchRequest>& requests) {
   InitBenchmarkLibrary();
   size_t k = 0;
   int64_t sink = 0;
@@ -758,14 +773,25 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
                                                         },
                                                         Timing{.repetitions = 3, .min_time_s = 0.05}));
   (void)sink;
+  return token_fn_ms;
+}
 
-  const double via50 = Percentile(via, 50), via99 = Percentile(via, 99);
-  const double dir50 = Percentile(straight, 50), dir99 = Percentile(straight, 99);
-  const double in50 = Percentile(inside, 50), in99 = Percentile(inside, 99);
-  *verified = failed == 0;
+// The coordinator's own overhead: one simulated group as fast as it can go,
+// max_tokens 1, one request at a time, through the coordinator and straight
+// down a worker link, alternating in rounds so both paths see the same
+// machine state.
+StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
+  const std::vector<BenchRequest> requests = MixedRequests(n + kOverheadWarmUp, 1, 3);
+  MLARUN_ASSIGN_OR_RETURN(const OverheadLatencies m, TimeOverheadPaths(requests, n));
+  MLARUN_ASSIGN_OR_RETURN(const double token_fn_ms, TimeTokenFunction(requests));
+
+  const double via50 = Percentile(m.via, 50), via99 = Percentile(m.via, 99);
+  const double dir50 = Percentile(m.straight, 50), dir99 = Percentile(m.straight, 99);
+  const double in50 = Percentile(m.inside, 50), in99 = Percentile(m.inside, 99);
+  *verified = m.failed == 0;
   const bool meets = via50 - dir50 < 1.0;
   t << "\ncoordinator overhead (1 simulated group at full speed, max_tokens 1, one request at a time, " << n
-    << " requests per path in " << kRounds << " alternating rounds after " << kWarmUp << " warm-up)\n";
+    << " requests per path in " << kOverheadRounds << " alternating rounds after " << kOverheadWarmUp << " warm-up)\n";
   t << "  path                                                    p50 ms    p99 ms\n";
   t << "  through the coordinator (client -> coordinator -> group)  " << std::setw(7) << Fmt(via50, 3) << "  "
     << std::setw(8) << Fmt(via99, 3) << "\n";
@@ -778,10 +804,10 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
   t << "  token function only (range check + SimWorkerToken, in process, median): " << Fmt(token_fn_ms * 1e3, 2)
     << " us per request\n";
   t << "  goal: under 1 ms at p50: " << (meets ? "met" : "NOT met")
-    << "; verified: " << (failed == 0 ? "yes" : "NO: " + first_error) << "\n";
+    << "; verified: " << (m.failed == 0 ? "yes" : "NO: " + m.first_error) << "\n";
   return Json{{"requests_per_path", n},
-              {"rounds", kRounds},
-              {"warm_up", kWarmUp},
+              {"rounds", kOverheadRounds},
+              {"warm_up", kOverheadWarmUp},
               {"max_tokens", 1},
               {"groups", 1},
               {"tokens_per_s", 0},
@@ -792,9 +818,9 @@ StatusOr<Json> OverheadSection(int64_t n, std::ostream& t, bool* verified) {
               {"sim_token_function_us", token_fn_ms * 1e3},
               {"goal_p50_ms", 1.0},
               {"meets_goal", meets},
-              {"failed", failed},
-              {"verified", failed == 0},
-              {"first_error", first_error.empty() ? Json(nullptr) : Json(first_error)}};
+              {"failed", m.failed},
+              {"verified", m.failed == 0},
+              {"first_error", m.first_error.empty() ? Json(nullptr) : Json(m.first_error)}};
 }
 
 // External deployment: latency at concurrency 1, max_tokens 1, and the
@@ -835,35 +861,50 @@ StatusOr<Json> ExternalLatencySection(const std::string& address, const ClientSe
               {"first_error", first_error.empty() ? Json(nullptr) : Json(first_error)}};
 }
 
-}  // namespace
-
-Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream& t) {
-  MLARUN_ASSIGN_OR_RETURN(const Resolved r, Resolve(o));
-  const bool external = !o.coordinator.empty();
-  if (o.http) {
-    if (external) return InvalidArgumentError("--http: in-process only (not with --coordinator)");
-    t << "mlarun bench serve --http: in-process coordinator and simulated groups, over loopback (127.0.0.1); "
-      << CpuModel() << ", " << std::thread::hardware_concurrency() << " cores; load average " << Fmt(LoadAverage(), 1)
-      << " at start; " << Today() << "\n";
-    bool verified = false;
-    MLARUN_ASSIGN_OR_RETURN(Json http, RunHttpBench(HttpBenchOptions{.clients = r.clients,
-                                                                     .requests = r.requests,
-                                                                     .max_tokens = r.max_tokens,
-                                                                     .groups = o.groups.empty() ? 4 : r.groups.front(),
-                                                                     .tokens_per_s = o.tokens_per_s,
-                                                                     .overhead_requests = r.overhead_requests},
-                                                    t, &verified));
-    Json doc = {{"benchmark", "serve-http"},
-                {"date", Today()},
-                {"machine", {{"cpu", CpuModel()}, {"cores", std::thread::hardware_concurrency()}}},
-                {"http", http},
-                {"all_verified", verified}};
-    if (o.json) out << doc.dump(2) << std::endl;
-    if (!verified) return InternalError("some requests failed verification (see the tables)");
-    return Status::Ok();
-  }
-  bool all_verified = true;
+// What the sections of one `mlarun bench serve` share: the options and what
+// they resolve to, whether the target is an external deployment, the table,
+// the JSON document the sections add to, and whether every request so far
+// passed verification.
+struct ServeRun {
+  const ServeBenchOptions& o;
+  const Resolved& r;
+  bool external = false;
+  std::ostream& t;
   Json doc;
+  bool all_verified = true;
+};
+
+// --http: the HTTP API against gRPC (bench/http_bench.h) instead of the
+// sections below.
+Status HttpComparison(const ServeBenchOptions& o, const Resolved& r, std::ostream& out, std::ostream& t) {
+  t << "mlarun bench serve --http: in-process coordinator and simulated groups, over loopback (127.0.0.1); "
+    << CpuModel() << ", " << std::thread::hardware_concurrency() << " cores; load average " << Fmt(LoadAverage(), 1)
+    << " at start; " << Today() << "\n";
+  bool verified = false;
+  MLARUN_ASSIGN_OR_RETURN(Json http, RunHttpBench(HttpBenchOptions{.clients = r.clients,
+                                                                   .requests = r.requests,
+                                                                   .max_tokens = r.max_tokens,
+                                                                   .groups = o.groups.empty() ? 4 : r.groups.front(),
+                                                                   .tokens_per_s = o.tokens_per_s,
+                                                                   .overhead_requests = r.overhead_requests},
+                                                  t, &verified));
+  Json doc = {{"benchmark", "serve-http"},
+              {"date", Today()},
+              {"machine", {{"cpu", CpuModel()}, {"cores", std::thread::hardware_concurrency()}}},
+              {"http", http},
+              {"all_verified", verified}};
+  if (o.json) out << doc.dump(2) << std::endl;
+  if (!verified) return InternalError("some requests failed verification (see the tables)");
+  return Status::Ok();
+}
+
+// The machine, the target and the configuration: the document's leading
+// fields and the table's first line.
+void Describe(ServeRun& run) {
+  const ServeBenchOptions& o = run.o;
+  const Resolved& r = run.r;
+  const bool external = run.external;
+  Json& doc = run.doc;
   doc["benchmark"] = "serve";
   doc["date"] = Today();
   doc["machine"] = {{"cpu", CpuModel()},
@@ -883,89 +924,138 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
                    {"prompt_tokens", {{"min", kPromptMin}, {"max", kPromptMax}}},
                    {"vocab_size", kVocabSize},
                    {"block_size", kBlockSize}};
-  t << "mlarun bench serve: "
-    << (external ? "the deployment at " + o.coordinator : "in-process coordinator and simulated groups")
-    << ", over loopback (127.0.0.1); " << CpuModel() << ", " << std::thread::hardware_concurrency()
-    << " cores shared by clients, coordinator and groups; load average " << Fmt(LoadAverage(), 1) << " at start; gRPC "
-    << grpc::Version() << "; " << Today() << "\n";
+  run.t << "mlarun bench serve: "
+        << (external ? "the deployment at " + o.coordinator : "in-process coordinator and simulated groups")
+        << ", over loopback (127.0.0.1); " << CpuModel() << ", " << std::thread::hardware_concurrency()
+        << " cores shared by clients, coordinator and groups; load average " << Fmt(LoadAverage(), 1)
+        << " at start; gRPC " << grpc::Version() << "; " << Today() << "\n";
+}
 
-  // ---- Load (and routing at scale).
-  doc["load"] = Json::array();
-  if (external) {
-    auto stub = v1::Mlarun::NewStub(ConnectChannel(o.coordinator, o.security.tls));
-    MLARUN_ASSIGN_OR_RETURN(const int groups, WaitForGroups(*stub, 1, 10));
-    MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
-    const std::vector<BenchRequest> requests = MixedRequests(r.requests, r.max_tokens, 1);
-    const LoadSpec spec{
-        .address = o.coordinator, .clients = r.clients, .requests = &requests, .expect = {}, .security = o.security};
-    t << "\nclient load (" << r.clients << " clients, max_tokens " << r.max_tokens << ", prompts " << kPromptMin << "-"
-      << kPromptMax << " tokens; imbalance = max/mean of queued tokens over groups, GetStats every "
-      << kSamplePeriod.count() << " ms while every client has work; CPU: this process, i.e. the clients, only)\n";
-    PrintLoadHeader(t);
-    MLARUN_ASSIGN_OR_RETURN(const LoadRun run, RunLoad(spec));
-    const LoadRow row = Summarize(run, spec, groups, stats.coordinator().policy(), NAN, /*in_process=*/false);
-    PrintLoadRow(t, row);
-    all_verified = all_verified && row.verified;
-    doc["load"].push_back(row.json);
-  } else {
-    t << "\nclient load and routing (simulated groups at " << Fmt(o.tokens_per_s, 0) << " tokens/s each, max_tokens "
-      << r.max_tokens << ", prompts " << kPromptMin << "-" << kPromptMax << " random tokens; clients = max("
-      << r.clients << ", " << kClientsPerGroup << " per group), requests = max(" << r.requests << ", "
-      << kRequestsPerClient
-      << " per client); capacity = groups x tokens/s; imbalance = max/mean of queued tokens over groups, GetStats "
-         "every "
-      << kSamplePeriod.count() << " ms while every client has work, mean of the samples)\n";
-    PrintLoadHeader(t);
-    for (int groups : r.groups) {
-      const int clients = std::max(r.clients, kClientsPerGroup * groups);
-      const int64_t n = std::max(r.requests, kRequestsPerClient * clients);
-      const std::vector<BenchRequest> requests = MixedRequests(n, r.max_tokens, static_cast<uint64_t>(groups));
-      for (RoutingPolicy p : r.policies) {
-        MLARUN_ASSIGN_OR_RETURN(auto target, InProcessTarget::Start(p, SimOptions(groups, o.tokens_per_s, 1024)));
-        const LoadSpec spec{
-            .address = target->address(), .clients = clients, .requests = &requests, .expect = {.sim_tokens = true}};
-        auto run = RunLoad(spec);
-        target->Stop();
-        if (!run.ok()) return run.status();
-        const double capacity = o.tokens_per_s > 0 ? groups * o.tokens_per_s : NAN;
-        const LoadRow row =
-            Summarize(*run, spec, groups, std::string(RoutingPolicyName(p)), capacity, /*in_process=*/true);
-        PrintLoadRow(t, row);
-        all_verified = all_verified && row.verified;
-        doc["load"].push_back(row.json);
-      }
+// The load row of an external deployment: its groups and policy.
+Status ExternalLoad(ServeRun& run) {
+  const ServeBenchOptions& o = run.o;
+  const Resolved& r = run.r;
+  std::ostream& t = run.t;
+  auto stub = v1::Mlarun::NewStub(ConnectChannel(o.coordinator, o.security.tls));
+  MLARUN_ASSIGN_OR_RETURN(const int groups, WaitForGroups(*stub, 1, 10));
+  MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
+  const std::vector<BenchRequest> requests = MixedRequests(r.requests, r.max_tokens, 1);
+  const LoadSpec spec{
+      .address = o.coordinator, .clients = r.clients, .requests = &requests, .expect = {}, .security = o.security};
+  t << "\nclient load (" << r.clients << " clients, max_tokens " << r.max_tokens << ", prompts " << kPromptMin << "-"
+    << kPromptMax << " tokens; imbalance = max/mean of queued tokens over groups, GetStats every "
+    << kSamplePeriod.count() << " ms while every client has work; CPU: this process, i.e. the clients, only)\n";
+  PrintLoadHeader(t);
+  MLARUN_ASSIGN_OR_RETURN(const LoadRun load, RunLoad(spec));
+  const LoadRow row = Summarize(load, spec, groups, stats.coordinator().policy(), NAN, /*in_process=*/false);
+  PrintLoadRow(t, row);
+  run.all_verified = run.all_verified && row.verified;
+  run.doc["load"].push_back(row.json);
+  return Status::Ok();
+}
+
+// The load rows in process: every group count under every policy.
+Status InProcessLoad(ServeRun& run) {
+  const ServeBenchOptions& o = run.o;
+  const Resolved& r = run.r;
+  std::ostream& t = run.t;
+  t << "\nclient load and routing (simulated groups at " << Fmt(o.tokens_per_s, 0) << " tokens/s each, max_tokens "
+    << r.max_tokens << ", prompts " << kPromptMin << "-" << kPromptMax << " random tokens; clients = max(" << r.clients
+    << ", " << kClientsPerGroup << " per group), requests = max(" << r.requests << ", " << kRequestsPerClient
+    << " per client); capacity = groups x tokens/s; imbalance = max/mean of queued tokens over groups, GetStats "
+       "every "
+    << kSamplePeriod.count() << " ms while every client has work, mean of the samples)\n";
+  PrintLoadHeader(t);
+  for (int groups : r.groups) {
+    const int clients = std::max(r.clients, kClientsPerGroup * groups);
+    const int64_t n = std::max(r.requests, kRequestsPerClient * clients);
+    const std::vector<BenchRequest> requests = MixedRequests(n, r.max_tokens, static_cast<uint64_t>(groups));
+    for (RoutingPolicy p : r.policies) {
+      MLARUN_ASSIGN_OR_RETURN(auto target, InProcessTarget::Start(p, SimOptions(groups, o.tokens_per_s, 1024)));
+      const LoadSpec spec{
+          .address = target->address(), .clients = clients, .requests = &requests, .expect = {.sim_tokens = true}};
+      auto load = RunLoad(spec);
+      target->Stop();
+      if (!load.ok()) return load.status();
+      const double capacity = o.tokens_per_s > 0 ? groups * o.tokens_per_s : NAN;
+      const LoadRow row =
+          Summarize(*load, spec, groups, std::string(RoutingPolicyName(p)), capacity, /*in_process=*/true);
+      PrintLoadRow(t, row);
+      run.all_verified = run.all_verified && row.verified;
+      run.doc["load"].push_back(row.json);
     }
   }
+  return Status::Ok();
+}
 
-  // ---- Coordinator overhead.
-  bool verified = false;
-  if (external) {
-    MLARUN_ASSIGN_OR_RETURN(doc["overhead"],
-                            ExternalLatencySection(o.coordinator, o.security, r.overhead_requests, t, &verified));
-  } else {
-    MLARUN_ASSIGN_OR_RETURN(doc["overhead"], OverheadSection(r.overhead_requests, t, &verified));
-  }
-  all_verified = all_verified && verified;
+// The prefix workload: many requests sharing a few long "system prompts".
+struct PrefixWorkload {
+  serve_bench::SharedPrefixSpec spec;
+  std::vector<BenchRequest> requests;
+};
 
-  // ---- Prefix cache.
-  const serve_bench::SharedPrefixSpec spec{.prefixes = kSystemPrompts,
-                                           .prefix_tokens = kSystemPromptBlocks * kBlockSize,
-                                           .requests = r.prefix_requests,
-                                           .suffix_min = 8,
-                                           .suffix_max = 56,
-                                           .vocab_size = kVocabSize,
-                                           .seed = 5};
-  const serve_bench::SharedPrefixWorkload w = serve_bench::MakeSharedPrefixWorkload(spec);
-  std::vector<BenchRequest> prefix_requests;
+PrefixWorkload MakePrefixWorkload(const Resolved& r) {
+  PrefixWorkload p{.spec = {.prefixes = kSystemPrompts,
+                            .prefix_tokens = kSystemPromptBlocks * kBlockSize,
+                            .requests = r.prefix_requests,
+                            .suffix_min = 8,
+                            .suffix_max = 56,
+                            .vocab_size = kVocabSize,
+                            .seed = 5}};
+  const serve_bench::SharedPrefixWorkload w = serve_bench::MakeSharedPrefixWorkload(p.spec);
   for (size_t i = 0; i < w.prompts.size(); ++i)
-    prefix_requests.push_back(BenchRequest{.prompt = w.prompts[i], .seed = 7000 + i, .max_tokens = r.max_tokens});
+    p.requests.push_back(BenchRequest{.prompt = w.prompts[i], .seed = 7000 + i, .max_tokens = r.max_tokens});
+  return p;
+}
+
+// One prefix row: the workload at `address`, its hit rate printed and added
+// to `prefix`. `exact`: an in-process target (simulated tokens, open); else
+// the deployment at o.coordinator, with its security.
+Status PrefixRow(ServeRun& run, const std::vector<BenchRequest>& prefix_requests, Json& prefix,
+                 const std::string& address, int groups, const std::string& policy, bool exact) {
+  std::ostream& t = run.t;
+  const LoadSpec ls{.address = address,
+                    .clients = run.r.clients,
+                    .requests = &prefix_requests,
+                    .expect = {.sim_tokens = exact},
+                    .security = exact ? ClientSecurity{} : run.o.security};
+  MLARUN_ASSIGN_OR_RETURN(const LoadRun load, RunLoad(ls));
+  const LoadRow row = Summarize(load, ls, groups, policy, NAN, exact);
+  std::vector<serve_bench::PrefixCounts> counts;
+  for (const Outcome& oc : load.outcomes)
+    if (oc.ok) counts.push_back({oc.prompt_tokens, oc.prefix_hit_tokens});
+  int64_t prompt_tokens = 0, hit_tokens = 0;
+  for (const auto& c : counts) prompt_tokens += c.prompt_tokens, hit_tokens += c.prefix_hit_tokens;
+  const double rate = serve_bench::PrefixHitRate(counts);
+  const Json& j = row.json;
+  const double imb = Number(j["imbalance"], "mean");
+  t << "  " << std::left << std::setw(15) << policy << std::right << "  " << std::setw(7) << Fmt(100 * rate, 1) << "%  "
+    << std::setw(12) << hit_tokens << " / " << std::left << std::setw(12) << prompt_tokens << std::right << "  "
+    << std::setw(8) << Fmt(j["requests_per_s"].get<double>(), 0) << "  " << std::setw(9) << Fmt(imb, 2) << "  "
+    << (row.verified ? "yes" : "NO: " + row.first_error) << "\n";
+  run.all_verified = run.all_verified && row.verified;
+  Json out_row = row.json;
+  out_row["hit_rate"] = OrNull(rate);
+  out_row["prefix_hit_tokens"] = hit_tokens;
+  out_row["prompt_tokens"] = prompt_tokens;
+  prefix["rows"].push_back(out_row);
+  return Status::Ok();
+}
+
+// ---- Prefix cache.
+Status PrefixSection(ServeRun& run) {
+  const ServeBenchOptions& o = run.o;
+  const Resolved& r = run.r;
+  std::ostream& t = run.t;
+  const PrefixWorkload pw = MakePrefixWorkload(r);
+  const serve_bench::SharedPrefixSpec& spec = pw.spec;
   Json prefix = {{"system_prompts", spec.prefixes},
                  {"system_prompt_tokens", spec.prefix_tokens},
                  {"suffix_tokens", {{"min", spec.suffix_min}, {"max", spec.suffix_max}}},
                  {"requests", spec.requests},
                  {"clients", r.clients},
                  {"rows", Json::array()}};
-  if (external) {
+  if (run.external) {
     t << "\nprefix cache (the deployment's groups and policy; " << spec.requests << " requests = one of "
       << spec.prefixes << " system prompts of " << spec.prefix_tokens << " tokens + " << spec.suffix_min << "-"
       << spec.suffix_max << " unique tokens, random order; " << r.clients << " clients)\n";
@@ -980,55 +1070,57 @@ Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream
       << " clients; hit rate = sum prefix_hit_tokens / sum prompt tokens)\n";
   }
   t << "  policy           hit rate   hit tokens / prompt tokens     req/s  imbalance  verified\n";
-  // `exact`: an in-process target (simulated tokens, open); else the
-  // deployment at o.coordinator, with its security.
-  auto prefix_row = [&](const std::string& address, int groups, const std::string& policy, bool exact) -> Status {
-    const LoadSpec ls{.address = address,
-                      .clients = r.clients,
-                      .requests = &prefix_requests,
-                      .expect = {.sim_tokens = exact},
-                      .security = exact ? ClientSecurity{} : o.security};
-    MLARUN_ASSIGN_OR_RETURN(const LoadRun run, RunLoad(ls));
-    const LoadRow row = Summarize(run, ls, groups, policy, NAN, exact);
-    std::vector<serve_bench::PrefixCounts> counts;
-    for (const Outcome& oc : run.outcomes)
-      if (oc.ok) counts.push_back({oc.prompt_tokens, oc.prefix_hit_tokens});
-    int64_t prompt_tokens = 0, hit_tokens = 0;
-    for (const auto& c : counts) prompt_tokens += c.prompt_tokens, hit_tokens += c.prefix_hit_tokens;
-    const double rate = serve_bench::PrefixHitRate(counts);
-    const Json& j = row.json;
-    const double imb = Number(j["imbalance"], "mean");
-    t << "  " << std::left << std::setw(15) << policy << std::right << "  " << std::setw(7) << Fmt(100 * rate, 1)
-      << "%  " << std::setw(12) << hit_tokens << " / " << std::left << std::setw(12) << prompt_tokens << std::right
-      << "  " << std::setw(8) << Fmt(j["requests_per_s"].get<double>(), 0) << "  " << std::setw(9) << Fmt(imb, 2)
-      << "  " << (row.verified ? "yes" : "NO: " + row.first_error) << "\n";
-    all_verified = all_verified && row.verified;
-    Json out_row = row.json;
-    out_row["hit_rate"] = OrNull(rate);
-    out_row["prefix_hit_tokens"] = hit_tokens;
-    out_row["prompt_tokens"] = prompt_tokens;
-    prefix["rows"].push_back(out_row);
-    return Status::Ok();
-  };
-  if (external) {
+  if (run.external) {
     auto stub = v1::Mlarun::NewStub(ConnectChannel(o.coordinator, o.security.tls));
     MLARUN_ASSIGN_OR_RETURN(const v1::GetStatsResponse stats, GetStats(*stub, o.security));
     int groups = 0;
     for (const auto& g : stats.groups()) groups += g.connected() ? 1 : 0;
-    MLARUN_RETURN_IF_ERROR(prefix_row(o.coordinator, groups, stats.coordinator().policy(), false));
+    MLARUN_RETURN_IF_ERROR(
+        PrefixRow(run, pw.requests, prefix, o.coordinator, groups, stats.coordinator().policy(), false));
   } else {
     for (RoutingPolicy p : r.policies) {
       MLARUN_ASSIGN_OR_RETURN(auto target,
                               InProcessTarget::Start(p, SimOptions(kPrefixGroups, o.tokens_per_s, kPrefixCacheBlocks)));
-      const Status st = prefix_row(target->address(), kPrefixGroups, std::string(RoutingPolicyName(p)), true);
+      const Status st = PrefixRow(run, pw.requests, prefix, target->address(), kPrefixGroups,
+                                  std::string(RoutingPolicyName(p)), true);
       target->Stop();
       MLARUN_RETURN_IF_ERROR(st);
     }
   }
-  doc["prefix"] = prefix;
-  doc["all_verified"] = all_verified;
-  if (o.json) out << doc.dump(2) << std::endl;
-  if (!all_verified) return InternalError("some requests failed verification (see the tables)");
+  run.doc["prefix"] = prefix;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunServeBench(const ServeBenchOptions& o, std::ostream& out, std::ostream& t) {
+  MLARUN_ASSIGN_OR_RETURN(const Resolved r, Resolve(o));
+  const bool external = !o.coordinator.empty();
+  if (o.http) {
+    if (external) return InvalidArgumentError("--http: in-process only (not with --coordinator)");
+    return HttpComparison(o, r, out, t);
+  }
+  ServeRun run{.o = o, .r = r, .external = external, .t = t};
+  Describe(run);
+
+  // ---- Load (and routing at scale).
+  run.doc["load"] = Json::array();
+  MLARUN_RETURN_IF_ERROR(external ? ExternalLoad(run) : InProcessLoad(run));
+
+  // ---- Coordinator overhead.
+  bool verified = false;
+  if (external) {
+    MLARUN_ASSIGN_OR_RETURN(run.doc["overhead"],
+                            ExternalLatencySection(o.coordinator, o.security, r.overhead_requests, t, &verified));
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(run.doc["overhead"], OverheadSection(r.overhead_requests, t, &verified));
+  }
+  run.all_verified = run.all_verified && verified;
+
+  MLARUN_RETURN_IF_ERROR(PrefixSection(run));
+  run.doc["all_verified"] = run.all_verified;
+  if (o.json) out << run.doc.dump(2) << std::endl;
+  if (!run.all_verified) return InternalError("some requests failed verification (see the tables)");
   return Status::Ok();
 }
 
