@@ -298,6 +298,155 @@ std::unique_ptr<httplib::Client> NewClient(int port) {
 
 json Summary(const std::vector<double>& v) { return {{"p50", Percentile(v, 50)}, {"p99", Percentile(v, 99)}}; }
 
+// The overhead section's requests: kOverheadWarmUp first, then
+// o.overhead_requests, in kOverheadRounds rounds.
+constexpr int kOverheadWarmUp = 32, kOverheadRounds = 4;
+
+// The overhead section's latencies, per path (gRPC, HTTP whole, HTTP
+// streamed), after the warm-up, and the requests that failed.
+struct OverheadTimes {
+  std::vector<double> grpc_ms, whole_ms, stream_ms;
+  int64_t failed = 0;
+  std::string first_error;
+};
+
+// One client, one group as fast as it can, max_tokens 1: the three paths
+// alternating in rounds, one request at a time.
+StatusOr<OverheadTimes> TimeOverhead(const HttpBenchOptions& o, const std::shared_ptr<const text::Tokenizer>& tok,
+                                     int64_t vocab) {
+  MLARUN_ASSIGN_OR_RETURN(auto target, Target::Start(tok, vocab, 1, 0));
+  auto stub = v1::Mlarun::NewStub(grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
+  auto http = NewClient(target->port());
+  const std::vector<Request> requests = Requests(o.overhead_requests + kOverheadWarmUp, 1, vocab, 3);
+  OverheadTimes m;
+  const size_t per_round = std::max<size_t>(1, requests.size() / kOverheadRounds);
+  for (size_t start = 0; start < requests.size(); start += per_round) {
+    const size_t end = std::min(requests.size(), start + per_round);
+    for (int path = 0; path < 3; ++path) {
+      for (size_t i = start; i < end; ++i) {
+        const Outcome oc =
+            path == 0 ? CallGrpc(*stub, requests[i], vocab) : CallHttp(*http, requests[i], path == 2, *tok, vocab);
+        if (!oc.ok) {
+          if (m.first_error.empty()) m.first_error = oc.error;
+          ++m.failed;
+          continue;
+        }
+        if (i < static_cast<size_t>(kOverheadWarmUp)) continue;
+        (path == 0 ? m.grpc_ms : path == 1 ? m.whole_ms : m.stream_ms).push_back(oc.total_ms);
+      }
+    }
+  }
+  http.reset();  // its keep-alive connection would hold the server's shutdown for its timeout
+  target->Stop();
+  return m;
+}
+
+// ---- Overhead: one client, one group as fast as it can, max_tokens 1.
+Status OverheadSection(const HttpBenchOptions& o, const std::shared_ptr<const text::Tokenizer>& tok, int64_t vocab,
+                       std::ostream& t, bool* verified, json& doc) {
+  MLARUN_ASSIGN_OR_RETURN(const OverheadTimes m, TimeOverhead(o, tok, vocab));
+  const std::vector<double>&grpc_ms = m.grpc_ms, &whole_ms = m.whole_ms, &stream_ms = m.stream_ms;
+  *verified = *verified && m.failed == 0;
+  const double g50 = Percentile(grpc_ms, 50);
+  t << "\nHTTP overhead (one client, one simulated group as fast as it can, max_tokens 1, " << o.overhead_requests
+    << " requests per path after " << kOverheadWarmUp << " warm-up, alternating in rounds; HTTP keep-alive)\n"
+    << "  path                 p50 ms   p99 ms   p50 - gRPC p50\n";
+  auto row = [&](const char* name, const std::vector<double>& v) {
+    t << "  " << std::left << std::setw(19) << name << std::right << std::setw(8) << Fmt(Percentile(v, 50), 3)
+      << std::setw(9) << Fmt(Percentile(v, 99), 3) << std::setw(12) << Fmt(Percentile(v, 50) - g50, 3) << "\n";
+  };
+  row("gRPC Generate", grpc_ms);
+  row("HTTP whole", whole_ms);
+  row("HTTP streamed", stream_ms);
+  if (m.failed > 0) t << "  NOT VERIFIED: " << m.failed << " requests failed; first: " << m.first_error << "\n";
+  doc["overhead"] = {{"requests", o.overhead_requests},
+                     {"grpc_ms", Summary(grpc_ms)},
+                     {"http_whole_ms", Summary(whole_ms)},
+                     {"http_stream_ms", Summary(stream_ms)},
+                     {"http_whole_minus_grpc_p50_ms", Percentile(whole_ms, 50) - g50},
+                     {"http_stream_minus_grpc_p50_ms", Percentile(stream_ms, 50) - g50},
+                     {"failed", m.failed}};
+  return Status::Ok();
+}
+
+// What the clients of one API saw under load: requests/s, every time to
+// first token and every gap, and the requests that failed.
+struct LoadTimes {
+  double rps = 0;
+  std::vector<double> ttft, gaps;
+  int64_t failed = 0;
+  std::string first_error;
+};
+
+// o.clients concurrent streaming clients of `api` (0: gRPC, 1: HTTP) until
+// every request is done.
+LoadTimes RunApiLoad(const HttpBenchOptions& o, const Target& target, const std::vector<Request>& requests,
+                     const text::Tokenizer& tok, int64_t vocab, int api) {
+  std::atomic<int64_t> next{0};
+  std::mutex mu;
+  LoadTimes m;
+  std::vector<double>&ttft = m.ttft, &gaps = m.gaps;
+  int64_t& failed = m.failed;
+  std::string& first_error = m.first_error;
+  const Clock::time_point t0 = Clock::now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < o.clients; ++c) {
+    clients.emplace_back([&] {
+      auto stub = v1::Mlarun::NewStub(grpc::CreateChannel(target.grpc_address(), grpc::InsecureChannelCredentials()));
+      auto http = NewClient(target.port());
+      for (int64_t i; (i = next++) < static_cast<int64_t>(requests.size());) {
+        const Request& r = requests[static_cast<size_t>(i)];
+        const Outcome oc = api == 0 ? CallGrpc(*stub, r, vocab) : CallHttp(*http, r, true, tok, vocab);
+        std::lock_guard lock(mu);
+        if (!oc.ok) {
+          if (first_error.empty()) first_error = oc.error;
+          ++failed;
+          continue;
+        }
+        ttft.push_back(oc.ttft_ms);
+        gaps.insert(gaps.end(), oc.gaps_ms.begin(), oc.gaps_ms.end());
+      }
+    });
+  }
+  for (auto& th : clients) th.join();
+  const double secs = MsSince(t0, Clock::now()) / 1000;
+  m.rps = static_cast<double>(requests.size()) / secs;
+  return m;
+}
+
+// ---- Load: N concurrent streaming clients, gRPC then HTTP, same coordinator.
+Status LoadSection(const HttpBenchOptions& o, const std::shared_ptr<const text::Tokenizer>& tok, int64_t vocab,
+                   std::ostream& t, bool* verified, json& doc) {
+  MLARUN_ASSIGN_OR_RETURN(auto target, Target::Start(tok, vocab, o.groups, o.tokens_per_s));
+  const std::vector<Request> requests = Requests(o.requests, o.max_tokens, vocab, 11);
+  t << "\nHTTP vs gRPC under load (" << o.clients << " streaming clients, " << o.requests << " requests of "
+    << o.max_tokens << " tokens, prompts 16-256 tokens, " << o.groups << " simulated groups at "
+    << Fmt(o.tokens_per_s, 0) << " tokens/s each; HTTP gaps are between text chunks)\n"
+    << "  api      req/s   ttft p50 ms  ttft p99 ms  itl p50 ms  itl p99 ms  verified\n";
+  doc["load"] = json::array();
+  for (int api = 0; api < 2; ++api) {
+    const LoadTimes m = RunApiLoad(o, *target, requests, *tok, vocab, api);
+    *verified = *verified && m.failed == 0;
+    const char* name = api == 0 ? "gRPC" : "HTTP";
+    t << "  " << std::left << std::setw(6) << name << std::right << std::setw(8) << Fmt(m.rps, 0) << std::setw(14)
+      << Fmt(Percentile(m.ttft, 50), 2) << std::setw(13) << Fmt(Percentile(m.ttft, 99), 2) << std::setw(12)
+      << Fmt(Percentile(m.gaps, 50), 2) << std::setw(12) << Fmt(Percentile(m.gaps, 99), 2) << "  "
+      << (m.failed == 0 ? "yes" : StrCat("NO (", m.failed, "): ", m.first_error)) << "\n";
+    doc["load"].push_back({{"api", name},
+                           {"requests_per_s", m.rps},
+                           {"ttft_ms", Summary(m.ttft)},
+                           {"itl_ms", Summary(m.gaps)},
+                           {"failed", m.failed}});
+  }
+  target->Stop();
+  doc["load_config"] = {{"clients", o.clients},
+                        {"requests", o.requests},
+                        {"max_tokens", o.max_tokens},
+                        {"groups", o.groups},
+                        {"tokens_per_s", o.tokens_per_s}};
+  return Status::Ok();
+}
+
 }  // namespace
 
 StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* verified) {
@@ -308,116 +457,8 @@ StatusOr<json> RunHttpBench(const HttpBenchOptions& o, std::ostream& t, bool* ve
   // the HTTP stream has one chunk per token, as the gRPC one has one message.
   const int64_t vocab = kAsciiVocab;
   json doc;
-
-  // ---- Overhead: one client, one group as fast as it can, max_tokens 1.
-  {
-    MLARUN_ASSIGN_OR_RETURN(auto target, Target::Start(tok, vocab, 1, 0));
-    auto stub = v1::Mlarun::NewStub(grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
-    auto http = NewClient(target->port());
-    constexpr int kWarmUp = 32, kRounds = 4;
-    const std::vector<Request> requests = Requests(o.overhead_requests + kWarmUp, 1, vocab, 3);
-    std::vector<double> grpc_ms, whole_ms, stream_ms;
-    int64_t failed = 0;
-    std::string first_error;
-    const size_t per_round = std::max<size_t>(1, requests.size() / kRounds);
-    for (size_t start = 0; start < requests.size(); start += per_round) {
-      const size_t end = std::min(requests.size(), start + per_round);
-      for (int path = 0; path < 3; ++path) {
-        for (size_t i = start; i < end; ++i) {
-          const Outcome oc =
-              path == 0 ? CallGrpc(*stub, requests[i], vocab) : CallHttp(*http, requests[i], path == 2, *tok, vocab);
-          if (!oc.ok) {
-            if (first_error.empty()) first_error = oc.error;
-            ++failed;
-            continue;
-          }
-          if (i < static_cast<size_t>(kWarmUp)) continue;
-          (path == 0 ? grpc_ms : path == 1 ? whole_ms : stream_ms).push_back(oc.total_ms);
-        }
-      }
-    }
-    http.reset();  // its keep-alive connection would hold the server's shutdown for its timeout
-    target->Stop();
-    *verified = *verified && failed == 0;
-    const double g50 = Percentile(grpc_ms, 50);
-    t << "\nHTTP overhead (one client, one simulated group as fast as it can, max_tokens 1, " << o.overhead_requests
-      << " requests per path after " << kWarmUp << " warm-up, alternating in rounds; HTTP keep-alive)\n"
-      << "  path                 p50 ms   p99 ms   p50 - gRPC p50\n";
-    auto row = [&](const char* name, const std::vector<double>& v) {
-      t << "  " << std::left << std::setw(19) << name << std::right << std::setw(8) << Fmt(Percentile(v, 50), 3)
-        << std::setw(9) << Fmt(Percentile(v, 99), 3) << std::setw(12) << Fmt(Percentile(v, 50) - g50, 3) << "\n";
-    };
-    row("gRPC Generate", grpc_ms);
-    row("HTTP whole", whole_ms);
-    row("HTTP streamed", stream_ms);
-    if (failed > 0) t << "  NOT VERIFIED: " << failed << " requests failed; first: " << first_error << "\n";
-    doc["overhead"] = {{"requests", o.overhead_requests},
-                       {"grpc_ms", Summary(grpc_ms)},
-                       {"http_whole_ms", Summary(whole_ms)},
-                       {"http_stream_ms", Summary(stream_ms)},
-                       {"http_whole_minus_grpc_p50_ms", Percentile(whole_ms, 50) - g50},
-                       {"http_stream_minus_grpc_p50_ms", Percentile(stream_ms, 50) - g50},
-                       {"failed", failed}};
-  }
-
-  // ---- Load: N concurrent streaming clients, gRPC then HTTP, same coordinator.
-  {
-    MLARUN_ASSIGN_OR_RETURN(auto target, Target::Start(tok, vocab, o.groups, o.tokens_per_s));
-    const std::vector<Request> requests = Requests(o.requests, o.max_tokens, vocab, 11);
-    t << "\nHTTP vs gRPC under load (" << o.clients << " streaming clients, " << o.requests << " requests of "
-      << o.max_tokens << " tokens, prompts 16-256 tokens, " << o.groups << " simulated groups at "
-      << Fmt(o.tokens_per_s, 0) << " tokens/s each; HTTP gaps are between text chunks)\n"
-      << "  api      req/s   ttft p50 ms  ttft p99 ms  itl p50 ms  itl p99 ms  verified\n";
-    doc["load"] = json::array();
-    for (int api = 0; api < 2; ++api) {
-      std::atomic<int64_t> next{0};
-      std::mutex mu;
-      std::vector<double> ttft, gaps;
-      int64_t failed = 0;
-      std::string first_error;
-      const Clock::time_point t0 = Clock::now();
-      std::vector<std::thread> clients;
-      for (int c = 0; c < o.clients; ++c) {
-        clients.emplace_back([&] {
-          auto stub =
-              v1::Mlarun::NewStub(grpc::CreateChannel(target->grpc_address(), grpc::InsecureChannelCredentials()));
-          auto http = NewClient(target->port());
-          for (int64_t i; (i = next++) < static_cast<int64_t>(requests.size());) {
-            const Request& r = requests[static_cast<size_t>(i)];
-            const Outcome oc = api == 0 ? CallGrpc(*stub, r, vocab) : CallHttp(*http, r, true, *tok, vocab);
-            std::lock_guard lock(mu);
-            if (!oc.ok) {
-              if (first_error.empty()) first_error = oc.error;
-              ++failed;
-              continue;
-            }
-            ttft.push_back(oc.ttft_ms);
-            gaps.insert(gaps.end(), oc.gaps_ms.begin(), oc.gaps_ms.end());
-          }
-        });
-      }
-      for (auto& th : clients) th.join();
-      const double secs = MsSince(t0, Clock::now()) / 1000;
-      const double rps = static_cast<double>(requests.size()) / secs;
-      *verified = *verified && failed == 0;
-      const char* name = api == 0 ? "gRPC" : "HTTP";
-      t << "  " << std::left << std::setw(6) << name << std::right << std::setw(8) << Fmt(rps, 0) << std::setw(14)
-        << Fmt(Percentile(ttft, 50), 2) << std::setw(13) << Fmt(Percentile(ttft, 99), 2) << std::setw(12)
-        << Fmt(Percentile(gaps, 50), 2) << std::setw(12) << Fmt(Percentile(gaps, 99), 2) << "  "
-        << (failed == 0 ? "yes" : StrCat("NO (", failed, "): ", first_error)) << "\n";
-      doc["load"].push_back({{"api", name},
-                             {"requests_per_s", rps},
-                             {"ttft_ms", Summary(ttft)},
-                             {"itl_ms", Summary(gaps)},
-                             {"failed", failed}});
-    }
-    target->Stop();
-    doc["load_config"] = {{"clients", o.clients},
-                          {"requests", o.requests},
-                          {"max_tokens", o.max_tokens},
-                          {"groups", o.groups},
-                          {"tokens_per_s", o.tokens_per_s}};
-  }
+  MLARUN_RETURN_IF_ERROR(OverheadSection(o, tok, vocab, t, verified, doc));
+  MLARUN_RETURN_IF_ERROR(LoadSection(o, tok, vocab, t, verified, doc));
   return doc;
 }
 
