@@ -58,7 +58,9 @@ struct SamplingParams {
 // max_tokens_limit, stop ids outside [0, vocab_size), logprobs outside
 // [0, kMaxTopLogprobs], prompt_logprobs outside [-1, kMaxTopLogprobs]. Every message starts
 // with the field's name ("top_p must be ..."), so a caller can prefix its
-// path ("sampling."). A caller without a limit passes INT64_MAX.
+// path ("sampling."). A caller without a limit passes INT64_MAX. The one
+// place of these ranges: the coordinator and the workers check every request
+// with it (ValidateRequest), the HTTP API what its requests' fields map to.
 Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64_t max_tokens_limit);
 
 }  // namespace mlarun

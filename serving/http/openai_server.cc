@@ -1,6 +1,9 @@
 // The HTTP API around the Dispatcher. One exchange (an HTTP request) is:
-//   parse and check the JSON body (ParseBody: every field's type and range,
-//   400 naming it), turn the prompt or the messages into token ids, submit one
+//   parse the JSON body (ParseCompletion, ParseChat: every field's JSON type,
+//   the ranges of the fields only this API has; the engine's fields mapped
+//   onto SamplingParams and checked by ValidateSamplingParams, the one place
+//   of their ranges; a 400 naming the request's field), turn the prompt or
+//   the messages into token ids, submit one
 //   dispatcher request per choice with a ChoiceOutlet of the exchange, then
 //   wait on the exchange's condition variable, turning each choice's tokens
 //   into text (IncrementalDecoder, then StopMatcher), and answer: the whole
@@ -42,6 +45,7 @@
 #include <vector>
 
 #include "mlarun.pb.h"
+#include "runtime/request/sampling_params.h"
 #include "serving/coordinator/dispatcher.h"
 #include "serving/http/metrics.h"
 #include "serving/proto/proto_sampling.h"
@@ -68,6 +72,12 @@ constexpr size_t kMaxStops = 16;           // stop strings
 constexpr size_t kMaxPrompts = 1024;       // a batch of prompts
 constexpr size_t kMaxRequests = 1024;      // prompts x n: the dispatcher requests of one exchange
 constexpr int64_t kDefaultMaxTokens = 16;  // completions, as OpenAI
+// The largest token count this API takes: max_tokens (ValidateSamplingParams'
+// max_tokens_limit here; the dispatcher checks it against the model's context
+// again), min_tokens, and top_k. top_k's bound is this API's alone: the wire's
+// top_k is any int64, and a gRPC client may ask for more than the vocabulary
+// (all of it).
+constexpr int64_t kMaxCount = std::numeric_limits<int32_t>::max();
 
 // ---- Errors -------------------------------------------------------------------
 
@@ -168,24 +178,40 @@ bool GetBool(const json& body, const char* name, bool fallback) {
   return v->get<bool>();
 }
 
-// An integer (a float with an integral value too, as Python's JSON gives
-// 1.0 for 1 sometimes), in [lo, hi].
-std::optional<int64_t> GetInt(const json& body, const char* name, int64_t lo, int64_t hi) {
+// The body's integer `name` (a float with an integral value too, as
+// Python's JSON gives 1.0 for 1 sometimes). One beyond int64 (only a
+// positive one parses as an integer) reads as INT64_MAX, *beyond set.
+std::optional<int64_t> IntField(const json& body, const char* name, bool* beyond) {
   const json* v = Field(body, name);
+  *beyond = false;
   if (v == nullptr) return std::nullopt;
-  int64_t x = 0;
   if (v->is_number_integer()) {
-    if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      throw BadField(name, StrCat("must be at most ", hi));
-    x = v->get<int64_t>();
-  } else if (v->is_number_float() && std::isfinite(v->get<double>()) &&
-             std::floor(v->get<double>()) == v->get<double>() && std::fabs(v->get<double>()) < 9e15) {
-    x = static_cast<int64_t>(v->get<double>());
-  } else {
-    throw BadField(name, StrCat("must be an integer, got ", TypeName(*v)));
+    *beyond =
+        v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+    return *beyond ? std::numeric_limits<int64_t>::max() : v->get<int64_t>();
   }
-  if (x < lo || x > hi) throw BadField(name, StrCat("must be in [", lo, ", ", hi, "], got ", x));
+  if (v->is_number_float() && std::isfinite(v->get<double>()) && std::floor(v->get<double>()) == v->get<double>() &&
+      std::fabs(v->get<double>()) < 9e15)
+    return static_cast<int64_t>(v->get<double>());
+  throw BadField(name, StrCat("must be an integer, got ", TypeName(*v)));
+}
+
+// An integer in [lo, hi]: the fields whose range is this API's alone (n,
+// best_of, min_tokens, seed).
+std::optional<int64_t> GetInt(const json& body, const char* name, int64_t lo, int64_t hi) {
+  bool beyond = false;
+  const std::optional<int64_t> x = IntField(body, name, &beyond);
+  if (beyond) throw BadField(name, StrCat("must be at most ", hi));
+  if (x && (*x < lo || *x > hi)) throw BadField(name, StrCat("must be in [", lo, ", ", hi, "], got ", *x));
   return x;
+}
+
+// An integer of the engine's (max_tokens, top_k, top_logprobs): its type
+// only, its value is ValidateSamplingParams' to check (SamplingError). One
+// beyond int64 reads as INT64_MAX, outside each of their ranges.
+std::optional<int64_t> GetEngineInt(const json& body, const char* name) {
+  bool beyond = false;
+  return IntField(body, name, &beyond);
 }
 
 std::optional<double> GetNumber(const json& body, const char* name) {
@@ -227,25 +253,25 @@ struct Params {
   std::vector<std::vector<int32_t>> prompts;  // token ids, one per prompt of the batch
   std::vector<std::string> echo_texts;        // per prompt, when `echo`
   int64_t n = 1;
-  std::optional<int64_t> max_tokens;
-  std::string max_tokens_field = "max_tokens";
-  double temperature = 1.0;
-  double top_p = 1.0;
-  int64_t top_k = 0;
-  std::optional<uint64_t> seed;
+  // What every choice asks of the engine, checked by ValidateSamplingParams
+  // (SamplingError). Submit sets each choice's seed, and a chat's max_tokens
+  // when the request gives none. temperature: 1 unless given, as OpenAI's.
+  // logprobs: the most likely tokens beside each generated one (completions'
+  // logprobs, chat's top_logprobs); prompt_logprobs: completions' echo with
+  // logprobs, the prompt's too, with this many beside each.
+  SamplingParams sampling{.temperature = 1.0, .max_tokens = kDefaultMaxTokens};
+  bool max_tokens_given = false;
+  std::string max_tokens_field = "max_tokens";  // the request's name of sampling.max_tokens
+  std::optional<uint64_t> seed;                 // none: each choice a random one
   std::vector<std::string> stop;
-  std::vector<int64_t> stop_token_ids;
-  bool ignore_eos = false;
-  bool logprobs = false;         // the chosen tokens' logprobs
-  int64_t top_logprobs = 0;      // the most likely tokens beside each (completions' logprobs, chat's top_logprobs)
-  int64_t prompt_logprobs = -1;  // completions' echo with logprobs: the prompt's too, with this many beside each
+  bool logprobs = false;  // the chosen tokens' logprobs
   bool echo = false;
   bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
   bool skip_special_tokens = true;
 };
 
-// Fields common to both endpoints (everything but the prompt).
-void ParseSampling(const json& body, Params& p) {
+// stream, stream_options, n and best_of: how many choices, and how they come back.
+void ParseChoices(const json& body, Params& p) {
   p.stream = GetBool(body, "stream", false);
   if (const json* so = Field(body, "stream_options")) {
     if (!so->is_object()) throw BadField("stream_options", StrCat("must be an object, got ", TypeName(*so)));
@@ -255,52 +281,61 @@ void ParseSampling(const json& body, Params& p) {
   p.n = GetInt(body, "n", 1, kMaxChoices).value_or(1);
   if (std::optional<int64_t> best_of = GetInt(body, "best_of", 1, kMaxChoices); best_of && *best_of != p.n)
     throw BadField("best_of", "only best_of == n is supported (each choice is one sample)");
-  if (Field(body, "max_completion_tokens") != nullptr) {
-    p.max_tokens = GetInt(body, "max_completion_tokens", 1, std::numeric_limits<int32_t>::max());
-    p.max_tokens_field = "max_completion_tokens";
-  } else {
-    // 0 only with completions' echo (ParseCompletion): the prompt alone.
-    p.max_tokens = GetInt(body, "max_tokens", 0, std::numeric_limits<int32_t>::max());
+}
+
+// The engine's fields both endpoints share, into p.sampling: their JSON types
+// only. Their values are checked by SamplingError, once the endpoint has
+// mapped its own fields (logprobs, echo) too.
+void ParseEngineFields(const json& body, Params& p) {
+  SamplingParams& s = p.sampling;
+  // max_completion_tokens, when present, is the one read (0 only with
+  // completions' echo, ParseCompletionFields).
+  if (Field(body, "max_completion_tokens") != nullptr) p.max_tokens_field = "max_completion_tokens";
+  if (std::optional<int64_t> m = GetEngineInt(body, p.max_tokens_field.c_str())) {
+    s.max_tokens = *m;
+    p.max_tokens_given = true;
   }
-  if (std::optional<double> t = GetNumber(body, "temperature")) {
-    if (*t < 0 || *t > 100) throw BadField("temperature", StrCat("must be in [0, 100], got ", *t));
-    p.temperature = *t;
-  }
-  if (std::optional<double> t = GetNumber(body, "top_p")) {
-    if (!(*t > 0) || *t > 1) throw BadField("top_p", StrCat("must be in (0, 1], got ", *t));
-    p.top_p = *t;
-  }
-  p.top_k = GetInt(body, "top_k", -1, std::numeric_limits<int32_t>::max()).value_or(0);
-  if (std::optional<int64_t> s =
+  if (std::optional<double> t = GetNumber(body, "temperature")) s.temperature = *t;
+  if (std::optional<double> t = GetNumber(body, "top_p")) s.top_p = *t;
+  s.top_k = GetEngineInt(body, "top_k").value_or(0);
+  // Any int64, as the wire's uint64 (-1 is 2^64 - 1).
+  if (std::optional<int64_t> seed =
           GetInt(body, "seed", std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()))
-    p.seed = static_cast<uint64_t>(*s);
-  if (const json* stop = Field(body, "stop")) {
-    if (stop->is_string()) {
-      p.stop.push_back(stop->get<std::string>());
-    } else if (stop->is_array()) {
-      if (stop->size() > kMaxStops)
-        throw BadField("stop", StrCat("at most ", kMaxStops, " strings, got ", stop->size()));
-      for (const json& s : *stop) {
-        if (!s.is_string())
-          throw BadField("stop", StrCat("must be a string or an array of strings, got an array holding ", TypeName(s)));
-        p.stop.push_back(s.get<std::string>());
-      }
-    } else {
-      throw BadField("stop", StrCat("must be a string or an array of strings, got ", TypeName(*stop)));
-    }
-  }
+    p.seed = static_cast<uint64_t>(*seed);
   if (const json* ids = Field(body, "stop_token_ids")) {
     if (!ids->is_array())
       throw BadField("stop_token_ids", StrCat("must be an array of token ids, got ", TypeName(*ids)));
     for (const json& t : *ids) {
-      if (!t.is_number_integer() || t.get<int64_t>() < 0)
-        throw BadField("stop_token_ids", "must hold token ids (integers >= 0)");
-      p.stop_token_ids.push_back(t.get<int64_t>());
+      if (!t.is_number_integer())
+        throw BadField("stop_token_ids", StrCat("must hold token ids (integers), got ", TypeName(t)));
+      s.stop_token_ids.push_back(t.get<int64_t>());
     }
   }
-  p.ignore_eos = GetBool(body, "ignore_eos", false);
-  p.skip_special_tokens = GetBool(body, "skip_special_tokens", true);
-  if (GetInt(body, "min_tokens", 0, std::numeric_limits<int32_t>::max()).value_or(0) > 0)
+  s.ignore_eos = GetBool(body, "ignore_eos", false);
+}
+
+// stop: a string or at most kMaxStops of them (this API matches them in the text).
+void ParseStop(const json& body, Params& p) {
+  const json* stop = Field(body, "stop");
+  if (stop == nullptr) return;
+  if (stop->is_string()) {
+    p.stop.push_back(stop->get<std::string>());
+  } else if (stop->is_array()) {
+    if (stop->size() > kMaxStops) throw BadField("stop", StrCat("at most ", kMaxStops, " strings, got ", stop->size()));
+    for (const json& s : *stop) {
+      if (!s.is_string())
+        throw BadField("stop", StrCat("must be a string or an array of strings, got an array holding ", TypeName(s)));
+      p.stop.push_back(s.get<std::string>());
+    }
+  } else {
+    throw BadField("stop", StrCat("must be a string or an array of strings, got ", TypeName(*stop)));
+  }
+}
+
+// Fields the engine has no use for: accepted only with the values that ask
+// nothing of it (or, for user and model, of the right type).
+void ParseUnsupported(const json& body) {
+  if (GetInt(body, "min_tokens", 0, kMaxCount).value_or(0) > 0)
     throw BadField("min_tokens", "only 0 is supported (the engine has no minimum length)");
   RequireValue(body, "presence_penalty", 0, "the engine applies no penalties");
   RequireValue(body, "frequency_penalty", 0, "the engine applies no penalties");
@@ -313,29 +348,69 @@ void ParseSampling(const json& body, Params& p) {
     throw BadField("model", StrCat("must be a string, got ", TypeName(*model)));
 }
 
-void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
-  ParseSampling(body, p);
+// Fields common to both endpoints (everything but the prompt), their types.
+void ParseSampling(const json& body, Params& p) {
+  ParseChoices(body, p);
+  ParseEngineFields(body, p);
+  ParseStop(body, p);
+  p.skip_special_tokens = GetBool(body, "skip_special_tokens", true);
+  ParseUnsupported(body);
+}
+
+// ValidateSamplingParams on what the request asks of the engine: its error as
+// the 400 of the request's own field, nullopt when there is none. Its
+// messages start with the SamplingParams field's name, which becomes the
+// request's: p.max_tokens_field for max_tokens, `logprobs_field` for
+// logprobs and prompt_logprobs. The model's own limits (its vocabulary, its
+// context) are the dispatcher's to check, as for every request; max_tokens
+// and top_k are at most kMaxCount here.
+std::optional<ApiError> SamplingError(const Params& p, const std::string& logprobs_field) {
+  const Status st = ValidateSamplingParams(p.sampling, /*vocab_size=*/std::numeric_limits<int64_t>::max(), kMaxCount);
+  if (st.ok()) {
+    if (p.sampling.top_k <= kMaxCount) return std::nullopt;
+    return BadField("top_k", StrCat("must be at most ", kMaxCount, ", got ", p.sampling.top_k));
+  }
+  const std::string& message = st.message();
+  const size_t end = std::min(message.find_first_of(" ["), message.size());
+  std::string field = message.substr(0, end);
+  if (field == "max_tokens") {
+    field = p.max_tokens_field;
+  } else if (field == "logprobs" || field == "prompt_logprobs") {
+    field = logprobs_field;
+  }
+  return ApiError{.status = 400, .message = field + message.substr(end), .param = field};
+}
+
+// Completions' own fields but the prompt: logprobs (an integer: the most
+// likely tokens beside each), echo (max_tokens 0 only with it), suffix;
+// then the engine's fields checked.
+void ParseCompletionFields(const json& body, Params& p) {
   if (const json* lp = Field(body, "logprobs")) {
     if (!lp->is_number_integer()) throw BadField("logprobs", StrCat("must be an integer, got ", TypeName(*lp)));
-    const int64_t k = lp->get<int64_t>();
-    if (k < 0 || k > kMaxTopLogprobs)
-      throw BadField("logprobs", StrCat("must be in [0, ", kMaxTopLogprobs, "], got ", k));
     p.logprobs = true;
-    p.top_logprobs = k;
+    p.sampling.logprobs = lp->get<int64_t>();
   }
   p.echo = GetBool(body, "echo", false);
   // echo with logprobs: the prompt's tokens come with theirs (as vLLM's
   // prompt_logprobs = logprobs), which the group computes from the whole prompt.
-  if (p.echo && p.logprobs) p.prompt_logprobs = p.top_logprobs;
+  if (p.echo && p.logprobs) p.sampling.prompt_logprobs = p.sampling.logprobs;
   // echo with max_tokens 0: the prompt alone (with its logprobs, if asked),
   // as vLLM: the group generates one token, which is not shown.
-  if (p.max_tokens == 0) {
-    if (!p.echo) throw BadField("max_tokens", "must be in [1, 2147483647], got 0 (0 only with echo: the prompt alone)");
+  if (p.echo && p.max_tokens_given && p.max_tokens_field == "max_tokens" && p.sampling.max_tokens == 0) {
     p.echo_only = true;
+    p.sampling.max_tokens = 1;
+  }
+  if (std::optional<ApiError> e = SamplingError(p, "logprobs")) {
+    if (e->param == "max_tokens" && p.sampling.max_tokens == 0) e->message += " (0 only with echo: the prompt alone)";
+    throw *e;
   }
   if (const json* suffix = Field(body, "suffix");
       suffix != nullptr && !(suffix->is_string() && suffix->get<std::string>().empty()))
     throw BadField("suffix", "not supported");
+}
+
+// prompt: a string, an array of token ids, or a batch of either.
+void ParsePrompt(const json& body, const text::Tokenizer& tokenizer, Params& p) {
   const json* prompt = Field(body, "prompt");
   if (prompt == nullptr) throw BadField("prompt", "required");
   auto add_text = [&](const std::string& text) {
@@ -376,6 +451,12 @@ void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params&
   }
 }
 
+void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
+  ParseSampling(body, p);
+  ParseCompletionFields(body, p);
+  ParsePrompt(body, tokenizer, p);
+}
+
 // A message's content as the templates take it: a string (or null); an
 // array of text parts is joined with newlines, as vLLM does.
 json MessageContent(const json& content, size_t i) {
@@ -399,22 +480,27 @@ json MessageContent(const json& content, size_t i) {
   return joined;
 }
 
-void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::ChatTemplate* tmpl,
-               const std::string& template_error, Params& p) {
-  ParseSampling(body, p);
+// Chat's own fields but the messages: logprobs (a boolean: the chosen
+// tokens'), top_logprobs (the most likely tokens beside each, only with
+// logprobs), tools, response_format; the engine's fields checked first.
+void ParseChatFields(const json& body, Params& p) {
   p.chat = true;
-  if (p.max_tokens == 0) throw BadField("max_tokens", "must be in [1, 2147483647], got 0");
   p.logprobs = GetBool(body, "logprobs", false);
-  if (std::optional<int64_t> top = GetInt(body, "top_logprobs", 0, kMaxTopLogprobs); top && *top > 0) {
-    if (!p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
-    p.top_logprobs = *top;
-  }
+  const std::optional<int64_t> top = GetEngineInt(body, "top_logprobs");
+  p.sampling.logprobs = top.value_or(0);
+  if (std::optional<ApiError> e = SamplingError(p, "top_logprobs")) throw *e;
+  if (top && *top > 0 && !p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
   if (const json* tools = Field(body, "tools"); tools != nullptr && !(tools->is_array() && tools->empty()))
     throw BadField("tools", "tool calls are not supported");
   if (const json* rf = Field(body, "response_format")) {
     if (!rf->is_object() || rf->value("type", "") != "text")
       throw BadField("response_format", "only {\"type\": \"text\"} is supported");
   }
+}
+
+// messages, each an object with a string role and its content as the
+// templates take it (MessageContent); other keys as given.
+json ChatMessages(const json& body) {
   const json* messages = Field(body, "messages");
   if (messages == nullptr) throw BadField("messages", "required");
   if (!messages->is_array()) throw BadField("messages", StrCat("must be an array, got ", TypeName(*messages)));
@@ -430,6 +516,14 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
     copy["content"] = MessageContent(m.value("content", json(nullptr)), i);
     msgs.push_back(std::move(copy));
   }
+  return msgs;
+}
+
+void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::ChatTemplate* tmpl,
+               const std::string& template_error, Params& p) {
+  ParseSampling(body, p);
+  ParseChatFields(body, p);
+  json msgs = ChatMessages(body);
   if (tmpl == nullptr) {
     throw ApiError{.status = 400, .message = template_error, .param = "messages", .code = "chat_template_unsupported"};
   }
@@ -611,9 +705,9 @@ class Exchange {
                                         : std::chrono::system_clock::time_point::max();
     for (size_t p = 0; p < params_.prompts.size(); ++p) {
       const std::vector<int32_t>& prompt = params_.prompts[p];
-      int64_t max_tokens = params_.echo_only ? 1 : params_.max_tokens.value_or(kDefaultMaxTokens);
-      if (!params_.max_tokens && params_.chat && max_positions > static_cast<int64_t>(prompt.size()))
-        max_tokens = max_positions - static_cast<int64_t>(prompt.size());  // chat: up to the context, as vLLM
+      SamplingParams sampling = params_.sampling;
+      if (!params_.max_tokens_given && params_.chat && max_positions > static_cast<int64_t>(prompt.size()))
+        sampling.max_tokens = max_positions - static_cast<int64_t>(prompt.size());  // chat: up to the context, as vLLM
       for (int64_t i = 0; i < params_.n; ++i) {
         const size_t k = p * static_cast<size_t>(params_.n) + static_cast<size_t>(i);
         Choice& c = choices_[k];
@@ -623,18 +717,10 @@ class Exchange {
         c.stop = std::make_unique<text::StopMatcher>(params_.stop);
         v1::GenerateRequest request;
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
-        v1::SamplingParams* s = request.mutable_sampling();
-        s->set_temperature(params_.temperature);
-        s->set_top_k(params_.top_k);
-        s->set_top_p(params_.top_p);
         // n choices of one request: seed, seed + 1, ... (reproducible, and
         // distinct when sampling); without a seed, each its own random one.
-        s->set_seed(params_.seed ? *params_.seed + static_cast<uint64_t>(i) : rng());
-        s->set_max_tokens(max_tokens);
-        for (int64_t id : params_.stop_token_ids) s->add_stop_token_ids(id);
-        s->set_ignore_eos(params_.ignore_eos);
-        s->set_logprobs(params_.top_logprobs);
-        if (params_.prompt_logprobs >= 0) s->set_prompt_logprobs(params_.prompt_logprobs);
+        sampling.seed = params_.seed ? *params_.seed + static_cast<uint64_t>(i) : rng();
+        ToProto(sampling, request.mutable_sampling());
         c.accepted = dispatcher_->Submit(std::make_shared<ChoiceOutlet>(state_, k), request, principal, deadline);
       }
     }
@@ -762,7 +848,7 @@ class Exchange {
         // echo with logprobs: the echo's chunk waits for the prompt's
         // logprobs, which come before the first token.
         const bool prompt_complete = c.prompt_logprobs.size() + 1 >= params_.prompts[c.prompt].size();
-        if (params_.prompt_logprobs >= 0 && !prompt_complete && c.completion_tokens == 0 && !c.ended) continue;
+        if (params_.sampling.prompt_logprobs >= 0 && !prompt_complete && c.completion_tokens == 0 && !c.ended) continue;
         c.started = true;
         if (params_.chat) {
           out += Event(Chunk(c, json{{"role", "assistant"}, {"content", ""}}, json(nullptr), json(nullptr)));

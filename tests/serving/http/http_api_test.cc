@@ -685,6 +685,70 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
   EXPECT_EQ(again, 200);
 }
 
+// The engine's fields take their ranges from ValidateSamplingParams: a value
+// just outside one is a 400 naming the request's field and the range, on
+// both endpoints; a value on the edge is accepted.
+TEST_F(HttpApiTest, SamplingRangesAreValidateSamplingParams) {
+  const json messages = json::array({{{"role", "user"}, {"content", "x"}}});
+  // `fields` added to a request of each endpoint: 400 naming `param`, its
+  // message holding `range`.
+  auto refused = [&](const json& fields, const std::string& param, const std::string& range, bool chat) {
+    json body = chat ? json{{"messages", messages}} : json{{"prompt", "x"}};
+    body.update(fields);
+    auto [status, e] = d_->Post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+    EXPECT_EQ(status, 400) << body.dump() << " -> " << e.dump();
+    EXPECT_EQ(e["error"]["param"], param) << body.dump() << " -> " << e.dump();
+    EXPECT_EQ(e["error"]["type"], "invalid_request_error") << e.dump();
+    const std::string message = e["error"].value("message", "");
+    EXPECT_TRUE(message.starts_with(param)) << message;
+    EXPECT_NE(message.find(range), std::string::npos) << body.dump() << " -> " << message;
+  };
+  for (const bool chat : {false, true}) {
+    SCOPED_TRACE(chat ? "chat" : "completions");
+    refused({{"temperature", -0.5}}, "temperature", "[0, 100]", chat);
+    refused({{"temperature", 100.5}}, "temperature", "[0, 100]", chat);
+    refused({{"top_p", 0}}, "top_p", "(0, 1]", chat);
+    refused({{"top_p", 1.01}}, "top_p", "(0, 1]", chat);
+    refused({{"top_k", -2}}, "top_k", ">= -1", chat);
+    refused({{"top_k", int64_t{1} << 31}}, "top_k", "at most 2147483647", chat);
+    refused({{"max_tokens", 0}}, "max_tokens", ">= 1", chat);
+    refused({{"max_tokens", -1}}, "max_tokens", ">= 1", chat);
+    refused({{"max_tokens", int64_t{1} << 31}}, "max_tokens", "[1, 2147483647]", chat);
+    refused({{"max_completion_tokens", 0}}, "max_completion_tokens", ">= 1", chat);
+    refused({{"max_completion_tokens", int64_t{1} << 31}}, "max_completion_tokens", "[1, 2147483647]", chat);
+    refused({{"stop_token_ids", {1, -1}}}, "stop_token_ids", ">= 0", chat);
+  }
+  // max_tokens 0 is the prompt alone with echo, else refused; not through
+  // max_completion_tokens.
+  refused({{"max_tokens", 0}, {"echo", false}}, "max_tokens", "only with echo", false);
+  refused({{"max_completion_tokens", 0}, {"echo", true}}, "max_completion_tokens", ">= 1", false);
+  // The alternatives per token: completions' logprobs, chat's top_logprobs.
+  refused({{"logprobs", -1}}, "logprobs", "[0, 20]", false);
+  refused({{"logprobs", 21}}, "logprobs", "[0, 20]", false);
+  refused({{"logprobs", 21}, {"echo", true}}, "logprobs", "[0, 20]", false);
+  refused({{"logprobs", true}, {"top_logprobs", -1}}, "top_logprobs", "[0, 20]", true);
+  refused({{"logprobs", true}, {"top_logprobs", 21}}, "top_logprobs", "[0, 20]", true);
+  refused({{"top_logprobs", 21}}, "top_logprobs", "[0, 20]", true);  // the range before needing logprobs
+
+  // On the edges: accepted (the chat template permitting).
+  const json edges = {{"temperature", 100}, {"top_p", 1}, {"top_k", -1}, {"max_tokens", 1}, {"stop_token_ids", {0}}};
+  json completion = edges;
+  completion.update(json{{"prompt", "x"}, {"logprobs", 20}, {"echo", true}});
+  auto [cs, cbody] = d_->Post("/v1/completions", completion);
+  EXPECT_EQ(cs, 200) << cbody.dump();
+  json only = {{"prompt", "x"}, {"max_tokens", 0}, {"echo", true}, {"logprobs", 0}};
+  auto [os, obody] = d_->Post("/v1/completions", only);
+  EXPECT_EQ(os, 200) << obody.dump();
+  json chat = edges;
+  chat.update(json{{"messages", messages}, {"logprobs", true}, {"top_logprobs", 20}});
+  auto [chs, chbody] = d_->Post("/v1/chat/completions", chat);
+#ifdef MLARUN_NO_CHAT_TEMPLATE
+  EXPECT_EQ(chbody["error"]["param"], "messages") << chbody.dump();
+#else
+  EXPECT_EQ(chs, 200) << chbody.dump();
+#endif
+}
+
 TEST_F(HttpApiTest, ModelsAndHealth) {
   auto res = d_->Client().Get("/v1/models");
   ASSERT_TRUE(res);
