@@ -97,8 +97,9 @@ struct Node {
 // outside the subset: "chat template line N: ...".
 StatusOr<NodeList> ParseTemplate(const std::string& source);
 
-// The filters and tests the interpreter implements (chat_template.cc); Parse
-// refuses any other name, as jinja2 does when it compiles.
+// The filters and tests the interpreter implements (jinja_filters.cc,
+// jinja_tests.cc); Parse refuses any other name, as jinja2 does when it
+// compiles.
 bool IsKnownFilter(const std::string& name);
 bool IsKnownTest(const std::string& name);
 
