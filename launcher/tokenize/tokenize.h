@@ -1,5 +1,6 @@
-// `mlarun tokenize`: the tokenizer of a model from the command line. main.cc
-// parses the flags into these options and returns the function's exit code.
+// `mlarun tokenize`: the tokenizer of a model from the command line.
+// launcher/commands/tokenize.cc parses the flags into these options and returns
+// the function's exit code.
 #pragma once
 
 #include <iosfwd>

@@ -1,0 +1,238 @@
+// `mlarun bench attention|decode|memory|gemm|comm|serve|tokenize`: the
+// benchmarks of bench/, one subcommand each.
+#include <omp.h>
+
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "bench/attention_bench.h"
+#include "bench/comm_bench.h"
+#include "bench/decode_bench.h"
+#include "bench/gemm_bench.h"
+#include "bench/memory_bench.h"
+#include "bench/serve_bench.h"
+#include "bench/tokenize_bench.h"
+#include "launcher/commands/commands.h"
+#include "parallel/mpi/mpi_world.h"
+
+namespace mlarun::commands {
+namespace {
+
+void AddBenchAttention(CLI::App* bench, CommandTable& table) {
+  struct Flags {
+    AttentionBenchOptions ab;
+    std::string dtype = "bf16";
+  };
+  auto f = std::make_shared<Flags>();
+  AttentionBenchOptions& ab = f->ab;
+  auto* attn = bench->add_subcommand("attention", "Absorbed vs expanded MLA attention on this machine");
+  attn->add_flag("--quick", ab.quick, "Decode rows and a small grid (well under a minute)");
+  attn->add_flag("--json", ab.json, "Print one JSON document on stdout (the table goes to stderr)");
+  attn->add_option("--svg", ab.svg_path, "Draw the query-length x context grid into this SVG file");
+  attn->add_option("--dtype", f->dtype, "Cache and weight dtype: bf16 or f32")->capture_default_str();
+  attn->add_option("--heads", ab.heads, "Query heads (128 = DeepSeek-V3 at TP 1)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  attn->add_option("--threads", ab.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  attn->add_option("--repetitions", ab.repetitions, "Timed repetitions per point (median reported)")
+      ->check(CLI::NonNegativeNumber);
+  attn->add_option("--min-time", ab.min_time_s, "Seconds per repetition")->check(CLI::NonNegativeNumber);
+  attn->add_option("--contexts", ab.contexts, "Grid contexts S (cached tokens before the query block)")->delimiter(',');
+  attn->add_option("--query-lens", ab.query_lens, "Grid query lengths Q")->delimiter(',');
+  attn->add_option("--write-thresholds", ab.write_thresholds,
+                   "Write the suggested dispatch thresholds to this file (for --attention-thresholds)");
+  table.Add(attn, [f](ProcessArgs) {
+    auto dt = ParseDType(f->dtype);
+    if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32)) {
+      std::fprintf(stderr, "mlarun: --dtype must be bf16 or f32, got '%s'\n", f->dtype.c_str());
+      return 2;
+    }
+    f->ab.dtype = *dt;
+    if (f->ab.threads > 0) omp_set_num_threads(f->ab.threads);
+    const Status st = RunAttentionBench(f->ab);
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench attention: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  });
+}
+
+void AddBenchDecode(CLI::App* bench, CommandTable& table) {
+  struct Flags {
+    DecodeBenchOptions db;
+    int threads = 0;
+  };
+  auto f = std::make_shared<Flags>();
+  DecodeBenchOptions& db = f->db;
+  auto* dec = bench->add_subcommand("decode", "Decode and prefill throughput of one process, and where a step goes");
+  dec->add_option("--model", db.deployment.model, "Checkpoint directory or configs/models/*.yaml")
+      ->capture_default_str();
+  dec->add_option("--num-layers", db.deployment.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
+  dec->add_option("--experts", db.deployment.experts,
+                  "Routed experts kept (YAML models), so large shapes fit in memory")
+      ->check(CLI::PositiveNumber);
+  dec->add_option("--batch", db.batches, "Batch sizes")->delimiter(',')->capture_default_str();
+  dec->add_option("--context", db.contexts, "Context lengths (tokens already cached per sequence)")
+      ->delimiter(',')
+      ->capture_default_str();
+  dec->add_option("--prefill-tokens", db.prefill_tokens, "Prompt tokens of the prefill measurement")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  dec->add_option("--repetitions", db.repetitions, "Timed steps per point (median)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  dec->add_option("--kv-dtype", db.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  AddWeightsFlag(dec, db.deployment.weights);
+  AddDeviceFlag(dec, db.deployment.device);
+  AddFp8WeightsFlag(dec, db.deployment.fp8_weights);
+  dec->add_option("--threads", f->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
+  dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");
+  table.Add(dec, [f](ProcessArgs args) {
+    if (f->threads > 0) omp_set_num_threads(f->threads);
+    Status st;
+    if (f->db.deployment.parallel.empty()) {
+      st = RunDecodeBench(f->db);
+    } else {
+      auto session = MpiSession::Init(args.argc, args.argv);
+      st = session.ok() ? RunDecodeBenchParallel(f->db, **session) : session.status();
+    }
+    if (!st.ok()) {
+      std::fprintf(stderr, "mlarun bench decode: %s\n", st.ToString().c_str());
+      return 1;
+    }
+    return 0;
+  });
+}
+
+void AddBenchMemory(CLI::App* bench, CommandTable& table) {
+  struct Flags {
+    MemoryBenchOptions mb;
+    int threads = 0;
+  };
+  auto f = std::make_shared<Flags>();
+  auto* bench_mem = bench->add_subcommand(
+      "memory", "The memory's streaming read bandwidth, as bench decode measures it next to each step");
+  bench_mem->add_option("--passes", f->mb.passes, "Timed passes (after one untimed)")->capture_default_str();
+  bench_mem->add_option("--bytes", f->mb.bytes, "Buffer bytes (default: 4 x the last-level cache, 1-2 GiB)");
+  bench_mem->add_option("--threads", f->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  bench_mem->add_flag("--json", f->mb.json, "One JSON document on stdout (the table goes to stderr)");
+  table.Add(bench_mem, [f](ProcessArgs) {
+    if (f->threads > 0) omp_set_num_threads(f->threads);
+    return ExitStatus("bench memory", RunMemoryBench(f->mb, std::cout, std::cerr));
+  });
+}
+
+void AddBenchGemm(CLI::App* bench, CommandTable& table) {
+  struct Flags {
+    GemmBenchOptions gb;
+    int threads = 0;
+  };
+  auto f = std::make_shared<Flags>();
+  GemmBenchOptions& gb = f->gb;
+  auto* bench_gemm =
+      bench->add_subcommand("gemm", "Our matrix-product kernels against each other and oneDNN, by row count");
+  bench_gemm->add_option("--rows", gb.rows, "Row counts of A (m), comma-separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench_gemm->add_option("--n", gb.n, "B's columns, a weight's rows (default: a weight of 4 x the last-level cache)");
+  bench_gemm->add_option("--k", gb.k, "The inner dimension")->capture_default_str();
+  bench_gemm->add_option("--dtype", gb.dtype, "A and B: bf16 or f32")->capture_default_str();
+  bench_gemm->add_option("--layout", gb.layout, "weight: B [n, k] as a weight is stored; rows: B [k, n]")
+      ->capture_default_str();
+  bench_gemm->add_option("--impl", gb.impls, "Implementations: auto, small, packed, tiles, onednn")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench_gemm->add_option("--repetitions", gb.repetitions, "Timed repetitions (the median is reported)")
+      ->capture_default_str();
+  bench_gemm->add_option("--threads", f->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  bench_gemm->add_flag("--json", gb.json, "One JSON document on stdout (the table goes to stderr)");
+  table.Add(bench_gemm, [f](ProcessArgs) {
+    if (f->threads > 0) omp_set_num_threads(f->threads);
+    return ExitStatus("bench gemm", RunGemmBench(f->gb, std::cout, std::cerr));
+  });
+}
+
+void AddBenchComm(CLI::App* bench, CommandTable& table) {
+  auto cb = std::make_shared<CommBenchOptions>();
+  auto* comm = bench->add_subcommand(
+      "comm", "Under mpirun: a layout's collectives at one decode step's sizes (time, algbw, busbw)");
+  comm->add_option("--model", cb->model, "Checkpoint directory or configs/models/*.yaml (its config only)")
+      ->capture_default_str();
+  comm->add_option("--parallel", cb->parallel, "dp=D,attn_tp=T (its world must be the job's size)")->required();
+  comm->add_option("--batch", cb->batches, "Tokens per DP group per step")->delimiter(',')->capture_default_str();
+  comm->add_option("--repetitions", cb->repetitions, "Timed calls per collective (median)")->capture_default_str();
+  comm->add_flag("--json", cb->json, "One JSON document on stdout (the table goes to stderr)");
+  table.Add(comm, [cb](ProcessArgs args) {
+    auto session = MpiSession::Init(args.argc, args.argv);
+    return ExitStatus("bench comm",
+                      session.ok() ? RunCommBench(*cb, **session, cb->json ? std::cerr : std::cout) : session.status());
+  });
+}
+
+void AddBenchServe(CLI::App* bench, CommandTable& table) {
+  struct Flags {
+    ServeBenchOptions sb;
+    SecurityFlags security;
+  };
+  auto f = std::make_shared<Flags>();
+  ServeBenchOptions& sb = f->sb;
+  auto* serve =
+      bench->add_subcommand("serve", "The serving path over loopback: client load, coordinator overhead, routing");
+  serve
+      ->add_option("--clients", sb.clients,
+                   "Concurrent client threads (default 64; load rows use at least 4 per group)")
+      ->check(CLI::PositiveNumber);
+  serve->add_option("--requests", sb.requests, "Requests per load row (default 512)")->check(CLI::PositiveNumber);
+  serve->add_option("--max-tokens", sb.max_tokens, "Tokens per request (default 16)")->check(CLI::Range(1, 1024));
+  serve->add_option("--groups", sb.groups, "Simulated DP groups of the load rows (default 4,64,256)")->delimiter(',');
+  serve->add_option("--tokens-per-s", sb.tokens_per_s, "Per simulated group; 0: as fast as possible")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  serve->add_option("--policy", sb.policies, "round_robin,least_loaded,prefix_affinity or all (default all)")
+      ->delimiter(',');
+  serve->add_option("--coordinator", sb.coordinator,
+                    "Drive this running deployment (host:port) instead of an in-process one");
+  serve->add_flag("--quick", sb.quick, "Small numbers (well under a minute)");
+  serve->add_flag("--json", sb.json, "One JSON document on stdout (the tables go to stderr)");
+  serve->add_flag("--http", sb.http,
+                  "Only the HTTP API against gRPC on one in-process coordinator (overhead, then load)");
+  AddSecurityFlags(serve, f->security, SecurityRole::kClient);
+  table.Add(serve, [f](ProcessArgs) {
+    if (!LoadSecurity("bench serve", f->security, SecurityRole::kClient, nullptr, &f->sb.security, nullptr)) return 2;
+    return ExitStatus("bench serve", RunServeBench(f->sb, std::cout, f->sb.json ? std::cerr : std::cout));
+  });
+}
+
+void AddBenchTokenize(CLI::App* bench, CommandTable& table) {
+  auto tb = std::make_shared<text::TokenizeBenchOptions>();
+  auto* tok_bench = bench->add_subcommand("tokenize", "Encoding speed of the model's tokenizer on one thread");
+  tok_bench->add_option("--model", tb->model, "As for mlarun tokenize")->required();
+  tok_bench->add_option("--text", tb->text_file, "The text to encode (a file)")->required();
+  tok_bench->add_option("--mode", tb->mode, "whole: one Encode of the file; lines: one per line")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"whole", "lines"}));
+  tok_bench->add_option("--runs", tb->runs, "Timed runs (the median is reported)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tok_bench->add_flag("--json", tb->json, "One JSON object instead of the text report");
+  table.Add(tok_bench, [tb](ProcessArgs) { return text::RunTokenizeBench(*tb, std::cout, std::cerr); });
+}
+
+}  // namespace
+
+void AddBenchCommands(CLI::App& app, CommandTable& table) {
+  auto* bench = app.add_subcommand("bench", "Benchmarks");
+  bench->require_subcommand(1);
+  AddBenchAttention(bench, table);
+  AddBenchDecode(bench, table);
+  AddBenchMemory(bench, table);
+  AddBenchGemm(bench, table);
+  AddBenchComm(bench, table);
+  AddBenchServe(bench, table);
+  AddBenchTokenize(bench, table);
+}
+
+}  // namespace mlarun::commands

@@ -1,0 +1,136 @@
+// What the subcommands share: flags, their loading, exit codes (commands.h).
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+
+#include "launcher/commands/commands.h"
+
+namespace mlarun::commands {
+
+void AddSamplingFlags(CLI::App* cmd, SamplingParams& p) {
+  cmd->add_option("--max-tokens", p.max_tokens, "Tokens to generate at most")->capture_default_str();
+  cmd->add_option("--temperature", p.temperature, "0: greedy")->capture_default_str();
+  cmd->add_option("--top-p", p.top_p, "Nucleus sampling mass")->capture_default_str();
+  cmd->add_option("--top-k", p.top_k, "Keep the k most likely tokens (0: off)")->capture_default_str();
+  cmd->add_option("--seed", p.seed, "Per-request random seed")->capture_default_str();
+  cmd->add_option("--stop-token-ids", p.stop_token_ids, "Stop at any of these ids")->delimiter(',');
+  cmd->add_flag("--ignore-eos", p.ignore_eos, "Do not stop at the model's eos_token_id");
+  cmd->add_option("--logprobs", p.logprobs, "Also report the N most likely tokens of each step (0-20)")
+      ->capture_default_str();
+  cmd->add_option("--prompt-logprobs", p.prompt_logprobs,
+                  "Also report each prompt token's logprob and its position's N most likely tokens (0-20; -1: off)")
+      ->capture_default_str();
+}
+
+void AddWeightsFlag(CLI::App* app, std::string& weights) {
+  app->add_option("--weights", weights, "Checkpoint weights: mapped (read in place) or copied (huge-page copies)")
+      ->capture_default_str();
+}
+void AddDeviceFlag(CLI::App* app, std::string& device) {
+  app->add_option("--device", device,
+                  "Where the model runs: cpu, or cuda (one GPU per rank: the rank on its node picks it; NCCL between "
+                  "ranks)")
+      ->capture_default_str();
+}
+void AddFp8WeightsFlag(CLI::App* app, std::string& fp8) {
+  app->add_option("--fp8-weights", fp8,
+                  "Checkpoints whose projections are F8_E4M3 (DeepSeek-V3's release): keep them fp8 in memory, or "
+                  "dequantize to the config's dtype at load")
+      ->capture_default_str();
+}
+void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
+  app->add_option(
+      "--attention-thresholds", path,
+      "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
+}
+
+void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
+  using R = SecurityRole;
+  if (role == R::kCoordinator) {
+    cmd->add_option("--worker-secret-file", f.worker_secret_file,
+                    "File holding the worker link's shared secret (trimmed); workers must present it "
+                    "(it or --tls-ca is required when --listen is beyond loopback)");
+    cmd->add_option("--auth-token-file", f.auth_token_file,
+                    "Client API tokens, one per line (TOKEN [NAME]): clients must send `authorization: Bearer TOKEN`");
+    cmd->add_option("--tls-cert", f.tls.cert, "TLS: the coordinator's certificate chain (PEM)");
+    cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
+    cmd->add_option("--tls-ca", f.tls.ca,
+                    "TLS: workers with a client certificate signed by this CA (PEM) need no secret");
+    return;
+  }
+  if (role == R::kWorker) {
+    cmd->add_option("--worker-secret-file", f.worker_secret_file,
+                    "File holding the coordinator's worker secret (as its --worker-secret-file)");
+    cmd->add_option("--tls-cert", f.tls.cert, "TLS: this worker's client certificate (PEM; needs --tls-ca)");
+    cmd->add_option("--tls-key", f.tls.key, "TLS: its private key (PEM)");
+  } else {
+    cmd->add_option(
+        "--auth-token-file", f.auth_token_file,
+        "File holding the client API token: its first line's token (a line of the coordinator's --auth-token-file)");
+  }
+  cmd->add_option("--tls-ca", f.tls.ca, "TLS to the coordinator, trusting the CA (PEM) that signed its certificate");
+}
+
+bool LoadSecurity(const char* cmd, const SecurityFlags& f, SecurityRole role, std::string* worker_secret,
+                  ClientSecurity* client, CoordinatorOptions* coordinator) {
+  auto fail = [&](const Status& st) {
+    std::fprintf(stderr, "mlarun %s: %s\n", cmd, st.ToString().c_str());
+    return false;
+  };
+  if (!f.worker_secret_file.empty() && worker_secret != nullptr) {
+    auto secret = ReadSecretFile("--worker-secret-file", f.worker_secret_file);
+    if (!secret.ok()) return fail(secret.status());
+    *worker_secret = *secret;
+  }
+  auto tls = role == SecurityRole::kCoordinator ? LoadServerTls(f.tls) : LoadClientTls(f.tls);
+  if (!tls.ok()) return fail(tls.status());
+  if (coordinator != nullptr) {
+    coordinator->tls = *tls;
+    if (!f.auth_token_file.empty()) {
+      auto tokens = AuthTokens::ReadFile(f.auth_token_file);
+      if (!tokens.ok()) return fail(tokens.status());
+      coordinator->auth_tokens = std::move(*tokens);
+    }
+    return true;
+  }
+  client->tls = *tls;
+  if (!f.auth_token_file.empty()) {
+    auto token = ReadClientTokenFile(f.auth_token_file);
+    if (!token.ok()) return fail(token.status());
+    client->token = *token;
+  }
+  return true;
+}
+
+bool LoadDeploymentFile(const std::string& path, DeploymentConfig* dc) {
+  if (path.empty()) return true;
+  auto loaded = LoadDeploymentConfig(path);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "mlarun: %s\n", loaded.status().ToString().c_str());
+    return false;
+  }
+  *dc = *loaded;
+  return true;
+}
+
+void FillUnset(const CLI::Option* opt, std::string& target, const std::string& from) {
+  if (opt->count() == 0 && !from.empty()) target = from;
+}
+
+sigset_t BlockStopSignals() {
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  return stop_signals;
+}
+
+int ExitStatus(const char* cmd, const Status& st) {
+  if (st.ok()) return 0;
+  std::fprintf(stderr, "mlarun %s: %s\n", cmd, st.ToString().c_str());
+  return st.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+}  // namespace mlarun::commands

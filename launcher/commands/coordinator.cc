@@ -1,0 +1,112 @@
+// `mlarun coordinator`: the client API (gRPC, optionally HTTP) routing
+// requests to the workers' DP groups, until SIGINT/SIGTERM.
+#include <cstdio>
+#include <memory>
+#include <thread>
+
+#include "launcher/commands/commands.h"
+
+namespace mlarun::commands {
+namespace {
+
+struct CoordinatorFlags {
+  CoordinatorOptions co;
+  std::string policy = "prefix_affinity";
+  std::string config_path;
+  SecurityFlags security;
+  // Owned by the app: whether a flag was given, against the --config file.
+  CLI::Option *listen = nullptr, *policy_opt = nullptr, *http = nullptr;
+};
+
+int RunCoordinatorCommand(CoordinatorFlags& f) {
+  CoordinatorOptions& co = f.co;
+  DeploymentConfig dc;
+  if (!LoadDeploymentFile(f.config_path, &dc)) return 2;
+  FillUnset(f.listen, co.listen, dc.listen);
+  FillUnset(f.policy_opt, f.policy, dc.policy);
+  auto p = ParseRoutingPolicy(f.policy);
+  if (!p.ok()) {
+    std::fprintf(stderr, "mlarun coordinator: %s\n", p.status().ToString().c_str());
+    return 2;
+  }
+  co.policy = *p;
+  co.log_groups = true;
+  if (!LoadSecurity("coordinator", f.security, SecurityRole::kCoordinator, &co.worker_secret, nullptr, &co)) return 2;
+  if (f.http->count() > 0 && co.http_listen.empty()) co.http_listen = "127.0.0.1:8000";
+  // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,
+  // before gRPC starts its threads, so they inherit the mask): Shutdown is
+  // not something a signal handler may call.
+  const sigset_t stop_signals = BlockStopSignals();
+  auto server = Coordinator::Start(co);
+  if (!server.ok()) {
+    std::fprintf(stderr, "mlarun coordinator: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr, "mlarun coordinator: listening on %s, policy %s\n", (*server)->address().c_str(),
+               std::string(RoutingPolicyName(co.policy)).c_str());
+  if (f.http->count() > 0)
+    std::fprintf(stderr, "mlarun coordinator: HTTP API on http://%s\n", (*server)->http_address().c_str());
+  std::thread stopper([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    (*server)->Shutdown();
+  });
+  stopper.join();
+  (*server)->Wait();
+  return 0;
+}
+
+}  // namespace
+
+void AddCoordinatorCommand(CLI::App& app, CommandTable& table) {
+  auto f = std::make_shared<CoordinatorFlags>();
+  CoordinatorOptions& co = f->co;
+  auto* coord = app.add_subcommand("coordinator", "Serve the client API and route requests to the workers' DP groups");
+  f->listen =
+      coord->add_option("--listen", co.listen, "host:port to bind (loopback by default)")->capture_default_str();
+  f->policy_opt =
+      coord->add_option("--policy", f->policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
+  coord->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  coord
+      ->add_option("--queue-timeout-s", co.queue_timeout_s,
+                   "Longest wait of a request for a DP group to register when none is connected")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  coord
+      ->add_option("--lost-group-wait-s", co.lost_group_wait_s,
+                   "After the last group went away, how long its unanswered requests wait for one to come back")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  coord
+      ->add_option("--stall-timeout-s", co.stall_timeout_s,
+                   "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  coord->add_option("--config", f->config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
+  f->http = coord
+                ->add_option("--http", co.http_listen,
+                             "Serve the OpenAI-compatible HTTP API and /metrics on host:port (off unless given; "
+                             "127.0.0.1:8000 when given without a value)")
+                ->expected(0, 1);
+  coord->add_option("--model", co.http_model,
+                    "With --http: the model (configs/models/*.yaml, checkpoint or tokenizer directory); only its "
+                    "tokenizer, chat template and name are read");
+  coord->add_option("--served-model-name", co.served_model_name,
+                    "With --http: the model name clients send (default: --model's basename without .yaml)");
+  coord->add_option("--http-threads", co.http_threads, "With --http: handler threads (one per open connection)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  coord->add_option("--http-max-body-bytes", co.http_max_body_bytes, "With --http: larger request bodies get 413")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
+  coord
+      ->add_option("--http-request-timeout-s", co.http_request_timeout_s,
+                   "With --http: each request's deadline (504 when it passes); 0: none")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  AddSecurityFlags(coord, f->security, SecurityRole::kCoordinator);
+  table.Add(coord, [f](ProcessArgs) { return RunCoordinatorCommand(*f); });
+}
+
+}  // namespace mlarun::commands
