@@ -8,6 +8,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "base/cpu_isa.h"
@@ -24,8 +25,9 @@ using Json = nlohmann::json;
 
 namespace {
 
-// The request text: the --prompts file, or one JSON line built from --prompt-ids
-// (an empty list stays empty, so the engine rejects it as every empty prompt).
+// The request text: the --prompts file, or one JSON line built from
+// --prompt-ids (an empty list stays empty, so the engine rejects it as every
+// empty prompt).
 StatusOr<std::string> RequestText(const GenerateOptions& o) {
   if (o.prompts_path.empty()) {
     Json j{{"prompt_ids", o.prompt_ids}};
@@ -93,10 +95,12 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
     log << "mlarun generate: " << text.status().message() << "\n";
     return 2;
   }
-  // --prompt-ids becomes one JSON line; the sampling flags are every line's defaults.
+  // --prompt-ids becomes one JSON line; the sampling flags are every line's
+  // defaults.
   std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(*text, o);
 
-  // Loading progress rewrites one line on a terminal; logs get only the summary.
+  // Loading progress rewrites one line on a terminal; logs get only the
+  // summary.
   const bool tty = &log == &std::cerr && isatty(STDERR_FILENO);
   std::function<void(const std::string&)> progress;
   if (tty) progress = [&log](const std::string& s) { log << "\r" << s << std::flush; };
@@ -158,7 +162,8 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   }
 
   int code = 0;
-  int64_t generated = 0;  // what was printed (the first token of each comes from its prefill step)
+  int64_t generated = 0;  // what was printed (the first token of each comes from
+                          // its prefill step)
   for (const auto& r : results) {
     if (!r.ok()) code = 1;
     if (r.ok()) generated += static_cast<int64_t>(r->tokens.size());
@@ -170,12 +175,15 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   return code;
 }
 
-int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostream& out, std::ostream& log) {
-  const bool root = session.rank() == 0;
-  // Rank 0 reads the requests and sends the text to every rank.
+namespace {
+
+// Rank 0 reads the requests and sends the text to every rank: on every rank,
+// the text, or nullopt when rank 0 could not read it (it said why). Before
+// loading anything: a missing prompts file should not wait for the model.
+std::optional<std::string> ShareRequestText(const GenerateOptions& o, MpiSession& session, std::ostream& log) {
   std::string text;
   int64_t length = -1;
-  if (root) {
+  if (session.rank() == 0) {
     auto t = RequestText(o);
     if (t.ok()) {
       text = std::move(*t);
@@ -184,16 +192,71 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
       log << "mlarun generate: " << t.status().message() << "\n";
     }
   }
-  // Before loading anything: a missing prompts file should not wait for the model.
   auto world_or = session.World();
   if (!world_or.ok()) session.Abort(world_or.status().ToString(), 2);
   Communicator& requests_comm = **world_or;
   if (!requests_comm.Broadcast(&length, 1, CommType::kI64, 0).ok()) session.Abort("cannot broadcast the requests", 2);
-  if (length < 0) return 2;
+  if (length < 0) return std::nullopt;
   text.resize(static_cast<size_t>(length));
   if (!requests_comm.Broadcast(text.data(), length, CommType::kU8, 0).ok())
     session.Abort("cannot broadcast the requests", 2);
-  std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(text, o);
+  return text;
+}
+
+// The memory each rank holds, by category: one int64 record per rank.
+struct RankMemory {
+  int64_t rank, dp, tp, attention, moe, dense, embedding_and_head, cache_capacity, cache_peak, cache_written;
+};
+static_assert(sizeof(RankMemory) == 10 * sizeof(int64_t));
+
+// Rank 0: every request's line in input order (`chunks`: each rank's
+// "index\tline\n" lines), then the per-rank memory table on `log`. Returns
+// the exit code: 1 when any request failed.
+int PrintGathered(const GenerateOptions& o, const std::vector<StatusOr<GenerationRequest>>& parsed,
+                  const std::vector<std::string>& chunks, const std::vector<RankMemory>& all_mem, std::ostream& out,
+                  std::ostream& log) {
+  int code = 0;
+  std::map<size_t, std::string> by_index;
+  for (const std::string& chunk : chunks) {
+    std::istringstream in(chunk);
+    std::string line;
+    while (std::getline(in, line)) {
+      const size_t tab = line.find('\t');
+      by_index[std::stoul(line.substr(0, tab))] = line.substr(tab + 1);
+    }
+  }
+  for (size_t i = 0; i < parsed.size(); ++i) {
+    if (!parsed[i].ok()) {
+      out << ResultLine(parsed[i].status(), o.json) << "\n";
+      code = 1;
+      continue;
+    }
+    const std::string& line = by_index[i];
+    if (line.rfind(o.json ? "{\"error\"" : "error:", 0) == 0) code = 1;
+    out << line << "\n";
+  }
+  auto mib = [](int64_t bytes) {
+    std::ostringstream os;
+    const double b = static_cast<double>(bytes);
+    os << std::fixed << std::setprecision(b < (1 << 20) ? 3 : 1) << b / (1 << 20);
+    return os.str();
+  };
+  log << "memory per rank (MiB): rank dp tp | attention moe dense emb+head | "
+         "cache capacity peak written\n";
+  for (const RankMemory& m : all_mem)
+    log << "  " << m.rank << " " << m.dp << " " << m.tp << " | " << mib(m.attention) << " " << mib(m.moe) << " "
+        << mib(m.dense) << " " << mib(m.embedding_and_head) << " | " << mib(m.cache_capacity) << " "
+        << mib(m.cache_peak) << " " << mib(m.cache_written) << "\n";
+  return code;
+}
+
+}  // namespace
+
+int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostream& out, std::ostream& log) {
+  const bool root = session.rank() == 0;
+  const std::optional<std::string> text = ShareRequestText(o, session, log);
+  if (!text) return 2;
+  std::vector<StatusOr<GenerationRequest>> parsed = ParseRequests(*text, o);
 
   // Every rank gets the same outcome: a start-up failure (different flags on
   // some rank, a bad layout, a model that does not load somewhere) ends every
@@ -236,11 +299,6 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   std::string lines;
   for (const auto& [i, id] : queued) mine.emplace(i, ResultOf(*(*runner)->Output(id)));
   for (const auto& [i, r] : mine) lines += std::to_string(i) + "\t" + ResultLine(r, o.json) + "\n";
-  // The memory each rank holds, by category: one int64 record per rank.
-  struct RankMemory {
-    int64_t rank, dp, tp, attention, moe, dense, embedding_and_head, cache_capacity, cache_peak, cache_written;
-  };
-  static_assert(sizeof(RankMemory) == 10 * sizeof(int64_t));
   const WeightBytes wb = model.weight_bytes();
   const RankCacheStats& cs = (*runner)->cache_stats();
   const RankMemory mem{
@@ -250,40 +308,7 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   if (!world.AllGather(&mem, 10, all_mem.data(), CommType::kI64).ok()) session.Abort("cannot gather the memory", 1);
   auto all_lines = AllGatherStrings(world, lines);
   if (!all_lines.ok()) session.Abort("cannot gather the results", 1);
-  int code = 0;
-  if (root) {
-    std::map<size_t, std::string> by_index;
-    for (const std::string& chunk : *all_lines) {
-      std::istringstream in(chunk);
-      std::string line;
-      while (std::getline(in, line)) {
-        const size_t tab = line.find('\t');
-        by_index[std::stoul(line.substr(0, tab))] = line.substr(tab + 1);
-      }
-    }
-    for (size_t i = 0; i < parsed.size(); ++i) {
-      if (!parsed[i].ok()) {
-        out << ResultLine(parsed[i].status(), o.json) << "\n";
-        code = 1;
-        continue;
-      }
-      const std::string& line = by_index[i];
-      if (line.rfind(o.json ? "{\"error\"" : "error:", 0) == 0) code = 1;
-      out << line << "\n";
-    }
-    auto mib = [](int64_t bytes) {
-      std::ostringstream os;
-      const double b = static_cast<double>(bytes);
-      os << std::fixed << std::setprecision(b < (1 << 20) ? 3 : 1) << b / (1 << 20);
-      return os.str();
-    };
-    log << "memory per rank (MiB): rank dp tp | attention moe dense emb+head | cache capacity peak written\n";
-    for (const RankMemory& m : all_mem)
-      log << "  " << m.rank << " " << m.dp << " " << m.tp << " | " << mib(m.attention) << " " << mib(m.moe) << " "
-          << mib(m.dense) << " " << mib(m.embedding_and_head) << " | " << mib(m.cache_capacity) << " "
-          << mib(m.cache_peak) << " " << mib(m.cache_written) << "\n";
-  }
-  int64_t code64 = code;
+  int64_t code64 = root ? PrintGathered(o, parsed, *all_lines, all_mem, out, log) : 0;
   (void)world.Broadcast(&code64, 1, CommType::kI64, 0);
   return static_cast<int>(code64);
 }
