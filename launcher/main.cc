@@ -12,9 +12,7 @@
 
 int main(int argc, char** argv) {
   namespace commands = mlarun::commands;
-  CLI::App app{
-      "mlarun: a runtime for DeepSeek-style Multi-head Latent "
-      "Attention models"};
+  CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
   app.require_subcommand(1);
   // In the order `mlarun --help` lists them.
   commands::CommandTable table;
