@@ -366,104 +366,195 @@ StatusOr<std::span<const float>> Model::ForwardInto(std::span<const ForwardSeq> 
   return std::span<const float>(scratch_->logits.data(), scratch_->logits.size());
 }
 
+// One step on this rank, as ForwardImpl's phases share it: the batch, the
+// collectives, the batch's shape, the batch arrays on the device and this
+// rank's failure so far. The buffers are the StepScratch's, sized for the
+// step by CarveBuffers. Lives on ForwardImpl's stack for one step.
+struct Model::Step {
+  std::span<const ForwardSeq> seqs;
+  LatentPool& pool;
+  const ParallelStep* parallel;
+  Communicator* tp;     // o_proj's and the MLP's all-reduce; null: alone in the group
+  Communicator* peers;  // the MLP's gather / reduce-scatter; null: one DP group
+  int64_t call;         // this Forward call's index (ModelOptions::fail_forward_call)
+  Status* collective;   // a failed collective: it ends the step at once
+  int64_t heads;        // N: this rank's heads
+  // This rank's computation; after a failure the step only joins the collectives.
+  Status st;
+  int32_t S = 0;      // sequences
+  int64_t T = 0;      // this group's tokens
+  int64_t T_all = 0;  // every DP group's tokens
+  int64_t max_blocks = 1, logit_rows = 0;
+  // This group's rows of the MLP outputs: reduce-scattered over the peers, or
+  // (alone) y_all itself.
+  float* y_local = nullptr;
+  // The batch arrays the ops read, on the device.
+  const int32_t* d_tokens = nullptr;
+  const int32_t* d_positions = nullptr;
+  const int64_t* d_slots = nullptr;
+  MlaParams ap;          // the attention's batch; each layer sets its weights and cache
+  bool planned = false;  // sc.attn_plan is for this step's batch
+
+  void Fail(Status s) {
+    if (st.ok() && !s.ok()) st = std::move(s);
+  }
+  // A collective's failure ends the step here: nobody can be waited for.
+  bool Join(const Status& s) {
+    if (!s.ok()) *collective = s.WithContext("collective");
+    return s.ok();
+  }
+};
+
 Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel,
                           Communicator* tp, Communicator* peers, int64_t call, Status* collective) {
   const ModelConfig& c = config_;
   const ModelShard& shard = options_.shard;
-  // N: this rank's heads.
-  const int64_t H = c.hidden_size, N = c.num_attention_heads / shard.attn_tp_size, L = c.kv_lora_rank;
-  const int64_t R = c.qk_rope_head_dim;
-  const int64_t P = c.qk_nope_head_dim, V = c.v_head_dim, Dq = c.q_head_dim(), vocab = c.vocab_size;
-  const Backend be = backend();
+  const int64_t H = c.hidden_size;
   times_ = {};
   traffic_ = {};
   routing_layers_ = 0;
-  StepScratch& sc = *scratch_;
   const auto t_start = Clock::now();
-  // This rank's computation; after a failure the step only joins the collectives.
-  Status st;
-  auto fail = [&st](Status s) {
-    if (st.ok() && !s.ok()) st = std::move(s);
-  };
+  Step step{.seqs = seqs,
+            .pool = pool,
+            .parallel = parallel,
+            .tp = tp,
+            .peers = peers,
+            .call = call,
+            .collective = collective,
+            .heads = c.num_attention_heads / shard.attn_tp_size};
   if ((shard.attn_tp_size > 1 || shard.mlp_size > 1) && parallel == nullptr)
     return FailedPreconditionError("model forward: a sharded model needs the step's communicators");
-  const LatentCacheConfig& cc = pool.config();
-  if (cc.num_layers != c.num_hidden_layers || cc.kv_lora_rank != L || cc.rope_dim != R || cc.dtype != c.kv_dtype)
-    fail(InvalidArgumentError("model forward: the latent cache does not match the model (layers, widths, dtype)"));
+  if (!PrepareStep(step)) return step.st;
 
-  // The batch: flat tokens and positions, the attention's batch description.
-  const int32_t S = static_cast<int32_t>(seqs.size());
-  std::vector<int32_t>& query_start = sc.query_start;
-  std::vector<int32_t>& seq_lens = sc.seq_lens;
-  query_start.assign(static_cast<size_t>(S) + 1, 0);
-  seq_lens.assign(static_cast<size_t>(S), 0);
-  int64_t max_blocks = 1, logit_rows = 0;
-  for (int32_t i = 0; i < S; ++i) {
-    const ForwardSeq& s = seqs[static_cast<size_t>(i)];
-    const int64_t n = static_cast<int64_t>(s.tokens.size()), end = s.start_pos + n;
-    query_start[static_cast<size_t>(i) + 1] = query_start[static_cast<size_t>(i)] + static_cast<int32_t>(n);
-    seq_lens[static_cast<size_t>(i)] = static_cast<int32_t>(end);
-    logit_rows += s.logits == ForwardSeq::Logits::kAll ? n : (s.logits == ForwardSeq::Logits::kLast && n > 0 ? 1 : 0);
-    if (!st.ok()) continue;
-    if (s.start_pos < 0 || static_cast<int64_t>(s.block_table.size()) * cc.block_size < end)
-      fail(InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
-                                ") but its block table holds ", s.block_table.size(), " blocks of ", cc.block_size));
-    // The blocks the new tokens' rows go to must be the pool's: the cache
-    // write addresses them through slots, unchecked on a device.
-    for (int64_t b = s.start_pos / cc.block_size; st.ok() && b * cc.block_size < end; ++b)
-      if (const int32_t id = s.block_table[static_cast<size_t>(b)]; id < 0 || id >= pool.num_blocks())
-        fail(OutOfRangeError("model forward: sequence ", s.id, ": block_table[", b, "] = ", id,
-                             " outside the pool's [0, ", pool.num_blocks(), ")"));
-    if (end > c.max_position_embeddings)
-      fail(InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
-                                ", beyond max_position_embeddings ", c.max_position_embeddings));
-    for (int32_t t : s.tokens)
-      if (t < 0 || t >= vocab) {
-        fail(InvalidArgumentError("model forward: token id ", t, " outside [0, ", vocab, ")"));
-        break;
-      }
-    if (st.ok()) max_blocks = std::max<int64_t>(max_blocks, static_cast<int64_t>(s.block_table.size()));
+  // Embeddings.
+  if (step.st.ok())
+    step.Fail(EmbeddingRun({.table = embed_.data,
+                            .dtype = embed_.dtype,
+                            .num_rows = embed_.out,
+                            .width = H,
+                            .ld = embed_.ld,
+                            .ids = step.d_tokens,
+                            .n = step.T,
+                            .out = scratch_->h.data(),
+                            .ld_out = H,
+                            .backend = backend()}));
+
+  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
+    const DecoderLayer& layer = layers_[static_cast<size_t>(li)];
+    if (!AttentionBlock(layer, li, step)) return step.st;
+    if (!MlpBlock(layer, step)) return step.st;
   }
-  const int64_t T = query_start.back();
+  if (!step.st.ok()) return step.st;
+
+  MLARUN_RETURN_IF_ERROR(ComputeLogits(step));
+  traffic_.weight_bytes += step.T * H * static_cast<int64_t>(DTypeSize(c.weight_dtype));  // embedding rows
+  times_.other = Since(t_start) - times_.attention - times_.moe - times_.dense_mlp - times_.lm_head;
+  return Status::Ok();
+}
+
+bool Model::PrepareStep(Step& step) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size;
+  const ParallelStep* parallel = step.parallel;
+  StepScratch& sc = *scratch_;
+  DescribeBatch(step);
+  const int64_t T = sc.query_start.back();
+  step.T = T;
   // Every rank must agree on the collectives' sizes; a plan that disagrees
   // cannot be run by anyone.
-  int64_t T_all = T;
+  step.T_all = T;
   std::vector<int64_t>& hidden_counts = sc.hidden_counts;
   hidden_counts.clear();
-  if (peers) {
-    if (static_cast<int>(parallel->dp_tokens.size()) != peers->size() ||
+  if (step.peers) {
+    if (static_cast<int>(parallel->dp_tokens.size()) != step.peers->size() ||
         parallel->dp_tokens[static_cast<size_t>(parallel->dp_rank)] != T) {
-      *collective = InternalError("model forward: DP token counts disagree with this group's batch (", T, " tokens)");
-      return st;
+      *step.collective =
+          InternalError("model forward: DP token counts disagree with this group's batch (", T, " tokens)");
+      return false;
     }
-    T_all = 0;
+    step.T_all = 0;
     for (int64_t n : parallel->dp_tokens) {
       hidden_counts.push_back(n * H);
-      T_all += n;
+      step.T_all += n;
     }
   }
   // Per token: its id, its position and the cache slot its row goes to
   // (block * block_size + offset in the block).
+  const int64_t block_size = step.pool.config().block_size, max_blocks = step.max_blocks;
   std::vector<int32_t>& block_table = sc.block_table;
   std::vector<int32_t>& positions = sc.positions.host;
   std::vector<int32_t>& tokens = sc.tokens.host;
   std::vector<int64_t>& slots = sc.slots.host;
-  block_table.assign(static_cast<size_t>(S * max_blocks), 0);
+  block_table.assign(static_cast<size_t>(step.S * max_blocks), 0);
   positions.assign(static_cast<size_t>(T), 0);
   tokens.assign(static_cast<size_t>(T), 0);
   slots.assign(static_cast<size_t>(T), -1);
-  for (int32_t i = 0; i < S && st.ok(); ++i) {
-    const ForwardSeq& s = seqs[static_cast<size_t>(i)];
+  for (int32_t i = 0; i < step.S && step.st.ok(); ++i) {
+    const ForwardSeq& s = step.seqs[static_cast<size_t>(i)];
     std::copy(s.block_table.begin(), s.block_table.end(), block_table.begin() + i * max_blocks);
     for (int64_t j = 0; j < static_cast<int64_t>(s.tokens.size()); ++j) {
-      const size_t t = static_cast<size_t>(query_start[static_cast<size_t>(i)] + j);
+      const size_t t = static_cast<size_t>(sc.query_start[static_cast<size_t>(i)] + j);
       const int64_t p = s.start_pos + j;
       positions[t] = static_cast<int32_t>(p);
       tokens[t] = s.tokens[static_cast<size_t>(j)];
-      slots[t] = s.block_table[static_cast<size_t>(p / cc.block_size)] * cc.block_size + p % cc.block_size;
+      slots[t] = s.block_table[static_cast<size_t>(p / block_size)] * block_size + p % block_size;
     }
   }
+  return CarveBuffers(step);
+}
 
+void Model::DescribeBatch(Step& step) {
+  const ModelConfig& c = config_;
+  const int64_t vocab = c.vocab_size;
+  const LatentPool& pool = step.pool;
+  const LatentCacheConfig& cc = pool.config();
+  if (cc.num_layers != c.num_hidden_layers || cc.kv_lora_rank != c.kv_lora_rank || cc.rope_dim != c.qk_rope_head_dim ||
+      cc.dtype != c.kv_dtype)
+    step.Fail(InvalidArgumentError("model forward: the latent cache does not match the model (layers, widths, dtype)"));
+
+  // The batch: flat tokens and positions, the attention's batch description.
+  const int32_t S = static_cast<int32_t>(step.seqs.size());
+  step.S = S;
+  std::vector<int32_t>& query_start = scratch_->query_start;
+  std::vector<int32_t>& seq_lens = scratch_->seq_lens;
+  query_start.assign(static_cast<size_t>(S) + 1, 0);
+  seq_lens.assign(static_cast<size_t>(S), 0);
+  for (int32_t i = 0; i < S; ++i) {
+    const ForwardSeq& s = step.seqs[static_cast<size_t>(i)];
+    const int64_t n = static_cast<int64_t>(s.tokens.size()), end = s.start_pos + n;
+    query_start[static_cast<size_t>(i) + 1] = query_start[static_cast<size_t>(i)] + static_cast<int32_t>(n);
+    seq_lens[static_cast<size_t>(i)] = static_cast<int32_t>(end);
+    step.logit_rows +=
+        s.logits == ForwardSeq::Logits::kAll ? n : (s.logits == ForwardSeq::Logits::kLast && n > 0 ? 1 : 0);
+    if (!step.st.ok()) continue;
+    if (s.start_pos < 0 || static_cast<int64_t>(s.block_table.size()) * cc.block_size < end)
+      step.Fail(InvalidArgumentError("model forward: sequence ", s.id, " covers positions [", s.start_pos, ", ", end,
+                                     ") but its block table holds ", s.block_table.size(), " blocks of ",
+                                     cc.block_size));
+    // The blocks the new tokens' rows go to must be the pool's: the cache
+    // write addresses them through slots, unchecked on a device.
+    for (int64_t b = s.start_pos / cc.block_size; step.st.ok() && b * cc.block_size < end; ++b)
+      if (const int32_t id = s.block_table[static_cast<size_t>(b)]; id < 0 || id >= pool.num_blocks())
+        step.Fail(OutOfRangeError("model forward: sequence ", s.id, ": block_table[", b, "] = ", id,
+                                  " outside the pool's [0, ", pool.num_blocks(), ")"));
+    if (end > c.max_position_embeddings)
+      step.Fail(InvalidArgumentError("model forward: sequence ", s.id, " reaches position ", end,
+                                     ", beyond max_position_embeddings ", c.max_position_embeddings));
+    for (int32_t t : s.tokens)
+      if (t < 0 || t >= vocab) {
+        step.Fail(InvalidArgumentError("model forward: token id ", t, " outside [0, ", vocab, ")"));
+        break;
+      }
+    if (step.st.ok()) step.max_blocks = std::max<int64_t>(step.max_blocks, static_cast<int64_t>(s.block_table.size()));
+  }
+}
+
+bool Model::CarveBuffers(Step& step) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, N = step.heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t V = c.v_head_dim, Dq = c.q_head_dim(), T = step.T;
+  StepScratch& sc = *scratch_;
+  Status* const collective = step.collective;
   // The step's buffers, in the model's memory. One that cannot be had ends
   // the step on every rank: nobody can run a collective on it.
   auto zeroed = [&](DeviceArray<float>& v, int64_t n, const char* what) -> DeviceArray<float>& {
@@ -471,234 +562,245 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
       *collective = z.WithContext("model forward");
     return v;
   };
-  DeviceArray<float>& h = zeroed(sc.h, T * H, "the hidden states");
-  DeviceArray<float>& x = zeroed(sc.x, T * H, "the normed hidden states");
-  DeviceArray<float>& q = zeroed(sc.q, T * N * Dq, "the queries");
-  DeviceArray<float>& qa = zeroed(sc.qa, T * std::max<int64_t>(c.q_lora_rank, 1), "the query latents");
-  DeviceArray<float>& kv = zeroed(sc.kv, T * (L + R), "the key latents");
-  DeviceArray<float>& kv_c = zeroed(sc.kv_c, T * L, "the normed key latents");
-  DeviceArray<float>& k_pe = zeroed(sc.k_pe, T * R, "the rope keys");
-  DeviceArray<float>& attn = zeroed(sc.attn, T * N * V, "the attention outputs");
-  DeviceArray<float>& o_out = zeroed(sc.o_out, T * H, "the o_proj outputs");
-  DeviceArray<float>& mlp_hidden = sc.mlp_hidden;  // sized by the largest dense MLP step
-  DeviceArray<float>& x_all = sc.x_all;
-  DeviceArray<float>& y_all = zeroed(sc.y_all, T_all * H, "the MLP outputs");
-  // This group's rows of the MLP outputs: reduce-scattered over the peers, or
-  // (alone) y_all itself.
-  float* const y_local = peers ? zeroed(sc.y_local, T * H, "this group's MLP outputs").data() : y_all.data();
+  zeroed(sc.h, T * H, "the hidden states");
+  zeroed(sc.x, T * H, "the normed hidden states");
+  zeroed(sc.q, T * N * Dq, "the queries");
+  zeroed(sc.qa, T * std::max<int64_t>(c.q_lora_rank, 1), "the query latents");
+  zeroed(sc.kv, T * (L + R), "the key latents");
+  zeroed(sc.kv_c, T * L, "the normed key latents");
+  zeroed(sc.k_pe, T * R, "the rope keys");
+  zeroed(sc.attn, T * N * V, "the attention outputs");
+  zeroed(sc.o_out, T * H, "the o_proj outputs");
+  // sc.mlp_hidden: sized by the largest dense MLP step; sc.x_all: by the
+  // all-gather (MlpBlock).
+  DeviceArray<float>& y_all = zeroed(sc.y_all, step.T_all * H, "the MLP outputs");
+  step.y_local = step.peers ? zeroed(sc.y_local, T * H, "this group's MLP outputs").data() : y_all.data();
   // The batch arrays the ops read, on the device.
   auto publish = [&](auto& staged, const char* what) {
     auto p = staged.Publish(*memory_, what);
     if (!p.ok() && collective->ok()) *collective = p.status().WithContext("model forward");
     return p.ok() ? *p : nullptr;
   };
-  const int32_t* const d_tokens = publish(sc.tokens, "the token ids");
-  const int32_t* const d_positions = publish(sc.positions, "the positions");
-  const int64_t* const d_slots = publish(sc.slots, "the cache slots");
-  if (!collective->ok()) return st;
+  step.d_tokens = publish(sc.tokens, "the token ids");
+  step.d_positions = publish(sc.positions, "the positions");
+  step.d_slots = publish(sc.slots, "the cache slots");
+  if (!collective->ok()) return false;
 
-  // Embeddings.
-  const size_t wes = DTypeSize(c.weight_dtype);
-  if (st.ok())
-    fail(EmbeddingRun({.table = embed_.data,
-                       .dtype = embed_.dtype,
-                       .num_rows = embed_.out,
-                       .width = H,
-                       .ld = embed_.ld,
-                       .ids = d_tokens,
-                       .n = T,
-                       .out = h.data(),
-                       .ld_out = H,
-                       .backend = be}));
-
-  MlaParams ap;
+  MlaParams& ap = step.ap;
   ap.shape = c.mla_shape();
   ap.shape.h_q = N;
-  ap.q = q.data();
+  ap.q = sc.q.data();
   ap.num_tokens = T;
   ap.q_stride_token = N * Dq;
   ap.q_stride_head = Dq;
   ap.w_dtype = c.kv_dtype;
-  ap.num_seqs = S;
-  ap.query_start = query_start.data();
-  ap.seq_lens = seq_lens.data();
-  ap.block_table = block_table.data();
-  ap.block_table_stride = max_blocks;
+  ap.num_seqs = step.S;
+  ap.query_start = sc.query_start.data();
+  ap.seq_lens = sc.seq_lens.data();
+  ap.block_table = sc.block_table.data();
+  ap.block_table_stride = step.max_blocks;
   ap.softmax_scale = static_cast<float>(c.softmax_scale());
-  ap.out = attn.data();
+  ap.out = sc.attn.data();
   ap.out_stride_token = N * V;
   ap.out_stride_head = V;
-  bool planned = false;  // sc.attn_plan is for this step's batch
-  // A collective's failure ends the step here: nobody can be waited for.
-  auto join = [collective](const Status& s) {
-    if (!s.ok()) *collective = s.WithContext("collective");
-    return s.ok();
-  };
+  return true;
+}
 
-  // Layer li's attention for this group's tokens, into o_out (this rank's
-  // heads' part of o_proj).
-  auto attention = [&](const DecoderLayer& layer, int64_t li) -> Status {
-    const AttentionLayer& a = layer.attn;
-    const int64_t QL = c.q_lora_rank;
-    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = h.data(),
-                                       .ldx = H,
-                                       .y = x.data(),
-                                       .ldy = H,
-                                       .rows = T,
-                                       .n = H,
-                                       .weight = layer.input_norm.data(),
-                                       .eps = c.rms_norm_eps,
-                                       .backend = be}));
-    if (QL > 0) {
-      MLARUN_RETURN_IF_ERROR(
-          LinearRun({.w = &a.q_a, .x = x.data(), .rows = T, .ldx = H, .y = qa.data(), .ldy = QL, .backend = be}));
-      MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = qa.data(),
-                                         .ldx = QL,
-                                         .y = qa.data(),
-                                         .ldy = QL,
-                                         .rows = T,
-                                         .n = QL,
-                                         .weight = a.q_a_norm.data(),
-                                         .eps = kLatentNormEps,
+bool Model::AttentionBlock(const DecoderLayer& layer, int64_t li, Step& step) {
+  const int64_t H = config_.hidden_size, T = step.T;
+  DeviceArray<float>& o_out = scratch_->o_out;
+  const auto t0 = Clock::now();
+  if (T > 0 && step.st.ok()) step.Fail(Attention(layer, li, step));
+  if (step.call == options_.fail_forward_call && li == 0)
+    step.Fail(InternalError("injected failure (fail_forward_call ", step.call, ") in layer 0"));
+  // o_proj is row-parallel over heads: its partial sums meet in the group.
+  if (step.tp && !step.Join(step.tp->AllReduceSum(o_out.data(), T * H, CommType::kF32))) return false;
+  if (step.st.ok()) step.Fail(AddRun({.y = scratch_->h.data(), .x = o_out.data(), .n = T * H, .backend = backend()}));
+  times_.attention += Since(t0);
+  return true;
+}
+
+Status Model::Attention(const DecoderLayer& layer, int64_t li, Step& step) {
+  const ModelConfig& c = config_;
+  const AttentionLayer& a = layer.attn;
+  const int64_t H = c.hidden_size, N = step.heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t V = c.v_head_dim, T = step.T;
+  const Backend be = backend();
+  StepScratch& sc = *scratch_;
+  MLARUN_RETURN_IF_ERROR(AttentionProjections(layer, step));
+  const PagedRowsView cache = step.pool.Layer(li);
+  MLARUN_RETURN_IF_ERROR(LatentWriteRun({.cache = step.pool.LayerData(li),
+                                         .dtype = cache.dtype,
+                                         .block_size = cache.block_size,
+                                         .num_blocks = cache.num_blocks,
+                                         .stride_block = cache.stride_block,
+                                         .stride_token = cache.stride_token,
+                                         .d_latent = L,
+                                         .d_rope = R,
+                                         .n = T,
+                                         .slots = step.d_slots,
+                                         .kv_c = sc.kv_c.data(),
+                                         .kv_c_stride = L,
+                                         .k_pe = sc.k_pe.data(),
+                                         .k_pe_stride = R,
                                          .backend = be}));
-      MLARUN_RETURN_IF_ERROR(
-          LinearRun({.w = &a.q_b, .x = qa.data(), .rows = T, .ldx = QL, .y = q.data(), .ldy = N * Dq, .backend = be}));
-    } else {
-      MLARUN_RETURN_IF_ERROR(
-          LinearRun({.w = &a.q, .x = x.data(), .rows = T, .ldx = H, .y = q.data(), .ldy = N * Dq, .backend = be}));
-    }
-    MLARUN_RETURN_IF_ERROR(
-        LinearRun({.w = &a.kv_a, .x = x.data(), .rows = T, .ldx = H, .y = kv.data(), .ldy = L + R, .backend = be}));
-    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = kv.data(),
-                                       .ldx = L + R,
-                                       .y = kv_c.data(),
-                                       .ldy = L,
+  MlaParams& ap = step.ap;
+  ap.w_uk_t = a.w_uk_t.data();
+  ap.w_uv = a.w_uv.data();
+  ap.cache = cache;
+  if (!step.planned) {
+    MLARUN_RETURN_IF_ERROR(MlaReplan(ap, options_.attention, sc.attn_plan));
+    step.planned = true;
+  }
+  const MlaPlan& plan = sc.attn_plan;
+  WorkspaceView ws = attn_ws_.Reserve(plan.workspace_bytes);
+  if (plan.workspace_bytes > 0 && ws.data == nullptr)
+    return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes,
+                                  " bytes of attention workspace");
+  if (Status run = MlaRun(ap, plan, ws); !run.ok()) return run.WithContext("layer " + std::to_string(li));
+  MLARUN_RETURN_IF_ERROR(LinearRun(
+      {.w = &a.o, .x = sc.attn.data(), .rows = T, .ldx = N * V, .y = sc.o_out.data(), .ldy = H, .backend = be}));
+  const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
+  traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
+  const int64_t proj_elements =
+      a.q_a.elements() + a.q_b.elements() + a.q.elements() + a.kv_a.elements() + a.o.elements();
+  traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_elements);
+  const int64_t row_bytes = step.pool.config().bytes_per_token() / c.num_hidden_layers;
+  for (int32_t i = 0; i < step.S; ++i) {
+    const int64_t q_len = sc.query_start[static_cast<size_t>(i) + 1] - sc.query_start[static_cast<size_t>(i)];
+    const int64_t len = sc.seq_lens[static_cast<size_t>(i)];
+    traffic_.cache_bytes += len * row_bytes;
+    if (q_len == 0) continue;
+    traffic_.flops += MlaPathFor(options_.attention, q_len, len - q_len) == MlaPath::kAbsorbed
+                          ? MlaAbsorbedFlops(ap.shape, q_len, len)
+                          : MlaExpandedFlops(ap.shape, q_len, len);
+  }
+  return Status::Ok();
+}
+
+Status Model::AttentionProjections(const DecoderLayer& layer, const Step& step) {
+  const ModelConfig& c = config_;
+  const AttentionLayer& a = layer.attn;
+  const int64_t H = c.hidden_size, N = step.heads, L = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t P = c.qk_nope_head_dim, Dq = c.q_head_dim(), QL = c.q_lora_rank, T = step.T;
+  const Backend be = backend();
+  StepScratch& sc = *scratch_;
+  float *const x = sc.x.data(), *const q = sc.q.data(), *const qa = sc.qa.data(), *const kv = sc.kv.data();
+  MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = sc.h.data(),
+                                     .ldx = H,
+                                     .y = x,
+                                     .ldy = H,
+                                     .rows = T,
+                                     .n = H,
+                                     .weight = layer.input_norm.data(),
+                                     .eps = c.rms_norm_eps,
+                                     .backend = be}));
+  if (QL > 0) {
+    MLARUN_RETURN_IF_ERROR(LinearRun({.w = &a.q_a, .x = x, .rows = T, .ldx = H, .y = qa, .ldy = QL, .backend = be}));
+    MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = qa,
+                                       .ldx = QL,
+                                       .y = qa,
+                                       .ldy = QL,
                                        .rows = T,
-                                       .n = L,
-                                       .weight = a.kv_a_norm.data(),
+                                       .n = QL,
+                                       .weight = a.q_a_norm.data(),
                                        .eps = kLatentNormEps,
                                        .backend = be}));
-    MLARUN_RETURN_IF_ERROR(CopyRowsRun(
-        {.x = kv.data() + L, .ldx = L + R, .y = k_pe.data(), .ldy = R, .rows = T, .cols = R, .backend = be}));
-    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = q.data() + P,
-                                                   .n_tokens = T,
-                                                   .n_heads = N,
-                                                   .stride_token = N * Dq,
-                                                   .stride_head = Dq,
-                                                   .positions = d_positions,
-                                                   .backend = be},
-                                                  *rope_, rope_inv_freq_.data())));
-    MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables(
-        {.x = k_pe.data(), .n_tokens = T, .n_heads = 1, .stride_token = R, .positions = d_positions, .backend = be},
-        *rope_, rope_inv_freq_.data())));
-    const PagedRowsView cache = pool.Layer(li);
-    MLARUN_RETURN_IF_ERROR(LatentWriteRun({.cache = pool.LayerData(li),
-                                           .dtype = cache.dtype,
-                                           .block_size = cache.block_size,
-                                           .num_blocks = cache.num_blocks,
-                                           .stride_block = cache.stride_block,
-                                           .stride_token = cache.stride_token,
-                                           .d_latent = L,
-                                           .d_rope = R,
-                                           .n = T,
-                                           .slots = d_slots,
-                                           .kv_c = kv_c.data(),
-                                           .kv_c_stride = L,
-                                           .k_pe = k_pe.data(),
-                                           .k_pe_stride = R,
-                                           .backend = be}));
-    ap.w_uk_t = a.w_uk_t.data();
-    ap.w_uv = a.w_uv.data();
-    ap.cache = cache;
-    if (!planned) {
-      MLARUN_RETURN_IF_ERROR(MlaReplan(ap, options_.attention, sc.attn_plan));
-      planned = true;
-    }
-    const MlaPlan& plan = sc.attn_plan;
-    WorkspaceView ws = attn_ws_.Reserve(plan.workspace_bytes);
-    if (plan.workspace_bytes > 0 && ws.data == nullptr)
-      return ResourceExhaustedError("model forward: cannot allocate ", plan.workspace_bytes,
-                                    " bytes of attention workspace");
-    if (Status run = MlaRun(ap, plan, ws); !run.ok()) return run.WithContext("layer " + std::to_string(li));
     MLARUN_RETURN_IF_ERROR(
-        LinearRun({.w = &a.o, .x = attn.data(), .rows = T, .ldx = N * V, .y = o_out.data(), .ldy = H, .backend = be}));
-    const int64_t proj_bytes = a.q_a.bytes() + a.q_b.bytes() + a.q.bytes() + a.kv_a.bytes() + a.o.bytes();
-    traffic_.weight_bytes += proj_bytes + static_cast<int64_t>(a.w_uk_t.size() + a.w_uv.size());
-    const int64_t proj_elements =
-        a.q_a.elements() + a.q_b.elements() + a.q.elements() + a.kv_a.elements() + a.o.elements();
-    traffic_.flops += 2.0 * static_cast<double>(T) * static_cast<double>(proj_elements);
-    for (int32_t i = 0; i < S; ++i) {
-      const int64_t q_len = query_start[static_cast<size_t>(i) + 1] - query_start[static_cast<size_t>(i)];
-      const int64_t len = seq_lens[static_cast<size_t>(i)];
-      traffic_.cache_bytes += len * (cc.bytes_per_token() / c.num_hidden_layers);
-      if (q_len == 0) continue;
-      traffic_.flops += MlaPathFor(options_.attention, q_len, len - q_len) == MlaPath::kAbsorbed
-                            ? MlaAbsorbedFlops(ap.shape, q_len, len)
-                            : MlaExpandedFlops(ap.shape, q_len, len);
-    }
-    return Status::Ok();
-  };
-
-  for (int64_t li = 0; li < c.num_hidden_layers; ++li) {
-    const DecoderLayer& layer = layers_[static_cast<size_t>(li)];
-    auto t0 = Clock::now();
-    if (T > 0 && st.ok()) fail(attention(layer, li));
-    if (call == options_.fail_forward_call && li == 0)
-      fail(InternalError("injected failure (fail_forward_call ", call, ") in layer 0"));
-    // o_proj is row-parallel over heads: its partial sums meet in the group.
-    if (tp && !join(tp->AllReduceSum(o_out.data(), T * H, CommType::kF32))) return st;
-    if (st.ok()) fail(AddRun({.y = h.data(), .x = o_out.data(), .n = T * H, .backend = be}));
-    times_.attention += Since(t0);
-
-    t0 = Clock::now();
-    if (st.ok())
-      fail(RmsNormRun({.x = h.data(),
-                       .ldx = H,
-                       .y = x.data(),
-                       .ldy = H,
-                       .rows = T,
-                       .n = H,
-                       .weight = layer.post_attention_norm.data(),
-                       .eps = c.rms_norm_eps,
-                       .backend = be}));
-    // Every DP group's tokens, in dp_rank order.
-    const float* X = x.data();
-    if (peers) {
-      // All of it written by the all-gather.
-      if (!join(x_all.Resize(static_cast<size_t>(T_all * H), "the gathered hidden states"))) return st;
-      if (!join(peers->AllGatherV(x.data(), hidden_counts, x_all.data(), CommType::kF32))) return st;
-      X = x_all.data();
-    }
-    if (st.ok()) {
-      if (!layer.moe) {
-        const size_t hidden = static_cast<size_t>(T_all * 2 * layer.mlp.intermediate());
-        if (mlp_hidden.size() < hidden) fail(mlp_hidden.Resize(hidden, "the MLP's hidden rows"));
-        if (st.ok())
-          fail(MlpRun({.mlp = &layer.mlp,
-                       .x = X,
-                       .rows = T_all,
-                       .ldx = H,
-                       .y = y_all.data(),
-                       .ldy = H,
-                       .hidden = mlp_hidden.data(),
-                       .backend = be}));
-        if (T_all > 0) {
-          traffic_.weight_bytes += layer.mlp.bytes();
-          traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.elements());
-        }
-      } else {
-        fail(MoeForward(layer.moe_mlp, X, T_all, y_all.data()));
-      }
-    }
-    // This rank's partial outputs for this group's tokens, summed over the world.
-    if (peers && !join(peers->ReduceScatterSumV(y_all.data(), hidden_counts, y_local, CommType::kF32))) return st;
-    if (tp && !join(tp->AllReduceSum(y_local, T * H, CommType::kF32))) return st;
-    if (st.ok()) fail(AddRun({.y = h.data(), .x = y_local, .n = T * H, .backend = be}));
-    (layer.moe ? times_.moe : times_.dense_mlp) += Since(t0);
+        LinearRun({.w = &a.q_b, .x = qa, .rows = T, .ldx = QL, .y = q, .ldy = N * Dq, .backend = be}));
+  } else {
+    MLARUN_RETURN_IF_ERROR(LinearRun({.w = &a.q, .x = x, .rows = T, .ldx = H, .y = q, .ldy = N * Dq, .backend = be}));
   }
-  if (!st.ok()) return st;
+  MLARUN_RETURN_IF_ERROR(LinearRun({.w = &a.kv_a, .x = x, .rows = T, .ldx = H, .y = kv, .ldy = L + R, .backend = be}));
+  MLARUN_RETURN_IF_ERROR(RmsNormRun({.x = kv,
+                                     .ldx = L + R,
+                                     .y = sc.kv_c.data(),
+                                     .ldy = L,
+                                     .rows = T,
+                                     .n = L,
+                                     .weight = a.kv_a_norm.data(),
+                                     .eps = kLatentNormEps,
+                                     .backend = be}));
+  MLARUN_RETURN_IF_ERROR(
+      CopyRowsRun({.x = kv + L, .ldx = L + R, .y = sc.k_pe.data(), .ldy = R, .rows = T, .cols = R, .backend = be}));
+  MLARUN_RETURN_IF_ERROR(RopeRun(WithRopeTables({.x = q + P,
+                                                 .n_tokens = T,
+                                                 .n_heads = N,
+                                                 .stride_token = N * Dq,
+                                                 .stride_head = Dq,
+                                                 .positions = step.d_positions,
+                                                 .backend = be},
+                                                *rope_, rope_inv_freq_.data())));
+  return RopeRun(WithRopeTables({.x = sc.k_pe.data(),
+                                 .n_tokens = T,
+                                 .n_heads = 1,
+                                 .stride_token = R,
+                                 .positions = step.d_positions,
+                                 .backend = be},
+                                *rope_, rope_inv_freq_.data()));
+}
 
-  // Logits for the rows asked for.
+bool Model::MlpBlock(const DecoderLayer& layer, Step& step) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, T = step.T, T_all = step.T_all;
+  const Backend be = backend();
+  StepScratch& sc = *scratch_;
+  const auto t0 = Clock::now();
+  if (step.st.ok())
+    step.Fail(RmsNormRun({.x = sc.h.data(),
+                          .ldx = H,
+                          .y = sc.x.data(),
+                          .ldy = H,
+                          .rows = T,
+                          .n = H,
+                          .weight = layer.post_attention_norm.data(),
+                          .eps = c.rms_norm_eps,
+                          .backend = be}));
+  // Every DP group's tokens, in dp_rank order.
+  const float* X = sc.x.data();
+  if (step.peers) {
+    // All of it written by the all-gather.
+    if (!step.Join(sc.x_all.Resize(static_cast<size_t>(T_all * H), "the gathered hidden states"))) return false;
+    if (!step.Join(step.peers->AllGatherV(sc.x.data(), sc.hidden_counts, sc.x_all.data(), CommType::kF32)))
+      return false;
+    X = sc.x_all.data();
+  }
+  if (step.st.ok()) {
+    if (!layer.moe) {
+      const size_t hidden = static_cast<size_t>(T_all * 2 * layer.mlp.intermediate());
+      if (sc.mlp_hidden.size() < hidden) step.Fail(sc.mlp_hidden.Resize(hidden, "the MLP's hidden rows"));
+      if (step.st.ok())
+        step.Fail(MlpRun({.mlp = &layer.mlp,
+                          .x = X,
+                          .rows = T_all,
+                          .ldx = H,
+                          .y = sc.y_all.data(),
+                          .ldy = H,
+                          .hidden = sc.mlp_hidden.data(),
+                          .backend = be}));
+      if (T_all > 0) {
+        traffic_.weight_bytes += layer.mlp.bytes();
+        traffic_.flops += 2.0 * static_cast<double>(T_all) * static_cast<double>(layer.mlp.elements());
+      }
+    } else {
+      step.Fail(MoeForward(layer.moe_mlp, X, T_all, sc.y_all.data()));
+    }
+  }
+  // This rank's partial outputs for this group's tokens, summed over the world.
+  if (step.peers &&
+      !step.Join(step.peers->ReduceScatterSumV(sc.y_all.data(), sc.hidden_counts, step.y_local, CommType::kF32)))
+    return false;
+  if (step.tp && !step.Join(step.tp->AllReduceSum(step.y_local, T * H, CommType::kF32))) return false;
+  if (step.st.ok()) step.Fail(AddRun({.y = sc.h.data(), .x = step.y_local, .n = T * H, .backend = be}));
+  (layer.moe ? times_.moe : times_.dense_mlp) += Since(t0);
+  return true;
+}
+
+Status Model::ComputeLogits(const Step& step) {
+  const ModelConfig& c = config_;
+  const int64_t H = c.hidden_size, vocab = c.vocab_size, T = step.T, logit_rows = step.logit_rows;
+  const Backend be = backend();
+  StepScratch& sc = *scratch_;
   const auto t_head = Clock::now();
   DeviceArray<float>& rows = sc.rows;
   MLARUN_RETURN_IF_ERROR(rows.Zeroed(static_cast<size_t>(logit_rows * H), "the logit rows"));
@@ -706,14 +808,14 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
   MLARUN_RETURN_IF_ERROR(logits_out.Zeroed(static_cast<size_t>(logit_rows * vocab), "the logits"));
   std::vector<int32_t>& logit_ids = sc.logit_ids.host;  // the rows of h asked for
   logit_ids.clear();
-  for (int32_t i = 0; i < S; ++i) {
-    const ForwardSeq& s = seqs[static_cast<size_t>(i)];
-    const int32_t n = static_cast<int32_t>(s.tokens.size()), t0 = query_start[static_cast<size_t>(i)];
+  for (int32_t i = 0; i < step.S; ++i) {
+    const ForwardSeq& s = step.seqs[static_cast<size_t>(i)];
+    const int32_t n = static_cast<int32_t>(s.tokens.size()), t0 = sc.query_start[static_cast<size_t>(i)];
     if (s.logits == ForwardSeq::Logits::kNone || n == 0) continue;
     for (int32_t j = s.logits == ForwardSeq::Logits::kAll ? 0 : n - 1; j < n; ++j) logit_ids.push_back(t0 + j);
   }
   MLARUN_ASSIGN_OR_RETURN(const int32_t* d_logit_ids, sc.logit_ids.Publish(*memory_, "the logit row ids"));
-  MLARUN_RETURN_IF_ERROR(EmbeddingRun({.table = h.data(),
+  MLARUN_RETURN_IF_ERROR(EmbeddingRun({.table = sc.h.data(),
                                        .dtype = DType::kF32,
                                        .num_rows = T,
                                        .width = H,
@@ -743,9 +845,7 @@ Status Model::ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, co
     traffic_.weight_bytes += lm_head_.bytes();
     traffic_.flops += 2.0 * static_cast<double>(logit_rows * vocab * H);
   }
-  traffic_.weight_bytes += T * H * static_cast<int64_t>(wes);  // embedding rows
   times_.lm_head = Since(t_head);
-  times_.other = Since(t_start) - times_.attention - times_.moe - times_.dense_mlp - times_.lm_head;
   return Status::Ok();
 }
 

@@ -315,6 +315,34 @@ class Model {
   // collective goes to *collective and ends the step at once.
   Status ForwardImpl(std::span<const ForwardSeq> seqs, LatentPool& pool, const ParallelStep* parallel, Communicator* tp,
                      Communicator* peers, int64_t call, Status* collective);
+  // ForwardImpl's phases, over one step's state (model.cc). A computation
+  // failure goes to Step::st and the step goes on joining the collectives;
+  // those returning bool return false when a collective failed
+  // (*Step::collective), which ends the step at once.
+  struct Step;
+  // The batch checked and laid out (tokens, positions, cache slots, block
+  // tables), the collectives' counts, then CarveBuffers.
+  bool PrepareStep(Step& step);
+  // Checks the batch against the pool and the model; query_start, seq_lens,
+  // the block table width and the logit rows.
+  void DescribeBatch(Step& step);
+  // The step's buffers out of the StepScratch, the batch arrays on the
+  // device, and the attention's batch description.
+  bool CarveBuffers(Step& step);
+  // Layer li's attention, o_proj's partial sums all-reduced over the attn-TP
+  // group, added to the hidden states.
+  bool AttentionBlock(const DecoderLayer& layer, int64_t li, Step& step);
+  // This group's tokens through layer li's attention, into o_out (this
+  // rank's heads' part of o_proj).
+  Status Attention(const DecoderLayer& layer, int64_t li, Step& step);
+  // Input norm, the query and key-latent projections and their norms, RoPE.
+  Status AttentionProjections(const DecoderLayer& layer, const Step& step);
+  // The post-attention norm, the dense MLP or the MoE over every DP group's
+  // tokens (all-gathered over the peers, reduce-scattered back, all-reduced
+  // in the group), added to the hidden states.
+  bool MlpBlock(const DecoderLayer& layer, Step& step);
+  // The final norm and lm_head over the rows the sequences ask for.
+  Status ComputeLogits(const Step& step);
 
   ModelConfig config_;
   ModelOptions options_;
