@@ -257,7 +257,77 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   const uint64_t data_bytes = file_bytes - 8 - header_bytes;
   const std::byte* data = base + 8 + header_bytes;
   const char* header_begin = reinterpret_cast<const char*>(base + 8);
+  MLARUN_RETURN_IF_ERROR(
+      file->BuildTensorTable(std::string_view(header_begin, static_cast<size_t>(header_bytes)), data, data_bytes));
+  return file;
+}
 
+namespace {
+
+// One tensor's header entry (not __metadata__) of the file at `path`, checked
+// against its data section [data, data + data_bytes): *t gets its name,
+// dtype, shape, bytes and data (not its file), [*begin, *end) its offsets.
+Status ParseTensorEntry(const std::string& name, const json& entry, const std::string& path, const std::byte* data,
+                        uint64_t data_bytes, TensorRef* t, uint64_t* begin_out, uint64_t* end_out) {
+  const std::string where = internal::StrCat("tensor ", Quoted(name), " in ", path);
+  if (!entry.is_object()) return InvalidArgumentError(where, ": entry is not a JSON object");
+  const auto dtype_it = entry.find("dtype");
+  const auto shape_it = entry.find("shape");
+  const auto offsets_it = entry.find("data_offsets");
+  if (dtype_it == entry.end() || shape_it == entry.end() || offsets_it == entry.end()) {
+    return InvalidArgumentError(where, ": entry needs dtype, shape and data_offsets");
+  }
+
+  t->name = name;
+  if (!dtype_it->is_string()) return InvalidArgumentError(where, ": dtype is not a string");
+  const std::string& dtype_name = dtype_it->get_ref<const std::string&>();
+  if (!ParseSafetensorsDType(dtype_name, &t->dtype)) {
+    return InvalidArgumentError(where, ": unknown dtype ", Quoted(dtype_name));
+  }
+
+  if (!shape_it->is_array()) return InvalidArgumentError(where, ": shape is not an array");
+  // Track numel * element size with overflow checks: the product must fit
+  // in the file anyway, so anything that overflows is rejected.
+  uint64_t bytes = SafetensorsDTypeSize(t->dtype);
+  for (const json& d : *shape_it) {
+    uint64_t dim = 0;
+    if (!GetUnsigned(d, &dim) || dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return InvalidArgumentError(where, ": shape ", shape_it->dump(), " is not a list of non-negative integers");
+    }
+    if (__builtin_mul_overflow(bytes, dim, &bytes)) {
+      return InvalidArgumentError(where, ": shape ", shape_it->dump(), " overflows the byte size");
+    }
+    t->shape.push_back(static_cast<int64_t>(dim));
+  }
+
+  uint64_t begin = 0, end = 0;
+  if (!offsets_it->is_array() || offsets_it->size() != 2 || !GetUnsigned((*offsets_it)[0], &begin) ||
+      !GetUnsigned((*offsets_it)[1], &end)) {
+    return InvalidArgumentError(where, ": data_offsets ", offsets_it->dump(),
+                                " is not a pair of non-negative integers");
+  }
+  if (begin > end) {
+    return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] begin after end");
+  }
+  if (end > data_bytes) {
+    return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] run past the ", data_bytes,
+                                "-byte data section (file truncated?)");
+  }
+  if (end - begin != bytes) {
+    return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] span ", end - begin,
+                                " bytes but dtype ", dtype_name, " and shape ", ShapeString(t->shape), " need ", bytes);
+  }
+  t->data = data + begin;
+  t->bytes = static_cast<size_t>(bytes);
+  *begin_out = begin;
+  *end_out = end;
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status SafetensorsFile::BuildTensorTable(std::string_view header_text, const std::byte* data, uint64_t data_bytes) {
+  const std::string& path = path_;
   // nlohmann's std::map objects would silently keep only one of two entries
   // with the same name; a parse callback sees every top-level key first.
   std::set<std::string> seen;
@@ -271,7 +341,7 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   };
 
   try {
-    const json header = json::parse(header_begin, header_begin + header_bytes, on_event,
+    const json header = json::parse(header_text.data(), header_text.data() + header_text.size(), on_event,
                                     /*allow_exceptions=*/false);
     if (header.is_discarded()) return InvalidArgumentError(path, ": header is not valid JSON");
     if (!header.is_object()) return InvalidArgumentError(path, ": header is not a JSON object");
@@ -289,87 +359,38 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
           if (!value.is_string()) {
             return InvalidArgumentError(path, ": __metadata__ value for ", Quoted(key), " is not a string");
           }
-          file->metadata_.emplace(key, value.get<std::string>());
+          metadata_.emplace(key, value.get<std::string>());
         }
         continue;
       }
-      const std::string where = internal::StrCat("tensor ", Quoted(name), " in ", path);
-      if (!entry.is_object()) return InvalidArgumentError(where, ": entry is not a JSON object");
-      const auto dtype_it = entry.find("dtype");
-      const auto shape_it = entry.find("shape");
-      const auto offsets_it = entry.find("data_offsets");
-      if (dtype_it == entry.end() || shape_it == entry.end() || offsets_it == entry.end()) {
-        return InvalidArgumentError(where, ": entry needs dtype, shape and data_offsets");
-      }
-
       TensorRef t;
-      t.name = name;
-      if (!dtype_it->is_string()) return InvalidArgumentError(where, ": dtype is not a string");
-      const std::string& dtype_name = dtype_it->get_ref<const std::string&>();
-      if (!ParseSafetensorsDType(dtype_name, &t.dtype)) {
-        return InvalidArgumentError(where, ": unknown dtype ", Quoted(dtype_name));
-      }
-
-      if (!shape_it->is_array()) return InvalidArgumentError(where, ": shape is not an array");
-      // Track numel * element size with overflow checks: the product must fit
-      // in the file anyway, so anything that overflows is rejected.
-      uint64_t bytes = SafetensorsDTypeSize(t.dtype);
-      for (const json& d : *shape_it) {
-        uint64_t dim = 0;
-        if (!GetUnsigned(d, &dim) || dim > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-          return InvalidArgumentError(where, ": shape ", shape_it->dump(), " is not a list of non-negative integers");
-        }
-        if (__builtin_mul_overflow(bytes, dim, &bytes)) {
-          return InvalidArgumentError(where, ": shape ", shape_it->dump(), " overflows the byte size");
-        }
-        t.shape.push_back(static_cast<int64_t>(dim));
-      }
-
       uint64_t begin = 0, end = 0;
-      if (!offsets_it->is_array() || offsets_it->size() != 2 || !GetUnsigned((*offsets_it)[0], &begin) ||
-          !GetUnsigned((*offsets_it)[1], &end)) {
-        return InvalidArgumentError(where, ": data_offsets ", offsets_it->dump(),
-                                    " is not a pair of non-negative integers");
-      }
-      if (begin > end) {
-        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] begin after end");
-      }
-      if (end > data_bytes) {
-        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] run past the ", data_bytes,
-                                    "-byte data section (file truncated?)");
-      }
-      if (end - begin != bytes) {
-        return InvalidArgumentError(where, ": data_offsets [", begin, ", ", end, "] span ", end - begin,
-                                    " bytes but dtype ", dtype_name, " and shape ", ShapeString(t.shape), " need ",
-                                    bytes);
-      }
-      t.data = data + begin;
-      t.bytes = static_cast<size_t>(bytes);
-      t.file = &file->path_;
+      MLARUN_RETURN_IF_ERROR(ParseTensorEntry(name, entry, path, data, data_bytes, &t, &begin, &end));
+      t.file = &path_;
       // Empty ranges cannot overlap anything.
-      if (begin != end) ranges.push_back({begin, end, file->tensors_.size()});
-      file->tensors_.push_back(std::move(t));
+      if (begin != end) ranges.push_back({begin, end, tensors_.size()});
+      tensors_.push_back(std::move(t));
     }
 
     std::sort(ranges.begin(), ranges.end(),
               [](const Range& a, const Range& b) { return a.begin != b.begin ? a.begin < b.begin : a.end < b.end; });
     for (size_t i = 1; i < ranges.size(); ++i) {
       if (ranges[i].begin < ranges[i - 1].end) {
-        const TensorRef& a = file->tensors_[ranges[i - 1].tensor];
-        const TensorRef& b = file->tensors_[ranges[i].tensor];
+        const TensorRef& a = tensors_[ranges[i - 1].tensor];
+        const TensorRef& b = tensors_[ranges[i].tensor];
         return InvalidArgumentError(path, ": tensors ", Quoted(a.name), " [", ranges[i - 1].begin, ", ",
                                     ranges[i - 1].end, ") and ", Quoted(b.name), " [", ranges[i].begin, ", ",
                                     ranges[i].end, ") overlap");
       }
     }
-    for (size_t i = 0; i < file->tensors_.size(); ++i) file->index_.emplace(file->tensors_[i].name, i);
+    for (size_t i = 0; i < tensors_.size(); ++i) index_.emplace(tensors_[i].name, i);
   } catch (const std::bad_alloc&) {
     return ResourceExhaustedError(path, ": out of memory parsing the header");
   } catch (const std::exception& e) {
     // allow_exceptions=false covers parse errors; this guards accessors.
     return InvalidArgumentError(path, ": malformed header: ", e.what());
   }
-  return file;
+  return Status::Ok();
 }
 
 const TensorRef* SafetensorsFile::Find(std::string_view name) const {

@@ -79,6 +79,11 @@ class SafetensorsFile {
 
  private:
   SafetensorsFile() = default;
+  // Open's second half: the header's JSON, `header_text` (the bytes after
+  // the length field), into metadata_, tensors_ and index_, every entry
+  // checked against the data section [data, data + data_bytes) and against
+  // the others (no overlaps). Errors name path_.
+  Status BuildTensorTable(std::string_view header_text, const std::byte* data, uint64_t data_bytes);
   std::string path_;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
