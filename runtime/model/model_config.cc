@@ -805,9 +805,11 @@ std::ostream& operator<<(std::ostream& os, const ModelConfig& c) {
   return os;
 }
 
-Status ValidateModelConfig(const ModelConfig& c) {
-  if (c.model_type != ModelType::kDeepSeekV2 && c.model_type != ModelType::kDeepSeekV3)
-    return InvalidArgumentError("model_type: unknown value ", static_cast<int>(c.model_type));
+namespace {
+
+// The dimensions and counts: positive, non-negative and bounded where they
+// must be, and consistent with one another.
+Status ValidateDimensions(const ModelConfig& c) {
   const std::pair<const char*, int64_t> positive[] = {
       {"vocab_size", c.vocab_size},
       {"hidden_size", c.hidden_size},
@@ -861,8 +863,12 @@ Status ValidateModelConfig(const ModelConfig& c) {
   if (c.first_k_dense_replace > c.num_hidden_layers)
     return InvalidArgumentError("first_k_dense_replace (", c.first_k_dense_replace,
                                 ") must not exceed num_hidden_layers (", c.num_hidden_layers, ")");
+  return Status::Ok();
+}
 
-  // MoE routing.
+// The MoE gate: the scoring function and top-k method of the model type,
+// and expert, group and top-k counts it can route with.
+Status ValidateRouting(const ModelConfig& c) {
   if (c.model_type == ModelType::kDeepSeekV3) {
     if (c.scoring_func != ScoringFunc::kSigmoid)
       return InvalidArgumentError("scoring_func must be sigmoid for deepseek_v3");
@@ -903,6 +909,16 @@ Status ValidateModelConfig(const ModelConfig& c) {
   }
   if (!std::isfinite(c.routed_scaling_factor) || !(c.routed_scaling_factor > 0.0))
     return InvalidArgumentError("routed_scaling_factor must be positive, got ", c.routed_scaling_factor);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ValidateModelConfig(const ModelConfig& c) {
+  if (c.model_type != ModelType::kDeepSeekV2 && c.model_type != ModelType::kDeepSeekV3)
+    return InvalidArgumentError("model_type: unknown value ", static_cast<int>(c.model_type));
+  MLARUN_RETURN_IF_ERROR(ValidateDimensions(c));
+  MLARUN_RETURN_IF_ERROR(ValidateRouting(c));
   if (!std::isfinite(c.rms_norm_eps) || !(c.rms_norm_eps > 0.0))
     return InvalidArgumentError("rms_norm_eps must be positive, got ", c.rms_norm_eps);
 
