@@ -399,6 +399,54 @@ Status IntWithAlias(const FieldReader& f, std::string_view key, std::string_view
   return f.Int(key, out);
 }
 
+// The gating fields. The HF routers hard-code the scoring function (V3
+// sigmoid, V2 softmax), and V3 ignores topk_method; the original DeepSeek
+// fields are still accepted when they agree, since real config.json files
+// carry them.
+Status ReadGating(const FieldReader& f, const std::string& model_type_name, bool v3, ModelConfig* c) {
+  std::string scoring = std::string(ScoringFuncName(c->scoring_func));
+  MLARUN_RETURN_IF_ERROR(f.String("scoring_func", &scoring, /*null_keeps_default=*/true));
+  if (scoring != ScoringFuncName(c->scoring_func))
+    return f.Error("scoring_func", "unsupported value '", scoring, "' for ", model_type_name, " (expected '",
+                   ScoringFuncName(c->scoring_func), "')");
+  std::string topk_method = std::string(TopkMethodName(c->topk_method));
+  MLARUN_RETURN_IF_ERROR(f.String("topk_method", &topk_method));
+  if (v3) {
+    if (topk_method != "noaux_tc")
+      return f.Error("topk_method", "unsupported value '", topk_method, "' for ", model_type_name,
+                     " (expected 'noaux_tc')");
+  } else if (topk_method == "greedy") {
+    c->topk_method = TopkMethod::kGreedy;
+  } else if (topk_method == "group_limited_greedy") {
+    c->topk_method = TopkMethod::kGroupLimitedGreedy;
+  } else {
+    return f.Error("topk_method", "unsupported value '", topk_method,
+                   "' for deepseek_v2 (expected 'greedy' or 'group_limited_greedy')");
+  }
+  return Status::Ok();
+}
+
+// DeepSeek Sparse Attention's indexer (the caller reads it for deepseek_v32
+// only). Only deepseek_v32 has the fields; DeepseekV2Config/DeepseekV3Config
+// do not, so index_* keys in those configs are ignored like any unknown key
+// (left 0: no indexer).
+Status ReadIndexer(const FieldReader& f, ModelConfig* c) {
+  c->index_n_heads = kDefaultIndexNHeads;
+  c->index_head_dim = kDefaultIndexHeadDim;
+  c->index_topk = kDefaultIndexTopk;
+  const std::pair<std::string_view, int64_t*> index_fields[] = {
+      {"index_n_heads", &c->index_n_heads},
+      {"index_head_dim", &c->index_head_dim},
+      {"index_topk", &c->index_topk},
+  };
+  for (const auto& [key, value] : index_fields) {
+    MLARUN_RETURN_IF_ERROR(f.Int(key, value));
+    // Checked here, where the key is known: 0 would silently mean "no indexer".
+    if (*value <= 0) return f.Error(key, "must be positive, got ", *value);
+  }
+  return Status::Ok();
+}
+
 // The shared parser: `root` is the config as JSON, whichever file it came from.
 StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origin) {
   if (!root.is_object())
@@ -449,47 +497,8 @@ StatusOr<ModelConfig> ParseConfigObject(const Json& root, std::string_view origi
   MLARUN_RETURN_IF_ERROR(f.Bool("norm_topk_prob", &c.norm_topk_prob, false));
   MLARUN_RETURN_IF_ERROR(f.Double("routed_scaling_factor", &c.routed_scaling_factor));
 
-  // Gating. The HF routers hard-code the scoring function (V3 sigmoid, V2
-  // softmax), and V3 ignores topk_method; the original DeepSeek fields are
-  // still accepted when they agree, since real config.json files carry them.
-  std::string scoring = std::string(ScoringFuncName(c.scoring_func));
-  MLARUN_RETURN_IF_ERROR(f.String("scoring_func", &scoring, /*null_keeps_default=*/true));
-  if (scoring != ScoringFuncName(c.scoring_func))
-    return f.Error("scoring_func", "unsupported value '", scoring, "' for ", model_type_name, " (expected '",
-                   ScoringFuncName(c.scoring_func), "')");
-  std::string topk_method = std::string(TopkMethodName(c.topk_method));
-  MLARUN_RETURN_IF_ERROR(f.String("topk_method", &topk_method));
-  if (v3) {
-    if (topk_method != "noaux_tc")
-      return f.Error("topk_method", "unsupported value '", topk_method, "' for ", model_type_name,
-                     " (expected 'noaux_tc')");
-  } else if (topk_method == "greedy") {
-    c.topk_method = TopkMethod::kGreedy;
-  } else if (topk_method == "group_limited_greedy") {
-    c.topk_method = TopkMethod::kGroupLimitedGreedy;
-  } else {
-    return f.Error("topk_method", "unsupported value '", topk_method,
-                   "' for deepseek_v2 (expected 'greedy' or 'group_limited_greedy')");
-  }
-
-  // DeepSeek Sparse Attention's indexer. Only deepseek_v32 has the fields;
-  // DeepseekV2Config/DeepseekV3Config do not, so index_* keys in those configs
-  // are ignored like any unknown key (left 0: no indexer).
-  if (v32) {
-    c.index_n_heads = kDefaultIndexNHeads;
-    c.index_head_dim = kDefaultIndexHeadDim;
-    c.index_topk = kDefaultIndexTopk;
-    const std::pair<std::string_view, int64_t*> index_fields[] = {
-        {"index_n_heads", &c.index_n_heads},
-        {"index_head_dim", &c.index_head_dim},
-        {"index_topk", &c.index_topk},
-    };
-    for (const auto& [key, value] : index_fields) {
-      MLARUN_RETURN_IF_ERROR(f.Int(key, value));
-      // Checked here, where the key is known: 0 would silently mean "no indexer".
-      if (*value <= 0) return f.Error(key, "must be positive, got ", *value);
-    }
-  }
+  MLARUN_RETURN_IF_ERROR(ReadGating(f, model_type_name, v3, &c));
+  if (v32) MLARUN_RETURN_IF_ERROR(ReadIndexer(f, &c));
 
   MLARUN_RETURN_IF_ERROR(f.Double("rms_norm_eps", &c.rms_norm_eps));
   MLARUN_RETURN_IF_ERROR(f.Int("max_position_embeddings", &c.max_position_embeddings));
