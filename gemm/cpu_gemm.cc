@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <functional>
+#include <iterator>
 #include <list>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
@@ -154,9 +155,7 @@ bool PackedDotPreferred(const GemmDesc& d) {
 // docs/cpu-kernels.md) oneDNN's time over ours is 0.89-1.07 under AVX-512
 // and 0.87-1.18 under AVX2, and its execute allocates inside every call
 // where ours allocates nothing.
-bool OneDnnPreferred(const GemmDesc& d) {
-  return d.a_type == DType::kBF16 && !PackedDotPreferred(d) && OneDnnAllowed(d);
-}
+bool OneDnnPreferred(const GemmDesc& d) { return d.a_type == DType::kBF16 && !PackedDotPreferred(d); }
 
 // Can our AMX tile kernel run this product under the family in force?
 bool TilesAllowed(const GemmDesc& d) {
@@ -200,6 +199,57 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
 }
 
 namespace {
+
+bool Always(const GemmDesc&) { return true; }
+bool FewRows(const GemmDesc& d) { return d.m <= GemmSmallRowsLimit(d); }
+
+// The errors of a request that forces an implementation where it cannot run.
+Status TilesRefusal(const GemmDesc& d) {
+  return InvalidArgumentError("the tile kernel needs the amx kernel family and bf16 A and B with B k-contiguous: ", d,
+                              " under ", CpuIsaName(ActiveCpuIsa()));
+}
+Status OneDnnRefusal(const GemmDesc& d) {
+  const std::string why = !OneDnnEnabled() ? std::string("oneDNN is turned off (MLARUN_ONEDNN=off)")
+                                           : "not used for " + std::string(DTypeName(d.a_type)) + " products by the " +
+                                                 std::string(CpuIsaName(ActiveCpuIsa())) + " kernel family";
+  return InternalError("oneDNN cannot prepare ", d, ": ", why);
+}
+
+// One implementation and when it runs. The predicates read the kernel
+// family and settings in force.
+struct GemmImplEntry {
+  GemmImpl impl;
+  bool (*can_run)(const GemmDesc& d);
+  bool (*preferred)(const GemmDesc& d);  // faster than the entries after it (kAuto)
+  Status (*refusal)(const GemmDesc& d);  // the error where it cannot run (nullptr: it always can)
+};
+
+// The implementations in the order kAuto tries them, as oneDNN's
+// cpu_matmul_list.cpp lists its own: it takes the first that can run and is
+// preferred. Few rows stream; then our AMX tiles, where their shapes beat
+// oneDNN's; oneDNN, where its product is the faster one; our packed kernel,
+// last, can always run and is always preferred.
+constexpr GemmImplEntry kGemmImpls[] = {
+    {GemmImpl::kSmall, Always, FewRows, nullptr},
+    {GemmImpl::kTiles, TilesAllowed, TilesFaster, TilesRefusal},
+    {GemmImpl::kOneDnn, OneDnnAllowed, OneDnnPreferred, OneDnnRefusal},
+    {GemmImpl::kPacked, Always, Always, nullptr},
+};
+static_assert(kGemmImpls[std::size(kGemmImpls) - 1].can_run == Always &&
+                  kGemmImpls[std::size(kGemmImpls) - 1].preferred == Always,
+              "kAuto must always find an implementation");
+
+// The implementation of `d`: under kAuto the first entry of kGemmImpls that
+// can run and is preferred; else `want`'s, where it can run.
+StatusOr<GemmImpl> ChooseGemmImpl(const GemmDesc& d, GemmImpl want) {
+  if (want == GemmImpl::kAuto) {
+    for (const GemmImplEntry& e : kGemmImpls)
+      if (e.can_run(d) && e.preferred(d)) return e.impl;
+  }
+  for (const GemmImplEntry& e : kGemmImpls)
+    if (e.impl == want) return e.can_run(d) ? StatusOr<GemmImpl>(want) : e.refusal(d);
+  return InvalidArgumentError("unknown GemmImpl value ", static_cast<int>(want));
+}
 
 constexpr size_t kAlign = 64;
 // An fp32 A of a packed product at most this wide is read from its rows, not
@@ -262,6 +312,9 @@ struct CpuGemm::Impl {
   size_t a_prepared_bytes = 0;  // kTiles, kPacked: A rewritten into the kernel's layout first
   bool a_rows = false;          // kPacked with an fp32 A of few columns: A read from its rows
   int threads = 1;              // threads the scratch was sized for
+
+  std::string PrepareOneDnn(const GemmDesc& d, CpuGemm& g);
+  void PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g);
 };
 
 std::ostream& operator<<(std::ostream& os, const GemmDesc& d) {
@@ -296,102 +349,87 @@ int64_t CpuGemm::PreparedCount() { return g_prepared.load(); }
 void SetOneDnnEnabled(bool enabled) { g_onednn_enabled.store(enabled); }
 bool OneDnnEnabled() { return g_onednn_enabled.load(std::memory_order_relaxed); }
 
+// Builds oneDNN's product into this Impl and names it in `g`; returns
+// oneDNN's error, or "" when it built one.
+std::string CpuGemm::Impl::PrepareOneDnn(const GemmDesc& d, CpuGemm& g) {
+  try {
+    a_md = memory::desc({d.m, d.k}, ToDnnl(d.a_type), {d.lda, 1});
+    b_md = memory::desc({d.k, d.n}, ToDnnl(d.b_type), {d.b_stride_k, d.b_stride_n});
+    c_md = memory::desc({d.m, d.n}, ToDnnl(d.c_type), {d.ldc, 1});
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (d.accumulate) {
+      dnnl::post_ops ops;
+      ops.append_sum(1.f);
+      attr.set_post_ops(ops);
+    }
+    pd = dnnl::matmul::primitive_desc(dnnl::matmul::desc(a_md, b_md, c_md), attr, CpuEngine());
+    prim = dnnl::matmul(pd);
+    scratch_md = pd.scratchpad_desc();
+    onednn_arg_sets = std::max(1, omp_get_max_threads());
+    onednn_args = std::make_unique<OneDnnArgs[]>(static_cast<size_t>(onednn_arg_sets));
+    const memory::desc* mds[4] = {&a_md, &b_md, &c_md, &scratch_md};
+    for (int s = 0; s < onednn_arg_sets; ++s)
+      for (int i = 0; i < 4; ++i) onednn_args[s].m[i] = memory(*mds[i], CpuEngine(), nullptr);
+    g.scratch_bytes_ = scratch_md.get_size();
+    g.impl_name_ = std::string("onednn:") + pd.impl_info_str();
+  } catch (const dnnl::error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Sizes the scratch of our kernel `chosen` (kSmall, kPacked or kTiles) for
+// `d` under the family in force, and names it in `g`.
+void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
+  kernels = &cpu::Kernels();
+  const cpu::CpuKernels& k = *kernels;
+  threads = std::max(1, omp_get_max_threads());
+  if (chosen == GemmImpl::kTiles) {
+    a_prepared_bytes = AlignUp(k.tiles_prepared_a_bytes(d.m, d.k));
+    g.impl_name_ = "tiles:" + std::string(CpuIsaName(k.isa));
+  } else if (chosen == GemmImpl::kSmall) {
+    small_bt = d.b_stride_k == 1;
+    bf16_dot = small_bt && d.a_type == DType::kBF16 && cpu::UseBf16Dot(k);
+    // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
+    // is); small_bn reads fp32 A.
+    if (!bf16_dot && (small_bt || d.a_type == DType::kBF16))
+      a_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.k) * sizeof(float));
+    g.impl_name_ = std::string(bf16_dot   ? "small_bt_dpbf16:"
+                               : small_bt ? "small_bt:"
+                                          : "small_bn:") +
+                   std::string(CpuIsaName(k.isa));
+  } else {
+    const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
+    if (c_via_f32) c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));
+    // Any thread may draw any chunk of columns (RunOwn), up to all of them;
+    // the kernel's panels bound what that needs.
+    thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
+    bf16_dot = PackedDotUsable(k, d);
+    a_rows = !bf16_dot && d.a_type == DType::kF32 && d.n <= kPackedARowsMaxN;
+    if (!a_rows)
+      a_prepared_bytes = AlignUp((bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
+    g.impl_name_ = std::string(bf16_dot ? "packed_dpbf16:" : "packed:") + std::string(CpuIsaName(k.isa));
+  }
+  g.scratch_bytes_ = a_f32_bytes + a_prepared_bytes + c_f32_bytes + static_cast<size_t>(threads) * thread_bytes;
+  if (g.scratch_bytes_ > 0) g.scratch_bytes_ += kAlign;  // RunOwn aligns the start
+}
+
 StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImpl want) {
   const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), OneDnnEnabled()};
   if (auto hit = Cache().Find(key)) return hit;
   MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
-  if (want != GemmImpl::kAuto && want != GemmImpl::kOneDnn && want != GemmImpl::kSmall && want != GemmImpl::kPacked &&
-      want != GemmImpl::kTiles)
-    return InvalidArgumentError("unknown GemmImpl value ", static_cast<int>(want));
-  if (want == GemmImpl::kTiles && !TilesAllowed(d))
-    return InvalidArgumentError("the tile kernel needs the amx kernel family and bf16 A and B with B k-contiguous: ", d,
-                                " under ", CpuIsaName(ActiveCpuIsa()));
+  MLARUN_ASSIGN_OR_RETURN(GemmImpl chosen, ChooseGemmImpl(d, want));
   std::shared_ptr<CpuGemm> g(new CpuGemm(d));
   auto impl = std::make_unique<Impl>();
-  GemmImpl chosen = want;
-  if (want == GemmImpl::kAuto)
-    chosen = d.m <= GemmSmallRowsLimit(d)        ? GemmImpl::kSmall
-             : TilesAllowed(d) && TilesFaster(d) ? GemmImpl::kTiles
-             : OneDnnPreferred(d)                ? GemmImpl::kOneDnn
-                                                 : GemmImpl::kPacked;
-
-  // oneDNN, where the family allows it and oneDNN can build the product.
-  std::string onednn_error;
   if (chosen == GemmImpl::kOneDnn) {
-    if (!OneDnnEnabled()) {
-      onednn_error = "oneDNN is turned off (MLARUN_ONEDNN=off)";
-    } else if (!OneDnnAllowed(d)) {
-      onednn_error = "not used for " + std::string(DTypeName(d.a_type)) + " products by the " +
-                     std::string(CpuIsaName(ActiveCpuIsa())) + " kernel family";
-    } else {
-      try {
-        impl->a_md = memory::desc({d.m, d.k}, ToDnnl(d.a_type), {d.lda, 1});
-        impl->b_md = memory::desc({d.k, d.n}, ToDnnl(d.b_type), {d.b_stride_k, d.b_stride_n});
-        impl->c_md = memory::desc({d.m, d.n}, ToDnnl(d.c_type), {d.ldc, 1});
-        dnnl::primitive_attr attr;
-        attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-        if (d.accumulate) {
-          dnnl::post_ops ops;
-          ops.append_sum(1.f);
-          attr.set_post_ops(ops);
-        }
-        impl->pd =
-            dnnl::matmul::primitive_desc(dnnl::matmul::desc(impl->a_md, impl->b_md, impl->c_md), attr, CpuEngine());
-        impl->prim = dnnl::matmul(impl->pd);
-        impl->scratch_md = impl->pd.scratchpad_desc();
-        impl->onednn_arg_sets = std::max(1, omp_get_max_threads());
-        impl->onednn_args = std::make_unique<OneDnnArgs[]>(static_cast<size_t>(impl->onednn_arg_sets));
-        const memory::desc* mds[4] = {&impl->a_md, &impl->b_md, &impl->c_md, &impl->scratch_md};
-        for (int s = 0; s < impl->onednn_arg_sets; ++s)
-          for (int i = 0; i < 4; ++i) impl->onednn_args[s].m[i] = memory(*mds[i], CpuEngine(), nullptr);
-        g->scratch_bytes_ = impl->scratch_md.get_size();
-        g->impl_name_ = std::string("onednn:") + impl->pd.impl_info_str();
-      } catch (const dnnl::error& e) {
-        onednn_error = e.what();
-      }
-    }
+    const std::string onednn_error = impl->PrepareOneDnn(d, *g);
     if (!onednn_error.empty()) {
       if (want == GemmImpl::kOneDnn) return InternalError("oneDNN cannot prepare ", d, ": ", onednn_error);
-      chosen = GemmImpl::kPacked;  // kAuto: ours
+      chosen = GemmImpl::kPacked;  // kAuto: ours, the table's last entry
     }
   }
-
-  // Ours.
-  if (chosen == GemmImpl::kSmall || chosen == GemmImpl::kPacked || chosen == GemmImpl::kTiles) {
-    impl->kernels = &cpu::Kernels();
-    const cpu::CpuKernels& k = *impl->kernels;
-    impl->threads = std::max(1, omp_get_max_threads());
-    if (chosen == GemmImpl::kTiles) {
-      impl->a_prepared_bytes = AlignUp(k.tiles_prepared_a_bytes(d.m, d.k));
-      g->impl_name_ = "tiles:" + std::string(CpuIsaName(k.isa));
-    } else if (chosen == GemmImpl::kSmall) {
-      impl->small_bt = d.b_stride_k == 1;
-      impl->bf16_dot = impl->small_bt && d.a_type == DType::kBF16 && cpu::UseBf16Dot(k);
-      // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
-      // is); small_bn reads fp32 A.
-      if (!impl->bf16_dot && (impl->small_bt || d.a_type == DType::kBF16))
-        impl->a_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.k) * sizeof(float));
-      g->impl_name_ = std::string(impl->bf16_dot   ? "small_bt_dpbf16:"
-                                  : impl->small_bt ? "small_bt:"
-                                                   : "small_bn:") +
-                      std::string(CpuIsaName(k.isa));
-    } else {
-      const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
-      if (c_via_f32) impl->c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));
-      // Any thread may draw any chunk of columns (RunOwn), up to all of them;
-      // the kernel's panels bound what that needs.
-      impl->thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
-      impl->bf16_dot = PackedDotUsable(k, d);
-      impl->a_rows = !impl->bf16_dot && d.a_type == DType::kF32 && d.n <= kPackedARowsMaxN;
-      if (!impl->a_rows)
-        impl->a_prepared_bytes =
-            AlignUp((impl->bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
-      g->impl_name_ = std::string(impl->bf16_dot ? "packed_dpbf16:" : "packed:") + std::string(CpuIsaName(k.isa));
-    }
-    g->scratch_bytes_ = impl->a_f32_bytes + impl->a_prepared_bytes + impl->c_f32_bytes +
-                        static_cast<size_t>(impl->threads) * impl->thread_bytes;
-    if (g->scratch_bytes_ > 0) g->scratch_bytes_ += kAlign;  // RunOwn aligns the start
-  }
+  if (chosen != GemmImpl::kOneDnn) impl->PrepareOwn(d, chosen, *g);
   g->kind_ = chosen;
   g->impl_ = std::move(impl);
   ++g_prepared;

@@ -9,7 +9,9 @@
 #include <thread>
 #include <vector>
 
+#include "base/cpu_isa.h"
 #include "gemm/convert.h"
+#include "gemm/cpu/kernels.h"
 
 namespace mlarun {
 namespace {
@@ -167,6 +169,194 @@ TEST(CpuGemm, OneDnnProductRunByManyThreadsAtOnce) {
     EXPECT_EQ(failed[i], "") << "caller " << i;
     EXPECT_LT(err[i], 1e-3) << "caller " << i;  // NaN (a result never written) fails too
   }
+}
+
+// A product C [m, n] = A [m, k] x B of `t` operands (f8_e4m3: an f32 A) and an
+// f32 C, A and C packed; B a weight [n, k] as stored (k contiguous), or with
+// `fold` a [k, n] matrix (n contiguous: the attention's folds).
+GemmDesc Product(DType t, int64_t m, int64_t n, int64_t k, bool fold = false) {
+  return GemmDesc{.m = m,
+                  .n = n,
+                  .k = k,
+                  .a_type = t == DType::kF8E4M3 ? DType::kF32 : t,
+                  .b_type = t,
+                  .c_type = DType::kF32,
+                  .lda = k,
+                  .b_stride_k = fold ? n : 1,
+                  .b_stride_n = fold ? 1 : k,
+                  .ldc = n};
+}
+
+// What kAuto chooses for one shape, one letter per kernel family (scalar,
+// avx2, avx512, amx): S small (streaming), T tiles, O oneDNN, P packed; with
+// the default settings, with the AVX512-BF16 dot products turned off, and
+// with oneDNN turned off.
+struct ChoiceRow {
+  GemmDesc desc;
+  const char* by_default;
+  const char* no_bf16_dot;
+  const char* no_onednn;
+};
+
+char ChoiceLetter(const GemmDesc& desc) {
+  auto g = CpuGemm::Get(desc);
+  if (!g.ok()) return '!';
+  switch ((*g)->impl()) {
+    case GemmImpl::kSmall:
+      return 'S';
+    case GemmImpl::kTiles:
+      return 'T';
+    case GemmImpl::kOneDnn:
+      return 'O';
+    case GemmImpl::kPacked:
+      return 'P';
+    case GemmImpl::kAuto:
+      break;
+  }
+  return '?';
+}
+
+// The automatic choice, pinned per family and shape: the streaming kernels'
+// row limits, the tile kernel's shapes, oneDNN only where its product is the
+// faster one. Families are checked up to the process's own (a run under
+// MLARUN_CPU_ISA caps oneDNN's code there too); avx512 and amx only on a CPU
+// with AVX512-BF16, whose letters these are.
+TEST(CpuGemm, AutoChoicePerFamilyAndShape) {
+  const DType bf16 = DType::kBF16, f32 = DType::kF32, fp8 = DType::kF8E4M3;
+  const ChoiceRow rows[] = {
+      // bf16 weights [2048, 2048]: the streaming limits, tiles up to 256 rows.
+      {Product(bf16, 1, 2048, 2048), "SSSS", "SSSS", "SSSS"},
+      {Product(bf16, 6, 2048, 2048), "SSSS", "SSSS", "SSSS"},
+      {Product(bf16, 7, 2048, 2048), "SSST", "SSST", "SSST"},
+      {Product(bf16, 8, 2048, 2048), "SSST", "SSST", "SSST"},
+      {Product(bf16, 9, 2048, 2048), "SSST", "SSOT", "SSST"},
+      {Product(bf16, 16, 2048, 2048), "SSST", "SSOT", "SSST"},
+      {Product(bf16, 17, 2048, 2048), "SSPT", "SSOT", "SSPT"},
+      {Product(bf16, 20, 2048, 2048), "SSPT", "SSOT", "SSPT"},
+      {Product(bf16, 21, 2048, 2048), "SPPT", "SPOT", "SPPT"},
+      {Product(bf16, 32, 2048, 2048), "SPPT", "SPOT", "SPPT"},
+      {Product(bf16, 33, 2048, 2048), "PPPT", "PPOT", "PPPT"},
+      {Product(bf16, 64, 2048, 2048), "PPPT", "PPOT", "PPPT"},
+      {Product(bf16, 65, 2048, 2048), "PPPT", "PPOT", "PPPT"},
+      {Product(bf16, 256, 2048, 2048), "PPPT", "PPOT", "PPPT"},
+      {Product(bf16, 257, 2048, 2048), "PPPO", "PPOO", "PPPP"},
+      // A weight past 128 MB (an lm_head): tiles up to 64 rows only.
+      {Product(bf16, 64, 102400, 2048), "PPPT", "PPOT", "PPPT"},
+      {Product(bf16, 65, 102400, 2048), "PPPO", "PPOO", "PPPP"},
+      // k past 8192: tiles up to 32 rows only.
+      {Product(bf16, 6, 2048, 16384), "SSSS", "SSSS", "SSSS"},
+      {Product(bf16, 16, 2048, 16384), "SSST", "SSOT", "SSST"},
+      {Product(bf16, 17, 2048, 16384), "SSPT", "SSOT", "SSPT"},
+      {Product(bf16, 32, 2048, 16384), "SPPT", "SPOT", "SPPT"},
+      {Product(bf16, 33, 2048, 16384), "PPPO", "PPOO", "PPPP"},
+      // Fewer than 128 columns (score tiles): no tiles.
+      {Product(bf16, 16, 64, 512), "SSSS", "SSOS", "SSSS"},
+      {Product(bf16, 17, 64, 512), "SSPO", "SSOO", "SSPP"},
+      {Product(bf16, 64, 64, 512), "PPPO", "PPOO", "PPPP"},
+      // B n-contiguous (the folds through W_UK^T and W_UV).
+      {Product(bf16, 4, 512, 128, true), "SSSS", "SSSS", "SSSS"},
+      {Product(bf16, 5, 512, 128, true), "SSSO", "SSSO", "SSSS"},
+      {Product(bf16, 8, 512, 128, true), "SSSO", "SSSO", "SSSS"},
+      {Product(bf16, 9, 512, 128, true), "SSSO", "SSOO", "SSSS"},
+      {Product(bf16, 16, 512, 128, true), "SSSO", "SSOO", "SSSS"},
+      {Product(bf16, 17, 512, 128, true), "SSPO", "SSOO", "SSPS"},
+      {Product(bf16, 20, 512, 128, true), "SSPO", "SSOO", "SSPS"},
+      {Product(bf16, 21, 512, 128, true), "SSPO", "SSOO", "SSPS"},
+      {Product(bf16, 32, 512, 128, true), "SSPO", "SSOO", "SSPS"},
+      {Product(bf16, 33, 512, 128, true), "PPPO", "PPOO", "PPPP"},
+      {Product(bf16, 128, 512, 128, true), "PPPO", "PPOO", "PPPP"},
+      // f32.
+      {Product(f32, 8, 2048, 2048), "SSSS", "SSSS", "SSSS"},
+      {Product(f32, 9, 2048, 2048), "SPSS", "SPSS", "SPSS"},
+      {Product(f32, 16, 2048, 2048), "SPSS", "SPSS", "SPSS"},
+      {Product(f32, 17, 2048, 2048), "PPSS", "PPSS", "PPSS"},
+      {Product(f32, 32, 2048, 2048), "PPSS", "PPSS", "PPSS"},
+      {Product(f32, 33, 2048, 2048), "PPPP", "PPPP", "PPPP"},
+      {Product(f32, 128, 2048, 2048), "PPPP", "PPPP", "PPPP"},
+      {Product(f32, 17, 512, 128, true), "PPSS", "PPSS", "PPSS"},
+      {Product(f32, 128, 512, 128, true), "PPPP", "PPPP", "PPPP"},
+      // f32 x f8_e4m3 weights.
+      {Product(fp8, 32, 2048, 2048), "SSSS", "SSSS", "SSSS"},
+      {Product(fp8, 33, 2048, 2048), "PPPP", "PPPP", "PPPP"},
+      {Product(fp8, 128, 2048, 2048), "PPPP", "PPPP", "PPPP"},
+  };
+  const CpuIsa limit = ActiveCpuIsa();
+  struct Restore {
+    bool onednn = OneDnnEnabled();
+    bool dot = cpu::SetBf16DotAllowed(true);
+    ~Restore() { SetOneDnnEnabled(onednn), cpu::SetBf16DotAllowed(dot); }
+  } restore;
+  for (int setting = 0; setting < 3; ++setting) {
+    cpu::SetBf16DotAllowed(setting != 1);
+    SetOneDnnEnabled(setting != 2);
+    for (const ChoiceRow& row : rows) {
+      const char* want = setting == 0 ? row.by_default : setting == 1 ? row.no_bf16_dot : row.no_onednn;
+      std::string got = want, expected = want;
+      for (CpuIsa isa : HostCpu().supported()) {
+        if (isa > limit || (isa >= CpuIsa::kAvx512 && !HostCpu().avx512_bf16)) continue;
+        ScopedCpuIsa scope(isa);
+        ASSERT_TRUE(scope.status().ok()) << scope.status();
+        got[static_cast<size_t>(isa)] = ChoiceLetter(row.desc);
+      }
+      EXPECT_EQ(got, expected) << row.desc << (setting == 1 ? " without the bf16 dot products" : "")
+                               << (setting == 2 ? " without oneDNN" : "");
+    }
+  }
+}
+
+// A forced implementation runs where it can and otherwise says why.
+TEST(CpuGemm, ForcedImplementationErrors) {
+  const GemmDesc bf16 = Product(DType::kBF16, 128, 64, 40), f32 = Product(DType::kF32, 128, 64, 40);
+  const std::string bf16_text = "gemm{m=128 n=64 k=40 types=bf16xbf16->f32 lda=40 b_strides=(1,40) ldc=64}";
+  const std::string f32_text = "gemm{m=128 n=64 k=40 types=f32xf32->f32 lda=40 b_strides=(1,40) ldc=64}";
+  const auto unknown = CpuGemm::Get(f32, static_cast<GemmImpl>(9));
+  EXPECT_EQ(unknown.status(), InvalidArgumentError("unknown GemmImpl value 9"));
+  {
+    ScopedCpuIsa scalar(CpuIsa::kScalar);
+    for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked}) {
+      const auto g = CpuGemm::Get(bf16, impl);
+      ASSERT_TRUE(g.ok()) << g.status();
+      EXPECT_EQ((*g)->impl(), impl);
+    }
+    EXPECT_EQ(CpuGemm::Get(bf16, GemmImpl::kTiles).status(),
+              InvalidArgumentError("the tile kernel needs the amx kernel family and bf16 A and B with B "
+                                   "k-contiguous: " +
+                                   bf16_text + " under scalar"));
+    EXPECT_EQ(
+        CpuGemm::Get(f32, GemmImpl::kOneDnn).status(),
+        InternalError("oneDNN cannot prepare " + f32_text + ": not used for f32 products by the scalar kernel family"));
+  }
+  struct Restore {
+    bool was = OneDnnEnabled();
+    ~Restore() { SetOneDnnEnabled(was); }
+  } restore;
+  SetOneDnnEnabled(false);
+  EXPECT_EQ(CpuGemm::Get(f32, GemmImpl::kOneDnn).status(),
+            InternalError("oneDNN cannot prepare " + f32_text + ": oneDNN is turned off (MLARUN_ONEDNN=off)"));
+}
+
+// Where oneDNN may run a product but cannot build it, kAuto falls back to
+// our packed kernel; asking for oneDNN by name is an error. Run under
+// MLARUN_CPU_ISA=avx2 (or scalar) on a CPU with bf16 arithmetic: oneDNN's
+// code is capped there and has no bf16 product, while our family can still
+// be raised to the CPU's own.
+TEST(CpuGemm, AutoFallsBackToPackedWhereOneDnnCannotBuild) {
+  const CpuIsa best = HostCpu().best();
+  if (ActiveCpuIsa() > CpuIsa::kAvx2 || best < CpuIsa::kAvx512 || !HostCpu().avx512_bf16)
+    GTEST_SKIP() << "needs a run capped at avx2 or below on a CPU with AVX512-BF16";
+  struct Restore {
+    bool dot = cpu::SetBf16DotAllowed(false);
+    ~Restore() { cpu::SetBf16DotAllowed(dot); }
+  } restore;
+  ScopedCpuIsa scope(best);
+  ASSERT_TRUE(scope.status().ok()) << scope.status();
+  const GemmDesc fold = Product(DType::kBF16, 128, 512, 128, true);  // oneDNN's under avx512 and amx
+  const auto g = CpuGemm::Get(fold);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ((*g)->impl(), GemmImpl::kPacked) << (*g)->impl_name();
+  const auto forced = CpuGemm::Get(fold, GemmImpl::kOneDnn);
+  EXPECT_EQ(forced.status().code(), StatusCode::kInternal) << forced.status();
+  EXPECT_EQ(forced.status().message().rfind("oneDNN cannot prepare gemm{m=128 n=512 k=128 ", 0), 0u) << forced.status();
 }
 
 TEST(CpuGemm, RejectsBadDescriptions) {
