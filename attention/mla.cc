@@ -114,13 +114,10 @@ Status MlaCheck(const MlaParams& p) {
 }
 
 AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa) {
-  // `mlarun bench attention`, DeepSeek-V3 attention dims, bf16, 2 threads:
-  // amx on an Intel Xeon (2026-11-29, docs/attention-bench.md); avx512, avx2
-  // (full grids) and scalar (the --quick grid) on an AMD EPYC (2026-12-01,
-  // docs/attention-bench-amd-*-2026-12-01.txt). With a cached prefix every
-  // family crosses over at 256; without one, AMX's bf16 products make the
-  // expanded path's up-projection cheap enough to win from 32 tokens, the
-  // others from 64.
+  // Measured per family by `mlarun bench attention` (the machines, dates and
+  // figures: docs/attention.md). With a cached prefix every family crosses
+  // over at 256; without one, AMX's bf16 products make the expanded path's
+  // up-projection cheap enough to win from 32 tokens, the others from 64.
   switch (isa) {
     case CpuIsa::kAmx:
       return {.with_prefix = 256, .no_prefix = 32};

@@ -49,10 +49,8 @@ struct AbsorbThresholds {
   int64_t no_prefix = 0;
   friend bool operator==(const AbsorbThresholds&, const AbsorbThresholds&) = default;
 };
-// The measured defaults of a CPU kernel family: amx from an Intel Xeon with
-// AMX (docs/attention-bench.md), avx512, avx2 and scalar from an AMD EPYC
-// (its own AVX-512 and, through MLARUN_CPU_ISA, the AVX2 and baseline
-// kernels; docs/attention-bench-amd-*-2026-12-01.txt).
+// The measured defaults of a CPU kernel family (`mlarun bench attention`
+// under each family; the machines and dates: docs/attention.md).
 AbsorbThresholds DefaultAbsorbThresholds(CpuIsa isa);
 
 // MlaConfig's thresholds when left at this value: DefaultAbsorbThresholds of

@@ -5,16 +5,16 @@
 // threads) and takes it from the front, a chunk at a time, so a streaming
 // kernel sees one sequential stream (the hardware prefetchers stay warm, as
 // with a plain static split). A thread whose run is done takes half of what
-// is left of another's run (at least a chunk), from its back: near the end
-// of a region that splits the last stretch between the two, rather than one
-// thread reading it cold while the other waits (fixed chunks of 1/16 of a
-// run measured 2-6% slower than a static split on a quiet machine; halves,
-// with chunks of 1/64, 1-4% faster, streaming the weights of a V2-Lite
-// decode step). A run whose owner has not started is taken whole, so a
-// region with fewer threads than asked for still covers every item. When
-// one thread is slowed (a core shared with another process, an interrupt),
-// the others finish its run instead of waiting at the region's barrier for
-// it. Items are handed out exactly once.
+// is left of another's run (at least a chunk), from its back: near the end of
+// a region that splits the last stretch between the two, rather than one
+// thread reading it cold while the other waits (streaming the weights of a
+// decode step on a quiet machine, fixed chunks of 1/16 of a run measured
+// slower than a static split, halves with chunks of 1/64 faster; figures:
+// docs/cpu-kernels.md, 'Kernel choices'). A run whose owner has not started
+// is taken whole, so a region with fewer threads than asked for still covers
+// every item. When one thread is slowed (a core shared with another process,
+// an interrupt), the others finish its run instead of waiting at the region's
+// barrier for it. Items are handed out exactly once.
 #pragma once
 
 #include <algorithm>

@@ -106,19 +106,16 @@ bool OneDnnAllowed(const GemmDesc& d) {
 
 // Products of bf16 weights on AMX: from kTilesFromRows rows on, the tile
 // kernel (fewer: the AVX512-BF16 streaming kernels), up to where oneDNN's AMX
-// product (which packs the weight) is faster. Measured on a Xeon with AMX, 2
-// threads, a weight from memory, 2026-12-03): the dot products stream at
-// 30-35 GB/s up to 6 rows and fall to 23 at 8 and 13 at 16; the tiles, one
-// weight tile per pass (amx_tiles.inc), read 30-33 from 1 to 16 rows, within
-// 2 GB/s of the dots up to 6 (k = 2048 and 7168), and 27-32 at 8-32 rows
-// where oneDNN read 16-20 and the dots 6-23 (the lm_head's [102400, 2048], the
-// dense MLP's [2048, 10944] and [10944, 2048]); against oneDNN on
-// DeepSeek-V2/V3 projection shapes, tiles 1.1-1.8x at 64 rows and 1.0-1.5x
-// at 128-256 rows, but 0.6-0.9x with k = 16384 and 0.8-0.95x on a 420 MB
-// lm_head from 128 rows (the weight read once per band of A rows from
-// memory), and 0.8-1.2x at 512 rows. So k past kTilesMaxK takes tiles only
-// up to two blocks of A rows (kTilesAnyKRows: A's tiles, at most 2 x 32 B
-// per element of k, stay in L2 while the weight streams past once).
+// product (which packs the weight) is faster. The tiles, one weight tile per
+// pass (amx_tiles.inc), stream a weight from memory as fast as the dot
+// products up to 6 rows and faster from 8, where the dot products and oneDNN
+// are slower; against oneDNN on projection shapes they are faster at 64 rows
+// and as fast or faster at 128-256, but slower with a long k (16384), on a
+// weight of hundreds of MB (an lm_head) from 128 rows (the weight read once
+// per band of A rows from memory), and at 512 rows. So k past kTilesMaxK
+// takes tiles only up to two blocks of A rows (kTilesAnyKRows: A's tiles, at
+// most 2 x 32 B per element of k, stay in L2 while the weight streams past
+// once). Figures: docs/cpu-kernels.md, 'Kernel choices'.
 constexpr int64_t kTilesFromRows = 7;
 constexpr int64_t kTilesMaxK = 8192;
 constexpr int64_t kTilesAnyKRows = 32;
@@ -139,22 +136,20 @@ bool PackedDotUsable(const cpu::CpuKernels& k, const GemmDesc& d) {
 }
 // bf16 products past the streaming kernels' rows on AVX512-BF16 without AMX:
 // our packed dot-product kernel rather than oneDNN's brgemm, which allocates
-// inside every call. Measured on a Zen 4 (docs/cpu-kernels.md): as fast on
-// the DeepSeek-V2-Lite prefill shapes (oneDNN's time over ours 0.83-1.17,
-// most 0.96-1.03) and on the attention's (0.90-1.08); a whole 512-token
-// prefill 0.96-1.10x, batch-32 decode 1.10-1.14x.
+// inside every call. Ours is as fast on the prefill and the attention's
+// shapes, and as fast or faster over a whole prefill and a decode step
+// (figures: docs/cpu-kernels.md, 'Kernel choices').
 bool PackedDotPreferred(const GemmDesc& d) {
   return ActiveCpuIsa() == CpuIsa::kAvx512 && PackedDotUsable(cpu::Kernels(), d);
 }
-// Products of many rows that neither the streaming nor the tile kernels
-// take go to oneDNN only where its product is the faster one: bf16 under AMX
-// (its AMX product, several times our dot products' rate), and on
-// AVX512-BF16 when our dot products are turned off. Everything else runs on
-// our packed kernels, f32 included: against oneDNN's f32 matmul on the
-// DeepSeek-V2-Lite prefill shapes (32-512 rows, Zen 4, 2 threads;
-// docs/cpu-kernels.md) oneDNN's time over ours is 0.89-1.07 under AVX-512
-// and 0.87-1.18 under AVX2, and its execute allocates inside every call
-// where ours allocates nothing.
+// Products of many rows that neither the streaming nor the tile kernels take
+// go to oneDNN only where its product is the faster one: bf16 under AMX (its
+// AMX product, several times our dot products' rate), and on AVX512-BF16 when
+// our dot products are turned off. Everything else runs on our packed
+// kernels, f32 included: as fast as oneDNN's f32 matmul on the prefill shapes
+// under AVX-512 and AVX2, and oneDNN's execute allocates inside every call
+// where ours allocates nothing (figures: docs/cpu-kernels.md,
+// 'Kernel choices').
 bool OneDnnPreferred(const GemmDesc& d) { return d.a_type == DType::kBF16 && !PackedDotPreferred(d); }
 
 // Can our AMX tile kernel run this product under the family in force?
@@ -165,35 +160,32 @@ bool TilesAllowed(const GemmDesc& d) {
 
 }  // namespace
 
+// The limits where the streaming kernels stop being the faster choice
+// (figures: docs/cpu-kernels.md, 'Kernel choices').
 int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
-  // f32: the streaming kernels' time over our packed kernel's on a 20480 x
-  // 2048 weight from memory (Zen 4, 2 threads): AVX-512 0.68-0.70 at 8-12
-  // rows, 0.91 at 24, 0.95 at 32; AVX2 0.87-0.95 at 8, 1.12-1.15 at 12,
-  // 1.17 at 16 (AVX2's 16 registers hold a 4-row tile of sums).
+  // f32: against our packed kernel on a weight from memory, the streaming
+  // kernels stay faster up to 32 rows under AVX-512 and up to 8 under AVX2
+  // (AVX2's 16 registers hold a 4-row tile of sums).
   if (d.a_type == DType::kF32) {
     const CpuIsa isa = ActiveCpuIsa();
     return isa >= CpuIsa::kAvx512 ? 32 : isa == CpuIsa::kAvx2 ? 8 : 16;
   }
   if (TilesAllowed(d)) return TilesShape(d) ? kTilesFromRows - 1 : 16;
-  // Our packed dot kernel (PackedDotPreferred): the streaming dot products'
-  // time over its, on a weight from memory, 0.98-0.99 at 16 rows, 1.10-1.15
-  // at 24, 1.28-1.29 at 32 (Zen 4).
+  // Our packed dot kernel (PackedDotPreferred): on a weight from memory the
+  // streaming dot products are as fast up to 16 rows and slower from 24.
   if (PackedDotPreferred(d)) return 16;
   // bf16 without bf16 arithmetic: our packed kernel converts each panel of B
-  // once and runs a 6 x 16 FMA tile under AVX2. On a 20480 x 2048 weight from
-  // memory (Zen 4, 2 threads) the streaming kernels' time over its was
-  // 0.79-0.80 at 6-8 rows, 0.90-1.15 at 12-20 and 1.09-1.31 at 24-32 (also
-  // on 2816 x 2048 and the dense down projection's 2048 x 10944; the MoE's
-  // items on one thread, 1.06-1.22 at 24-32). With B n-contiguous (the
-  // folds) they were even at 24-32 rows. AVX-512 without BF16 and SSE2:
-  // streaming stayed faster up to 32 (0.83-0.89 and 0.92 at 32).
+  // once and runs a 6 x 16 FMA tile under AVX2: on a weight from memory the
+  // streaming kernels are faster up to 12 rows, about even to 20 and slower
+  // from 24; with B n-contiguous (the folds) streaming is no slower up to 32.
+  // AVX-512 without BF16 and SSE2: streaming stays faster up to 32.
   if (!OneDnnAllowed(d)) return ActiveCpuIsa() == CpuIsa::kAvx2 && d.b_stride_k == 1 ? 20 : 32;
   // B n-contiguous (the attention's folds through W_UK^T and W_UV) has no dot
-  // products to use; on AMX oneDNN's product was as fast from 4 rows and
-  // 1.5-2x faster at 8-16 (128 heads' [128 x 512] folds, 2 threads).
+  // products to use; on AMX oneDNN's product is as fast from 4 rows and
+  // faster from 8.
   if (d.b_stride_n == 1 && ActiveCpuIsa() == CpuIsa::kAmx) return 4;
   return cpu::UseBf16Dot(cpu::Kernels()) ? 16 : 8;
 }
@@ -254,11 +246,9 @@ StatusOr<GemmImpl> ChooseGemmImpl(const GemmDesc& d, GemmImpl want) {
 constexpr size_t kAlign = 64;
 // An fp32 A of a packed product at most this wide is read from its rows, not
 // rewritten into strips first: each strip would serve only n / NR column
-// strips, and the rewrite costs a pass over A. On the Zen 4, oneDNN's time
-// over ours, rows against strips: the MoE's items on one thread (24-512 x
-// 128-352, k 1408-2816) AVX-512 0.83-0.96 -> 0.88-1.06, AVX2 0.90-1.19 ->
-// 0.97-1.16; 512 x 64 x 2048 on 2 threads 0.81 -> 0.97. Wider, strips were
-// as fast or faster (AVX2 512 x 576: 1.02 against 0.93).
+// strips, and the rewrite costs a pass over A. Reading the rows was the
+// faster up to a few hundred columns (the MoE's items); wider, strips were as
+// fast or faster (figures: docs/cpu-kernels.md, 'Kernel choices').
 constexpr int64_t kPackedARowsMaxN = 384;
 // The tile kernel's column granularity: 4 tiles of 16 weight rows.
 constexpr int64_t kTilesNAlign = 64;
@@ -514,11 +504,11 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   // The streaming kernels: one contiguous share of the columns per thread,
   // taken front to back, so each reads one long sequential run of B (every
   // new run starts the prefetchers cold: handing out chunks as threads finish
-  // measured 5-8% slower on 1-13 MB weights); a thread done with its share
-  // takes half of what is left of a slower one's, from its back
-  // (ContiguousShares). The packed kernel, bound by arithmetic: chunks of
-  // whole panels handed out as threads finish. Inside a parallel region the
-  // calling thread does it all.
+  // measured slower; figures: docs/cpu-kernels.md, 'Kernel choices'); a
+  // thread done with its share takes half of what is left of a slower one's,
+  // from its back (ContiguousShares). The packed kernel, bound by arithmetic:
+  // chunks of whole panels handed out as threads finish. Inside a parallel
+  // region the calling thread does it all.
   const int threads = omp_in_parallel() ? 1 : std::min(im.threads, omp_get_max_threads());
   const int64_t align = tiles ? kTilesNAlign : k.n_align;
   const int64_t strips = (d.n + align - 1) / align;

@@ -67,10 +67,10 @@ struct GemmBScales {
 // Checks a GemmDesc: positive sizes, supported types, consistent strides.
 Status ValidateGemmDesc(const GemmDesc& d);
 
-// Products with at most this many rows take the streaming kernels (below
-// it the weights' bytes set the pace; from it on the arithmetic does). As
-// measured with 2 threads on a 20480 x 2048 weight, ours against oneDNN's and
-// our packed kernels (docs/cpu-kernels.md): bf16 where oneDNN has bf16
+// Products with at most this many rows take the streaming kernels (below it
+// the weights' bytes set the pace; from it on the arithmetic does): where
+// they stop being faster than oneDNN's and our packed kernels (figures:
+// docs/cpu-kernels.md, 'Kernel choices'): bf16 where oneDNN has bf16
 // arithmetic (AVX512-BF16, AMX), up to 16 rows with our AVX512-BF16 dot
 // products (8 without them); bf16 elsewhere, up to 32; f32 up to 32 under
 // AVX-512, 8 under AVX2, 16 on the baseline.

@@ -246,13 +246,10 @@ Status PlanAbsorbed(CpuMlaPlan& pl) {
   // into ranges, merged by LSE after. With fewer items than threads (a
   // batch-1 decode) the ranges are whole kKeyPad groups: in whole key tiles a
   // context shorter than one tile ran on one thread while the others waited,
-  // and longer ones split unevenly (1500 keys: 1024 + 476). V2-Lite widths,
-  // 2 threads, Zen 4, the attention of one token against whole tiles: AVX2
-  // 1.13-1.15x at 128 keys, 1.28-1.37x at 512, 1.66x at 1000, 1.04-1.24x
-  // at 1500; AVX-512 1.06x, 1.25x, 1.36x, 1.13-1.18x; the same at 4096.
-  // With as many items as threads, whole tiles:
-  // finer ranges there cost more in merges than they gain (batch 2:
-  // 0.90-0.92x at 128-512 keys).
+  // and longer ones split unevenly (1500 keys: 1024 + 476); the groups
+  // measured faster than whole tiles from 128 to 4096 keys. With as many
+  // items as threads, whole tiles: finer ranges there cost more in merges
+  // than they gain (figures: docs/attention.md).
   const int64_t threads = pl.threads, items = static_cast<int64_t>(base.size());
   const int64_t want = items == 0 ? 1 : (2 * threads + items - 1) / items;
   const int64_t unit = items < threads ? kKeyPad : pl.kv_tile;

@@ -124,13 +124,14 @@ bool UseBf16Dot(const CpuKernels& k);
 bool SetBf16DotAllowed(bool allowed);
 
 // Whether one row's streaming products prefetch B in software, ahead of the
-// hardware prefetchers, and two or three rows take tiles of B rows instead
-// of streaming: on Intel CPUs (GenuineIntel), where the hardware prefetchers
-// alone kept one row's stream at 22-29 GB/s of ~30 (by where its loop fell
-// in the code) and a prefetch 1 KiB ahead read 31-34, and two or three rows
-// streamed at 19-23 (prefetched 25-29) where tiles read 28-31; not on AMD,
-// where software prefetch measured slower than the plain stream and
-// streaming was the faster up to three rows (docs/cpu-kernels.md).
+// hardware prefetchers, and two or three rows take tiles of B rows instead of
+// streaming: on Intel CPUs (GenuineIntel), where the hardware prefetchers
+// alone kept one row's stream short of the memory's rate (by where its loop
+// fell in the code) and a prefetch 1 KiB ahead reached it, and tiles read two
+// or three rows faster than streaming them, prefetched or not; not on AMD,
+// where software prefetch measured slower than the plain stream and streaming
+// was the faster up to three rows (figures: docs/cpu-kernels.md,
+// 'Kernel choices').
 bool StreamPrefetch();
 // For tests and MLARUN_STREAM_PREFETCH (launcher/env.h), so either vendor's
 // streaming path runs on any CPU. Returns the previous setting.

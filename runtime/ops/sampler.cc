@@ -31,7 +31,8 @@
 #include "runtime/ops/sampling_math.h"  // NOLINT(build/include_order)
 
 // The hot loops also get AVX2 and AVX-512 clones, chosen once at load time
-// (the default build targets baseline x86-64, where they run 3-4x slower).
+// (the default build targets baseline x86-64, where they run several times
+// slower; figures: docs/cpu-kernels.md, 'Kernel choices').
 // -DMLARUN_SAMPLER_CLONES= turns that off.
 #if !defined(MLARUN_SAMPLER_CLONES)
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
