@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "attention/backend.h"
+#include "attention/cuda/config.h"
 #include "attention/cuda/mla_cuda.h"
 #include "attention/cuda/mla_kernels.cuh"
 #include "attention/cuda/split_plan.h"
@@ -59,6 +60,8 @@ namespace {
 
 using cuda_mla::DecodeSeq;
 using cuda_mla::Elem;
+using cuda_mla::kMaxValueWidth;
+using cuda_mla::kRegionAlign;
 using cuda_mla::kThreads;
 using cuda_mla::kWarps;
 using cuda_mla::LdWords;
@@ -66,7 +69,6 @@ using cuda_mla::LdWords;
 static_assert(std::is_trivially_copyable_v<SplitWorkItem> && std::is_trivially_copyable_v<DecodeSeq>);
 static_assert(sizeof(SplitWorkItem) == 40 && sizeof(DecodeSeq) == 40, "host and device layouts of the descriptors");
 
-constexpr size_t kRegionAlign = 256;
 size_t AlignUp(size_t n) { return (n + kRegionAlign - 1) / kRegionAlign * kRegionAlign; }
 
 // ---- Small kernels --------------------------------------------------------
@@ -152,12 +154,10 @@ __global__ void FinishExpandedKernel(const float* acc, const float* acc_lse, int
 
 // ---- Kernel variants --------------------------------------------------------
 
-// Tile shapes of the attention core: kRowsPerWarp query rows per warp
-// (kWarps warps), 32 kKeysPerLane keys per tile, 32 kNJ words of value
-// columns per lane. bf16 keeps 64 x 64 tiles (the DeepSeek decode tile:
-// 2 x 74 KB of rows and 16 KB of probabilities), or 16 x 64 when no
-// sequence has more than 16 query rows; f32 rows are twice as wide, so
-// 32 x 32.
+// One variant of the attention core: its element type and tile shape
+// (config.h: kRowsPerWarp query rows per warp, 32 kKeysPerLane keys per
+// tile, 32 kNJ words of value columns per lane), the shared memory its
+// kernels take, and the kernels.
 template <typename T, int kRowsPerWarp, int kKeysPerLane, int kNJ>
 struct Variant {
   using Elem_t = T;
@@ -177,17 +177,15 @@ struct Variant {
 
 enum class VariantId : uint8_t { kNone, kBf16Narrow, kBf16Wide, kBf16Few, kF32Narrow, kF32Wide };
 
-using Bf16Narrow = Variant<__nv_bfloat16, 8, 2, 2>;  // value width <= 128
-using Bf16Wide = Variant<__nv_bfloat16, 8, 2, 8>;    // <= 512
-// <= 512, for batches whose sequences have at most 16 query rows (decode
-// with h_q <= 16, e.g. DeepSeek-V3's 128 heads over 8 tensor-parallel
-// ranks): 16-row tiles keep all 8 warps busy, and at 96 KB two blocks fit
-// an SM.
-using Bf16Few = Variant<__nv_bfloat16, 2, 2, 8>;
-using F32Narrow = Variant<float, 4, 1, 4>;  // <= 128
-using F32Wide = Variant<float, 4, 1, 16>;   // <= 512
-
-constexpr int64_t kMaxValueWidth = 512;
+template <typename T, typename Tile>
+using VariantOf = Variant<T, Tile::kRowsPerWarp, Tile::kKeysPerLane, Tile::kNJ>;
+using Bf16Narrow = VariantOf<__nv_bfloat16, cuda_mla::Bf16NarrowTile>;
+using Bf16Wide = VariantOf<__nv_bfloat16, cuda_mla::Bf16WideTile>;
+using Bf16Few = VariantOf<__nv_bfloat16, cuda_mla::Bf16FewTile>;
+using F32Narrow = VariantOf<float, cuda_mla::F32NarrowTile>;
+using F32Wide = VariantOf<float, cuda_mla::F32WideTile>;
+static_assert(2 * Bf16Wide::kMaxValueWords == kMaxValueWidth && F32Wide::kMaxValueWords == kMaxValueWidth,
+              "kMaxValueWidth is the widest variant's");
 
 // The variant for values of width d_v in dtype dt, for sequences of at most
 // max_rows query rows each; kNone when wider than any.
@@ -325,9 +323,10 @@ Status CheckIntRange(int64_t v, const char* what) {
   return Status::Ok();
 }
 
-Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan* plan) {
-  const MlaShape& s = p.shape;
-  pl.shape = s;
+// Step 1 of FillPlan: the batch's sizes copied in, what the last plan
+// derived from its batch emptied (the vectors keep their memory).
+void ResetPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl) {
+  pl.shape = p.shape;
   pl.dtype = p.cache.dtype;
   pl.num_tokens = p.num_tokens;
   pl.chunk_rows = c.expand_chunk_rows;
@@ -344,7 +343,10 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   pl.decode_variant = pl.expand_variant = VariantId::kNone;
   pl.split.items.clear();
   pl.split.partial_rows = 0;
+}
 
+// Step 2: the current device, its SM count and its opt-in shared memory.
+Status QueryDevice(CudaMlaPlan& pl) {
   // No driver or no device: UNAVAILABLE (as CudaDevices says it), not an
   // INTERNAL failure of the first CUDA call. cudaGetDeviceCount is cheap
   // enough for every step's plan.
@@ -359,10 +361,12 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   int optin = 0;
   MLARUN_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, pl.device));
   pl.smem_optin = optin;
+  return Status::Ok();
+}
 
-  MLARUN_RETURN_IF_ERROR(CheckIntRange(s.h_q * s.d_cache(), "h_q * (d_latent + d_rope)"));
-  MLARUN_RETURN_IF_ERROR(CheckIntRange(s.h_q * std::max(s.d_qk(), s.d_v), "h_q * max(d_nope + d_rope, d_v)"));
-  MLARUN_RETURN_IF_ERROR(CheckIntRange(p.num_tokens, "num_tokens"));
+// Step 3: each sequence with query tokens to the absorbed or the expanded
+// path (MlaPathFor), with its place in the staged block tables.
+void AssignPaths(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl) {
   const int64_t bs = p.cache.block_size;
   for (int32_t i = 0; i < p.num_seqs; ++i) {
     const int64_t q_len = int64_t{p.query_start[i + 1]} - p.query_start[i], seq_len = p.seq_lens[i];
@@ -395,80 +399,90 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
     }
     pl.table_entries += blocks;
   }
+}
 
-  if (!pl.abs.empty()) {
-    int64_t max_rows = 0;
-    for (const DecodeSeq& d : pl.abs) max_rows = std::max<int64_t>(max_rows, int64_t{d.q_len} * s.h_q);
-    pl.decode_variant = PickVariant(pl.dtype, s.d_latent, max_rows);
-    if (pl.decode_variant == VariantId::kNone)
-      return InvalidArgumentError("mla cuda: d_latent = ", s.d_latent, " is wider than the decode kernel's ",
-                                  kMaxValueWidth, " value columns (", s, ")");
-    MLARUN_RETURN_IF_ERROR(CheckIntRange(pl.t_abs * s.h_q, "absorbed tokens * h_q"));
-    MLARUN_RETURN_IF_ERROR(WithVariant(pl.decode_variant, [&](auto v) -> Status {
-      using V = decltype(v);
-      pl.decode_smem = V::DecodeSmem(static_cast<int>(s.d_cache()));
-      if (static_cast<int64_t>(pl.decode_smem) > pl.smem_optin)
-        return InvalidArgumentError("mla cuda: cache rows of d_latent + d_rope = ", s.d_cache(), " (",
-                                    DTypeName(pl.dtype), ") need ", pl.decode_smem,
-                                    " bytes of shared memory per decode block; the device allows ", pl.smem_optin,
-                                    " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
-      MLARUN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(V::DecodeKernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(pl.smem_optin)));
-      MLARUN_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pl.blocks_per_sm, V::DecodeKernel(),
-                                                                                kThreads, pl.decode_smem));
-      if (pl.blocks_per_sm < 1)
-        return InternalError("mla cuda: the decode kernel cannot be resident (", pl.decode_smem,
-                             " bytes of shared memory, ", kThreads, " threads)");
-      const SplitPlanConfig sc{.h_q = s.h_q,
-                               .rows_per_block = V::kRows,
-                               .page_rows = bs,
-                               .num_sms = pl.num_sms,
-                               .blocks_per_sm = pl.blocks_per_sm,
-                               .min_split_keys = 128,
-                               .max_splits = cuda_mla::kMaxSplits};
-      MLARUN_RETURN_IF_ERROR(CheckSplitPlanInput(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size())));
-      PlanSplits(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size()), &pl.split);
-      return Status::Ok();
-    }));
-    MLARUN_RETURN_IF_ERROR(CheckIntRange(static_cast<int64_t>(pl.split.items.size()), "decode work items"));
-    for (size_t a = 0; a < pl.abs.size(); ++a) {
-      DecodeSeq& d = pl.abs[a];
-      d.num_splits = pl.split.num_splits[a];
-      d.partial_offset = pl.split.partial_offset[a];
-      pl.max_splits = std::max<int64_t>(pl.max_splits, d.num_splits);
-      if (d.num_splits > 1) {
-        pl.split_seqs.push_back(static_cast<int32_t>(a));
-        pl.combine_rows_max = std::max<int64_t>(pl.combine_rows_max, int64_t{d.q_len} * s.h_q);
-      }
+// Step 4a, for the decode variant V: its shared memory and occupancy on
+// this device, and the split plan of the absorbed sequences.
+template <typename V>
+Status PlanDecodeVariant(const MlaShape& s, CudaMlaPlan& pl) {
+  pl.decode_smem = V::DecodeSmem(static_cast<int>(s.d_cache()));
+  if (static_cast<int64_t>(pl.decode_smem) > pl.smem_optin)
+    return InvalidArgumentError("mla cuda: cache rows of d_latent + d_rope = ", s.d_cache(), " (", DTypeName(pl.dtype),
+                                ") need ", pl.decode_smem,
+                                " bytes of shared memory per decode block; the device allows ", pl.smem_optin,
+                                " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+  MLARUN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(V::DecodeKernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(pl.smem_optin)));
+  MLARUN_CUDA_RETURN_IF_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&pl.blocks_per_sm, V::DecodeKernel(), kThreads, pl.decode_smem));
+  if (pl.blocks_per_sm < 1)
+    return InternalError("mla cuda: the decode kernel cannot be resident (", pl.decode_smem,
+                         " bytes of shared memory, ", kThreads, " threads)");
+  const SplitPlanConfig sc{.h_q = s.h_q,
+                           .rows_per_block = V::kRows,
+                           .page_rows = pl.block_size,
+                           .num_sms = pl.num_sms,
+                           .blocks_per_sm = pl.blocks_per_sm,
+                           .min_split_keys = cuda_mla::kMinSplitKeys,
+                           .max_splits = cuda_mla::kMaxSplits};
+  MLARUN_RETURN_IF_ERROR(CheckSplitPlanInput(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size())));
+  PlanSplits(sc, pl.split_in.data(), static_cast<int64_t>(pl.split_in.size()), &pl.split);
+  return Status::Ok();
+}
+
+// Step 4: the absorbed sequences' decode variant and split plan, and the
+// splits written back into their descriptors.
+Status PlanAbsorbed(const MlaShape& s, CudaMlaPlan& pl) {
+  int64_t max_rows = 0;
+  for (const DecodeSeq& d : pl.abs) max_rows = std::max<int64_t>(max_rows, int64_t{d.q_len} * s.h_q);
+  pl.decode_variant = PickVariant(pl.dtype, s.d_latent, max_rows);
+  if (pl.decode_variant == VariantId::kNone)
+    return InvalidArgumentError("mla cuda: d_latent = ", s.d_latent, " is wider than the decode kernel's ",
+                                kMaxValueWidth, " value columns (", s, ")");
+  MLARUN_RETURN_IF_ERROR(CheckIntRange(pl.t_abs * s.h_q, "absorbed tokens * h_q"));
+  MLARUN_RETURN_IF_ERROR(
+      WithVariant(pl.decode_variant, [&](auto v) -> Status { return PlanDecodeVariant<decltype(v)>(s, pl); }));
+  MLARUN_RETURN_IF_ERROR(CheckIntRange(static_cast<int64_t>(pl.split.items.size()), "decode work items"));
+  for (size_t a = 0; a < pl.abs.size(); ++a) {
+    DecodeSeq& d = pl.abs[a];
+    d.num_splits = pl.split.num_splits[a];
+    d.partial_offset = pl.split.partial_offset[a];
+    pl.max_splits = std::max<int64_t>(pl.max_splits, d.num_splits);
+    if (d.num_splits > 1) {
+      pl.split_seqs.push_back(static_cast<int32_t>(a));
+      pl.combine_rows_max = std::max<int64_t>(pl.combine_rows_max, int64_t{d.q_len} * s.h_q);
     }
-    if (pl.split_seqs.size() > 65535)
-      return InvalidArgumentError("mla cuda: ", pl.split_seqs.size(),
-                                  " split sequences exceed one combine grid (65535)");
   }
-  // Every token absorbed (no expanded sequence): fold 2 writes out directly.
-  pl.out_direct = pl.exp.empty();
+  if (static_cast<int64_t>(pl.split_seqs.size()) > cuda_mla::kMaxCombineSeqs)
+    return InvalidArgumentError("mla cuda: ", pl.split_seqs.size(), " split sequences exceed one combine grid (",
+                                cuda_mla::kMaxCombineSeqs, ")");
+  return Status::Ok();
+}
 
-  if (!pl.exp.empty()) {
-    pl.expand_variant = PickVariant(pl.dtype, s.d_v, std::numeric_limits<int64_t>::max());
-    if (pl.expand_variant == VariantId::kNone)
-      return InvalidArgumentError("mla cuda: d_v = ", s.d_v, " is wider than the expanded kernel's ", kMaxValueWidth,
-                                  " value columns (", s, ")");
-    MLARUN_RETURN_IF_ERROR(CheckIntRange(pl.exp_cap * s.d_qk(), "chunk rows * (d_nope + d_rope)"));
-    MLARUN_RETURN_IF_ERROR(WithVariant(pl.expand_variant, [&](auto v) -> Status {
-      using V = decltype(v);
-      pl.expand_smem = V::ExpandSmem(static_cast<int>(s.d_qk()), static_cast<int>(s.d_v));
-      if (static_cast<int64_t>(pl.expand_smem) > pl.smem_optin)
-        return InvalidArgumentError("mla cuda: expanded keys of d_nope + d_rope = ", s.d_qk(),
-                                    " and values of d_v = ", s.d_v, " need ", pl.expand_smem,
-                                    " bytes of shared memory per block; the device allows ", pl.smem_optin,
-                                    " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
-      MLARUN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(V::ExpandKernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(pl.smem_optin)));
-      return Status::Ok();
-    }));
-  }
+// Step 5: the expanded sequences' variant and its shared memory.
+Status PlanExpanded(const MlaShape& s, CudaMlaPlan& pl) {
+  pl.expand_variant = PickVariant(pl.dtype, s.d_v, std::numeric_limits<int64_t>::max());
+  if (pl.expand_variant == VariantId::kNone)
+    return InvalidArgumentError("mla cuda: d_v = ", s.d_v, " is wider than the expanded kernel's ", kMaxValueWidth,
+                                " value columns (", s, ")");
+  MLARUN_RETURN_IF_ERROR(CheckIntRange(pl.exp_cap * s.d_qk(), "chunk rows * (d_nope + d_rope)"));
+  return WithVariant(pl.expand_variant, [&](auto v) -> Status {
+    using V = decltype(v);
+    pl.expand_smem = V::ExpandSmem(static_cast<int>(s.d_qk()), static_cast<int>(s.d_v));
+    if (static_cast<int64_t>(pl.expand_smem) > pl.smem_optin)
+      return InvalidArgumentError("mla cuda: expanded keys of d_nope + d_rope = ", s.d_qk(),
+                                  " and values of d_v = ", s.d_v, " need ", pl.expand_smem,
+                                  " bytes of shared memory per block; the device allows ", pl.smem_optin,
+                                  " (cudaDevAttrMaxSharedMemoryPerBlockOptin)");
+    MLARUN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(V::ExpandKernel(), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(pl.smem_optin)));
+    return Status::Ok();
+  });
+}
 
-  // Staging.
+// Step 6: the descriptors into the host staging buffer (the layout of
+// meta above), the block tables from the params.
+void StageDescriptors(const MlaParams& p, CudaMlaPlan& pl) {
   size_t off = 0;
   auto take = [&](size_t bytes) {
     const size_t o = off;
@@ -489,7 +503,23 @@ Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan
   if (!pl.abs_tokens.empty())
     std::memcpy(pl.staging.data() + pl.off_tokens, pl.abs_tokens.data(), pl.abs_tokens.size() * 4);
   StageTables(pl, p);
+}
 
+// The plan of a batch into `pl` (whose memory a new batch reuses), and its
+// workspace size and path counts into `plan`.
+Status FillPlan(const MlaParams& p, const MlaConfig& c, CudaMlaPlan& pl, MlaPlan* plan) {
+  const MlaShape& s = p.shape;
+  ResetPlan(p, c, pl);
+  MLARUN_RETURN_IF_ERROR(QueryDevice(pl));
+  MLARUN_RETURN_IF_ERROR(CheckIntRange(s.h_q * s.d_cache(), "h_q * (d_latent + d_rope)"));
+  MLARUN_RETURN_IF_ERROR(CheckIntRange(s.h_q * std::max(s.d_qk(), s.d_v), "h_q * max(d_nope + d_rope, d_v)"));
+  MLARUN_RETURN_IF_ERROR(CheckIntRange(p.num_tokens, "num_tokens"));
+  AssignPaths(p, c, pl);
+  if (!pl.abs.empty()) MLARUN_RETURN_IF_ERROR(PlanAbsorbed(s, pl));
+  // Every token absorbed (no expanded sequence): fold 2 writes out directly.
+  pl.out_direct = pl.exp.empty();
+  if (!pl.exp.empty()) MLARUN_RETURN_IF_ERROR(PlanExpanded(s, pl));
+  StageDescriptors(p, pl);
   pl.layout = MakeLayout(pl);
   plan->workspace_bytes = pl.layout.total;
   plan->absorbed_seqs = static_cast<int64_t>(pl.abs.size());

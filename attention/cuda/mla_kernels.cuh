@@ -4,7 +4,7 @@
 // in shared memory against successive tiles of keys, fp32 FMA products,
 // online softmax in fp32 (lse_merge.h), the output accumulator in registers.
 //
-// Thread layout (kThreads = 256 = 8 warps). Warp w owns query rows
+// Thread layout (config.h: kThreads = 256 = 8 warps). Warp w owns query rows
 // [w kRowsPerWarp, (w + 1) kRowsPerWarp) of the tile: their scores, softmax
 // state, probabilities and output accumulator, so within a key tile a warp
 // only waits for itself (__syncwarp); the whole block synchronizes only
@@ -29,16 +29,12 @@
 
 #include <cstdint>
 
+#include "attention/cuda/config.h"
 #include "attention/cuda/lse_merge.h"
 #include "attention/cuda/split_plan.h"
 #include "base/cuda/convert.cuh"
 
 namespace mlarun::cuda_mla {
-
-inline constexpr int kWarps = 8;
-inline constexpr int kThreads = 32 * kWarps;
-// The combine kernel's per-warp weight table.
-inline constexpr int kMaxSplits = 64;
 
 template <typename T>
 struct Elem;

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention/cuda/config.h"
 #include "base/status.h"
 
 namespace mlarun {
@@ -43,13 +44,13 @@ struct SplitSeq {
 };
 
 struct SplitPlanConfig {
-  int64_t h_q = 1;               // query heads: a sequence has q_len * h_q query rows
-  int64_t rows_per_block = 64;   // query rows one thread block serves
-  int64_t page_rows = 64;        // split boundaries are multiples of this (the cache's block_size)
-  int64_t num_sms = 1;           // streaming multiprocessors of the device
-  int64_t blocks_per_sm = 1;     // decode blocks resident per SM (occupancy)
-  int64_t min_split_keys = 128;  // shortest split worth a partial result (rounded up to pages)
-  int64_t max_splits = 64;       // per sequence: bounds the partial buffer and the combine's loop
+  int64_t h_q = 1;                                          // query heads: a sequence has q_len * h_q query rows
+  int64_t rows_per_block = cuda_mla::kDefaultRowsPerBlock;  // query rows one thread block serves
+  int64_t page_rows = 64;                            // split boundaries are multiples of this (the cache's block_size)
+  int64_t num_sms = 1;                               // streaming multiprocessors of the device
+  int64_t blocks_per_sm = 1;                         // decode blocks resident per SM (occupancy)
+  int64_t min_split_keys = cuda_mla::kMinSplitKeys;  // shortest split worth a partial result (rounded up to pages)
+  int64_t max_splits = cuda_mla::kMaxSplits;         // per sequence: bounds the partial buffer and the combine's loop
 };
 
 // One thread block of the decode kernel: query rows [row0, row0 + rows) of
