@@ -367,7 +367,6 @@ class Model {
   size_t routing_layers_ = 0;  // entries of routing_ this step filled
 
   friend class ModelLoader;
-  friend class ModelForward;
 };
 
 }  // namespace mlarun
