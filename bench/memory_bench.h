@@ -4,8 +4,8 @@
 // larger than the last-level cache, all threads), a few passes in a row.
 //
 // For comparing another runtime's decode with the bandwidth of the moment:
-// a shared host's memory moves between ~30 and ~60 GB/s from one minute to
-// the next, so bench/llama_cpp_compare.sh runs this right before and after
+// a shared host's memory bandwidth can change by half from one minute to the
+// next (docs/performance.md), so bench/llama_cpp_compare.sh runs this right before and after
 // llama-bench and reports both runtimes' batch-1 decode against the bound.
 #pragma once
 

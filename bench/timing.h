@@ -57,8 +57,8 @@ StatusOr<int> WarmUpUntilStable(const std::function<Status()>& fn, const WarmUpP
 // which the hardware prefetchers follow at least as well as the plain loop:
 // where it reads faster, that is what memory delivers to a decode step.
 //
-// A shared host's memory gives this machine anywhere from ~30 to ~60 GB/s
-// from one minute to the next, so a benchmark measures a pass right next to
+// A shared host's memory bandwidth can change by half from one minute to the
+// next (docs/performance.md), so a benchmark measures a pass right next to
 // each timed step and takes ratios pair by pair.
 struct ReadBandwidth {
   double plain_gb_per_s = 0;
