@@ -1,6 +1,6 @@
 // `mlarun bench tokenize` (and the tokenizer_bench binary): encoding speed of
-// a model's tokenizer on one thread. main.cc parses the flags into these
-// options and returns the function's exit code.
+// a model's tokenizer on one thread. launcher/commands/bench.cc parses the
+// flags into these options and returns the function's exit code.
 #pragma once
 
 #include <iosfwd>
