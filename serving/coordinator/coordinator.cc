@@ -350,7 +350,14 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
                                               .auth_tokens = options.auth_tokens,
                                               .threads = options.http_threads,
                                               .max_body_bytes = options.http_max_body_bytes,
-                                              .request_timeout_s = options.http_request_timeout_s},
+                                              .max_header_bytes = options.http_max_header_bytes,
+                                              .header_timeout_s = options.http_header_timeout_s,
+                                              .body_timeout_s = options.http_body_timeout_s,
+                                              .request_timeout_s = options.http_request_timeout_s,
+                                              .max_connections = options.http_max_connections,
+                                              .max_connections_per_peer = options.http_max_connections_per_peer,
+                                              .allowed_origins = options.http_allowed_origins,
+                                              .allowed_hosts = options.http_allowed_hosts},
                                dispatcher, metrics);
     if (!http.ok()) return http.status().WithContext("coordinator --http");
     impl->SetHttp(std::move(*http));

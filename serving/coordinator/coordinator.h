@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "base/status.h"
 #include "serving/security/security.h"
@@ -117,13 +118,22 @@ struct CoordinatorOptions {
   std::string served_model_name;
   // A tokenizer already loaded (tests); when set, http_model is not read.
   std::shared_ptr<const text::Tokenizer> http_tokenizer;
-  // HTTP handler threads (each open connection or stream holds one).
-  // Default 512.
+  // HTTP handler threads (each generation request or stream holds one;
+  // beyond them, 503). Default 512.
   int http_threads = 512;
   // Larger request bodies get 413. Default 32 MiB.
   int64_t http_max_body_bytes = int64_t{32} << 20;
   // Each HTTP request's deadline (504 when it passes); 0 (default): none.
   double http_request_timeout_s = 0;
+  // The rest of HttpApiOptions (openai_server.h), defaults and meaning
+  // alike: header size, deadlines, connection limits, CORS and Host names.
+  int64_t http_max_header_bytes = int64_t{64} << 10;
+  double http_header_timeout_s = 10;
+  double http_body_timeout_s = 60;
+  int http_max_connections = 8192;
+  int http_max_connections_per_peer = 256;
+  std::vector<std::string> http_allowed_origins;
+  std::vector<std::string> http_allowed_hosts;
 };
 
 // Whether `listen` (host:port) binds only the loopback interface:

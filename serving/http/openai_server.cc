@@ -14,19 +14,15 @@
 // the groups refuse) still gets its own status. Later errors are a
 // `data: {"error": ...}` event before `data: [DONE]`.
 //
-// Client disconnects. cpp-httplib 0.11 tells a handler nothing about its
-// connection, so the handler finds its socket by its two addresses (once per
-// exchange) and peeks at it while it waits: an orderly close or a reset means
-// the client is gone, and its requests are cancelled at their groups. The
-// socket stays open (httplib closes it only after the handler and the
-// response are done), so the descriptor cannot change owners meanwhile.
+// Connections, limits and deadlines are the transport's (http_server.h);
+// this file decides on each request's header (CheckHead: origin, Host,
+// token, Content-Type) before its body is read, and answers it on a handler
+// thread. A client that goes away (its responder Gone()) has its requests
+// cancelled at their groups.
 #include "serving/http/openai_server.h"
 
-#include <dirent.h>
-#include <httplib.h>
-#include <netdb.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 
 #include <algorithm>
 #include <chrono>
@@ -47,6 +43,7 @@
 #include "mlarun.pb.h"
 #include "runtime/request/sampling_params.h"
 #include "serving/coordinator/dispatcher.h"
+#include "serving/http/http_server.h"
 #include "serving/http/metrics.h"
 #include "serving/proto/proto_sampling.h"
 #include "text/chat_template.h"
@@ -59,13 +56,9 @@ namespace {
 // template (Python's dicts do), and answers list fields in OpenAI's order.
 using json = nlohmann::ordered_json;
 using internal::StrCat;
-using SteadyClock = std::chrono::steady_clock;
 
-// How often a waiting handler looks at its client's socket.
+// How often a waiting handler looks whether its client is gone.
 constexpr auto kProbeInterval = std::chrono::milliseconds(50);
-// The accept backlog (httplib listens with 5; re-listening raises it), so
-// that hundreds of clients connecting at once are not made to retry.
-constexpr int kListenBacklog = 1024;
 // Bounds of what one request may ask for.
 constexpr int64_t kMaxChoices = 128;       // n
 constexpr size_t kMaxStops = 16;           // stop strings
@@ -100,13 +93,6 @@ json ErrorBody(const ApiError& e) {
 }
 
 std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
-
-void ReplyJson(httplib::Response& res, int status, const json& body) {
-  res.status = status;
-  res.set_content(Dump(body), "application/json");
-}
-
-void ReplyError(httplib::Response& res, const ApiError& e) { ReplyJson(res, e.status, ErrorBody(e)); }
 
 ApiError BadField(const std::string& field, const std::string& what) {
   return ApiError{.status = 400, .message = StrCat(field, ": ", what), .param = field};
@@ -615,75 +601,20 @@ struct Choice {
   std::string message;
 };
 
-// A descriptor-level look at the client's connection (see the top comment).
-class Connection {
- public:
-  explicit Connection(const httplib::Request& req)
-      : local_addr_(req.local_addr),
-        remote_addr_(req.remote_addr),
-        local_port_(req.local_port),
-        remote_port_(req.remote_port) {}
-  // True when the peer closed or reset the connection. The descriptor is
-  // looked up at the first call: an exchange answered within one probe
-  // interval (most) never scans /proc/self/fd.
-  bool Gone() {
-    if (!looked_up_) fd_ = Find(), looked_up_ = true;
-    if (fd_ < 0) return false;
-    char c;
-    const ssize_t n = recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n > 0) return false;
-    if (n == 0) return true;
-    return errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
-  }
-
- private:
-  static bool Matches(const sockaddr_storage& a, socklen_t len, const std::string& addr, int port) {
-    char host[NI_MAXHOST], serv[NI_MAXSERV];
-    if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), len, host, sizeof host, serv, sizeof serv,
-                    NI_NUMERICHOST | NI_NUMERICSERV) != 0)
-      return false;
-    return std::atoi(serv) == port && addr == host;
-  }
-  int Find() const {
-    DIR* dir = opendir("/proc/self/fd");
-    if (dir == nullptr) return -1;
-    int found = -1;
-    while (dirent* e = readdir(dir)) {
-      if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
-      const int fd = std::atoi(e->d_name);
-      sockaddr_storage local{}, peer{};
-      socklen_t local_len = sizeof local, peer_len = sizeof peer;
-      if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0) continue;
-      if (local.ss_family != AF_INET && local.ss_family != AF_INET6) continue;
-      if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) continue;
-      if (Matches(local, local_len, local_addr_, local_port_) && Matches(peer, peer_len, remote_addr_, remote_port_)) {
-        found = fd;
-        break;
-      }
-    }
-    closedir(dir);
-    return found;
-  }
-  const std::string local_addr_, remote_addr_;  // the request's, to find its socket by
-  const int local_port_, remote_port_;
-  bool looked_up_ = false;
-  int fd_ = -1;
-};
-
 // One exchange from submission to its last byte. Owned by the handler,
 // then by the stream's content provider; its destructor cancels whatever
 // is still live (the client went away, a write failed, the server stops).
 class Exchange {
  public:
   Exchange(std::shared_ptr<coord::Dispatcher> dispatcher, const text::Tokenizer& tokenizer, Params params,
-           std::string id, std::string model, const httplib::Request& req)
+           std::string id, std::string model, const HttpResponder& client)
       : dispatcher_(std::move(dispatcher)),
         tokenizer_(tokenizer),
         params_(std::move(params)),
         id_(std::move(id)),
         model_(std::move(model)),
         created_(static_cast<int64_t>(std::time(nullptr))),
-        connection_(req),
+        client_(client),
         state_(std::make_shared<ExchangeState>()) {}
   ~Exchange() {
     for (Choice& c : choices_) {
@@ -731,7 +662,6 @@ class Exchange {
   // the dispatcher.
   template <class Done>
   bool WaitUntil(Done done) {
-    auto last_probe = SteadyClock::now();
     while (!done()) {
       std::vector<std::pair<size_t, v1::GenerateResponse>> events;
       std::vector<size_t> closed;
@@ -771,10 +701,7 @@ class Exchange {
           }
         }
       }
-      if (SteadyClock::now() - last_probe >= kProbeInterval) {
-        last_probe = SteadyClock::now();
-        if (connection_.Gone()) return false;
-      }
+      if (client_.Gone()) return false;
     }
     return true;
   }
@@ -805,35 +732,45 @@ class Exchange {
   ApiError ErrorOf(const Choice& c) const { return FromDispatcher(c.code, c.message, params_.chat); }
 
   // ---- Whole answers ----
-  json Whole() {
-    json choices = json::array();
+  // The answer's JSON, made one choice at a time (each choice's tokens are
+  // let go once written): a big answer is held once, as text.
+  std::string Whole() {
+    json head = {{"id", id_},
+                 {"object", params_.chat ? "chat.completion" : "text_completion"},
+                 {"created", created_},
+                 {"model", model_}};
+    std::string out = Dump(head);
+    out.pop_back();  // the closing brace: the choices and usage follow
+    out += ",\"choices\":[";
+    const json usage = Usage();
     for (Choice& c : choices_) {
-      json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
-      if (params_.chat) {
-        choice["message"] = {{"role", "assistant"}, {"content", c.text}};
-        choice["logprobs"] = params_.logprobs ? ChatLogprobs(c.tokens) : json(nullptr);
-      } else {
-        choice["text"] = (params_.echo ? params_.echo_texts[c.prompt] : std::string()) + c.text;
-        choice["logprobs"] = json(nullptr);
-        if (params_.logprobs && params_.echo) {
-          // The completion's offsets run on after the prompt tokens' texts
-          // (as vLLM's; they may differ from the echo: a BOS has a text).
-          int64_t offset = 0;
-          json lp = EchoLogprobs(c, offset);
-          for (const LogprobEntry& t : c.tokens) AddCompletionToken(lp, t.token.token, &t, offset);
-          choice["logprobs"] = std::move(lp);
-        } else if (params_.logprobs) {
-          choice["logprobs"] = CompletionLogprobs(c.tokens, 0);
-        }
-      }
-      choices.push_back(std::move(choice));
+      if (c.index > 0) out += ',';
+      out += Dump(WholeChoice(c));
+      c.tokens = {};
+      c.prompt_logprobs = {};
     }
-    return {{"id", id_},
-            {"object", params_.chat ? "chat.completion" : "text_completion"},
-            {"created", created_},
-            {"model", model_},
-            {"choices", std::move(choices)},
-            {"usage", Usage()}};
+    return out + "],\"usage\":" + Dump(usage) + "}";
+  }
+  json WholeChoice(const Choice& c) const {
+    json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
+    if (params_.chat) {
+      choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      choice["logprobs"] = params_.logprobs ? ChatLogprobs(c.tokens) : json(nullptr);
+      return choice;
+    }
+    choice["text"] = (params_.echo ? params_.echo_texts[c.prompt] : std::string()) + c.text;
+    choice["logprobs"] = json(nullptr);
+    if (params_.logprobs && params_.echo) {
+      // The completion's offsets run on after the prompt tokens' texts
+      // (as vLLM's; they may differ from the echo: a BOS has a text).
+      int64_t offset = 0;
+      json lp = EchoLogprobs(c, offset);
+      for (const LogprobEntry& t : c.tokens) AddCompletionToken(lp, t.token.token, &t, offset);
+      choice["logprobs"] = std::move(lp);
+    } else if (params_.logprobs) {
+      choice["logprobs"] = CompletionLogprobs(c.tokens, 0);
+    }
+    return choice;
   }
 
   // ---- Streams ----
@@ -1018,7 +955,7 @@ class Exchange {
   const std::string id_;
   const std::string model_;
   const int64_t created_;
-  Connection connection_;
+  const HttpResponder& client_;
   const std::shared_ptr<ExchangeState> state_;
   std::vector<Choice> choices_;
   int64_t progress_ = 0;  // rounds of WaitUntil that took something in
@@ -1026,28 +963,88 @@ class Exchange {
 
 // ---- The server --------------------------------------------------------------------
 
-// httplib's server with its listening socket in reach (for the backlog).
-class Server final : public httplib::Server {
- public:
-  int listen_fd() const { return svr_sock_; }
-};
+HttpAnswer JsonAnswer(int status, const json& body) {
+  return HttpAnswer{.status = status, .content_type = "application/json", .body = Dump(body)};
+}
 
-bool ParseHostPort(const std::string& listen, std::string* host, int* port) {
-  const size_t colon = listen.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == listen.size()) return false;
-  *host = listen.substr(0, colon);
-  if (host->front() == '[') {
-    if (host->back() != ']') return false;
-    *host = host->substr(1, host->size() - 2);
+// 429 and 503 tell the client when to come back.
+HttpAnswer ErrorAnswer(const ApiError& e) {
+  HttpAnswer a = JsonAnswer(e.status, ErrorBody(e));
+  if (e.status == 429 || e.status == 503) a.headers.emplace_back("Retry-After", "1");
+  return a;
+}
+
+// The transport's own refusals, as OpenAI error objects.
+HttpAnswer TransportError(int status, std::string_view message) {
+  ApiError e{.status = status, .message = std::string(message)};
+  switch (status) {
+    case 408:
+      e.code = "request_timeout";
+      break;
+    case 413:
+      e.code = "request_too_large";
+      break;
+    case 431:
+      e.code = "header_too_large";
+      break;
+    default:
+      if (status >= 500) e.type = "server_error";
   }
-  const std::string p = listen.substr(colon + 1);
-  if (p.size() > 5 || p.find_first_not_of("0123456789") != std::string::npos) return false;
-  *port = std::atoi(p.c_str());
-  return *port <= 65535;
+  return ErrorAnswer(e);
+}
+
+std::string LowerAscii(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// A Host field's name, without its port: "[::1]:8000" -> "::1".
+std::string HostName(const std::string& host) {
+  if (host.starts_with('[')) {
+    const size_t end = host.find(']');
+    return end == std::string::npos ? host : host.substr(1, end - 1);
+  }
+  const size_t colon = host.find(':');
+  return LowerAscii(colon == std::string::npos ? host : host.substr(0, colon));
+}
+
+// An address a DNS-rebinding page cannot make a browser send: an IP literal
+// or localhost.
+bool IsRebindingSafeHost(const std::string& name) {
+  if (name == "localhost" || name.ends_with(".localhost")) return true;
+  in6_addr v6;
+  in_addr v4;
+  return inet_pton(AF_INET, name.c_str(), &v4) == 1 || inet_pton(AF_INET6, name.c_str(), &v6) == 1;
 }
 
 bool IsLoopbackPeer(const std::string& addr) {
   return addr.starts_with("127.") || addr == "::1" || addr.starts_with("::ffff:127.");
+}
+
+bool IsGeneration(const HttpRequest& req) {
+  return req.method == "POST" && (req.path == "/v1/completions" || req.path == "/v1/chat/completions");
+}
+
+// Each logprob entry a whole answer holds costs a few hundred bytes until it
+// is sent; a request may ask for this many at most (choices x scored tokens
+// x (logprobs + 1)). Streams send theirs as they come and count only the
+// echoed prompt's.
+constexpr int64_t kMaxLogprobEntries = int64_t{1} << 21;
+
+void CheckAnswerSize(const Params& p) {
+  int64_t per_choice = 0;
+  int64_t prompt_tokens = 0;
+  for (const auto& ids : p.prompts) prompt_tokens = std::max<int64_t>(prompt_tokens, static_cast<int64_t>(ids.size()));
+  if (p.sampling.prompt_logprobs >= 0) per_choice += prompt_tokens * (p.sampling.prompt_logprobs + 1);
+  if (p.logprobs && !p.stream && p.max_tokens_given) per_choice += p.sampling.max_tokens * (p.sampling.logprobs + 1);
+  const int64_t choices = static_cast<int64_t>(p.prompts.size()) * p.n;
+  if (per_choice > 0 && per_choice > kMaxLogprobEntries / choices) {
+    throw BadField(p.logprobs ? "logprobs" : "echo",
+                   StrCat("the answer would hold ", choices, " choices x ", per_choice,
+                          " logprob entries, more than this server's bound of ", kMaxLogprobEntries,
+                          "; ask for fewer choices, tokens or logprobs, or stream"));
+  }
 }
 
 class HttpApiImpl final : public HttpApi {
@@ -1059,37 +1056,33 @@ class HttpApiImpl final : public HttpApi {
   }
   ~HttpApiImpl() override { Shutdown(); }
 
-  Status Bind() {
-    std::string host;
-    int port = 0;
-    if (!ParseHostPort(options_.listen, &host, &port))
-      return InvalidArgumentError("http_listen: expected HOST:PORT, got '", options_.listen, "'");
-    const size_t threads = static_cast<size_t>(options_.threads);
-    server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-    server_.set_payload_max_length(static_cast<size_t>(options_.max_body_bytes));
-    server_.set_keep_alive_max_count(100000);
-    server_.set_keep_alive_timeout(options_.keep_alive_timeout_s);
-    server_.set_read_timeout(30);
-    server_.set_write_timeout(10);
-    server_.set_tcp_nodelay(true);
-    Routes();
-    const int bound = port == 0 ? server_.bind_to_any_port(host) : (server_.bind_to_port(host, port) ? port : -1);
-    if (bound < 0) return UnavailableError("http_listen: cannot bind ", options_.listen);
-    // httplib listens with a backlog of 5; a second listen() raises it.
-    ::listen(server_.listen_fd(), kListenBacklog);
-    address_ = StrCat(host.find(':') != std::string::npos ? "[" + host + "]" : host, ":", bound);
-    thread_ = std::thread([this] { server_.listen_after_bind(); });
+  Status Listen() {
+    HttpServerOptions o;
+    o.listen = options_.listen;
+    o.handler_threads = options_.threads;
+    o.max_body_bytes = options_.max_body_bytes;
+    o.max_header_bytes = options_.max_header_bytes;
+    o.header_timeout_s = options_.header_timeout_s;
+    o.body_timeout_s = options_.body_timeout_s;
+    o.keep_alive_timeout_s = options_.keep_alive_timeout_s;
+    o.max_connections = options_.max_connections;
+    o.max_connections_per_peer = options_.max_connections_per_peer;
+    HttpServer::Hooks hooks;
+    hooks.check_head = [this](const HttpRequest& req) { return CheckHead(req); };
+    hooks.quick = [](const HttpRequest& req) { return !IsGeneration(req); };
+    hooks.handle = [this](const HttpRequest& req, HttpResponder& res) { Handle(req, res); };
+    hooks.error = TransportError;
+    hooks.extra_headers = [this](const HttpRequest& req) { return CorsHeaders(req); };
+    if (metrics_ != nullptr)
+      hooks.answered = [m = metrics_](std::string_view path, int status) { m->OnHttp(path, status); };
+    MLARUN_ASSIGN_OR_RETURN(server_, HttpServer::Start(o, std::move(hooks)));
     return Status::Ok();
   }
 
-  std::string address() const override { return address_; }
+  std::string address() const override { return server_->address(); }
 
   void Shutdown() override {
-    std::lock_guard lock(shutdown_mu_);
-    if (thread_.joinable()) {
-      server_.stop();
-      thread_.join();
-    }
+    if (server_ != nullptr) server_->Shutdown();
   }
 
  private:
@@ -1109,19 +1102,20 @@ class HttpApiImpl final : public HttpApi {
 
   // The principal of the request's bearer token; throws 401 when the API
   // has tokens and the request lacks a good one.
-  std::string Authenticate(const httplib::Request& req, bool* details) const {
+  std::string Authenticate(const HttpRequest& req, bool* details) const {
     if (options_.auth_tokens.empty()) {
-      *details = IsLoopbackPeer(req.remote_addr);
+      *details = IsLoopbackPeer(req.peer);
       return "";
     }
-    if (!req.has_header("Authorization"))
+    const std::string* authorization = req.Header("Authorization");
+    if (authorization == nullptr)
       throw ApiError{.status = 401,
                      .message =
                          "this server needs an API key: send `Authorization: Bearer TOKEN` with a token of "
                          "the coordinator's --auth-token-file",
                      .type = "authentication_error",
                      .code = "invalid_api_key"};
-    const Principal* p = options_.auth_tokens.Authenticate(req.get_header_value("Authorization"));
+    const Principal* p = options_.auth_tokens.Authenticate(*authorization);
     if (p == nullptr)
       throw ApiError{.status = 401,
                      .message =
@@ -1133,95 +1127,150 @@ class HttpApiImpl final : public HttpApi {
     return p->name;
   }
 
-  void Routes() {
-    server_.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      Guarded(res, [&] { Generate(req, res, /*chat=*/false); });
-    });
-    server_.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-      Guarded(res, [&] { Generate(req, res, /*chat=*/true); });
-    });
-    server_.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
-      Guarded(res, [&] {
-        bool details = false;
-        Authenticate(req, &details);
-        json model = {{"id", options_.served_model_name},
-                      {"object", "model"},
-                      {"created", started_},
-                      {"owned_by", "mlarun"},
-                      {"root", options_.served_model_name}};
-        if (const int64_t max_pos = dispatcher_->model_limits().max_position_embeddings; max_pos > 0)
-          model["max_model_len"] = max_pos;
-        ReplyJson(res, 200, {{"object", "list"}, {"data", json::array({std::move(model)})}});
-      });
-    });
-    server_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-      v1::HealthResponse h;
-      dispatcher_->FillHealth(&h);
-      const bool ok = h.serving() && h.groups_connected() > 0;
-      ReplyJson(res, ok ? 200 : 503,
-                {{"status", ok ? "ok" : "unavailable"}, {"dp_groups_connected", h.groups_connected()}});
-    });
-    server_.Get("/metrics", [this](const httplib::Request& req, httplib::Response& res) {
-      Guarded(res, [&] {
-        bool details = false;
-        Authenticate(req, &details);
-        if (metrics_ == nullptr) throw ApiError{.status = 404, .message = "metrics are off", .code = "not_found"};
-        v1::GetStatsResponse stats;
-        dispatcher_->FillStats(&stats, true);
-        res.status = 200;
-        res.set_content(metrics_->Render(stats, dispatcher_->live_requests(), details),
-                        "text/plain; version=0.0.4; charset=utf-8");
-      });
-    });
-    // Answers httplib makes itself (no route, a body over the limit, a
-    // request it cannot parse) get OpenAI's error object too.
-    server_.set_error_handler(
-        httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
-          if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-          ApiError e{.status = res.status, .message = StrCat("HTTP ", res.status)};
-          if (res.status == 404) {
-            e.message = StrCat("no such path: ", req.method, " ", req.path);
-            e.code = "not_found";
-          } else if (res.status == 413) {
-            e.message = "the request body is larger than the server's limit";
-            e.code = "request_too_large";
-          } else if (res.status >= 500) {
-            e.type = "server_error";
-          }
-          ReplyError(res, e);
-          return httplib::Server::HandlerResponse::Handled;
-        }));
-    server_.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-      std::string what = "internal error";
-      try {
-        if (ep) std::rethrow_exception(ep);
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
-      ReplyError(res, ApiError{.status = 500, .message = what, .type = "server_error"});
-    });
-    if (metrics_ != nullptr) {
-      server_.set_logger([m = metrics_](const httplib::Request& req, const httplib::Response& res) {
-        m->OnHttp(req.path, res.status);
-      });
-    }
+  bool OriginAllowed(const std::string& origin) const {
+    const auto& allowed = options_.allowed_origins;
+    return std::find(allowed.begin(), allowed.end(), "*") != allowed.end() ||
+           std::find(allowed.begin(), allowed.end(), origin) != allowed.end();
   }
 
-  template <class Body>
-  static void Guarded(httplib::Response& res, Body body) {
+  HttpHeaders CorsHeaders(const HttpRequest& req) const {
+    const std::string* origin = req.Header("Origin");
+    if (origin == nullptr || !OriginAllowed(*origin)) return {};
+    return {{"Access-Control-Allow-Origin", *origin}, {"Vary", "Origin"}};
+  }
+
+  // On the header alone, before the body is read: the origin, the Host (an
+  // open server answers only names a rebinding page cannot use), the token,
+  // and an open server's Content-Type (a page can POST text/plain without a
+  // preflight, never application/json).
+  std::optional<HttpAnswer> CheckHead(const HttpRequest& req) const {
+    if (req.path == "/health" && req.method == "GET") return std::nullopt;
     try {
-      body();
+      if (const std::string* origin = req.Header("Origin"); origin != nullptr && !OriginAllowed(*origin))
+        throw ApiError{.status = 403,
+                       .message = StrCat("requests from web pages of origin '", *origin,
+                                         "' are refused; the server takes them with --allowed-origins"),
+                       .type = "permission_error",
+                       .code = "origin_not_allowed"};
+      if (req.method == "OPTIONS") return std::nullopt;  // a preflight carries no token
+      const bool open = options_.auth_tokens.empty();
+      if (const std::string* host = req.Header("Host"); open && host != nullptr) {
+        const std::string name = HostName(*host);
+        const auto& allowed = options_.allowed_hosts;
+        if (!IsRebindingSafeHost(name) && std::find(allowed.begin(), allowed.end(), name) == allowed.end() &&
+            std::find(allowed.begin(), allowed.end(), "*") == allowed.end())
+          throw ApiError{.status = 403,
+                         .message = StrCat("Host '", *host,
+                                           "' is not this server's: a server without API tokens answers IP "
+                                           "addresses and localhost, and the names of --allowed-hosts"),
+                         .type = "permission_error",
+                         .code = "host_not_allowed"};
+      }
+      bool details = false;
+      Authenticate(req, &details);
+      if (open && req.method == "POST") {
+        const std::string* type = req.Header("Content-Type");
+        const std::string media = type == nullptr ? "" : LowerAscii(type->substr(0, type->find(';')));
+        if (media.find_first_not_of(' ') == std::string::npos ||
+            media.substr(media.find_first_not_of(' '), 16) != "application/json")
+          throw ApiError{.status = 415,
+                         .message = StrCat("the request body must be sent as `Content-Type: application/json`, got '",
+                                           type == nullptr ? "" : *type, "'"),
+                         .code = "unsupported_media_type"};
+      }
     } catch (const ApiError& e) {
-      ReplyError(res, e);
+      return ErrorAnswer(e);
+    }
+    return std::nullopt;
+  }
+
+  void Handle(const HttpRequest& req, HttpResponder& res) {
+    try {
+      Route(req, res);
+    } catch (const ApiError& e) {
+      res.Reply(ErrorAnswer(e));
     } catch (const json::exception& e) {
-      ReplyError(res, ApiError{.status = 400, .message = StrCat("the request body: ", e.what())});
+      res.Reply(ErrorAnswer(ApiError{.status = 400, .message = StrCat("the request body: ", e.what())}));
+    } catch (const std::exception& e) {
+      res.Reply(ErrorAnswer(ApiError{.status = 500, .message = e.what(), .type = "server_error"}));
     }
   }
 
-  void Generate(const httplib::Request& req, httplib::Response& res, bool chat) {
+  void Route(const HttpRequest& req, HttpResponder& res) {
+    struct Path {
+      const char* path;
+      const char* method;
+    };
+    static constexpr Path kPaths[] = {{"/v1/completions", "POST"},
+                                      {"/v1/chat/completions", "POST"},
+                                      {"/v1/models", "GET"},
+                                      {"/health", "GET"},
+                                      {"/metrics", "GET"}};
+    const Path* known = nullptr;
+    for (const Path& p : kPaths)
+      if (req.path == p.path) known = &p;
+    if (known == nullptr)
+      throw ApiError{
+          .status = 404, .message = StrCat("no such path: ", req.method, " ", req.path), .code = "not_found"};
+    if (req.method == "OPTIONS") {
+      res.Reply(HttpAnswer{.status = 204,
+                           .content_type = "",
+                           .headers = {{"Access-Control-Allow-Methods", StrCat(known->method, ", OPTIONS")},
+                                       {"Access-Control-Allow-Headers", "Authorization, Content-Type"},
+                                       {"Access-Control-Max-Age", "600"}}});
+      return;
+    }
+    const bool head_of_get = req.method == "HEAD" && std::string_view(known->method) == "GET";
+    if (req.method != known->method && !head_of_get) {
+      ApiError e{.status = 405, .message = StrCat(req.path, " takes ", known->method, ", not ", req.method)};
+      HttpAnswer a = ErrorAnswer(e);
+      a.headers.emplace_back("Allow", StrCat(known->method, ", OPTIONS"));
+      res.Reply(std::move(a));
+      return;
+    }
+    const std::string_view path = req.path;
+    if (path == "/v1/completions") return Generate(req, res, /*chat=*/false);
+    if (path == "/v1/chat/completions") return Generate(req, res, /*chat=*/true);
+    if (path == "/v1/models") return res.Reply(Models(req));
+    if (path == "/health") return res.Reply(Health());
+    res.Reply(MetricsPage(req));
+  }
+
+  HttpAnswer Models(const HttpRequest& req) const {
     bool details = false;
-    const std::string principal = Authenticate(req, &details);
+    Authenticate(req, &details);
+    json model = {{"id", options_.served_model_name},
+                  {"object", "model"},
+                  {"created", started_},
+                  {"owned_by", "mlarun"},
+                  {"root", options_.served_model_name}};
+    if (const int64_t max_pos = dispatcher_->model_limits().max_position_embeddings; max_pos > 0)
+      model["max_model_len"] = max_pos;
+    return JsonAnswer(200, {{"object", "list"}, {"data", json::array({std::move(model)})}});
+  }
+
+  HttpAnswer Health() const {
+    v1::HealthResponse h;
+    dispatcher_->FillHealth(&h);
+    const bool ok = h.serving() && h.groups_connected() > 0;
+    HttpAnswer a = JsonAnswer(ok ? 200 : 503,
+                              {{"status", ok ? "ok" : "unavailable"}, {"dp_groups_connected", h.groups_connected()}});
+    if (!ok) a.headers.emplace_back("Retry-After", "1");
+    return a;
+  }
+
+  HttpAnswer MetricsPage(const HttpRequest& req) const {
+    bool details = false;
+    Authenticate(req, &details);
+    if (metrics_ == nullptr) throw ApiError{.status = 404, .message = "metrics are off", .code = "not_found"};
+    v1::GetStatsResponse stats;
+    dispatcher_->FillStats(&stats, true);
+    return HttpAnswer{.status = 200,
+                      .content_type = "text/plain; version=0.0.4; charset=utf-8",
+                      .body = metrics_->Render(stats, dispatcher_->live_requests(), details)};
+  }
+
+  Params ParseBody(const HttpRequest& req, bool chat) const {
     json body;
     try {
       body = json::parse(req.body);
@@ -1246,49 +1295,46 @@ class HttpApiImpl final : public HttpApi {
     if (params.prompts.size() * static_cast<size_t>(params.n) > kMaxRequests)
       throw BadField(
           "n", StrCat("prompts x n must be at most ", kMaxRequests, ", got ", params.prompts.size(), " x ", params.n));
-    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + NewRandomRequestId().substr(4);
-    auto exchange = std::make_shared<Exchange>(dispatcher_, *options_.tokenizer, std::move(params), id,
-                                               options_.served_model_name, req);
-    exchange->Submit(principal, options_.request_timeout_s, dispatcher_->model_limits().max_position_embeddings);
+    CheckAnswerSize(params);
+    return params;
+  }
 
-    if (!exchange->params().stream) {
-      if (!exchange->WaitUntil([&] { return exchange->AllEnded() || exchange->AnyFailed() != nullptr; })) return;
-      if (const Choice* failed = exchange->AnyFailed()) {
-        const ApiError e = exchange->ErrorOf(*failed);
-        exchange->CancelLive();
-        throw e;
-      }
-      ReplyJson(res, 200, exchange->Whole());
-      return;
-    }
+  void Generate(const HttpRequest& req, HttpResponder& res, bool chat) {
+    bool details = false;
+    const std::string principal = Authenticate(req, &details);
+    Params params = ParseBody(req, chat);
+    const std::string id = (chat ? "chatcmpl-" : "cmpl-") + NewRandomRequestId().substr(4);
+    Exchange exchange(dispatcher_, *options_.tokenizer, std::move(params), id, options_.served_model_name, res);
+    exchange.Submit(principal, options_.request_timeout_s, dispatcher_->model_limits().max_position_embeddings);
+    const bool stream = exchange.params().stream;
     // A stream commits to 200 once every choice has shown something.
-    if (!exchange->WaitUntil([&] { return exchange->ReadyToStream(); })) return;
-    if (const Choice* failed = exchange->AnyFailed()) {
-      const ApiError e = exchange->ErrorOf(*failed);
-      exchange->CancelLive();
+    const bool waited = stream ? exchange.WaitUntil([&] { return exchange.ReadyToStream(); })
+                               : exchange.WaitUntil([&] { return exchange.AllEnded() || exchange.AnyFailed(); });
+    if (!waited) return;  // the client went away
+    if (const Choice* failed = exchange.AnyFailed()) {
+      const ApiError e = exchange.ErrorOf(*failed);
+      exchange.CancelLive();
       throw e;
     }
-    res.status = 200;
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider("text/event-stream", [exchange](size_t, httplib::DataSink& sink) {
-      auto write = [&](const std::string& s) { return s.empty() || sink.write(s.data(), s.size()); };
-      for (;;) {
-        if (!write(exchange->Chunks())) return false;
-        if (const Choice* failed = exchange->AnyFailed()) {
-          const json err = ErrorBody(exchange->ErrorOf(*failed));
-          exchange->CancelLive();
-          if (!write(Exchange::Event(err)) || !write("data: [DONE]\n\n")) return false;
-          sink.done();
-          return true;
-        }
-        if (exchange->AllEnded()) {
-          if (!write(exchange->Closing())) return false;
-          sink.done();
-          return true;
-        }
-        if (!exchange->WaitForNews()) return false;  // the client went away
+    if (!stream) {
+      res.Reply(HttpAnswer{.status = 200, .content_type = "application/json", .body = exchange.Whole()});
+      return;
+    }
+    if (!res.StartStream(200, "text/event-stream", {{"Cache-Control", "no-cache"}})) return;
+    for (;;) {
+      if (!res.Write(exchange.Chunks())) return;
+      if (const Choice* failed = exchange.AnyFailed()) {
+        const json err = ErrorBody(exchange.ErrorOf(*failed));
+        exchange.CancelLive();
+        if (res.Write(Exchange::Event(err)) && res.Write("data: [DONE]\n\n")) res.End();
+        return;
       }
-    });
+      if (exchange.AllEnded()) {
+        if (res.Write(exchange.Closing())) res.End();
+        return;
+      }
+      if (!exchange.WaitForNews()) return;  // the client went away
+    }
   }
 
   const HttpApiOptions options_;
@@ -1297,10 +1343,7 @@ class HttpApiImpl final : public HttpApi {
   const int64_t started_ = static_cast<int64_t>(std::time(nullptr));
   std::shared_ptr<const text::ChatTemplate> template_;  // nullptr: template_error_ says why
   std::string template_error_;
-  Server server_;
-  std::string address_;
-  std::mutex shutdown_mu_;
-  std::thread thread_;
+  std::unique_ptr<HttpServer> server_;
 };
 
 }  // namespace
@@ -1309,15 +1352,11 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const HttpApiOptions& options,
                                                   std::shared_ptr<coord::Dispatcher> dispatcher,
                                                   std::shared_ptr<Metrics> metrics) {
   if (options.tokenizer == nullptr) return InvalidArgumentError("http: a tokenizer is required (--model)");
-  if (options.threads < 1 || options.threads > 65536)
-    return InvalidArgumentError("http_threads: must be in [1, 65536], got ", options.threads);
-  if (options.max_body_bytes < 1024)
-    return InvalidArgumentError("http_max_body_bytes: must be >= 1024, got ", options.max_body_bytes);
   if (!(options.request_timeout_s >= 0) || !std::isfinite(options.request_timeout_s))
     return InvalidArgumentError("http_request_timeout_s: must be >= 0 and finite, got ", options.request_timeout_s);
   if (options.served_model_name.empty()) return InvalidArgumentError("served_model_name: must not be empty");
   auto impl = std::make_unique<HttpApiImpl>(options, std::move(dispatcher), std::move(metrics));
-  MLARUN_RETURN_IF_ERROR(impl->Bind());
+  MLARUN_RETURN_IF_ERROR(impl->Listen());
   return std::unique_ptr<HttpApi>(std::move(impl));
 }
 

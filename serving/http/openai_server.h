@@ -1,25 +1,27 @@
 // The coordinator's OpenAI-compatible HTTP API (docs/http-api.md): POST
 // /v1/completions and /v1/chat/completions (streamed as server-sent events
-// or whole), GET /v1/models, /health and /metrics (metrics.h), on
-// cpp-httplib. Text becomes token ids with the model's tokenizer (and chat
+// or whole), GET /v1/models, /health and /metrics (metrics.h), on the
+// event-driven transport of http_server.h. Text becomes token ids with the model's tokenizer (and chat
 // template), each choice goes through Dispatcher::Submit as a request of its
 // own, exactly as a gRPC Generate call does, and its tokens come back as text
 // deltas that never split a UTF-8 character.
 //
-// Threading: one HTTP handler thread per exchange (a pool of
-// HttpApiOptions::threads). The handler waits on a condition variable of
-// its own that the exchange's outlets signal; the dispatcher never waits
-// for it. A client that goes away (mid-stream or while waiting) cancels its
-// requests at their groups (Dispatcher::ClientGone). Thread-safe.
+// Threading: a generation request runs on a handler thread of its own (at
+// most HttpApiOptions::threads), waiting on a condition variable that the
+// exchange's outlets signal; the dispatcher never waits for it. Other paths
+// are answered on the transport's I/O threads. A client that goes away
+// (mid-stream or while waiting) cancels its requests at their groups
+// (Dispatcher::ClientGone). Thread-safe.
 //
 // Internal to the coordinator (Coordinator::Start runs it when
-// CoordinatorOptions::http_listen is set). No gRPC or httplib header is
+// CoordinatorOptions::http_listen is set). No gRPC or Boost header is
 // visible here.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "base/status.h"
 #include "serving/security/security.h"
@@ -45,16 +47,32 @@ struct HttpApiOptions {
   // `Authorization: Bearer TOKEN` (401 otherwise), with the gRPC API's
   // principals (a principal's request ids are its own).
   AuthTokens auth_tokens;
-  // Handler threads: each open connection holds one (a stream for its whole
-  // length, a keep-alive connection while it waits for its next request).
-  // Default 512.
+  // Handler threads: each generation request holds one while it runs (a
+  // stream for its whole length); beyond them, 503. Connections, slow or
+  // idle, hold none. Default 512.
   int threads = 512;
-  // Request bodies beyond this get 413. Default 32 MiB.
+  // Request bodies beyond this (decoded, chunked or not) get 413. Default
+  // 32 MiB.
   int64_t max_body_bytes = int64_t{32} << 20;
+  // A request's header block beyond this gets 431. Default 64 KiB.
+  int64_t max_header_bytes = int64_t{64} << 10;
+  // The header block must arrive within header_timeout_s of its first byte,
+  // the body within body_timeout_s of the header (408).
+  double header_timeout_s = 10;
+  double body_timeout_s = 60;
   // Each request's deadline from its arrival (504 when it passes); 0: none.
   double request_timeout_s = 0;
   // An idle keep-alive connection is closed after this long. Default 5 s.
   int keep_alive_timeout_s = 5;
+  // Open connections in all and per client address (loopback exempt).
+  int max_connections = 8192;
+  int max_connections_per_peer = 256;
+  // Origins whose web pages may call the API (CORS; "*": any). Requests
+  // with another Origin get 403. Default none.
+  std::vector<std::string> allowed_origins;
+  // Without auth_tokens, the Host names answered besides IP addresses and
+  // localhost ("*": any), against DNS rebinding. Default none.
+  std::vector<std::string> allowed_hosts;
 };
 
 class HttpApi {

@@ -922,13 +922,216 @@ TEST(HttpApiNoGroup, HealthAndRequestsAre503) {
   EXPECT_EQ(sstatus, 503);
 }
 
-TEST(HttpApiNoGroup, AFullQueueIs429) {
+TEST(HttpApiNoGroup, AFullQueueIs429WithRetryAfter) {
   CoordinatorOptions o;
   o.max_queued = 0;
   Deployment d(o, /*groups=*/0);
-  auto [status, e] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
-  EXPECT_EQ(status, 429) << e.dump();
-  EXPECT_EQ(e["error"]["code"], "queue_full");
+  auto res = d.Client().Post("/v1/completions", json{{"prompt", "x"}, {"max_tokens", 2}}.dump(), "application/json");
+  ASSERT_TRUE(res);
+  EXPECT_EQ(res->status, 429) << res->body;
+  EXPECT_EQ(json::parse(res->body)["error"]["code"], "queue_full");
+  EXPECT_EQ(res->get_header_value("Retry-After"), "1");
+  auto health = d.Client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 503);
+  EXPECT_EQ(health->get_header_value("Retry-After"), "1");
+}
+
+// ---- The front door: limits before the body, slow clients, closed by default ----
+
+// One raw request and its answer's status line and body ("" when none came).
+std::string RawExchange(int port, const std::string& request, std::chrono::milliseconds limit = 5000ms) {
+  const int fd = ConnectTo(port);
+  send(fd, request.data(), request.size(), MSG_NOSIGNAL);
+  std::string got;
+  char buf[4096];
+  timeval tv{.tv_sec = static_cast<time_t>(limit.count() / 1000), .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  for (;;) {
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+    const size_t head = got.find("\r\n\r\n");
+    const size_t cl = got.find("Content-Length: ");
+    if (head != std::string::npos && cl != std::string::npos &&
+        got.size() >= head + 4 + std::stoul(got.substr(cl + 16)))
+      break;
+  }
+  close(fd);
+  return got;
+}
+int RawStatus(const std::string& answer) { return answer.size() > 12 ? std::stoi(answer.substr(9, 3)) : -1; }
+
+TEST(HttpApiFrontDoor, AChunkedBodyBeyondTheLimitIs413) {
+  CoordinatorOptions o;
+  o.http_max_body_bytes = 64 << 10;
+  Deployment d(o, 1);
+  const int fd = ConnectTo(d.port);
+  std::string head =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n";
+  send(fd, head.data(), head.size(), MSG_NOSIGNAL);
+  const std::string chunk = "4000\r\n" + std::string(0x4000, ' ') + "\r\n";
+  size_t sent = 0;
+  for (int i = 0; i < 4096 && send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL) > 0; ++i) sent += 0x4000;
+  std::string got(256, '\0');
+  const ssize_t n = recv(fd, got.data(), got.size(), 0);
+  close(fd);
+  ASSERT_GT(n, 12);
+  EXPECT_EQ(RawStatus(got), 413) << got;
+  EXPECT_LT(sent, size_t{32} << 20) << "the whole 64 MiB body was read";
+}
+
+TEST(HttpApiFrontDoor, NoBodyIsReadBeforeTheToken) {
+  CoordinatorOptions o;
+  auto tokens = AuthTokens::Parse("0123456789abcdef0123 alice\n", "test-tokens");
+  ASSERT_TRUE(tokens.ok());
+  o.auth_tokens = *tokens;
+  Deployment d(o, 1);
+  // A 30 MB body announced, a little of it sent: the 401 does not wait.
+  const auto start = std::chrono::steady_clock::now();
+  const std::string answer =
+      RawExchange(d.port,
+                  "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  "Content-Length: 30000000\r\n\r\n{\"prompt\": \"",
+                  3000ms);
+  EXPECT_EQ(RawStatus(answer), 401) << answer;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+}
+
+TEST(HttpApiFrontDoor, SlowClientsLeaveHealthAndRequestsAnswered) {
+  CoordinatorOptions o;
+  o.http_threads = 64;
+  Deployment d(o, 1);
+  // More connections than handler threads, each trickling its header.
+  std::vector<int> slow;
+  for (int i = 0; i < 600; ++i) {
+    const int fd = ConnectTo(d.port);
+    const std::string part = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ";
+    send(fd, part.data(), part.size(), MSG_NOSIGNAL);
+    slow.push_back(fd);
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto health = d.Client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  auto [status, body] = d.Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200) << body.dump();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  for (int fd : slow) close(fd);
+}
+
+TEST(HttpApiFrontDoor, AnOpenServerIsClosedToWebPages) {
+  Deployment d(CoordinatorOptions{}, 1);
+  const std::string body = json{{"prompt", "x"}, {"max_tokens", 2}}.dump();
+  auto post = [&](const std::string& fields) {
+    return RawExchange(d.port, "POST /v1/completions HTTP/1.1\r\n" + fields +
+                                   "Content-Length: " + std::to_string(body.size()) + "\r\n\r\n" + body);
+  };
+  // A page's simple request (text/plain, no preflight) is refused.
+  std::string a = post("Host: 127.0.0.1\r\nContent-Type: text/plain\r\n");
+  EXPECT_EQ(RawStatus(a), 415) << a;
+  EXPECT_NE(a.find("application/json"), std::string::npos);
+  a = post("Host: 127.0.0.1\r\n");
+  EXPECT_EQ(RawStatus(a), 415) << a;
+  // A rebinding page's Host, and a foreign Origin.
+  a = post("Host: evil.example:8000\r\nContent-Type: application/json\r\n");
+  EXPECT_EQ(RawStatus(a), 403) << a;
+  EXPECT_NE(a.find("host_not_allowed"), std::string::npos) << a;
+  a = RawExchange(d.port, "GET /metrics HTTP/1.1\r\nHost: evil.example\r\n\r\n");
+  EXPECT_EQ(RawStatus(a), 403) << a;
+  a = post("Host: 127.0.0.1\r\nOrigin: http://evil.example\r\nContent-Type: application/json\r\n");
+  EXPECT_EQ(RawStatus(a), 403) << a;
+  EXPECT_NE(a.find("origin_not_allowed"), std::string::npos) << a;
+  // What clients send is answered: IP literals, localhost, charset.
+  for (const char* host : {"127.0.0.1:1234", "localhost:8000", "[::1]:8000"}) {
+    a = post(std::string("Host: ") + host + "\r\nContent-Type: application/json; charset=utf-8\r\n");
+    EXPECT_EQ(RawStatus(a), 200) << host << "\n" << a;
+  }
+}
+
+TEST(HttpApiFrontDoor, AllowedOriginsAndHostsAreAnswered) {
+  CoordinatorOptions o;
+  o.http_allowed_origins = {"https://app.example"};
+  o.http_allowed_hosts = {"llm.internal"};
+  Deployment d(o, 1);
+  std::string a = RawExchange(d.port,
+                              "OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: llm.internal\r\n"
+                              "Origin: https://app.example\r\nAccess-Control-Request-Method: POST\r\n\r\n");
+  EXPECT_EQ(RawStatus(a), 204) << a;
+  EXPECT_NE(a.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos) << a;
+  EXPECT_NE(a.find("Access-Control-Allow-Headers: Authorization, Content-Type"), std::string::npos) << a;
+  const std::string body = json{{"prompt", "x"}, {"max_tokens", 2}}.dump();
+  a = RawExchange(d.port,
+                  "POST /v1/completions HTTP/1.1\r\nHost: llm.internal\r\nOrigin: https://app.example\r\n"
+                  "Content-Type: application/json\r\nContent-Length: " +
+                      std::to_string(body.size()) + "\r\n\r\n" + body);
+  EXPECT_EQ(RawStatus(a), 200) << a;
+  EXPECT_NE(a.find("Access-Control-Allow-Origin: https://app.example"), std::string::npos) << a;
+  a = RawExchange(d.port, "GET /v1/models HTTP/1.1\r\nHost: other.internal\r\n\r\n");
+  EXPECT_EQ(RawStatus(a), 403) << a;
+}
+
+TEST(HttpApiFrontDoor, AnAnswerTooBigToHoldIsRefused) {
+  Deployment d(CoordinatorOptions{}, 1);
+  // 128 choices x 4,000 echoed prompt tokens x 21 entries: beyond the bound.
+  std::string prompt;
+  for (int i = 0; i < 4000; ++i) prompt += " w" + std::to_string(i % 97);
+  auto [status, e] =
+      d.Post("/v1/completions", {{"prompt", prompt}, {"n", 128}, {"echo", true}, {"logprobs", 20}, {"max_tokens", 1}});
+  EXPECT_EQ(status, 400) << e.dump();
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("logprob entries"), std::string::npos) << e.dump();
+  auto [small, ok] =
+      d.Post("/v1/completions", {{"prompt", "a b c"}, {"n", 2}, {"echo", true}, {"logprobs", 2}, {"max_tokens", 2}});
+  EXPECT_EQ(small, 200) << ok.dump();
+}
+
+TEST(HttpApiFrontDoor, PipelinedRequestsAreBothAnswered) {
+  Deployment d(CoordinatorOptions{}, 1);
+  const std::string body = json{{"prompt", "x"}, {"max_tokens", 2}}.dump();
+  const std::string one =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  const int fd = ConnectTo(d.port);
+  const std::string two = one + one;
+  send(fd, two.data(), two.size(), MSG_NOSIGNAL);
+  std::string got;
+  char buf[4096];
+  timeval tv{.tv_sec = 5, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  auto answers = [&] {
+    size_t count = 0;
+    for (size_t at = 0; (at = got.find("HTTP/1.1 200", at)) != std::string::npos; ++at) ++count;
+    return count;
+  };
+  while (answers() < 2 || !got.ends_with("}}")) {
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  EXPECT_EQ(answers(), 2u) << got;
+}
+
+TEST(HttpApiFrontDoor, AHalfClosedClientIsAnswered) {
+  Deployment d(CoordinatorOptions{}, 1, /*tokens_per_s=*/200);
+  const std::string body = json{{"prompt", "x"}, {"max_tokens", 20}, {"ignore_eos", true}}.dump();
+  const int fd = ConnectTo(d.port);
+  const std::string req =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Content-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  send(fd, req.data(), req.size(), MSG_NOSIGNAL);
+  shutdown(fd, SHUT_WR);
+  std::string got;
+  char buf[4096];
+  timeval tv{.tv_sec = 5, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) got.append(buf, static_cast<size_t>(n));
+  close(fd);
+  EXPECT_NE(got.find("HTTP/1.1 200"), std::string::npos) << got;
+  EXPECT_NE(got.find("\"completion_tokens\":20"), std::string::npos) << got;
 }
 
 TEST(HttpApiDeadline, PassedDeadlineIs504) {
