@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "launcher/commands/commands.h"
+#include "launcher/serve/serve.h"
 #include "parallel/mpi/mpi_world.h"
 
 namespace mlarun::commands {
@@ -25,6 +26,9 @@ struct WorkerFlags {
 };
 
 int RunWorkerCommand(WorkerFlags& f, ProcessArgs args) {
+  // A rank of `mlarun serve` leaves with it (before anything slow, such as
+  // loading the model, can keep it behind).
+  if (const Status st = WatchServeProcess(); !st.ok()) return ExitStatus("worker", st);
   WorkerOptions& wo = f.wo;
   DeploymentConfig dc;
   if (!LoadDeploymentFile(f.config_path, &dc)) return 2;

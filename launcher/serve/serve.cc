@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -15,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <ostream>
 #include <sstream>
@@ -44,6 +44,21 @@ std::string DescribeExit(int wait_status) {
   return "ended (wait status " + std::to_string(wait_status) + ")";
 }
 
+// The parent of `pid` as /proc says; nullopt when it is gone.
+std::optional<pid_t> ParentOf(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!std::getline(stat, line)) return std::nullopt;
+  // pid (comm) state ppid ...: comm may hold spaces and parentheses.
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos) return std::nullopt;
+  std::istringstream rest(line.substr(close + 1));
+  char state = 0;
+  pid_t ppid = 0;
+  if (!(rest >> state >> ppid)) return std::nullopt;
+  return ppid;
+}
+
 // The pids whose parent is this process (the job's launcher, and any of its
 // descendants orphaned to us: this process is their subreaper), zombies
 // included: a launcher whose main thread has exited shows as a zombie while
@@ -56,19 +71,29 @@ std::vector<pid_t> Children() {
   for (const auto& entry : std::filesystem::directory_iterator("/proc", ec)) {
     const std::string name = entry.path().filename();
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
-    std::ifstream stat(entry.path() / "stat");
-    std::string line;
-    if (!std::getline(stat, line)) continue;
-    // pid (comm) state ppid ...: comm may hold spaces and parentheses.
-    const size_t close = line.rfind(')');
-    if (close == std::string::npos) continue;
-    std::istringstream rest(line.substr(close + 1));
-    char state = 0;
-    pid_t ppid = 0;
-    if (rest >> state >> ppid && ppid == self) out.push_back(std::stoi(name));
+    const pid_t pid = std::stoi(name);
+    if (ParentOf(pid) == self) out.push_back(pid);
   }
   return out;
 }
+
+// The executable `name` names: itself when it holds a '/', else the first
+// executable file of that name on PATH; "" when there is none.
+std::string FindOnPath(const std::string& name) {
+  if (name.find('/') != std::string::npos) return name;
+  const char* path = std::getenv("PATH");
+  std::istringstream dirs(path != nullptr ? path : "/usr/local/bin:/usr/bin:/bin");
+  std::string dir;
+  while (std::getline(dirs, dir, ':')) {
+    const std::string candidate = (dir.empty() ? "." : dir) + "/" + name;
+    std::error_code ec;
+    if (access(candidate.c_str(), X_OK) == 0 && !std::filesystem::is_directory(candidate, ec)) return candidate;
+  }
+  return "";
+}
+
+// Whether `pid` names a process that exists (one of another user counts).
+bool ProcessExists(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
 
 // Reaps every ended child without blocking; returns the wait status of
 // `job` if it was among them.
@@ -93,7 +118,7 @@ class Serve {
     if (o_.model.empty()) return Say("--model is required"), 2;
     if (!o_.coordinator.tls.cert.empty())
       return Say("TLS is for coordinators reached from other machines: use mlarun coordinator"), 2;
-    if (!MakeSecret()) return 1;
+    if (!MakeSecret()) return Cleanup(), 1;
     CoordinatorOptions co = o_.coordinator;
     co.worker_secret = secret_;
     if (!co.http_listen.empty() && co.http_model.empty() && co.http_tokenizer == nullptr) co.http_model = o_.model;
@@ -121,20 +146,50 @@ class Serve {
  private:
   void Say(const std::string& line) { log_ << "mlarun serve: " << line << std::endl; }
 
+  // The secret's directory, with this process's pid beside the secret so
+  // that a later serve can tell a directory whose serve is gone (killed
+  // before it could clean up) and remove it.
   bool MakeSecret() {
+    RemoveStaleSecretDirs();
     char dir_template[] = "/tmp/mlarun-serve-XXXXXX";
     if (mkdtemp(dir_template) == nullptr)
       return Say(std::string("cannot make a temporary directory: ") + strerror(errno)), false;
     dir_ = dir_template;
     secret_ = RandomHex(32);
     secret_path_ = dir_ + "/worker-secret";
-    const int fd = open(secret_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
-    if (fd < 0 || write(fd, secret_.data(), secret_.size()) != static_cast<ssize_t>(secret_.size())) {
+    if (!WriteFile(secret_path_, secret_, 0600)) return false;
+    return WriteFile(dir_ + "/" + kPidFile, std::to_string(getpid()) + "\n", 0600);
+  }
+
+  bool WriteFile(const std::string& path, const std::string& text, mode_t mode) {
+    const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+    if (fd < 0 || write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
       if (fd >= 0) close(fd);
-      return Say("cannot write " + secret_path_ + ": " + strerror(errno)), false;
+      return Say("cannot write " + path + ": " + strerror(errno)), false;
     }
     close(fd);
     return true;
+  }
+
+  // Removes the /tmp/mlarun-serve-* directories of this user whose serve
+  // (the pid in their kPidFile) no longer exists. A directory without a
+  // readable pid (one being made right now) or whose pid is alive stays.
+  void RemoveStaleSecretDirs() {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator("/tmp", ec)) {
+      const std::string name = entry.path().filename();
+      if (!name.starts_with("mlarun-serve-")) continue;
+      struct stat st;
+      if (lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid()) continue;
+      std::ifstream pid_file(entry.path() / kPidFile);
+      long pid = 0;
+      if (!(pid_file >> pid) || pid <= 0 || pid > std::numeric_limits<pid_t>::max()) continue;
+      if (ProcessExists(static_cast<pid_t>(pid))) continue;
+      std::error_code removed;
+      std::filesystem::remove_all(entry.path(), removed);
+      Say((removed ? "cannot remove " : "removed ") + entry.path().string() + ", left by a serve (pid " +
+          std::to_string(pid) + ") that is gone" + (removed ? ": " + removed.message() : ""));
+    }
   }
 
   void Cleanup() {
@@ -166,41 +221,53 @@ class Serve {
     return argv;
   }
 
+  // The job's environment: ours, with the pid the ranks watch
+  // (kServePidVariable) and Open MPI's consent to run as root.
+  static std::vector<std::string> JobEnvironment() {
+    std::vector<std::string> env;
+    const std::string watch_prefix = std::string(kServePidVariable) + "=";
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (!std::string_view(*e).starts_with(watch_prefix)) env.emplace_back(*e);
+    }
+    env.push_back(watch_prefix + std::to_string(getpid()));
+    if (geteuid() == 0) {
+      // Open MPI refuses root unless told; serve's ranks are our own children.
+      for (const char* v : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"}) env.emplace_back(v);
+    }
+    return env;
+  }
+
   // Starts the worker job in its own process group (a terminal's Ctrl-C
-  // reaches only us; we stop the job).
+  // reaches only us; we stop the job). The launcher gets SIGTERM when this
+  // thread ends (PR_SET_PDEATHSIG), which for the thread that runs RunServe
+  // is when serve ends, however it ends: SIGKILL and the OOM killer
+  // included; it passes the signal to the ranks, and they watch serve
+  // themselves too (WatchServeProcess).
   bool StartJob() {
     std::vector<std::string> args = JobArgv();
+    const std::string exe = FindOnPath(o_.mpirun);
+    if (exe.empty()) return Say("cannot start " + o_.mpirun + ": not found on PATH"), false;
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    std::vector<std::string> env_strings;
-    for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
-    if (geteuid() == 0) {
-      // Open MPI refuses root unless told; serve's ranks are our own children.
-      for (const char* v : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"})
-        env_strings.emplace_back(v);
-    }
+    std::vector<std::string> env_strings = JobEnvironment();
     std::vector<char*> envp;
     for (std::string& e : env_strings) envp.push_back(e.data());
     envp.push_back(nullptr);
 
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    posix_spawnattr_setpgroup(&attr, 0);
-    sigset_t defaults, empty;
-    sigemptyset(&defaults);
-    sigaddset(&defaults, SIGINT);
-    sigaddset(&defaults, SIGTERM);
-    sigaddset(&defaults, SIGPIPE);
-    sigemptyset(&empty);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setsigmask(&attr, &empty);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-    pid_t pid = 0;
-    const int rc = posix_spawnp(&pid, argv[0], nullptr, &attr, argv.data(), envp.data());
-    posix_spawnattr_destroy(&attr);
-    if (rc != 0) {
-      Say("cannot start " + o_.mpirun + ": " + strerror(rc));
+    // exec's failure comes back through a close-on-exec pipe.
+    int report[2];
+    if (pipe2(report, O_CLOEXEC) != 0) return Say(std::string("cannot make a pipe: ") + strerror(errno)), false;
+    const pid_t parent = getpid();
+    const pid_t pid = fork();
+    if (pid == 0) ExecJob(exe.c_str(), argv.data(), envp.data(), parent, report[1]);  // never returns
+    close(report[1]);
+    int child_errno = 0;
+    const ssize_t got = pid > 0 ? read(report[0], &child_errno, sizeof child_errno) : 0;
+    close(report[0]);
+    if (pid < 0 || got == sizeof child_errno) {
+      if (pid > 0) waitpid(pid, nullptr, 0);
+      Say("cannot start " + o_.mpirun + ": " + strerror(pid < 0 ? errno : child_errno));
       return false;
     }
     job_ = pid;
@@ -209,6 +276,23 @@ class Serve {
     for (const std::string& a : args) line += (line.empty() ? "" : " ") + a;
     Say("started the worker job (pid " + std::to_string(pid) + "): " + line);
     return true;
+  }
+
+  // The forked child: only async-signal-safe calls until exec.
+  [[noreturn]] static void ExecJob(const char* exe, char* const* argv, char* const* envp, pid_t parent, int report) {
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != parent) _exit(127);  // serve ended before the line above
+    struct sigaction dfl = {};
+    dfl.sa_handler = SIG_DFL;
+    for (int sig : {SIGINT, SIGTERM, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execve(exe, argv, envp);
+    const int e = errno;
+    [[maybe_unused]] ssize_t w = write(report, &e, sizeof e);
+    _exit(127);
   }
 
   // SIGTERM to the job's process group (mpirun passes it to the ranks),
@@ -309,6 +393,7 @@ class Serve {
   std::atomic<bool>* const stop_;
   std::ostream& log_;
   ParallelLayout layout_;
+  static constexpr char kPidFile[] = "serve-pid";
   std::string dir_, secret_, secret_path_;
   std::unique_ptr<Coordinator> coordinator_;
   std::shared_ptr<grpc::Channel> channel_;
@@ -320,5 +405,37 @@ class Serve {
 }  // namespace
 
 int RunServe(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log) { return Serve(o, stop, log).Run(); }
+
+namespace {
+
+// Whether `pid` is this process's parent, its parent's parent, and so on.
+bool IsAncestor(pid_t pid) {
+  pid_t p = getppid();
+  for (int hops = 0; p > 1 && hops < 64; ++hops) {
+    if (p == pid) return true;
+    const std::optional<pid_t> parent = ParentOf(p);
+    if (!parent) return false;
+    p = *parent;
+  }
+  return p == pid;
+}
+
+}  // namespace
+
+Status WatchServeProcess() {
+  const char* value = std::getenv(kServePidVariable);
+  if (value == nullptr || *value == '\0') return Status::Ok();
+  char* end = nullptr;
+  const long pid = std::strtol(value, &end, 10);
+  if (*end != '\0' || pid <= 1 || pid > std::numeric_limits<pid_t>::max())
+    return InvalidArgumentError(kServePidVariable, "=", value, ": expected the pid of `mlarun serve`");
+  std::thread([serve = static_cast<pid_t>(pid)] {
+    while (IsAncestor(serve)) std::this_thread::sleep_for(std::chrono::seconds(1));
+    std::fprintf(stderr, "mlarun worker: the serve process (pid %d) that started this job is gone: exiting\n",
+                 static_cast<int>(serve));
+    _exit(1);
+  }).detach();
+  return Status::Ok();
+}
 
 }  // namespace mlarun

@@ -8,7 +8,14 @@
 //
 // The worker link is closed with a fresh random secret (a 0600 file in a
 // private temporary directory, given to the workers by path), so no other
-// process on the machine can register as a DP group.
+// process on the machine can register as a DP group. The directory holds
+// serve's pid too: a serve that was killed leaves it, and the next serve
+// removes it.
+//
+// The job ends with serve, however serve ends (SIGKILL and the OOM killer
+// included): the launcher gets SIGTERM when serve dies (PR_SET_PDEATHSIG),
+// and each rank leaves once serve is no longer among its ancestors
+// (kServePidVariable, WatchServeProcess).
 #pragma once
 
 #include <atomic>
@@ -42,6 +49,18 @@ struct ServeOptions {
 // stop, 1 when the coordinator cannot start or the first worker job fails
 // before it is ready (its exit status and log lines are reported), 2 bad
 // options.
+// Call it from a thread that lives until it returns (the main thread): the
+// job's launcher is told to stop when that thread ends.
 int RunServe(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log);
+
+// The environment variable serve gives its job: serve's pid.
+inline constexpr char kServePidVariable[] = "MLARUN_SERVE_PID";
+
+// For a rank of serve's job (kServePidVariable set; otherwise nothing):
+// starts a thread that ends this process (exit code 1, a line on stderr)
+// within a second of the serve process no longer being among its
+// ancestors, which happens when serve died and when its launcher died,
+// whoever killed them. INVALID_ARGUMENT when the variable is not a pid.
+Status WatchServeProcess();
 
 }  // namespace mlarun
