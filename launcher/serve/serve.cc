@@ -95,6 +95,34 @@ std::string FindOnPath(const std::string& name) {
 // Whether `pid` names a process that exists (one of another user counts).
 bool ProcessExists(pid_t pid) { return kill(pid, 0) == 0 || errno != ESRCH; }
 
+// Open MPI settings that keep a one-machine job on this machine: the ranks
+// talk through shared memory (ob1 over vader: no TCP BTL, which would listen
+// on every address), and should the user choose TCP, its BTL and the
+// launcher's out-of-band channel use loopback only. Open MPI 4.1's launcher
+// still binds its out-of-band listener to every address (no setting
+// changes that); docs/security.md says so.
+struct LoopbackMca {
+  const char* name;
+  const char* value;
+  const char* exclusive;  // a setting that rules this one out when given
+};
+constexpr LoopbackMca kLoopbackMca[] = {
+    {"pml", "ob1", nullptr},
+    {"btl", "self,vader", nullptr},
+    {"btl_tcp_if_include", "lo", "btl_tcp_if_exclude"},
+    {"oob_tcp_if_include", "lo", "oob_tcp_if_exclude"},
+};
+
+// Whether the user set the MCA parameter `name`: an `--mca NAME VALUE` among
+// the mpirun arguments, or OMPI_MCA_NAME in the environment.
+bool McaGiven(const std::vector<std::string>& mpirun_args, const std::string& name) {
+  for (size_t i = 0; i + 1 < mpirun_args.size(); ++i) {
+    const std::string& a = mpirun_args[i];
+    if ((a == "--mca" || a == "-mca" || a == "--gmca" || a == "-gmca") && mpirun_args[i + 1] == name) return true;
+  }
+  return std::getenv(("OMPI_MCA_" + name).c_str()) != nullptr;
+}
+
 // Reaps every ended child without blocking; returns the wait status of
 // `job` if it was among them.
 std::optional<int> ReapAll(pid_t job) {
@@ -214,6 +242,10 @@ class Serve {
     const bool oversubscribe_given =
         std::find(o_.mpirun_args.begin(), o_.mpirun_args.end(), "--oversubscribe") != o_.mpirun_args.end();
     if (!oversubscribe_given && static_cast<unsigned>(layout_.world()) > cores) argv.push_back("--oversubscribe");
+    for (const LoopbackMca& m : kLoopbackMca) {
+      if (!McaGiven(o_.mpirun_args, m.name) && (m.exclusive == nullptr || !McaGiven(o_.mpirun_args, m.exclusive)))
+        argv.insert(argv.end(), {"--mca", m.name, m.value});
+    }
     argv.insert(argv.end(),
                 {"-np", std::to_string(layout_.world()), SelfExe(), "worker", "--coordinator", coordinator_->address(),
                  "--model", o_.model, "--parallel", o_.parallel, "--worker-secret-file", secret_path_});

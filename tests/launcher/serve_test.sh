@@ -1,7 +1,9 @@
 #!/bin/bash
 # `mlarun serve` end to end on the tiny model: ready line once both DP groups
 # of dp=2 registered; a request served with the tokens `mlarun generate`
-# gives, over gRPC and over the HTTP API (/health, /v1/completions); a rank killed -9 takes its job down, serve reports it and restarts
+# gives, over gRPC and over the HTTP API (/health, /v1/completions); the job
+# listening on loopback only (but for Open MPI's own out-of-band listener);
+# a rank killed -9 takes its job down, serve reports it and restarts
 # the job with back-off, and serving resumes; SIGTERM stops everything within
 # the grace, exit 0, leaving no process and no temporary directory behind. A
 # model that cannot load is reported and not restarted (exit 1).
@@ -59,6 +61,27 @@ body = json.dumps({"model": "tiny", "prompt": ids, "max_tokens": 8, "ignore_eos"
 req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
 r = json.load(urllib.request.urlopen(req, timeout=60))
 assert r["usage"]["completion_tokens"] == 8 and r["usage"]["prompt_tokens"] == 5, r
+PY
+
+# The job on loopback: no rank listens beyond 127.0.0.0/8 and [::1] (TCP or
+# UDP), and the launcher only on Open MPI's out-of-band pair (one IPv4 and
+# one IPv6 socket on every address, which no MCA setting moves).
+launcher=$(grep -o "started the worker job (pid [0-9]*)" "$work/serve.log" | head -1 | grep -o "[0-9]*")
+ss -Hltunp >"$work/listening.txt" || fail "ss -ltunp failed"
+python3 - "$work/listening.txt" "$launcher" $(job_pids) <<'PY' || fail "the worker job listens beyond loopback"
+import re, sys
+launcher, job = sys.argv[2], set(sys.argv[3:])
+assert launcher in job and len(job) >= 3, f"expected the launcher {launcher} and 2 ranks, found {job}"
+wide = {}
+for line in open(sys.argv[1]):
+    fields = line.split()
+    host = fields[-3].rsplit(":", 1)[0]
+    for pid in set(re.findall(r"pid=(\d+)", fields[-1])) & job:
+        if not (host.startswith("127.") or host == "[::1]"):
+            wide.setdefault(pid, []).append(fields[-3])
+ranks = {pid: where for pid, where in wide.items() if pid != launcher}
+assert not ranks, f"ranks listening beyond loopback: {ranks}"
+assert len(wide.get(launcher, [])) <= 2, f"the launcher listens beyond loopback on {wide[launcher]}"
 PY
 
 # Kill rank 1 (not the launcher): Open MPI ends the job; serve restarts it.
