@@ -71,6 +71,15 @@ void AddDeviceFlag(CLI::App* app, std::string& device);
 void AddFp8WeightsFlag(CLI::App* app, std::string& fp8);
 void AddAttentionThresholdsFlag(CLI::App* app, std::string& path);
 
+// The coordinator's flags that `coordinator` and `serve` share, one
+// definition each: the request queue's (--max-queued, --queue-timeout-s,
+// --lost-group-wait-s, --stall-timeout-s) and the HTTP API's
+// (--served-model-name, --http-threads, --http-max-body-bytes,
+// --http-request-timeout-s). --http and --model are each command's own: their
+// defaults differ.
+void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co);
+void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co);
+
 // The security flags of the serving commands: file paths, read after parsing
 // (secrets never travel on the command line).
 struct SecurityFlags {

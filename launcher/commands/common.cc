@@ -45,6 +45,39 @@ void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
       "Absorbed/expanded dispatch thresholds measured on this machine (bench attention --write-thresholds)");
 }
 
+void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co) {
+  cmd->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--queue-timeout-s", co.queue_timeout_s,
+                  "Longest wait of a request for a DP group to register when none is connected")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--lost-group-wait-s", co.lost_group_wait_s,
+                  "After the last group went away, how long its unanswered requests wait for one to come back")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--stall-timeout-s", co.stall_timeout_s,
+                  "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+}
+
+void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
+  cmd->add_option("--served-model-name", co.served_model_name,
+                  "HTTP API: the model name clients send (default: --model's basename without .yaml)");
+  cmd->add_option("--http-threads", co.http_threads, "HTTP API: handler threads (one per open connection)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 65536));
+  cmd->add_option("--http-max-body-bytes", co.http_max_body_bytes, "HTTP API: larger request bodies get 413")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
+  cmd->add_option("--http-request-timeout-s", co.http_request_timeout_s,
+                  "HTTP API: each request's deadline (504 when it passes); 0: none")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+}
+
 void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
   using R = SecurityRole;
   if (role == R::kCoordinator) {

@@ -66,23 +66,7 @@ void AddCoordinatorCommand(CLI::App& app, CommandTable& table) {
       coord->add_option("--listen", co.listen, "host:port to bind (loopback by default)")->capture_default_str();
   f->policy_opt =
       coord->add_option("--policy", f->policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
-  coord->add_option("--max-queued", co.max_queued, "Requests waiting for a group before RESOURCE_EXHAUSTED")
-      ->capture_default_str();
-  coord
-      ->add_option("--queue-timeout-s", co.queue_timeout_s,
-                   "Longest wait of a request for a DP group to register when none is connected")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
-  coord
-      ->add_option("--lost-group-wait-s", co.lost_group_wait_s,
-                   "After the last group went away, how long its unanswered requests wait for one to come back")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
-  coord
-      ->add_option("--stall-timeout-s", co.stall_timeout_s,
-                   "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
-      ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+  AddQueueFlags(coord, co);
   coord->add_option("--config", f->config_path, "Deployment file (configs/deploy/*.yaml); flags override it");
   f->http = coord
                 ->add_option("--http", co.http_listen,
@@ -92,19 +76,7 @@ void AddCoordinatorCommand(CLI::App& app, CommandTable& table) {
   coord->add_option("--model", co.http_model,
                     "With --http: the model (configs/models/*.yaml, checkpoint or tokenizer directory); only its "
                     "tokenizer, chat template and name are read");
-  coord->add_option("--served-model-name", co.served_model_name,
-                    "With --http: the model name clients send (default: --model's basename without .yaml)");
-  coord->add_option("--http-threads", co.http_threads, "With --http: handler threads (one per open connection)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 65536));
-  coord->add_option("--http-max-body-bytes", co.http_max_body_bytes, "With --http: larger request bodies get 413")
-      ->capture_default_str()
-      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
-  coord
-      ->add_option("--http-request-timeout-s", co.http_request_timeout_s,
-                   "With --http: each request's deadline (504 when it passes); 0: none")
-      ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+  AddHttpFlags(coord, co);
   AddSecurityFlags(coord, f->security, SecurityRole::kCoordinator);
   table.Add(coord, [f](ProcessArgs) { return RunCoordinatorCommand(*f); });
 }

@@ -76,11 +76,11 @@ void AddServeCommand(CLI::App& app, CommandTable& table) {
       ->add_option("--http", sv.coordinator.http_listen,
                    "host:port of the OpenAI-compatible HTTP API (loopback by default; \"\" turns it off)")
       ->capture_default_str();
-  serve_cmd->add_option("--served-model-name", sv.coordinator.served_model_name,
-                        "The model name HTTP clients send (default: --model's basename without .yaml)");
+  AddHttpFlags(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--grpc", sv.coordinator.listen, "host:port of the gRPC client API (port 0: a free one)")
       ->capture_default_str();
   serve_cmd->add_option("--policy", f->policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();
+  AddQueueFlags(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--auth-token-file", f->auth_tokens,
                         "Client tokens (TOKEN [NAME] per line): the client API then needs Authorization: Bearer TOKEN");
   serve_cmd->add_option("--threads", f->threads, "CPU threads per rank (default: the cores divided among the ranks)")

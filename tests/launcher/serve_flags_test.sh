@@ -1,0 +1,74 @@
+#!/bin/bash
+# `mlarun serve` takes the coordinator's queue and HTTP flags and gives them to
+# its coordinator: with --max-queued 0 a request finds the queue full (429,
+# not a wait for a group), a body beyond --http-max-body-bytes gets 413, and
+# /v1/models names --served-model-name. A bad value of a shared flag is a
+# usage error naming it, for serve and the coordinator alike. No MPI: a
+# stand-in mpirun that only sleeps plays the worker job.
+#
+#   serve_flags_test.sh MLARUN SOURCE_DIR
+set -u
+mlarun=$1 src=$2
+name=serve_flags_test
+work=$(mktemp -d)
+logs=("$work/serve.log" "$work/usage.log")
+serve_pid=
+before_exit() { [ -n "$serve_pid" ] && kill -KILL "$serve_pid" 2>/dev/null; true; }
+source "$src/scripts/lib/on_exit.sh"
+
+model="$src/configs/models/tiny.yaml"
+hport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+mkdir "$work/bin"
+printf '#!/bin/sh\nexec sleep 300\n' >"$work/bin/mpirun"
+chmod +x "$work/bin/mpirun"
+
+PATH="$work/bin:$PATH" "$mlarun" serve --model "$model" --grpc 127.0.0.1:0 --http "127.0.0.1:$hport" --threads 1 \
+  --max-queued 0 --queue-timeout-s 20 --lost-group-wait-s 1 --stall-timeout-s 10 --http-threads 4 \
+  --http-max-body-bytes 2048 --http-request-timeout-s 60 --served-model-name flagged 2>"$work/serve.log" &
+serve_pid=$!
+for _ in $(seq 300); do
+  grep -q "started the worker job" "$work/serve.log" && break
+  kill -0 "$serve_pid" 2>/dev/null || fail "serve exited: $(tail -3 "$work/serve.log")"
+  sleep 0.1
+done
+grep -q "started the worker job" "$work/serve.log" || fail "serve did not start its job within 30 s"
+
+timeout 15 python3 - "$hport" <<'PY' || fail "the HTTP API did not apply serve's flags"
+import json, sys, urllib.error, urllib.request
+base = f"http://127.0.0.1:{sys.argv[1]}"
+models = json.load(urllib.request.urlopen(base + "/v1/models", timeout=5))
+assert [m["id"] for m in models["data"]] == ["flagged"], models
+
+def post(body):
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
+
+# A body over 2048 bytes: 413 before anything is queued.
+assert (code := post({"model": "flagged", "prompt": "x" * 3000, "max_tokens": 1})) == 413, code
+# No group registered and no room in the queue: 429 at once (the default
+# queue would hold it for --queue-timeout-s, beyond this call's 10 s).
+assert (code := post({"model": "flagged", "prompt": "hi", "max_tokens": 1})) == 429, code
+PY
+
+kill -TERM "$serve_pid"
+wait "$serve_pid"
+rc=$?
+serve_pid=
+[ "$rc" = 0 ] || fail "serve exited with $rc after SIGTERM"
+
+# Bad values: usage errors (exit 2) naming the flag, in both commands.
+for cmd in serve coordinator; do
+  for bad in "--max-queued -1" "--http-threads 0" "--http-max-body-bytes 10" "--queue-timeout-s 0"; do
+    # shellcheck disable=SC2086
+    "$mlarun" $cmd --model "$model" $bad >"$work/usage.log" 2>&1
+    rc=$?
+    [ "$rc" = 2 ] && grep -q -- "${bad% *}" "$work/usage.log" ||
+      fail "mlarun $cmd $bad: exit $rc, $(head -2 "$work/usage.log")"
+  done
+done
+echo "serve_flags_test: ok"
