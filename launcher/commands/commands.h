@@ -75,10 +75,14 @@ void AddAttentionThresholdsFlag(CLI::App* app, std::string& path);
 // definition each: the request queue's (--max-queued, --queue-timeout-s,
 // --lost-group-wait-s, --stall-timeout-s) and the HTTP API's
 // (--served-model-name, --http-threads, --http-max-body-bytes,
-// --http-request-timeout-s). --http and --model are each command's own: their
-// defaults differ.
+// --http-request-timeout-s, --allow-unauthenticated). --http and --model are
+// each command's own: their defaults differ.
 void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co);
 void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co);
+// A warning on stderr when the HTTP API is to listen beyond loopback without
+// client tokens (which the coordinator allows only with
+// --allow-unauthenticated).
+void WarnIfOpenHttp(const char* cmd, const CoordinatorOptions& co);
 
 // The security flags of the serving commands: file paths, read after parsing
 // (secrets never travel on the command line).

@@ -76,6 +76,16 @@ void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
                   "HTTP API: each request's deadline (504 when it passes); 0: none")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--allow-unauthenticated", co.allow_unauthenticated_http,
+                "Let --http bind beyond loopback without --auth-token-file: anyone who reaches it may use the model");
+}
+
+void WarnIfOpenHttp(const char* cmd, const CoordinatorOptions& co) {
+  if (co.http_listen.empty() || !co.auth_tokens.empty() || IsLoopbackListenAddress(co.http_listen)) return;
+  std::fprintf(stderr,
+               "mlarun %s: warning: the HTTP API on %s takes requests from anyone who reaches it "
+               "(--allow-unauthenticated without --auth-token-file)\n",
+               cmd, co.http_listen.c_str());
 }
 
 void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {

@@ -38,10 +38,8 @@ int RunCoordinatorCommand(CoordinatorFlags& f) {
   // not something a signal handler may call.
   const sigset_t stop_signals = BlockStopSignals();
   auto server = Coordinator::Start(co);
-  if (!server.ok()) {
-    std::fprintf(stderr, "mlarun coordinator: %s\n", server.status().ToString().c_str());
-    return 1;
-  }
+  if (!server.ok()) return ExitStatus("coordinator", server.status());
+  WarnIfOpenHttp("coordinator", co);
   std::fprintf(stderr, "mlarun coordinator: listening on %s, policy %s\n", (*server)->address().c_str(),
                std::string(RoutingPolicyName(co.policy)).c_str());
   if (f.http->count() > 0)

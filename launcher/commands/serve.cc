@@ -39,6 +39,7 @@ int RunServeCommand(ServeFlags& f) {
     }
     sv.coordinator.auth_tokens = std::move(*tokens);
   }
+  if (sv.coordinator.allow_unauthenticated_http) WarnIfOpenHttp("serve", sv.coordinator);
   int threads = f.threads;
   if (threads == 0) {
     auto layout = ParseParallelLayout(sv.parallel);

@@ -323,6 +323,12 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
         "--listen binds beyond loopback (got '",
         options.listen, "'): without it any process that reaches the port can register as a worker");
 
+  if (!options.http_listen.empty() && options.auth_tokens.empty() && !options.allow_unauthenticated_http &&
+      !IsLoopbackListen(options.http_listen))
+    return InvalidArgumentError("--http binds beyond loopback (got '", options.http_listen,
+                                "') without --auth-token-file: anyone who reaches the port could use the model. "
+                                "Give client tokens, or --allow-unauthenticated to serve it open");
+
   // The HTTP API's tokenizer and metrics come first: a model path that
   // does not load fails the start before any port is bound.
   std::shared_ptr<const text::Tokenizer> tokenizer = options.http_tokenizer;

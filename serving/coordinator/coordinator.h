@@ -106,8 +106,14 @@ struct CoordinatorOptions {
 
   // ---- The OpenAI-compatible HTTP API and /metrics (docs/http-api.md) ----
   // host:port of the HTTP API (`--http`); empty (the default): off. Its
-  // bearer tokens are `auth_tokens`; /health is open.
+  // bearer tokens are `auth_tokens`; /health is open. Beyond loopback it
+  // needs auth_tokens or `allow_unauthenticated_http`: Start refuses it
+  // otherwise.
   std::string http_listen;
+  // Lets the HTTP API bind beyond loopback without client tokens
+  // (`--allow-unauthenticated`): anyone who reaches the port may then use
+  // the model.
+  bool allow_unauthenticated_http = false;
   // The model whose tokenizer (and chat template) and name the HTTP API
   // uses (`--model`): a configs/models/*.yaml with a `tokenizer:` key, a
   // checkpoint directory or a tokenizer directory. Required with
@@ -137,7 +143,7 @@ struct CoordinatorOptions {
 };
 
 // Whether `listen` (host:port) binds only the loopback interface:
-// 127.0.0.0/8, [::1] or localhost (0.0.0.0 and [::] are not).
+// 127.0.0.0/8, [::1] (or ::1) or localhost (0.0.0.0 and [::] are not).
 bool IsLoopbackListenAddress(const std::string& listen);
 
 // The HTTP API's model name for a model path: its last component without
@@ -147,8 +153,9 @@ std::string DefaultServedModelName(const std::string& model_path);
 
 class Coordinator {
  public:
-  // Binds `listen` and starts serving. INVALID_ARGUMENT for a bad address,
-  // UNAVAILABLE if the port cannot be bound.
+  // Binds `listen` and starts serving. INVALID_ARGUMENT for a bad address or
+  // an open link or API beyond loopback (see worker_secret and
+  // http_listen), UNAVAILABLE if the port cannot be bound.
   static StatusOr<std::unique_ptr<Coordinator>> Start(const CoordinatorOptions& options);
   virtual ~Coordinator() = default;
 

@@ -149,7 +149,7 @@ bool IsLoopbackListen(const std::string& listen) {
   StatusOr<std::string> host = SplitListen(listen);
   if (!host.ok()) return false;
   const std::string& h = *host;
-  if (h == "localhost" || h == "[::1]") return true;
+  if (h == "localhost" || h == "[::1]" || h == "::1") return true;
   if (h.rfind("127.", 0) != 0) return false;
   return h.find_first_not_of("0123456789.") == std::string::npos;
 }

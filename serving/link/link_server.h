@@ -195,7 +195,7 @@ class GrpcServer {
 };
 
 // Whether `listen` (host:port) binds only the loopback interface:
-// 127.0.0.0/8, [::1] or localhost. False for anything else, 0.0.0.0 and [::]
+// 127.0.0.0/8, [::1] (or ::1) or localhost. False for anything else, 0.0.0.0 and [::]
 // included, and for a malformed address.
 bool IsLoopbackListen(const std::string& listen);
 

@@ -3,8 +3,10 @@
 # its coordinator: with --max-queued 0 a request finds the queue full (429,
 # not a wait for a group), a body beyond --http-max-body-bytes gets 413, and
 # /v1/models names --served-model-name. A bad value of a shared flag is a
-# usage error naming it, for serve and the coordinator alike. No MPI: a
-# stand-in mpirun that only sleeps plays the worker job.
+# usage error naming it, for serve and the coordinator alike. Either refuses
+# --http beyond loopback without client tokens unless told
+# --allow-unauthenticated, and then warns. No MPI: a stand-in mpirun that
+# only sleeps plays the worker job.
 #
 #   serve_flags_test.sh MLARUN SOURCE_DIR
 set -u
@@ -69,6 +71,47 @@ for cmd in serve coordinator; do
     rc=$?
     [ "$rc" = 2 ] && grep -q -- "${bad% *}" "$work/usage.log" ||
       fail "mlarun $cmd $bad: exit $rc, $(head -2 "$work/usage.log")"
+  done
+done
+# --http beyond loopback without client tokens: refused before anything
+# starts (exit 2, naming the way out), by serve and the coordinator alike.
+for cmd in "serve --grpc 127.0.0.1:0" "coordinator --listen 127.0.0.1:0"; do
+  for http in 0.0.0.0:0 "[::]:0" 10.11.12.13:0; do
+    # shellcheck disable=SC2086
+    PATH="$work/bin:$PATH" timeout 30 "$mlarun" $cmd --model "$model" --http "$http" >"$work/usage.log" 2>&1
+    rc=$?
+    [ "$rc" = 2 ] && grep -qF -- "--http binds beyond loopback (got '$http')" "$work/usage.log" &&
+      grep -q -- "--allow-unauthenticated" "$work/usage.log" && ! grep -q "started the worker job" "$work/usage.log" ||
+      fail "mlarun $cmd --http $http without tokens: exit $rc, $(head -2 "$work/usage.log")"
+  done
+done
+
+# Allowed: with --allow-unauthenticated (a warning), or with client tokens
+# (no warning); the HTTP API then answers on the address beyond loopback.
+echo "$(openssl rand -hex 32) alice" >"$work/tokens"
+for cmd in "serve --grpc 127.0.0.1:0" "coordinator --listen 127.0.0.1:0"; do
+  for how in --allow-unauthenticated "--auth-token-file $work/tokens"; do
+    port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    # shellcheck disable=SC2086
+    PATH="$work/bin:$PATH" "$mlarun" $cmd --model "$model" --http "0.0.0.0:$port" $how 2>"$work/serve.log" &
+    serve_pid=$!
+    # /health answers 503 while no group is connected: an answer all the same.
+    health() { curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port/health"; }
+    for _ in $(seq 300); do
+      [ "$(health)" = 503 ] && break
+      kill -0 "$serve_pid" 2>/dev/null || fail "mlarun $cmd --http 0.0.0.0 $how exited: $(tail -2 "$work/serve.log")"
+      sleep 0.1
+    done
+    [ "$(health)" = 503 ] || fail "mlarun $cmd --http 0.0.0.0 $how: no HTTP API"
+    kill -TERM "$serve_pid"
+    wait "$serve_pid"
+    serve_pid=
+    if [ "$how" = --allow-unauthenticated ]; then
+      grep -q "warning: the HTTP API on 0.0.0.0:$port takes requests from anyone" "$work/serve.log" ||
+        fail "mlarun $cmd $how: no warning"
+    else
+      ! grep -q "warning" "$work/serve.log" || fail "mlarun $cmd $how: a warning: $(grep warning "$work/serve.log")"
+    fi
   done
 done
 echo "serve_flags_test: ok"

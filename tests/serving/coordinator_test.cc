@@ -1623,6 +1623,26 @@ TEST(CoordinatorStart, BeyondLoopbackNeedsAWorkerSecret) {
   }
 }
 
+// The HTTP API beyond loopback needs client tokens or
+// allow_unauthenticated_http. The check comes before the tokenizer is read,
+// so an address it lets through fails next on the missing --model.
+TEST(CoordinatorStart, HttpBeyondLoopbackNeedsTokensOrConsent) {
+  auto message = [](const CoordinatorOptions& o) { return std::string(Coordinator::Start(o).status().message()); };
+  const AuthTokens tokens({Principal{.token = RandomHex(16), .name = "alice"}});
+  for (const std::string http : {"0.0.0.0:0", "[::]:0", "10.1.2.3:0", "128.0.0.1:0", "host1:0"}) {
+    const std::string refused = message({.http_listen = http});
+    EXPECT_NE(refused.find("--http binds beyond loopback (got '" + http + "')"), std::string::npos) << refused;
+    EXPECT_NE(refused.find("--allow-unauthenticated"), std::string::npos) << refused;
+    EXPECT_NE(message({.http_listen = http, .allow_unauthenticated_http = true}).find("--http needs --model"),
+              std::string::npos)
+        << http;
+    EXPECT_NE(message({.auth_tokens = tokens, .http_listen = http}).find("--http needs --model"), std::string::npos)
+        << http;
+  }
+  for (const std::string http : {"127.0.0.1:0", "127.9.8.7:0", "[::1]:0", "::1:0", "localhost:0"})
+    EXPECT_NE(message({.http_listen = http}).find("--http needs --model"), std::string::npos) << http;
+}
+
 TEST(ReadSecretFile, TrimsAndRefusesEmptyOrUnreadable) {
   const std::string dir = ::testing::TempDir();
   const std::string good = dir + "/mlarun_secret_good", empty = dir + "/mlarun_secret_empty",
