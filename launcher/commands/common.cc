@@ -66,9 +66,36 @@ void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co) {
 void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
   cmd->add_option("--served-model-name", co.served_model_name,
                   "HTTP API: the model name clients send (default: --model's basename without .yaml)");
-  cmd->add_option("--http-threads", co.http_threads, "HTTP API: handler threads (one per open connection)")
+  cmd->add_option("--http-threads", co.http_threads,
+                  "HTTP API: handler threads (each generation request or stream holds one; beyond them, 503)")
       ->capture_default_str()
       ->check(CLI::Range(1, 65536));
+  cmd->add_option("--http-max-header-bytes", co.http_max_header_bytes,
+                  "HTTP API: a request's header block beyond this gets 431")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1024}, int64_t{1} << 30));
+  cmd->add_option("--http-header-timeout-s", co.http_header_timeout_s,
+                  "HTTP API: the whole header block must arrive within this long of its first byte (408)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.001, 86400.0));
+  cmd->add_option("--http-body-timeout-s", co.http_body_timeout_s,
+                  "HTTP API: the whole body must arrive within this long of the header (408)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.001, 86400.0));
+  cmd->add_option("--http-max-connections", co.http_max_connections,
+                  "HTTP API: open connections in all; beyond them a new one gets 503")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--http-max-connections-per-peer", co.http_max_connections_per_peer,
+                  "HTTP API: open connections from one client address (loopback exempt); beyond them, 503")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--allowed-origins", co.http_allowed_origins,
+                  "HTTP API: origins whose web pages may call it (CORS; '*' for any); others get 403")
+      ->delimiter(',');
+  cmd->add_option("--allowed-hosts", co.http_allowed_hosts,
+                  "HTTP API without tokens: Host names answered besides IP addresses and localhost ('*': any)")
+      ->delimiter(',');
   cmd->add_option("--http-max-body-bytes", co.http_max_body_bytes, "HTTP API: larger request bodies get 413")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));

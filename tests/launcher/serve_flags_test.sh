@@ -26,7 +26,8 @@ chmod +x "$work/bin/mpirun"
 
 PATH="$work/bin:$PATH" "$mlarun" serve --model "$model" --grpc 127.0.0.1:0 --http "127.0.0.1:$hport" --threads 1 \
   --max-queued 0 --queue-timeout-s 20 --lost-group-wait-s 1 --stall-timeout-s 10 --http-threads 4 \
-  --http-max-body-bytes 2048 --http-request-timeout-s 60 --served-model-name flagged 2>"$work/serve.log" &
+  --http-max-body-bytes 2048 --http-request-timeout-s 60 --served-model-name flagged \
+  --http-max-header-bytes 4096 --allowed-hosts llm.internal 2>"$work/serve.log" &
 serve_pid=$!
 for _ in $(seq 300); do
   grep -q "started the worker job" "$work/serve.log" && break
@@ -50,6 +51,17 @@ def post(body):
         return e.code
     return 200
 
+def get(path, headers):
+    try:
+        return urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=5).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+# --allowed-hosts: its name is answered, another is not (DNS rebinding).
+assert (code := get("/v1/models", {"Host": "llm.internal"})) == 200, code
+assert (code := get("/v1/models", {"Host": "other.internal"})) == 403, code
+# --http-max-header-bytes: a header block over 4096 bytes gets 431.
+assert (code := get("/v1/models", {"X-Pad": "p" * 5000})) == 431, code
 # A body over 2048 bytes: 413 before anything is queued.
 assert (code := post({"model": "flagged", "prompt": "x" * 3000, "max_tokens": 1})) == 413, code
 # No group registered and no room in the queue: 429 at once (the default
@@ -65,7 +77,8 @@ serve_pid=
 
 # Bad values: usage errors (exit 2) naming the flag, in both commands.
 for cmd in serve coordinator; do
-  for bad in "--max-queued -1" "--http-threads 0" "--http-max-body-bytes 10" "--queue-timeout-s 0"; do
+  for bad in "--max-queued -1" "--http-threads 0" "--http-max-body-bytes 10" "--queue-timeout-s 0" \
+    "--http-header-timeout-s 0" "--http-max-connections 0" "--http-max-header-bytes 100"; do
     # shellcheck disable=SC2086
     "$mlarun" $cmd --model "$model" $bad >"$work/usage.log" 2>&1
     rc=$?
