@@ -1,5 +1,5 @@
 // tokenizer_bench: RunTokenizeBench without the mlarun binary.
-//   tokenizer_bench <model> <text file> [--mode whole|lines] [--runs N] [--warmup N] [--json]
+//   tokenizer_bench <model> <text file> [--mode whole|lines] [--runs N] [--warmup N] [--threads N] [--json]
 #include <cstdlib>
 #include <iostream>
 #include <string>
@@ -8,7 +8,8 @@
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::cerr << "usage: tokenizer_bench <model> <text file> [--mode whole|lines] [--runs N] [--warmup N] [--json]\n";
+    std::cerr << "usage: tokenizer_bench <model> <text file> [--mode whole|lines] [--runs N] [--warmup N] [--threads "
+                 "N] [--json]\n";
     return 2;
   }
   mlarun::text::TokenizeBenchOptions o{.model = argv[1], .text_file = argv[2]};
@@ -22,6 +23,8 @@ int main(int argc, char** argv) {
       o.runs = std::atoi(argv[++i]);
     } else if (a == "--warmup" && i + 1 < argc) {
       o.warmup_runs = std::atoi(argv[++i]);
+    } else if (a == "--threads" && i + 1 < argc) {
+      o.threads = std::atoi(argv[++i]);
     } else {
       std::cerr << "tokenizer_bench: unknown argument " << a << "\n";
       return 2;

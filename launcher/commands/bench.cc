@@ -208,13 +208,16 @@ void AddBenchServe(CLI::App* bench, CommandTable& table) {
 
 void AddBenchTokenize(CLI::App* bench, CommandTable& table) {
   auto tb = std::make_shared<text::TokenizeBenchOptions>();
-  auto* tok_bench = bench->add_subcommand("tokenize", "Encoding speed of the model's tokenizer on one thread");
+  auto* tok_bench = bench->add_subcommand("tokenize", "Encoding speed of the model's tokenizer");
   tok_bench->add_option("--model", tb->model, "As for mlarun tokenize")->required();
   tok_bench->add_option("--text", tb->text_file, "The text to encode (a file)")->required();
   tok_bench->add_option("--mode", tb->mode, "whole: one Encode of the file; lines: one per line")
       ->capture_default_str()
       ->check(CLI::IsMember({"whole", "lines"}));
   tok_bench->add_option("--runs", tb->runs, "Timed runs (the median is reported)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tok_bench->add_option("--threads", tb->threads, "Threads encoding the whole text each, on one tokenizer")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   tok_bench->add_flag("--json", tb->json, "One JSON object instead of the text report");

@@ -517,8 +517,21 @@ TEST(TokenizeCli, Bench) {
     EXPECT_GT(r["tokens_per_s"].get<double>(), 0);
     EXPECT_EQ(r["runs_s"].size(), 3u);
   }
-  std::ostringstream out, err;
+  // Two threads: twice the bytes and tokens of one.
+  std::ostringstream one, two, err;
+  ASSERT_EQ(RunTokenizeBench({.model = TinyYaml(), .text_file = path, .runs = 1, .json = true}, one, err), 0);
+  ASSERT_EQ(RunTokenizeBench({.model = TinyYaml(), .text_file = path, .runs = 1, .threads = 2, .json = true}, two, err),
+            0);
+  const json r1 = json::parse(one.str()), r2 = json::parse(two.str());
+  EXPECT_EQ(r2["threads"].get<int>(), 2);
+  EXPECT_EQ(r2["bytes"].get<size_t>(), 2 * r1["bytes"].get<size_t>());
+  EXPECT_EQ(r2["tokens"].get<size_t>(), 2 * r1["tokens"].get<size_t>());
+
+  std::ostringstream out;
   EXPECT_EQ(RunTokenizeBench({.model = TinyYaml(), .text_file = path + ".missing"}, out, err), 2);
+  std::ostringstream bad_out, bad_err;
+  EXPECT_EQ(RunTokenizeBench({.model = TinyYaml(), .text_file = path, .threads = 0}, bad_out, bad_err), 2);
+  EXPECT_NE(bad_err.str().find("threads"), std::string::npos) << bad_err.str();
 }
 
 }  // namespace
