@@ -1,96 +1,12 @@
 #include "text/bpe.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <queue>
 
 #include "text/utf8.h"
 
 namespace mlarun::text {
-namespace {
-
-std::atomic<uint64_t> g_next_instance{1};
-
-// The per-thread word cache: raw piece -> ids, open addressing over one
-// flat table with the keys and ids in two arenas (no allocation per entry).
-// Emptied when another Bpe uses the thread or when half full, so it stays
-// bounded (about 8 MiB per thread at most).
-class WordCache {
- public:
-  static constexpr size_t kMaxWordBytes = 256;  // longer pieces are not cached
-
-  static WordCache& For(uint64_t instance) {
-    thread_local WordCache cache;
-    if (cache.owner_ != instance) {
-      cache.Reset();
-      cache.owner_ = instance;
-    }
-    return cache;
-  }
-
-  // The cached ids of `key`, or false.
-  bool Find(std::string_view key, uint64_t hash, const int32_t** ids, size_t* n) const {
-    for (size_t i = hash & kMask;; i = (i + 1) & kMask) {
-      const Slot& s = slots_[i];
-      if (s.hash == 0) return false;
-      if (s.hash == hash && s.key_len == key.size() &&
-          std::memcmp(keys_.data() + s.key_off, key.data(), key.size()) == 0) {
-        *ids = ids_.data() + s.ids_off;
-        *n = s.ids_len;
-        return true;
-      }
-    }
-  }
-  void Insert(std::string_view key, uint64_t hash, const int32_t* ids, size_t n) {
-    if (used_ >= kSlots / 2 || keys_.size() + key.size() > kMaxArenaBytes) Reset();
-    size_t i = hash & kMask;
-    while (slots_[i].hash != 0) i = (i + 1) & kMask;
-    slots_[i] = Slot{hash, uint32_t(keys_.size()), uint32_t(key.size()), uint32_t(ids_.size()), uint32_t(n)};
-    keys_.append(key);
-    ids_.insert(ids_.end(), ids, ids + n);
-    ++used_;
-  }
-
-  // 64-bit hash of a short string; never 0 (0 marks a free slot).
-  static uint64_t Hash(std::string_view s) {
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ (s.size() * 0xC2B2AE3D27D4EB4Full);
-    size_t i = 0;
-    for (; i + 8 <= s.size(); i += 8) {
-      uint64_t w;
-      std::memcpy(&w, s.data() + i, 8);
-      h = (h ^ w) * 0xBF58476D1CE4E5B9ull;
-      h ^= h >> 29;
-    }
-    uint64_t w = 0;
-    std::memcpy(&w, s.data() + i, s.size() - i);
-    h = (h ^ w) * 0x94D049BB133111EBull;
-    h ^= h >> 32;
-    return h | 1;
-  }
-
- private:
-  static constexpr size_t kSlots = size_t{1} << 17;
-  static constexpr size_t kMask = kSlots - 1;
-  static constexpr size_t kMaxArenaBytes = size_t{4} << 20;
-  struct Slot {
-    uint64_t hash;
-    uint32_t key_off, key_len, ids_off, ids_len;
-  };
-  void Reset() {
-    slots_.assign(kSlots, Slot{0, 0, 0, 0, 0});
-    keys_.clear();
-    ids_.clear();
-    used_ = 0;
-  }
-  uint64_t owner_ = 0;
-  std::vector<Slot> slots_;
-  std::string keys_;
-  std::vector<int32_t> ids_;
-  size_t used_ = 0;
-};
-
-}  // namespace
 
 const ByteMap& ByteMap::Get() {
   static const ByteMap map = [] {
@@ -127,7 +43,11 @@ void ByteLevelEncode(std::string_view bytes, std::string* out) {
   for (unsigned char b : bytes) out->append(map.chars[b]);
 }
 
-Bpe::Bpe() : instance_(g_next_instance.fetch_add(1)) { std::fill(std::begin(byte_id_), std::end(byte_id_), -1); }
+Bpe::Bpe(size_t word_cache_bytes) : cache_(std::make_unique<WordCache>(word_cache_bytes)) {
+  std::fill(std::begin(byte_id_), std::end(byte_id_), -1);
+}
+
+Bpe::~Bpe() = default;
 
 void Bpe::InsertMerge(int32_t a, int32_t b, Merge m) {
   const uint64_t key = Key(a, b);
@@ -197,17 +117,11 @@ void Bpe::EncodeWord(std::string_view piece, std::vector<int32_t>* ids) const {
     MergeWord(piece, ids);
     return;
   }
-  WordCache& cache = WordCache::For(instance_);
   const uint64_t hash = WordCache::Hash(piece);
-  const int32_t* cached;
-  size_t n;
-  if (cache.Find(piece, hash, &cached, &n)) {
-    ids->insert(ids->end(), cached, cached + n);
-    return;
-  }
+  if (cache_->Find(piece, hash, ids)) return;
   const size_t before = ids->size();
   MergeWord(piece, ids);
-  cache.Insert(piece, hash, ids->data() + before, ids->size() - before);
+  cache_->Insert(piece, hash, std::span<const int32_t>(ids->data() + before, ids->size() - before));
 }
 
 void Bpe::MergeWord(std::string_view piece, std::vector<int32_t>* ids) const {

@@ -9,12 +9,14 @@
 // tokenizers' heap-based merge_word gives). Short words scan linearly; long
 // ones use a heap.
 //
-// Thread-safe after Init: the word cache is per thread (bounded, keyed by the
-// piece's raw bytes; a thread's cache serves one Bpe at a time and starts
-// over when another uses the thread).
+// Thread-safe after Init: the word cache (text/word_cache.h, keyed by the
+// piece's raw bytes) is this Bpe's own, shared by the threads that encode
+// with it and bounded in bytes however many they are.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "text/word_cache.h"
 
 namespace mlarun::text {
 
@@ -44,7 +47,9 @@ void ByteLevelEncode(std::string_view bytes, std::string* out);
 
 class Bpe {
  public:
-  Bpe();
+  // `word_cache_bytes`: the word cache's cap (0: no cache).
+  explicit Bpe(size_t word_cache_bytes = WordCache::kDefaultCapBytes);
+  ~Bpe();
   // INVALID_ARGUMENT for a merge whose parts or result are not in `vocab`
   // (named by its index).
   Status Init(const std::vector<std::pair<std::string, int32_t>>& vocab,
@@ -54,6 +59,7 @@ class Bpe {
   std::optional<int32_t> TokenToId(std::string_view token) const;
   // Appends the ids of one piece (raw bytes, before the byte map).
   void EncodeWord(std::string_view piece, std::vector<int32_t>* ids) const;
+  const WordCache& word_cache() const { return *cache_; }
 
  private:
   struct Merge {
@@ -91,7 +97,7 @@ class Bpe {
   int shift_ = 64;
   bool ignore_merges_ = false;
   int32_t unk_id_ = -1;
-  uint64_t instance_;  // tells this Bpe's entries in the per-thread cache
+  std::unique_ptr<WordCache> cache_;
 };
 
 }  // namespace mlarun::text

@@ -6,7 +6,7 @@
 //   3. the normalizer (only identities are supported) and the added tokens
 //      with normalized=true split out of what is left,
 //   4. the pre-tokenizer steps (Split regexes, then ByteLevel),
-//   5. BPE on each piece's byte-level form (a per-thread word cache first),
+//   5. BPE on each piece's byte-level form (the shared word cache first),
 //   6. the post-processor's special tokens.
 // Decode maps each id to its token, each token to bytes (ByteLevel decoder),
 // and repairs the result as from_utf8_lossy does.

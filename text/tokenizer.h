@@ -10,8 +10,9 @@
 // Part of the serving front end: no engine, model or gRPC here.
 //
 // Threading: a loaded Tokenizer is immutable; Encode and Decode may be called
-// from any number of threads at once. Encode keeps a word cache and PCRE2
-// match state per thread (a few MiB for each thread that encodes, bounded).
+// from any number of threads at once. The word cache is the tokenizer's,
+// shared by the threads and at most 16 MiB however many they are; each
+// thread that encodes keeps only PCRE2 match state and small scratch.
 //
 // What is supported and refused, and how the ids are checked against
 // tokenizers: docs/tokenizer.md.

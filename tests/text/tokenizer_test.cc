@@ -4,8 +4,10 @@
 #include "text/tokenizer.h"
 
 #include <gtest/gtest.h>
+#include <malloc.h>
 
 #include <fstream>
+#include <latch>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -364,6 +366,44 @@ TEST(Tokenizer, ConcurrentEncodeGivesIdenticalIds) {
   }
   for (auto& th : threads) th.join();
   for (int k = 0; k < 4; ++k) EXPECT_EQ(mismatches[k], 0) << "thread " << k;
+}
+
+// Bytes the program has allocated and not freed, over all malloc arenas
+// (glibc); 0 under a sanitizer's allocator.
+int64_t HeapInUse() {
+  const struct mallinfo2 mi = mallinfo2();
+  return int64_t(mi.uordblks + mi.hblkhd);
+}
+
+// The word cache is the tokenizer's, not each thread's: 16 live threads that
+// have each encoded 20,000 words of their own hold at most its cap (16 MiB)
+// between them, where a cache per thread held more than 3 MiB each.
+TEST(Tokenizer, WordCacheMemoryDoesNotGrowWithThreads) {
+  if (HeapInUse() == 0) GTEST_SKIP() << "mallinfo2 does not see this allocator";
+  auto t = LoadOrDie(Fixture("bpe6k"));
+  ASSERT_NE(t, nullptr);
+  constexpr int kThreads = 16;
+  std::vector<std::string> texts(kThreads);
+  std::mt19937 rng(21);
+  for (std::string& text : texts)
+    for (int w = 0; w < 20000; ++w) {
+      text += ' ';
+      for (int n = 3 + int(rng() % 8); n > 0; --n) text += char('a' + rng() % 26);
+    }
+  const int64_t before = HeapInUse();
+  std::latch encoded(kThreads), measured(1);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kThreads; ++k)
+    threads.emplace_back([&, k] {
+      EXPECT_FALSE(t->Encode(texts[k], false).empty());
+      encoded.count_down();
+      measured.wait();  // alive, with what it keeps per thread, until measured
+    });
+  encoded.wait();
+  const int64_t grown = HeapInUse() - before;
+  measured.count_down();
+  for (std::thread& th : threads) th.join();
+  EXPECT_LT(grown, int64_t{20} << 20) << "heap grown by " << grown << " bytes with " << kThreads << " threads";
 }
 
 // Without normalizer or stripping added tokens, a byte-level BPE gives any
