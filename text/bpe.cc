@@ -4,6 +4,7 @@
 #include <cstring>
 #include <queue>
 
+#include "text/scratch.h"
 #include "text/utf8.h"
 
 namespace mlarun::text {
@@ -127,6 +128,7 @@ void Bpe::EncodeWord(std::string_view piece, std::vector<int32_t>* ids) const {
 void Bpe::MergeWord(std::string_view piece, std::vector<int32_t>* ids) const {
   if (ignore_merges_) {
     thread_local std::string mapped;
+    ReleaseIfLargeOnExit release_mapped(mapped);
     mapped.clear();
     ByteLevelEncode(piece, &mapped);
     if (auto it = vocab_.find(mapped); it != vocab_.end()) {
@@ -141,6 +143,7 @@ void Bpe::MergeWord(std::string_view piece, std::vector<int32_t>* ids) const {
     int32_t next;
   };
   thread_local std::vector<Sym> syms;
+  ReleaseIfLargeOnExit release_syms(syms);
   syms.clear();
   for (unsigned char b : piece) {
     int32_t id = byte_id_[b];
@@ -180,6 +183,7 @@ void Bpe::MergeWord(std::string_view piece, std::vector<int32_t>* ids) const {
       bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
     };
     thread_local std::vector<Cand> heap;
+    ReleaseIfLargeOnExit release_heap(heap);
     heap.clear();
     auto push = [&](int32_t pos) {
       const int32_t nx = syms[pos].next;

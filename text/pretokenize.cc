@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <array>
 
+#include "text/scratch.h"
+
 namespace mlarun::text {
 namespace {
 
@@ -204,10 +206,17 @@ void PreTokenizer::RunFrom(size_t step, std::string_view text,
     // ByteLevel's add_prefix_space, on each piece that reaches it. One
     // buffer per thread is enough: the steps below never come back here.
     thread_local std::string prefixed;
+    ReleaseIfLargeOnExit release_prefixed(prefixed);
     prefixed.assign(1, ' ');
     prefixed.append(text);
-    text = prefixed;
+    RunStep(step, prefixed, emit);
+    return;
   }
+  RunStep(step, text, emit);
+}
+
+void PreTokenizer::RunStep(size_t step, std::string_view text,
+                           const std::function<void(std::string_view)>& emit) const {
   if (step == steps_.size()) {
     emit(text);
     return;
@@ -232,6 +241,7 @@ void PreTokenizer::RunFrom(size_t step, std::string_view text,
   };
   thread_local std::array<std::vector<Run>, kMaxSteps> run_lists;
   std::vector<Run>& runs = run_lists[step];
+  ReleaseIfLargeOnExit release_runs(runs);
   runs.clear();
   size_t prev = 0;
   st.regex->ForEachMatch(text, [&](size_t start, size_t end) {
@@ -243,6 +253,7 @@ void PreTokenizer::RunFrom(size_t step, std::string_view text,
 
   thread_local std::array<std::vector<Run>, kMaxSteps> out_lists;
   std::vector<Run>& out = out_lists[step];
+  ReleaseIfLargeOnExit release_out(out);
   out.clear();
   bool previous_match = false;
   switch (st.behavior) {

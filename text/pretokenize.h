@@ -12,7 +12,8 @@
 //  * `^` and `$` are line anchors in Ruby syntax: PCRE2_MULTILINE.
 // Unicode classes (\p{L}, \p{N}, ...) follow each library's Unicode tables.
 //
-// Thread-safe after Init: the match data and JIT stack are per thread.
+// Thread-safe after Init: the match data and JIT stack are per thread, and
+// so is scratch, released after an input that grew it past 64 KiB.
 #pragma once
 
 #include <cstddef>
@@ -87,7 +88,9 @@ class PreTokenizer {
     bool invert = false;
   };
   Status AddStep(const nlohmann::json& j, const std::string& path, bool last);
+  // Adds ByteLevel's prefix space where it applies, then RunStep.
   void RunFrom(size_t step, std::string_view text, const std::function<void(std::string_view)>& emit) const;
+  void RunStep(size_t step, std::string_view text, const std::function<void(std::string_view)>& emit) const;
 
   std::vector<Step> steps_;  // the Split steps, then ByteLevel's regex if use_regex
   bool byte_level_ = false;

@@ -29,6 +29,7 @@
 
 #include "text/bpe.h"
 #include "text/pretokenize.h"
+#include "text/scratch.h"
 #include "text/utf8.h"
 
 namespace mlarun::text {
@@ -504,6 +505,8 @@ void BpeTokenizer::SplitAdded(std::string_view text, size_t begin, size_t end, c
 void BpeTokenizer::EncodeText(std::string_view text, std::vector<int32_t>* ids) const {
   // Reused per thread: no allocation per call once warm.
   thread_local std::vector<Segment> first, second;
+  ReleaseIfLargeOnExit release_first(first);
+  ReleaseIfLargeOnExit release_second(second);
   first.clear();
   second.clear();
   SplitAdded(text, 0, text.size(), raw_trie_, &first);

@@ -406,6 +406,44 @@ TEST(Tokenizer, WordCacheMemoryDoesNotGrowWithThreads) {
   EXPECT_LT(grown, int64_t{20} << 20) << "heap grown by " << grown << " bytes with " << kThreads << " threads";
 }
 
+// After a huge input, the thread that encoded it keeps no large scratch: the
+// symbols of a piece of a million letters, the runs of a Split over a million
+// characters, the prefixed copy of a whole text, the segments around 70,000
+// added tokens. (Each kept megabytes.)
+TEST(Tokenizer, HugeInputLeavesNoLargeScratch) {
+  if (HeapInUse() == 0) GTEST_SKIP() << "mallinfo2 does not see this allocator";
+  const json base = json::parse(ReadAll(ConfigPath("models/tiny-tokenizer/tokenizer.json")));
+  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}};
+  const json contiguous = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Split"}, {"pattern", {{"Regex", "\\s+|[0-9]"}}}, {"behavior", "Contiguous"}, {"invert", false}},
+        byte_level}}};
+  const json prefix = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
+  const struct {
+    const char* what;
+    json pre_tokenizer;  // null: the tiny tokenizer's own
+    std::string unit;
+  } cases[] = {{"one long piece", json(), "a"},
+               {"Split runs", contiguous, "a1"},
+               {"prefix space", prefix, "ab "},
+               {"added tokens", json(), "<｜end▁of▁sentence｜>x"}};
+  for (const auto& c : cases) {
+    json j = base;
+    if (!c.pre_tokenizer.is_null()) j["pre_tokenizer"] = c.pre_tokenizer;
+    auto t = Tokenizer::FromJson(j.dump(), "");
+    ASSERT_TRUE(t.ok()) << t.status() << " " << c.what;
+    std::string huge;
+    while (huge.size() < (size_t{1} << 20)) huge += c.unit;
+    // The word cache and the regex state for these pieces are made here.
+    for (int i = 0; i < 3; ++i) (*t)->Encode(huge.substr(0, 4096), true);
+    const int64_t before = HeapInUse();
+    EXPECT_GT((*t)->Encode(huge, true).size(), 1000u) << c.what;
+    const int64_t kept = HeapInUse() - before;
+    EXPECT_LT(kept, int64_t{256} << 10) << c.what << ": " << kept << " bytes kept after the call";
+  }
+}
+
 // Without normalizer or stripping added tokens, a byte-level BPE gives any
 // bytes back (as repaired UTF-8); long runs take the heap merge and the
 // uncached path.
