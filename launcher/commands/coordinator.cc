@@ -4,6 +4,7 @@
 #include <memory>
 #include <thread>
 
+#include "base/memory_tuning.h"
 #include "launcher/commands/commands.h"
 
 namespace mlarun::commands {
@@ -19,6 +20,7 @@ struct CoordinatorFlags {
 };
 
 int RunCoordinatorCommand(CoordinatorFlags& f) {
+  TuneMallocForServer();
   CoordinatorOptions& co = f.co;
   DeploymentConfig dc;
   if (!LoadDeploymentFile(f.config_path, &dc)) return 2;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <thread>
 
+#include "base/memory_tuning.h"
 #include "launcher/commands/commands.h"
 #include "parallel/layout.h"
 
@@ -23,6 +24,7 @@ struct ServeFlags {
 };
 
 int RunServeCommand(ServeFlags& f) {
+  TuneMallocForServer();
   ServeOptions& sv = f.sv;
   auto p = ParseRoutingPolicy(f.policy);
   if (!p.ok()) {
