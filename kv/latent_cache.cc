@@ -42,8 +42,10 @@ const LatentCache::Sequence* LatentCache::Find(SeqId id) const {
 
 int64_t LatentCache::BlocksFor(int64_t tokens) const { return (tokens + config_.block_size - 1) / config_.block_size; }
 
-Status LatentCache::AddSequence(SeqId id) {
-  if (!seqs_.try_emplace(id).second) return InvalidArgumentError("latent cache: sequence ", id, " already exists");
+Status LatentCache::AddSequence(SeqId id, uint64_t salt) {
+  auto [it, added] = seqs_.try_emplace(id);
+  if (!added) return InvalidArgumentError("latent cache: sequence ", id, " already exists");
+  it->second.seed = PrefixChainSeed(salt);
   return Status::Ok();
 }
 
@@ -57,9 +59,9 @@ int32_t LatentCache::Lookup(uint64_t parent, std::span<const int32_t> tokens, ui
   return it->second;
 }
 
-int64_t LatentCache::MatchPrefix(std::span<const int32_t> tokens) const {
+int64_t LatentCache::MatchPrefix(std::span<const int32_t> tokens, uint64_t salt) const {
   const int64_t bs = config_.block_size;
-  uint64_t parent = kPrefixChainSeed, h = 0;
+  uint64_t parent = PrefixChainSeed(salt), h = 0;
   int64_t n = 0;
   while (config_.enable_prefix_caching && n + bs <= static_cast<int64_t>(tokens.size())) {
     if (Lookup(parent, tokens.subspan(static_cast<size_t>(n), static_cast<size_t>(bs)), &h) < 0) break;
@@ -77,7 +79,7 @@ StatusOr<int64_t> LatentCache::AttachPrefix(SeqId id, std::span<const int32_t> t
                                    s->tokens.size(), " tokens");
   const int64_t bs = config_.block_size;
   const int64_t limit = std::min<int64_t>(max_tokens, static_cast<int64_t>(tokens.size()));
-  uint64_t parent = kPrefixChainSeed, h = 0;
+  uint64_t parent = s->seed, h = 0;
   int64_t n = 0;
   while (config_.enable_prefix_caching && n + bs <= limit) {
     auto block_tokens = tokens.subspan(static_cast<size_t>(n), static_cast<size_t>(bs));
@@ -146,7 +148,7 @@ Status LatentCache::Commit(SeqId id) {
     for (int64_t j = static_cast<int64_t>(s->chain.size()); (j + 1) * bs <= total; ++j) {
       auto block_tokens =
           std::span<const int32_t>(s->tokens).subspan(static_cast<size_t>(j * bs), static_cast<size_t>(bs));
-      const uint64_t parent = j == 0 ? kPrefixChainSeed : s->chain.back();
+      const uint64_t parent = j == 0 ? s->seed : s->chain.back();
       const uint64_t h = PrefixChainHash(parent, block_tokens);
       s->chain.push_back(h);
       BlockMeta& m = blocks_[static_cast<size_t>(s->blocks[static_cast<size_t>(j)])];

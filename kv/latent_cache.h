@@ -8,9 +8,11 @@
 // Prefix reuse: every full block that a sequence has committed is published
 // under a hash chain over the token ids of all blocks up to and including it.
 // A later sequence whose prompt starts with the same full blocks attaches them
-// (reference-counted) instead of recomputing them. Released blocks that hold a
-// published prefix stay cached and are evicted least-recently-used first when
-// free blocks run out.
+// (reference-counted) instead of recomputing them, if it has the same salt: a
+// sequence's salt (AddSequence) seeds its chain (PrefixChainSeed), so
+// sequences of different salts (tenants) never share a block. Released blocks
+// that hold a published prefix stay cached and are evicted least-recently-used
+// first when free blocks run out.
 //
 // Running out of blocks is an ordinary event: Append returns RESOURCE_EXHAUSTED
 // and changes nothing, so a scheduler can queue or preempt.
@@ -71,14 +73,16 @@ class LatentCache {
   LatentCacheStats stats() const;
 
   // ---- Sequences ---------------------------------------------------------
-  // Registers an empty sequence. INVALID_ARGUMENT if the id is in use.
-  Status AddSequence(SeqId id);
+  // Registers an empty sequence whose blocks are published, and prefixes
+  // attached, under prefix-cache salt `salt` (0: unsalted).
+  // INVALID_ARGUMENT if the id is in use.
+  Status AddSequence(SeqId id, uint64_t salt = 0);
   bool HasSequence(SeqId id) const { return seqs_.count(id) != 0; }
 
-  // Tokens of `tokens` that a new sequence could reuse: the longest run of
-  // leading full blocks present in the cache. A multiple of block_size. No side
-  // effects.
-  int64_t MatchPrefix(std::span<const int32_t> tokens) const;
+  // Tokens of `tokens` that a new sequence of salt `salt` could reuse: the
+  // longest run of leading full blocks present in the cache under that salt.
+  // A multiple of block_size. No side effects.
+  int64_t MatchPrefix(std::span<const int32_t> tokens, uint64_t salt = 0) const;
 
   // For a sequence that has no tokens yet: attaches the cached blocks of the
   // longest reusable prefix of `tokens`, at most `max_tokens` tokens (pass
@@ -122,14 +126,15 @@ class LatentCache {
     int32_t ref_count = 0;
     bool published = false;
     uint64_t hash = 0;                     // valid when published
-    uint64_t parent_hash = 0;              // hash of the previous block in the chain (0 for the first)
+    uint64_t parent_hash = 0;              // hash of the previous block (PrefixChainSeed(salt) for the first)
     std::vector<int32_t> tokens;           // the block's token ids, for exact match on lookup
     std::list<int32_t>::iterator lru_pos;  // valid while in evictable_
   };
   struct Sequence {
     std::vector<int32_t> blocks;
     std::vector<int32_t> tokens;
-    std::vector<uint64_t> chain;  // chain hash of each full, committed block
+    std::vector<uint64_t> chain;       // chain hash of each full, committed block
+    uint64_t seed = kPrefixChainSeed;  // parent of its first block: PrefixChainSeed(salt)
   };
 
   LatentCache(const LatentCacheConfig& config, int64_t num_blocks);

@@ -10,11 +10,11 @@ uint64_t PrefixChainHash(uint64_t parent, std::span<const int32_t> tokens) {
   return h;
 }
 
-std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size) {
+std::vector<uint64_t> PrefixBlockHashes(std::span<const int32_t> tokens, int64_t block_size, uint64_t salt) {
   std::vector<uint64_t> chain;
   if (block_size <= 0) return chain;
   const size_t bs = static_cast<size_t>(block_size);
-  uint64_t parent = kPrefixChainSeed;
+  uint64_t parent = PrefixChainSeed(salt);
   for (size_t n = 0; n + bs <= tokens.size(); n += bs) {
     parent = PrefixChainHash(parent, tokens.subspan(n, bs));
     chain.push_back(parent);

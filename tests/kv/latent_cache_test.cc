@@ -256,6 +256,52 @@ TEST(LatentCache, PrefixBlockHashesAreThePublishedChain) {
   EXPECT_TRUE(PrefixBlockHashes(a, 0).empty());
 }
 
+// A salt seeds the chain: under different salts the same tokens share no
+// block hash (any block, any position), under equal salts all of them; salt
+// 0 is the unsalted chain. The cache reuses a prefix only under the salt it
+// was committed with.
+TEST(LatentCache, SaltedChainsShareNoBlockAcrossSalts) {
+  std::mt19937_64 rng(20261207);
+  std::uniform_int_distribution<int32_t> token(0, 129279);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t bs = 1 + static_cast<int64_t>(rng() % 17);
+    std::vector<int32_t> t(static_cast<size_t>(bs * (3 + rng() % 6) + rng() % 5));
+    for (int32_t& x : t) x = token(rng);
+    const uint64_t s1 = rng(), s2 = trial == 0 ? s1 ^ 1 : rng();  // trial 0: salts one bit apart
+    const auto h1 = PrefixBlockHashes(t, bs, s1), h2 = PrefixBlockHashes(t, bs, s2);
+    ASSERT_EQ(h1.size(), t.size() / static_cast<size_t>(bs));
+    ASSERT_EQ(h2.size(), h1.size());
+    const std::set<uint64_t> set1(h1.begin(), h1.end());
+    for (uint64_t h : h2) EXPECT_FALSE(set1.contains(h)) << "trial " << trial;
+    EXPECT_EQ(PrefixBlockHashes(t, bs, s1), h1);
+    const auto unsalted = PrefixBlockHashes(t, bs);
+    EXPECT_EQ(PrefixBlockHashes(t, bs, 0), unsalted);
+    for (uint64_t h : unsalted) EXPECT_FALSE(set1.contains(h)) << "trial " << trial;
+  }
+
+  auto cache = std::move(LatentCache::Create(SmallConfig(16))).value();
+  std::vector<int32_t> t(13);
+  for (int32_t& x : t) x = token(rng);
+  const uint64_t alice = rng(), bob = rng();
+  ASSERT_TRUE(cache->AddSequence(1, alice).ok());
+  ASSERT_TRUE(cache->Append(1, t).ok());
+  ASSERT_TRUE(cache->Commit(1).ok());
+  ASSERT_TRUE(cache->Release(1).ok());
+  EXPECT_EQ(cache->MatchPrefix(t, alice), 12);
+  EXPECT_EQ(cache->MatchPrefix(t, bob), 0);
+  EXPECT_EQ(cache->MatchPrefix(t), 0);
+  ASSERT_TRUE(cache->AddSequence(2, bob).ok());
+  EXPECT_EQ(cache->AttachPrefix(2, t, 12).value(), 0);
+  ASSERT_TRUE(cache->AddSequence(3, alice).ok());
+  EXPECT_EQ(cache->AttachPrefix(3, t, 12).value(), 12);
+  EXPECT_EQ(cache->BlockTable(3).size(), 3u);
+  // Bob's own copy is published under his salt, beside Alice's.
+  ASSERT_TRUE(cache->Append(2, t).ok());
+  ASSERT_TRUE(cache->Commit(2).ok());
+  EXPECT_EQ(cache->MatchPrefix(t, bob), 12);
+  for (int b = 0; b < 3; ++b) EXPECT_NE(cache->BlockTable(2)[b], cache->BlockTable(3)[b]);
+}
+
 }  // namespace
 }  // namespace mlarun
 
