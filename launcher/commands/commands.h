@@ -92,6 +92,8 @@ struct SecurityFlags {
 };
 enum class SecurityRole { kCoordinator, kWorker, kClient };
 void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role);
+// --prefix-cache-shared-across-principals of `coordinator` and `serve`.
+void AddPrefixCacheSharingFlag(CLI::App* cmd, CoordinatorOptions& co);
 // Reads what the flags name (`worker_secret`: null for clients, which have no
 // such flag; `client` or `coordinator`: the side's); false, with the reason
 // printed, when a file cannot be used.

@@ -142,6 +142,12 @@ void AddSecurityFlags(CLI::App* cmd, SecurityFlags& f, SecurityRole role) {
   cmd->add_option("--tls-ca", f.tls.ca, "TLS to the coordinator, trusting the CA (PEM) that signed its certificate");
 }
 
+void AddPrefixCacheSharingFlag(CLI::App* cmd, CoordinatorOptions& co) {
+  cmd->add_flag("--prefix-cache-shared-across-principals", co.prefix_cache_shared_across_principals,
+                "With --auth-token-file: every principal reuses every other's cached prompt prefixes (a single "
+                "tenant's deployment; by default each principal reuses only its own, see docs/security.md)");
+}
+
 bool LoadSecurity(const char* cmd, const SecurityFlags& f, SecurityRole role, std::string* worker_secret,
                   ClientSecurity* client, CoordinatorOptions* coordinator) {
   auto fail = [&](const Status& st) {

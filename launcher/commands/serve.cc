@@ -86,6 +86,7 @@ void AddServeCommand(CLI::App& app, CommandTable& table) {
   AddQueueFlags(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--auth-token-file", f->auth_tokens,
                         "Client tokens (TOKEN [NAME] per line): the client API then needs Authorization: Bearer TOKEN");
+  AddPrefixCacheSharingFlag(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--threads", f->threads, "CPU threads per rank (default: the cores divided among the ranks)")
       ->check(CLI::NonNegativeNumber);
   serve_cmd->add_option("--worker-arg", sv.worker_args,

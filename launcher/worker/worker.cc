@@ -335,7 +335,8 @@ void Worker::DrainLink() {
 void Worker::OnRoute(const v1::RouteRequest& route) {
   const std::string rid = route.request_id();
   GenerationRequest req{.prompt = std::vector<int32_t>(route.prompt_ids().begin(), route.prompt_ids().end()),
-                        .sampling = FromProto(route.sampling())};
+                        .sampling = FromProto(route.sampling()),
+                        .prefix_cache_salt = route.prefix_cache_salt()};
   auto id = runner_->Add(std::move(req));
   if (!id.ok()) {
     v1::WorkerMessage m;

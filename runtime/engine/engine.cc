@@ -124,7 +124,7 @@ Status Engine::Append(Req& r, int64_t n) {
 }
 
 Status Engine::Admit(Req& r) {
-  MLARUN_RETURN_IF_ERROR(cache_->AddSequence(r.id));
+  MLARUN_RETURN_IF_ERROR(cache_->AddSequence(r.id, r.request.prefix_cache_salt));
   r.in_cache = true;
   // Reuse cached full blocks of the prompt, keeping at least one token to
   // compute so the step produces logits; none while the prompt's logprobs

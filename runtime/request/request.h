@@ -19,6 +19,11 @@ namespace mlarun {
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
+  // The prefix cache's salt (kv/prefix_hash.h): the request reuses and
+  // publishes cached prefixes only among requests with the same salt. 0:
+  // unsalted, shared by every request without one. The coordinator derives
+  // it from the principal and the request's cache_salt.
+  uint64_t prefix_cache_salt = 0;
 };
 
 // A limit no registered model gave yet (the coordinator before any DP group

@@ -98,6 +98,13 @@ struct CoordinatorOptions {
   // ranks' hosts, model paths and worker ids only to callers on loopback.
   // Health is always open (for probes).
   AuthTokens auth_tokens;
+  // With auth_tokens, a request reuses cached prompt prefixes only of its own
+  // principal's requests (the principal salts the cache's hash chain, so
+  // another principal's hits and timings tell nothing of its prompts).
+  // Set (`--prefix-cache-shared-across-principals`, for a single tenant's
+  // deployment): all principals share it, as without tokens. A request's
+  // cache_salt narrows sharing either way (docs/security.md).
+  bool prefix_cache_shared_across_principals = false;
 
   // Log to stderr when a DP group registers or goes away (and why), with
   // the count of connected groups. `mlarun coordinator` and `mlarun serve`

@@ -249,9 +249,9 @@ const std::vector<uint64_t>& ChainFor(std::vector<std::pair<int64_t, std::vector
     if (bs == block_size) return chain;
   }
   const auto& prompt = route.prompt_ids();
-  chains.emplace_back(
-      block_size,
-      PrefixBlockHashes(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())), block_size));
+  chains.emplace_back(block_size,
+                      PrefixBlockHashes(std::span<const int32_t>(prompt.data(), static_cast<size_t>(prompt.size())),
+                                        block_size, route.prefix_cache_salt()));
   return chains.back().second;
 }
 
@@ -313,6 +313,8 @@ void Dispatcher::Observe(const Request& r, grpc::StatusCode code, std::string_vi
 
 std::optional<std::string> Dispatcher::Validate(const v1::GenerateRequest& request,
                                                 const SamplingParams& sampling) const {
+  if (request.cache_salt().size() > kMaxCacheSaltBytes)
+    return StrCat("cache_salt: at most ", kMaxCacheSaltBytes, " bytes, got ", request.cache_salt().size());
   const ModelLimits limits = Limits();
   const int64_t vocab = limits.vocab_size, max_pos = limits.max_position_embeddings;
   const auto& prompt = request.prompt_ids();
@@ -374,6 +376,9 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(std::shared_ptr<ClientOut
       r->route.set_request_id(r->wire_id);
       *r->route.mutable_prompt_ids() = request.prompt_ids();
       ToProto(sampling, r->route.mutable_sampling());
+      // Workers and the router's prefix index hash the prompt under it.
+      r->route.set_prefix_cache_salt(PrefixCacheSalt(
+          options_.prefix_cache_shared_across_principals ? std::string_view() : principal, request.cache_salt()));
       r->max_tokens = sampling.max_tokens;
       r->prompt_tokens = request.prompt_ids_size();
       r->cost = r->prompt_tokens + r->max_tokens;
@@ -1060,7 +1065,7 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
     // resends prompt + answer should find them.
     std::vector<int32_t> seq(r->route.prompt_ids().begin(), r->route.prompt_ids().end());
     seq.insert(seq.end(), r->completion.begin(), r->completion.end() - 1);
-    g.prefix.Insert(PrefixBlockHashes(seq, g.block_size));
+    g.prefix.Insert(PrefixBlockHashes(seq, g.block_size, r->route.prefix_cache_salt()));
   }
   v1::GenerateResponse out;
   out.set_request_id(r->id);

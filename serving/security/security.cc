@@ -1,5 +1,6 @@
 #include "serving/security/security.h"
 
+#include <openssl/evp.h>
 #include <sys/random.h>
 
 #include <algorithm>
@@ -165,6 +166,29 @@ StatusOr<TlsPem> LoadClientTls(const TlsFiles& files) {
   if (!files.cert.empty() && files.ca.empty())
     return InvalidArgumentError("--tls-cert needs --tls-ca: the CA that signed the coordinator's certificate");
   return ReadTls(files);
+}
+
+uint64_t PrefixCacheSalt(std::string_view principal, std::string_view cache_salt) {
+  if (principal.empty() && cache_salt.empty()) return 0;
+  // Length-prefixed, so that no two (principal, cache_salt) pairs hash the
+  // same bytes.
+  std::string message = "mlarun prefix cache salt";
+  for (std::string_view part : {principal, cache_salt}) {
+    const uint64_t n = part.size();
+    for (int i = 0; i < 8; ++i) message.push_back(static_cast<char>(n >> (8 * i)));
+    message.append(part);
+  }
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int digest_len = 0;
+  if (EVP_Digest(message.data(), message.size(), digest, &digest_len, EVP_sha256(), nullptr) != 1 || digest_len < 8) {
+    // Not seen: SHA-256 is built into libcrypto. A random salt shares
+    // nothing, rather than something with the wrong requests.
+    std::random_device device;
+    return (uint64_t{device()} << 32 | device()) | 1;
+  }
+  uint64_t salt = 0;
+  for (int i = 0; i < 8; ++i) salt |= uint64_t{digest[i]} << (8 * i);
+  return salt != 0 ? salt : 1;
 }
 
 std::string RandomHex(size_t n) {

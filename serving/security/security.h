@@ -16,6 +16,7 @@
 // No gRPC header is visible here.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -98,6 +99,16 @@ struct ClientSecurity {
   TlsPem tls;         // TLS when tls.enabled()
   std::string token;  // the client API's bearer token; empty: none
 };
+
+// A request's prefix-cache salt (RouteRequest.prefix_cache_salt,
+// kv/prefix_hash.h): requests reuse each other's cached prefixes only when
+// their salts are equal. 0 (unsalted, shared by all) when `principal` and
+// `cache_salt` are both empty; otherwise the first 8 bytes of SHA-256 over
+// both, each length-prefixed, and never 0. A cryptographic hash, so that no
+// client can choose a cache_salt that gives another principal's salt.
+uint64_t PrefixCacheSalt(std::string_view principal, std::string_view cache_salt);
+// The longest cache_salt a request may carry.
+inline constexpr size_t kMaxCacheSaltBytes = 256;
 
 // `n` bytes of getrandom(2) as 2n lowercase hex digits (secrets, ids).
 std::string RandomHex(size_t n);

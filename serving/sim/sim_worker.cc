@@ -99,6 +99,7 @@ struct SimRequest {
   std::string id;
   std::vector<int32_t> prompt;
   SamplingParams sampling;
+  uint64_t prefix_cache_salt = 0;
   SeqId seq = -1;
   bool in_cache = false;
   int64_t prefix_hit_tokens = 0;
@@ -316,6 +317,7 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   req->id = r.request_id();
   req->prompt = std::move(gen.prompt);
   req->sampling = std::move(gen.sampling);
+  req->prefix_cache_salt = r.prefix_cache_salt();
   waiting_.push_back(req.get());
   live_[req->id] = std::move(req);
 }
@@ -328,7 +330,7 @@ void SimGroup::Admit() {
     // The cache calls cannot fail here (fresh id, no tokens yet, blocks
     // checked first); a failure would be a bug in this file, so it drops the
     // request rather than continue with a wrong cache.
-    Status st = cache_->AddSequence(r.seq);
+    Status st = cache_->AddSequence(r.seq, r.prefix_cache_salt);
     if (!st.ok()) {
       log_("sim-worker: internal: ", st);
       Drop(r);

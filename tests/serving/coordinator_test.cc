@@ -750,6 +750,7 @@ TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
       {[](auto& r) { r.mutable_sampling()->set_top_k(-2); }, "sampling.top_k"},
       {[](auto& r) { r.set_prompt_ids(2, 100); }, "vocab_size"},
       {[](auto& r) { r.mutable_sampling()->set_max_tokens(62); }, "max_position_embeddings"},
+      {[](auto& r) { r.set_cache_salt(std::string(257, 's')); }, "cache_salt"},
   };
   for (const Case& c : cases) {
     v1::GenerateRequest req = MakeRequest({1, 2, 3}, 4);
@@ -759,8 +760,11 @@ TEST_F(CoordinatorTest, ValidationErrorsNameTheField) {
     EXPECT_NE(r.status.error_message().find(c.field), std::string::npos) << r.status.error_message();
     EXPECT_TRUE(r.tokens.empty());
   }
-  // Still serving; 3 + 61 = 64 positions is the limit and fits.
-  ExpectServed(Generate(*stub_, MakeRequest({1, 2, 3}, 61)), {1, 2, 3}, 0, 61, 100);
+  // Still serving; 3 + 61 = 64 positions is the limit and fits, as does a
+  // 256-byte cache_salt.
+  v1::GenerateRequest edge = MakeRequest({1, 2, 3}, 61);
+  edge.set_cache_salt(std::string(256, 's'));
+  ExpectServed(Generate(*stub_, edge), {1, 2, 3}, 0, 61, 100);
   const v1::GetStatsResponse s = Stats();
   EXPECT_EQ(s.coordinator().requests_rejected(), static_cast<int64_t>(cases.size()));
   EXPECT_EQ(s.coordinator().requests_completed(), 1);

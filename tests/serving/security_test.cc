@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -146,10 +147,13 @@ struct Call {
   grpc::Status status;
   std::string id;
   std::vector<int64_t> tokens;
+  int64_t prefix_hit_tokens = -1;  // Finished's; -1 without one
+  int32_t dp_group = -1;
 };
 
 Call Generate(v1::Mlarun::Stub& stub, const ClientSecurity& security, const std::string& id,
-              std::vector<int32_t> prompt, int64_t max_tokens, grpc::ClientContext* ctx_out = nullptr) {
+              std::vector<int32_t> prompt, int64_t max_tokens, grpc::ClientContext* ctx_out = nullptr,
+              const std::string& cache_salt = "") {
   grpc::ClientContext local;
   grpc::ClientContext& ctx = ctx_out != nullptr ? *ctx_out : local;
   client_internal::SetDeadline(ctx, 30);
@@ -159,12 +163,17 @@ Call Generate(v1::Mlarun::Stub& stub, const ClientSecurity& security, const std:
   req.mutable_prompt_ids()->Add(prompt.begin(), prompt.end());
   req.mutable_sampling()->set_max_tokens(max_tokens);
   req.mutable_sampling()->set_ignore_eos(true);
+  req.set_cache_salt(cache_salt);
   auto reader = stub.Generate(&ctx, req);
   Call c;
   v1::GenerateResponse resp;
   while (reader->Read(&resp)) {
     c.id = resp.request_id();
     if (resp.has_token()) c.tokens.push_back(resp.token().token_id());
+    if (resp.has_finished()) {
+      c.prefix_hit_tokens = resp.finished().prefix_hit_tokens();
+      c.dp_group = resp.finished().dp_group();
+    }
   }
   c.status = reader->Finish();
   return c;
@@ -516,6 +525,165 @@ TEST_F(Security, RequestIdsAndCancelsArePerPrincipal) {
   ASSERT_TRUE(g1.status.ok() && g2.status.ok());
   EXPECT_EQ(g1.id.size(), 36u) << g1.id;
   EXPECT_NE(g1.id, g2.id);
+}
+
+// ---- The prefix cache between principals -----------------------------------------
+
+// The salt is SHA-256's first 8 bytes (little-endian) over a fixed label and
+// both strings, each after its length as 8 little-endian bytes: checked
+// against the openssl command line's digest. Both empty is 0 (unsalted);
+// moving bytes between the two strings changes it.
+TEST(PrefixCacheSalt, IsTheSha256OfBothLengthPrefixed) {
+  EXPECT_EQ(PrefixCacheSalt("", ""), 0u);
+  std::mt19937_64 rng(20261210);
+  auto random_bytes = [&](size_t n) {
+    std::string s(n, '\0');
+    for (char& c : s) c = static_cast<char>(rng());
+    return s;
+  };
+  const fs::path file = fs::path(::testing::TempDir()) / ("mlarun_salt_" + std::to_string(getpid()));
+  for (const auto& [principal, salt] : std::vector<std::pair<std::string, std::string>>{
+           {"alice", ""}, {"", "x"}, {"bob", std::string(256, '\xff')}, {random_bytes(13), random_bytes(201)}}) {
+    std::string message = "mlarun prefix cache salt";
+    for (const std::string& part : {principal, salt}) {
+      for (int i = 0; i < 8; ++i) message.push_back(static_cast<char>(static_cast<uint64_t>(part.size()) >> (8 * i)));
+      message += part;
+    }
+    std::ofstream(file, std::ios::binary) << message;
+    FILE* p = popen(("openssl dgst -sha256 -r " + file.string()).c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    char hex[65] = {};
+    ASSERT_EQ(fread(hex, 1, 64, p), 64u);
+    pclose(p);
+    uint64_t expected = 0;
+    for (int i = 0; i < 8; ++i)
+      expected |= static_cast<uint64_t>(std::stoul(std::string(hex + 2 * i, 2), nullptr, 16)) << (8 * i);
+    EXPECT_EQ(PrefixCacheSalt(principal, salt), expected) << principal.size() << " + " << salt.size() << " bytes";
+  }
+  fs::remove(file);
+  EXPECT_NE(PrefixCacheSalt("ab", "c"), PrefixCacheSalt("a", "bc"));
+  EXPECT_NE(PrefixCacheSalt("alice", ""), PrefixCacheSalt("", "alice"));
+}
+
+std::vector<int32_t> RandomTokens(std::mt19937_64& rng, size_t n) {
+  std::vector<int32_t> t(n);
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % kVocab);
+  return t;
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// A prompt's cached prefix is reused by its own principal only, and by every
+// principal with --prefix-cache-shared-across-principals; a cache_salt
+// narrows reuse to the requests that send the same one. Bob learns nothing
+// of Alice's prompts from his prefix hits (or his time to first token).
+TEST(PrefixCacheIsolation, PrincipalsShareCachedPrefixesOnlyWhenOptedIn) {
+  std::mt19937_64 rng(20261207);
+  for (const bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared across principals" : "per principal");
+    CoordinatorOptions o{.listen = "127.0.0.1:0", .auth_tokens = AliceAndBob()};
+    o.prefix_cache_shared_across_principals = shared;
+    auto coord = Coordinator::Start(o);
+    ASSERT_TRUE(coord.ok()) << coord.status();
+    SimWorkerOptions so = Sim((*coord)->address());
+    so.block_size = 16;
+    SimWorkerThread sim(so);
+    auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel((*coord)->address()));
+    ASSERT_TRUE(WaitConnected(*stub)) << sim.log();
+
+    // 70 tokens: 4 full blocks reusable, the last 6 tokens always computed.
+    const std::vector<int32_t> prompt = RandomTokens(rng, 70);
+    const int64_t reusable = 64;
+    auto hits = [&](const char* token, const std::string& cache_salt) {
+      const Call c = Generate(*stub, {.token = token}, "", prompt, 2, nullptr, cache_salt);
+      EXPECT_TRUE(c.status.ok()) << c.status.error_message();
+      EXPECT_EQ(c.tokens, SimTokens(prompt, 2));
+      return c.prefix_hit_tokens;
+    };
+    EXPECT_EQ(hits(kAlice, ""), 0);
+    EXPECT_EQ(hits(kBob, ""), shared ? reusable : 0);
+    EXPECT_EQ(hits(kAlice, ""), reusable);
+    EXPECT_EQ(hits(kBob, ""), reusable);
+    EXPECT_EQ(hits(kAlice, "salt-1"), 0);
+    EXPECT_EQ(hits(kAlice, "salt-1"), reusable);
+    EXPECT_EQ(hits(kBob, "salt-1"), shared ? reusable : 0);
+    EXPECT_EQ(hits(kBob, "salt-2"), 0);
+    (*coord)->Shutdown();
+  }
+}
+
+// prefix_affinity keeps a principal's common prefix on the group that caches
+// it, against the load, and sends no other principal there for it: another
+// principal's copy of the prompt is routed as a prompt nobody has sent.
+TEST(PrefixCacheIsolation, AffinityFollowsAPrincipalsPrefixAndNoOneElses) {
+  auto coord = Coordinator::Start({.listen = "127.0.0.1:0", .auth_tokens = AliceAndBob()});
+  ASSERT_TRUE(coord.ok()) << coord.status();
+  SimWorkerOptions so = Sim((*coord)->address(), /*tokens_per_s=*/200);
+  so.groups = 2;
+  so.block_size = 16;
+  SimWorkerThread sim(so);
+  auto stub = v1::Mlarun::NewStub(client_internal::MakeChannel((*coord)->address()));
+  ASSERT_TRUE(WaitConnected(*stub)) << sim.log();
+  auto stats = [&] {
+    grpc::ClientContext ctx;
+    client_internal::SetDeadline(ctx, 10);
+    client_internal::AddCredentials(ctx, {.token = kAlice});
+    v1::GetStatsResponse r;
+    EXPECT_TRUE(stub->GetStats(&ctx, v1::GetStatsRequest(), &r).ok());
+    return r;
+  };
+  // Both groups idle, with all their blocks free, as they last reported.
+  auto idle = [&] {
+    for (int i = 0; i < 200; ++i) {
+      const v1::GetStatsResponse s = stats();
+      if (s.groups_size() == 2 && s.groups(0).requests_in_flight() == 0 && s.groups(1).requests_in_flight() == 0 &&
+          s.groups(0).free_blocks() == so.cache_blocks && s.groups(1).free_blocks() == so.cache_blocks)
+        return true;
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  };
+  ASSERT_TRUE(idle());
+
+  std::mt19937_64 rng(20261208);
+  const std::vector<int32_t> prefix = RandomTokens(rng, 48);  // 3 blocks
+  const std::vector<int32_t> first = Concat(prefix, RandomTokens(rng, 5)),
+                             second = Concat(prefix, RandomTokens(rng, 7));
+  // Bob's long request keeps one group busy, so Alice's first goes to the other.
+  const std::vector<int32_t> filler_prompt = RandomTokens(rng, 20);
+  Call filler;
+  grpc::ClientContext filler_ctx;
+  std::thread t([&] { filler = Generate(*stub, {.token = kBob}, "", filler_prompt, 3000, &filler_ctx); });
+  int busy = -1;
+  for (int i = 0; i < 200 && busy < 0; ++i) {
+    const v1::GetStatsResponse s = stats();
+    for (const v1::GroupStats& g : s.groups())
+      if (g.requests_in_flight() > 0) busy = g.dp_group();
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_GE(busy, 0);
+  const Call a1 = Generate(*stub, {.token = kAlice}, "", first, 1);
+  ASSERT_TRUE(a1.status.ok()) << a1.status.error_message();
+  EXPECT_NE(a1.dp_group, busy);
+  EXPECT_EQ(a1.prefix_hit_tokens, 0);
+  filler_ctx.TryCancel();
+  t.join();
+  EXPECT_EQ(filler.status.error_code(), grpc::StatusCode::CANCELLED);
+  // Idle again: least loaded would now pick the filler's group (the first
+  // of equals, as it was for the filler).
+  ASSERT_TRUE(idle());
+  const Call a2 = Generate(*stub, {.token = kAlice}, "", second, 1);
+  ASSERT_TRUE(a2.status.ok()) << a2.status.error_message();
+  EXPECT_EQ(a2.dp_group, a1.dp_group) << "affinity lost Alice's prefix";
+  EXPECT_EQ(a2.prefix_hit_tokens, 48);
+  ASSERT_TRUE(idle());
+  const Call b = Generate(*stub, {.token = kBob}, "", first, 1);
+  ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+  EXPECT_EQ(b.dp_group, busy) << "Bob's copy of Alice's prompt followed her prefix";
+  EXPECT_EQ(b.prefix_hit_tokens, 0);
 }
 
 // A non-loopback IPv4 address of this machine, or "" (none).
