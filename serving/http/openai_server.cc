@@ -254,6 +254,7 @@ struct Params {
   bool echo = false;
   bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
   bool skip_special_tokens = true;
+  std::string cache_salt;  // vLLM's: narrows prefix-cache sharing (GenerateRequest.cache_salt)
 };
 
 // stream, stream_options, n and best_of: how many choices, and how they come back.
@@ -298,6 +299,13 @@ void ParseEngineFields(const json& body, Params& p) {
     }
   }
   s.ignore_eos = GetBool(body, "ignore_eos", false);
+  if (const json* salt = Field(body, "cache_salt")) {
+    if (!salt->is_string()) throw BadField("cache_salt", StrCat("must be a string, got ", TypeName(*salt)));
+    p.cache_salt = salt->get<std::string>();
+    if (p.cache_salt.empty()) throw BadField("cache_salt", "must not be empty");
+    if (p.cache_salt.size() > kMaxCacheSaltBytes)
+      throw BadField("cache_salt", StrCat("at most ", kMaxCacheSaltBytes, " bytes, got ", p.cache_salt.size()));
+  }
 }
 
 // stop: a string or at most kMaxStops of them (this API matches them in the text).
@@ -648,6 +656,7 @@ class Exchange {
         c.stop = std::make_unique<text::StopMatcher>(params_.stop);
         v1::GenerateRequest request;
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
+        request.set_cache_salt(params_.cache_salt);
         // n choices of one request: seed, seed + 1, ... (reproducible, and
         // distinct when sampling); without a seed, each its own random one.
         sampling.seed = params_.seed ? *params_.seed + static_cast<uint64_t>(i) : rng();

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -884,6 +885,39 @@ TEST_F(HttpApiTest, MetricsCountRequestsOfBothApis) {
   EXPECT_GT(Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
   EXPECT_TRUE(after.contains("mlarun:num_requests_running{dp_group=\"1\",worker=\"worker-0\"}"));
   EXPECT_EQ(Sample(after, "mlarun:num_requests_queued"), 0);
+}
+
+// cache_salt (vLLM's): a request reuses the cached prompt prefix only of
+// requests with the same cache_salt (those without one share theirs); one
+// that is not a string of 1 to 256 bytes is a 400 naming it.
+TEST_F(HttpApiTest, CacheSaltNarrowsPrefixReuse) {
+  std::mt19937_64 rng(20261209);
+  std::vector<int32_t> prompt(50);  // 3 blocks of 16 reusable
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(Tok().vocab_size()));
+  auto hits = [&](const json& salt) {
+    json body = {{"prompt", prompt}, {"max_tokens", 1}};
+    if (!salt.is_null()) body["cache_salt"] = salt;
+    const double before = Sample(d_->Metrics(), "mlarun:prefix_cache_hits_total");
+    auto [status, answer] = d_->Post("/v1/completions", body);
+    EXPECT_EQ(status, 200) << answer.dump();
+    return Sample(d_->Metrics(), "mlarun:prefix_cache_hits_total") - before;
+  };
+  EXPECT_EQ(hits(nullptr), 0);
+  EXPECT_EQ(hits("tenant-a"), 0);
+  EXPECT_EQ(hits("tenant-a"), 48);
+  EXPECT_EQ(hits(nullptr), 48);
+  EXPECT_EQ(hits("tenant-b"), 0);
+  EXPECT_EQ(hits(std::string(256, 'x')), 0);
+
+  for (const json& bad : {json(5), json(""), json(std::string(257, 'x')), json::array({"a"})}) {
+    auto [status, e] = d_->Post("/v1/completions", {{"prompt", "x"}, {"max_tokens", 1}, {"cache_salt", bad}});
+    EXPECT_EQ(status, 400) << bad.dump().substr(0, 20) << " -> " << e.dump();
+    EXPECT_EQ(e["error"]["param"], "cache_salt") << e.dump();
+  }
+  const json messages = json::array({{{"role", "user"}, {"content", "x"}}});
+  auto [status, e] = d_->Post("/v1/chat/completions", {{"messages", messages}, {"cache_salt", 1.5}});
+  EXPECT_EQ(status, 400) << e.dump();
+  EXPECT_EQ(e["error"]["param"], "cache_salt") << e.dump();
 }
 
 TEST(HttpApiAuth, BearerTokensAsTheGrpcApi) {
