@@ -16,7 +16,51 @@ using nlohmann::json;
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-// Oniguruma's \s and \S outside classes, in PCRE2 terms (see the header).
+// Per general category, what Unicode 15.0 to 16.0 assigned or moved
+// (tokenizers' Oniguruma has those tables, Debian's PCRE2 Unicode 14.0's):
+// PCRE2 class fragments to add to and remove from \p{cls}.
+struct UnicodeDelta {
+  std::string_view cls, add, remove;
+};
+constexpr UnicodeDelta kUnicodeDelta[] = {
+#include "text/unicode_delta.inc"
+};
+
+const UnicodeDelta* DeltaOf(std::string_view cls) {
+  for (const UnicodeDelta& d : kUnicodeDelta)
+    if (d.cls == cls) return &d;
+  return nullptr;
+}
+
+// A \p / \P property at p[i] (\pL or \p{L}): its name and length, or 0.
+size_t PropertyAt(std::string_view p, size_t i, std::string_view* name) {
+  if (i + 2 >= p.size() || (p[i + 1] != 'p' && p[i + 1] != 'P')) return 0;
+  if (p[i + 2] != '{') {
+    *name = p.substr(i + 2, 1);
+    return 3;
+  }
+  const size_t close = p.find('}', i + 3);
+  if (close == std::string_view::npos) return 0;
+  *name = p.substr(i + 3, close - i - 3);
+  return close - i + 1;
+}
+
+// \p{cls} with the newer tables: inside a class its additions join it
+// (removals cannot be said there; only Mn and C/Cn have any); outside, one
+// character that is in the newer class.
+std::string Property(std::string_view original, bool negated, const UnicodeDelta& d, bool in_class) {
+  const std::string add(d.add), remove(d.remove);
+  if (in_class) return negated || add.empty() ? std::string(original) : std::string(original) + add;
+  if (!negated) {
+    const std::string cls = "[" + std::string(original) + add + "]";
+    return remove.empty() ? cls : "(?:(?![" + remove + "])" + cls + ")";
+  }
+  const std::string cls = "[" + std::string(original) + remove + "]";
+  return add.empty() ? cls : "(?:(?![" + add + "])" + cls + ")";
+}
+
+// tokenizers' patterns in PCRE2 terms (see the header): Oniguruma's \s and
+// \S outside classes, and \p{..} with Oniguruma's Unicode tables.
 std::string TranslatePattern(std::string_view p) {
   std::string out;
   out.reserve(p.size() + 16);
@@ -25,10 +69,15 @@ std::string TranslatePattern(std::string_view p) {
     const char c = p[i];
     if (c == '\\' && i + 1 < p.size()) {
       const char n = p[i + 1];
+      std::string_view name;
       if (class_depth == 0 && n == 's') {
         out += "[^\\S\\x{180E}]";
       } else if (class_depth == 0 && n == 'S') {
         out += "[\\S\\x{180E}]";
+      } else if (const size_t len = PropertyAt(p, i, &name); len > 0 && DeltaOf(name) != nullptr) {
+        out += Property(p.substr(i, len), n == 'P', *DeltaOf(name), class_depth > 0);
+        i += len - 1;
+        continue;
       } else {
         out += c;
         out += n;

@@ -10,7 +10,12 @@
 //  * `\s` / `\S` outside a class: Oniguruma's \s is Unicode White_Space,
 //    PCRE2's also takes U+180E, so it becomes [^\S\x{180E}] / [\S\x{180E}];
 //  * `^` and `$` are line anchors in Ruby syntax: PCRE2_MULTILINE.
-// Unicode classes (\p{L}, \p{N}, ...) follow each library's Unicode tables.
+//  * Unicode classes (\p{L}, \P{N}, \pL, ...): tokenizers' Oniguruma has
+//    Unicode 16.0's tables, Debian 12's PCRE2 Unicode 14.0's, so each class
+//    gains the code points 15.0 to 16.0 assigned to it (and loses the few
+//    that moved): text/unicode_delta.inc, made by scripts/gen-unicode-delta.
+//    Inside a bracket class only the additions apply (\P{..} there, and the
+//    removals from Mn and C/Cn, keep PCRE2's tables).
 //
 // Thread-safe after Init: the match data and JIT stack are per thread, and
 // so is scratch, released after an input that grew it past 64 KiB.

@@ -16,6 +16,7 @@
 #include "bench/tokenize_bench.h"
 #include "launcher/tokenize/tokenize.h"
 #include "tests/test_paths.h"
+#include "text/pretokenize.h"
 #include "text/utf8.h"
 
 namespace mlarun::text {
@@ -610,6 +611,59 @@ TEST(TokenizeCli, Bench) {
   std::ostringstream bad_out, bad_err;
   EXPECT_EQ(RunTokenizeBench({.model = TinyYaml(), .text_file = path, .threads = 0}, bad_out, bad_err), 2);
   EXPECT_NE(bad_err.str().find("threads"), std::string::npos) << bad_err.str();
+}
+
+// ---- Unicode classes as tokenizers' tables have them (Unicode 16.0) ----
+// tests/text/fixtures/unicode_classes.jsonl (make_unicode_fixture.py):
+// characters that Unicode 15.0 to 16.0 assigned or moved (U+1C89, U+2429,
+// U+1171E among them) and others, as tokenizers' regex engine matches them.
+
+TEST(UnicodeClasses, EachClassMatchesWhatTokenizersMatches) {
+  const auto lines = ReadLines(Fixture("unicode_classes.jsonl"));
+  ASSERT_GT(lines.size(), 10u);
+  std::vector<std::string> chars;
+  for (const json& cp : lines[0]["codepoints"]) {
+    chars.emplace_back();
+    utf8::Append(cp.get<char32_t>(), &chars.back());
+  }
+  int patterns = 0;
+  for (const json& l : lines) {
+    if (!l.contains("matches")) continue;
+    const std::string pattern = l["pattern"];
+    auto re = Regex::Compile(pattern, false, "test");
+    ASSERT_TRUE(re.ok()) << pattern << ": " << re.status().ToString();
+    const std::string want = l["matches"];
+    ASSERT_EQ(want.size(), chars.size());
+    for (size_t i = 0; i < chars.size(); ++i) {
+      bool whole = false;
+      (*re)->ForEachMatch(chars[i], [&](size_t a, size_t b) { whole = whole || (a == 0 && b == chars[i].size()); });
+      EXPECT_EQ(whole, want[i] == '1') << pattern << " U+" << std::hex << lines[0]["codepoints"][i].get<uint32_t>();
+    }
+    ++patterns;
+  }
+  EXPECT_GE(patterns, 17);
+}
+
+TEST(UnicodeClasses, PreTokenizerSplitsAsTokenizers) {
+  int cases = 0;
+  for (const json& l : ReadLines(Fixture("unicode_classes.jsonl"))) {
+    if (!l.contains("pieces")) continue;
+    auto re = Regex::Compile(l["pattern"].get<std::string>(), false, "test");
+    ASSERT_TRUE(re.ok()) << re.status().ToString();
+    const std::string text = Unhex(l["hex"]);
+    // Split(isolated): the matches and the gaps between them, in order.
+    std::vector<std::string> pieces;
+    size_t at = 0;
+    (*re)->ForEachMatch(text, [&](size_t a, size_t b) {
+      if (a > at) pieces.push_back(text.substr(at, a - at));
+      pieces.push_back(text.substr(a, b - a));
+      at = b;
+    });
+    if (at < text.size()) pieces.push_back(text.substr(at));
+    EXPECT_EQ(pieces, l["pieces"].get<std::vector<std::string>>()) << l["pattern"] << " hex " << l["hex"];
+    ++cases;
+  }
+  EXPECT_GE(cases, 100);
 }
 
 }  // namespace
