@@ -103,6 +103,9 @@ void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
                   "HTTP API: each request's deadline (504 when it passes); 0: none")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--reasoning-parser", co.http_reasoning_parser,
+                  "HTTP API: split chat answers' reasoning (up to </think>) into reasoning_content")
+      ->check(CLI::IsMember({"deepseek_r1"}));
   cmd->add_flag("--allow-unauthenticated", co.allow_unauthenticated_http,
                 "Let --http bind beyond loopback without --auth-token-file: anyone who reaches it may use the model");
 }

@@ -363,7 +363,8 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
                                               .max_connections = options.http_max_connections,
                                               .max_connections_per_peer = options.http_max_connections_per_peer,
                                               .allowed_origins = options.http_allowed_origins,
-                                              .allowed_hosts = options.http_allowed_hosts},
+                                              .allowed_hosts = options.http_allowed_hosts,
+                                              .reasoning_parser = options.http_reasoning_parser},
                                dispatcher, metrics);
     if (!http.ok()) return http.status().WithContext("coordinator --http");
     impl->SetHttp(std::move(*http));

@@ -147,6 +147,7 @@ struct CoordinatorOptions {
   int http_max_connections_per_peer = 256;
   std::vector<std::string> http_allowed_origins;
   std::vector<std::string> http_allowed_hosts;
+  std::string http_reasoning_parser;  // HttpApiOptions::reasoning_parser
 };
 
 // Whether `listen` (host:port) binds only the loopback interface:

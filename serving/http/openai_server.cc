@@ -47,6 +47,7 @@
 #include "serving/http/metrics.h"
 #include "serving/proto/proto_sampling.h"
 #include "text/chat_template.h"
+#include "text/reasoning_parser.h"
 #include "text/tokenizer.h"
 
 namespace mlarun {
@@ -255,6 +256,7 @@ struct Params {
   bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
   bool skip_special_tokens = true;
   std::string cache_salt;  // vLLM's: narrows prefix-cache sharing (GenerateRequest.cache_salt)
+  bool reasoning = false;  // chat: split the answer's reasoning out (--reasoning-parser deepseek_r1)
 };
 
 // stream, stream_options, n and best_of: how many choices, and how they come back.
@@ -595,10 +597,12 @@ struct Choice {
   std::optional<coord::Dispatcher::Accepted> accepted;  // nullopt: rejected at Submit
   std::unique_ptr<text::IncrementalDecoder> decoder;
   std::unique_ptr<text::StopMatcher> stop;
-  std::string text;                           // not yet sent (streams) or all of it (whole answers)
-  bool started = false;                       // a stream's first chunk (role, echo) was sent
-  std::vector<LogprobEntry> tokens;           // not yet sent with logprobs (streams), or all
-  std::vector<LogprobEntry> prompt_logprobs;  // prompt tokens 1, 2, ... (echo with logprobs)
+  std::unique_ptr<text::ReasoningParser> reasoning;  // with Params::reasoning
+  std::string text;                                  // not yet sent (streams) or all of it (whole answers)
+  std::string reasoning_text;                        // the same, of the reasoning (with Params::reasoning)
+  bool started = false;                              // a stream's first chunk (role, echo) was sent
+  std::vector<LogprobEntry> tokens;                  // not yet sent with logprobs (streams), or all
+  std::vector<LogprobEntry> prompt_logprobs;         // prompt tokens 1, 2, ... (echo with logprobs)
   int64_t completion_tokens = 0;
   std::string finish_reason;  // set when it ended well
   bool ended = false;         // finished, stopped or failed: nothing more comes
@@ -654,6 +658,7 @@ class Exchange {
         c.prompt = p;
         c.decoder = std::make_unique<text::IncrementalDecoder>(tokenizer_, params_.skip_special_tokens);
         c.stop = std::make_unique<text::StopMatcher>(params_.stop);
+        if (params_.reasoning) c.reasoning = std::make_unique<text::ReasoningParser>();
         v1::GenerateRequest request;
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
         request.set_cache_salt(params_.cache_salt);
@@ -764,6 +769,11 @@ class Exchange {
     json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
     if (params_.chat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};
+      if (params_.reasoning) {
+        // As vLLM's: null for an empty part.
+        choice["message"]["content"] = c.text.empty() ? json(nullptr) : json(c.text);
+        choice["message"]["reasoning_content"] = c.reasoning_text.empty() ? json(nullptr) : json(c.reasoning_text);
+      }
       choice["logprobs"] = params_.logprobs ? ChatLogprobs(c.tokens) : json(nullptr);
       return choice;
     }
@@ -804,15 +814,17 @@ class Exchange {
         }
       }
       const bool finish = c.ended && !c.finish_reason.empty() && !c.finish_sent;
-      if (c.text.empty() && !finish && (c.tokens.empty() || !params_.logprobs)) continue;
+      if (c.text.empty() && c.reasoning_text.empty() && !finish && (c.tokens.empty() || !params_.logprobs)) continue;
       json logprobs = json(nullptr);
       if (params_.logprobs && !c.tokens.empty()) {
         logprobs = params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
         for (const LogprobEntry& t : c.tokens) c.text_offset += static_cast<int64_t>(TokenText(t.token.token).size());
       }
       json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}}) : json(c.text);
+      if (!c.reasoning_text.empty()) delta["reasoning_content"] = c.reasoning_text;
       out += Event(Chunk(c, std::move(delta), std::move(logprobs), finish ? json(c.finish_reason) : json(nullptr)));
       c.text.clear();
+      c.reasoning_text.clear();
       c.tokens.clear();
       if (finish) c.finish_sent = true;
     }
@@ -851,7 +863,7 @@ class Exchange {
       ++c.completion_tokens;
       if (params_.logprobs) c.tokens.push_back(LogprobEntryFrom(msg.token()));
       text::StopMatcher::Result r = c.stop->Add(c.decoder->Add(id));
-      c.text += r.text;
+      AddText(c, r.text, r.stopped);
       if (r.stopped) {
         c.finish_reason = "stop";
         c.ended = true;
@@ -860,11 +872,27 @@ class Exchange {
       }
     } else if (msg.has_finished()) {
       text::StopMatcher::Result r = c.stop->Add(c.decoder->Finish());
-      c.text += r.text;
-      if (!r.stopped) c.text += c.stop->Finish();
+      AddText(c, r.text + (r.stopped ? std::string() : c.stop->Finish()), true);
       c.finish_reason = r.stopped ? "stop" : params_.echo_only ? "length" : msg.finished().finish_reason();
       c.ended = true;
     }
+  }
+
+  // The answer's text after the stop strings, into its parts. `last`: the
+  // text ends here.
+  static void AddText(Choice& c, const std::string& text, bool last) {
+    if (c.reasoning == nullptr) {
+      c.text += text;
+      return;
+    }
+    text::ReasoningSplit split = c.reasoning->Add(text);
+    if (last) {
+      text::ReasoningSplit rest = c.reasoning->Finish();
+      split.reasoning += rest.reasoning;
+      split.content += rest.content;
+    }
+    c.reasoning_text += split.reasoning;
+    c.text += split.content;
   }
 
   std::string TokenText(int64_t id) const {
@@ -1298,6 +1326,7 @@ class HttpApiImpl final : public HttpApi {
     Params params;
     if (chat) {
       ParseChat(body, *options_.tokenizer, template_.get(), template_error_, params);
+      params.reasoning = options_.reasoning_parser == "deepseek_r1";
     } else {
       ParseCompletion(body, *options_.tokenizer, params);
     }
@@ -1364,6 +1393,8 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const HttpApiOptions& options,
   if (!(options.request_timeout_s >= 0) || !std::isfinite(options.request_timeout_s))
     return InvalidArgumentError("http_request_timeout_s: must be >= 0 and finite, got ", options.request_timeout_s);
   if (options.served_model_name.empty()) return InvalidArgumentError("served_model_name: must not be empty");
+  if (!options.reasoning_parser.empty() && options.reasoning_parser != "deepseek_r1")
+    return InvalidArgumentError("reasoning_parser: only deepseek_r1 is known, got ", options.reasoning_parser);
   auto impl = std::make_unique<HttpApiImpl>(options, std::move(dispatcher), std::move(metrics));
   MLARUN_RETURN_IF_ERROR(impl->Listen());
   return std::unique_ptr<HttpApi>(std::move(impl));

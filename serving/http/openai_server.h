@@ -73,6 +73,9 @@ struct HttpApiOptions {
   // Without auth_tokens, the Host names answered besides IP addresses and
   // localhost ("*": any), against DNS rebinding. Default none.
   std::vector<std::string> allowed_hosts;
+  // "deepseek_r1": chat answers give the text up to `</think>` as
+  // reasoning_content, the rest as content. Empty: all is content.
+  std::string reasoning_parser;
 };
 
 class HttpApi {

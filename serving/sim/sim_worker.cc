@@ -400,7 +400,9 @@ void SimGroup::Step() {
         AddTopLogprobs(SimWorkerTop(pt, r->sampling.prompt_logprobs, o_.vocab_size), entry);
       }
     }
-    const SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
+    SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
+    const bool scripted = !o_.script.empty();
+    if (scripted) tok.token = o_.script[static_cast<size_t>(r->generated)];
     v1::TokenEvent* e = batch->add_events();
     e->set_request_id(r->id);
     e->set_token_id(tok.token);
@@ -410,7 +412,8 @@ void SimGroup::Step() {
     r->last_token = tok.token;
     const auto& stops = r->sampling.stop_token_ids;
     const bool stop = (o_.eos_token_id >= 0 && tok.token == o_.eos_token_id && !r->sampling.ignore_eos) ||
-                      std::find(stops.begin(), stops.end(), tok.token) != stops.end();
+                      std::find(stops.begin(), stops.end(), tok.token) != stops.end() ||
+                      (scripted && r->generated >= static_cast<int64_t>(o_.script.size()));
     if (stop || r->generated >= r->sampling.max_tokens) {
       v1::WorkerMessage d;
       v1::RequestDone* done = d.mutable_done();
@@ -457,6 +460,10 @@ Status CheckOptions(const SimWorkerOptions& o) {
   if (o.eos_token_id >= o.vocab_size)
     return InvalidArgumentError("--eos-token-id ", o.eos_token_id, " is outside the vocabulary [0, ", o.vocab_size,
                                 ")");
+  for (int64_t t : o.script) {
+    if (t < 0 || t >= o.vocab_size)
+      return InvalidArgumentError("script: token ", t, " is outside the vocabulary [0, ", o.vocab_size, ")");
+  }
   return Status::Ok();
 }
 

@@ -35,6 +35,9 @@ struct SimWorkerOptions {
   int64_t block_size = kDefaultBlockSize;
   int64_t cache_blocks = 1024;  // per group
   int64_t eos_token_id = -1;    // -1: never stops early
+  // Set (tests): every request's tokens are these in order instead (the
+  // logprobs stay SimWorkerToken's), and it stops ("stop") after the last.
+  std::vector<int64_t> script;
 };
 // In detail: each group registers as (worker_id, dp_group = i) with dp = groups, attn_tp =
 // 1 and one synthetic rank (rank = dp_group = i, attn_tp_rank 0, host =

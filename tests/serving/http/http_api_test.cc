@@ -153,7 +153,9 @@ double Sample(const std::map<std::string, double>& m, const std::string& key) {
 // ---- The deployment ---------------------------------------------------------------
 
 struct Deployment {
-  explicit Deployment(CoordinatorOptions o, int groups = 2, double tokens_per_s = 2000) {
+  // script: the groups' tokens for every request (SimWorkerOptions::script).
+  explicit Deployment(CoordinatorOptions o, int groups = 2, double tokens_per_s = 2000,
+                      std::vector<int64_t> script = {}) {
     o.listen = "127.0.0.1:0";
     o.http_listen = "127.0.0.1:0";
     o.http_tokenizer = TestTokenizer();
@@ -174,6 +176,7 @@ struct Deployment {
       s.max_position_embeddings = 4096;
       s.block_size = 16;
       s.cache_blocks = 4096;
+      s.script = std::move(script);
       sim = std::make_unique<SimWorkerThread>(s);
       for (int i = 0; i < 500; ++i) {
         auto res = Client().Get("/health");
@@ -1182,6 +1185,84 @@ TEST(HttpApiDeadline, PassedDeadlineIs504) {
   EXPECT_EQ(events.back(), "[DONE]");
   EXPECT_EQ(json::parse(events[events.size() - 2])["error"]["code"], "deadline_exceeded");
 }
+
+// ---- Reasoning and tool calls ------------------------------------------------
+
+#ifndef MLARUN_NO_CHAT_TEMPLATE
+// A random answer of words with `<think>` and `</think>` (and pieces of
+// them) at random places; scripted as the groups' tokens it reaches the
+// parser in token-sized deltas, markers cut across them.
+std::string RandomReasoningAnswer(std::mt19937_64& rng, bool open_tag) {
+  static const std::vector<std::string> words = {"why", " so", " 2 < 3", "\n", " </thi", "nk", " é", "> ", " <"};
+  std::string s = open_tag ? "<think>\n" : "";
+  for (int i = 0; i < 12; ++i) s += words[rng() % words.size()];
+  s += "</think>\n\n";
+  for (int i = 0; i < 8; ++i) s += words[rng() % words.size()];
+  return s + (rng() % 2 ? "<think>x</think>" : "");
+}
+
+std::vector<int64_t> Script(const std::string& text) {
+  std::vector<int64_t> ids;
+  for (int32_t id : Tok().Encode(text, /*add_special_tokens=*/false)) ids.push_back(id);
+  return ids;
+}
+
+// A chat stream's parts of choice 0: content and reasoning_content.
+std::pair<std::string, std::string> StreamedParts(const std::vector<std::string>& events, std::string* finish) {
+  std::string content, reasoning;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i]);
+    EXPECT_FALSE(chunk.contains("error")) << events[i];
+    for (const json& c : chunk["choices"]) {
+      if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
+      if (c["delta"].contains("reasoning_content")) reasoning += c["delta"]["reasoning_content"].get<std::string>();
+      if (!c["finish_reason"].is_null()) *finish = c["finish_reason"];
+    }
+  }
+  return {content, reasoning};
+}
+
+TEST(HttpApiReasoning, TheTextUpToThinkEndIsReasoningContent) {
+  std::mt19937_64 rng(std::random_device{}());
+  for (bool open_tag : {true, false}) {
+    const std::string answer = RandomReasoningAnswer(rng, open_tag);
+    const std::vector<int64_t> script = Script(answer);
+    const std::string text = Decode(std::vector<int32_t>(script.begin(), script.end()));
+    ASSERT_EQ(text, answer);
+    // The split, independently: up to the first </think>, less a <think>.
+    const size_t end = text.find("</think>");
+    std::string reasoning = text.substr(0, end);
+    if (open_tag) reasoning.erase(0, 7);
+    const std::string content = text.substr(end + 8);
+    CoordinatorOptions o;
+    o.http_reasoning_parser = "deepseek_r1";
+    Deployment d(o, /*groups=*/1, /*tokens_per_s=*/0, script);
+    const json body = {{"messages", json::array({{{"role", "user"}, {"content", "think first"}}})},
+                       {"max_tokens", 1000}};
+    auto [status, whole] = d.Post("/v1/chat/completions", body);
+    ASSERT_EQ(status, 200) << whole.dump();
+    const json& message = whole["choices"][0]["message"];
+    EXPECT_EQ(message["reasoning_content"], reasoning) << answer;
+    EXPECT_EQ(message["content"], content) << answer;
+    EXPECT_EQ(whole["choices"][0]["finish_reason"], "stop");
+    auto [sstatus, events] = d.Stream("/v1/chat/completions", body);
+    ASSERT_EQ(sstatus, 200);
+    std::string finish;
+    auto [scontent, sreasoning] = StreamedParts(events, &finish);
+    EXPECT_EQ(sreasoning, reasoning) << answer;
+    EXPECT_EQ(scontent, content) << answer;
+    EXPECT_EQ(finish, "stop");
+  }
+  // Without the flag, all of it is content.
+  const std::string answer = RandomReasoningAnswer(rng, true);
+  Deployment d(CoordinatorOptions{}, /*groups=*/1, /*tokens_per_s=*/0, Script(answer));
+  auto [status, whole] =
+      d.Post("/v1/chat/completions", {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}});
+  ASSERT_EQ(status, 200) << whole.dump();
+  EXPECT_EQ(whole["choices"][0]["message"]["content"], answer);
+  EXPECT_FALSE(whole["choices"][0]["message"].contains("reasoning_content"));
+}
+#endif
 
 TEST(HttpBench, ASmallRunIsVerified) {
   std::ostringstream table;
