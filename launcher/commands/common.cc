@@ -106,6 +106,11 @@ void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
   cmd->add_option("--reasoning-parser", co.http_reasoning_parser,
                   "HTTP API: split chat answers' reasoning (up to </think>) into reasoning_content")
       ->check(CLI::IsMember({"deepseek_r1"}));
+  cmd->add_option("--tool-call-parser", co.http_tool_call_parser,
+                  "HTTP API: read the model's tool calls out of chat answers (with --enable-auto-tool-choice)")
+      ->check(CLI::IsMember({"deepseek_v3"}));
+  cmd->add_flag("--enable-auto-tool-choice", co.http_enable_auto_tool_choice,
+                "HTTP API: chat requests with tools (tool_choice \"auto\") get the calls as message.tool_calls");
   cmd->add_flag("--allow-unauthenticated", co.allow_unauthenticated_http,
                 "Let --http bind beyond loopback without --auth-token-file: anyone who reaches it may use the model");
 }

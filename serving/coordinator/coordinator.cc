@@ -364,7 +364,9 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
                                               .max_connections_per_peer = options.http_max_connections_per_peer,
                                               .allowed_origins = options.http_allowed_origins,
                                               .allowed_hosts = options.http_allowed_hosts,
-                                              .reasoning_parser = options.http_reasoning_parser},
+                                              .reasoning_parser = options.http_reasoning_parser,
+                                              .tool_call_parser = options.http_tool_call_parser,
+                                              .enable_auto_tool_choice = options.http_enable_auto_tool_choice},
                                dispatcher, metrics);
     if (!http.ok()) return http.status().WithContext("coordinator --http");
     impl->SetHttp(std::move(*http));

@@ -148,6 +148,8 @@ struct CoordinatorOptions {
   std::vector<std::string> http_allowed_origins;
   std::vector<std::string> http_allowed_hosts;
   std::string http_reasoning_parser;  // HttpApiOptions::reasoning_parser
+  std::string http_tool_call_parser;  // HttpApiOptions::tool_call_parser
+  bool http_enable_auto_tool_choice = false;
 };
 
 // Whether `listen` (host:port) binds only the loopback interface:

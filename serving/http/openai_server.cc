@@ -49,6 +49,7 @@
 #include "text/chat_template.h"
 #include "text/reasoning_parser.h"
 #include "text/tokenizer.h"
+#include "text/tool_call_parser.h"
 
 namespace mlarun {
 namespace {
@@ -255,8 +256,10 @@ struct Params {
   bool echo = false;
   bool echo_only = false;  // echo with max_tokens 0: the prompt alone; the one token generated is not shown
   bool skip_special_tokens = true;
-  std::string cache_salt;  // vLLM's: narrows prefix-cache sharing (GenerateRequest.cache_salt)
-  bool reasoning = false;  // chat: split the answer's reasoning out (--reasoning-parser deepseek_r1)
+  std::string cache_salt;         // vLLM's: narrows prefix-cache sharing (GenerateRequest.cache_salt)
+  bool reasoning = false;         // chat: split the answer's reasoning out (--reasoning-parser deepseek_r1)
+  json tools = json::array();     // chat: the request's tools, for the template
+  bool parse_tool_calls = false;  // chat: tool_choice "auto" with --tool-call-parser
 };
 
 // stream, stream_options, n and best_of: how many choices, and how they come back.
@@ -478,7 +481,7 @@ json MessageContent(const json& content, size_t i) {
 
 // Chat's own fields but the messages: logprobs (a boolean: the chosen
 // tokens'), top_logprobs (the most likely tokens beside each, only with
-// logprobs), tools, response_format; the engine's fields checked first.
+// logprobs), response_format; the engine's fields checked first.
 void ParseChatFields(const json& body, Params& p) {
   p.chat = true;
   p.logprobs = GetBool(body, "logprobs", false);
@@ -486,12 +489,53 @@ void ParseChatFields(const json& body, Params& p) {
   p.sampling.logprobs = top.value_or(0);
   if (std::optional<ApiError> e = SamplingError(p, "top_logprobs")) throw *e;
   if (top && *top > 0 && !p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
-  if (const json* tools = Field(body, "tools"); tools != nullptr && !(tools->is_array() && tools->empty()))
-    throw BadField("tools", "tool calls are not supported");
   if (const json* rf = Field(body, "response_format")) {
     if (!rf->is_object() || rf->value("type", "") != "text")
       throw BadField("response_format", "only {\"type\": \"text\"} is supported");
   }
+}
+
+// tools, each {"type": "function", "function": {"name": ..., ...}}, and
+// tool_choice: "none" (the default without tools) gives the tools to the
+// template only; "auto" (the default with tools) also parses the answer's
+// calls, and needs the server's --enable-auto-tool-choice and
+// --tool-call-parser. "required" and a named function need constrained
+// decoding, which the engine has not: refused.
+void ParseTools(const json& body, bool auto_tool_choice, Params& p) {
+  if (const json* tools = Field(body, "tools")) {
+    if (!tools->is_array()) throw BadField("tools", StrCat("must be an array, got ", TypeName(*tools)));
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string at = StrCat("tools[", i, "]");
+      if (!t.is_object() || t.value("type", json()) != "function")
+        throw BadField(at + ".type", "only {\"type\": \"function\", \"function\": {...}} tools are supported");
+      const json* f = Field(t, "function");
+      if (f == nullptr || !f->is_object() || !f->contains("name") || !(*f)["name"].is_string() ||
+          (*f)["name"].get<std::string>().empty())
+        throw BadField(at + ".function.name", "required, a non-empty string");
+    }
+    p.tools = *tools;
+  }
+  std::string choice = p.tools.empty() ? "none" : "auto";
+  if (const json* tc = Field(body, "tool_choice")) {
+    if (tc->is_string() && (*tc == "none" || *tc == "auto" || *tc == "required")) {
+      choice = tc->get<std::string>();
+    } else if (tc->is_object() && tc->value("type", json()) == "function") {
+      choice = "named";
+    } else {
+      throw BadField("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", ...}");
+    }
+  }
+  if (choice != "none" && p.tools.empty()) throw BadField("tool_choice", "needs tools");
+  if (choice == "required" || choice == "named")
+    throw BadField("tool_choice",
+                   "\"required\" and a named function need constrained decoding, which this server does not have; "
+                   "use \"auto\" (the model chooses) or \"none\"");
+  if (choice == "auto" && !auto_tool_choice)
+    throw BadField("tool_choice",
+                   "\"auto\" needs the server started with --enable-auto-tool-choice and --tool-call-parser "
+                   "deepseek_v3; \"none\" gives the tools to the chat template only");
+  p.parse_tool_calls = choice == "auto";
 }
 
 // messages, each an object with a string role and its content as the
@@ -516,9 +560,10 @@ json ChatMessages(const json& body) {
 }
 
 void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::ChatTemplate* tmpl,
-               const std::string& template_error, Params& p) {
+               const std::string& template_error, bool auto_tool_choice, Params& p) {
   ParseSampling(body, p);
   ParseChatFields(body, p);
+  ParseTools(body, auto_tool_choice, p);
   json msgs = ChatMessages(body);
   if (tmpl == nullptr) {
     throw ApiError{.status = 400, .message = template_error, .param = "messages", .code = "chat_template_unsupported"};
@@ -527,6 +572,7 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
                   {"add_generation_prompt", GetBool(body, "add_generation_prompt", true)},
                   {"bos_token", tokenizer.bos_token()},
                   {"eos_token", tokenizer.eos_token()}};
+  if (!p.tools.empty()) context["tools"] = p.tools;
   if (const json* kw = Field(body, "chat_template_kwargs")) {
     if (!kw->is_object()) throw BadField("chat_template_kwargs", StrCat("must be an object, got ", TypeName(*kw)));
     for (auto it = kw->begin(); it != kw->end(); ++it) {
@@ -600,6 +646,8 @@ struct Choice {
   std::unique_ptr<text::ReasoningParser> reasoning;  // with Params::reasoning
   std::string text;                                  // not yet sent (streams) or all of it (whole answers)
   std::string reasoning_text;                        // the same, of the reasoning (with Params::reasoning)
+  std::unique_ptr<text::ToolCallParser> tool_calls;  // with Params::parse_tool_calls
+  std::vector<text::ToolCallDelta> call_deltas;      // not yet sent (streams) or all (whole answers)
   bool started = false;                              // a stream's first chunk (role, echo) was sent
   std::vector<LogprobEntry> tokens;                  // not yet sent with logprobs (streams), or all
   std::vector<LogprobEntry> prompt_logprobs;         // prompt tokens 1, 2, ... (echo with logprobs)
@@ -659,6 +707,12 @@ class Exchange {
         c.decoder = std::make_unique<text::IncrementalDecoder>(tokenizer_, params_.skip_special_tokens);
         c.stop = std::make_unique<text::StopMatcher>(params_.stop);
         if (params_.reasoning) c.reasoning = std::make_unique<text::ReasoningParser>();
+        if (params_.parse_tool_calls) {
+          // The parser sees the calls' markers even where they are special
+          // tokens; Take skips the other special tokens, as before.
+          c.decoder = std::make_unique<text::IncrementalDecoder>(tokenizer_, false);
+          c.tool_calls = std::make_unique<text::ToolCallParser>();
+        }
         v1::GenerateRequest request;
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
         request.set_cache_salt(params_.cache_salt);
@@ -774,6 +828,10 @@ class Exchange {
         choice["message"]["content"] = c.text.empty() ? json(nullptr) : json(c.text);
         choice["message"]["reasoning_content"] = c.reasoning_text.empty() ? json(nullptr) : json(c.reasoning_text);
       }
+      if (!c.call_deltas.empty()) {
+        choice["message"]["content"] = c.text.empty() ? json(nullptr) : json(c.text);
+        choice["message"]["tool_calls"] = WholeToolCalls(c);
+      }
       choice["logprobs"] = params_.logprobs ? ChatLogprobs(c.tokens) : json(nullptr);
       return choice;
     }
@@ -814,7 +872,9 @@ class Exchange {
         }
       }
       const bool finish = c.ended && !c.finish_reason.empty() && !c.finish_sent;
-      if (c.text.empty() && c.reasoning_text.empty() && !finish && (c.tokens.empty() || !params_.logprobs)) continue;
+      if (c.text.empty() && c.reasoning_text.empty() && c.call_deltas.empty() && !finish &&
+          (c.tokens.empty() || !params_.logprobs))
+        continue;
       json logprobs = json(nullptr);
       if (params_.logprobs && !c.tokens.empty()) {
         logprobs = params_.chat ? ChatLogprobs(c.tokens) : CompletionLogprobs(c.tokens, c.text_offset);
@@ -822,9 +882,11 @@ class Exchange {
       }
       json delta = params_.chat ? (c.text.empty() ? json::object() : json{{"content", c.text}}) : json(c.text);
       if (!c.reasoning_text.empty()) delta["reasoning_content"] = c.reasoning_text;
+      if (!c.call_deltas.empty()) delta["tool_calls"] = StreamedToolCalls(c);
       out += Event(Chunk(c, std::move(delta), std::move(logprobs), finish ? json(c.finish_reason) : json(nullptr)));
       c.text.clear();
       c.reasoning_text.clear();
+      c.call_deltas.clear();
       c.tokens.clear();
       if (finish) c.finish_sent = true;
     }
@@ -862,7 +924,9 @@ class Exchange {
       const int32_t id = static_cast<int32_t>(msg.token().token_id());
       ++c.completion_tokens;
       if (params_.logprobs) c.tokens.push_back(LogprobEntryFrom(msg.token()));
-      text::StopMatcher::Result r = c.stop->Add(c.decoder->Add(id));
+      const bool hidden = c.tool_calls != nullptr && params_.skip_special_tokens && tokenizer_.IsSpecial(id) &&
+                          !text::IsToolCallMarker(TokenText(id));
+      text::StopMatcher::Result r = c.stop->Add(hidden ? std::string() : c.decoder->Add(id));
       AddText(c, r.text, r.stopped);
       if (r.stopped) {
         c.finish_reason = "stop";
@@ -874,6 +938,9 @@ class Exchange {
       text::StopMatcher::Result r = c.stop->Add(c.decoder->Finish());
       AddText(c, r.text + (r.stopped ? std::string() : c.stop->Finish()), true);
       c.finish_reason = r.stopped ? "stop" : params_.echo_only ? "length" : msg.finished().finish_reason();
+      // As vLLM's: an answer that called tools and ended well.
+      if (c.tool_calls != nullptr && c.tool_calls->called() && c.finish_reason == "stop")
+        c.finish_reason = "tool_calls";
       c.ended = true;
     }
   }
@@ -882,7 +949,7 @@ class Exchange {
   // text ends here.
   static void AddText(Choice& c, const std::string& text, bool last) {
     if (c.reasoning == nullptr) {
-      c.text += text;
+      AddContent(c, text, last);
       return;
     }
     text::ReasoningSplit split = c.reasoning->Add(text);
@@ -892,7 +959,61 @@ class Exchange {
       split.content += rest.content;
     }
     c.reasoning_text += split.reasoning;
-    c.text += split.content;
+    AddContent(c, split.content, last);
+  }
+  // The content after the reasoning, less the tool calls (with
+  // Params::parse_tool_calls).
+  static void AddContent(Choice& c, const std::string& text, bool last) {
+    if (c.tool_calls == nullptr) {
+      c.text += text;
+      return;
+    }
+    text::ToolCallsDelta d = c.tool_calls->Add(text);
+    if (last) {
+      text::ToolCallsDelta rest = c.tool_calls->Finish();
+      d.content += rest.content;
+      d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
+    }
+    c.text += d.content;
+    for (text::ToolCallDelta& call : d.calls) {
+      if (!c.call_deltas.empty() && !call.begins && c.call_deltas.back().index == call.index) {
+        c.call_deltas.back().arguments += call.arguments;
+      } else {
+        c.call_deltas.push_back(std::move(call));
+      }
+    }
+  }
+  // A call's id: unique, as the answer's id is.
+  std::string CallId(const Choice& c, size_t call) const {
+    return StrCat("call_", id_.substr(id_.find('-') + 1), "_", c.index, "_", call);
+  }
+  // OpenAI's message.tool_calls.
+  json WholeToolCalls(const Choice& c) const {
+    json calls = json::array();
+    for (const text::ToolCallDelta& d : c.call_deltas) {
+      if (d.begins) {
+        calls.push_back(
+            {{"id", CallId(c, d.index)}, {"type", "function"}, {"function", {{"name", d.name}, {"arguments", ""}}}});
+      }
+      calls[d.index]["function"]["arguments"].get_ref<std::string&>() += d.arguments;
+    }
+    return calls;
+  }
+  // delta.tool_calls: a call's index, id, type and name first, then its
+  // arguments in pieces.
+  json StreamedToolCalls(const Choice& c) const {
+    json calls = json::array();
+    for (const text::ToolCallDelta& d : c.call_deltas) {
+      if (!d.begins) {
+        calls.push_back({{"index", d.index}, {"function", {{"arguments", d.arguments}}}});
+      } else {
+        calls.push_back({{"index", d.index},
+                         {"id", CallId(c, d.index)},
+                         {"type", "function"},
+                         {"function", {{"name", d.name}, {"arguments", d.arguments}}}});
+      }
+    }
+    return calls;
   }
 
   std::string TokenText(int64_t id) const {
@@ -1325,7 +1446,8 @@ class HttpApiImpl final : public HttpApi {
     }
     Params params;
     if (chat) {
-      ParseChat(body, *options_.tokenizer, template_.get(), template_error_, params);
+      ParseChat(body, *options_.tokenizer, template_.get(), template_error_,
+                options_.enable_auto_tool_choice && !options_.tool_call_parser.empty(), params);
       params.reasoning = options_.reasoning_parser == "deepseek_r1";
     } else {
       ParseCompletion(body, *options_.tokenizer, params);
@@ -1395,6 +1517,8 @@ StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const HttpApiOptions& options,
   if (options.served_model_name.empty()) return InvalidArgumentError("served_model_name: must not be empty");
   if (!options.reasoning_parser.empty() && options.reasoning_parser != "deepseek_r1")
     return InvalidArgumentError("reasoning_parser: only deepseek_r1 is known, got ", options.reasoning_parser);
+  if (!options.tool_call_parser.empty() && options.tool_call_parser != "deepseek_v3")
+    return InvalidArgumentError("tool_call_parser: only deepseek_v3 is known, got ", options.tool_call_parser);
   auto impl = std::make_unique<HttpApiImpl>(options, std::move(dispatcher), std::move(metrics));
   MLARUN_RETURN_IF_ERROR(impl->Listen());
   return std::unique_ptr<HttpApi>(std::move(impl));

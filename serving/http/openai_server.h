@@ -76,6 +76,10 @@ struct HttpApiOptions {
   // "deepseek_r1": chat answers give the text up to `</think>` as
   // reasoning_content, the rest as content. Empty: all is content.
   std::string reasoning_parser;
+  // "deepseek_v3": with enable_auto_tool_choice, chat requests with tools
+  // (tool_choice "auto") get the answer's calls as message.tool_calls.
+  std::string tool_call_parser;
+  bool enable_auto_tool_choice = false;
 };
 
 class HttpApi {

@@ -1262,6 +1262,118 @@ TEST(HttpApiReasoning, TheTextUpToThinkEndIsReasoningContent) {
   EXPECT_EQ(whole["choices"][0]["message"]["content"], answer);
   EXPECT_FALSE(whole["choices"][0]["message"].contains("reasoning_content"));
 }
+
+// A tool-calling answer as DeepSeek-V3 writes one: content, two calls with
+// random arguments (JSON with fences, newlines and `<` in strings); the EOS
+// token in the middle of the content stays hidden, as before.
+TEST(HttpApiToolCalls, CallsAreToolCallsWholeAndStreamed) {
+  std::mt19937_64 rng(std::random_device{}());
+  auto args = [&] {
+    return json{{"city", std::string("P<a\n```") + std::to_string(rng() % 1000)}, {"days", rng() % 10}}.dump();
+  };
+  const std::vector<std::pair<std::string, std::string>> calls = {{"get_weather", args()}, {"get_time", args()}};
+  const std::string content = "Let me look. ";
+  std::string answer = "<｜tool▁calls▁begin｜>";
+  for (size_t i = 0; i < calls.size(); ++i) {
+    answer += (i > 0 ? "\n" : "") + std::string("<｜tool▁call▁begin｜>function<｜tool▁sep｜>") + calls[i].first +
+              "\n```json\n" + calls[i].second + "\n```<｜tool▁call▁end｜>";
+  }
+  answer += "<｜tool▁calls▁end｜>";
+  std::vector<int64_t> script = Script(content);
+  script.insert(script.begin() + 2, *Tok().eos_id());  // a special token: not shown
+  for (int64_t id : Script(answer)) script.push_back(id);
+  CoordinatorOptions o;
+  o.http_tool_call_parser = "deepseek_v3";
+  o.http_enable_auto_tool_choice = true;
+  Deployment d(o, /*groups=*/1, /*tokens_per_s=*/0, script);
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "get_weather", "parameters": {}}},
+                                     {"type": "function", "function": {"name": "get_time"}}])");
+  const json body = {{"messages", json::array({{{"role", "user"}, {"content", "Weather in Paris?"}}})},
+                     {"tools", tools},
+                     {"max_tokens", 1000}};
+  auto [status, whole] = d.Post("/v1/chat/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  const json& message = whole["choices"][0]["message"];
+  EXPECT_EQ(message["content"], content);
+  ASSERT_EQ(message["tool_calls"].size(), calls.size()) << whole.dump();
+  std::set<std::string> ids;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const json& c = message["tool_calls"][i];
+    EXPECT_EQ(c["type"], "function");
+    EXPECT_EQ(c["function"]["name"], calls[i].first);
+    EXPECT_EQ(c["function"]["arguments"], calls[i].second);
+    ids.insert(c["id"].get<std::string>());
+  }
+  EXPECT_EQ(ids.size(), calls.size());
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "tool_calls");
+
+  auto [sstatus, events] = d.Stream("/v1/chat/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  std::string scontent, finish;
+  std::vector<json> scalls;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i]);
+    for (const json& c : chunk["choices"]) {
+      if (c["delta"].contains("content")) scontent += c["delta"]["content"].get<std::string>();
+      for (const json& t : c["delta"].value("tool_calls", json::array())) {
+        const size_t index = t["index"].get<size_t>();
+        if (t.contains("id")) {
+          ASSERT_EQ(index, scalls.size()) << "a call's first delta names it, in order";
+          scalls.push_back({{"name", t["function"]["name"]}, {"arguments", ""}});
+        }
+        ASSERT_LT(index, scalls.size()) << events[i];
+        scalls[index]["arguments"] =
+            scalls[index]["arguments"].get<std::string>() + t["function"]["arguments"].get<std::string>();
+      }
+      if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+    }
+  }
+  EXPECT_EQ(scontent, content);
+  ASSERT_EQ(scalls.size(), calls.size());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    EXPECT_EQ(scalls[i]["name"], calls[i].first);
+    EXPECT_EQ(scalls[i]["arguments"], calls[i].second);
+  }
+  EXPECT_EQ(finish, "tool_calls");
+
+  // tool_choice "none": the tools reach the template, the answer is text.
+  json none = body;
+  none["tool_choice"] = "none";
+  auto [nstatus, nwhole] = d.Post("/v1/chat/completions", none);
+  ASSERT_EQ(nstatus, 200) << nwhole.dump();
+  EXPECT_EQ(nwhole["choices"][0]["message"]["content"], content + answer);
+  EXPECT_FALSE(nwhole["choices"][0]["message"].contains("tool_calls"));
+}
+
+TEST(HttpApiToolCalls, ToolChoiceRefusalsNameTheField) {
+  const json messages = json::array({{{"role", "user"}, {"content", "x"}}});
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  auto refused = [](const Deployment& d, const json& body, const std::string& param) {
+    auto [status, e] = d.Post("/v1/chat/completions", body);
+    EXPECT_EQ(status, 400) << body.dump() << " -> " << e.dump();
+    EXPECT_EQ(e["error"]["param"], param) << e.dump();
+  };
+  CoordinatorOptions o;
+  o.http_tool_call_parser = "deepseek_v3";
+  o.http_enable_auto_tool_choice = true;
+  Deployment d(o, /*groups=*/1);
+  refused(d, {{"messages", messages}, {"tools", tools}, {"tool_choice", "required"}}, "tool_choice");
+  refused(d,
+          {{"messages", messages},
+           {"tools", tools},
+           {"tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}}},
+          "tool_choice");
+  refused(d, {{"messages", messages}, {"tools", tools}, {"tool_choice", "sometimes"}}, "tool_choice");
+  refused(d, {{"messages", messages}, {"tool_choice", "auto"}}, "tool_choice");
+  refused(d, {{"messages", messages}, {"tools", "f"}}, "tools");
+  refused(d, {{"messages", messages}, {"tools", json::array({{{"type", "function"}}})}}, "tools[0].function.name");
+  // Without the server's flags, "auto" (the default with tools) is refused.
+  Deployment plain(CoordinatorOptions{}, /*groups=*/1);
+  refused(plain, {{"messages", messages}, {"tools", tools}}, "tool_choice");
+  auto [status, ok] = plain.Post(
+      "/v1/chat/completions", {{"messages", messages}, {"tools", tools}, {"tool_choice", "none"}, {"max_tokens", 2}});
+  EXPECT_EQ(status, 200) << ok.dump();
+}
 #endif
 
 TEST(HttpBench, ASmallRunIsVerified) {
