@@ -426,12 +426,12 @@ void ParsePrompt(const json& body, const text::Tokenizer& tokenizer, Params& p) 
     add_text(prompt->get<std::string>());
   } else if (prompt->is_array()) {
     if (prompt->empty()) throw BadField("prompt", "must not be empty");
-    if (prompt->size() > kMaxPrompts)
-      throw BadField("prompt", StrCat("a batch of at most ", kMaxPrompts, " prompts, got ", prompt->size()));
     const json& first = (*prompt)[0];
     if (first.is_number_integer()) {
       add_ids(*prompt);
     } else {
+      if (prompt->size() > kMaxPrompts)
+        throw BadField("prompt", StrCat("a batch of at most ", kMaxPrompts, " prompts, got ", prompt->size()));
       for (const json& one : *prompt) {
         if (one.is_string()) {
           add_text(one.get<std::string>());

@@ -689,6 +689,25 @@ TEST_F(HttpApiTest, ErrorsAreOpenAiObjectsNamingTheField) {
   EXPECT_EQ(again, 200);
 }
 
+// A prompt of token ids is one prompt however long: 1,500 ids are taken
+// (flat and as a batch of one), while a batch of more than 1,024 prompts is
+// still refused.
+TEST_F(HttpApiTest, ALongTokenIdPromptIsOnePrompt) {
+  std::vector<int32_t> ids(1500);
+  std::mt19937 rng(7);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 200 + 10);
+  for (const json& prompt : {json(ids), json::array({ids})}) {
+    auto [status, body] = d_->Post("/v1/completions", {{"prompt", prompt}, {"max_tokens", 2}});
+    ASSERT_EQ(status, 200) << body.dump().substr(0, 400);
+    EXPECT_EQ(body["choices"].size(), 1u);
+    EXPECT_EQ(body["usage"]["prompt_tokens"], 1500);
+  }
+  auto [status, body] = d_->Post("/v1/completions", {{"prompt", std::vector<std::string>(1025, "a")}});
+  EXPECT_EQ(status, 400);
+  EXPECT_NE(body["error"]["message"].get<std::string>().find("a batch of at most 1024 prompts"), std::string::npos)
+      << body.dump();
+}
+
 // The engine's fields take their ranges from ValidateSamplingParams: a value
 // just outside one is a 400 naming the request's field and the range, on
 // both endpoints; a value on the edge is accepted.
