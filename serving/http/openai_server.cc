@@ -450,7 +450,17 @@ void ParsePrompt(const json& body, const text::Tokenizer& tokenizer, Params& p) 
   }
 }
 
+// vLLM's structured-output fields: refused by name rather than ignored, so
+// that a client that asked for a constraint never gets unconstrained text.
+void RefuseStructuredOutput(const json& body) {
+  for (const char* field : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
+    if (Field(body, field) != nullptr)
+      throw BadField(field, "structured output (guided decoding) is not supported yet");
+  }
+}
+
 void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
+  RefuseStructuredOutput(body);
   ParseSampling(body, p);
   ParseCompletionFields(body, p);
   ParsePrompt(body, tokenizer, p);
@@ -561,6 +571,7 @@ json ChatMessages(const json& body) {
 
 void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::ChatTemplate* tmpl,
                const std::string& template_error, bool auto_tool_choice, Params& p) {
+  RefuseStructuredOutput(body);
   ParseSampling(body, p);
   ParseChatFields(body, p);
   ParseTools(body, auto_tool_choice, p);

@@ -708,6 +708,40 @@ TEST_F(HttpApiTest, ALongTokenIdPromptIsOnePrompt) {
       << body.dump();
 }
 
+// Constraints the engine cannot honour are refused by name, never ignored:
+// vLLM's guided_* fields on both endpoints, and a tool_choice other than
+// "none" (which, as vLLM, needs no tools).
+TEST_F(HttpApiTest, StructuredOutputAndToolChoiceAreRefusedByName) {
+  const json messages = json::array({{{"role", "user"}, {"content", "x"}}});
+  const std::pair<const char*, json> guided[] = {{"guided_json", {{"type", "object"}}},
+                                                 {"guided_regex", "[a-z]+"},
+                                                 {"guided_choice", {"yes", "no"}},
+                                                 {"guided_grammar", "root ::= \"a\""}};
+  for (const bool chat : {false, true}) {
+    for (const auto& [field, value] : guided) {
+      json body = chat ? json{{"messages", messages}} : json{{"prompt", "x"}};
+      body[field] = value;
+      auto [status, e] = d_->Post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+      EXPECT_EQ(status, 400) << body.dump() << " -> " << e.dump();
+      EXPECT_EQ(e["error"]["param"], field) << e.dump();
+      EXPECT_NE(e["error"]["message"].get<std::string>().find("not supported"), std::string::npos) << e.dump();
+    }
+  }
+  for (const json& choice :
+       {json("auto"), json("required"), json{{"type", "function"}, {"function", {{"name", "f"}}}}}) {
+    auto [status, e] = d_->Post("/v1/chat/completions", {{"messages", messages}, {"tool_choice", choice}});
+    EXPECT_EQ(status, 400) << choice.dump() << " -> " << e.dump();
+    EXPECT_EQ(e["error"]["param"], "tool_choice") << e.dump();
+  }
+  auto [status, body] =
+      d_->Post("/v1/chat/completions", {{"messages", messages}, {"tool_choice", "none"}, {"max_tokens", 2}});
+#ifdef MLARUN_NO_CHAT_TEMPLATE
+  EXPECT_EQ(body["error"]["param"], "messages") << body.dump();
+#else
+  EXPECT_EQ(status, 200) << body.dump();
+#endif
+}
+
 // The engine's fields take their ranges from ValidateSamplingParams: a value
 // just outside one is a 400 naming the request's field and the range, on
 // both endpoints; a value on the edge is accepted.
