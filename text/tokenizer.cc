@@ -576,6 +576,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
   fs::path dir = path;
+  if (!fs::exists(path, ec)) return NotFoundError(path, ": no such file or directory");
   if (fs::is_regular_file(path, ec)) {
     const std::string ext = fs::path(path).extension().string();
     if (ext == ".yaml" || ext == ".yml") {
@@ -593,7 +594,11 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
     }
   }
   const fs::path json_path = dir / "tokenizer.json";
-  if (!fs::is_regular_file(json_path, ec)) return NotFoundError("no tokenizer.json at ", json_path.string());
+  if (!fs::is_regular_file(json_path, ec)) {
+    if (dir.string() == path)
+      return NotFoundError(path, ": not a model YAML, checkpoint or tokenizer directory (it has no tokenizer.json)");
+    return NotFoundError("no tokenizer.json at ", json_path.string());
+  }
   auto tok = ReadFile(json_path);
   if (!tok.ok()) return tok.status();
   std::string config;

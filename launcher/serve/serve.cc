@@ -22,6 +22,7 @@
 
 #include "mlarun.grpc.pb.h"
 #include "parallel/layout.h"
+#include "runtime/model/model_config.h"
 #include "serving/client/grpc_util.h"
 #include "serving/security/security.h"
 
@@ -135,6 +136,24 @@ std::optional<int> ReapAll(pid_t job) {
   return job_status;
 }
 
+// --model as the job loads it, checked before anything starts: an error
+// saying what the path is not (else the coordinator would report only the
+// tokenizer it cannot find there).
+Status CheckModelPath(const std::string& model) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(model, ec);
+  if (!fs::exists(st)) return NotFoundError(model, ": no such file or directory");
+  if (fs::is_directory(st)) {
+    if (!fs::is_regular_file(fs::path(model) / "config.json", ec))
+      return InvalidArgumentError(model, ": not a checkpoint directory (it has no config.json)");
+    return LoadHfConfig(model).status();
+  }
+  const std::string ext = fs::path(model).extension().string();
+  if (ext == ".yaml" || ext == ".yml") return LoadModelYaml(model).status();
+  return InvalidArgumentError(model, ": not a model YAML (configs/models/*.yaml) or a checkpoint directory");
+}
+
 class Serve {
  public:
   Serve(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log) : o_(o), stop_(stop), log_(log) {}
@@ -144,6 +163,7 @@ class Serve {
     if (!layout.ok()) return Say("--parallel: " + std::string(layout.status().message())), 2;
     layout_ = *layout;
     if (o_.model.empty()) return Say("--model is required"), 2;
+    if (Status st = CheckModelPath(o_.model); !st.ok()) return Say("--model: " + std::string(st.message())), 2;
     if (!o_.coordinator.tls.cert.empty())
       return Say("TLS is for coordinators reached from other machines: use mlarun coordinator"), 2;
     if (!MakeSecret()) return Cleanup(), 1;

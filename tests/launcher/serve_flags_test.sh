@@ -86,6 +86,30 @@ for cmd in serve coordinator; do
       fail "mlarun $cmd $bad: exit $rc, $(head -2 "$work/usage.log")"
   done
 done
+# A --model that is not a model: exit 2 saying what is wrong with the path
+# (not a missing tokenizer), before anything starts. The coordinator needs
+# only a tokenizer, and says so of a path without one.
+mkdir "$work/empty" "$work/broken"
+echo '{"model_type": ' >"$work/broken/config.json"
+for case in "$src/configs/models/nope.yaml|nope.yaml: no such file or directory" \
+  "$work/empty|empty: not a checkpoint directory (it has no config.json)" \
+  "$work/broken|broken/config.json: malformed JSON" "$work/broken/config.json|not a model YAML"; do
+  path=${case%%|*} want=${case#*|}
+  PATH="$work/bin:$PATH" timeout 30 "$mlarun" serve --model "$path" --grpc 127.0.0.1:0 >"$work/usage.log" 2>&1
+  rc=$?
+  [ "$rc" = 2 ] && grep -qF -- "--model: $path" "$work/usage.log" && grep -qF -- "$want" "$work/usage.log" &&
+    ! grep -q "tokenizer\|started the worker job" "$work/usage.log" ||
+    fail "mlarun serve --model $path: exit $rc, $(head -2 "$work/usage.log")"
+done
+for case in "$src/configs/models/nope.yaml|nope.yaml: no such file or directory" \
+  "$work/empty|empty: not a model YAML, checkpoint or tokenizer directory (it has no tokenizer.json)"; do
+  path=${case%%|*} want=${case#*|}
+  timeout 30 "$mlarun" coordinator --model "$path" --listen 127.0.0.1:0 --http 127.0.0.1:0 >"$work/usage.log" 2>&1
+  rc=$?
+  [ "$rc" != 0 ] && grep -qF -- "$want" "$work/usage.log" ||
+    fail "mlarun coordinator --model $path: exit $rc, $(head -2 "$work/usage.log")"
+done
+
 # --http beyond loopback without client tokens: refused before anything
 # starts (exit 2, naming the way out), by serve and the coordinator alike.
 for cmd in "serve --grpc 127.0.0.1:0" "coordinator --listen 127.0.0.1:0"; do
