@@ -116,7 +116,10 @@ ApiError FromDispatcher(grpc::StatusCode code, const std::string& message, bool 
         const size_t end = message.find_first_of(":[ ", 9);
         param = message.substr(9, end == std::string::npos ? std::string::npos : end - 9);
       }
-      return ApiError{.status = 400, .message = message, .param = param};
+      // ... and the message is in the request's terms too.
+      std::string said = message.starts_with("sampling.") ? message.substr(9) : message;
+      for (size_t at; (at = said.find("prompt_ids")) != std::string::npos;) said.replace(at, 10, "prompt");
+      return ApiError{.status = 400, .message = said, .param = param};
     }
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
       return ApiError{.status = 429, .message = message, .type = "rate_limit_error", .code = "queue_full"};
@@ -1216,6 +1219,34 @@ void CheckAnswerSize(const Params& p) {
   }
 }
 
+// Prompt + completion beyond the model's context (max_len tokens; 0:
+// unknown): 400 in vLLM's and OpenAI's words, before anything is submitted.
+// Chat without max_tokens takes the context left, so only its prompt counts.
+void CheckContextLength(const Params& p, int64_t max_len) {
+  if (max_len <= 0) return;
+  const char* what = p.chat ? "messages" : "prompt";
+  const std::string head =
+      StrCat("This model's maximum context length is ", max_len, " tokens. However, you requested ");
+  for (const std::vector<int32_t>& ids : p.prompts) {
+    const int64_t prompt = static_cast<int64_t>(ids.size());
+    if (p.chat && !p.max_tokens_given) {
+      if (prompt < max_len) continue;
+      throw ApiError{
+          .status = 400,
+          .message = StrCat(head, prompt, " tokens in the ", what, ". Please reduce the length of the ", what, "."),
+          .param = what,
+          .code = "context_length_exceeded"};
+    }
+    const int64_t completion = p.sampling.max_tokens;
+    if (prompt + completion <= max_len) continue;
+    throw ApiError{.status = 400,
+                   .message = StrCat(head, prompt + completion, " tokens (", prompt, " in the ", what, ", ", completion,
+                                     " in the completion). Please reduce the length of the ", what, " or completion."),
+                   .param = p.max_tokens_given ? p.max_tokens_field : what,
+                   .code = "context_length_exceeded"};
+  }
+}
+
 class HttpApiImpl final : public HttpApi {
  public:
   HttpApiImpl(const HttpApiOptions& options, std::shared_ptr<coord::Dispatcher> dispatcher,
@@ -1474,6 +1505,7 @@ class HttpApiImpl final : public HttpApi {
     bool details = false;
     const std::string principal = Authenticate(req, &details);
     Params params = ParseBody(req, chat);
+    CheckContextLength(params, dispatcher_->model_limits().max_position_embeddings);
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + NewRandomRequestId().substr(4);
     Exchange exchange(dispatcher_, *options_.tokenizer, std::move(params), id, options_.served_model_name, res);
     exchange.Submit(principal, options_.request_timeout_s, dispatcher_->model_limits().max_position_embeddings);

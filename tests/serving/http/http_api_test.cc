@@ -742,6 +742,45 @@ TEST_F(HttpApiTest, StructuredOutputAndToolChoiceAreRefusedByName) {
 #endif
 }
 
+// Prompt + max_tokens beyond the context (4096 here): 400 in vLLM's words,
+// in the request's terms (no prompt_ids or sampling.max_tokens).
+TEST_F(HttpApiTest, ContextLengthErrorsAreVllms) {
+  std::vector<int32_t> ids(4000);
+  std::mt19937 rng(11);
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 200 + 10);
+  auto [status, e] = d_->Post("/v1/completions", {{"prompt", ids}, {"max_tokens", 200}});
+  ASSERT_EQ(status, 400) << e.dump();
+  EXPECT_EQ(e["error"]["message"],
+            "This model's maximum context length is 4096 tokens. However, you requested 4200 tokens (4000 in the "
+            "prompt, 200 in the completion). Please reduce the length of the prompt or completion.");
+  EXPECT_EQ(e["error"]["param"], "max_tokens");
+  EXPECT_EQ(e["error"]["code"], "context_length_exceeded");
+  // The default 16 of completions counts too, and on the edge it fits.
+  ids.resize(4090);
+  std::tie(status, e) = d_->Post("/v1/completions", {{"prompt", ids}});
+  EXPECT_EQ(status, 400) << e.dump();
+  EXPECT_NE(e["error"]["message"].get<std::string>().find("you requested 4106 tokens (4090 in the prompt, 16 in"),
+            std::string::npos)
+      << e.dump();
+  EXPECT_EQ(e["error"]["param"], "prompt");
+  std::tie(status, e) = d_->Post("/v1/completions", {{"prompt", ids}, {"max_tokens", 6}});
+  EXPECT_EQ(status, 200) << e.dump().substr(0, 300);
+#ifndef MLARUN_NO_CHAT_TEMPLATE
+  // Chat: the rendered messages' tokens, as usage counts them.
+  const json messages = json::array({{{"role", "user"}, {"content", "the latent cache"}}});
+  std::tie(status, e) = d_->Post("/v1/chat/completions", {{"messages", messages}, {"max_tokens", 1}});
+  ASSERT_EQ(status, 200) << e.dump();
+  const int64_t prompt = e["usage"]["prompt_tokens"].get<int64_t>();
+  std::tie(status, e) = d_->Post("/v1/chat/completions", {{"messages", messages}, {"max_completion_tokens", 4096}});
+  ASSERT_EQ(status, 400) << e.dump();
+  EXPECT_EQ(e["error"]["message"],
+            "This model's maximum context length is 4096 tokens. However, you requested " +
+                std::to_string(prompt + 4096) + " tokens (" + std::to_string(prompt) +
+                " in the messages, 4096 in the completion). Please reduce the length of the messages or completion.");
+  EXPECT_EQ(e["error"]["param"], "max_completion_tokens");
+#endif
+}
+
 // The engine's fields take their ranges from ValidateSamplingParams: a value
 // just outside one is a 400 naming the request's field and the range, on
 // both endpoints; a value on the edge is accepted.
