@@ -1198,6 +1198,12 @@ bool IsGeneration(const HttpRequest& req) {
   return req.method == "POST" && (req.path == "/v1/completions" || req.path == "/v1/chat/completions");
 }
 
+// Work for a handler thread rather than the transport's I/O threads: the
+// generation requests, and tokenizing, which is CPU work of any length.
+bool NeedsHandlerThread(const HttpRequest& req) {
+  return IsGeneration(req) || (req.method == "POST" && (req.path == "/tokenize" || req.path == "/detokenize"));
+}
+
 // Each logprob entry a whole answer holds costs a few hundred bytes until it
 // is sent; a request may ask for this many at most (choices x scored tokens
 // x (logprobs + 1)). Streams send theirs as they come and count only the
@@ -1269,7 +1275,7 @@ class HttpApiImpl final : public HttpApi {
     o.max_connections_per_peer = options_.max_connections_per_peer;
     HttpServer::Hooks hooks;
     hooks.check_head = [this](const HttpRequest& req) { return CheckHead(req); };
-    hooks.quick = [](const HttpRequest& req) { return !IsGeneration(req); };
+    hooks.quick = [](const HttpRequest& req) { return !NeedsHandlerThread(req); };
     hooks.handle = [this](const HttpRequest& req, HttpResponder& res) { Handle(req, res); };
     hooks.error = TransportError;
     hooks.extra_headers = [this](const HttpRequest& req) { return CorsHeaders(req); };
@@ -1401,14 +1407,15 @@ class HttpApiImpl final : public HttpApi {
       const char* path;
       const char* method;
     };
-    static constexpr Path kPaths[] = {{"/v1/completions", "POST"},
-                                      {"/v1/chat/completions", "POST"},
-                                      {"/v1/models", "GET"},
-                                      {"/health", "GET"},
+    static constexpr Path kPaths[] = {{"/v1/completions", "POST"}, {"/v1/chat/completions", "POST"},
+                                      {"/v1/models", "GET"},       {"/v1/models/", "GET"},  // and a model's id
+                                      {"/tokenize", "POST"},       {"/detokenize", "POST"},
+                                      {"/version", "GET"},         {"/health", "GET"},
                                       {"/metrics", "GET"}};
     const Path* known = nullptr;
     for (const Path& p : kPaths)
-      if (req.path == p.path) known = &p;
+      if (req.path == p.path || (req.path.starts_with("/v1/models/") && std::string_view(p.path) == "/v1/models/"))
+        known = &p;
     if (known == nullptr)
       throw ApiError{
           .status = 404, .message = StrCat("no such path: ", req.method, " ", req.path), .code = "not_found"};
@@ -1432,13 +1439,15 @@ class HttpApiImpl final : public HttpApi {
     if (path == "/v1/completions") return Generate(req, res, /*chat=*/false);
     if (path == "/v1/chat/completions") return Generate(req, res, /*chat=*/true);
     if (path == "/v1/models") return res.Reply(Models(req));
+    if (path.starts_with("/v1/models/")) return res.Reply(Model(path.substr(11)));
+    if (path == "/tokenize") return res.Reply(Tokenize(req));
+    if (path == "/detokenize") return res.Reply(Detokenize(req));
+    if (path == "/version") return res.Reply(JsonAnswer(200, {{"version", MLARUN_VERSION}}));
     if (path == "/health") return res.Reply(Health());
     res.Reply(MetricsPage(req));
   }
 
-  HttpAnswer Models(const HttpRequest& req) const {
-    bool details = false;
-    Authenticate(req, &details);
+  json ModelCard() const {
     json model = {{"id", options_.served_model_name},
                   {"object", "model"},
                   {"created", started_},
@@ -1446,7 +1455,72 @@ class HttpApiImpl final : public HttpApi {
                   {"root", options_.served_model_name}};
     if (const int64_t max_pos = dispatcher_->model_limits().max_position_embeddings; max_pos > 0)
       model["max_model_len"] = max_pos;
-    return JsonAnswer(200, {{"object", "list"}, {"data", json::array({std::move(model)})}});
+    return model;
+  }
+
+  HttpAnswer Models(const HttpRequest& req) const {
+    bool details = false;
+    Authenticate(req, &details);
+    return JsonAnswer(200, {{"object", "list"}, {"data", json::array({ModelCard()})}});
+  }
+
+  // GET /v1/models/{id}: the served model's card, 404 for another id.
+  HttpAnswer Model(std::string_view id) const {
+    if (id != options_.served_model_name) throw ModelNotFound(std::string(id));
+    return JsonAnswer(200, ModelCard());
+  }
+
+  ApiError ModelNotFound(const std::string& name) const {
+    return ApiError{.status = 404,
+                    .message = StrCat("The model `", name, "` does not exist; this server serves `",
+                                      options_.served_model_name, "`"),
+                    .param = "model",
+                    .code = "model_not_found"};
+  }
+
+  // POST /tokenize, as vLLM's: a prompt (add_special_tokens, default true)
+  // or chat messages rendered by the template (add_generation_prompt,
+  // default true; add_special_tokens, default false).
+  HttpAnswer Tokenize(const HttpRequest& req) const {
+    const json body = BodyOf(req);
+    std::vector<int32_t> ids;
+    if (Field(body, "messages") != nullptr) {
+      Params p;
+      ParseChat(body, *options_.tokenizer, template_.get(), template_error_, p);
+      ids = std::move(p.prompts[0]);
+    } else {
+      const json* prompt = Field(body, "prompt");
+      if (prompt == nullptr) throw BadField("prompt", "required (or messages)");
+      if (!prompt->is_string()) throw BadField("prompt", StrCat("must be a string, got ", TypeName(*prompt)));
+      ids = options_.tokenizer->Encode(prompt->get<std::string>(), GetBool(body, "add_special_tokens", true));
+    }
+    const int64_t max_len = dispatcher_->model_limits().max_position_embeddings;
+    json answer = {{"count", ids.size()},
+                   {"max_model_len", max_len > 0 ? json(max_len) : json(nullptr)},
+                   {"tokens", ids},
+                   {"token_strs", nullptr}};
+    if (GetBool(body, "return_token_strs", false)) {
+      json strs = json::array();
+      for (const int32_t id : ids) strs.push_back(options_.tokenizer->IdToToken(id).value_or(""));
+      answer["token_strs"] = std::move(strs);
+    }
+    return JsonAnswer(200, answer);
+  }
+
+  // POST /detokenize, as vLLM's: the tokens' text, special tokens included.
+  HttpAnswer Detokenize(const HttpRequest& req) const {
+    const json body = BodyOf(req);
+    const json* tokens = Field(body, "tokens");
+    if (tokens == nullptr) throw BadField("tokens", "required");
+    if (!tokens->is_array()) throw BadField("tokens", StrCat("must be an array of token ids, got ", TypeName(*tokens)));
+    std::vector<int32_t> ids;
+    if (!tokens->empty()) ids = TokenIds(*tokens, "tokens");
+    const int64_t vocab = options_.tokenizer->vocab_size();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= vocab)
+        throw BadField("tokens", StrCat("token id ", ids[i], " at ", i, " is outside the vocabulary (", vocab, ")"));
+    }
+    return JsonAnswer(200, {{"prompt", options_.tokenizer->Decode(ids, /*skip_special_tokens=*/false)}});
   }
 
   HttpAnswer Health() const {
@@ -1470,7 +1544,8 @@ class HttpApiImpl final : public HttpApi {
                       .body = metrics_->Render(stats, dispatcher_->live_requests(), details)};
   }
 
-  Params ParseBody(const HttpRequest& req, bool chat) const {
+  // The request's JSON object, naming this server's model if any.
+  json BodyOf(const HttpRequest& req) const {
     json body;
     try {
       body = json::parse(req.body);
@@ -1479,13 +1554,13 @@ class HttpApiImpl final : public HttpApi {
     }
     if (!body.is_object()) throw ApiError{.status = 400, .message = "the request body must be a JSON object"};
     if (const json* model = Field(body, "model");
-        model != nullptr && model->is_string() && model->get<std::string>() != options_.served_model_name) {
-      throw ApiError{.status = 404,
-                     .message = StrCat("The model `", model->get<std::string>(),
-                                       "` does not exist; this server serves `", options_.served_model_name, "`"),
-                     .param = "model",
-                     .code = "model_not_found"};
-    }
+        model != nullptr && model->is_string() && model->get<std::string>() != options_.served_model_name)
+      throw ModelNotFound(model->get<std::string>());
+    return body;
+  }
+
+  Params ParseBody(const HttpRequest& req, bool chat) const {
+    const json body = BodyOf(req);
     Params params;
     if (chat) {
       ParseChat(body, *options_.tokenizer, template_.get(), template_error_,

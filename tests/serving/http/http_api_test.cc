@@ -858,6 +858,68 @@ TEST_F(HttpApiTest, ModelsAndHealth) {
   EXPECT_EQ(health->status, 200);
 }
 
+// vLLM's /tokenize and /detokenize: the tokenizer's own Encode, the chat
+// template's rendering as chat requests use it, and Decode back.
+TEST_F(HttpApiTest, TokenizeIsTheTokenizersEncodeAndDetokenizeItsDecode) {
+  const std::string text = "The latent cache holds a compressed key and value per token.";
+  for (const bool special : {true, false}) {
+    auto [status, t] = d_->Post("/tokenize", {{"model", "tiny"}, {"prompt", text}, {"add_special_tokens", special}});
+    ASSERT_EQ(status, 200) << t.dump();
+    const std::vector<int32_t> ids = Tok().Encode(text, special);
+    EXPECT_EQ(t["tokens"].get<std::vector<int32_t>>(), ids);
+    EXPECT_EQ(t["count"], ids.size());
+    EXPECT_EQ(t["max_model_len"], 4096);
+    auto [dstatus, d] = d_->Post("/detokenize", {{"model", "tiny"}, {"tokens", ids}});
+    ASSERT_EQ(dstatus, 200) << d.dump();
+    EXPECT_EQ(d["prompt"], Tok().Decode(ids, /*skip_special_tokens=*/false));
+    if (!special) EXPECT_EQ(d["prompt"], text);
+  }
+  auto [sstatus, strs] = d_->Post("/tokenize", {{"prompt", "a b"}, {"return_token_strs", true}});
+  ASSERT_EQ(sstatus, 200) << strs.dump();
+  ASSERT_EQ(strs["token_strs"].size(), strs["tokens"].size());
+  for (size_t i = 0; i < strs["tokens"].size(); ++i)
+    EXPECT_EQ(strs["token_strs"][i], Tok().IdToToken(strs["tokens"][i].get<int32_t>()).value());
+#ifndef MLARUN_NO_CHAT_TEMPLATE
+  // Chat: as many tokens as a chat request's prompt.
+  const json messages = json::array({{{"role", "user"}, {"content", "the latent cache"}}});
+  auto [cstatus, c] = d_->Post("/tokenize", {{"messages", messages}});
+  ASSERT_EQ(cstatus, 200) << c.dump();
+  auto [gstatus, g] = d_->Post("/v1/chat/completions", {{"messages", messages}, {"max_tokens", 1}});
+  ASSERT_EQ(gstatus, 200) << g.dump();
+  EXPECT_EQ(c["count"], g["usage"]["prompt_tokens"]);
+#endif
+  // Errors name the field or the model.
+  EXPECT_EQ(d_->Post("/tokenize", {{"prompt", 5}}).second["error"]["param"], "prompt");
+  EXPECT_EQ(d_->Post("/tokenize", json::object()).second["error"]["param"], "prompt");
+  EXPECT_EQ(d_->Post("/detokenize", {{"tokens", {1, 999999}}}).second["error"]["param"], "tokens");
+  EXPECT_EQ(d_->Post("/detokenize", {{"tokens", "1"}}).second["error"]["param"], "tokens");
+  EXPECT_EQ(d_->Post("/detokenize", {{"tokens", json::array()}}).second["prompt"], "");
+  auto [mstatus, m] = d_->Post("/tokenize", {{"model", "other"}, {"prompt", "x"}});
+  EXPECT_EQ(mstatus, 404);
+  EXPECT_EQ(m["error"]["code"], "model_not_found");
+}
+
+TEST_F(HttpApiTest, VersionAndOneModel) {
+  auto version = d_->Client().Get("/version");
+  ASSERT_TRUE(version);
+  EXPECT_EQ(version->status, 200);
+  EXPECT_EQ(json::parse(version->body)["version"], MLARUN_VERSION);
+  auto model = d_->Client().Get("/v1/models/tiny");
+  ASSERT_TRUE(model);
+  ASSERT_EQ(model->status, 200) << model->body;
+  const json card = json::parse(model->body);
+  EXPECT_EQ(card["id"], "tiny");
+  EXPECT_EQ(card["object"], "model");
+  EXPECT_EQ(card["max_model_len"], 4096);
+  auto other = d_->Client().Get("/v1/models/gpt-4");
+  ASSERT_TRUE(other);
+  EXPECT_EQ(other->status, 404);
+  EXPECT_EQ(json::parse(other->body)["error"]["code"], "model_not_found");
+  auto post = d_->Client().Post("/version", "{}", "application/json");
+  ASSERT_TRUE(post);
+  EXPECT_EQ(post->status, 405);
+}
+
 TEST_F(HttpApiTest, TwoHundredConcurrentStreamsComplete) {
   constexpr int kStreams = 200;
   std::atomic<int> complete{0};
