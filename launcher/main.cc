@@ -5,6 +5,8 @@
 // subcommand it names.
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "launcher/cli_typos.h"
 #include "launcher/commands/commands.h"
@@ -14,6 +16,7 @@ int main(int argc, char** argv) {
   namespace commands = mlarun::commands;
   CLI::App app{"mlarun: a runtime for DeepSeek-style Multi-head Latent Attention models"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", MLARUN_VERSION);
   // In the order `mlarun --help` lists them.
   commands::CommandTable table;
   commands::AddBenchCommands(app, table);
@@ -27,6 +30,12 @@ int main(int argc, char** argv) {
   commands::AddTokenizeCommand(app, table);
   commands::AddServeCommand(app, table);
 
+  std::vector<std::string> words(argv, argv + argc);
+  commands::SpellOutServeShortFlags(words);
+  std::vector<char*> spelled;
+  for (std::string& w : words) spelled.push_back(w.data());
+  spelled.push_back(nullptr);
+  argv = spelled.data();
   if (const auto typo = mlarun::FindTypo(app, argc, argv)) {
     std::fprintf(stderr, "mlarun %s\nRun with --help for more information.\n", typo->c_str());
     return 2;

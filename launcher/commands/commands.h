@@ -61,6 +61,9 @@ void AddSubmitCommand(CLI::App& app, CommandTable& table);
 void AddStatsCommand(CLI::App& app, CommandTable& table);
 void AddTokenizeCommand(CLI::App& app, CommandTable& table);
 void AddServeCommand(CLI::App& app, CommandTable& table);
+// `mlarun serve`'s vLLM spellings -tp and -dp (CLI11 takes one-letter short
+// names only) as --tensor-parallel-size and --data-parallel-size.
+void SpellOutServeShortFlags(std::vector<std::string>& words);
 
 // ---- Flags several commands share, with one help text each (common.cc) ----
 

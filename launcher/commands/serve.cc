@@ -21,11 +21,67 @@ struct ServeFlags {
   ServeOptions sv;
   std::string policy = "prefix_affinity", auth_tokens;
   int threads = 0;
+  // vLLM's spellings, mapped onto the flags above.
+  std::string model_arg, host, api_key;
+  int port = 0, tensor_parallel = 0, data_parallel = 0;
+  bool dp_attention = false;
+  CLI::Option *http = nullptr, *parallel = nullptr;
 };
+
+// vLLM's flags as serve's own: MODEL, --host/--port, -tp/-dp with
+// --enable-dp-attention. Returns the usage error, or "".
+std::string ApplyVllmFlags(ServeFlags& f) {
+  ServeOptions& sv = f.sv;
+  if (!f.model_arg.empty()) {
+    if (!sv.model.empty() && sv.model != f.model_arg)
+      return "MODEL '" + f.model_arg + "' and --model '" + sv.model + "' differ: give one";
+    sv.model = f.model_arg;
+  }
+  if (!f.host.empty() || f.port != 0) {
+    if (f.http->count() > 0) return "--http or --host/--port, not both";
+    const std::string host = f.host.empty() ? "127.0.0.1" : f.host;
+    const bool v6 = host.find(':') != std::string::npos && !host.starts_with("[");
+    sv.coordinator.http_listen = (v6 ? "[" + host + "]" : host) + ":" + std::to_string(f.port != 0 ? f.port : 8000);
+  }
+  const int tp = f.tensor_parallel, dp = f.data_parallel;
+  if (tp == 0 && dp == 0) {
+    if (f.dp_attention) return "--enable-dp-attention needs --data-parallel-size (-dp)";
+    return "";
+  }
+  if (f.parallel->count() > 0) return "--parallel or --tensor-parallel-size/--data-parallel-size, not both";
+  // Every DP group of mlarun is DP attention: the MLP and experts are
+  // sharded over all ranks, so there are no independent replicas.
+  if (dp > 1 && !f.dp_attention)
+    return "--data-parallel-size " + std::to_string(dp) +
+           " without --enable-dp-attention: mlarun's DP groups share the MLP and experts (DP attention); add "
+           "--enable-dp-attention, or run one serve per replica";
+  sv.parallel = "dp=" + std::to_string(std::max(dp, 1)) + ",attn_tp=" + std::to_string(std::max(tp, 1));
+  return "";
+}
+
+// An API key given as a flag (or MLARUN_API_KEY): one more client token.
+std::string AddApiKey(const std::string& key, CoordinatorOptions& co) {
+  constexpr size_t kMinKey = 16;
+  if (key.size() < kMinKey) return "--api-key: at least 16 characters (make one with `openssl rand -hex 32`)";
+  for (const char c : key) {
+    if (c <= ' ' || c > '~') return "--api-key: printable ASCII without spaces";
+  }
+  std::vector<Principal> principals = co.auth_tokens.principals();
+  for (const Principal& p : principals) {
+    if (p.token == key) return "--api-key: the same token as " + p.name + " of --auth-token-file";
+  }
+  principals.push_back(Principal{.token = key, .name = "api-key"});
+  co.auth_tokens = AuthTokens(std::move(principals));
+  return "";
+}
 
 int RunServeCommand(ServeFlags& f) {
   TuneMallocForServer();
   ServeOptions& sv = f.sv;
+  if (const std::string e = ApplyVllmFlags(f); !e.empty()) {
+    std::fprintf(stderr, "mlarun serve: %s\n", e.c_str());
+    return 2;
+  }
   auto p = ParseRoutingPolicy(f.policy);
   if (!p.ok()) {
     std::fprintf(stderr, "mlarun serve: %s\n", p.status().ToString().c_str());
@@ -40,6 +96,12 @@ int RunServeCommand(ServeFlags& f) {
       return 2;
     }
     sv.coordinator.auth_tokens = std::move(*tokens);
+  }
+  if (!f.api_key.empty()) {
+    if (const std::string e = AddApiKey(f.api_key, sv.coordinator); !e.empty()) {
+      std::fprintf(stderr, "mlarun serve: %s\n", e.c_str());
+      return 2;
+    }
   }
   if (sv.coordinator.allow_unauthenticated_http) WarnIfOpenHttp("serve", sv.coordinator);
   int threads = f.threads;
@@ -65,20 +127,45 @@ int RunServeCommand(ServeFlags& f) {
 
 }  // namespace
 
+void SpellOutServeShortFlags(std::vector<std::string>& words) {
+  if (words.size() < 2 || words[1] != "serve") return;
+  for (size_t i = 2; i < words.size() && words[i] != "--"; ++i) {
+    for (const auto& [shorter, longer] : {std::pair<std::string, std::string>{"-tp", "--tensor-parallel-size"},
+                                          std::pair<std::string, std::string>{"-dp", "--data-parallel-size"}}) {
+      if (words[i] == shorter || words[i].starts_with(shorter + "="))
+        words[i] = longer + words[i].substr(shorter.size());
+    }
+  }
+}
+
 void AddServeCommand(CLI::App& app, CommandTable& table) {
   auto f = std::make_shared<ServeFlags>();
   ServeOptions& sv = f->sv;
   sv.coordinator.listen = "127.0.0.1:0";
   auto* serve_cmd = app.add_subcommand(
       "serve", "One machine: the coordinator here and the workers as a supervised mpirun job, until SIGINT/SIGTERM");
-  serve_cmd->add_option("--model", sv.model, "Checkpoint directory or configs/models/*.yaml")->required();
-  serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")
-      ->capture_default_str();
+  serve_cmd->set_version_flag("--version", MLARUN_VERSION);
+  serve_cmd->add_option("MODEL", f->model_arg, "The model, as --model (vLLM's positional form)");
+  serve_cmd->add_option("--model", sv.model, "Checkpoint directory or configs/models/*.yaml");
+  f->parallel = serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")
+                    ->capture_default_str();
+  serve_cmd->add_option("--tensor-parallel-size", f->tensor_parallel, "-tp N: attention TP over N ranks (--parallel)")
+      ->check(CLI::Range(1, 4096));
+  serve_cmd->add_option("--data-parallel-size", f->data_parallel, "-dp D: D DP-attention groups (--parallel dp=D)")
+      ->check(CLI::Range(1, 4096));
+  serve_cmd->add_flag("--enable-dp-attention", f->dp_attention, "With -dp: DP attention, the only DP mlarun has");
   sv.coordinator.http_listen = "127.0.0.1:8000";
+  f->http = serve_cmd
+                ->add_option("--http", sv.coordinator.http_listen,
+                             "host:port of the OpenAI-compatible HTTP API (loopback by default; \"\" turns it off)")
+                ->capture_default_str();
+  serve_cmd->add_option("--host", f->host, "The HTTP API's host, as --http HOST:PORT (default 127.0.0.1)");
+  serve_cmd->add_option("--port", f->port, "The HTTP API's port, as --http HOST:PORT (default 8000)")
+      ->check(CLI::Range(1, 65535));
   serve_cmd
-      ->add_option("--http", sv.coordinator.http_listen,
-                   "host:port of the OpenAI-compatible HTTP API (loopback by default; \"\" turns it off)")
-      ->capture_default_str();
+      ->add_option("--max-model-len", sv.coordinator.max_model_len,
+                   "Refuse requests whose prompt + max_tokens exceed this (default: the model's context)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   AddHttpFlags(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--grpc", sv.coordinator.listen, "host:port of the gRPC client API (port 0: a free one)")
       ->capture_default_str();
@@ -86,6 +173,10 @@ void AddServeCommand(CLI::App& app, CommandTable& table) {
   AddQueueFlags(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--auth-token-file", f->auth_tokens,
                         "Client tokens (TOKEN [NAME] per line): the client API then needs Authorization: Bearer TOKEN");
+  serve_cmd
+      ->add_option("--api-key", f->api_key,
+                   "One more client token (as vLLM's; visible in ps: --auth-token-file or MLARUN_API_KEY is safer)")
+      ->envname("MLARUN_API_KEY");
   AddPrefixCacheSharingFlag(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--threads", f->threads, "CPU threads per rank (default: the cores divided among the ranks)")
       ->check(CLI::NonNegativeNumber);

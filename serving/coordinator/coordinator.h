@@ -50,6 +50,9 @@ struct CoordinatorOptions {
   // its own deadline), and one waiting for room in connected groups waits
   // for them. Default 30 s (`--queue-timeout-s`).
   double queue_timeout_s = 30;
+  // The longest prompt + max_tokens taken, below the model's own context
+  // (`--max-model-len`); 0: the model's.
+  int64_t max_model_len = 0;
   // When the last connected group goes away, the requests left waiting (those
   // it had not answered yet, re-routed, and those queued for room) wait this
   // much longer for a group to (re)register, at most until their own

@@ -282,6 +282,9 @@ Dispatcher::ModelLimits Dispatcher::Limits() const {
     limits.vocab_size = std::max(limits.vocab_size, g->vocab_size);
     limits.max_position_embeddings = std::max(limits.max_position_embeddings, g->max_position_embeddings);
   }
+  if (const int64_t cap = options_.max_model_len; cap > 0)
+    limits.max_position_embeddings =
+        limits.max_position_embeddings > 0 ? std::min(limits.max_position_embeddings, cap) : cap;
   return limits;
 }
 

@@ -21,7 +21,7 @@ source "$src/scripts/lib/on_exit.sh"
 model="$src/configs/models/tiny.yaml"
 hport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mkdir "$work/bin"
-printf '#!/bin/sh\nexec sleep 300\n' >"$work/bin/mpirun"
+printf '#!/bin/sh\necho "$@" >"%s/mpirun.args"\nexec sleep 300\n' "$work" >"$work/bin/mpirun"
 chmod +x "$work/bin/mpirun"
 
 PATH="$work/bin:$PATH" "$mlarun" serve --model "$model" --grpc 127.0.0.1:0 --http "127.0.0.1:$hport" --threads 1 \
@@ -74,6 +74,63 @@ wait "$serve_pid"
 rc=$?
 serve_pid=
 [ "$rc" = 0 ] || fail "serve exited with $rc after SIGTERM"
+
+# vLLM's spellings: MODEL, --host/--port, -tp/-dp with --enable-dp-attention
+# (the job's --parallel), --max-model-len (requests beyond it refused in
+# vLLM's words) and --api-key (a bearer token like a file's).
+key=$(openssl rand -hex 16)
+vport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+rm -f "$work/mpirun.args"
+PATH="$work/bin:$PATH" "$mlarun" serve "$model" --host 127.0.0.1 --port "$vport" -tp 1 -dp 2 --enable-dp-attention \
+  --max-model-len 512 --api-key "$key" --grpc 127.0.0.1:0 --threads 1 --max-queued 0 2>"$work/serve.log" &
+serve_pid=$!
+for _ in $(seq 300); do
+  grep -q "started the worker job" "$work/serve.log" && break
+  kill -0 "$serve_pid" 2>/dev/null || fail "serve with vLLM's flags exited: $(tail -3 "$work/serve.log")"
+  sleep 0.1
+done
+for _ in $(seq 100); do [ -s "$work/mpirun.args" ] && break; sleep 0.1; done  # the stand-in may lag the log line
+grep -q -- "-np 2 .* worker .*--model $model --parallel dp=2,attn_tp=1 " "$work/mpirun.args" ||
+  fail "the job's command line: $(cat "$work/mpirun.args")"
+timeout 15 python3 - "$vport" "$key" <<'PY' || fail "the HTTP API did not apply vLLM's flags"
+import json, sys, urllib.error, urllib.request
+base, key = f"http://127.0.0.1:{sys.argv[1]}", sys.argv[2]
+
+def call(path, body=None, token=None):
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = "Bearer " + token
+    data = None if body is None else json.dumps(body).encode()
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(base + path, data=data, headers=headers), timeout=5)
+        return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+assert call("/v1/models")[0] == 401
+assert call("/v1/models", token="wrong" * 8)[0] == 401
+code, models = call("/v1/models", token=key)
+assert code == 200 and models["data"][0]["id"] == "tiny", models
+code, e = call("/v1/completions", {"prompt": [1] * 500, "max_tokens": 13}, token=key)
+assert code == 400 and e["error"]["message"].startswith(
+    "This model's maximum context length is 512 tokens. However, you requested 513 tokens"), (code, e)
+PY
+kill -TERM "$serve_pid"
+wait "$serve_pid"
+serve_pid=
+# Combinations that do not map onto --parallel, and --http with --host.
+for case in "-dp 2|without --enable-dp-attention" "-tp 2 --parallel dp=2|--parallel or --tensor-parallel-size" \
+  "--enable-dp-attention|needs --data-parallel-size" "--http 127.0.0.1:0 --port 8001|--http or --host/--port" \
+  "--model $src/configs/models/other.yaml|differ: give one" "--api-key short|--api-key: at least 16"; do
+  bad=${case%%|*} want=${case#*|}
+  # shellcheck disable=SC2086
+  PATH="$work/bin:$PATH" timeout 30 "$mlarun" serve "$model" $bad >"$work/usage.log" 2>&1
+  rc=$?
+  [ "$rc" = 2 ] && grep -qF -- "$want" "$work/usage.log" && ! grep -q "started the worker job" "$work/usage.log" ||
+    fail "mlarun serve $bad: exit $rc, $(head -2 "$work/usage.log")"
+done
+[ "$("$mlarun" --version)" = "$(sed -n 's/^project(mlarun VERSION \([0-9.]*\).*/\1/p' "$src/CMakeLists.txt")" ] ||
+  fail "mlarun --version: $("$mlarun" --version)"
 
 # Bad values: usage errors (exit 2) naming the flag, in both commands.
 for cmd in serve coordinator; do
