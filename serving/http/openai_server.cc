@@ -1486,7 +1486,8 @@ class HttpApiImpl final : public HttpApi {
     std::vector<int32_t> ids;
     if (Field(body, "messages") != nullptr) {
       Params p;
-      ParseChat(body, *options_.tokenizer, template_.get(), template_error_, p);
+      ParseChat(body, *options_.tokenizer, template_.get(), template_error_,
+                options_.enable_auto_tool_choice && !options_.tool_call_parser.empty(), p);
       ids = std::move(p.prompts[0]);
     } else {
       const json* prompt = Field(body, "prompt");
