@@ -59,7 +59,11 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
   auto r = std::make_unique<Req>();
   r->id = next_id_++;
   r->tokens = request.prompt;
-  r->sampler = std::make_unique<Sampler>(request.sampling);
+  // The sampler keeps the request's history for its penalties: the prompt,
+  // then each token it draws. It lives as long as the request, preemptions
+  // included, so it never counts a token twice.
+  r->sampler = std::make_unique<Sampler>(request.sampling,
+                                         SamplerHistory{.prompt = request.prompt, .eos_token_ids = c.eos_token_ids});
   r->request = std::move(request);
   waiting_.push_back(r.get());
   const int64_t id = r->id;

@@ -279,6 +279,7 @@ struct Sampler::Scratch {
   std::vector<double> probs;        // weight by token id
   std::vector<double> block_sums;   // sums of probs per block of ids
   std::vector<int32_t> block_keys;  // top-k's per-block maxima
+  std::vector<float> processed;     // the row with penalties and biases applied
 };
 
 Sampler::Scratch& Sampler::ThreadScratch() {
@@ -286,11 +287,64 @@ Sampler::Scratch& Sampler::ThreadScratch() {
   return scratch;
 }
 
-Sampler::Sampler(const SamplingParams& p) : params_(p) {
+Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : params_(p) {
   // splitmix64 turns any seed (0 included) into a well-mixed, never all-zero
   // xoshiro state, as the xoshiro authors recommend.
   uint64_t seed_state = p.seed;
   for (uint64_t& word : state_) word = internal::SplitMix64Next(seed_state);
+  const bool repetition = p.repetition_penalty != 1.0;
+  counts_output_ = repetition || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+  penalized_ = counts_output_ || !p.logit_bias.empty();
+  for (const auto& [id, bias] : p.logit_bias)
+    if (bias != 0.0) bias_.emplace_back(static_cast<int32_t>(id), bias);
+  if (repetition) {
+    prompt_ids_.assign(history.prompt.begin(), history.prompt.end());
+    std::sort(prompt_ids_.begin(), prompt_ids_.end());
+    prompt_ids_.erase(std::unique(prompt_ids_.begin(), prompt_ids_.end()), prompt_ids_.end());
+  }
+  if (p.min_tokens > 0) {
+    min_tokens_ids_ = p.stop_token_ids;
+    min_tokens_ids_.insert(min_tokens_ids_.end(), history.eos_token_ids.begin(), history.eos_token_ids.end());
+  }
+  for (int32_t token : history.output) Record(token);
+}
+
+void Sampler::Record(int64_t token) {
+  ++generated_;
+  if (counts_output_) ++output_counts_[static_cast<int32_t>(token)];
+}
+
+std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
+  std::vector<float>& row = ThreadScratch().processed;
+  row.assign(logits.begin(), logits.end());
+  const int64_t vocab = static_cast<int64_t>(row.size());
+  auto in_vocab = [vocab](int64_t id) { return id >= 0 && id < vocab; };
+  if (generated_ < params_.min_tokens) {
+    for (int64_t id : min_tokens_ids_)
+      if (in_vocab(id)) row[static_cast<size_t>(id)] = kNegInfF;
+  }
+  for (const auto& [id, bias] : bias_)
+    if (in_vocab(id)) row[static_cast<size_t>(id)] = static_cast<float>(row[static_cast<size_t>(id)] + bias);
+  const double r = params_.repetition_penalty;
+  auto repeat = [&](int32_t id) {
+    const double x = row[static_cast<size_t>(id)];
+    row[static_cast<size_t>(id)] = static_cast<float>(x > 0.0 ? x / r : x * r);
+  };
+  if (r != 1.0) {
+    for (int32_t id : prompt_ids_)
+      if (in_vocab(id)) repeat(id);
+    for (const auto& [id, count] : output_counts_)
+      if (in_vocab(id) && !std::binary_search(prompt_ids_.begin(), prompt_ids_.end(), id)) repeat(id);
+  }
+  if (params_.frequency_penalty != 0.0 || params_.presence_penalty != 0.0) {
+    for (const auto& [id, count] : output_counts_) {
+      if (!in_vocab(id)) continue;
+      const double x = row[static_cast<size_t>(id)];
+      row[static_cast<size_t>(id)] =
+          static_cast<float>(x - (params_.frequency_penalty * count + params_.presence_penalty));
+    }
+  }
+  return row;
 }
 
 SampledToken Sampler::Sample(std::span<const float> logits) {
@@ -298,7 +352,26 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   // how many tokens this request has sampled, whatever path is taken below.
   const uint64_t bits = internal::Xoshiro256StarStarNext(state_);
   const double u = static_cast<double>(bits >> 11) * 0x1.0p-53;  // [0, 1)
+  if (!modifies_logits()) {
+    const SampledToken t = SampleRow(logits, u, wants_top());
+    Record(t.token);
+    return t;
+  }
+  // Drawn from the processed row; reported under the raw one.
+  SampledToken t = SampleRow(ProcessedLogits(logits), u, /*top=*/false);
+  Record(t.token);
+  if (logits.empty()) return t;
+  t.logprob = kNegInf;
+  const MaxLogit max = FindMax(logits);
+  if (max.value == kNegInf) return t;
+  Scratch& s = ThreadScratch();
+  const double log_normalizer = std::log(RawWeights(logits, max.value, s.probs, s.block_sums));
+  t.logprob = (CleanLogit(logits[t.token]) - max.value) - log_normalizer;
+  if (wants_top()) FillTop(logits, params_.logprobs, max.value, log_normalizer, t);
+  return t;
+}
 
+SampledToken Sampler::SampleRow(std::span<const float> logits, double u, bool top) {
   if (logits.empty()) return {0, kNegInf};
   const MaxLogit max = FindMax(logits);
   if (max.value == kNegInf) return {0, kNegInf};  // no distribution at all
@@ -311,7 +384,7 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   const double log_normalizer = std::log(raw_sum);
 
   SampledToken drawn = Draw(logits, max.value, max.index, max.has_positive_nan, raw_sum, log_normalizer, u, s);
-  if (wants_top()) FillTop(logits, params_.logprobs, max.value, log_normalizer, drawn);
+  if (top) FillTop(logits, params_.logprobs, max.value, log_normalizer, drawn);
   return drawn;
 }
 
@@ -378,7 +451,9 @@ SampledToken ScoreToken(std::span<const float> logits, int64_t token, int64_t to
 
 SampledToken Sampler::SampleGreedyFrom(int64_t argmax, double weight_sum) {
   internal::Xoshiro256StarStarNext(state_);  // the draw Sample makes for every row
-  return GreedyToken(argmax, weight_sum);
+  const SampledToken t = GreedyToken(argmax, weight_sum);
+  Record(t.token);
+  return t;
 }
 
 int64_t Sampler::SelectKept(std::span<const float> logits, double max_logit, bool has_positive_nan,

@@ -1,18 +1,27 @@
 // Turning one row of logits into the next token.
 //
-// Semantics follow vLLM: temperature 0 is greedy (argmax, lowest id on ties);
-// otherwise logits / temperature, then top-k (k <= 0 or >= vocab: off), then
-// top-p (1: off) over the remaining tokens sorted by probability (keep the
-// smallest prefix whose mass reaches p; always at least one token), then a
-// draw from the renormalized distribution. The reported log-probability is
-// that of the chosen token under the unmodified model distribution
-// (log_softmax of the raw logits), as vLLM's default logprobs; so are those
-// of the most likely tokens a request asks for (SamplingParams::logprobs).
+// Semantics follow vLLM: first the request's penalties and biases
+// (SamplingParams; vLLM's order): while fewer than min_tokens were generated
+// the stop and EOS ids get -inf; logit_bias is added; tokens seen in the
+// prompt or the output get the repetition penalty r (a positive logit is
+// divided by r, any other multiplied); each generated token's logit loses
+// frequency_penalty * its count + presence_penalty. Then temperature 0 is
+// greedy on those logits (argmax, lowest id on ties); otherwise logits /
+// temperature, then top-k (k <= 0 or >= vocab: off), then top-p (1: off)
+// over the remaining tokens sorted by probability (keep the smallest prefix
+// whose mass reaches p; always at least one token), then a draw from the
+// renormalized distribution. The reported log-probability is that of the
+// chosen token under the unmodified model distribution (log_softmax of the
+// raw logits, before penalties and biases), as vLLM's default logprobs
+// (logprobs_mode raw_logprobs); so are those of the most likely tokens a
+// request asks for (SamplingParams::logprobs).
 #pragma once
 
 #include <array>
 #include <cstdint>
 #include <span>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "base/status.h"
@@ -36,6 +45,13 @@ struct SampledToken {
 // tempered distribution is the argmax to double precision anyway.
 inline constexpr double kMinSamplingTemperature = 1e-5;
 
+// What the penalties need besides the parameters: the request's own tokens.
+struct SamplerHistory {
+  std::span<const int32_t> prompt;         // the repetition penalty's
+  std::span<const int64_t> eos_token_ids;  // masked with the stop ids under min_tokens
+  std::span<const int32_t> output;         // tokens generated before this sampler existed
+};
+
 // Per-request sampler: holds the request's random stream (seeded from
 // SamplingParams::seed), so the k-th draw of a request depends only on its seed,
 // k and the logits, never on other requests in the batch. Not thread-safe;
@@ -55,7 +71,9 @@ inline constexpr double kMinSamplingTemperature = 1e-5;
 // An empty row gives the same. Vocabularies must fit in int32.
 class Sampler {
  public:
-  explicit Sampler(const SamplingParams& p);
+  // Each token Sample returns counts as generated (the request's output from
+  // then on), on top of history.output.
+  explicit Sampler(const SamplingParams& p, const SamplerHistory& history = {});
   // logits: [vocab], fp32. Advances the random stream by one draw (also for
   // greedy, to keep streams aligned). Lists the most likely tokens when
   // wants_top(); the draw does not depend on it.
@@ -68,12 +86,20 @@ class Sampler {
   // logprobs > 0): a device then hands Sample the whole row instead of its
   // greedy reduction.
   bool wants_top() const { return params_.logprobs > 0; }
+  // True when the next Sample changes the logits before it draws
+  // (penalties, biases, or min_tokens not reached yet): a device then hands
+  // Sample the whole row. False costs Sample nothing.
+  bool modifies_logits() const { return penalized_ || generated_ < params_.min_tokens; }
+  // The row Sample draws from (the penalties and biases applied to logits),
+  // in the thread's scratch, valid until the next call on this thread.
+  std::span<const float> ProcessedLogits(std::span<const float> logits);
   // What Sample returns for a greedy row reduced where its logits lie (a
   // device; runtime/ops/sampling_math.h is that reduction): `argmax` the
   // lowest id of the largest logit (NaN skipped), -1 when the row has no
   // distribution (empty, or every logit -inf or NaN); `weight_sum` the sum
   // of exp(logit - max) over the row in Sample's order. Advances the random
-  // stream by one draw, as Sample does. REQUIRES: greedy().
+  // stream by one draw, as Sample does. REQUIRES: greedy(),
+  // !modifies_logits().
   SampledToken SampleGreedyFrom(int64_t argmax, double weight_sum);
 
  private:
@@ -90,6 +116,11 @@ class Sampler {
   static Scratch& ThreadScratch();
   friend SampledToken ScoreToken(std::span<const float> logits, int64_t token, int64_t top);
 
+  // Sample after the random draw u: the token from `logits`, its logprob
+  // and (top) the most likely tokens from `logits` too.
+  SampledToken SampleRow(std::span<const float> logits, double u, bool top);
+  // Counts a returned token as generated.
+  void Record(int64_t token);
   // The token Sample draws from a row with a distribution (max_logit finite),
   // given the row's untempered weights in s.probs (their sum raw_sum) and the
   // uniform u of this draw.
@@ -103,6 +134,16 @@ class Sampler {
 
   SamplingParams params_;
   uint64_t state_[4];  // xoshiro256** state
+  // The penalties' state: whether any penalty or bias is set, the tokens
+  // generated, the prompt's distinct ids (repetition penalty only) sorted,
+  // each generated id's count (any penalty), the ids min_tokens masks.
+  bool penalized_ = false;
+  bool counts_output_ = false;
+  int64_t generated_ = 0;
+  std::vector<int32_t> prompt_ids_;
+  std::unordered_map<int32_t, int32_t> output_counts_;
+  std::vector<int64_t> min_tokens_ids_;
+  std::vector<std::pair<int32_t, double>> bias_;
 };
 
 // The logprob of `token` under the distribution of one row of logits (as

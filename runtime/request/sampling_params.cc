@@ -2,11 +2,43 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 namespace mlarun {
 namespace {
 
 constexpr double kMaxTemperature = 100.0;
+
+// The penalties, the biases and min_tokens (after max_tokens is checked).
+Status ValidatePenalties(const SamplingParams& p, int64_t vocab_size) {
+  // Written so that NaN fails too.
+  if (!(std::fabs(p.presence_penalty) <= kMaxPresencePenalty)) {
+    return InvalidArgumentError("presence_penalty must be in [-", kMaxPresencePenalty, ", ", kMaxPresencePenalty,
+                                "], got ", p.presence_penalty);
+  }
+  if (!(std::fabs(p.frequency_penalty) <= kMaxPresencePenalty)) {
+    return InvalidArgumentError("frequency_penalty must be in [-", kMaxPresencePenalty, ", ", kMaxPresencePenalty,
+                                "], got ", p.frequency_penalty);
+  }
+  if (!(p.repetition_penalty > 0.0 && std::isfinite(p.repetition_penalty))) {
+    return InvalidArgumentError("repetition_penalty must be finite and > 0 (1: off), got ", p.repetition_penalty);
+  }
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0 || id >= vocab_size) {
+      return InvalidArgumentError("logit_bias has token id ", id, " outside [0, ",
+                                  vocab_size == INT64_MAX ? "the vocabulary size" : std::to_string(vocab_size), ")");
+    }
+    if (!(std::fabs(bias) <= kMaxLogitBias)) {
+      return InvalidArgumentError("logit_bias of token ", id, " must be in [-", kMaxLogitBias, ", ", kMaxLogitBias,
+                                  "], got ", bias);
+    }
+  }
+  if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
+    return InvalidArgumentError("min_tokens must be in [0, max_tokens = ", p.max_tokens, "], got ", p.min_tokens);
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -36,6 +68,7 @@ Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64
     return InvalidArgumentError("prompt_logprobs must be in [-1, ", kMaxTopLogprobs, "] (-1: off), got ",
                                 p.prompt_logprobs);
   }
+  MLARUN_RETURN_IF_ERROR(ValidatePenalties(p, vocab_size));
   for (size_t i = 0; i < p.stop_token_ids.size(); ++i) {
     const int64_t id = p.stop_token_ids[i];
     if (id < 0) return InvalidArgumentError("stop_token_ids[", i, "] must be >= 0, got ", id);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <vector>
 
 #include "base/status.h"
@@ -15,6 +16,9 @@ namespace mlarun {
 // (SamplingParams::logprobs), as vLLM's default max_logprobs and OpenAI's
 // top_logprobs bound.
 inline constexpr int64_t kMaxTopLogprobs = 20;
+// Bounds of the penalties and biases, as OpenAI's and vLLM's.
+inline constexpr double kMaxPresencePenalty = 2.0;  // |presence_penalty|, |frequency_penalty|
+inline constexpr double kMaxLogitBias = 100.0;      // |logit_bias value|
 
 // A token and its logprob (natural log, unmodified distribution): an entry
 // of the most likely tokens a request asks for.
@@ -48,6 +52,17 @@ struct SamplingParams {
   // (vLLM's prompt_logprobs): [-1, kMaxTopLogprobs], -1: off. Such a
   // request computes its whole prompt (no prefix is reused from the cache).
   int64_t prompt_logprobs = -1;
+  // Penalties and biases, as vLLM applies them to the logits before
+  // temperature, top-k and top-p (runtime/ops/sampler.h): presence and
+  // frequency penalties over the generated tokens, the repetition penalty
+  // over the prompt's and the generated tokens (1: off), a bias per token id,
+  // and min_tokens: the stop ids and the model's EOS ids are masked until
+  // that many tokens were generated.
+  double presence_penalty = 0.0;         // [-2, 2]
+  double frequency_penalty = 0.0;        // [-2, 2]
+  double repetition_penalty = 1.0;       // > 0
+  std::map<int64_t, double> logit_bias;  // token id -> bias in [-100, 100]
+  int64_t min_tokens = 0;                // [0, max_tokens]
 
   friend bool operator==(const SamplingParams&, const SamplingParams&) = default;
 };
@@ -56,7 +71,10 @@ struct SamplingParams {
 // temperature < 0 or > 100 or not finite, top_p outside (0, 1], top_k < -1
 // (-1 and 0 both mean off, as vLLM accepts -1), max_tokens < 1 or >
 // max_tokens_limit, stop ids outside [0, vocab_size), logprobs outside
-// [0, kMaxTopLogprobs], prompt_logprobs outside [-1, kMaxTopLogprobs]. Every message starts
+// [0, kMaxTopLogprobs], prompt_logprobs outside [-1, kMaxTopLogprobs],
+// presence or frequency penalty outside [-2, 2], a repetition penalty not
+// > 0, logit_bias ids outside [0, vocab_size) or biases outside [-100, 100],
+// min_tokens outside [0, max_tokens] (all not finite too). Every message starts
 // with the field's name ("top_p must be ..."), so a caller can prefix its
 // path ("sampling."). A caller without a limit passes INT64_MAX. The one
 // place of these ranges: the coordinator and the workers check every request

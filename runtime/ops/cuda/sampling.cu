@@ -1,11 +1,12 @@
 // The next token of each logit row, logits on the GPU (sampling.h).
 //
-// Greedy rows (Sampler::greedy) are reduced where the logits lie and only
+// Greedy rows (Sampler::greedy) without penalties or biases
+// (Sampler::modifies_logits) are reduced where the logits lie and only
 // (argmax, weight sum) per row comes back, 16 bytes; the sampler turns that
 // into the token and its logprob and advances its stream by its one draw
 // (Sampler::SampleGreedyFrom), so tokens, logprobs and streams equal the CPU
 // path's bit for bit. Other rows are copied to the host one by one and sampled
-// there by the same Sampler::Sample as on the CPU.
+// there by the same Sampler::Sample as on the CPU, penalties and biases included.
 //
 // GreedyReduceKernel: one block per row (the kernel runs over every row when
 // any is greedy; the others' results are not read), as SamplerGreedyReduce
@@ -72,8 +73,9 @@ Status Sample(const SampleParams& p) {
   const int64_t rows = p.rows, vocab = p.vocab;
   bool any_greedy = false;
   // Greedy rows are reduced where they lie, unless they also list their most
-  // likely tokens: those, and sampled rows, come to the host whole.
-  auto reduced = [](const Sampler& s) { return s.greedy() && !s.wants_top(); };
+  // likely tokens or have penalties: those, and sampled rows, come to the
+  // host whole.
+  auto reduced = [](const Sampler& s) { return s.greedy() && !s.wants_top() && !s.modifies_logits(); };
   for (int64_t r = 0; r < rows; ++r) any_greedy = any_greedy || reduced(*p.samplers[r]);
   thread_local std::vector<GreedyRow> greedy;
   greedy.assign(static_cast<size_t>(rows), GreedyRow{0.0, -1});

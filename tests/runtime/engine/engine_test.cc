@@ -3,7 +3,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
+#include <set>
 
 #include "tests/test_paths.h"
 
@@ -268,6 +270,63 @@ TEST(Engine, StopTokensAndEos) {
   EXPECT_EQ(outs[0].tokens.size(), static_cast<size_t>(eos_at + 1));
   EXPECT_EQ(outs[0].finish_reason, FinishReason::kStop);
   EXPECT_EQ(outs[1].tokens, base.tokens) << "ignore_eos runs to max_tokens";
+}
+
+// Repeats in a token list: how many tokens equal an earlier one.
+int64_t Repeats(const std::vector<int64_t>& tokens) {
+  std::set<int64_t> seen;
+  int64_t n = 0;
+  for (int64_t t : tokens) n += seen.insert(t).second ? 0 : 1;
+  return n;
+}
+
+// The penalties count each request's own tokens: greedy decoding that
+// repeats itself stops repeating under a large repetition or frequency
+// penalty, alone or batched with requests of other histories; min_tokens
+// keeps the EOS out until then.
+TEST(Engine, PenaltiesFollowEachRequestsOwnHistory) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const auto p = RandomPrompt(9, 31);
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20};
+  const auto base = RunAll(*m, ec, {{p, Greedy(40)}})[0];
+  ASSERT_GT(Repeats(base.tokens), 0) << "the tiny model's greedy output repeats";
+  auto repetition = Greedy(40);
+  repetition.repetition_penalty = 1e4;
+  auto frequency = Greedy(40);
+  frequency.frequency_penalty = 2.0;
+  frequency.presence_penalty = 2.0;
+  const auto alone = RunAll(*m, ec, {{p, repetition}})[0];
+  EXPECT_EQ(Repeats(alone.tokens), 0);
+  for (int64_t t : alone.tokens) EXPECT_EQ(std::count(p.begin(), p.end(), t), 0) << "prompt token " << t;
+  const auto freq = RunAll(*m, ec, {{p, frequency}})[0];
+  EXPECT_LT(Repeats(freq.tokens), Repeats(base.tokens));
+  // Batched with the unpenalized request and one of another prompt, chunked.
+  const auto together = RunAll(*m, EngineConfig{.max_num_batched_tokens = 8, .cache_budget_bytes = 16 << 20},
+                               {{p, Greedy(40)}, {RandomPrompt(20, 5), repetition}, {p, repetition}, {p, frequency}});
+  EXPECT_EQ(together[0].tokens, base.tokens);
+  EXPECT_EQ(together[2].tokens, alone.tokens);
+  EXPECT_EQ(together[3].tokens, freq.tokens);
+  EXPECT_EQ(Repeats(together[1].tokens), 0);
+  // The reported logprobs stay those of the unmodified distribution: the
+  // same tokens at the same positions get the same logprobs.
+  for (size_t i = 0; i < base.tokens.size() && base.tokens[i] == alone.tokens[i]; ++i)
+    EXPECT_NEAR(alone.logprobs[i], base.logprobs[i], 1e-6);
+
+  // min_tokens: the model's EOS (the base output's fourth token) cannot end
+  // the request before 6 tokens.
+  ModelConfig c = m->config();
+  c.eos_token_ids = {base.tokens[3]};
+  auto m_eos = std::move(Model::Random(c, 1234)).value();
+  auto early = Greedy(40);
+  early.ignore_eos = false;
+  auto late = early;
+  late.min_tokens = 6;
+  const auto outs = RunAll(*m_eos, ec, {{p, early}, {p, late}});
+  ASSERT_LT(outs[0].tokens.size(), 6u);
+  EXPECT_EQ(outs[0].tokens.back(), base.tokens[3]);
+  ASSERT_GE(outs[1].tokens.size(), 6u);
+  for (size_t i = 0; i < 5; ++i) EXPECT_NE(outs[1].tokens[i], base.tokens[3]) << "token " << i;
 }
 
 // The tiny model whose Forward call `fail_call` (0-based) fails with INTERNAL.

@@ -792,6 +792,69 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
   }
 }
 
+// Penalties, biases and min_tokens on the device: greedy and tempered rows
+// with them come to the host whole and give the CPU's tokens and logprobs,
+// step after step as each request's output grows.
+TEST(OpsCuda, PenalizedSampleGivesTheCpuSamplersTokens) {
+  MLARUN_SKIP_WITHOUT_GPU();
+  Random r(31);
+  const int64_t vocab = 4099, rows = 6;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 50; ++i) prompt.push_back(r.Int(0, 59));
+  const std::vector<int64_t> eos = {7};
+  std::vector<SamplingParams> kinds(static_cast<size_t>(rows));
+  kinds[0] = {.temperature = 0.0, .repetition_penalty = 1.5};
+  kinds[1] = {.temperature = 0.0, .presence_penalty = 1.0, .frequency_penalty = 0.5};
+  kinds[2] = {.temperature = 0.0, .logit_bias = {{3, 100.0}, {9, -50.0}}};
+  kinds[3] = {.temperature = 0.0, .max_tokens = 8, .stop_token_ids = {11}, .min_tokens = 3};
+  kinds[4] = {.temperature = 0.9, .seed = 4, .frequency_penalty = 0.3, .repetition_penalty = 1.2};
+  kinds[5] = {.temperature = 0.0, .logprobs = 3, .presence_penalty = -1.0};
+  std::vector<Sampler> cpu, cuda;
+  for (const SamplingParams& sp : kinds) {
+    cpu.emplace_back(sp, SamplerHistory{.prompt = prompt, .eos_token_ids = eos});
+    cuda.emplace_back(sp, SamplerHistory{.prompt = prompt, .eos_token_ids = eos});
+  }
+  std::vector<Sampler*> cpu_ptrs, cuda_ptrs;
+  for (int64_t row = 0; row < rows; ++row) cpu_ptrs.push_back(&cpu[row]), cuda_ptrs.push_back(&cuda[row]);
+  for (int step = 0; step < 6; ++step) {
+    std::vector<float> logits(static_cast<size_t>(rows * vocab));
+    for (float& x : logits) x = r.Normal(3.f);
+    for (int64_t row = 0; row < rows; ++row) {  // the EOS and stop ids lead
+      logits[static_cast<size_t>(row * vocab + 7)] = 20.f;
+      logits[static_cast<size_t>(row * vocab + 11)] = 19.f;
+    }
+    const DeviceVec<float> dlogits = ToDevice(logits);
+    std::vector<SampledToken> want(static_cast<size_t>(rows)), got(static_cast<size_t>(rows));
+    ASSERT_TRUE(SampleRun({.logits = logits.data(),
+                           .rows = rows,
+                           .vocab = vocab,
+                           .ld = vocab,
+                           .samplers = cpu_ptrs.data(),
+                           .out = want.data()})
+                    .ok());
+    const Status st = SampleRun({.logits = dlogits.data(),
+                                 .rows = rows,
+                                 .vocab = vocab,
+                                 .ld = vocab,
+                                 .samplers = cuda_ptrs.data(),
+                                 .out = got.data(),
+                                 .backend = Backend::kCuda});
+    ASSERT_TRUE(st.ok()) << st;
+    for (int64_t row = 0; row < rows; ++row) {
+      const SampledToken& a = want[static_cast<size_t>(row)];
+      const SampledToken& b = got[static_cast<size_t>(row)];
+      EXPECT_EQ(b.token, a.token) << "step " << step << " row " << row;
+      EXPECT_EQ(std::memcmp(&a.logprob, &b.logprob, sizeof(double)), 0) << "step " << step << " row " << row;
+      ASSERT_EQ(b.num_top, a.num_top) << "step " << step << " row " << row;
+      for (int32_t j = 0; j < a.num_top; ++j) EXPECT_EQ(b.top[j], a.top[j]) << "step " << step << " row " << row;
+    }
+    if (step < 3) {
+      EXPECT_NE(got[3].token, 7) << "min_tokens masks the EOS";
+    }
+    EXPECT_EQ(got[2].token, 3) << "a bias of 100 wins";
+  }
+}
+
 // Prompt tokens scored on the device: each row read back and scored as the
 // CPU scores it, bit for bit.
 TEST(OpsCuda, ScoreGivesTheCpusLogprobs) {

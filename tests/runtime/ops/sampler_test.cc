@@ -8,6 +8,7 @@
 #include <numeric>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -656,6 +657,268 @@ TEST(ValidateSamplingParams, RejectsEachBadField) {
   ExpectRejected(p, "stop_token_ids", "1000");
   p.stop_token_ids = {-3};
   ExpectRejected(p, "stop_token_ids", "-3");
+}
+
+TEST(ValidateSamplingParams, PenaltiesAndBiases) {
+  SamplingParams p;
+  p.max_tokens = 8;
+  p.presence_penalty = -2.0;
+  p.frequency_penalty = 2.0;
+  p.repetition_penalty = 0.01;
+  p.logit_bias = {{0, -100.0}, {999, 100.0}};
+  p.min_tokens = 8;
+  EXPECT_TRUE(ValidateSamplingParams(p, 1000, 4096).ok());
+  const SamplingParams good = p;
+  p.presence_penalty = 2.5;
+  ExpectRejected(p, "presence_penalty", "2.5");
+  p = good;
+  p.frequency_penalty = std::nan("");
+  ExpectRejected(p, "frequency_penalty", "nan");
+  p = good;
+  p.repetition_penalty = 0.0;
+  ExpectRejected(p, "repetition_penalty", "got 0");
+  p.repetition_penalty = std::numeric_limits<double>::infinity();
+  ExpectRejected(p, "repetition_penalty", "inf");
+  p = good;
+  p.logit_bias[1000] = 1.0;
+  ExpectRejected(p, "logit_bias", "1000");
+  p = good;
+  p.logit_bias[-1] = 1.0;
+  ExpectRejected(p, "logit_bias", "-1");
+  p = good;
+  p.logit_bias[5] = 100.5;
+  ExpectRejected(p, "logit_bias", "100.5");
+  p = good;
+  p.min_tokens = 9;
+  ExpectRejected(p, "min_tokens", "9");
+  p.min_tokens = -1;
+  ExpectRejected(p, "min_tokens", "-1");
+}
+
+// ---- Penalties and biases ----------------------------------------------------
+
+// A request's history for the penalties: prompt and output ids drawn from a
+// small range, so that ids repeat within and across them.
+struct History {
+  std::vector<int32_t> prompt, output;
+  std::vector<int64_t> eos;
+};
+
+History RandomHistory(std::mt19937_64& rng, int64_t vocab) {
+  std::uniform_int_distribution<int32_t> id(0, static_cast<int32_t>(std::min<int64_t>(vocab, 40) - 1));
+  History h;
+  for (int i = 0; i < 30; ++i) h.prompt.push_back(id(rng));
+  for (int i = 0; i < 20; ++i) h.output.push_back(id(rng));
+  return h;
+}
+
+std::vector<float> RandomLogits(std::mt19937_64& rng, int64_t vocab) {
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  for (float& x : logits) x = normal(rng);
+  return logits;
+}
+
+// The published definitions (vLLM's sampler), in float64: min_tokens masks
+// the stop and EOS ids, logit_bias is added, the repetition penalty divides
+// a positive logit of a token seen in prompt or output and multiplies any
+// other, and each generated token loses frequency * count + presence.
+std::vector<double> ReferencePenalized(const std::vector<float>& logits, const SamplingParams& p, const History& h) {
+  const size_t vocab = logits.size();
+  std::vector<double> out(logits.begin(), logits.end());
+  std::vector<int64_t> count(vocab, 0);
+  std::vector<bool> seen(vocab, false);
+  for (int32_t t : h.prompt) seen[static_cast<size_t>(t)] = true;
+  for (int32_t t : h.output) seen[static_cast<size_t>(t)] = true, ++count[static_cast<size_t>(t)];
+  if (static_cast<int64_t>(h.output.size()) < p.min_tokens) {
+    for (int64_t t : p.stop_token_ids) out[static_cast<size_t>(t)] = -kInf;
+    for (int64_t t : h.eos) out[static_cast<size_t>(t)] = -kInf;
+  }
+  for (const auto& [t, bias] : p.logit_bias) out[static_cast<size_t>(t)] += bias;
+  for (size_t i = 0; i < vocab; ++i) {
+    if (seen[i]) out[i] = out[i] > 0 ? out[i] / p.repetition_penalty : out[i] * p.repetition_penalty;
+    out[i] -= p.frequency_penalty * static_cast<double>(count[i]) + p.presence_penalty * (count[i] > 0 ? 1.0 : 0.0);
+  }
+  return out;
+}
+
+std::vector<SamplingParams> PenaltyKinds(std::mt19937_64& rng, int64_t vocab) {
+  std::uniform_real_distribution<double> unit(-1.0, 1.0);
+  std::uniform_int_distribution<int64_t> id(0, vocab - 1);
+  std::vector<SamplingParams> kinds(7, Params(0.0));
+  kinds[0].presence_penalty = 2.0 * unit(rng);
+  kinds[1].frequency_penalty = 2.0 * unit(rng);
+  kinds[2].repetition_penalty = 1.0 + 1.5 * std::fabs(unit(rng));
+  kinds[3].repetition_penalty = 0.3 + 0.5 * std::fabs(unit(rng));  // < 1: rewards repeats
+  for (int i = 0; i < 10; ++i) kinds[4].logit_bias[id(rng)] = 20.0 * unit(rng);
+  kinds[5].min_tokens = 25;
+  kinds[5].stop_token_ids = {id(rng), id(rng)};
+  kinds[6] = kinds[4];  // all at once
+  kinds[6].presence_penalty = 2.0 * unit(rng);
+  kinds[6].frequency_penalty = 2.0 * unit(rng);
+  kinds[6].repetition_penalty = 1.0 + 1.5 * std::fabs(unit(rng));
+  kinds[6].min_tokens = 25;
+  kinds[6].stop_token_ids = {id(rng)};
+  return kinds;
+}
+
+// The lowest id of the largest value, or -1 when the runner-up is too close
+// for float rounding to decide.
+int64_t ClearArgmax(const std::vector<double>& x) {
+  const int64_t best = std::max_element(x.begin(), x.end()) - x.begin();
+  for (size_t i = 0; i < x.size(); ++i)
+    if (static_cast<int64_t>(i) != best && x[i] > x[static_cast<size_t>(best)] - 1e-3) return -1;
+  return best;
+}
+
+TEST(SamplerPenalties, ProcessedLogitsAndGreedyTokenMatchReference) {
+  std::mt19937_64 rng(20260601);
+  for (int64_t vocab : {50, 3000}) {
+    for (int trial = 0; trial < 20; ++trial) {
+      History h = RandomHistory(rng, vocab);
+      h.eos = {static_cast<int64_t>(rng() % static_cast<uint64_t>(vocab))};
+      if (trial % 2 == 1) h.output.resize(static_cast<size_t>(trial));  // some below min_tokens, some not
+      const std::vector<float> logits = RandomLogits(rng, vocab);
+      const std::vector<double> raw = LogSoftmax(logits);
+      int kind = 0;
+      for (const SamplingParams& p : PenaltyKinds(rng, vocab)) {
+        SCOPED_TRACE("vocab " + std::to_string(vocab) + " trial " + std::to_string(trial) + " kind " +
+                     std::to_string(kind++));
+        const std::vector<double> want = ReferencePenalized(logits, p, h);
+        Sampler sampler(p, {.prompt = h.prompt, .eos_token_ids = h.eos, .output = h.output});
+        EXPECT_TRUE(sampler.modifies_logits());
+        const std::span<const float> got = sampler.ProcessedLogits(logits);
+        ASSERT_EQ(got.size(), logits.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          if (want[i] == -kInf) {
+            EXPECT_EQ(got[i], -kFloatInf) << "token " << i;
+          } else {
+            EXPECT_NEAR(got[i], want[i], 1e-5 * (1.0 + std::fabs(want[i]))) << "token " << i;
+          }
+        }
+        const SampledToken t = sampler.Sample(logits);
+        if (const int64_t best = ClearArgmax(want); best >= 0) {
+          EXPECT_EQ(t.token, best);
+        }
+        // Reported under the unmodified distribution, as vLLM's raw logprobs.
+        EXPECT_NEAR(t.logprob, raw[static_cast<size_t>(t.token)], 1e-9);
+      }
+    }
+  }
+}
+
+// Each token a sampler draws counts as output for the next: greedy decoding
+// step by step against the reference over the growing history.
+TEST(SamplerPenalties, DrawnTokensJoinTheHistory) {
+  std::mt19937_64 rng(7);
+  const int64_t vocab = 12;
+  SamplingParams p = Params(0.0);
+  p.presence_penalty = 0.7;
+  p.frequency_penalty = 0.4;
+  p.repetition_penalty = 1.3;
+  p.min_tokens = 5;
+  p.stop_token_ids = {2};
+  History h{.prompt = {1, 1, 4, 9}, .output = {}, .eos = {3}};
+  Sampler sampler(p, {.prompt = h.prompt, .eos_token_ids = h.eos});
+  // Tokens 2 and 3 lead every row until min_tokens: masked, then free.
+  for (int step = 0; step < 40; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    std::vector<float> logits = RandomLogits(rng, vocab);
+    logits[2] += 4.0f;
+    logits[3] += 4.0f;
+    const int64_t want = ClearArgmax(ReferencePenalized(logits, p, h));
+    const SampledToken t = sampler.Sample(logits);
+    if (want >= 0) {
+      EXPECT_EQ(t.token, want);
+    }
+    if (step < 5) {
+      EXPECT_TRUE(t.token != 2 && t.token != 3) << t.token;
+    }
+    h.output.push_back(static_cast<int32_t>(t.token));
+  }
+}
+
+// Tempered draws from the penalized logits: each draw from a fresh sampler
+// (its own seed) over the same history, against softmax(reference / T).
+TEST(SamplerPenalties, SampledDistributionMatchesReference) {
+  std::mt19937_64 rng(99);
+  const int64_t vocab = 10, draws = 20000;
+  const History h{.prompt = {0, 1, 1, 2, 7}, .output = {1, 3, 3, 3, 8}, .eos = {}};
+  SamplingParams p = Params(0.8, 0, 1.0);
+  p.presence_penalty = 0.5;
+  p.frequency_penalty = 0.3;
+  p.repetition_penalty = 1.5;
+  p.logit_bias = {{4, 1.5}, {9, -2.0}};
+  std::vector<float> logits = {1.0f, 2.0f, 0.5f, 1.5f, -0.5f, 0.0f, 0.3f, 1.2f, 0.8f, 1.1f};
+  const std::vector<double> z = ReferencePenalized(logits, p, h);
+  std::vector<double> want(static_cast<size_t>(vocab));
+  double sum = 0.0;
+  for (size_t i = 0; i < want.size(); ++i) sum += want[i] = std::exp(z[i] / p.temperature);
+  for (double& x : want) x /= sum;
+  std::vector<int64_t> counts(static_cast<size_t>(vocab), 0);
+  for (int64_t i = 0; i < draws; ++i) {
+    p.seed = static_cast<uint64_t>(i);
+    Sampler sampler(p, {.prompt = h.prompt, .output = h.output});
+    ++counts[static_cast<size_t>(sampler.Sample(logits).token)];
+  }
+  ExpectDistribution(counts, want, draws);
+}
+
+TEST(SamplerPenalties, MinTokensMasksEosUntilReached) {
+  // EOS (5) and a stop id (7) lead by far; min_tokens 3 with one token
+  // already generated: two more tokens without them, then EOS.
+  std::vector<float> logits(16, 0.0f);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = 0.1f * static_cast<float>(i % 5);
+  logits[5] = 9.0f;
+  logits[7] = 8.0f;
+  const std::vector<int64_t> eos = {5};
+  const std::vector<int32_t> output = {0};
+  for (double temperature : {0.0, 1.0}) {
+    SamplingParams p = Params(temperature);
+    p.min_tokens = 3;
+    p.stop_token_ids = {7};
+    Sampler sampler(p, {.eos_token_ids = eos, .output = output});
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_TRUE(sampler.modifies_logits());
+      const int64_t t = sampler.Sample(logits).token;
+      EXPECT_NE(t, 5) << "draw " << i;
+      EXPECT_NE(t, 7) << "draw " << i;
+    }
+    EXPECT_FALSE(sampler.modifies_logits()) << "min_tokens reached: the fast path again";
+    if (temperature == 0.0) {
+      EXPECT_EQ(sampler.Sample(logits).token, 5);
+    }
+  }
+}
+
+TEST(SamplerPenalties, LogitBiasOfHundredForcesAToken) {
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t vocab = 500;
+    const std::vector<float> logits = RandomLogits(rng, vocab);
+    const int64_t forced = static_cast<int64_t>(rng() % vocab);
+    const int64_t best = std::max_element(logits.begin(), logits.end()) - logits.begin();
+    for (double temperature : {0.0, 1.0, 1.5}) {
+      SamplingParams p = Params(temperature, 0, 1.0, static_cast<uint64_t>(trial));
+      p.logit_bias = {{forced, 100.0}, {best == forced ? (forced + 1) % vocab : best, -100.0}};
+      Sampler sampler(p);
+      for (int i = 0; i < 20; ++i) {
+        const SampledToken t = sampler.Sample(logits);
+        EXPECT_EQ(t.token, forced);
+        EXPECT_NEAR(t.logprob, LogSoftmax(logits)[static_cast<size_t>(forced)], 1e-9);
+      }
+    }
+  }
+}
+
+TEST(SamplerPenalties, NoPenaltyIsTheFastPath) {
+  SamplingParams p = Params(0.0);
+  EXPECT_FALSE(Sampler(p).modifies_logits());
+  p.logit_bias = {{3, 0.0}};
+  EXPECT_TRUE(Sampler(p).modifies_logits());
+  p.logit_bias.clear();
+  p.repetition_penalty = 1.1;
+  EXPECT_TRUE(Sampler(p).modifies_logits());
 }
 
 }  // namespace
