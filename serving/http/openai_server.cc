@@ -25,6 +25,7 @@
 #include <netinet/in.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -36,6 +37,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -214,12 +216,6 @@ std::optional<double> GetNumber(const json& body, const char* name) {
   return x;
 }
 
-// A field that only one value of is supported (penalties: 0).
-void RequireValue(const json& body, const char* name, double supported, const char* why) {
-  if (std::optional<double> x = GetNumber(body, name); x && *x != supported)
-    throw BadField(name, StrCat("only ", supported, " is supported (", why, "), got ", *x));
-}
-
 std::vector<int32_t> TokenIds(const json& v, const std::string& field) {
   std::vector<int32_t> ids;
   ids.reserve(v.size());
@@ -334,16 +330,31 @@ void ParseStop(const json& body, Params& p) {
   }
 }
 
+// The penalties, logit_bias (token-id strings to numbers) and min_tokens:
+// their types here, their values by SamplingError.
+void ParsePenalties(const json& body, SamplingParams& s) {
+  if (std::optional<double> x = GetNumber(body, "presence_penalty")) s.presence_penalty = *x;
+  if (std::optional<double> x = GetNumber(body, "frequency_penalty")) s.frequency_penalty = *x;
+  if (std::optional<double> x = GetNumber(body, "repetition_penalty")) s.repetition_penalty = *x;
+  s.min_tokens = GetInt(body, "min_tokens", 0, kMaxCount).value_or(0);
+  const json* bias = Field(body, "logit_bias");
+  if (bias == nullptr) return;
+  if (!bias->is_object())
+    throw BadField("logit_bias", StrCat("must be an object of token ids to numbers, got ", TypeName(*bias)));
+  for (const auto& [key, value] : bias->items()) {
+    int64_t id = -1;
+    const char* end = key.data() + key.size();
+    if (const auto [ptr, ec] = std::from_chars(key.data(), end, id); key.empty() || ec != std::errc() || ptr != end)
+      throw BadField("logit_bias", StrCat("keys must be token ids (decimal integers), got \"", key, "\""));
+    if (!value.is_number())
+      throw BadField("logit_bias", StrCat("the bias of token ", key, " must be a number, got ", TypeName(value)));
+    s.logit_bias[id] = value.get<double>();
+  }
+}
+
 // Fields the engine has no use for: accepted only with the values that ask
 // nothing of it (or, for user and model, of the right type).
 void ParseUnsupported(const json& body) {
-  if (GetInt(body, "min_tokens", 0, kMaxCount).value_or(0) > 0)
-    throw BadField("min_tokens", "only 0 is supported (the engine has no minimum length)");
-  RequireValue(body, "presence_penalty", 0, "the engine applies no penalties");
-  RequireValue(body, "frequency_penalty", 0, "the engine applies no penalties");
-  RequireValue(body, "repetition_penalty", 1, "the engine applies no penalties");
-  if (const json* bias = Field(body, "logit_bias"); bias != nullptr && !(bias->is_object() && bias->empty()))
-    throw BadField("logit_bias", "not supported (the engine applies no biases)");
   if (const json* user = Field(body, "user"); user != nullptr && !user->is_string())
     throw BadField("user", StrCat("must be a string, got ", TypeName(*user)));
   if (const json* model = Field(body, "model"); model != nullptr && !model->is_string())
@@ -354,6 +365,7 @@ void ParseUnsupported(const json& body) {
 void ParseSampling(const json& body, Params& p) {
   ParseChoices(body, p);
   ParseEngineFields(body, p);
+  ParsePenalties(body, p.sampling);
   ParseStop(body, p);
   p.skip_special_tokens = GetBool(body, "skip_special_tokens", true);
   ParseUnsupported(body);
@@ -367,7 +379,11 @@ void ParseSampling(const json& body, Params& p) {
 // context) are the dispatcher's to check, as for every request; max_tokens
 // and top_k are at most kMaxCount here.
 std::optional<ApiError> SamplingError(const Params& p, const std::string& logprobs_field) {
-  const Status st = ValidateSamplingParams(p.sampling, /*vocab_size=*/std::numeric_limits<int64_t>::max(), kMaxCount);
+  SamplingParams s = p.sampling;
+  // A chat without max_tokens runs up to the context (Submit): min_tokens is
+  // the dispatcher's to check against that.
+  if (p.chat && !p.max_tokens_given) s.max_tokens = kMaxCount;
+  const Status st = ValidateSamplingParams(s, /*vocab_size=*/std::numeric_limits<int64_t>::max(), kMaxCount);
   if (st.ok()) {
     if (p.sampling.top_k <= kMaxCount) return std::nullopt;
     return BadField("top_k", StrCat("must be at most ", kMaxCount, ", got ", p.sampling.top_k));

@@ -15,6 +15,11 @@ SamplingParams FromProto(const v1::SamplingParams& p) {
   s.ignore_eos = p.ignore_eos();
   s.logprobs = p.logprobs();
   s.prompt_logprobs = p.has_prompt_logprobs() ? p.prompt_logprobs() : -1;
+  s.presence_penalty = p.presence_penalty();
+  s.frequency_penalty = p.frequency_penalty();
+  if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
+  s.logit_bias.insert(p.logit_bias().begin(), p.logit_bias().end());
+  s.min_tokens = p.min_tokens();
   return s;
 }
 
@@ -33,6 +38,12 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
   } else {
     out->clear_prompt_logprobs();
   }
+  out->set_presence_penalty(p.presence_penalty);
+  out->set_frequency_penalty(p.frequency_penalty);
+  out->set_repetition_penalty(p.repetition_penalty);
+  out->mutable_logit_bias()->clear();
+  out->mutable_logit_bias()->insert(p.logit_bias.begin(), p.logit_bias.end());
+  out->set_min_tokens(p.min_tokens);
 }
 
 namespace {

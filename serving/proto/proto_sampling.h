@@ -16,9 +16,9 @@ class PromptTokenLogprob;
 class Token;
 }  // namespace v1
 
-// Absent optional fields (top_p, max_tokens) take SamplingParams{}'s values,
-// the one default of the whole system. No validation: see
-// ValidateSamplingParams.
+// Absent optional fields (top_p, max_tokens, repetition_penalty) take
+// SamplingParams{}'s values, the one default of the whole system. No
+// validation: see ValidateSamplingParams.
 SamplingParams FromProto(const v1::SamplingParams& p);
 
 // Sets every field, the optional ones included, so the receiver never has to

@@ -28,6 +28,7 @@
 #include "base/cpu_isa.h"
 #include "mlarun.grpc.pb.h"
 #include "serving/link/link_server.h"
+#include "serving/proto/proto_sampling.h"
 #include "serving/sim/sim_worker.h"
 #include "tests/serving/sim_worker_thread.h"
 #include "tests/test_paths.h"
@@ -320,6 +321,32 @@ TEST(Submit, JsonLineHasTheGenerateObjectPlusDpGroup) {
   EXPECT_EQ(s.top_k(), 3);
   EXPECT_EQ(std::vector<int64_t>(s.stop_token_ids().begin(), s.stop_token_ids().end()), (std::vector<int64_t>{9, 11}));
   EXPECT_TRUE(s.ignore_eos());
+}
+
+// The penalties and biases travel in the sampling message and read back as
+// sent; absent from a message, the repetition penalty is 1 (off).
+TEST(Submit, PenaltiesAndBiasesTravel) {
+  FakeMlarun svc;
+  TestServer server(&svc);
+  ASSERT_TRUE(server.ok());
+  SubmitOptions o = Submit(server.address());
+  o.sampling.presence_penalty = -1.25;
+  o.sampling.frequency_penalty = 0.5;
+  o.sampling.repetition_penalty = 1.75;
+  o.sampling.logit_bias = {{3, -100.0}, {70, 12.5}};
+  o.sampling.min_tokens = 2;
+  std::ostringstream out, err;
+  ASSERT_EQ(RunSubmit(o, out, err), 0) << err.str();
+  const v1::SamplingParams s = svc.last().sampling();
+  EXPECT_EQ(s.presence_penalty(), -1.25);
+  EXPECT_EQ(s.frequency_penalty(), 0.5);
+  EXPECT_TRUE(s.has_repetition_penalty());
+  EXPECT_EQ(s.repetition_penalty(), 1.75);
+  EXPECT_EQ(s.logit_bias().size(), 2u);
+  EXPECT_EQ(s.logit_bias().at(70), 12.5);
+  EXPECT_EQ(s.min_tokens(), 2);
+  EXPECT_EQ(FromProto(s), o.sampling);
+  EXPECT_EQ(FromProto(v1::SamplingParams()).repetition_penalty, 1.0);
 }
 
 TEST(Submit, JsonLineListsTheMostLikelyTokensWhenAsked) {

@@ -813,7 +813,40 @@ TEST_F(HttpApiTest, SamplingRangesAreValidateSamplingParams) {
     refused({{"max_completion_tokens", 0}}, "max_completion_tokens", ">= 1", chat);
     refused({{"max_completion_tokens", int64_t{1} << 31}}, "max_completion_tokens", "[1, 2147483647]", chat);
     refused({{"stop_token_ids", {1, -1}}}, "stop_token_ids", ">= 0", chat);
+    refused({{"presence_penalty", 2.5}}, "presence_penalty", "[-2, 2]", chat);
+    refused({{"presence_penalty", "high"}}, "presence_penalty", "must be a number", chat);
+    refused({{"frequency_penalty", -2.01}}, "frequency_penalty", "[-2, 2]", chat);
+    refused({{"repetition_penalty", 0}}, "repetition_penalty", "> 0", chat);
+    refused({{"repetition_penalty", -1}}, "repetition_penalty", "> 0", chat);
+    refused({{"logit_bias", {{"5", 100.5}}}}, "logit_bias", "[-100, 100]", chat);
+    refused({{"logit_bias", {{"5", -101}}}}, "logit_bias", "[-100, 100]", chat);
+    refused({{"logit_bias", {{"-3", 1}}}}, "logit_bias", "token id -3 outside", chat);
+    refused({{"logit_bias", {{"five", 1}}}}, "logit_bias", "keys must be token ids", chat);
+    refused({{"logit_bias", {{"5", "1"}}}}, "logit_bias", "must be a number", chat);
+    refused({{"logit_bias", {1, 2}}}, "logit_bias", "must be an object", chat);
+    refused({{"min_tokens", -1}}, "min_tokens", "[0, 2147483647]", chat);
+    refused({{"min_tokens", 5}, {"max_tokens", 4}}, "min_tokens", "[0, max_tokens = 4]", chat);
   }
+  // The vocabulary and a chat's context are the group's to know: those
+  // fields travel with the request and come back named by its check.
+  auto refused_by_group = [&](const json& fields, const std::string& param, const std::string& range, bool chat) {
+    json body = chat ? json{{"messages", messages}} : json{{"prompt", "x"}};
+    body.update(fields);
+    auto [status, e] = d_->Post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+    EXPECT_EQ(status, 400) << body.dump() << " -> " << e.dump();
+    EXPECT_EQ(e["error"]["param"], param) << e.dump();
+    const std::string message = e["error"].value("message", "");
+    EXPECT_TRUE(message.starts_with("sampling." + param)) << message;
+    EXPECT_NE(message.find(range), std::string::npos) << message;
+  };
+  const json beyond = {{"logit_bias", {{std::to_string(Tok().vocab_size()), 1}}}};
+  refused_by_group(beyond, "logit_bias", "token id " + std::to_string(Tok().vocab_size()) + " outside", false);
+#ifndef MLARUN_NO_CHAT_TEMPLATE
+  refused_by_group(beyond, "logit_bias", "outside [0, ", true);
+  // A chat without max_tokens runs up to the context: min_tokens is checked
+  // against that.
+  refused_by_group({{"min_tokens", 5000}}, "min_tokens", "[0, max_tokens = ", true);
+#endif
   // max_tokens 0 is the prompt alone with echo, else refused; not through
   // max_completion_tokens.
   refused({{"max_tokens", 0}, {"echo", false}}, "max_tokens", "only with echo", false);
@@ -827,7 +860,16 @@ TEST_F(HttpApiTest, SamplingRangesAreValidateSamplingParams) {
   refused({{"top_logprobs", 21}}, "top_logprobs", "[0, 20]", true);  // the range before needing logprobs
 
   // On the edges: accepted (the chat template permitting).
-  const json edges = {{"temperature", 100}, {"top_p", 1}, {"top_k", -1}, {"max_tokens", 1}, {"stop_token_ids", {0}}};
+  const json edges = {{"temperature", 100},
+                      {"top_p", 1},
+                      {"top_k", -1},
+                      {"max_tokens", 1},
+                      {"stop_token_ids", {0}},
+                      {"presence_penalty", -2},
+                      {"frequency_penalty", 2},
+                      {"repetition_penalty", 0.01},
+                      {"min_tokens", 1},
+                      {"logit_bias", {{"0", -100}, {"1", 100}}}};
   json completion = edges;
   completion.update(json{{"prompt", "x"}, {"logprobs", 20}, {"echo", true}});
   auto [cs, cbody] = d_->Post("/v1/completions", completion);
