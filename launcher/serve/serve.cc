@@ -199,9 +199,9 @@ class Serve {
   // before it could clean up) and remove it.
   bool MakeSecret() {
     RemoveStaleSecretDirs();
-    char dir_template[] = "/tmp/mlarun-serve-XXXXXX";
-    if (mkdtemp(dir_template) == nullptr)
-      return Say(std::string("cannot make a temporary directory: ") + strerror(errno)), false;
+    std::string dir_template = TempDir() + "/mlarun-serve-XXXXXX";
+    if (mkdtemp(dir_template.data()) == nullptr)
+      return Say("cannot make a temporary directory in " + TempDir() + ": " + strerror(errno)), false;
     dir_ = dir_template;
     secret_ = RandomHex(32);
     secret_path_ = dir_ + "/worker-secret";
@@ -219,12 +219,19 @@ class Serve {
     return true;
   }
 
-  // Removes the /tmp/mlarun-serve-* directories of this user whose serve
+  // $TMPDIR, else /tmp.
+  static std::string TempDir() {
+    const char* t = std::getenv("TMPDIR");
+    std::error_code ec;
+    return t != nullptr && *t != '\0' && std::filesystem::is_directory(t, ec) ? std::string(t) : "/tmp";
+  }
+
+  // Removes the $TMPDIR/mlarun-serve-* directories of this user whose serve
   // (the pid in their kPidFile) no longer exists. A directory without a
   // readable pid (one being made right now) or whose pid is alive stays.
   void RemoveStaleSecretDirs() {
     std::error_code ec;
-    for (const auto& entry : std::filesystem::directory_iterator("/tmp", ec)) {
+    for (const auto& entry : std::filesystem::directory_iterator(TempDir(), ec)) {
       const std::string name = entry.path().filename();
       if (!name.starts_with("mlarun-serve-")) continue;
       struct stat st;

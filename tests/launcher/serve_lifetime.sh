@@ -15,6 +15,10 @@ set -u
 mlarun=$1 src=$2
 name=serve_lifetime
 work=$(mktemp -d)
+# serve keeps its secret directory in $TMPDIR: a private one, so that the
+# serves of tests running beside this one neither see nor clean ours.
+export TMPDIR="$work/tmp"
+mkdir -p "$TMPDIR"
 logs=("$work/serve1.log" "$work/serve2.log" "$work/serve3.log")
 serve_pid=
 job=()
@@ -79,7 +83,7 @@ expect_job_gone "serve killed with SIGKILL: its job"
 [ -d "$first_dir" ] || fail "the killed serve's secret directory is already gone (nothing left to clean up?)"
 
 # A directory whose serve is alive (this script) must stay.
-live_dir=$(mktemp -d /tmp/mlarun-serve-XXXXXX)
+live_dir=$(mktemp -d "$TMPDIR/mlarun-serve-XXXXXX")
 left_dirs+=("$live_dir")
 echo $$ >"$live_dir/serve-pid"
 
