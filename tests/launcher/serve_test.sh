@@ -116,13 +116,20 @@ left=$(job_pids)
 [ -z "$left" ] || fail "processes left behind: $(ps -o pid,ppid,pgid,stat,etime,cmd -p "$(echo $left | tr " " ",")" | cut -c1-160)"
 [ ! -e "$secret_dir" ] || fail "$secret_dir left behind"
 
-# A model the workers cannot load (the HTTP API off, so only they read it):
+# Workers that cannot start (an argument they refuse; the HTTP API off):
 # reported, not restarted, exit 1.
-echo "vocab_size: [" >"$work/broken.yaml"
-timeout 120 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --http "" --threads 1 2>"$work/broken.log"
+timeout 120 "$mlarun" serve --model "$model" --grpc "127.0.0.1:0" --http "" --threads 1 \
+  --worker-arg=--no-such-worker-flag 2>"$work/broken.log"
 rc=$?
-[ "$rc" = 1 ] || fail "serve with a broken model exited $rc, not 1: $(tail -3 "$work/broken.log")"
-grep -q "not restarting a job that never became ready" "$work/broken.log" || fail "no reason given for the broken model"
+[ "$rc" = 1 ] || fail "serve with failing workers exited $rc, not 1: $(tail -3 "$work/broken.log")"
+grep -q "not restarting a job that never became ready" "$work/broken.log" || fail "no reason given for the failing job"
+# A model file that is not valid YAML: a usage error naming what is wrong,
+# before any job starts, with the HTTP API off or on.
+echo "vocab_size: [" >"$work/broken.yaml"
+timeout 60 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --http "" 2>"$work/broken1.log"
+rc=$?
+[ "$rc" = 2 ] && grep -q "malformed YAML" "$work/broken1.log" && ! grep -q "started the worker job" "$work/broken1.log" ||
+  fail "a broken model without --http: exit $rc, $(tail -2 "$work/broken1.log")"
 # With the HTTP API on, the coordinator reads the model's tokenizer first: a
 # usage error naming the file, before any worker starts.
 timeout 60 "$mlarun" serve --model "$work/broken.yaml" --grpc "127.0.0.1:0" --http "127.0.0.1:0" 2>"$work/broken2.log"
