@@ -63,12 +63,6 @@ std::chrono::nanoseconds Seconds(double s) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(s));
 }
 
-std::string Lower(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
-
 std::string Head(int status, const std::string& content_type, const HttpHeaders& headers, bool keep_alive) {
   const auto reason = http::obsolete_reason(static_cast<http::status>(status));
   std::string out = "HTTP/1.1 " + std::to_string(status) + " " + std::string(reason.data(), reason.size()) + "\r\n";
@@ -170,6 +164,7 @@ class Outbox final : public HttpResponder {
     if (started_ || probed_) return false;
     probed_ = true;
     pieces_.emplace_front("HTTP/1.1 100 Continue\r\n\r\n");
+    unsent_ += pieces_.front().size();
     return true;
   }
   // For a handler that returned without an answer.
@@ -414,6 +409,7 @@ HttpRequest Session::FromParser(const http::request<http::string_body>& m) const
   r.version = m.version();
   for (const auto& f : m) r.headers.emplace_back(std::string(f.name_string()), std::string(f.value()));
   r.peer = peer_;
+  r.peer_loopback = !count_peer_;  // only loopback peers go uncounted
   return r;
 }
 
@@ -441,7 +437,7 @@ net::awaitable<int> Session::ReadBody(http::request_parser<http::string_body>& p
   if (parser.is_done()) co_return 200;
   error_code ec;
   const std::string* expect = req.Header("Expect");
-  if (expect != nullptr && Lower(*expect) == "100-continue" && req.version == 11) {
+  if (expect != nullptr && LowerAscii(*expect) == "100-continue" && req.version == 11) {
     static const std::string kContinue = "HTTP/1.1 100 Continue\r\n\r\n";
     stream_.expires_after(Seconds(options().write_timeout_s));
     co_await net::async_write(stream_, net::buffer(kContinue), net::redirect_error(net::use_awaitable, ec));
@@ -756,9 +752,15 @@ class HttpServerImpl final : public HttpServer {
 
 }  // namespace
 
+std::string LowerAscii(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
 const std::string* HttpRequest::Header(std::string_view name) const {
   for (const auto& [k, v] : headers)
-    if (k.size() == name.size() && Lower(k) == Lower(name)) return &v;
+    if (k.size() == name.size() && LowerAscii(k) == LowerAscii(name)) return &v;
   return nullptr;
 }
 

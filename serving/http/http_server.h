@@ -83,7 +83,8 @@ struct HttpRequest {
   int version = 11;    // 10 or 11
   HttpHeaders headers;
   std::string body;
-  std::string peer;  // the client's address, numeric
+  std::string peer;            // the client's address, numeric (IPv4-mapped IPv6 as IPv4)
+  bool peer_loopback = false;  // ... in 127.0.0.0/8 or ::1
   // The first field of that name (case-insensitive), or nullptr.
   const std::string* Header(std::string_view name) const;
 };
@@ -145,6 +146,9 @@ class HttpServer {
   // handler has returned. Idempotent.
   virtual void Shutdown() = 0;
 };
+
+// ASCII letters lowered (header names, media types, host names).
+std::string LowerAscii(std::string_view s);
 
 // host:port -> host (brackets removed) and port; false when malformed.
 bool ParseHostPort(const std::string& listen, std::string* host, int* port);

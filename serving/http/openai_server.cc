@@ -1181,12 +1181,6 @@ HttpAnswer TransportError(int status, std::string_view message) {
   return ErrorAnswer(e);
 }
 
-std::string LowerAscii(std::string_view s) {
-  std::string out(s);
-  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return out;
-}
-
 // A Host field's name, without its port: "[::1]:8000" -> "::1".
 std::string HostName(const std::string& host) {
   if (host.starts_with('[')) {
@@ -1204,10 +1198,6 @@ bool IsRebindingSafeHost(const std::string& name) {
   in6_addr v6;
   in_addr v4;
   return inet_pton(AF_INET, name.c_str(), &v4) == 1 || inet_pton(AF_INET6, name.c_str(), &v6) == 1;
-}
-
-bool IsLoopbackPeer(const std::string& addr) {
-  return addr.starts_with("127.") || addr == "::1" || addr.starts_with("::ffff:127.");
 }
 
 bool IsGeneration(const HttpRequest& req) {
@@ -1326,7 +1316,7 @@ class HttpApiImpl final : public HttpApi {
   // has tokens and the request lacks a good one.
   std::string Authenticate(const HttpRequest& req, bool* details) const {
     if (options_.auth_tokens.empty()) {
-      *details = IsLoopbackPeer(req.peer);
+      *details = req.peer_loopback;
       return "";
     }
     const std::string* authorization = req.Header("Authorization");
