@@ -11,21 +11,17 @@
 set -euo pipefail
 mlarun="$1"
 src="$2"
-tmp=$(mktemp -d)
+name=front_door_soak
+work=$(mktemp -d)
+tmp=$work
+logs=("$work/coordinator.log" "$work/sim-worker.log" "$work/soak.log")
 pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-  rm -rf "$tmp"
+before_exit() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null; done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null; done
+  true
 }
-trap cleanup EXIT
-fail() {
-  echo "front_door_soak: FAILED: $*" >&2
-  for log in "$tmp"/*.log; do
-    [ -f "$log" ] && { echo "--- $(basename "$log")" >&2; tail -20 "$log" >&2; }
-  done
-  exit 1
-}
+source "$src/scripts/lib/on_exit.sh"
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 grpc_port=$(free_port)
 http_port=$(free_port)
@@ -54,6 +50,6 @@ healthy || fail "the coordinator did not become healthy"
 
 python3 "$src/bench/http_front_door.py" --url "http://127.0.0.1:$http_port" --pid "$coordinator" \
   --token "$token" --requests 60 --slow 300 --floods 2 --churn 1500 --rss-slack-mb 50 --check \
-  >"$tmp/soak.log" 2>&1 || fail "$(cat "$tmp/soak.log")"
+  >"$tmp/soak.log" 2>&1 || fail "bench/http_front_door.py --check failed"
 cat "$tmp/soak.log"
 kill -0 "$coordinator" || fail "the coordinator died"
