@@ -2,19 +2,13 @@
 
 #include <algorithm>
 
+#include "text/partial_marker.h"
+
 namespace mlarun::text {
 namespace {
 
 constexpr std::string_view kOpen = "<think>";
 constexpr std::string_view kClose = "</think>";
-
-// The length of the longest suffix of `s` that is a proper prefix of `marker`.
-size_t PartialMarker(std::string_view s, std::string_view marker) {
-  for (size_t n = std::min(s.size(), marker.size() - 1); n > 0; --n) {
-    if (s.substr(s.size() - n) == marker.substr(0, n)) return n;
-  }
-  return 0;
-}
 
 }  // namespace
 
@@ -53,8 +47,8 @@ ReasoningSplit ReasoningParser::Add(std::string_view delta) {
     }
     break;
   }
-  size_t keep = PartialMarker(held_, kClose);
-  if (state_ == State::kStart) keep = std::max(keep, PartialMarker(held_, kOpen));
+  const size_t keep =
+      state_ == State::kStart ? PartialMarkerLength(held_, {kClose, kOpen}) : PartialMarkerLength(held_, {kClose});
   out.reasoning += held_.substr(0, held_.size() - keep);
   held_.erase(0, held_.size() - keep);
   return out;

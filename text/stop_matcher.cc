@@ -10,6 +10,7 @@
 // however it was cut into deltas.
 #include <algorithm>
 
+#include "text/partial_marker.h"
 #include "text/tokenizer.h"
 
 namespace mlarun::text {
@@ -19,23 +20,6 @@ namespace {
 size_t EarliestMatch(std::string_view s, const std::vector<std::string>& stops) {
   size_t best = std::string_view::npos;
   for (const std::string& stop : stops) best = std::min(best, s.find(stop));
-  return best;
-}
-
-// The earliest i such that s[i:] is a proper prefix of some stop, or s.size().
-size_t EarliestPartial(std::string_view s, const std::vector<std::string>& stops) {
-  size_t best = s.size();
-  for (const std::string& stop : stops) {
-    const size_t longest = std::min(s.size(), stop.size() - 1);
-    for (size_t len = longest; len > 0; --len) {
-      const size_t start = s.size() - len;
-      if (start >= best) break;
-      if (s.compare(start, len, stop, 0, len) == 0) {
-        best = start;
-        break;
-      }
-    }
-  }
   return best;
 }
 
@@ -59,7 +43,7 @@ StopMatcher::Result StopMatcher::Add(std::string_view delta) {
     return r;
   }
   const size_t match = EarliestMatch(held_, stops_);
-  const size_t partial = EarliestPartial(held_, stops_);
+  const size_t partial = held_.size() - PartialMarkerLength(held_, stops_);
   if (match != std::string::npos && match <= partial) {
     r.text = held_.substr(0, match);
     r.stopped = stopped_ = true;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <initializer_list>
 
+#include "text/partial_marker.h"
+
 namespace mlarun::text {
 namespace {
 
@@ -13,21 +15,6 @@ constexpr std::string_view kCallEnd = "<｜tool▁call▁end｜>";
 constexpr std::string_view kSep = "<｜tool▁sep｜>";
 constexpr std::string_view kFenceOpen = "```json\n";
 constexpr std::string_view kFenceClose = "\n```";
-
-// The length of the longest suffix of `s` that is a proper prefix of one of
-// `markers`.
-size_t PartialMarker(std::string_view s, std::initializer_list<std::string_view> markers) {
-  size_t best = 0;
-  for (std::string_view m : markers) {
-    for (size_t n = std::min(s.size(), m.size() - 1); n > best; --n) {
-      if (s.substr(s.size() - n) == m.substr(0, n)) {
-        best = n;
-        break;
-      }
-    }
-  }
-  return best;
-}
 
 // The arguments of a call that starts at `text` (after its name's line):
 // their length and where the text after the call starts (npos: the end).
@@ -93,7 +80,7 @@ bool ToolCallParser::Step(ToolCallsDelta& out) {
     case State::kContent: {
       const size_t at = held_.find(kCallsBegin);
       if (at == std::string::npos) {
-        out.content += cut(held_.size() - PartialMarker(held_, {kCallsBegin}));
+        out.content += cut(held_.size() - PartialMarkerLength(held_, {kCallsBegin}));
         return false;
       }
       out.content += cut(at);
@@ -104,7 +91,7 @@ bool ToolCallParser::Step(ToolCallsDelta& out) {
     case State::kBetween: {
       const size_t begin = held_.find(kCallBegin), end = held_.find(kCallsEnd);
       if (begin == std::string::npos && end == std::string::npos) {
-        cut(held_.size() - PartialMarker(held_, {kCallBegin, kCallsEnd}));
+        cut(held_.size() - PartialMarkerLength(held_, {kCallBegin, kCallsEnd}));
         return false;
       }
       const bool ends = end < begin;
@@ -135,7 +122,7 @@ bool ToolCallParser::Step(ToolCallsDelta& out) {
     case State::kArguments: {
       const size_t end = held_.find(kCallEnd);
       if (end == std::string::npos) {
-        AddArguments(out, cut(held_.size() - PartialMarker(held_, {kCallEnd, "\n```<｜tool▁call▁end｜>"})));
+        AddArguments(out, cut(held_.size() - PartialMarkerLength(held_, {kCallEnd, "\n```<｜tool▁call▁end｜>"})));
         return false;
       }
       std::string args = cut(end);
