@@ -350,18 +350,19 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
   auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher, options);
   MLARUN_RETURN_IF_ERROR(impl->Bind(options.listen, options.tls));
   if (!options.http_listen.empty()) {
-    auto http = HttpApi::Start(HttpApiOptions{.listen = options.http_listen,
+    const HttpServerOptions transport{.listen = options.http_listen,
+                                      .handler_threads = options.http_threads,
+                                      .max_body_bytes = options.http_max_body_bytes,
+                                      .max_header_bytes = options.http_max_header_bytes,
+                                      .header_timeout_s = options.http_header_timeout_s,
+                                      .body_timeout_s = options.http_body_timeout_s,
+                                      .max_connections = options.http_max_connections,
+                                      .max_connections_per_peer = options.http_max_connections_per_peer};
+    auto http = HttpApi::Start(HttpApiOptions{.transport = transport,
                                               .served_model_name = served_model_name,
                                               .tokenizer = tokenizer,
                                               .auth_tokens = options.auth_tokens,
-                                              .threads = options.http_threads,
-                                              .max_body_bytes = options.http_max_body_bytes,
-                                              .max_header_bytes = options.http_max_header_bytes,
-                                              .header_timeout_s = options.http_header_timeout_s,
-                                              .body_timeout_s = options.http_body_timeout_s,
                                               .request_timeout_s = options.http_request_timeout_s,
-                                              .max_connections = options.http_max_connections,
-                                              .max_connections_per_peer = options.http_max_connections_per_peer,
                                               .allowed_origins = options.http_allowed_origins,
                                               .allowed_hosts = options.http_allowed_hosts,
                                               .reasoning_parser = options.http_reasoning_parser,

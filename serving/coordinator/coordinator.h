@@ -141,8 +141,9 @@ struct CoordinatorOptions {
   int64_t http_max_body_bytes = int64_t{32} << 20;
   // Each HTTP request's deadline (504 when it passes); 0 (default): none.
   double http_request_timeout_s = 0;
-  // The rest of HttpApiOptions (openai_server.h), defaults and meaning
-  // alike: header size, deadlines, connection limits, CORS and Host names.
+  // The rest of HttpServerOptions (http_server.h) and HttpApiOptions
+  // (openai_server.h), defaults and meaning alike: header size, deadlines,
+  // connection limits, CORS and Host names.
   int64_t http_max_header_bytes = int64_t{64} << 10;
   double http_header_timeout_s = 10;
   double http_body_timeout_s = 60;

@@ -1269,16 +1269,6 @@ class HttpApiImpl final : public HttpApi {
   ~HttpApiImpl() override { Shutdown(); }
 
   Status Listen() {
-    HttpServerOptions o;
-    o.listen = options_.listen;
-    o.handler_threads = options_.threads;
-    o.max_body_bytes = options_.max_body_bytes;
-    o.max_header_bytes = options_.max_header_bytes;
-    o.header_timeout_s = options_.header_timeout_s;
-    o.body_timeout_s = options_.body_timeout_s;
-    o.keep_alive_timeout_s = options_.keep_alive_timeout_s;
-    o.max_connections = options_.max_connections;
-    o.max_connections_per_peer = options_.max_connections_per_peer;
     HttpServer::Hooks hooks;
     hooks.check_head = [this](const HttpRequest& req) { return CheckHead(req); };
     hooks.quick = [](const HttpRequest& req) { return !NeedsHandlerThread(req); };
@@ -1287,7 +1277,7 @@ class HttpApiImpl final : public HttpApi {
     hooks.extra_headers = [this](const HttpRequest& req) { return CorsHeaders(req); };
     if (metrics_ != nullptr)
       hooks.answered = [m = metrics_](std::string_view path, int status) { m->OnHttp(path, status); };
-    MLARUN_ASSIGN_OR_RETURN(server_, HttpServer::Start(o, std::move(hooks)));
+    MLARUN_ASSIGN_OR_RETURN(server_, HttpServer::Start(options_.transport, std::move(hooks)));
     return Status::Ok();
   }
 

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "base/status.h"
+#include "serving/http/http_server.h"
 #include "serving/security/security.h"
 
 namespace mlarun {
@@ -36,8 +37,9 @@ class Tokenizer;
 class Metrics;
 
 struct HttpApiOptions {
-  // host:port (IPv6 hosts in brackets); port 0 picks a free one.
-  std::string listen = "127.0.0.1:8000";
+  // Address, handler threads, size and time limits, connection limits:
+  // the transport's (http_server.h), defaults and meaning alike.
+  HttpServerOptions transport;
   // The `model` requests must name (when they name one) and /v1/models lists.
   std::string served_model_name;
   // Text to ids and back; its chat_template() serves /v1/chat/completions.
@@ -47,26 +49,8 @@ struct HttpApiOptions {
   // `Authorization: Bearer TOKEN` (401 otherwise), with the gRPC API's
   // principals (a principal's request ids are its own).
   AuthTokens auth_tokens;
-  // Handler threads: each generation request holds one while it runs (a
-  // stream for its whole length); beyond them, 503. Connections, slow or
-  // idle, hold none. Default 512.
-  int threads = 512;
-  // Request bodies beyond this (decoded, chunked or not) get 413. Default
-  // 32 MiB.
-  int64_t max_body_bytes = int64_t{32} << 20;
-  // A request's header block beyond this gets 431. Default 64 KiB.
-  int64_t max_header_bytes = int64_t{64} << 10;
-  // The header block must arrive within header_timeout_s of its first byte,
-  // the body within body_timeout_s of the header (408).
-  double header_timeout_s = 10;
-  double body_timeout_s = 60;
   // Each request's deadline from its arrival (504 when it passes); 0: none.
   double request_timeout_s = 0;
-  // An idle keep-alive connection is closed after this long. Default 5 s.
-  int keep_alive_timeout_s = 5;
-  // Open connections in all and per client address (loopback exempt).
-  int max_connections = 8192;
-  int max_connections_per_peer = 256;
   // Origins whose web pages may call the API (CORS; "*": any). Requests
   // with another Origin get 403. Default none.
   std::vector<std::string> allowed_origins;
@@ -96,7 +80,7 @@ class HttpApi {
   // Stops accepting and returns once every handler has returned. Exchanges
   // still waiting on the dispatcher end when it ends their requests (its own
   // Shutdown), so call that first; an idle keep-alive connection is let go
-  // within keep_alive_timeout_s. Idempotent.
+  // within transport.keep_alive_timeout_s. Idempotent.
   virtual void Shutdown() = 0;
 };
 
