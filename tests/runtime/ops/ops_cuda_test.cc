@@ -726,6 +726,21 @@ TEST(OpsCuda, MoeExpertsMatchCpuWithEmptyOneAndManyTokenExperts) {
   }
 }
 
+// The CUDA sampler's draws equal the CPU's bit for bit: token, logprob
+// (its bytes) and most likely tokens, row by row.
+void ExpectSameSamples(const std::vector<SampledToken>& want, const std::vector<SampledToken>& got, int step) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t row = 0; row < want.size(); ++row) {
+    const SampledToken& a = want[row];
+    const SampledToken& b = got[row];
+    EXPECT_EQ(b.token, a.token) << "step " << step << " row " << row;
+    EXPECT_EQ(std::memcmp(&a.logprob, &b.logprob, sizeof(double)), 0)
+        << "step " << step << " row " << row << ": " << a.logprob << " vs " << b.logprob;
+    ASSERT_EQ(b.num_top, a.num_top) << "step " << step << " row " << row;
+    for (int32_t j = 0; j < a.num_top; ++j) EXPECT_EQ(b.top[j], a.top[j]) << "step " << step << " row " << row;
+  }
+}
+
 TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
   MLARUN_SKIP_WITHOUT_GPU();
   Random r(9);
@@ -779,15 +794,7 @@ TEST(OpsCuda, SampleGivesTheCpuSamplersTokensAndLogprobs) {
                                    .out = got.data(),
                                    .backend = Backend::kCuda});
       ASSERT_TRUE(st.ok()) << st;
-      for (int64_t row = 0; row < rows; ++row) {
-        const SampledToken& a = want[static_cast<size_t>(row)];
-        const SampledToken& b = got[static_cast<size_t>(row)];
-        EXPECT_EQ(b.token, a.token) << "step " << step << " row " << row;
-        EXPECT_EQ(std::memcmp(&a.logprob, &b.logprob, sizeof(double)), 0)
-            << "step " << step << " row " << row << ": " << a.logprob << " vs " << b.logprob;
-        ASSERT_EQ(b.num_top, a.num_top) << "step " << step << " row " << row;
-        for (int32_t j = 0; j < a.num_top; ++j) EXPECT_EQ(b.top[j], a.top[j]) << "step " << step << " row " << row;
-      }
+      ExpectSameSamples(want, got, step);
     }
   }
 }
@@ -840,14 +847,7 @@ TEST(OpsCuda, PenalizedSampleGivesTheCpuSamplersTokens) {
                                  .out = got.data(),
                                  .backend = Backend::kCuda});
     ASSERT_TRUE(st.ok()) << st;
-    for (int64_t row = 0; row < rows; ++row) {
-      const SampledToken& a = want[static_cast<size_t>(row)];
-      const SampledToken& b = got[static_cast<size_t>(row)];
-      EXPECT_EQ(b.token, a.token) << "step " << step << " row " << row;
-      EXPECT_EQ(std::memcmp(&a.logprob, &b.logprob, sizeof(double)), 0) << "step " << step << " row " << row;
-      ASSERT_EQ(b.num_top, a.num_top) << "step " << step << " row " << row;
-      for (int32_t j = 0; j < a.num_top; ++j) EXPECT_EQ(b.top[j], a.top[j]) << "step " << step << " row " << row;
-    }
+    ExpectSameSamples(want, got, step);
     if (step < 3) {
       EXPECT_NE(got[3].token, 7) << "min_tokens masks the EOS";
     }
