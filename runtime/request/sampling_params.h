@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "base/status.h"
@@ -36,6 +37,23 @@ struct LogprobEntry {
   std::vector<TokenLogprob> top;
 };
 
+// A constraint on what may be generated: each step's token mask comes from
+// a grammar (xgrammar on the group's leader, runtime/grammar). The kinds are
+// those of vLLM's structured outputs; `spec` holds the JSON Schema text, the
+// regular expression or the EBNF grammar, `choices` the alternatives.
+struct StructuredOutput {
+  enum class Kind { kNone, kJsonObject, kJsonSchema, kRegex, kChoice, kGrammar };
+  Kind kind = Kind::kNone;
+  std::string spec;
+  std::vector<std::string> choices;
+  // JSON kinds: whitespace between tokens as the model likes (vLLM's
+  // default), or none at all (vLLM's disable_any_whitespace).
+  bool any_whitespace = true;
+
+  bool active() const { return kind != Kind::kNone; }
+  friend bool operator==(const StructuredOutput&, const StructuredOutput&) = default;
+};
+
 struct SamplingParams {
   double temperature = 0.0;  // 0: greedy
   int64_t top_k = 0;         // <= 0: off
@@ -63,6 +81,7 @@ struct SamplingParams {
   double repetition_penalty = 1.0;       // > 0
   std::map<int64_t, double> logit_bias;  // token id -> bias in [-100, 100]
   int64_t min_tokens = 0;                // [0, max_tokens]
+  StructuredOutput structured;
 
   friend bool operator==(const SamplingParams&, const SamplingParams&) = default;
 };

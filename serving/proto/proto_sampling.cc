@@ -20,7 +20,63 @@ SamplingParams FromProto(const v1::SamplingParams& p) {
   if (p.has_repetition_penalty()) s.repetition_penalty = p.repetition_penalty();
   s.logit_bias.insert(p.logit_bias().begin(), p.logit_bias().end());
   s.min_tokens = p.min_tokens();
+  if (p.has_structured()) s.structured = FromProto(p.structured());
   return s;
+}
+
+StructuredOutput FromProto(const v1::StructuredOutput& p) {
+  using Kind = StructuredOutput::Kind;
+  StructuredOutput s;
+  switch (p.kind_case()) {
+    case v1::StructuredOutput::kJsonObject:
+      if (p.json_object()) s.kind = Kind::kJsonObject;
+      break;
+    case v1::StructuredOutput::kJsonSchema:
+      s.kind = Kind::kJsonSchema;
+      s.spec = p.json_schema();
+      break;
+    case v1::StructuredOutput::kRegex:
+      s.kind = Kind::kRegex;
+      s.spec = p.regex();
+      break;
+    case v1::StructuredOutput::kChoice:
+      s.kind = Kind::kChoice;
+      s.choices.assign(p.choice().choice().begin(), p.choice().choice().end());
+      break;
+    case v1::StructuredOutput::kGrammar:
+      s.kind = Kind::kGrammar;
+      s.spec = p.grammar();
+      break;
+    case v1::StructuredOutput::KIND_NOT_SET:
+      break;
+  }
+  if (p.has_any_whitespace()) s.any_whitespace = p.any_whitespace();
+  return s;
+}
+
+void ToProto(const StructuredOutput& s, v1::StructuredOutput* out) {
+  using Kind = StructuredOutput::Kind;
+  out->Clear();
+  switch (s.kind) {
+    case Kind::kNone:
+      return;
+    case Kind::kJsonObject:
+      out->set_json_object(true);
+      break;
+    case Kind::kJsonSchema:
+      out->set_json_schema(s.spec);
+      break;
+    case Kind::kRegex:
+      out->set_regex(s.spec);
+      break;
+    case Kind::kChoice:
+      out->mutable_choice()->mutable_choice()->Add(s.choices.begin(), s.choices.end());
+      break;
+    case Kind::kGrammar:
+      out->set_grammar(s.spec);
+      break;
+  }
+  out->set_any_whitespace(s.any_whitespace);
 }
 
 void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
@@ -44,6 +100,11 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
   out->mutable_logit_bias()->clear();
   out->mutable_logit_bias()->insert(p.logit_bias.begin(), p.logit_bias.end());
   out->set_min_tokens(p.min_tokens);
+  if (p.structured.active()) {
+    ToProto(p.structured, out->mutable_structured());
+  } else {
+    out->clear_structured();
+  }
 }
 
 namespace {

@@ -11,6 +11,7 @@
 namespace mlarun {
 namespace v1 {
 class SamplingParams;
+class StructuredOutput;
 class TokenEvent;
 class PromptTokenLogprob;
 class Token;
@@ -24,6 +25,10 @@ SamplingParams FromProto(const v1::SamplingParams& p);
 // Sets every field, the optional ones included, so the receiver never has to
 // guess what was meant.
 void ToProto(const SamplingParams& p, v1::SamplingParams* out);
+
+// StructuredOutput both ways; an unset oneof is Kind::kNone.
+StructuredOutput FromProto(const v1::StructuredOutput& p);
+void ToProto(const StructuredOutput& s, v1::StructuredOutput* out);
 
 // Appends `top` (the most likely tokens, best first) to the message's top_logprobs.
 void AddTopLogprobs(std::span<const TokenLogprob> top, v1::TokenEvent* out);

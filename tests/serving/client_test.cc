@@ -349,6 +349,30 @@ TEST(Submit, PenaltiesAndBiasesTravel) {
   EXPECT_EQ(FromProto(v1::SamplingParams()).repetition_penalty, 1.0);
 }
 
+// Each structured-output kind reads back as written; none stays absent.
+TEST(SamplingProto, StructuredOutputRoundTrips) {
+  using Kind = StructuredOutput::Kind;
+  const StructuredOutput cases[] = {
+      {.kind = Kind::kJsonObject, .spec = "", .choices = {}, .any_whitespace = false},
+      {.kind = Kind::kJsonSchema, .spec = R"({"type":"integer"})", .choices = {}, .any_whitespace = true},
+      {.kind = Kind::kRegex, .spec = "[a-z]{3}", .choices = {}, .any_whitespace = true},
+      {.kind = Kind::kChoice, .spec = "", .choices = {"yes", "no", ""}, .any_whitespace = true},
+      {.kind = Kind::kGrammar, .spec = "root ::= \"a\"", .choices = {}, .any_whitespace = true},
+  };
+  for (const StructuredOutput& c : cases) {
+    SamplingParams p;
+    p.structured = c;
+    v1::SamplingParams wire;
+    ToProto(p, &wire);
+    EXPECT_TRUE(wire.has_structured());
+    EXPECT_EQ(FromProto(wire).structured, c);
+  }
+  v1::SamplingParams wire;
+  ToProto(SamplingParams{}, &wire);
+  EXPECT_FALSE(wire.has_structured());
+  EXPECT_FALSE(FromProto(wire).structured.active());
+}
+
 TEST(Submit, JsonLineListsTheMostLikelyTokensWhenAsked) {
   FakeMlarun svc;
   TestServer server(&svc);
