@@ -300,10 +300,11 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   GenerationRequest gen{.prompt = std::vector<int32_t>(r.prompt_ids().begin(), r.prompt_ids().end()),
                         .sampling = FromProto(r.sampling())};
   // The checks of Engine::Add, with its messages.
-  const Status st = ValidateGenerationRequest(gen, {.vocab_size = o_.vocab_size,
-                                                    .max_position_embeddings = o_.max_position_embeddings,
-                                                    .block_size = o_.block_size,
-                                                    .cache_blocks_total = cache_->stats().blocks_total});
+  Status st = ValidateGenerationRequest(gen, {.vocab_size = o_.vocab_size,
+                                              .max_position_embeddings = o_.max_position_embeddings,
+                                              .block_size = o_.block_size,
+                                              .cache_blocks_total = cache_->stats().blocks_total});
+  if (st.ok() && o_.check) st = o_.check(gen.sampling);
   if (!st.ok()) {
     v1::WorkerMessage d;
     v1::RequestDone* done = d.mutable_done();

@@ -5,12 +5,14 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "base/block_size.h"
+#include "base/status.h"
 #include "runtime/request/sampling_params.h"
 #include "serving/security/security.h"
 
@@ -38,6 +40,10 @@ struct SimWorkerOptions {
   // Set (tests): every request's tokens are these in order instead (the
   // logprobs stay SimWorkerToken's), and it stops ("stop") after the last.
   std::vector<int64_t> script;
+  // Set (tests): sees every routed request's sampling parameters after
+  // Engine::Add's checks; an error fails the request with its code and
+  // message, as a group does that cannot compile a request's grammar.
+  std::function<Status(const SamplingParams&)> check;
 };
 // In detail: each group registers as (worker_id, dp_group = i) with dp = groups, attn_tp =
 // 1 and one synthetic rank (rank = dp_group = i, attn_tp_rank 0, host =
