@@ -47,6 +47,7 @@
 #include "serving/coordinator/dispatcher.h"
 #include "serving/http/http_server.h"
 #include "serving/http/metrics.h"
+#include "serving/http/structured_output_fields.h"
 #include "serving/proto/proto_sampling.h"
 #include "text/chat_template.h"
 #include "text/reasoning_parser.h"
@@ -259,6 +260,8 @@ struct Params {
   bool reasoning = false;         // chat: split the answer's reasoning out (--reasoning-parser deepseek_r1)
   json tools = json::array();     // chat: the request's tools, for the template
   bool parse_tool_calls = false;  // chat: tool_choice "auto" with --tool-call-parser
+  ToolChoice forced_tools;        // chat: "required" or a named function (kRequired, kNamed)
+  std::string structured_field;   // the request's field of sampling.structured
 };
 
 // stream, stream_options, n and best_of: how many choices, and how they come back.
@@ -469,17 +472,19 @@ void ParsePrompt(const json& body, const text::Tokenizer& tokenizer, Params& p) 
   }
 }
 
-// vLLM's structured-output fields: refused by name rather than ignored, so
-// that a client that asked for a constraint never gets unconstrained text.
-void RefuseStructuredOutput(const json& body) {
-  for (const char* field : {"guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"}) {
-    if (Field(body, field) != nullptr)
-      throw BadField(field, "structured output (guided decoding) is not supported yet");
+// response_format, guided_* and structured_outputs (structured_output_fields.h).
+void ParseStructured(const json& body, Params& p) {
+  try {
+    RequestedStructure r = ParseStructuredOutput(body);
+    p.sampling.structured = std::move(r.structured);
+    p.structured_field = std::move(r.field);
+  } catch (const FieldError& e) {
+    throw ApiError{.status = 400, .message = e.message, .param = e.field};
   }
 }
 
 void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
-  RefuseStructuredOutput(body);
+  ParseStructured(body, p);
   ParseSampling(body, p);
   ParseCompletionFields(body, p);
   ParsePrompt(body, tokenizer, p);
@@ -510,7 +515,7 @@ json MessageContent(const json& content, size_t i) {
 
 // Chat's own fields but the messages: logprobs (a boolean: the chosen
 // tokens'), top_logprobs (the most likely tokens beside each, only with
-// logprobs), response_format; the engine's fields checked first.
+// logprobs); the engine's fields checked first.
 void ParseChatFields(const json& body, Params& p) {
   p.chat = true;
   p.logprobs = GetBool(body, "logprobs", false);
@@ -518,53 +523,34 @@ void ParseChatFields(const json& body, Params& p) {
   p.sampling.logprobs = top.value_or(0);
   if (std::optional<ApiError> e = SamplingError(p, "top_logprobs")) throw *e;
   if (top && *top > 0 && !p.logprobs) throw BadField("top_logprobs", "needs \"logprobs\": true");
-  if (const json* rf = Field(body, "response_format")) {
-    if (!rf->is_object() || rf->value("type", "") != "text")
-      throw BadField("response_format", "only {\"type\": \"text\"} is supported");
-  }
 }
 
 // tools, each {"type": "function", "function": {"name": ..., ...}}, and
-// tool_choice: "none" (the default without tools) gives the tools to the
-// template only; "auto" (the default with tools) also parses the answer's
-// calls, and needs the server's --enable-auto-tool-choice and
-// --tool-call-parser. "required" and a named function need constrained
-// decoding, which the engine has not: refused.
+// tool_choice (ParseToolChoice): "none" (the default without tools) gives the
+// tools to the template only; "auto" (the default with tools) also parses the
+// answer's calls, and needs the server's --enable-auto-tool-choice and
+// --tool-call-parser; "required" and a named function constrain the answer to
+// ToolChoiceSchema, which becomes the calls (ForcedToolCalls).
 void ParseTools(const json& body, bool auto_tool_choice, Params& p) {
-  if (const json* tools = Field(body, "tools")) {
-    if (!tools->is_array()) throw BadField("tools", StrCat("must be an array, got ", TypeName(*tools)));
-    for (size_t i = 0; i < tools->size(); ++i) {
-      const json& t = (*tools)[i];
-      const std::string at = StrCat("tools[", i, "]");
-      if (!t.is_object() || t.value("type", json()) != "function")
-        throw BadField(at + ".type", "only {\"type\": \"function\", \"function\": {...}} tools are supported");
-      const json* f = Field(t, "function");
-      if (f == nullptr || !f->is_object() || !f->contains("name") || !(*f)["name"].is_string() ||
-          (*f)["name"].get<std::string>().empty())
-        throw BadField(at + ".function.name", "required, a non-empty string");
-    }
-    p.tools = *tools;
+  try {
+    p.tools = ParseToolsField(body);
+    const ToolChoice choice = ParseToolChoice(body, p.tools);
+    if (choice.kind == ToolChoice::Kind::kAuto && !auto_tool_choice)
+      throw BadField("tool_choice",
+                     "\"auto\" needs the server started with --enable-auto-tool-choice and --tool-call-parser "
+                     "deepseek_v3; \"none\" gives the tools to the chat template only");
+    p.parse_tool_calls = choice.kind == ToolChoice::Kind::kAuto;
+    if (choice.kind != ToolChoice::Kind::kRequired && choice.kind != ToolChoice::Kind::kNamed) return;
+    if (p.sampling.structured.active())
+      throw BadField("tool_choice", StrCat("one structured-output constraint per request: both tool_choice and ",
+                                           p.structured_field, " were given"));
+    p.sampling.structured = {.kind = StructuredOutput::Kind::kJsonSchema,
+                             .spec = Dump(ToolChoiceSchema(choice, p.tools))};
+    p.structured_field = "tool_choice";
+    p.forced_tools = choice;
+  } catch (const FieldError& e) {
+    throw ApiError{.status = 400, .message = e.message, .param = e.field};
   }
-  std::string choice = p.tools.empty() ? "none" : "auto";
-  if (const json* tc = Field(body, "tool_choice")) {
-    if (tc->is_string() && (*tc == "none" || *tc == "auto" || *tc == "required")) {
-      choice = tc->get<std::string>();
-    } else if (tc->is_object() && tc->value("type", json()) == "function") {
-      choice = "named";
-    } else {
-      throw BadField("tool_choice", "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", ...}");
-    }
-  }
-  if (choice != "none" && p.tools.empty()) throw BadField("tool_choice", "needs tools");
-  if (choice == "required" || choice == "named")
-    throw BadField("tool_choice",
-                   "\"required\" and a named function need constrained decoding, which this server does not have; "
-                   "use \"auto\" (the model chooses) or \"none\"");
-  if (choice == "auto" && !auto_tool_choice)
-    throw BadField("tool_choice",
-                   "\"auto\" needs the server started with --enable-auto-tool-choice and --tool-call-parser "
-                   "deepseek_v3; \"none\" gives the tools to the chat template only");
-  p.parse_tool_calls = choice == "auto";
 }
 
 // messages, each an object with a string role and its content as the
@@ -590,7 +576,7 @@ json ChatMessages(const json& body) {
 
 void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::ChatTemplate* tmpl,
                const std::string& template_error, bool auto_tool_choice, Params& p) {
-  RefuseStructuredOutput(body);
+  ParseStructured(body, p);
   ParseSampling(body, p);
   ParseChatFields(body, p);
   ParseTools(body, auto_tool_choice, p);
@@ -677,6 +663,7 @@ struct Choice {
   std::string text;                                  // not yet sent (streams) or all of it (whole answers)
   std::string reasoning_text;                        // the same, of the reasoning (with Params::reasoning)
   std::unique_ptr<text::ToolCallParser> tool_calls;  // with Params::parse_tool_calls
+  std::unique_ptr<ForcedToolCalls> forced;           // with Params::forced_tools
   std::vector<text::ToolCallDelta> call_deltas;      // not yet sent (streams) or all (whole answers)
   bool started = false;                              // a stream's first chunk (role, echo) was sent
   std::vector<LogprobEntry> tokens;                  // not yet sent with logprobs (streams), or all
@@ -743,6 +730,8 @@ class Exchange {
           c.decoder = std::make_unique<text::IncrementalDecoder>(tokenizer_, false);
           c.tool_calls = std::make_unique<text::ToolCallParser>();
         }
+        if (params_.forced_tools.kind != ToolChoice::Kind::kNone)
+          c.forced = std::make_unique<ForcedToolCalls>(params_.forced_tools);
         v1::GenerateRequest request;
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
         request.set_cache_salt(params_.cache_salt);
@@ -827,7 +816,13 @@ class Exchange {
     }
   }
 
-  ApiError ErrorOf(const Choice& c) const { return FromDispatcher(c.code, c.message, params_.chat); }
+  ApiError ErrorOf(const Choice& c) const {
+    ApiError e = FromDispatcher(c.code, c.message, params_.chat);
+    // A grammar the group could not compile: the request's field that gave it.
+    const bool grammar = e.param == "structured" || (e.param.empty() && c.code == grpc::StatusCode::INVALID_ARGUMENT);
+    if (grammar && params_.sampling.structured.active()) e.param = params_.structured_field;
+    return e;
+  }
 
   // ---- Whole answers ----
   // The answer's JSON, made one choice at a time (each choice's tokens are
@@ -969,8 +964,8 @@ class Exchange {
       AddText(c, r.text + (r.stopped ? std::string() : c.stop->Finish()), true);
       c.finish_reason = r.stopped ? "stop" : params_.echo_only ? "length" : msg.finished().finish_reason();
       // As vLLM's: an answer that called tools and ended well.
-      if (c.tool_calls != nullptr && c.tool_calls->called() && c.finish_reason == "stop")
-        c.finish_reason = "tool_calls";
+      const bool called = (c.tool_calls != nullptr && c.tool_calls->called()) || (c.forced && c.forced->called());
+      if (called && c.finish_reason == "stop") c.finish_reason = "tool_calls";
       c.ended = true;
     }
   }
@@ -994,12 +989,16 @@ class Exchange {
   // The content after the reasoning, less the tool calls (with
   // Params::parse_tool_calls).
   static void AddContent(Choice& c, const std::string& text, bool last) {
-    if (c.tool_calls == nullptr) {
+    text::ToolCallsDelta d;
+    if (c.forced != nullptr) {
+      d.calls = c.forced->Add(text);
+    } else if (c.tool_calls == nullptr) {
       c.text += text;
       return;
+    } else {
+      d = c.tool_calls->Add(text);
     }
-    text::ToolCallsDelta d = c.tool_calls->Add(text);
-    if (last) {
+    if (last && c.tool_calls != nullptr) {
       text::ToolCallsDelta rest = c.tool_calls->Finish();
       d.content += rest.content;
       d.calls.insert(d.calls.end(), rest.calls.begin(), rest.calls.end());
@@ -1562,7 +1561,8 @@ class HttpApiImpl final : public HttpApi {
     if (chat) {
       ParseChat(body, *options_.tokenizer, template_.get(), template_error_,
                 options_.enable_auto_tool_choice && !options_.tool_call_parser.empty(), params);
-      params.reasoning = options_.reasoning_parser == "deepseek_r1";
+      // A constrained answer has no reasoning part: the grammar holds from its first token.
+      params.reasoning = options_.reasoning_parser == "deepseek_r1" && !params.sampling.structured.active();
     } else {
       ParseCompletion(body, *options_.tokenizer, params);
     }

@@ -14,12 +14,15 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "bench/http_bench.h"
@@ -154,8 +157,9 @@ double Sample(const std::map<std::string, double>& m, const std::string& key) {
 
 struct Deployment {
   // script: the groups' tokens for every request (SimWorkerOptions::script).
+  // check: SimWorkerOptions::check.
   explicit Deployment(CoordinatorOptions o, int groups = 2, double tokens_per_s = 2000,
-                      std::vector<int64_t> script = {}) {
+                      std::vector<int64_t> script = {}, std::function<Status(const SamplingParams&)> check = {}) {
     o.listen = "127.0.0.1:0";
     o.http_listen = "127.0.0.1:0";
     o.http_tokenizer = TestTokenizer();
@@ -177,6 +181,7 @@ struct Deployment {
       s.block_size = 16;
       s.cache_blocks = 4096;
       s.script = std::move(script);
+      s.check = std::move(check);
       sim = std::make_unique<SimWorkerThread>(s);
       for (int i = 0; i < 500; ++i) {
         auto res = Client().Get("/health");
@@ -711,37 +716,6 @@ TEST_F(HttpApiTest, ALongTokenIdPromptIsOnePrompt) {
 // Constraints the engine cannot honour are refused by name, never ignored:
 // vLLM's guided_* fields on both endpoints, and a tool_choice other than
 // "none" (which, as vLLM, needs no tools).
-TEST_F(HttpApiTest, StructuredOutputAndToolChoiceAreRefusedByName) {
-  const json messages = json::array({{{"role", "user"}, {"content", "x"}}});
-  const std::pair<const char*, json> guided[] = {{"guided_json", {{"type", "object"}}},
-                                                 {"guided_regex", "[a-z]+"},
-                                                 {"guided_choice", {"yes", "no"}},
-                                                 {"guided_grammar", "root ::= \"a\""}};
-  for (const bool chat : {false, true}) {
-    for (const auto& [field, value] : guided) {
-      json body = chat ? json{{"messages", messages}} : json{{"prompt", "x"}};
-      body[field] = value;
-      auto [status, e] = d_->Post(chat ? "/v1/chat/completions" : "/v1/completions", body);
-      EXPECT_EQ(status, 400) << body.dump() << " -> " << e.dump();
-      EXPECT_EQ(e["error"]["param"], field) << e.dump();
-      EXPECT_NE(e["error"]["message"].get<std::string>().find("not supported"), std::string::npos) << e.dump();
-    }
-  }
-  for (const json& choice :
-       {json("auto"), json("required"), json{{"type", "function"}, {"function", {{"name", "f"}}}}}) {
-    auto [status, e] = d_->Post("/v1/chat/completions", {{"messages", messages}, {"tool_choice", choice}});
-    EXPECT_EQ(status, 400) << choice.dump() << " -> " << e.dump();
-    EXPECT_EQ(e["error"]["param"], "tool_choice") << e.dump();
-  }
-  auto [status, body] =
-      d_->Post("/v1/chat/completions", {{"messages", messages}, {"tool_choice", "none"}, {"max_tokens", 2}});
-#ifdef MLARUN_NO_CHAT_TEMPLATE
-  EXPECT_EQ(body["error"]["param"], "messages") << body.dump();
-#else
-  EXPECT_EQ(status, 200) << body.dump();
-#endif
-}
-
 // Prompt + max_tokens beyond the context (4096 here): 400 in vLLM's words,
 // in the request's terms (no prompt_ids or sampling.max_tokens).
 TEST_F(HttpApiTest, ContextLengthErrorsAreVllms) {
@@ -1553,12 +1527,14 @@ TEST(HttpApiToolCalls, ToolChoiceRefusalsNameTheField) {
   o.http_tool_call_parser = "deepseek_v3";
   o.http_enable_auto_tool_choice = true;
   Deployment d(o, /*groups=*/1);
-  refused(d, {{"messages", messages}, {"tools", tools}, {"tool_choice", "required"}}, "tool_choice");
+  refused(d, {{"messages", messages}, {"tool_choice", "required"}}, "tool_choice");
   refused(d,
           {{"messages", messages},
            {"tools", tools},
-           {"tool_choice", {{"type", "function"}, {"function", {{"name", "f"}}}}}},
+           {"tool_choice", {{"type", "function"}, {"function", {{"name", "g"}}}}}},
           "tool_choice");
+  refused(d, {{"messages", messages}, {"tools", tools}, {"tool_choice", {{"type", "function"}}}},
+          "tool_choice.function.name");
   refused(d, {{"messages", messages}, {"tools", tools}, {"tool_choice", "sometimes"}}, "tool_choice");
   refused(d, {{"messages", messages}, {"tool_choice", "auto"}}, "tool_choice");
   refused(d, {{"messages", messages}, {"tools", "f"}}, "tools");
@@ -1569,6 +1545,310 @@ TEST(HttpApiToolCalls, ToolChoiceRefusalsNameTheField) {
   auto [status, ok] = plain.Post(
       "/v1/chat/completions", {{"messages", messages}, {"tools", tools}, {"tool_choice", "none"}, {"max_tokens", 2}});
   EXPECT_EQ(status, 200) << ok.dump();
+}
+
+// ---- Structured output and forced tool calls ----------------------------------
+
+// What reached the groups: every routed request's constraint (the groups'
+// SimWorkerOptions::check), and a group that cannot compile a grammar
+// holding `bad`.
+struct SeenConstraints {
+  std::mutex mu;
+  std::vector<StructuredOutput> seen;
+  std::function<Status(const SamplingParams&)> Check() {
+    return [this](const SamplingParams& s) {
+      std::lock_guard lock(mu);
+      seen.push_back(s.structured);
+      if (s.structured.kind == StructuredOutput::Kind::kGrammar && s.structured.spec.find("bad") != std::string::npos)
+        return InvalidArgumentError("sampling.structured: the grammar does not compile: unknown rule 'bad'");
+      return Status::Ok();
+    };
+  }
+  StructuredOutput Last() {
+    std::lock_guard lock(mu);
+    return seen.empty() ? StructuredOutput{.spec = "nothing reached the groups"} : seen.back();
+  }
+};
+
+std::string RandomWord(std::mt19937_64& rng) {
+  static const char* kParts[] = {"a", "zo", "q\"", "[x]", "{y}", "é", "\\\\", "7", " "};
+  std::string w = "w";
+  for (int i = 0, n = 1 + static_cast<int>(rng() % 5); i < n; ++i) w += kParts[rng() % std::size(kParts)];
+  return w;
+}
+
+// A random JSON schema: an object of a few typed properties.
+json RandomSchema(std::mt19937_64& rng) {
+  json props = json::object();
+  for (int i = 0, n = 1 + static_cast<int>(rng() % 3); i < n; ++i)
+    props[RandomWord(rng)] = {{"type", rng() % 2 ? "string" : "boolean"}};
+  return {{"type", "object"}, {"properties", props}, {"additionalProperties", false}};
+}
+
+TEST(HttpApiStructured, EachFieldFormReachesTheGroupsAsItsConstraint) {
+  using Kind = StructuredOutput::Kind;
+  std::mt19937_64 rng(std::random_device{}());
+  SeenConstraints seen;
+  Deployment d(CoordinatorOptions{}, /*groups=*/1, /*tokens_per_s=*/0, {}, seen.Check());
+  const json schema = RandomSchema(rng);
+  const std::string regex = "[a-z]{" + std::to_string(1 + rng() % 9) + "}" + RandomWord(rng);
+  const std::vector<std::string> choices = {RandomWord(rng), RandomWord(rng), RandomWord(rng)};
+  const std::string grammar = "root ::= \"" + std::to_string(rng()) + "\"";
+  const StructuredOutput as_schema{.kind = Kind::kJsonSchema, .spec = schema.dump()};
+  const StructuredOutput as_regex{.kind = Kind::kRegex, .spec = regex};
+  const StructuredOutput as_choice{.kind = Kind::kChoice, .choices = choices};
+  const StructuredOutput as_grammar{.kind = Kind::kGrammar, .spec = grammar};
+  const StructuredOutput any_object{.kind = Kind::kJsonObject};
+  StructuredOutput tight = as_schema;
+  tight.any_whitespace = false;
+  const std::vector<std::pair<json, StructuredOutput>> cases = {
+      {{{"response_format", {{"type", "text"}}}}, {}},
+      {{{"response_format", {{"type", "json_object"}}}}, any_object},
+      {{{"response_format",
+         {{"type", "json_schema"}, {"json_schema", {{"name", "n"}, {"schema", schema}, {"strict", true}}}}}},
+       as_schema},
+      {{{"guided_json", schema}}, as_schema},
+      {{{"guided_json", schema.dump()}}, as_schema},
+      {{{"guided_regex", regex}}, as_regex},
+      {{{"guided_choice", choices}}, as_choice},
+      {{{"guided_grammar", grammar}}, as_grammar},
+      {{{"structured_outputs", {{"json", schema}}}}, as_schema},
+      {{{"structured_outputs", {{"json", schema}, {"disable_any_whitespace", true}}}}, tight},
+      {{{"structured_outputs", {{"regex", regex}, {"backend", "xgrammar"}}}}, as_regex},
+      {{{"structured_outputs", {{"choice", choices}}}}, as_choice},
+      {{{"structured_outputs", {{"grammar", grammar}}}}, as_grammar},
+      {{{"structured_outputs", {{"json_object", true}}}}, any_object},
+  };
+  for (const bool chat : {false, true}) {
+    for (const auto& [fields, expected] : cases) {
+      json body =
+          chat ? json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}} : json{{"prompt", "x"}};
+      body["max_tokens"] = 3;
+      body.update(fields);
+      auto [status, answer] = d.Post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+      ASSERT_EQ(status, 200) << body.dump() << " -> " << answer.dump();
+      const StructuredOutput got = seen.Last();
+      EXPECT_EQ(got.kind, expected.kind) << body.dump();
+      EXPECT_EQ(got.any_whitespace, expected.any_whitespace) << body.dump();
+      EXPECT_EQ(got.choices, expected.choices) << body.dump();
+      // A schema as JSON (its text is this server's serialization).
+      if (expected.kind == Kind::kJsonSchema) {
+        EXPECT_EQ(json::parse(got.spec), json::parse(expected.spec)) << body.dump();
+      } else {
+        EXPECT_EQ(got.spec, expected.spec) << body.dump();
+      }
+    }
+  }
+}
+
+TEST(HttpApiStructured, BadConstraintsAre400sNamingTheField) {
+  Deployment d(CoordinatorOptions{}, /*groups=*/1);
+  const json schema = {{"type", "object"}};
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "f"}}])");
+  const json named = {{"type", "function"}, {"function", {{"name", "f"}}}};
+  // fields, param, words of the message
+  const std::vector<std::tuple<json, std::string, std::string>> cases = {
+      {{{"response_format", "json"}}, "response_format", "must be an object"},
+      {{{"response_format", {{"type", "yaml"}}}}, "response_format.type", "json_schema"},
+      {{{"response_format", {{"type", "json_schema"}}}}, "response_format.json_schema", "required"},
+      {{{"response_format", {{"type", "json_schema"}, {"json_schema", {{"name", "n"}}}}}},
+       "response_format.json_schema.schema",
+       "required"},
+      {{{"response_format", {{"type", "json_schema"}, {"json_schema", {{"schema", "x"}}}}}},
+       "response_format.json_schema.schema",
+       "must be an object"},
+      {{{"guided_json", 5}}, "guided_json", "JSON schema"},
+      {{{"guided_json", "{not json"}}, "guided_json", "not the text of a JSON schema"},
+      {{{"guided_regex", ""}}, "guided_regex", "must not be empty"},
+      {{{"guided_choice", json::array()}}, "guided_choice", "non-empty array of strings"},
+      {{{"guided_choice", {1, 2}}}, "guided_choice", "non-empty array of strings"},
+      {{{"guided_grammar", 3}}, "guided_grammar", "must be a string"},
+      {{{"guided_json", schema}, {"guided_whitespace_pattern", " *"}},
+       "guided_whitespace_pattern",
+       "disable_any_whitespace"},
+      {{{"structured_outputs", "x"}}, "structured_outputs", "must be an object"},
+      {{{"structured_outputs", {{"structural_tag", "x"}}}}, "structured_outputs.structural_tag", "not supported"},
+      {{{"structured_outputs", {{"json_object", 1}}}}, "structured_outputs.json_object", "boolean"},
+      {{{"guided_regex", "a"}, {"guided_choice", {"a"}}}, "guided_choice", "both guided_regex and guided_choice"},
+      {{{"response_format", {{"type", "json_object"}}}, {"structured_outputs", {{"regex", "a"}}}},
+       "structured_outputs.regex",
+       "both response_format and structured_outputs.regex"},
+      // (this json's keys are sorted)
+      {{{"structured_outputs", {{"regex", "a"}, {"grammar", "g"}}}},
+       "structured_outputs.regex",
+       "both structured_outputs.grammar and structured_outputs.regex"},
+      {{{"tools", tools}, {"tool_choice", named}, {"guided_json", schema}},
+       "tool_choice",
+       "both tool_choice and guided_json"},
+      {{{"tools", tools}, {"tool_choice", "required"}, {"response_format", {{"type", "json_object"}}}},
+       "tool_choice",
+       "both tool_choice and response_format"},
+  };
+  for (const bool chat : {false, true}) {
+    for (const auto& [fields, param, words] : cases) {
+      if (!chat && fields.contains("tools")) continue;
+      json body =
+          chat ? json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}} : json{{"prompt", "x"}};
+      body.update(fields);
+      auto [status, e] = d.Post(chat ? "/v1/chat/completions" : "/v1/completions", body);
+      EXPECT_EQ(status, 400) << body.dump() << " -> " << e.dump();
+      EXPECT_EQ(e["error"]["param"], param) << e.dump();
+      EXPECT_EQ(e["error"]["type"], "invalid_request_error") << e.dump();
+      EXPECT_NE(e["error"]["message"].get<std::string>().find(words), std::string::npos) << e.dump();
+    }
+  }
+}
+
+// A grammar the groups cannot compile (INVALID_ARGUMENT from the worker):
+// 400 naming the request's field and the reason, whole and streamed, on both
+// endpoints; the deployment serves on.
+TEST(HttpApiStructured, AGrammarTheGroupsRefuseIs400) {
+  SeenConstraints seen;
+  Deployment d(CoordinatorOptions{}, /*groups=*/1, /*tokens_per_s=*/0, {}, seen.Check());
+  for (const bool chat : {false, true}) {
+    const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
+    for (const json& fields :
+         {json{{"guided_grammar", "root ::= bad"}}, json{{"structured_outputs", {{"grammar", "root ::= bad"}}}}}) {
+      json body =
+          chat ? json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}} : json{{"prompt", "x"}};
+      body.update(fields);
+      const std::string field = fields.contains("guided_grammar") ? "guided_grammar" : "structured_outputs.grammar";
+      auto [status, e] = d.Post(path, body);
+      ASSERT_EQ(status, 400) << e.dump();
+      EXPECT_EQ(e["error"]["param"], field) << e.dump();
+      EXPECT_NE(e["error"]["message"].get<std::string>().find("unknown rule 'bad'"), std::string::npos) << e.dump();
+      body["n"] = 2;
+      auto [sstatus, events] = d.Stream(path, body);
+      ASSERT_EQ(sstatus, 400);
+      ASSERT_EQ(events.size(), 1u);
+      const json se = json::parse(events[0]);
+      EXPECT_EQ(se["error"]["param"], field) << events[0];
+      EXPECT_NE(se["error"]["message"].get<std::string>().find("unknown rule 'bad'"), std::string::npos);
+    }
+    json good = chat ? json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}} : json{{"prompt", "x"}};
+    good["guided_grammar"] = "root ::= \"ok\"";
+    good["max_tokens"] = 2;
+    EXPECT_EQ(d.Post(path, good).first, 200);
+  }
+}
+
+// A named function: the answer is constrained to its parameters' schema and
+// comes back as one call, its arguments the text (whole; streamed in
+// pieces), finish_reason tool_calls.
+TEST(HttpApiStructured, ANamedFunctionIsOneToolCall) {
+  std::mt19937_64 rng(std::random_device{}());
+  const json params = RandomSchema(rng);
+  json args = json::object();
+  for (const auto& [key, type] : params["properties"].items())
+    args[key] = type["type"] == "string" ? json(RandomWord(rng)) : json(rng() % 2 == 0);
+  const std::string arguments = args.dump();
+  SeenConstraints seen;
+  Deployment d(CoordinatorOptions{}, /*groups=*/1, /*tokens_per_s=*/500, Script(arguments), seen.Check());
+  const json tools = {{{"type", "function"}, {"function", {{"name", "other"}, {"parameters", RandomSchema(rng)}}}},
+                      {{"type", "function"}, {"function", {{"name", "lookup"}, {"parameters", params}}}}};
+  const json body = {{"messages", json::array({{{"role", "user"}, {"content", "Look it up"}}})},
+                     {"tools", tools},
+                     {"tool_choice", {{"type", "function"}, {"function", {{"name", "lookup"}}}}},
+                     {"max_tokens", 1000}};
+  auto [status, whole] = d.Post("/v1/chat/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  const StructuredOutput got = seen.Last();
+  EXPECT_EQ(got.kind, StructuredOutput::Kind::kJsonSchema);
+  EXPECT_EQ(json::parse(got.spec), params);
+  const json& message = whole["choices"][0]["message"];
+  EXPECT_TRUE(message["content"].is_null()) << whole.dump();
+  ASSERT_EQ(message["tool_calls"].size(), 1u) << whole.dump();
+  EXPECT_EQ(message["tool_calls"][0]["type"], "function");
+  EXPECT_TRUE(message["tool_calls"][0]["id"].is_string());
+  EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "lookup");
+  EXPECT_EQ(message["tool_calls"][0]["function"]["arguments"], arguments);
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "tool_calls");
+
+  auto [sstatus, events] = d.Stream("/v1/chat/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  std::string streamed, finish, content;
+  int pieces = 0, named = 0;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i]);
+    for (const json& c : chunk["choices"]) {
+      if (c["delta"].contains("content")) content += c["delta"]["content"].get<std::string>();
+      for (const json& t : c["delta"].value("tool_calls", json::array())) {
+        EXPECT_EQ(t["index"], 0);
+        if (t.contains("id")) {
+          ++named;
+          EXPECT_EQ(t["function"]["name"], "lookup");
+        }
+        streamed += t["function"]["arguments"].get<std::string>();
+        ++pieces;
+      }
+      if (!c["finish_reason"].is_null()) finish = c["finish_reason"];
+    }
+  }
+  EXPECT_EQ(streamed, arguments);
+  EXPECT_EQ(named, 1);
+  EXPECT_GT(pieces, 1) << "the arguments come as deltas";
+  EXPECT_EQ(content, "");
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+// "required": an array of {"name", "parameters"} (anyOf over the tools),
+// each element one call, its arguments the parameters as JSON text.
+TEST(HttpApiStructured, RequiredToolCallsAreTheArraysElements) {
+  std::mt19937_64 rng(std::random_device{}());
+  const json tools = {
+      {{"type", "function"}, {"function", {{"name", "get_weather"}, {"parameters", RandomSchema(rng)}}}},
+      {{"type", "function"}, {"function", {{"name", "get_time"}}}}};
+  json calls = json::array();
+  for (int i = 0, n = 1 + static_cast<int>(rng() % 3); i < n; ++i) {
+    const bool weather = rng() % 2 == 0;
+    json args = json::object();
+    if (weather) {
+      for (const auto& [key, type] : tools[0]["function"]["parameters"]["properties"].items())
+        args[key] = type["type"] == "string" ? json(RandomWord(rng) + "}]") : json(rng() % 2 == 0);
+    }
+    calls.push_back({{"name", weather ? "get_weather" : "get_time"}, {"parameters", args}});
+  }
+  SeenConstraints seen;
+  Deployment d(CoordinatorOptions{}, /*groups=*/1, /*tokens_per_s=*/0, Script(calls.dump(1)), seen.Check());
+  const json body = {{"messages", json::array({{{"role", "user"}, {"content", "Now?"}}})},
+                     {"tools", tools},
+                     {"tool_choice", "required"},
+                     {"max_tokens", 1000}};
+  auto [status, whole] = d.Post("/v1/chat/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  // vLLM's schema, spelled out.
+  json any_of = json::array();
+  for (const json& t : tools) {
+    const json p = t["function"].value(
+        "parameters", json{{"type", "object"}, {"properties", json::object()}, {"additionalProperties", false}});
+    any_of.push_back(
+        {{"properties", {{"name", {{"type", "string"}, {"enum", {t["function"]["name"]}}}}, {"parameters", p}}},
+         {"required", {"name", "parameters"}}});
+  }
+  const json expected = {{"type", "array"}, {"minItems", 1}, {"items", {{"type", "object"}, {"anyOf", any_of}}}};
+  EXPECT_EQ(json::parse(seen.Last().spec), expected);
+  const json& got = whole["choices"][0]["message"]["tool_calls"];
+  ASSERT_EQ(got.size(), calls.size()) << whole.dump();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    EXPECT_EQ(got[i]["function"]["name"], calls[i]["name"]);
+    EXPECT_EQ(json::parse(got[i]["function"]["arguments"].get<std::string>()), calls[i]["parameters"]);
+  }
+  EXPECT_EQ(whole["choices"][0]["finish_reason"], "tool_calls");
+
+  auto [sstatus, events] = d.Stream("/v1/chat/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  json streamed = json::array();
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    const json chunk = json::parse(events[i]);
+    for (const json& c : chunk["choices"]) {
+      for (const json& t : c["delta"].value("tool_calls", json::array())) {
+        ASSERT_EQ(t["index"], streamed.size()) << "each call once, whole, in order";
+        streamed.push_back({{"name", t["function"]["name"]},
+                            {"parameters", json::parse(t["function"]["arguments"].get<std::string>())}});
+      }
+    }
+  }
+  EXPECT_EQ(streamed, calls);
 }
 #endif
 
