@@ -30,6 +30,8 @@ void AddSimWorkerCommand(CLI::App& app, CommandTable& table) {
       ->capture_default_str();
   sim->add_option("--eos-token-id", so.eos_token_id, "Stop at this id unless ignore_eos (-1: never)")
       ->capture_default_str();
+  sim->add_option("--script", so.script, "Every request's tokens, comma-separated (tests); it stops after the last")
+      ->delimiter(',');
   table.Add(sim, [f](ProcessArgs) {
     ClientSecurity client;
     if (!LoadSecurity("sim-worker", f->security, SecurityRole::kWorker, &f->so.worker_secret, &client, nullptr))

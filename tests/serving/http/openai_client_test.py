@@ -1,23 +1,31 @@
 """The coordinator's HTTP API through the official openai client (run by
-openai_client_test.sh, which starts the deployment).
+openai_client_test.sh, which starts the deployments).
 
-  openai_client_test.py BASE_URL TOKENIZER_JSON GENERATE_HELPER SCRATCH_DIR
+  openai_client_test.py BASE_URL TOKENIZER_JSON GENERATE_HELPER SCRATCH_DIR \
+      R1_BASE_URL R1_SCRIPT_TEXT JSON_BASE_URL JSON_SCRIPT_TEXT
 
 GENERATE_HELPER runs `mlarun generate --prompts FILE --json` on the tiny
-model: the reference tokens for a prompt and seed.
+model: the reference tokens for a prompt and seed. R1_BASE_URL is a
+coordinator with --reasoning-parser deepseek_r1 whose simulated group answers
+every request with the tokens of R1_SCRIPT_TEXT; JSON_BASE_URL a coordinator
+whose simulated group answers with JSON_SCRIPT_TEXT.
 """
 import json
 import os
+import re
 import subprocess
 import sys
+import typing
 
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
 import openai
+import pydantic
 from tokenizers import Tokenizer
 
-base_url, tokenizer_json, generate, scratch = sys.argv[1:5]
+base_url, tokenizer_json, generate, scratch, r1_base_url, r1_script_text, json_base_url, json_script_text = \
+    sys.argv[1:9]
 client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=60)
 tok = Tokenizer.from_file(tokenizer_json)
 MODEL = "tiny"
@@ -242,4 +250,155 @@ except openai.BadRequestError as e:
     check(body.get("param") == "temperature", e.body)
 models = client.models.list()
 check([m.id for m in models.data] == [MODEL], models)
+# ---- Structured output -----------------------------------------------------------------
+# The constraints reach the group (the C++ tests check the wire); whether the
+# worker enforces them shows in a grammar it cannot compile: a 400 naming the
+# field. A worker without the grammar engine ignores them, and the checks of
+# the constrained text are left out, said so below.
+try:
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                              extra_body={"guided_grammar": "root ::= undefined_rule"})
+    enforced = False
+except openai.BadRequestError as e:
+    body = e.body.get("error", e.body) if isinstance(e.body, dict) else {}
+    check(body.get("param") == "guided_grammar", e.body)
+    enforced = True
+if not enforced:
+    print("structured output: this worker does not enforce constraints (no grammar engine); "
+          "the constrained texts are not checked")
+
+
+class Verdict(pydantic.BaseModel):
+    # bool and Literal fields: any greedy walk through the schema ends in a few tokens.
+    model_config = pydantic.ConfigDict(extra="forbid")
+    ok: bool
+    kind: typing.Literal["cat", "dog"]
+
+
+try:
+    parsed = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Judge."}], response_format=Verdict, max_tokens=64,
+        temperature=0, extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+except (pydantic.ValidationError, openai.LengthFinishReasonError) as e:
+    check(not enforced, f"parse() failed although the worker enforces constraints: {e}")
+else:
+    check(not enforced or isinstance(parsed.choices[0].message.parsed, Verdict), parsed)
+    if enforced:
+        print(f"chat.completions.parse: {parsed.choices[0].message.parsed!r}")
+
+choices = ["alpha", "beta", "gamma delta"]
+pattern = r"[a-z]{3}-[0-9]{2}"
+for chat in (False, True):
+    if chat:
+        def ask(**extra):
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick."}],
+                                               max_tokens=16, temperature=0, extra_body=extra)
+            return r.choices[0].message.content
+    else:
+        def ask(**extra):
+            return client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=16, temperature=0,
+                                             extra_body=extra).choices[0].text
+    picked = ask(guided_choice=choices)
+    matched = ask(guided_regex=pattern)
+    if enforced:
+        check(picked in choices, picked)
+        check(re.fullmatch(pattern, matched) is not None, matched)
+        print(f"guided_choice {picked!r} and guided_regex {matched!r} ({'chat' if chat else 'completions'})")
+    try:
+        ask(guided_choice=choices, guided_regex=pattern)
+        check(False, "two constraints were accepted")
+    except openai.BadRequestError as e:
+        check("guided_regex" in str(e) and "guided_choice" in str(e), e)
+
+# ---- A named tool call and its result, in DeepSeek-V3's template -----------------------------
+weather = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                    "metric": {"type": "boolean"}},
+                   "required": ["city", "metric"], "additionalProperties": False}}}
+ask_weather = [{"role": "user", "content": "Weather in Paris?"}]
+try:
+    called = client.chat.completions.create(
+        model=MODEL, messages=ask_weather, tools=[weather], max_tokens=64, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+except openai.BadRequestError as e:
+    check("/v1/completions" in str(e), e)  # no template interpreter in this build
+else:
+    calls = called.choices[0].message.tool_calls
+    check(calls is not None and len(calls) == 1, called)
+    check(calls[0].type == "function" and calls[0].function.name == "get_weather" and calls[0].id, calls)
+    if enforced:
+        args = json.loads(calls[0].function.arguments)
+        check(set(args) == {"city", "metric"} and args["city"] in ("Paris", "Oslo") and
+              isinstance(args["metric"], bool), args)
+        check(called.choices[0].finish_reason == "tool_calls", called.choices[0])
+    answered = ask_weather + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function",
+             "function": {"name": "get_weather", "arguments": calls[0].function.arguments}}]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature_c": 21, "sky": "clear"}'}]
+    final = client.chat.completions.create(model=MODEL, messages=answered, max_tokens=10, seed=6, temperature=0.5)
+    final_ids = tok.encode(render_chat(answered), add_special_tokens=False).ids
+    final_ref = reference([{"prompt_ids": final_ids, "max_tokens": 10, "temperature": 0.5, "seed": 6}])[0]
+    check(final.usage.prompt_tokens == len(final_ids), (final.usage, len(final_ids)))
+    check(final.choices[0].message.content == decode(final_ref["tokens"]),
+          (final.choices[0].message.content, decode(final_ref["tokens"])))
+    check(not final.choices[0].message.tool_calls, final)
+    print(f"tool round trip: get_weather({calls[0].function.arguments}) then the result; the second prompt "
+          f"({len(final_ids)} tokens) is the template as transformers renders it")
+
+# ---- A constrained answer's shape, as the client reads it -------------------------------------
+# The simulated group answers json_script_text whatever the constraint: the
+# client's parse() and tool_calls of the server's answers.
+scripted = openai.OpenAI(base_url=json_base_url, api_key="unused", max_retries=0, timeout=60)
+want_verdict = Verdict.model_validate_json(json_script_text)
+got = scripted.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Judge."}],
+                                      response_format=Verdict, max_tokens=64)
+check(got.choices[0].message.parsed == want_verdict, got)
+judge = {"type": "function", "function": {"name": "judge", "parameters": Verdict.model_json_schema()}}
+named = {"type": "function", "function": {"name": "judge"}}
+got = scripted.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Judge."}],
+                                       tools=[weather, judge], tool_choice=named, max_tokens=64)
+calls = got.choices[0].message.tool_calls
+check(len(calls) == 1 and calls[0].function.name == "judge" and calls[0].id, got)
+check(calls[0].function.arguments == json_script_text, calls)
+check(got.choices[0].finish_reason == "tool_calls" and got.choices[0].message.content is None, got)
+pieces, names, finish = [], [], None
+for chunk in scripted.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Judge."}],
+                                              tools=[weather, judge], tool_choice=named, max_tokens=64,
+                                              stream=True):
+    for c in chunk.choices:
+        for t in c.delta.tool_calls or []:
+            check(t.index == 0, t)
+            if t.function.name is not None:
+                names.append(t.function.name)
+            pieces.append(t.function.arguments or "")
+        finish = c.finish_reason or finish
+check(names == ["judge"] and "".join(pieces) == json_script_text and len(pieces) > 1, (names, pieces))
+check(finish == "tool_calls", finish)
+print(f"scripted JSON: parse() gives {want_verdict!r}; a named call's arguments whole and in {len(pieces)} deltas")
+
+# ---- R1 reasoning, streamed: reasoning_content deltas, then content --------------------------
+r1 = openai.OpenAI(base_url=r1_base_url, api_key="unused", max_retries=0, timeout=60)
+end = r1_script_text.find("</think>")
+want_reasoning = r1_script_text[:end].removeprefix("<think>")
+want_content = r1_script_text[end + len("</think>"):]
+reasoning, content, order = "", "", []
+for chunk in r1.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Think."}],
+                                        max_tokens=200, stream=True):
+    for c in chunk.choices:
+        r = getattr(c.delta, "reasoning_content", None) or ""
+        t = c.delta.content or ""
+        reasoning += r
+        content += t
+        if r:
+            order.append("reasoning")
+        if t:
+            order.append("content")
+check(reasoning == want_reasoning, (reasoning, want_reasoning))
+check(content == want_content, (content, want_content))
+check(order == sorted(order, key=lambda kind: kind == "content") and len(set(order)) == 2, order)
+print(f"R1 stream: {order.count('reasoning')} reasoning deltas, then {order.count('content')} content deltas")
+
 print(f"openai_client_test.py: {checks} checks passed")

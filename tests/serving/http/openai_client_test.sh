@@ -5,7 +5,12 @@
 # strings, n=2, usage, errors; the text must equal the tokenizer's decode
 # (the `tokenizers` package) of the tokens `mlarun generate` gives for the
 # same prompt ids and seed (for chat: the template rendered with jinja2 as
-# transformers renders it).
+# transformers renders it); structured output and forced tool calls (their
+# texts checked when the worker enforces constraints), a tool call's round
+# trip through DeepSeek-V3's template; and, from two more coordinators over
+# simulated groups whose tokens are scripted, an R1 stream
+# (reasoning_content, then content; --reasoning-parser deepseek_r1) and a
+# JSON answer as parse() and a named call's tool_calls read it.
 #
 #   openai_client_test.sh MLARUN_BINARY SOURCE_DIR [VENV_DIR]
 #
@@ -26,6 +31,7 @@ venv=${3:-}
 openai_version=3.51.0
 tokenizers_version=0.23.3
 jinja2_version=3.1.6
+pydantic_version=2.14.4
 
 if [ -z "${MLARUN_OPENAI_TEST_INNER:-}" ]; then
   MLARUN_OPENAI_TEST_INNER=1 timeout -k 5 280 bash "$0" "$@" && rc=0 || rc=$?
@@ -56,17 +62,17 @@ tokenizer_json="$src/configs/models/tiny-tokenizer/tokenizer.json"
 
 # ---- The venv -------------------------------------------------------------------
 [ -n "$venv" ] || venv="$tmp/venv"
-if ! "$venv/bin/python" -c "import openai, tokenizers, jinja2; assert openai.__version__ == '$openai_version'" 2>/dev/null; then
+if ! "$venv/bin/python" -c "import openai, tokenizers, jinja2, pydantic; assert openai.__version__ == '$openai_version' and pydantic.VERSION == '$pydantic_version'" 2>/dev/null; then
   rm -rf "$venv"
   python3 -m venv "$venv" >"$tmp/venv.log" 2>&1 || fail "python3 -m venv failed (python3-venv)"
   if ! timeout 180 "$venv/bin/pip" install --disable-pip-version-check -q "openai==$openai_version" \
-      "tokenizers==$tokenizers_version" "jinja2==$jinja2_version" >>"$tmp/venv.log" 2>&1; then
+      "tokenizers==$tokenizers_version" "jinja2==$jinja2_version" "pydantic==$pydantic_version" >>"$tmp/venv.log" 2>&1; then
     if grep -qiE "connection|network is unreachable|temporary failure in name resolution|timed out|proxyerror|no matching distribution|could not find a version" "$tmp/venv.log"; then
       echo "openai_client_test: SKIPPED: the Python packages cannot be downloaded: $(tail -1 "$tmp/venv.log")"
       rm -rf "$venv"
       exit 77
     fi
-    fail "pip install openai==$openai_version tokenizers==$tokenizers_version jinja2==$jinja2_version failed"
+    fail "pip install openai==$openai_version tokenizers==$tokenizers_version jinja2==$jinja2_version pydantic==$pydantic_version failed"
   fi
 fi
 python="$venv/bin/python"
@@ -83,13 +89,39 @@ OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_ov
   "$mlarun" worker --coordinator "$addr" --model "$src/configs/models/tiny.yaml" --threads 1 --kv-dtype fp32 \
   >"$tmp/worker.log" 2>&1 &
 pids+=($!)
-for _ in $(seq 300); do
-  "$python" -c "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://$http/health', timeout=1).status == 200 else 1)" \
-    2>/dev/null && break
-  sleep 0.1
+# Two deployments of a simulated group whose tokens, for every request, are
+# those of a scripted text: sim_deployment NAME TEXT [COORDINATOR FLAGS...]
+# sets NAME_http. r1: a reasoning answer (random weights never write
+# </think>); json: a JSON answer, the client's side of constrained answers.
+sim_deployment() {
+  local name=$1 text=$2 script a h
+  shift 2
+  script=$("$python" -c "import sys; from tokenizers import Tokenizer
+print(','.join(map(str, Tokenizer.from_file(sys.argv[1]).encode(sys.argv[2], add_special_tokens=False).ids)))" \
+    "$tokenizer_json" "$text")
+  a=127.0.0.1:$(free_port)
+  h=127.0.0.1:$(free_port)
+  timeout 250 "$mlarun" coordinator --listen "$a" --http "$h" --model "$src/configs/models/tiny.yaml" "$@" \
+    >"$tmp/$name-coordinator.log" 2>&1 &
+  pids+=($!)
+  timeout 250 "$mlarun" sim-worker --coordinator "$a" --vocab-size 512 --tokens-per-s 200 --script "$script" \
+    >"$tmp/$name-sim-worker.log" 2>&1 &
+  pids+=($!)
+  printf -v "${name}_http" '%s' "$h"
+}
+r1_text=$'<think>\nwhy 2 < 3? </thi nk é</think>\n\nBecause. <think>x'
+sim_deployment r1 "$r1_text" --reasoning-parser deepseek_r1
+json_text='{"ok":false,"kind":"dog"}'
+sim_deployment json "$json_text"
+for url in "http://$http/health" "http://$r1_http/health" "http://$json_http/health"; do
+  for _ in $(seq 300); do
+    "$python" -c "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('$url', timeout=1).status == 200 else 1)" \
+      2>/dev/null && break
+    sleep 0.1
+  done
+  "$python" -c "import urllib.request; urllib.request.urlopen('$url', timeout=1)" 2>/dev/null ||
+    fail "a DP group did not register ($url is not 200)"
 done
-"$python" -c "import urllib.request; urllib.request.urlopen('http://$http/health', timeout=1)" 2>/dev/null ||
-  fail "the worker's DP group did not register (/health is not 200)"
 
 # `mlarun generate` on this process gives the reference tokens: the script
 # asks for them through this helper (JSON lines in, JSON lines out).
@@ -100,6 +132,6 @@ EOF
 chmod +x "$tmp/generate.sh"
 
 timeout 200 "$python" "$src/tests/serving/http/openai_client_test.py" "http://$http/v1" "$tokenizer_json" "$tmp/generate.sh" \
-  "$tmp" >"$tmp/client.log" 2>&1 || fail "openai_client_test.py: $(tail -5 "$tmp/client.log")"
+  "$tmp" "http://$r1_http/v1" "$r1_text" "http://$json_http/v1" "$json_text" >"$tmp/client.log" 2>&1 || fail "openai_client_test.py: $(tail -5 "$tmp/client.log")"
 cat "$tmp/client.log"
 echo "openai_client_test: OK"
