@@ -1550,8 +1550,8 @@ TEST(HttpApiToolCalls, ToolChoiceRefusalsNameTheField) {
 // ---- Structured output and forced tool calls ----------------------------------
 
 // What reached the groups: every routed request's constraint (the groups'
-// SimWorkerOptions::check), and a group that cannot compile a grammar
-// holding `bad`.
+// SimWorkerOptions::check), and a group that cannot compile a grammar or a
+// regex holding `bad` (in the engine's words, and prefixed with the field).
 struct SeenConstraints {
   std::mutex mu;
   std::vector<StructuredOutput> seen;
@@ -1559,9 +1559,10 @@ struct SeenConstraints {
     return [this](const SamplingParams& s) {
       std::lock_guard lock(mu);
       seen.push_back(s.structured);
-      if (s.structured.kind == StructuredOutput::Kind::kGrammar && s.structured.spec.find("bad") != std::string::npos)
-        return InvalidArgumentError("sampling.structured: the grammar does not compile: unknown rule 'bad'");
-      return Status::Ok();
+      if (s.structured.spec.find("bad") == std::string::npos) return Status::Ok();
+      if (s.structured.kind == StructuredOutput::Kind::kGrammar)
+        return InvalidArgumentError("structured output: the grammar does not compile: unknown rule 'bad'");
+      return InvalidArgumentError("sampling.structured: the regex does not compile: unknown rule 'bad'");
     };
   }
   StructuredOutput Last() {
@@ -1708,11 +1709,13 @@ TEST(HttpApiStructured, AGrammarTheGroupsRefuseIs400) {
   for (const bool chat : {false, true}) {
     const std::string path = chat ? "/v1/chat/completions" : "/v1/completions";
     for (const json& fields :
-         {json{{"guided_grammar", "root ::= bad"}}, json{{"structured_outputs", {{"grammar", "root ::= bad"}}}}}) {
+         {json{{"guided_grammar", "root ::= bad"}}, json{{"structured_outputs", {{"grammar", "root ::= bad"}}}},
+          json{{"guided_regex", "(bad"}}}) {
       json body =
           chat ? json{{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}} : json{{"prompt", "x"}};
       body.update(fields);
-      const std::string field = fields.contains("guided_grammar") ? "guided_grammar" : "structured_outputs.grammar";
+      const std::string field =
+          fields.begin().key() == "structured_outputs" ? "structured_outputs.grammar" : fields.begin().key();
       auto [status, e] = d.Post(path, body);
       ASSERT_EQ(status, 400) << e.dump();
       EXPECT_EQ(e["error"]["param"], field) << e.dump();
