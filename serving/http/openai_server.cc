@@ -545,7 +545,8 @@ void ParseTools(const json& body, bool auto_tool_choice, Params& p) {
       throw BadField("tool_choice", StrCat("one structured-output constraint per request: both tool_choice and ",
                                            p.structured_field, " were given"));
     p.sampling.structured = {.kind = StructuredOutput::Kind::kJsonSchema,
-                             .spec = Dump(ToolChoiceSchema(choice, p.tools))};
+                             .spec = Dump(ToolChoiceSchema(choice, p.tools)),
+                             .any_whitespace = p.sampling.structured.any_whitespace};
     p.structured_field = "tool_choice";
     p.forced_tools = choice;
   } catch (const FieldError& e) {

@@ -153,7 +153,8 @@ RequestedStructure ParseStructuredOutput(const json& body) {
   if (found.size() > 1)
     throw FieldError{found[1].field, StrCat("one structured-output constraint per request: both ", found[0].field,
                                             " and ", found[1].field, " were given")};
-  if (found.empty()) return {};
+  // Without a constraint, disable_any_whitespace is tool_choice's to apply.
+  if (found.empty()) return {.structured = {.any_whitespace = !disable_ws}};
   found[0].structured.any_whitespace = !disable_ws;
   return {std::move(found[0].structured), std::move(found[0].field)};
 }

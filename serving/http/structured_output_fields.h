@@ -24,7 +24,9 @@ struct FieldError {
 
 // The constraint a request's body asks for (kind kNone: none) and the field
 // that asked for it (for errors about the constraint: "response_format",
-// "guided_json", "structured_outputs.regex", ...). More than one constraint,
+// "guided_json", "structured_outputs.regex", ...); any_whitespace holds
+// structured_outputs.disable_any_whitespace even without a constraint (for
+// tool_choice's). More than one constraint,
 // a malformed one, or guided_whitespace_pattern (the grammar engine has only
 // JSON whitespace on or off): FieldError.
 struct RequestedStructure {

@@ -1758,6 +1758,12 @@ TEST(HttpApiStructured, ANamedFunctionIsOneToolCall) {
   const StructuredOutput got = seen.Last();
   EXPECT_EQ(got.kind, StructuredOutput::Kind::kJsonSchema);
   EXPECT_EQ(json::parse(got.spec), params);
+  EXPECT_TRUE(got.any_whitespace);
+  json tight = body;
+  tight["structured_outputs"] = {{"disable_any_whitespace", true}};
+  EXPECT_EQ(d.Post("/v1/chat/completions", tight).first, 200);
+  EXPECT_FALSE(seen.Last().any_whitespace) << "disable_any_whitespace holds for tool_choice's constraint too";
+  EXPECT_EQ(json::parse(seen.Last().spec), params);
   const json& message = whole["choices"][0]["message"];
   EXPECT_TRUE(message["content"].is_null()) << whole.dump();
   ASSERT_EQ(message["tool_calls"].size(), 1u) << whole.dump();
