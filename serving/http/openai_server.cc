@@ -990,15 +990,12 @@ class Exchange {
   // The content after the reasoning, less the tool calls (with
   // Params::parse_tool_calls).
   static void AddContent(Choice& c, const std::string& text, bool last) {
-    text::ToolCallsDelta d;
-    if (c.forced != nullptr) {
-      d.calls = c.forced->Add(text);
-    } else if (c.tool_calls == nullptr) {
+    if (c.tool_calls == nullptr && c.forced == nullptr) {
       c.text += text;
       return;
-    } else {
-      d = c.tool_calls->Add(text);
     }
+    text::ToolCallsDelta d =
+        c.forced != nullptr ? text::ToolCallsDelta{.calls = c.forced->Add(text)} : c.tool_calls->Add(text);
     if (last && c.tool_calls != nullptr) {
       text::ToolCallsDelta rest = c.tool_calls->Finish();
       d.content += rest.content;
