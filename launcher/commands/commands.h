@@ -82,6 +82,9 @@ void AddAttentionThresholdsFlag(CLI::App* app, std::string& path);
 // each command's own: their defaults differ.
 void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co);
 void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co);
+// The coordinator's traffic log: --disable-log-requests and
+// --log-stats-interval (both on by default, as in vLLM).
+void AddLogFlags(CLI::App* cmd, CoordinatorOptions& co);
 // A warning on stderr when the HTTP API is to listen beyond loopback without
 // client tokens (which the coordinator allows only with
 // --allow-unauthenticated).

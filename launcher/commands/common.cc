@@ -115,6 +115,19 @@ void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
                 "Let --http bind beyond loopback without --auth-token-file: anyone who reaches it may use the model");
 }
 
+void AddLogFlags(CLI::App* cmd, CoordinatorOptions& co) {
+  co.log_requests = true;
+  co.log_stats_interval_s = 10;
+  cmd->add_flag(
+      "--disable-log-requests{false}", co.log_requests,
+      "No line per finished request (request id, token counts, TTFT, duration, finish reason; never the prompt)");
+  cmd->add_option("--log-stats-interval", co.log_stats_interval_s,
+                  "Seconds between stats lines (throughput, running and waiting requests, cache use, prefix-cache "
+                  "hit rate), printed only when something happened; 0: none")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 86400.0));
+}
+
 void WarnIfOpenHttp(const char* cmd, const CoordinatorOptions& co) {
   if (co.http_listen.empty() || !co.auth_tokens.empty() || IsLoopbackListenAddress(co.http_listen)) return;
   std::fprintf(stderr,

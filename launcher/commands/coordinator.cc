@@ -77,6 +77,7 @@ void AddCoordinatorCommand(CLI::App& app, CommandTable& table) {
                     "With --http: the model (configs/models/*.yaml, checkpoint or tokenizer directory); only its "
                     "tokenizer, chat template and name are read");
   AddHttpFlags(coord, co);
+  AddLogFlags(coord, co);
   AddSecurityFlags(coord, f->security, SecurityRole::kCoordinator);
   AddPrefixCacheSharingFlag(coord, co);
   table.Add(coord, [f](ProcessArgs) { return RunCoordinatorCommand(*f); });

@@ -167,6 +167,7 @@ void AddServeCommand(CLI::App& app, CommandTable& table) {
                    "Refuse requests whose prompt + max_tokens exceed this (default: the model's context)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
   AddHttpFlags(serve_cmd, sv.coordinator);
+  AddLogFlags(serve_cmd, sv.coordinator);
   serve_cmd->add_option("--grpc", sv.coordinator.listen, "host:port of the gRPC client API (port 0: a free one)")
       ->capture_default_str();
   serve_cmd->add_option("--policy", f->policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -27,6 +28,7 @@
 #include "base/thread_annotations.h"
 #include "mlarun.grpc.pb.h"
 #include "serving/coordinator/dispatcher.h"
+#include "serving/coordinator/server_log.h"
 #include "serving/http/metrics.h"
 #include "serving/http/openai_server.h"
 #include "serving/link/link_server.h"
@@ -229,6 +231,7 @@ class CoordinatorImpl final : public Coordinator {
   std::string http_address() const override { return http_ != nullptr ? http_->address() : ""; }
 
   void SetHttp(std::unique_ptr<HttpApi> http) { http_ = std::move(http); }
+  void SetServerLog(std::shared_ptr<ServerLog> log) { server_log_ = std::move(log); }
 
   void Shutdown() override {
     {
@@ -245,6 +248,7 @@ class CoordinatorImpl final : public Coordinator {
     // The HTTP exchanges have their answers now (UNAVAILABLE): its handlers return.
     if (http_ != nullptr) http_->Shutdown();
     if (server_ != nullptr) server_->Shutdown(kShutdownGrace);
+    if (server_log_ != nullptr) server_log_->Stop();  // after the last request's line
     {
       MutexLock lock(mu_);
       down_ = true;
@@ -263,13 +267,40 @@ class CoordinatorImpl final : public Coordinator {
   MlarunService mlarun_service_;
   WorkerLinkService link_service_;
   std::unique_ptr<GrpcServer> server_;
-  std::unique_ptr<HttpApi> http_;  // nullptr when off
+  std::unique_ptr<HttpApi> http_;          // nullptr when off
+  std::shared_ptr<ServerLog> server_log_;  // nullptr when off; its thread reads dispatcher_
 
   Mutex mu_;
   std::condition_variable cv_;
   bool stopping_ MLARUN_GUARDED_BY(mu_) = false;
   bool down_ MLARUN_GUARDED_BY(mu_) = false;
 };
+
+// The stats line's figures: the metrics' token counters, the groups'
+// reported batches and caches (a group's attention-TP ranks hold the same
+// blocks: its first rank counts), and the coordinator's queue.
+ServerSample SampleServer(const Dispatcher& dispatcher, const Metrics& metrics) {
+  v1::GetStatsResponse stats;
+  dispatcher.FillStats(&stats, /*details=*/false);
+  const Metrics::Totals t = metrics.totals();
+  ServerSample s{.at_s = std::chrono::duration<double>(Clock::now().time_since_epoch()).count(),
+                 .prompt_tokens = t.prompt_tokens,
+                 .generation_tokens = t.generation_tokens,
+                 .prefix_queries = t.prefix_queries,
+                 .prefix_hits = t.prefix_hits,
+                 .waiting = stats.coordinator().requests_queued()};
+  for (const v1::GroupStats& g : stats.groups()) {
+    if (!g.connected()) continue;
+    for (const v1::RankStats& r : stats.ranks()) {
+      if (r.worker_id() != g.worker_id() || r.dp_group() != g.dp_group() || r.attn_tp_rank() != 0) continue;
+      s.running += r.requests_running();
+      s.waiting += r.requests_waiting();
+      s.cache_blocks_used += r.cache_blocks_used();
+      s.cache_blocks_total += r.cache_blocks_total();
+    }
+  }
+  return s;
+}
 
 std::string NewCoordinatorId() {
   // Distinct per process start, so a worker can tell that the coordinator
@@ -343,10 +374,22 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
       tokenizer = std::move(*loaded);
     }
     if (served_model_name.empty()) served_model_name = DefaultServedModelName(options.http_model);
+  }
+  const bool server_log_on = options.log_requests || options.log_stats_interval_s > 0;
+  if (!options.http_listen.empty() || server_log_on)
     metrics = std::make_shared<Metrics>(std::string(RoutingPolicyName(options.policy)));
+  std::shared_ptr<coord::DispatcherObserver> observer = metrics;
+  std::shared_ptr<coord::ServerLog> server_log;
+  if (server_log_on) {
+    server_log = std::make_shared<coord::ServerLog>(
+        metrics, coord::ServerLog::Options{
+                     .log_requests = options.log_requests,
+                     .stats_interval_s = options.log_stats_interval_s,
+                     .write = [](const std::string& line) { std::cerr << "mlarun coordinator: " + line + "\n"; }});
+    observer = server_log;
   }
 
-  auto dispatcher = std::make_shared<coord::Dispatcher>(options, coord::NewCoordinatorId(), metrics);
+  auto dispatcher = std::make_shared<coord::Dispatcher>(options, coord::NewCoordinatorId(), observer);
   auto impl = std::make_unique<coord::CoordinatorImpl>(dispatcher, options);
   MLARUN_RETURN_IF_ERROR(impl->Bind(options.listen, options.tls));
   if (!options.http_listen.empty()) {
@@ -371,6 +414,10 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
                                dispatcher, metrics);
     if (!http.ok()) return http.status().WithContext("coordinator --http");
     impl->SetHttp(std::move(*http));
+  }
+  if (server_log != nullptr) {
+    server_log->Start([d = dispatcher.get(), m = metrics.get()] { return coord::SampleServer(*d, *m); });
+    impl->SetServerLog(std::move(server_log));
   }
   return std::unique_ptr<Coordinator>(std::move(impl));
 }

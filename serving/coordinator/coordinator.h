@@ -113,6 +113,13 @@ struct CoordinatorOptions {
   // the count of connected groups. `mlarun coordinator` and `mlarun serve`
   // set it; tests and benchmarks leave it off.
   bool log_groups = false;
+  // The traffic log to stderr (serving/coordinator/server_log.h): a line
+  // per ended request (`--disable-log-requests` turns it off) and a stats
+  // line every log_stats_interval_s when something happened
+  // (`--log-stats-interval`; 0: none). The commands turn both on; tests and
+  // benchmarks leave them off.
+  bool log_requests = false;
+  double log_stats_interval_s = 0;
 
   // ---- The OpenAI-compatible HTTP API and /metrics (docs/http-api.md) ----
   // host:port of the HTTP API (`--http`); empty (the default): off. Its

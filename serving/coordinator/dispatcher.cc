@@ -303,6 +303,7 @@ void Dispatcher::Observe(const Request& r, grpc::StatusCode code, std::string_vi
   if (observer_ == nullptr) return;
   const bool routed = r.routed_at != Clock::time_point{};
   observer_->OnEnd(RequestEnd{
+      .request_id = r.id,
       .status_code = static_cast<int>(code),
       .finish_reason = finish_reason,
       .prompt_tokens = r.prompt_tokens,
@@ -352,7 +353,9 @@ std::optional<Dispatcher::Accepted> Dispatcher::Submit(std::shared_ptr<ClientOut
     auto reject = [&](grpc::StatusCode code, std::string message) MLARUN_REQUIRES(mu_) {
       Count(code);
       if (observer_ != nullptr)
-        observer_->OnEnd(RequestEnd{.status_code = static_cast<int>(code), .prompt_tokens = request.prompt_ids_size()});
+        observer_->OnEnd(RequestEnd{.request_id = request.request_id(),
+                                    .status_code = static_cast<int>(code),
+                                    .prompt_tokens = request.prompt_ids_size()});
       client->Close(code, std::move(message));
       pending.Add(client);
     };

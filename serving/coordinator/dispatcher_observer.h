@@ -16,6 +16,8 @@
 namespace mlarun::coord {
 
 struct RequestEnd {
+  // The client's name for the request (its own, or the one given to it).
+  std::string_view request_id;
   // The request's final status as a gRPC code number (0 = OK: it finished).
   int status_code = 0;
   // "length" or "stop" when finished; "" otherwise.

@@ -173,6 +173,14 @@ void Metrics::OnEnd(const coord::RequestEnd& end) {
   if (end.queued_s >= 0) impl_->queue_h->Observe(end.queued_s);
 }
 
+Metrics::Totals Metrics::totals() const {
+  auto count = [](const prometheus::Counter* c) { return static_cast<int64_t>(c->Value()); };
+  return Totals{.prompt_tokens = count(impl_->prompt),
+                .generation_tokens = count(impl_->generated),
+                .prefix_queries = count(impl_->queries),
+                .prefix_hits = count(impl_->hits)};
+}
+
 void Metrics::OnHttp(std::string_view path, int status) {
   std::string_view label = kHttpPaths.back();
   for (std::string_view p : kHttpPaths) {

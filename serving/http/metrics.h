@@ -13,6 +13,7 @@
 // No gRPC or prometheus header is visible here.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -35,6 +36,16 @@ class Metrics final : public coord::DispatcherObserver {
   void OnRouted(std::string_view worker_id, int32_t dp_group) override;
   void OnToken(bool first, double since_s) override;
   void OnEnd(const coord::RequestEnd& end) override;
+
+  // The token counters so far (the stats line of serving/coordinator/
+  // server_log.h reads them, so the log and /metrics count once).
+  struct Totals {
+    int64_t prompt_tokens = 0;      // mlarun:prompt_tokens_total
+    int64_t generation_tokens = 0;  // mlarun:generation_tokens_total
+    int64_t prefix_queries = 0;     // mlarun:prefix_cache_queries_total
+    int64_t prefix_hits = 0;        // mlarun:prefix_cache_hits_total
+  };
+  Totals totals() const;
 
   // One HTTP exchange answered with `status` on `path` (one of the API's
   // paths, or anything else counted as "other").

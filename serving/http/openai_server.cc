@@ -734,6 +734,8 @@ class Exchange {
         if (params_.forced_tools.kind != ToolChoice::Kind::kNone)
           c.forced = std::make_unique<ForcedToolCalls>(params_.forced_tools);
         v1::GenerateRequest request;
+        // The response's id, for the coordinator's request log (choice k > 0: "-k").
+        request.set_request_id(k == 0 ? id_ : StrCat(id_, "-", k));
         request.mutable_prompt_ids()->Assign(prompt.begin(), prompt.end());
         request.set_cache_salt(params_.cache_salt);
         // n choices of one request: seed, seed + 1, ... (reproducible, and
