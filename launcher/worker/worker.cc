@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -76,6 +77,7 @@ class Worker {
 
   // Start-up, in this order.
   void SizeCache();
+  void SayLoaded() const;
   v1::RankStats OwnFacts() const;
   void ExchangeFacts(const v1::RankStats& me);
   void OpenLink();
@@ -141,12 +143,32 @@ void Worker::Start() {
   auto runner_or = RankRunner::Create(model_, engine_, groups_, rank_name_);
   if (!runner_or.ok()) session_.Abort(runner_or.status().ToString(), 2);
   runner_ = std::move(*runner_or);
+  SayLoaded();
   ExchangeFacts(OwnFacts());
   waiting_said_ = std::chrono::steady_clock::now();
   if (runner_->is_leader()) OpenLink();
   if (session_.rank() == 0)
     std::cerr << "mlarun worker " << worker_id_ << ": " << layout_ << ", " << o_.deployment.model << ", coordinator "
               << o_.coordinator << "\n";
+}
+
+// One line per rank once it can serve, as vLLM's: the load time, the
+// weights and what the cache holds (tokens, and requests of the model's
+// full context at once).
+void Worker::SayLoaded() const {
+  const LatentCacheStats cache = runner_->cache_stats().now;
+  const int64_t tokens = cache.blocks_total * engine_.block_size;
+  const int64_t context = model_.config().max_position_embeddings;
+  char seconds[32], concurrency[64];
+  std::snprintf(seconds, sizeof seconds, "%.1f", boot_.load_seconds);
+  std::snprintf(concurrency, sizeof concurrency, "%.2fx",
+                context > 0 ? static_cast<double>(tokens) / static_cast<double>(context) : 0.0);
+  std::cerr << "mlarun worker: " + rank_name_ + ": loaded in " + seconds +
+                   " s: " + FormatBytes(static_cast<double>(weights_.total())) + " of weights; KV cache " +
+                   std::to_string(tokens) + " tokens (" + std::to_string(cache.blocks_total) + " blocks of " +
+                   std::to_string(engine_.block_size) + "); maximum concurrency for " + std::to_string(context) +
+                   " tokens per request: " + concurrency + "\n"
+            << std::flush;
 }
 
 // The cache budget: given, or what the memory per rank leaves after the

@@ -186,6 +186,8 @@ struct ModelOptions {
   DeviceMemory* memory = nullptr;
   ModelShard shard;                                  // default: the whole model
   std::function<void(const std::string&)> progress;  // loading progress (may be empty)
+  // Called after each decoder layer is loaded: (layers loaded, layers). May be empty.
+  std::function<void(int64_t, int64_t)> on_layer;
   // Testing: the Forward call with this 0-based index (counted per Model)
   // fails with INTERNAL on this process, in its first layer after the
   // attention, as a kernel failure would. -1: never.

@@ -508,6 +508,7 @@ class ModelLoader {
     std::vector<float> kv_b;
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
       progress("loading layer " + std::to_string(i + 1) + "/" + std::to_string(c.num_hidden_layers));
+      if (i > 0 && m.options_.on_layer) m.options_.on_layer(i, c.num_hidden_layers);
       DecoderLayer& layer = m.layers_[static_cast<size_t>(i)];
       const std::string p = "model.layers." + std::to_string(i) + ".";
       MLARUN_RETURN_IF_ERROR(LoadNorm(src, p + "input_layernorm.weight", H, &layer.input_norm.host));

@@ -4,6 +4,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 #include <ostream>
 
@@ -16,6 +17,12 @@
 #include "runtime/rank/thresholds.h"
 
 namespace mlarun {
+namespace {
+
+// A loading rank's progress lines: one per this many seconds at most.
+constexpr double kLoadProgressPeriodS = 5;
+
+}  // namespace
 
 DeploymentSpec::Fields DeploymentSpec::ToFields() const {
   return {{"--model", model},
@@ -87,7 +94,8 @@ StatusOr<int> SelectDeviceForSpec(const DeploymentSpec& spec, int rank) {
 }
 
 StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelShard& shard, int rank,
-                                       std::function<void(const std::string&)> progress) {
+                                       std::function<void(const std::string&)> progress,
+                                       std::function<void(int64_t, int64_t, int64_t)> on_layer) {
   const bool yaml = spec.model.ends_with(".yaml") || spec.model.ends_with(".yml");
   if (!yaml && spec.experts > 0) return InvalidArgumentError("--experts applies to YAML models only");
   MLARUN_ASSIGN_OR_RETURN(const ModelOverrides ov, ParseModelOverrides(spec.kv_dtype, spec.num_layers));
@@ -119,6 +127,10 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
   if (const Status st = ApplyAbsorbThresholdsFile(spec.attention_thresholds, &lm.options.attention); !st.ok())
     return st.WithContext("--attention-thresholds");
   lm.options.progress = std::move(progress);
+  if (on_layer)
+    lm.options.on_layer = [on_layer = std::move(on_layer), bytes = lm.predicted.total()](int64_t done, int64_t n) {
+      on_layer(done, n, bytes);
+    };
   MLARUN_ASSIGN_OR_RETURN(lm.options.weights, ParseWeightLoading(spec.weights));
   if (spec.fail_forward_call >= 0 && (spec.fail_forward_rank < 0 || spec.fail_forward_rank == rank))
     lm.options.fail_forward_call = spec.fail_forward_call;
@@ -162,6 +174,39 @@ Status AgreeOnOutcome(Communicator& world, const Status& mine, const std::string
 }
 
 }  // namespace
+
+std::string FormatBytes(double bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int unit = 0;
+  while (bytes >= 1024 && unit < 4) bytes /= 1024, ++unit;
+  char buf[48];
+  std::snprintf(buf, sizeof buf, unit == 0 ? "%.0f %s" : "%.2f %s", bytes, kUnits[unit]);
+  return buf;
+}
+
+LoadProgressLog::LoadProgressLog(std::string who, double period_s, std::function<double()> now_s,
+                                 std::function<void(const std::string&)> write)
+    : who_(std::move(who)),
+      period_s_(period_s),
+      now_s_(std::move(now_s)),
+      write_(std::move(write)),
+      start_s_(now_s_()),
+      said_s_(start_s_) {}
+
+void LoadProgressLog::OnLayer(int64_t done, int64_t layers, int64_t weight_bytes) {
+  const double now = now_s_();
+  if (now - said_s_ < period_s_ || layers <= 0 || done <= 0) return;
+  said_s_ = now;
+  const double share = static_cast<double>(done) / static_cast<double>(layers);
+  const double read = share * static_cast<double>(weight_bytes), elapsed = now - start_s_;
+  const double rate = elapsed > 0 ? read / elapsed : 0;
+  const double eta = rate > 0 ? (static_cast<double>(weight_bytes) - read) / rate : 0;
+  char line[160];
+  std::snprintf(line, sizeof line, ": loading: layer %lld/%lld, about %s of %s (%.0f%%), %s/s, ETA %.0f s",
+                static_cast<long long>(done), static_cast<long long>(layers), FormatBytes(read).c_str(),
+                FormatBytes(static_cast<double>(weight_bytes)).c_str(), 100 * share, FormatBytes(rate).c_str(), eta);
+  write_(who_ + line);
+}
 
 StatusOr<BootstrappedRank> BootstrapRank(const DeploymentSpec& spec, MpiSession& session, std::ostream& log,
                                          std::string_view command) {
@@ -222,7 +267,15 @@ StatusOr<BootstrappedRank> BootstrapRank(const DeploymentSpec& spec, MpiSession&
 
   // 3. This rank's shard; then every rank learns whether all loaded.
   const auto t0 = std::chrono::steady_clock::now();
-  auto loaded = LoadModelForSpec(spec, ModelShard::For(r.layout, session.rank()), session.rank());
+  const ModelShard shard = ModelShard::For(r.layout, session.rank());
+  LoadProgressLog progress(
+      std::string(command) + ": " + r.name, kLoadProgressPeriodS,
+      [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); },
+      [&log](const std::string& line) { log << line + "\n"
+                                            << std::flush; });
+  auto loaded = LoadModelForSpec(spec, shard, session.rank(), {}, [&progress](int64_t done, int64_t n, int64_t bytes) {
+    progress.OnLayer(done, n, bytes);
+  });
   const Status load_status = loaded.ok() ? Status::Ok() : loaded.status().WithContext("cannot load " + spec.model);
   MLARUN_RETURN_IF_ERROR(AgreeOnOutcome(*r.groups.world, load_status, r.name, "loading the model"));
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

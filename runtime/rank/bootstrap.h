@@ -88,9 +88,34 @@ struct LoadedModel {
 // spec's overrides, checked against the shard and max_weight_bytes before
 // anything is allocated, then the weights. No MPI: single-process commands
 // call it directly, BootstrapRank on every rank.
-// `progress` gets loading progress lines (ModelOptions::progress).
+// `progress` gets loading progress lines (ModelOptions::progress),
+// `on_layer` each layer loaded (ModelOptions::on_layer) with the shard's
+// predicted weight bytes.
 StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelShard& shard, int rank = 0,
-                                       std::function<void(const std::string&)> progress = {});
+                                       std::function<void(const std::string&)> progress = {},
+                                       std::function<void(int64_t, int64_t, int64_t)> on_layer = {});
+
+// A rank's loading progress for the log: at most one line per `period_s`
+// (never per tensor): the layers loaded, the share of the weight bytes that
+// is, the rate and the time left at that rate. Feed it LoadModelForSpec's
+// on_layer; `now_s` is a steady clock in seconds.
+class LoadProgressLog {
+ public:
+  LoadProgressLog(std::string who, double period_s, std::function<double()> now_s,
+                  std::function<void(const std::string&)> write);
+  void OnLayer(int64_t done, int64_t layers, int64_t weight_bytes);
+
+ private:
+  const std::string who_;
+  const double period_s_;
+  const std::function<double()> now_s_;
+  const std::function<void(const std::string&)> write_;
+  const double start_s_;
+  double said_s_;
+};
+
+// "1.23 GiB" (binary units from KiB up; bytes below).
+std::string FormatBytes(double bytes);
 
 struct BootstrappedRank {
   ParallelLayout layout;

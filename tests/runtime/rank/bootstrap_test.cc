@@ -2,7 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "base/cuda_device.h"
 
@@ -167,6 +170,55 @@ TEST(DeploymentSpec, ParsesFailForwardCall) {
     EXPECT_EQ(s.fail_forward_call, 12) << bad;  // unchanged
     EXPECT_EQ(s.fail_forward_rank, 2) << bad;
   }
+}
+
+}  // namespace
+}  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// The loading progress lines: at most one per period, with the layer, the
+// bytes that share of the weights is, the rate and the time left, worked
+// out here from a clock the test moves.
+TEST(LoadProgressLog, OneLinePerPeriodWithRateAndEta) {
+  double now = 1000;
+  std::vector<std::string> lines;
+  LoadProgressLog log(
+      "mlarun worker: rank 3 (h)", 5.0, [&] { return now; }, [&](const std::string& l) { lines.push_back(l); });
+  const int64_t layers = 61, bytes = int64_t{21} << 30;  // 21 GiB
+  std::mt19937 rng(3);
+  std::vector<std::pair<int64_t, double>> said;  // (layer, time)
+  double last = now;
+  for (int64_t done = 1; done < layers; ++done) {
+    now += std::uniform_real_distribution<double>(0.2, 1.6)(rng);
+    log.OnLayer(done, layers, bytes);
+    if (now - last >= 5.0) {
+      said.emplace_back(done, now);
+      last = now;
+    }
+  }
+  ASSERT_EQ(lines.size(), said.size());
+  ASSERT_GE(lines.size(), 4u);
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const auto [done, t] = said[i];
+    const double read = static_cast<double>(done) / layers * static_cast<double>(bytes);
+    const double rate = read / (t - 1000), eta = (static_cast<double>(bytes) - read) / rate;
+    char want[200];
+    std::snprintf(want, sizeof want,
+                  "mlarun worker: rank 3 (h): loading: layer %lld/61, about %.2f GiB of 21.00 GiB (%.0f%%), %.2f %s/s, "
+                  "ETA %.0f s",
+                  static_cast<long long>(done), read / (1 << 30), 100.0 * done / layers,
+                  rate >= (1 << 30) ? rate / (1 << 30) : rate / (1 << 20), rate >= (1 << 30) ? "GiB" : "MiB", eta);
+    EXPECT_EQ(lines[i], want);
+  }
+}
+
+TEST(LoadProgressLog, FormatBytes) {
+  EXPECT_EQ(FormatBytes(512), "512 B");
+  EXPECT_EQ(FormatBytes(1536), "1.50 KiB");
+  EXPECT_EQ(FormatBytes(double(int64_t{5} << 40)), "5.00 TiB");
+  EXPECT_EQ(FormatBytes(1288490188.8), "1.20 GiB");
 }
 
 }  // namespace
