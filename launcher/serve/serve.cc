@@ -159,13 +159,20 @@ class Serve {
   Serve(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log) : o_(o), stop_(stop), log_(log) {}
 
   int Run() {
+    const int code = Steps();
+    if (code != 0) Say("failed: " + (failure_.empty() ? std::string("see the messages above") : failure_));
+    return code;
+  }
+
+ private:
+  int Steps() {
     auto layout = ParseParallelLayout(o_.parallel);
-    if (!layout.ok()) return Say("--parallel: " + std::string(layout.status().message())), 2;
+    if (!layout.ok()) return Fail("--parallel: " + std::string(layout.status().message())), 2;
     layout_ = *layout;
-    if (o_.model.empty()) return Say("--model is required"), 2;
-    if (Status st = CheckModelPath(o_.model); !st.ok()) return Say("--model: " + std::string(st.message())), 2;
+    if (o_.model.empty()) return Fail("--model is required"), 2;
+    if (Status st = CheckModelPath(o_.model); !st.ok()) return Fail("--model: " + std::string(st.message())), 2;
     if (!o_.coordinator.tls.cert.empty())
-      return Say("TLS is for coordinators reached from other machines: use mlarun coordinator"), 2;
+      return Fail("TLS is for coordinators reached from other machines: use mlarun coordinator"), 2;
     if (!MakeSecret()) return Cleanup(), 1;
     CoordinatorOptions co = o_.coordinator;
     co.worker_secret = secret_;
@@ -173,7 +180,7 @@ class Serve {
     auto coordinator = Coordinator::Start(co);
     if (!coordinator.ok()) {
       Cleanup();
-      Say("the coordinator did not start: " + coordinator.status().ToString());
+      Fail("the coordinator did not start: " + coordinator.status().ToString());
       return coordinator.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
     }
     coordinator_ = std::move(*coordinator);
@@ -191,8 +198,12 @@ class Serve {
     return code;
   }
 
- private:
   void Say(const std::string& line) { log_ << "mlarun serve: " << line << std::endl; }
+  // A fatal problem: the first is serve's last line ("failed: ..."), after
+  // whatever the job still prints while it is stopped.
+  void Fail(const std::string& cause) {
+    if (failure_.empty()) failure_ = cause;
+  }
 
   // The secret's directory, with this process's pid beside the secret so
   // that a later serve can tell a directory whose serve is gone (killed
@@ -201,7 +212,7 @@ class Serve {
     RemoveStaleSecretDirs();
     std::string dir_template = TempDir() + "/mlarun-serve-XXXXXX";
     if (mkdtemp(dir_template.data()) == nullptr)
-      return Say("cannot make a temporary directory in " + TempDir() + ": " + strerror(errno)), false;
+      return Fail("cannot make a temporary directory in " + TempDir() + ": " + strerror(errno)), false;
     dir_ = dir_template;
     secret_ = RandomHex(32);
     secret_path_ = dir_ + "/worker-secret";
@@ -213,7 +224,7 @@ class Serve {
     const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
     if (fd < 0 || write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) {
       if (fd >= 0) close(fd);
-      return Say("cannot write " + path + ": " + strerror(errno)), false;
+      return Fail("cannot write " + path + ": " + strerror(errno)), false;
     }
     close(fd);
     return true;
@@ -281,14 +292,18 @@ class Serve {
   }
 
   // The job's environment: ours, with the pid the ranks watch
-  // (kServePidVariable) and Open MPI's consent to run as root.
-  static std::vector<std::string> JobEnvironment() {
+  // (kServePidVariable), the file for their start-up failure
+  // (kServeFailureFileVariable) and Open MPI's consent to run as root.
+  std::vector<std::string> JobEnvironment() const {
     std::vector<std::string> env;
     const std::string watch_prefix = std::string(kServePidVariable) + "=";
+    const std::string failure_prefix = std::string(kServeFailureFileVariable) + "=";
     for (char** e = environ; *e != nullptr; ++e) {
-      if (!std::string_view(*e).starts_with(watch_prefix)) env.emplace_back(*e);
+      const std::string_view v(*e);
+      if (!v.starts_with(watch_prefix) && !v.starts_with(failure_prefix)) env.emplace_back(*e);
     }
     env.push_back(watch_prefix + std::to_string(getpid()));
+    env.push_back(failure_prefix + FailureFile());
     if (geteuid() == 0) {
       // Open MPI refuses root unless told; serve's ranks are our own children.
       for (const char* v : {"OMPI_ALLOW_RUN_AS_ROOT=1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"}) env.emplace_back(v);
@@ -305,7 +320,7 @@ class Serve {
   bool StartJob() {
     std::vector<std::string> args = JobArgv();
     const std::string exe = FindOnPath(o_.mpirun);
-    if (exe.empty()) return Say("cannot start " + o_.mpirun + ": not found on PATH"), false;
+    if (exe.empty()) return Fail("cannot start " + o_.mpirun + ": not found on PATH"), false;
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -316,7 +331,7 @@ class Serve {
 
     // exec's failure comes back through a close-on-exec pipe.
     int report[2];
-    if (pipe2(report, O_CLOEXEC) != 0) return Say(std::string("cannot make a pipe: ") + strerror(errno)), false;
+    if (pipe2(report, O_CLOEXEC) != 0) return Fail(std::string("cannot make a pipe: ") + strerror(errno)), false;
     const pid_t parent = getpid();
     const pid_t pid = fork();
     if (pid == 0) ExecJob(exe.c_str(), argv.data(), envp.data(), parent, report[1]);  // never returns
@@ -326,7 +341,7 @@ class Serve {
     close(report[0]);
     if (pid < 0 || got == sizeof child_errno) {
       if (pid > 0) waitpid(pid, nullptr, 0);
-      Say("cannot start " + o_.mpirun + ": " + strerror(pid < 0 ? errno : child_errno));
+      Fail("cannot start " + o_.mpirun + ": " + strerror(pid < 0 ? errno : child_errno));
       return false;
     }
     job_ = pid;
@@ -413,8 +428,8 @@ class Serve {
                      ? std::string()
                      : ", OpenAI-compatible HTTP API at http://" + coordinator_->http_address() + "/v1"));
           } else if (Clock::now() >= ready_deadline) {
-            Say("the worker job's groups did not all register within " + Format(o_.ready_timeout_s) + " s (" +
-                std::to_string(std::max(connected, 0)) + " of " + std::to_string(layout_.dp) + ")");
+            Fail("the worker job's groups did not all register within " + Format(o_.ready_timeout_s) + " s (" +
+                 std::to_string(std::max(connected, 0)) + " of " + std::to_string(layout_.dp) + ")");
             return 1;
           } else if (Clock::now() - last_note >= std::chrono::seconds(10)) {
             Say("waiting for the worker job: " + std::to_string(std::max(connected, 0)) + " of " +
@@ -431,6 +446,7 @@ class Serve {
       StopJob();  // what it left behind
       if (!ever_ready) {
         Say("not restarting a job that never became ready: see its messages above");
+        failure_ = StartFailure(*ended);
         return 1;
       }
       if (ran >= 60) backoff = o_.restart_backoff_s;
@@ -440,6 +456,17 @@ class Serve {
       while (!Stopping() && Clock::now() < resume) std::this_thread::sleep_for(std::chrono::milliseconds(50));
       backoff = std::min(backoff * 2, o_.restart_backoff_max_s);
     }
+  }
+
+  std::string FailureFile() const { return dir_ + "/start-failure"; }
+
+  // Why the job that never became ready ended: what a rank reported
+  // (ReportStartFailure), else how the job ended.
+  std::string StartFailure(int wait_status) const {
+    std::ifstream in(FailureFile());
+    std::string cause;
+    if (std::getline(in, cause) && !cause.empty()) return cause;
+    return "the worker job " + DescribeExit(wait_status) + " before its groups registered (its messages are above)";
   }
 
   static std::string Format(double s) {
@@ -454,6 +481,7 @@ class Serve {
   ParallelLayout layout_;
   static constexpr char kPidFile[] = "serve-pid";
   std::string dir_, secret_, secret_path_;
+  std::string failure_;  // the first fatal problem, for the last line
   std::unique_ptr<Coordinator> coordinator_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::Mlarun::Stub> stub_;
@@ -480,6 +508,18 @@ bool IsAncestor(pid_t pid) {
 }
 
 }  // namespace
+
+void ReportStartFailure(const std::string& cause) {
+  const char* path = std::getenv(kServeFailureFileVariable);
+  if (path == nullptr || *path == '\0') return;
+  const int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return;  // another rank said it first, or serve is gone
+  std::string line = cause;
+  std::replace(line.begin(), line.end(), '\n', ' ');
+  line += "\n";
+  [[maybe_unused]] const ssize_t w = write(fd, line.data(), line.size());
+  close(fd);
+}
 
 Status WatchServeProcess() {
   const char* value = std::getenv(kServePidVariable);

@@ -45,16 +45,26 @@ struct ServeOptions {
 };
 
 // Runs until `*stop` becomes true (a signal handler sets it), then stops
-// everything. Progress and problems go to `log`. Exit code: 0 after a clean
-// stop, 1 when the coordinator cannot start or the first worker job fails
-// before it is ready (its exit status and log lines are reported), 2 bad
-// options.
+// everything. Progress and problems go to `log`; a failure's cause is its
+// last line ("mlarun serve: failed: ..."). Exit code: 0 after a clean stop,
+// 1 when the coordinator cannot start or the first worker job fails before
+// it is ready, 2 bad options.
 // Call it from a thread that lives until it returns (the main thread): the
 // job's launcher is told to stop when that thread ends.
 int RunServe(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log);
 
 // The environment variable serve gives its job: serve's pid.
 inline constexpr char kServePidVariable[] = "MLARUN_SERVE_PID";
+
+// The environment variable serve gives its job: the file where a rank that
+// cannot start writes why (ReportStartFailure), for serve's last line.
+inline constexpr char kServeFailureFileVariable[] = "MLARUN_SERVE_FAILURE_FILE";
+
+// For a rank of serve's job (kServeFailureFileVariable set; otherwise
+// nothing): writes `cause` (one line) where serve reads it when the job ends
+// before it was ready, so that serve's last line says why rather than
+// pointing into the launcher's output. The first cause written stays.
+void ReportStartFailure(const std::string& cause);
 
 // For a rank of serve's job (kServePidVariable set; otherwise nothing):
 // starts a thread that ends this process (exit code 1, a line on stderr)

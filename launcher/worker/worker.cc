@@ -17,6 +17,7 @@
 
 #include "base/cpu_isa.h"
 #include "base/cuda_device.h"
+#include "launcher/serve/serve.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
 #include "runtime/model/memory_plan.h"
@@ -78,6 +79,12 @@ class Worker {
   // Start-up, in this order.
   void SizeCache();
   void SayLoaded() const;
+  // A start-up failure of this rank: reported to serve (if it started the
+  // job), then the job ends (exit code 2).
+  [[noreturn]] void AbortStart(const std::string& why) const {
+    ReportStartFailure(rank_name_ + ": " + why);
+    session_.Abort(why, 2);
+  }
   v1::RankStats OwnFacts() const;
   void ExchangeFacts(const v1::RankStats& me);
   void OpenLink();
@@ -141,7 +148,7 @@ void Worker::Start() {
               << std::flush;
   SizeCache();
   auto runner_or = RankRunner::Create(model_, engine_, groups_, rank_name_);
-  if (!runner_or.ok()) session_.Abort(runner_or.status().ToString(), 2);
+  if (!runner_or.ok()) AbortStart(runner_or.status().ToString());
   runner_ = std::move(*runner_or);
   SayLoaded();
   ExchangeFacts(OwnFacts());
@@ -185,12 +192,10 @@ void Worker::SizeCache() {
     const LatentCacheConfig cache_config = CacheConfigFor(mc, engine_.cache_budget_bytes, engine_.block_size);
     const int64_t block_bytes = cache_config.block_bytes();
     if (cache_config.num_blocks() == 0)
-      session_.Abort("--memory-gib " + std::to_string(o_.memory_gib) + ": " + std::to_string(memory_bytes_) +
-                         " B per rank minus weights (" + std::to_string(weights_.total()) +
-                         " B) and prefill workspace (" + std::to_string(workspace_.total()) + " B) leaves " +
-                         std::to_string(engine_.cache_budget_bytes) + " B, less than one cache block (" +
-                         std::to_string(block_bytes) + " B)",
-                     2);
+      AbortStart("--memory-gib " + std::to_string(o_.memory_gib) + ": " + std::to_string(memory_bytes_) +
+                 " B per rank minus weights (" + std::to_string(weights_.total()) + " B) and prefill workspace (" +
+                 std::to_string(workspace_.total()) + " B) leaves " + std::to_string(engine_.cache_budget_bytes) +
+                 " B, less than one cache block (" + std::to_string(block_bytes) + " B)");
   }
 }
 
@@ -524,7 +529,10 @@ int RunWorker(const WorkerOptions& o, MpiSession& session) {
   // job on every rank with exit code 2, rank 0 says why.
   auto boot = BootstrapRank(o.deployment, session, std::cerr, "mlarun worker");
   if (!boot.ok()) {
-    if (session.rank() == 0) std::cerr << "mlarun worker: " << boot.status().ToString() << "\n" << std::flush;
+    if (session.rank() == 0) {
+      std::cerr << "mlarun worker: " << boot.status().ToString() << "\n" << std::flush;
+      ReportStartFailure(boot.status().ToString());
+    }
     return 2;
   }
   Worker worker(o, session, *boot);
