@@ -159,6 +159,10 @@ class Serve {
   Serve(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log) : o_(o), stop_(stop), log_(log) {}
 
   int Run() {
+    // A log whose reader left (`mlarun serve ... 2>&1 | head`) fails writes
+    // with EPIPE instead of killing serve with its job running and its
+    // secret directory left behind. The job gets the default back (ExecJob).
+    signal(SIGPIPE, SIG_IGN);
     const int code = Steps();
     if (code != 0) Say("failed: " + (failure_.empty() ? std::string("see the messages above") : failure_));
     return code;

@@ -48,7 +48,9 @@ struct ServeOptions {
 // everything. Progress and problems go to `log`; a failure's cause is its
 // last line ("mlarun serve: failed: ..."). Exit code: 0 after a clean stop,
 // 1 when the coordinator cannot start or the first worker job fails before
-// it is ready, 2 bad options.
+// it is ready, 2 bad options. SIGPIPE is ignored from here on: `log` may be
+// a pipe whose reader left, which must not keep serve from stopping its job
+// and removing its secret directory.
 // Call it from a thread that lives until it returns (the main thread): the
 // job's launcher is told to stop when that thread ends.
 int RunServe(const ServeOptions& o, std::atomic<bool>* stop, std::ostream& log);
