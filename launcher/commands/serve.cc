@@ -119,7 +119,7 @@ int RunServeCommand(ServeFlags& f) {
   std::thread([stop_signals] {
     int sig = 0;
     sigwait(&stop_signals, &sig);
-    std::fprintf(stderr, "mlarun serve: SIG%s: stopping\n", sigabbrev_np(sig));
+    std::fprintf(stderr, "mlarun serve: SIG%s: shutting down on request\n", sigabbrev_np(sig));
     stop = true;
   }).detach();
   return RunServe(sv, &stop, std::cerr);

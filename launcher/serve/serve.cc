@@ -377,7 +377,11 @@ class Serve {
   // SIGKILL to whatever is left after the grace, until no child is left.
   void StopJob() {
     if (job_ > 0) kill(-job_, SIGTERM);
-    for (pid_t p : Children()) kill(p, SIGTERM);
+    // Not the launcher twice: mpirun takes a second SIGTERM as "now", and
+    // kills the ranks before their leaders can tell the coordinator they
+    // are stopping on request.
+    for (pid_t p : Children())
+      if (p != job_) kill(p, SIGTERM);
     const auto kill_at =
         Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.stop_grace_s));
     bool killed = false;

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -30,7 +31,11 @@ namespace mlarun {
 namespace {
 
 std::atomic<bool> g_stop{false};
-extern "C" void OnSignal(int) { g_stop = true; }
+std::atomic<int> g_stop_signal{0};
+extern "C" void OnSignal(int sig) {
+  g_stop_signal = sig;
+  g_stop = true;
+}
 
 // This process's resident set (Linux /proc/self/statm); 0 where unavailable.
 int64_t ResidentBytes() {
@@ -339,6 +344,12 @@ void Worker::Run() {
 }
 
 void Worker::Stop() {
+  // A stop asked for (serve's shutdown, a Ctrl-C): the coordinator hears it
+  // from the group itself rather than as a stream that broke.
+  if (link_ && g_stop_signal.load() != 0) {
+    const char* name = sigabbrev_np(g_stop_signal.load());
+    link_->Leave(rank_name_ + ": stopping on request (SIG" + (name != nullptr ? name : "?") + ")", /*timeout_s=*/2.0);
+  }
   link_.reset();
   if (session_.rank() == 0) std::cerr << "mlarun worker " << worker_id_ << ": stopped\n";
 }
