@@ -1,6 +1,12 @@
 #include "serving/link/link_server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <string_view>
 #include <utility>
 
@@ -106,6 +112,26 @@ StatusOr<std::string> SplitListen(const std::string& listen) {
   return listen.substr(0, colon);
 }
 
+// Why gRPC could not bind `listen`, as a bind of our own says (gRPC puts
+// it only in its own log): ": Address already in use", or "".
+std::string BindError(const std::string& listen, const std::string& host) {
+  std::string h = host;
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  addrinfo hints{.ai_flags = AI_PASSIVE, .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+  addrinfo* found = nullptr;
+  if (getaddrinfo(h.empty() ? nullptr : h.c_str(), listen.substr(listen.rfind(':') + 1).c_str(), &hints, &found) != 0)
+    return "";
+  std::string why;
+  for (addrinfo* a = found; a != nullptr && why.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) why = std::string(": ") + std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return why;
+}
+
 }  // namespace
 
 grpc::ServerBidiReactor<v1::WorkerMessage, v1::CoordinatorMessage>* WorkerLinkService::Connect(
@@ -171,7 +197,7 @@ StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(const std::string& liste
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kMinClientPingIntervalMs);
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0)
-    return UnavailableError("cannot listen on '", listen, "'",
+    return UnavailableError("cannot listen on '", listen, "'", BindError(listen, host),
                             tls.enabled() ? " (or the TLS certificate and key do not load: see gRPC's log above)" : "");
   s->address_ = host + ":" + std::to_string(s->port_);
   return s;

@@ -157,7 +157,7 @@ held=$(cat "$work/held")
 timeout 60 "$mlarun" serve --model "$model" --grpc 127.0.0.1:0 --http "127.0.0.1:$held" 2>"$work/http_port.log"
 last_line_is "$work/http_port.log" $? 1 "^mlarun serve: failed: .*127.0.0.1:$held: Address already in use"
 timeout 60 "$mlarun" serve --model "$model" --grpc "127.0.0.1:$held" --http "" 2>"$work/grpc_port.log"
-last_line_is "$work/grpc_port.log" $? 1 "^mlarun serve: failed: .*cannot listen on '127.0.0.1:$held'"
+last_line_is "$work/grpc_port.log" $? 1 "^mlarun serve: failed: .*cannot listen on '127.0.0.1:$held': Address already in use"
 timeout 60 "$mlarun" serve --model "$work/no-such-model" --http "" 2>"$work/missing.log"
 last_line_is "$work/missing.log" $? 2 "^mlarun serve: failed: --model: $work/no-such-model: no such file or directory"
 grep -q "started the worker job" "$work/http_port.log" "$work/grpc_port.log" "$work/missing.log" &&
