@@ -106,6 +106,15 @@ sleep 2
 grep -q "mlarun coordinator: request \|stats: " "$work/quiet.log" && fail "request or stats lines despite their flags: $(grep "request \|stats" "$work/quiet.log" | head -2)"
 stop_serve TERM
 
+# `mlarun coordinator` has the same flags; a negative interval is refused.
+for cmd in serve coordinator; do
+  help=$("$mlarun" "$cmd" --help 2>&1)
+  grep -q -- "--disable-log-requests" <<<"$help" && grep -q -- "--log-stats-interval" <<<"$help" ||
+    fail "mlarun $cmd --help lacks the log flags"
+  timeout 10 "$mlarun" "$cmd" --model "$model" --log-stats-interval -1 >/dev/null 2>&1
+  [ $? = 2 ] || fail "mlarun $cmd --log-stats-interval -1 is not a usage error"
+done
+
 # ---- 2. Ctrl-C ---------------------------------------------------------------
 start_serve "$work/int.log" --http ""
 wait_log "$work/int.log" "mlarun serve: ready: 2 DP group(s)" 120

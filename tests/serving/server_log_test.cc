@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "serving/http/metrics.h"
+
 namespace mlarun::coord {
 namespace {
 
@@ -169,6 +171,36 @@ TEST(ServerLog, StatsTicksSayTheIntervalThenFallSilent) {
   ASSERT_EQ(lines.size(), 4u) << (lines.empty() ? "" : lines.back());
   for (size_t i = 0; i < 3; ++i) EXPECT_NE(lines[i].find("running 1,"), std::string::npos) << lines[i];
   EXPECT_NE(lines[3].find("generation throughput 0.0 tokens/s, running 0,"), std::string::npos) << lines[3];
+}
+
+// The counters the stats line reads, against sums kept here: prompt tokens
+// of routed requests, every token sent, the prefix figures of finished ones.
+TEST(ServerLog, MetricsTotalsAreTheCountersSums) {
+  Metrics m("round_robin");
+  std::mt19937 rng(9);
+  Metrics::Totals want;
+  for (int i = 0; i < 200; ++i) {
+    const int64_t prompt = std::uniform_int_distribution<int64_t>(1, 3000)(rng);
+    const int64_t tokens = std::uniform_int_distribution<int64_t>(0, 40)(rng);
+    const int kind = i % 3;  // 0 finished, 1 failed after routing, 2 rejected unrouted
+    for (int64_t t = 0; t < (kind == 2 ? 0 : tokens); ++t) m.OnToken(t == 0, 0.01);
+    const int64_t hit = std::uniform_int_distribution<int64_t>(0, prompt)(rng);
+    m.OnEnd(RequestEnd{.status_code = kind == 0   ? 0
+                                      : kind == 1 ? 14
+                                                  : 8,
+                       .finish_reason = kind == 0 ? "length" : "",
+                       .prompt_tokens = prompt,
+                       .prefix_hit_tokens = kind == 0 ? hit : 0,
+                       .queued_s = kind == 2 ? -1.0 : 0.01,
+                       .total_s = 1});
+    if (kind != 2) want.prompt_tokens += prompt, want.generation_tokens += tokens;
+    if (kind == 0) want.prefix_queries += prompt, want.prefix_hits += hit;
+  }
+  const Metrics::Totals got = m.totals();
+  EXPECT_EQ(got.prompt_tokens, want.prompt_tokens);
+  EXPECT_EQ(got.generation_tokens, want.generation_tokens);
+  EXPECT_EQ(got.prefix_queries, want.prefix_queries);
+  EXPECT_EQ(got.prefix_hits, want.prefix_hits);
 }
 
 }  // namespace
