@@ -1,4 +1,4 @@
-# Third-party libraries, all from Debian packages (scripts/install-deps).
+# Third-party libraries, from Debian packages but xgrammar (scripts/install-deps).
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(CLI11 CONFIG REQUIRED)
 find_package(nlohmann_json 3 CONFIG REQUIRED)
@@ -24,3 +24,12 @@ find_package(MPI REQUIRED COMPONENTS CXX)
 # Debian ("Could NOT find c-ares" from gRPC's config is harmless).
 find_package(Protobuf REQUIRED)
 find_package(gRPC CONFIG REQUIRED)
+
+# xgrammar (structured output's token masks): no Debian package, so
+# scripts/install-deps builds its sdist into /opt/xgrammar as a static
+# library. Only runtime/grammar links it.
+find_path(XGRAMMAR_INCLUDE_DIR NAMES xgrammar/xgrammar.h HINTS /opt/xgrammar/include REQUIRED)
+find_library(XGRAMMAR_LIBRARY NAMES libxgrammar.a xgrammar HINTS /opt/xgrammar/lib /opt/xgrammar/lib64 REQUIRED)
+add_library(mlarun_xgrammar INTERFACE)
+target_include_directories(mlarun_xgrammar SYSTEM INTERFACE ${XGRAMMAR_INCLUDE_DIR})
+target_link_libraries(mlarun_xgrammar INTERFACE ${XGRAMMAR_LIBRARY})
