@@ -280,6 +280,7 @@ struct Sampler::Scratch {
   std::vector<double> block_sums;   // sums of probs per block of ids
   std::vector<int32_t> block_keys;  // top-k's per-block maxima
   std::vector<float> processed;     // the row with penalties and biases applied
+  std::vector<uint32_t> allowed;    // a constraint's mask, a bit per token id
 };
 
 Sampler::Scratch& Sampler::ThreadScratch() {
@@ -312,6 +313,7 @@ Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : param
 void Sampler::Record(int64_t token) {
   ++generated_;
   if (counts_output_) ++output_counts_[static_cast<int32_t>(token)];
+  if (constraint_ != nullptr) constraint_->Accept(token);
 }
 
 std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
@@ -319,6 +321,13 @@ std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
   row.assign(logits.begin(), logits.end());
   const int64_t vocab = static_cast<int64_t>(row.size());
   auto in_vocab = [vocab](int64_t id) { return id >= 0 && id < vocab; };
+  if (constraint_ != nullptr) {
+    std::vector<uint32_t>& allowed = ThreadScratch().allowed;
+    allowed.assign(static_cast<size_t>((vocab + 31) / 32), 0);
+    constraint_->FillAllowed(allowed);
+    for (int64_t id = 0; id < vocab; ++id)
+      if (!((allowed[static_cast<size_t>(id >> 5)] >> (id & 31)) & 1u)) row[static_cast<size_t>(id)] = kNegInfF;
+  }
   if (generated_ < params_.min_tokens) {
     for (int64_t id : min_tokens_ids_)
       if (in_vocab(id)) row[static_cast<size_t>(id)] = kNegInfF;

@@ -1,6 +1,7 @@
 // Turning one row of logits into the next token.
 //
-// Semantics follow vLLM: first the request's penalties and biases
+// Semantics follow vLLM: first a constraint's mask (structured output:
+// tokens it does not allow get -inf), then the request's penalties and biases
 // (SamplingParams; vLLM's order): while fewer than min_tokens were generated
 // the stop and EOS ids get -inf; logit_bias is added; tokens seen in the
 // prompt or the output get the repetition penalty r (a positive logit is
@@ -19,6 +20,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <unordered_map>
 #include <utility>
@@ -52,6 +54,23 @@ struct SamplerHistory {
   std::span<const int32_t> output;         // tokens generated before this sampler existed
 };
 
+// A constraint on the tokens a request may draw next (structured output:
+// runtime/grammar implements it over a grammar). Sample asks it which
+// tokens are allowed before anything else touches the row, and tells it
+// the token drawn.
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  // Sets bit (t % 32) of words[t / 32] for each token t that may come next
+  // and clears every other bit; words.size() == (vocab + 31) / 32.
+  virtual void FillAllowed(std::span<uint32_t> words) = 0;
+  // The token drawn from the row FillAllowed masked last.
+  virtual void Accept(int64_t token) = 0;
+  // Nothing more may be generated: the grammar is complete and took its
+  // stop token, or (a row without allowed tokens) a token it refused.
+  virtual bool terminated() const = 0;
+};
+
 // Per-request sampler: holds the request's random stream (seeded from
 // SamplingParams::seed), so the k-th draw of a request depends only on its seed,
 // k and the logits, never on other requests in the batch. Not thread-safe;
@@ -74,6 +93,10 @@ class Sampler {
   // Each token Sample returns counts as generated (the request's output from
   // then on), on top of history.output.
   explicit Sampler(const SamplingParams& p, const SamplerHistory& history = {});
+  // From now on tokens the constraint does not allow get -inf before the
+  // penalties and biases, and each drawn token is accepted by it.
+  void SetConstraint(std::unique_ptr<TokenConstraint> constraint) { constraint_ = std::move(constraint); }
+  const TokenConstraint* constraint() const { return constraint_.get(); }
   // logits: [vocab], fp32. Advances the random stream by one draw (also for
   // greedy, to keep streams aligned). Lists the most likely tokens when
   // wants_top(); the draw does not depend on it.
@@ -87,9 +110,9 @@ class Sampler {
   // greedy reduction.
   bool wants_top() const { return params_.logprobs > 0; }
   // True when the next Sample changes the logits before it draws
-  // (penalties, biases, or min_tokens not reached yet): a device then hands
-  // Sample the whole row. False costs Sample nothing.
-  bool modifies_logits() const { return penalized_ || generated_ < params_.min_tokens; }
+  // (penalties, biases, a constraint, or min_tokens not reached yet): a
+  // device then hands Sample the whole row. False costs Sample nothing.
+  bool modifies_logits() const { return penalized_ || constraint_ != nullptr || generated_ < params_.min_tokens; }
   // The row Sample draws from (the penalties and biases applied to logits),
   // in the thread's scratch, valid until the next call on this thread.
   std::span<const float> ProcessedLogits(std::span<const float> logits);
@@ -144,6 +167,7 @@ class Sampler {
   std::unordered_map<int32_t, int32_t> output_counts_;
   std::vector<int64_t> min_tokens_ids_;
   std::vector<std::pair<int32_t, double>> bias_;
+  std::unique_ptr<TokenConstraint> constraint_;
 };
 
 // The logprob of `token` under the distribution of one row of logits (as

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <set>
@@ -919,6 +920,68 @@ TEST(SamplerPenalties, NoPenaltyIsTheFastPath) {
   p.logit_bias.clear();
   p.repetition_penalty = 1.1;
   EXPECT_TRUE(Sampler(p).modifies_logits());
+}
+
+// A constraint allowing a fixed random set of tokens.
+class FixedSet final : public TokenConstraint {
+ public:
+  explicit FixedSet(std::vector<int64_t> allowed) : allowed_(std::move(allowed)) {}
+  void FillAllowed(std::span<uint32_t> words) override {
+    std::fill(words.begin(), words.end(), 0u);
+    for (int64_t t : allowed_) words[static_cast<size_t>(t / 32)] |= 1u << (t % 32);
+  }
+  void Accept(int64_t token) override { accepted.push_back(token); }
+  bool terminated() const override { return false; }
+  std::vector<int64_t> accepted;
+
+ private:
+  std::vector<int64_t> allowed_;
+};
+
+// The largest logits are on disallowed tokens: greedy, top-k 1 and plain
+// sampling must still draw allowed ones only, and the constraint hears of
+// every token drawn.
+TEST(SamplerConstraint, DisallowedTokensNeverWinEvenWithTheLargestLogits) {
+  std::mt19937 rng(7);
+  const int64_t vocab = 1000;
+  for (int trial = 0; trial < 30; ++trial) {
+    std::set<int64_t> allowed_set;
+    while (allowed_set.size() < 5) allowed_set.insert(std::uniform_int_distribution<int64_t>(0, vocab - 1)(rng));
+    const std::vector<int64_t> allowed(allowed_set.begin(), allowed_set.end());
+    std::vector<float> logits(static_cast<size_t>(vocab));
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (int64_t i = 0; i < vocab; ++i) logits[static_cast<size_t>(i)] = allowed_set.count(i) ? d(rng) : 50.0f + d(rng);
+    for (const SamplingParams& p :
+         {SamplingParams{.temperature = 0.0}, SamplingParams{.temperature = 1.0, .top_k = 1, .seed = 3},
+          SamplingParams{.temperature = 1.5, .seed = static_cast<uint64_t>(trial)},
+          SamplingParams{.temperature = 1.0, .top_p = 0.5, .seed = 9, .presence_penalty = 1.0}}) {
+      Sampler s(p);
+      auto owned = std::make_unique<FixedSet>(allowed);
+      FixedSet* c = owned.get();
+      s.SetConstraint(std::move(owned));
+      EXPECT_TRUE(s.modifies_logits());
+      for (int k = 0; k < 4; ++k) {
+        const SampledToken tok = s.Sample(logits);
+        EXPECT_TRUE(allowed_set.count(tok.token)) << "token " << tok.token << " temperature " << p.temperature;
+        ASSERT_EQ(c->accepted.size(), static_cast<size_t>(k + 1));
+        EXPECT_EQ(c->accepted.back(), tok.token);
+      }
+    }
+  }
+}
+
+// The mask comes before the penalties: a logit_bias cannot lift a token the
+// constraint refuses, and the reported logprob stays the raw one.
+TEST(SamplerConstraint, MaskComesBeforeBiasesAndLogprobsStayRaw) {
+  std::vector<float> logits = {0.5f, 1.0f, -0.25f, 2.0f};
+  SamplingParams p{.temperature = 0.0, .logit_bias = {{0, 100.0}}};
+  Sampler s(p);
+  s.SetConstraint(std::make_unique<FixedSet>(std::vector<int64_t>{1, 2}));
+  const SampledToken t = s.Sample(logits);
+  EXPECT_EQ(t.token, 1);
+  double z = 0;
+  for (float x : logits) z += std::exp(static_cast<double>(x));
+  EXPECT_NEAR(t.logprob, 1.0 - std::log(z), 1e-6);
 }
 
 }  // namespace
