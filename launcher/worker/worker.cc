@@ -21,6 +21,7 @@
 #include "launcher/serve/serve.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
+#include "runtime/grammar/grammar.h"
 #include "runtime/model/memory_plan.h"
 #include "runtime/rank/bootstrap.h"
 #include "serving/client/grpc_util.h"
@@ -152,6 +153,17 @@ void Worker::Start() {
                      std::to_string(mo.fail_forward_call) + " will fail\n"
               << std::flush;
   SizeCache();
+  if (groups_.is_leader()) {
+    // Structured output: the leader samples, so it alone needs the grammars.
+    const ModelConfig& mc = model_.config();
+    auto grammar = GrammarCompiler::ForModel(o_.deployment.model, mc.vocab_size, mc.eos_token_ids);
+    if (grammar.ok()) {
+      engine_.grammar = *grammar;
+    } else if (grammar.status().code() != StatusCode::kNotFound) {
+      std::cerr << "mlarun worker: " + rank_name_ + ": structured output is off: " + grammar.status().ToString() + "\n"
+                << std::flush;
+    }
+  }
   auto runner_or = RankRunner::Create(model_, engine_, groups_, rank_name_);
   if (!runner_or.ok()) AbortStart(runner_or.status().ToString());
   runner_ = std::move(*runner_or);

@@ -56,14 +56,22 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
                                                              .max_position_embeddings = c.max_position_embeddings,
                                                              .block_size = config_.block_size,
                                                              .cache_blocks_total = cache_->stats().blocks_total}));
+  std::unique_ptr<TokenConstraint> constraint;
+  if (request.sampling.structured.active()) {
+    if (config_.grammar == nullptr)
+      return InvalidArgumentError(
+          "structured output needs the model's tokenizer, and this server has none (the model names no tokenizer)");
+    MLARUN_ASSIGN_OR_RETURN(constraint, config_.grammar->Compile(request.sampling.structured));
+  }
   auto r = std::make_unique<Req>();
   r->id = next_id_++;
   r->tokens = request.prompt;
   // The sampler keeps the request's history for its penalties: the prompt,
   // then each token it draws. It lives as long as the request, preemptions
-  // included, so it never counts a token twice.
+  // included, so it never counts a token twice (nor feeds its grammar twice).
   r->sampler = std::make_unique<Sampler>(request.sampling,
                                          SamplerHistory{.prompt = request.prompt, .eos_token_ids = c.eos_token_ids});
+  if (constraint != nullptr) r->sampler->SetConstraint(std::move(constraint));
   r->request = std::move(request);
   waiting_.push_back(r.get());
   const int64_t id = r->id;
@@ -269,7 +277,8 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
         std::find(sp.stop_token_ids.begin(), sp.stop_token_ids.end(), tok.token) != sp.stop_token_ids.end();
     const bool eos =
         !sp.ignore_eos && std::find(c.eos_token_ids.begin(), c.eos_token_ids.end(), tok.token) != c.eos_token_ids.end();
-    if (stop_id || eos) {
+    const TokenConstraint* grammar = r.sampler->constraint();
+    if (stop_id || eos || (grammar != nullptr && grammar->terminated())) {
       r.out.finish_reason = FinishReason::kStop;
     } else if (static_cast<int64_t>(r.out.tokens.size()) >= sp.max_tokens) {
       r.out.finish_reason = FinishReason::kLength;

@@ -29,6 +29,7 @@
 #include "base/block_size.h"
 #include "base/status.h"
 #include "kv/latent_cache.h"
+#include "runtime/grammar/grammar.h"
 #include "runtime/model/model.h"
 #include "runtime/ops/sampler.h"
 #include "runtime/request/request.h"
@@ -48,6 +49,10 @@ struct EngineConfig {
   int64_t block_size = kDefaultBlockSize;
   bool enable_prefix_caching = true;
   bool commit_cache_memory = false;  // LatentCacheConfig::commit_memory
+  // Structured output (SamplingParams::structured): the model's vocabulary
+  // and compile cache, on the engine that samples (a group's leader).
+  // nullptr: no tokenizer; a request asking for structured output is refused.
+  std::shared_ptr<GrammarCompiler> grammar;
 };
 
 // kError: a step the request was part of failed (GenerationOutput::error).
@@ -94,8 +99,11 @@ class Engine {
 
   // Validates and queues a request; returns its id. A bad request (empty
   // prompt, token id outside the vocabulary, prompt + max_tokens beyond the
-  // model's positions or the whole cache, bad sampling values) is
-  // INVALID_ARGUMENT and changes nothing.
+  // model's positions or the whole cache, bad sampling values, a structured
+  // output that does not compile or that no tokenizer backs) is
+  // INVALID_ARGUMENT and changes nothing. A structured output is compiled
+  // here (EngineConfig::grammar's cache makes a repeated one cheap); the
+  // request ends with kStop once its grammar is complete.
   StatusOr<int64_t> Add(GenerationRequest request);
 
   // One step: schedule, run the model, sample. Returns the ids of the requests
