@@ -14,6 +14,7 @@
 #include "base/cpu_isa.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
+#include "runtime/grammar/grammar.h"
 #include "runtime/rank/bootstrap.h"
 
 namespace mlarun {
@@ -60,6 +61,21 @@ std::vector<StatusOr<GenerationRequest>> ParseRequests(const std::string& text, 
 StatusOr<GenerationOutput> ResultOf(const GenerationOutput& g) {
   if (g.finish_reason == FinishReason::kError) return g.error;
   return g;
+}
+
+// Structured output's grammars over the model's tokenizer; nullptr (and a
+// line on `log` unless the model simply has none) without one.
+std::shared_ptr<GrammarCompiler> GrammarFor(const GenerateOptions& o, const ModelConfig& mc, std::ostream& log) {
+  auto grammar = GrammarCompiler::ForModel(o.deployment.model, mc.vocab_size, mc.eos_token_ids);
+  if (grammar.ok()) return *grammar;
+  if (grammar.status().code() != StatusCode::kNotFound)
+    log << "mlarun generate: structured output is off: " << grammar.status() << "\n";
+  return nullptr;
+}
+
+std::ostream& NullLog() {
+  static std::ostream null(nullptr);
+  return null;
 }
 
 std::string ResultLine(const StatusOr<GenerationOutput>& r, bool json) {
@@ -116,7 +132,9 @@ int RunGenerate(const GenerateOptions& o, std::ostream& out, std::ostream& log) 
   log << "loaded " << o.deployment.model << " (" << static_cast<double>(model.weight_bytes().total()) / (1 << 20)
       << " MiB of weights) in " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
       << " s\n";
-  auto engine = Engine::Create(model, o.engine);
+  EngineConfig ec = o.engine;
+  ec.grammar = GrammarFor(o, model.config(), log);
+  auto engine = Engine::Create(model, ec);
   if (!engine.ok()) {
     log << "mlarun generate: " << engine.status() << "\n";
     return 2;
@@ -270,7 +288,9 @@ int RunGenerateParallel(const GenerateOptions& o, MpiSession& session, std::ostr
   ProcessGroups& groups = boot->groups;
   Model& model = *boot->loaded.model;
   Communicator& world = *groups.world;
-  auto runner = RankRunner::Create(model, o.engine, groups, boot->name);
+  EngineConfig ec = o.engine;
+  if (groups.is_leader()) ec.grammar = GrammarFor(o, model.config(), root ? log : NullLog());
+  auto runner = RankRunner::Create(model, ec, groups, boot->name);
   if (!runner.ok()) session.Abort(runner.status().ToString(), 2);
   if (root)
     log << "loaded " << o.deployment.model << " on " << session.size() << " ranks (" << layout << ") in "

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 
 namespace mlarun {
@@ -71,6 +72,50 @@ Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sa
   return Status::Ok();
 }
 
+namespace {
+
+// "structured": {"kind": "json_object" | "json_schema" | "regex" | "choice"
+// | "grammar", "spec": the schema (an object or its text), the regex or the
+// grammar, "choices": [...], "any_whitespace": bool}.
+Status ReadStructured(const Json& j, StructuredOutput* out) {
+  using Kind = StructuredOutput::Kind;
+  if (!j.is_object() || !j.contains("kind") || !j["kind"].is_string())
+    return InvalidArgumentError("field 'structured' must be an object with a string 'kind'");
+  static const std::map<std::string, Kind> kKinds = {{"json_object", Kind::kJsonObject},
+                                                     {"json_schema", Kind::kJsonSchema},
+                                                     {"regex", Kind::kRegex},
+                                                     {"choice", Kind::kChoice},
+                                                     {"grammar", Kind::kGrammar}};
+  const auto kind = kKinds.find(j["kind"].get<std::string>());
+  if (kind == kKinds.end())
+    return InvalidArgumentError("field 'structured.kind' must be json_object, json_schema, regex, choice or grammar");
+  out->kind = kind->second;
+  if (j.contains("spec")) {
+    if (j["spec"].is_string()) {
+      out->spec = j["spec"].get<std::string>();
+    } else if (j["spec"].is_object() && out->kind == Kind::kJsonSchema) {
+      out->spec = j["spec"].dump();
+    } else {
+      return InvalidArgumentError("field 'structured.spec' must be a string (or, for json_schema, an object)");
+    }
+  }
+  if (j.contains("choices")) {
+    if (!j["choices"].is_array()) return InvalidArgumentError("field 'structured.choices' must be a list of strings");
+    for (const Json& c : j["choices"]) {
+      if (!c.is_string()) return InvalidArgumentError("field 'structured.choices' must be a list of strings");
+      out->choices.push_back(c.get<std::string>());
+    }
+  }
+  if (j.contains("any_whitespace")) {
+    if (!j["any_whitespace"].is_boolean())
+      return InvalidArgumentError("field 'structured.any_whitespace' must be true or false");
+    out->any_whitespace = j["any_whitespace"].get<bool>();
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const SamplingParams& defaults) {
   Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return InvalidArgumentError("not a JSON object: ", line.substr(0, 80));
@@ -100,6 +145,7 @@ StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const Samp
     if (!j["ignore_eos"].is_boolean()) return InvalidArgumentError("field 'ignore_eos' must be true or false");
     r.sampling.ignore_eos = j["ignore_eos"].get<bool>();
   }
+  if (j.contains("structured")) MLARUN_RETURN_IF_ERROR(ReadStructured(j["structured"], &r.sampling.structured));
   return r;
 }
 

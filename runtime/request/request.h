@@ -56,7 +56,9 @@ inline Status ValidateGenerationRequest(const GenerationRequest& request, const 
 
 // One JSON object: "prompt_ids" (required) and the sampling fields
 // "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-// "ignore_eos"; `defaults` fill absent fields. Errors name the field.
+// "ignore_eos", and "structured" (a StructuredOutput: {"kind": "json_object"
+// | "json_schema" | "regex" | "choice" | "grammar", "spec", "choices",
+// "any_whitespace"}); `defaults` fill absent fields. Errors name the field.
 StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const SamplingParams& defaults);
 
 // The logprob fields of a request's result line (`mlarun generate --json`,

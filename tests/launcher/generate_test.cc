@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "tests/test_paths.h"
+#include "text/tokenizer.h"
 
 namespace mlarun {
 namespace {
@@ -51,6 +52,52 @@ TEST(Generate, ParseRequestLine) {
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << line;
     EXPECT_NE(st.message().find(field), std::string::npos) << st;
   }
+}
+
+TEST(Generate, ParseRequestLineStructured) {
+  auto r = ParseRequestLine(R"({"prompt_ids": [4], "structured": {"kind": "json_schema", "spec": {"type": "object"},
+                                 "any_whitespace": false}})",
+                            SamplingParams{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sampling.structured.kind, StructuredOutput::Kind::kJsonSchema);
+  EXPECT_EQ(nlohmann::json::parse(r->sampling.structured.spec), nlohmann::json({{"type", "object"}}));
+  EXPECT_FALSE(r->sampling.structured.any_whitespace);
+  r = ParseRequestLine(R"({"prompt_ids": [4], "structured": {"kind": "choice", "choices": ["a", "b"]}})", {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sampling.structured.kind, StructuredOutput::Kind::kChoice);
+  EXPECT_EQ(r->sampling.structured.choices, (std::vector<std::string>{"a", "b"}));
+  for (const std::string& line :
+       {R"({"prompt_ids": [1], "structured": "regex"})", R"({"prompt_ids": [1], "structured": {"kind": "xml"}})",
+        R"({"prompt_ids": [1], "structured": {"kind": "regex", "spec": 3}})",
+        R"({"prompt_ids": [1], "structured": {"kind": "choice", "choices": [1]}})"}) {
+    const Status st = ParseRequestLine(line, {}).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << line;
+    EXPECT_NE(st.message().find("structured"), std::string::npos) << st;
+  }
+}
+
+// A structured line on the tiny model (whose YAML names its tokenizer): the
+// output is one of the choices; a regex that does not compile is that
+// line's error.
+TEST(Generate, StructuredLines) {
+  const std::string path = testing::TempDir() + "/structured.jsonl";
+  std::ofstream(path) << R"({"prompt_ids": [3, 4, 5], "temperature": 1, "seed": 4, "max_tokens": 30, )"
+                         R"("structured": {"kind": "choice", "choices": ["left", "right"]}})"
+                      << "\n"
+                      << R"({"prompt_ids": [3, 4], "structured": {"kind": "regex", "spec": "(a"}})"
+                      << "\n";
+  GenerateOptions o{.deployment = {.model = TinyYaml()}, .prompts_path = path, .json = true};
+  std::ostringstream out, log;
+  EXPECT_EQ(RunGenerate(o, out, log), 1) << log.str();
+  const auto lines = Lines(out.str());
+  ASSERT_EQ(lines.size(), 2u) << out.str();
+  EXPECT_EQ(lines[0]["finish_reason"], "stop") << out.str();
+  auto tok = text::Tokenizer::Load(TinyYaml());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::vector<int32_t> ids = lines[0]["tokens"].get<std::vector<int32_t>>();
+  const std::string text = (*tok)->Decode(ids, /*skip_special_tokens=*/true);
+  EXPECT_TRUE(text == "left" || text == "right") << text;
+  EXPECT_NE(lines[1]["error"].get<std::string>().find("regex"), std::string::npos) << out.str();
 }
 
 TEST(Generate, JsonLinesInInputOrder) {
