@@ -56,12 +56,12 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
                                                              .max_position_embeddings = c.max_position_embeddings,
                                                              .block_size = config_.block_size,
                                                              .cache_blocks_total = cache_->stats().blocks_total}));
-  std::unique_ptr<TokenConstraint> constraint;
-  if (request.sampling.structured.active()) {
+  const StructuredOutput& so = request.sampling.structured;
+  if (so.active()) {
     if (config_.grammar == nullptr)
       return InvalidArgumentError(
           "structured output needs the model's tokenizer, and this server has none (the model names no tokenizer)");
-    MLARUN_ASSIGN_OR_RETURN(constraint, config_.grammar->Compile(request.sampling.structured));
+    MLARUN_RETURN_IF_ERROR(config_.grammar->Check(so));
   }
   auto r = std::make_unique<Req>();
   r->id = next_id_++;
@@ -71,7 +71,10 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
   // included, so it never counts a token twice (nor feeds its grammar twice).
   r->sampler = std::make_unique<Sampler>(request.sampling,
                                          SamplerHistory{.prompt = request.prompt, .eos_token_ids = c.eos_token_ids});
-  if (constraint != nullptr) r->sampler->SetConstraint(std::move(constraint));
+  // Tens of milliseconds for a new JSON schema on a large vocabulary: not
+  // on the step loop.
+  if (so.active())
+    r->grammar = std::async(std::launch::async, [grammar = config_.grammar, so] { return grammar->Compile(so); });
   r->request = std::move(request);
   waiting_.push_back(r.get());
   const int64_t id = r->id;
@@ -147,7 +150,31 @@ Status Engine::Admit(Req& r) {
   return Status::Ok();
 }
 
+void Engine::CollectGrammars() {
+  for (auto it = waiting_.begin(); it != waiting_.end();) {
+    Req& r = **it;
+    if (!r.grammar.valid() || r.grammar.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+      ++it;
+      continue;
+    }
+    StatusOr<std::unique_ptr<TokenConstraint>> constraint = r.grammar.get();
+    if (constraint.ok()) {
+      r.sampler->SetConstraint(std::move(*constraint));
+      ++it;
+      continue;
+    }
+    r.out.finish_reason = FinishReason::kError;
+    r.out.error = constraint.status();
+    it = waiting_.erase(it);
+  }
+}
+
+bool Engine::GrammarsPending() const {
+  return std::any_of(waiting_.begin(), waiting_.end(), [](const Req* r) { return r->grammar.valid(); });
+}
+
 StatusOr<StepPlan> Engine::Schedule() {
+  CollectGrammars();
   struct Scheduled {
     Req* r;
     int64_t n;
@@ -177,9 +204,15 @@ StatusOr<StepPlan> Engine::Schedule() {
     if (scores) score_budget -= n;
     ++i;
   }
-  // 2. Waiting requests, in order, while the budget and the cache allow.
-  while (budget > 0 && !waiting_.empty() && static_cast<int64_t>(running_.size()) < config_.max_num_seqs) {
-    Req& r = *waiting_.front();
+  // 2. Waiting requests, in order, while the budget and the cache allow;
+  // those whose grammar is still compiling are passed over.
+  for (size_t w = 0;
+       budget > 0 && w < waiting_.size() && static_cast<int64_t>(running_.size()) < config_.max_num_seqs;) {
+    Req& r = *waiting_[w];
+    if (r.grammar.valid()) {
+      ++w;
+      continue;
+    }
     const bool scores = ScoresPending(r);
     if (scores && score_budget == 0) break;
     MLARUN_RETURN_IF_ERROR(Admit(r));
@@ -193,13 +226,13 @@ StatusOr<StepPlan> Engine::Schedule() {
       break;
     }
     MLARUN_RETURN_IF_ERROR(Append(r, n));
-    waiting_.pop_front();
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(w));
     running_.push_back(&r);
     scheduled.push_back({&r, n});
     budget -= n;
     if (scores) score_budget -= n;
   }
-  if (scheduled.empty() && HasWork())
+  if (scheduled.empty() && HasWork() && !GrammarsPending())
     return InternalError("engine: no request could be scheduled although work is pending");
 
   StepPlan plan;
@@ -329,7 +362,15 @@ StatusOr<std::vector<int64_t>> Engine::Step() {
   if (runner_ == nullptr)
     return FailedPreconditionError("engine: a scheduler alone does not step; its ranks' runners do");
   MLARUN_ASSIGN_OR_RETURN(const StepPlan plan, Schedule());
-  if (plan.seqs.empty()) return std::vector<int64_t>{};
+  if (plan.seqs.empty()) {
+    // Only grammars compiling: wait a little for one rather than spin.
+    for (Req* r : waiting_)
+      if (r->grammar.valid()) {
+        r->grammar.wait_for(std::chrono::milliseconds(2));
+        break;
+      }
+    return std::vector<int64_t>{};
+  }
   auto sampled = runner_->Execute(plan);
   RecordStepTimes(runner_->last_step_seconds(), runner_->model().last_step_times());
   if (!sampled.ok()) {

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <future>
 #include <map>
 #include <memory>
 #include <string>
@@ -100,10 +101,14 @@ class Engine {
   // Validates and queues a request; returns its id. A bad request (empty
   // prompt, token id outside the vocabulary, prompt + max_tokens beyond the
   // model's positions or the whole cache, bad sampling values, a structured
-  // output that does not compile or that no tokenizer backs) is
-  // INVALID_ARGUMENT and changes nothing. A structured output is compiled
-  // here (EngineConfig::grammar's cache makes a repeated one cheap); the
-  // request ends with kStop once its grammar is complete.
+  // output that does not parse or that no tokenizer backs) is
+  // INVALID_ARGUMENT and changes nothing. A structured output is parsed
+  // here and compiled against the vocabulary on a thread of its own
+  // (EngineConfig::grammar's cache makes a repeated one cheap): the request
+  // is not scheduled before its grammar is ready, and others pass it
+  // meanwhile. A compile that fails all the same ends the request with
+  // kError and that Status. The request ends with kStop once its grammar
+  // is complete.
   StatusOr<int64_t> Add(GenerationRequest request);
 
   // One step: schedule, run the model, sample. Returns the ids of the requests
@@ -163,6 +168,9 @@ class Engine {
     int64_t computed = 0;         // tokens whose rows are in the cache
     bool in_cache = false;
     std::unique_ptr<Sampler> sampler;
+    // Its structured output, compiling (valid() until CollectGrammars gives
+    // it to the sampler).
+    std::future<StatusOr<std::unique_ptr<TokenConstraint>>> grammar;
     GenerationOutput out;
   };
 
@@ -173,6 +181,10 @@ class Engine {
   StatusOr<bool> Reserve(Req& r, int64_t n);
   void Preempt(Req& r);
   Status Admit(Req& r);
+  // Gives each compiled grammar of a waiting request to its sampler; a
+  // compile that failed ends its request (kError).
+  void CollectGrammars();
+  bool GrammarsPending() const;
   // Whether `r` wants its prompt's logprobs and some are not recorded yet.
   static bool ScoresPending(const Req& r);
   // Reserves slots for r.tokens[r.computed, + n).

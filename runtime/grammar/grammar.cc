@@ -203,8 +203,46 @@ StatusOr<std::shared_ptr<GrammarCompiler>> GrammarCompiler::ForModel(const std::
   return Create(*tokenizer, model_vocab_size, stop_token_ids);
 }
 
+namespace {
+
+// xgrammar's reason, as Check and Compile report it.
+Status CompileError(const StructuredOutput& so, const std::exception& e) {
+  std::string why = e.what();
+  while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
+  return InvalidArgumentError("structured output: the ", KindName(so.kind), " does not compile: ", why);
+}
+
+}  // namespace
+
+Status GrammarCompiler::Check(const StructuredOutput& so) const {
+  if (so.kind == StructuredOutput::Kind::kChoice && so.choices.empty())
+    return InvalidArgumentError("structured output: choice needs at least one choice");
+  try {
+    switch (so.kind) {
+      case StructuredOutput::Kind::kNone:
+        return InvalidArgumentError("structured output: no constraint to compile");
+      case StructuredOutput::Kind::kJsonObject:
+        break;
+      case StructuredOutput::Kind::kJsonSchema:
+        xgrammar::Grammar::FromJSONSchema(so.spec, so.any_whitespace);
+        break;
+      case StructuredOutput::Kind::kRegex:
+        xgrammar::Grammar::FromRegex(so.spec);
+        break;
+      case StructuredOutput::Kind::kChoice:
+        xgrammar::Grammar::FromEBNF(ChoiceGrammar(so.choices));
+        break;
+      case StructuredOutput::Kind::kGrammar:
+        xgrammar::Grammar::FromEBNF(so.spec);
+        break;
+    }
+  } catch (const std::exception& e) {
+    return CompileError(so, e);
+  }
+  return Status::Ok();
+}
+
 StatusOr<std::unique_ptr<TokenConstraint>> GrammarCompiler::Compile(const StructuredOutput& so) {
-  const std::string_view kind = KindName(so.kind);
   if (so.kind == StructuredOutput::Kind::kChoice && so.choices.empty())
     return InvalidArgumentError("structured output: choice needs at least one choice");
   try {
@@ -233,9 +271,7 @@ StatusOr<std::unique_ptr<TokenConstraint>> GrammarCompiler::Compile(const Struct
     auto banned = !json ? nullptr : so.any_whitespace ? impl_->json_banned_whitespace : impl_->json_banned;
     return std::unique_ptr<TokenConstraint>(new GrammarConstraint(*compiled, vocab_size_, std::move(banned)));
   } catch (const std::exception& e) {
-    std::string why = e.what();
-    while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
-    return InvalidArgumentError("structured output: the ", kind, " does not compile: ", why);
+    return CompileError(so, e);
   }
 }
 

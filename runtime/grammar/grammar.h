@@ -54,6 +54,9 @@ class GrammarCompiler {
                                                              std::span<const int64_t> stop_token_ids);
   ~GrammarCompiler();
 
+  // Whether `so` (active()) compiles, without the vocabulary's part of the
+  // work (a parse, cheap): the errors Compile would return.
+  Status Check(const StructuredOutput& so) const;
   // A fresh constraint for `so` (active()), at the start of its output.
   // INVALID_ARGUMENT naming the kind and xgrammar's reason for a schema,
   // regex or grammar that does not compile, or an empty choice list.

@@ -134,7 +134,14 @@ TEST(Grammar, BadSpecsAreInvalidArgumentNamingTheKind) {
     ASSERT_FALSE(r.ok()) << c.names << " " << c.so.spec;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
     EXPECT_NE(r.status().message().find(c.names), std::string::npos) << r.status();
+    EXPECT_EQ((*compiler)->Check(c.so), r.status()) << "Check finds what Compile finds";
   }
+  for (const StructuredOutput& good :
+       {StructuredOutput{.kind = Kind::kJsonObject},
+        StructuredOutput{.kind = Kind::kJsonSchema, .spec = "{\"type\": \"integer\"}"},
+        StructuredOutput{.kind = Kind::kRegex, .spec = "a+"}, StructuredOutput{.kind = Kind::kChoice, .choices = {"x"}},
+        StructuredOutput{.kind = Kind::kGrammar, .spec = "root ::= \"x\""}})
+    EXPECT_TRUE((*compiler)->Check(good).ok()) << (*compiler)->Check(good);
 }
 
 TEST(Grammar, TokenizerWiderThanTheModelIsRefused) {

@@ -203,5 +203,27 @@ TEST(StructuredEngine, BadOrUnbackedConstraintsAreInvalidArgument) {
   EXPECT_NE(id.status().message().find("tokenizer"), std::string::npos) << id.status();
 }
 
+// The grammar compiles off the step loop: a structured request cancelled
+// while it may still be compiling ends cancelled, and one queued behind it
+// and a plain one still finish.
+TEST(StructuredEngine, CancelWhileTheGrammarCompiles) {
+  Tiny t = LoadTiny();
+  ASSERT_NE(t.grammar, nullptr);
+  auto engine =
+      std::move(Engine::Create(*t.model, EngineConfig{.cache_budget_bytes = 16 << 20, .grammar = t.grammar})).value();
+  const StructuredOutput so{.kind = Kind::kJsonSchema, .spec = kSchema, .any_whitespace = false};
+  const int64_t cancelled = engine->Add(Constrained(so, 1)).value();
+  const int64_t kept = engine->Add(Constrained(so, 2)).value();
+  const int64_t plain = engine->Add({RandomPrompt(4, 9), SamplingParams{.max_tokens = 5, .ignore_eos = true}}).value();
+  ASSERT_TRUE(engine->Cancel(cancelled).ok());
+  while (engine->HasWork()) ASSERT_TRUE(engine->Step().ok());
+  EXPECT_EQ(engine->TakeOutput(cancelled)->finish_reason, FinishReason::kCancelled);
+  auto out = engine->TakeOutput(kept);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(out->finish_reason, FinishReason::kStop);
+  EXPECT_TRUE(nlohmann::json::parse(Text(t, *out), nullptr, false).is_object()) << Text(t, *out);
+  EXPECT_EQ(engine->TakeOutput(plain)->tokens.size(), 5u);
+}
+
 }  // namespace
 }  // namespace mlarun
