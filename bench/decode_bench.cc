@@ -18,7 +18,9 @@
 #include "gemm/convert.h"
 #include "gemm/cpu_gemm.h"
 #include "parallel/mpi/mpi_world.h"
+#include "runtime/grammar/grammar.h"
 #include "runtime/model/model.h"
+#include "runtime/ops/sampler.h"
 #include "runtime/rank/bootstrap.h"
 
 namespace mlarun {
@@ -110,7 +112,62 @@ struct DecodeRun {
   std::mt19937 rng{7};
   int64_t bytes_per_token = 0;
   std::vector<float> host_logits;  // a device model's logits, copied out for the argmax
+  // --structured: the vocabulary's grammars, where the vocabulary came from,
+  // and the first (uncached) compile of the constraint.
+  std::shared_ptr<GrammarCompiler> grammar;
+  std::string grammar_vocab;
+  double compile_ms = 0;
 };
+
+StructuredOutput BenchStructured() { return {.kind = StructuredOutput::Kind::kJsonObject, .any_whitespace = false}; }
+
+// A vocabulary for timing masks when the model has no tokenizer: the 256
+// bytes, then word-like tokens (a leading space half the time, 1 to 8
+// letters, now and then a digit or a punctuation mark), as most of a BPE
+// vocabulary is.
+std::vector<std::string> SyntheticVocabulary(int64_t n) {
+  std::mt19937 rng(11);
+  std::vector<std::string> vocab;
+  for (int b = 0; b < 256 && static_cast<int64_t>(vocab.size()) < n; ++b) vocab.push_back(std::string(1, char(b)));
+  const std::string letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                    other = "0123456789.,:;!?-_'\"(){}[]";
+  while (static_cast<int64_t>(vocab.size()) < n) {
+    std::string t = rng() % 2 ? " " : "";
+    const int len = 1 + static_cast<int>(rng() % 8);
+    for (int i = 0; i < len; ++i)
+      t += rng() % 10 == 0 ? other[rng() % other.size()] : letters[rng() % (i == 0 ? letters.size() : 26)];
+    vocab.push_back(std::move(t));
+  }
+  return vocab;
+}
+
+// --structured: the model's tokenizer, else a synthetic vocabulary, and
+// the constraint's first compile.
+Status SetUpStructured(DecodeRun& run) {
+  if (run.o.structured.empty()) return Status::Ok();
+  const ModelConfig& c = run.config;
+  auto g = GrammarCompiler::ForModel(run.o.deployment.model, c.vocab_size, c.eos_token_ids);
+  if (g.ok()) {
+    run.grammar_vocab = "the model's tokenizer";
+  } else if (g.status().code() == StatusCode::kNotFound) {
+    g = GrammarCompiler::FromVocabulary(SyntheticVocabulary(c.vocab_size), c.vocab_size, c.eos_token_ids);
+    run.grammar_vocab = "a synthetic vocabulary of " + std::to_string(c.vocab_size) + " tokens";
+  }
+  MLARUN_RETURN_IF_ERROR(g.status());
+  run.grammar = *g;
+  const auto t0 = std::chrono::steady_clock::now();
+  MLARUN_RETURN_IF_ERROR(run.grammar->Compile(BenchStructured()).status());
+  run.compile_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return Status::Ok();
+}
+
+// A greedy sampler under the benchmark's constraint.
+StatusOr<std::unique_ptr<Sampler>> ConstrainedSampler(DecodeRun& run) {
+  auto s = std::make_unique<Sampler>(SamplingParams{});
+  MLARUN_ASSIGN_OR_RETURN(auto constraint, run.grammar->Compile(BenchStructured()));
+  s->SetConstraint(std::move(constraint));
+  return s;
+}
 
 // The reference bandwidth (run.ref.bw, with the probe that measures it again
 // next to every timed decode step; on a GPU the device's copy bandwidth).
@@ -300,10 +357,36 @@ struct DecodeRowTimes {
   Shares shares;
   Cost cost;
   std::vector<double> step_s, pass_gbs, fraction;
+  // --structured: the interleaved plain and constrained steps, and each
+  // constrained one's mask fills.
+  std::vector<double> plain_s, constrained_s, mask_fill_s;
 };
 
+// --structured: o.repetitions rounds of one plain and one constrained step
+// back to back (their order alternating), without the bandwidth passes of
+// the main timed steps, which leave the caches cold; each constrained step
+// with its mask fills.
+template <typename Step>
+Status TimeStructuredRounds(int repetitions, Step& decode_step, bool& constrain, DecodeRowTimes& m) {
+  for (int r = 0; r < repetitions; ++r) {
+    for (int k = 0; k < 2; ++k) {
+      constrain = (r + k) % 2 == 1;
+      const GrammarMaskStats before = GrammarMaskTotals();
+      const auto t0 = std::chrono::steady_clock::now();
+      const Status st = decode_step();
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const bool constrained = constrain;
+      constrain = false;
+      MLARUN_RETURN_IF_ERROR(st);
+      (constrained ? m.constrained_s : m.plain_s).push_back(t);
+      if (constrained) m.mask_fill_s.push_back(GrammarMaskTotals().seconds - before.seconds);
+    }
+  }
+  return Status::Ok();
+}
+
 // Decode at `batch` sequences of `context` cached tokens each: warmed up
-// until stable, then o.repetitions timed steps.
+// until stable, then o.repetitions timed steps (and --structured's rounds).
 StatusOr<DecodeRowTimes> TimeDecodeRow(DecodeRun& run, int64_t batch, int64_t context) {
   const DecodeBenchOptions& o = run.o;
   const ModelConfig& config = run.config;
@@ -318,6 +401,25 @@ StatusOr<DecodeRowTimes> TimeDecodeRow(DecodeRun& run, int64_t batch, int64_t co
   // Decode: one new token per sequence per step.
   std::vector<int32_t> tok(static_cast<size_t>(batch), 3);
   DecodeRowTimes m;
+  // --structured: the next tokens come from the engine's Sampler, greedy,
+  // plain or under the constraint (a fresh one once it has ended).
+  const bool structured = run.grammar != nullptr;
+  bool constrain = false;
+  std::vector<std::unique_ptr<Sampler>> plain, constrained;
+  for (int64_t s = 0; structured && s < batch; ++s) {
+    plain.push_back(std::make_unique<Sampler>(SamplingParams{}));
+    MLARUN_ASSIGN_OR_RETURN(auto c, ConstrainedSampler(run));
+    constrained.push_back(std::move(c));
+  }
+  auto next_token = [&](int64_t s, const float* row) -> StatusOr<int32_t> {
+    if (!structured) return static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
+    std::unique_ptr<Sampler>& sampler = (constrain ? constrained : plain)[static_cast<size_t>(s)];
+    if (constrain && sampler->constraint()->terminated()) {
+      MLARUN_ASSIGN_OR_RETURN(sampler, ConstrainedSampler(run));
+    }
+    return static_cast<int32_t>(
+        sampler->Sample(std::span<const float>(row, static_cast<size_t>(config.vocab_size))).token);
+  };
   auto decode_step = [&]() -> Status {
     std::vector<ForwardSeq> seqs;
     for (int64_t s = 0; s < batch; ++s) {
@@ -332,9 +434,9 @@ StatusOr<DecodeRowTimes> TimeDecodeRow(DecodeRun& run, int64_t batch, int64_t co
       logits = host_logits;
     }
     for (int64_t s = 0; s < batch; ++s) {  // feed back the argmax, as greedy decoding would
-      const float* row = logits.data() + s * config.vocab_size;
-      tok[static_cast<size_t>(s)] = static_cast<int32_t>(std::max_element(row, row + config.vocab_size) - row);
+      MLARUN_ASSIGN_OR_RETURN(tok[static_cast<size_t>(s)], next_token(s, logits.data() + s * config.vocab_size));
     }
+    if (constrain) return Status::Ok();
     m.shares.Add(model.last_step_times());
     m.cost.Add(model.last_step_traffic());
     return Status::Ok();
@@ -356,6 +458,12 @@ StatusOr<DecodeRowTimes> TimeDecodeRow(DecodeRun& run, int64_t batch, int64_t co
     m.step_s.push_back(t);
     m.pass_gbs.push_back(pass.bound_gb_per_s());
     m.fraction.push_back(static_cast<double>(tr.weight_bytes + tr.cache_bytes) / t * 1e-9 / pass.bound_gb_per_s());
+  }
+  if (structured) {
+    constrain = true;  // the constrained path's first fills, untimed
+    for (int i = 0; i < 2; ++i) MLARUN_RETURN_IF_ERROR(decode_step());
+    constrain = false;
+    MLARUN_RETURN_IF_ERROR(TimeStructuredRounds(o.repetitions, decode_step, constrain, m));
   }
   return m;
 }
@@ -389,6 +497,15 @@ void ReportDecodeRow(DecodeRun& run, int64_t batch, int64_t context, const Decod
             << Pct(js["attention"]) << " " << std::setw(5) << Pct(js["moe"]) << " " << std::setw(6)
             << Pct(js["dense_mlp"]) << " " << std::setw(8) << Pct(js["lm_head"]) << " " << std::setw(6)
             << Pct(js["other"]) << "  largest: " << shares.Largest() << "\n";
+  if (m.constrained_s.empty()) return;
+  const double plain_ms = Median(m.plain_s) * 1e3, constrained_ms = Median(m.constrained_s) * 1e3,
+               fill_ms = Median(m.mask_fill_s) * 1e3;
+  run.doc["decode"].back()["structured"] = {{"kind", run.o.structured},
+                                            {"unconstrained_step_ms", plain_ms},
+                                            {"step_ms", constrained_ms},
+                                            {"mask_fill_ms_per_step", fill_ms}};
+  run.table << "      " << run.o.structured << " (interleaved, no bandwidth pass): step " << Fmt(constrained_ms, 2)
+            << " ms, unconstrained " << Fmt(plain_ms, 2) << " ms, mask fill " << Fmt(fill_ms, 3) << " ms per step\n";
 }
 
 // Every batch x context decode row, after the table's header.
@@ -614,6 +731,12 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
   if (!run.ref.on_device) {
     MLARUN_RETURN_IF_ERROR(WeightStreamingSection(run));
   }
+  MLARUN_RETURN_IF_ERROR(SetUpStructured(run));
+  if (run.grammar != nullptr) {
+    run.doc["structured"] = {{"kind", o.structured}, {"vocabulary", run.grammar_vocab}, {"compile_ms", run.compile_ms}};
+    run.table << "  structured output: " << o.structured << " over " << run.grammar_vocab << ", compiled in "
+              << Fmt(run.compile_ms, 1) << " ms; step ms below is the engine's greedy Sampler, unconstrained\n";
+  }
   MLARUN_RETURN_IF_ERROR(DecodeSection(run));
   PageSizesSection(run);
   MLARUN_ASSIGN_OR_RETURN(const PrefillTimes prefill, TimePrefill(run));
@@ -623,6 +746,7 @@ Status RunDecodeBench(const DecodeBenchOptions& o) {
 }
 
 Status RunDecodeBenchParallel(const DecodeBenchOptions& o, MpiSession& session) {
+  if (!o.structured.empty()) return InvalidArgumentError("--structured is for one process (no --parallel)");
   std::ostream& table = o.json ? std::cerr : std::cout;
   // Every rank returns with the same outcome (see runtime/rank/bootstrap.h).
   MLARUN_ASSIGN_OR_RETURN(BootstrappedRank boot,

@@ -36,6 +36,13 @@ struct DecodeBenchOptions {
   std::vector<int64_t> contexts = {512, 4096};
   int64_t prefill_tokens = 512;  // the prompt of the prefill measurement
   int repetitions = 5;           // timed steps per point (median)
+  // "json_object": every decode row also times steps whose sequences are
+  // each constrained by that structured output (greedy, through the
+  // engine's Sampler), interleaved with unconstrained ones drawn by the same
+  // Sampler unconstrained, and reports both and the mask fill per step. The
+  // model's tokenizer gives the vocabulary, else a synthetic one of the
+  // model's vocab_size. "": off.
+  std::string structured;
   bool json = false;
 };
 

@@ -84,6 +84,9 @@ void AddBenchDecode(CLI::App* bench, CommandTable& table) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   dec->add_option("--kv-dtype", db.deployment.kv_dtype, "Latent cache dtype: bf16 or fp32");
+  dec->add_option("--structured", db.structured,
+                  "Also time decode steps with every sequence constrained (json_object), interleaved")
+      ->check(CLI::IsMember({"json_object"}));
   AddWeightsFlag(dec, db.deployment.weights);
   AddDeviceFlag(dec, db.deployment.device);
   AddFp8WeightsFlag(dec, db.deployment.fp8_weights);
