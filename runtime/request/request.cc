@@ -77,7 +77,7 @@ namespace {
 // "structured": {"kind": "json_object" | "json_schema" | "regex" | "choice"
 // | "grammar", "spec": the schema (an object or its text), the regex or the
 // grammar, "choices": [...], "any_whitespace": bool}.
-Status ReadStructured(const Json& j, StructuredOutput* out) {
+Status ReadStructured(const Json& j, const std::string& line, StructuredOutput* out) {
   using Kind = StructuredOutput::Kind;
   if (!j.is_object() || !j.contains("kind") || !j["kind"].is_string())
     return InvalidArgumentError("field 'structured' must be an object with a string 'kind'");
@@ -94,7 +94,13 @@ Status ReadStructured(const Json& j, StructuredOutput* out) {
     if (j["spec"].is_string()) {
       out->spec = j["spec"].get<std::string>();
     } else if (j["spec"].is_object() && out->kind == Kind::kJsonSchema) {
-      out->spec = j["spec"].dump();
+      // Read again keeping the keys' order: a schema's properties come
+      // out in the order it lists them.
+      const auto ordered = nlohmann::ordered_json::parse(line, nullptr, /*allow_exceptions=*/false);
+      out->spec = ordered.is_object() && ordered.contains("structured") && ordered["structured"].is_object() &&
+                          ordered["structured"].contains("spec")
+                      ? ordered["structured"]["spec"].dump()
+                      : j["spec"].dump();
     } else {
       return InvalidArgumentError("field 'structured.spec' must be a string (or, for json_schema, an object)");
     }
@@ -145,7 +151,7 @@ StatusOr<GenerationRequest> ParseRequestLine(const std::string& line, const Samp
     if (!j["ignore_eos"].is_boolean()) return InvalidArgumentError("field 'ignore_eos' must be true or false");
     r.sampling.ignore_eos = j["ignore_eos"].get<bool>();
   }
-  if (j.contains("structured")) MLARUN_RETURN_IF_ERROR(ReadStructured(j["structured"], &r.sampling.structured));
+  if (j.contains("structured")) MLARUN_RETURN_IF_ERROR(ReadStructured(j["structured"], line, &r.sampling.structured));
   return r;
 }
 

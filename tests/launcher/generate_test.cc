@@ -62,6 +62,12 @@ TEST(Generate, ParseRequestLineStructured) {
   EXPECT_EQ(r->sampling.structured.kind, StructuredOutput::Kind::kJsonSchema);
   EXPECT_EQ(nlohmann::json::parse(r->sampling.structured.spec), nlohmann::json({{"type", "object"}}));
   EXPECT_FALSE(r->sampling.structured.any_whitespace);
+  // A schema's properties keep their order (nlohmann::json would sort them).
+  r = ParseRequestLine(
+      R"({"prompt_ids": [4], "structured": {"kind": "json_schema", "spec": {"type": "object", "properties": {"z": {}, "a": {}}}}})",
+      SamplingParams{});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->sampling.structured.spec, R"({"type":"object","properties":{"z":{},"a":{}}})");
   r = ParseRequestLine(R"({"prompt_ids": [4], "structured": {"kind": "choice", "choices": ["a", "b"]}})", {});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->sampling.structured.kind, StructuredOutput::Kind::kChoice);
