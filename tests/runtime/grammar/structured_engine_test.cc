@@ -203,6 +203,44 @@ TEST(StructuredEngine, BadOrUnbackedConstraintsAreInvalidArgument) {
   EXPECT_NE(id.status().message().find("tokenizer"), std::string::npos) << id.status();
 }
 
+// A preempted request is recomputed from its prompt and output; its
+// grammar, in the sampler, is not fed again: the same tokens as without
+// preemption, still in the language.
+TEST(StructuredEngine, PreemptionKeepsTheGrammarState) {
+  Tiny t = LoadTiny();
+  ASSERT_NE(t.grammar, nullptr);
+  const std::string regex = "[a-z]{80,100}";
+  std::vector<GenerationRequest> reqs;
+  for (uint32_t i = 0; i < 4; ++i) {
+    reqs.push_back({RandomPrompt(16, 40 + i), SamplingParams{.temperature = 1.0,
+                                                             .seed = i,
+                                                             .max_tokens = 48,
+                                                             .ignore_eos = true,
+                                                             .structured = {.kind = Kind::kRegex, .spec = regex}}});
+  }
+  auto run = [&](int64_t budget, int64_t* preemptions) {
+    auto engine =
+        std::move(Engine::Create(*t.model,
+                                 EngineConfig{.cache_budget_bytes = budget, .block_size = 16, .grammar = t.grammar}))
+            .value();
+    auto out = engine->Generate(reqs);
+    *preemptions = engine->stats().preemptions;
+    return out;
+  };
+  const int64_t block_bytes = t.model->CacheConfig(0, 16).block_bytes();
+  int64_t free_preemptions = 0, tight_preemptions = 0;
+  const auto free_run = run(16 << 20, &free_preemptions);
+  const auto tight = run(8 * block_bytes, &tight_preemptions);
+  EXPECT_EQ(free_preemptions, 0);
+  EXPECT_GT(tight_preemptions, 0) << "the cache was meant to run out";
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(free_run[i].ok() && tight[i].ok());
+    EXPECT_EQ(tight[i]->tokens, free_run[i]->tokens) << "request " << i;
+    EXPECT_EQ(tight[i]->finish_reason, FinishReason::kStop);
+    EXPECT_TRUE(std::regex_match(Text(t, *tight[i]), std::regex(regex))) << Text(t, *tight[i]);
+  }
+}
+
 // The grammar compiles off the step loop: a structured request cancelled
 // while it may still be compiling ends cancelled, and one queued behind it
 // and a plain one still finish.
