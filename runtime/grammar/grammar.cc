@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <exception>
 #include <optional>
+#include <regex>
 
 namespace mlarun {
 namespace {
@@ -205,9 +206,12 @@ StatusOr<std::shared_ptr<GrammarCompiler>> GrammarCompiler::ForModel(const std::
 
 namespace {
 
-// xgrammar's reason, as Check and Compile report it.
+// xgrammar's reason, as Check and Compile report it: without the
+// "[hh:mm:ss] /its/build/path/file.cc:83: " its log lines start with,
+// which means nothing to a client.
 Status CompileError(const StructuredOutput& so, const std::exception& e) {
-  std::string why = e.what();
+  static const std::regex kLogPrefix(R"(^\[[0-9:]+\] [^ ]+:[0-9]+: )");
+  std::string why = std::regex_replace(e.what(), kLogPrefix, "", std::regex_constants::format_first_only);
   while (!why.empty() && (why.back() == '\n' || why.back() == ' ')) why.pop_back();
   return InvalidArgumentError("structured output: the ", KindName(so.kind), " does not compile: ", why);
 }

@@ -134,6 +134,7 @@ TEST(Grammar, BadSpecsAreInvalidArgumentNamingTheKind) {
     ASSERT_FALSE(r.ok()) << c.names << " " << c.so.spec;
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status();
     EXPECT_NE(r.status().message().find(c.names), std::string::npos) << r.status();
+    EXPECT_EQ(r.status().message().find(".cc:"), std::string::npos) << "no xgrammar source path: " << r.status();
     EXPECT_EQ((*compiler)->Check(c.so), r.status()) << "Check finds what Compile finds";
   }
   for (const StructuredOutput& good :
