@@ -73,8 +73,10 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
                                          SamplerHistory{.prompt = request.prompt, .eos_token_ids = c.eos_token_ids});
   // Tens of milliseconds for a new JSON schema on a large vocabulary: not
   // on the step loop.
-  if (so.active())
-    r->grammar = std::async(std::launch::async, [grammar = config_.grammar, so] { return grammar->Compile(so); });
+  if (so.active()) {
+    r->grammar_abandoned = std::make_shared<std::atomic<bool>>(false);
+    r->grammar = config_.grammar->CompileAsync(so, r->grammar_abandoned);
+  }
   r->request = std::move(request);
   waiting_.push_back(r.get());
   const int64_t id = r->id;
@@ -107,6 +109,7 @@ Status Engine::Cancel(int64_t id) {
   if (auto w = std::find(waiting_.begin(), waiting_.end(), &r); w != waiting_.end()) waiting_.erase(w);
   if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
   r.out.finish_reason = FinishReason::kCancelled;
+  if (r.grammar_abandoned) r.grammar_abandoned->store(true);
   return Status::Ok();
 }
 
@@ -171,6 +174,14 @@ void Engine::CollectGrammars() {
 
 bool Engine::GrammarsPending() const {
   return std::any_of(waiting_.begin(), waiting_.end(), [](const Req* r) { return r->grammar.valid(); });
+}
+
+void Engine::WaitForGrammar(std::chrono::milliseconds most) const {
+  for (const Req* r : waiting_)
+    if (r->grammar.valid()) {
+      r->grammar.wait_for(most);
+      return;
+    }
 }
 
 StatusOr<StepPlan> Engine::Schedule() {
@@ -363,12 +374,7 @@ StatusOr<std::vector<int64_t>> Engine::Step() {
     return FailedPreconditionError("engine: a scheduler alone does not step; its ranks' runners do");
   MLARUN_ASSIGN_OR_RETURN(const StepPlan plan, Schedule());
   if (plan.seqs.empty()) {
-    // Only grammars compiling: wait a little for one rather than spin.
-    for (Req* r : waiting_)
-      if (r->grammar.valid()) {
-        r->grammar.wait_for(std::chrono::milliseconds(2));
-        break;
-      }
+    WaitForGrammar(std::chrono::milliseconds(2));
     return std::vector<int64_t>{};
   }
   auto sampled = runner_->Execute(plan);

@@ -19,6 +19,8 @@
 // Not thread-safe: one owner drives Add/Step.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <future>
@@ -153,6 +155,10 @@ class Engine {
   // NOT_FOUND if unknown; FAILED_PRECONDITION while it is still live.
   StatusOr<GenerationOutput> TakeOutput(int64_t id);
   const EngineStats& stats() const { return stats_; }
+  // Waits up to `most` for a waiting request's grammar to compile (at once
+  // when none compiles): what a step loop with nothing else to schedule does
+  // instead of spinning.
+  void WaitForGrammar(std::chrono::milliseconds most) const;
   const LatentCache& cache() const { return *cache_; }
 
   // Runs Add for each request and steps until all finish. Outputs in input
@@ -171,7 +177,17 @@ class Engine {
     // Its structured output, compiling (valid() until CollectGrammars gives
     // it to the sampler).
     std::future<StatusOr<std::unique_ptr<TokenConstraint>>> grammar;
+    // Set when the request ends or is forgotten: a compile still queued for
+    // it is then skipped.
+    std::shared_ptr<std::atomic<bool>> grammar_abandoned;
     GenerationOutput out;
+
+    Req() = default;
+    Req(const Req&) = delete;
+    Req& operator=(const Req&) = delete;
+    ~Req() {
+      if (grammar_abandoned) grammar_abandoned->store(true);
+    }
   };
 
   Engine(const ModelConfig& model, const EngineConfig& config, std::unique_ptr<LatentCache> cache);

@@ -1,6 +1,7 @@
 #include "runtime/engine/rank_runner.h"
 
 #include <algorithm>
+#include <chrono>
 
 namespace mlarun {
 
@@ -63,6 +64,9 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   StepPlan plan;
   if (is_leader()) {
     MLARUN_ASSIGN_OR_RETURN(plan, engine_->Schedule());
+    // Only grammars compiling here: a short wait, so the group's empty steps
+    // do not spin while they compile.
+    if (plan.seqs.empty()) engine_->WaitForGrammar(std::chrono::milliseconds(2));
   }
   Communicator& group = *groups_.attn_tp;
   if (group.size() > 1) {

@@ -5,10 +5,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <deque>
 #include <exception>
+#include <functional>
+#include <mutex>
 #include <optional>
 #include <regex>
+#include <thread>
 
 namespace mlarun {
 namespace {
@@ -154,9 +159,75 @@ struct GrammarCompiler::Impl {
   std::shared_ptr<const std::vector<uint32_t>> json_banned, json_banned_whitespace;
 };
 
+// A fixed set of threads taking compiles in order. Its destructor ends the
+// threads after the compile each is in; queued ones are dropped (their
+// futures report a broken promise, read by nobody: the engine that asked is
+// gone first).
+struct GrammarCompiler::Pool {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> queue;
+  bool stopping = false;
+  std::vector<std::thread> threads;
+
+  explicit Pool(int n) {
+    for (int i = 0; i < n; ++i) threads.emplace_back([this] { Run(); });
+  }
+  ~Pool() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stopping = true;
+      queue.clear();
+    }
+    cv.notify_all();
+    for (std::thread& t : threads) t.join();
+  }
+  void Push(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      queue.push_back(std::move(task));
+    }
+    cv.notify_one();
+  }
+  void Run() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [this] { return stopping || !queue.empty(); });
+        if (stopping) return;
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      task();
+    }
+  }
+};
+
 GrammarCompiler::GrammarCompiler(std::unique_ptr<Impl> impl, int64_t vocab_size)
     : impl_(std::move(impl)), vocab_size_(vocab_size) {}
-GrammarCompiler::~GrammarCompiler() = default;
+// The pool first: its threads use impl_.
+GrammarCompiler::~GrammarCompiler() { pool_.reset(); }
+
+std::future<GrammarCompiler::Compiled> GrammarCompiler::CompileAsync(
+    const StructuredOutput& so, std::shared_ptr<const std::atomic<bool>> abandoned) {
+  auto promise = std::make_shared<std::promise<Compiled>>();
+  std::future<Compiled> result = promise->get_future();
+  {
+    static std::mutex start_mu;  // one pool, however many engines ask first
+    std::lock_guard<std::mutex> lock(start_mu);
+    if (pool_ == nullptr) pool_ = std::make_unique<Pool>(kCompileThreads);
+  }
+  pool_->Push([this, so, abandoned = std::move(abandoned), promise] {
+    if (abandoned != nullptr && abandoned->load()) {
+      promise->set_value(
+          Status(StatusCode::kCancelled, "structured output: the request ended before its grammar compiled"));
+      return;
+    }
+    promise->set_value(Compile(so));
+  });
+  return result;
+}
 
 StatusOr<std::shared_ptr<GrammarCompiler>> GrammarCompiler::Create(const text::Tokenizer& tokenizer,
                                                                    int64_t model_vocab_size,

@@ -8,7 +8,9 @@
 // xgrammar stays behind this interface: nothing above includes it.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <span>
 #include <string>
@@ -61,13 +63,24 @@ class GrammarCompiler {
   // INVALID_ARGUMENT naming the kind and xgrammar's reason for a schema,
   // regex or grammar that does not compile, or an empty choice list.
   StatusOr<std::unique_ptr<TokenConstraint>> Compile(const StructuredOutput& so);
+  // Compile on one of the compiler's own threads (kCompileThreads), in the
+  // order asked: a schema can take seconds to compile, so the step loop
+  // never waits for one, and a flood of them queues instead of starting a
+  // thread each. A compile whose `abandoned` is true when its turn comes is
+  // skipped (its future then holds CANCELLED). Dropping the future never
+  // blocks.
+  using Compiled = StatusOr<std::unique_ptr<TokenConstraint>>;
+  std::future<Compiled> CompileAsync(const StructuredOutput& so, std::shared_ptr<const std::atomic<bool>> abandoned);
+  static constexpr int kCompileThreads = 2;
 
   int64_t vocab_size() const { return vocab_size_; }
 
  private:
   struct Impl;
+  struct Pool;
   explicit GrammarCompiler(std::unique_ptr<Impl> impl, int64_t vocab_size);
   std::unique_ptr<Impl> impl_;
+  std::unique_ptr<Pool> pool_;  // started on the first CompileAsync
   int64_t vocab_size_;
 };
 

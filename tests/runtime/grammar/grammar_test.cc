@@ -7,6 +7,9 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <fstream>
+#include <future>
 #include <random>
 #include <set>
 
@@ -151,6 +154,60 @@ TEST(Grammar, TokenizerWiderThanTheModelIsRefused) {
   auto compiler = GrammarCompiler::Create(*tok, tok->vocab_size() - 1, {});
   ASSERT_FALSE(compiler.ok());
   EXPECT_EQ(compiler.status().code(), StatusCode::kInvalidArgument);
+}
+
+// The process's thread count, from /proc.
+int ThreadCount() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);)
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  return -1;
+}
+
+// Many compiles at once queue on the compiler's few threads instead of
+// starting one each; a compile abandoned before its turn is skipped, the
+// others compile, each to the constraint of its own request.
+TEST(Grammar, CompilesQueueOnAFewThreadsAndAbandonedOnesAreSkipped) {
+  auto tok = TinyTokenizer();
+  ASSERT_NE(tok, nullptr);
+  const std::vector<int64_t> stops = {*tok->eos_id()};
+  auto compiler = GrammarCompiler::Create(*tok, tok->vocab_size(), stops);
+  ASSERT_TRUE(compiler.ok()) << compiler.status();
+  const int before = ThreadCount();
+  std::mt19937 rng(7);
+  struct Asked {
+    std::future<GrammarCompiler::Compiled> result;
+    bool abandoned;
+    std::string choice;
+  };
+  std::vector<Asked> asked;
+  for (int i = 0; i < 64; ++i) {
+    const bool abandoned = rng() % 3 == 0;
+    const std::string choice = "c" + std::to_string(rng() % 1000);
+    auto flag = std::make_shared<std::atomic<bool>>(abandoned);
+    StructuredOutput so{.kind = StructuredOutput::Kind::kChoice, .choices = {choice}};
+    asked.push_back({(*compiler)->CompileAsync(so, flag), abandoned, choice});
+  }
+  EXPECT_LE(ThreadCount() - before, GrammarCompiler::kCompileThreads);
+  for (Asked& a : asked) {
+    GrammarCompiler::Compiled c = a.result.get();
+    if (a.abandoned) {
+      EXPECT_EQ(c.status().code(), StatusCode::kCancelled) << c.status();
+      continue;
+    }
+    ASSERT_TRUE(c.ok()) << c.status();
+    // The constraint is this request's: the choice's first byte is allowed,
+    // a byte no choice starts with is not.
+    std::vector<uint32_t> words(static_cast<size_t>((tok->vocab_size() + 31) / 32), 0);
+    (*c)->FillAllowed(words);
+    auto allowed = [&](int64_t id) { return (words[static_cast<size_t>(id / 32)] >> (id % 32)) & 1u; };
+    const std::vector<int32_t> first = tok->Encode("c", false);
+    const std::vector<int32_t> other = tok->Encode("z", false);
+    ASSERT_EQ(first.size(), 1u);
+    ASSERT_EQ(other.size(), 1u);
+    EXPECT_TRUE(allowed(first[0])) << a.choice;
+    EXPECT_FALSE(allowed(other[0])) << a.choice;
+  }
 }
 
 }  // namespace
