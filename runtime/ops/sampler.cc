@@ -316,19 +316,35 @@ void Sampler::Record(int64_t token) {
   if (constraint_ != nullptr) constraint_->Accept(token);
 }
 
+namespace {
+
+// Whether the bitmask `words` allows no token outside `ids`.
+bool OnlyTheseAllowed(std::span<const uint32_t> words, std::span<const int64_t> ids) {
+  std::vector<uint32_t> rest(words.begin(), words.end());
+  for (int64_t id : ids)
+    if (id >= 0 && static_cast<size_t>(id >> 5) < rest.size()) rest[static_cast<size_t>(id >> 5)] &= ~(1u << (id & 31));
+  return std::all_of(rest.begin(), rest.end(), [](uint32_t w) { return w == 0; });
+}
+
+}  // namespace
+
 std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
   std::vector<float>& row = ThreadScratch().processed;
   row.assign(logits.begin(), logits.end());
   const int64_t vocab = static_cast<int64_t>(row.size());
   auto in_vocab = [vocab](int64_t id) { return id >= 0 && id < vocab; };
+  // A complete grammar allows only the stop ids; min_tokens then yields to
+  // it, or nothing could be drawn.
+  bool grammar_only_stops = false;
   if (constraint_ != nullptr) {
     std::vector<uint32_t>& allowed = ThreadScratch().allowed;
     allowed.assign(static_cast<size_t>((vocab + 31) / 32), 0);
     constraint_->FillAllowed(allowed);
     for (int64_t id = 0; id < vocab; ++id)
       if (!((allowed[static_cast<size_t>(id >> 5)] >> (id & 31)) & 1u)) row[static_cast<size_t>(id)] = kNegInfF;
+    if (generated_ < params_.min_tokens) grammar_only_stops = OnlyTheseAllowed(allowed, min_tokens_ids_);
   }
-  if (generated_ < params_.min_tokens) {
+  if (generated_ < params_.min_tokens && !grammar_only_stops) {
     for (int64_t id : min_tokens_ids_)
       if (in_vocab(id)) row[static_cast<size_t>(id)] = kNegInfF;
   }

@@ -984,5 +984,24 @@ TEST(SamplerConstraint, MaskComesBeforeBiasesAndLogprobsStayRaw) {
   EXPECT_NEAR(t.logprob, 1.0 - std::log(z), 1e-6);
 }
 
+// A complete grammar allows only the stop ids; min_tokens, which would mask
+// them, yields to it instead of leaving nothing to draw. Before that point
+// min_tokens holds.
+TEST(SamplerConstraint, ACompleteGrammarOutranksMinTokens) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> logits(64);
+  for (float& x : logits) x = d(rng);
+  const std::vector<int64_t> eos = {5};
+  SamplingParams p{.temperature = 1.0, .seed = 4, .min_tokens = 8};
+  Sampler only_eos(p, SamplerHistory{.eos_token_ids = eos});
+  only_eos.SetConstraint(std::make_unique<FixedSet>(std::vector<int64_t>{5}));
+  EXPECT_EQ(only_eos.Sample(logits).token, 5);
+  logits[5] = 40.0f;  // EOS most likely, but min_tokens masks it beside other choices
+  Sampler eos_or_more(p, SamplerHistory{.eos_token_ids = eos});
+  eos_or_more.SetConstraint(std::make_unique<FixedSet>(std::vector<int64_t>{5, 9, 17}));
+  for (int k = 0; k < 5; ++k) EXPECT_NE(eos_or_more.Sample(logits).token, 5);
+}
+
 }  // namespace
 }  // namespace mlarun
