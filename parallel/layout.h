@@ -39,7 +39,9 @@ struct ParallelLayout {
 std::ostream& operator<<(std::ostream& os, const ParallelLayout& l);
 
 // Parses "dp=2,attn_tp=2" (either key may be absent: 1), optionally
-// ",moe=expert|intermediate". Errors name the bad part.
+// ",moe=expert|intermediate", and the short names of `mlarun memory` in
+// their place: "tp8", "dp8", "dp2xtp4" ("dp2xtp4,moe=intermediate"). The one
+// layout parser of serve, worker and memory. Errors name the bad part.
 StatusOr<ParallelLayout> ParseParallelLayout(std::string_view text);
 
 // The communicators one rank uses, split from the world communicator.

@@ -4,7 +4,6 @@
 #include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <sstream>
 
 #include "launcher/memory/format.h"
@@ -17,20 +16,7 @@ namespace mlarun {
 namespace memory_internal {
 
 StatusOr<ParallelLayout> ParseLayoutName(const std::string& name, int world) {
-  // The short forms are spelled out as the --parallel form, whose parser
-  // checks the numbers.
-  static const std::regex kShort(R"(dp(\d+)|tp(\d+)|dp(\d+)xtp(\d+))");
-  std::smatch m;
-  std::string text = name;
-  if (name.find('=') == std::string::npos) {
-    if (!std::regex_match(name, m, kShort))
-      return InvalidArgumentError("layout '", name,
-                                  "': expected tpN, dpN, dpAxtpB or dp=A,attn_tp=B[,moe=expert|intermediate]");
-    text = m[1].matched   ? "dp=" + m[1].str()
-           : m[2].matched ? "attn_tp=" + m[2].str()
-                          : "dp=" + m[3].str() + ",attn_tp=" + m[4].str();
-  }
-  auto l = ParseParallelLayout(text);
+  auto l = ParseParallelLayout(name);
   if (!l.ok()) return InvalidArgumentError("layout '", name, "': ", l.status().message());
   if (world > 0 && l->world() != world)
     return InvalidArgumentError("layout '", name, "' has ", l->world(), " ranks (dp ", l->dp, " x attn_tp ", l->attn_tp,
@@ -154,8 +140,12 @@ StatusOr<Report> Build(const MemoryOptions& o) {
   std::vector<std::string> names;
   for (const std::string& part : o.layouts) {
     const size_t eq = part.find('=');
-    if (eq != std::string::npos && !names.empty() && names.back().find('=') != std::string::npos &&
-        names.back().find(part.substr(0, eq + 1)) == std::string::npos) {
+    // A key=value part joins the layout before it unless that has the key
+    // already ("dp2xtp4,moe=intermediate" too: dp2xtp4 holds dp and attn_tp).
+    const bool joins = eq != std::string::npos && !names.empty() &&
+                       (names.back().find('=') != std::string::npos || part.starts_with("moe=")) &&
+                       names.back().find(part.substr(0, eq + 1)) == std::string::npos;
+    if (joins) {
       names.back() += "," + part;
     } else {
       names.push_back(part);

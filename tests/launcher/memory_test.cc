@@ -216,6 +216,13 @@ TEST(MemoryCommand, LayoutsInTheParallelForm) {
   ASSERT_EQ(j["layouts"].size(), 2u);
   EXPECT_EQ(j["layouts"][0]["name"], "dp2xtp4");
   EXPECT_EQ(j["layouts"][1]["moe"], "intermediate");
+  // A short name takes a moe= after it, as serve's --parallel does.
+  o.layouts = {"dp2xtp4", "moe=intermediate", "tp8"};  // "dp2xtp4,moe=intermediate,tp8"
+  const Json k = Json::parse(Report(o));
+  ASSERT_EQ(k["layouts"].size(), 2u);
+  EXPECT_EQ(k["layouts"][0]["name"], "dp2xtp4(moe=intermediate)");
+  EXPECT_EQ(k["layouts"][0]["moe"], "intermediate");
+  EXPECT_EQ(k["layouts"][1]["name"], "tp8");
 }
 
 }  // namespace

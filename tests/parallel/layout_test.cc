@@ -31,6 +31,21 @@ TEST(ParallelLayout, ParsesValidForms) {
   EXPECT_EQ(Parse(""), ParallelLayout{});
 }
 
+// The short names of `mlarun memory` are the same layouts as the key=value
+// form, alone or with moe=.
+TEST(ParallelLayout, ParsesShortForms) {
+  EXPECT_EQ(Parse("tp8"), Parse("attn_tp=8"));
+  EXPECT_EQ(Parse("tp8"), (ParallelLayout{.dp = 1, .attn_tp = 8}));
+  EXPECT_EQ(Parse("dp4"), (ParallelLayout{.dp = 4, .attn_tp = 1}));
+  EXPECT_EQ(Parse("dp2xtp4"), Parse("dp=2,attn_tp=4"));
+  EXPECT_EQ(Parse("dp3xtp2"), (ParallelLayout{.dp = 3, .attn_tp = 2}));
+  EXPECT_EQ(Parse("dp2xtp4,moe=intermediate"),
+            (ParallelLayout{.dp = 2, .attn_tp = 4, .moe = MoeSharding::kByIntermediate}));
+  EXPECT_EQ(Parse(" dp2 , attn_tp=4"), (ParallelLayout{.dp = 2, .attn_tp = 4}));
+  EXPECT_EQ(Parse("tp4096"), (ParallelLayout{.attn_tp = 4096}));
+  EXPECT_EQ(Parse("dp1"), ParallelLayout{});
+}
+
 TEST(ParallelLayout, PrintsCanonicalForm) {
   EXPECT_EQ(Print(ParallelLayout{.dp = 2, .attn_tp = 2}), "dp=2,attn_tp=2,moe=expert");
   EXPECT_EQ(Print(ParallelLayout{.dp = 1, .attn_tp = 4, .moe = MoeSharding::kByIntermediate}),
@@ -50,7 +65,16 @@ TEST(ParallelLayout, ErrorsNameTheBadPart) {
       {"dp=2,tp=2", "\"tp=2\"", "unknown key"},
       {"dp=2,dp=4", "\"dp=4\"", "duplicate key"},
       {"attn_tp=2,moe=expert,moe=expert", "\"moe=expert\"", "duplicate key"},
-      {"dp2", "\"dp2\"", "key=value"},
+      {"pp2", "\"pp2\"", "key=value, or tpN, dpN or dpAxtpB"},
+      {"dp2x4", "\"dp2x4\"", "not a positive integer"},
+      {"dp2xtp", "\"dp2xtp\"", "key=value, or tpN"},
+      {"dpxtp4", "\"dpxtp4\"", "key=value, or tpN"},
+      {"tp", "\"tp\"", "not a positive integer"},
+      {"tp0", "\"tp0\"", "must be positive"},
+      {"tp-2", "\"tp-2\"", "not a positive integer"},
+      {"dp5000", "\"dp5000\"", "exceeds 4096"},
+      {"dp2,dp=4", "\"dp=4\"", "duplicate key"},
+      {"attn_tp=2,dp2xtp4", "\"dp2xtp4\"", "duplicate key"},
       {"dp=two", "\"dp=two\"", "not a positive integer"},
       {"dp=2.5", "\"dp=2.5\"", "not a positive integer"},
       {"attn_tp=", "\"attn_tp=\"", "not a positive integer"},
