@@ -312,6 +312,7 @@ Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : param
 
 void Sampler::Record(int64_t token) {
   ++generated_;
+  if (!params_.bad_words.empty()) output_.push_back(token);
   if (counts_output_) ++output_counts_[static_cast<int32_t>(token)];
   if (constraint_ != nullptr) constraint_->Accept(token);
 }
@@ -327,6 +328,16 @@ bool OnlyTheseAllowed(std::span<const uint32_t> words, std::span<const int64_t> 
 }
 
 }  // namespace
+
+void Sampler::MaskBadWords(std::span<float> row) const {
+  const int64_t vocab = static_cast<int64_t>(row.size());
+  for (const std::vector<int64_t>& word : params_.bad_words) {
+    const size_t before = word.size() - 1;  // words are never empty (ValidateSamplingParams)
+    if (word.empty() || before > output_.size()) continue;
+    if (!std::equal(word.begin(), word.end() - 1, output_.end() - static_cast<std::ptrdiff_t>(before))) continue;
+    if (word.back() >= 0 && word.back() < vocab) row[static_cast<size_t>(word.back())] = kNegInfF;
+  }
+}
 
 std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
   std::vector<float>& row = ThreadScratch().processed;
@@ -348,6 +359,7 @@ std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
     for (int64_t id : min_tokens_ids_)
       if (in_vocab(id)) row[static_cast<size_t>(id)] = kNegInfF;
   }
+  MaskBadWords(row);
   for (const auto& [id, bias] : bias_)
     if (in_vocab(id)) row[static_cast<size_t>(id)] = static_cast<float>(row[static_cast<size_t>(id)] + bias);
   const double r = params_.repetition_penalty;

@@ -3,19 +3,21 @@
 // Semantics follow vLLM: first a constraint's mask (structured output:
 // tokens it does not allow get -inf), then the request's penalties and biases
 // (SamplingParams; vLLM's order): while fewer than min_tokens were generated
-// the stop and EOS ids get -inf; logit_bias is added; tokens seen in the
-// prompt or the output get the repetition penalty r (a positive logit is
-// divided by r, any other multiplied); each generated token's logit loses
-// frequency_penalty * its count + presence_penalty. Then temperature 0 is
-// greedy on those logits (argmax, lowest id on ties); otherwise logits /
-// temperature, then top-k (k <= 0 or >= vocab: off), then top-p (1: off)
-// over the remaining tokens sorted by probability (keep the smallest prefix
-// whose mass reaches p; always at least one token), then a draw from the
-// renormalized distribution. The reported log-probability is that of the
-// chosen token under the unmodified model distribution (log_softmax of the
-// raw logits, before penalties and biases), as vLLM's default logprobs
-// (logprobs_mode raw_logprobs); so are those of the most likely tokens a
-// request asks for (SamplingParams::logprobs).
+// the stop and EOS ids get -inf; so does the last token of a bad_words
+// sequence whose other tokens were just generated; logit_bias is added;
+// tokens seen in the prompt or the output get the repetition penalty r (a
+// positive logit is divided by r, any other multiplied); each generated
+// token's logit loses frequency_penalty * its count + presence_penalty.
+// Then temperature 0 is greedy on those logits (argmax, lowest id on
+// ties); otherwise logits / temperature, then top-k (k <= 0 or >= vocab:
+// off), then top-p (1: off) over the remaining tokens sorted by probability
+// (keep the smallest prefix whose mass reaches p; always at least one
+// token), then a draw from the renormalized distribution. The reported
+// log-probability is that of the chosen token under the unmodified model
+// distribution (log_softmax of the raw logits, before penalties and
+// biases), as vLLM's default logprobs (logprobs_mode raw_logprobs); so are
+// those of the most likely tokens a request asks for
+// (SamplingParams::logprobs).
 #pragma once
 
 #include <array>
@@ -110,9 +112,12 @@ class Sampler {
   // greedy reduction.
   bool wants_top() const { return params_.logprobs > 0; }
   // True when the next Sample changes the logits before it draws
-  // (penalties, biases, a constraint, or min_tokens not reached yet): a
-  // device then hands Sample the whole row. False costs Sample nothing.
-  bool modifies_logits() const { return penalized_ || constraint_ != nullptr || generated_ < params_.min_tokens; }
+  // (penalties, biases, a constraint, bad words, or min_tokens not reached
+  // yet): a device then hands Sample the whole row. False costs Sample
+  // nothing.
+  bool modifies_logits() const {
+    return penalized_ || constraint_ != nullptr || generated_ < params_.min_tokens || !params_.bad_words.empty();
+  }
   // The row Sample draws from (the penalties and biases applied to logits),
   // in the thread's scratch, valid until the next call on this thread.
   std::span<const float> ProcessedLogits(std::span<const float> logits);
@@ -144,6 +149,9 @@ class Sampler {
   SampledToken SampleRow(std::span<const float> logits, double u, bool top);
   // Counts a returned token as generated.
   void Record(int64_t token);
+  // bad_words: -inf for the last token of each sequence whose other tokens
+  // are the last ones generated.
+  void MaskBadWords(std::span<float> row) const;
   // The token Sample draws from a row with a distribution (max_logit finite),
   // given the row's untempered weights in s.probs (their sum raw_sum) and the
   // uniform u of this draw.
@@ -168,6 +176,7 @@ class Sampler {
   std::vector<int64_t> min_tokens_ids_;
   std::vector<std::pair<int32_t, double>> bias_;
   std::unique_ptr<TokenConstraint> constraint_;
+  std::vector<int64_t> output_;  // the tokens generated (with bad_words only)
 };
 
 // The logprob of `token` under the distribution of one row of logits (as

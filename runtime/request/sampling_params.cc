@@ -10,6 +10,21 @@ namespace {
 
 constexpr double kMaxTemperature = 100.0;
 
+Status ValidateBadWords(const SamplingParams& p, int64_t vocab_size) {
+  if (p.bad_words.size() > kMaxBadWords)
+    return InvalidArgumentError("bad_words must hold at most ", kMaxBadWords, " token sequences, got ",
+                                p.bad_words.size());
+  for (size_t i = 0; i < p.bad_words.size(); ++i) {
+    if (p.bad_words[i].empty()) return InvalidArgumentError("bad_words[", i, "] must not be empty");
+    for (const int64_t id : p.bad_words[i]) {
+      if (id < 0 || id >= vocab_size)
+        return InvalidArgumentError("bad_words[", i, "] has token id ", id, " outside [0, ",
+                                    vocab_size == INT64_MAX ? "the vocabulary size" : std::to_string(vocab_size), ")");
+    }
+  }
+  return Status::Ok();
+}
+
 // The penalties, the biases and min_tokens (after max_tokens is checked).
 Status ValidatePenalties(const SamplingParams& p, int64_t vocab_size) {
   // Written so that NaN fails too.
@@ -37,7 +52,7 @@ Status ValidatePenalties(const SamplingParams& p, int64_t vocab_size) {
   if (p.min_tokens < 0 || p.min_tokens > p.max_tokens) {
     return InvalidArgumentError("min_tokens must be in [0, max_tokens = ", p.max_tokens, "], got ", p.min_tokens);
   }
-  return Status::Ok();
+  return ValidateBadWords(p, vocab_size);
 }
 
 }  // namespace

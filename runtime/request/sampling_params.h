@@ -20,6 +20,9 @@ inline constexpr int64_t kMaxTopLogprobs = 20;
 // Bounds of the penalties and biases, as OpenAI's and vLLM's.
 inline constexpr double kMaxPresencePenalty = 2.0;  // |presence_penalty|, |frequency_penalty|
 inline constexpr double kMaxLogitBias = 100.0;      // |logit_bias value|
+// The most token sequences of bad_words: each costs every step of the
+// request a comparison.
+inline constexpr size_t kMaxBadWords = 1024;
 
 // A token and its logprob (natural log, unmodified distribution): an entry
 // of the most likely tokens a request asks for.
@@ -82,6 +85,11 @@ struct SamplingParams {
   std::map<int64_t, double> logit_bias;  // token id -> bias in [-100, 100]
   int64_t min_tokens = 0;                // [0, max_tokens]
   StructuredOutput structured;
+  // vLLM's bad_words, as token-id sequences (the HTTP API encodes the words,
+  // text::EncodeBadWords): the last token of a sequence gets -inf when the
+  // tokens generated last are the ones before it; a one-token sequence is
+  // never generated. Each non-empty, ids in [0, vocab_size).
+  std::vector<std::vector<int64_t>> bad_words;
 
   friend bool operator==(const SamplingParams&, const SamplingParams&) = default;
 };
@@ -93,7 +101,9 @@ struct SamplingParams {
 // [0, kMaxTopLogprobs], prompt_logprobs outside [-1, kMaxTopLogprobs],
 // presence or frequency penalty outside [-2, 2], a repetition penalty not
 // > 0, logit_bias ids outside [0, vocab_size) or biases outside [-100, 100],
-// min_tokens outside [0, max_tokens] (all not finite too). Every message starts
+// min_tokens outside [0, max_tokens] (all not finite too), more than
+// kMaxBadWords bad_words, an empty one or one with an id outside
+// [0, vocab_size). Every message starts
 // with the field's name ("top_p must be ..."), so a caller can prefix its
 // path ("sampling."). A caller without a limit passes INT64_MAX. The one
 // place of these ranges: the coordinator and the workers check every request

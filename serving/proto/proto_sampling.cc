@@ -21,6 +21,7 @@ SamplingParams FromProto(const v1::SamplingParams& p) {
   s.logit_bias.insert(p.logit_bias().begin(), p.logit_bias().end());
   s.min_tokens = p.min_tokens();
   if (p.has_structured()) s.structured = FromProto(p.structured());
+  for (const v1::TokenIds& word : p.bad_words()) s.bad_words.emplace_back(word.ids().begin(), word.ids().end());
   return s;
 }
 
@@ -100,6 +101,9 @@ void ToProto(const SamplingParams& p, v1::SamplingParams* out) {
   out->mutable_logit_bias()->clear();
   out->mutable_logit_bias()->insert(p.logit_bias.begin(), p.logit_bias.end());
   out->set_min_tokens(p.min_tokens);
+  out->clear_bad_words();
+  for (const std::vector<int64_t>& word : p.bad_words)
+    out->add_bad_words()->mutable_ids()->Add(word.begin(), word.end());
   if (p.structured.active()) {
     ToProto(p.structured, out->mutable_structured());
   } else {

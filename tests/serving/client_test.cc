@@ -373,6 +373,24 @@ TEST(SamplingProto, StructuredOutputRoundTrips) {
   EXPECT_FALSE(FromProto(wire).structured.active());
 }
 
+TEST(SamplingProto, BadWordsRoundTrip) {
+  std::mt19937_64 rng(16);
+  for (int trial = 0; trial < 20; ++trial) {
+    SamplingParams p;
+    for (uint64_t i = 0, n = rng() % 6; i < n; ++i) {
+      std::vector<int64_t> word;
+      for (uint64_t j = 0, len = 1 + rng() % 4; j < len; ++j) word.push_back(static_cast<int64_t>(rng() % 129280));
+      p.bad_words.push_back(std::move(word));
+    }
+    v1::SamplingParams wire;
+    wire.add_bad_words()->add_ids(99);  // replaced, not appended to
+    ToProto(p, &wire);
+    ASSERT_EQ(wire.bad_words_size(), static_cast<int>(p.bad_words.size()));
+    EXPECT_EQ(FromProto(wire).bad_words, p.bad_words);
+    EXPECT_EQ(FromProto(wire), p);
+  }
+}
+
 TEST(Submit, JsonLineListsTheMostLikelyTokensWhenAsked) {
   FakeMlarun svc;
   TestServer server(&svc);

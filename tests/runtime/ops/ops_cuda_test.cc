@@ -855,6 +855,52 @@ TEST(OpsCuda, PenalizedSampleGivesTheCpuSamplersTokens) {
   }
 }
 
+// bad_words on the device: rows with them come to the host whole
+// (modifies_logits) and give the CPU's tokens, as each output grows into
+// and out of a banned sequence's prefix.
+TEST(OpsCuda, BadWordsSampleGivesTheCpuSamplersTokens) {
+  MLARUN_SKIP_WITHOUT_GPU();
+  Random r(37);
+  const int64_t vocab = 4099, rows = 3;
+  std::vector<SamplingParams> kinds(static_cast<size_t>(rows));
+  kinds[0] = {.temperature = 0.0, .bad_words = {{7}}};              // never 7
+  kinds[1] = {.temperature = 0.0, .bad_words = {{7, 7}, {11, 7}}};  // 7 only first
+  kinds[2] = {.temperature = 0.8, .seed = 5, .bad_words = {{7}, {11, 11}}};
+  std::vector<Sampler> cpu, cuda;
+  for (const SamplingParams& sp : kinds) cpu.emplace_back(sp), cuda.emplace_back(sp);
+  std::vector<Sampler*> cpu_ptrs, cuda_ptrs;
+  for (int64_t row = 0; row < rows; ++row) cpu_ptrs.push_back(&cpu[row]), cuda_ptrs.push_back(&cuda[row]);
+  for (int step = 0; step < 6; ++step) {
+    std::vector<float> logits(static_cast<size_t>(rows * vocab));
+    for (float& x : logits) x = r.Normal(3.f);
+    for (int64_t row = 0; row < rows; ++row) {  // 7 and 11 lead
+      logits[static_cast<size_t>(row * vocab + 7)] = 30.f;
+      logits[static_cast<size_t>(row * vocab + 11)] = 29.f;
+    }
+    const DeviceVec<float> dlogits = ToDevice(logits);
+    std::vector<SampledToken> want(static_cast<size_t>(rows)), got(static_cast<size_t>(rows));
+    ASSERT_TRUE(SampleRun({.logits = logits.data(),
+                           .rows = rows,
+                           .vocab = vocab,
+                           .ld = vocab,
+                           .samplers = cpu_ptrs.data(),
+                           .out = want.data()})
+                    .ok());
+    const Status st = SampleRun({.logits = dlogits.data(),
+                                 .rows = rows,
+                                 .vocab = vocab,
+                                 .ld = vocab,
+                                 .samplers = cuda_ptrs.data(),
+                                 .out = got.data(),
+                                 .backend = Backend::kCuda});
+    ASSERT_TRUE(st.ok()) << st;
+    ExpectSameSamples(want, got, step);
+    EXPECT_EQ(got[0].token, 11) << "step " << step;
+    EXPECT_EQ(got[1].token, step == 0 ? 7 : 11) << "step " << step;
+    EXPECT_NE(got[2].token, 7) << "step " << step;
+  }
+}
+
 // Prompt tokens scored on the device: each row read back and scored as the
 // CPU scores it, bit for bit.
 TEST(OpsCuda, ScoreGivesTheCpusLogprobs) {

@@ -1005,3 +1005,124 @@ TEST(SamplerConstraint, ACompleteGrammarOutranksMinTokens) {
 
 }  // namespace
 }  // namespace mlarun
+
+namespace mlarun {
+namespace {
+
+// vLLM's bad_words rule, in float64 on its own: a sequence's last token
+// gets -inf when the tokens before it are the output's last ones (a
+// one-token sequence always).
+std::vector<double> ReferenceBadWords(std::vector<double> x, const std::vector<std::vector<int64_t>>& words,
+                                      const std::vector<int32_t>& output) {
+  for (const std::vector<int64_t>& w : words) {
+    const size_t k = w.size() - 1;
+    if (k > output.size()) continue;
+    bool match = true;
+    for (size_t i = 0; i < k; ++i) match = match && output[output.size() - k + i] == w[i];
+    if (match) x[static_cast<size_t>(w.back())] = -kInf;
+  }
+  return x;
+}
+
+// Random bad words over a small id range: some end the output with their
+// prefix (so they apply), some do not, some are one token long.
+std::vector<std::vector<int64_t>> RandomBadWords(std::mt19937_64& rng, const History& h, int64_t vocab) {
+  std::uniform_int_distribution<int64_t> id(0, std::min<int64_t>(vocab, 40) - 1);
+  std::vector<std::vector<int64_t>> words;
+  for (int i = 0; i < 8; ++i) {
+    const size_t len = 1 + rng() % 4;
+    std::vector<int64_t> w;
+    if (i % 2 == 0 && len - 1 <= h.output.size()) {
+      w.assign(h.output.end() - static_cast<std::ptrdiff_t>(len - 1), h.output.end());  // applies
+    } else {
+      for (size_t j = 0; j + 1 < len; ++j) w.push_back(id(rng));  // rarely applies
+    }
+    w.push_back(static_cast<int64_t>(rng() % static_cast<uint64_t>(vocab)));
+    words.push_back(std::move(w));
+  }
+  return words;
+}
+
+TEST(SamplerBadWords, ProcessedLogitsMatchReference) {
+  std::mt19937_64 rng(20261206);
+  for (int64_t vocab : {50, 3000}) {
+    for (int trial = 0; trial < 30; ++trial) {
+      History h = RandomHistory(rng, vocab);
+      h.output.resize(static_cast<size_t>(trial % 6));  // short outputs: words longer than them too
+      const std::vector<float> logits = RandomLogits(rng, vocab);
+      for (SamplingParams p : {Params(0.0), PenaltyKinds(rng, vocab)[6]}) {
+        p.bad_words = RandomBadWords(rng, h, vocab);
+        p.max_tokens = 100;  // min_tokens 25 of the penalty kinds
+        const Status valid = ValidateSamplingParams(p, vocab, INT64_MAX);
+        ASSERT_TRUE(valid.ok()) << valid;
+        SCOPED_TRACE("vocab " + std::to_string(vocab) + " trial " + std::to_string(trial));
+        const std::vector<double> want = ReferenceBadWords(ReferencePenalized(logits, p, h), p.bad_words, h.output);
+        Sampler sampler(p, {.prompt = h.prompt, .eos_token_ids = h.eos, .output = h.output});
+        EXPECT_TRUE(sampler.modifies_logits()) << "a device must hand the row to the host";
+        const std::span<const float> got = sampler.ProcessedLogits(logits);
+        ASSERT_EQ(got.size(), logits.size());
+        for (size_t i = 0; i < got.size(); ++i) {
+          if (want[i] == -kInf) {
+            EXPECT_EQ(got[i], -kFloatInf) << "token " << i;
+          } else {
+            EXPECT_NEAR(got[i], want[i], 1e-5 * (1.0 + std::fabs(want[i]))) << "token " << i;
+          }
+        }
+        const SampledToken t = sampler.Sample(logits);
+        if (const int64_t best = ClearArgmax(want); best >= 0) EXPECT_EQ(t.token, best);
+        EXPECT_NE(want[static_cast<size_t>(t.token)], -kInf) << "a banned token was drawn";
+      }
+    }
+  }
+}
+
+// The tokens the sampler draws itself join the history the words are
+// matched against: with [a, b] banned, after a the sampler never draws b,
+// and after anything else it may.
+TEST(SamplerBadWords, DrawnTokensCompleteAWord) {
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 20; ++trial) {
+    const int64_t vocab = 64;
+    std::vector<float> logits = RandomLogits(rng, vocab);
+    const int64_t a = static_cast<int64_t>(rng() % vocab);
+    int64_t b = static_cast<int64_t>(rng() % vocab);
+    if (b == a) b = (a + 1) % vocab;
+    logits[static_cast<size_t>(a)] = 30.0f;  // first a, then (a is still best) the word's b...
+    logits[static_cast<size_t>(b)] = 29.0f;
+    SamplingParams p = Params(0.0);
+    p.bad_words = {{a, b}, {b, b}};
+    Sampler sampler(p);
+    EXPECT_EQ(sampler.Sample(logits).token, a);
+    std::vector<float> b_first = logits;
+    b_first[static_cast<size_t>(b)] = 40.0f;  // b leads by far, but follows a: banned
+    const int64_t second = sampler.Sample(b_first).token;
+    EXPECT_EQ(second, a) << "b right after a";
+    const std::vector<float> b_again = b_first;
+    // After a again, b stays banned; a one-token word never comes.
+    SamplingParams one = Params(1.0, 0, 1.0, static_cast<uint64_t>(trial));
+    one.bad_words = {{b}};
+    Sampler single(one);
+    for (int i = 0; i < 10; ++i) EXPECT_NE(single.Sample(b_again).token, b);
+  }
+}
+
+TEST(SamplerBadWords, ValidateNamesTheBadSequence) {
+  SamplingParams p = Params(0.0);
+  p.bad_words = {{1, 2}, {}};
+  Status st = ValidateSamplingParams(p, 100, INT64_MAX);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("bad_words[1] must not be empty"), std::string::npos) << st;
+  p.bad_words = {{1, 2}, {3, 100}};
+  st = ValidateSamplingParams(p, 100, INT64_MAX);
+  EXPECT_NE(st.message().find("bad_words[1] has token id 100 outside [0, 100)"), std::string::npos) << st;
+  p.bad_words = {{-1}};
+  EXPECT_FALSE(ValidateSamplingParams(p, 100, INT64_MAX).ok());
+  p.bad_words.assign(kMaxBadWords + 1, {1});
+  st = ValidateSamplingParams(p, 100, INT64_MAX);
+  EXPECT_NE(st.message().find("at most 1024"), std::string::npos) << st;
+  p.bad_words.assign(kMaxBadWords, {1, 99});
+  EXPECT_TRUE(ValidateSamplingParams(p, 100, INT64_MAX).ok());
+}
+
+}  // namespace
+}  // namespace mlarun
