@@ -90,6 +90,13 @@ class Tokenizer {
   virtual std::string TokenBytes(int32_t id, bool skip_special_tokens) const;
 };
 
+// vLLM's bad_words as token-id sequences (SamplingParams.bad_words): each
+// word, its leading spaces stripped, is encoded without special tokens as
+// is, and once more with one leading space when that encodes to as many
+// tokens but starts with another one (so the word is refused both at the
+// start of the text and after a space). Empty encodings are dropped.
+std::vector<std::vector<int32_t>> EncodeBadWords(const Tokenizer& tokenizer, const std::vector<std::string>& words);
+
 // Streaming detokenization: the text of a growing id sequence in deltas that
 // never split a UTF-8 character. Add returns the text that became final with
 // this token (possibly ""), holding back bytes of a character that is not

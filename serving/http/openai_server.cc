@@ -262,6 +262,7 @@ struct Params {
   bool parse_tool_calls = false;  // chat: tool_choice "auto" with --tool-call-parser
   ToolChoice forced_tools;        // chat: "required" or a named function (kRequired, kNamed)
   std::string structured_field;   // the request's field of sampling.structured
+  bool return_token_ids = false;  // vLLM's: each choice's token_ids too
 };
 
 // stream, stream_options, n and best_of: how many choices, and how they come back.
@@ -483,11 +484,29 @@ void ParseStructured(const json& body, Params& p) {
   }
 }
 
+// vLLM's bad_words: strings, each encoded as vLLM does (text::EncodeBadWords).
+void ParseBadWords(const json& body, const text::Tokenizer& tokenizer, Params& p) {
+  const json* words = Field(body, "bad_words");
+  if (words == nullptr) return;
+  if (!words->is_array()) throw BadField("bad_words", StrCat("must be an array of strings, got ", TypeName(*words)));
+  std::vector<std::string> texts;
+  for (const json& w : *words) {
+    if (!w.is_string()) throw BadField("bad_words", StrCat("must hold strings, got ", TypeName(w)));
+    texts.push_back(w.get<std::string>());
+  }
+  for (std::vector<int32_t>& ids : text::EncodeBadWords(tokenizer, texts))
+    p.sampling.bad_words.emplace_back(ids.begin(), ids.end());
+  if (p.sampling.bad_words.size() > kMaxBadWords)
+    throw BadField("bad_words", StrCat("at most ", kMaxBadWords, " token sequences, got ", p.sampling.bad_words.size(),
+                                       " from ", texts.size(), " words"));
+}
+
 void ParseCompletion(const json& body, const text::Tokenizer& tokenizer, Params& p) {
   ParseStructured(body, p);
   ParseSampling(body, p);
   ParseCompletionFields(body, p);
   ParsePrompt(body, tokenizer, p);
+  ParseBadWords(body, tokenizer, p);
 }
 
 // A message's content as the templates take it: a string (or null); an
@@ -581,6 +600,7 @@ void ParseChat(const json& body, const text::Tokenizer& tokenizer, const text::C
   ParseSampling(body, p);
   ParseChatFields(body, p);
   ParseTools(body, auto_tool_choice, p);
+  ParseBadWords(body, tokenizer, p);
   json msgs = ChatMessages(body);
   if (tmpl == nullptr) {
     throw ApiError{.status = 400, .message = template_error, .param = "messages", .code = "chat_template_unsupported"};
@@ -670,8 +690,9 @@ struct Choice {
   std::vector<LogprobEntry> tokens;                  // not yet sent with logprobs (streams), or all
   std::vector<LogprobEntry> prompt_logprobs;         // prompt tokens 1, 2, ... (echo with logprobs)
   int64_t completion_tokens = 0;
-  std::string finish_reason;  // set when it ended well
-  bool ended = false;         // finished, stopped or failed: nothing more comes
+  std::vector<int64_t> token_ids;  // with Params::return_token_ids: not yet sent (streams), or all
+  std::string finish_reason;       // set when it ended well
+  bool ended = false;              // finished, stopped or failed: nothing more comes
   bool failed = false;
   bool finish_sent = false;  // a stream's final chunk of this choice is out
   int64_t text_offset = 0;   // a stream's completions logprobs: offset of the next token's text
@@ -849,6 +870,7 @@ class Exchange {
   }
   json WholeChoice(const Choice& c) const {
     json choice = {{"index", c.index}, {"finish_reason", c.finish_reason}};
+    if (params_.return_token_ids) choice["token_ids"] = c.token_ids;
     if (params_.chat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}};
       if (params_.reasoning) {
@@ -901,7 +923,7 @@ class Exchange {
       }
       const bool finish = c.ended && !c.finish_reason.empty() && !c.finish_sent;
       if (c.text.empty() && c.reasoning_text.empty() && c.call_deltas.empty() && !finish &&
-          (c.tokens.empty() || !params_.logprobs))
+          (c.tokens.empty() || !params_.logprobs) && c.token_ids.empty())
         continue;
       json logprobs = json(nullptr);
       if (params_.logprobs && !c.tokens.empty()) {
@@ -916,6 +938,7 @@ class Exchange {
       c.reasoning_text.clear();
       c.call_deltas.clear();
       c.tokens.clear();
+      c.token_ids.clear();
       if (finish) c.finish_sent = true;
     }
     return out;
@@ -952,6 +975,7 @@ class Exchange {
       const int32_t id = static_cast<int32_t>(msg.token().token_id());
       ++c.completion_tokens;
       if (params_.logprobs) c.tokens.push_back(LogprobEntryFrom(msg.token()));
+      if (params_.return_token_ids) c.token_ids.push_back(id);
       const bool hidden = c.tool_calls != nullptr && params_.skip_special_tokens && tokenizer_.IsSpecial(id) &&
                           !text::IsToolCallMarker(TokenText(id));
       text::StopMatcher::Result r = c.stop->Add(hidden ? std::string() : c.decoder->Add(id));
@@ -1120,6 +1144,7 @@ class Exchange {
   json Chunk(const Choice& c, json delta, json logprobs, json finish_reason) const {
     json choice = {{"index", c.index}, {"logprobs", std::move(logprobs)}, {"finish_reason", std::move(finish_reason)}};
     choice[params_.chat ? "delta" : "text"] = std::move(delta);
+    if (params_.return_token_ids) choice["token_ids"] = c.token_ids;
     json chunk = {{"id", id_},
                   {"object", params_.chat ? "chat.completion.chunk" : "text_completion"},
                   {"created", created_},
@@ -1558,6 +1583,7 @@ class HttpApiImpl final : public HttpApi {
   Params ParseBody(const HttpRequest& req, bool chat) const {
     const json body = BodyOf(req);
     Params params;
+    params.return_token_ids = GetBool(body, "return_token_ids", false);
     if (chat) {
       ParseChat(body, *options_.tokenizer, template_.get(), template_error_,
                 options_.enable_auto_tool_choice && !options_.tool_call_parser.empty(), params);

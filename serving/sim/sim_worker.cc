@@ -105,10 +105,30 @@ struct SimRequest {
   int64_t prefix_hit_tokens = 0;
   int64_t generated = 0;
   int64_t last_token = -1;
+  std::vector<int64_t> output;  // the tokens sent (with sampling.bad_words only)
   // Cache blocks this request may still take (its prompt + max_tokens - 1
   // rows were reserved at admission, so decoding never runs out of blocks).
   int64_t reserved_blocks = 0;
 };
+
+// The request's bad_words as a sampler applies them, for tests that they
+// reach the group: a token that would end a bad word (its other tokens the
+// last ones sent) becomes the next id that does not, modulo the vocabulary.
+int64_t AvoidBadWords(SimRequest& r, int64_t token, int64_t vocab_size) {
+  if (r.sampling.bad_words.empty()) return token;
+  auto banned = [&](int64_t t) {
+    for (const std::vector<int64_t>& w : r.sampling.bad_words) {
+      const size_t before = w.size() - 1;
+      if (w.back() == t && before <= r.output.size() &&
+          std::equal(w.begin(), w.end() - 1, r.output.end() - static_cast<std::ptrdiff_t>(before)))
+        return true;
+    }
+    return false;
+  };
+  for (int64_t tries = 0; tries < vocab_size && banned(token); ++tries) token = (token + 1) % vocab_size;
+  r.output.push_back(token);
+  return token;
+}
 
 class SimGroup {
  public:
@@ -404,6 +424,7 @@ void SimGroup::Step() {
     SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
     const bool scripted = !o_.script.empty();
     if (scripted) tok.token = o_.script[static_cast<size_t>(r->generated)];
+    tok.token = AvoidBadWords(*r, tok.token, o_.vocab_size);
     v1::TokenEvent* e = batch->add_events();
     e->set_request_id(r->id);
     e->set_token_id(tok.token);

@@ -56,7 +56,8 @@ struct SimWorkerOptions {
 // rows) fit and fewer than 256 run. The cache is a LatentCache with tiny rows,
 // so prefix hits follow the engine's rules exactly (PrefixChainHash over full
 // blocks under the route's prefix_cache_salt, LRU of released blocks, at least
-// one prompt token recomputed). A
+// one prompt token recomputed). A token that would end one of the request's
+// bad_words becomes the next id that does not (so tests see them arrive). A
 // step emits one TokenBatch with one token of every running request, then
 // the RequestDone of those that finished; steps are paced so a group makes
 // `tokens_per_s` tokens per second in total. WorkerStats every 200 ms

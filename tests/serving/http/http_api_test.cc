@@ -861,6 +861,75 @@ TEST_F(HttpApiTest, SamplingRangesAreValidateSamplingParams) {
 #endif
 }
 
+// bad_words become token-id sequences (text::EncodeBadWords) that reach
+// the group: the simulated group steps off a token that would end one, so
+// its answer is the unconstrained one with that rule applied, here
+// recomputed from the gRPC tokens.
+TEST_F(HttpApiTest, BadWordsReachTheGroupAsTokenIds) {
+  const std::vector<int32_t> prompt = Tok().Encode("Bad words are sequences", /*add_special_tokens=*/true);
+  const std::vector<int32_t> plain = d_->GrpcTokens(prompt, 5, 12, 0.7);
+  ASSERT_EQ(plain.size(), 12u);
+  json body = {{"prompt", prompt}, {"max_tokens", 12}, {"seed", 5}, {"temperature", 0.7}, {"return_token_ids", true}};
+  auto [s0, whole0] = d_->Post("/v1/completions", body);
+  ASSERT_EQ(s0, 200) << whole0.dump();
+  EXPECT_EQ(whole0["choices"][0]["token_ids"], json(plain));
+  // Words made of the tokens the group would send: the second one's text,
+  // and the text of the fourth and fifth together.
+  const std::vector<std::string> words = {Decode({plain[1]}), Decode({plain[3], plain[4]})};
+  const std::vector<std::vector<int32_t>> seqs = text::EncodeBadWords(Tok(), words);
+  ASSERT_FALSE(seqs.empty());
+  const int64_t vocab = Tok().vocab_size();
+  std::vector<int64_t> want;
+  for (const int32_t t : plain) {
+    int64_t token = t;
+    auto banned = [&](int64_t x) {
+      for (const std::vector<int32_t>& w : seqs) {
+        const size_t k = w.size() - 1;
+        if (w.back() != x || k > want.size()) continue;
+        if (std::equal(w.begin(), w.end() - 1, want.end() - static_cast<std::ptrdiff_t>(k))) return true;
+      }
+      return false;
+    };
+    while (banned(token)) token = (token + 1) % vocab;
+    want.push_back(token);
+  }
+  body["bad_words"] = words;
+  for (const bool chat : {false, true}) {
+    json b = body;
+    if (chat) {
+      b.erase("prompt");
+      b["messages"] = json::array({{{"role", "user"}, {"content", "x"}}});
+    }
+    auto [status, whole] = d_->Post(chat ? "/v1/chat/completions" : "/v1/completions", b);
+#ifdef MLARUN_NO_CHAT_TEMPLATE
+    if (chat) continue;
+#endif
+    ASSERT_EQ(status, 200) << whole.dump();
+    if (!chat) {
+      EXPECT_EQ(whole["choices"][0]["token_ids"], json(want));
+      EXPECT_NE(want, std::vector<int64_t>(plain.begin(), plain.end())) << "no bad word applied: a weak test";
+    }
+  }
+  auto [sstatus, events] = d_->Stream("/v1/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  std::vector<int64_t> streamed;
+  for (const std::string& e : events) {
+    if (e == "[DONE]") continue;
+    const json chunk = json::parse(e);
+    for (const json& c : chunk["choices"])
+      for (const json& id : c["token_ids"]) streamed.push_back(id.get<int64_t>());
+  }
+  EXPECT_EQ(streamed, want);
+  // Bad input: a 400 naming the field.
+  for (const json& bad : {json("x"), json::array({1}), json::array({"ok", nullptr})}) {
+    json b = body;
+    b["bad_words"] = bad;
+    auto [status, e] = d_->Post("/v1/completions", b);
+    EXPECT_EQ(status, 400) << e.dump();
+    EXPECT_EQ(e["error"]["param"], "bad_words") << e.dump();
+  }
+}
+
 TEST_F(HttpApiTest, ModelsAndHealth) {
   auto res = d_->Client().Get("/v1/models");
   ASSERT_TRUE(res);
