@@ -90,6 +90,15 @@ class Tokenizer {
   virtual std::string TokenBytes(int32_t id, bool skip_special_tokens) const;
 };
 
+// `base` with `chat_template` in place of its tokenizer_config.json's (the
+// serving flag --chat-template); everything else is base's.
+std::shared_ptr<const Tokenizer> WithChatTemplate(std::shared_ptr<const Tokenizer> base, std::string chat_template);
+
+// A tokenizer without a vocabulary, for a server that has none
+// (--skip-tokenizer-init): Encode gives no ids, Decode and TokenBytes no
+// text, vocab_size 0, no special tokens and no chat template.
+std::shared_ptr<const Tokenizer> NoTokenizer();
+
 // vLLM's bad_words as token-id sequences (SamplingParams.bad_words): each
 // word, its leading spaces stripped, is encoded without special tokens as
 // is, and once more with one leading space when that encodes to as many

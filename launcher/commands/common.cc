@@ -3,6 +3,9 @@
 
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "launcher/commands/commands.h"
 
@@ -111,6 +114,12 @@ void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {
       ->check(CLI::IsMember({"deepseek_v3"}));
   cmd->add_flag("--enable-auto-tool-choice", co.http_enable_auto_tool_choice,
                 "HTTP API: chat requests with tools (tool_choice \"auto\") get the calls as message.tool_calls");
+  cmd->add_option("--tokenizer", co.http_tokenizer_path,
+                  "HTTP API: the tokenizer's directory (tokenizer.json, tokenizer_config.json) instead of --model's");
+  cmd->add_option("--chat-template", co.http_chat_template,
+                  "HTTP API: a chat template (a file, or the template itself) instead of the tokenizer's");
+  cmd->add_flag("--skip-tokenizer-init", co.http_skip_tokenizer_init,
+                "HTTP API without a tokenizer: completions of token-id prompts answered as token_ids, no text");
   cmd->add_flag("--allow-unauthenticated", co.allow_unauthenticated_http,
                 "Let --http bind beyond loopback without --auth-token-file: anyone who reaches it may use the model");
 }
@@ -126,6 +135,27 @@ void AddLogFlags(CLI::App* cmd, CoordinatorOptions& co) {
                   "hit rate), printed only when something happened; 0: none")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 86400.0));
+}
+
+bool ResolveChatTemplate(const char* cmd, CoordinatorOptions& co) {
+  std::string& value = co.http_chat_template;
+  if (value.empty()) return true;
+  std::error_code ec;
+  if (std::filesystem::is_regular_file(value, ec)) {
+    std::ifstream in(value, std::ios::binary);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in) {
+      std::fprintf(stderr, "mlarun %s: --chat-template %s: cannot read it\n", cmd, value.c_str());
+      return false;
+    }
+    value = text.str();
+    return true;
+  }
+  if (value.find_first_of("{\n") != std::string::npos) return true;  // the template itself
+  std::fprintf(stderr, "mlarun %s: --chat-template %s: no such file (nor a template: it has no '{')\n", cmd,
+               value.c_str());
+  return false;
 }
 
 void WarnIfOpenHttp(const char* cmd, const CoordinatorOptions& co) {

@@ -33,6 +33,7 @@ int RunCoordinatorCommand(CoordinatorFlags& f) {
   }
   co.policy = *p;
   co.log_groups = true;
+  if (!ResolveChatTemplate("coordinator", co)) return 2;
   if (!LoadSecurity("coordinator", f.security, SecurityRole::kCoordinator, &co.worker_secret, nullptr, &co)) return 2;
   if (f.http->count() > 0 && co.http_listen.empty()) co.http_listen = "127.0.0.1:8000";
   // SIGINT / SIGTERM are taken by one thread with sigwait (blocked here,

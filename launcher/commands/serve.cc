@@ -82,6 +82,7 @@ int RunServeCommand(ServeFlags& f) {
     std::fprintf(stderr, "mlarun serve: %s\n", e.c_str());
     return 2;
   }
+  if (!ResolveChatTemplate("serve", sv.coordinator)) return 2;
   auto p = ParseRoutingPolicy(f.policy);
   if (!p.ok()) {
     std::fprintf(stderr, "mlarun serve: %s\n", p.status().ToString().c_str());

@@ -32,6 +32,7 @@
 #include "serving/http/metrics.h"
 #include "serving/http/openai_server.h"
 #include "serving/link/link_server.h"
+#include "text/chat_template.h"
 #include "text/tokenizer.h"
 
 namespace mlarun {
@@ -316,6 +317,34 @@ std::string NewCoordinatorId() {
 
 bool IsLoopbackListenAddress(const std::string& listen) { return IsLoopbackListen(listen); }
 
+namespace {
+
+// The HTTP API's tokenizer: the one given, --tokenizer's, --model's, none
+// with --skip-tokenizer-init; with --chat-template's in place of its own
+// (checked here, so that a template that does not parse fails the start).
+StatusOr<std::shared_ptr<const text::Tokenizer>> HttpTokenizer(const CoordinatorOptions& o) {
+  if (o.http_skip_tokenizer_init) {
+    if (!o.http_tokenizer_path.empty() || !o.http_chat_template.empty())
+      return InvalidArgumentError("--skip-tokenizer-init: no --tokenizer or --chat-template with it");
+    return std::shared_ptr<const text::Tokenizer>();
+  }
+  std::shared_ptr<const text::Tokenizer> tokenizer = o.http_tokenizer;
+  if (tokenizer == nullptr) {
+    const std::string& path = o.http_tokenizer_path.empty() ? o.http_model : o.http_tokenizer_path;
+    if (path.empty())
+      return InvalidArgumentError("--http needs --model: the model whose tokenizer and name the HTTP API uses");
+    auto loaded = text::Tokenizer::Load(path);
+    if (!loaded.ok()) return loaded.status().WithContext(o.http_tokenizer_path.empty() ? "--model" : "--tokenizer");
+    tokenizer = std::move(*loaded);
+  }
+  if (o.http_chat_template.empty()) return tokenizer;
+  if (auto parsed = text::ChatTemplate::Parse(o.http_chat_template); !parsed.ok())
+    return parsed.status().WithContext("--chat-template");
+  return text::WithChatTemplate(std::move(tokenizer), o.http_chat_template);
+}
+
+}  // namespace
+
 std::string DefaultServedModelName(const std::string& model_path) {
   std::string name = model_path;
   while (name.size() > 1 && name.back() == '/') name.pop_back();
@@ -362,18 +391,14 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
 
   // The HTTP API's tokenizer and metrics come first: a model path that
   // does not load fails the start before any port is bound.
-  std::shared_ptr<const text::Tokenizer> tokenizer = options.http_tokenizer;
+  std::shared_ptr<const text::Tokenizer> tokenizer;
   std::shared_ptr<Metrics> metrics;
   std::string served_model_name = options.served_model_name;
   if (!options.http_listen.empty()) {
-    if (tokenizer == nullptr) {
-      if (options.http_model.empty())
-        return InvalidArgumentError("--http needs --model: the model whose tokenizer and name the HTTP API uses");
-      auto loaded = text::Tokenizer::Load(options.http_model);
-      if (!loaded.ok()) return loaded.status().WithContext("--model");
-      tokenizer = std::move(*loaded);
-    }
-    if (served_model_name.empty()) served_model_name = DefaultServedModelName(options.http_model);
+    MLARUN_ASSIGN_OR_RETURN(tokenizer, HttpTokenizer(options));
+    if (served_model_name.empty())
+      served_model_name =
+          DefaultServedModelName(options.http_model.empty() ? options.http_tokenizer_path : options.http_model);
   }
   const bool server_log_on = options.log_requests || options.log_stats_interval_s > 0;
   if (!options.http_listen.empty() || server_log_on)
@@ -404,6 +429,7 @@ StatusOr<std::unique_ptr<Coordinator>> Coordinator::Start(const CoordinatorOptio
     auto http = HttpApi::Start(HttpApiOptions{.transport = transport,
                                               .served_model_name = served_model_name,
                                               .tokenizer = tokenizer,
+                                              .skip_tokenizer_init = options.http_skip_tokenizer_init,
                                               .auth_tokens = options.auth_tokens,
                                               .request_timeout_s = options.http_request_timeout_s,
                                               .allowed_origins = options.http_allowed_origins,

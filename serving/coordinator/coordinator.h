@@ -137,10 +137,19 @@ struct CoordinatorOptions {
   // http_listen unless http_tokenizer is given.
   std::string http_model;
   // The name requests must give as `model` (`--served-model-name`); empty:
-  // http_model's last path component without ".yaml".
+  // http_model's (else http_tokenizer_path's) last path component without ".yaml".
   std::string served_model_name;
   // A tokenizer already loaded (tests); when set, http_model is not read.
   std::shared_ptr<const text::Tokenizer> http_tokenizer;
+  // The tokenizer's directory when not http_model's (`--tokenizer`): a
+  // directory with tokenizer.json (and tokenizer_config.json).
+  std::string http_tokenizer_path;
+  // A chat template in place of the tokenizer's (`--chat-template`, the
+  // template's text); empty: the tokenizer's.
+  std::string http_chat_template;
+  // No tokenizer at all (`--skip-tokenizer-init`): the HTTP API takes and
+  // answers token ids only (HttpApiOptions::skip_tokenizer_init).
+  bool http_skip_tokenizer_init = false;
   // HTTP handler threads (each generation request or stream holds one;
   // beyond them, 503). Default 512.
   int http_threads = 512;

@@ -262,7 +262,7 @@ struct Params {
   bool parse_tool_calls = false;  // chat: tool_choice "auto" with --tool-call-parser
   ToolChoice forced_tools;        // chat: "required" or a named function (kRequired, kNamed)
   std::string structured_field;   // the request's field of sampling.structured
-  bool return_token_ids = false;  // vLLM's: each choice's token_ids too
+  bool return_token_ids = false;  // vLLM's: each choice's token_ids too (always without a tokenizer)
 };
 
 // stream, stream_options, n and best_of: how many choices, and how they come back.
@@ -1287,7 +1287,7 @@ class HttpApiImpl final : public HttpApi {
  public:
   HttpApiImpl(const HttpApiOptions& options, std::shared_ptr<coord::Dispatcher> dispatcher,
               std::shared_ptr<Metrics> metrics)
-      : options_(options), dispatcher_(std::move(dispatcher)), metrics_(std::move(metrics)) {
+      : options_(WithTokenizer(options)), dispatcher_(std::move(dispatcher)), metrics_(std::move(metrics)) {
     LoadTemplate(options_.tokenizer->chat_template());
   }
   ~HttpApiImpl() override { Shutdown(); }
@@ -1312,6 +1312,30 @@ class HttpApiImpl final : public HttpApi {
   }
 
  private:
+  // Without a tokenizer, one that has no vocabulary: the exchanges' text
+  // is then empty (RefuseText keeps text out).
+  static HttpApiOptions WithTokenizer(HttpApiOptions o) {
+    if (o.skip_tokenizer_init) o.tokenizer = text::NoTokenizer();
+    return o;
+  }
+
+  // --skip-tokenizer-init: what needs a tokenizer gets 400.
+  // `endpoint`: what is refused whole ("" for completions).
+  void RefuseText(const json& body, std::string_view endpoint) const {
+    if (!options_.skip_tokenizer_init) return;
+    constexpr std::string_view kWhy = "the server runs without a tokenizer (--skip-tokenizer-init)";
+    if (!endpoint.empty()) throw ApiError{.status = 400, .message = StrCat(endpoint, " needs a tokenizer: ", kWhy)};
+    const json* prompt = Field(body, "prompt");
+    if (prompt != nullptr &&
+        (prompt->is_string() || (prompt->is_array() && !prompt->empty() && (*prompt)[0].is_string())))
+      throw BadField("prompt", StrCat("must be token ids (an array of integers, or of such arrays): ", kWhy));
+    for (const char* field : {"stop", "bad_words"}) {
+      const json* f = Field(body, field);
+      if (f != nullptr && !f->is_null() && !(f->is_array() && f->empty()))
+        throw BadField(field, StrCat("needs a tokenizer: ", kWhy));
+    }
+  }
+
   // The chat template, parsed once; when it cannot be, template_error_ says
   // why (chat requests get it as their 400).
   void LoadTemplate(const std::string& source) {
@@ -1503,6 +1527,7 @@ class HttpApiImpl final : public HttpApi {
   // default true; add_special_tokens, default false).
   HttpAnswer Tokenize(const HttpRequest& req) const {
     const json body = BodyOf(req);
+    RefuseText(body, "/tokenize");
     std::vector<int32_t> ids;
     if (Field(body, "messages") != nullptr) {
       Params p;
@@ -1531,6 +1556,7 @@ class HttpApiImpl final : public HttpApi {
   // POST /detokenize, as vLLM's: the tokens' text, special tokens included.
   HttpAnswer Detokenize(const HttpRequest& req) const {
     const json body = BodyOf(req);
+    RefuseText(body, "/detokenize");
     const json* tokens = Field(body, "tokens");
     if (tokens == nullptr) throw BadField("tokens", "required");
     if (!tokens->is_array()) throw BadField("tokens", StrCat("must be an array of token ids, got ", TypeName(*tokens)));
@@ -1582,8 +1608,9 @@ class HttpApiImpl final : public HttpApi {
 
   Params ParseBody(const HttpRequest& req, bool chat) const {
     const json body = BodyOf(req);
+    RefuseText(body, chat ? "chat completion" : "");
     Params params;
-    params.return_token_ids = GetBool(body, "return_token_ids", false);
+    params.return_token_ids = options_.skip_tokenizer_init || GetBool(body, "return_token_ids", false);
     if (chat) {
       ParseChat(body, *options_.tokenizer, template_.get(), template_error_,
                 options_.enable_auto_tool_choice && !options_.tool_call_parser.empty(), params);
@@ -1652,7 +1679,8 @@ class HttpApiImpl final : public HttpApi {
 StatusOr<std::unique_ptr<HttpApi>> HttpApi::Start(const HttpApiOptions& options,
                                                   std::shared_ptr<coord::Dispatcher> dispatcher,
                                                   std::shared_ptr<Metrics> metrics) {
-  if (options.tokenizer == nullptr) return InvalidArgumentError("http: a tokenizer is required (--model)");
+  if (options.tokenizer == nullptr && !options.skip_tokenizer_init)
+    return InvalidArgumentError("http: a tokenizer is required (--model)");
   if (!(options.request_timeout_s >= 0) || !std::isfinite(options.request_timeout_s))
     return InvalidArgumentError("http_request_timeout_s: must be >= 0 and finite, got ", options.request_timeout_s);
   if (options.served_model_name.empty()) return InvalidArgumentError("served_model_name: must not be empty");

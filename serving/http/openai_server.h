@@ -43,8 +43,12 @@ struct HttpApiOptions {
   // The `model` requests must name (when they name one) and /v1/models lists.
   std::string served_model_name;
   // Text to ids and back; its chat_template() serves /v1/chat/completions.
-  // Required.
+  // Required unless skip_tokenizer_init.
   std::shared_ptr<const text::Tokenizer> tokenizer;
+  // No tokenizer (vLLM's --skip-tokenizer-init): completions take prompts of
+  // token ids only and answer token_ids without text; chat, text prompts,
+  // stop strings, bad_words and /tokenize get 400.
+  bool skip_tokenizer_init = false;
   // The client API's tokens: set, every path but /health needs
   // `Authorization: Bearer TOKEN` (401 otherwise), with the gRPC API's
   // principals (a principal's request ids are its own).

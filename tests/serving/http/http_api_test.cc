@@ -930,6 +930,75 @@ TEST_F(HttpApiTest, BadWordsReachTheGroupAsTokenIds) {
   }
 }
 
+// --skip-tokenizer-init: token ids in, token ids out; whatever needs text
+// is a 400 saying why.
+TEST(HttpApiNoTokenizer, TokenIdsInAndOut) {
+  CoordinatorOptions o;
+  o.http_skip_tokenizer_init = true;
+  Deployment d(o, 1);
+  const std::vector<int32_t> prompt = {11, 29, 3, 250, 7};
+  const std::vector<int32_t> grpc = d.GrpcTokens(prompt, 9, 6, 0.9);
+  const json body = {{"prompt", prompt}, {"max_tokens", 6}, {"seed", 9}, {"temperature", 0.9}};
+  auto [status, whole] = d.Post("/v1/completions", body);
+  ASSERT_EQ(status, 200) << whole.dump();
+  EXPECT_EQ(whole["choices"][0]["token_ids"], json(grpc));
+  EXPECT_EQ(whole["choices"][0]["text"], "");
+  EXPECT_EQ(whole["usage"]["completion_tokens"], 6);
+  auto [sstatus, events] = d.Stream("/v1/completions", body);
+  ASSERT_EQ(sstatus, 200);
+  std::vector<int32_t> streamed;
+  for (const std::string& e : events) {
+    if (e == "[DONE]") continue;
+    const json chunk = json::parse(e);
+    for (const json& c : chunk["choices"])
+      for (const json& id : c["token_ids"]) streamed.push_back(id.get<int32_t>());
+  }
+  EXPECT_EQ(streamed, grpc);
+  struct Case {
+    std::string path;
+    json body;
+    std::string want;
+  };
+  const Case refused[] = {
+      {"/v1/completions", {{"prompt", "text"}}, "must be token ids"},
+      {"/v1/completions", {{"prompt", {"a", "b"}}}, "must be token ids"},
+      {"/v1/completions", {{"prompt", prompt}, {"stop", {"x"}}}, "needs a tokenizer"},
+      {"/v1/completions", {{"prompt", prompt}, {"bad_words", {"x"}}}, "needs a tokenizer"},
+      {"/v1/chat/completions", {{"messages", {{{"role", "user"}, {"content", "x"}}}}}, "chat completion needs"},
+      {"/tokenize", {{"prompt", "x"}}, "/tokenize needs a tokenizer"},
+      {"/detokenize", {{"tokens", {1, 2}}}, "/detokenize needs a tokenizer"},
+  };
+  for (const Case& c : refused) {
+    auto [code, e] = d.Post(c.path, c.body);
+    EXPECT_EQ(code, 400) << c.path << " " << c.body.dump() << " -> " << e.dump();
+    const std::string message = e["error"]["message"].get<std::string>();
+    EXPECT_NE(message.find(c.want), std::string::npos) << message;
+    EXPECT_NE(message.find("--skip-tokenizer-init"), std::string::npos) << message;
+  }
+}
+
+#ifndef MLARUN_NO_CHAT_TEMPLATE
+// --chat-template replaces the tokenizer's; one that does not parse stops
+// the start.
+TEST(HttpApiChatTemplate, TheFlagsTemplateRendersChat) {
+  CoordinatorOptions o;
+  o.http_chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}";
+  Deployment d(o, 1);
+  auto [status, answer] = d.Post(
+      "/tokenize", {{"messages", {{{"role", "user"}, {"content", "one"}}, {{"role", "user"}, {"content", "two"}}}}});
+  ASSERT_EQ(status, 200) << answer.dump();
+  EXPECT_EQ(answer["tokens"], json(Tok().Encode("<<one>><<two>>", /*add_special_tokens=*/false)));
+  CoordinatorOptions bad;
+  bad.listen = "127.0.0.1:0";
+  bad.http_listen = "127.0.0.1:0";
+  bad.http_tokenizer = TestTokenizer();
+  bad.http_chat_template = "{% for m in messages %}";
+  auto started = Coordinator::Start(bad);
+  ASSERT_FALSE(started.ok());
+  EXPECT_NE(started.status().ToString().find("--chat-template"), std::string::npos) << started.status();
+}
+#endif
+
 TEST_F(HttpApiTest, ModelsAndHealth) {
   auto res = d_->Client().Get("/v1/models");
   ASSERT_TRUE(res);
