@@ -1,5 +1,7 @@
 #include "launcher/cli_typos.h"
 
+#include <algorithm>
+#include <cctype>
 #include <string_view>
 #include <vector>
 
@@ -17,6 +19,18 @@ const CLI::Option* FindLong(const CLI::App& app, std::string_view name) {
       if (l == name) return opt;
   }
   return nullptr;
+}
+
+// The flag of `app` the user most likely meant by --`name`: vLLM's
+// underscore spellings (--max_model_len) are its dashed ones, and a long
+// name may be further off than a short one; "" when none is close.
+std::string NearestFlag(const CLI::App& app, std::string_view name) {
+  std::vector<std::string> names;
+  for (const CLI::Option* o : app.get_options())
+    for (const std::string& l : o->get_lnames()) names.push_back(l);
+  std::string dashed(name);
+  std::replace(dashed.begin(), dashed.end(), '_', '-');
+  return NearestName(dashed, names, dashed.size() >= 12 ? 3 : 2);
 }
 
 std::string Path(const CLI::App* app) {
@@ -39,10 +53,7 @@ std::optional<std::string> FindTypo(const CLI::App& app, int argc, const char* c
       const std::string_view name = word.substr(2, eq == std::string_view::npos ? std::string_view::npos : eq - 2);
       const CLI::Option* opt = FindLong(*current, name);
       if (opt == nullptr) {
-        std::vector<std::string> names;
-        for (const CLI::Option* o : current->get_options())
-          for (const std::string& l : o->get_lnames()) names.push_back(l);
-        const std::string best = NearestName(name, names);
+        const std::string best = NearestFlag(*current, name);
         const std::string where = Path(current);
         return (where.empty() ? "" : where + ": ") + "unknown flag --" + std::string(name) +
                (best.empty() ? std::string() : " (did you mean --" + best + "?)");
@@ -53,6 +64,17 @@ std::optional<std::string> FindTypo(const CLI::App& app, int argc, const char* c
       continue;
     }
     if (word.size() >= 2 && word[0] == '-') {  // a short flag: CLI11 checks it
+      // ... unless it is a long one with one dash (-max-model-len), which
+      // CLI11 would call "not expected" without naming the flag.
+      const std::string_view name =
+          word.substr(1, word.find('=') == std::string_view::npos ? std::string_view::npos : word.find('=') - 1);
+      if (values_left == 0 && name.size() > 2 && std::isalpha(static_cast<unsigned char>(name[0]))) {
+        if (const std::string best = NearestFlag(*current, name); !best.empty()) {
+          const std::string where = Path(current);
+          return (where.empty() ? "" : where + ": ") + "unknown flag -" + std::string(name) + " (did you mean --" +
+                 best + "?)";
+        }
+      }
       values_left = 0;
       continue;
     }

@@ -15,7 +15,9 @@ namespace mlarun {
 // nearest name when one is close: "unknown subcommand 'generat' (did you
 // mean 'generate'?)", "generate: unknown flag --modle (did you mean
 // --model?)". nullopt when every word is known (CLI11 then checks the rest).
-// Words after "--" are not looked at.
+// Flags are matched as vLLM spells them too: "--max_model_len" and
+// "-max-model-len" are each told --max-model-len. Words after "--" are not
+// looked at.
 std::optional<std::string> FindTypo(const CLI::App& app, int argc, const char* const* argv);
 
 }  // namespace mlarun

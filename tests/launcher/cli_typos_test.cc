@@ -77,5 +77,34 @@ TEST(FindTypo, MisspeltFlagIsNamedWithTheNearest) {
             "bench attention: unknown flag --paralel (did you mean --parallel?)");
 }
 
+// vLLM's spellings of a flag: underscores, one dash, a long name off by
+// three edits.
+TEST(FindTypo, VllmSpellingsAreToldTheFlag) {
+  Cli cli;
+  auto* serve = cli.app.get_subcommand("serve");
+  int64_t n = 0;
+  serve->add_option("--max-model-len", n);
+  serve->add_option("--max-num-batched-tokens", n);
+  serve->add_option("--tensor-parallel-size", n);
+  EXPECT_EQ(cli.Typo({"serve", "--max-modle-len", "5"}),
+            "serve: unknown flag --max-modle-len (did you mean --max-model-len?)");
+  EXPECT_EQ(cli.Typo({"serve", "--max_num_batched_tokens", "5"}),
+            "serve: unknown flag --max_num_batched_tokens (did you mean --max-num-batched-tokens?)");
+  EXPECT_EQ(cli.Typo({"serve", "--tensor_parallel_size=2"}),
+            "serve: unknown flag --tensor_parallel_size (did you mean --tensor-parallel-size?)");
+  EXPECT_EQ(cli.Typo({"serve", "--max-num-batchd-tokns", "5"}),  // three edits in a long name
+            "serve: unknown flag --max-num-batchd-tokns (did you mean --max-num-batched-tokens?)");
+  EXPECT_EQ(cli.Typo({"serve", "-max-model-len", "5"}),
+            "serve: unknown flag -max-model-len (did you mean --max-model-len?)");
+  EXPECT_EQ(cli.Typo({"serve", "-max-model-len=5"}),
+            "serve: unknown flag -max-model-len (did you mean --max-model-len?)");
+  EXPECT_EQ(cli.Typo({"serve", "-max_modle_len", "5"}),
+            "serve: unknown flag -max_modle_len (did you mean --max-model-len?)");
+  // A value that starts with a dash is not a flag; a short name CLI11 checks.
+  EXPECT_EQ(cli.Typo({"serve", "--max-model-len", "-5"}), std::nullopt);
+  EXPECT_EQ(cli.Typo({"serve", "--worker-arg", "-max-model-len"}), std::nullopt);
+  EXPECT_EQ(cli.Typo({"serve", "--frobnicate", "x"}), "serve: unknown flag --frobnicate");
+}
+
 }  // namespace
 }  // namespace mlarun
