@@ -85,6 +85,8 @@ void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co);
 // The coordinator's traffic log: --disable-log-requests and
 // --log-stats-interval (both on by default, as in vLLM).
 void AddLogFlags(CLI::App* cmd, CoordinatorOptions& co);
+// --max-model-len: the longest prompt + max_tokens the coordinator takes.
+void AddMaxModelLenFlag(CLI::App* cmd, CoordinatorOptions& co);
 // --chat-template as vLLM takes it: a file's path, or the template itself
 // (text with '{' or a newline). Replaces co.http_chat_template by the
 // template's text; false, with the reason printed, when it is neither.

@@ -137,6 +137,12 @@ void AddLogFlags(CLI::App* cmd, CoordinatorOptions& co) {
       ->check(CLI::Range(0.0, 86400.0));
 }
 
+void AddMaxModelLenFlag(CLI::App* cmd, CoordinatorOptions& co) {
+  cmd->add_option("--max-model-len", co.max_model_len,
+                  "Refuse requests whose prompt + max_tokens exceed this (default: the model's context)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+}
+
 bool ResolveChatTemplate(const char* cmd, CoordinatorOptions& co) {
   std::string& value = co.http_chat_template;
   if (value.empty()) return true;

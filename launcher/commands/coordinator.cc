@@ -79,6 +79,7 @@ void AddCoordinatorCommand(CLI::App& app, CommandTable& table) {
                     "tokenizer, chat template and name are read");
   AddHttpFlags(coord, co);
   AddLogFlags(coord, co);
+  AddMaxModelLenFlag(coord, co);
   AddSecurityFlags(coord, f->security, SecurityRole::kCoordinator);
   AddPrefixCacheSharingFlag(coord, co);
   table.Add(coord, [f](ProcessArgs) { return RunCoordinatorCommand(*f); });

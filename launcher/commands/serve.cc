@@ -12,6 +12,7 @@
 
 #include "base/memory_tuning.h"
 #include "launcher/commands/commands.h"
+#include "launcher/worker/worker.h"
 #include "parallel/layout.h"
 
 namespace mlarun::commands {
@@ -26,7 +27,70 @@ struct ServeFlags {
   int port = 0, tensor_parallel = 0, data_parallel = 0;
   bool dp_attention = false;
   CLI::Option *http = nullptr, *parallel = nullptr;
+  // vLLM's engine flags, given to the workers as theirs (EngineWorkerArgs).
+  std::string kv_cache_dtype;
+  int64_t max_num_seqs = 0, max_num_batched_tokens = 0;
+  bool prefix_caching = true;
+  CLI::Option* prefix_caching_opt = nullptr;
+  // The worker flags serve takes under their own names (checked here as the
+  // worker checks them, passed on as given) and the worker's defaults.
+  std::vector<CLI::Option*> worker_flags;
+  WorkerOptions worker;
 };
+
+// --kv-cache-dtype's value as the worker's --kv-dtype ("" for auto: the
+// model's), or the usage error.
+std::string WorkerKvDtype(const std::string& v, std::string* error) {
+  if (v.empty() || v == "auto") return "";
+  if (v == "bf16" || v == "bfloat16") return "bf16";
+  if (v == "fp32" || v == "float32" || v == "float") return "fp32";
+  if (v.starts_with("fp8"))
+    *error = "--kv-cache-dtype " + v + ": mlarun's latent cache holds bf16 or fp32, not fp8 (use auto or bfloat16)";
+  else
+    *error = "--kv-cache-dtype " + v + ": expected auto, bfloat16 (bf16) or float32 (fp32)";
+  return "";
+}
+
+// The engine flags as `mlarun worker` flags, before --worker-arg's (which
+// may not repeat one of them). Returns the usage error, or "".
+std::string EngineWorkerArgs(ServeFlags& f) {
+  std::vector<std::pair<std::string, std::string>> mapped;  // (serve flag, worker flag)
+  std::vector<std::string> args;
+  std::string error;
+  if (const std::string kv = WorkerKvDtype(f.kv_cache_dtype, &error); !kv.empty()) {
+    args.insert(args.end(), {"--kv-dtype", kv});
+    mapped.emplace_back("--kv-cache-dtype", "--kv-dtype");
+  }
+  if (!error.empty()) return error;
+  if (f.max_num_seqs > 0) {
+    args.insert(args.end(), {"--max-num-seqs", std::to_string(f.max_num_seqs)});
+    mapped.emplace_back("--max-num-seqs", "--max-num-seqs");
+  }
+  if (f.max_num_batched_tokens > 0) {
+    args.insert(args.end(), {"--max-batched-tokens", std::to_string(f.max_num_batched_tokens)});
+    mapped.emplace_back("--max-num-batched-tokens", "--max-batched-tokens");
+  }
+  if (f.prefix_caching_opt->count() > 0) {
+    args.push_back(f.prefix_caching ? "--enable-prefix-caching" : "--no-enable-prefix-caching");
+    mapped.emplace_back("--[no-]enable-prefix-caching", "--[no-]enable-prefix-caching");
+  }
+  for (const CLI::Option* opt : f.worker_flags) {
+    if (opt->count() == 0) continue;
+    const std::string flag = "--" + opt->get_lnames().front();
+    args.insert(args.end(), {flag, opt->results().back()});
+    mapped.emplace_back(flag, flag);
+  }
+  for (const auto& [serve_flag, worker_flag] : mapped) {
+    for (const std::string& a : f.sv.worker_args) {
+      const bool same = worker_flag.starts_with("--[no-]")
+                            ? a.starts_with("--enable-prefix-caching") || a.starts_with("--no-enable-prefix-caching")
+                            : a == worker_flag || a.starts_with(worker_flag + "=");
+      if (same) return serve_flag + " and --worker-arg=" + a + ": give one";
+    }
+  }
+  f.sv.worker_args.insert(f.sv.worker_args.begin(), args.begin(), args.end());
+  return "";
+}
 
 // vLLM's flags as serve's own: MODEL, --host/--port, -tp/-dp with
 // --enable-dp-attention. Returns the usage error, or "".
@@ -78,7 +142,8 @@ std::string AddApiKey(const std::string& key, CoordinatorOptions& co) {
 int RunServeCommand(ServeFlags& f) {
   TuneMallocForServer();
   ServeOptions& sv = f.sv;
-  if (const std::string e = ApplyVllmFlags(f); !e.empty()) {
+  for (const std::string& e : {ApplyVllmFlags(f), EngineWorkerArgs(f)}) {
+    if (e.empty()) continue;
     std::fprintf(stderr, "mlarun serve: %s\n", e.c_str());
     return 2;
   }
@@ -139,6 +204,36 @@ void SpellOutServeShortFlags(std::vector<std::string>& words) {
   }
 }
 
+namespace {
+
+// The worker flags that matter to a one-machine deployment, as serve's
+// own: the same names, help and checks as `mlarun worker`'s.
+void AddWorkerFlags(CLI::App* cmd, ServeFlags& f) {
+  WorkerOptions& wo = f.worker;
+  AddDeviceFlag(cmd, wo.deployment.device);
+  AddWeightsFlag(cmd, wo.deployment.weights);
+  AddFp8WeightsFlag(cmd, wo.deployment.fp8_weights);
+  AddAttentionThresholdsFlag(cmd, wo.deployment.attention_thresholds);
+  for (const char* name : {"--device", "--weights", "--fp8-weights", "--attention-thresholds"})
+    f.worker_flags.push_back(cmd->get_option(name));
+  f.worker_flags.push_back(
+      cmd->add_option("--block-size", wo.engine.block_size, "Tokens per cache block (the workers' --block-size)")
+          ->capture_default_str()
+          ->check(CLI::PositiveNumber));
+  CLI::Option* cache_bytes =
+      cmd->add_option("--cache-bytes", wo.engine.cache_budget_bytes, "Latent cache budget per rank (the workers')")
+          ->capture_default_str()
+          ->check(CLI::PositiveNumber);
+  f.worker_flags.push_back(cache_bytes);
+  f.worker_flags.push_back(cmd->add_option("--memory-gib", wo.memory_gib,
+                                           "Memory per rank: the cache gets what the weights and the prefill "
+                                           "workspace leave (the workers'; as mlarun memory predicts)")
+                               ->check(CLI::PositiveNumber)
+                               ->excludes(cache_bytes));
+}
+
+}  // namespace
+
 void AddServeCommand(CLI::App& app, CommandTable& table) {
   auto f = std::make_shared<ServeFlags>();
   ServeOptions& sv = f->sv;
@@ -163,12 +258,21 @@ void AddServeCommand(CLI::App& app, CommandTable& table) {
   serve_cmd->add_option("--host", f->host, "The HTTP API's host, as --http HOST:PORT (default 127.0.0.1)");
   serve_cmd->add_option("--port", f->port, "The HTTP API's port, as --http HOST:PORT (default 8000)")
       ->check(CLI::Range(1, 65535));
-  serve_cmd
-      ->add_option("--max-model-len", sv.coordinator.max_model_len,
-                   "Refuse requests whose prompt + max_tokens exceed this (default: the model's context)")
-      ->check(CLI::Range(int64_t{1}, int64_t{1} << 31));
+  AddMaxModelLenFlag(serve_cmd, sv.coordinator);
   AddHttpFlags(serve_cmd, sv.coordinator);
   AddLogFlags(serve_cmd, sv.coordinator);
+  serve_cmd->add_option("--kv-cache-dtype", f->kv_cache_dtype,
+                        "The latent cache's dtype: auto (the model's), bfloat16 or float32 (the workers' --kv-dtype)");
+  serve_cmd
+      ->add_option("--max-num-seqs", f->max_num_seqs, "Running requests per DP group (the workers' --max-num-seqs)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  serve_cmd
+      ->add_option("--max-num-batched-tokens", f->max_num_batched_tokens,
+                   "Tokens per engine step (the workers' --max-batched-tokens)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 24));
+  AddWorkerFlags(serve_cmd, *f);
+  f->prefix_caching_opt = serve_cmd->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", f->prefix_caching,
+                                              "Reuse cached prompt prefixes (default on; the workers' flag)");
   serve_cmd->add_option("--grpc", sv.coordinator.listen, "host:port of the gRPC client API (port 0: a free one)")
       ->capture_default_str();
   serve_cmd->add_option("--policy", f->policy, "round_robin | least_loaded | prefix_affinity")->capture_default_str();

@@ -90,6 +90,8 @@ void AddWorkerCommand(CLI::App& app, CommandTable& table) {
           ->capture_default_str();
   worker->add_option("--max-num-seqs", wo.engine.max_num_seqs, "Running requests per group")->capture_default_str();
   worker->add_option("--block-size", wo.engine.block_size, "Tokens per cache block")->capture_default_str();
+  worker->add_flag("--enable-prefix-caching,!--no-enable-prefix-caching", wo.engine.enable_prefix_caching,
+                   "Reuse cached prompt prefixes (default on)");
   AddWeightsFlag(worker, wo.deployment.weights);
   AddAttentionThresholdsFlag(worker, wo.deployment.attention_thresholds);
   AddDeviceFlag(worker, wo.deployment.device);
