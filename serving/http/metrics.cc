@@ -34,9 +34,14 @@ const Buckets kE2eBuckets = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1,  0.3,  0.5,  
 constexpr std::array<std::string_view, 2> kFinishReasons = {"length", "stop"};
 constexpr int kCodes = 17;  // gRPC status codes 0..16
 
-// The HTTP API's paths (anything else is "other").
-constexpr std::array<std::string_view, 6> kHttpPaths = {
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "other"};
+// The HTTP API's paths (a model's card is "/v1/models/{id}", whatever the
+// id, so clients cannot grow the label set; anything else is "other").
+constexpr std::string_view kModelCard = "/v1/models/{id}";
+constexpr std::array<std::string_view, 10> kHttpPaths = {"/v1/completions", "/v1/chat/completions",
+                                                         "/v1/models",      kModelCard,
+                                                         "/tokenize",       "/detokenize",
+                                                         "/version",        "/health",
+                                                         "/metrics",        "other"};
 
 }  // namespace
 
@@ -182,7 +187,7 @@ Metrics::Totals Metrics::totals() const {
 }
 
 void Metrics::OnHttp(std::string_view path, int status) {
-  std::string_view label = kHttpPaths.back();
+  std::string_view label = path.starts_with("/v1/models/") ? kModelCard : kHttpPaths.back();
   for (std::string_view p : kHttpPaths) {
     if (p == path) label = p;
   }

@@ -1159,6 +1159,38 @@ TEST_F(HttpApiTest, ClientsThatGoAwayAreCancelled) {
   EXPECT_EQ(status, 200);
 }
 
+// Every endpoint has its own path label; a model card's is one label
+// whatever the id asked for, and unknown paths are "other".
+TEST_F(HttpApiTest, MetricsLabelEveryEndpointAndNoClientChosenPath) {
+  std::this_thread::sleep_for(200ms);  // earlier exchanges settle (below)
+  const auto before = d_->Metrics();
+  std::mt19937 rng(5);
+  const std::string id = "m" + std::to_string(rng());
+  EXPECT_EQ(d_->Client().Get("/version")->status, 200);
+  EXPECT_EQ(d_->Client().Get("/v1/models/tiny")->status, 200);
+  EXPECT_EQ(d_->Client().Get(("/v1/models/" + id).c_str())->status, 404);
+  EXPECT_EQ(d_->Client().Get(("/nowhere/" + id).c_str())->status, 404);
+  EXPECT_EQ(d_->Post("/tokenize", {{"prompt", "count me"}}).first, 200);
+  EXPECT_EQ(d_->Post("/detokenize", {{"tokens", {5, 6}}}).first, 200);
+  const std::vector<std::string> want = {"mlarun:http_requests_total{path=\"/version\",status=\"200\"}",
+                                         "mlarun:http_requests_total{path=\"/v1/models/{id}\",status=\"200\"}",
+                                         "mlarun:http_requests_total{path=\"/v1/models/{id}\",status=\"404\"}",
+                                         "mlarun:http_requests_total{path=\"other\",status=\"404\"}",
+                                         "mlarun:http_requests_total{path=\"/tokenize\",status=\"200\"}",
+                                         "mlarun:http_requests_total{path=\"/detokenize\",status=\"200\"}"};
+  auto after = d_->Metrics();
+  auto counted = [&] {
+    return std::all_of(want.begin(), want.end(),
+                       [&](const std::string& k) { return Sample(after, k) > Sample(before, k); });
+  };
+  for (int i = 0; i < 100 && !counted(); ++i) {
+    std::this_thread::sleep_for(10ms);
+    after = d_->Metrics();
+  }
+  for (const std::string& k : want) EXPECT_EQ(Sample(after, k) - Sample(before, k), 1) << k;
+  for (const auto& [k, v] : after) EXPECT_EQ(k.find(id), std::string::npos) << k;
+}
+
 TEST_F(HttpApiTest, MetricsCountRequestsOfBothApis) {
   // An HTTP exchange is counted once its answer is written, which may be just
   // after its client has read it: let the previous tests' exchanges settle.
