@@ -27,9 +27,21 @@ find_package(gRPC CONFIG REQUIRED)
 
 # xgrammar (structured output's token masks): no Debian package, so
 # scripts/install-deps builds its sdist into /opt/xgrammar as a static
-# library. Only runtime/grammar links it.
-find_path(XGRAMMAR_INCLUDE_DIR NAMES xgrammar/xgrammar.h HINTS /opt/xgrammar/include REQUIRED)
-find_library(XGRAMMAR_LIBRARY NAMES libxgrammar.a xgrammar HINTS /opt/xgrammar/lib /opt/xgrammar/lib64 REQUIRED)
-add_library(mlarun_xgrammar INTERFACE)
-target_include_directories(mlarun_xgrammar SYSTEM INTERFACE ${XGRAMMAR_INCLUDE_DIR})
-target_link_libraries(mlarun_xgrammar INTERFACE ${XGRAMMAR_LIBRARY})
+# library. Only runtime/grammar links it. Without it (the sdist could not be
+# fetched) everything builds and structured output is refused with the
+# reason (runtime/grammar/grammar_unavailable.cc).
+option(MLARUN_WITH_XGRAMMAR "Structured output with xgrammar (when found)" ON)
+set(MLARUN_HAVE_XGRAMMAR OFF)
+if(MLARUN_WITH_XGRAMMAR)
+  find_path(XGRAMMAR_INCLUDE_DIR NAMES xgrammar/xgrammar.h HINTS /opt/xgrammar/include)
+  find_library(XGRAMMAR_LIBRARY NAMES libxgrammar.a xgrammar HINTS /opt/xgrammar/lib /opt/xgrammar/lib64)
+  if(XGRAMMAR_INCLUDE_DIR AND XGRAMMAR_LIBRARY)
+    set(MLARUN_HAVE_XGRAMMAR ON)
+    add_library(mlarun_xgrammar INTERFACE)
+    target_include_directories(mlarun_xgrammar SYSTEM INTERFACE ${XGRAMMAR_INCLUDE_DIR})
+    target_link_libraries(mlarun_xgrammar INTERFACE ${XGRAMMAR_LIBRARY})
+  else()
+    message(WARNING "xgrammar not found in /opt/xgrammar (scripts/install-deps builds it): "
+                    "structured output will be refused")
+  endif()
+endif()

@@ -60,7 +60,8 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
   if (so.active()) {
     if (config_.grammar == nullptr)
       return InvalidArgumentError(
-          "structured output needs the model's tokenizer, and this server has none (the model names no tokenizer)");
+          "structured output is off on this server: the model names no tokenizer, or the build has no xgrammar (the "
+          "worker's start-up log says which)");
     MLARUN_RETURN_IF_ERROR(config_.grammar->Check(so));
   }
   auto r = std::make_unique<Req>();

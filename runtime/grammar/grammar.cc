@@ -1,5 +1,6 @@
 #include "runtime/grammar/grammar.h"
 
+#include <pthread.h>
 #include <xgrammar/xgrammar.h>
 
 #include <algorithm>
@@ -122,34 +123,11 @@ std::vector<uint32_t> ControlByteTokens(const std::vector<std::string>& vocab, i
 
 }  // namespace
 
+bool GrammarCompiler::Available() { return true; }
+
 GrammarMaskStats GrammarMaskTotals() {
   return {.fills = g_fills.load(std::memory_order_relaxed),
           .seconds = static_cast<double>(g_fill_ns.load(std::memory_order_relaxed)) * 1e-9};
-}
-
-std::string ChoiceGrammar(std::span<const std::string> choices) {
-  // Each choice a string literal: quote and backslash escaped, control
-  // characters as \u00HH (an EBNF escape names a code point; \x would take
-  // every hex digit after it).
-  std::string ebnf = "root ::= ";
-  for (size_t i = 0; i < choices.size(); ++i) {
-    if (i > 0) ebnf += " | ";
-    ebnf += '"';
-    for (unsigned char c : choices[i]) {
-      if (c == '"' || c == '\\') {
-        ebnf += '\\';
-        ebnf += static_cast<char>(c);
-      } else if (c < 0x20 || c == 0x7f) {
-        char hex[8];
-        std::snprintf(hex, sizeof hex, "\\u%04x", c);
-        ebnf += hex;
-      } else {
-        ebnf += static_cast<char>(c);
-      }
-    }
-    ebnf += '"';
-  }
-  return ebnf + "\n";
 }
 
 struct GrammarCompiler::Impl {
@@ -171,7 +149,11 @@ struct GrammarCompiler::Pool {
   std::vector<std::thread> threads;
 
   explicit Pool(int n) {
-    for (int i = 0; i < n; ++i) threads.emplace_back([this] { Run(); });
+    for (int i = 0; i < n; ++i)
+      threads.emplace_back([this] {
+        pthread_setname_np(pthread_self(), kCompileThreadName);
+        Run();
+      });
   }
   ~Pool() {
     {

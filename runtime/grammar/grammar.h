@@ -55,6 +55,9 @@ class GrammarCompiler {
   static StatusOr<std::shared_ptr<GrammarCompiler>> ForModel(const std::string& model_path, int64_t model_vocab_size,
                                                              std::span<const int64_t> stop_token_ids);
   ~GrammarCompiler();
+  // False in a build without xgrammar: then every factory above returns
+  // UNIMPLEMENTED saying so.
+  static bool Available();
 
   // Whether `so` (active()) compiles, without the vocabulary's part of the
   // work (a parse, cheap): the errors Compile would return.
@@ -72,6 +75,7 @@ class GrammarCompiler {
   using Compiled = StatusOr<std::unique_ptr<TokenConstraint>>;
   std::future<Compiled> CompileAsync(const StructuredOutput& so, std::shared_ptr<const std::atomic<bool>> abandoned);
   static constexpr int kCompileThreads = 2;
+  static constexpr const char* kCompileThreadName = "mlarun-grammar";  // what top and /proc show
 
   int64_t vocab_size() const { return vocab_size_; }
 
