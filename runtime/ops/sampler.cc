@@ -307,14 +307,34 @@ Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : param
     min_tokens_ids_ = p.stop_token_ids;
     min_tokens_ids_.insert(min_tokens_ids_.end(), history.eos_token_ids.begin(), history.eos_token_ids.end());
   }
+  constraint_started_ = p.structured.start_after.empty();
   for (int32_t token : history.output) Record(token);
 }
+
+namespace {
+
+// Whether `seq` ends with the non-empty `tail`.
+bool EndsWith(std::span<const int64_t> seq, std::span<const int64_t> tail) {
+  return seq.size() >= tail.size() && std::equal(tail.begin(), tail.end(), seq.end() - std::ssize(tail));
+}
+
+}  // namespace
 
 void Sampler::Record(int64_t token) {
   ++generated_;
   if (!params_.bad_words.empty()) output_.push_back(token);
   if (counts_output_) ++output_counts_[static_cast<int32_t>(token)];
-  if (constraint_ != nullptr) constraint_->Accept(token);
+  if (constraint_started_) {
+    if (constraint_ != nullptr) constraint_->Accept(token);
+    return;
+  }
+  // Before the marker the output is free; the marker itself is not the
+  // grammar's either.
+  const std::vector<int64_t>& marker = params_.structured.start_after;
+  if (recent_.size() == marker.size()) recent_.erase(recent_.begin());
+  recent_.push_back(token);
+  constraint_started_ = EndsWith(recent_, marker);
+  if (constraint_started_) recent_.clear();
 }
 
 namespace {
@@ -347,7 +367,7 @@ std::span<const float> Sampler::ProcessedLogits(std::span<const float> logits) {
   // A complete grammar allows only the stop ids; min_tokens then yields to
   // it, or nothing could be drawn.
   bool grammar_only_stops = false;
-  if (constraint_ != nullptr) {
+  if (constraint_ != nullptr && constraint_started_) {
     std::vector<uint32_t>& allowed = ThreadScratch().allowed;
     allowed.assign(static_cast<size_t>((vocab + 31) / 32), 0);
     constraint_->FillAllowed(allowed);

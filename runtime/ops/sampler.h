@@ -96,7 +96,9 @@ class Sampler {
   // then on), on top of history.output.
   explicit Sampler(const SamplingParams& p, const SamplerHistory& history = {});
   // From now on tokens the constraint does not allow get -inf before the
-  // penalties and biases, and each drawn token is accepted by it.
+  // penalties and biases, and each drawn token is accepted by it; with
+  // SamplingParams::structured.start_after only from the token after the
+  // generated tokens first end with that sequence (a reasoning end marker).
   void SetConstraint(std::unique_ptr<TokenConstraint> constraint) { constraint_ = std::move(constraint); }
   const TokenConstraint* constraint() const { return constraint_.get(); }
   // logits: [vocab], fp32. Advances the random stream by one draw (also for
@@ -176,6 +178,10 @@ class Sampler {
   std::vector<int64_t> min_tokens_ids_;
   std::vector<std::pair<int32_t, double>> bias_;
   std::unique_ptr<TokenConstraint> constraint_;
+  // Whether the constraint holds yet (structured.start_after seen, or
+  // empty), and until then the last tokens generated, to spot it.
+  bool constraint_started_ = true;
+  std::vector<int64_t> recent_;
   std::vector<int64_t> output_;  // the tokens generated (with bad_words only)
 };
 

@@ -91,6 +91,13 @@ Status ValidateSamplingParams(const SamplingParams& p, int64_t vocab_size, int64
       return InvalidArgumentError("stop_token_ids[", i, "] must be in [0, ", vocab_size, "), got ", id);
     }
   }
+  for (size_t i = 0; i < p.structured.start_after.size(); ++i) {
+    const int64_t id = p.structured.start_after[i];
+    if (id < 0 || id >= vocab_size) {
+      return InvalidArgumentError("structured start_after[", i, "] has token id ", id, " outside [0, ",
+                                  vocab_size == INT64_MAX ? "the vocabulary size" : std::to_string(vocab_size), ")");
+    }
+  }
   return Status::Ok();
 }
 

@@ -52,6 +52,10 @@ struct StructuredOutput {
   // JSON kinds: whitespace between tokens as the model likes (vLLM's
   // default), or none at all (vLLM's disable_any_whitespace).
   bool any_whitespace = true;
+  // Token ids after which the grammar holds (vLLM's reasoning end marker,
+  // e.g. `</think>`): until the generated tokens end with them the output is
+  // free; empty: the grammar holds from the first token.
+  std::vector<int64_t> start_after;
 
   bool active() const { return kind != Kind::kNone; }
   friend bool operator==(const StructuredOutput&, const StructuredOutput&) = default;

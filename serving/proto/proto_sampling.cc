@@ -52,6 +52,7 @@ StructuredOutput FromProto(const v1::StructuredOutput& p) {
       break;
   }
   if (p.has_any_whitespace()) s.any_whitespace = p.any_whitespace();
+  s.start_after.assign(p.start_after_token_ids().begin(), p.start_after_token_ids().end());
   return s;
 }
 
@@ -78,6 +79,7 @@ void ToProto(const StructuredOutput& s, v1::StructuredOutput* out) {
       break;
   }
   out->set_any_whitespace(s.any_whitespace);
+  out->mutable_start_after_token_ids()->Add(s.start_after.begin(), s.start_after.end());
 }
 
 void ToProto(const SamplingParams& p, v1::SamplingParams* out) {

@@ -358,6 +358,8 @@ TEST(SamplingProto, StructuredOutputRoundTrips) {
       {.kind = Kind::kRegex, .spec = "[a-z]{3}", .choices = {}, .any_whitespace = true},
       {.kind = Kind::kChoice, .spec = "", .choices = {"yes", "no", ""}, .any_whitespace = true},
       {.kind = Kind::kGrammar, .spec = "root ::= \"a\"", .choices = {}, .any_whitespace = true},
+      {.kind = Kind::kRegex, .spec = "[0-9]+", .choices = {}, .any_whitespace = true, .start_after = {128799}},
+      {.kind = Kind::kJsonObject, .spec = "", .choices = {}, .any_whitespace = true, .start_after = {7, 0, 1291}},
   };
   for (const StructuredOutput& c : cases) {
     SamplingParams p;

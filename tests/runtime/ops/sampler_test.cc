@@ -1003,6 +1003,64 @@ TEST(SamplerConstraint, ACompleteGrammarOutranksMinTokens) {
   for (int k = 0; k < 5; ++k) EXPECT_NE(eos_or_more.Sample(logits).token, 5);
 }
 
+// Random logits whose largest entry is `top` (a disallowed token).
+std::vector<float> LogitsPeakingAt(std::mt19937& rng, int64_t vocab, int64_t top) {
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  for (float& x : logits) x = d(rng);
+  logits[static_cast<size_t>(top)] = 30.0f + d(rng);
+  return logits;
+}
+
+// structured.start_after: before the marker the constraint neither masks
+// nor hears tokens (greedy draws the disallowed peak); from the token after
+// it on, only allowed tokens come and the constraint hears exactly those.
+TEST(SamplerConstraint, HoldsOnlyAfterTheStartMarker) {
+  std::mt19937 rng(23);
+  const int64_t vocab = 500;
+  const std::vector<int64_t> allowed = {3, 41, 97, 260, 499};
+  for (const std::vector<int64_t>& marker : {std::vector<int64_t>{77}, std::vector<int64_t>{12, 13, 14}}) {
+    SamplingParams p{.temperature = 0.0};
+    p.structured = {.kind = StructuredOutput::Kind::kRegex, .spec = "x", .start_after = marker};
+    Sampler s(p);
+    auto owned = std::make_unique<FixedSet>(allowed);
+    FixedSet* c = owned.get();
+    s.SetConstraint(std::move(owned));
+    EXPECT_TRUE(s.modifies_logits());
+    // Free tokens, then the marker one token per step (a multi-token marker
+    // split across steps), with a false start of the marker first.
+    std::vector<int64_t> forced = {200, 5, 300};
+    if (marker.size() > 1) forced.insert(forced.end(), {12, 13, 250});
+    forced.insert(forced.end(), marker.begin(), marker.end());
+    for (const int64_t want : forced) {
+      EXPECT_EQ(s.Sample(LogitsPeakingAt(rng, vocab, want)).token, want);
+      EXPECT_TRUE(c->accepted.empty());
+    }
+    std::vector<int64_t> after;
+    for (int k = 0; k < 6; ++k) {
+      const int64_t peak = std::uniform_int_distribution<int64_t>(100, 200)(rng);  // never allowed
+      const int64_t tok = s.Sample(LogitsPeakingAt(rng, vocab, peak)).token;
+      EXPECT_TRUE(std::count(allowed.begin(), allowed.end(), tok)) << tok;
+      after.push_back(tok);
+    }
+    EXPECT_EQ(c->accepted, after);
+  }
+}
+
+// A marker that never comes leaves the constraint untouched: no mask, no
+// tokens heard, even when the marker's parts appear out of order.
+TEST(SamplerConstraint, AMarkerThatNeverComesLeavesTheConstraintAlone) {
+  std::mt19937 rng(29);
+  SamplingParams p{.temperature = 0.0};
+  p.structured = {.kind = StructuredOutput::Kind::kJsonObject, .start_after = {8, 9}};
+  Sampler s(p);
+  auto owned = std::make_unique<FixedSet>(std::vector<int64_t>{1, 2});
+  FixedSet* c = owned.get();
+  s.SetConstraint(std::move(owned));
+  for (const int64_t want : {9, 8, 8, 7, 9, 50, 8}) EXPECT_EQ(s.Sample(LogitsPeakingAt(rng, 64, want)).token, want);
+  EXPECT_TRUE(c->accepted.empty());
+}
+
 }  // namespace
 }  // namespace mlarun
 
