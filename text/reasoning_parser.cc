@@ -8,7 +8,7 @@ namespace mlarun::text {
 namespace {
 
 constexpr std::string_view kOpen = "<think>";
-constexpr std::string_view kClose = "</think>";
+constexpr std::string_view kClose = kReasoningEnd;
 
 }  // namespace
 

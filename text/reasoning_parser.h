@@ -9,6 +9,10 @@
 
 namespace mlarun::text {
 
+// The marker that ends the reasoning; a constrained answer's grammar holds
+// after it (StructuredOutput::start_after).
+inline constexpr std::string_view kReasoningEnd = "</think>";
+
 struct ReasoningSplit {
   std::string reasoning;
   std::string content;

@@ -42,6 +42,7 @@
 #include "serving/http/openai_exchange.h"
 #include "serving/http/openai_request.h"
 #include "text/chat_template.h"
+#include "text/reasoning_parser.h"
 #include "text/tokenizer.h"
 
 namespace mlarun {
@@ -506,8 +507,14 @@ class HttpApiImpl final : public HttpApi {
     if (chat) {
       ParseChat(body, *options_.tokenizer, template_.get(), template_error_,
                 options_.enable_auto_tool_choice && !options_.tool_call_parser.empty(), params);
-      // A constrained answer has no reasoning part: the grammar holds from its first token.
-      params.reasoning = options_.reasoning_parser == "deepseek_r1" && !params.sampling.structured.active();
+      params.reasoning = options_.reasoning_parser == "deepseek_r1";
+      StructuredOutput& so = params.sampling.structured;
+      // As in vLLM the reasoning stays free; the grammar holds for the content after its end marker.
+      if (params.reasoning && so.active()) {
+        for (const int32_t id : options_.tokenizer->Encode(text::kReasoningEnd, false)) so.start_after.push_back(id);
+        // No ids (no tokenizer): the grammar holds from the first token, so there is no reasoning part.
+        params.reasoning = !so.start_after.empty();
+      }
     } else {
       ParseCompletion(body, *options_.tokenizer, params);
     }

@@ -1812,6 +1812,62 @@ TEST(HttpApiStructured, EachFieldFormReachesTheGroupsAsItsConstraint) {
   }
 }
 
+// With a reasoning parser a constrained chat answer still reasons (as in
+// vLLM): the constraint reaching the groups holds after `</think>`'s ids,
+// and the answer splits into reasoning_content and content as usual, whole
+// and streamed; a named tool call's arguments come from the content. A
+// completion, or a server without the parser, keeps start_after empty.
+TEST(HttpApiStructured, WithAReasoningParserTheGrammarHoldsAfterThinkEnd) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::vector<int32_t> marker = Tok().Encode("</think>", false);
+  ASSERT_FALSE(marker.empty());
+  ASSERT_EQ(Tok().Decode(marker, false), "</think>");
+  const std::vector<int64_t> want(marker.begin(), marker.end());
+  const std::string reasoning = "why" + RandomWord(rng) + " so";
+  const std::string content = "{\"k\": " + std::to_string(rng() % 1000) + "}";
+  SeenConstraints seen;
+  CoordinatorOptions o;
+  o.http_reasoning_parser = "deepseek_r1";
+  Deployment d(o, /*groups=*/1, /*tokens_per_s=*/0, Script("<think>" + reasoning + "</think>" + content), seen.Check());
+  const json chat = {{"messages", json::array({{{"role", "user"}, {"content", "x"}}})}, {"max_tokens", 1000}};
+  for (const json& fields : {json{{"response_format", {{"type", "json_object"}}}}, json{{"guided_regex", ".*"}}}) {
+    json body = chat;
+    body.update(fields);
+    auto [status, whole] = d.Post("/v1/chat/completions", body);
+    ASSERT_EQ(status, 200) << whole.dump();
+    EXPECT_EQ(seen.Last().start_after, want) << body.dump();
+    EXPECT_EQ(whole["choices"][0]["message"]["reasoning_content"], reasoning) << body.dump();
+    EXPECT_EQ(whole["choices"][0]["message"]["content"], content) << body.dump();
+    auto [sstatus, events] = d.Stream("/v1/chat/completions", body);
+    ASSERT_EQ(sstatus, 200);
+    EXPECT_EQ(seen.Last().start_after, want);
+    std::string finish;
+    auto [scontent, sreasoning] = StreamedParts(events, &finish);
+    EXPECT_EQ(sreasoning, reasoning);
+    EXPECT_EQ(scontent, content);
+  }
+  // tool_choice naming a function: its constraint too, arguments after the reasoning.
+  json named = chat;
+  named["tools"] = {{{"type", "function"}, {"function", {{"name", "f"}, {"parameters", {{"type", "object"}}}}}}};
+  named["tool_choice"] = {{"type", "function"}, {"function", {{"name", "f"}}}};
+  auto [tstatus, called] = d.Post("/v1/chat/completions", named);
+  ASSERT_EQ(tstatus, 200) << called.dump();
+  EXPECT_EQ(seen.Last().start_after, want);
+  EXPECT_EQ(called["choices"][0]["message"]["reasoning_content"], reasoning);
+  EXPECT_EQ(called["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], content) << called.dump();
+  // A completion has no reasoning part.
+  EXPECT_EQ(d.Post("/v1/completions", {{"prompt", "x"}, {"guided_regex", ".*"}}).first, 200);
+  EXPECT_TRUE(seen.Last().start_after.empty());
+  // Without the parser the grammar holds from the first token.
+  SeenConstraints plain;
+  Deployment without(CoordinatorOptions{}, /*groups=*/1, /*tokens_per_s=*/0, Script(content), plain.Check());
+  json body = chat;
+  body["guided_regex"] = ".*";
+  ASSERT_EQ(without.Post("/v1/chat/completions", body).first, 200);
+  EXPECT_EQ(plain.Last().kind, StructuredOutput::Kind::kRegex);
+  EXPECT_TRUE(plain.Last().start_after.empty());
+}
+
 TEST(HttpApiStructured, BadConstraintsAre400sNamingTheField) {
   Deployment d(CoordinatorOptions{}, /*groups=*/1);
   const json schema = {{"type", "object"}};
