@@ -156,6 +156,34 @@ TEST(StructuredEngine, RegexAndChoiceOutputsAreInTheLanguage) {
   EXPECT_GE(seen_choices.size(), 2u) << "temperature 1 over 16 seeds picks more than one choice";
 }
 
+// start_after (a reasoning end marker): a logit_bias forces the marker
+// first, a token the regex refuses, so the grammar did not hold before it;
+// the text after it is in the regex's language.
+TEST(StructuredEngine, TheGrammarHoldsAfterStartAfter) {
+  Tiny t = LoadTiny();
+  ASSERT_NE(t.grammar, nullptr);
+  const std::string regex = "[ab]{2,4}c|x(yz)*";
+  const std::vector<int32_t> marker = t.tokenizer->Encode("#", false);
+  ASSERT_EQ(marker.size(), 1u);
+  std::vector<GenerationRequest> reqs;
+  for (uint64_t seed = 1; seed <= 8; ++seed) {
+    GenerationRequest r = Constrained({.kind = Kind::kRegex, .spec = regex, .start_after = {marker[0]}}, seed);
+    r.sampling.logit_bias = {{marker[0], 100.0}};
+    reqs.push_back(std::move(r));
+  }
+  auto results = RunAll(t, std::move(reqs));
+  for (auto& result : results) {
+    ASSERT_TRUE(result.ok()) << result.status();
+    ASSERT_FALSE(result->tokens.empty());
+    EXPECT_EQ(result->tokens[0], marker[0]);
+    EXPECT_EQ(result->finish_reason, FinishReason::kStop);
+    GenerationOutput after = *result;
+    after.tokens.erase(after.tokens.begin());
+    const std::string text = Text(t, after);
+    EXPECT_TRUE(std::regex_match(text, std::regex(regex))) << text;
+  }
+}
+
 TEST(StructuredEngine, UnconstrainedRequestsBesideConstrainedOnesAreUnchanged) {
   Tiny t = LoadTiny();
   ASSERT_NE(t.grammar, nullptr);
