@@ -307,6 +307,7 @@ Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : param
     min_tokens_ids_ = p.stop_token_ids;
     min_tokens_ids_.insert(min_tokens_ids_.end(), history.eos_token_ids.begin(), history.eos_token_ids.end());
   }
+  for (const std::vector<int64_t>& word : p.bad_words) output_kept_ = std::max(output_kept_, word.size() - 1);
   constraint_started_ = p.structured.start_after.empty();
   for (int32_t token : history.output) Record(token);
 }
@@ -322,7 +323,10 @@ bool EndsWith(std::span<const int64_t> seq, std::span<const int64_t> tail) {
 
 void Sampler::Record(int64_t token) {
   ++generated_;
-  if (!params_.bad_words.empty()) output_.push_back(token);
+  if (output_kept_ > 0) {
+    if (output_.size() == output_kept_) output_.erase(output_.begin());
+    output_.push_back(token);
+  }
   if (counts_output_) ++output_counts_[static_cast<int32_t>(token)];
   if (constraint_started_) {
     if (constraint_ != nullptr) constraint_->Accept(token);
@@ -352,8 +356,9 @@ bool OnlyTheseAllowed(std::span<const uint32_t> words, std::span<const int64_t> 
 void Sampler::MaskBadWords(std::span<float> row) const {
   const int64_t vocab = static_cast<int64_t>(row.size());
   for (const std::vector<int64_t>& word : params_.bad_words) {
-    const size_t before = word.size() - 1;  // words are never empty (ValidateSamplingParams)
-    if (word.empty() || before > output_.size()) continue;
+    if (word.empty()) continue;  // refused by ValidateSamplingParams
+    const size_t before = word.size() - 1;
+    if (before > output_.size()) continue;
     if (!std::equal(word.begin(), word.end() - 1, output_.end() - static_cast<std::ptrdiff_t>(before))) continue;
     if (word.back() >= 0 && word.back() < vocab) row[static_cast<size_t>(word.back())] = kNegInfF;
   }

@@ -182,7 +182,10 @@ class Sampler {
   // empty), and until then the last tokens generated, to spot it.
   bool constraint_started_ = true;
   std::vector<int64_t> recent_;
-  std::vector<int64_t> output_;  // the tokens generated (with bad_words only)
+  // The last tokens generated, as many as the longest bad word's prefix
+  // (none without bad_words): all MaskBadWords compares.
+  std::vector<int64_t> output_;
+  size_t output_kept_ = 0;
 };
 
 // The logprob of `token` under the distribution of one row of logits (as
