@@ -13,6 +13,8 @@ size_t DTypeSize(DType t) {
     case DType::kF16:
       return 2;
     case DType::kF8E4M3:
+    case DType::kInt8:
+    case DType::kInt4:
       return 1;
   }
   return 0;
@@ -28,6 +30,10 @@ std::string_view DTypeName(DType t) {
       return "f16";
     case DType::kF8E4M3:
       return "f8_e4m3";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt4:
+      return "int4";
   }
   return "invalid";
 }
@@ -39,7 +45,10 @@ StatusOr<DType> ParseDType(std::string_view name) {
   if (name == "bf16" || name == "bfloat16") return DType::kBF16;
   if (name == "f16" || name == "fp16" || name == "float16") return DType::kF16;
   if (name == "f8_e4m3" || name == "fp8_e4m3") return DType::kF8E4M3;
-  return InvalidArgumentError("unknown dtype '", std::string(name), "' (expected one of f32, bf16, f16, f8_e4m3)");
+  if (name == "int8" || name == "i8") return DType::kInt8;
+  if (name == "int4" || name == "i4") return DType::kInt4;
+  return InvalidArgumentError("unknown dtype '", std::string(name),
+                              "' (expected one of f32, bf16, f16, f8_e4m3, int8, int4)");
 }
 
 }  // namespace mlarun

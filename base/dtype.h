@@ -16,11 +16,24 @@ enum class DType : uint8_t {
   kBF16 = 1,
   kF16 = 2,
   kF8E4M3 = 3,
+  // Integer weights with per-group scales (runtime/ops/linear.h,
+  // docs/quantized-weights.md): int8 one per byte; int4 two per byte, element
+  // 2j in the low nibble of byte j and 2j + 1 in the high one (the order of
+  // compressed-tensors' little-endian int32 packing).
+  kInt8 = 4,
+  kInt4 = 5,
 };
 
-// Bytes per element. REQUIRES: a valid enumerator.
+// Bytes per element; 1 for int4, which packs two per byte (size int4 data
+// with DTypeBytes). REQUIRES: a valid enumerator.
 size_t DTypeSize(DType t);
-// "f32", "bf16", "f16", "f8_e4m3".
+// Bytes `elements` elements of `t` take: (elements + 1) / 2 for int4.
+inline int64_t DTypeBytes(DType t, int64_t elements) {
+  return t == DType::kInt4 ? (elements + 1) / 2 : elements * static_cast<int64_t>(DTypeSize(t));
+}
+// Whether `t` is an integer weight type (int8, int4) with group scales.
+inline bool IsIntWeight(DType t) { return t == DType::kInt8 || t == DType::kInt4; }
+// "f32", "bf16", "f16", "f8_e4m3", "int8", "int4".
 std::string_view DTypeName(DType t);
 // Accepts the names above (and "fp32"/"float32", "bfloat16", "fp16"/"float16").
 StatusOr<DType> ParseDType(std::string_view name);

@@ -1,50 +1,174 @@
 #include "runtime/ops/linear.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <vector>
 
 #include "base/large_buffer.h"
+#include "gemm/convert.h"
 #include "runtime/ops/backend.h"
 
 namespace mlarun {
 
-Linear Linear::Owned(int64_t out, int64_t in, DType dtype) {
-  const size_t bytes = static_cast<size_t>(out * in) * DTypeSize(dtype);
+Linear Linear::Owned(int64_t out, int64_t in, DType dtype, int64_t group, bool offsets) {
+  Linear l;
+  l.out = out, l.in = in, l.dtype = dtype;
+  l.ld = dtype == DType::kInt4 ? in + (in & 1) : in;
+  const size_t bytes = static_cast<size_t>(out * DTypeBytes(dtype, l.ld));
   std::shared_ptr<std::byte> buf(static_cast<std::byte*>(AllocateLarge(bytes, /*zero=*/true)),
                                  [](std::byte* p) { std::free(p); });
-  Linear l;
-  l.out = out, l.in = in, l.dtype = dtype, l.ld = in;
   l.data = buf.get();
   l.storage = std::move(buf);
   l.owned_ = l.data != nullptr;
+  int64_t scale_rows = 0;
   if (dtype == DType::kF8E4M3) {
     l.scale_ld = Fp8Blocks(in);
-    const size_t scale_bytes = static_cast<size_t>(Fp8Blocks(out) * l.scale_ld) * sizeof(float);
-    std::shared_ptr<float> s(static_cast<float*>(AllocateLarge(scale_bytes, /*zero=*/true)),
-                             [](float* p) { std::free(p); });
-    l.scale = s.get();
-    l.scale_storage = std::move(s);
-    l.owned_scale_ = l.scale != nullptr;
-    // A matrix without its scales is no matrix: both allocations or neither
-    // (callers see mutable_data() == nullptr with bytes() > 0).
-    if (l.scale == nullptr) {
-      l.data = nullptr;
-      l.storage.reset();
-      l.owned_ = false;
-    }
+    scale_rows = Fp8Blocks(out);
+  } else if (IsIntWeight(dtype)) {
+    l.group = group > 0 ? group : std::max<int64_t>(in, 1);
+    l.scale_ld = l.groups();
+    scale_rows = out;
+    l.zero = dtype == DType::kInt4 && !offsets ? 8 : 0;
+  } else {
+    return l;
+  }
+  const size_t one = static_cast<size_t>(scale_rows * l.scale_ld);
+  const size_t scale_bytes = std::max<size_t>(1, (offsets ? 2 * one : one) * sizeof(float));
+  std::shared_ptr<float> s(static_cast<float*>(AllocateLarge(scale_bytes, /*zero=*/true)),
+                           [](float* p) { std::free(p); });
+  l.scale = s.get();
+  if (offsets && l.scale != nullptr) l.offset = l.scale + one;
+  l.scale_storage = std::move(s);
+  l.owned_scale_ = l.scale != nullptr;
+  // A matrix without its scales is no matrix: both allocations or neither
+  // (callers see mutable_data() == nullptr with bytes() > 0).
+  if (l.scale == nullptr) {
+    l.data = nullptr;
+    l.storage.reset();
+    l.owned_ = false;
   }
   return l;
+}
+
+int64_t Linear::scale_bytes() const {
+  if (dtype == DType::kF8E4M3) return Fp8Blocks(out) * Fp8Blocks(in) * 4;
+  if (IsIntWeight(dtype)) return out * groups() * 4 * (offset != nullptr ? 2 : 1);
+  return 0;
+}
+
+float Linear::At(int64_t r, int64_t c) const {
+  float v = 0;
+  DequantizeRow(r, c, c + 1, &v);
+  return v;
+}
+
+void Linear::DequantizeRow(int64_t r, int64_t c0, int64_t c1, float* dst) const {
+  const std::byte* p = row(r);
+  switch (dtype) {
+    case DType::kF8E4M3:
+      for (int64_t c = c0; c < c1; ++c)
+        dst[c - c0] = E4M3ToFloat(static_cast<uint8_t>(p[c])) * scale[(r / kFp8Block) * scale_ld + c / kFp8Block];
+      return;
+    case DType::kInt8:
+    case DType::kInt4:
+      for (int64_t c = c0; c < c1; ++c) {
+        const uint8_t b = static_cast<uint8_t>(p[dtype == DType::kInt4 ? c / 2 : c]);
+        const int32_t q = dtype == DType::kInt8 ? static_cast<int8_t>(b) : (c & 1) ? b >> 4 : b & 15;
+        const int64_t g = r * scale_ld + c / group;
+        dst[c - c0] =
+            offset != nullptr ? static_cast<float>(q) * scale[g] + offset[g] : static_cast<float>(q - zero) * scale[g];
+      }
+      return;
+    default:
+      LoadToF32(p + c0 * static_cast<int64_t>(DTypeSize(dtype)), dtype, dst, c1 - c0);
+  }
+}
+
+namespace {
+
+// Half to even, as torch.round (which compressed-tensors quantizes with)
+// rounds; nearbyint does in the default rounding mode.
+float RoundHalfEven(float x) { return std::nearbyint(x); }
+
+// One group of n values quantized into q[0 .. n) with its scale and offset.
+void QuantizeGroup(const float* x, int64_t n, const QuantizeOptions& o, int32_t* q, float* scale, float* offset) {
+  const bool int4 = o.dtype == DType::kInt4;
+  const int32_t qmin = int4 ? -8 : -128, qmax = int4 ? 7 : 127;
+  float lo = 0, hi = 0;  // the range always holds 0, as compressed-tensors' does
+  for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
+  const float range = static_cast<float>(qmax - qmin);
+  if (o.symmetric) {
+    float s = std::max(-lo, hi) / (range / 2);
+    if (s == 0) s = 1;
+    for (int64_t i = 0; i < n; ++i) q[i] = std::clamp(static_cast<int32_t>(RoundHalfEven(x[i] / s)), qmin, qmax);
+    *scale = s;
+    *offset = 0;
+    return;
+  }
+  float s = (hi - lo) / range;
+  if (s == 0) s = 1;
+  const int32_t zp = std::clamp(static_cast<int32_t>(RoundHalfEven(qmin - lo / s)), qmin, qmax);
+  for (int64_t i = 0; i < n; ++i) q[i] = std::clamp(static_cast<int32_t>(RoundHalfEven(x[i] / s)) + zp, qmin, qmax);
+  *scale = s;
+  *offset = static_cast<float>(-zp) * s;  // w = (q - zp) s, q signed
+}
+
+}  // namespace
+
+StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o) {
+  if (!IsIntWeight(o.dtype))
+    return InvalidArgumentError("quantize: target dtype ", IsValidDType(o.dtype) ? DTypeName(o.dtype) : "invalid",
+                                " is not int8 or int4");
+  if (w.data == nullptr) return FailedPreconditionError("quantize: weight has no data");
+  const int64_t group = o.group > 0 ? o.group : std::max<int64_t>(w.in, 1);
+  if (group % 2 != 0) return InvalidArgumentError("quantize: group size ", group, " is odd");
+  const bool int4 = o.dtype == DType::kInt4;
+  Linear q = Linear::Owned(w.out, w.in, o.dtype, group, !o.symmetric);
+  if (q.mutable_data() == nullptr && q.bytes() > 0)
+    return ResourceExhaustedError("quantize: cannot allocate ", q.bytes(), " bytes");
+  // Signed q in [qmin, qmax]: int8 stored as is; int4 stored as q + 8 (the
+  // nibble), so zero = 8 symmetric and the offsets shift by 8 scales.
+  std::vector<float> row(static_cast<size_t>(w.in));
+  std::vector<int32_t> qs(static_cast<size_t>(group));
+  for (int64_t r = 0; r < w.out; ++r) {
+    w.DequantizeRow(r, 0, w.in, row.data());
+    auto* dst = reinterpret_cast<uint8_t*>(q.mutable_data()) + DTypeBytes(o.dtype, r * q.ld);
+    for (int64_t g = 0; g < q.groups(); ++g) {
+      const int64_t c0 = g * group, n = std::min(group, w.in - c0);
+      float s = 0, m = 0;
+      QuantizeGroup(row.data() + c0, n, o, qs.data(), &s, &m);
+      q.mutable_scale()[r * q.scale_ld + g] = s;
+      if (!o.symmetric) q.mutable_offset()[r * q.scale_ld + g] = int4 ? m - 8 * s : m;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t c = c0 + i;
+        if (!int4) {
+          dst[c] = static_cast<uint8_t>(static_cast<int8_t>(qs[i]));
+        } else {
+          const uint8_t nib = static_cast<uint8_t>(qs[i] + 8);
+          dst[c / 2] = (c & 1) ? static_cast<uint8_t>((dst[c / 2] & 0x0f) | (nib << 4))
+                               : static_cast<uint8_t>((dst[c / 2] & 0xf0) | nib);
+        }
+      }
+    }
+  }
+  return q;
 }
 
 Status Linear::Place(DeviceMemory& memory, std::string_view what) {
   if (memory.host_accessible() || data == nullptr || out == 0) return Status::Ok();
   // Rows of `in` at stride `ld`: the last row ends at (out - 1) * ld + in.
-  const size_t bytes = static_cast<size_t>((out - 1) * ld + in) * DTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(DTypeBytes(dtype, (out - 1) * ld + in));
   MLARUN_ASSIGN_OR_RETURN(DeviceBuffer b, DeviceBuffer::Allocate(memory, bytes, what));
   MLARUN_RETURN_IF_ERROR(memory.CopyIn(b.data(), data, bytes));
   auto placed = std::make_shared<DeviceBuffer>(std::move(b));
   data = static_cast<const std::byte*>(placed->data());
   storage = std::move(placed);
   owned_ = true;
+  if (IsIntWeight(dtype))
+    return UnimplementedError(what,
+                              ": int8 / int4 weights are held on the CPU only (the CUDA backend has no "
+                              "integer kernels yet)");
   if (dtype != DType::kF8E4M3 || scale == nullptr) return Status::Ok();
   // The scales the kernels read next to the e4m3 bytes: block rows at stride
   // scale_ld, the last one ending at its ceil(in / 128)-th block.
@@ -64,10 +188,10 @@ namespace {
 Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) {
   if (w.data == nullptr)
     return FailedPreconditionError(op, ": weight ", name, " [", w.out, ", ", w.in, "] has no data");
-  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF8E4M3)
+  if (w.dtype != DType::kF32 && w.dtype != DType::kBF16 && w.dtype != DType::kF8E4M3 && !IsIntWeight(w.dtype))
     return InvalidArgumentError(op, ": weight ", name, " dtype ",
                                 IsValidDType(w.dtype) ? DTypeName(w.dtype) : std::string_view("invalid"),
-                                " is not supported (f32, bf16 or f8_e4m3)");
+                                " is not supported (f32, bf16, f8_e4m3, int8 or int4)");
   if (w.ld < w.in) return InvalidArgumentError(op, ": weight ", name, " ld (", w.ld, ") < in (", w.in, ")");
   if (w.dtype == DType::kF8E4M3) {
     if (w.scale == nullptr)
@@ -76,6 +200,16 @@ Status CheckWeight(std::string_view op, std::string_view name, const Linear& w) 
     if (w.scale_ld < block_cols)
       return InvalidArgumentError(op, ": f8_e4m3 weight ", name, " scale_ld (", w.scale_ld, ") < ceil(in / 128) (",
                                   block_cols, ")");
+  }
+  if (IsIntWeight(w.dtype)) {
+    if (w.scale == nullptr || w.group <= 0 || w.group % 2 != 0)
+      return FailedPreconditionError(op, ": ", DTypeName(w.dtype), " weight ", name, " [", w.out, ", ", w.in,
+                                     "] has no scales or an odd group size (", w.group, ")");
+    if (w.scale_ld < w.groups())
+      return InvalidArgumentError(op, ": ", DTypeName(w.dtype), " weight ", name, " scale_ld (", w.scale_ld,
+                                  ") < ceil(in / group) (", w.groups(), ")");
+    if (w.dtype == DType::kInt4 && w.ld % 2 != 0)
+      return InvalidArgumentError(op, ": int4 weight ", name, " ld (", w.ld, ") is odd");
   }
   return Status::Ok();
 }

@@ -21,15 +21,25 @@
 
 namespace mlarun {
 
-// A weight W [out, in] in `dtype` (f32, bf16, or f8_e4m3 with block scales),
-// row r at data + r * ld elements (ld >= in: a column slice of a wider matrix
-// keeps its stride). A view: `storage` keeps `data` alive, either a buffer of
-// its own (Linear::Owned) or the memory-mapped checkpoint it is read from in
-// place, so copies of a Linear share the same bytes.
+// A weight W [out, in] in `dtype` (f32, bf16, f8_e4m3 with block scales, or
+// int8 / int4 with group scales), row r at data + DTypeBytes(dtype, r * ld)
+// (ld >= in elements: a column slice of a wider matrix keeps its stride; even
+// for int4). A view: `storage` keeps `data` alive, either a buffer of its own
+// (Linear::Owned) or the memory-mapped checkpoint it is read from in place,
+// so copies of a Linear share the same bytes.
 //
 // f8_e4m3 (DeepSeek-V3's release format): element (r, c) is
 // e4m3(data[r * ld + c]) * scale[(r / 128) * scale_ld + c / 128], one fp32
 // scale per 128 x 128 block (the checkpoint's weight_scale_inv).
+//
+// int8 / int4 (docs/quantized-weights.md): q(r, c) is the stored integer
+// (int8: signed, as stored; int4: the unsigned nibble 0..15, element 2j in the
+// low nibble of byte j), g = c / group its group along `in`, and element
+// (r, c) is
+//   q(r, c) * scale[r * scale_ld + g] + offset[r * scale_ld + g]  (offset set),
+//   (q(r, c) - zero) * scale[r * scale_ld + g]                    (offset null),
+// with scale_ld >= ceil(in / group). Symmetric int4 has zero 8, symmetric
+// int8 zero 0; asymmetric formats carry offset = -zero_point * scale.
 struct Linear {
   static constexpr int64_t kFp8Block = mlarun::kFp8Block;  // base/float8.h
   int64_t out = 0, in = 0;
@@ -37,27 +47,43 @@ struct Linear {
   const std::byte* data = nullptr;
   int64_t ld = 0;
   std::shared_ptr<const void> storage;
-  // f8_e4m3 only: [ceil(out / 128), scale_ld >= ceil(in / 128)] fp32, kept
-  // alive by scale_storage.
+  // f8_e4m3: [ceil(out / 128), scale_ld >= ceil(in / 128)] fp32.
+  // int8 / int4: [out, scale_ld >= ceil(in / group)] fp32, and `offset` null
+  // or of the same shape. scale_storage keeps both alive.
   const float* scale = nullptr;
   int64_t scale_ld = 0;
   std::shared_ptr<const void> scale_storage;
+  int64_t group = 0;              // int8 / int4: elements of `in` per scale (a multiple of 2)
+  const float* offset = nullptr;  // int8 / int4: nullptr, or per-group offsets
+  int32_t zero = 0;               // int8 / int4 with offset null: the integer that is 0.0
 
-  // Memory the weight holds: its elements, plus its block scales for f8_e4m3
-  // ([ceil(out / 128), ceil(in / 128)] fp32: what the loader keeps, and what
-  // PredictWeightBytes counts).
+  // Memory the weight holds: its elements, plus its scales (f8_e4m3:
+  // [ceil(out / 128), ceil(in / 128)] fp32; int8 / int4: [out, ceil(in /
+  // group)] fp32, twice with offsets): what the loader keeps, and what
+  // PredictWeightBytes counts.
   int64_t bytes() const { return data_bytes() + scale_bytes(); }
-  int64_t data_bytes() const { return out * in * static_cast<int64_t>(DTypeSize(dtype)); }
+  int64_t data_bytes() const { return out * DTypeBytes(dtype, in); }
   int64_t elements() const { return out * in; }
-  int64_t scale_bytes() const { return dtype == DType::kF8E4M3 ? Fp8Blocks(out) * Fp8Blocks(in) * 4 : 0; }
-  const std::byte* row(int64_t r) const { return data + r * ld * static_cast<int64_t>(DTypeSize(dtype)); }
-  // A zero-filled [out, in] matrix of its own (ld = in, 64-byte aligned); for
-  // f8_e4m3 also zero-filled scales of its own (scale_ld = ceil(in / 128)).
-  static Linear Owned(int64_t out, int64_t in, DType dtype);
+  int64_t scale_bytes() const;
+  int64_t groups() const { return group > 0 ? (in + group - 1) / group : 0; }
+  const std::byte* row(int64_t r) const { return data + DTypeBytes(dtype, r * ld); }
+  // Element (r, c) as fp32, for every dtype (tests, references, the slow
+  // paths; the kernels decode in registers).
+  float At(int64_t r, int64_t c) const;
+  // Row r, elements [c0, c1), as fp32 into out[0 .. c1 - c0).
+  void DequantizeRow(int64_t r, int64_t c0, int64_t c1, float* out) const;
+  // A zero-filled [out, in] matrix of its own (ld = in, 64-byte aligned; int4:
+  // `in` rounded up to even); for f8_e4m3 also zero-filled scales of its own
+  // (scale_ld = ceil(in / 128)); for int8 / int4 zero-filled scales of
+  // [out, ceil(in / group)] (scale_ld = ceil(in / group)) and, with
+  // `offsets`, offsets of that shape.
+  static Linear Owned(int64_t out, int64_t in, DType dtype, int64_t group = 0, bool offsets = false);
   // Writable bytes of an Owned matrix (nullptr for a view of other memory).
   std::byte* mutable_data() const { return owned_ ? const_cast<std::byte*>(data) : nullptr; }
-  // Writable scales of an Owned f8_e4m3 matrix (nullptr otherwise).
+  // Writable scales (and offsets) of an Owned f8_e4m3 / int8 / int4 matrix
+  // (nullptr otherwise).
   float* mutable_scale() const { return owned_scale_ ? const_cast<float*>(scale) : nullptr; }
+  float* mutable_offset() const { return owned_scale_ ? const_cast<float*>(offset) : nullptr; }
   // True when `data` is memory this Linear does not own (a mapped file).
   bool in_place() const { return data != nullptr && !owned_; }
   // Gives the matrix a copy in `memory` when the host cannot address it
@@ -70,6 +96,19 @@ struct Linear {
   bool owned_ = false;
   bool owned_scale_ = false;
 };
+
+// Round-to-nearest quantization of `w` (any dtype) to int8 (symmetric, zero
+// 0, scale = max|w| / 127 per group) or int4 (symmetric: zero 8, scale =
+// max|w| / 7.5 rounded as compressed-tensors does, see the .cc; asymmetric:
+// per-group min / max over 15 steps, offsets kept) in groups of `group`
+// elements of a row (group <= 0: the whole row, one scale per output
+// channel). The result owns its memory.
+struct QuantizeOptions {
+  DType dtype = DType::kInt8;
+  int64_t group = 128;  // <= 0: per output channel
+  bool symmetric = true;
+};
+StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o);
 
 // down(silu(gate(x)) * up(x)), HF's DeepseekV2MLP / DeepseekV3MLP.
 struct Mlp {

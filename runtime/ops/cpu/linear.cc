@@ -77,7 +77,7 @@ void LinearBufferSizes::Grow(const LinearBufferSizes& o) {
 }
 
 StatusOr<LinearBufferSizes> LinearBuffersFor(const LinearParams& p) {
-  if (p.rows == 0 || p.col_end == p.col_begin) return LinearBufferSizes{};
+  if (p.rows == 0 || p.col_end == p.col_begin || IsIntWeight(p.w->dtype)) return LinearBufferSizes{};
   MLARUN_ASSIGN_OR_RETURN(const Product q, Prepare(p));
   return q.sizes;
 }
@@ -89,8 +89,34 @@ void ReserveLinearBuffers(const LinearBufferSizes& s) {
   if (tb.scratch.size() < s.scratch_bytes) tb.scratch.resize(s.scratch_bytes);
 }
 
+// int8 / int4 weights: a reference path (a chunk of weight rows dequantized
+// to fp32, then plain dot products). Correct on every CPU; the kernels of
+// gemm/cpu replace it.
+Status ApplyIntLinear(const LinearParams& p) {
+  const Linear& w = *p.w;
+  constexpr int64_t kChunk = 16;
+  thread_local std::vector<float> wbuf;
+  if (wbuf.size() < static_cast<size_t>(kChunk * w.in)) wbuf.resize(static_cast<size_t>(kChunk * w.in));
+  for (int64_t j0 = p.col_begin; j0 < p.col_end; j0 += kChunk) {
+    const int64_t nj = std::min(kChunk, p.col_end - j0);
+    for (int64_t j = 0; j < nj; ++j) w.DequantizeRow(j0 + j, 0, w.in, wbuf.data() + j * w.in);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      const float* x = p.x + r * p.ldx;
+      float* y = p.y + r * p.ldy + (j0 - p.col_begin);
+      for (int64_t j = 0; j < nj; ++j) {
+        const float* b = wbuf.data() + j * w.in;
+        float sum = 0;
+        for (int64_t c = 0; c < w.in; ++c) sum += x[c] * b[c];
+        y[j] = p.accumulate ? y[j] + sum : sum;
+      }
+    }
+  }
+  return Status::Ok();
+}
+
 Status ApplyLinear(const LinearParams& p) {
   const Linear& w = *p.w;
+  if (IsIntWeight(w.dtype)) return ApplyIntLinear(p);
   const int64_t rows = p.rows, col_begin = p.col_begin, n = p.col_end - p.col_begin;
   const float* x = p.x;
   float* y = p.y;
