@@ -1,0 +1,11 @@
+// The AWQ reader (quantized_weights.h).
+#include "runtime/model/quantized_weights.h"
+
+namespace mlarun::quant_internal {
+
+StatusOr<Linear> LoadAwq(const Checkpoint&, const QuantScheme&, const std::string& prefix, int64_t, int64_t, int64_t,
+                         int64_t, int64_t, int64_t) {
+  return UnimplementedError("AWQ checkpoints are not read yet (module ", prefix, ")");
+}
+
+}  // namespace mlarun::quant_internal

@@ -1,0 +1,11 @@
+// The GPTQ reader (quantized_weights.h).
+#include "runtime/model/quantized_weights.h"
+
+namespace mlarun::quant_internal {
+
+StatusOr<Linear> LoadGptq(const Checkpoint&, const QuantScheme&, const std::string& prefix, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t) {
+  return UnimplementedError("GPTQ checkpoints are not read yet (module ", prefix, ")");
+}
+
+}  // namespace mlarun::quant_internal
