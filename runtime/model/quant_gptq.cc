@@ -8,8 +8,8 @@
 //                     [c / p][o] at bit bits * (c % p);
 //   <prefix>.qzeros   I32 [groups, rows / p]: zero point of (g, o) in word
 //                     [g][o / p] at bit bits * (o % p), stored as zero - 1
-//                     (the v1 format; read back as (field & mask) + 1, as
-//                     auto-gptq does);
+//                     in the v1 format (read back as (field & mask) + 1, as
+//                     auto-gptq does), as is in "gptq_v2" (gptqmodel);
 //   <prefix>.scales   F16 (or BF16, F32) [groups, rows];
 //   <prefix>.g_idx    I32 [cols] (may be absent): the group of each input;
 // with W[o][c] = (q - z) * s of group g_idx[c]. Read down a column of
@@ -70,9 +70,10 @@ struct GptqModule {
   const TensorRef* qzeros = nullptr;
   const TensorRef* scales = nullptr;
   const TensorRef* g_idx = nullptr;  // may be nullptr
+  uint32_t zero_bias = 1;            // added to a stored zero point: 1 in v1, 0 in v2
   uint32_t Zero(int64_t g, int64_t o) const {
     const uint32_t field = Word(qzeros->data, g * (rows / per_word) + o / per_word) >> (bits * (o % per_word));
-    return (field & ((1u << bits) - 1)) + 1;
+    return (field & ((1u << bits) - 1)) + zero_bias;
   }
 };
 
@@ -199,6 +200,17 @@ bool SymmetricZeros(const GptqModule& m, int64_t g0, int64_t g1) {
   return true;
 }
 
+// 0 for checkpoint_format "gptq_v2", 1 for "gptq": QuantScheme::gptq_v2 where
+// the scheme carries it (config.json's checkpoint_format), else v1.
+template <typename Scheme>
+auto ZeroBias(const Scheme& s, int) -> decltype(s.gptq_v2, uint32_t{}) {
+  return s.gptq_v2 ? 0u : 1u;
+}
+template <typename Scheme>
+uint32_t ZeroBias(const Scheme&, long) {
+  return 1u;
+}
+
 }  // namespace
 
 StatusOr<Linear> LoadGptq(const Checkpoint& ckpt, const QuantScheme& s, const std::string& prefix, int64_t rows,
@@ -210,6 +222,7 @@ StatusOr<Linear> LoadGptq(const Checkpoint& ckpt, const QuantScheme& s, const st
   req.group = s.group > 0 ? s.group : cols;
   req.groups = (cols + req.group - 1) / req.group;
   req.r0 = r0, req.r1 = r1, req.c0 = c0, req.c1 = c1;
+  req.zero_bias = ZeroBias(s, 0);
   MLARUN_ASSIGN_OR_RETURN(const GptqModule m, FindGptqModule(ckpt, s, prefix, req));
   const int64_t g0 = c0 / m.group, g1 = (c1 + m.group - 1) / m.group;
   const bool offsets = !SymmetricZeros(m, g0, g1);

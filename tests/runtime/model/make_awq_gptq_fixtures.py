@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """AWQ and GPTQ fixtures for tests/runtime/model/awq_gptq_test.cc.
 
-Writes tests/fixtures/quantized/awq/model.safetensors and
-tests/fixtures/quantized/gptq/model.safetensors: small modules packed by the
+Writes tests/fixtures/quantized/{awq,gptq,gptq_v2}/model.safetensors: small modules packed by the
 libraries' own packing code (autoawq's WQLinear_GEMM.from_linear, auto-gptq's
 QuantLinear.pack from qlinear_cuda, the "gptq" v1 checkpoint format), each
 beside `<module>.dequantized`: its weight [out, in] as f32, dequantized by the
@@ -121,6 +120,21 @@ def gptq_module(qlinear, rng, out_f, in_f, bits, group, sym, permute=False):
     }
 
 
+def to_v2(module, bits):
+    """The module in checkpoint_format "gptq_v2" (gptqmodel): zero points
+    stored as they are, i.e. each v1 field plus one (fields stay within
+    their bits because v1 zeros are 0..maxq - 1 here)."""
+    per = 32 // bits
+    mask = (1 << bits) - 1
+    words = module["qzeros"].view(np.uint32)
+    fields = (words[:, :, None] >> (bits * np.arange(per, dtype=np.uint32))) & mask
+    assert fields.max() < mask
+    v2 = ((fields + 1) << (bits * np.arange(per, dtype=np.uint32))).sum(axis=2, dtype=np.uint64).astype(np.uint32)
+    out = dict(module)
+    out["qzeros"] = v2.view(np.int32)
+    return out
+
+
 def write(folder, modules):
     tensors = {}
     for prefix, parts in modules.items():
@@ -140,7 +154,8 @@ def main():
 
     rng = np.random.default_rng(20261206)
     # auto-gptq's buffers need in and out multiples of 32, autoawq's out a
-    # multiple of 32 and in of the group. Shapes and schemes are read back by awq_gptq_test.cc; keep them in step.
+    # multiple of 32 and in of the group. Shapes and schemes are read back
+    # by awq_gptq_test.cc; keep them in step.
     write(
         "awq",
         {
@@ -149,24 +164,30 @@ def main():
             "model.layers.0.self_attn.o_proj": awq_module(gemm, packing, rng, 32, 96, 32),
         },
     )
+    gptq = {
+        # 4-bit symmetric, group 64.
+        "model.layers.0.mlp.down_proj": gptq_module(qlinear, rng, 96, 256, 4, 64, True),
+        # 4-bit asymmetric, group 64 with a short last group (224 = 3 * 64 + 32).
+        "model.layers.0.mlp.gate_proj": gptq_module(qlinear, rng, 64, 224, 4, 64, False),
+        # 4-bit asymmetric, group 36 (not a whole number of int32 words;
+        # 160 = 4 * 36 + 16).
+        "model.layers.1.self_attn.q_proj": gptq_module(qlinear, rng, 32, 160, 4, 36, False),
+        # 8-bit symmetric, group 96 (224 = 2 * 96 + 32).
+        "model.layers.0.mlp.up_proj": gptq_module(qlinear, rng, 64, 224, 8, 96, True),
+        # 8-bit asymmetric, group 32.
+        "model.layers.1.mlp.up_proj": gptq_module(qlinear, rng, 32, 128, 8, 32, False),
+        # 4-bit asymmetric, one group per output channel (group_size -1).
+        "model.layers.0.self_attn.o_proj": gptq_module(qlinear, rng, 64, 96, 4, -1, False),
+        # 4-bit symmetric with desc_act: g_idx a real permutation of the groups.
+        "model.layers.1.mlp.down_proj": gptq_module(qlinear, rng, 32, 128, 4, 32, True, permute=True),
+    }
+    write("gptq", gptq)
+    # The asymmetric 4- and 8-bit modules again in the "gptq_v2" format.
     write(
-        "gptq",
+        "gptq_v2",
         {
-            # 4-bit symmetric, group 64.
-            "model.layers.0.mlp.down_proj": gptq_module(qlinear, rng, 96, 256, 4, 64, True),
-            # 4-bit asymmetric, group 64 with a short last group (224 = 3 * 64 + 32).
-            "model.layers.0.mlp.gate_proj": gptq_module(qlinear, rng, 64, 224, 4, 64, False),
-            # 4-bit asymmetric, group 36 (not a whole number of int32 words;
-            # 160 = 4 * 36 + 16).
-            "model.layers.1.self_attn.q_proj": gptq_module(qlinear, rng, 32, 160, 4, 36, False),
-            # 8-bit symmetric, group 96 (224 = 2 * 96 + 32).
-            "model.layers.0.mlp.up_proj": gptq_module(qlinear, rng, 64, 224, 8, 96, True),
-            # 8-bit asymmetric, group 32.
-            "model.layers.1.mlp.up_proj": gptq_module(qlinear, rng, 32, 128, 8, 32, False),
-            # 4-bit asymmetric, one group per output channel (group_size -1).
-            "model.layers.0.self_attn.o_proj": gptq_module(qlinear, rng, 64, 96, 4, -1, False),
-            # 4-bit symmetric with desc_act: g_idx a real permutation of the groups.
-            "model.layers.1.mlp.down_proj": gptq_module(qlinear, rng, 32, 128, 4, 32, True, permute=True),
+            "model.layers.0.mlp.gate_proj": to_v2(gptq["model.layers.0.mlp.gate_proj"], 4),
+            "model.layers.1.mlp.up_proj": to_v2(gptq["model.layers.1.mlp.up_proj"], 8),
         },
     )
 
