@@ -227,8 +227,8 @@ TEST_F(AwqGptq, BadRequestsNameTheTensorAndField) {
   EXPECT_TRUE(Contains(missing, {"model.layers.9.mlp.down_proj.qweight", "missing"})) << missing;
 }
 
-// A checkpoint written by the test: tensors of zero bytes with any dtype and
-// shape (the header only matters for the dtype checks).
+// A checkpoint written by the test: tensors of random bytes with any dtype
+// and shape.
 class WrittenCheckpoint {
  public:
   struct Tensor {
@@ -252,7 +252,9 @@ class WrittenCheckpoint {
       if (header.size() > 1) header += ',';
       header += "\"" + t.name + "\":{\"dtype\":\"" + t.dtype + "\",\"shape\":[" + shape + "],\"data_offsets\":[" +
                 std::to_string(data.size()) + "," + std::to_string(data.size() + n) + "]}";
-      for (size_t i = 0; i < n; ++i) data.push_back(static_cast<char>(rng() & 0x3f));  // small, finite f16 / f32
+      // Integers: any bits. Floats: bytes below 0x40, so finite, positive and small.
+      const uint32_t mask = t.dtype[0] == 'F' ? 0x3f : 0xff;
+      for (size_t i = 0; i < n; ++i) data.push_back(static_cast<char>(rng() & mask));
     }
     header += "}";
     while (header.size() % 8 != 0) header += ' ';
@@ -308,6 +310,69 @@ TEST(AwqGptqDtypes, WrongDtypesAreRefusedByTensorName) {
                             : quant_internal::LoadGptq(**ckpt, s, c.prefix, 32, 64, 0, 32, 0, 64).status();
     EXPECT_FALSE(st.ok());
     EXPECT_TRUE(Contains(st, {c.tensor, "dtype"})) << st;
+  }
+}
+
+uint32_t WordAt(const TensorRef& t, int64_t i) {
+  uint32_t w;
+  std::memcpy(&w, t.data + 4 * i, 4);
+  return w;
+}
+
+// Modules large enough for several thread blocks and column tiles, random
+// words, against an element-by-element decoding written here from the
+// formats' descriptions: AWQ channel 8k + e at bit 4 * {0 4 1 5 2 6 3 7}[e]
+// of its int32; GPTQ input c at bit bits * (c % p) of word [c / p], zero
+// points stored minus one.
+TEST(AwqGptqLarge, RandomWordsMatchAnElementwiseDecoding) {
+  const int64_t rows = 400, cols = 384, group = 128, groups = cols / group;
+  const WrittenCheckpoint ck(
+      {
+          {"awq.qweight", "I32", {cols, rows / 8}, 4},
+          {"awq.qzeros", "I32", {groups, rows / 8}, 4},
+          {"awq.scales", "F16", {groups, rows}, 2},
+          {"gptq.qweight", "I32", {cols / 8, rows}, 4},
+          {"gptq.qzeros", "I32", {groups, rows / 8}, 4},
+          {"gptq.scales", "F16", {groups, rows}, 2},
+          {"gptq8.qweight", "I32", {cols / 4, rows}, 4},
+          {"gptq8.qzeros", "I32", {groups, rows / 4}, 4},
+          {"gptq8.scales", "F16", {groups, rows}, 2},
+      },
+      "large");
+  auto ckpt = Checkpoint::Open(ck.dir());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const int awq_position[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+  for (const char* prefix : {"awq", "gptq", "gptq8"}) {
+    const std::string p = prefix;
+    QuantScheme s;
+    s.format = p == "awq" ? QuantFormat::kAwq : QuantFormat::kGptq;
+    s.bits = p == "gptq8" ? 8 : 4, s.group = group, s.symmetric = false;
+    const TensorRef& qw = *(*ckpt)->Find(p + ".qweight");
+    const TensorRef& qz = *(*ckpt)->Find(p + ".qzeros");
+    std::vector<float> scales(static_cast<size_t>(groups * rows));
+    const std::vector<int64_t> scale_shape = {groups, rows};
+    ASSERT_TRUE((*ckpt)->Load(p + ".scales", scale_shape, DType::kF32, scales.data()).ok());
+    const int64_t r0 = 13, r1 = rows - 3, c0 = group, c1 = cols;
+    auto q = Load(**ckpt, s, p, rows, cols, r0, r1, c0, c1);
+    ASSERT_TRUE(q.ok()) << q.status();
+    const uint32_t mask = (1u << s.bits) - 1;
+    const int64_t per = 32 / s.bits;
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t g = c / group;
+        double qv, zv;
+        if (s.format == QuantFormat::kAwq) {
+          const int shift = 4 * awq_position[r % 8];
+          qv = (WordAt(qw, c * (rows / 8) + r / 8) >> shift) & 15u;
+          zv = (WordAt(qz, g * (rows / 8) + r / 8) >> shift) & 15u;
+        } else {
+          qv = (WordAt(qw, (c / per) * rows + r) >> (s.bits * (c % per))) & mask;
+          zv = ((WordAt(qz, g * (rows / per) + r / per) >> (s.bits * (r % per))) & mask) + 1.0;
+        }
+        const double want = (qv - zv) * scales[g * rows + r];
+        ASSERT_NEAR(q->At(r - r0, c - c0), want, 1e-6 * std::fabs(want)) << p << " (" << r << ", " << c << ")";
+      }
+    }
   }
 }
 
