@@ -87,31 +87,47 @@ void Linear::DequantizeRow(int64_t r, int64_t c0, int64_t c1, float* dst) const 
 
 namespace {
 
-// Half to even, as torch.round (which compressed-tensors quantizes with)
-// rounds; nearbyint does in the default rounding mode.
 float RoundHalfEven(float x) { return std::nearbyint(x); }
 
-// One group of n values quantized into q[0 .. n) with its scale and offset.
-void QuantizeGroup(const float* x, int64_t n, const QuantizeOptions& o, int32_t* q, float* scale, float* offset) {
-  const bool int4 = o.dtype == DType::kInt4;
-  const int32_t qmin = int4 ? -8 : -128, qmax = int4 ? 7 : 127;
-  float lo = 0, hi = 0;  // the range always holds 0, as compressed-tensors' does
+// compressed-tensors' round-to-nearest (calculate_qparams, then _quantize),
+// step by step in the weight's own dtype, as torch evaluates it on a bf16 or
+// f32 model: every tensor op's result is rounded to that dtype (`Round`: to
+// bf16, round to nearest even, for a bf16 weight; nothing for f32), and
+// torch.round rounds half to even (nearbyint in the default rounding mode).
+struct QuantArith {
+  bool bf16 = false;
+  float Round(float x) const { return bf16 ? Bf16ToFloat(FloatToBf16(x)) : x; }
+  // torch.finfo(dtype).eps: the scale of a group whose range is 0.
+  float Eps() const { return bf16 ? 0.0078125f : 1.1920928955078125e-7f; }
+};
+
+// One group of n values quantized into signed q[0 .. n) in [qmin, qmax] with
+// its scale and integer zero point (0 when symmetric):
+//   lo = min(min x, 0), hi = max(max x, 0)   (0 is always representable)
+//   symmetric:  s = max(-lo, hi) / ((qmax - qmin) / 2)   (7.5 for int4, 127.5 for int8)
+//   asymmetric: s = (hi - lo) / (qmax - qmin), zp = round(clamp(qmin - lo / s, qmin, qmax))
+//   s == 0 -> eps (after zp: 0 / 0 gives a NaN zp, which torch's int8 cast makes 0)
+//   q = round(clamp(x / s + zp, qmin, qmax))
+void QuantizeGroup(const float* x, int64_t n, const QuantArith& a, int32_t qmin, int32_t qmax, bool symmetric,
+                   int32_t* q, float* scale, int32_t* zero_point) {
+  float lo = 0, hi = 0;
   for (int64_t i = 0; i < n; ++i) lo = std::min(lo, x[i]), hi = std::max(hi, x[i]);
   const float range = static_cast<float>(qmax - qmin);
-  if (o.symmetric) {
-    float s = std::max(-lo, hi) / (range / 2);
-    if (s == 0) s = 1;
-    for (int64_t i = 0; i < n; ++i) q[i] = std::clamp(static_cast<int32_t>(RoundHalfEven(x[i] / s)), qmin, qmax);
-    *scale = s;
-    *offset = 0;
-    return;
+  float s = 0, zp = 0;
+  if (symmetric) {
+    s = a.Round(std::max(-lo, hi) / (range / 2));
+  } else {
+    s = a.Round(a.Round(hi - lo) / range);
+    const float z = a.Round(static_cast<float>(qmin) - a.Round(lo / s));
+    zp = std::isnan(z) ? 0.0f : RoundHalfEven(std::clamp(z, static_cast<float>(qmin), static_cast<float>(qmax)));
   }
-  float s = (hi - lo) / range;
-  if (s == 0) s = 1;
-  const int32_t zp = std::clamp(static_cast<int32_t>(RoundHalfEven(qmin - lo / s)), qmin, qmax);
-  for (int64_t i = 0; i < n; ++i) q[i] = std::clamp(static_cast<int32_t>(RoundHalfEven(x[i] / s)) + zp, qmin, qmax);
+  if (s == 0) s = a.Eps();
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = a.Round(a.Round(x[i] / s) + zp);
+    q[i] = static_cast<int32_t>(RoundHalfEven(std::clamp(v, static_cast<float>(qmin), static_cast<float>(qmax))));
+  }
   *scale = s;
-  *offset = static_cast<float>(-zp) * s;  // w = (q - zp) s, q signed
+  *zero_point = static_cast<int32_t>(zp);
 }
 
 }  // namespace
@@ -121,14 +137,18 @@ StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o) {
     return InvalidArgumentError("quantize: target dtype ", IsValidDType(o.dtype) ? DTypeName(o.dtype) : "invalid",
                                 " is not int8 or int4");
   if (w.data == nullptr) return FailedPreconditionError("quantize: weight has no data");
-  const int64_t group = o.group > 0 ? o.group : std::max<int64_t>(w.in, 1);
-  if (group % 2 != 0) return InvalidArgumentError("quantize: group size ", group, " is odd");
+  if (o.group > 0 && o.group % 2 != 0) return InvalidArgumentError("quantize: group size ", o.group, " is odd");
+  // Per channel: one group as wide as the row (rounded up to even, as Linear's
+  // groups must be).
+  const int64_t group = o.group > 0 ? o.group : std::max<int64_t>(w.in + (w.in & 1), 2);
   const bool int4 = o.dtype == DType::kInt4;
   Linear q = Linear::Owned(w.out, w.in, o.dtype, group, !o.symmetric);
   if (q.mutable_data() == nullptr && q.bytes() > 0)
     return ResourceExhaustedError("quantize: cannot allocate ", q.bytes(), " bytes");
   // Signed q in [qmin, qmax]: int8 stored as is; int4 stored as q + 8 (the
   // nibble), so zero = 8 symmetric and the offsets shift by 8 scales.
+  const QuantArith arith{.bf16 = w.dtype == DType::kBF16};
+  const int32_t qmin = int4 ? -8 : -128, qmax = int4 ? 7 : 127;
   std::vector<float> row(static_cast<size_t>(w.in));
   std::vector<int32_t> qs(static_cast<size_t>(group));
   for (int64_t r = 0; r < w.out; ++r) {
@@ -136,10 +156,12 @@ StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o) {
     auto* dst = reinterpret_cast<uint8_t*>(q.mutable_data()) + DTypeBytes(o.dtype, r * q.ld);
     for (int64_t g = 0; g < q.groups(); ++g) {
       const int64_t c0 = g * group, n = std::min(group, w.in - c0);
-      float s = 0, m = 0;
-      QuantizeGroup(row.data() + c0, n, o, qs.data(), &s, &m);
+      float s = 0;
+      int32_t zp = 0;
+      QuantizeGroup(row.data() + c0, n, arith, qmin, qmax, o.symmetric, qs.data(), &s, &zp);
       q.mutable_scale()[r * q.scale_ld + g] = s;
-      if (!o.symmetric) q.mutable_offset()[r * q.scale_ld + g] = int4 ? m - 8 * s : m;
+      // w = (q - zp) s with q signed; the nibble is q + 8.
+      if (!o.symmetric) q.mutable_offset()[r * q.scale_ld + g] = static_cast<float>(-(zp + (int4 ? 8 : 0))) * s;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t c = c0 + i;
         if (!int4) {

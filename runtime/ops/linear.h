@@ -97,12 +97,18 @@ struct Linear {
   bool owned_scale_ = false;
 };
 
-// Round-to-nearest quantization of `w` (any dtype) to int8 (symmetric, zero
-// 0, scale = max|w| / 127 per group) or int4 (symmetric: zero 8, scale =
-// max|w| / 7.5 rounded as compressed-tensors does, see the .cc; asymmetric:
-// per-group min / max over 15 steps, offsets kept) in groups of `group`
-// elements of a row (group <= 0: the whole row, one scale per output
-// channel). The result owns its memory.
+// Round-to-nearest quantization of `w` (any dtype) to int8 or int4 in groups
+// of `group` elements of a row (group <= 0: the whole row, one scale per
+// output channel), exactly as compressed-tensors quantizes a weight from its
+// per-group min / max (llm-compressor's minmax observer; the .cc spells out
+// the steps): symmetric scale = max|w| / 7.5 (int4) or / 127.5 (int8), zero 8
+// (int4) or 0 (int8); asymmetric scale = (max - min) / 15 or / 255 with an
+// integer zero point, kept as offset = -(zp + 8) * scale (int4) or -zp * scale
+// (int8), zp = round(-offset / scale) - (8 or 0) recovers it exactly. The
+// arithmetic is done in the weight's dtype as torch does it: each step rounded
+// to bf16 for a bf16 weight, fp32 otherwise; ties round half to even. A group
+// whose range is 0 gets the dtype's epsilon as scale (bf16 2^-7, fp32 2^-23).
+// The result owns its memory; its scales are fp32 holding values of w's dtype.
 struct QuantizeOptions {
   DType dtype = DType::kInt8;
   int64_t group = 128;  // <= 0: per output channel
