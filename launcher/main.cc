@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   commands::AddStatsCommand(app, table);
   commands::AddTokenizeCommand(app, table);
   commands::AddServeCommand(app, table);
+  commands::AddQuantizeCommand(app, table);
 
   std::vector<std::string> words(argv, argv + argc);
   commands::SpellOutServeShortFlags(words);

@@ -61,6 +61,7 @@ void AddSubmitCommand(CLI::App& app, CommandTable& table);
 void AddStatsCommand(CLI::App& app, CommandTable& table);
 void AddTokenizeCommand(CLI::App& app, CommandTable& table);
 void AddServeCommand(CLI::App& app, CommandTable& table);
+void AddQuantizeCommand(CLI::App& app, CommandTable& table);
 // `mlarun serve`'s vLLM spellings -tp and -dp (CLI11 takes one-letter short
 // names only) as --tensor-parallel-size and --data-parallel-size.
 void SpellOutServeShortFlags(std::vector<std::string>& words);
