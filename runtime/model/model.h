@@ -26,6 +26,7 @@
 #include "parallel/communicator.h"
 #include "parallel/layout.h"
 #include "runtime/model/model_config.h"
+#include "runtime/model/quantized_weights.h"
 #include "runtime/model/safetensors.h"
 #include "runtime/ops/linear.h"
 
@@ -122,6 +123,35 @@ Status ValidateModelShard(const ModelConfig& config, const ModelShard& shard);
 WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard = {},
                                std::optional<DType> projection_dtype = std::nullopt);
 
+// How a model's Linear layers are held, for PredictWeightBytes: what a
+// checkpoint's storage and the loader make of them.
+struct WeightFormat {
+  // The projections' dtype: kF8E4M3 (as above), kInt8 / kInt4, or a float
+  // dtype; nullopt: config.weight_dtype.
+  std::optional<DType> projection_dtype;
+  // kInt8 / kInt4: elements of `in` per fp32 scale (<= 0: one per output
+  // channel), per-group fp32 offsets held (asymmetric), and which Linear
+  // modules are held so by their Hugging Face name ("lm_head",
+  // "model.layers.3.mlp.experts.7.down_proj"); empty: every decoder-layer
+  // projection, not lm_head. A shard's column slice that does not start (or
+  // end) on a group is held in weight_dtype (the loader dequantizes it), as
+  // is kv_b_proj (it becomes W_UK / W_UV), always.
+  int64_t group = 128;
+  bool offsets = false;
+  std::function<bool(std::string_view module)> quantized;
+  friend bool operator==(const WeightFormat& a, const WeightFormat& b) {
+    return a.projection_dtype == b.projection_dtype && a.group == b.group && a.offsets == b.offsets;
+  }
+};
+// What loading a checkpoint of quantization scheme `s` holds (kNone: no
+// integer projections; an fp8 checkpoint is known by its tensors' dtype).
+WeightFormat WeightFormatOf(const QuantScheme& s);
+// PredictWeightBytes for projections held as `f` says; with kInt8 / kInt4,
+// each quantized matrix as the loader keeps it (Linear::bytes): packed
+// values, rows x ceil(cols / group) fp32 scales, as many offsets when
+// asymmetric.
+WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard, const WeightFormat& f);
+
 // The latent cache a model of `config` needs: its layers, row width and
 // cache dtype, with this budget and block size.
 LatentCacheConfig CacheConfigFor(const ModelConfig& config, int64_t budget_bytes, int64_t block_size);
@@ -173,12 +203,29 @@ enum class Fp8Weights : uint8_t {
   kDequantize = 1,
 };
 
+// How Linear layers a checkpoint stores as int8 / int4 (config.json's
+// quantization_config) are held. Values are frozen.
+enum class IntWeights : uint8_t {
+  // As int8 / int4 Linears (runtime/ops/linear.h): the values read in place
+  // from the mapped files where the stored layout is mlarun's (compressed-
+  // tensors; copied with WeightLoading::kCopied), the scales (and offsets)
+  // in fp32 buffers of the model's own. A shard whose column slice does not
+  // start and end on groups gets that matrix dequantized to
+  // config.weight_dtype (logged); kv_b_proj is always dequantized.
+  kKeep = 0,
+  // Dequantized to config.weight_dtype at load (a reference for tests).
+  kDequantize = 1,
+};
+
 struct ModelOptions {
   // The attention's dispatch thresholds and tiles, and the backend every op
   // of the model runs on (attention.backend: the one place it is set).
   MlaConfig attention;
   WeightLoading weights = WeightLoading::kMapped;
   Fp8Weights fp8_weights = Fp8Weights::kKeep;  // checkpoints with F8_E4M3 projections
+  // Checkpoints whose Linear layers are stored as integers (compressed-
+  // tensors, AWQ, GPTQ: docs/quantized-weights.md).
+  IntWeights int_weights = IntWeights::kKeep;
   // Where the weights the ops read, the step's buffers and the workspaces
   // live: the backend's device memory (MemoryFor(attention.backend)) when
   // null. Loading places every weight there (PlaceWeights); on the host's
@@ -244,6 +291,10 @@ class Model {
   // True when the projections are held as f8_e4m3 (an fp8 checkpoint loaded
   // with Fp8Weights::kKeep): what PredictWeightBytes' projection_dtype is then.
   bool holds_fp8_projections() const;
+  // How the Linear layers are held (a checkpoint's integer format, fp8, or
+  // weight_dtype): PredictWeightBytes(config(), shard, weight_format())
+  // equals weight_bytes().
+  const WeightFormat& weight_format() const { return weight_format_; }
   // A cache configuration matching this model (layers, widths, dtype).
   LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = kDefaultBlockSize) const;
 
@@ -354,6 +405,7 @@ class Model {
   PlacedVector<float> final_norm_;
   PlacedVector<float> rope_inv_freq_;  // rope_'s, on the device
   std::vector<DecoderLayer> layers_;
+  WeightFormat weight_format_;  // set by the loader
   StepTimes times_;
   StepTraffic traffic_;
   Status last_failure_;

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <set>
@@ -102,12 +103,20 @@ int64_t FirstNonFinite(const std::byte* p, DType dtype, int64_t n) {
 
 class CheckpointSource final : public WeightSource {
  public:
-  CheckpointSource(std::shared_ptr<const Checkpoint> c, WeightLoading loading, Fp8Weights fp8,
-                   std::function<void(const std::string&)> log)
-      : owner_(std::move(c)), ckpt_(*owner_), loading_(loading), fp8_(fp8), log_(std::move(log)) {}
+  CheckpointSource(std::shared_ptr<const Checkpoint> c, WeightLoading loading, Fp8Weights fp8, QuantScheme scheme,
+                   IntWeights int_weights, std::function<void(const std::string&)> log)
+      : owner_(std::move(c)),
+        ckpt_(*owner_),
+        loading_(loading),
+        fp8_(fp8),
+        scheme_(std::move(scheme)),
+        int_weights_(int_weights),
+        log_(std::move(log)) {}
 
   StatusOr<Linear> ProjectionSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1,
                                    int64_t c0, int64_t c1, DType dtype, double random_std) override {
+    if (const std::string m = QuantizedModule(name); !m.empty())
+      return QuantizedSlice(name, m, rows, cols, r0, r1, c0, c1, dtype);
     if (fp8_ == Fp8Weights::kKeep) {
       const int64_t shape[2] = {rows, cols};
       MLARUN_ASSIGN_OR_RETURN(const std::byte* fp8, ckpt_.InPlaceFp8(name, shape));
@@ -123,6 +132,9 @@ class CheckpointSource final : public WeightSource {
   }
   StatusOr<Linear> LinearSlice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
                                int64_t c1, DType dtype, double random_std) override {
+    // lm_head, when the checkpoint quantizes it.
+    if (const std::string m = QuantizedModule(name); !m.empty())
+      return QuantizedSlice(name, m, rows, cols, r0, r1, c0, c1, dtype);
     const int64_t shape[2] = {rows, cols};
     MLARUN_ASSIGN_OR_RETURN(const std::byte* in_place, ckpt_.InPlace(name, shape, dtype));
     if (in_place == nullptr || loading_ == WeightLoading::kCopied) {
@@ -145,6 +157,8 @@ class CheckpointSource final : public WeightSource {
   }
   Status Slice(const std::string& name, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                DType dtype, void* out, double) override {
+    if (const std::string m = QuantizedModule(name); !m.empty())
+      return DequantizeSlice(m, rows, cols, r0, r1, c0, c1, dtype, out);
     used_.insert(name);
     const int64_t shape[2] = {rows, cols};
     if (r0 == 0 && r1 == rows && c0 == 0 && c1 == cols) {
@@ -160,7 +174,11 @@ class CheckpointSource final : public WeightSource {
     MLARUN_RETURN_IF_ERROR(ckpt_.Load(name, shape, DType::kF32, out));
     return CheckFinite(name, reinterpret_cast<const std::byte*>(out), DType::kF32, 1, n, n, 0, 0);
   }
-  void Skip(const std::string& name) override { used_.insert(name); }
+  void Skip(const std::string& name) override {
+    used_.insert(name);
+    if (const std::string m = QuantizedModule(name); !m.empty())
+      for (const std::string& t : QuantizedTensorNames(scheme_, m)) used_.insert(t);
+  }
 
   // Tensors the checkpoint has that the architecture does not use.
   Status CheckNoneLeft(const ModelConfig& c) const {
@@ -266,10 +284,77 @@ class CheckpointSource final : public WeightSource {
     return l;
   }
 
+  // The module ("<prefix>") whose weight `name` ("<prefix>.weight") the
+  // checkpoint stores quantized, or "".
+  std::string QuantizedModule(const std::string& name) const {
+    static const std::string kWeight = ".weight";
+    if (scheme_.format == QuantFormat::kNone || !name.ends_with(kWeight)) return {};
+    std::string prefix = name.substr(0, name.size() - kWeight.size());
+    return scheme_.Covers(ckpt_, prefix) ? prefix : std::string();
+  }
+
+  // Rows [r0, r1) x columns [c0, c1) of the quantized module `m` (weight
+  // `name`): an int8 / int4 Linear where the slice keeps its groups (in place
+  // where the reader reads in place, unless kCopied), else dequantized to
+  // `dtype` with one log line.
+  StatusOr<Linear> QuantizedSlice(const std::string& name, const std::string& m, int64_t rows, int64_t cols, int64_t r0,
+                                  int64_t r1, int64_t c0, int64_t c1, DType dtype) {
+    if (int_weights_ == IntWeights::kKeep && QuantizedSliceAligned(scheme_, cols, c0, c1)) {
+      MLARUN_ASSIGN_OR_RETURN(Linear l, LoadQuantizedLinear(ckpt_, scheme_, m, rows, cols, r0, r1, c0, c1));
+      for (const std::string& t : QuantizedTensorNames(scheme_, m)) used_.insert(t);
+      if (!l.in_place()) return l;
+      if (loading_ == WeightLoading::kMapped) {
+        l.storage = std::shared_ptr<const void>(owner_, l.data);  // keeps the mapping alive
+        return l;
+      }
+      Linear copy = Linear::Owned(l.out, l.in, l.dtype, l.group, l.offset != nullptr);
+      if (copy.mutable_data() == nullptr && copy.bytes() > 0)
+        return ResourceExhaustedError("cannot allocate ", copy.bytes(), " bytes for weight ", name);
+      const int64_t row_bytes = DTypeBytes(l.dtype, l.in), n = l.out * l.scale_ld;
+      for (int64_t r = 0; r < l.out; ++r)
+        std::memcpy(copy.mutable_data() + DTypeBytes(l.dtype, r * copy.ld), l.row(r), static_cast<size_t>(row_bytes));
+      std::memcpy(copy.mutable_scale(), l.scale, static_cast<size_t>(n) * sizeof(float));
+      if (l.offset != nullptr) std::memcpy(copy.mutable_offset(), l.offset, static_cast<size_t>(n) * sizeof(float));
+      copy.zero = l.zero;
+      for (const std::string& t : QuantizedTensorNames(scheme_, m)) ckpt_.Release(t);  // the copy is the weight now
+      return copy;
+    }
+    if (int_weights_ == IntWeights::kKeep)
+      log_("weight " + m + ": this shard's columns [" + std::to_string(c0) + ", " + std::to_string(c1) +
+           ") do not start and end on its quantization groups of " + std::to_string(scheme_.group) +
+           "; dequantized to " + std::string(DTypeName(dtype)) + " instead of kept " +
+           std::string(DTypeName(scheme_.dtype())));
+    Linear l = Linear::Owned(r1 - r0, c1 - c0, dtype);
+    if (l.mutable_data() == nullptr && l.bytes() > 0)
+      return ResourceExhaustedError("cannot allocate ", l.bytes(), " bytes for weight ", name);
+    MLARUN_RETURN_IF_ERROR(DequantizeSlice(m, rows, cols, r0, r1, c0, c1, dtype, l.mutable_data()));
+    return l;
+  }
+
+  // Rows [r0, r1) x columns [c0, c1) of the quantized module `m`,
+  // dequantized into `out` ([r1 - r0, c1 - c0] row-major) as `dtype`: its
+  // whole rows read (always aligned), then the columns decoded.
+  Status DequantizeSlice(const std::string& m, int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
+                         int64_t c1, DType dtype, void* out) {
+    if (c0 < 0 || c0 > c1 || c1 > cols)
+      return InvalidArgumentError("weight ", m, ": columns [", c0, ", ", c1, ") outside [0, ", cols, ")");
+    MLARUN_ASSIGN_OR_RETURN(const Linear l, LoadQuantizedLinear(ckpt_, scheme_, m, rows, cols, r0, r1, 0, cols));
+    for (const std::string& t : QuantizedTensorNames(scheme_, m)) used_.insert(t);
+    const int64_t w = c1 - c0, es = static_cast<int64_t>(DTypeSize(dtype));
+    std::vector<float> row(static_cast<size_t>(std::max<int64_t>(w, 1)));
+    for (int64_t r = 0; r < l.out; ++r) {
+      l.DequantizeRow(r, c0, c1, row.data());
+      StoreFromF32(row.data(), static_cast<std::byte*>(out) + r * w * es, dtype, w);
+    }
+    return Status::Ok();
+  }
+
   std::shared_ptr<const Checkpoint> owner_;
   const Checkpoint& ckpt_;
   const WeightLoading loading_;
   const Fp8Weights fp8_;
+  const QuantScheme scheme_;
+  const IntWeights int_weights_;
   const std::function<void(const std::string&)> log_;
   std::set<std::string> used_;
 };
@@ -431,52 +516,119 @@ Status ValidateModelShard(const ModelConfig& c, const ModelShard& s) {
 }
 
 WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, std::optional<DType> projection_dtype) {
+  return PredictWeightBytes(c, s, WeightFormat{.projection_dtype = projection_dtype});
+}
+
+WeightFormat WeightFormatOf(const QuantScheme& q) {
+  WeightFormat f;
+  if (q.format == QuantFormat::kNone) return f;
+  f.projection_dtype = q.dtype();
+  f.group = q.group;
+  f.offsets = !q.symmetric;
+  f.quantized = [q](std::string_view module) { return q.Quantizes(module); };
+  return f;
+}
+
+namespace {
+
+// The bytes one matrix of [rows, cols] takes as this rank holds it, its slice
+// starting at row r0, column c0 of a tensor `full_cols` wide, under `f`:
+// what the loader keeps (Linear::bytes).
+class MatrixBytes {
+ public:
+  MatrixBytes(const ModelConfig& c, const WeightFormat& f) : f_(f) {
+    w_ = static_cast<int64_t>(DTypeSize(c.weight_dtype));
+    const std::optional<DType> p = f.projection_dtype;
+    fp8_ = p == DType::kF8E4M3;
+    int_ = p && IsIntWeight(*p);
+    pw_ = p && !fp8_ && !int_ ? static_cast<int64_t>(DTypeSize(*p)) : w_;
+  }
+  // A decoder-layer projection `module` ("model.layers.3.self_attn.o_proj").
+  int64_t Projection(const std::string& module, int64_t rows, int64_t cols, int64_t r0 = 0, int64_t c0 = 0,
+                     int64_t full_cols = -1) const {
+    if (fp8_ && Fp8SliceAligned(r0, c0)) return rows * cols + Fp8Blocks(rows) * Fp8Blocks(cols) * 4;
+    if (int_ && (!f_.quantized || f_.quantized(module)) && GroupAligned(cols, c0, full_cols < 0 ? cols : full_cols))
+      return Int(rows, cols);
+    return rows * cols * pw_;
+  }
+  // lm_head: weight_dtype unless quantized.
+  int64_t Head(int64_t rows, int64_t cols) const {
+    if (int_ && f_.quantized && f_.quantized("lm_head")) return Int(rows, cols);
+    return rows * cols * w_;
+  }
+
+ private:
+  bool GroupAligned(int64_t cols, int64_t c0, int64_t full_cols) const {
+    if (f_.group <= 0) return c0 % 2 == 0;
+    return c0 % f_.group == 0 && ((c0 + cols) % f_.group == 0 || c0 + cols == full_cols);
+  }
+  int64_t Int(int64_t rows, int64_t cols) const {
+    const int64_t groups = f_.group > 0 ? (cols + f_.group - 1) / f_.group : 1;
+    return rows * DTypeBytes(*f_.projection_dtype, cols) + rows * groups * 4 * (f_.offsets ? 2 : 1);
+  }
+  const WeightFormat& f_;
+  int64_t w_ = 0, pw_ = 0;
+  bool fp8_ = false, int_ = false;
+};
+
+}  // namespace
+
+WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, const WeightFormat& format) {
   const int64_t w = static_cast<int64_t>(DTypeSize(c.weight_dtype)), kv = static_cast<int64_t>(DTypeSize(c.kv_dtype));
   const int64_t f = 4;  // norms, router, score bias: fp32
   const int64_t H = c.hidden_size, N = c.num_attention_heads / s.attn_tp_size, L = c.kv_lora_rank;
   const int64_t R = c.qk_rope_head_dim, Dq = c.q_head_dim(), P = c.qk_nope_head_dim, V = c.v_head_dim;
   const int64_t W = s.mlp_size;
-  // One projection matrix of [rows, cols] as this rank holds it, its slice
-  // starting at row r0, column c0 of the whole tensor. fp8 as the loader
-  // keeps it (ModelShard's slice on 128 boundaries: e4m3 + an fp32 scale per
-  // 128 x 128 block of the slice, Linear::bytes), else dequantized.
-  const bool fp8 = projection_dtype == DType::kF8E4M3;
-  const int64_t pw = projection_dtype && !fp8 ? static_cast<int64_t>(DTypeSize(*projection_dtype)) : w;
-  auto proj = [&](int64_t rows, int64_t cols, int64_t r0 = 0, int64_t c0 = 0) {
-    if (fp8 && Fp8SliceAligned(r0, c0)) return rows * cols + Fp8Blocks(rows) * Fp8Blocks(cols) * f;
-    return rows * cols * pw;
+  // fp8 as the loader keeps it (ModelShard's slice on 128 boundaries: e4m3 +
+  // an fp32 scale per 128 x 128 block of the slice, Linear::bytes), int8 /
+  // int4 where the slice keeps its groups, else dequantized.
+  const MatrixBytes m(c, format);
+  // gate, up (rows [i0, i0 + inter)); down (columns [i0, i0 + inter) of `full`).
+  auto mlp = [&](const std::string& p, int64_t inter, int64_t i0, int64_t full) {
+    return m.Projection(p + "gate_proj", inter, H, i0, 0) + m.Projection(p + "up_proj", inter, H, i0, 0) +
+           m.Projection(p + "down_proj", H, inter, 0, i0, full);
   };
-  // gate, up (rows [i0, i0 + inter)); down (columns [i0, i0 + inter)).
-  auto mlp = [&](int64_t inter, int64_t i0) { return 2 * proj(inter, H, i0, 0) + proj(H, inter, 0, i0); };
   const int64_t h0 = c.num_attention_heads / s.attn_tp_size * s.attn_tp_rank;  // this rank's first head
   WeightBytes b;
-  b.embedding_and_head = (c.tie_word_embeddings ? 1 : 2) * c.vocab_size * H * w + H * f;  // tied: one matrix
+  b.embedding_and_head = c.vocab_size * H * w + (c.tie_word_embeddings ? 0 : m.Head(c.vocab_size, H)) + H * f;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    int64_t replicated = proj(L + R, H) + L * f + 2 * H * f;           // kv_a, its norm, the layer norms
-    int64_t split = N * (P + V) * L * kv + proj(H, N * V, 0, h0 * V);  // W_UK, W_UV, o_proj
+    const std::string lp = "model.layers." + std::to_string(i) + ".", ap = lp + "self_attn.";
+    int64_t replicated = m.Projection(ap + "kv_a_proj_with_mqa", L + R, H) + L * f + 2 * H * f;  // + norms
+    // W_UK, W_UV, o_proj
+    int64_t split = N * (P + V) * L * kv + m.Projection(ap + "o_proj", H, N * V, 0, h0 * V, c.num_attention_heads * V);
     if (c.q_lora_rank > 0) {
-      replicated += proj(c.q_lora_rank, H) + c.q_lora_rank * f;
-      split += proj(N * Dq, c.q_lora_rank, h0 * Dq, 0);
+      replicated += m.Projection(ap + "q_a_proj", c.q_lora_rank, H) + c.q_lora_rank * f;
+      split += m.Projection(ap + "q_b_proj", N * Dq, c.q_lora_rank, h0 * Dq, 0);
     } else {
-      split += proj(N * Dq, H, h0 * Dq, 0);
+      split += m.Projection(ap + "q_proj", N * Dq, H, h0 * Dq, 0);
     }
     if (c.has_indexer()) {  // wq_b, wk, k_norm (weight and bias), weights_proj
       const int64_t ih = c.index_n_heads, id = c.index_head_dim;
-      replicated += proj(ih * id, c.q_lora_rank) + proj(id, H) + 2 * id * f + proj(ih, H);
+      const std::string ip = ap + "indexer.";
+      replicated += m.Projection(ip + "wq_b", ih * id, c.q_lora_rank) + m.Projection(ip + "wk", id, H) + 2 * id * f +
+                    m.Projection(ip + "weights_proj", ih, H);
     }
     b.attention += replicated + split;
     b.attention_replicated += replicated;
+    const std::string mp = lp + "mlp.";
     if (!c.IsMoeLayer(i)) {
-      b.dense_mlp += mlp(c.intermediate_size / W, c.intermediate_size / W * s.mlp_rank);
+      b.dense_mlp += mlp(mp, c.intermediate_size / W, c.intermediate_size / W * s.mlp_rank, c.intermediate_size);
       continue;
     }
     const bool by_expert = s.moe == MoeSharding::kByExpert;
     const int64_t experts = by_expert ? c.n_routed_experts / W : c.n_routed_experts;
+    const int64_t e0 = by_expert ? experts * s.mlp_rank : 0;
     const int64_t inter = by_expert ? c.moe_intermediate_size : c.moe_intermediate_size / W;
     const int64_t shared = c.moe_intermediate_size * c.n_shared_experts / W;
     b.moe += c.n_routed_experts * H * f + (c.model_type == ModelType::kDeepSeekV3 ? c.n_routed_experts * f : 0) +
-             experts * mlp(inter, by_expert ? 0 : inter * s.mlp_rank) +
-             (c.n_shared_experts > 0 ? mlp(shared, shared * s.mlp_rank) : 0);
+             (c.n_shared_experts > 0 ? mlp(mp + "shared_experts.", shared, shared * s.mlp_rank, shared * W) : 0);
+    if (!format.quantized) {  // every expert alike
+      b.moe += experts * mlp(mp + "experts.0.", inter, by_expert ? 0 : inter * s.mlp_rank, c.moe_intermediate_size);
+      continue;
+    }
+    for (int64_t e = e0; e < e0 + experts; ++e)
+      b.moe += mlp(mp + "experts." + std::to_string(e) + ".", inter, by_expert ? 0 : inter * s.mlp_rank,
+                   c.moe_intermediate_size);
   }
   return b;
 }
@@ -604,8 +756,16 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
       std::fprintf(stderr, "mlarun: %s\n", line.c_str());
     }
   };
-  CheckpointSource src(std::move(ckpt), options.weights, options.fp8_weights, log);
+  QuantScheme scheme;
+  if (std::filesystem::exists(std::filesystem::path(ckpt->dir()) / "config.json")) {
+    MLARUN_ASSIGN_OR_RETURN(scheme, ReadQuantScheme(ckpt->dir()));
+  }
+  if (scheme.int8_activations)
+    log("checkpoint " + ckpt->dir() + ": W8A8 (dynamic per-token int8 activations): the activations stay fp32");
+  if (options.int_weights == IntWeights::kKeep) m->weight_format_ = WeightFormatOf(scheme);
+  CheckpointSource src(std::move(ckpt), options.weights, options.fp8_weights, scheme, options.int_weights, log);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
+  if (m->holds_fp8_projections()) m->weight_format_.projection_dtype = DType::kF8E4M3;
   MLARUN_RETURN_IF_ERROR(src.CheckNoneLeft(config));
   MLARUN_RETURN_IF_ERROR(m->PlaceWeights());
   return m;

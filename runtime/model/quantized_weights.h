@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -44,12 +45,34 @@ struct QuantScheme {
   int64_t group = 0;      // elements of `in` per scale; <= 0: one per output channel
   bool symmetric = true;  // false: zero points stored
   bool desc_act = false;  // GPTQ act-order (g_idx permutes the groups)
+  // GPTQ checkpoint_format "gptq_v2" (gptqmodel): zero points stored as they
+  // are, not minus one as "gptq" (auto-gptq) stores them.
+  bool gptq_v2 = false;
+  // compressed-tensors W8A8: its input_activations are dynamic per-token int8.
+  // Accepted; mlarun keeps the activations fp32 (no activation quantization).
+  bool int8_activations = false;
   // Module names (or "re:" regular expressions, compressed-tensors' syntax)
   // left unquantized, e.g. "lm_head".
   std::vector<std::string> ignore;
+  // The `ignore` list as ReadQuantScheme compiled it (SetIgnore).
+  struct IgnoreMatcher;
+  std::shared_ptr<const IgnoreMatcher> ignore_matcher;
+
+  // Sets `ignore`, compiling its "re:" patterns once (a pattern matches a
+  // module name from its start, as Python's re.match). INVALID_ARGUMENT naming
+  // the pattern when one does not compile.
+  Status SetIgnore(std::vector<std::string> names);
+  // `module` (e.g. "lm_head", "model.layers.0.mlp.down_proj") is in `ignore`.
+  bool Ignores(std::string_view module) const;
+  // The checkpoint stores the Linear `module` quantized under this scheme,
+  // judging by the name alone (what memory prediction assumes): not ignored,
+  // and for AWQ / GPTQ not lm_head (neither quantizes it).
+  bool Quantizes(std::string_view module) const;
   // The module `prefix` is stored quantized under this scheme (false for an
   // ignored one, or one whose quantized tensors are absent).
   bool Covers(const Checkpoint& ckpt, std::string_view prefix) const;
+  // The Linear's dtype it loads into: kInt4 or kInt8.
+  DType dtype() const { return bits == 4 ? DType::kInt4 : DType::kInt8; }
 };
 
 // The scheme of the checkpoint in `dir` (its config.json): kNone when there
@@ -61,7 +84,9 @@ StatusOr<QuantScheme> ReadQuantScheme(const std::string& dir);
 // Rows [r0, r1) x columns [c0, c1) of the quantized module `prefix` (e.g.
 // "model.layers.3.mlp.down_proj"), whose logical weight is [rows, cols].
 // c0 must start a group (c0 % group == 0) and c1 end one or be cols; callers
-// whose slice does not dequantize instead (QuantizedSliceAligned).
+// whose slice does not dequantize instead (QuantizedSliceAligned). A Linear
+// read in place points into the checkpoint's mapping with `storage` null:
+// the caller keeps the checkpoint alive (it sets `storage`).
 StatusOr<Linear> LoadQuantizedLinear(const Checkpoint& ckpt, const QuantScheme& s, const std::string& prefix,
                                      int64_t rows, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1);
 bool QuantizedSliceAligned(const QuantScheme& s, int64_t cols, int64_t c0, int64_t c1);
