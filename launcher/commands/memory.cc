@@ -52,7 +52,12 @@ void AddMemoryCommand(CLI::App& app, CommandTable& table) {
   memory->add_option("--kv-dtype", mem.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");
   memory->add_option(
       "--weight-dtype", mem.weight_dtype,
-      "Projection weights: bf16 or fp32 (what mlarun holds; default the model's) or fp8 (the release's block-fp8)");
+      "Projection weights: bf16 or fp32 (what mlarun holds; default the model's, or a quantized checkpoint's "
+      "format), fp8 (the release's block-fp8), int8 or int4 (fp32 scales per --group-size elements)");
+  memory
+      ->add_option("--group-size", mem.group_size,
+                   "With --weight-dtype int8 / int4: elements per scale (0: one per output channel)")
+      ->capture_default_str();
   memory->add_option("--num-layers", mem.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
   memory->add_option("--block-size", mem.block_size, "Tokens per cache block")
       ->capture_default_str()

@@ -22,7 +22,9 @@ struct MemoryOptions {
   std::vector<std::string> layouts;  // "tp8", "dp8", "dp2xtp4" or "dp=2,attn_tp=4"; empty: tpW, dpW and a mix
   double memory_gib = 141;           // per rank (H200: 141)
   std::string kv_dtype;              // "" keeps the model's
-  std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8
+  std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8;
+                                     // "int8" / "int4": integer projections with fp32 group scales
+  int64_t group_size = 128;          // --weight-dtype int8 / int4: elements per scale (<= 0: per channel)
   int64_t num_layers = 0;            // YAML models: reduced depth
   int64_t block_size = kDefaultBlockSize;
   int64_t chunk_rows = 65536;  // expanded-path workspace rows

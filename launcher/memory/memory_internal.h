@@ -9,6 +9,7 @@
 #include "base/status.h"
 #include "launcher/memory/memory.h"
 #include "parallel/layout.h"
+#include "runtime/model/model.h"
 #include "runtime/model/model_config.h"
 
 namespace mlarun::memory_internal {
@@ -22,11 +23,18 @@ std::string LayoutName(const ParallelLayout& l);
 StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string& kv_dtype, int64_t num_layers);
 // Prints `doc` (--json) or `text`, and writes `doc` to opt.json_path if set.
 Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string& text, std::ostream& out);
-// "" (what mlarun holds), bf16, fp32, fp8.
+// "" (what mlarun holds), bf16, fp32, fp8, int8, int4.
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name);
-// What "" means for `path`: f8_e4m3 for a checkpoint directory whose
-// projections are stored F8_E4M3 (loading keeps them so), else nullopt (the
-// config's weight dtype).
-std::optional<DType> CheckpointProjectionDType(const std::string& path);
+// What "" means for `path`: for a checkpoint directory, the integer format
+// its config.json's quantization_config names (as the loader keeps it:
+// WeightFormatOf), or f8_e4m3 when its projections are stored F8_E4M3
+// (loading keeps them so); else no projection dtype (the config's weight
+// dtype). Errors: a quantization_config the loader would refuse.
+StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path);
+// --weight-dtype and --group-size, or the checkpoint's format when
+// --weight-dtype is "".
+StatusOr<WeightFormat> MemoryWeightFormat(const MemoryOptions& o);
+// How `f` is described in the report ("int4 projections (...)").
+std::string WeightFormatName(const WeightFormat& f, DType weight_dtype);
 
 }  // namespace mlarun::memory_internal

@@ -171,9 +171,16 @@ void CompareRank(const MemoryOptions& opt, const ModelConfig& c, const ParallelL
                  const std::optional<RequestSet>& set, const v1::RankStats& k, JobComparison& job) {
   Side p, m;
   const ModelShard shard = ModelShard::For(layout, k.rank());
-  // The projections as the rank holds them (an fp8 checkpoint kept fp8).
-  const std::optional<DType> proj = k.projection_dtype().empty() ? std::nullopt : std::optional<DType>(DType::kF8E4M3);
-  p.weights = PredictWeightBytes(c, shard, proj);
+  // The projections as the rank holds them (an fp8 checkpoint kept fp8; an
+  // integer one int8 / int4 as its quantization_config says).
+  WeightFormat format;
+  if (k.projection_dtype() == DTypeName(DType::kF8E4M3)) {
+    format.projection_dtype = DType::kF8E4M3;
+  } else if (!k.projection_dtype().empty()) {
+    auto f = memory_internal::CheckpointWeightFormat(opt.model);
+    if (f.ok()) format = *f;
+  }
+  p.weights = PredictWeightBytes(c, shard, format);
   // The prefill workspace is reserved from the shapes on both sides (it is
   // allocated only when a long prefill runs), so it is an input here, not
   // a measurement.

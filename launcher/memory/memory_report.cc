@@ -47,25 +47,53 @@ Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string&
   return Status::Ok();
 }
 
-std::optional<DType> CheckpointProjectionDType(const std::string& path) {
+StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(path, ec)) return std::nullopt;  // a config.json or YAML: no weights to look at
-  auto ckpt = Checkpoint::Open(path);                                 // maps the files and reads their headers only
-  if (!ckpt.ok()) return std::nullopt;
+  if (!std::filesystem::is_directory(path, ec)) return WeightFormat{};  // a config.json or YAML: no weights to look at
+  if (std::filesystem::exists(std::filesystem::path(path) / "config.json", ec)) {
+    MLARUN_ASSIGN_OR_RETURN(const QuantScheme s, ReadQuantScheme(path));
+    if (s.format != QuantFormat::kNone) return WeightFormatOf(s);
+  }
+  auto ckpt = Checkpoint::Open(path);  // maps the files and reads their headers only
+  if (!ckpt.ok()) return WeightFormat{};
   // Every DeepSeek layer has kv_a; the release stores all its projections
   // alike, and the loader keeps them fp8 (Fp8Weights::kKeep, the default).
   const TensorRef* t = (*ckpt)->Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
-  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return std::nullopt;
-  return DType::kF8E4M3;
+  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return WeightFormat{};
+  return WeightFormat{.projection_dtype = DType::kF8E4M3};
 }
 
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
   if (name.empty()) return std::optional<DType>();
   if (name == "fp8" || name == "f8_e4m3" || name == "e4m3") return std::optional<DType>(DType::kF8E4M3);
+  if (name == "int8") return std::optional<DType>(DType::kInt8);
+  if (name == "int4") return std::optional<DType>(DType::kInt4);
   auto dt = ParseDType(name);
   if (!dt.ok() || (*dt != DType::kBF16 && *dt != DType::kF32))
-    return InvalidArgumentError("--weight-dtype must be bf16, fp32 or fp8, got '", name, "'");
+    return InvalidArgumentError("--weight-dtype must be bf16, fp32, fp8, int8 or int4, got '", name, "'");
   return std::optional<DType>(*dt);
+}
+
+StatusOr<WeightFormat> MemoryWeightFormat(const MemoryOptions& o) {
+  if (o.weight_dtype.empty()) return CheckpointWeightFormat(o.model);
+  MLARUN_ASSIGN_OR_RETURN(const std::optional<DType> proj, ParseWeightDType(o.weight_dtype));
+  WeightFormat f{.projection_dtype = proj};
+  if (proj && IsIntWeight(*proj)) {
+    if (o.group_size > 0 && o.group_size % 2 != 0)
+      return InvalidArgumentError("--group-size must be even (or 0: per channel), got ", o.group_size);
+    f.group = o.group_size;
+  }
+  return f;
+}
+
+std::string WeightFormatName(const WeightFormat& f, DType weight_dtype) {
+  const std::string rest = std::string(DTypeName(weight_dtype)) + " embeddings";
+  if (f.projection_dtype == DType::kF8E4M3) return "fp8 e4m3 projections (128x128 fp32 block scales), " + rest;
+  if (f.projection_dtype && IsIntWeight(*f.projection_dtype))
+    return std::string(*f.projection_dtype == DType::kInt4 ? "int4" : "int8") + " projections (fp32 scales " +
+           (f.group > 0 ? "per " + std::to_string(f.group) + " elements" : std::string("per output channel")) +
+           (f.offsets ? ", offsets" : "") + "), " + rest;
+  return std::string(DTypeName(f.projection_dtype.value_or(weight_dtype)));
 }
 
 }  // namespace memory_internal
@@ -125,12 +153,10 @@ StatusOr<Report> Build(const MemoryOptions& o) {
   r.model_path = o.model;
   r.model_name = ModelName(o.model);
   MLARUN_ASSIGN_OR_RETURN(r.config, memory_internal::LoadMemoryModel(o.model, o.kv_dtype, o.num_layers));
-  MLARUN_ASSIGN_OR_RETURN(std::optional<DType> proj, memory_internal::ParseWeightDType(o.weight_dtype));
-  // By default what loading holds: an fp8 checkpoint's projections stay fp8.
-  if (o.weight_dtype.empty()) proj = memory_internal::CheckpointProjectionDType(o.model);
-  r.weight_dtype_name = proj == DType::kF8E4M3 ? "fp8 e4m3 projections (128x128 fp32 block scales), " +
-                                                     std::string(DTypeName(r.config.weight_dtype)) + " embeddings"
-                                               : std::string(DTypeName(proj.value_or(r.config.weight_dtype)));
+  // By default what loading holds: an fp8 checkpoint's projections stay fp8,
+  // an integer one's int8 / int4.
+  MLARUN_ASSIGN_OR_RETURN(const WeightFormat format, memory_internal::MemoryWeightFormat(o));
+  r.weight_dtype_name = memory_internal::WeightFormatName(format, r.config.weight_dtype);
   if (o.world < 1) return InvalidArgumentError("--world must be at least 1, got ", o.world);
   if (!(o.memory_gib > 0) || o.memory_gib > 1e6)
     return InvalidArgumentError("--hbm-gib must be in (0, 1e6], got ", o.memory_gib);
@@ -155,8 +181,11 @@ StatusOr<Report> Build(const MemoryOptions& o) {
     names = {"tp" + std::to_string(o.world), "dp" + std::to_string(o.world)};
     if (o.world >= 4 && o.world % 2 == 0) names.push_back("dp2xtp" + std::to_string(o.world / 2));
   }
-  const MemoryPlanOptions mo{
-      .memory_bytes = r.memory_bytes, .block_size = o.block_size, .chunk_rows = o.chunk_rows, .projection_dtype = proj};
+  const MemoryPlanOptions mo{.memory_bytes = r.memory_bytes,
+                             .block_size = o.block_size,
+                             .chunk_rows = o.chunk_rows,
+                             .projection_dtype = std::nullopt,
+                             .weight_format = format};
   for (const std::string& n : names) {
     MLARUN_ASSIGN_OR_RETURN(const ParallelLayout l, memory_internal::ParseLayoutName(n, o.world));
     auto plan = PlanRankMemory(r.config, l, mo);

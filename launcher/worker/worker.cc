@@ -245,7 +245,8 @@ v1::RankStats Worker::OwnFacts() const {
   me.set_num_layers(mc.num_hidden_layers);
   me.set_weight_dtype(std::string(DTypeName(mc.weight_dtype)));
   me.set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
-  if (model_.holds_fp8_projections()) me.set_projection_dtype(std::string(DTypeName(DType::kF8E4M3)));
+  // f8_e4m3, int8 or int4 where the projections are held so.
+  if (const auto d = model_.weight_format().projection_dtype) me.set_projection_dtype(std::string(DTypeName(*d)));
   me.set_parallel(layout_os.str());
   me.set_resident_bytes(ResidentBytes());
   me.set_cpu_model_name(HostCpu().model_name);

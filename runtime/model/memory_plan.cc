@@ -56,14 +56,19 @@ StatusOr<RankMemory> PlanRankMemory(const ModelConfig& c, const ParallelLayout& 
   if (o.memory_bytes < 0) return InvalidArgumentError("memory per rank must not be negative, got ", o.memory_bytes);
   if (o.block_size <= 0) return InvalidArgumentError("block size must be positive, got ", o.block_size);
   if (o.chunk_rows <= 0) return InvalidArgumentError("workspace chunk rows must be positive, got ", o.chunk_rows);
-  if (o.projection_dtype && *o.projection_dtype != DType::kF8E4M3 && *o.projection_dtype != DType::kBF16 &&
-      *o.projection_dtype != DType::kF32)
-    return InvalidArgumentError("weight dtype must be f32, bf16 or f8_e4m3, got ", DTypeName(*o.projection_dtype));
+  WeightFormat f = o.weight_format;
+  if (!f.projection_dtype) f.projection_dtype = o.projection_dtype;
+  if (f.projection_dtype && *f.projection_dtype != DType::kF8E4M3 && *f.projection_dtype != DType::kBF16 &&
+      *f.projection_dtype != DType::kF32 && !IsIntWeight(*f.projection_dtype))
+    return InvalidArgumentError("weight dtype must be f32, bf16, f8_e4m3, int8 or int4, got ",
+                                DTypeName(*f.projection_dtype));
+  if (f.projection_dtype && IsIntWeight(*f.projection_dtype) && f.group > 0 && f.group % 2 != 0)
+    return InvalidArgumentError("group size must be even (or <= 0: per channel), got ", f.group);
   const ModelShard shard = ModelShard::For(layout, 0);
   MLARUN_RETURN_IF_ERROR(ValidateModelShard(c, shard));
   RankMemory r;
   r.layout = layout;
-  r.weights = PredictWeightBytes(c, shard, o.projection_dtype);
+  r.weights = PredictWeightBytes(c, shard, f);
   r.workspace = PredictPrefillWorkspace(c, layout.attn_tp, o.chunk_rows);
   r.memory_bytes = o.memory_bytes;
   r.cache_bytes_per_token = CacheBytesPerToken(c);

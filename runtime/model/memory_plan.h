@@ -83,6 +83,10 @@ struct MemoryPlanOptions {
   int64_t block_size = kDefaultBlockSize;  // tokens per cache block
   int64_t chunk_rows = 65536;              // expanded-path chunk (MlaConfig::expand_chunk_rows)
   std::optional<DType> projection_dtype;   // PredictWeightBytes' what-if (kF8E4M3)
+  // The full what-if (int8 / int4 with their group size, offsets and the
+  // modules they cover): used instead of projection_dtype when its
+  // projection_dtype is set.
+  WeightFormat weight_format;
 };
 
 struct RankMemory {

@@ -110,6 +110,43 @@ TEST(MemoryPlan, DeepSeekV3AttentionByHand) {
   EXPECT_EQ(f8.attention_replicated, 61 * f8_replicated);
 }
 
+// int4 / int8 projections (docs/quantized-weights.md): packed values plus an
+// fp32 scale per group of a row (and as many offsets when asymmetric); W_UK /
+// W_UV stay in the cache dtype, lm_head bf16 unless quantized.
+TEST(MemoryPlan, DeepSeekV3IntProjectionsByHand) {
+  ModelConfig c;
+  ASSERT_NO_FATAL_FAILURE(LoadV3(&c));
+  const int64_t norms = (1536 + 512 + 2 * 7168) * 4;
+  const WeightFormat int4{.projection_dtype = DType::kInt4, .group = 128};
+  const WeightBytes w4 = PredictWeightBytes(c, ModelShard{.mlp_size = 8}, int4);
+  EXPECT_EQ(w4.attention_replicated, 61 * ((1536 + 576) * (3584 + 56 * 4) + norms));
+  // by expert on 8 ranks: 32 experts of gate / up [2048, 7168] and down
+  // [7168, 2048]; the shared expert's 256-wide slice (down: 2 groups); the
+  // router and its bias fp32.
+  const int64_t expert = 2 * 2048 * (3584 + 56 * 4) + 7168 * (1024 + 16 * 4);
+  const int64_t shared = 2 * 256 * (3584 + 56 * 4) + 7168 * (128 + 2 * 4);
+  EXPECT_EQ(w4.moe, 58 * (32 * expert + shared + 256 * 7168 * 4 + 256 * 4));
+  EXPECT_EQ(w4.embedding_and_head, int64_t{2} * 129280 * 7168 * 2 + 7168 * 4);
+  const WeightFormat asym{.projection_dtype = DType::kInt4, .group = 128, .offsets = true};
+  EXPECT_EQ(PredictWeightBytes(c, ModelShard{.mlp_size = 8}, asym).attention_replicated,
+            61 * ((1536 + 576) * (3584 + 2 * 56 * 4) + norms));
+  // int8 per channel, lm_head quantized too.
+  const WeightFormat int8{
+      .projection_dtype = DType::kInt8, .group = 0, .quantized = [](std::string_view) { return true; }};
+  const WeightBytes w8 = PredictWeightBytes(c, ModelShard{.mlp_size = 8}, int8);
+  EXPECT_EQ(w8.attention_replicated, 61 * ((1536 + 576) * (7168 + 4) + norms));
+  EXPECT_EQ(w8.embedding_and_head, int64_t{129280} * 7168 * 2 + int64_t{129280} * (7168 + 4) + 7168 * 4);
+  // The plan takes the format and refuses an odd group.
+  auto plan = PlanRankMemory(c, {.dp = 1, .attn_tp = 8}, {.memory_bytes = int64_t{141} << 30, .weight_format = int4});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(plan->weights.attention_replicated, w4.attention_replicated);
+  auto odd = PlanRankMemory(
+      c, {.dp = 1, .attn_tp = 8},
+      {.memory_bytes = int64_t{141} << 30, .weight_format = {.projection_dtype = DType::kInt4, .group = 33}});
+  ASSERT_FALSE(odd.ok());
+  EXPECT_NE(odd.status().message().find("group size must be even"), std::string::npos) << odd.status();
+}
+
 // fp8 DeepSeek-V3 on 8 ranks of 141 GiB against the hand arithmetic of
 // tests/ref/deepseek_v3_by_hand.h: every weight category, the workspace, the
 // cache budget, blocks and tokens, for tp8, dp8 and dp2xtp4.
@@ -217,6 +254,42 @@ TEST(MemoryPlan, AgreesWithLoadedFp8Checkpoint) {
     auto bf16 = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20});
     ASSERT_TRUE(bf16.ok());
     EXPECT_LT(plan->weights.total(), bf16->weights.total()) << text;
+  }
+}
+
+// compressed-tensors checkpoints (tests/fixtures/models/v3_w4a16, _asym,
+// v3_w8a16) kept int4 / int8: every rank of each layout holds what the plan
+// of the checkpoint's scheme says (slices that cut a group dequantized).
+TEST(MemoryPlan, AgreesWithLoadedQuantizedCheckpoints) {
+  for (const char* name : {"v3_w4a16", "v3_w4a16_asym", "v3_w8a16"}) {
+    const std::string dir = std::string(MLARUN_FIXTURES_DIR) + "/models/" + name;
+    auto config = Model::LoadConfig(dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto scheme = ReadQuantScheme(dir);
+    ASSERT_TRUE(scheme.ok()) << scheme.status();
+    const WeightFormat format = WeightFormatOf(*scheme);
+    for (const char* text : {"dp=2", "attn_tp=2", "dp=2,moe=intermediate", "attn_tp=2,moe=intermediate"}) {
+      const ParallelLayout layout = *ParseParallelLayout(text);
+      auto plan = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20, .weight_format = format});
+      ASSERT_TRUE(plan.ok()) << plan.status();
+      for (int rank = 0; rank < layout.world(); ++rank) {
+        ModelOptions mo;
+        mo.shard = ModelShard::For(layout, rank);
+        mo.progress = [](const std::string&) {};
+        auto m = Model::Load(dir, {}, mo);
+        ASSERT_TRUE(m.ok()) << m.status();
+        const WeightBytes got = (*m)->weight_bytes();
+        const WeightBytes want = rank == 0 ? plan->weights : PredictWeightBytes(*config, mo.shard, format);
+        EXPECT_EQ(got.attention, want.attention) << name << " " << text << " rank " << rank;
+        EXPECT_EQ(got.attention_replicated, want.attention_replicated) << name << " " << text << " rank " << rank;
+        EXPECT_EQ(got.dense_mlp, want.dense_mlp) << name << " " << text << " rank " << rank;
+        EXPECT_EQ(got.moe, want.moe) << name << " " << text << " rank " << rank;
+        EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << name << " " << text << " rank " << rank;
+      }
+      auto bf16 = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20});
+      ASSERT_TRUE(bf16.ok());
+      EXPECT_LT(plan->weights.total(), bf16->weights.total()) << name << " " << text;
+    }
   }
 }
 
