@@ -580,6 +580,83 @@ TEST(QuantizedCheckpoint, UnsupportedConfigsAreRefusedByName) {
   for (const Case& c : cases) ExpectRefused(EditedCopy("v3_w4a16", c.edit, keep), c.words);
 }
 
+// W8A8 (dynamic per-token int8 activations) loads as W8A16, saying so once.
+TEST(QuantizedCheckpoint, W8A8LoadsWithFp32Activations) {
+  const fs::path dir = EditedCopy(
+      "v3_w8a16",
+      [](Json& q) {
+        q["config_groups"]["group_0"]["input_activations"] = {
+            {"type", "int"}, {"num_bits", 8}, {"strategy", "token"}, {"dynamic", true}, {"symmetric", true}};
+      },
+      [](Json&) {});
+  auto s = ReadQuantScheme(dir.string());
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_TRUE(s->int8_activations);
+  std::vector<std::string> lines;
+  ModelOptions o;
+  o.progress = [&lines](const std::string& l) { lines.push_back(l); };
+  auto m = Model::Load(dir.string(), {}, o);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(
+      std::count_if(lines.begin(), lines.end(),
+                    [](const std::string& l) { return l.find("the activations stay fp32") != std::string::npos; }),
+      1);
+  // Static activation scales are refused.
+  const fs::path stat = EditedCopy(
+      "v3_w8a16",
+      [](Json& q) {
+        q["config_groups"]["group_0"]["input_activations"] = {
+            {"type", "int"}, {"num_bits", 8}, {"strategy", "tensor"}, {"dynamic", false}};
+      },
+      [](Json&) {});
+  ExpectRefused(stat, {"input_activations.strategy = 'tensor'"});
+  fs::remove_all(dir);
+}
+
+// AWQ and GPTQ configs parse into the scheme (their readers are separate).
+TEST(QuantizedCheckpoint, AwqAndGptqSchemesAreRead) {
+  const auto scheme = [](const Json& q) {
+    const fs::path dir = EditedCopy(
+        "v3_bf16", [&](Json& c) { c = q; }, [](Json&) {});
+    auto s = ReadQuantScheme(dir.string());
+    fs::remove_all(dir);
+    return s;
+  };
+  auto awq = scheme({{"quant_method", "awq"},
+                     {"bits", 4},
+                     {"group_size", 128},
+                     {"zero_point", true},
+                     {"version", "GEMM"},
+                     {"modules_to_not_convert", {"lm_head"}}});
+  ASSERT_TRUE(awq.ok()) << awq.status();
+  EXPECT_EQ(awq->format, QuantFormat::kAwq);
+  EXPECT_EQ(awq->group, 128);
+  EXPECT_FALSE(awq->symmetric);
+  EXPECT_TRUE(awq->Ignores("lm_head"));
+  auto gptq = scheme({{"quant_method", "gptq"},
+                      {"bits", 8},
+                      {"group_size", -1},
+                      {"sym", true},
+                      {"desc_act", true},
+                      {"checkpoint_format", "gptq"}});
+  ASSERT_TRUE(gptq.ok()) << gptq.status();
+  EXPECT_EQ(gptq->format, QuantFormat::kGptq);
+  EXPECT_EQ(gptq->bits, 8);
+  EXPECT_EQ(gptq->group, 0);
+  EXPECT_TRUE(gptq->desc_act);
+  EXPECT_FALSE(gptq->Quantizes("lm_head"));
+  EXPECT_TRUE(gptq->Quantizes("model.layers.0.mlp.down_proj"));
+  auto gptq3 = scheme({{"quant_method", "gptq"}, {"bits", 3}, {"group_size", 128}});
+  ASSERT_FALSE(gptq3.ok());
+  EXPECT_NE(gptq3.status().message().find("quantization_config.bits = 3"), std::string::npos) << gptq3.status();
+  auto marlin = scheme({{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 128}, {"checkpoint_format", "marlin"}});
+  ASSERT_FALSE(marlin.ok());
+  EXPECT_NE(marlin.status().message().find("checkpoint_format = 'marlin'"), std::string::npos) << marlin.status();
+  auto fp8 = scheme({{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}});
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  EXPECT_EQ(fp8->format, QuantFormat::kNone);
+}
+
 TEST(QuantizedCheckpoint, BadTensorsAreRefusedByName) {
   const auto keep = [](Json&) {};
   const std::string m = "model.layers.1.mlp.experts.5.up_proj";
