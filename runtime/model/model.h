@@ -139,6 +139,7 @@ struct WeightFormat {
   int64_t group = 128;
   bool offsets = false;
   std::function<bool(std::string_view module)> quantized;
+  // Compares the numbers; `quantized` (a function) is not compared.
   friend bool operator==(const WeightFormat& a, const WeightFormat& b) {
     return a.projection_dtype == b.projection_dtype && a.group == b.group && a.offsets == b.offsets;
   }

@@ -240,9 +240,11 @@ bool QuantScheme::Covers(const Checkpoint& ckpt, std::string_view prefix) const 
   const std::string p(prefix);
   switch (format) {
     case QuantFormat::kCompressedTensors:
+      // Either tensor names the module quantized (the reader then says
+      // which one is missing).
+      if (ckpt.Find(p + ".weight_scale") != nullptr) return true;
       if (bits == 4) return ckpt.Find(p + ".weight_packed") != nullptr;
-      return ckpt.Find(p + ".weight_scale") != nullptr ||
-             (ckpt.Find(p + ".weight") != nullptr && ckpt.Find(p + ".weight")->dtype == SafetensorsDType::kI8);
+      return ckpt.Find(p + ".weight") != nullptr && ckpt.Find(p + ".weight")->dtype == SafetensorsDType::kI8;
     case QuantFormat::kAwq:
     case QuantFormat::kGptq:
       return ckpt.Find(p + ".qweight") != nullptr;

@@ -663,6 +663,9 @@ TEST(QuantizedCheckpoint, BadTensorsAreRefusedByName) {
   // A missing weight_scale.
   ExpectRefused(EditedCopy("v3_w4a16", keep, [&](Json& h) { h.erase(m + ".weight_scale"); }),
                 {m + ".weight_scale' is missing"});
+  // Missing packed values.
+  ExpectRefused(EditedCopy("v3_w4a16", keep, [&](Json& h) { h.erase(m + ".weight_packed"); }),
+                {m + ".weight_packed' is missing"});
   // A scale of the wrong shape (the same bytes: [32, 2] read as [64, 1]).
   ExpectRefused(EditedCopy("v3_w4a16", keep,
                            [&](Json& h) {
