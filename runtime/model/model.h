@@ -139,6 +139,9 @@ struct WeightFormat {
   int64_t group = 128;
   bool offsets = false;
   std::function<bool(std::string_view module)> quantized;
+  // lm_head's own int8 / int4 format where it has one (compressed-tensors
+  // "mixed-precision"); it applies when `quantized("lm_head")`.
+  std::shared_ptr<const WeightFormat> lm_head;
   // Compares the numbers; `quantized` (a function) is not compared.
   friend bool operator==(const WeightFormat& a, const WeightFormat& b) {
     return a.projection_dtype == b.projection_dtype && a.group == b.group && a.offsets == b.offsets;

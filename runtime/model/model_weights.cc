@@ -177,7 +177,7 @@ class CheckpointSource final : public WeightSource {
   void Skip(const std::string& name) override {
     used_.insert(name);
     if (const std::string m = QuantizedModule(name); !m.empty())
-      for (const std::string& t : QuantizedTensorNames(scheme_, m)) used_.insert(t);
+      for (const std::string& t : QuantizedTensorNames(scheme_.For(m), m)) used_.insert(t);
   }
 
   // Tensors the checkpoint has that the architecture does not use.
@@ -299,9 +299,10 @@ class CheckpointSource final : public WeightSource {
   // `dtype` with one log line.
   StatusOr<Linear> QuantizedSlice(const std::string& name, const std::string& m, int64_t rows, int64_t cols, int64_t r0,
                                   int64_t r1, int64_t c0, int64_t c1, DType dtype) {
-    if (int_weights_ == IntWeights::kKeep && QuantizedSliceAligned(scheme_, cols, c0, c1)) {
-      MLARUN_ASSIGN_OR_RETURN(Linear l, LoadQuantizedLinear(ckpt_, scheme_, m, rows, cols, r0, r1, c0, c1));
-      for (const std::string& t : QuantizedTensorNames(scheme_, m)) used_.insert(t);
+    const QuantScheme& s = scheme_.For(m);
+    if (int_weights_ == IntWeights::kKeep && QuantizedSliceAligned(s, cols, c0, c1)) {
+      MLARUN_ASSIGN_OR_RETURN(Linear l, LoadQuantizedLinear(ckpt_, s, m, rows, cols, r0, r1, c0, c1));
+      for (const std::string& t : QuantizedTensorNames(s, m)) used_.insert(t);
       if (!l.in_place()) return l;
       if (loading_ == WeightLoading::kMapped) {
         l.storage = std::shared_ptr<const void>(owner_, l.data);  // keeps the mapping alive
@@ -316,14 +317,13 @@ class CheckpointSource final : public WeightSource {
       std::memcpy(copy.mutable_scale(), l.scale, static_cast<size_t>(n) * sizeof(float));
       if (l.offset != nullptr) std::memcpy(copy.mutable_offset(), l.offset, static_cast<size_t>(n) * sizeof(float));
       copy.zero = l.zero;
-      for (const std::string& t : QuantizedTensorNames(scheme_, m)) ckpt_.Release(t);  // the copy is the weight now
+      for (const std::string& t : QuantizedTensorNames(s, m)) ckpt_.Release(t);  // the copy is the weight now
       return copy;
     }
     if (int_weights_ == IntWeights::kKeep)
       log_("weight " + m + ": this shard's columns [" + std::to_string(c0) + ", " + std::to_string(c1) +
-           ") do not start and end on its quantization groups of " + std::to_string(scheme_.group) +
-           "; dequantized to " + std::string(DTypeName(dtype)) + " instead of kept " +
-           std::string(DTypeName(scheme_.dtype())));
+           ") do not start and end on its quantization groups of " + std::to_string(s.group) + "; dequantized to " +
+           std::string(DTypeName(dtype)) + " instead of kept " + std::string(DTypeName(s.dtype())));
     Linear l = Linear::Owned(r1 - r0, c1 - c0, dtype);
     if (l.mutable_data() == nullptr && l.bytes() > 0)
       return ResourceExhaustedError("cannot allocate ", l.bytes(), " bytes for weight ", name);
@@ -338,8 +338,9 @@ class CheckpointSource final : public WeightSource {
                          int64_t c1, DType dtype, void* out) {
     if (c0 < 0 || c0 > c1 || c1 > cols)
       return InvalidArgumentError("weight ", m, ": columns [", c0, ", ", c1, ") outside [0, ", cols, ")");
-    MLARUN_ASSIGN_OR_RETURN(const Linear l, LoadQuantizedLinear(ckpt_, scheme_, m, rows, cols, r0, r1, 0, cols));
-    for (const std::string& t : QuantizedTensorNames(scheme_, m)) used_.insert(t);
+    const QuantScheme& s = scheme_.For(m);
+    MLARUN_ASSIGN_OR_RETURN(const Linear l, LoadQuantizedLinear(ckpt_, s, m, rows, cols, r0, r1, 0, cols));
+    for (const std::string& t : QuantizedTensorNames(s, m)) used_.insert(t);
     const int64_t w = c1 - c0, es = static_cast<int64_t>(DTypeSize(dtype));
     std::vector<float> row(static_cast<size_t>(std::max<int64_t>(w, 1)));
     for (int64_t r = 0; r < l.out; ++r) {
@@ -526,6 +527,7 @@ WeightFormat WeightFormatOf(const QuantScheme& q) {
   f.group = q.group;
   f.offsets = !q.symmetric;
   f.quantized = [q](std::string_view module) { return q.Quantizes(module); };
+  if (q.lm_head != nullptr) f.lm_head = std::make_shared<const WeightFormat>(WeightFormatOf(*q.lm_head));
   return f;
 }
 
@@ -551,10 +553,11 @@ class MatrixBytes {
       return Int(rows, cols);
     return rows * cols * pw_;
   }
-  // lm_head: weight_dtype unless quantized.
+  // lm_head: weight_dtype unless quantized (under a format of its own
+  // where it has one).
   int64_t Head(int64_t rows, int64_t cols) const {
-    if (int_ && f_.quantized && f_.quantized("lm_head")) return Int(rows, cols);
-    return rows * cols * w_;
+    if (!int_ || !f_.quantized || !f_.quantized("lm_head")) return rows * cols * w_;
+    return f_.lm_head != nullptr ? IntBytes(*f_.lm_head, rows, cols) : Int(rows, cols);
   }
 
  private:
@@ -562,9 +565,10 @@ class MatrixBytes {
     if (f_.group <= 0) return c0 % 2 == 0;
     return c0 % f_.group == 0 && ((c0 + cols) % f_.group == 0 || c0 + cols == full_cols);
   }
-  int64_t Int(int64_t rows, int64_t cols) const {
-    const int64_t groups = f_.group > 0 ? (cols + f_.group - 1) / f_.group : 1;
-    return rows * DTypeBytes(*f_.projection_dtype, cols) + rows * groups * 4 * (f_.offsets ? 2 : 1);
+  int64_t Int(int64_t rows, int64_t cols) const { return IntBytes(f_, rows, cols); }
+  static int64_t IntBytes(const WeightFormat& f, int64_t rows, int64_t cols) {
+    const int64_t groups = f.group > 0 ? (cols + f.group - 1) / f.group : 1;
+    return rows * DTypeBytes(*f.projection_dtype, cols) + rows * groups * 4 * (f.offsets ? 2 : 1);
   }
   const WeightFormat& f_;
   int64_t w_ = 0, pw_ = 0;

@@ -93,11 +93,37 @@ Status CtWeights(const Json& w, const std::string& path, const std::string& form
   return Status::Ok();
 }
 
+bool IsIntFormat(const Json& f) { return f == "pack-quantized" || f == "int-quantized" || f == "naive-quantized"; }
+
+// One config group into `one`: its targets (["Linear"], or ["lm_head"] for
+// lm_head's own group: *head), format (`fmt`, or the group's own under
+// "mixed-precision") and weights.
+Status CtGroup(const Json& g, const std::string& name, const Json& format, QuantScheme* one, bool* head) {
+  const std::string path = "config_groups." + name + ".";
+  if (!g.is_object()) return Refuse(path.substr(0, path.size() - 1), g, "expected a scheme");
+  const Json& targets = Field(g, "targets");
+  *head = targets == Json::array({"lm_head"});
+  if (!*head && targets != Json::array({"Linear"}))
+    return Refuse(path + "targets", targets, "supported: [\"Linear\"], and [\"lm_head\"] under mixed-precision");
+  const Json& gf = Field(g, "format");
+  const bool mixed = format == "mixed-precision";
+  if (mixed && !IsIntFormat(gf))
+    return Refuse(path + "format", gf, "under mixed-precision each group names pack-quantized or int-quantized");
+  if (!mixed && *head) return Refuse(path + "targets", targets, "a group of lm_head alone needs mixed-precision");
+  if (!mixed && !gf.is_null() && gf != format)
+    return Refuse(path + "format", gf, "differs from format " + Spell(format));
+  if (!Field(g, "output_activations").is_null())
+    return Refuse(path + "output_activations", Field(g, "output_activations"), "not supported");
+  MLARUN_RETURN_IF_ERROR(CtWeights(Field(g, "weights"), path, (mixed ? gf : format).get<std::string>(), one));
+  MLARUN_ASSIGN_OR_RETURN(one->int8_activations, CtInputActivations(Field(g, "input_activations"), path));
+  one->format = QuantFormat::kCompressedTensors;
+  return Status::Ok();
+}
+
 Status ReadCompressedTensors(const Json& q, QuantScheme* s) {
   const Json& format = Field(q, "format");
-  if (format != "pack-quantized" && format != "int-quantized" && format != "naive-quantized")
-    return Refuse("format", format, "supported: pack-quantized, int-quantized, naive-quantized");
-  const std::string fmt = format.get<std::string>();
+  if (!IsIntFormat(format) && format != "mixed-precision")
+    return Refuse("format", format, "supported: pack-quantized, int-quantized, naive-quantized, mixed-precision");
   const Json& sparsity = Field(q, "sparsity_config");
   if (!IsEmpty(sparsity) && !(sparsity.is_object() && Field(sparsity, "format") == "dense"))
     return Refuse("sparsity_config", sparsity, "sparse weights (e.g. 2:4) are not supported");
@@ -108,23 +134,22 @@ Status ReadCompressedTensors(const Json& q, QuantScheme* s) {
     return Refuse("config_groups", groups, "expected one or more config groups");
   bool first = true;
   for (const auto& [name, g] : groups.items()) {
-    const std::string path = "config_groups." + name + ".";
-    if (!g.is_object()) return Refuse(path.substr(0, path.size() - 1), g, "expected a scheme");
-    if (Field(g, "targets") != Json::array({"Linear"}))
-      return Refuse(path + "targets", Field(g, "targets"), "only [\"Linear\"] is supported");
-    const Json& gf = Field(g, "format");
-    if (!gf.is_null() && gf != format) return Refuse(path + "format", gf, "differs from format '" + fmt + "'");
-    if (!Field(g, "output_activations").is_null())
-      return Refuse(path + "output_activations", Field(g, "output_activations"), "not supported");
     QuantScheme one;
-    MLARUN_RETURN_IF_ERROR(CtWeights(Field(g, "weights"), path, fmt, &one));
-    MLARUN_ASSIGN_OR_RETURN(one.int8_activations, CtInputActivations(Field(g, "input_activations"), path));
-    if (!first && (one.bits != s->bits || one.group != s->group || one.symmetric != s->symmetric))
-      return Refuse(path + "weights", Field(g, "weights"), "config groups with different weight schemes");
-    s->bits = one.bits, s->group = one.group, s->symmetric = one.symmetric;
+    bool head = false;
+    MLARUN_RETURN_IF_ERROR(CtGroup(g, name, format, &one, &head));
     s->int8_activations |= one.int8_activations;
+    if (head) {
+      if (s->lm_head != nullptr) return Refuse("config_groups." + name, g, "a second group for lm_head");
+      s->lm_head = std::make_shared<const QuantScheme>(std::move(one));
+      continue;
+    }
+    if (!first && (one.bits != s->bits || one.group != s->group || one.symmetric != s->symmetric))
+      return Refuse("config_groups." + name + ".weights", Field(g, "weights"),
+                    "config groups of Linear with different weight schemes");
+    s->bits = one.bits, s->group = one.group, s->symmetric = one.symmetric;
     first = false;
   }
+  if (first) return Refuse("config_groups", groups, "no group targets Linear");
   std::vector<std::string> ignore;
   const Json& ig = Field(q, "ignore");
   if (!ig.is_null()) {
@@ -243,7 +268,7 @@ bool QuantScheme::Covers(const Checkpoint& ckpt, std::string_view prefix) const 
       // Either tensor names the module quantized (the reader then says
       // which one is missing).
       if (ckpt.Find(p + ".weight_scale") != nullptr) return true;
-      if (bits == 4) return ckpt.Find(p + ".weight_packed") != nullptr;
+      if (For(prefix).bits == 4) return ckpt.Find(p + ".weight_packed") != nullptr;
       return ckpt.Find(p + ".weight") != nullptr && ckpt.Find(p + ".weight")->dtype == SafetensorsDType::kI8;
     case QuantFormat::kAwq:
     case QuantFormat::kGptq:

@@ -54,6 +54,11 @@ struct QuantScheme {
   // Module names (or "re:" regular expressions, compressed-tensors' syntax)
   // left unquantized, e.g. "lm_head".
   std::vector<std::string> ignore;
+  // compressed-tensors "mixed-precision": a config group of its own that
+  // targets lm_head (bits, group, symmetry of its own; `mlarun quantize
+  // --lm-head` writes one). nullptr: lm_head, where quantized, follows this
+  // scheme.
+  std::shared_ptr<const QuantScheme> lm_head;
   // The `ignore` list as ReadQuantScheme compiled it (SetIgnore).
   struct IgnoreMatcher;
   std::shared_ptr<const IgnoreMatcher> ignore_matcher;
@@ -71,6 +76,11 @@ struct QuantScheme {
   // The module `prefix` is stored quantized under this scheme (false for an
   // ignored one, or one whose quantized tensors are absent).
   bool Covers(const Checkpoint& ckpt, std::string_view prefix) const;
+  // The scheme `module` is stored under: lm_head's own for "lm_head" when
+  // there is one, else this.
+  const QuantScheme& For(std::string_view module) const {
+    return lm_head != nullptr && module == "lm_head" ? *lm_head : *this;
+  }
   // The Linear's dtype it loads into: kInt4 or kInt8.
   DType dtype() const { return bits == 4 ? DType::kInt4 : DType::kInt8; }
 };

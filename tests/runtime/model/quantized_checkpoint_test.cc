@@ -23,6 +23,7 @@
 #include "bench/local_cache.h"
 #include "runtime/engine/engine.h"
 #include "runtime/model/model.h"
+#include "runtime/model/quantize_checkpoint.h"
 #include "runtime/model/quantized_weights.h"
 
 namespace mlarun {
@@ -361,6 +362,38 @@ TEST(QuantizedCheckpoint, PredictedBytesEqualLoaded) {
     // Int4 values: half a byte each, in place in the mapping.
     EXPECT_GT(keep->weight_bytes_in_place(), 0) << f.name;
   }
+}
+
+// compressed-tensors "mixed-precision": the body int4 and lm_head int8 in a
+// config group of its own, as `mlarun quantize --lm-head int8` writes it
+// (runtime/model/quantize_checkpoint.h, checked byte for byte against the
+// library by quantize_checkpoint_test).
+TEST(QuantizedCheckpoint, MixedPrecisionLmHeadHasItsOwnScheme) {
+  const fs::path out = fs::temp_directory_path() / ("mlarun_quant_mixed_" + std::to_string(getpid()));
+  fs::remove_all(out);
+  QuantizeCheckpointOptions qo;
+  qo.model_dir = Dir("v3_bf16");
+  qo.out_dir = out.string();
+  qo.dtype = DType::kInt4;
+  qo.group = 32;
+  qo.lm_head = LmHeadMode::kInt8;
+  qo.threads = 1;
+  ASSERT_TRUE(QuantizeCheckpoint(qo).ok());
+  auto s = ReadQuantScheme(out.string());
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_NE(s->lm_head, nullptr);
+  EXPECT_EQ(s->For("lm_head").bits, 8);
+  EXPECT_EQ(s->For("model.layers.1.mlp.down_proj").bits, 4);
+  const ModelConfig config = Config(out.string());
+  auto keep = Load(out.string(), config, IntWeights::kKeep);
+  auto deq = Load(out.string(), config, IntWeights::kDequantize);
+  ASSERT_TRUE(keep && deq);
+  ExpectBytes(keep->weight_bytes(), PredictWeightBytes(config, {}, WeightFormatOf(*s)), "mixed-precision");
+  // lm_head [256, 64] int8 per channel: a byte per element and a scale per row.
+  EXPECT_EQ(keep->weight_bytes().embedding_and_head, 256 * 64 * 4 + 256 * (64 + 4) + 64 * 4);
+  const auto prompts = Prompts();
+  EXPECT_LE(RelDiff(Logits(*keep, prompts), Logits(*deq, prompts)), 1e-5);
+  fs::remove_all(out);
 }
 
 // ---- Two ranks in one process ----------------------------------------------------
