@@ -200,17 +200,6 @@ bool SymmetricZeros(const GptqModule& m, int64_t g0, int64_t g1) {
   return true;
 }
 
-// 0 for checkpoint_format "gptq_v2", 1 for "gptq": QuantScheme::gptq_v2 where
-// the scheme carries it (config.json's checkpoint_format), else v1.
-template <typename Scheme>
-auto ZeroBias(const Scheme& s, int) -> decltype(s.gptq_v2, uint32_t{}) {
-  return s.gptq_v2 ? 0u : 1u;
-}
-template <typename Scheme>
-uint32_t ZeroBias(const Scheme&, long) {
-  return 1u;
-}
-
 }  // namespace
 
 StatusOr<Linear> LoadGptq(const Checkpoint& ckpt, const QuantScheme& s, const std::string& prefix, int64_t rows,
@@ -222,7 +211,7 @@ StatusOr<Linear> LoadGptq(const Checkpoint& ckpt, const QuantScheme& s, const st
   req.group = s.group > 0 ? s.group : cols;
   req.groups = (cols + req.group - 1) / req.group;
   req.r0 = r0, req.r1 = r1, req.c0 = c0, req.c1 = c1;
-  req.zero_bias = ZeroBias(s, 0);
+  req.zero_bias = s.gptq_v2 ? 0u : 1u;  // v1 stores zero points minus one
   MLARUN_ASSIGN_OR_RETURN(const GptqModule m, FindGptqModule(ckpt, s, prefix, req));
   const int64_t g0 = c0 / m.group, g1 = (c1 + m.group - 1) / m.group;
   const bool offsets = !SymmetricZeros(m, g0, g1);
