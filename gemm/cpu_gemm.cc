@@ -44,7 +44,7 @@ struct KeyHash {
     const GemmDesc& d = key.desc;
     size_t h = 0x9e3779b97f4a7c15ull;
     auto mix = [&h](int64_t v) { h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-    mix(d.m), mix(d.n), mix(d.k), mix(d.lda), mix(d.b_stride_k), mix(d.b_stride_n), mix(d.ldc);
+    mix(d.m), mix(d.n), mix(d.k), mix(d.lda), mix(d.b_stride_k), mix(d.b_stride_n), mix(d.ldc), mix(d.b_group);
     mix(static_cast<int64_t>(d.a_type) | static_cast<int64_t>(d.b_type) << 8 | static_cast<int64_t>(d.c_type) << 16 |
         static_cast<int64_t>(d.accumulate) << 24 | static_cast<int64_t>(key.impl) << 32 |
         static_cast<int64_t>(key.isa) << 40 | static_cast<int64_t>(key.bf16_dot) << 48 |
@@ -99,6 +99,7 @@ std::atomic<bool> g_onednn_enabled{true};
 bool OneDnnAllowed(const GemmDesc& d) {
   if (!g_onednn_enabled.load(std::memory_order_relaxed)) return false;
   if (d.b_type == DType::kF8E4M3) return false;  // no block-scaled e4m3 in oneDNN 2.6
+  if (IsIntWeight(d.b_type)) return false;       // nor group-scaled int8 / int4 with an fp32 A
   const CpuIsa isa = ActiveCpuIsa();
   if (d.a_type == DType::kF32) return isa >= CpuIsa::kAvx2;
   return isa == CpuIsa::kAmx || (isa == CpuIsa::kAvx512 && HostCpu().avx512_bf16);
@@ -166,6 +167,10 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
+  // int8 / int4 B: the same, decoding in registers against our packed
+  // kernel, which decodes a panel once (figures: docs/cpu-kernels.md,
+  // 'int8 and int4 weights').
+  if (IsIntWeight(d.b_type)) return 32;
   // f32: against our packed kernel on a weight from memory, the streaming
   // kernels stay faster up to 32 rows under AVX-512 and up to 8 under AVX2
   // (AVX2's 16 registers hold a 4-row tile of sums).
@@ -243,6 +248,19 @@ StatusOr<GemmImpl> ChooseGemmImpl(const GemmDesc& d, GemmImpl want) {
   return InvalidArgumentError("unknown GemmImpl value ", static_cast<int>(want));
 }
 
+// An int8 / int4 product's group scales into its kernel arguments, checked.
+Status SetIntScales(const GemmDesc& d, const GemmBScales* b_scales, cpu::GemmArgs& g) {
+  if (b_scales == nullptr || b_scales->scale == nullptr)
+    return InvalidArgumentError("an ", DTypeName(d.b_type), " product needs its group scales: ", d);
+  const int64_t groups = (d.k + d.b_group - 1) / d.b_group;
+  if (b_scales->ld < groups || b_scales->row0 < 0)
+    return InvalidArgumentError(DTypeName(d.b_type), " group scales with ld ", b_scales->ld,
+                                " (< ceil(k / group) = ", groups, ") or row0 ", b_scales->row0, " < 0 for ", d);
+  g.b_scale = b_scales->scale, g.b_scale_ld = b_scales->ld, g.b_row0 = b_scales->row0;
+  g.b_offset = b_scales->offset, g.b_group = d.b_group, g.b_zero = b_scales->zero;
+  return Status::Ok();
+}
+
 constexpr size_t kAlign = 64;
 // An fp32 A of a packed product at most this wide is read from its rows, not
 // rewritten into strips first: each strip would serve only n / NR column
@@ -310,16 +328,24 @@ struct CpuGemm::Impl {
 std::ostream& operator<<(std::ostream& os, const GemmDesc& d) {
   return os << "gemm{m=" << d.m << " n=" << d.n << " k=" << d.k << " types=" << DTypeName(d.a_type) << "x"
             << DTypeName(d.b_type) << "->" << DTypeName(d.c_type) << " lda=" << d.lda << " b_strides=(" << d.b_stride_k
-            << "," << d.b_stride_n << ") ldc=" << d.ldc << (d.accumulate ? " +=" : "") << "}";
+            << "," << d.b_stride_n << ") ldc=" << d.ldc << (d.accumulate ? " +=" : "")
+            << (IsIntWeight(d.b_type) ? " group=" + std::to_string(d.b_group) : std::string()) << "}";
 }
 
 Status ValidateGemmDesc(const GemmDesc& d) {
   if (d.m <= 0 || d.n <= 0 || d.k <= 0) return InvalidArgumentError("non-positive size in ", d);
   const bool fp8 = d.a_type == DType::kF32 && d.b_type == DType::kF8E4M3;
-  if (!fp8 && (d.a_type != d.b_type || (d.a_type != DType::kF32 && d.a_type != DType::kBF16)))
-    return InvalidArgumentError("unsupported operand types in ", d, " (both f32, both bf16, or f32 x f8_e4m3)");
-  if (fp8 && !(d.b_stride_k == 1 && d.b_stride_n >= d.k))
-    return InvalidArgumentError("an f8_e4m3 B must have k contiguous (b_stride_k == 1: a weight [n, k]) in ", d);
+  const bool int_b = d.a_type == DType::kF32 && IsIntWeight(d.b_type);
+  if (!fp8 && !int_b && (d.a_type != d.b_type || (d.a_type != DType::kF32 && d.a_type != DType::kBF16)))
+    return InvalidArgumentError("unsupported operand types in ", d,
+                                " (both f32, both bf16, or f32 x f8_e4m3, int8 or int4)");
+  if ((fp8 || int_b) && !(d.b_stride_k == 1 && d.b_stride_n >= d.k))
+    return InvalidArgumentError("an ", DTypeName(d.b_type),
+                                " B must have k contiguous (b_stride_k == 1: a weight [n, k]) in ", d);
+  if (int_b && (d.b_group <= 0 || d.b_group % 2 != 0))
+    return InvalidArgumentError("an ", DTypeName(d.b_type), " B needs a positive even group size (b_group) in ", d);
+  if (d.b_type == DType::kInt4 && d.b_stride_n % 2 != 0)
+    return InvalidArgumentError("an int4 B's rows must start on a byte (b_stride_n even) in ", d);
   if (d.c_type != DType::kF32 && d.c_type != DType::kBF16)
     return InvalidArgumentError("unsupported result type in ", d);
   if (d.accumulate && d.c_type != DType::kF32) return InvalidArgumentError("accumulation needs an f32 result in ", d);
@@ -384,7 +410,8 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
     // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
     // is); small_bn reads fp32 A.
     if (!bf16_dot && (small_bt || d.a_type == DType::kBF16))
-      a_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.k) * sizeof(float));
+      a_f32_bytes =
+          AlignUp(static_cast<size_t>(cpu::SmallBtPreparedAFloats(d.m, d.k, d.b_type, d.b_group)) * sizeof(float));
     g.impl_name_ = std::string(bf16_dot   ? "small_bt_dpbf16:"
                                : small_bt ? "small_bt:"
                                           : "small_bn:") +
@@ -458,6 +485,7 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
                                   d);
     g.b_scale = b_scales->scale, g.b_scale_ld = b_scales->ld, g.b_row0 = b_scales->row0;
   }
+  if (IsIntWeight(d.b_type)) MLARUN_RETURN_IF_ERROR(SetIntScales(d, b_scales, g));
   if (im.a_f32_bytes > 0) {  // the streaming kernels read fp32 A rows
     auto* af = reinterpret_cast<float*>(s);
     if (im.small_bt) {

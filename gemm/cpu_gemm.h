@@ -25,6 +25,12 @@
 // streaming ones for few rows (B read as stored, decoded and scaled in
 // registers: half the bytes of bf16), the packed one otherwise (a panel of B
 // decoded once). The scales come with each Run (GemmBScales).
+//
+// An int8 / int4 B (a weight with group scales, b_stride_k == 1) times an
+// fp32 A too: few rows stream the packed integers once, unpacked in
+// registers, a dot product per group scaled once per group (the offsets
+// through each group's sum of A); more rows, the packed kernel with a panel
+// of B decoded once.
 #pragma once
 
 #include <cstddef>
@@ -42,7 +48,7 @@ namespace mlarun {
 // C = A x B, or C += A x B with `accumulate`. All strides are in elements.
 struct GemmDesc {
   int64_t m = 0, n = 0, k = 0;
-  DType a_type = DType::kF32;  // A and B share one type: f32 or bf16; or f32 A and f8_e4m3 B
+  DType a_type = DType::kF32;  // A and B share one type: f32 or bf16; or f32 A and f8_e4m3, int8 or int4 B
   DType b_type = DType::kF32;
   DType c_type = DType::kF32;  // f32, or bf16 (rounded once after fp32 accumulation)
   int64_t lda = 0;             // A[i, p] at a[i * lda + p]
@@ -50,6 +56,7 @@ struct GemmDesc {
   int64_t b_stride_n = 0;      //   one of the two must be 1
   int64_t ldc = 0;             // C[i, j] at c[i * ldc + j]
   bool accumulate = false;
+  int64_t b_group = 0;  // int8 / int4 B: elements of k per scale (even; >= k: one per column)
 
   friend bool operator==(const GemmDesc&, const GemmDesc&) = default;
 };
@@ -58,10 +65,19 @@ std::ostream& operator<<(std::ostream& os, const GemmDesc& d);
 // The block scales of an f8_e4m3 B: B[p, j] = e4m3(b[j * b_stride_n + p]) *
 // scale[((row0 + j) / 128) * ld + p / 128]. `row0`: the weight row B's column
 // 0 is (a product over a column range of a weight starts inside it). A view.
+//
+// The group scales of an int8 / int4 B (GemmDesc::b_group elements of k per
+// group; runtime/ops/linear.h's contract): with q the stored integer (int8
+// signed; int4 the unsigned nibble, element 2i in the low nibble of byte i),
+// i = (row0 + j) * ld + p / b_group,
+//   B[p, j] = q * scale[i] + offset[i]   (offset set),
+//   B[p, j] = (q - zero) * scale[i]      (offset null).
 struct GemmBScales {
   const float* scale = nullptr;
   int64_t ld = 0;
   int64_t row0 = 0;
+  const float* offset = nullptr;  // int8 / int4 only; may be nullptr
+  int32_t zero = 0;               // int8 / int4 with offset null
 };
 
 // Checks a GemmDesc: positive sizes, supported types, consistent strides.
@@ -119,7 +135,7 @@ class CpuGemm {
   // must pass different `scratch` buffers of scratch_bytes() (64-byte aligned;
   // may be nullptr when scratch_bytes() is 0). Called inside an OpenMP parallel
   // region it runs on the calling thread only; outside, on all OpenMP threads.
-  // `b_scales`: required for an f8_e4m3 B, ignored otherwise.
+  // `b_scales`: required for an f8_e4m3, int8 or int4 B, ignored otherwise.
   Status Run(const void* a, const void* b, void* c, void* scratch, const GemmBScales* b_scales = nullptr) const;
 
   // Number of products prepared so far (cache misses), for diagnostics.

@@ -10,7 +10,9 @@
 // bf16 operands are read as they are stored and widened to fp32 in registers
 // (a bf16 is the upper half of an fp32: a 16-bit shift); f8_e4m3 weights too
 // (moved into binary16 bit positions and converted with F16C / AVX-512, a
-// 256-entry table in the scalar family), times their block scale. Every
+// 256-entry table in the scalar family), times their block scale; int8 and
+// int4 weights too (sign-extended, or the nibbles masked and shifted, then
+// converted), their group scale applied once per group. Every
 // product accumulates in fp32. Nothing here allocates; callers pass scratch.
 #pragma once
 
@@ -40,6 +42,16 @@ struct GemmArgs {
   // B[p, j] = e4m3(b[j * b_stride_n + p]) * b_scale[((b_row0 + j) / 128) * b_scale_ld + p / 128].
   const float* b_scale = nullptr;
   int64_t b_scale_ld = 0, b_row0 = 0;
+  // int8 / int4 B (b_stride_k == 1, b_stride_n even for int4; gemm_small_bt
+  // and gemm_packed with an fp32 A): B[p, j] = q * s + o, q the stored
+  // integer of b[j * b_stride_n + p] (int8 signed; int4 the unsigned nibble,
+  // element 2i in the low nibble of byte i), s = b_scale[(b_row0 + j) *
+  // b_scale_ld + p / b_group], o the same entry of b_offset, or -b_zero * s
+  // where b_offset is null. small_bt_prepare_a then also writes each row's
+  // sum of A per group after A (small_bt_prepared_a_floats).
+  const float* b_offset = nullptr;
+  int64_t b_group = 0;
+  int32_t b_zero = 0;
   void* c = nullptr;  // C[i, j] at c[i * ldc + j], f32 or bf16 (rounded once)
   DType c_type = DType::kF32;
   int64_t ldc = 0;
@@ -59,6 +71,7 @@ struct CpuKernels {
   // layout of the kernel's own; g.a then points at it, lda = k).
   void (*gemm_small_bt)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
   void (*small_bt_prepare_a)(const GemmArgs& g, float* out) = nullptr;
+  // (It writes SmallBtPreparedAFloats floats.)
   // The same for a bf16 A and B with AVX512-BF16 dot products (A read as it
   // is, no prepare). Present in the avx512 table; callable only when
   // HostCpu().avx512_bf16 (see UseBf16Dot).
@@ -114,6 +127,14 @@ struct CpuKernels {
   // returns a value that depends on every byte (so the reads cannot be elided).
   uint64_t (*stream_read)(const void* p, size_t bytes) = nullptr;
 };
+
+// The floats small_bt_prepare_a writes: m x k, plus m x ceil(k / b_group)
+// sums of A per group for an int8 / int4 B. (For the callers: the kernels
+// call no inline function of this header.)
+inline int64_t SmallBtPreparedAFloats(int64_t m, int64_t k, DType b_type, int64_t b_group) {
+  const bool int_b = (b_type == DType::kInt8 || b_type == DType::kInt4) && b_group > 0;
+  return m * k + (int_b ? m * ((k + b_group - 1) / b_group) : 0);
+}
 
 // Whether products may use gemm_small_bt_bf16_dot: the table has it, the CPU
 // has AVX512-BF16, and SetBf16DotAllowed did not turn it off.
