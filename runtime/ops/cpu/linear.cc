@@ -1,6 +1,7 @@
 // Linear layers on the CPU: the activations converted to the weight dtype
-// into per-thread scratch (kept fp32 for f8_e4m3 weights, which the kernels
-// decode with their block scales), then one CpuGemm product
+// into per-thread scratch (kept fp32 for f8_e4m3, int8 and int4 weights,
+// which the kernels decode with their block or group scales), then one
+// CpuGemm product
 // (gemm/cpu_gemm.h: the kernel family the CPU detection chose, or
 // oneDNN).
 #include <algorithm>
@@ -44,12 +45,12 @@ StatusOr<Product> Prepare(const LinearParams& p) {
   const Linear& w = *p.w;
   const int64_t rows = p.rows, n = p.col_end - p.col_begin;
   if (w.data == nullptr) return FailedPreconditionError("linear: weight [", w.out, ", ", w.in, "] has no data");
-  const bool fp8 = w.dtype == DType::kF8E4M3;
-  if (fp8 && w.scale == nullptr)
-    return FailedPreconditionError("linear: f8_e4m3 weight [", w.out, ", ", w.in, "] has no scales");
+  const bool scaled = w.dtype == DType::kF8E4M3 || IsIntWeight(w.dtype);
+  if (scaled && w.scale == nullptr)
+    return FailedPreconditionError("linear: ", DTypeName(w.dtype), " weight [", w.out, ", ", w.in, "] has no scales");
   Product q;
   q.rows_pad = rows <= kGemmSmallRows ? rows : (rows + kRowPad - 1) / kRowPad * kRowPad;
-  q.a_type = fp8 ? DType::kF32 : w.dtype;
+  q.a_type = scaled ? DType::kF32 : w.dtype;
   q.direct = q.rows_pad == rows && !p.accumulate;
   MLARUN_ASSIGN_OR_RETURN(q.gemm, CpuGemm::Get(GemmDesc{.m = q.rows_pad,
                                                         .n = n,
@@ -60,7 +61,8 @@ StatusOr<Product> Prepare(const LinearParams& p) {
                                                         .lda = w.in,
                                                         .b_stride_k = 1,
                                                         .b_stride_n = w.ld,
-                                                        .ldc = q.direct ? p.ldy : n},
+                                                        .ldc = q.direct ? p.ldy : n,
+                                                        .b_group = IsIntWeight(w.dtype) ? w.group : 0},
                                                p.router ? GemmImpl::kSmall : GemmImpl::kAuto));
   q.sizes.a_bytes = static_cast<size_t>(q.rows_pad * w.in) * DTypeSize(q.a_type);
   q.sizes.c_elems = q.direct ? 0 : static_cast<size_t>(q.rows_pad * n);
@@ -77,7 +79,7 @@ void LinearBufferSizes::Grow(const LinearBufferSizes& o) {
 }
 
 StatusOr<LinearBufferSizes> LinearBuffersFor(const LinearParams& p) {
-  if (p.rows == 0 || p.col_end == p.col_begin || IsIntWeight(p.w->dtype)) return LinearBufferSizes{};
+  if (p.rows == 0 || p.col_end == p.col_begin) return LinearBufferSizes{};
   MLARUN_ASSIGN_OR_RETURN(const Product q, Prepare(p));
   return q.sizes;
 }
@@ -89,34 +91,8 @@ void ReserveLinearBuffers(const LinearBufferSizes& s) {
   if (tb.scratch.size() < s.scratch_bytes) tb.scratch.resize(s.scratch_bytes);
 }
 
-// int8 / int4 weights: a reference path (a chunk of weight rows dequantized
-// to fp32, then plain dot products). Correct on every CPU; the kernels of
-// gemm/cpu replace it.
-Status ApplyIntLinear(const LinearParams& p) {
-  const Linear& w = *p.w;
-  constexpr int64_t kChunk = 16;
-  thread_local std::vector<float> wbuf;
-  if (wbuf.size() < static_cast<size_t>(kChunk * w.in)) wbuf.resize(static_cast<size_t>(kChunk * w.in));
-  for (int64_t j0 = p.col_begin; j0 < p.col_end; j0 += kChunk) {
-    const int64_t nj = std::min(kChunk, p.col_end - j0);
-    for (int64_t j = 0; j < nj; ++j) w.DequantizeRow(j0 + j, 0, w.in, wbuf.data() + j * w.in);
-    for (int64_t r = 0; r < p.rows; ++r) {
-      const float* x = p.x + r * p.ldx;
-      float* y = p.y + r * p.ldy + (j0 - p.col_begin);
-      for (int64_t j = 0; j < nj; ++j) {
-        const float* b = wbuf.data() + j * w.in;
-        float sum = 0;
-        for (int64_t c = 0; c < w.in; ++c) sum += x[c] * b[c];
-        y[j] = p.accumulate ? y[j] + sum : sum;
-      }
-    }
-  }
-  return Status::Ok();
-}
-
 Status ApplyLinear(const LinearParams& p) {
   const Linear& w = *p.w;
-  if (IsIntWeight(w.dtype)) return ApplyIntLinear(p);
   const int64_t rows = p.rows, col_begin = p.col_begin, n = p.col_end - p.col_begin;
   const float* x = p.x;
   float* y = p.y;
@@ -124,16 +100,16 @@ Status ApplyLinear(const LinearParams& p) {
   MLARUN_ASSIGN_OR_RETURN(const Product q, Prepare(p));
   ReserveLinearBuffers(q.sizes);
   ThreadBuffers& tb = Buffers();
-  // A: the activations in the weight dtype (fp32 for fp8), padded rows zeroed.
+  // A: the activations in the weight dtype (fp32 for fp8 and int), padded rows zeroed.
   const size_t es = DTypeSize(q.a_type);
   for (int64_t r = 0; r < rows; ++r)
     StoreFromF32(x + r * p.ldx, tb.a.data() + r * w.in * static_cast<int64_t>(es), q.a_type, w.in);
   std::memset(tb.a.data() + rows * w.in * static_cast<int64_t>(es), 0,
               static_cast<size_t>((q.rows_pad - rows) * w.in) * es);
   const std::byte* b = w.row(col_begin);
-  // The product's column 0 is weight row col_begin: its block row of scales.
-  const GemmBScales scales{.scale = w.scale, .ld = w.scale_ld, .row0 = col_begin};
-  const GemmBScales* sc = w.dtype == DType::kF8E4M3 ? &scales : nullptr;
+  // The product's column 0 is weight row col_begin: its (block) row of scales.
+  const GemmBScales scales{.scale = w.scale, .ld = w.scale_ld, .row0 = col_begin, .offset = w.offset, .zero = w.zero};
+  const GemmBScales* sc = w.dtype == DType::kF8E4M3 || IsIntWeight(w.dtype) ? &scales : nullptr;
   if (q.direct) return q.gemm->Run(tb.a.data(), b, y, tb.scratch.data(), sc);
   MLARUN_RETURN_IF_ERROR(q.gemm->Run(tb.a.data(), b, tb.c.data(), tb.scratch.data(), sc));
   for (int64_t r = 0; r < rows; ++r) {
