@@ -167,10 +167,11 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
   // oneDNN; the streaming kernels decode B once per group of rows.
   if (d.b_type == DType::kF8E4M3) return 32;
-  // int8 / int4 B: the same, decoding in registers against our packed
-  // kernel, which decodes a panel once (figures: docs/cpu-kernels.md,
+  // int8 / int4 B: decoding in registers against our packed kernel, which
+  // decodes a panel once: under AVX2 even at 12-16 rows, the packed kernel
+  // faster from 24; elsewhere as f8_e4m3 (figures: docs/cpu-kernels.md,
   // 'int8 and int4 weights').
-  if (IsIntWeight(d.b_type)) return 32;
+  if (IsIntWeight(d.b_type)) return ActiveCpuIsa() == CpuIsa::kAvx2 ? 16 : 32;
   // f32: against our packed kernel on a weight from memory, the streaming
   // kernels stay faster up to 32 rows under AVX-512 and up to 8 under AVX2
   // (AVX2's 16 registers hold a 4-row tile of sums).
