@@ -328,28 +328,43 @@ void DescribeText(DecodeRun& run) {
 Status WeightStreamingSection(DecodeRun& run) {
   std::ostream& table = run.table;
   // bf16 weights against the fp8 the DeepSeek-V3 release ships (docs/fp8-weights.md): the same values, at
-  // decode's row counts, on a [n, 7168] weight (V3's hidden size) of 512 MiB in bf16.
+  // decode's row counts, on a [n, 7168] weight (V3's hidden size) of 512 MiB in bf16; and int8 / int4
+  // weights of that shape (docs/quantized-weights.md).
   MLARUN_ASSIGN_OR_RETURN(const WeightStreaming ws,
                           MeasureWeightStreaming(7168, int64_t{512} << 20, {1, 2, 4, 8, 16, 32},
                                                  Timing{.repetitions = 5, .min_time_s = 0.2}));
   Json rows = Json::array();
   table << "  weight streaming, one [" << ws.n << ", " << ws.k << "] weight (bf16 " << (ws.bf16_bytes >> 20)
-        << " MiB, fp8 " << (ws.fp8_bytes >> 20)
-        << " MiB with its scales), median of 5 (weight GB/s, time fp8 / bf16):\n";
+        << " MiB, fp8 " << (ws.fp8_bytes >> 20) << " MiB with its scales; int8 " << (ws.int8_bytes >> 20)
+        << " MiB and int4 " << (ws.int4_bytes >> 20)
+        << " MiB in groups of 128, with scales, int4 with offsets), median of 5 (weight GB/s, time x / bf16):\n";
   for (const WeightStreamRow& r : ws.rows) {
     table << "    rows " << r.rows << ": bf16 " << Fmt(r.bf16_gb_per_s, 1) << " GB/s (" << r.bf16_impl << "), fp8 "
-          << Fmt(r.fp8_gb_per_s, 1) << " GB/s (" << r.fp8_impl << "), time ratio " << Fmt(r.fp8_ms / r.bf16_ms, 2)
-          << "\n";
+          << Fmt(r.fp8_gb_per_s, 1) << " GB/s (" << r.fp8_impl << ") ratio " << Fmt(r.fp8_ms / r.bf16_ms, 2)
+          << ", int8 " << Fmt(r.int8_gb_per_s, 1) << " GB/s (" << r.int8_impl << ") ratio "
+          << Fmt(r.int8_ms / r.bf16_ms, 2) << ", int4 " << Fmt(r.int4_gb_per_s, 1) << " GB/s (" << r.int4_impl
+          << ") ratio " << Fmt(r.int4_ms / r.bf16_ms, 2) << "\n";
     rows.push_back({{"rows", r.rows},
                     {"bf16_ms", r.bf16_ms},
                     {"fp8_ms", r.fp8_ms},
+                    {"int8_ms", r.int8_ms},
+                    {"int4_ms", r.int4_ms},
                     {"bf16_gb_per_s", r.bf16_gb_per_s},
                     {"fp8_gb_per_s", r.fp8_gb_per_s},
+                    {"int8_gb_per_s", r.int8_gb_per_s},
+                    {"int4_gb_per_s", r.int4_gb_per_s},
                     {"bf16_impl", r.bf16_impl},
-                    {"fp8_impl", r.fp8_impl}});
+                    {"fp8_impl", r.fp8_impl},
+                    {"int8_impl", r.int8_impl},
+                    {"int4_impl", r.int4_impl}});
   }
-  run.doc["weight_streaming"] = {
-      {"n", ws.n}, {"k", ws.k}, {"bf16_bytes", ws.bf16_bytes}, {"fp8_bytes", ws.fp8_bytes}, {"rows", rows}};
+  run.doc["weight_streaming"] = {{"n", ws.n},
+                                 {"k", ws.k},
+                                 {"bf16_bytes", ws.bf16_bytes},
+                                 {"fp8_bytes", ws.fp8_bytes},
+                                 {"int8_bytes", ws.int8_bytes},
+                                 {"int4_bytes", ws.int4_bytes},
+                                 {"rows", rows}};
   return Status::Ok();
 }
 

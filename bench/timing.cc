@@ -172,6 +172,50 @@ StatusOr<ReadBandwidth> BandwidthProbe::Best(int passes) {
   return best;
 }
 
+namespace {
+
+// A [n, k] int8 (symmetric) or int4 (with offsets) weight in groups of 128:
+// hashed integers, scales 2^-9 .. 2^-6 (either sign), offsets of a few
+// scales.
+Linear RandomIntWeight(int64_t n, int64_t k, DType dtype, bool offsets) {
+  Linear w = Linear::Owned(n, k, dtype, 128, offsets);
+  if (w.mutable_data() == nullptr) return w;
+  auto* d = reinterpret_cast<uint8_t*>(w.mutable_data());
+  const int64_t row_bytes = DTypeBytes(dtype, w.ld);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < row_bytes; ++c)
+      d[r * row_bytes + c] =
+          static_cast<uint8_t>(((static_cast<uint64_t>(r * row_bytes + c) + 1) * 0x9e3779b97f4a7c15ull) >> 56);
+    for (int64_t g = 0; g < w.scale_ld; ++g) {
+      const int64_t i = r * w.scale_ld + g;
+      w.mutable_scale()[i] = std::ldexp(i % 5 == 0 ? -1.0f : 1.0f, -9 + static_cast<int>(i % 4));
+      if (offsets) w.mutable_offset()[i] = -static_cast<float>(i % 11) * w.mutable_scale()[i];
+    }
+  }
+  return w;
+}
+
+// y (m rows of n) of `w` against float64 from Linear::At on a few columns.
+Status CheckIntColumns(const Linear& w, const std::vector<float>& x, const std::vector<float>& y, int64_t m) {
+  const int64_t n = w.out, k = w.in;
+  for (int64_t j = 0; j < n; j += n / 7 + 1)
+    for (int64_t r = 0; r < m; ++r) {
+      double want = 0, mag = 0;
+      for (int64_t c = 0; c < k; ++c) {
+        const double v = static_cast<double>(x[static_cast<size_t>(r * k + c)]) * w.At(j, c);
+        want += v, mag += std::abs(v);
+      }
+      const double got = y[static_cast<size_t>(r * n + j)];
+      if (!(std::abs(got - want) <= 1e-4 * mag))
+        return InternalError("weight streaming: the ", DTypeName(w.dtype), " product's y[", r, "][", j, "] is ", got,
+                             ", float64 gives ", want);
+    }
+  return Status::Ok();
+}
+
+}  // namespace
+
 StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, const std::vector<int64_t>& rows,
                                                  const Timing& t) {
   WeightStreaming ws;
@@ -198,9 +242,15 @@ StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, 
       codes[r * k + c] = code;
       h[r * k + c] = FloatToBf16(E4M3ToFloat(code) * scales[Fp8ScaleIndex(r, c, f8.scale_ld)]);
     }
+  Linear i8 = RandomIntWeight(n, k, DType::kInt8, /*offsets=*/false);
+  Linear i4 = RandomIntWeight(n, k, DType::kInt4, /*offsets=*/true);
+  if (i8.mutable_data() == nullptr || i4.mutable_data() == nullptr)
+    return ResourceExhaustedError("weight streaming: cannot allocate a [", n, ", ", k, "] int8 and int4 weight");
+  ws.int8_bytes = i8.bytes();
+  ws.int4_bytes = i4.bytes();
   const int64_t max_rows = rows.empty() ? 1 : *std::max_element(rows.begin(), rows.end());
   std::vector<float> x(static_cast<size_t>(max_rows * k)), y8(static_cast<size_t>(max_rows * n)),
-      y16(static_cast<size_t>(max_rows * n));
+      y16(static_cast<size_t>(max_rows * n)), yi(static_cast<size_t>(max_rows * n));
   for (size_t i = 0; i < x.size(); ++i) x[i] = 0.5f + static_cast<float>((i * 2654435761u) >> 28) / 16.f;
   for (int64_t m : rows) {
     if (m < 1) return InvalidArgumentError("weight streaming: rows must be positive, got ", m);
@@ -221,7 +271,11 @@ StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, 
     if (!(worst <= 1e-2 * scale))
       return InternalError("weight streaming: the fp8 and bf16 products differ by ", worst, " (scale ", scale, ") at ",
                            m, " rows");
-    for (DType dt : {DType::kBF16, DType::kF8E4M3}) {
+    MLARUN_RETURN_IF_ERROR(run(i8, yi));
+    MLARUN_RETURN_IF_ERROR(CheckIntColumns(i8, x, yi, m));
+    MLARUN_RETURN_IF_ERROR(run(i4, yi));
+    MLARUN_RETURN_IF_ERROR(CheckIntColumns(i4, x, yi, m));
+    for (DType dt : {DType::kBF16, DType::kF8E4M3, DType::kInt8, DType::kInt4}) {
       const GemmDesc d{.m = m,
                        .n = n,
                        .k = k,
@@ -231,14 +285,24 @@ StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, 
                        .lda = k,
                        .b_stride_k = 1,
                        .b_stride_n = k,
-                       .ldc = n};
+                       .ldc = n,
+                       .b_group = IsIntWeight(dt) ? 128 : 0};
       MLARUN_ASSIGN_OR_RETURN(auto g, CpuGemm::Get(d));
-      (dt == DType::kBF16 ? row.bf16_impl : row.fp8_impl) = g->impl_name();
+      (dt == DType::kBF16   ? row.bf16_impl
+       : dt == DType::kInt8 ? row.int8_impl
+       : dt == DType::kInt4 ? row.int4_impl
+                            : row.fp8_impl) = g->impl_name();
     }
     MLARUN_ASSIGN_OR_RETURN(row.bf16_ms, TimeMs(
                                              "weights_bf16", [&] { return run(b16, y16); }, t));
     MLARUN_ASSIGN_OR_RETURN(row.fp8_ms, TimeMs(
                                             "weights_fp8", [&] { return run(f8, y8); }, t));
+    MLARUN_ASSIGN_OR_RETURN(row.int8_ms, TimeMs(
+                                             "weights_int8", [&] { return run(i8, yi); }, t));
+    MLARUN_ASSIGN_OR_RETURN(row.int4_ms, TimeMs(
+                                             "weights_int4", [&] { return run(i4, yi); }, t));
+    row.int8_gb_per_s = static_cast<double>(ws.int8_bytes) / (row.int8_ms * 1e-3) * 1e-9;
+    row.int4_gb_per_s = static_cast<double>(ws.int4_bytes) / (row.int4_ms * 1e-3) * 1e-9;
     row.bf16_gb_per_s = static_cast<double>(ws.bf16_bytes) / (row.bf16_ms * 1e-3) * 1e-9;
     row.fp8_gb_per_s = static_cast<double>(ws.fp8_bytes) / (row.fp8_ms * 1e-3) * 1e-9;
     ws.rows.push_back(row);

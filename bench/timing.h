@@ -96,15 +96,19 @@ class BandwidthProbe {
 // through LinearRun on all OpenMP threads, the two results checked against
 // each other first. GB/s: the weight's bytes (fp8: e4m3 + scales) over the
 // median time; few rows are bound by reading them, so fp8 should approach
-// twice bf16's rows per second.
+// twice bf16's rows per second. Beside them, a weight of the same shape as
+// int8 (symmetric) and as int4 (with offsets), both in groups of 128 along
+// k, random integers and scales, each checked on some of its columns
+// against float64 first; their bytes are the packed integers, the scales
+// and the offsets.
 struct WeightStreamRow {
   int64_t rows = 0;
-  double bf16_ms = 0, fp8_ms = 0;
-  double bf16_gb_per_s = 0, fp8_gb_per_s = 0;
-  std::string bf16_impl, fp8_impl;  // CpuGemm::impl_name of each product
+  double bf16_ms = 0, fp8_ms = 0, int8_ms = 0, int4_ms = 0;
+  double bf16_gb_per_s = 0, fp8_gb_per_s = 0, int8_gb_per_s = 0, int4_gb_per_s = 0;
+  std::string bf16_impl, fp8_impl, int8_impl, int4_impl;  // CpuGemm::impl_name of each product
 };
 struct WeightStreaming {
-  int64_t n = 0, k = 0, bf16_bytes = 0, fp8_bytes = 0;
+  int64_t n = 0, k = 0, bf16_bytes = 0, fp8_bytes = 0, int8_bytes = 0, int4_bytes = 0;
   std::vector<WeightStreamRow> rows;
 };
 StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, const std::vector<int64_t>& rows,
