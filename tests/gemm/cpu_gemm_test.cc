@@ -376,5 +376,80 @@ TEST(CpuGemm, RejectsBadDescriptions) {
   EXPECT_EQ(CpuGemm::Get(bad).status().code(), StatusCode::kInvalidArgument);
 }
 
+// int8 / int4 B (a weight [n, k] with ld > k, group scales from row0 on, a
+// short last group, offsets or a zero point) through each of our
+// implementations at any row count, against float64 decoded here.
+TEST(CpuGemm, IntWeightsOnEveryImplementationAnyRows) {
+  const int64_t n = 37, k = 200, ld = 210, group = 64, groups = 4, row0 = 2, scale_ld = 5;
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<uint8_t> b(static_cast<size_t>(n * ld));
+  for (uint8_t& v : b) v = static_cast<uint8_t>(rng());
+  std::vector<float> scale(static_cast<size_t>((row0 + n) * scale_ld)), offset(scale.size());
+  for (size_t i = 0; i < scale.size(); ++i) scale[i] = 0.01f * u(rng), offset[i] = 0.1f * u(rng);
+  for (DType dt : {DType::kInt8, DType::kInt4})
+    for (bool offsets : {false, true}) {
+      const int32_t zero = dt == DType::kInt4 ? 8 : 0;
+      const GemmBScales sc{.scale = scale.data(),
+                           .ld = scale_ld,
+                           .row0 = row0,
+                           .offset = offsets ? offset.data() : nullptr,
+                           .zero = zero};
+      auto w = [&](int64_t j, int64_t p) {  // B[p, j]
+        const int64_t bytes = dt == DType::kInt4 ? ld / 2 : ld;
+        const uint8_t v = b[static_cast<size_t>(j * bytes + (dt == DType::kInt4 ? p / 2 : p))];
+        const double q = dt == DType::kInt4 ? (p % 2 ? v >> 4 : v & 15) : static_cast<int8_t>(v);
+        const size_t i = static_cast<size_t>((row0 + j) * scale_ld + p / group);
+        return offsets ? q * scale[i] + offset[i] : (q - zero) * scale[i];
+      };
+      for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked})
+        for (int64_t m : {1, 2, 3, 5, 40}) {
+          GemmDesc d = Product(DType::kF32, m, n, k);
+          d.b_type = dt, d.b_stride_n = ld, d.b_group = group, d.accumulate = true;
+          auto g = CpuGemm::Get(d, impl);
+          ASSERT_TRUE(g.ok()) << g.status();
+          std::vector<float> a(static_cast<size_t>(m * k)), c(static_cast<size_t>(m * n));
+          for (float& v : a) v = u(rng);
+          for (float& v : c) v = u(rng);
+          std::vector<double> want(c.begin(), c.end());
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < n; ++j)
+              for (int64_t p = 0; p < k; ++p)
+                want[static_cast<size_t>(i * n + j)] += a[static_cast<size_t>(i * k + p)] * w(j, p);
+          std::vector<std::byte> scratch((*g)->scratch_bytes());
+          ASSERT_TRUE((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &sc).ok());
+          double err = 0;
+          for (size_t i = 0; i < c.size(); ++i) err = std::max(err, std::abs(c[i] - want[i]));
+          EXPECT_LT(err, 1e-4) << (*g)->impl_name() << " " << d << (offsets ? " offsets" : " zero");
+          EXPECT_EQ((*g)->Run(a.data(), b.data(), c.data(), scratch.data()).code(), StatusCode::kInvalidArgument);
+          GemmBScales narrow = sc;
+          narrow.ld = groups - 1;
+          EXPECT_EQ((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &narrow).code(),
+                    StatusCode::kInvalidArgument);
+        }
+    }
+}
+
+TEST(CpuGemm, RejectsBadIntDescriptions) {
+  GemmDesc ok = Product(DType::kF32, 4, 8, 64);
+  ok.b_type = DType::kInt4, ok.b_group = 32;
+  EXPECT_TRUE(CpuGemm::Get(ok).ok());
+  GemmDesc bad = ok;
+  bad.b_group = 0;
+  EXPECT_EQ(CpuGemm::Get(bad).status().code(), StatusCode::kInvalidArgument);
+  bad.b_group = 33;
+  EXPECT_EQ(CpuGemm::Get(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = ok;
+  bad.b_stride_n = 65;
+  EXPECT_EQ(CpuGemm::Get(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = ok;
+  bad.a_type = DType::kBF16;
+  EXPECT_EQ(CpuGemm::Get(bad).status().code(), StatusCode::kInvalidArgument);
+  bad = Product(DType::kF32, 4, 8, 64, /*fold=*/true);
+  bad.b_type = DType::kInt8, bad.b_group = 32;
+  EXPECT_EQ(CpuGemm::Get(bad).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(CpuGemm::Get(ok, GemmImpl::kOneDnn).status().code(), StatusCode::kInternal);
+}
+
 }  // namespace
 }  // namespace mlarun
