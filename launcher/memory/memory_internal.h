@@ -25,12 +25,6 @@ StatusOr<ModelConfig> LoadMemoryModel(const std::string& path, const std::string
 Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string& text, std::ostream& out);
 // "" (what mlarun holds), bf16, fp32, fp8, int8, int4.
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name);
-// What "" means for `path`: for a checkpoint directory, the integer format
-// its config.json's quantization_config names (as the loader keeps it:
-// WeightFormatOf), or f8_e4m3 when its projections are stored F8_E4M3
-// (loading keeps them so); else no projection dtype (the config's weight
-// dtype). Errors: a quantization_config the loader would refuse.
-StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path);
 // --weight-dtype and --group-size, or the checkpoint's format when
 // --weight-dtype is "".
 StatusOr<WeightFormat> MemoryWeightFormat(const MemoryOptions& o);

@@ -177,7 +177,7 @@ void CompareRank(const MemoryOptions& opt, const ModelConfig& c, const ParallelL
   if (k.projection_dtype() == DTypeName(DType::kF8E4M3)) {
     format.projection_dtype = DType::kF8E4M3;
   } else if (!k.projection_dtype().empty()) {
-    auto f = memory_internal::CheckpointWeightFormat(opt.model);
+    auto f = CheckpointWeightFormat(opt.model);
     if (f.ok()) format = *f;
   }
   p.weights = PredictWeightBytes(c, shard, format);

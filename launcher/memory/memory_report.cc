@@ -47,22 +47,6 @@ Status Emit(const MemoryOptions& opt, const std::string& doc, const std::string&
   return Status::Ok();
 }
 
-StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_directory(path, ec)) return WeightFormat{};  // a config.json or YAML: no weights to look at
-  if (std::filesystem::exists(std::filesystem::path(path) / "config.json", ec)) {
-    MLARUN_ASSIGN_OR_RETURN(const QuantScheme s, ReadQuantScheme(path));
-    if (s.format != QuantFormat::kNone) return WeightFormatOf(s);
-  }
-  auto ckpt = Checkpoint::Open(path);  // maps the files and reads their headers only
-  if (!ckpt.ok()) return WeightFormat{};
-  // Every DeepSeek layer has kv_a; the release stores all its projections
-  // alike, and the loader keeps them fp8 (Fp8Weights::kKeep, the default).
-  const TensorRef* t = (*ckpt)->Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
-  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return WeightFormat{};
-  return WeightFormat{.projection_dtype = DType::kF8E4M3};
-}
-
 StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
   if (name.empty()) return std::optional<DType>();
   if (name == "fp8" || name == "f8_e4m3" || name == "e4m3") return std::optional<DType>(DType::kF8E4M3);

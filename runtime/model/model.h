@@ -150,6 +150,12 @@ struct WeightFormat {
 // What loading a checkpoint of quantization scheme `s` holds (kNone: no
 // integer projections; an fp8 checkpoint is known by its tensors' dtype).
 WeightFormat WeightFormatOf(const QuantScheme& s);
+// How the loader holds the projections of the checkpoint at `path` by
+// default: its integer scheme (config.json's quantization_config), f8_e4m3
+// when it stores them F8_E4M3 (Fp8Weights::kKeep), else config.weight_dtype
+// (also for a YAML or config.json path: no weights to look at). Reads
+// config.json and the safetensors headers only.
+StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path);
 // PredictWeightBytes for projections held as `f` says; with kInt8 / kInt4,
 // each quantized matrix as the loader keeps it (Linear::bytes): packed
 // values, rows x ceil(cols / group) fp32 scales, as many offsets when

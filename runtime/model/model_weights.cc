@@ -531,6 +531,22 @@ WeightFormat WeightFormatOf(const QuantScheme& q) {
   return f;
 }
 
+StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return WeightFormat{};  // a config.json or YAML: no weights to look at
+  if (std::filesystem::exists(std::filesystem::path(path) / "config.json", ec)) {
+    MLARUN_ASSIGN_OR_RETURN(const QuantScheme s, ReadQuantScheme(path));
+    if (s.format != QuantFormat::kNone) return WeightFormatOf(s);
+  }
+  auto ckpt = Checkpoint::Open(path);  // maps the files and reads their headers only
+  if (!ckpt.ok()) return WeightFormat{};
+  // Every DeepSeek layer has kv_a; the release stores all its projections
+  // alike, and the loader keeps them fp8 (Fp8Weights::kKeep, the default).
+  const TensorRef* t = (*ckpt)->Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
+  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return WeightFormat{};
+  return WeightFormat{.projection_dtype = DType::kF8E4M3};
+}
+
 namespace {
 
 // The bytes one matrix of [rows, cols] takes as this rank holds it, its slice

@@ -111,7 +111,11 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
     MLARUN_RETURN_IF_ERROR(ValidateModelConfig(c));
   }
   MLARUN_RETURN_IF_ERROR(ValidateModelShard(lm.config, shard));
-  lm.predicted = PredictWeightBytes(lm.config, shard);
+  // As the loader will hold the checkpoint's projections (fp8 kept unless
+  // --fp8-weights dequantize; int8 / int4 as stored).
+  MLARUN_ASSIGN_OR_RETURN(WeightFormat format, CheckpointWeightFormat(spec.model));
+  if (format.projection_dtype == DType::kF8E4M3 && spec.fp8_weights == "dequantize") format = WeightFormat{};
+  lm.predicted = PredictWeightBytes(lm.config, shard, format);
   if (lm.predicted.total() > spec.max_weight_bytes)
     return ResourceExhaustedError("the model's weights would take ", lm.predicted.total() >> 20, " MiB (limit ",
                                   spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
