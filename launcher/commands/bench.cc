@@ -1,11 +1,12 @@
-// `mlarun bench attention|decode|memory|gemm|comm|serve|tokenize`: the
-// benchmarks of bench/, one subcommand each.
+// `mlarun bench attention|decode|accuracy|memory|gemm|comm|serve|tokenize`:
+// the benchmarks of bench/, one subcommand each.
 #include <omp.h>
 
 #include <cstdio>
 #include <iostream>
 #include <memory>
 
+#include "bench/accuracy_bench.h"
 #include "bench/attention_bench.h"
 #include "bench/comm_bench.h"
 #include "bench/decode_bench.h"
@@ -107,6 +108,37 @@ void AddBenchDecode(CLI::App* bench, CommandTable& table) {
       return 1;
     }
     return 0;
+  });
+}
+
+void AddBenchAccuracy(CLI::App* bench, CommandTable& table) {
+  struct Flags {
+    AccuracyBenchOptions ab;
+    int threads = 0;
+  };
+  auto f = std::make_shared<Flags>();
+  AccuracyBenchOptions& ab = f->ab;
+  auto* acc = bench->add_subcommand(
+      "accuracy", "Logits of models (and llama.cpp logits files) against a reference model's, on the same ids");
+  acc->add_option("--model", ab.models, "Checkpoint directory or configs/models/*.yaml to compare (repeatable)");
+  acc->add_option("--reference", ab.reference, "The reference model (e.g. the bf16 checkpoint)");
+  acc->add_option("--positions", ab.positions, "Positions compared (random ids)")->capture_default_str();
+  acc->add_option("--sequence-length", ab.sequence_length, "Tokens per sequence (each from an empty cache)")
+      ->capture_default_str();
+  acc->add_option("--seed", ab.seed, "Seed of the random ids")->capture_default_str();
+  acc->add_option("--llama-logits", ab.llama_logits,
+                  "Logits file of bench/llama_logits.cpp (with FILE.ids) to compare (repeatable)");
+  acc->add_option("--write-ids", ab.write_ids, "Write the run's ids to this file (for llama_logits) and stop");
+  acc->add_option("--threads", f->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  acc->add_flag("--json", ab.json, "One JSON document on stdout (the table goes to stderr)");
+  table.Add(acc, [f](ProcessArgs) {
+    const Status valid = ValidateAccuracyOptions(f->ab);
+    if (!valid.ok()) {
+      std::fprintf(stderr, "mlarun bench accuracy: %s\n", valid.message().c_str());
+      return 2;
+    }
+    if (f->threads > 0) omp_set_num_threads(f->threads);
+    return ExitStatus("bench accuracy", RunAccuracyBench(f->ab, std::cout, std::cerr));
   });
 }
 
@@ -234,6 +266,7 @@ void AddBenchCommands(CLI::App& app, CommandTable& table) {
   bench->require_subcommand(1);
   AddBenchAttention(bench, table);
   AddBenchDecode(bench, table);
+  AddBenchAccuracy(bench, table);
   AddBenchMemory(bench, table);
   AddBenchGemm(bench, table);
   AddBenchComm(bench, table);
