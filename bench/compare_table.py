@@ -120,7 +120,10 @@ if E["QUICK"] == "1":
     print()
 print(f"* CPU: {E['CPU_MODEL']} ({E['CPU_FLAGS']}), {E['THREADS']} threads for both")
 print(f"* Model: random weights at DeepSeek-V2-Lite widths, {layers} layers ({moe} MoE, 64 routed experts, top-6); "
-      f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion")
+      + (f"mlarun reads the {dtype} safetensors checkpoint, llama.cpp its {E['GGUF_TYPE']} GGUF conversion"
+         if dtype in ("bf16", "f32") else
+         f"mlarun reads a copy of the bf16 safetensors checkpoint in {dtype}, llama.cpp the BF16 GGUF conversion "
+         f"quantized to {E['GGUF_TYPE']} by llama-quantize"))
 print(f"* mlarun {E['MLARUN_REV']} (binary {E['MLARUN']}, built {E['MLARUN_BUILT']}), weights {doc0.get('weight_dtype')}, latent cache {doc0.get('kv_dtype')}; "
       f"llama.cpp {lb0.get('build_commit', '?')} from llama-cpp-python {E['LLAMA_PKG_VERSION']}, "
       f"KV cache {lb0.get('type_k', '?')}/{lb0.get('type_v', '?')}, "

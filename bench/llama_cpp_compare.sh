@@ -12,9 +12,19 @@
 # Idempotent: every step whose output exists is skipped. See bench/README.md.
 #
 # Usage: bench/llama_cpp_compare.sh [--out FILE] [--rounds N] [--threads T] [--layers N]
-#            [--dtype bf16|f32] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
+#            [--dtype bf16|f32|fp8|int8|int4] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
 #            [--seed S] [--llama-load-mode auto|none|mmap|mlock|mmap+mlock] [--isa native|avx2]
 #            [--page-cache huge|as-is] [--table RUN_DIR]
+#            [--accuracy [--positions N] [--sequence-length L]]
+# --dtype fp8|int8|int4: mlarun loads a copy of the bf16 checkpoint with its
+# decoder projections in that format (fp8: 128 x 128 blocks as DeepSeek-V3
+# stores them; int8 / int4: `mlarun quantize --format int8|int4`), llama.cpp
+# the BF16 GGUF quantized by llama-quantize (fp8 and int8: Q8_0, int4: Q4_K_M).
+# --accuracy (bench/accuracy_compare.sh): instead of timing, compares logits
+# with those of mlarun on the bf16 checkpoint, on the same random ids
+# (`mlarun bench accuracy`, bench/llama_logits.cpp): mlarun fp8 / int8 / int4
+# (each where it can be made) and llama.cpp F32 / Q8_0 / Q4_K_M (from the F32
+# GGUF); prints one markdown table.
 # --table RUN_DIR: print the table of an earlier run again (from its raw
 # outputs and RUN_DIR/table.env), run nothing.
 # --isa avx2: both sides as on a CPU with AVX2 and FMA only, on a machine that
@@ -50,6 +60,9 @@ TABLE_FROM=""
 TABLE_VARS=(MLARUN MLARUN_BUILT RECLAIM_NOTE PAGE_CACHE LLAMA_LOAD_MODE RUN ROUNDS THREADS LAYERS DTYPE GGUF_TYPE CPU_MODEL CPU_FLAGS MLARUN_REV LLAMA_PKG_VERSION TG DEPTH PP BCTX BTG BATCHES QUICK CKPT GGUF)
 # Pin the llama-cpp-python release (and so the llama.cpp it vendors); empty: the newest on PyPI.
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"
+ACCURACY=0
+POSITIONS=1024
+SEQ_LEN=256
 
 usage() { sed -n '2,/^set -E/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
 
@@ -69,6 +82,9 @@ while [ $# -gt 0 ]; do
     --table) TABLE_FROM="${2:?--table needs a run folder}"; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --quick) QUICK=1; shift ;;
+    --accuracy) ACCURACY=1; shift ;;
+    --positions) POSITIONS="${2:?--positions needs a value}"; shift 2 ;;
+    --sequence-length) SEQ_LEN="${2:?--sequence-length needs a value}"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "llama_cpp_compare: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
@@ -85,7 +101,10 @@ if [ -n "$TABLE_FROM" ]; then
   exit "${PIPESTATUS[0]}"
 fi
 case "$PAGE_CACHE" in huge|as-is) ;; *) die "--page-cache must be huge or as-is, got '$PAGE_CACHE'" ;; esac
-case "$DTYPE" in bf16|f32) ;; float32) DTYPE=f32 ;; *) die "--dtype must be bf16 or f32, got '$DTYPE'" ;; esac
+case "$DTYPE" in bf16|f32|fp8|int8|int4) ;; float32) DTYPE=f32 ;; *) die "--dtype must be bf16, f32, fp8, int8 or int4, got '$DTYPE'" ;; esac
+# The checkpoint made first: fp8 / int8 / int4 are made from the bf16 one.
+BASE_DTYPE=$([ "$DTYPE" = f32 ] && echo f32 || echo bf16)
+[ "$ACCURACY" = 1 ] && [ "$BASE_DTYPE" != bf16 ] && die "--accuracy compares with the bf16 checkpoint: leave --dtype out"
 case "$ISA" in
   native) LLAMA_ISA_FLAGS=(-DGGML_NATIVE=ON); LLAMA_ISA_SUFFIX="" ;;
   avx2) LLAMA_ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
@@ -203,13 +222,22 @@ if [ ! -x "$LB" ] || [ ! -x "$LBB" ]; then
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_EXAMPLES=ON
   echo "   building (the llama.cpp build takes a while on few cores; log: $LOGS/llama-build.log)" >&2
-  run "$LOGS/llama-build.log" cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench llama-simple
+  run "$LOGS/llama-build.log" cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-bench llama-batched-bench llama-simple llama-quantize
 fi
-if [ ! -x "$GREEDY" ] || [ "$BENCH/llama_greedy.cpp" -nt "$GREEDY" ]; then
-  [ "$SKIP_BUILD" = 1 ] && [ ! -x "$GREEDY" ] && die "--skip-build, but $GREEDY is missing"
-  run "$LOGS/llama-greedy-build.log" "${CXX:-g++}" -O2 -std=c++17 "$BENCH/llama_greedy.cpp" -o "$GREEDY" \
-    -I"$LLAMA_SRC/include" -I"$LLAMA_SRC/ggml/include" -L"$LLAMA_BUILD/bin" -lllama -Wl,-rpath,"$LLAMA_BUILD/bin"
+LQUANT="$LLAMA_BUILD/bin/llama-quantize"
+if [ ! -x "$LQUANT" ]; then
+  [ "$SKIP_BUILD" = 1 ] && die "--skip-build, but $LQUANT is missing"
+  run "$LOGS/llama-quantize-build.log" cmake --build "$LLAMA_BUILD" -j "$(nproc)" --target llama-quantize
 fi
+LOGITS="$LLAMA_BUILD/bin/llama_logits"
+for prog in llama_greedy llama_logits; do  # our two llama.cpp programs
+  bin="$LLAMA_BUILD/bin/$prog"
+  if [ ! -x "$bin" ] || [ "$BENCH/$prog.cpp" -nt "$bin" ]; then
+    [ "$SKIP_BUILD" = 1 ] && [ ! -x "$bin" ] && die "--skip-build, but $bin is missing"
+    run "$LOGS/$prog-build.log" "${CXX:-g++}" -O2 -std=c++17 "$BENCH/$prog.cpp" -o "$bin" \
+      -I"$LLAMA_SRC/include" -I"$LLAMA_SRC/ggml/include" -L"$LLAMA_BUILD/bin" -lllama -Wl,-rpath,"$LLAMA_BUILD/bin"
+  fi
+done
 
 # --- 4. mlarun ----------------------------------------------------------------
 step "mlarun"
@@ -228,20 +256,71 @@ git -C "$ROOT" diff --quiet HEAD 2>/dev/null || MLARUN_REV="$MLARUN_REV (+ uncom
 MLARUN_BUILT="$(date -r "$MLARUN" '+%Y-%m-%d %H:%M')"
 echo "   $MLARUN (built $MLARUN_BUILT; tree at $MLARUN_REV)" >&2
 
+# --accuracy: mlarun's bf16 checkpoint is the reference; every other row is
+# compared with its logits on the same random ids (bench accuracy writes
+# them, llama_logits evaluates them). Rows that cannot be made are skipped
+# with a note (mlarun int8 / int4 until this mlarun has `quantize`).
+accuracy_table() {
+  RUN="$WORK/runs/accuracy-$(date +%Y%m%d-%H%M%S)"
+  mkdir -p "$RUN"
+  local ids="$RUN/ids.txt" ck g t fmt rc=0 models=() files=() notes=()
+  local acc=(--reference "$CKPT" --positions "$POSITIONS" --sequence-length "$SEQ_LEN" --seed "$SEED"
+             --threads "$THREADS")
+  step "the random ids"
+  run "$RUN/write-ids.log" "$MLARUN" bench accuracy "${acc[@]}" --write-ids "$ids"
+  for fmt in fp8 int8 int4; do
+    step "mlarun's $fmt checkpoint"
+    if [ "$fmt" != fp8 ] && ! "$MLARUN" quantize --help >/dev/null 2>&1; then
+      notes+=("mlarun $fmt: skipped, this mlarun has no quantize command")
+    elif ck="$(quantized_checkpoint "$fmt")"; then
+      ln -sfn "$ck" "$RUN/$fmt"
+      models+=(--model "$RUN/$fmt")
+    else
+      notes+=("mlarun $fmt: skipped, the checkpoint could not be made (see $LOGS/checkpoint-$fmt.log)")
+    fi
+  done
+  for t in F32 Q8_0 Q4_K_M; do
+    step "llama.cpp $t logits"
+    g="$GGUF_BASE"
+    [ "$t" = F32 ] || g="$(gguf_quantized "$t")"
+    run "$RUN/llama-logits-$t.log" "$LOGITS" "$g" "$ids" "$RUN/$t.logits" "$THREADS"
+    files+=(--llama-logits "$RUN/$t.logits")
+  done
+  step "mlarun bench accuracy"
+  "$MLARUN" bench accuracy "${acc[@]}" "${models[@]}" "${files[@]}" >"$RUN/accuracy.md" 2>"$RUN/accuracy.log" || rc=$?
+  end_step
+  {
+    echo "# Logits against mlarun bf16 ($(date +%Y-%m-%d))"
+    echo
+    echo "* CPU: $(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1), $THREADS threads"
+    echo "* Model: random weights at DeepSeek-V2-Lite widths, $LAYERS layers; mlarun $MLARUN_REV; llama.cpp from" \
+         "llama-cpp-python $LLAMA_PKG_VERSION (its GGUFs: the F32 conversion of the bf16 checkpoint, and" \
+         "llama-quantize of it)"
+    cat "$RUN/accuracy.md"
+    [ "${#notes[@]}" = 0 ] || echo
+    for t in "${notes[@]}"; do echo "* $t"; done
+  } >"$RUN/table.md"
+  cat "$RUN/table.md"
+  [ -n "$OUT" ] && cp "$RUN/table.md" "$OUT"
+  [ "$rc" = 0 ] || die "mlarun bench accuracy exited $rc (see $RUN/accuracy.log)"
+}
+
 # --- 5. Random checkpoint and its GGUF ----------------------------------------
-CKPT="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$DTYPE-seed$SEED"
+CKPT="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$BASE_DTYPE-seed$SEED"
 step "random checkpoint ($CKPT)"
 if [ ! -f "$CKPT/config.json" ]; then
-  ckdtype=$([ "$DTYPE" = bf16 ] && echo bf16 || echo float32)
+  ckdtype=$([ "$BASE_DTYPE" = bf16 ] && echo bf16 || echo float32)
   run "$LOGS/checkpoint.log" "$PY" "$BENCH/make_random_checkpoint.py" --out "$CKPT" --layers "$LAYERS" \
     --dtype "$ckdtype" --seed "$SEED"
   cat "$LOGS/checkpoint.log" >&2
 fi
 
-GGUF_TYPE=$([ "$DTYPE" = bf16 ] && echo BF16 || echo F32)
-GGUF="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$DTYPE-seed$SEED-$GGUF_TYPE.gguf"
-step "convert to GGUF ($GGUF)"
-if [ ! -f "$GGUF" ]; then
+# The GGUF converted from the checkpoint: BF16 or F32 as the checkpoint is;
+# F32 for --accuracy (its sanity row, and what llama-quantize starts from).
+GGUF_BASE_TYPE=$([ "$BASE_DTYPE" = bf16 ] && [ "$ACCURACY" = 0 ] && echo BF16 || echo F32)
+GGUF_BASE="$WORK/ckpt-deepseek-v2-lite-L$LAYERS-$BASE_DTYPE-seed$SEED-$GGUF_BASE_TYPE.gguf"
+step "convert to GGUF ($GGUF_BASE)"
+if [ ! -f "$GGUF_BASE" ]; then
   # The vendored convert_hf_to_gguf.py runs unchanged, under a wrapper that
   # replaces two of its methods in memory:
   # * it accepts a BPE tokenizer only if the hash of its encoding of a fixed
@@ -275,12 +354,99 @@ deepseek.DeepseekV2Model.set_gguf_parameters = set_gguf_parameters_q_lora_0
 sys.argv = [llama_dir + "/convert_hf_to_gguf.py"] + args
 runpy.run_path(sys.argv[0], run_name="__main__")
 EOF
-  outtype=$([ "$DTYPE" = bf16 ] && echo bf16 || echo f32)
+  outtype=$([ "$GGUF_BASE_TYPE" = BF16 ] && echo bf16 || echo f32)
   run "$LOGS/convert.log" "$PY" "$WORK/convert_hf_to_gguf_synthetic.py" "$LLAMA_SRC" "$CKPT" \
-    --outtype "$outtype" --outfile "$GGUF.partial"
-  mv "$GGUF.partial" "$GGUF"
+    --outtype "$outtype" --outfile "$GGUF_BASE.partial"
+  mv "$GGUF_BASE.partial" "$GGUF_BASE"
 fi
-echo "   $(du -h "$GGUF" | cut -f1) $GGUF" >&2
+echo "   $(du -h "$GGUF_BASE" | cut -f1) $GGUF_BASE" >&2
+
+# gguf_quantized TYPE: the base GGUF quantized by llama-quantize to TYPE
+# (Q8_0, Q4_K_M), made once; prints its path.
+gguf_quantized() {
+  local out="${GGUF_BASE%.gguf}-to-$1.gguf"
+  if [ ! -f "$out" ]; then
+    run "$LOGS/llama-quantize-$1.log" "$LQUANT" "$GGUF_BASE" "$out.partial" "$1" "$THREADS"
+    mv "$out.partial" "$out"
+  fi
+  echo "$out"
+}
+
+# fp8_checkpoint SRC DST: SRC with its decoder projections stored as the
+# DeepSeek-V3 release stores them (F8_E4M3 and one fp32 `_scale_inv` per
+# 128 x 128 block: amax / 448, the e4m3 rounded to nearest even by torch),
+# everything else as it is; config.json gains the release's
+# quantization_config.
+fp8_checkpoint() {
+  "$PY" - "$1" "$2" <<'PYEOF'
+import json, os, shutil, sys, torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+src, dst = sys.argv[1], sys.argv[2]
+PROJ = ("q_a_proj.weight", "q_b_proj.weight", "q_proj.weight", "kv_a_proj_with_mqa.weight", "kv_b_proj.weight",
+        "o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+tmp = dst + ".partial"
+shutil.rmtree(tmp, ignore_errors=True)
+os.makedirs(tmp)
+out = {}
+with safe_open(os.path.join(src, "model.safetensors"), "pt") as f:
+    for name in f.keys():
+        w = f.get_tensor(name)
+        if ".layers." not in name or not name.endswith(PROJ) or name.endswith("mlp.gate.weight"):
+            out[name] = w
+            continue
+        r, c = w.shape
+        pr, pc = -r % 128, -c % 128
+        b = torch.nn.functional.pad(w.float(), (0, pc, 0, pr)).reshape((r + pr) // 128, 128, (c + pc) // 128, 128)
+        s = (b.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+        q = (b / s[:, None, :, None]).reshape(r + pr, c + pc)[:r, :c].to(torch.float8_e4m3fn)
+        out[name], out[name + "_scale_inv"] = q.contiguous(), s.contiguous()
+save_file(out, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+for n in os.listdir(src):
+    if n not in ("model.safetensors", "config.json"):
+        shutil.copy(os.path.join(src, n), tmp)
+config = json.load(open(os.path.join(src, "config.json")))
+config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                 "weight_block_size": [128, 128]}
+json.dump(config, open(os.path.join(tmp, "config.json"), "w"), indent=2)
+os.rename(tmp, dst)
+PYEOF
+}
+
+# quantized_checkpoint FORMAT: the bf16 checkpoint in FORMAT (fp8, int8,
+# int4), made once; prints its path, or fails (int8 / int4 need `mlarun
+# quantize`).
+quantized_checkpoint() {
+  local out="$CKPT-$1" log="$LOGS/checkpoint-$1.log"
+  if [ ! -f "$out/config.json" ]; then
+    if [ "$1" = fp8 ]; then
+      fp8_checkpoint "$CKPT" "$out" >"$log" 2>&1 || { tail -n 20 "$log" >&2; return 1; }
+    else
+      rm -rf "$out.partial"
+      "$MLARUN" quantize --model "$CKPT" --out "$out.partial" --format "$1" >"$log" 2>&1 ||
+        { tail -n 20 "$log" >&2; return 1; }
+      mv "$out.partial" "$out"
+    fi
+  fi
+  echo "$out"
+}
+
+if [ "$ACCURACY" = 1 ]; then
+  accuracy_table
+  exit 0
+fi
+
+GGUF="$GGUF_BASE"
+GGUF_TYPE="$GGUF_BASE_TYPE"
+case "$DTYPE" in
+  fp8|int8|int4)
+    GGUF_TYPE=$([ "$DTYPE" = int4 ] && echo Q4_K_M || echo Q8_0)
+    step "llama-quantize to $GGUF_TYPE"
+    GGUF="$(gguf_quantized "$GGUF_TYPE")"
+    step "mlarun's $DTYPE checkpoint"
+    CKPT="$(quantized_checkpoint "$DTYPE")" || die "could not make the $DTYPE checkpoint (see $LOGS/checkpoint-$DTYPE.log)"
+    echo "   $CKPT; llama.cpp: $(du -h "$GGUF" | cut -f1) $GGUF" >&2 ;;
+esac
 
 # --- 6. Both load the model and generate: greedy tokens side by side ------------
 RUN="$WORK/runs/$(date +%Y%m%d-%H%M%S)"
