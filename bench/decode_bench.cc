@@ -265,6 +265,8 @@ void DescribeJson(DecodeRun& run) {
   doc["moe_layers"] = run.moe_layers;
   doc["routed_experts"] = config.n_routed_experts;
   doc["weight_dtype"] = std::string(DTypeName(config.weight_dtype));
+  doc["projection_dtype"] =
+      std::string(DTypeName(run.model.weight_format().projection_dtype.value_or(config.weight_dtype)));
   doc["weights"] = o.deployment.weights;
   doc["weight_bytes_in_place"] = run.model.weight_bytes_in_place();
   doc["kv_dtype"] = std::string(DTypeName(config.kv_dtype));
@@ -303,7 +305,8 @@ void DescribeText(DecodeRun& run) {
   std::ostream& table = run.table;
   table << "mlarun bench decode: " << o.deployment.model << ", " << config.num_hidden_layers << " layers ("
         << run.moe_layers << " MoE, " << config.n_routed_experts << " routed experts, top-"
-        << config.num_experts_per_tok << "), weights " << DTypeName(config.weight_dtype) << " "
+        << config.num_experts_per_tok << "), weights "
+        << DTypeName(run.model.weight_format().projection_dtype.value_or(config.weight_dtype)) << " "
         << (run.predicted.total() >> 20) << " MiB, cache " << DTypeName(config.kv_dtype) << ", "
         << omp_get_max_threads() << " threads, " << Today() << "\n"
         << "  cpu: " << CpuSummary() << "\n";
