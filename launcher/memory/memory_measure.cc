@@ -165,9 +165,10 @@ void CompareDeviceMemory(const v1::RankStats& k, const Side& p, JobComparison& j
                                          {"agree", device_agree}};
 }
 
-// One rank of a job: its prediction from `c` and `layout` beside what it
-// reported, as a table row and a JSON object added to `job`.
-void CompareRank(const MemoryOptions& opt, const ModelConfig& c, const ParallelLayout& layout,
+// One rank of a job: its prediction from `c` and `layout` (the projections
+// as checkpoint `model` stores them) beside what it reported, as a table row
+// and a JSON object added to `job`.
+void CompareRank(const MemoryOptions& opt, const std::string& model, const ModelConfig& c, const ParallelLayout& layout,
                  const std::optional<RequestSet>& set, const v1::RankStats& k, JobComparison& job) {
   Side p, m;
   const ModelShard shard = ModelShard::For(layout, k.rank());
@@ -177,7 +178,7 @@ void CompareRank(const MemoryOptions& opt, const ModelConfig& c, const ParallelL
   if (k.projection_dtype() == DTypeName(DType::kF8E4M3)) {
     format.projection_dtype = DType::kF8E4M3;
   } else if (!k.projection_dtype().empty()) {
-    auto f = CheckpointWeightFormat(opt.model);
+    auto f = CheckpointWeightFormat(model);  // --model, else the checkpoint the job loaded
     if (f.ok()) format = *f;
   }
   p.weights = PredictWeightBytes(c, shard, format);
@@ -272,7 +273,7 @@ StatusOr<Json> MeasureJob(const MemoryOptions& opt, const std::string& worker_id
   }
   text << "  each cell: predicted | measured\n";
   JobComparison cmp;
-  for (const v1::RankStats* k : ranks) CompareRank(opt, c, layout, set, *k, cmp);
+  for (const v1::RankStats* k : ranks) CompareRank(opt, model, c, layout, set, *k, cmp);
   all_agree &= cmp.agree;
   PrintTable(text,
              {"rank", "group", "tp", "weights (B)", "cache B/token", "cache capacity (B)", "blocks", "request blocks",
