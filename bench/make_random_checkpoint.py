@@ -70,9 +70,12 @@ def load_yaml_config(path: Path) -> dict:
     return cfg
 
 
-def hf_config(yaml_cfg: dict, layers: int, dtype: str, dense_layers: int | None = None) -> dict:
+def hf_config(yaml_cfg: dict, layers: int, dtype: str, dense_layers: int | None = None,
+              vocab_size: int | None = None) -> dict:
     """config.json as the Hugging Face release writes it, at `layers` depth."""
     c = dict(yaml_cfg)
+    if vocab_size is not None:
+        c["vocab_size"] = vocab_size
     if layers < 1:
         sys.exit("--layers must be at least 1")
     c["num_hidden_layers"] = layers
@@ -403,6 +406,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="decoder layers (default 4: 1 dense + 3 MoE)")
     ap.add_argument("--dense-layers", type=int, default=None,
                     help="dense layers before the MoE ones (default: the config's first_k_dense_replace)")
+    ap.add_argument("--vocab-size", type=int, default=None,
+                    help="override the vocabulary (embedding and lm_head rows), e.g. to fit a small disk")
     ap.add_argument("--dtype", choices=["bf16", "float32", "f32", "fp8"], default="bf16",
                     help="weight dtype (default bf16; fp8: projections e4m3 with 128 x 128 block scales)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -412,7 +417,7 @@ def main() -> None:
     dtype = {"float32": "f32"}.get(args.dtype, args.dtype)
 
     t0 = time.time()
-    cfg = hf_config(load_yaml_config(args.config), args.layers, dtype, args.dense_layers)
+    cfg = hf_config(load_yaml_config(args.config), args.layers, dtype, args.dense_layers, args.vocab_size)
     args.out.mkdir(parents=True, exist_ok=True)
     specs = tensor_specs(cfg)
     rng = np.random.default_rng(args.seed)
