@@ -15,7 +15,9 @@
 #    dropped (needs root) and warm.
 #
 # Usage: bench/v3_widths.sh [--ckpt DIR] [--work DIR] [--threads T]
-#            [--mlarun PATH] [--prompt-ids 1,2,3] [--bench]
+#            [--mlarun PATH] [--prompt-ids 1,2,3] [--vocab-size N] [--bench]
+# --vocab-size N: a smaller vocabulary than the release's 129,280 (the
+# embedding and lm_head are BF16: 1.85 GB each at full size).
 # Outputs (raw logs, JSON) go to --work (default /tmp/v3-widths).
 set -Eeuo pipefail
 
@@ -26,6 +28,7 @@ THREADS=2
 MLARUN="$ROOT/build/release/mlarun"
 PY="${PYTHON:-/tmp/qvenv/v/bin/python}"
 PROMPT=""
+VOCAB=()
 BENCH=0
 
 usage() { sed -n '2,/^set -E/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; }
@@ -36,6 +39,7 @@ while [ $# -gt 0 ]; do
     --threads) THREADS="${2:?--threads needs a value}"; shift 2 ;;
     --mlarun) MLARUN="${2:?--mlarun needs a value}"; shift 2 ;;
     --prompt-ids) PROMPT="${2:?--prompt-ids needs a value}"; shift 2 ;;
+    --vocab-size) VOCAB=(--vocab-size "${2:?--vocab-size needs a value}"); shift 2 ;;
     --bench) BENCH=1; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
@@ -47,12 +51,14 @@ mkdir -p "$WORK"
 # 1. The checkpoint: config.json is written last, so its presence means complete.
 if [ ! -f "$CKPT/config.json" ]; then
   "$PY" "$ROOT/bench/make_random_checkpoint.py" --config "$ROOT/configs/models/deepseek-v3.yaml" \
-    --layers 2 --dense-layers 1 --dtype fp8 --out "$CKPT" | tee "$WORK/checkpoint.log"
+    --layers 2 --dense-layers 1 --dtype fp8 "${VOCAB[@]}" --out "$CKPT" | tee "$WORK/checkpoint.log"
 fi
 
-# 2. The reference. Six random ids (seeded) unless given.
+# 2. The reference. Six random ids (seeded, below the checkpoint's vocab_size) unless given.
 if [ -z "$PROMPT" ]; then
-  PROMPT="$("$PY" -c 'import numpy as np; print(",".join(map(str, np.random.default_rng(7).integers(2, 129280, 6))))')"
+  PROMPT="$("$PY" -c 'import json, sys, numpy as np
+v = json.load(open(sys.argv[1]))["vocab_size"]
+print(",".join(map(str, np.random.default_rng(7).integers(2, v, 6))))' "$CKPT/config.json")"
 fi
 echo "prompt ids: $PROMPT"
 REF="$WORK/reference.json"

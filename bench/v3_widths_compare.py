@@ -30,7 +30,7 @@ def main():
         for key in worst:
             lp = {t: p for t, _, p in step[key]}
             common = [(t, p) for t, p in top if t in lp]
-            d = max(abs(p - lp[t]) for t, p in common)
+            d = max((abs(p - lp[t]) for t, p in common), default=float("inf"))
             worst[key] = max(worst[key], d / step["logit_max_abs"])
             parts.append(f"{'fp64' if key == 'top' else 'fp64, bf16 head input'}: max |d logprob| {d:.2e} "
                          f"(rel {d / step['logit_max_abs']:.1e}, {len(common)} tokens)")
