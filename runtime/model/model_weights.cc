@@ -17,6 +17,7 @@
 #include "base/hash.h"
 #include "gemm/convert.h"
 #include "runtime/model/model.h"
+#include "runtime/model/weight_fit.h"
 
 namespace mlarun {
 namespace {
@@ -457,15 +458,8 @@ int64_t MachineMemoryBytes() {
                                                                                : static_cast<int64_t>(bytes);
 }
 
-// Refuses, before anything is allocated, weights this machine cannot hold:
-// what this rank would allocate (PredictWeightBytes, less `mapped_bytes` the
-// checkpoint files back) beyond physical memory + swap. The message names
-// the bytes and the largest tensor with the config fields of its shape.
-Status CheckWeightsFitMachine(const ModelConfig& c, const ModelShard& s, int64_t mapped_bytes) {
-  const int64_t machine = MachineMemoryBytes();
-  if (machine <= 0) return Status::Ok();
-  const int64_t need = PredictWeightBytes(c, s).total();
-  if (need <= machine || need - machine <= mapped_bytes) return Status::Ok();
+// The largest tensor of `c`, with the config fields of its shape.
+std::string LargestTensor(const ModelConfig& c) {
   std::string largest;
   double largest_bytes = -1;
   for (const WeightTensorSize& t : WeightTensorSizes(c)) {
@@ -476,10 +470,7 @@ Status CheckWeightsFitMachine(const ModelConfig& c, const ModelShard& s, int64_t
               (t.count > 1 ? " x " + std::to_string(static_cast<int64_t>(t.count)) + " tensors" : std::string()) +
               ", " + std::to_string(static_cast<int64_t>(largest_bytes)) + " bytes)";
   }
-  return ResourceExhaustedError("model: the weights would need ", need, " bytes (", need >> 30, " GiB)",
-                                mapped_bytes > 0 ? " beyond the checkpoint's mapped files" : "",
-                                ", more than this machine's memory and swap (", machine,
-                                " bytes); the largest: ", largest);
+  return largest;
 }
 
 // [begin, end) of `n` split in `parts` equal pieces.
@@ -488,6 +479,25 @@ std::pair<int64_t, int64_t> Piece(int64_t n, int parts, int index) {
 }
 
 }  // namespace
+
+std::optional<DType> KeptProjectionDType(const Checkpoint& ckpt, Fp8Weights fp8) {
+  if (fp8 != Fp8Weights::kKeep) return std::nullopt;
+  // Every DeepSeek layer has kv_a; the release stores all its projections alike.
+  const TensorRef* t = ckpt.Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
+  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return std::nullopt;
+  return DType::kF8E4M3;
+}
+
+Status CheckWeightsFit(const ModelConfig& c, const ModelShard& s, const WeightFormat& held, int64_t mapped_bytes,
+                       int64_t machine_bytes) {
+  if (machine_bytes <= 0) return Status::Ok();  // the kernel did not say
+  const int64_t need = PredictWeightBytes(c, s, held).total();
+  if (need <= machine_bytes || need - machine_bytes <= mapped_bytes) return Status::Ok();
+  return ResourceExhaustedError("model: the weights would need ", need, " bytes (", need >> 30, " GiB)",
+                                mapped_bytes > 0 ? " beyond the checkpoint's mapped files" : "",
+                                ", more than this machine's memory and swap (", machine_bytes,
+                                " bytes); the largest: ", LargestTensor(c));
+}
 
 Status ValidateModelShard(const ModelConfig& c, const ModelShard& s) {
   if (s.attn_tp_size < 1 || s.attn_tp_rank < 0 || s.attn_tp_rank >= s.attn_tp_size || s.mlp_size < 1 ||
@@ -766,7 +776,15 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   int64_t mapped_bytes = 0;
   if (options.weights == WeightLoading::kMapped)
     for (const std::string& name : ckpt->Names()) mapped_bytes += static_cast<int64_t>(ckpt->Find(name)->bytes);
-  MLARUN_RETURN_IF_ERROR(CheckWeightsFitMachine(config, options.shard, mapped_bytes));
+  QuantScheme scheme;
+  if (std::filesystem::exists(std::filesystem::path(ckpt->dir()) / "config.json")) {
+    MLARUN_ASSIGN_OR_RETURN(scheme, ReadQuantScheme(ckpt->dir()));
+  }
+  // Sized as loading holds them: int8 / int4 as stored, a checkpoint's fp8
+  // projections kept fp8.
+  WeightFormat held = options.int_weights == IntWeights::kKeep ? WeightFormatOf(scheme) : WeightFormat{};
+  if (!held.projection_dtype) held.projection_dtype = KeptProjectionDType(*ckpt, options.fp8_weights);
+  MLARUN_RETURN_IF_ERROR(CheckWeightsFit(config, options.shard, held, mapped_bytes, MachineMemoryBytes()));
   // The loader's notes (a shard's fp8 tensor dequantized): one line each,
   // through the progress callback where there is one.
   auto log = [&options](const std::string& line) {
@@ -776,10 +794,6 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
       std::fprintf(stderr, "mlarun: %s\n", line.c_str());
     }
   };
-  QuantScheme scheme;
-  if (std::filesystem::exists(std::filesystem::path(ckpt->dir()) / "config.json")) {
-    MLARUN_ASSIGN_OR_RETURN(scheme, ReadQuantScheme(ckpt->dir()));
-  }
   if (scheme.int8_activations)
     log("checkpoint " + ckpt->dir() + ": W8A8 (dynamic per-token int8 activations): the activations stay fp32");
   if (options.int_weights == IntWeights::kKeep) m->weight_format_ = WeightFormatOf(scheme);
@@ -795,7 +809,7 @@ StatusOr<std::unique_ptr<Model>> Model::Random(const ModelConfig& config, uint64
   std::unique_ptr<Model> m(new Model(config, options));
   MLARUN_RETURN_IF_ERROR(m->Init());
   MLARUN_RETURN_IF_ERROR(ValidateModelShard(config, options.shard));
-  MLARUN_RETURN_IF_ERROR(CheckWeightsFitMachine(config, options.shard, 0));
+  MLARUN_RETURN_IF_ERROR(CheckWeightsFit(config, options.shard, WeightFormat{}, 0, MachineMemoryBytes()));
   RandomSource src(seed);
   MLARUN_RETURN_IF_ERROR(ModelLoader::Build(*m, src));
   MLARUN_RETURN_IF_ERROR(m->PlaceWeights());

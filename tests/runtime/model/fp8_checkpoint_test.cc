@@ -19,6 +19,7 @@
 #include "bench/local_cache.h"
 #include "runtime/engine/engine.h"
 #include "runtime/model/model.h"
+#include "runtime/model/weight_fit.h"
 
 namespace mlarun {
 namespace {
@@ -98,6 +99,39 @@ TEST(Fp8Checkpoint, ProjectionsStayFp8InPlace) {
   EXPECT_GE(more_in_place, fp8.data);
   EXPECT_LE(more_in_place, fp8.data + fp8.scales);
   EXPECT_EQ(copied->weight_bytes_in_place(), 0);  // kCopied: every weight is a copy
+}
+
+// The check before loading sizes an fp8 checkpoint's projections as loading
+// holds them (kept fp8), not dequantized to weight_dtype: a machine between
+// the two sizes loads it kept and refuses it dequantized. (At DeepSeek-V3's
+// widths the dequantized f32 size of two layers, 46 GiB, was refused on a
+// 24 GiB host that holds them kept in 13.)
+TEST(Fp8Checkpoint, FitCheckSizesKeptProjections) {
+  const ModelConfig config = Config(DType::kF32);
+  auto ckpt = Checkpoint::Open(kDir);
+  auto bf16 = Checkpoint::Open(std::string(MLARUN_FIXTURES_DIR) + "/models/v3_bf16");
+  ASSERT_TRUE(ckpt.ok() && bf16.ok());
+  EXPECT_EQ(KeptProjectionDType(**ckpt, Fp8Weights::kKeep), DType::kF8E4M3);
+  EXPECT_EQ(KeptProjectionDType(**ckpt, Fp8Weights::kDequantize), std::nullopt);
+  EXPECT_EQ(KeptProjectionDType(**bf16, Fp8Weights::kKeep), std::nullopt);
+  const int64_t kept = PredictWeightBytes(config, {}, DType::kF8E4M3).total();
+  const int64_t dequantized = PredictWeightBytes(config).total();
+  ASSERT_LT(kept, dequantized);
+  const int64_t machine = (kept + dequantized) / 2;
+  auto held = [&](Fp8Weights fp8) { return WeightFormat{.projection_dtype = KeptProjectionDType(**ckpt, fp8)}; };
+  EXPECT_TRUE(CheckWeightsFit(config, {}, held(Fp8Weights::kKeep), 0, machine).ok());
+  const Status refused = CheckWeightsFit(config, {}, held(Fp8Weights::kDequantize), 0, machine);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("more than this machine's memory and swap (" + std::to_string(machine)),
+            std::string::npos)
+      << refused;
+  // Bytes the mapped files back count as available.
+  EXPECT_TRUE(CheckWeightsFit(config, {}, WeightFormat{}, dequantized - machine, machine).ok());
+  EXPECT_FALSE(CheckWeightsFit(config, {}, WeightFormat{}, dequantized - machine - 1, machine).ok());
+  // And the loader itself, on this machine: kept, the model holds the kept size.
+  auto keep = LoadWith(config, Fp8Weights::kKeep);
+  ASSERT_TRUE(keep);
+  EXPECT_EQ(keep->weight_bytes().total(), kept);
 }
 
 // The logits of full forwards over a few prompts.

@@ -85,6 +85,27 @@ TEST(LoadModelForSpec, LoadsTheShardWithTheOverrides) {
   EXPECT_EQ(lm->options.fail_forward_call, -1);
 }
 
+// A checkpoint whose projections are stored F8_E4M3 is sized as loading
+// holds it (kept fp8, the default), not dequantized: a limit between the two
+// sizes loads it kept and refuses it dequantized.
+TEST(LoadModelForSpec, SizesAnFp8CheckpointAsLoadingHoldsIt) {
+  DeploymentSpec s{.model = std::string(MLARUN_FIXTURES_DIR) + "/models/v3_fp8"};
+  auto kept = LoadModelForSpec(s, ModelShard{});
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->model->weight_bytes().total(), kept->predicted.total());
+  s.fp8_weights = "dequantize";
+  auto dequantized = LoadModelForSpec(s, ModelShard{});
+  ASSERT_TRUE(dequantized.ok()) << dequantized.status();
+  EXPECT_EQ(dequantized->model->weight_bytes().total(), dequantized->predicted.total());
+  ASSERT_LT(kept->predicted.total(), dequantized->predicted.total());
+  s.max_weight_bytes = (kept->predicted.total() + dequantized->predicted.total()) / 2;
+  auto refused = LoadModelForSpec(s, ModelShard{});
+  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status();
+  s.fp8_weights = "keep";
+  auto fits = LoadModelForSpec(s, ModelShard{});
+  EXPECT_TRUE(fits.ok()) << fits.status();
+}
+
 TEST(LoadModelForSpec, DeviceAndFp8FlagsAreCheckedWithTheirNames) {
   DeploymentSpec s{.model = kTiny, .num_layers = 1, .device = "tpu"};
   auto bad_device = LoadModelForSpec(s, ModelShard{});
