@@ -7,9 +7,10 @@
 #    bench/make_random_checkpoint.py --dtype fp8 (~15 GiB; kept in --ckpt).
 # 2. Runs tests/ref/deepseek_v3_reference.py (numpy float64) on a prompt of
 #    random token ids and 4 greedy tokens.
-# 3. Runs `mlarun generate` on the same ids (latent cache fp32, then bf16) and
-#    compares tokens and top logprobs (bench/v3_widths_compare.py); exits 1
-#    when the greedy tokens differ.
+# 3. Runs `mlarun generate` on the same ids (weight_dtype f32 with an fp32
+#    latent cache, then the checkpoint's bf16 with an fp32 and a bf16 cache)
+#    and compares tokens and top logprobs (bench/v3_widths_compare.py); exits
+#    1 when the greedy tokens differ.
 # 4. With --bench: `mlarun bench decode` at batch 1 / 8 / 32 (context 128 and
 #    512) and a 512-token prefill, and the load time with the page cache
 #    dropped (needs root) and warm.
@@ -70,12 +71,25 @@ if [ ! -f "$REF" ] || [ "$(cat "$WORK/reference.prompt" 2>/dev/null)" != "$PROMP
   echo "$PROMPT" > "$WORK/reference.prompt"
 fi
 
-# 3. mlarun, latent cache fp32 (every product fp32 but the bf16 lm_head's), then bf16 (the default).
+# 3. mlarun. First with everything but the fp8 weights in fp32: weight_dtype
+#    f32 (the same file, through a config.json that says float32) and an fp32
+#    latent cache; then with the checkpoint's bf16 (lm_head and embedding bf16,
+#    lm_head's input rounded to bf16), cache fp32 and bf16 (the default).
+F32="$WORK/f32-config"
+mkdir -p "$F32"
+ln -sfn "$CKPT/model.safetensors" "$F32/model.safetensors"
+"$PY" -c 'import json, sys
+c = json.load(open(sys.argv[1]))
+c["torch_dtype"] = "float32"
+c.pop("dtype", None)
+json.dump(c, open(sys.argv[2], "w"), indent=2)' "$CKPT/config.json" "$F32/config.json"
 status=0
-for kv in fp32 bf16; do
-  "$MLARUN" generate --model "$CKPT" --prompt-ids "$PROMPT" --max-tokens 4 --ignore-eos --json --logprobs 20 \
-    --kv-dtype "$kv" --threads "$THREADS" > "$WORK/mlarun-kv-$kv.json" 2> "$WORK/mlarun-kv-$kv.log"
-  "$PY" "$ROOT/bench/v3_widths_compare.py" "$REF" "$WORK/mlarun-kv-$kv.json" --label "mlarun, latent cache $kv" ||
+for run in "f32 fp32 $F32" "bf16 fp32 $CKPT" "bf16 bf16 $CKPT"; do
+  read -r wt kv dir <<< "$run"
+  out="$WORK/mlarun-$wt-kv-$kv"
+  "$MLARUN" generate --model "$dir" --prompt-ids "$PROMPT" --max-tokens 4 --ignore-eos --json --logprobs 20 \
+    --kv-dtype "$kv" --threads "$THREADS" > "$out.json" 2> "$out.log" || { cat "$out.log" >&2; status=1; continue; }
+  "$PY" "$ROOT/bench/v3_widths_compare.py" "$REF" "$out.json" --label "mlarun, weight_dtype $wt, latent cache $kv" ||
     status=1
 done
 
