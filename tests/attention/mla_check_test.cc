@@ -65,7 +65,10 @@ TEST_F(MlaCheckTest, UnknownAndUnsupportedDtypes) {
   p = batch_.params();
   p.w_dtype = DType::kBF16;
   ExpectRejected(p, "weight dtype");
-  EXPECT_EQ(ParseDType("int4").status().code(), StatusCode::kInvalidArgument);
+  p = batch_.params();
+  p.cache.dtype = DType::kInt8;  // a weight dtype, never a cache's
+  ExpectRejected(p, "not supported");
+  EXPECT_EQ(ParseDType("int2").status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST_F(MlaCheckTest, BlockTableOutOfRange) {
