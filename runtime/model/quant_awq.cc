@@ -25,34 +25,6 @@ namespace {
 // Bit position of output channel 8k + e inside its int32.
 constexpr int kNibbleShift[8] = {0, 16, 4, 20, 8, 24, 12, 28};
 
-uint32_t Word(const std::byte* p, int64_t i) {
-  uint32_t w;
-  std::memcpy(&w, p + 4 * i, 4);
-  return w;
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-// Tensor `<prefix>.<field>`, present, of one of `dtypes`, shaped `shape`.
-StatusOr<const TensorRef*> ModuleTensor(const Checkpoint& ckpt, const std::string& prefix, const char* field,
-                                        std::initializer_list<SafetensorsDType> dtypes,
-                                        const std::vector<int64_t>& shape) {
-  const std::string name = prefix + "." + field;
-  const TensorRef* t = ckpt.Find(name);
-  if (t == nullptr) return NotFoundError("AWQ module ", prefix, ": tensor ", name, " is missing");
-  if (std::find(dtypes.begin(), dtypes.end(), t->dtype) == dtypes.end())
-    return InvalidArgumentError("AWQ module ", prefix, ": tensor ", name, " has dtype ", SafetensorsDTypeName(t->dtype),
-                                ", expected ", SafetensorsDTypeName(*dtypes.begin()));
-  if (t->shape != shape)
-    return InvalidArgumentError("AWQ module ", prefix, ": tensor ", name, " has shape ", ShapeString(t->shape),
-                                ", expected ", ShapeString(shape));
-  return t;
-}
-
 Status CheckAwqRequest(const QuantScheme& s, const std::string& prefix, int64_t rows, int64_t cols, int64_t group,
                        int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
   if (s.bits != 4) return InvalidArgumentError("AWQ module ", prefix, ": bits ", s.bits, " (AWQ GEMM packs 4 bits)");
@@ -92,8 +64,8 @@ void RepackAwqNibbles(const std::byte* qweight, int64_t rows, int64_t r0, int64_
       const int64_t ce = std::min(c1, ct + 2 * kTileBytes);
       for (int64_t i = ct; i < ce; i += 2) {
         for (int64_t w = wb; w < we; ++w) {
-          const uint32_t lo = Word(qweight, i * words + w);
-          const uint32_t hi = i + 1 < ce ? Word(qweight, (i + 1) * words + w) : 0;
+          const uint32_t lo = Word32(qweight, i * words + w);
+          const uint32_t hi = i + 1 < ce ? Word32(qweight, (i + 1) * words + w) : 0;
           // Byte p of `even` pairs the nibbles at bit 8p (channels 0 4 1 5
           // of kNibbleShift), of `odd` those at bit 8p + 4 (2 6 3 7).
           const uint32_t even = (lo & 0x0f0f0f0fu) | ((hi & 0x0f0f0f0fu) << 4);
@@ -123,7 +95,7 @@ Status RepackAwqScales(const Checkpoint& ckpt, const TensorRef& scales, const Te
   for (int64_t g = 0; g < ng; ++g) {
     for (int64_t o = r0; o < r1; ++o) {
       const float sc = s[g * n + (o - r0)];
-      const uint32_t z = (Word(qzeros.data, (g0 + g) * words + o / 8) >> kNibbleShift[o % 8]) & 15u;
+      const uint32_t z = (Word32(qzeros.data, (g0 + g) * words + o / 8) >> kNibbleShift[o % 8]) & 15u;
       q.mutable_scale()[(o - r0) * q.scale_ld + g] = sc;
       q.mutable_offset()[(o - r0) * q.scale_ld + g] = -static_cast<float>(z) * sc;
     }
@@ -140,11 +112,11 @@ StatusOr<Linear> LoadAwq(const Checkpoint& ckpt, const QuantScheme& s, const std
   const int64_t groups = (cols + group - 1) / group;
   using D = SafetensorsDType;
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* qweight,
-                          ModuleTensor(ckpt, prefix, "qweight", {D::kI32, D::kU32}, {cols, rows / 8}));
+                          ModuleTensor(ckpt, "AWQ", prefix, "qweight", {D::kI32, D::kU32}, {cols, rows / 8}));
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* qzeros,
-                          ModuleTensor(ckpt, prefix, "qzeros", {D::kI32, D::kU32}, {groups, rows / 8}));
+                          ModuleTensor(ckpt, "AWQ", prefix, "qzeros", {D::kI32, D::kU32}, {groups, rows / 8}));
   MLARUN_ASSIGN_OR_RETURN(const TensorRef* scales,
-                          ModuleTensor(ckpt, prefix, "scales", {D::kF16, D::kBF16, D::kF32}, {groups, rows}));
+                          ModuleTensor(ckpt, "AWQ", prefix, "scales", {D::kF16, D::kBF16, D::kF32}, {groups, rows}));
   Linear q = Linear::Owned(r1 - r0, c1 - c0, DType::kInt4, group, /*offsets=*/true);
   if (q.mutable_data() == nullptr)
     return ResourceExhaustedError("AWQ module ", prefix, ": cannot allocate ", q.bytes(), " bytes");

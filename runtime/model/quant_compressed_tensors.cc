@@ -24,40 +24,12 @@
 namespace mlarun::quant_internal {
 namespace {
 
-std::string ShapeText(const std::vector<int64_t>& s) {
-  std::string t = "[";
-  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
-  return t + "]";
-}
-
-// Tensor `name`, which must exist with one of `dtypes` and shape `shape`
-// (`why` says where the expected shape comes from).
-StatusOr<const TensorRef*> Expect(const Checkpoint& ckpt, const std::string& name,
-                                  std::initializer_list<SafetensorsDType> dtypes, const std::vector<int64_t>& shape,
-                                  const char* why) {
-  const TensorRef* t = ckpt.Find(name);
-  if (t == nullptr)
-    return NotFoundError("checkpoint ", ckpt.dir(), ": tensor '", name, "' is missing (compressed-tensors ", why, ")");
-  bool ok = false;
-  std::string names;
-  for (SafetensorsDType d : dtypes) {
-    ok |= t->dtype == d;
-    names += (names.empty() ? "" : " / ") + std::string(SafetensorsDTypeName(d));
-  }
-  if (!ok)
-    return InvalidArgumentError("checkpoint ", ckpt.dir(), ": tensor '", name, "' has dtype ",
-                                SafetensorsDTypeName(t->dtype), ", expected ", names);
-  if (t->shape != shape)
-    return InvalidArgumentError("checkpoint ", ckpt.dir(), ": tensor '", name, "' has shape ", ShapeText(t->shape),
-                                ", expected ", ShapeText(shape), " (", why, ")");
-  return t;
-}
-
 // weight_shape must say [rows, cols].
 Status CheckWeightShape(const Checkpoint& ckpt, const std::string& prefix, int64_t rows, int64_t cols) {
   const std::string name = prefix + ".weight_shape";
-  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t, Expect(ckpt, name, {SafetensorsDType::kI64, SafetensorsDType::kI32}, {2},
-                                                     "the weight's shape"));
+  MLARUN_ASSIGN_OR_RETURN(const TensorRef* t,
+                          ModuleTensor(ckpt, "compressed-tensors", prefix, "weight_shape",
+                                       {SafetensorsDType::kI64, SafetensorsDType::kI32}, {2}, "the weight's shape"));
   int64_t v[2];
   for (int i = 0; i < 2; ++i) {
     if (t->dtype == SafetensorsDType::kI64) {
@@ -88,25 +60,27 @@ Status ExpectTensors(const Checkpoint& ckpt, const QuantScheme& s, const std::st
                      int64_t cols, const TensorRef** q, const TensorRef** scale, const TensorRef** zp) {
   const int64_t groups = s.group > 0 ? (cols + s.group - 1) / s.group : 1;
   if (s.bits == 4) {
-    MLARUN_ASSIGN_OR_RETURN(*q, Expect(ckpt, prefix + ".weight_packed", {SafetensorsDType::kI32},
-                                       {rows, (cols + 7) / 8}, "[out, ceil(in / 8)] int4 values packed in int32"));
+    MLARUN_ASSIGN_OR_RETURN(*q,
+                            ModuleTensor(ckpt, "compressed-tensors", prefix, "weight_packed", {SafetensorsDType::kI32},
+                                         {rows, (cols + 7) / 8}, "[out, ceil(in / 8)] int4 values packed in int32"));
     MLARUN_RETURN_IF_ERROR(CheckWeightShape(ckpt, prefix, rows, cols));
   } else {
-    MLARUN_ASSIGN_OR_RETURN(*q,
-                            Expect(ckpt, prefix + ".weight", {SafetensorsDType::kI8}, {rows, cols}, "[out, in] int8"));
+    MLARUN_ASSIGN_OR_RETURN(*q, ModuleTensor(ckpt, "compressed-tensors", prefix, "weight", {SafetensorsDType::kI8},
+                                             {rows, cols}, "[out, in] int8"));
   }
   MLARUN_ASSIGN_OR_RETURN(
-      *scale,
-      Expect(ckpt, prefix + ".weight_scale", {SafetensorsDType::kF32, SafetensorsDType::kBF16, SafetensorsDType::kF16},
-             {rows, groups}, s.group > 0 ? "[out, ceil(in / group_size)]" : "[out, 1] per channel"));
+      *scale, ModuleTensor(ckpt, "compressed-tensors", prefix, "weight_scale",
+                           {SafetensorsDType::kF32, SafetensorsDType::kBF16, SafetensorsDType::kF16}, {rows, groups},
+                           s.group > 0 ? "[out, ceil(in / group_size)]" : "[out, 1] per channel"));
   *zp = nullptr;
   if (s.symmetric) return Status::Ok();
   if (s.bits == 4) {
-    MLARUN_ASSIGN_OR_RETURN(*zp, Expect(ckpt, prefix + ".weight_zero_point", {SafetensorsDType::kI32},
-                                        {(rows + 7) / 8, groups}, "[ceil(out / 8), groups] packed along out"));
-  } else {
     MLARUN_ASSIGN_OR_RETURN(
-        *zp, Expect(ckpt, prefix + ".weight_zero_point", {SafetensorsDType::kI8}, {rows, groups}, "[out, groups]"));
+        *zp, ModuleTensor(ckpt, "compressed-tensors", prefix, "weight_zero_point", {SafetensorsDType::kI32},
+                          {(rows + 7) / 8, groups}, "[ceil(out / 8), groups] packed along out"));
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(*zp, ModuleTensor(ckpt, "compressed-tensors", prefix, "weight_zero_point",
+                                              {SafetensorsDType::kI8}, {rows, groups}, "[out, groups]"));
   }
   return Status::Ok();
 }

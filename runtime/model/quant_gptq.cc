@@ -32,34 +32,6 @@
 namespace mlarun::quant_internal {
 namespace {
 
-uint32_t Word(const std::byte* p, int64_t i) {
-  uint32_t w;
-  std::memcpy(&w, p + 4 * i, 4);
-  return w;
-}
-
-std::string ShapeString(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
-// Tensor `<prefix>.<field>`, present, of one of `dtypes`, shaped `shape`.
-StatusOr<const TensorRef*> ModuleTensor(const Checkpoint& ckpt, const std::string& prefix, const char* field,
-                                        std::initializer_list<SafetensorsDType> dtypes,
-                                        const std::vector<int64_t>& shape) {
-  const std::string name = prefix + "." + field;
-  const TensorRef* t = ckpt.Find(name);
-  if (t == nullptr) return NotFoundError("GPTQ module ", prefix, ": tensor ", name, " is missing");
-  if (std::find(dtypes.begin(), dtypes.end(), t->dtype) == dtypes.end())
-    return InvalidArgumentError("GPTQ module ", prefix, ": tensor ", name, " has dtype ",
-                                SafetensorsDTypeName(t->dtype), ", expected ", SafetensorsDTypeName(*dtypes.begin()));
-  if (t->shape != shape)
-    return InvalidArgumentError("GPTQ module ", prefix, ": tensor ", name, " has shape ", ShapeString(t->shape),
-                                ", expected ", ShapeString(shape));
-  return t;
-}
-
 // One module's request, checked, and what the repack needs.
 struct GptqModule {
   int bits = 4;
@@ -72,7 +44,7 @@ struct GptqModule {
   const TensorRef* g_idx = nullptr;  // may be nullptr
   uint32_t zero_bias = 1;            // added to a stored zero point: 1 in v1, 0 in v2
   uint32_t Zero(int64_t g, int64_t o) const {
-    const uint32_t field = Word(qzeros->data, g * (rows / per_word) + o / per_word) >> (bits * (o % per_word));
+    const uint32_t field = Word32(qzeros->data, g * (rows / per_word) + o / per_word) >> (bits * (o % per_word));
     return (field & ((1u << bits) - 1)) + zero_bias;
   }
 };
@@ -123,14 +95,14 @@ StatusOr<GptqModule> FindGptqModule(const Checkpoint& ckpt, const QuantScheme& s
                                     GptqModule m) {
   MLARUN_RETURN_IF_ERROR(CheckGptqRequest(s, prefix, m));
   using D = SafetensorsDType;
-  MLARUN_ASSIGN_OR_RETURN(m.qweight,
-                          ModuleTensor(ckpt, prefix, "qweight", {D::kI32, D::kU32}, {m.cols / m.per_word, m.rows}));
-  MLARUN_ASSIGN_OR_RETURN(m.qzeros,
-                          ModuleTensor(ckpt, prefix, "qzeros", {D::kI32, D::kU32}, {m.groups, m.rows / m.per_word}));
-  MLARUN_ASSIGN_OR_RETURN(m.scales,
-                          ModuleTensor(ckpt, prefix, "scales", {D::kF16, D::kBF16, D::kF32}, {m.groups, m.rows}));
+  MLARUN_ASSIGN_OR_RETURN(
+      m.qweight, ModuleTensor(ckpt, "GPTQ", prefix, "qweight", {D::kI32, D::kU32}, {m.cols / m.per_word, m.rows}));
+  MLARUN_ASSIGN_OR_RETURN(
+      m.qzeros, ModuleTensor(ckpt, "GPTQ", prefix, "qzeros", {D::kI32, D::kU32}, {m.groups, m.rows / m.per_word}));
+  MLARUN_ASSIGN_OR_RETURN(
+      m.scales, ModuleTensor(ckpt, "GPTQ", prefix, "scales", {D::kF16, D::kBF16, D::kF32}, {m.groups, m.rows}));
   if (ckpt.Find(prefix + ".g_idx") != nullptr) {
-    MLARUN_ASSIGN_OR_RETURN(m.g_idx, ModuleTensor(ckpt, prefix, "g_idx", {D::kI32, D::kI64}, {m.cols}));
+    MLARUN_ASSIGN_OR_RETURN(m.g_idx, ModuleTensor(ckpt, "GPTQ", prefix, "g_idx", {D::kI32, D::kI64}, {m.cols}));
   }
   MLARUN_RETURN_IF_ERROR(CheckGIdx(s, prefix, m));
   return m;
@@ -157,7 +129,7 @@ void RepackGptqWords(const GptqModule& m, Linear& q) {
     for (int64_t kt = k0; kt < k1; kt += kTileWords) {
       const int64_t ke = std::min(k1, kt + kTileWords);
       for (int64_t k = kt; k < ke; ++k)
-        for (int64_t o = ob; o < oe; ++o) tile[o - ob][k - kt] = Word(m.qweight->data, k * m.rows + o) ^ flip;
+        for (int64_t o = ob; o < oe; ++o) tile[o - ob][k - kt] = Word32(m.qweight->data, k * m.rows + o) ^ flip;
       // Bytes [first, last) of the rows, taken from the tile's little-endian words.
       const int64_t first = std::max(b0, 4 * kt), last = std::min(b1, 4 * ke);
       for (int64_t o = ob; o < oe; ++o) {

@@ -2,6 +2,7 @@
 // and the dispatch to its reader.
 #include "runtime/model/quantized_weights.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -19,7 +20,12 @@ namespace {
 using Json = nlohmann::json;
 
 // A JSON value as config.json spells it, for messages.
-std::string Spell(const Json& v) { return v.is_string() ? "'" + v.get<std::string>() + "'" : v.dump(); }
+std::string Spell(const Json& v) {
+  if (!v.is_string()) return v.dump();
+  std::string s = "'";
+  s.append(v.get_ref<const std::string&>()).push_back('\'');
+  return s;
+}
 
 Status Refuse(const std::string& field, const Json& value, const std::string& why) {
   return InvalidArgumentError("quantization_config.", field, " = ", Spell(value), ": ", why);
@@ -344,5 +350,27 @@ std::vector<std::string> QuantizedTensorNames(const QuantScheme& s, const std::s
   for (const char* suffix : suffixes) names.push_back(prefix + "." + suffix);
   return names;
 }
+
+namespace quant_internal {
+
+StatusOr<const TensorRef*> ModuleTensor(const Checkpoint& ckpt, std::string_view format, const std::string& prefix,
+                                        std::string_view field, std::initializer_list<SafetensorsDType> dtypes,
+                                        const std::vector<int64_t>& shape, std::string_view layout) {
+  const std::string name = prefix + "." + std::string(field);
+  const std::string where =
+      "checkpoint " + ckpt.dir() + ": " + std::string(format) + " module " + prefix + ": tensor '" + name + "'";
+  const std::string why = layout.empty() ? std::string() : " (" + std::string(layout) + ")";
+  const TensorRef* t = ckpt.Find(name);
+  if (t == nullptr) return NotFoundError(where, " is missing", why);
+  std::string names;
+  for (SafetensorsDType d : dtypes) names += (names.empty() ? "" : " / ") + std::string(SafetensorsDTypeName(d));
+  if (std::find(dtypes.begin(), dtypes.end(), t->dtype) == dtypes.end())
+    return InvalidArgumentError(where, " has dtype ", SafetensorsDTypeName(t->dtype), ", expected ", names);
+  if (t->shape != shape)
+    return InvalidArgumentError(where, " has shape ", ShapeString(t->shape), ", expected ", ShapeString(shape), why);
+  return t;
+}
+
+}  // namespace quant_internal
 
 }  // namespace mlarun

@@ -18,6 +18,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -106,6 +108,20 @@ bool QuantizedSliceAligned(const QuantScheme& s, int64_t cols, int64_t c0, int64
 std::vector<std::string> QuantizedTensorNames(const QuantScheme& s, const std::string& prefix);
 
 namespace quant_internal {
+// Tensor `<prefix>.<field>` of a module stored in `format` ("AWQ",
+// "compressed-tensors", ...): present, of one of `dtypes`, shaped `shape`.
+// Errors name the checkpoint, the format, the tensor and, when given,
+// `layout` (what the expected shape means).
+StatusOr<const TensorRef*> ModuleTensor(const Checkpoint& ckpt, std::string_view format, const std::string& prefix,
+                                        std::string_view field, std::initializer_list<SafetensorsDType> dtypes,
+                                        const std::vector<int64_t>& shape, std::string_view layout = {});
+// The little-endian 32-bit word i at p (packed int4 / int8 tensors).
+inline uint32_t Word32(const std::byte* p, int64_t i) {
+  uint32_t w;
+  std::memcpy(&w, p + 4 * i, 4);
+  return w;
+}
+
 // The readers, one per format (quantized_weights.cc dispatches). Same
 // contract as LoadQuantizedLinear.
 StatusOr<Linear> LoadCompressedTensors(const Checkpoint& ckpt, const QuantScheme& s, const std::string& prefix,

@@ -105,14 +105,6 @@ bool ParseSafetensorsDType(std::string_view name, SafetensorsDType* out) {
   return false;
 }
 
-std::string ShapeString(std::span<const int64_t> shape) {
-  std::ostringstream os;
-  os << '[';
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
-  os << ']';
-  return os.str();
-}
-
 // A non-negative JSON integer as uint64; floats, negatives and anything else are rejected.
 bool GetUnsigned(const json& j, uint64_t* out) {
   if (j.is_number_unsigned()) {
@@ -183,6 +175,14 @@ bool IsPlainFileName(std::string_view name) {
 }
 
 }  // namespace
+
+std::string ShapeString(std::span<const int64_t> shape) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << ']';
+  return os.str();
+}
 
 size_t SafetensorsDTypeSize(SafetensorsDType t) {
   for (const DTypeEntry& e : kDTypes) {

@@ -47,6 +47,8 @@ enum class SafetensorsDType : uint8_t {
 };
 size_t SafetensorsDTypeSize(SafetensorsDType t);
 std::string_view SafetensorsDTypeName(SafetensorsDType t);
+// "[2048, 128]", for messages.
+std::string ShapeString(std::span<const int64_t> shape);
 
 // One tensor of a mapped file. A view: valid while its SafetensorsFile lives.
 struct TensorRef {
