@@ -13,6 +13,8 @@
 
 #include "text/tokenizer.h"
 
+#include "base/file.h"
+
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <yaml-cpp/yaml.h>
@@ -21,9 +23,7 @@
 #include <array>
 #include <atomic>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -557,14 +557,6 @@ std::string BpeTokenizer::Decode(std::span<const int32_t> ids, bool skip_special
   return utf8::Lossy(bytes);
 }
 
-StatusOr<std::string> ReadFile(const std::filesystem::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  if (!f) return NotFoundError("cannot read ", p.string());
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 }  // namespace
 
 StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view tokenizer_json,
@@ -599,12 +591,12 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& path) {
       return NotFoundError(path, ": not a model YAML, checkpoint or tokenizer directory (it has no tokenizer.json)");
     return NotFoundError("no tokenizer.json at ", json_path.string());
   }
-  auto tok = ReadFile(json_path);
+  auto tok = ReadFileToString(json_path.string());
   if (!tok.ok()) return tok.status();
   std::string config;
   const fs::path config_path = dir / "tokenizer_config.json";
   if (fs::is_regular_file(config_path, ec)) {
-    auto c = ReadFile(config_path);
+    auto c = ReadFileToString(config_path.string());
     if (!c.ok()) return c.status();
     config = std::move(*c);
   }

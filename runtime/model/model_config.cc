@@ -6,15 +6,14 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
-#include <sstream>
 #include <string>
 #include <utility>
 
+#include "base/file.h"
 #include "base/suggest.h"
 
 namespace mlarun {
@@ -690,15 +689,6 @@ Status CheckYamlKeys(const Json& root, std::string_view origin) {
   return Status::Ok();
 }
 
-StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFoundError("cannot open ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return InvalidArgumentError("error reading ", path);
-  return ss.str();
-}
-
 // A byte or element count as an integer, however large (doubles print
 // 1e+12 otherwise).
 std::string Count(double x) {
@@ -971,7 +961,7 @@ StatusOr<ModelConfig> ParseHfConfigJson(std::string_view json_text, std::string_
 
 StatusOr<ModelConfig> LoadHfConfig(const std::string& dir_or_file) {
   const std::string path = dir_or_file.ends_with(".json") ? dir_or_file : dir_or_file + "/config.json";
-  MLARUN_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  MLARUN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   return ParseHfConfigJson(text, path);
 }
 
@@ -995,7 +985,7 @@ StatusOr<YamlModel> ParseModelYaml(std::string_view yaml_text, std::string_view 
 }
 
 StatusOr<YamlModel> LoadModelYaml(const std::string& path) {
-  MLARUN_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  MLARUN_ASSIGN_OR_RETURN(std::string text, ReadFileToString(path));
   return ParseModelYaml(text, path);
 }
 

@@ -3,10 +3,10 @@
 #include "runtime/model/quantized_weights.h"
 
 #include <algorithm>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <regex>
-#include <sstream>
+
+#include "base/file.h"
 
 namespace mlarun {
 
@@ -209,15 +209,6 @@ Status ReadGptq(const Json& q, QuantScheme* s) {
   return s->SetIgnore({});
 }
 
-StatusOr<std::string> ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFoundError("cannot open ", path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) return InvalidArgumentError("error reading ", path);
-  return ss.str();
-}
-
 }  // namespace
 
 std::string_view QuantFormatName(QuantFormat f) {
@@ -287,7 +278,7 @@ bool QuantScheme::Covers(const Checkpoint& ckpt, std::string_view prefix) const 
 
 StatusOr<QuantScheme> ReadQuantScheme(const std::string& dir) {
   const std::string path = dir + "/config.json";
-  MLARUN_ASSIGN_OR_RETURN(const std::string text, ReadText(path));
+  MLARUN_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path));
   const Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (root.is_discarded() || !root.is_object()) return InvalidArgumentError(path, ": not a JSON object");
   QuantScheme s;
