@@ -302,10 +302,27 @@ TEST(AwqGptqDtypes, WrongDtypesAreRefusedByTensorName) {
   }
 }
 
-uint32_t WordAt(const TensorRef& t, int64_t i) {
-  uint32_t w;
-  std::memcpy(&w, t.data + 4 * i, 4);
-  return w;
+uint32_t WordAt(const TensorRef& t, int64_t i) { return quant_internal::Word32(t.data, i); }
+
+// Random words for three modules "awq" (4-bit), "gptq" (4-bit) and "gptq8"
+// (8-bit), each of logical weight [rows, cols] in groups of `group`.
+std::vector<WrittenCheckpoint::Tensor> ThreeModules(int64_t rows, int64_t cols, int64_t group) {
+  const int64_t groups = cols / group;
+  return {
+      {"awq.qweight", "I32", {cols, rows / 8}, 4},   {"awq.qzeros", "I32", {groups, rows / 8}, 4},
+      {"awq.scales", "F16", {groups, rows}, 2},      {"gptq.qweight", "I32", {cols / 8, rows}, 4},
+      {"gptq.qzeros", "I32", {groups, rows / 8}, 4}, {"gptq.scales", "F16", {groups, rows}, 2},
+      {"gptq8.qweight", "I32", {cols / 4, rows}, 4}, {"gptq8.qzeros", "I32", {groups, rows / 4}, 4},
+      {"gptq8.scales", "F16", {groups, rows}, 2},
+  };
+}
+
+// The asymmetric scheme of one of ThreeModules' modules.
+QuantScheme SchemeOf(const std::string& module, int64_t group) {
+  QuantScheme s;
+  s.format = module == "awq" ? QuantFormat::kAwq : QuantFormat::kGptq;
+  s.bits = module == "gptq8" ? 8 : 4, s.group = group, s.symmetric = false;
+  return s;
 }
 
 // Modules large enough for several thread blocks and column tiles, random
@@ -315,27 +332,13 @@ uint32_t WordAt(const TensorRef& t, int64_t i) {
 // points stored minus one.
 TEST(AwqGptqLarge, RandomWordsMatchAnElementwiseDecoding) {
   const int64_t rows = 400, cols = 384, group = 128, groups = cols / group;
-  const WrittenCheckpoint ck(
-      {
-          {"awq.qweight", "I32", {cols, rows / 8}, 4},
-          {"awq.qzeros", "I32", {groups, rows / 8}, 4},
-          {"awq.scales", "F16", {groups, rows}, 2},
-          {"gptq.qweight", "I32", {cols / 8, rows}, 4},
-          {"gptq.qzeros", "I32", {groups, rows / 8}, 4},
-          {"gptq.scales", "F16", {groups, rows}, 2},
-          {"gptq8.qweight", "I32", {cols / 4, rows}, 4},
-          {"gptq8.qzeros", "I32", {groups, rows / 4}, 4},
-          {"gptq8.scales", "F16", {groups, rows}, 2},
-      },
-      "large");
+  const WrittenCheckpoint ck(ThreeModules(rows, cols, group), "large");
   auto ckpt = Checkpoint::Open(ck.dir());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   const int awq_position[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   for (const char* prefix : {"awq", "gptq", "gptq8"}) {
     const std::string p = prefix;
-    QuantScheme s;
-    s.format = p == "awq" ? QuantFormat::kAwq : QuantFormat::kGptq;
-    s.bits = p == "gptq8" ? 8 : 4, s.group = group, s.symmetric = false;
+    const QuantScheme s = SchemeOf(p, group);
     const TensorRef& qw = *(*ckpt)->Find(p + ".qweight");
     const TensorRef& qz = *(*ckpt)->Find(p + ".qzeros");
     std::vector<float> scales(static_cast<size_t>(groups * rows));
@@ -368,26 +371,12 @@ TEST(AwqGptqLarge, RandomWordsMatchAnElementwiseDecoding) {
 // The repack rate on a projection of a 15B-class model (4096 x 11008), run by
 // hand: awq_gptq_test --gtest_also_run_disabled_tests --gtest_filter='*Rate*'.
 TEST(AwqGptqRate, DISABLED_RepackMegabytesPerSecond) {
-  const int64_t rows = 11008, cols = 4096, group = 128, groups = cols / group;
-  const WrittenCheckpoint ck(
-      {
-          {"awq.qweight", "I32", {cols, rows / 8}, 4},
-          {"awq.qzeros", "I32", {groups, rows / 8}, 4},
-          {"awq.scales", "F16", {groups, rows}, 2},
-          {"gptq.qweight", "I32", {cols / 8, rows}, 4},
-          {"gptq.qzeros", "I32", {groups, rows / 8}, 4},
-          {"gptq.scales", "F16", {groups, rows}, 2},
-          {"gptq8.qweight", "I32", {cols / 4, rows}, 4},
-          {"gptq8.qzeros", "I32", {groups, rows / 4}, 4},
-          {"gptq8.scales", "F16", {groups, rows}, 2},
-      },
-      "rate");
+  const int64_t rows = 11008, cols = 4096, group = 128;
+  const WrittenCheckpoint ck(ThreeModules(rows, cols, group), "rate");
   auto ckpt = Checkpoint::Open(ck.dir());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   for (const char* prefix : {"awq", "gptq", "gptq8"}) {
-    QuantScheme s;
-    s.format = prefix[0] == 'a' ? QuantFormat::kAwq : QuantFormat::kGptq;
-    s.bits = std::string(prefix) == "gptq8" ? 8 : 4, s.group = group, s.symmetric = false;
+    const QuantScheme s = SchemeOf(prefix, group);
     double best = 1e30;
     for (int rep = 0; rep < 5; ++rep) {
       const auto t0 = std::chrono::steady_clock::now();
