@@ -4,6 +4,11 @@
 
 namespace mlarun {
 
+std::ostream& operator<<(std::ostream& os, const WeightBytes& w) {
+  return os << "{attention " << w.attention << " (replicated " << w.attention_replicated << "), dense_mlp "
+            << w.dense_mlp << ", moe " << w.moe << ", embedding_and_head " << w.embedding_and_head << "}";
+}
+
 namespace {
 int64_t Size(DType t) { return static_cast<int64_t>(DTypeSize(t)); }
 }  // namespace

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <ostream>
 #include <span>
 #include <string>
 #include <vector>
@@ -70,7 +71,10 @@ struct WeightBytes {
   int64_t moe = 0;  // routed + shared experts and routers
   int64_t embedding_and_head = 0;
   int64_t total() const { return attention + dense_mlp + moe + embedding_and_head; }
+  friend bool operator==(const WeightBytes&, const WeightBytes&) = default;
 };
+// {attention A (replicated R), dense_mlp D, moe M, embedding_and_head E}.
+std::ostream& operator<<(std::ostream& os, const WeightBytes& w);
 
 // One sequence's part of a forward step. Its tokens sit at positions
 // [start_pos, start_pos + tokens.size()); its latent rows live in the pool

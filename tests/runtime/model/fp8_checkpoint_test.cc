@@ -69,14 +69,6 @@ ModelConfig Config(DType weight_dtype) {
   return config;
 }
 
-void ExpectBytes(const WeightBytes& got, const WeightBytes& want, const std::string& what) {
-  EXPECT_EQ(got.attention, want.attention) << what;
-  EXPECT_EQ(got.attention_replicated, want.attention_replicated) << what;
-  EXPECT_EQ(got.dense_mlp, want.dense_mlp) << what;
-  EXPECT_EQ(got.moe, want.moe) << what;
-  EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << what;
-}
-
 TEST(Fp8Checkpoint, ProjectionsStayFp8InPlace) {
   const ModelConfig config = Config(DType::kBF16);  // as the checkpoint says: embeddings bf16, in place
   const Fp8Bytes fp8 = ProjectionFp8Bytes();
@@ -86,9 +78,9 @@ TEST(Fp8Checkpoint, ProjectionsStayFp8InPlace) {
   auto copied = LoadWith(config, Fp8Weights::kKeep, WeightLoading::kCopied);
   ASSERT_TRUE(keep && deq && copied);
   // What `mlarun memory --weight-dtype fp8` predicts is what the model holds.
-  ExpectBytes(keep->weight_bytes(), PredictWeightBytes(config, {}, DType::kF8E4M3), "kept fp8");
-  ExpectBytes(copied->weight_bytes(), PredictWeightBytes(config, {}, DType::kF8E4M3), "kept fp8, copied");
-  ExpectBytes(deq->weight_bytes(), PredictWeightBytes(config), "dequantized");
+  EXPECT_EQ(keep->weight_bytes(), PredictWeightBytes(config, {}, DType::kF8E4M3)) << "kept fp8";
+  EXPECT_EQ(copied->weight_bytes(), PredictWeightBytes(config, {}, DType::kF8E4M3)) << "kept fp8, copied";
+  EXPECT_EQ(deq->weight_bytes(), PredictWeightBytes(config)) << "dequantized";
   // fp8 keeps one byte per element plus the scales where bf16 takes two.
   EXPECT_EQ(deq->weight_bytes().total() - keep->weight_bytes().total(), 2 * fp8.data - (fp8.data + fp8.scales));
   // Dequantized, the projections are copies; kept, their e4m3 bytes are the
@@ -221,7 +213,7 @@ TEST(Fp8Checkpoint, ShardsKeepAlignedSlicesOnly) {
       ASSERT_TRUE(m.ok()) << m.status();
       const std::string what = std::string(moe == MoeSharding::kByExpert ? "by expert" : "by intermediate") + " rank " +
                                std::to_string(rank);
-      ExpectBytes((*m)->weight_bytes(), PredictWeightBytes(config, shard, DType::kF8E4M3), what);
+      EXPECT_EQ((*m)->weight_bytes(), PredictWeightBytes(config, shard, DType::kF8E4M3)) << what;
       const int64_t fallbacks = std::count_if(lines.begin(), lines.end(), [](const std::string& l) {
         return l.find("does not start on a 128 boundary; dequantized to bf16") != std::string::npos;
       });

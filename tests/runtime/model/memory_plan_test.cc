@@ -206,12 +206,7 @@ TEST(MemoryPlan, AgreesWithLoadedShardsAndTheCache) {
       ASSERT_TRUE(m.ok()) << m.status();
       const WeightBytes got = (*m)->weight_bytes();
       // Every category of the predicted weight bytes, not just their sum.
-      EXPECT_EQ(got.attention, plan->weights.attention) << text << " rank " << rank;
-      EXPECT_EQ(got.attention_replicated, plan->weights.attention_replicated) << text << " rank " << rank;
-      EXPECT_EQ(got.dense_mlp, plan->weights.dense_mlp) << text << " rank " << rank;
-      EXPECT_EQ(got.moe, plan->weights.moe) << text << " rank " << rank;
-      EXPECT_EQ(got.embedding_and_head, plan->weights.embedding_and_head) << text << " rank " << rank;
-      EXPECT_EQ(got.total(), plan->weights.total()) << text << " rank " << rank;
+      EXPECT_EQ(got, plan->weights) << text << " rank " << rank;
       const int64_t budget = memory - got.total() - plan->workspace.total();
       auto cache = LatentCache::Create((*m)->CacheConfig(budget, 16));
       ASSERT_TRUE(cache.ok()) << cache.status();
@@ -244,11 +239,7 @@ TEST(MemoryPlan, AgreesWithLoadedFp8Checkpoint) {
       ASSERT_TRUE(m.ok()) << m.status();
       const WeightBytes got = (*m)->weight_bytes();
       const WeightBytes want = rank == 0 ? plan->weights : PredictWeightBytes(*config, mo.shard, DType::kF8E4M3);
-      EXPECT_EQ(got.attention, want.attention) << text << " rank " << rank;
-      EXPECT_EQ(got.attention_replicated, want.attention_replicated) << text << " rank " << rank;
-      EXPECT_EQ(got.dense_mlp, want.dense_mlp) << text << " rank " << rank;
-      EXPECT_EQ(got.moe, want.moe) << text << " rank " << rank;
-      EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << text << " rank " << rank;
+      EXPECT_EQ(got, want) << text << " rank " << rank;
     }
     // fp8 where bf16 would take two bytes: less than the bf16 plan.
     auto bf16 = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20});
@@ -280,11 +271,7 @@ TEST(MemoryPlan, AgreesWithLoadedQuantizedCheckpoints) {
         ASSERT_TRUE(m.ok()) << m.status();
         const WeightBytes got = (*m)->weight_bytes();
         const WeightBytes want = rank == 0 ? plan->weights : PredictWeightBytes(*config, mo.shard, format);
-        EXPECT_EQ(got.attention, want.attention) << name << " " << text << " rank " << rank;
-        EXPECT_EQ(got.attention_replicated, want.attention_replicated) << name << " " << text << " rank " << rank;
-        EXPECT_EQ(got.dense_mlp, want.dense_mlp) << name << " " << text << " rank " << rank;
-        EXPECT_EQ(got.moe, want.moe) << name << " " << text << " rank " << rank;
-        EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << name << " " << text << " rank " << rank;
+        EXPECT_EQ(got, want) << name << " " << text << " rank " << rank;
       }
       auto bf16 = PlanRankMemory(*config, layout, {.memory_bytes = int64_t{48} << 20});
       ASSERT_TRUE(bf16.ok());

@@ -276,14 +276,6 @@ std::vector<std::vector<int32_t>> Greedy(Model& m, const std::vector<std::vector
   return tokens;
 }
 
-void ExpectBytes(const WeightBytes& got, const WeightBytes& want, const std::string& what) {
-  EXPECT_EQ(got.attention, want.attention) << what;
-  EXPECT_EQ(got.attention_replicated, want.attention_replicated) << what;
-  EXPECT_EQ(got.dense_mlp, want.dense_mlp) << what;
-  EXPECT_EQ(got.moe, want.moe) << what;
-  EXPECT_EQ(got.embedding_and_head, want.embedding_and_head) << what;
-}
-
 // Kept int8 / int4 and dequantized to f32 at load, every product multiplies
 // the same fp32 weights with the same fp32 activations; only the order of
 // the sums differs. Measured ~1e-6 of the logits' scale; bound 1e-5.
@@ -357,8 +349,8 @@ TEST(QuantizedCheckpoint, PredictedBytesEqualLoaded) {
     auto keep = Load(Dir(f.name), config, IntWeights::kKeep);
     auto deq = Load(Dir(f.name), config, IntWeights::kDequantize);
     ASSERT_TRUE(keep && deq);
-    ExpectBytes(keep->weight_bytes(), PredictWeightBytes(config, {}, WeightFormatOf(*s)), f.name);
-    ExpectBytes(deq->weight_bytes(), PredictWeightBytes(config), f.name + " dequantized");
+    EXPECT_EQ(keep->weight_bytes(), PredictWeightBytes(config, {}, WeightFormatOf(*s))) << f.name;
+    EXPECT_EQ(deq->weight_bytes(), PredictWeightBytes(config)) << f.name + " dequantized";
     // Int4 values: half a byte each, in place in the mapping.
     EXPECT_GT(keep->weight_bytes_in_place(), 0) << f.name;
   }
@@ -388,7 +380,7 @@ TEST(QuantizedCheckpoint, MixedPrecisionLmHeadHasItsOwnScheme) {
   auto keep = Load(out.string(), config, IntWeights::kKeep);
   auto deq = Load(out.string(), config, IntWeights::kDequantize);
   ASSERT_TRUE(keep && deq);
-  ExpectBytes(keep->weight_bytes(), PredictWeightBytes(config, {}, WeightFormatOf(*s)), "mixed-precision");
+  EXPECT_EQ(keep->weight_bytes(), PredictWeightBytes(config, {}, WeightFormatOf(*s))) << "mixed-precision";
   // lm_head [256, 64] int8 per channel: a byte per element and a scale per row.
   EXPECT_EQ(keep->weight_bytes().embedding_and_head, 256 * 64 * 4 + 256 * (64 + 4) + 64 * 4);
   const auto prompts = Prompts();
@@ -519,8 +511,8 @@ TEST(QuantizedCheckpoint, TwoRanksMatchOneRank) {
             ADD_FAILURE() << what;
             return;  // the other rank then waits: a failure here aborts below via timeout
           }
-          ExpectBytes(m->weight_bytes(), PredictWeightBytes(config, shard, WeightFormatOf(*s)),
-                      what + " rank " + std::to_string(r));
+          EXPECT_EQ(m->weight_bytes(), PredictWeightBytes(config, shard, WeightFormatOf(*s)))
+              << what + " rank " + std::to_string(r);
           const ParallelStep step{.attn_tp = &comm, .dp_rank = 0};
           got[r] = Logits(*m, prompts, &step);
         });
