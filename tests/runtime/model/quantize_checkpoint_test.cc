@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/model/quantized_weights.h"
 #include "runtime/model/safetensors.h"
 #include "runtime/ops/linear.h"
 
@@ -398,7 +399,51 @@ TEST(QuantizeCheckpoint, BadArgumentsAreClearErrors) {
 // Loading what `mlarun quantize` writes back into mlarun (and comparing a
 // step with the bf16 model's) needs the compressed-tensors reader
 // (runtime/model/quant_compressed_tensors.cc); enable this once it lands.
-TEST(QuantizeCheckpoint, DISABLED_RoundTripLoadsInMlarun) { GTEST_SKIP() << "needs the compressed-tensors reader"; }
+// What `mlarun quantize` writes loads back as exactly what QuantizeLinear
+// made of the input: every projection the reader returns equals, element for
+// element, QuantizeLinear of the same bf16 weight (sharded output, several
+// threads, int4 symmetric and asymmetric, int8 per channel).
+TEST(QuantizeCheckpoint, RoundTripLoadsTheQuantizedValues) {
+  const std::string model = kFixtures + "/models/v3_bf16";
+  auto in = Checkpoint::Open(model);
+  ASSERT_TRUE(in.ok()) << in.status();
+  const QuantizeOptions runs[] = {{.dtype = DType::kInt4, .group = 32, .symmetric = true},
+                                  {.dtype = DType::kInt4, .group = 32, .symmetric = false},
+                                  {.dtype = DType::kInt8, .group = 0, .symmetric = true}};
+  for (const QuantizeOptions& run : runs) {
+    const std::string tag = std::string(DTypeName(run.dtype)) + (run.symmetric ? "_sym" : "_asym");
+    SCOPED_TRACE(tag);
+    QuantizeCheckpointOptions o{.model_dir = model, .out_dir = TempOut("roundtrip_" + tag), .dtype = run.dtype};
+    o.group = run.group, o.symmetric = run.symmetric, o.threads = 2, o.max_shard_bytes = 40000;
+    ASSERT_TRUE(QuantizeCheckpoint(o).ok());
+    auto out = Checkpoint::Open(o.out_dir);
+    ASSERT_TRUE(out.ok()) << out.status();
+    auto scheme = ReadQuantScheme(o.out_dir);
+    ASSERT_TRUE(scheme.ok()) << scheme.status();
+    int modules = 0;
+    for (const std::string& name : (*out)->Names()) {
+      static const std::string kScale = ".weight_scale";
+      if (!name.ends_with(kScale)) continue;
+      const std::string prefix = name.substr(0, name.size() - kScale.size());
+      const TensorRef* w = (*in)->Find(prefix + ".weight");
+      ASSERT_NE(w, nullptr) << prefix;
+      const int64_t rows = w->shape[0], cols = w->shape[1];
+      Linear src = Linear::Owned(rows, cols, DType::kBF16);
+      ASSERT_TRUE((*in)->Load(w->name, w->shape, DType::kBF16, src.mutable_data()).ok());
+      auto want = QuantizeLinear(src, run);
+      ASSERT_TRUE(want.ok()) << want.status();
+      auto got = LoadQuantizedLinear(**out, *scheme, prefix, rows, cols, 0, rows, 0, cols);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_EQ(got->dtype, run.dtype) << prefix;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c)
+          ASSERT_EQ(got->At(r, c), want->At(r, c)) << prefix << " [" << r << ", " << c << "]";
+      ++modules;
+    }
+    EXPECT_EQ(modules, 3 * 5 + 3 + 2 * 8 * 3 + 2 * 3);  // every projection CheckAgainstInput counts
+    fs::remove_all(o.out_dir);
+  }
+}
 
 }  // namespace
 }  // namespace mlarun
