@@ -154,12 +154,6 @@ struct WeightFormat {
 // What loading a checkpoint of quantization scheme `s` holds (kNone: no
 // integer projections; an fp8 checkpoint is known by its tensors' dtype).
 WeightFormat WeightFormatOf(const QuantScheme& s);
-// How the loader holds the projections of the checkpoint at `path` by
-// default: its integer scheme (config.json's quantization_config), f8_e4m3
-// when it stores them F8_E4M3 (Fp8Weights::kKeep), else config.weight_dtype
-// (also for a YAML or config.json path: no weights to look at). Reads
-// config.json and the safetensors headers only.
-StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path);
 // PredictWeightBytes for projections held as `f` says; with kInt8 / kInt4,
 // each quantized matrix as the loader keeps it (Linear::bytes): packed
 // values, rows x ceil(cols / group) fp32 scales, as many offsets when
@@ -230,6 +224,19 @@ enum class IntWeights : uint8_t {
   // Dequantized to config.weight_dtype at load (a reference for tests).
   kDequantize = 1,
 };
+// The integer scheme of the checkpoint in `dir` (config.json's
+// quantization_config; kNone without a config.json).
+StatusOr<QuantScheme> CheckpointQuantScheme(const std::string& dir);
+// How loading `ckpt` (of scheme `scheme`) with these options holds its
+// projections: the integer scheme unless `ints` dequantizes, f8_e4m3 when
+// they are stored F8_E4M3 and `fp8` keeps them, else the config's
+// weight_dtype (projection_dtype unset).
+WeightFormat HeldWeightFormat(const Checkpoint& ckpt, const QuantScheme& scheme, Fp8Weights fp8, IntWeights ints);
+// The same for the checkpoint at `path`, from config.json and the
+// safetensors headers only (WeightFormat{} for a YAML or config.json path:
+// no weights to look at).
+StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path, Fp8Weights fp8 = Fp8Weights::kKeep,
+                                              IntWeights ints = IntWeights::kKeep);
 
 struct ModelOptions {
   // The attention's dispatch thresholds and tiles, and the backend every op

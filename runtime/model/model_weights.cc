@@ -541,20 +541,26 @@ WeightFormat WeightFormatOf(const QuantScheme& q) {
   return f;
 }
 
-StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path) {
+WeightFormat HeldWeightFormat(const Checkpoint& ckpt, const QuantScheme& scheme, Fp8Weights fp8, IntWeights ints) {
+  WeightFormat held = ints == IntWeights::kKeep ? WeightFormatOf(scheme) : WeightFormat{};
+  if (!held.projection_dtype) held.projection_dtype = KeptProjectionDType(ckpt, fp8);
+  return held;
+}
+
+StatusOr<QuantScheme> CheckpointQuantScheme(const std::string& dir) {
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(dir) / "config.json", ec)) return QuantScheme{};
+  return ReadQuantScheme(dir);
+}
+
+StatusOr<WeightFormat> CheckpointWeightFormat(const std::string& path, Fp8Weights fp8, IntWeights ints) {
   std::error_code ec;
   if (!std::filesystem::is_directory(path, ec)) return WeightFormat{};  // a config.json or YAML: no weights to look at
-  if (std::filesystem::exists(std::filesystem::path(path) / "config.json", ec)) {
-    MLARUN_ASSIGN_OR_RETURN(const QuantScheme s, ReadQuantScheme(path));
-    if (s.format != QuantFormat::kNone) return WeightFormatOf(s);
-  }
+  MLARUN_ASSIGN_OR_RETURN(const QuantScheme s, CheckpointQuantScheme(path));
+  if (ints == IntWeights::kKeep && s.format != QuantFormat::kNone) return WeightFormatOf(s);
   auto ckpt = Checkpoint::Open(path);  // maps the files and reads their headers only
   if (!ckpt.ok()) return WeightFormat{};
-  // Every DeepSeek layer has kv_a; the release stores all its projections
-  // alike, and the loader keeps them fp8 (Fp8Weights::kKeep, the default).
-  const TensorRef* t = (*ckpt)->Find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
-  if (t == nullptr || t->dtype != SafetensorsDType::kF8E4M3) return WeightFormat{};
-  return WeightFormat{.projection_dtype = DType::kF8E4M3};
+  return HeldWeightFormat(**ckpt, s, fp8, ints);
 }
 
 namespace {
@@ -776,14 +782,10 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   int64_t mapped_bytes = 0;
   if (options.weights == WeightLoading::kMapped)
     for (const std::string& name : ckpt->Names()) mapped_bytes += static_cast<int64_t>(ckpt->Find(name)->bytes);
-  QuantScheme scheme;
-  if (std::filesystem::exists(std::filesystem::path(ckpt->dir()) / "config.json")) {
-    MLARUN_ASSIGN_OR_RETURN(scheme, ReadQuantScheme(ckpt->dir()));
-  }
+  MLARUN_ASSIGN_OR_RETURN(const QuantScheme scheme, CheckpointQuantScheme(ckpt->dir()));
   // Sized as loading holds them: int8 / int4 as stored, a checkpoint's fp8
   // projections kept fp8.
-  WeightFormat held = options.int_weights == IntWeights::kKeep ? WeightFormatOf(scheme) : WeightFormat{};
-  if (!held.projection_dtype) held.projection_dtype = KeptProjectionDType(*ckpt, options.fp8_weights);
+  const WeightFormat held = HeldWeightFormat(*ckpt, scheme, options.fp8_weights, options.int_weights);
   MLARUN_RETURN_IF_ERROR(CheckWeightsFit(config, options.shard, held, mapped_bytes, MachineMemoryBytes()));
   // The loader's notes (a shard's fp8 tensor dequantized): one line each,
   // through the progress callback where there is one.

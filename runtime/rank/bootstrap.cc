@@ -111,22 +111,20 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
     MLARUN_RETURN_IF_ERROR(ValidateModelConfig(c));
   }
   MLARUN_RETURN_IF_ERROR(ValidateModelShard(lm.config, shard));
-  // As the loader will hold the checkpoint's projections (fp8 kept unless
-  // --fp8-weights dequantize; int8 / int4 as stored).
-  MLARUN_ASSIGN_OR_RETURN(WeightFormat format, CheckpointWeightFormat(spec.model));
-  if (format.projection_dtype == DType::kF8E4M3 && spec.fp8_weights == "dequantize") format = WeightFormat{};
-  lm.predicted = PredictWeightBytes(lm.config, shard, format);
-  if (lm.predicted.total() > spec.max_weight_bytes)
-    return ResourceExhaustedError("the model's weights would take ", lm.predicted.total() >> 20, " MiB (limit ",
-                                  spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
-  lm.options.shard = shard;
-  MLARUN_ASSIGN_OR_RETURN(lm.options.attention.backend, ParseDeviceFlag(spec.device));
   if (spec.fp8_weights == "keep")
     lm.options.fp8_weights = Fp8Weights::kKeep;
   else if (spec.fp8_weights == "dequantize")
     lm.options.fp8_weights = Fp8Weights::kDequantize;
   else
     return InvalidArgumentError("--fp8-weights: expected keep or dequantize, got '", spec.fp8_weights, "'");
+  // As the loader will hold the checkpoint's projections.
+  MLARUN_ASSIGN_OR_RETURN(const WeightFormat format, CheckpointWeightFormat(spec.model, lm.options.fp8_weights));
+  lm.predicted = PredictWeightBytes(lm.config, shard, format);
+  if (lm.predicted.total() > spec.max_weight_bytes)
+    return ResourceExhaustedError("the model's weights would take ", lm.predicted.total() >> 20, " MiB (limit ",
+                                  spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");
+  lm.options.shard = shard;
+  MLARUN_ASSIGN_OR_RETURN(lm.options.attention.backend, ParseDeviceFlag(spec.device));
   if (lm.options.attention.backend == Backend::kCuda) MLARUN_RETURN_IF_ERROR(SelectDeviceForSpec(spec, rank).status());
   if (const Status st = ApplyAbsorbThresholdsFile(spec.attention_thresholds, &lm.options.attention); !st.ok())
     return st.WithContext("--attention-thresholds");
