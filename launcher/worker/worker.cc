@@ -331,7 +331,7 @@ void Worker::Run() {
   last_stats_ = std::chrono::steady_clock::now();
   for (;;) {
     if (link_) DrainLink();
-    auto step = runner_->StepOrStop(g_stop.load());
+    auto step = runner_->StepOrStop(g_stop.load() ? std::max(g_stop_signal.load(), 1) : 0);
     if (!step.ok()) {
       // The ranks are out of lockstep: the job ends. A leader first tells the
       // coordinator why, so its clients learn it now and with the reason.
@@ -359,8 +359,11 @@ void Worker::Run() {
 void Worker::Stop() {
   // A stop asked for (serve's shutdown, a Ctrl-C): the coordinator hears it
   // from the group itself rather than as a stream that broke.
-  if (link_ && g_stop_signal.load() != 0) {
-    const char* name = sigabbrev_np(g_stop_signal.load());
+  // The signal may have reached another rank only (mpirun passes it on one
+  // rank at a time): the agreed stop carries it.
+  const int sig = g_stop_signal.load() != 0 ? g_stop_signal.load() : runner_ ? runner_->stop_code() : 0;
+  if (link_ && sig != 0) {
+    const char* name = sigabbrev_np(sig);
     link_->Leave(rank_name_ + ": stopping on request (SIG" + (name != nullptr ? name : "?") + ")", /*timeout_s=*/2.0);
   }
   link_.reset();

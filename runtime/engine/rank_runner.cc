@@ -58,7 +58,7 @@ void RankRunner::UpdateCacheStats(const StepPlan* plan, bool written) {
   if (written && plan) cache_stats_.bytes_written += plan->num_tokens() * now.bytes_per_token;
 }
 
-StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
+StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(int stop) {
   last_failure_ = Status::Ok();
   // 1. The plan: made by the leader, run by the whole group.
   StepPlan plan;
@@ -86,22 +86,26 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(bool stop) {
   const LatentCacheStats& cs = cache_stats_.now;
   const LockstepReport mine{.tokens = plan.num_tokens(),
                             .has_work = plan.has_work || !plan.seqs.empty() ? 1 : 0,
-                            .stop = stop ? 1 : 0,
+                            .stop = stop,
                             .blocks_used = cs.blocks_used,
                             .peak_blocks_used = cache_stats_.peak_blocks_used,
                             .blocks_retired = cs.blocks_retired};
   std::vector<LockstepReport> all(static_cast<size_t>(world.size()));
   MLARUN_RETURN_IF_ERROR(world.AllGather(&mine, LockstepReport::kWords, all.data(), CommType::kI64));
-  bool any_work = false, any_stop = false;
+  bool any_work = false;
+  int64_t stop_code = 0;
   world_cache_.resize(all.size());
   for (size_t r = 0; r < all.size(); ++r) {
     any_work |= all[r].has_work != 0;
-    any_stop |= all[r].stop != 0;
+    stop_code = std::max(stop_code, all[r].stop);
     world_cache_[r] = {.blocks_used = all[r].blocks_used,
                        .peak_blocks_used = all[r].peak_blocks_used,
                        .blocks_retired = all[r].blocks_retired};
   }
-  if (any_stop) return StepResult::kStop;
+  if (stop_code > 0) {
+    stop_code_ = static_cast<int>(stop_code);
+    return StepResult::kStop;
+  }
   if (!any_work) return StepResult::kIdle;
   const ParallelLayout& layout = groups_.layout;
   dp_tokens_.assign(static_cast<size_t>(layout.dp), 0);

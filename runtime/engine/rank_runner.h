@@ -58,7 +58,7 @@ struct LockstepReport {
   static constexpr int64_t kWords = 6;
   int64_t tokens = 0;            // tokens this rank's group runs in the step
   int64_t has_work = 0;          // 1 when requests are left
-  int64_t stop = 0;              // 1 when this rank asks the job to stop
+  int64_t stop = 0;              // nonzero when this rank asks the job to stop: why
   int64_t blocks_used = 0;       // LatentCacheStats::blocks_used, this step's blocks taken
   int64_t peak_blocks_used = 0;  // the most blocks_used so far
   int64_t blocks_retired = 0;    // LatentCacheStats::blocks_retired
@@ -85,20 +85,24 @@ class RankRunner {
   // One lockstep step on every rank. Returns false, on every rank at once,
   // when no rank had work (nothing ran).
   StatusOr<bool> Step() {
-    MLARUN_ASSIGN_OR_RETURN(const StepResult r, StepOrStop(false));
+    MLARUN_ASSIGN_OR_RETURN(const StepResult r, StepOrStop(0));
     return r == StepResult::kWorked;
   }
 
-  // The same, with a vote to stop: when any rank votes (a signal, a lost
-  // coordinator), every rank returns kStop at the same step, before running
-  // it, so none is left waiting in a collective.
+  // The same, with a vote to stop: `stop` is 0, or a positive code saying why
+  // this rank asks (the worker passes the signal it got). When any rank
+  // votes, every rank returns kStop at the same step, before running it, so
+  // none is left waiting in a collective, and stop_code() on every rank is
+  // the largest code voted: a rank that got no signal itself can still say
+  // why the job is stopping.
   //
   // A step whose computation failed returns kWorked on every rank, with
   // last_step_failure() set and the step's requests ended (kError). An error
   // returned (a collective's, or the engine's own bookkeeping) is fatal: the
   // ranks are no longer in lockstep.
   enum class StepResult : uint8_t { kWorked, kIdle, kStop };
-  StatusOr<StepResult> StepOrStop(bool stop);
+  StatusOr<StepResult> StepOrStop(int stop);
+  int stop_code() const { return stop_code_; }
   // OK, or the computation failure of the last StepOrStop (the same Status
   // on every rank, naming the rank that failed).
   const Status& last_step_failure() const { return last_failure_; }
@@ -126,6 +130,7 @@ class RankRunner {
   std::unique_ptr<Engine> engine_;  // leaders
   std::unique_ptr<ModelRunner> runner_;
   Status last_failure_;
+  int stop_code_ = 0;
   std::vector<int64_t> dp_tokens_;
   mutable RankCacheStats cache_stats_;  // the leader's `now` is refreshed when read
   std::vector<RankCacheSnapshot> world_cache_;

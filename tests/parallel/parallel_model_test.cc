@@ -235,6 +235,29 @@ TEST(Parallel, TokensMatchOneRankAndCacheLivesWhereItShould) {
 // every group produce the tokens one rank gives, and every member's cache
 // mirrors its leader's (the failed requests released on all of them, never
 // retired). A hang here is a failure too (ctest TIMEOUT).
+// A stop voted by one rank only (the last, with code 15, as a SIGTERM that
+// mpirun has passed to it first) stops every rank at the same step, before
+// it runs, and every rank learns the code: a leader that got no signal still
+// tells its coordinator why. Ranks that did not vote see 0 until then.
+TEST(Parallel, OneRanksStopVoteStopsEveryRankWithItsCode) {
+  ProcessGroups g;
+  ASSERT_TRUE(Groups(&g));
+  auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
+  ASSERT_TRUE(model);
+  const EngineConfig ec{.max_num_batched_tokens = 64, .cache_budget_bytes = 16 << 20, .block_size = 16};
+  auto runner = RankRunner::Create(*model, ec, g, "rank " + std::to_string(g.rank) + " (test)");
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  const bool voter = g.rank == g_layout.world() - 1;
+  auto first = (*runner)->StepOrStop(0);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(*first, RankRunner::StepResult::kIdle);
+  EXPECT_EQ((*runner)->stop_code(), 0);
+  auto second = (*runner)->StepOrStop(voter ? 15 : 0);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(*second, RankRunner::StepResult::kStop) << "on rank " << g.rank;
+  EXPECT_EQ((*runner)->stop_code(), 15) << "on rank " << g.rank;
+}
+
 TEST(Parallel, FailedStepFailsItsRequestsAndTheRanksGoOn) {
   ProcessGroups g;
   ASSERT_TRUE(Groups(&g));
@@ -265,7 +288,7 @@ TEST(Parallel, FailedStepFailsItsRequestsAndTheRanksGoOn) {
       mine->emplace_back(i, *id);
     }
     for (;;) {
-      auto more = (*runner)->StepOrStop(false);
+      auto more = (*runner)->StepOrStop(0);
       ASSERT_TRUE(more.ok()) << "a computation failure must not be fatal: " << more.status();
       if (!(*runner)->last_step_failure().ok()) ++*failed_steps;
       if (*more == RankRunner::StepResult::kIdle) break;
