@@ -35,6 +35,7 @@ struct GemmKey {
   GemmImpl impl;
   CpuIsa isa;
   bool bf16_dot;
+  bool int_dot;
   bool onednn;
   friend bool operator==(const GemmKey&, const GemmKey&) = default;
 };
@@ -48,7 +49,7 @@ struct KeyHash {
     mix(static_cast<int64_t>(d.a_type) | static_cast<int64_t>(d.b_type) << 8 | static_cast<int64_t>(d.c_type) << 16 |
         static_cast<int64_t>(d.accumulate) << 24 | static_cast<int64_t>(key.impl) << 32 |
         static_cast<int64_t>(key.isa) << 40 | static_cast<int64_t>(key.bf16_dot) << 48 |
-        static_cast<int64_t>(key.onednn) << 49);
+        static_cast<int64_t>(key.onednn) << 49 | static_cast<int64_t>(key.int_dot) << 50);
     return h;
   }
 };
@@ -315,6 +316,7 @@ struct CpuGemm::Impl {
   const cpu::CpuKernels* kernels = nullptr;
   bool small_bt = false;        // kSmall over a k-contiguous B (else n-contiguous)
   bool bf16_dot = false;        // kSmall, kPacked: AVX512-BF16 dot products on bf16 A as it is
+  bool int_dot = false;         // kSmall: int B, A rounded to int8 (cpu::UseIntDot)
   size_t a_f32_bytes = 0;       // kSmall with a bf16 A: A widened into scratch first
   size_t c_f32_bytes = 0;       // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
   size_t thread_bytes = 0;      // kPacked: packing buffers per thread
@@ -408,12 +410,14 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
   } else if (chosen == GemmImpl::kSmall) {
     small_bt = d.b_stride_k == 1;
     bf16_dot = small_bt && d.a_type == DType::kBF16 && cpu::UseBf16Dot(k);
+    int_dot = small_bt && cpu::UseIntDot(d.b_type, d.k, d.b_group);
     // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
     // is); small_bn reads fp32 A.
     if (!bf16_dot && (small_bt || d.a_type == DType::kBF16))
       a_f32_bytes =
           AlignUp(static_cast<size_t>(cpu::SmallBtPreparedAFloats(d.m, d.k, d.b_type, d.b_group)) * sizeof(float));
     g.impl_name_ = std::string(bf16_dot   ? "small_bt_dpbf16:"
+                               : int_dot  ? "small_bt_int8a:"
                                : small_bt ? "small_bt:"
                                           : "small_bn:") +
                    std::string(CpuIsaName(k.isa));
@@ -434,7 +438,7 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
 }
 
 StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImpl want) {
-  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), OneDnnEnabled()};
+  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), cpu::IntDotOn(), OneDnnEnabled()};
   if (auto hit = Cache().Find(key)) return hit;
   MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
   MLARUN_ASSIGN_OR_RETURN(GemmImpl chosen, ChooseGemmImpl(d, want));
@@ -489,7 +493,9 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   if (IsIntWeight(d.b_type)) MLARUN_RETURN_IF_ERROR(SetIntScales(d, b_scales, g));
   if (im.a_f32_bytes > 0) {  // the streaming kernels read fp32 A rows
     auto* af = reinterpret_cast<float*>(s);
-    if (im.small_bt) {
+    if (im.int_dot) {
+      k.small_bt_int_dot_prepare_a(g, af);
+    } else if (im.small_bt) {
       k.small_bt_prepare_a(g, af);
     } else {
       for (int64_t i = 0; i < d.m; ++i) k.bf16_to_f32(static_cast<const bf16_t*>(a) + i * d.lda, af + i * d.k, d.k);
@@ -525,7 +531,10 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
     if (tiles) {
       k.gemm_tiles(g, n0, n1);
     } else if (!packed) {
-      (im.bf16_dot ? k.gemm_small_bt_bf16_dot : im.small_bt ? k.gemm_small_bt : k.gemm_small_bn)(g, n0, n1);
+      (im.bf16_dot   ? k.gemm_small_bt_bf16_dot
+       : im.int_dot  ? k.gemm_small_bt_int_dot
+       : im.small_bt ? k.gemm_small_bt
+                     : k.gemm_small_bn)(g, n0, n1);
     } else {
       (im.bf16_dot ? k.gemm_packed_bf16_dot : k.gemm_packed)(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
     }

@@ -29,6 +29,7 @@ Status ApplyEnvironmentOverrides() {
     MLARUN_RETURN_IF_ERROR(SetCpuIsaLimit(*parsed).WithContext(std::string("MLARUN_CPU_ISA=") + isa));
   }
   MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_ONEDNN", [](bool on) { SetOneDnnEnabled(on); }));
+  MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_INT_DOT", [](bool on) { cpu::SetIntDot(on); }));
   return ApplyOnOff("MLARUN_STREAM_PREFETCH", [](bool on) { cpu::SetStreamPrefetch(on); });
 }
 

@@ -72,6 +72,11 @@ struct CpuKernels {
   void (*gemm_small_bt)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
   void (*small_bt_prepare_a)(const GemmArgs& g, float* out) = nullptr;
   // (It writes SmallBtPreparedAFloats floats.)
+  // The same for an int8 / int4 B with A quantized to int8 per block of 32
+  // and integer dot products (int_dot.inc), where UseIntDot. Its prepare
+  // writes at most SmallBtPreparedAFloats floats' bytes.
+  void (*gemm_small_bt_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
+  void (*small_bt_int_dot_prepare_a)(const GemmArgs& g, float* out) = nullptr;
   // The same for a bf16 A and B with AVX512-BF16 dot products (A read as it
   // is, no prepare). Present in the avx512 table; callable only when
   // HostCpu().avx512_bf16 (see UseBf16Dot).
@@ -143,6 +148,17 @@ bool UseBf16Dot(const CpuKernels& k);
 // AVX512-BF16 too. Returns the previous setting. Products prepared before
 // keep what they were prepared with.
 bool SetBf16DotAllowed(bool allowed);
+
+// Whether a small_bt product with B of `b_type` (k long, groups of b_group)
+// takes gemm_small_bt_int_dot: an int8 / int4 B whose groups (or k, when one
+// group spans it) are whole blocks of 32 and divide k, and SetIntDot did not
+// turn it off. It rounds A to int8 (the error: docs/quantized-weights.md).
+bool UseIntDot(DType b_type, int64_t k, int64_t b_group);
+// For tests and MLARUN_INT_DOT (launcher/env.h): fp32 A (off) or int8 A (on,
+// the default) for few rows with int weights. Returns the previous setting.
+// Products prepared before keep what they were prepared with.
+bool SetIntDot(bool on);
+bool IntDotOn();
 
 // Whether one row's streaming products prefetch B in software, ahead of the
 // hardware prefetchers, and two or three rows take tiles of B rows instead of

@@ -1,5 +1,8 @@
 // LinearRun with int8 / int4 weights (group scales, with and without
-// offsets) against a float64 reference computed from Linear::At: every shape
+// offsets) against a float64 reference computed from Linear::At, with A as
+// it is (MLARUN_INT_DOT=off) and, where few rows take the integer dot
+// products (on), with A rounded to int8 per block of 32 as specified in
+// gemm/cpu/int_dot.inc, rounded here by code of the test's own: every shape
 // the CPU kernels treat apart (the streaming kernels of one and two rows, the
 // tiles of more, the packed kernel past the small-rows limit), groups of
 // 32, 64, 128, per channel and a short last group, column ranges, a weight
@@ -15,6 +18,8 @@
 #include <vector>
 
 #include "base/dtype.h"
+#include "gemm/cpu/kernels.h"
+#include "gemm/cpu_gemm.h"
 #include "runtime/ops/linear.h"
 
 namespace mlarun {
@@ -60,10 +65,46 @@ struct Case {
   bool accumulate;
 };
 
+// Whether LinearRun takes the integer dot products for `rows` rows of `w`
+// (the product it prepares: cpu_gemm's choice, asked the same way).
+bool TakesIntDot(const Linear& w, int64_t rows, int64_t n) {
+  if (rows > kGemmSmallRows) return false;
+  auto g = CpuGemm::Get({.m = rows,
+                         .n = n,
+                         .k = w.in,
+                         .a_type = DType::kF32,
+                         .b_type = w.dtype,
+                         .c_type = DType::kF32,
+                         .lda = w.in,
+                         .b_stride_k = 1,
+                         .b_stride_n = w.ld,
+                         .ldc = n,
+                         .b_group = w.group},
+                        GemmImpl::kAuto);
+  return g.ok() && (*g)->impl_name().rfind("small_bt_int8a:", 0) == 0;
+}
+
+// x rounded as the int-dot path specifies: per block of 32, d = max|x| / 127
+// and x^ = d * round(x * (127 / max|x|)), in fp32 as the kernels compute it.
+std::vector<double> RoundedA(const float* x, int64_t in) {
+  std::vector<double> r(static_cast<size_t>(in));
+  for (int64_t b = 0; b < in; b += 32) {
+    float amax = 0;
+    for (int64_t t = b; t < b + 32; ++t) amax = std::max(amax, std::abs(x[t]));
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    for (int64_t t = b; t < b + 32; ++t)
+      r[static_cast<size_t>(t)] = static_cast<double>(d) * std::nearbyint(x[t] * inv);
+  }
+  return r;
+}
+
 // Runs `w` over `c` and checks every written element against float64, and
-// that nothing outside was written.
+// that nothing outside was written. With A rounded (the int-dot path), the
+// result must also lie within the rounding's own bound of the exact one:
+// sum(|x^ - x| |w|) <= sum(d / 2 |w|).
 void Check(const Linear& w, const Case& c, uint32_t seed, const std::string& what) {
   const int64_t in = w.in, n = c.col_end - c.col_begin, ldx = in + 5, ldy = n + 3;
+  const bool rounded = cpu::IntDotOn() && TakesIntDot(w, c.rows, n);
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   std::vector<float> x(static_cast<size_t>(c.rows * ldx), kNaN), y(static_cast<size_t>(c.rows * ldy), kNaN);
@@ -99,21 +140,29 @@ void Check(const Linear& w, const Case& c, uint32_t seed, const std::string& wha
     }
   int bad = 0;
   for (int64_t r = 0; r < c.rows; ++r) {
+    const float* xr = x.data() + r * ldx;
+    const std::vector<double> xh = rounded ? RoundedA(xr, in) : std::vector<double>(xr, xr + in);
     for (int64_t j = 0; j < ldy; ++j) {
       const float got = y[static_cast<size_t>(r * ldy + j)];
       if (j >= n) {
         ASSERT_TRUE(std::isnan(got)) << what << ": wrote y[" << r << "][" << j << "] past the range";
         continue;
       }
-      double want = c.accumulate ? y0[static_cast<size_t>(r * ldy + j)] : 0, bound = 0;
+      const double y0v = c.accumulate ? y0[static_cast<size_t>(r * ldy + j)] : 0;
+      double want = y0v, exact = y0v, bound = 0, rounding = 0;
       for (int64_t k = 0; k < in; ++k) {
-        const double xv = x[static_cast<size_t>(r * ldx + k)];
-        want += xv * wd[static_cast<size_t>(j * in + k)];
-        bound += std::abs(xv) * mag[static_cast<size_t>(j * in + k)];
+        const double wv = wd[static_cast<size_t>(j * in + k)];
+        want += xh[static_cast<size_t>(k)] * wv;
+        exact += xr[k] * wv;
+        bound += std::abs(xh[static_cast<size_t>(k)]) * mag[static_cast<size_t>(j * in + k)];
+        rounding += std::abs(xh[static_cast<size_t>(k)] - xr[k]) * std::abs(wv);
       }
       if (!(std::abs(got - want) <= 2e-6 * bound + 1e-6) && ++bad <= 5)
-        ADD_FAILURE() << what << ": y[" << r << "][" << j << "] = " << got << ", want " << want << " (bound " << bound
-                      << ")";
+        ADD_FAILURE() << what << (rounded ? " (A rounded)" : "") << ": y[" << r << "][" << j << "] = " << got
+                      << ", want " << want << " (bound " << bound << ")";
+      if (rounded && !(std::abs(got - exact) <= rounding + 2e-6 * bound + 1e-6) && ++bad <= 5)
+        ADD_FAILURE() << what << ": y[" << r << "][" << j << "] = " << got << " is " << std::abs(got - exact)
+                      << " from the exact product, more than A's rounding explains (" << rounding << ")";
     }
   }
   EXPECT_EQ(bad, 0) << what;
@@ -130,6 +179,12 @@ std::string Name(const Linear& w, const char* kind) {
 
 void CheckAllRows(const Linear& w, const std::string& what, uint32_t seed) {
   for (int64_t rows : kRows) {
+    if (rows <= kGemmSmallRows) {  // A as it is, too
+      const bool was = cpu::SetIntDot(false);
+      Check(w, {rows, 0, w.out, false}, seed + static_cast<uint32_t>(rows),
+            what + " fp32 A rows " + std::to_string(rows));
+      cpu::SetIntDot(was);
+    }
     Check(w, {rows, 0, w.out, false}, seed + static_cast<uint32_t>(rows), what + " rows " + std::to_string(rows));
     Check(w, {rows, 3, w.out - 2, true}, seed + 7 * static_cast<uint32_t>(rows),
           what + " rows " + std::to_string(rows) + " cols [3, out - 2) accumulate");
@@ -181,6 +236,39 @@ TEST(IntLinear, LongRowsMatchReference) {
     const Linear w = RandomInt(19, 4200, dt, 128, dt == DType::kInt4, 3);
     for (int64_t rows : {1, 2, 3, 33})
       Check(w, {rows, 1, 19, rows == 2}, 9, Name(w, "long") + " rows " + std::to_string(rows));
+  }
+}
+
+// Which products take the integer dot products: few rows, groups (or k,
+// one group spanning it) of whole blocks of 32 that divide k, and the
+// setting on.
+TEST(IntLinear, FewRowsWithWholeBlocksTakeTheIntegerDotProducts) {
+  const bool was = cpu::SetIntDot(true);
+  for (DType dt : {DType::kInt8, DType::kInt4}) {
+    EXPECT_TRUE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 1, 8));
+    EXPECT_TRUE(TakesIntDot(RandomInt(8, 256, dt, 128, true, 1), 16, 8));
+    EXPECT_TRUE(TakesIntDot(RandomInt(8, 384, dt, 0, false, 1), 3, 8)) << "per channel";
+    EXPECT_TRUE(TakesIntDot(ColumnSlice(RandomInt(8, 512, dt, 0, false, 1), 256), 1, 8)) << "a slice of k, per channel";
+    EXPECT_FALSE(TakesIntDot(RandomInt(8, 100, dt, 32, false, 1), 1, 8)) << "a short last group";
+    EXPECT_FALSE(TakesIntDot(RandomInt(8, 96, dt, 6, false, 1), 1, 8)) << "groups of 6";
+    EXPECT_FALSE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 64, 8)) << "many rows: the packed kernel";
+    cpu::SetIntDot(false);
+    EXPECT_FALSE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 1, 8)) << "turned off";
+    cpu::SetIntDot(true);
+  }
+  cpu::SetIntDot(was);
+}
+
+// NaN in A (one block of one row) makes that row's outputs NaN, not a number
+// made up from a rounded NaN; the other rows are untouched.
+TEST(IntLinear, NanInAReachesTheOutput) {
+  const Linear w = RandomInt(8, 128, DType::kInt4, 32, false, 2);
+  std::vector<float> x(2 * 128, 0.5f), y(2 * 8);
+  x[40] = kNaN;
+  ASSERT_TRUE(LinearRun({.w = &w, .x = x.data(), .rows = 2, .ldx = 128, .y = y.data(), .ldy = 8}).ok());
+  for (int j = 0; j < 8; ++j) {
+    EXPECT_TRUE(std::isnan(y[static_cast<size_t>(j)])) << j;
+    EXPECT_FALSE(std::isnan(y[static_cast<size_t>(8 + j)])) << j;
   }
 }
 
