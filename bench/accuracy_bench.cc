@@ -23,6 +23,7 @@ Status ValidateAccuracyOptions(const AccuracyBenchOptions& o) {
   if (o.positions <= 0) return InvalidArgumentError("--positions must be positive, got ", o.positions);
   if (o.sequence_length <= 0)
     return InvalidArgumentError("--sequence-length must be positive, got ", o.sequence_length);
+  if (o.chunk_tokens < 0) return InvalidArgumentError("--chunk-tokens must be 0 or positive, got ", o.chunk_tokens);
   if (o.positions % o.sequence_length != 0)
     return InvalidArgumentError("--positions (", o.positions, ") must be a multiple of --sequence-length (",
                                 o.sequence_length, ")");
@@ -209,11 +210,16 @@ Status RunModel(const Run& run, const std::string& path, const OnSequence& on_se
   run.err << "  " << path << ": loaded in " << Seconds(t0) << " s\n" << std::flush;
   const auto t1 = std::chrono::steady_clock::now();
   const int64_t sequences = run.o.positions / L;
+  const int64_t chunk = run.o.chunk_tokens > 0 ? std::min(run.o.chunk_tokens, L) : L;
   for (int64_t s = 0; s < sequences; ++s) {
-    const std::span<const int32_t> tokens(run.ids.data() + s * L, static_cast<size_t>(L));
-    MLARUN_ASSIGN_OR_RETURN(const ForwardSeq fs, cache.Append(s, tokens, ForwardSeq::Logits::kAll));
-    MLARUN_ASSIGN_OR_RETURN(const std::vector<float> logits,
-                            model.Forward(std::span<const ForwardSeq>(&fs, 1), *cache.pool));
+    std::vector<float> logits;
+    for (int64_t t0 = 0; t0 < L; t0 += chunk) {
+      const std::span<const int32_t> tokens(run.ids.data() + s * L + t0, static_cast<size_t>(std::min(chunk, L - t0)));
+      MLARUN_ASSIGN_OR_RETURN(const ForwardSeq fs, cache.Append(s, tokens, ForwardSeq::Logits::kAll));
+      MLARUN_ASSIGN_OR_RETURN(const std::vector<float> part,
+                              model.Forward(std::span<const ForwardSeq>(&fs, 1), *cache.pool));
+      logits.insert(logits.end(), part.begin(), part.end());
+    }
     if (static_cast<int64_t>(logits.size()) != L * lm.config.vocab_size)
       return InternalError(path, ": sequence ", s, " gave ", logits.size(), " logits, expected ", L, " x ",
                            lm.config.vocab_size);

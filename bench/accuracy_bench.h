@@ -6,7 +6,10 @@
 // The ids: `positions` random token ids (uniform over the reference's
 // vocabulary, from `seed`), cut into positions / sequence_length sequences
 // that each start from an empty cache. Every sequence runs as one
-// teacher-forced prompt and gives the logits of every one of its positions.
+// teacher-forced prompt and gives the logits of every one of its positions;
+// with chunk_tokens, as forwards of that many tokens each (1: every position
+// a decode step, so the products are the few-row ones decode runs: int8
+// activations with int weights, cpu::UseIntDot).
 //
 // Per position, with l the logits under test and r the reference's (every
 // sum in float64):
@@ -39,6 +42,7 @@ struct AccuracyBenchOptions {
   std::string reference;            // the same
   int64_t positions = 1024;
   int64_t sequence_length = 256;  // positions must be a multiple of it
+  int64_t chunk_tokens = 0;       // tokens per forward within a sequence; 0: all of it at once
   uint64_t seed = 0;
   // Logits files of bench/llama_logits.cpp (raw f32 [positions, vocab]),
   // each with its FILE.ids (the ids it evaluated, as WriteAccuracyIds writes

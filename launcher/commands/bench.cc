@@ -125,6 +125,9 @@ void AddBenchAccuracy(CLI::App* bench, CommandTable& table) {
   acc->add_option("--positions", ab.positions, "Positions compared (random ids)")->capture_default_str();
   acc->add_option("--sequence-length", ab.sequence_length, "Tokens per sequence (each from an empty cache)")
       ->capture_default_str();
+  acc->add_option("--chunk-tokens", ab.chunk_tokens,
+                  "Tokens per forward within a sequence (1: every position a decode step; 0: the whole sequence)")
+      ->capture_default_str();
   acc->add_option("--seed", ab.seed, "Seed of the random ids")->capture_default_str();
   acc->add_option("--llama-logits", ab.llama_logits,
                   "Logits file of bench/llama_logits.cpp (with FILE.ids) to compare (repeatable)");
