@@ -9,7 +9,7 @@
 // teacher-forced prompt and gives the logits of every one of its positions;
 // with chunk_tokens, as forwards of that many tokens each (1: every position
 // a decode step, so the products are the few-row ones decode runs: int8
-// activations with int weights, cpu::UseIntDot).
+// activations with int4 weights, cpu::UseIntDot).
 //
 // Per position, with l the logits under test and r the reference's (every
 // sum in float64):

@@ -35,7 +35,7 @@ struct GemmKey {
   GemmImpl impl;
   CpuIsa isa;
   bool bf16_dot;
-  bool int_dot;
+  cpu::IntDotMode int_dot;
   bool onednn;
   friend bool operator==(const GemmKey&, const GemmKey&) = default;
 };
@@ -438,7 +438,7 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
 }
 
 StatusOr<std::shared_ptr<const CpuGemm>> CpuGemm::Get(const GemmDesc& d, GemmImpl want) {
-  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), cpu::IntDotOn(), OneDnnEnabled()};
+  const GemmKey key{d, want, ActiveCpuIsa(), cpu::UseBf16Dot(cpu::Kernels()), cpu::GetIntDotMode(), OneDnnEnabled()};
   if (auto hit = Cache().Find(key)) return hit;
   MLARUN_RETURN_IF_ERROR(ValidateGemmDesc(d));
   MLARUN_ASSIGN_OR_RETURN(GemmImpl chosen, ChooseGemmImpl(d, want));

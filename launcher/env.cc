@@ -29,7 +29,14 @@ Status ApplyEnvironmentOverrides() {
     MLARUN_RETURN_IF_ERROR(SetCpuIsaLimit(*parsed).WithContext(std::string("MLARUN_CPU_ISA=") + isa));
   }
   MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_ONEDNN", [](bool on) { SetOneDnnEnabled(on); }));
-  MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_INT_DOT", [](bool on) { cpu::SetIntDot(on); }));
+  if (const char* v = std::getenv("MLARUN_INT_DOT"); v != nullptr && *v != '\0') {
+    const std::string mode = v;
+    if (mode != "auto" && mode != "on" && mode != "off")
+      return InvalidArgumentError("MLARUN_INT_DOT=", mode, ": expected auto, on or off");
+    cpu::SetIntDotMode(mode == "on"    ? cpu::IntDotMode::kOn
+                       : mode == "off" ? cpu::IntDotMode::kOff
+                                       : cpu::IntDotMode::kAuto);
+  }
   return ApplyOnOff("MLARUN_STREAM_PREFETCH", [](bool on) { cpu::SetStreamPrefetch(on); });
 }
 

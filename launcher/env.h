@@ -20,12 +20,12 @@
 //                   stream it with the hardware prefetchers alone (AMD's).
 //                   For measuring one vendor's rule on the other's CPU.
 //                   Default: on for GenuineIntel, off otherwise.
-//   MLARUN_INT_DOT  on | off. Products of few rows (decode) with int8 / int4
-//                   weights: on, A is rounded to int8 per block of 32 and
-//                   multiplied with integer dot products (cpu::UseIntDot);
-//                   off, A stays fp32 and each weight is converted to fp32.
-//                   Off is the slower path with the dequantized model's
-//                   exact arithmetic. Default: on.
+//   MLARUN_INT_DOT  auto | on | off. Products of few rows (decode) with int
+//                   weights: A rounded to int8 per block of 32 and multiplied
+//                   with integer dot products (cpu::UseIntDot), or A kept
+//                   fp32 and each weight converted to fp32 (the dequantized
+//                   model's exact arithmetic). Default auto: int4 weights
+//                   round A, int8 weights keep it fp32; on: both round it.
 #pragma once
 
 #include "base/status.h"

@@ -6,7 +6,7 @@
 namespace mlarun::cpu {
 namespace {
 std::atomic<bool> g_bf16_dot_allowed{true};
-std::atomic<bool> g_int_dot{true};
+std::atomic<IntDotMode> g_int_dot{IntDotMode::kAuto};
 std::atomic<bool> g_stream_prefetch{HostCpu().vendor == "GenuineIntel"};
 }  // namespace
 
@@ -18,15 +18,17 @@ bool UseBf16Dot(const CpuKernels& k) {
 bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
 
 bool UseIntDot(DType b_type, int64_t k, int64_t b_group) {
-  if ((b_type != DType::kInt8 && b_type != DType::kInt4) || b_group <= 0 || !g_int_dot.load(std::memory_order_relaxed))
-    return false;
+  const IntDotMode mode = g_int_dot.load(std::memory_order_relaxed);
+  const bool allowed =
+      b_type == DType::kInt4 ? mode != IntDotMode::kOff : b_type == DType::kInt8 && mode == IntDotMode::kOn;
+  if (!allowed || b_group <= 0 || k <= 0) return false;
   const int64_t group = std::min(b_group, k);
-  return k > 0 && group % 32 == 0 && k % group == 0;
+  return group % 32 == 0 && k % group == 0;
 }
 
-bool SetIntDot(bool on) { return g_int_dot.exchange(on); }
+IntDotMode SetIntDotMode(IntDotMode mode) { return g_int_dot.exchange(mode); }
 
-bool IntDotOn() { return g_int_dot.load(std::memory_order_relaxed); }
+IntDotMode GetIntDotMode() { return g_int_dot.load(std::memory_order_relaxed); }
 
 bool StreamPrefetch() { return g_stream_prefetch.load(std::memory_order_relaxed); }
 

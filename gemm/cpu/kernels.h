@@ -149,16 +149,20 @@ bool UseBf16Dot(const CpuKernels& k);
 // keep what they were prepared with.
 bool SetBf16DotAllowed(bool allowed);
 
+// Whether few rows with int weights round A to int8 (gemm_small_bt_int_dot):
+// kAuto for int4 weights only, where converting the weights to fp32, not
+// memory, set the pace and A's rounding changes the error by less than the
+// runs' noise; int8 keeps fp32 A, whose error stays below llama.cpp's Q8_0
+// (figures: docs/quantized-weights.md).
+enum class IntDotMode : uint8_t { kAuto, kOn, kOff };
 // Whether a small_bt product with B of `b_type` (k long, groups of b_group)
-// takes gemm_small_bt_int_dot: an int8 / int4 B whose groups (or k, when one
-// group spans it) are whole blocks of 32 and divide k, and SetIntDot did not
-// turn it off. It rounds A to int8 (the error: docs/quantized-weights.md).
+// takes gemm_small_bt_int_dot: the mode allows its dtype, and its groups (or
+// k, when one group spans it) are whole blocks of 32 that divide k.
 bool UseIntDot(DType b_type, int64_t k, int64_t b_group);
-// For tests and MLARUN_INT_DOT (launcher/env.h): fp32 A (off) or int8 A (on,
-// the default) for few rows with int weights. Returns the previous setting.
+// For tests and MLARUN_INT_DOT (launcher/env.h). Returns the previous mode.
 // Products prepared before keep what they were prepared with.
-bool SetIntDot(bool on);
-bool IntDotOn();
+IntDotMode SetIntDotMode(IntDotMode mode);
+IntDotMode GetIntDotMode();
 
 // Whether one row's streaming products prefetch B in software, ahead of the
 // hardware prefetchers, and two or three rows take tiles of B rows instead of

@@ -236,8 +236,8 @@ std::vector<std::vector<int32_t>> Prompts() {
 // bound in int_linear_test and to the bf16 model below; this tiny random
 // model turns it into routing changes that no tight bound would survive.
 struct Fp32Activations {
-  bool was = cpu::SetIntDot(false);
-  ~Fp32Activations() { cpu::SetIntDot(was); }
+  cpu::IntDotMode was = cpu::SetIntDotMode(cpu::IntDotMode::kOff);
+  ~Fp32Activations() { cpu::SetIntDotMode(was); }
 };
 
 // The logits of full forwards over the prompts (`step`: one rank's part).

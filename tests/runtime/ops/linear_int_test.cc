@@ -104,7 +104,7 @@ std::vector<double> RoundedA(const float* x, int64_t in) {
 // sum(|x^ - x| |w|) <= sum(d / 2 |w|).
 void Check(const Linear& w, const Case& c, uint32_t seed, const std::string& what) {
   const int64_t in = w.in, n = c.col_end - c.col_begin, ldx = in + 5, ldy = n + 3;
-  const bool rounded = cpu::IntDotOn() && TakesIntDot(w, c.rows, n);
+  const bool rounded = TakesIntDot(w, c.rows, n);
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   std::vector<float> x(static_cast<size_t>(c.rows * ldx), kNaN), y(static_cast<size_t>(c.rows * ldy), kNaN);
@@ -179,15 +179,17 @@ std::string Name(const Linear& w, const char* kind) {
 
 void CheckAllRows(const Linear& w, const std::string& what, uint32_t seed) {
   for (int64_t rows : kRows) {
-    if (rows <= kGemmSmallRows) {  // A as it is, too
-      const bool was = cpu::SetIntDot(false);
-      Check(w, {rows, 0, w.out, false}, seed + static_cast<uint32_t>(rows),
-            what + " fp32 A rows " + std::to_string(rows));
-      cpu::SetIntDot(was);
+    // A as it is and rounded, whatever the dtype's default (the packed
+    // kernel past the small-rows limit either way).
+    for (cpu::IntDotMode mode : {cpu::IntDotMode::kOff, cpu::IntDotMode::kOn}) {
+      if (mode == cpu::IntDotMode::kOn && rows > kGemmSmallRows) continue;
+      const cpu::IntDotMode was = cpu::SetIntDotMode(mode);
+      const std::string a = mode == cpu::IntDotMode::kOn ? " int8 A" : "";
+      Check(w, {rows, 0, w.out, false}, seed + static_cast<uint32_t>(rows), what + a + " rows " + std::to_string(rows));
+      Check(w, {rows, 3, w.out - 2, true}, seed + 7 * static_cast<uint32_t>(rows),
+            what + a + " rows " + std::to_string(rows) + " cols [3, out - 2) accumulate");
+      cpu::SetIntDotMode(was);
     }
-    Check(w, {rows, 0, w.out, false}, seed + static_cast<uint32_t>(rows), what + " rows " + std::to_string(rows));
-    Check(w, {rows, 3, w.out - 2, true}, seed + 7 * static_cast<uint32_t>(rows),
-          what + " rows " + std::to_string(rows) + " cols [3, out - 2) accumulate");
   }
 }
 
@@ -240,10 +242,10 @@ TEST(IntLinear, LongRowsMatchReference) {
 }
 
 // Which products take the integer dot products: few rows, groups (or k,
-// one group spanning it) of whole blocks of 32 that divide k, and the
-// setting on.
+// one group spanning it) of whole blocks of 32 that divide k, and the mode
+// allowing the dtype.
 TEST(IntLinear, FewRowsWithWholeBlocksTakeTheIntegerDotProducts) {
-  const bool was = cpu::SetIntDot(true);
+  const cpu::IntDotMode was = cpu::SetIntDotMode(cpu::IntDotMode::kOn);
   for (DType dt : {DType::kInt8, DType::kInt4}) {
     EXPECT_TRUE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 1, 8));
     EXPECT_TRUE(TakesIntDot(RandomInt(8, 256, dt, 128, true, 1), 16, 8));
@@ -252,11 +254,13 @@ TEST(IntLinear, FewRowsWithWholeBlocksTakeTheIntegerDotProducts) {
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 100, dt, 32, false, 1), 1, 8)) << "a short last group";
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 96, dt, 6, false, 1), 1, 8)) << "groups of 6";
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 64, 8)) << "many rows: the packed kernel";
-    cpu::SetIntDot(false);
+    cpu::SetIntDotMode(cpu::IntDotMode::kOff);
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 1, 8)) << "turned off";
-    cpu::SetIntDot(true);
+    cpu::SetIntDotMode(cpu::IntDotMode::kAuto);
+    EXPECT_EQ(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 1, 8), dt == DType::kInt4) << "the default: int4 only";
+    cpu::SetIntDotMode(cpu::IntDotMode::kOn);
   }
-  cpu::SetIntDot(was);
+  cpu::SetIntDotMode(was);
 }
 
 // NaN in A (one block of one row) makes that row's outputs NaN, not a number
