@@ -329,6 +329,10 @@ std::string CpuModel() {
   return "unknown";
 }
 
+const char* IntDotModeName(cpu::IntDotMode m) {
+  return m == cpu::IntDotMode::kOn ? "on" : m == cpu::IntDotMode::kOff ? "off" : "auto";
+}
+
 nlohmann::json CpuJson() {
   const CpuFeatures& f = HostCpu();
   return {{"model", f.model_name.empty() ? CpuModel() : f.model_name},
@@ -336,7 +340,8 @@ nlohmann::json CpuJson() {
           {"flags", f.FlagList()},
           {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))},
           {"best_kernels", std::string(CpuIsaName(f.best()))},
-          {"stream_prefetch", cpu::StreamPrefetch()}};
+          {"stream_prefetch", cpu::StreamPrefetch()},
+          {"int_dot", IntDotModeName(cpu::GetIntDotMode())}};
 }
 
 std::string Today() {

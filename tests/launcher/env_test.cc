@@ -1,6 +1,7 @@
 // launcher/env: MLARUN_STREAM_PREFETCH switches the streaming products'
-// vendor rule, as the benchmarks' JSON reports it; a bad value is an error
-// naming the variable, and changes nothing.
+// vendor rule and MLARUN_INT_DOT the int weights' activations, as the
+// benchmarks' JSON reports them; a bad value is an error naming the
+// variable, and changes nothing.
 #include "launcher/env.h"
 
 #include <gtest/gtest.h>
@@ -15,6 +16,26 @@
 
 namespace mlarun {
 namespace {
+
+// Sets `name` for one scope, and restores the variable after it.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_)
+      setenv(name_, old_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
 
 // Sets MLARUN_STREAM_PREFETCH for one scope, and restores the variable and
 // the rule after it.
@@ -38,12 +59,13 @@ class ScopedPrefetchEnv {
   std::string old_;
 };
 
-bool ReportedRule() {
+nlohmann::json ReportedCpu() {
   std::ostringstream out, err;
   const Status st = RunMemoryBench({.passes = 1, .bytes = int64_t{16} << 20, .json = true}, out, err);
   EXPECT_TRUE(st.ok()) << st;
-  return nlohmann::json::parse(out.str())["cpu"]["stream_prefetch"].get<bool>();
+  return nlohmann::json::parse(out.str())["cpu"];
 }
+bool ReportedRule() { return ReportedCpu()["stream_prefetch"].get<bool>(); }
 
 TEST(Environment, StreamPrefetchSwitchesTheVendorRule) {
   for (const bool want : {true, false, true}) {
@@ -64,6 +86,28 @@ TEST(Environment, BadStreamPrefetchValueIsRefusedAndChangesNothing) {
     EXPECT_NE(st.message().find("MLARUN_STREAM_PREFETCH=maybe"), std::string::npos) << st;
     EXPECT_EQ(cpu::StreamPrefetch(), before);
   }
+}
+
+TEST(Environment, IntDotSetsTheModeAndBadValuesChangeNothing) {
+  const cpu::IntDotMode before = cpu::GetIntDotMode();
+  const std::pair<const char*, cpu::IntDotMode> modes[] = {
+      {"on", cpu::IntDotMode::kOn}, {"off", cpu::IntDotMode::kOff}, {"auto", cpu::IntDotMode::kAuto}};
+  for (const auto& [value, mode] : modes) {
+    ScopedEnv env("MLARUN_INT_DOT", value);
+    cpu::SetIntDotMode(mode == cpu::IntDotMode::kOn ? cpu::IntDotMode::kOff : cpu::IntDotMode::kOn);
+    ASSERT_TRUE(ApplyEnvironmentOverrides().ok()) << value;
+    EXPECT_EQ(cpu::GetIntDotMode(), mode) << value;
+    EXPECT_EQ(ReportedCpu()["int_dot"], value);
+  }
+  {
+    ScopedEnv env("MLARUN_INT_DOT", "yes");
+    cpu::SetIntDotMode(cpu::IntDotMode::kOff);
+    const Status st = ApplyEnvironmentOverrides();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("MLARUN_INT_DOT=yes: expected auto, on or off"), std::string::npos) << st;
+    EXPECT_EQ(cpu::GetIntDotMode(), cpu::IntDotMode::kOff);
+  }
+  cpu::SetIntDotMode(before);
 }
 
 }  // namespace
