@@ -41,22 +41,12 @@ class ScopedEnv {
 // the rule after it.
 class ScopedPrefetchEnv {
  public:
-  explicit ScopedPrefetchEnv(const char* value) : rule_(cpu::StreamPrefetch()) {
-    if (const char* old = getenv(kName)) old_ = old, had_ = true;
-    setenv(kName, value, 1);
-  }
-  ~ScopedPrefetchEnv() {
-    if (had_)
-      setenv(kName, old_.c_str(), 1);
-    else
-      unsetenv(kName);
-    cpu::SetStreamPrefetch(rule_);
-  }
+  explicit ScopedPrefetchEnv(const char* value) : rule_(cpu::StreamPrefetch()), env_("MLARUN_STREAM_PREFETCH", value) {}
+  ~ScopedPrefetchEnv() { cpu::SetStreamPrefetch(rule_); }
 
  private:
-  static constexpr const char* kName = "MLARUN_STREAM_PREFETCH";
-  bool rule_, had_ = false;
-  std::string old_;
+  bool rule_;
+  ScopedEnv env_;
 };
 
 nlohmann::json ReportedCpu() {
