@@ -316,7 +316,7 @@ struct CpuGemm::Impl {
   const cpu::CpuKernels* kernels = nullptr;
   bool small_bt = false;        // kSmall over a k-contiguous B (else n-contiguous)
   bool bf16_dot = false;        // kSmall, kPacked: AVX512-BF16 dot products on bf16 A as it is
-  bool int_dot = false;         // kSmall: int B, A rounded to int8 (cpu::UseIntDot)
+  bool int_dot = false;         // kSmall, kPacked: int B, A rounded to int8 (cpu::UseIntDot)
   size_t a_f32_bytes = 0;       // kSmall with a bf16 A: A widened into scratch first
   size_t c_f32_bytes = 0;       // a bf16 C kPacked cannot round once: fp32 C in scratch, rounded after
   size_t thread_bytes = 0;      // kPacked: packing buffers per thread
@@ -428,6 +428,15 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
     // the kernel's panels bound what that needs.
     thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
     bf16_dot = PackedDotUsable(k, d);
+    int_dot = d.b_type == DType::kInt4 && k.gemm_packed_int_dot != nullptr && cpu::UseIntDot(d.b_type, d.k, d.b_group);
+    if (int_dot) {  // writes C once, in any dtype; A rounded, shared
+      c_f32_bytes = 0;
+      thread_bytes = AlignUp(k.packed_int_dot_scratch_bytes(d.k, d.b_group));
+      a_prepared_bytes = AlignUp(static_cast<size_t>(cpu::IntDotPreparedABytes(d.m, d.k, d.b_group)));
+      g.impl_name_ = "packed_int8a:" + std::string(CpuIsaName(k.isa));
+      g.scratch_bytes_ = a_prepared_bytes + static_cast<size_t>(threads) * thread_bytes + kAlign;
+      return;
+    }
     a_rows = !bf16_dot && d.a_type == DType::kF32 && d.n <= kPackedARowsMaxN;
     if (!a_rows)
       a_prepared_bytes = AlignUp((bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));
@@ -507,6 +516,11 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
   if (im.a_prepared_bytes > 0) {  // the kernel reads A in its own layout
     if (kind_ == GemmImpl::kTiles) {
       k.tiles_prepare_a(g, s);
+    } else if (im.int_dot) {  // rows of A rounded, shared out when there are many
+      const int64_t per = 16;
+      const int prep_threads = std::min(im.threads, omp_get_max_threads());
+#pragma omp parallel for schedule(static) num_threads(prep_threads) if (d.m > per && !omp_in_parallel())
+      for (int64_t r0 = 0; r0 < d.m; r0 += per) k.packed_int_dot_prepare_a(g, r0, std::min(d.m, r0 + per), s);
     } else {  // the packed kernels' strips of rows, shared out when there are many
       const auto prepare = im.bf16_dot ? k.packed_dot_prepare_a : k.packed_prepare_a;
       const int64_t mr = im.bf16_dot ? k.packed_dot_mr : k.packed_mr;
@@ -536,7 +550,9 @@ Status CpuGemm::RunOwn(const void* a, const void* b, void* c, void* scratch, con
        : im.small_bt ? k.gemm_small_bt
                      : k.gemm_small_bn)(g, n0, n1);
     } else {
-      (im.bf16_dot ? k.gemm_packed_bf16_dot : k.gemm_packed)(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
+      (im.bf16_dot  ? k.gemm_packed_bf16_dot
+       : im.int_dot ? k.gemm_packed_int_dot
+                    : k.gemm_packed)(g, n0, n1, s + static_cast<size_t>(t) * im.thread_bytes);
     }
   };
   // The streaming kernels: one contiguous share of the columns per thread,

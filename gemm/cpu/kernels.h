@@ -77,6 +77,15 @@ struct CpuKernels {
   // writes at most SmallBtPreparedAFloats floats' bytes.
   void (*gemm_small_bt_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
   void (*small_bt_int_dot_prepare_a)(const GemmArgs& g, float* out) = nullptr;
+  // Many rows with an int4 B, A rounded the same way (in k order): panels of
+  // 16 weight rows unpacked to bytes, 8-bit products summed in 16 bits per
+  // block (int_dot.inc). Its prepare writes rows [r_begin, r_end) of A's
+  // rounded copy into `out` (IntDotPreparedABytes, shared by the threads);
+  // each thread's scratch is packed_int_dot_scratch_bytes(k, b_group). The
+  // SIMD families only (nullptr in scalar's table).
+  void (*gemm_packed_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
+  void (*packed_int_dot_prepare_a)(const GemmArgs& g, int64_t r_begin, int64_t r_end, void* out) = nullptr;
+  size_t (*packed_int_dot_scratch_bytes)(int64_t k, int64_t b_group) = nullptr;
   // The same for a bf16 A and B with AVX512-BF16 dot products (A read as it
   // is, no prepare). Present in the avx512 table; callable only when
   // HostCpu().avx512_bf16 (see UseBf16Dot).
@@ -139,6 +148,13 @@ struct CpuKernels {
 inline int64_t SmallBtPreparedAFloats(int64_t m, int64_t k, DType b_type, int64_t b_group) {
   const bool int_b = (b_type == DType::kInt8 || b_type == DType::kInt4) && b_group > 0;
   return m * k + (int_b ? m * ((k + b_group - 1) / b_group) : 0);
+}
+
+// The bytes of A rounded for the int-dot kernels (m x k codes, a scale per
+// block of 32, a sum per group; int_dot.inc's IntDotLayout).
+inline int64_t IntDotPreparedABytes(int64_t m, int64_t k, int64_t b_group) {
+  const int64_t group = b_group < k ? b_group : k;
+  return (m * k + 63) / 64 * 64 + m * (k / 32) * 4 + m * (k / group) * 4;
 }
 
 // Whether products may use gemm_small_bt_bf16_dot: the table has it, the CPU

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "base/cpu_isa.h"
 #include "base/dtype.h"
 #include "gemm/cpu/kernels.h"
 #include "gemm/cpu_gemm.h"
@@ -65,11 +66,11 @@ struct Case {
   bool accumulate;
 };
 
-// Whether LinearRun takes the integer dot products for `rows` rows of `w`
-// (the product it prepares: cpu_gemm's choice, asked the same way).
-bool TakesIntDot(const Linear& w, int64_t rows, int64_t n) {
-  if (rows > kGemmSmallRows) return false;
-  auto g = CpuGemm::Get({.m = rows,
+// The kernel LinearRun takes for `rows` rows of `w` (the product it
+// prepares: cpu_gemm's choice, asked the same way).
+std::string ImplFor(const Linear& w, int64_t rows, int64_t n) {
+  const int64_t m = rows <= kGemmSmallRows ? rows : (rows + 7) / 8 * 8;  // LinearRun pads to 8
+  auto g = CpuGemm::Get({.m = m,
                          .n = n,
                          .k = w.in,
                          .a_type = DType::kF32,
@@ -81,7 +82,11 @@ bool TakesIntDot(const Linear& w, int64_t rows, int64_t n) {
                          .ldc = n,
                          .b_group = w.group},
                         GemmImpl::kAuto);
-  return g.ok() && (*g)->impl_name().rfind("small_bt_int8a:", 0) == 0;
+  return g.ok() ? (*g)->impl_name() : g.status().ToString();
+}
+// Whether it rounds A to int8 (the few-row or the packed int-dot kernel).
+bool TakesIntDot(const Linear& w, int64_t rows, int64_t n) {
+  return ImplFor(w, rows, n).find("_int8a:") != std::string::npos;
 }
 
 // x rounded as the int-dot path specifies: per block of 32, d = max|x| / 127
@@ -179,10 +184,8 @@ std::string Name(const Linear& w, const char* kind) {
 
 void CheckAllRows(const Linear& w, const std::string& what, uint32_t seed) {
   for (int64_t rows : kRows) {
-    // A as it is and rounded, whatever the dtype's default (the packed
-    // kernel past the small-rows limit either way).
+    // A as it is and rounded, whatever the dtype's default.
     for (cpu::IntDotMode mode : {cpu::IntDotMode::kOff, cpu::IntDotMode::kOn}) {
-      if (mode == cpu::IntDotMode::kOn && rows > kGemmSmallRows) continue;
       const cpu::IntDotMode was = cpu::SetIntDotMode(mode);
       const std::string a = mode == cpu::IntDotMode::kOn ? " int8 A" : "";
       Check(w, {rows, 0, w.out, false}, seed + static_cast<uint32_t>(rows), what + a + " rows " + std::to_string(rows));
@@ -253,7 +256,9 @@ TEST(IntLinear, FewRowsWithWholeBlocksTakeTheIntegerDotProducts) {
     EXPECT_TRUE(TakesIntDot(ColumnSlice(RandomInt(8, 512, dt, 0, false, 1), 256), 1, 8)) << "a slice of k, per channel";
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 100, dt, 32, false, 1), 1, 8)) << "a short last group";
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 96, dt, 6, false, 1), 1, 8)) << "groups of 6";
-    EXPECT_FALSE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 64, 8)) << "many rows: the packed kernel";
+    // Many rows: the packed int-dot kernel for int4 on the SIMD families.
+    const bool simd = ActiveCpuIsa() != CpuIsa::kScalar;
+    EXPECT_EQ(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 64, 8), simd && dt == DType::kInt4);
     cpu::SetIntDotMode(cpu::IntDotMode::kOff);
     EXPECT_FALSE(TakesIntDot(RandomInt(8, 256, dt, 32, false, 1), 1, 8)) << "turned off";
     cpu::SetIntDotMode(cpu::IntDotMode::kAuto);
