@@ -12,8 +12,11 @@
 // (moved into binary16 bit positions and converted with F16C / AVX-512, a
 // 256-entry table in the scalar family), times their block scale; int8 and
 // int4 weights too (sign-extended, or the nibbles masked and shifted, then
-// converted), their group scale applied once per group. Every
-// product accumulates in fp32. Nothing here allocates; callers pass scratch.
+// converted), their group scale applied once per group; or, where
+// UseIntDot, A is rounded to int8 per block of 32 and the weights meet it as
+// bytes (int_dot.inc: integer sums per block, fp32 across blocks). Every
+// other product accumulates in fp32. Nothing here allocates; callers pass
+// scratch.
 #pragma once
 
 #include <cstddef>
