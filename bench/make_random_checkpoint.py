@@ -33,7 +33,7 @@ then reads the header back to check it.
 
     python3 bench/make_random_checkpoint.py --out /tmp/ckpt --layers 4 --dtype bf16
     python3 bench/make_random_checkpoint.py --config configs/models/deepseek-v3.yaml \
-        --layers 2 --dense-layers 1 --dtype fp8 --out /work/ckpt/v3-2layer-fp8
+        --layers 2 --dense-layers 1 --dtype fp8 --out /data/v3-2layer-fp8
 """
 
 from __future__ import annotations

@@ -19,15 +19,17 @@
 #            [--mlarun PATH] [--prompt-ids 1,2,3] [--vocab-size N] [--bench]
 # --vocab-size N: a smaller vocabulary than the release's 129,280 (the
 # embedding and lm_head are BF16: 1.85 GB each at full size).
-# Outputs (raw logs, JSON) go to --work (default /tmp/v3-widths).
+# Outputs (raw logs, JSON) go to --work (default /tmp/v3-widths); the
+# checkpoint to --ckpt (default WORK/ckpt). Python: $PYTHON or python3, with
+# numpy (Debian: apt-get install python3-numpy).
 set -Eeuo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CKPT=/work/ckpt/v3-2layer-fp8
+CKPT=
 WORK=/tmp/v3-widths
 THREADS=2
 MLARUN="$ROOT/build/release/mlarun"
-PY="${PYTHON:-/tmp/qvenv/v/bin/python}"
+PY="${PYTHON:-python3}"
 PROMPT=""
 VOCAB=()
 BENCH=0
@@ -47,6 +49,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -x "$MLARUN" ] || { echo "no mlarun at $MLARUN (ninja -C build/release mlarun)" >&2; exit 2; }
+"$PY" -c 'import numpy' 2>/dev/null ||
+  { echo "$PY cannot import numpy (Debian: apt-get install python3-numpy, or set PYTHON)" >&2; exit 2; }
+CKPT="${CKPT:-$WORK/ckpt}"
 mkdir -p "$WORK"
 
 # 1. The checkpoint: config.json is written last, so its presence means complete.
