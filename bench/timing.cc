@@ -197,12 +197,12 @@ Linear RandomIntWeight(int64_t n, int64_t k, DType dtype, bool offsets) {
 }
 
 // y (m rows of n) of `w` against float64 from Linear::At on a few columns.
-// Where few rows take the integer dot products (cpu::UseIntDot), x is
-// rounded per block of 32 to d = max|x| / 127 steps: the bound then allows
-// half a step of each block times |w|.
+// Where the mode lets the integer dot products take this weight
+// (cpu::UseIntDot), x may be rounded per block of 32 to d = max|x| / 127
+// steps: the bound then allows half a step of each block times |w|.
 Status CheckIntColumns(const Linear& w, const std::vector<float>& x, const std::vector<float>& y, int64_t m) {
   const int64_t n = w.out, k = w.in;
-  const bool rounded = m <= kGemmSmallRows && cpu::UseIntDot(w.dtype, k, w.group);
+  const bool rounded = cpu::UseIntDot(w.dtype, k, w.group);
   for (int64_t j = 0; j < n; j += n / 7 + 1)
     for (int64_t r = 0; r < m; ++r) {
       double want = 0, mag = 0, rounding = 0;

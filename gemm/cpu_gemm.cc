@@ -413,7 +413,9 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
     int_dot = small_bt && cpu::UseIntDot(d.b_type, d.k, d.b_group);
     // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
     // is); small_bn reads fp32 A.
-    if (!bf16_dot && (small_bt || d.a_type == DType::kBF16))
+    if (int_dot)
+      a_f32_bytes = AlignUp(k.int_dot_prepared_a_bytes(d.m, d.k, d.b_group));
+    else if (!bf16_dot && (small_bt || d.a_type == DType::kBF16))
       a_f32_bytes =
           AlignUp(static_cast<size_t>(cpu::SmallBtPreparedAFloats(d.m, d.k, d.b_type, d.b_group)) * sizeof(float));
     g.impl_name_ = std::string(bf16_dot   ? "small_bt_dpbf16:"
@@ -421,6 +423,12 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
                                : small_bt ? "small_bt:"
                                           : "small_bn:") +
                    std::string(CpuIsaName(k.isa));
+  } else if (d.b_type == DType::kInt4 && k.gemm_packed_int_dot != nullptr &&
+             cpu::UseIntDot(d.b_type, d.k, d.b_group)) {  // A rounded and shared; C written once, in any dtype
+    int_dot = true;
+    thread_bytes = AlignUp(k.packed_int_dot_scratch_bytes(d.k, d.b_group));
+    a_prepared_bytes = AlignUp(k.int_dot_prepared_a_bytes(d.m, d.k, d.b_group));
+    g.impl_name_ = "packed_int8a:" + std::string(CpuIsaName(k.isa));
   } else {
     const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
     if (c_via_f32) c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));
@@ -428,15 +436,6 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
     // the kernel's panels bound what that needs.
     thread_bytes = AlignUp(k.packed_scratch_bytes(d.m, d.n, d.k, d.c_type == DType::kBF16 && !c_via_f32));
     bf16_dot = PackedDotUsable(k, d);
-    int_dot = d.b_type == DType::kInt4 && k.gemm_packed_int_dot != nullptr && cpu::UseIntDot(d.b_type, d.k, d.b_group);
-    if (int_dot) {  // writes C once, in any dtype; A rounded, shared
-      c_f32_bytes = 0;
-      thread_bytes = AlignUp(k.packed_int_dot_scratch_bytes(d.k, d.b_group));
-      a_prepared_bytes = AlignUp(static_cast<size_t>(cpu::IntDotPreparedABytes(d.m, d.k, d.b_group)));
-      g.impl_name_ = "packed_int8a:" + std::string(CpuIsaName(k.isa));
-      g.scratch_bytes_ = a_prepared_bytes + static_cast<size_t>(threads) * thread_bytes + kAlign;
-      return;
-    }
     a_rows = !bf16_dot && d.a_type == DType::kF32 && d.n <= kPackedARowsMaxN;
     if (!a_rows)
       a_prepared_bytes = AlignUp((bf16_dot ? k.packed_dot_prepared_a_bytes : k.packed_prepared_a_bytes)(d.m, d.k));

@@ -77,13 +77,14 @@ struct CpuKernels {
   // (It writes SmallBtPreparedAFloats floats.)
   // The same for an int8 / int4 B with A quantized to int8 per block of 32
   // and integer dot products (int_dot.inc), where UseIntDot. Its prepare
-  // writes at most SmallBtPreparedAFloats floats' bytes.
+  // writes int_dot_prepared_a_bytes(m, k, b_group) bytes.
   void (*gemm_small_bt_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end) = nullptr;
   void (*small_bt_int_dot_prepare_a)(const GemmArgs& g, float* out) = nullptr;
+  size_t (*int_dot_prepared_a_bytes)(int64_t m, int64_t k, int64_t b_group) = nullptr;
   // Many rows with an int4 B, A rounded the same way (in k order): panels of
   // 16 weight rows unpacked to bytes, 8-bit products summed in 16 bits per
   // block (int_dot.inc). Its prepare writes rows [r_begin, r_end) of A's
-  // rounded copy into `out` (IntDotPreparedABytes, shared by the threads);
+  // rounded copy into `out` (int_dot_prepared_a_bytes, shared by the threads);
   // each thread's scratch is packed_int_dot_scratch_bytes(k, b_group). The
   // SIMD families only (nullptr in scalar's table).
   void (*gemm_packed_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
@@ -151,13 +152,6 @@ struct CpuKernels {
 inline int64_t SmallBtPreparedAFloats(int64_t m, int64_t k, DType b_type, int64_t b_group) {
   const bool int_b = (b_type == DType::kInt8 || b_type == DType::kInt4) && b_group > 0;
   return m * k + (int_b ? m * ((k + b_group - 1) / b_group) : 0);
-}
-
-// The bytes of A rounded for the int-dot kernels (m x k codes, a scale per
-// block of 32, a sum per group; int_dot.inc's IntDotLayout).
-inline int64_t IntDotPreparedABytes(int64_t m, int64_t k, int64_t b_group) {
-  const int64_t group = b_group < k ? b_group : k;
-  return (m * k + 63) / 64 * 64 + m * (k / 32) * 4 + m * (k / group) * 4;
 }
 
 // Whether products may use gemm_small_bt_bf16_dot: the table has it, the CPU
