@@ -13,8 +13,6 @@
 
 #include "text/tokenizer.h"
 
-#include "base/file.h"
-
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <yaml-cpp/yaml.h>
@@ -27,6 +25,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "base/file.h"
 #include "text/bpe.h"
 #include "text/pretokenize.h"
 #include "text/scratch.h"
