@@ -202,7 +202,7 @@ Linear RandomIntWeight(int64_t n, int64_t k, DType dtype, bool offsets) {
 // steps: the bound then allows half a step of each block times |w|.
 Status CheckIntColumns(const Linear& w, const std::vector<float>& x, const std::vector<float>& y, int64_t m) {
   const int64_t n = w.out, k = w.in;
-  const bool rounded = cpu::UseIntDot(w.dtype, k, w.group);
+  const bool rounded = cpu::UseIntDot(ActiveCpuIsa(), w.dtype, k, w.group);
   for (int64_t j = 0; j < n; j += n / 7 + 1)
     for (int64_t r = 0; r < m; ++r) {
       double want = 0, mag = 0, rounding = 0;

@@ -410,7 +410,7 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
   } else if (chosen == GemmImpl::kSmall) {
     small_bt = d.b_stride_k == 1;
     bf16_dot = small_bt && d.a_type == DType::kBF16 && cpu::UseBf16Dot(k);
-    int_dot = small_bt && cpu::UseIntDot(d.b_type, d.k, d.b_group);
+    int_dot = small_bt && cpu::UseIntDot(k.isa, d.b_type, d.k, d.b_group);
     // small_bt reads A in a layout of its own (the dot kernel: bf16 A as it
     // is); small_bn reads fp32 A.
     if (int_dot)
@@ -424,7 +424,7 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
                                           : "small_bn:") +
                    std::string(CpuIsaName(k.isa));
   } else if (d.b_type == DType::kInt4 && k.gemm_packed_int_dot != nullptr &&
-             cpu::UseIntDot(d.b_type, d.k, d.b_group)) {  // A rounded and shared; C written once, in any dtype
+             cpu::UseIntDot(k.isa, d.b_type, d.k, d.b_group)) {  // A rounded and shared; C written once, in any dtype
     int_dot = true;
     thread_bytes = AlignUp(k.packed_int_dot_scratch_bytes(d.k, d.b_group));
     a_prepared_bytes = AlignUp(k.int_dot_prepared_a_bytes(d.m, d.k, d.b_group));

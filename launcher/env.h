@@ -25,7 +25,8 @@
 //                   with integer dot products (cpu::UseIntDot), or A kept
 //                   fp32 and each weight converted to fp32 (the dequantized
 //                   model's exact arithmetic). Default auto: int4 weights
-//                   round A, int8 weights keep it fp32; on: both round it.
+//                   round A (avx2 and up; the scalar family keeps it fp32),
+//                   int8 weights keep it fp32; on: both round it.
 #pragma once
 
 #include "base/status.h"

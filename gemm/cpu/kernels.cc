@@ -17,10 +17,11 @@ bool UseBf16Dot(const CpuKernels& k) {
 
 bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
 
-bool UseIntDot(DType b_type, int64_t k, int64_t b_group) {
+bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group) {
   const IntDotMode mode = g_int_dot.load(std::memory_order_relaxed);
-  const bool allowed =
-      b_type == DType::kInt4 ? mode != IntDotMode::kOff : b_type == DType::kInt8 && mode == IntDotMode::kOn;
+  const bool auto_on = b_type == DType::kInt4 && isa != CpuIsa::kScalar;
+  const bool allowed = (b_type == DType::kInt4 || b_type == DType::kInt8) &&
+                       (mode == IntDotMode::kOn || (mode == IntDotMode::kAuto && auto_on));
   if (!allowed || b_group <= 0 || k <= 0) return false;
   const int64_t group = std::min(b_group, k);
   return group % 32 == 0 && k % group == 0;

@@ -165,13 +165,16 @@ bool SetBf16DotAllowed(bool allowed);
 // Whether few rows with int weights round A to int8 (gemm_small_bt_int_dot):
 // kAuto for int4 weights only, where converting the weights to fp32, not
 // memory, set the pace and A's rounding changes the error by less than the
-// runs' noise; int8 keeps fp32 A, whose error stays below llama.cpp's Q8_0
-// (figures: docs/quantized-weights.md).
+// runs' noise; int8 keeps fp32 A, whose error stays below llama.cpp's Q8_0.
+// kAuto also needs a family with byte dot products (avx2 and up): the
+// scalar family's int-dot is plain loops, several times slower than its
+// fp32 path (figures: docs/quantized-weights.md).
 enum class IntDotMode : uint8_t { kAuto, kOn, kOff };
-// Whether a small_bt product with B of `b_type` (k long, groups of b_group)
-// takes gemm_small_bt_int_dot: the mode allows its dtype, and its groups (or
-// k, when one group spans it) are whole blocks of 32 that divide k.
-bool UseIntDot(DType b_type, int64_t k, int64_t b_group);
+// Whether a small_bt product of family `isa` with B of `b_type` (k long,
+// groups of b_group) takes gemm_small_bt_int_dot: the mode allows its dtype
+// on that family, and its groups (or k, when one group spans it) are whole
+// blocks of 32 that divide k.
+bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group);
 // For tests and MLARUN_INT_DOT (launcher/env.h). Returns the previous mode.
 // Products prepared before keep what they were prepared with.
 IntDotMode SetIntDotMode(IntDotMode mode);
