@@ -91,6 +91,7 @@ void AddBenchDecode(CLI::App* bench, CommandTable& table) {
   AddWeightsFlag(dec, db.deployment.weights);
   AddDeviceFlag(dec, db.deployment.device);
   AddFp8WeightsFlag(dec, db.deployment.fp8_weights);
+  AddLmHeadFlag(dec, db.deployment.lm_head);
   dec->add_option("--threads", f->threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   dec->add_flag("--json", db.json, "One JSON document on stdout (the table goes to stderr)");
   dec->add_option("--parallel", db.deployment.parallel, "Under mpirun: dp=D,attn_tp=T[,moe=...] (decode only)");

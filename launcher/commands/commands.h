@@ -73,6 +73,7 @@ void AddSamplingFlags(CLI::App* cmd, SamplingParams& p);
 void AddWeightsFlag(CLI::App* app, std::string& weights);
 void AddDeviceFlag(CLI::App* app, std::string& device);
 void AddFp8WeightsFlag(CLI::App* app, std::string& fp8);
+void AddLmHeadFlag(CLI::App* app, std::string& lm_head);
 void AddAttentionThresholdsFlag(CLI::App* app, std::string& path);
 
 // The coordinator's flags that `coordinator` and `serve` share, one

@@ -42,6 +42,12 @@ void AddFp8WeightsFlag(CLI::App* app, std::string& fp8) {
                   "dequantize to the config's dtype at load")
       ->capture_default_str();
 }
+void AddLmHeadFlag(CLI::App* app, std::string& lm_head) {
+  app->add_option("--lm-head", lm_head,
+                  "The output layer: keep (as stored), or int8 (per channel) / int4 (groups of 128) quantized at "
+                  "load where the checkpoint stores it unquantized")
+      ->capture_default_str();
+}
 void AddAttentionThresholdsFlag(CLI::App* app, std::string& path) {
   app->add_option(
       "--attention-thresholds", path,

@@ -41,6 +41,7 @@ void AddGenerateCommand(CLI::App& app, CommandTable& table) {
   AddAttentionThresholdsFlag(generate, gen->deployment.attention_thresholds);
   AddDeviceFlag(generate, gen->deployment.device);
   AddFp8WeightsFlag(generate, gen->deployment.fp8_weights);
+  AddLmHeadFlag(generate, gen->deployment.lm_head);
 
   table.Add(generate, [gen](ProcessArgs args) {
     if (gen->prompt_ids.empty() && gen->prompts_path.empty()) {

@@ -58,6 +58,10 @@ void AddMemoryCommand(CLI::App& app, CommandTable& table) {
       ->add_option("--group-size", mem.group_size,
                    "With --weight-dtype int8 / int4: elements per scale (0: one per output channel)")
       ->capture_default_str();
+  memory
+      ->add_option("--lm-head", mem.lm_head,
+                   "The output layer: keep (as stored), or int8 / int4 as `--lm-head` quantizes it at load")
+      ->capture_default_str();
   memory->add_option("--num-layers", mem.num_layers, "Reduced depth (YAML models)")->check(CLI::PositiveNumber);
   memory->add_option("--block-size", mem.block_size, "Tokens per cache block")
       ->capture_default_str()

@@ -213,8 +213,9 @@ void AddWorkerFlags(CLI::App* cmd, ServeFlags& f) {
   AddDeviceFlag(cmd, wo.deployment.device);
   AddWeightsFlag(cmd, wo.deployment.weights);
   AddFp8WeightsFlag(cmd, wo.deployment.fp8_weights);
+  AddLmHeadFlag(cmd, wo.deployment.lm_head);
   AddAttentionThresholdsFlag(cmd, wo.deployment.attention_thresholds);
-  for (const char* name : {"--device", "--weights", "--fp8-weights", "--attention-thresholds"})
+  for (const char* name : {"--device", "--weights", "--fp8-weights", "--lm-head", "--attention-thresholds"})
     f.worker_flags.push_back(cmd->get_option(name));
   f.worker_flags.push_back(
       cmd->add_option("--block-size", wo.engine.block_size, "Tokens per cache block (the workers' --block-size)")

@@ -96,6 +96,7 @@ void AddWorkerCommand(CLI::App& app, CommandTable& table) {
   AddAttentionThresholdsFlag(worker, wo.deployment.attention_thresholds);
   AddDeviceFlag(worker, wo.deployment.device);
   AddFp8WeightsFlag(worker, wo.deployment.fp8_weights);
+  AddLmHeadFlag(worker, wo.deployment.lm_head);
   worker->add_option("--threads", f->threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   worker->add_option("--fail-forward-call", f->fail_forward_call,
                      "Fault injection for tests: model step N (0-based) fails with INTERNAL on world rank RANK "

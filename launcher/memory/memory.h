@@ -25,6 +25,7 @@ struct MemoryOptions {
   std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8;
                                      // "int8" / "int4": integer projections with fp32 group scales
   int64_t group_size = 128;          // --weight-dtype int8 / int4: elements per scale (<= 0: per channel)
+  std::string lm_head = "keep";      // keep, or int8 / int4: quantized at load (--lm-head)
   int64_t num_layers = 0;            // YAML models: reduced depth
   int64_t block_size = kDefaultBlockSize;
   int64_t chunk_rows = 65536;  // expanded-path workspace rows

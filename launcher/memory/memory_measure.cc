@@ -181,6 +181,8 @@ void CompareRank(const MemoryOptions& opt, const std::string& model, const Model
     auto f = CheckpointWeightFormat(model);  // --model, else the checkpoint the job loaded
     if (f.ok()) format = *f;
   }
+  // An lm_head quantized at load (--lm-head; one stored so is in `format`).
+  if (auto head = ParseLmHeadMode(k.lm_head_dtype()); head.ok()) format = WithLmHead(std::move(format), *head);
   p.weights = PredictWeightBytes(c, shard, format);
   // The prefill workspace is reserved from the shapes on both sides (it is
   // allocated only when a long prefill runs), so it is an input here, not

@@ -59,7 +59,11 @@ StatusOr<std::optional<DType>> ParseWeightDType(const std::string& name) {
 }
 
 StatusOr<WeightFormat> MemoryWeightFormat(const MemoryOptions& o) {
-  if (o.weight_dtype.empty()) return CheckpointWeightFormat(o.model);
+  MLARUN_ASSIGN_OR_RETURN(const LmHeadMode head, ParseLmHeadMode(o.lm_head));
+  if (o.weight_dtype.empty()) {
+    MLARUN_ASSIGN_OR_RETURN(WeightFormat f, CheckpointWeightFormat(o.model));
+    return WithLmHead(std::move(f), head);
+  }
   MLARUN_ASSIGN_OR_RETURN(const std::optional<DType> proj, ParseWeightDType(o.weight_dtype));
   WeightFormat f{.projection_dtype = proj};
   if (proj && IsIntWeight(*proj)) {
@@ -67,10 +71,11 @@ StatusOr<WeightFormat> MemoryWeightFormat(const MemoryOptions& o) {
       return InvalidArgumentError("--group-size must be even (or 0: per channel), got ", o.group_size);
     f.group = o.group_size;
   }
-  return f;
+  return WithLmHead(std::move(f), head);
 }
 
-std::string WeightFormatName(const WeightFormat& f, DType weight_dtype) {
+namespace {
+std::string ProjectionsName(const WeightFormat& f, DType weight_dtype) {
   const std::string rest = std::string(DTypeName(weight_dtype)) + " embeddings";
   if (f.projection_dtype == DType::kF8E4M3) return "fp8 e4m3 projections (128x128 fp32 block scales), " + rest;
   if (f.projection_dtype && IsIntWeight(*f.projection_dtype))
@@ -78,6 +83,14 @@ std::string WeightFormatName(const WeightFormat& f, DType weight_dtype) {
            (f.group > 0 ? "per " + std::to_string(f.group) + " elements" : std::string("per output channel")) +
            (f.offsets ? ", offsets" : "") + "), " + rest;
   return std::string(DTypeName(f.projection_dtype.value_or(weight_dtype)));
+}
+}  // namespace
+
+std::string WeightFormatName(const WeightFormat& f, DType weight_dtype) {
+  std::string name = ProjectionsName(f, weight_dtype);
+  if (f.lm_head != nullptr && f.lm_head->projection_dtype && f.quantized && f.quantized("lm_head"))
+    name += std::string(", lm_head ") + (*f.lm_head->projection_dtype == DType::kInt4 ? "int4" : "int8");
+  return name;
 }
 
 }  // namespace memory_internal

@@ -247,6 +247,7 @@ v1::RankStats Worker::OwnFacts() const {
   me.set_kv_dtype(std::string(DTypeName(mc.kv_dtype)));
   // f8_e4m3, int8 or int4 where the projections are held so.
   if (const auto d = model_.weight_format().projection_dtype) me.set_projection_dtype(std::string(DTypeName(*d)));
+  me.set_lm_head_dtype(std::string(DTypeName(model_.lm_head_dtype())));
   me.set_parallel(layout_os.str());
   me.set_resident_bytes(ResidentBytes());
   me.set_cpu_model_name(HostCpu().model_name);

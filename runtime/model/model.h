@@ -160,6 +160,23 @@ WeightFormat WeightFormatOf(const QuantScheme& s);
 // asymmetric.
 WeightBytes PredictWeightBytes(const ModelConfig& config, const ModelShard& shard, const WeightFormat& f);
 
+// The default group size of `dtype`, as llm-compressor's presets: int4 128
+// (W4A16), int8 per channel (0).
+int64_t DefaultQuantizeGroup(DType dtype);
+
+// The output layer: as the checkpoint stores it, or int8 / int4. For `mlarun
+// quantize` (what it writes) and for loading (ModelOptions::lm_head: an
+// lm_head stored unquantized is quantized at load by QuantizeLinear,
+// symmetric, in DefaultQuantizeGroup groups; one stored int8 / int4 stays as
+// it is). Values are frozen.
+enum class LmHeadMode : uint8_t { kKeep = 0, kInt8 = 1, kInt4 = 2 };
+// "keep", "int8" or "int4"; the error names the flag.
+StatusOr<LmHeadMode> ParseLmHeadMode(std::string_view name);
+// `f` with lm_head held as `mode` makes it when loading quantizes it: int8 /
+// int4 in DefaultQuantizeGroup groups, no offsets. `f` itself where `mode`
+// keeps it or `f` already holds lm_head quantized.
+WeightFormat WithLmHead(WeightFormat f, LmHeadMode mode);
+
 // The latent cache a model of `config` needs: its layers, row width and
 // cache dtype, with this budget and block size.
 LatentCacheConfig CacheConfigFor(const ModelConfig& config, int64_t budget_bytes, int64_t block_size);
@@ -247,6 +264,9 @@ struct ModelOptions {
   // Checkpoints whose Linear layers are stored as integers (compressed-
   // tensors, AWQ, GPTQ: docs/quantized-weights.md).
   IntWeights int_weights = IntWeights::kKeep;
+  // lm_head quantized at load where the checkpoint stores it unquantized
+  // (LmHeadMode; logged with its bytes before and after).
+  LmHeadMode lm_head = LmHeadMode::kKeep;
   // Where the weights the ops read, the step's buffers and the workspaces
   // live: the backend's device memory (MemoryFor(attention.backend)) when
   // null. Loading places every weight there (PlaceWeights); on the host's
@@ -316,6 +336,7 @@ class Model {
   // weight_dtype): PredictWeightBytes(config(), shard, weight_format())
   // equals weight_bytes().
   const WeightFormat& weight_format() const { return weight_format_; }
+  DType lm_head_dtype() const { return lm_head_.dtype; }
   // A cache configuration matching this model (layers, widths, dtype).
   LatentCacheConfig CacheConfig(int64_t budget_bytes, int64_t block_size = kDefaultBlockSize) const;
 

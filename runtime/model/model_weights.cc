@@ -5,13 +5,16 @@
 #include <sys/sysinfo.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <iomanip>
 #include <limits>
 #include <set>
+#include <sstream>
 
 #include "base/float8.h"
 #include "base/hash.h"
@@ -541,6 +544,27 @@ WeightFormat WeightFormatOf(const QuantScheme& q) {
   return f;
 }
 
+int64_t DefaultQuantizeGroup(DType dtype) { return dtype == DType::kInt4 ? 128 : 0; }
+
+StatusOr<LmHeadMode> ParseLmHeadMode(std::string_view name) {
+  if (name == "keep") return LmHeadMode::kKeep;
+  if (name == "int8") return LmHeadMode::kInt8;
+  if (name == "int4") return LmHeadMode::kInt4;
+  return InvalidArgumentError("--lm-head must be keep, int8 or int4, got '", std::string(name), "'");
+}
+
+WeightFormat WithLmHead(WeightFormat f, LmHeadMode mode) {
+  if (mode == LmHeadMode::kKeep || (f.quantized && f.quantized("lm_head"))) return f;
+  const DType dtype = mode == LmHeadMode::kInt8 ? DType::kInt8 : DType::kInt4;
+  f.lm_head = std::make_shared<const WeightFormat>(
+      WeightFormat{.projection_dtype = dtype, .group = DefaultQuantizeGroup(dtype), .offsets = false});
+  // Empty `quantized` meant every decoder-layer projection: kept so.
+  f.quantized = [prev = std::move(f.quantized)](std::string_view module) {
+    return module == "lm_head" || !prev || prev(module);
+  };
+  return f;
+}
+
 WeightFormat HeldWeightFormat(const Checkpoint& ckpt, const QuantScheme& scheme, Fp8Weights fp8, IntWeights ints) {
   WeightFormat held = ints == IntWeights::kKeep ? WeightFormatOf(scheme) : WeightFormat{};
   if (!held.projection_dtype) held.projection_dtype = KeptProjectionDType(ckpt, fp8);
@@ -586,9 +610,10 @@ class MatrixBytes {
     return rows * cols * pw_;
   }
   // lm_head: weight_dtype unless quantized (under a format of its own
-  // where it has one).
+  // where it has one: a checkpoint's, or quantizing at load).
+  bool HeadQuantized() const { return f_.quantized && f_.quantized("lm_head") && (f_.lm_head != nullptr || int_); }
   int64_t Head(int64_t rows, int64_t cols) const {
-    if (!int_ || !f_.quantized || !f_.quantized("lm_head")) return rows * cols * w_;
+    if (!HeadQuantized()) return rows * cols * w_;
     return f_.lm_head != nullptr ? IntBytes(*f_.lm_head, rows, cols) : Int(rows, cols);
   }
 
@@ -626,7 +651,9 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, const 
   };
   const int64_t h0 = c.num_attention_heads / s.attn_tp_size * s.attn_tp_rank;  // this rank's first head
   WeightBytes b;
-  b.embedding_and_head = c.vocab_size * H * w + (c.tie_word_embeddings ? 0 : m.Head(c.vocab_size, H)) + H * f;
+  // A tied lm_head quantized at load is a matrix of its own.
+  const bool own_head = !c.tie_word_embeddings || m.HeadQuantized();
+  b.embedding_and_head = c.vocab_size * H * w + (own_head ? m.Head(c.vocab_size, H) : 0) + H * f;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     const std::string lp = "model.layers." + std::to_string(i) + ".", ap = lp + "self_attn.";
     int64_t replicated = m.Projection(ap + "kv_a_proj_with_mqa", L + R, H) + L * f + 2 * H * f;  // + norms
@@ -671,6 +698,30 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, const 
 
 class ModelLoader {
  public:
+  // lm_head quantized at load (ModelOptions::lm_head) where it is held
+  // unquantized; the model's weight format says so from then on. Logged
+  // through the progress callback, else to stderr, as the loader's notes.
+  static Status QuantizeHead(Model& m) {
+    const LmHeadMode mode = m.options_.lm_head;
+    if (mode == LmHeadMode::kKeep || IsIntWeight(m.lm_head_.dtype)) return Status::Ok();
+    const DType dtype = mode == LmHeadMode::kInt8 ? DType::kInt8 : DType::kInt4;
+    const auto start = std::chrono::steady_clock::now();
+    const int64_t before = m.lm_head_.bytes();
+    auto q = QuantizeLinear(m.lm_head_, {.dtype = dtype, .group = DefaultQuantizeGroup(dtype), .symmetric = true});
+    if (!q.ok()) return q.status().WithContext("quantizing lm_head at load");
+    m.lm_head_ = *std::move(q);
+    m.weight_format_ = WithLmHead(std::move(m.weight_format_), mode);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::ostringstream os;
+    os << "lm_head quantized at load to " << DTypeName(dtype) << ": " << (before >> 20) << " -> "
+       << (m.lm_head_.bytes() >> 20) << " MiB in " << std::fixed << std::setprecision(1) << s << " s";
+    if (m.options_.progress)
+      m.options_.progress(os.str());
+    else
+      std::fprintf(stderr, "mlarun: %s\n", os.str().c_str());
+    return Status::Ok();
+  }
+
   static Status Build(Model& m, WeightSource& src) {
     const ModelConfig& c = m.config_;
     const ModelShard& s = m.options_.shard;
@@ -692,6 +743,7 @@ class ModelLoader {
       MLARUN_RETURN_IF_ERROR(
           LoadRows(src, "lm_head.weight", c.vocab_size, H, 0, c.vocab_size, wt, &m.lm_head_, Matrix::kOther));
     }
+    MLARUN_RETURN_IF_ERROR(QuantizeHead(m));
     m.layers_.resize(static_cast<size_t>(c.num_hidden_layers));
     std::vector<float> kv_b;
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -785,7 +837,8 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   MLARUN_ASSIGN_OR_RETURN(const QuantScheme scheme, CheckpointQuantScheme(ckpt->dir()));
   // Sized as loading holds them: int8 / int4 as stored, a checkpoint's fp8
   // projections kept fp8.
-  const WeightFormat held = HeldWeightFormat(*ckpt, scheme, options.fp8_weights, options.int_weights);
+  const WeightFormat held =
+      WithLmHead(HeldWeightFormat(*ckpt, scheme, options.fp8_weights, options.int_weights), options.lm_head);
   MLARUN_RETURN_IF_ERROR(CheckWeightsFit(config, options.shard, held, mapped_bytes, MachineMemoryBytes()));
   // The loader's notes (a shard's fp8 tensor dequantized): one line each,
   // through the progress callback where there is one.

@@ -370,8 +370,6 @@ std::vector<EncodedTensor> EncodeCompressedTensors(std::string_view module, cons
   return out;
 }
 
-int64_t DefaultQuantizeGroup(DType dtype) { return dtype == DType::kInt4 ? 128 : 0; }
-
 Status QuantizeCheckpoint(const QuantizeCheckpointOptions& o) {
   MLARUN_RETURN_IF_ERROR(CheckOptions(o));
   const auto start = std::chrono::steady_clock::now();

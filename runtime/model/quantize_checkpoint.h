@@ -34,11 +34,10 @@
 #include "base/dtype.h"
 #include "base/status.h"
 #include "runtime/model/checkpoint_writer.h"
+#include "runtime/model/model.h"
 #include "runtime/ops/linear.h"
 
 namespace mlarun {
-
-enum class LmHeadMode : uint8_t { kKeep = 0, kInt8 = 1, kInt4 = 2 };
 
 struct QuantizeProgress {
   int64_t tensors_done = 0, tensors_total = 0;
@@ -79,9 +78,5 @@ struct EncodedTensor {
   std::vector<std::byte> data;
 };
 std::vector<EncodedTensor> EncodeCompressedTensors(std::string_view module, const Linear& q, DType scale_dtype);
-
-// The default group size of `dtype`, as llm-compressor's presets: int4 128
-// (W4A16), int8 per channel (0).
-int64_t DefaultQuantizeGroup(DType dtype);
 
 }  // namespace mlarun

@@ -34,6 +34,7 @@ DeploymentSpec::Fields DeploymentSpec::ToFields() const {
           {"--attention-thresholds", attention_thresholds},
           {"--device", device},
           {"--fp8-weights", fp8_weights},
+          {"--lm-head", lm_head},
           {"weight limit (bytes)", std::to_string(max_weight_bytes)},
           {"--fail-forward-call", std::to_string(fail_forward_call) + "@" + std::to_string(fail_forward_rank)}};
 }
@@ -117,9 +118,10 @@ StatusOr<LoadedModel> LoadModelForSpec(const DeploymentSpec& spec, const ModelSh
     lm.options.fp8_weights = Fp8Weights::kDequantize;
   else
     return InvalidArgumentError("--fp8-weights: expected keep or dequantize, got '", spec.fp8_weights, "'");
-  // As the loader will hold the checkpoint's projections.
+  MLARUN_ASSIGN_OR_RETURN(lm.options.lm_head, ParseLmHeadMode(spec.lm_head));
+  // As the loader will hold the checkpoint's projections and lm_head.
   MLARUN_ASSIGN_OR_RETURN(const WeightFormat format, CheckpointWeightFormat(spec.model, lm.options.fp8_weights));
-  lm.predicted = PredictWeightBytes(lm.config, shard, format);
+  lm.predicted = PredictWeightBytes(lm.config, shard, WithLmHead(format, lm.options.lm_head));
   if (lm.predicted.total() > spec.max_weight_bytes)
     return ResourceExhaustedError("the model's weights would take ", lm.predicted.total() >> 20, " MiB (limit ",
                                   spec.max_weight_bytes >> 20, " MiB): reduce --num-layers or --experts");

@@ -42,6 +42,7 @@ struct DeploymentSpec {
   std::string attention_thresholds;  // --attention-thresholds FILE, "" for the CPU's defaults
   std::string device = "cpu";        // --device cpu|cuda
   std::string fp8_weights = "keep";  // --fp8-weights keep|dequantize (checkpoints storing F8_E4M3)
+  std::string lm_head = "keep";      // --lm-head keep|int8|int4 (quantized at load where stored unquantized)
   // Refuse (RESOURCE_EXHAUSTED) a shard whose weights would take more.
   int64_t max_weight_bytes = std::numeric_limits<int64_t>::max();
   // Fault injection (--fail-forward-call N[@RANK]): the model's forward call

@@ -11,9 +11,10 @@
 #  * a wrong prediction (another cache dtype) is reported as a disagreement;
 #  * bad input exits 2 naming what was wrong.
 #
-#   memory_measure.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
+#   memory_measure.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS [LM_HEAD]
+# LM_HEAD (keep, int8 or int4): the workers' --lm-head.
 set -u
-mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
+mlarun=$1 src=$2 layout=$3 np=$4 groups=$5 lm_head=${6:-keep}
 name=memory_measure
 source "$src/scripts/lib/deployment.sh"
 
@@ -26,7 +27,7 @@ grep -q "none.yaml" "$work/bad.log" || fail "the error does not name the file: $
 grep -q "tp3" "$work/bad.log" || fail "the error does not name the layout: $(cat "$work/bad.log")"
 
 gib=0.0625
-start_deployment prefix_affinity --parallel "$layout" --memory-gib $gib --block-size 16
+start_deployment prefix_affinity --parallel "$layout" --memory-gib $gib --block-size 16 --lm-head "$lm_head"
 wait_for_groups
 
 # 40 requests; half share a 40-token prefix; some may stop at eos.
@@ -49,9 +50,9 @@ timeout 60 "$mlarun" memory --measure --coordinator "$addr" --requests "$work/re
   fail "mlarun memory --measure: $(cat "$work/measure.log") $(head -c 3000 "$work/measure.json")"
 "$mlarun" stats --coordinator "$addr" --json >"$work/stats.json" || fail "stats failed"
 
-python3 - "$work" "$layout" "$np" "$gib" <<'PY' || fail "measured memory differs from the shapes' arithmetic"
+python3 - "$work" "$layout" "$np" "$gib" "$lm_head" <<'PY' || fail "measured memory differs from the shapes' arithmetic"
 import json, math, sys
-work, layout, np_, gib = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+work, layout, np_, gib, lm_head = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 kv = dict(p.split("=") for p in layout.split(","))
 dp, tp = int(kv.get("dp", 1)), int(kv.get("attn_tp", 1))
 m = json.load(open(f"{work}/measure.json"))
@@ -84,10 +85,14 @@ want_weights = {
     "moe_weight_bytes": (layers - dense_layers) * (routed + mlp(moe_inter // world) + n_exp * H * f + n_exp * f),
     "embedding_head_weight_bytes": 2 * vocab * H * f + H * f,  # embed_tokens, lm_head, final norm
 }
+# --lm-head int8: a byte per element and an fp32 scale per row; int4: half a
+# byte and a scale per row per group of 128 (one here).
+head = {"keep": vocab * H * f, "int8": vocab * (H + 4), "int4": vocab * (H // 2 + 4)}[lm_head]
+want_weights["embedding_head_weight_bytes"] = vocab * H * f + head + H * f
 weights = sum(want_weights.values())
 # docs/memory.md's table (tiny model, 4 ranks): 683,360 B per rank under dp=4, 572,768 B under attn_tp=4.
 readme = {(4, 1): 683_360, (1, 4): 572_768}
-if world == 4 and "moe" not in kv:
+if world == 4 and "moe" not in kv and lm_head == "keep":
     assert weights == readme[(dp, tp)], (weights, readme[(dp, tp)])
 rows = min(65536, 4096)
 workspace = rows * (L + R) * e + rows * (heads // tp) * ((P + R) + V) * e
@@ -121,5 +126,5 @@ PY
 "$mlarun" memory --measure --coordinator "$addr" --kv-dtype fp32 --timeout 2 >"$work/wrong.txt" 2>&1 &&
   fail "a wrong prediction (fp32 cache) was reported as agreeing: $(cat "$work/wrong.txt")"
 grep -q "DISAGREE" "$work/wrong.txt" || fail "no DISAGREE in: $(cat "$work/wrong.txt")"
-echo "memory_measure: PASS ($layout)"
+echo "memory_measure: PASS ($layout, lm_head $lm_head)"
 exit 0

@@ -149,6 +149,33 @@ TEST(MemoryCommand, Fp8FitsAndDpHoldsMoreDistinctTokens) {
   for (const Json& b : j["break_even"]) EXPECT_LT(b["break_even_memory_bytes"].get<double>(), 141.0 * (1 << 30)) << b;
 }
 
+// --lm-head int8 / int4 (quantized at load): only the output layer changes,
+// by hand: V3's [129280, 7168] head, bf16 against a byte (int8, one fp32
+// scale per row) or half a byte (int4, a scale per 128 elements) per element.
+TEST(MemoryCommand, LmHeadQuantizedAtLoad) {
+  MemoryOptions o = V3Options();
+  o.weight_dtype = "fp8";
+  o.json = true;
+  o.layouts = {"dp8"};
+  auto weights = [&](const char* head) {
+    o.lm_head = head;
+    const Json j = Json::parse(Report(o));
+    return j["layouts"][0]["per_rank"]["weights"];
+  };
+  const Json keep = weights("keep"), int8 = weights("int8"), int4 = weights("int4");
+  const int64_t vocab = 129280, hidden = 7168;
+  const int64_t bf16 = vocab * hidden * 2;
+  EXPECT_EQ(keep["embedding_and_head"].get<int64_t>() - int8["embedding_and_head"].get<int64_t>(),
+            bf16 - vocab * (hidden + 4));
+  EXPECT_EQ(keep["embedding_and_head"].get<int64_t>() - int4["embedding_and_head"].get<int64_t>(),
+            bf16 - vocab * (hidden / 2 + hidden / 128 * 4));
+  EXPECT_EQ(keep["moe"], int8["moe"]);
+  EXPECT_EQ(keep["attention_split"], int4["attention_split"]);
+  o.json = false;
+  o.lm_head = "int8";
+  EXPECT_NE(Report(o).find("lm_head int8"), std::string::npos);
+}
+
 TEST(MemoryCommand, DeepSeekV32IndexerIsCached) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "mlarun_memory_v32";
   std::filesystem::create_directories(dir);
@@ -195,6 +222,9 @@ TEST(MemoryCommand, BadInputNamesWhatIsWrong) {
   o = V3Options();
   o.weight_dtype = "int3";
   EXPECT_NE(error(o).find("--weight-dtype"), std::string::npos);
+  o = V3Options();
+  o.lm_head = "fp8";
+  EXPECT_NE(error(o).find("--lm-head must be keep, int8 or int4, got 'fp8'"), std::string::npos);
   o = V3Options();
   o.memory_gib = -1;
   EXPECT_NE(error(o).find("--hbm-gib"), std::string::npos);

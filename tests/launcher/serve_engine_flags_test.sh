@@ -76,9 +76,10 @@ args=$(cat "$work/mpirun.args")
 stop_serve
 # The worker's own flags that matter, as serve's, passed on as given.
 start_serve --model "$model" --http "" --device cuda --weights copied --block-size 32 --memory-gib 2.5 \
-  --fp8-weights dequantize
+  --fp8-weights dequantize --lm-head int8
 args=$(cat "$work/mpirun.args")
-for want in "--device cuda" "--weights copied" "--block-size 32" "--memory-gib 2.5" "--fp8-weights dequantize"; do
+for want in "--device cuda" "--weights copied" "--block-size 32" "--memory-gib 2.5" "--fp8-weights dequantize" \
+  "--lm-head int8"; do
   [[ "$args" == *"$want"* ]] || fail "no '$want' in the job's command line: $args"
 done
 stop_serve

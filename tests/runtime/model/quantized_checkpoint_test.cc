@@ -401,6 +401,80 @@ TEST(QuantizedCheckpoint, MixedPrecisionLmHeadHasItsOwnScheme) {
   fs::remove_all(out);
 }
 
+// ModelOptions::lm_head quantizes an unquantized lm_head at load as `mlarun
+// quantize --lm-head` writes it (QuantizeLinear in the weight's dtype: bf16
+// here, as the tool reads a bf16 checkpoint). An int4 body with its bf16
+// lm_head quantized to int8 at load gives the logits, bit for bit, and the
+// bytes of the same body written with an int8 lm_head, and the bytes the
+// planner predicts; a stored quantized lm_head stays as it is.
+TEST(QuantizedCheckpoint, LmHeadQuantizedAtLoadMatchesTheWrittenOne) {
+  const Fp32Activations fp32_a;
+  const fs::path base = fs::temp_directory_path() / ("mlarun_quant_head_" + std::to_string(getpid()));
+  fs::remove_all(base);
+  auto quantize = [&](LmHeadMode head, const std::string& name) {
+    QuantizeCheckpointOptions qo;
+    qo.model_dir = Dir("v3_bf16");
+    qo.out_dir = (base / name).string();
+    qo.dtype = DType::kInt4;
+    qo.group = 32;
+    qo.lm_head = head;
+    qo.threads = 1;
+    EXPECT_TRUE(QuantizeCheckpoint(qo).ok());
+    return qo.out_dir;
+  };
+  const std::string kept = quantize(LmHeadMode::kKeep, "kept"), written = quantize(LmHeadMode::kInt8, "int8");
+  ModelConfig config = Config(written);
+  config.weight_dtype = DType::kBF16;
+  ModelOptions o;
+  o.lm_head = LmHeadMode::kInt8;
+  auto at_load = LoadWith(kept, config, o);
+  auto stored = Load(written, config, IntWeights::kKeep);
+  ASSERT_TRUE(at_load && stored);
+  EXPECT_EQ(at_load->weight_bytes(), stored->weight_bytes());
+  auto scheme = ReadQuantScheme(kept);
+  ASSERT_TRUE(scheme.ok()) << scheme.status();
+  EXPECT_EQ(at_load->weight_bytes(),
+            PredictWeightBytes(config, {}, WithLmHead(WeightFormatOf(*scheme), LmHeadMode::kInt8)));
+  const auto prompts = Prompts();
+  EXPECT_EQ(RelDiff(Logits(*at_load, prompts), Logits(*stored, prompts)), 0.0);
+  o.lm_head = LmHeadMode::kInt4;
+  auto again = LoadWith(written, config, o);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->weight_bytes(), stored->weight_bytes());
+  fs::remove_all(base);
+}
+
+// bf16 and fp8 bodies, int8 and int4 heads: the bytes the planner predicts
+// (int4 in groups of 128: one per row of this 64-wide head), the logits
+// near the unquantized head's (the rounding's error, not another matrix).
+TEST(QuantizedCheckpoint, LmHeadQuantizedAtLoadOverFloatBodies) {
+  const Fp32Activations fp32_a;
+  const auto prompts = Prompts();
+  for (const char* dir : {"v3_bf16", "v3_fp8"}) {
+    ModelConfig config = Config(Dir(dir));
+    config.weight_dtype = DType::kBF16;
+    auto plain = LoadWith(Dir(dir), config, ModelOptions{});
+    ASSERT_TRUE(plain);
+    auto format = CheckpointWeightFormat(Dir(dir));
+    ASSERT_TRUE(format.ok()) << format.status();
+    for (LmHeadMode head : {LmHeadMode::kInt8, LmHeadMode::kInt4}) {
+      SCOPED_TRACE(std::string(dir) + (head == LmHeadMode::kInt8 ? " int8" : " int4"));
+      ModelOptions o;
+      o.lm_head = head;
+      auto q = LoadWith(Dir(dir), config, o);
+      ASSERT_TRUE(q);
+      EXPECT_EQ(q->weight_bytes(), PredictWeightBytes(config, {}, WithLmHead(*format, head)));
+      // embedding bf16 [256, 64]; lm_head a byte (int8) or half (int4) per
+      // element and a scale per row; final norm fp32.
+      const int64_t head_bytes = head == LmHeadMode::kInt8 ? 256 * 64 : 256 * 32;
+      EXPECT_EQ(q->weight_bytes().embedding_and_head, 256 * 64 * 2 + head_bytes + 256 * 4 + 64 * 4);
+      const double d = RelDiff(Logits(*plain, prompts), Logits(*q, prompts));
+      EXPECT_GT(d, 0.0);
+      EXPECT_LT(d, head == LmHeadMode::kInt8 ? 2e-2 : 2e-1);
+    }
+  }
+}
+
 // ---- Two ranks in one process ----------------------------------------------------
 
 // Two ranks of one attn-TP group on two threads: collectives meet at a

@@ -24,6 +24,7 @@ DeploymentSpec Spec() {
                         .attention_thresholds = "/some/file.json",
                         .device = "cuda",
                         .fp8_weights = "dequantize",
+                        .lm_head = "int8",
                         .max_weight_bytes = 123456789,
                         .fail_forward_call = 7,
                         .fail_forward_rank = 2};
@@ -31,7 +32,7 @@ DeploymentSpec Spec() {
 
 TEST(DeploymentSpec, FieldsTravelWhole) {
   const DeploymentSpec::Fields fields = Spec().ToFields();
-  ASSERT_EQ(fields.size(), 11u);  // every member of DeploymentSpec
+  ASSERT_EQ(fields.size(), 12u);  // every member of DeploymentSpec
   auto back = DecodeSpecFields(EncodeSpecFields(fields));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, fields);
@@ -64,6 +65,7 @@ TEST(DeploymentSpec, NamesTheFirstFieldThatDiffers) {
       {[](DeploymentSpec& s) { s.attention_thresholds = ""; }, "--attention-thresholds: rank 3 has none"},
       {[](DeploymentSpec& s) { s.device = "cpu"; }, "--device: rank 3 has 'cpu', rank 0 has 'cuda'"},
       {[](DeploymentSpec& s) { s.fp8_weights = "keep"; }, "--fp8-weights: rank 3 has 'keep', rank 0 has 'dequantize'"},
+      {[](DeploymentSpec& s) { s.lm_head = "keep"; }, "--lm-head: rank 3 has 'keep', rank 0 has 'int8'"},
       {[](DeploymentSpec& s) { s.fail_forward_rank = -1; }, "--fail-forward-call: rank 3 has '7@-1', rank 0 has '7@2'"},
   };
   for (const Case& c : cases) {
@@ -104,6 +106,29 @@ TEST(LoadModelForSpec, SizesAnFp8CheckpointAsLoadingHoldsIt) {
   s.fp8_weights = "keep";
   auto fits = LoadModelForSpec(s, ModelShard{});
   EXPECT_TRUE(fits.ok()) << fits.status();
+}
+
+// --lm-head int8 / int4 quantizes the output layer at load: predicted =
+// held in each mode, the head smaller than bf16's, a bad value refused by
+// name.
+TEST(LoadModelForSpec, QuantizesTheLmHeadAtLoad) {
+  DeploymentSpec s{.model = kTiny, .num_layers = 1};
+  int64_t bf16_head = 0;
+  for (const char* mode : {"keep", "int8", "int4"}) {
+    SCOPED_TRACE(mode);
+    s.lm_head = mode;
+    auto lm = LoadModelForSpec(s, ModelShard{});
+    ASSERT_TRUE(lm.ok()) << lm.status();
+    EXPECT_EQ(lm->model->weight_bytes().embedding_and_head, lm->predicted.embedding_and_head);
+    EXPECT_EQ(lm->model->weight_bytes().total(), lm->predicted.total());
+    if (bf16_head == 0) bf16_head = lm->predicted.embedding_and_head;
+    if (s.lm_head != "keep") EXPECT_LT(lm->predicted.embedding_and_head, bf16_head);
+  }
+  s.lm_head = "int2";
+  auto bad = LoadModelForSpec(s, ModelShard{});
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--lm-head must be keep, int8 or int4, got 'int2'"), std::string::npos)
+      << bad.status();
 }
 
 TEST(LoadModelForSpec, DeviceAndFp8FlagsAreCheckedWithTheirNames) {
