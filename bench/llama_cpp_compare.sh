@@ -14,7 +14,7 @@
 # Usage: bench/llama_cpp_compare.sh [--out FILE] [--rounds N] [--threads T] [--layers N]
 #            [--dtype bf16|f32|fp8|int8|int4] [--work DIR] [--mlarun PATH] [--skip-build] [--quick]
 #            [--seed S] [--llama-load-mode auto|none|mmap|mlock|mmap+mlock] [--isa native|avx2]
-#            [--page-cache huge|as-is] [--table RUN_DIR]
+#            [--page-cache huge|as-is] [--table RUN_DIR] [--lm-head keep|int8|int4]
 #            [--accuracy [--positions N] [--sequence-length L]]
 # --dtype fp8|int8|int4: mlarun loads a copy of the bf16 checkpoint with its
 # decoder projections in that format (fp8: 128 x 128 blocks as DeepSeek-V3
@@ -25,6 +25,8 @@
 # (`mlarun bench accuracy`, bench/llama_logits.cpp): mlarun fp8 / int8 / int4
 # (each where it can be made) and llama.cpp F32 / Q8_0 / Q4_K_M (from the F32
 # GGUF); prints one markdown table.
+# --lm-head int8|int4: mlarun quantizes its lm_head at load (`--lm-head`);
+# llama.cpp's lm_head is as llama-quantize made it (Q4_K_M: Q6_K).
 # --table RUN_DIR: print the table of an earlier run again (from its raw
 # outputs and RUN_DIR/table.env), run nothing.
 # --isa avx2: both sides as on a CPU with AVX2 and FMA only, on a machine that
@@ -53,6 +55,7 @@ OUT=""
 SEED=0
 LLAMA_LOAD_MODE=auto
 ISA=native
+LM_HEAD=keep
 PAGE_CACHE=huge
 TABLE_FROM=""
 # What the table (bench/compare_table.py) reads from the environment; kept in
@@ -78,6 +81,7 @@ while [ $# -gt 0 ]; do
     --seed) SEED="${2:?--seed needs a value}"; shift 2 ;;
     --llama-load-mode) LLAMA_LOAD_MODE="${2:?--llama-load-mode needs a value}"; shift 2 ;;
     --isa) ISA="${2:?--isa needs a value}"; shift 2 ;;
+    --lm-head) LM_HEAD="${2:?--lm-head needs a value}"; shift 2 ;;
     --page-cache) PAGE_CACHE="${2:?--page-cache needs a value}"; shift 2 ;;
     --table) TABLE_FROM="${2:?--table needs a run folder}"; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
@@ -486,7 +490,7 @@ if [ "$LLAMA_LOAD_MODE" != auto ]; then
     die "--llama-load-mode $LLAMA_LOAD_MODE: this llama.cpp has no --load-mode (only 'auto' and 'none' work)"
   fi
 fi
-M_COMMON=(--model "$CKPT" --threads "$THREADS" --kv-dtype bf16 --json)
+M_COMMON=(--model "$CKPT" --threads "$THREADS" --kv-dtype bf16 --lm-head "$LM_HEAD" --json)
 CMD_M_DEC=("$MLARUN" bench decode "${M_COMMON[@]}" --batch 1 --context "$DEPTH" --prefill-tokens 1 --repetitions "$M_DEC_REPS")
 CMD_L_DEC=("$LB" -m "$GGUF" -p 0 -n "$TG" -d "$DEPTH" -t "$THREADS" -r "$LB_REPS" "${L_LOAD[@]}" -o json)
 # mlarun's prefill: a fresh PP-token prompt, one step, median of the timed
