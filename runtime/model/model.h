@@ -172,9 +172,9 @@ int64_t DefaultQuantizeGroup(DType dtype);
 enum class LmHeadMode : uint8_t { kKeep = 0, kInt8 = 1, kInt4 = 2 };
 // "keep", "int8" or "int4"; the error names the flag.
 StatusOr<LmHeadMode> ParseLmHeadMode(std::string_view name);
-// `f` with lm_head held as `mode` makes it when loading quantizes it: int8 /
-// int4 in DefaultQuantizeGroup groups, no offsets. `f` itself where `mode`
-// keeps it or `f` already holds lm_head quantized.
+// `f` plus lm_head as quantizing it at load holds it (int8 / int4 in
+// DefaultQuantizeGroup groups, no offsets); `f` itself where `mode` is kKeep
+// or `f` already holds lm_head quantized.
 WeightFormat WithLmHead(WeightFormat f, LmHeadMode mode);
 
 // The latent cache a model of `config` needs: its layers, row width and
