@@ -132,6 +132,19 @@ void Check(const Linear& w, const Case& c, int64_t rows, bool acc, const Inputs&
   EXPECT_LE(worst, 1.0);
 }
 
+// The op on columns [c.c0, c.c1) of `w` for in.x, into in.y.
+Status RunOp(const Linear& w, const Case& c, int64_t rows, Inputs& in, bool acc) {
+  return LinearRun({.w = &w,
+                    .col_begin = c.c0,
+                    .col_end = c.c1,
+                    .x = in.x.data(),
+                    .rows = rows,
+                    .ldx = in.ldx,
+                    .y = in.y.data(),
+                    .ldy = in.ldy,
+                    .accumulate = acc});
+}
+
 TEST(LinearFp8, MatchesFloat64Reference) {
   std::mt19937 rng(11);
   for (const Case& c : kCases) {
@@ -141,15 +154,7 @@ TEST(LinearFp8, MatchesFloat64Reference) {
         SCOPED_TRACE(Name(c, rows, acc));
         Inputs in = MakeInputs(rng, c, rows, acc);
         const std::vector<float> y0 = in.y;
-        const Status st = LinearRun({.w = &w,
-                                     .col_begin = c.c0,
-                                     .col_end = c.c1,
-                                     .x = in.x.data(),
-                                     .rows = rows,
-                                     .ldx = in.ldx,
-                                     .y = in.y.data(),
-                                     .ldy = in.ldy,
-                                     .accumulate = acc});
+        const Status st = RunOp(w, c, rows, in, acc);
         ASSERT_TRUE(st.ok()) << st;
         Check(w, c, rows, acc, in, y0, in.y);
       }
@@ -205,14 +210,7 @@ TEST(LinearFp8, TinyAndLargeInputs) {
         SCOPED_TRACE(Name(c, rows, false).append(" x 2^").append(std::to_string(expo)));
         Inputs in = MakeInputs(rng, c, rows, false);
         for (float& v : in.x) v = std::ldexp(v, expo);  // exact (NaN padding stays NaN)
-        const Status st = LinearRun({.w = &w,
-                                     .col_begin = c.c0,
-                                     .col_end = c.c1,
-                                     .x = in.x.data(),
-                                     .rows = rows,
-                                     .ldx = in.ldx,
-                                     .y = in.y.data(),
-                                     .ldy = in.ldy});
+        const Status st = RunOp(w, c, rows, in, false);
         ASSERT_TRUE(st.ok()) << st;
         Check(w, c, rows, false, in, in.y, in.y);
       }
