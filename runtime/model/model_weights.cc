@@ -553,11 +553,30 @@ StatusOr<LmHeadMode> ParseLmHeadMode(std::string_view name) {
   return InvalidArgumentError("--lm-head must be keep, int8 or int4, got '", std::string(name), "'");
 }
 
+namespace {
+
+// How loading quantizes an lm_head under `mode` (not kKeep).
+QuantizeOptions LmHeadQuantization(LmHeadMode mode) {
+  const DType dtype = mode == LmHeadMode::kInt8 ? DType::kInt8 : DType::kInt4;
+  return {.dtype = dtype, .group = DefaultQuantizeGroup(dtype), .symmetric = true};
+}
+
+// A loader's note (a shard's fp8 tensor dequantized, lm_head quantized):
+// through the progress callback where there is one, else to stderr.
+void LoaderNote(const ModelOptions& o, const std::string& line) {
+  if (o.progress)
+    o.progress(line);
+  else
+    std::fprintf(stderr, "mlarun: %s\n", line.c_str());
+}
+
+}  // namespace
+
 WeightFormat WithLmHead(WeightFormat f, LmHeadMode mode) {
   if (mode == LmHeadMode::kKeep || (f.quantized && f.quantized("lm_head"))) return f;
-  const DType dtype = mode == LmHeadMode::kInt8 ? DType::kInt8 : DType::kInt4;
+  const QuantizeOptions q = LmHeadQuantization(mode);
   f.lm_head = std::make_shared<const WeightFormat>(
-      WeightFormat{.projection_dtype = dtype, .group = DefaultQuantizeGroup(dtype), .offsets = false});
+      WeightFormat{.projection_dtype = q.dtype, .group = q.group, .offsets = !q.symmetric});
   // Empty `quantized` meant every decoder-layer projection: kept so.
   f.quantized = [prev = std::move(f.quantized)](std::string_view module) {
     return module == "lm_head" || !prev || prev(module);
@@ -699,26 +718,22 @@ WeightBytes PredictWeightBytes(const ModelConfig& c, const ModelShard& s, const 
 class ModelLoader {
  public:
   // lm_head quantized at load (ModelOptions::lm_head) where it is held
-  // unquantized; the model's weight format says so from then on. Logged
-  // through the progress callback, else to stderr, as the loader's notes.
+  // unquantized; the model's weight format says so from then on.
   static Status QuantizeHead(Model& m) {
     const LmHeadMode mode = m.options_.lm_head;
     if (mode == LmHeadMode::kKeep || IsIntWeight(m.lm_head_.dtype)) return Status::Ok();
-    const DType dtype = mode == LmHeadMode::kInt8 ? DType::kInt8 : DType::kInt4;
+    const QuantizeOptions how = LmHeadQuantization(mode);
     const auto start = std::chrono::steady_clock::now();
     const int64_t before = m.lm_head_.bytes();
-    auto q = QuantizeLinear(m.lm_head_, {.dtype = dtype, .group = DefaultQuantizeGroup(dtype), .symmetric = true});
+    auto q = QuantizeLinear(m.lm_head_, how);
     if (!q.ok()) return q.status().WithContext("quantizing lm_head at load");
     m.lm_head_ = *std::move(q);
     m.weight_format_ = WithLmHead(std::move(m.weight_format_), mode);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::ostringstream os;
-    os << "lm_head quantized at load to " << DTypeName(dtype) << ": " << (before >> 20) << " -> "
+    os << "lm_head quantized at load to " << DTypeName(how.dtype) << ": " << (before >> 20) << " -> "
        << (m.lm_head_.bytes() >> 20) << " MiB in " << std::fixed << std::setprecision(1) << s << " s";
-    if (m.options_.progress)
-      m.options_.progress(os.str());
-    else
-      std::fprintf(stderr, "mlarun: %s\n", os.str().c_str());
+    LoaderNote(m.options_, os.str());
     return Status::Ok();
   }
 
@@ -840,15 +855,7 @@ StatusOr<std::unique_ptr<Model>> Model::FromCheckpoint(const ModelConfig& config
   const WeightFormat held =
       WithLmHead(HeldWeightFormat(*ckpt, scheme, options.fp8_weights, options.int_weights), options.lm_head);
   MLARUN_RETURN_IF_ERROR(CheckWeightsFit(config, options.shard, held, mapped_bytes, MachineMemoryBytes()));
-  // The loader's notes (a shard's fp8 tensor dequantized): one line each,
-  // through the progress callback where there is one.
-  auto log = [&options](const std::string& line) {
-    if (options.progress) {
-      options.progress(line);
-    } else {
-      std::fprintf(stderr, "mlarun: %s\n", line.c_str());
-    }
-  };
+  auto log = [&options](const std::string& line) { LoaderNote(options, line); };
   if (scheme.int8_activations)
     log("checkpoint " + ckpt->dir() + ": W8A8 (dynamic per-token int8 activations): the activations stay fp32");
   if (options.int_weights == IntWeights::kKeep) m->weight_format_ = WeightFormatOf(scheme);
