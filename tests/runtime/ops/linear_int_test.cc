@@ -234,6 +234,20 @@ TEST(IntLinear, ShortGroupsAndColumnSlices) {
       }
 }
 
+// The few-row int4 kernels take blocks in pairs where no pair straddles a
+// group (an odd count of pairs per group, per channel, groups of 32 on an
+// even count of blocks) and one at a time otherwise (groups of 96, an odd
+// count of blocks of 32).
+TEST(IntLinear, BlockPairsAndSingleBlocksMatchReference) {
+  uint32_t seed = 200;
+  for (bool offsets : {false, true})
+    for (auto [in, group] :
+         {std::pair<int64_t, int64_t>{320, 0}, {192, 192}, {448, 64}, {224, 32}, {288, 96}, {96, 32}}) {
+      const Linear w = RandomInt(21, in, DType::kInt4, group, offsets, seed += 13);
+      CheckAllRows(w, Name(w, "pairs"), seed * 7);
+    }
+}
+
 // A long k: one row's A no longer stays in L1 beside the stream, so one and
 // two rows take tiles of B rows too.
 TEST(IntLinear, LongRowsMatchReference) {
