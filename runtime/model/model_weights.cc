@@ -722,7 +722,8 @@ class ModelLoader {
   static Status QuantizeHead(Model& m) {
     const LmHeadMode mode = m.options_.lm_head;
     if (mode == LmHeadMode::kKeep || IsIntWeight(m.lm_head_.dtype)) return Status::Ok();
-    const QuantizeOptions how = LmHeadQuantization(mode);
+    QuantizeOptions how = LmHeadQuantization(mode);
+    how.parallel = true;  // one matrix at a time here: its rows over the threads
     const auto start = std::chrono::steady_clock::now();
     const int64_t before = m.lm_head_.bytes();
     auto q = QuantizeLinear(m.lm_head_, how);

@@ -130,6 +130,35 @@ void QuantizeGroup(const float* x, int64_t n, const QuantArith& a, int32_t qmin,
   *zero_point = static_cast<int32_t>(zp);
 }
 
+// Row r of w into q (QuantizeLinear's layout), through the scratch row
+// (w.in values) and qs (q.group).
+void QuantizeRow(const Linear& w, int64_t r, const QuantArith& arith, bool symmetric, float* row, int32_t* qs,
+                 Linear& q) {
+  const bool int4 = q.dtype == DType::kInt4;
+  const int32_t qmin = int4 ? -8 : -128, qmax = int4 ? 7 : 127;
+  w.DequantizeRow(r, 0, w.in, row);
+  auto* dst = reinterpret_cast<uint8_t*>(q.mutable_data()) + DTypeBytes(q.dtype, r * q.ld);
+  for (int64_t g = 0; g < q.groups(); ++g) {
+    const int64_t c0 = g * q.group, n = std::min(q.group, w.in - c0);
+    float s = 0;
+    int32_t zp = 0;
+    QuantizeGroup(row + c0, n, arith, qmin, qmax, symmetric, qs, &s, &zp);
+    q.mutable_scale()[r * q.scale_ld + g] = s;
+    // w = (q - zp) s with q signed; the nibble is q + 8.
+    if (!symmetric) q.mutable_offset()[r * q.scale_ld + g] = static_cast<float>(-(zp + (int4 ? 8 : 0))) * s;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = c0 + i;
+      if (!int4) {
+        dst[c] = static_cast<uint8_t>(static_cast<int8_t>(qs[i]));
+      } else {
+        const uint8_t nib = static_cast<uint8_t>(qs[i] + 8);
+        dst[c / 2] = (c & 1) ? static_cast<uint8_t>((dst[c / 2] & 0x0f) | (nib << 4))
+                             : static_cast<uint8_t>((dst[c / 2] & 0xf0) | nib);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o) {
@@ -141,38 +170,19 @@ StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o) {
   // Per channel: one group as wide as the row (rounded up to even, as Linear's
   // groups must be).
   const int64_t group = o.group > 0 ? o.group : std::max<int64_t>(w.in + (w.in & 1), 2);
-  const bool int4 = o.dtype == DType::kInt4;
   Linear q = Linear::Owned(w.out, w.in, o.dtype, group, !o.symmetric);
   if (q.mutable_data() == nullptr && q.bytes() > 0)
     return ResourceExhaustedError("quantize: cannot allocate ", q.bytes(), " bytes");
   // Signed q in [qmin, qmax]: int8 stored as is; int4 stored as q + 8 (the
-  // nibble), so zero = 8 symmetric and the offsets shift by 8 scales.
+  // nibble), so zero = 8 symmetric and the offsets shift by 8 scales. Rows
+  // are independent: any split over threads gives the same bytes.
   const QuantArith arith{.bf16 = w.dtype == DType::kBF16};
-  const int32_t qmin = int4 ? -8 : -128, qmax = int4 ? 7 : 127;
-  std::vector<float> row(static_cast<size_t>(w.in));
-  std::vector<int32_t> qs(static_cast<size_t>(group));
-  for (int64_t r = 0; r < w.out; ++r) {
-    w.DequantizeRow(r, 0, w.in, row.data());
-    auto* dst = reinterpret_cast<uint8_t*>(q.mutable_data()) + DTypeBytes(o.dtype, r * q.ld);
-    for (int64_t g = 0; g < q.groups(); ++g) {
-      const int64_t c0 = g * group, n = std::min(group, w.in - c0);
-      float s = 0;
-      int32_t zp = 0;
-      QuantizeGroup(row.data() + c0, n, arith, qmin, qmax, o.symmetric, qs.data(), &s, &zp);
-      q.mutable_scale()[r * q.scale_ld + g] = s;
-      // w = (q - zp) s with q signed; the nibble is q + 8.
-      if (!o.symmetric) q.mutable_offset()[r * q.scale_ld + g] = static_cast<float>(-(zp + (int4 ? 8 : 0))) * s;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t c = c0 + i;
-        if (!int4) {
-          dst[c] = static_cast<uint8_t>(static_cast<int8_t>(qs[i]));
-        } else {
-          const uint8_t nib = static_cast<uint8_t>(qs[i] + 8);
-          dst[c / 2] = (c & 1) ? static_cast<uint8_t>((dst[c / 2] & 0x0f) | (nib << 4))
-                               : static_cast<uint8_t>((dst[c / 2] & 0xf0) | nib);
-        }
-      }
-    }
+#pragma omp parallel if (o.parallel && w.out > 1)
+  {
+    std::vector<float> row(static_cast<size_t>(w.in));
+    std::vector<int32_t> qs(static_cast<size_t>(group));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < w.out; ++r) QuantizeRow(w, r, arith, o.symmetric, row.data(), qs.data(), q);
   }
   return q;
 }

@@ -113,6 +113,10 @@ struct QuantizeOptions {
   DType dtype = DType::kInt8;
   int64_t group = 128;  // <= 0: per output channel
   bool symmetric = true;
+  // Rows over the OpenMP threads (the loader's lm_head); false where the
+  // caller runs tensors on threads of its own (mlarun quantize). The result
+  // is the same either way.
+  bool parallel = false;
 };
 StatusOr<Linear> QuantizeLinear(const Linear& w, const QuantizeOptions& o);
 

@@ -208,6 +208,25 @@ TEST(IntLinear, QuantizedWeightsMatchReference) {
       }
 }
 
+// Rows quantized on the OpenMP threads (the loader's lm_head) give the bytes,
+// scales and offsets of one thread.
+TEST(IntLinear, QuantizingOnThreadsGivesTheSameBytes) {
+  const Linear f = RandomF32(257, 2000, 5);  // long rows: a shared scratch row would race
+  for (DType dt : {DType::kInt8, DType::kInt4})
+    for (bool symmetric : {true, false})
+      for (int64_t group : {64, 0}) {
+        auto one = QuantizeLinear(f, {.dtype = dt, .group = group, .symmetric = symmetric});
+        auto many = QuantizeLinear(f, {.dtype = dt, .group = group, .symmetric = symmetric, .parallel = true});
+        ASSERT_TRUE(one.ok() && many.ok());
+        const std::string what = Name(*one, "threads");
+        ASSERT_EQ(one->bytes(), many->bytes()) << what;
+        EXPECT_EQ(std::memcmp(one->data, many->data, static_cast<size_t>(one->data_bytes())), 0) << what;
+        const size_t scales = static_cast<size_t>(one->out * one->scale_ld) * sizeof(float);
+        EXPECT_EQ(std::memcmp(one->scale, many->scale, scales), 0) << what;
+        if (!symmetric) EXPECT_EQ(std::memcmp(one->offset, many->offset, scales), 0) << what;
+      }
+}
+
 TEST(IntLinear, RandomScalesAndOffsetsMatchReference) {
   uint32_t seed = 7;
   for (DType dt : {DType::kInt8, DType::kInt4})
