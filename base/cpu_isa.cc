@@ -76,6 +76,7 @@ CpuFeatures Detect() {
     f.avx512dq = Bit(l7.b, 17);
     f.avx512bw = Bit(l7.b, 30);
     f.avx512vl = Bit(l7.b, 31);
+    f.avx512_vnni = Bit(l7.c, 11);
     f.amx_bf16 = Bit(l7.d, 22);
     f.amx_tile = Bit(l7.d, 24);
     if (l7.a >= 1) f.avx512_bf16 = Bit(Cpuid(7, 1).a, 5);
@@ -144,6 +145,7 @@ std::string CpuFeatures::FlagList() const {
   add(avx512bw && os_zmm, "avx512bw");
   add(avx512vl && os_zmm, "avx512vl");
   add(avx512dq && os_zmm, "avx512dq");
+  add(avx512_vnni && os_zmm, "avx512_vnni");
   add(avx512_bf16 && os_zmm, "avx512_bf16");
   add(amx_tile && os_amx && amx_permitted, "amx_tile");
   add(amx_bf16 && os_amx && amx_permitted, "amx_bf16");

@@ -39,6 +39,7 @@ struct CpuFeatures {
   // Instruction sets the CPU reports (cpuid).
   bool sse41 = false, avx = false, avx2 = false, fma = false, f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512_bf16 = false;
+  bool avx512_vnni = false;  // vpdpbusd: u8 x s8 products summed in fours into int32
   bool amx_tile = false, amx_bf16 = false;
   // Register state the OS saves (XCR0): YMM; opmask + ZMM; AMX tiles.
   bool os_ymm = false, os_zmm = false, os_amx = false;
@@ -49,7 +50,8 @@ struct CpuFeatures {
   CpuIsa best() const;
   // The kernel families it can run, lowest first (always starts with kScalar).
   std::vector<CpuIsa> supported() const;
-  // "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16" (what is usable).
+  // "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_vnni avx512_bf16"
+  // (what is usable).
   std::string FlagList() const;
 };
 
