@@ -37,6 +37,7 @@ Status ApplyEnvironmentOverrides() {
                        : mode == "off" ? cpu::IntDotMode::kOff
                                        : cpu::IntDotMode::kAuto);
   }
+  MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_VNNI", [](bool on) { cpu::SetVnniAllowed(on); }));
   return ApplyOnOff("MLARUN_STREAM_PREFETCH", [](bool on) { cpu::SetStreamPrefetch(on); });
 }
 

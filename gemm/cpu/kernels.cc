@@ -6,6 +6,7 @@
 namespace mlarun::cpu {
 namespace {
 std::atomic<bool> g_bf16_dot_allowed{true};
+std::atomic<bool> g_vnni_allowed{true};
 std::atomic<IntDotMode> g_int_dot{IntDotMode::kAuto};
 std::atomic<bool> g_stream_prefetch{HostCpu().vendor == "GenuineIntel"};
 }  // namespace
@@ -16,6 +17,10 @@ bool UseBf16Dot(const CpuKernels& k) {
 }
 
 bool SetBf16DotAllowed(bool allowed) { return g_bf16_dot_allowed.exchange(allowed); }
+
+bool UseVnni() { return HostCpu().avx512_vnni && HostCpu().os_zmm && g_vnni_allowed.load(std::memory_order_relaxed); }
+
+bool SetVnniAllowed(bool allowed) { return g_vnni_allowed.exchange(allowed); }
 
 bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group) {
   const IntDotMode mode = g_int_dot.load(std::memory_order_relaxed);

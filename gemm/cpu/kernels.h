@@ -82,9 +82,10 @@ struct CpuKernels {
   void (*small_bt_int_dot_prepare_a)(const GemmArgs& g, float* out) = nullptr;
   size_t (*int_dot_prepared_a_bytes)(int64_t m, int64_t k, int64_t b_group) = nullptr;
   // Many rows with an int4 B, A rounded the same way (in k order): panels of
-  // 16 weight rows unpacked to bytes, 8-bit products summed in 16 bits per
-  // block (int_dot.inc). Its prepare writes rows [r_begin, r_end) of A's
-  // rounded copy into `out` (int_dot_prepared_a_bytes, shared by the threads);
+  // weight rows unpacked to bytes, 8-bit products summed per block
+  // (int_dot.inc; with AVX512-VNNI where UseVnni). Its prepare writes rows
+  // [r_begin, r_end) of A's rounded copy into `out` (int_dot_prepared_a_bytes,
+  // shared by the threads);
   // each thread's scratch is packed_int_dot_scratch_bytes(k, b_group). The
   // SIMD families only (nullptr in scalar's table).
   void (*gemm_packed_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
@@ -161,6 +162,16 @@ bool UseBf16Dot(const CpuKernels& k);
 // AVX512-BF16 too. Returns the previous setting. Products prepared before
 // keep what they were prepared with.
 bool SetBf16DotAllowed(bool allowed);
+
+// Whether the int-dot kernels of the avx512 and amx families may sum their
+// byte products with AVX512-VNNI (vpdpbusd: four u8 x s8 products into an
+// int32 lane in one instruction, over 512 bits) instead of the AVX2 pair
+// vpmaddubsw + vpmaddwd: the CPU has it and SetVnniAllowed did not turn it
+// off. The integer sums are the same either way (exact in both).
+bool UseVnni();
+// For tests and MLARUN_VNNI (launcher/env.h), so the AVX2 byte products run
+// on a CPU with VNNI too. Returns the previous setting.
+bool SetVnniAllowed(bool allowed);
 
 // Whether few rows with int weights round A to int8 (gemm_small_bt_int_dot):
 // kAuto for int4 weights only, where converting the weights to fp32, not

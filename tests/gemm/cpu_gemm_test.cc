@@ -4,6 +4,8 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -427,6 +429,79 @@ TEST(CpuGemm, IntWeightsOnEveryImplementationAnyRows) {
           EXPECT_EQ((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &narrow).code(),
                     StatusCode::kInvalidArgument);
         }
+    }
+}
+
+// The packed int-dot kernel (int4 B, A rounded to int8 per block of 32) at
+// every row count modulo its tiles (3 rows under AVX2's byte products, 6
+// under AVX512-VNNI's), panels of 16 and 32 columns with a short last one,
+// groups of 32, 128 and per channel, against float64 of the rounded A; where
+// the CPU has VNNI, both byte products run and must give the same C bit for
+// bit (the same integer sums, scaled in the same order).
+TEST(CpuGemm, PackedIntDotAnyRowsOnBothByteProducts) {
+  const int64_t n = 70, k = 256;
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<uint8_t> b(static_cast<size_t>(n * k / 2));
+  for (uint8_t& v : b) v = static_cast<uint8_t>(rng());
+  std::vector<float> scale(static_cast<size_t>(n * (k / 32))), offset(scale.size());
+  for (size_t i = 0; i < scale.size(); ++i) scale[i] = 0.01f * u(rng), offset[i] = 0.1f * u(rng);
+  const bool vnni = HostCpu().avx512_vnni && ActiveCpuIsa() >= CpuIsa::kAvx512;
+  for (int64_t group : {int64_t{32}, int64_t{128}, k})
+    for (bool offsets : {false, true}) {
+      const int64_t scale_ld = k / group;
+      const GemmBScales sc{
+          .scale = scale.data(), .ld = scale_ld, .row0 = 0, .offset = offsets ? offset.data() : nullptr, .zero = 8};
+      auto w = [&](int64_t j, int64_t p) {  // B[p, j]
+        const uint8_t v = b[static_cast<size_t>(j * k / 2 + p / 2)];
+        const double q = p % 2 ? v >> 4 : v & 15;
+        const size_t i = static_cast<size_t>(j * scale_ld + p / group);
+        return offsets ? q * scale[i] + offset[i] : (q - 8) * scale[i];
+      };
+      for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 13, 40, 47}) {
+        GemmDesc d = Product(DType::kF32, m, n, k);
+        d.b_type = DType::kInt4, d.b_stride_n = k, d.b_group = group;
+        std::vector<float> a(static_cast<size_t>(m * k));
+        for (float& v : a) v = u(rng);
+        std::vector<double> want(static_cast<size_t>(m * n), 0.0), bound(want.size(), 0.0);
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t p0 = 0; p0 < k; p0 += 32) {  // A's block rounded as int_dot.inc specifies
+            float amax = 0;
+            for (int64_t p = p0; p < p0 + 32; ++p) amax = std::max(amax, std::abs(a[static_cast<size_t>(i * k + p)]));
+            const float inv = 127.0f / amax, dq = amax / 127.0f;
+            for (int64_t p = p0; p < p0 + 32; ++p) {
+              const double x = static_cast<double>(dq) * std::nearbyint(a[static_cast<size_t>(i * k + p)] * inv);
+              for (int64_t j = 0; j < n; ++j) {
+                want[static_cast<size_t>(i * n + j)] += x * w(j, p);
+                bound[static_cast<size_t>(i * n + j)] += std::abs(x * w(j, p));
+              }
+            }
+          }
+        std::vector<std::vector<float>> results;
+        for (bool allow : {false, true}) {
+          if (allow && !vnni) break;
+          const bool was = cpu::SetVnniAllowed(allow);
+          auto g = CpuGemm::Get(d, GemmImpl::kPacked);
+          ASSERT_TRUE(g.ok()) << g.status();
+          const bool int_dot = (*g)->impl_name().find("int8a") != std::string::npos;
+          EXPECT_EQ(int_dot, ActiveCpuIsa() != CpuIsa::kScalar) << (*g)->impl_name();
+          std::vector<float> c(static_cast<size_t>(m * n), std::numeric_limits<float>::quiet_NaN());
+          std::vector<std::byte> scratch((*g)->scratch_bytes());
+          ASSERT_TRUE((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &sc).ok());
+          cpu::SetVnniAllowed(was);
+          int bad = 0;
+          for (size_t i = 0; i < c.size() && int_dot; ++i)
+            if (!(std::abs(c[i] - want[i]) <= 1e-5 * bound[i] + 1e-6) && ++bad <= 3)
+              ADD_FAILURE() << (*g)->impl_name() << (allow ? " vnni " : " ") << d << " group " << group
+                            << (offsets ? " offsets" : " zero") << ": C[" << i / n << "][" << i % n << "] = " << c[i]
+                            << ", want " << want[i];
+          results.push_back(std::move(c));
+        }
+        if (results.size() == 2) {
+          EXPECT_EQ(0, std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)))
+              << "VNNI and AVX2 byte products differ: " << d << " group " << group;
+        }
+      }
     }
 }
 
