@@ -170,9 +170,15 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   if (d.b_type == DType::kF8E4M3) return 32;
   // int8 / int4 B: decoding in registers against our packed kernel, which
   // decodes a panel once: under AVX2 even at 12-16 rows, the packed kernel
-  // faster from 24; elsewhere as f8_e4m3 (figures: docs/cpu-kernels.md,
-  // 'int8 and int4 weights').
-  if (IsIntWeight(d.b_type)) return ActiveCpuIsa() == CpuIsa::kAvx2 ? 16 : 32;
+  // faster from 24; elsewhere as f8_e4m3, except int4 with the packed
+  // kernel's AVX512-VNNI byte products, which are faster from 24 rows too
+  // (figures: docs/cpu-kernels.md, 'int8 and int4 weights').
+  if (IsIntWeight(d.b_type)) {
+    const CpuIsa isa = ActiveCpuIsa();
+    const bool vnni_packed = isa >= CpuIsa::kAvx512 && d.b_type == DType::kInt4 && cpu::UseVnni() &&
+                             cpu::UseIntDot(isa, d.b_type, d.k, d.b_group);
+    return isa == CpuIsa::kAvx2 || vnni_packed ? 16 : 32;
+  }
   // f32: against our packed kernel on a weight from memory, the streaming
   // kernels stay faster up to 32 rows under AVX-512 and up to 8 under AVX2
   // (AVX2's 16 registers hold a 4-row tile of sums).
