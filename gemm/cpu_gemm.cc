@@ -170,13 +170,13 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   if (d.b_type == DType::kF8E4M3) return 32;
   // int8 / int4 B: decoding in registers against our packed kernel, which
   // decodes a panel once: under AVX2 even at 12-16 rows, the packed kernel
-  // faster from 24; elsewhere as f8_e4m3, except int4 with the packed
-  // kernel's AVX512-VNNI byte products, which are faster from 24 rows too
-  // (figures: docs/cpu-kernels.md, 'int8 and int4 weights').
+  // faster from 24; elsewhere as f8_e4m3, except where the packed int-dot
+  // kernel runs AVX512-VNNI's dot products, which are faster from 24 rows
+  // too (figures: docs/cpu-kernels.md, 'int8 and int4 weights').
   if (IsIntWeight(d.b_type)) {
     const CpuIsa isa = ActiveCpuIsa();
-    const bool vnni_packed = isa >= CpuIsa::kAvx512 && d.b_type == DType::kInt4 && cpu::UseVnni() &&
-                             cpu::UseIntDot(isa, d.b_type, d.k, d.b_group);
+    const bool vnni_packed =
+        isa >= CpuIsa::kAvx512 && cpu::UseVnni() && cpu::UsePackedIntDot(cpu::Kernels(), d.b_type, d.k, d.b_group);
     return isa == CpuIsa::kAvx2 || vnni_packed ? 16 : 32;
   }
   // f32: against our packed kernel on a weight from memory, the streaming
@@ -429,12 +429,11 @@ void CpuGemm::Impl::PrepareOwn(const GemmDesc& d, GemmImpl chosen, CpuGemm& g) {
                                : small_bt ? "small_bt:"
                                           : "small_bn:") +
                    std::string(CpuIsaName(k.isa));
-  } else if (d.b_type == DType::kInt4 && k.gemm_packed_int_dot != nullptr &&
-             cpu::UseIntDot(k.isa, d.b_type, d.k, d.b_group)) {  // A rounded and shared; C written once, in any dtype
+  } else if (cpu::UsePackedIntDot(k, d.b_type, d.k, d.b_group)) {  // A rounded and shared; C written once, in any dtype
     int_dot = true;
-    thread_bytes = AlignUp(k.packed_int_dot_scratch_bytes(d.k, d.b_group));
-    a_prepared_bytes = AlignUp(k.int_dot_prepared_a_bytes(d.m, d.k, d.b_group));
-    g.impl_name_ = "packed_int8a:" + std::string(CpuIsaName(k.isa));
+    thread_bytes = AlignUp(k.packed_int_dot_scratch_bytes(d.k, d.b_group, d.b_type));
+    a_prepared_bytes = AlignUp(k.packed_int_dot_prepared_a_bytes(d.m, d.k, d.b_group, d.b_type));
+    g.impl_name_ = (d.b_type == DType::kInt8 ? "packed_int16a:" : "packed_int8a:") + std::string(CpuIsaName(k.isa));
   } else {
     const bool c_via_f32 = d.c_type == DType::kBF16 && d.k > k.packed_max_k_bf16_c;
     if (c_via_f32) c_f32_bytes = AlignUp(static_cast<size_t>(d.m * d.n) * sizeof(float));

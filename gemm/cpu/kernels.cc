@@ -32,6 +32,16 @@ bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group) {
   return group % 32 == 0 && k % group == 0;
 }
 
+bool UsePackedIntDot(const CpuKernels& k, DType b_type, int64_t k_dim, int64_t b_group) {
+  if (k.gemm_packed_int_dot == nullptr) return false;
+  if (b_type == DType::kInt4) return UseIntDot(k.isa, b_type, k_dim, b_group);
+  if (b_type != DType::kInt8 || k.isa < CpuIsa::kAvx512 || !UseVnni() ||
+      g_int_dot.load(std::memory_order_relaxed) == IntDotMode::kOff || b_group <= 0 || k_dim <= 0)
+    return false;
+  const int64_t group = std::min(b_group, k_dim);
+  return group % 32 == 0 && k_dim % group == 0;
+}
+
 IntDotMode SetIntDotMode(IntDotMode mode) { return g_int_dot.exchange(mode); }
 
 IntDotMode GetIntDotMode() { return g_int_dot.load(std::memory_order_relaxed); }

@@ -83,14 +83,16 @@ struct CpuKernels {
   size_t (*int_dot_prepared_a_bytes)(int64_t m, int64_t k, int64_t b_group) = nullptr;
   // Many rows with an int4 B, A rounded the same way (in k order): panels of
   // weight rows unpacked to bytes, 8-bit products summed per block
-  // (int_dot.inc; with AVX512-VNNI where UseVnni). Its prepare writes rows
-  // [r_begin, r_end) of A's rounded copy into `out` (int_dot_prepared_a_bytes,
-  // shared by the threads);
-  // each thread's scratch is packed_int_dot_scratch_bytes(k, b_group). The
+  // (int_dot.inc; with AVX512-VNNI where UseVnni); with an int8 B (where
+  // UsePackedIntDot: AVX512-VNNI only), A rounded to int16 and B widened to
+  // int16 per panel. Its prepare writes rows [r_begin, r_end) of A's rounded
+  // copy into `out` (packed_int_dot_prepared_a_bytes, shared by the
+  // threads); each thread's scratch is packed_int_dot_scratch_bytes. The
   // SIMD families only (nullptr in scalar's table).
   void (*gemm_packed_int_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
   void (*packed_int_dot_prepare_a)(const GemmArgs& g, int64_t r_begin, int64_t r_end, void* out) = nullptr;
-  size_t (*packed_int_dot_scratch_bytes)(int64_t k, int64_t b_group) = nullptr;
+  size_t (*packed_int_dot_prepared_a_bytes)(int64_t m, int64_t k, int64_t b_group, DType b_type) = nullptr;
+  size_t (*packed_int_dot_scratch_bytes)(int64_t k, int64_t b_group, DType b_type) = nullptr;
   // The same for a bf16 A and B with AVX512-BF16 dot products (A read as it
   // is, no prepare). Present in the avx512 table; callable only when
   // HostCpu().avx512_bf16 (see UseBf16Dot).
@@ -186,6 +188,12 @@ enum class IntDotMode : uint8_t { kAuto, kOn, kOff };
 // on that family, and its groups (or k, when one group spans it) are whole
 // blocks of 32 that divide k.
 bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group);
+// Whether a product of many rows with B of `b_type` takes k's
+// gemm_packed_int_dot: int4 where UseIntDot; int8 where the family is
+// avx512 or amx, UseVnni, the mode is not kOff, and its groups are whole
+// blocks of 32 that divide k (its int16 A keeps the fp32 activations'
+// accuracy, so kAuto allows it).
+bool UsePackedIntDot(const CpuKernels& k, DType b_type, int64_t k_dim, int64_t b_group);
 // For tests and MLARUN_INT_DOT (launcher/env.h). Returns the previous mode.
 // Products prepared before keep what they were prepared with.
 IntDotMode SetIntDotMode(IntDotMode mode);

@@ -505,6 +505,70 @@ TEST(CpuGemm, PackedIntDotAnyRowsOnBothByteProducts) {
     }
 }
 
+// Many rows of an int8 B on AVX512-VNNI (the avx512 and amx families) take
+// the packed kernel with A rounded to int16 per block of 32 (d = max|x| /
+// 32767); elsewhere, or with MLARUN_INT_DOT=off, the fp32 panels with A as
+// it is. Every row count modulo 6, a short last panel, groups of 32, 128
+// and per channel, a zero point or offsets, B's bytes over all of -128..127:
+// against float64 of the A each path specifies.
+TEST(CpuGemm, PackedInt8WithInt16ActivationsAnyRows) {
+  const int64_t n = 70, k = 256;
+  std::mt19937 rng(13);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<uint8_t> b(static_cast<size_t>(n * k));
+  for (uint8_t& v : b) v = static_cast<uint8_t>(rng());
+  std::vector<float> scale(static_cast<size_t>(n * (k / 32))), offset(scale.size());
+  for (size_t i = 0; i < scale.size(); ++i) scale[i] = 0.01f * u(rng), offset[i] = 0.1f * u(rng);
+  const bool vnni = cpu::UseVnni() && ActiveCpuIsa() >= CpuIsa::kAvx512;
+  for (cpu::IntDotMode mode : {cpu::IntDotMode::kAuto, cpu::IntDotMode::kOff})
+    for (int64_t group : {int64_t{32}, int64_t{128}, k})
+      for (bool offsets : {false, true}) {
+        const int64_t scale_ld = k / group;
+        const GemmBScales sc{
+            .scale = scale.data(), .ld = scale_ld, .row0 = 0, .offset = offsets ? offset.data() : nullptr, .zero = 3};
+        auto w = [&](int64_t j, int64_t p) {  // B[p, j]
+          const double q = static_cast<int8_t>(b[static_cast<size_t>(j * k + p)]);
+          const size_t i = static_cast<size_t>(j * scale_ld + p / group);
+          return offsets ? q * scale[i] + offset[i] : (q - 3) * scale[i];
+        };
+        for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 40, 47}) {
+          GemmDesc d = Product(DType::kF32, m, n, k);
+          d.b_type = DType::kInt8, d.b_stride_n = k, d.b_group = group;
+          const cpu::IntDotMode was = cpu::SetIntDotMode(mode);
+          auto g = CpuGemm::Get(d, GemmImpl::kPacked);
+          cpu::SetIntDotMode(was);
+          ASSERT_TRUE(g.ok()) << g.status();
+          const bool int16 = (*g)->impl_name().find("int16a") != std::string::npos;
+          EXPECT_EQ(int16, vnni && mode == cpu::IntDotMode::kAuto) << (*g)->impl_name();
+          std::vector<float> a(static_cast<size_t>(m * k));
+          for (float& v : a) v = u(rng);
+          std::vector<double> want(static_cast<size_t>(m * n), 0.0), bound(want.size(), 0.0);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t p0 = 0; p0 < k; p0 += 32) {
+              float amax = 0;
+              for (int64_t p = p0; p < p0 + 32; ++p) amax = std::max(amax, std::abs(a[static_cast<size_t>(i * k + p)]));
+              const float inv = 32767.0f / amax, dq = amax / 32767.0f;
+              for (int64_t p = p0; p < p0 + 32; ++p) {
+                const float xv = a[static_cast<size_t>(i * k + p)];
+                const double x = int16 ? static_cast<double>(dq) * std::nearbyint(xv * inv) : xv;
+                for (int64_t j = 0; j < n; ++j) {
+                  want[static_cast<size_t>(i * n + j)] += x * w(j, p);
+                  bound[static_cast<size_t>(i * n + j)] += std::abs(x * w(j, p));
+                }
+              }
+            }
+          std::vector<float> c(static_cast<size_t>(m * n), std::numeric_limits<float>::quiet_NaN());
+          std::vector<std::byte> scratch((*g)->scratch_bytes());
+          ASSERT_TRUE((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &sc).ok());
+          int bad = 0;
+          for (size_t i = 0; i < c.size(); ++i)
+            if (!(std::abs(c[i] - want[i]) <= 1e-6 * bound[i] + 1e-6) && ++bad <= 3)
+              ADD_FAILURE() << (*g)->impl_name() << " " << d << " group " << group << (offsets ? " offsets" : " zero")
+                            << ": C[" << i / n << "][" << i % n << "] = " << c[i] << ", want " << want[i];
+        }
+      }
+}
+
 TEST(CpuGemm, RejectsBadIntDescriptions) {
   GemmDesc ok = Product(DType::kF32, 4, 8, 64);
   ok.b_type = DType::kInt4, ok.b_group = 32;

@@ -1,7 +1,8 @@
 // LinearRun with int8 / int4 weights (group scales, with and without
 // offsets) against a float64 reference computed from Linear::At, with A as
 // it is (MLARUN_INT_DOT=off) and, where few rows take the integer dot
-// products (on), with A rounded to int8 per block of 32 as specified in
+// products (on), with A rounded to int8 per block of 32 (int16 in the packed
+// kernel of an int8 weight on AVX512-VNNI) as specified in
 // gemm/cpu/int_dot.inc, rounded here by code of the test's own: every shape
 // the CPU kernels treat apart (the streaming kernels of one and two rows, the
 // tiles of more, the packed kernel past the small-rows limit), groups of
@@ -88,15 +89,22 @@ std::string ImplFor(const Linear& w, int64_t rows, int64_t n) {
 bool TakesIntDot(const Linear& w, int64_t rows, int64_t n) {
   return ImplFor(w, rows, n).find("_int8a:") != std::string::npos;
 }
+// The largest code A is rounded to: 127 (int8), 32767 (int16: the packed
+// kernel of an int8 B on AVX512-VNNI) or 0 (A as it is).
+int RoundingOf(const Linear& w, int64_t rows, int64_t n) {
+  const std::string impl = ImplFor(w, rows, n);
+  return impl.find("_int8a:") != std::string::npos ? 127 : impl.find("_int16a:") != std::string::npos ? 32767 : 0;
+}
 
-// x rounded as the int-dot path specifies: per block of 32, d = max|x| / 127
-// and x^ = d * round(x * (127 / max|x|)), in fp32 as the kernels compute it.
-std::vector<double> RoundedA(const float* x, int64_t in) {
+// x rounded as the int-dot path specifies: per block of 32, d = max|x| /
+// qmax and x^ = d * round(x * (qmax / max|x|)), in fp32 as the kernels
+// compute it.
+std::vector<double> RoundedA(const float* x, int64_t in, int qmax) {
   std::vector<double> r(static_cast<size_t>(in));
   for (int64_t b = 0; b < in; b += 32) {
     float amax = 0;
     for (int64_t t = b; t < b + 32; ++t) amax = std::max(amax, std::abs(x[t]));
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    const float inv = amax > 0 ? static_cast<float>(qmax) / amax : 0.0f, d = amax / static_cast<float>(qmax);
     for (int64_t t = b; t < b + 32; ++t)
       r[static_cast<size_t>(t)] = static_cast<double>(d) * std::nearbyint(x[t] * inv);
   }
@@ -109,7 +117,8 @@ std::vector<double> RoundedA(const float* x, int64_t in) {
 // sum(|x^ - x| |w|) <= sum(d / 2 |w|).
 void Check(const Linear& w, const Case& c, uint32_t seed, const std::string& what) {
   const int64_t in = w.in, n = c.col_end - c.col_begin, ldx = in + 5, ldy = n + 3;
-  const bool rounded = TakesIntDot(w, c.rows, n);
+  const int a_qmax = RoundingOf(w, c.rows, n);
+  const bool rounded = a_qmax > 0;
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   std::vector<float> x(static_cast<size_t>(c.rows * ldx), kNaN), y(static_cast<size_t>(c.rows * ldy), kNaN);
@@ -146,7 +155,7 @@ void Check(const Linear& w, const Case& c, uint32_t seed, const std::string& wha
   int bad = 0;
   for (int64_t r = 0; r < c.rows; ++r) {
     const float* xr = x.data() + r * ldx;
-    const std::vector<double> xh = rounded ? RoundedA(xr, in) : std::vector<double>(xr, xr + in);
+    const std::vector<double> xh = rounded ? RoundedA(xr, in, a_qmax) : std::vector<double>(xr, xr + in);
     for (int64_t j = 0; j < ldy; ++j) {
       const float got = y[static_cast<size_t>(r * ldy + j)];
       if (j >= n) {
@@ -163,8 +172,8 @@ void Check(const Linear& w, const Case& c, uint32_t seed, const std::string& wha
         rounding += std::abs(xh[static_cast<size_t>(k)] - xr[k]) * std::abs(wv);
       }
       if (!(std::abs(got - want) <= 2e-6 * bound + 1e-6) && ++bad <= 5)
-        ADD_FAILURE() << what << (rounded ? " (A rounded)" : "") << ": y[" << r << "][" << j << "] = " << got
-                      << ", want " << want << " (bound " << bound << ")";
+        ADD_FAILURE() << what << (rounded ? " (A rounded to " + std::to_string(a_qmax) + ")" : std::string()) << ": y["
+                      << r << "][" << j << "] = " << got << ", want " << want << " (bound " << bound << ")";
       if (rounded && !(std::abs(got - exact) <= rounding + 2e-6 * bound + 1e-6) && ++bad <= 5)
         ADD_FAILURE() << what << ": y[" << r << "][" << j << "] = " << got << " is " << std::abs(got - exact)
                       << " from the exact product, more than A's rounding explains (" << rounding << ")";
@@ -223,7 +232,9 @@ TEST(IntLinear, QuantizingOnThreadsGivesTheSameBytes) {
         EXPECT_EQ(std::memcmp(one->data, many->data, static_cast<size_t>(one->data_bytes())), 0) << what;
         const size_t scales = static_cast<size_t>(one->out * one->scale_ld) * sizeof(float);
         EXPECT_EQ(std::memcmp(one->scale, many->scale, scales), 0) << what;
-        if (!symmetric) EXPECT_EQ(std::memcmp(one->offset, many->offset, scales), 0) << what;
+        if (!symmetric) {
+          EXPECT_EQ(std::memcmp(one->offset, many->offset, scales), 0) << what;
+        }
       }
 }
 
