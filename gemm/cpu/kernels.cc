@@ -9,6 +9,14 @@ std::atomic<bool> g_bf16_dot_allowed{true};
 std::atomic<bool> g_vnni_allowed{true};
 std::atomic<IntDotMode> g_int_dot{IntDotMode::kAuto};
 std::atomic<bool> g_stream_prefetch{HostCpu().vendor == "GenuineIntel"};
+
+// Whether B's groups (or k, when one group spans it) are whole blocks of 32
+// that divide k: what every int-dot kernel needs of its shape.
+bool WholeBlocks(int64_t k, int64_t b_group) {
+  if (b_group <= 0 || k <= 0) return false;
+  const int64_t group = std::min(b_group, k);
+  return group % 32 == 0 && k % group == 0;
+}
 }  // namespace
 
 bool UseBf16Dot(const CpuKernels& k) {
@@ -27,19 +35,14 @@ bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group) {
   const bool auto_on = b_type == DType::kInt4 && isa != CpuIsa::kScalar;
   const bool allowed = (b_type == DType::kInt4 || b_type == DType::kInt8) &&
                        (mode == IntDotMode::kOn || (mode == IntDotMode::kAuto && auto_on));
-  if (!allowed || b_group <= 0 || k <= 0) return false;
-  const int64_t group = std::min(b_group, k);
-  return group % 32 == 0 && k % group == 0;
+  return allowed && WholeBlocks(k, b_group);
 }
 
 bool UsePackedIntDot(const CpuKernels& k, DType b_type, int64_t k_dim, int64_t b_group) {
   if (k.gemm_packed_int_dot == nullptr) return false;
   if (b_type == DType::kInt4) return UseIntDot(k.isa, b_type, k_dim, b_group);
-  if (b_type != DType::kInt8 || k.isa < CpuIsa::kAvx512 || !UseVnni() ||
-      g_int_dot.load(std::memory_order_relaxed) == IntDotMode::kOff || b_group <= 0 || k_dim <= 0)
-    return false;
-  const int64_t group = std::min(b_group, k_dim);
-  return group % 32 == 0 && k_dim % group == 0;
+  return b_type == DType::kInt8 && k.isa >= CpuIsa::kAvx512 && UseVnni() &&
+         g_int_dot.load(std::memory_order_relaxed) != IntDotMode::kOff && WholeBlocks(k_dim, b_group);
 }
 
 IntDotMode SetIntDotMode(IntDotMode mode) { return g_int_dot.exchange(mode); }
