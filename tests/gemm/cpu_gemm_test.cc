@@ -432,6 +432,32 @@ TEST(CpuGemm, IntWeightsOnEveryImplementationAnyRows) {
     }
 }
 
+// The int-dot kernels' product as int_dot.inc specifies it, in float64: A
+// [m, k] rounded per block of 32 to codes of at most qmax (d = max|x| /
+// qmax, in fp32 as the kernels compute it; qmax 0: A as it is) times B
+// given by w(j, p); and each element's sum of |terms|, which bounds its
+// rounding.
+template <class W>
+void RoundedProduct(const std::vector<float>& a, int64_t m, int64_t n, int64_t k, float qmax, W w,
+                    std::vector<double>& want, std::vector<double>& bound) {
+  want.assign(static_cast<size_t>(m * n), 0.0);
+  bound.assign(want.size(), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t p0 = 0; p0 < k; p0 += 32) {
+      float amax = 0;
+      for (int64_t p = p0; p < p0 + 32; ++p) amax = std::max(amax, std::abs(a[static_cast<size_t>(i * k + p)]));
+      const float inv = qmax / amax, dq = amax / qmax;
+      for (int64_t p = p0; p < p0 + 32; ++p) {
+        const float xv = a[static_cast<size_t>(i * k + p)];
+        const double x = qmax > 0 ? static_cast<double>(dq) * std::nearbyint(xv * inv) : xv;
+        for (int64_t j = 0; j < n; ++j) {
+          want[static_cast<size_t>(i * n + j)] += x * w(j, p);
+          bound[static_cast<size_t>(i * n + j)] += std::abs(x * w(j, p));
+        }
+      }
+    }
+}
+
 // The packed int-dot kernel (int4 B, A rounded to int8 per block of 32) at
 // every row count modulo its tiles (3 rows under AVX2's byte products, 6
 // under AVX512-VNNI's), panels of 16 and 32 columns with a short last one,
@@ -463,20 +489,8 @@ TEST(CpuGemm, PackedIntDotAnyRowsOnBothByteProducts) {
         d.b_type = DType::kInt4, d.b_stride_n = k, d.b_group = group;
         std::vector<float> a(static_cast<size_t>(m * k));
         for (float& v : a) v = u(rng);
-        std::vector<double> want(static_cast<size_t>(m * n), 0.0), bound(want.size(), 0.0);
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t p0 = 0; p0 < k; p0 += 32) {  // A's block rounded as int_dot.inc specifies
-            float amax = 0;
-            for (int64_t p = p0; p < p0 + 32; ++p) amax = std::max(amax, std::abs(a[static_cast<size_t>(i * k + p)]));
-            const float inv = 127.0f / amax, dq = amax / 127.0f;
-            for (int64_t p = p0; p < p0 + 32; ++p) {
-              const double x = static_cast<double>(dq) * std::nearbyint(a[static_cast<size_t>(i * k + p)] * inv);
-              for (int64_t j = 0; j < n; ++j) {
-                want[static_cast<size_t>(i * n + j)] += x * w(j, p);
-                bound[static_cast<size_t>(i * n + j)] += std::abs(x * w(j, p));
-              }
-            }
-          }
+        std::vector<double> want, bound;
+        RoundedProduct(a, m, n, k, 127.0f, w, want, bound);
         std::vector<std::vector<float>> results;
         for (bool allow : {false, true}) {
           if (allow && !vnni) break;
@@ -542,21 +556,8 @@ TEST(CpuGemm, PackedInt8WithInt16ActivationsAnyRows) {
           EXPECT_EQ(int16, vnni && mode == cpu::IntDotMode::kAuto) << (*g)->impl_name();
           std::vector<float> a(static_cast<size_t>(m * k));
           for (float& v : a) v = u(rng);
-          std::vector<double> want(static_cast<size_t>(m * n), 0.0), bound(want.size(), 0.0);
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t p0 = 0; p0 < k; p0 += 32) {
-              float amax = 0;
-              for (int64_t p = p0; p < p0 + 32; ++p) amax = std::max(amax, std::abs(a[static_cast<size_t>(i * k + p)]));
-              const float inv = 32767.0f / amax, dq = amax / 32767.0f;
-              for (int64_t p = p0; p < p0 + 32; ++p) {
-                const float xv = a[static_cast<size_t>(i * k + p)];
-                const double x = int16 ? static_cast<double>(dq) * std::nearbyint(xv * inv) : xv;
-                for (int64_t j = 0; j < n; ++j) {
-                  want[static_cast<size_t>(i * n + j)] += x * w(j, p);
-                  bound[static_cast<size_t>(i * n + j)] += std::abs(x * w(j, p));
-                }
-              }
-            }
+          std::vector<double> want, bound;
+          RoundedProduct(a, m, n, k, int16 ? 32767.0f : 0.0f, w, want, bound);
           std::vector<float> c(static_cast<size_t>(m * n), std::numeric_limits<float>::quiet_NaN());
           std::vector<std::byte> scratch((*g)->scratch_bytes());
           ASSERT_TRUE((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &sc).ok());
