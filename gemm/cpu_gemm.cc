@@ -131,10 +131,13 @@ bool TilesFaster(const GemmDesc& d) {
   return d.m <= 64 || (d.m <= 256 && d.n * d.k * 2 <= (int64_t{128} << 20));
 }
 
-// Can the packed dot kernel of family `k` run this product?
+// Can the packed dot kernel of family `k` run this product? bf16 x bf16, and
+// fp32 x f8_e4m3 with A rounded to bf16 (the e4m3 codes are exact in bf16,
+// their block scales applied per block of 128 of k).
 bool PackedDotUsable(const cpu::CpuKernels& k, const GemmDesc& d) {
-  return d.a_type == DType::kBF16 && d.b_type == DType::kBF16 && k.gemm_packed_bf16_dot != nullptr &&
-         cpu::UseBf16Dot(k);
+  const bool bf16 = d.a_type == DType::kBF16 && d.b_type == DType::kBF16;
+  const bool fp8 = d.a_type == DType::kF32 && d.b_type == DType::kF8E4M3;
+  return (bf16 || fp8) && k.gemm_packed_bf16_dot != nullptr && cpu::UseBf16Dot(k);
 }
 // bf16 products past the streaming kernels' rows on AVX512-BF16 without AMX:
 // our packed dot-product kernel rather than oneDNN's brgemm, which allocates
@@ -166,8 +169,10 @@ bool TilesAllowed(const GemmDesc& d) {
 // (figures: docs/cpu-kernels.md, 'Kernel choices').
 int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
-  // oneDNN; the streaming kernels decode B once per group of rows.
-  if (d.b_type == DType::kF8E4M3) return 32;
+  // oneDNN; the streaming kernels decode B once per group of rows. Where the
+  // packed kernel has the bf16 dot products, as for bf16: batch-32 decode
+  // was faster with them at 32 rows (figures: docs/fp8-weights.md).
+  if (d.b_type == DType::kF8E4M3) return PackedDotUsable(cpu::Kernels(), d) ? 16 : 32;
   // int8 / int4 B: decoding in registers against our packed kernel, which
   // decodes a panel once: under AVX2 even at 12-16 rows, the packed kernel
   // faster from 24; elsewhere as f8_e4m3, except where the packed int-dot

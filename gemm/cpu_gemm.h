@@ -24,7 +24,9 @@
 // its rows: b_stride_k == 1) times an fp32 A always takes our own kernels: the
 // streaming ones for few rows (B read as stored, decoded and scaled in
 // registers: half the bytes of bf16), the packed one otherwise (a panel of B
-// decoded once). The scales come with each Run (GemmBScales).
+// decoded once): on AVX512-BF16 the dot-product kernel, A rounded to bf16 as
+// the products of bf16 weights round it (the e4m3 codes are exact in bf16),
+// else fp32 panels. The scales come with each Run (GemmBScales).
 //
 // An int8 / int4 B (a weight with group scales, b_stride_k == 1) times an
 // fp32 A too: few rows stream the packed integers once, unpacked in
@@ -89,7 +91,8 @@ Status ValidateGemmDesc(const GemmDesc& d);
 // docs/cpu-kernels.md, 'Kernel choices'): bf16 where oneDNN has bf16
 // arithmetic (AVX512-BF16, AMX), up to 16 rows with our AVX512-BF16 dot
 // products (8 without them); bf16 elsewhere, up to 32; f32 up to 32 under
-// AVX-512, 8 under AVX2, 16 on the baseline.
+// AVX-512, 8 under AVX2, 16 on the baseline; f8_e4m3 up to 16 where the
+// packed kernel has the bf16 dot products, else 32.
 int64_t GemmSmallRowsLimit(const GemmDesc& d);
 // The largest of those limits: callers that pad rows leave products this
 // small exact.

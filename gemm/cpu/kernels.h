@@ -41,7 +41,8 @@ struct GemmArgs {
   const void* b = nullptr;  // B[p, j] at b[p * b_stride_k + j * b_stride_n], f32, bf16 or f8_e4m3
   DType b_type = DType::kF32;
   int64_t b_stride_k = 0, b_stride_n = 0;  // one of them is 1 (b_stride_k for f8_e4m3)
-  // f8_e4m3 B only (with an fp32 A; gemm_small_bt and gemm_packed):
+  // f8_e4m3 B only (with an fp32 A; gemm_small_bt, gemm_packed and
+  // gemm_packed_bf16_dot):
   // B[p, j] = e4m3(b[j * b_stride_n + p]) * b_scale[((b_row0 + j) / 128) * b_scale_ld + p / 128].
   const float* b_scale = nullptr;
   int64_t b_scale_ld = 0, b_row0 = 0;
@@ -111,10 +112,13 @@ struct CpuKernels {
   size_t (*packed_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
   int64_t packed_mr = 0;
   // The same for a bf16 A and B with AVX512-BF16 dot products (panels of
-  // bf16 pairs, never widened; scratch per thread as gemm_packed's). Present
-  // in the avx512 table; callable only when UseBf16Dot.
+  // bf16 pairs, never widened; scratch per thread as gemm_packed's); or for
+  // an fp32 A, rounded to bf16, and an f8_e4m3 B, whose codes bf16 holds
+  // exactly (summed per block of 128 of k, then times the block's scale).
+  // Present in the avx512 and amx tables; callable only when UseBf16Dot.
   void (*gemm_packed_bf16_dot)(const GemmArgs& g, int64_t n_begin, int64_t n_end, void* scratch) = nullptr;
-  // Its A, prepared as gemm_packed's is (a layout of pairs of its own).
+  // Its A, prepared as gemm_packed's is (a layout of pairs of its own; an
+  // fp32 A rounded to bf16, to nearest even).
   void (*packed_dot_prepare_a)(const GemmArgs& g, int64_t s_begin, int64_t s_end, void* out) = nullptr;
   size_t (*packed_dot_prepared_a_bytes)(int64_t m, int64_t k) = nullptr;
   int64_t packed_dot_mr = 0;

@@ -277,8 +277,10 @@ TEST(CpuGemm, AutoChoicePerFamilyAndShape) {
       {Product(f32, 128, 2048, 2048), "PPPP", "PPPP", "PPPP"},
       {Product(f32, 17, 512, 128, true), "PPSS", "PPSS", "PPSS"},
       {Product(f32, 128, 512, 128, true), "PPPP", "PPPP", "PPPP"},
-      // f32 x f8_e4m3 weights.
-      {Product(fp8, 32, 2048, 2048), "SSSS", "SSSS", "SSSS"},
+      // f32 x f8_e4m3 weights: the bf16 dot products from 17 rows.
+      {Product(fp8, 16, 2048, 2048), "SSSS", "SSSS", "SSSS"},
+      {Product(fp8, 17, 2048, 2048), "SSPP", "SSSS", "SSPP"},
+      {Product(fp8, 32, 2048, 2048), "SSPP", "SSSS", "SSPP"},
       {Product(fp8, 33, 2048, 2048), "PPPP", "PPPP", "PPPP"},
       {Product(fp8, 128, 2048, 2048), "PPPP", "PPPP", "PPPP"},
   };

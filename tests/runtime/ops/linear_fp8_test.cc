@@ -20,6 +20,7 @@
 #include "base/cuda_device.h"
 #include "base/device_memory.h"
 #include "base/float8.h"
+#include "gemm/cpu/kernels.h"
 #include "gemm/cpu_gemm.h"
 #include "runtime/ops/linear.h"
 
@@ -104,15 +105,37 @@ Inputs MakeInputs(std::mt19937& rng, const Case& c, int64_t rows, bool acc) {
   return in;
 }
 
-// y against y0 (+=) plus the float64 product; padding columns stay NaN.
+// Whether `gemm` runs on the AVX512-BF16 dot kernel, which rounds x to bf16
+// first (the e4m3 codes are exact in bf16).
+bool RoundsXToBf16(const CpuGemm& gemm) { return gemm.impl_name().starts_with("packed_dpbf16"); }
+// The same for the op's product of `rows` rows of c (its padding of rows
+// past kGemmSmallRows changes no choice: those rows are packed anyway).
+bool OpRoundsXToBf16(const Case& c, int64_t rows) {
+  auto g = CpuGemm::Get({.m = rows,
+                         .n = c.c1 - c.c0,
+                         .k = c.in,
+                         .a_type = DType::kF32,
+                         .b_type = DType::kF8E4M3,
+                         .c_type = DType::kF32,
+                         .lda = c.in,
+                         .b_stride_k = 1,
+                         .b_stride_n = c.ld,
+                         .ldc = c.c1 - c.c0});
+  EXPECT_TRUE(g.ok()) << g.status();
+  return g.ok() && RoundsXToBf16(**g);
+}
+
+// y against y0 (+=) plus the float64 product (of x rounded to bf16 with
+// `x_bf16`); padding columns stay NaN.
 void Check(const Linear& w, const Case& c, int64_t rows, bool acc, const Inputs& in, const std::vector<float>& y0,
-           const std::vector<float>& y) {
+           const std::vector<float>& y, bool x_bf16) {
   double worst = 0;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < in.n; ++j) {
       double s = 0, mag = 0;
       for (int64_t i = 0; i < c.in; ++i) {
-        const double t = static_cast<double>(in.x[static_cast<size_t>(r * in.ldx + i)]) * Weight(w, c.c0 + j, i);
+        const float x = in.x[static_cast<size_t>(r * in.ldx + i)];
+        const double t = static_cast<double>(x_bf16 ? Bf16ToFloat(FloatToBf16(x)) : x) * Weight(w, c.c0 + j, i);
         s += t, mag += std::abs(t);
       }
       const size_t k = static_cast<size_t>(r * in.ldy + j);
@@ -156,20 +179,23 @@ TEST(LinearFp8, MatchesFloat64Reference) {
         const std::vector<float> y0 = in.y;
         const Status st = RunOp(w, c, rows, in, acc);
         ASSERT_TRUE(st.ok()) << st;
-        Check(w, c, rows, acc, in, y0, in.y);
+        Check(w, c, rows, acc, in, y0, in.y, OpRoundsXToBf16(c, rows));
       }
   }
 }
 
 // Both of our kernels on every row count (the op picks one by rows): the
-// streaming one on many rows and the packed one on few.
+// streaming one on many rows and the packed one on few; the packed one with
+// the AVX512-BF16 dot products (x rounded to bf16) and without (fp32 panels).
 TEST(LinearFp8, BothGemmKernels) {
   std::mt19937 rng(12);
   for (const Case& c : {kCases[1], kCases[4], kCases[5], kCases[8]}) {
     const Linear w = RandomFp8(rng, c.out, c.in, c.ld);
-    for (GemmImpl impl : {GemmImpl::kSmall, GemmImpl::kPacked})
-      for (int64_t rows : {1, 2, 3, 7, 40}) {
-        SCOPED_TRACE(Name(c, rows, false).append(" ").append(GemmImplName(impl)));
+    for (int kernel = 0; kernel < 3; ++kernel)  // streaming; packed; packed without the bf16 dot products
+      for (int64_t rows : {1, 2, 3, 7, 13, 40}) {
+        const GemmImpl impl = kernel == 0 ? GemmImpl::kSmall : GemmImpl::kPacked;
+        SCOPED_TRACE(Name(c, rows, false).append(" ").append(GemmImplName(impl)).append(kernel == 2 ? " fp32" : ""));
+        const bool dot_before = cpu::SetBf16DotAllowed(kernel != 2);
         Inputs in = MakeInputs(rng, c, rows, false);
         // A contiguous copy of x (the GemmDesc's lda = in).
         std::vector<float> a(static_cast<size_t>(rows * c.in));
@@ -186,13 +212,16 @@ TEST(LinearFp8, BothGemmKernels) {
                                .b_stride_n = w.ld,
                                .ldc = in.ldy},
                               impl);
+        cpu::SetBf16DotAllowed(dot_before);
         ASSERT_TRUE(g.ok()) << g.status();
         EXPECT_EQ((*g)->impl(), impl);
+        // The packed kernel takes the bf16 dot products wherever the CPU has them.
+        EXPECT_EQ(RoundsXToBf16(**g), kernel == 1 && cpu::UseBf16Dot(cpu::Kernels())) << (*g)->impl_name();
         std::vector<std::byte> scratch((*g)->scratch_bytes() + 64);
         const GemmBScales scales{.scale = w.scale, .ld = w.scale_ld, .row0 = c.c0};
         const Status st = (*g)->Run(a.data(), w.row(c.c0), in.y.data(), scratch.data(), &scales);
         ASSERT_TRUE(st.ok()) << st;
-        Check(w, c, rows, false, in, in.y, in.y);
+        Check(w, c, rows, false, in, in.y, in.y, RoundsXToBf16(**g));
       }
   }
 }
@@ -212,7 +241,7 @@ TEST(LinearFp8, TinyAndLargeInputs) {
         for (float& v : in.x) v = std::ldexp(v, expo);  // exact (NaN padding stays NaN)
         const Status st = RunOp(w, c, rows, in, false);
         ASSERT_TRUE(st.ok()) << st;
-        Check(w, c, rows, false, in, in.y, in.y);
+        Check(w, c, rows, false, in, in.y, in.y, OpRoundsXToBf16(c, rows));
       }
   }
 }
@@ -295,6 +324,9 @@ TEST(LinearFp8Cuda, MatchesCpu) {
         SCOPED_TRACE(Name(c, rows, acc));
         Inputs in = MakeInputs(rng, c, rows, acc);
         std::vector<float> cpu = in.y;
+        // The CPU's fp32 panels (x as it is, as on the GPU), not the bf16 dot
+        // products, which round x to bf16.
+        const bool dot_before = cpu::SetBf16DotAllowed(false);
         ASSERT_TRUE(LinearRun({.w = &host_w,
                                .col_begin = c.c0,
                                .col_end = c.c1,
@@ -305,6 +337,7 @@ TEST(LinearFp8Cuda, MatchesCpu) {
                                .ldy = in.ldy,
                                .accumulate = acc})
                         .ok());
+        cpu::SetBf16DotAllowed(dot_before);
         auto dx = DeviceBuffer::Allocate(dm, in.x.size() * sizeof(float), "x");
         auto dy = DeviceBuffer::Allocate(dm, in.y.size() * sizeof(float), "y");
         ASSERT_TRUE(dx.ok() && dy.ok());
@@ -337,7 +370,7 @@ TEST(LinearFp8Cuda, MatchesCpu) {
         EXPECT_GT(cos, 1 - 1e-9) << "f8_e4m3 cosine " << cos << ", max rel err " << max_rel;
         // Both accumulate exactly dequantized weights in fp32, in different
         // orders: relative differences stay where cancellation leaves them.
-        Check(host_w, c, rows, acc, in, in.y, gpu);
+        Check(host_w, c, rows, acc, in, in.y, gpu, false);
       }
   }
 }
