@@ -341,7 +341,9 @@ nlohmann::json CpuJson() {
           {"kernels", std::string(CpuIsaName(ActiveCpuIsa()))},
           {"best_kernels", std::string(CpuIsaName(f.best()))},
           {"stream_prefetch", cpu::StreamPrefetch()},
-          {"int_dot", IntDotModeName(cpu::GetIntDotMode())}};
+          {"int_dot", IntDotModeName(cpu::GetIntDotMode())},
+          {"bf16_dot", cpu::UseBf16Dot(cpu::Kernels())},
+          {"vnni", cpu::UseVnni()}};
 }
 
 std::string Today() {

@@ -38,6 +38,7 @@ Status ApplyEnvironmentOverrides() {
                                        : cpu::IntDotMode::kAuto);
   }
   MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_VNNI", [](bool on) { cpu::SetVnniAllowed(on); }));
+  MLARUN_RETURN_IF_ERROR(ApplyOnOff("MLARUN_BF16_DOT", [](bool on) { cpu::SetBf16DotAllowed(on); }));
   return ApplyOnOff("MLARUN_STREAM_PREFETCH", [](bool on) { cpu::SetStreamPrefetch(on); });
 }
 

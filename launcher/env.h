@@ -33,6 +33,13 @@
 //                   (cpu::UseVnni; the same sums), and int8 products of
 //                   many rows go back to fp32 panels. For measuring and
 //                   testing both paths on one CPU. Default: on.
+//   MLARUN_BF16_DOT on | off. Off, no product uses AVX512-BF16's dot
+//                   products (cpu::UseBf16Dot) even where the CPU has them:
+//                   bf16 products widen to fp32 in registers (few rows) or
+//                   go to oneDNN (many rows), and fp8 products of many rows
+//                   keep fp32 activations on fp32 panels instead of rounding
+//                   them to bf16. For measuring and testing both paths on
+//                   one CPU. Default: on.
 #pragma once
 
 #include "base/status.h"

@@ -1,6 +1,7 @@
 // launcher/env: MLARUN_STREAM_PREFETCH switches the streaming products'
-// vendor rule and MLARUN_INT_DOT the int weights' activations, as the
-// benchmarks' JSON reports them; a bad value is an error naming the
+// vendor rule, MLARUN_INT_DOT the int weights' activations, MLARUN_BF16_DOT
+// and MLARUN_VNNI the AVX-512 dot products, as the benchmarks' JSON reports
+// them; a bad value is an error naming the
 // variable, and changes nothing.
 #include "launcher/env.h"
 
@@ -98,6 +99,31 @@ TEST(Environment, IntDotSetsTheModeAndBadValuesChangeNothing) {
     EXPECT_EQ(cpu::GetIntDotMode(), cpu::IntDotMode::kOff);
   }
   cpu::SetIntDotMode(before);
+}
+
+// MLARUN_BF16_DOT and MLARUN_VNNI turn the AVX512-BF16 and AVX512-VNNI
+// products off and on again where the kernels in force have them (the JSON
+// says whether they run); elsewhere they stay off whatever the variable.
+TEST(Environment, Bf16DotAndVnniSwitches) {
+  const bool dot_before = cpu::SetBf16DotAllowed(true), vnni_before = cpu::SetVnniAllowed(true);
+  const bool has_dot = cpu::UseBf16Dot(cpu::Kernels()), has_vnni = cpu::UseVnni();
+  for (const bool want : {false, true}) {
+    ScopedEnv dot("MLARUN_BF16_DOT", want ? "on" : "off"), vnni("MLARUN_VNNI", want ? "on" : "off");
+    cpu::SetBf16DotAllowed(!want), cpu::SetVnniAllowed(!want);
+    ASSERT_TRUE(ApplyEnvironmentOverrides().ok());
+    EXPECT_EQ(cpu::UseBf16Dot(cpu::Kernels()), want && has_dot);
+    EXPECT_EQ(cpu::UseVnni(), want && has_vnni);
+    EXPECT_EQ(ReportedCpu()["bf16_dot"], want && has_dot);
+    EXPECT_EQ(ReportedCpu()["vnni"], want && has_vnni);
+  }
+  {
+    ScopedEnv dot("MLARUN_BF16_DOT", "1");
+    const Status st = ApplyEnvironmentOverrides();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("MLARUN_BF16_DOT=1: expected on or off"), std::string::npos) << st;
+    EXPECT_TRUE(cpu::UseBf16Dot(cpu::Kernels()) == has_dot);
+  }
+  cpu::SetBf16DotAllowed(dot_before), cpu::SetVnniAllowed(vnni_before);
 }
 
 }  // namespace
