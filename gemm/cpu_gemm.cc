@@ -171,7 +171,8 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // f8_e4m3 B: our packed kernel is the alternative, as for bf16 without
   // oneDNN; the streaming kernels decode B once per group of rows. Where the
   // packed kernel has the bf16 dot products, as for bf16: batch-32 decode
-  // was faster with them at 32 rows (figures: docs/fp8-weights.md).
+  // was faster with them at 32 rows (figures: docs/cpu-kernels.md,
+  // 'Kernel choices').
   if (d.b_type == DType::kF8E4M3) return PackedDotUsable(cpu::Kernels(), d) ? 16 : 32;
   // int8 / int4 B: decoding in registers against our packed kernel, which
   // decodes a panel once: under AVX2 even at 12-16 rows, the packed kernel
