@@ -20,6 +20,11 @@ find_package(benchmark CONFIG REQUIRED)
 # Open MPI: ranks under mpirun. MPIEXEC_EXECUTABLE runs the multi-rank tests.
 find_package(MPI REQUIRED COMPONENTS CXX)
 
+# UCX (libucx-dev, which Open MPI uses too): the transfer plane of latent
+# blocks (transfer/). Debian ships no CMake config, only pkg-config's.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)
+
 # gRPC and Protobuf: the coordinator service. Protobuf has no CMake config on
 # Debian ("Could NOT find c-ares" from gRPC's config is harmless).
 find_package(Protobuf REQUIRED)

@@ -1,0 +1,213 @@
+// transfer/block_transfer: two pools in one process, each with its own UCX
+// context and worker, over shared memory (UCX's choice) and over TCP on the
+// loopback (UCX_TLS=tcp); the source's worker answers from a thread. The
+// destination starts poisoned (every byte 0xff: NaN rows), so a block
+// written that was not asked for, or one not written, shows; the source
+// holds random bytes. Refusals change nothing; a source that never answers
+// ends a fetch at its deadline.
+#include "transfer/block_transfer.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace mlarun {
+namespace {
+
+LatentCacheConfig Config(int64_t blocks, DType dtype = DType::kBF16, int64_t rope_dim = 16) {
+  LatentCacheConfig c;
+  c.num_layers = 3;
+  c.kv_lora_rank = 32;
+  c.rope_dim = rope_dim;
+  c.block_size = 4;
+  c.dtype = dtype;
+  c.budget_bytes = blocks * c.block_bytes();
+  return c;
+}
+
+std::unique_ptr<LatentPool> Pool(const LatentCacheConfig& c) {
+  auto p = LatentPool::Create(c);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return p.ok() ? std::move(p).value() : nullptr;
+}
+
+// Bytes of block b of `layer`.
+std::span<const std::byte> Block(const LatentPool& p, int64_t layer, int64_t b) {
+  const int64_t n = p.config().block_bytes() / p.config().num_layers;
+  return {static_cast<const std::byte*>(p.LayerData(layer)) + b * n, static_cast<size_t>(n)};
+}
+
+void FillRandom(LatentPool& p, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto* bytes = static_cast<uint8_t*>(p.LayerData(0));
+  for (int64_t i = 0; i < p.bytes(); ++i) bytes[i] = static_cast<uint8_t>(rng());
+}
+void Poison(LatentPool& p) { std::memset(p.LayerData(0), 0xff, static_cast<size_t>(p.bytes())); }
+
+bool Poisoned(std::span<const std::byte> b) {
+  for (std::byte x : b)
+    if (x != std::byte{0xff}) return false;
+  return true;
+}
+
+// Sets an environment variable for one scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (const char* old = getenv(name)) old_ = old, had_ = true;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() { had_ ? setenv(name_, old_.c_str(), 1) : unsetenv(name_); }
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Answers the source's side of the gets from a thread while it lives.
+class Answering {
+ public:
+  explicit Answering(BlockTransfer& t)
+      : thread_([this, &t] {
+          while (!stop_.load()) t.Progress();
+        }) {}
+  ~Answering() {
+    stop_.store(true);
+    thread_.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+// Fetches a set of blocks (runs and single blocks, out of order) from a
+// 40-block pool into a 25-block one and checks every block of every layer:
+// the named ones equal their source, the others still poisoned.
+void FetchAndCheck(DType dtype, bool tcp) {
+  std::unique_ptr<ScopedEnv> tls;
+  if (tcp) tls = std::make_unique<ScopedEnv>("UCX_TLS", "tcp");
+  auto src_pool = Pool(Config(40, dtype)), dst_pool = Pool(Config(25, dtype));
+  ASSERT_TRUE(src_pool && dst_pool);
+  FillRandom(*src_pool, 7);
+  Poison(*dst_pool);
+  auto src = BlockTransfer::Create(*src_pool);
+  auto dst = BlockTransfer::Create(*dst_pool);
+  ASSERT_TRUE(src.ok()) << src.status();
+  ASSERT_TRUE(dst.ok()) << dst.status();
+  auto peer = (*dst)->Connect((*src)->Descriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<int32_t> from = {7, 8, 9, 3, 20, 21, 39}, to = {0, 1, 2, 10, 11, 12, 24};
+  {
+    Answering answer(**src);
+    const Status st = (*dst)->Fetch(*peer, from, to);
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  for (int64_t layer = 0; layer < 3; ++layer)
+    for (int64_t b = 0; b < 25; ++b) {
+      const auto it = std::find(to.begin(), to.end(), b);
+      const auto got = Block(*dst_pool, layer, b);
+      if (it == to.end()) {
+        EXPECT_TRUE(Poisoned(got)) << "layer " << layer << " block " << b << " was written";
+      } else {
+        const auto want = Block(*src_pool, layer, from[static_cast<size_t>(it - to.begin())]);
+        EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << "layer " << layer << " block " << b;
+      }
+    }
+  const BlockTransferStats& s = (*dst)->stats();
+  EXPECT_EQ(s.fetches, 1);
+  EXPECT_EQ(s.blocks, 7);
+  EXPECT_EQ(s.bytes, 7 * dst_pool->config().block_bytes());
+  EXPECT_EQ(s.gets, 4 * 3);  // runs 7-9, 3, 20-21, 39; three layers
+  EXPECT_EQ(s.failures, 0);
+}
+
+TEST(BlockTransfer, FetchCopiesEveryLayerOfTheNamedBlocks) {
+  FetchAndCheck(DType::kBF16, false);
+  FetchAndCheck(DType::kF32, false);
+}
+
+TEST(BlockTransfer, FetchOverTcp) { FetchAndCheck(DType::kBF16, true); }
+
+TEST(BlockTransfer, RefusalsNameTheProblemAndWriteNothing) {
+  auto src_pool = Pool(Config(10)), dst_pool = Pool(Config(6));
+  auto other_rope = Pool(Config(10, DType::kBF16, 8)), other_dtype = Pool(Config(10, DType::kF32));
+  ASSERT_TRUE(src_pool && dst_pool && other_rope && other_dtype);
+  FillRandom(*src_pool, 9);
+  Poison(*dst_pool);
+  auto src = BlockTransfer::Create(*src_pool), dst = BlockTransfer::Create(*dst_pool);
+  auto rope = BlockTransfer::Create(*other_rope), dtype = BlockTransfer::Create(*other_dtype);
+  ASSERT_TRUE(src.ok() && dst.ok() && rope.ok() && dtype.ok());
+  auto expect = [](const Status& st, StatusCode code, const std::string& text) {
+    EXPECT_EQ(st.code(), code) << st;
+    EXPECT_NE(st.message().find(text), std::string::npos) << st;
+  };
+  expect((*dst)->Connect((*rope)->Descriptor()).status(), StatusCode::kInvalidArgument, "rope_dim 8, this one 16");
+  expect((*dst)->Connect((*dtype)->Descriptor()).status(), StatusCode::kInvalidArgument, "dtype");
+  std::vector<std::byte> d = (*src)->Descriptor();
+  expect((*dst)->Connect(std::span(d).first(10)).status(), StatusCode::kInvalidArgument, "shorter than its header");
+  std::vector<std::byte> longer = d;
+  longer.push_back(std::byte{0});
+  expect((*dst)->Connect(longer).status(), StatusCode::kInvalidArgument, "its header says");
+  std::vector<std::byte> garbage(d.size(), std::byte{0x5a});
+  expect((*dst)->Connect(garbage).status(), StatusCode::kInvalidArgument, "not a block transfer descriptor");
+  auto peer = (*dst)->Connect(d);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<int32_t> one = {1}, two = {1, 2}, out_src = {10}, out_dst = {6}, negative = {-1}, dup = {3, 3};
+  expect((*dst)->Fetch(*peer, two, one), StatusCode::kInvalidArgument, "2 source blocks into 1");
+  expect((*dst)->Fetch(*peer, out_src, one), StatusCode::kOutOfRange,
+         "source block 10 (entry 0) outside the peer's 10");
+  expect((*dst)->Fetch(*peer, one, out_dst), StatusCode::kOutOfRange, "destination block 6 (entry 0) outside this");
+  expect((*dst)->Fetch(*peer, negative, one), StatusCode::kOutOfRange, "source block -1");
+  expect((*dst)->Fetch(*peer, two, dup), StatusCode::kInvalidArgument, "destination block 3 named twice (entry 1)");
+  expect((*dst)->Fetch(*peer + 1, one, one), StatusCode::kInvalidArgument, "no peer 1");
+  EXPECT_TRUE(
+      Poisoned({static_cast<const std::byte*>(dst_pool->LayerData(0)), static_cast<size_t>(dst_pool->bytes())}));
+  EXPECT_EQ((*dst)->stats().gets, 0);
+  // An empty fetch is no error and moves nothing.
+  EXPECT_TRUE((*dst)->Fetch(*peer, {}, {}).ok());
+}
+
+// Over TCP the source's worker must answer: one that never progresses makes
+// the fetch end at its deadline, the peer closed; a later fetch from it is
+// refused until it connects again, which then works.
+TEST(BlockTransfer, UnansweredFetchEndsAtItsDeadline) {
+  ScopedEnv tls("UCX_TLS", "tcp");
+  auto src_pool = Pool(Config(8)), dst_pool = Pool(Config(8));
+  ASSERT_TRUE(src_pool && dst_pool);
+  FillRandom(*src_pool, 11);
+  Poison(*dst_pool);
+  auto src = BlockTransfer::Create(*src_pool), dst = BlockTransfer::Create(*dst_pool);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  auto peer = (*dst)->Connect((*src)->Descriptor());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<int32_t> blocks = {0, 1, 2};
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status st = (*dst)->Fetch(*peer, blocks, blocks, std::chrono::milliseconds(300));
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  EXPECT_EQ(st.code(), StatusCode::kDeadlineExceeded) << st;
+  EXPECT_NE(st.message().find("took more than 300 ms"), std::string::npos) << st;
+  EXPECT_GE(waited, std::chrono::milliseconds(300));
+  EXPECT_LT(waited, std::chrono::seconds(20));
+  EXPECT_EQ((*dst)->stats().failures, 1);
+  const Status again = (*dst)->Fetch(*peer, blocks, blocks);
+  EXPECT_EQ(again.code(), StatusCode::kUnavailable) << again;
+  auto reconnected = (*dst)->Connect((*src)->Descriptor());
+  ASSERT_TRUE(reconnected.ok()) << reconnected.status();
+  Answering answer(**src);
+  const Status ok = (*dst)->Fetch(*reconnected, blocks, blocks);
+  ASSERT_TRUE(ok.ok()) << ok;
+  for (int32_t b : blocks)
+    EXPECT_EQ(std::memcmp(Block(*dst_pool, 2, b).data(), Block(*src_pool, 2, b).data(), Block(*src_pool, 2, b).size()),
+              0);
+}
+
+}  // namespace
+}  // namespace mlarun

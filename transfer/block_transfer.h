@@ -1,0 +1,94 @@
+// The transfer plane for latent blocks: copies blocks of one rank's
+// LatentPool into another rank's pool over UCX, on one host (shared memory)
+// or across hosts (TCP, or InfiniBand / RoCE verbs: whatever UCX finds;
+// UCX_TLS and UCX_NET_DEVICES narrow it), with one-sided gets: the
+// destination reads the blocks it asked for straight out of the source's
+// registered pool. Migrating a running request and handing a prefilled one
+// to a decode group both come down to this: the new group allocates blocks,
+// fetches the old group's into them, and the old group frees its own.
+//
+// Each rank makes one BlockTransfer over its pool. The pool is registered
+// with UCX once, at creation (ucp_mem_map), and Descriptor() packs what a
+// peer needs to read it: the rank's UCX worker address, the pool's remote
+// key, its base address and its layout. There is no listener: a peer can
+// connect only with a descriptor, which callers hand out over the
+// deployment's authenticated channel (the worker link, or MPI). Whoever holds
+// a descriptor can read the whole pool, and nothing else: peers only get,
+// never put.
+//
+// Fetch() copies blocks of a connected peer into this pool, every layer,
+// one get per run of consecutive block ids per layer, and returns once all
+// of them landed or with an error naming what failed (a deadline, or UCX's
+// status); it never returns while a get may still write into the pool. The
+// source must call Progress() while peers connect to it and fetch from it
+// (its serving loop between steps, or a thread of its own): UCX's
+// connection handshake needs the source's worker on every transport, and a
+// transport without remote memory access of its own (TCP) has it answer
+// every get.
+//
+// Not thread-safe: one thread drives an instance (its UCX worker is
+// single-threaded); two instances may run on two threads. Host pools only
+// for now: a pool in CUDA memory needs the memory type given to ucp_mem_map
+// and a UCX built with CUDA.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "base/status.h"
+#include "kv/latent_pool.h"
+
+namespace mlarun {
+
+struct BlockTransferStats {
+  int64_t fetches = 0;   // Fetch calls that succeeded
+  int64_t blocks = 0;    // blocks they copied
+  int64_t bytes = 0;     // bytes they copied (blocks x the pool's block_bytes)
+  int64_t gets = 0;      // one-sided gets they issued (runs x layers)
+  int64_t failures = 0;  // Fetch calls that failed after issuing gets
+};
+
+class BlockTransfer {
+ public:
+  // Registers `pool` (which must outlive this) with a UCX context and worker
+  // of its own.
+  static StatusOr<std::unique_ptr<BlockTransfer>> Create(const LatentPool& pool);
+  ~BlockTransfer();
+  BlockTransfer(const BlockTransfer&) = delete;
+  BlockTransfer& operator=(const BlockTransfer&) = delete;
+
+  // What a peer passes to Connect to read this pool (opaque bytes).
+  std::vector<std::byte> Descriptor() const;
+
+  // Connects to the rank that made `descriptor`; returns its peer id. Its
+  // pool must have this pool's layout (layers, widths, block size, dtype;
+  // any number of blocks), or the error names the field that differs.
+  StatusOr<int> Connect(std::span<const std::byte> descriptor);
+
+  // Copies the peer's blocks src[i] into this pool's blocks dst[i], every
+  // layer. Refused before any transfer: sizes that differ, ids outside
+  // either pool, a destination block named twice, an unknown or failed
+  // peer. DEADLINE_EXCEEDED after `timeout` (the peer is then closed: connect
+  // again), UNAVAILABLE when the peer fails.
+  Status Fetch(int peer, std::span<const int32_t> src, std::span<const int32_t> dst,
+               std::chrono::milliseconds timeout = std::chrono::seconds(30));
+
+  // Answers peers' gets where the transport needs it (see above); returns at
+  // once.
+  void Progress();
+
+  const BlockTransferStats& stats() const { return stats_; }
+
+ private:
+  struct Ucx;
+  explicit BlockTransfer(const LatentPool& pool);
+  const LatentPool& pool_;
+  std::unique_ptr<Ucx> ucx_;
+  BlockTransferStats stats_;
+};
+
+}  // namespace mlarun
