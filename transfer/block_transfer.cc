@@ -60,6 +60,9 @@ struct BlockTransfer::Ucx {
     uint64_t base = 0;
     int64_t num_blocks = 0;
     bool failed = false;
+    bool peer_errors = true;        // UCP_ERR_HANDLING_MODE_PEER (kAny)
+    uint64_t probe = 0;             // kSharedMemory: WaitConnected's word
+    void* probe_request = nullptr;  // its request, where it timed out
   };
 
   ucp_context_h context = nullptr;
@@ -85,15 +88,21 @@ struct BlockTransfer::Ucx {
 
   static void OnPeerError(void* arg, ucp_ep_h, ucs_status_t) { static_cast<Peer*>(arg)->failed = true; }
 
-  // Closes a peer's endpoint at once, which ends its outstanding gets with
-  // an error, and waits until UCX has let go of it. The peer is failed from
-  // then on.
+  // Closes a peer's endpoint, and waits until UCX has let go of it: at once
+  // with peer failure handling (which ends its outstanding gets with an
+  // error), else after its gets (kSharedMemory: copies that always end). The
+  // peer is failed from then on.
   void CloseEndpoint(Peer& p) {
     p.failed = true;
+    if (p.probe_request != nullptr) {     // a handshake that never ended: closing would wait for the source
+      ucp_request_free(p.probe_request);  // UCX frees it when it ends;
+      p.probe_request = nullptr;          // ucp_worker_destroy takes the endpoint
+      p.ep = nullptr;
+    }
     if (p.ep == nullptr) return;
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = p.peer_errors ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* req = ucp_ep_close_nbx(p.ep, &param);
     if (UCS_PTR_IS_PTR(req)) {
       while (ucp_request_check_status(req) == UCS_INPROGRESS) ucp_worker_progress(worker);
@@ -108,14 +117,21 @@ struct BlockTransfer::Ucx {
   }
 };
 
-BlockTransfer::BlockTransfer(const LatentPool& pool) : pool_(pool), ucx_(std::make_unique<Ucx>()) {}
+BlockTransfer::BlockTransfer(const LatentPool& pool, const BlockTransferOptions& options)
+    : pool_(pool), options_(options), ucx_(std::make_unique<Ucx>()) {}
 BlockTransfer::~BlockTransfer() = default;
 
-StatusOr<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(const LatentPool& pool) {
-  std::unique_ptr<BlockTransfer> t(new BlockTransfer(pool));
+StatusOr<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(const LatentPool& pool,
+                                                               const BlockTransferOptions& options) {
+  std::unique_ptr<BlockTransfer> t(new BlockTransfer(pool, options));
   Ucx& u = *t->ucx_;
   ucp_config_t* config = nullptr;
   if (ucs_status_t st = ucp_config_read(nullptr, nullptr, &config); st != UCS_OK) return UcxError("config", st);
+  if (options.path == TransferPath::kSharedMemory)
+    if (ucs_status_t st = ucp_config_modify(config, "TLS", "sm,self"); st != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError("shared-memory transports", st);
+    }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA;
@@ -193,7 +209,9 @@ StatusOr<int> BlockTransfer::Connect(std::span<const std::byte> descriptor) {
   ep.field_mask =
       UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
   ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  const bool peer_errors = options_.path == TransferPath::kAny;
+  peer->peer_errors = peer_errors;
+  ep.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   ep.err_handler.cb = &Ucx::OnPeerError;
   ep.err_handler.arg = peer.get();
   if (ucs_status_t st = ucp_ep_create(u.worker, &ep, &peer->ep); st != UCS_OK) return UcxError("connecting", st);
@@ -203,7 +221,44 @@ StatusOr<int> BlockTransfer::Connect(std::span<const std::byte> descriptor) {
     return UcxError("unpacking the peer's key", st);
   }
   u.peers.push_back(std::move(peer));
-  return static_cast<int>(u.peers.size() - 1);
+  const int id = static_cast<int>(u.peers.size() - 1);
+  if (!peer_errors) MLARUN_RETURN_IF_ERROR(WaitConnected(id));
+  return id;
+}
+
+// kSharedMemory: a get of the source pool's first bytes into a word of our
+// own, so the connection is up before any get may write into the pool (a
+// get queued behind the handshake would otherwise land whenever the source
+// answers). Past the timeout the peer is failed, and the probe's request
+// stays with the peer until the destructor.
+Status BlockTransfer::WaitConnected(int id) {
+  Ucx& u = *ucx_;
+  Ucx::Peer& p = *u.peers[static_cast<size_t>(id)];
+  ucp_request_param_t param{};
+  void* req = ucp_get_nbx(p.ep, &p.probe, sizeof p.probe, p.base, p.rkey, &param);
+  if (UCS_PTR_IS_ERR(req)) {
+    p.failed = true;
+    return UcxError("connecting", UCS_PTR_STATUS(req));
+  }
+  const Clock::time_point deadline = Clock::now() + options_.connect_timeout;
+  while (req != nullptr && ucp_request_check_status(req) == UCS_INPROGRESS) {
+    if (Clock::now() > deadline) {
+      p.failed = true;
+      p.probe_request = req;
+      return Status(StatusCode::kDeadlineExceeded, "the peer did not answer within " +
+                                                       std::to_string(options_.connect_timeout.count()) +
+                                                       " ms (does it call Progress?)");
+    }
+    ucp_worker_progress(u.worker);
+  }
+  if (req == nullptr) return Status::Ok();
+  const ucs_status_t st = ucp_request_check_status(req);
+  ucp_request_free(req);
+  if (st != UCS_OK) {
+    p.failed = true;
+    return UcxError("connecting", st);
+  }
+  return Status::Ok();
 }
 
 void BlockTransfer::Progress() { ucp_worker_progress(ucx_->worker); }
@@ -270,11 +325,11 @@ Status BlockTransfer::Fetch(int peer_id, std::span<const int32_t> src, std::span
     });
     if (pending.empty()) break;
     if (p.failed && status.ok()) status = UnavailableError("peer ", peer_id, " failed during a fetch");
-    if (Clock::now() > deadline && status.ok())
+    if (p.peer_errors && Clock::now() > deadline && status.ok())
       status = Status(StatusCode::kDeadlineExceeded, "fetch of " + std::to_string(src.size()) + " blocks from peer " +
                                                          std::to_string(peer_id) + " took more than " +
                                                          std::to_string(timeout.count()) + " ms");
-    if (!status.ok()) u.CloseEndpoint(p);  // ends what is left; the loop then collects it
+    if (!status.ok() && p.peer_errors) u.CloseEndpoint(p);  // ends what is left; the loop then collects it
   }
   if (!status.ok()) {
     u.DropKey(p);

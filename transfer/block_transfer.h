@@ -26,6 +26,19 @@
 // transport without remote memory access of its own (TCP) has it answer
 // every get.
 //
+// Two paths (BlockTransferOptions::path), the same on both ranks:
+//  * kAny: every transport UCX finds, with peer failure handling: a failed
+//    peer ends a fetch with UNAVAILABLE, a deadline force-closes the peer.
+//    UCX 1.13 has no peer failure handling on its shared-memory transports,
+//    so ranks of one host then talk over TCP on the loopback.
+//  * kSharedMemory: ranks of one host, over UCX's shared-memory transports
+//    (sysv, posix, cma) and without peer failure handling. Once connected
+//    a get is a copy this process makes out of the source's mapped pool, so
+//    it needs nothing from the source and always ends: Connect waits for the
+//    connection (up to its timeout), and a fetch waits for its gets. Many
+//    times the loopback's rate (docs/cache-transfer.md). A source that dies
+//    is not noticed here: the deployment's own channel says so.
+//
 // Not thread-safe: one thread drives an instance (its UCX worker is
 // single-threaded); two instances may run on two threads. Host pools only
 // for now: a pool in CUDA memory needs the memory type given to ucp_mem_map
@@ -52,11 +65,20 @@ struct BlockTransferStats {
   int64_t failures = 0;  // Fetch calls that failed after issuing gets
 };
 
+enum class TransferPath : uint8_t { kAny, kSharedMemory };
+
+struct BlockTransferOptions {
+  TransferPath path = TransferPath::kAny;
+  // kSharedMemory: how long Connect waits for the connection.
+  std::chrono::milliseconds connect_timeout = std::chrono::seconds(10);
+};
+
 class BlockTransfer {
  public:
   // Registers `pool` (which must outlive this) with a UCX context and worker
-  // of its own.
-  static StatusOr<std::unique_ptr<BlockTransfer>> Create(const LatentPool& pool);
+  // of its own. kSharedMemory fails where UCX has no shared-memory transport.
+  static StatusOr<std::unique_ptr<BlockTransfer>> Create(const LatentPool& pool,
+                                                         const BlockTransferOptions& options = {});
   ~BlockTransfer();
   BlockTransfer(const BlockTransfer&) = delete;
   BlockTransfer& operator=(const BlockTransfer&) = delete;
@@ -72,8 +94,9 @@ class BlockTransfer {
   // Copies the peer's blocks src[i] into this pool's blocks dst[i], every
   // layer. Refused before any transfer: sizes that differ, ids outside
   // either pool, a destination block named twice, an unknown or failed
-  // peer. DEADLINE_EXCEEDED after `timeout` (the peer is then closed: connect
-  // again), UNAVAILABLE when the peer fails.
+  // peer. kAny: DEADLINE_EXCEEDED after `timeout` (the peer is then closed:
+  // connect again), UNAVAILABLE when the peer fails. kSharedMemory waits
+  // for its copies whatever `timeout` says.
   Status Fetch(int peer, std::span<const int32_t> src, std::span<const int32_t> dst,
                std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
@@ -85,8 +108,10 @@ class BlockTransfer {
 
  private:
   struct Ucx;
-  explicit BlockTransfer(const LatentPool& pool);
+  BlockTransfer(const LatentPool& pool, const BlockTransferOptions& options);
+  Status WaitConnected(int peer);
   const LatentPool& pool_;
+  const BlockTransferOptions options_;
   std::unique_ptr<Ucx> ucx_;
   BlockTransferStats stats_;
 };

@@ -1,6 +1,7 @@
 // transfer/block_transfer: two pools in one process, each with its own UCX
-// context and worker, over shared memory (UCX's choice) and over TCP on the
-// loopback (UCX_TLS=tcp); the source's worker answers from a thread. The
+// context and worker, on both paths: kAny (peer failure handling, which in
+// UCX 1.13 means TCP on the loopback) and kSharedMemory; the source's worker
+// answers from a thread. The
 // destination starts poisoned (every byte 0xff: NaN rows), so a block
 // written that was not asked for, or one not written, shows; the source
 // holds random bytes. Refusals change nothing; a source that never answers
@@ -91,22 +92,21 @@ class Answering {
 // Fetches a set of blocks (runs and single blocks, out of order) from a
 // 40-block pool into a 25-block one and checks every block of every layer:
 // the named ones equal their source, the others still poisoned.
-void FetchAndCheck(DType dtype, bool tcp) {
-  std::unique_ptr<ScopedEnv> tls;
-  if (tcp) tls = std::make_unique<ScopedEnv>("UCX_TLS", "tcp");
+void FetchAndCheck(DType dtype, TransferPath path) {
+  SCOPED_TRACE(std::string(DTypeName(dtype)) + (path == TransferPath::kAny ? " any" : " shared memory"));
   auto src_pool = Pool(Config(40, dtype)), dst_pool = Pool(Config(25, dtype));
   ASSERT_TRUE(src_pool && dst_pool);
   FillRandom(*src_pool, 7);
   Poison(*dst_pool);
-  auto src = BlockTransfer::Create(*src_pool);
-  auto dst = BlockTransfer::Create(*dst_pool);
+  auto src = BlockTransfer::Create(*src_pool, {.path = path});
+  auto dst = BlockTransfer::Create(*dst_pool, {.path = path});
   ASSERT_TRUE(src.ok()) << src.status();
   ASSERT_TRUE(dst.ok()) << dst.status();
-  auto peer = (*dst)->Connect((*src)->Descriptor());
-  ASSERT_TRUE(peer.ok()) << peer.status();
   const std::vector<int32_t> from = {7, 8, 9, 3, 20, 21, 39}, to = {0, 1, 2, 10, 11, 12, 24};
   {
     Answering answer(**src);
+    auto peer = (*dst)->Connect((*src)->Descriptor());
+    ASSERT_TRUE(peer.ok()) << peer.status();
     const Status st = (*dst)->Fetch(*peer, from, to);
     ASSERT_TRUE(st.ok()) << st;
   }
@@ -130,11 +130,31 @@ void FetchAndCheck(DType dtype, bool tcp) {
 }
 
 TEST(BlockTransfer, FetchCopiesEveryLayerOfTheNamedBlocks) {
-  FetchAndCheck(DType::kBF16, false);
-  FetchAndCheck(DType::kF32, false);
+  for (TransferPath path : {TransferPath::kAny, TransferPath::kSharedMemory}) {
+    FetchAndCheck(DType::kBF16, path);
+    FetchAndCheck(DType::kF32, path);
+  }
 }
 
-TEST(BlockTransfer, FetchOverTcp) { FetchAndCheck(DType::kBF16, true); }
+TEST(BlockTransfer, FetchOverTcp) {
+  ScopedEnv tls("UCX_TLS", "tcp");
+  FetchAndCheck(DType::kBF16, TransferPath::kAny);
+}
+
+// kSharedMemory connects only once the source answers: a source that never
+// progresses makes Connect fail at its timeout, and nothing hangs.
+TEST(BlockTransfer, SharedMemoryConnectWaitsForTheSource) {
+  auto src_pool = Pool(Config(4)), dst_pool = Pool(Config(4));
+  ASSERT_TRUE(src_pool && dst_pool);
+  auto src = BlockTransfer::Create(*src_pool, {.path = TransferPath::kSharedMemory});
+  auto dst = BlockTransfer::Create(
+      *dst_pool, {.path = TransferPath::kSharedMemory, .connect_timeout = std::chrono::milliseconds(200)});
+  ASSERT_TRUE(src.ok() && dst.ok());
+  auto peer = (*dst)->Connect((*src)->Descriptor());
+  if (peer.ok()) GTEST_SKIP() << "this UCX connects shared memory without the source's worker";
+  EXPECT_EQ(peer.status().code(), StatusCode::kDeadlineExceeded) << peer.status();
+  EXPECT_NE(peer.status().message().find("did not answer within 200 ms"), std::string::npos) << peer.status();
+}
 
 TEST(BlockTransfer, RefusalsNameTheProblemAndWriteNothing) {
   auto src_pool = Pool(Config(10)), dst_pool = Pool(Config(6));
