@@ -1,4 +1,4 @@
-// `mlarun bench attention|decode|accuracy|memory|gemm|comm|serve|tokenize`:
+// `mlarun bench attention|decode|accuracy|memory|gemm|comm|transfer|serve|tokenize`:
 // the benchmarks of bench/, one subcommand each.
 #include <omp.h>
 
@@ -14,6 +14,7 @@
 #include "bench/memory_bench.h"
 #include "bench/serve_bench.h"
 #include "bench/tokenize_bench.h"
+#include "bench/transfer_bench.h"
 #include "launcher/commands/commands.h"
 #include "parallel/mpi/mpi_world.h"
 
@@ -211,6 +212,28 @@ void AddBenchComm(CLI::App* bench, CommandTable& table) {
   });
 }
 
+void AddBenchTransfer(CLI::App* bench, CommandTable& table) {
+  auto tb = std::make_shared<TransferBenchOptions>();
+  auto* transfer = bench->add_subcommand(
+      "transfer", "Under mpirun -np 2: latent blocks fetched over UCX from rank 0's pool by rank 1 (time, GB/s)");
+  transfer->add_option("--sizes", tb->sizes, "Bytes per fetch, rounded up to whole blocks")
+      ->delimiter(',')
+      ->capture_default_str();
+  transfer->add_option("--block-tokens", tb->block_tokens, "Tokens per block (576 bf16 values each)")
+      ->capture_default_str();
+  transfer->add_option("--repetitions", tb->repetitions, "Timed fetches per size (median)")->capture_default_str();
+  transfer->add_option("--path", tb->path, "any (peer failure handling; TCP within a host) or shm (one host)")
+      ->capture_default_str();
+  transfer->add_flag("--scattered", tb->scattered, "Every other block: one get per block instead of one per fetch");
+  transfer->add_flag("--json", tb->json, "One JSON document on stdout (the table goes to stderr)");
+  table.Add(transfer, [tb](ProcessArgs args) {
+    auto session = MpiSession::Init(args.argc, args.argv);
+    return ExitStatus("bench transfer", session.ok()
+                                            ? RunTransferBench(*tb, **session, tb->json ? std::cerr : std::cout)
+                                            : session.status());
+  });
+}
+
 void AddBenchServe(CLI::App* bench, CommandTable& table) {
   struct Flags {
     ServeBenchOptions sb;
@@ -274,6 +297,7 @@ void AddBenchCommands(CLI::App& app, CommandTable& table) {
   AddBenchMemory(bench, table);
   AddBenchGemm(bench, table);
   AddBenchComm(bench, table);
+  AddBenchTransfer(bench, table);
   AddBenchServe(bench, table);
   AddBenchTokenize(bench, table);
 }

@@ -51,7 +51,7 @@ class CommandTable {
 };
 
 // The registration functions, in the order of `mlarun --help`.
-void AddBenchCommands(CLI::App& app, CommandTable& table);  // bench attention|decode|memory|gemm|comm|serve|tokenize
+void AddBenchCommands(CLI::App& app, CommandTable& table);  // bench and its subcommands
 void AddGenerateCommand(CLI::App& app, CommandTable& table);
 void AddMemoryCommand(CLI::App& app, CommandTable& table);
 void AddCoordinatorCommand(CLI::App& app, CommandTable& table);
