@@ -105,22 +105,28 @@ Inputs MakeInputs(std::mt19937& rng, const Case& c, int64_t rows, bool acc) {
   return in;
 }
 
+// The product of `rows` fp32 rows of k with columns of an f8_e4m3 weight of
+// row stride ld, into a C of row stride ldc.
+GemmDesc Fp8Desc(int64_t rows, int64_t n, int64_t k, int64_t ld, int64_t ldc) {
+  return {.m = rows,
+          .n = n,
+          .k = k,
+          .a_type = DType::kF32,
+          .b_type = DType::kF8E4M3,
+          .c_type = DType::kF32,
+          .lda = k,
+          .b_stride_k = 1,
+          .b_stride_n = ld,
+          .ldc = ldc};
+}
+
 // Whether `gemm` runs on the AVX512-BF16 dot kernel, which rounds x to bf16
 // first (the e4m3 codes are exact in bf16).
 bool RoundsXToBf16(const CpuGemm& gemm) { return gemm.impl_name().starts_with("packed_dpbf16"); }
 // The same for the op's product of `rows` rows of c (its padding of rows
 // past kGemmSmallRows changes no choice: those rows are packed anyway).
 bool OpRoundsXToBf16(const Case& c, int64_t rows) {
-  auto g = CpuGemm::Get({.m = rows,
-                         .n = c.c1 - c.c0,
-                         .k = c.in,
-                         .a_type = DType::kF32,
-                         .b_type = DType::kF8E4M3,
-                         .c_type = DType::kF32,
-                         .lda = c.in,
-                         .b_stride_k = 1,
-                         .b_stride_n = c.ld,
-                         .ldc = c.c1 - c.c0});
+  auto g = CpuGemm::Get(Fp8Desc(rows, c.c1 - c.c0, c.in, c.ld, c.c1 - c.c0));
   EXPECT_TRUE(g.ok()) << g.status();
   return g.ok() && RoundsXToBf16(**g);
 }
@@ -201,17 +207,7 @@ TEST(LinearFp8, BothGemmKernels) {
         std::vector<float> a(static_cast<size_t>(rows * c.in));
         for (int64_t r = 0; r < rows; ++r)
           std::memcpy(&a[static_cast<size_t>(r * c.in)], &in.x[static_cast<size_t>(r * in.ldx)], c.in * sizeof(float));
-        auto g = CpuGemm::Get({.m = rows,
-                               .n = in.n,
-                               .k = c.in,
-                               .a_type = DType::kF32,
-                               .b_type = DType::kF8E4M3,
-                               .c_type = DType::kF32,
-                               .lda = c.in,
-                               .b_stride_k = 1,
-                               .b_stride_n = w.ld,
-                               .ldc = in.ldy},
-                              impl);
+        auto g = CpuGemm::Get(Fp8Desc(rows, in.n, c.in, w.ld, in.ldy), impl);
         cpu::SetBf16DotAllowed(dot_before);
         ASSERT_TRUE(g.ok()) << g.status();
         EXPECT_EQ((*g)->impl(), impl);
