@@ -208,11 +208,12 @@ TEST(LinearFp8, BothGemmKernels) {
         for (int64_t r = 0; r < rows; ++r)
           std::memcpy(&a[static_cast<size_t>(r * c.in)], &in.x[static_cast<size_t>(r * in.ldx)], c.in * sizeof(float));
         auto g = CpuGemm::Get(Fp8Desc(rows, in.n, c.in, w.ld, in.ldy), impl);
+        const bool dot = cpu::UseBf16Dot(cpu::Kernels());  // as this kernel's setting left it
         cpu::SetBf16DotAllowed(dot_before);
         ASSERT_TRUE(g.ok()) << g.status();
         EXPECT_EQ((*g)->impl(), impl);
         // The packed kernel takes the bf16 dot products wherever the CPU has them.
-        EXPECT_EQ(RoundsXToBf16(**g), kernel == 1 && cpu::UseBf16Dot(cpu::Kernels())) << (*g)->impl_name();
+        EXPECT_EQ(RoundsXToBf16(**g), kernel == 1 && dot) << (*g)->impl_name();
         std::vector<std::byte> scratch((*g)->scratch_bytes() + 64);
         const GemmBScales scales{.scale = w.scale, .ld = w.scale_ld, .row0 = c.c0};
         const Status st = (*g)->Run(a.data(), w.row(c.c0), in.y.data(), scratch.data(), &scales);
