@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 
 namespace mlarun {
@@ -27,6 +28,25 @@ struct Header {
 
 Status UcxError(std::string_view what, ucs_status_t st) {
   return UnavailableError("UCX ", what, ": ", ucs_status_string(st));
+}
+
+// A UCX context for one-sided gets on the path's transports.
+StatusOr<ucp_context_h> MakeContext(TransferPath path) {
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t st = ucp_config_read(nullptr, nullptr, &config); st != UCS_OK) return UcxError("config", st);
+  if (path == TransferPath::kSharedMemory)
+    if (ucs_status_t st = ucp_config_modify(config, "TLS", "sm,self"); st != UCS_OK) {
+      ucp_config_release(config);
+      return UcxError("shared-memory transports", st);
+    }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA;
+  ucp_context_h context = nullptr;
+  const ucs_status_t init = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (init != UCS_OK) return UcxError("init", init);
+  return context;
 }
 
 // Bytes of one block of one layer, and of one layer of a pool of `blocks`.
@@ -66,6 +86,7 @@ struct BlockTransfer::Ucx {
   };
 
   ucp_context_h context = nullptr;
+  bool own_context = true;  // else a TransferMemory's, with the pool's registration
   ucp_worker_h worker = nullptr;
   ucp_mem_h memory = nullptr;
   void* rkey_buffer = nullptr;
@@ -81,9 +102,9 @@ struct BlockTransfer::Ucx {
     }
     if (address != nullptr) ucp_worker_release_address(worker, address);
     if (rkey_buffer != nullptr) ucp_rkey_buffer_release(rkey_buffer);
-    if (memory != nullptr) ucp_mem_unmap(context, memory);
+    if (memory != nullptr && own_context) ucp_mem_unmap(context, memory);
     if (worker != nullptr) ucp_worker_destroy(worker);
-    if (context != nullptr) ucp_cleanup(context);
+    if (context != nullptr && own_context) ucp_cleanup(context);
   }
 
   static void OnPeerError(void* arg, ucp_ep_h, ucs_status_t) { static_cast<Peer*>(arg)->failed = true; }
@@ -121,23 +142,78 @@ BlockTransfer::BlockTransfer(const LatentPool& pool, const BlockTransferOptions&
     : pool_(pool), options_(options), ucx_(std::make_unique<Ucx>()) {}
 BlockTransfer::~BlockTransfer() = default;
 
+struct TransferMemory::Ucx {
+  ucp_context_h context = nullptr;
+  struct Block {
+    ucp_mem_h handle;
+    size_t bytes;
+  };
+  std::map<const void*, Block> blocks;  // by address: what Allocate gave out
+};
+
+TransferMemory::TransferMemory(const BlockTransferOptions& options)
+    : options_(options), ucx_(std::make_unique<Ucx>()) {}
+TransferMemory::~TransferMemory() {
+  for (auto& [p, b] : ucx_->blocks) ucp_mem_unmap(ucx_->context, b.handle);
+  if (ucx_->context != nullptr) ucp_cleanup(ucx_->context);
+}
+
+StatusOr<std::unique_ptr<TransferMemory>> TransferMemory::Create(const BlockTransferOptions& options) {
+  std::unique_ptr<TransferMemory> m(new TransferMemory(options));
+  MLARUN_ASSIGN_OR_RETURN(m->ucx_->context, MakeContext(options.path));
+  return m;
+}
+
+void* TransferMemory::Allocate(size_t bytes) {
+  ucp_mem_map_params_t mp{};
+  mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+  mp.address = nullptr;
+  mp.length = bytes == 0 ? 1 : bytes;
+  mp.flags = UCP_MEM_MAP_ALLOCATE;
+  ucp_mem_h handle = nullptr;
+  if (ucp_mem_map(ucx_->context, &mp, &handle) != UCS_OK) return nullptr;
+  ucp_mem_attr_t attr{};
+  attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS;
+  if (ucp_mem_query(handle, &attr) != UCS_OK || reinterpret_cast<uintptr_t>(attr.address) % 64 != 0) {
+    ucp_mem_unmap(ucx_->context, handle);
+    return nullptr;
+  }
+  ucx_->blocks[attr.address] = {handle, bytes};
+  return attr.address;
+}
+
+void TransferMemory::Free(void* p) {
+  auto it = ucx_->blocks.find(p);
+  if (it == ucx_->blocks.end()) return;
+  ucp_mem_unmap(ucx_->context, it->second.handle);
+  ucx_->blocks.erase(it);
+}
+
+Status TransferMemory::CopyIn(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+  return Status::Ok();
+}
+Status TransferMemory::CopyOut(void* dst, const void* src, size_t bytes) { return CopyIn(dst, src, bytes); }
+Status TransferMemory::Zero(void* dst, size_t bytes) {
+  if (bytes > 0) std::memset(dst, 0, bytes);
+  return Status::Ok();
+}
+
 StatusOr<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(const LatentPool& pool,
-                                                               const BlockTransferOptions& options) {
+                                                               const BlockTransferOptions& options,
+                                                               TransferMemory* memory) {
   std::unique_ptr<BlockTransfer> t(new BlockTransfer(pool, options));
   Ucx& u = *t->ucx_;
-  ucp_config_t* config = nullptr;
-  if (ucs_status_t st = ucp_config_read(nullptr, nullptr, &config); st != UCS_OK) return UcxError("config", st);
-  if (options.path == TransferPath::kSharedMemory)
-    if (ucs_status_t st = ucp_config_modify(config, "TLS", "sm,self"); st != UCS_OK) {
-      ucp_config_release(config);
-      return UcxError("shared-memory transports", st);
-    }
-  ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA;
-  const ucs_status_t init = ucp_init(&params, config, &u.context);
-  ucp_config_release(config);
-  if (init != UCS_OK) return UcxError("init", init);
+  if (memory != nullptr) {  // the pool's allocation, registered by UCX when it made it
+    if (memory->options().path != options.path)
+      return InvalidArgumentError("the pool's TransferMemory was made for another path");
+    const auto it = memory->ucx_->blocks.find(pool.LayerData(0));
+    if (it == memory->ucx_->blocks.end() || it->second.bytes < static_cast<size_t>(pool.bytes()))
+      return InvalidArgumentError("the pool's memory is not an allocation of this TransferMemory");
+    u.context = memory->ucx_->context, u.own_context = false, u.memory = it->second.handle;
+  } else {
+    MLARUN_ASSIGN_OR_RETURN(u.context, MakeContext(options.path));
+  }
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
@@ -146,8 +222,9 @@ StatusOr<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(const LatentPool&
   mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
   mp.address = pool.LayerData(0);  // the pool's one allocation starts with layer 0
   mp.length = static_cast<size_t>(pool.bytes());
-  if (ucs_status_t st = ucp_mem_map(u.context, &mp, &u.memory); st != UCS_OK)
-    return UcxError("registering the pool (" + std::to_string(pool.bytes()) + " bytes)", st);
+  if (u.memory == nullptr)
+    if (ucs_status_t st = ucp_mem_map(u.context, &mp, &u.memory); st != UCS_OK)
+      return UcxError("registering the pool (" + std::to_string(pool.bytes()) + " bytes)", st);
   if (ucs_status_t st = ucp_rkey_pack(u.context, u.memory, &u.rkey_buffer, &u.rkey_bytes); st != UCS_OK)
     return UcxError("packing the pool's key", st);
   if (ucs_status_t st = ucp_worker_get_address(u.worker, &u.address, &u.address_bytes); st != UCS_OK)

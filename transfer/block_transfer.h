@@ -52,6 +52,7 @@
 #include <span>
 #include <vector>
 
+#include "base/device_memory.h"
 #include "base/status.h"
 #include "kv/latent_pool.h"
 
@@ -73,12 +74,46 @@ struct BlockTransferOptions {
   std::chrono::milliseconds connect_timeout = std::chrono::seconds(10);
 };
 
+// Host memory that UCX allocates (ucp_mem_map with UCP_MEM_MAP_ALLOCATE: its
+// own shared segments where it can), for the pool a BlockTransfer serves:
+// UCX's shared-memory transports read such memory about twice as fast as
+// process memory registered after the fact (docs/cache-transfer.md). Make
+// the pool in it (LatentPool::Create(config, memory)) and the BlockTransfer
+// over that pool with it; it must outlive both.
+class TransferMemory final : public DeviceMemory {
+ public:
+  static StatusOr<std::unique_ptr<TransferMemory>> Create(const BlockTransferOptions& options = {});
+  ~TransferMemory() override;
+  TransferMemory(const TransferMemory&) = delete;
+  TransferMemory& operator=(const TransferMemory&) = delete;
+
+  Backend backend() const override { return Backend::kCpu; }
+  bool host_accessible() const override { return true; }
+  void* Allocate(size_t bytes) override;
+  void Free(void* p) override;
+  Status CopyIn(void* dst, const void* src, size_t bytes) override;
+  Status CopyOut(void* dst, const void* src, size_t bytes) override;
+  Status Zero(void* dst, size_t bytes) override;
+
+  const BlockTransferOptions& options() const { return options_; }
+
+ private:
+  friend class BlockTransfer;
+  struct Ucx;
+  explicit TransferMemory(const BlockTransferOptions& options);
+  const BlockTransferOptions options_;
+  std::unique_ptr<Ucx> ucx_;
+};
+
 class BlockTransfer {
  public:
   // Registers `pool` (which must outlive this) with a UCX context and worker
-  // of its own. kSharedMemory fails where UCX has no shared-memory transport.
+  // of its own; or, with `memory` (the pool's memory, same options), serves
+  // the pool from the allocation UCX made. kSharedMemory fails where UCX has
+  // no shared-memory transport.
   static StatusOr<std::unique_ptr<BlockTransfer>> Create(const LatentPool& pool,
-                                                         const BlockTransferOptions& options = {});
+                                                         const BlockTransferOptions& options = {},
+                                                         TransferMemory* memory = nullptr);
   ~BlockTransfer();
   BlockTransfer(const BlockTransfer&) = delete;
   BlockTransfer& operator=(const BlockTransfer&) = delete;

@@ -32,8 +32,8 @@ LatentCacheConfig Config(int64_t blocks, DType dtype = DType::kBF16, int64_t rop
   return c;
 }
 
-std::unique_ptr<LatentPool> Pool(const LatentCacheConfig& c) {
-  auto p = LatentPool::Create(c);
+std::unique_ptr<LatentPool> Pool(const LatentCacheConfig& c, DeviceMemory& memory = HostMemory()) {
+  auto p = LatentPool::Create(c, memory);
   EXPECT_TRUE(p.ok()) << p.status();
   return p.ok() ? std::move(p).value() : nullptr;
 }
@@ -92,14 +92,22 @@ class Answering {
 // Fetches a set of blocks (runs and single blocks, out of order) from a
 // 40-block pool into a 25-block one and checks every block of every layer:
 // the named ones equal their source, the others still poisoned.
-void FetchAndCheck(DType dtype, TransferPath path) {
-  SCOPED_TRACE(std::string(DTypeName(dtype)) + (path == TransferPath::kAny ? " any" : " shared memory"));
-  auto src_pool = Pool(Config(40, dtype)), dst_pool = Pool(Config(25, dtype));
+void FetchAndCheck(DType dtype, TransferPath path, bool ucx_memory = false) {
+  SCOPED_TRACE(std::string(DTypeName(dtype)) + (path == TransferPath::kAny ? " any" : " shared memory") +
+               (ucx_memory ? ", pools in TransferMemory" : ""));
+  std::unique_ptr<TransferMemory> src_mem, dst_mem;
+  if (ucx_memory) {
+    auto s = TransferMemory::Create({.path = path}), d = TransferMemory::Create({.path = path});
+    ASSERT_TRUE(s.ok() && d.ok()) << s.status() << d.status();
+    src_mem = std::move(s).value(), dst_mem = std::move(d).value();
+  }
+  auto src_pool = ucx_memory ? Pool(Config(40, dtype), *src_mem) : Pool(Config(40, dtype));
+  auto dst_pool = ucx_memory ? Pool(Config(25, dtype), *dst_mem) : Pool(Config(25, dtype));
   ASSERT_TRUE(src_pool && dst_pool);
   FillRandom(*src_pool, 7);
   Poison(*dst_pool);
-  auto src = BlockTransfer::Create(*src_pool, {.path = path});
-  auto dst = BlockTransfer::Create(*dst_pool, {.path = path});
+  auto src = BlockTransfer::Create(*src_pool, {.path = path}, src_mem.get());
+  auto dst = BlockTransfer::Create(*dst_pool, {.path = path}, dst_mem.get());
   ASSERT_TRUE(src.ok()) << src.status();
   ASSERT_TRUE(dst.ok()) << dst.status();
   const std::vector<int32_t> from = {7, 8, 9, 3, 20, 21, 39}, to = {0, 1, 2, 10, 11, 12, 24};
@@ -134,6 +142,26 @@ TEST(BlockTransfer, FetchCopiesEveryLayerOfTheNamedBlocks) {
     FetchAndCheck(DType::kBF16, path);
     FetchAndCheck(DType::kF32, path);
   }
+}
+
+// Pools whose memory UCX allocated (TransferMemory), on both paths.
+TEST(BlockTransfer, PoolsInTransferMemory) {
+  for (TransferPath path : {TransferPath::kAny, TransferPath::kSharedMemory}) FetchAndCheck(DType::kBF16, path, true);
+}
+
+// A BlockTransfer over a TransferMemory serves only that memory's pools, on
+// its path.
+TEST(BlockTransfer, TransferMemoryMustHoldThePool) {
+  auto mem = TransferMemory::Create({.path = TransferPath::kSharedMemory});
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  auto in_mem = Pool(Config(4), **mem), elsewhere = Pool(Config(4));
+  ASSERT_TRUE(in_mem && elsewhere);
+  const auto other = BlockTransfer::Create(*elsewhere, {.path = TransferPath::kSharedMemory}, mem->get());
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument) << other.status();
+  EXPECT_NE(other.status().message().find("not an allocation of this TransferMemory"), std::string::npos);
+  const auto path = BlockTransfer::Create(*in_mem, {.path = TransferPath::kAny}, mem->get());
+  EXPECT_EQ(path.status().code(), StatusCode::kInvalidArgument) << path.status();
+  EXPECT_TRUE(BlockTransfer::Create(*in_mem, {.path = TransferPath::kSharedMemory}, mem->get()).ok());
 }
 
 TEST(BlockTransfer, FetchOverTcp) {
