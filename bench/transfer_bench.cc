@@ -101,11 +101,16 @@ Status RunTransferBench(const TransferBenchOptions& o, MpiSession& session, std:
   const int64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
   const LatentCacheConfig config =
       PoolConfig(o, (max_size + PoolConfig(o, 1).block_bytes() - 1) / PoolConfig(o, 1).block_bytes());
-  MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<LatentPool> pool, LatentPool::Create(config));
+  const TransferPath path = o.path == "shm" ? TransferPath::kSharedMemory : TransferPath::kAny;
+  std::unique_ptr<TransferMemory> memory;
+  if (!o.process_memory) {
+    MLARUN_ASSIGN_OR_RETURN(memory, TransferMemory::Create({.path = path}));
+  }
+  MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<LatentPool> pool,
+                          LatentPool::Create(config, memory ? *memory : HostMemory()));
   const bool source = world->rank() == 0;
   if (source) FillFromSeed(static_cast<std::byte*>(pool->LayerData(0)), pool->bytes());
-  const TransferPath path = o.path == "shm" ? TransferPath::kSharedMemory : TransferPath::kAny;
-  MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<BlockTransfer> t, BlockTransfer::Create(*pool, {.path = path}));
+  MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<BlockTransfer> t, BlockTransfer::Create(*pool, {.path = path}, memory.get()));
   // Rank 0's descriptor to rank 1: its length, then its bytes.
   std::vector<std::byte> descriptor = source ? t->Descriptor() : std::vector<std::byte>();
   int64_t length = static_cast<int64_t>(descriptor.size());
@@ -136,6 +141,7 @@ Status RunTransferBench(const TransferBenchOptions& o, MpiSession& session, std:
                           {"cpu", CpuJson()},
                           {"transport", TransportFromEnvironment()},
                           {"path", o.path},
+                          {"pool_memory", o.process_memory ? "process" : "ucx"},
                           {"block_bytes", config.block_bytes()},
                           {"scattered", o.scattered},
                           {"repetitions", o.repetitions},

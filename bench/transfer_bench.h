@@ -13,7 +13,8 @@
 // byte against the seed's bytes, then fetched `repetitions` times; the
 // median time gives GB/s (bytes / time, 1e9 bytes per GB). A fetch of a
 // request's blocks spread across the pool (one get per block) runs the same
-// way with --scattered.
+// way with --scattered. The pools are allocated by UCX (TransferMemory), as
+// a deployment makes them; --process-memory registers ordinary memory instead.
 //
 // Collective on the world, which must have two ranks: a bad option or
 // another size is refused on both ranks with the same error.
@@ -32,11 +33,12 @@ class MpiSession;
 
 struct TransferBenchOptions {
   std::vector<int64_t> sizes = {int64_t{1} << 16, int64_t{1} << 20, int64_t{1} << 24, int64_t{1} << 26};  // bytes
-  int64_t block_tokens = 64;  // tokens per block
-  int repetitions = 20;       // timed fetches per size (median)
-  bool scattered = false;     // the blocks of a size spread over the pool: one get per block
-  std::string path = "any";   // BlockTransfer's path: any (peer failure handling) or shm (one host)
-  bool json = false;          // one JSON document on rank 1's stdout; the table to stderr
+  int64_t block_tokens = 64;    // tokens per block
+  int repetitions = 20;         // timed fetches per size (median)
+  bool scattered = false;       // the blocks of a size spread over the pool: one get per block
+  std::string path = "any";     // BlockTransfer's path: any (peer failure handling) or shm (one host)
+  bool process_memory = false;  // pools in process memory registered after the fact, not in TransferMemory
+  bool json = false;            // one JSON document on rank 1's stdout; the table to stderr
 };
 
 // See the top of this file. `table` gets rank 1's table.

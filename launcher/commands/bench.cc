@@ -224,6 +224,8 @@ void AddBenchTransfer(CLI::App* bench, CommandTable& table) {
   transfer->add_option("--repetitions", tb->repetitions, "Timed fetches per size (median)")->capture_default_str();
   transfer->add_option("--path", tb->path, "any (peer failure handling; TCP within a host) or shm (one host)")
       ->capture_default_str();
+  transfer->add_flag("--process-memory", tb->process_memory,
+                     "Pools in process memory registered after the fact (default: allocated by UCX)");
   transfer->add_flag("--scattered", tb->scattered, "Every other block: one get per block instead of one per fetch");
   transfer->add_flag("--json", tb->json, "One JSON document on stdout (the table goes to stderr)");
   table.Add(transfer, [tb](ProcessArgs args) {
