@@ -34,15 +34,17 @@ Status CheckOptions(const TransferBenchOptions& o, int world) {
 }
 
 // One layer of DeepSeek's latent rows (512 + 64, bf16), blocks of
-// `block_tokens`, twice the largest size's blocks (scattered fetches take
-// every other block).
-LatentCacheConfig PoolConfig(const TransferBenchOptions& o, int64_t max_blocks) {
+// `block_tokens`, twice the blocks of the largest size (scattered fetches
+// take every other block).
+LatentCacheConfig PoolConfig(const TransferBenchOptions& o) {
   LatentCacheConfig c;
   c.num_layers = 1;
   c.kv_lora_rank = 512;
   c.rope_dim = 64;
   c.block_size = o.block_tokens;
   c.dtype = DType::kBF16;
+  const int64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
+  const int64_t max_blocks = (max_size + c.block_bytes() - 1) / c.block_bytes();
   c.budget_bytes = 2 * max_blocks * c.block_bytes();
   return c;
 }
@@ -79,15 +81,16 @@ StatusOr<nlohmann::json> FetchSizes(const TransferBenchOptions& o, BlockTransfer
       MLARUN_RETURN_IF_ERROR(t.Fetch(peer, ids, ids));
       us.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
     }
-    const double med = Median(us), bytes = static_cast<double>(blocks * block_bytes);
+    const double med = Median(us), least = *std::min_element(us.begin(), us.end());
+    const double bytes = static_cast<double>(blocks * block_bytes);
     const double gbs = bytes / (med * 1e3);
-    table << blocks * block_bytes << " | " << blocks << " | " << gets << " | " << Fmt(med, 1) << " | "
-          << Fmt(*std::min_element(us.begin(), us.end()), 1) << " | " << Fmt(gbs, 2) << "\n";
+    table << blocks * block_bytes << " | " << blocks << " | " << gets << " | " << Fmt(med, 1) << " | " << Fmt(least, 1)
+          << " | " << Fmt(gbs, 2) << "\n";
     rows.push_back({{"bytes", blocks * block_bytes},
                     {"blocks", blocks},
                     {"gets_per_fetch", gets},
                     {"median_us", med},
-                    {"min_us", *std::min_element(us.begin(), us.end())},
+                    {"min_us", least},
                     {"gb_per_s", gbs}});
   }
   return rows;
@@ -98,9 +101,7 @@ StatusOr<nlohmann::json> FetchSizes(const TransferBenchOptions& o, BlockTransfer
 Status RunTransferBench(const TransferBenchOptions& o, MpiSession& session, std::ostream& table) {
   MLARUN_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> world, session.World());
   MLARUN_RETURN_IF_ERROR(CheckOptions(o, world->size()));
-  const int64_t max_size = *std::max_element(o.sizes.begin(), o.sizes.end());
-  const LatentCacheConfig config =
-      PoolConfig(o, (max_size + PoolConfig(o, 1).block_bytes() - 1) / PoolConfig(o, 1).block_bytes());
+  const LatentCacheConfig config = PoolConfig(o);
   const TransferPath path = o.path == "shm" ? TransferPath::kSharedMemory : TransferPath::kAny;
   std::unique_ptr<TransferMemory> memory;
   if (!o.process_memory) {
