@@ -27,10 +27,11 @@
 //                   model's exact arithmetic). Default auto: int4 weights
 //                   round A (avx2 and up; the scalar family keeps it fp32),
 //                   int8 weights keep it fp32; on: both round it.
-//   MLARUN_VNNI     on | off. Off, the packed int-dot kernel of the avx512
-//                   and amx families sums int4 byte products with AVX2's
+//   MLARUN_VNNI     on | off. Off, the int-dot kernels of the avx512 and
+//                   amx families sum int4 byte products with AVX2's
 //                   instructions even where the CPU has AVX512-VNNI
-//                   (cpu::UseVnni; the same sums), and int8 products of
+//                   (cpu::UseVnni; the same integer sums), few rows in
+//                   pairs of blocks instead of quads, and int8 products of
 //                   many rows go back to fp32 panels. For measuring and
 //                   testing both paths on one CPU. Default: on.
 //   MLARUN_BF16_DOT on | off. Off, no product uses AVX512-BF16's dot

@@ -1,8 +1,7 @@
 // launcher/env: MLARUN_STREAM_PREFETCH switches the streaming products'
 // vendor rule, MLARUN_INT_DOT the int weights' activations, MLARUN_BF16_DOT
 // and MLARUN_VNNI the AVX-512 dot products, as the benchmarks' JSON reports
-// them; a bad value is an error naming the
-// variable, and changes nothing.
+// them; a bad value is an error naming the variable, and changes nothing.
 #include "launcher/env.h"
 
 #include <gtest/gtest.h>
