@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 
 namespace mlarun {
 
@@ -67,11 +68,16 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
   auto r = std::make_unique<Req>();
   r->id = next_id_++;
   r->tokens = request.prompt;
+  r->tokens.insert(r->tokens.end(), request.generated.begin(), request.generated.end());
   // The sampler keeps the request's history for its penalties: the prompt,
-  // then each token it draws. It lives as long as the request, preemptions
-  // included, so it never counts a token twice (nor feeds its grammar twice).
-  r->sampler = std::make_unique<Sampler>(request.sampling,
-                                         SamplerHistory{.prompt = request.prompt, .eos_token_ids = c.eos_token_ids});
+  // the tokens generated elsewhere (a resumed request's, whose draws its
+  // random stream skips), then each token it draws. It lives as long as the
+  // request, preemptions included, so it never counts a token twice (nor
+  // feeds its grammar twice).
+  r->sampler = std::make_unique<Sampler>(request.sampling, SamplerHistory{.prompt = request.prompt,
+                                                                          .eos_token_ids = c.eos_token_ids,
+                                                                          .output = request.generated,
+                                                                          .draws = std::ssize(request.generated)});
   // Tens of milliseconds for a new JSON schema on a large vocabulary: not
   // on the step loop.
   if (so.active()) {
@@ -150,7 +156,7 @@ Status Engine::Admit(Req& r) {
   // are wanted and not all recorded (their rows must be computed).
   const int64_t reusable = ScoresPending(r) ? 0 : static_cast<int64_t>(r.tokens.size()) - 1;
   MLARUN_ASSIGN_OR_RETURN(r.computed, cache_->AttachPrefix(r.id, r.tokens, reusable));
-  r.out.prefix_hit_tokens += r.computed;
+  r.out.prefix_hit_tokens += PromptTokens(r, r.computed);
   return Status::Ok();
 }
 
@@ -163,7 +169,7 @@ void Engine::CollectGrammars() {
     }
     StatusOr<std::unique_ptr<TokenConstraint>> constraint = r.grammar.get();
     if (constraint.ok()) {
-      r.sampler->SetConstraint(std::move(*constraint));
+      r.sampler->SetConstraint(std::move(*constraint), r.request.generated);
       ++it;
       continue;
     }
@@ -233,7 +239,7 @@ StatusOr<StepPlan> Engine::Schedule() {
     if (need > cache_->stats().blocks_allocatable()) {  // wait for running requests to free blocks
       MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
       r.in_cache = false;
-      r.out.prefix_hit_tokens -= r.computed;
+      r.out.prefix_hit_tokens -= PromptTokens(r, r.computed);
       r.computed = 0;
       break;
     }
@@ -268,8 +274,9 @@ StatusOr<StepPlan> Engine::Schedule() {
         q.score_tokens.push_back(r.request.prompt[static_cast<size_t>(p + 1)]);
       q.score_top = r.request.sampling.prompt_logprobs;
     }
-    (s.n == 1 && r.computed >= static_cast<int64_t>(r.request.prompt.size()) ? stats_.decode_tokens
-                                                                             : stats_.prefill_tokens) += s.n;
+    // A resumed request's tokens generated elsewhere are part of its prefill.
+    const int64_t prefill = std::ssize(r.request.prompt) + std::ssize(r.request.generated);
+    (s.n == 1 && r.computed >= prefill ? stats_.decode_tokens : stats_.prefill_tokens) += s.n;
   }
   const LatentCacheStats cs = cache_->stats();
   plan.cache = {.blocks_used = cs.blocks_used,
@@ -281,8 +288,12 @@ StatusOr<StepPlan> Engine::Schedule() {
   return plan;
 }
 
+int64_t Engine::PromptTokens(const Req& r, int64_t n) {
+  return std::min<int64_t>(n, static_cast<int64_t>(r.request.prompt.size()));
+}
+
 bool Engine::ScoresPending(const Req& r) {
-  return r.request.sampling.prompt_logprobs >= 0 &&
+  return r.request.generated.empty() && r.request.sampling.prompt_logprobs >= 0 &&
          static_cast<int64_t>(r.out.prompt_logprobs.size()) + 1 < static_cast<int64_t>(r.request.prompt.size());
 }
 
@@ -325,7 +336,7 @@ StatusOr<std::vector<int64_t>> Engine::Finish(const StepPlan& plan, std::span<co
     const TokenConstraint* grammar = r.sampler->constraint();
     if (stop_id || eos || (grammar != nullptr && grammar->terminated())) {
       r.out.finish_reason = FinishReason::kStop;
-    } else if (static_cast<int64_t>(r.out.tokens.size()) >= sp.max_tokens) {
+    } else if (std::ssize(r.request.generated) + std::ssize(r.out.tokens) >= sp.max_tokens) {
       r.out.finish_reason = FinishReason::kLength;
     } else {
       continue;

@@ -11,6 +11,12 @@
 // tokens it already produced; its sampler keeps its random stream, so the
 // output does not depend on preemption.
 //
+// A request that already generated tokens elsewhere (GenerationRequest::
+// generated: migrated from another DP group, or resumed after its group went
+// away) is computed from its prompt and those tokens, and goes on exactly as
+// it would have undisturbed: its sampler starts with their penalty history,
+// grammar state and random draws behind it.
+//
 // A step whose computation fails (Model::last_step_failure()) is a failed
 // request, not a failed engine: the requests of that step end with
 // FinishReason::kError and the step's Status, their blocks are released, and
@@ -63,7 +69,10 @@ enum class FinishReason : uint8_t { kNone = 0, kLength = 1, kStop = 2, kCancelle
 std::string_view FinishReasonName(FinishReason r);  // "length", "stop", "cancelled", "error"
 
 struct GenerationOutput {
-  std::vector<int64_t> tokens;   // generated ids only (those of the steps before a failure, if any)
+  // Generated ids only (those of the steps before a failure, if any); for a
+  // resumed request only those generated here, after GenerationRequest::
+  // generated.
+  std::vector<int64_t> tokens;
   std::vector<double> logprobs;  // natural log, unmodified distribution
   // SamplingParams::logprobs > 0: per generated token, its step's most likely
   // tokens (SampledToken::top); empty otherwise.
@@ -71,6 +80,8 @@ struct GenerationOutput {
   // SamplingParams::prompt_logprobs >= 0: entry i for prompt token i + 1 (the
   // first has none), its logprob given the tokens before it and that
   // position's most likely tokens. Complete once the first token is out.
+  // Empty for a resumed request (GenerationRequest::generated not empty):
+  // it reported them where it started.
   std::vector<LogprobEntry> prompt_logprobs;
   FinishReason finish_reason = FinishReason::kNone;
   Status error;                   // kError: why (the failed step's Status); OK otherwise
@@ -110,7 +121,9 @@ class Engine {
   // is not scheduled before its grammar is ready, and others pass it
   // meanwhile. A compile that fails all the same ends the request with
   // kError and that Status. The request ends with kStop once its grammar
-  // is complete.
+  // is complete. A resumed request (GenerationRequest::generated) has its
+  // earlier tokens count toward max_tokens and min_tokens; its output
+  // lists only the tokens generated here.
   StatusOr<int64_t> Add(GenerationRequest request);
 
   // One step: schedule, run the model, sample. Returns the ids of the requests
@@ -170,7 +183,7 @@ class Engine {
   struct Req {
     int64_t id;
     GenerationRequest request;
-    std::vector<int32_t> tokens;  // prompt, then generated tokens
+    std::vector<int32_t> tokens;  // prompt, then generated tokens (elsewhere, then here)
     int64_t computed = 0;         // tokens whose rows are in the cache
     bool in_cache = false;
     std::unique_ptr<Sampler> sampler;
@@ -201,7 +214,12 @@ class Engine {
   // compile that failed ends its request (kError).
   void CollectGrammars();
   bool GrammarsPending() const;
-  // Whether `r` wants its prompt's logprobs and some are not recorded yet.
+  // Of the first `n` tokens of r.tokens, those of its prompt (what
+  // prefix_hit_tokens counts: a preempted or resumed request may find its
+  // generated tokens' blocks cached too).
+  static int64_t PromptTokens(const Req& r, int64_t n);
+  // Whether `r` wants its prompt's logprobs and some are not recorded yet;
+  // never for a resumed request, which reported them before.
   static bool ScoresPending(const Req& r);
   // Reserves slots for r.tokens[r.computed, + n).
   Status Append(Req& r, int64_t n);

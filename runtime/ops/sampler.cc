@@ -293,6 +293,7 @@ Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : param
   // xoshiro state, as the xoshiro authors recommend.
   uint64_t seed_state = p.seed;
   for (uint64_t& word : state_) word = internal::SplitMix64Next(seed_state);
+  for (int64_t i = 0; i < history.draws; ++i) internal::Xoshiro256StarStarNext(state_);
   const bool repetition = p.repetition_penalty != 1.0;
   counts_output_ = repetition || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
   penalized_ = counts_output_ || !p.logit_bias.empty();
@@ -309,7 +310,15 @@ Sampler::Sampler(const SamplingParams& p, const SamplerHistory& history) : param
   }
   for (const std::vector<int64_t>& word : p.bad_words) output_kept_ = std::max(output_kept_, word.size() - 1);
   constraint_started_ = p.structured.start_after.empty();
-  for (int32_t token : history.output) Record(token);
+  for (int32_t token : history.output) {
+    if (!constraint_started_) ++constraint_from_;
+    Record(token);
+  }
+}
+
+void Sampler::SetConstraint(std::unique_ptr<TokenConstraint> constraint, std::span<const int32_t> output) {
+  constraint_ = std::move(constraint);
+  for (size_t i = constraint_from_; i < output.size() && constraint_ != nullptr; ++i) constraint_->Accept(output[i]);
 }
 
 namespace {

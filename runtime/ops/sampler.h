@@ -54,6 +54,11 @@ struct SamplerHistory {
   std::span<const int32_t> prompt;         // the repetition penalty's
   std::span<const int64_t> eos_token_ids;  // masked with the stop ids under min_tokens
   std::span<const int32_t> output;         // tokens generated before this sampler existed
+  // Random draws the request's stream already made (one per token it
+  // generated elsewhere, a resumed request's): the sampler starts that far
+  // into its stream, so its next draw is the one the request's first
+  // sampler would have made next. `output` alone does not advance it.
+  int64_t draws = 0;
 };
 
 // A constraint on the tokens a request may draw next (structured output:
@@ -99,7 +104,11 @@ class Sampler {
   // penalties and biases, and each drawn token is accepted by it; with
   // SamplingParams::structured.start_after only from the token after the
   // generated tokens first end with that sequence (a reasoning end marker).
-  void SetConstraint(std::unique_ptr<TokenConstraint> constraint) { constraint_ = std::move(constraint); }
+  // `output`: the history.output this sampler was built with (a resumed
+  // request's); the constraint first accepts those of its tokens it would
+  // have accepted as they were drawn, the ones after the marker (all of
+  // them without one). Called before the first Sample.
+  void SetConstraint(std::unique_ptr<TokenConstraint> constraint, std::span<const int32_t> output = {});
   const TokenConstraint* constraint() const { return constraint_.get(); }
   // logits: [vocab], fp32. Advances the random stream by one draw (also for
   // greedy, to keep streams aligned). Lists the most likely tokens when
@@ -182,6 +191,9 @@ class Sampler {
   // empty), and until then the last tokens generated, to spot it.
   bool constraint_started_ = true;
   std::vector<int64_t> recent_;
+  // history.output[constraint_from_, ) came after the marker: the tokens of
+  // it the constraint holds for.
+  size_t constraint_from_ = 0;
   // The last tokens generated, as many as the longest bad word's prefix
   // (none without bad_words): all MaskBadWords compares.
   std::vector<int64_t> output_;

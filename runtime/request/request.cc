@@ -41,19 +41,31 @@ Status ReadIntList(const Json& j, const char* field, std::vector<int64_t>* out) 
   return Status::Ok();
 }
 
+// Every id of `ids` in [0, vocab_size); errors name `field`[i].
+Status CheckTokenIds(std::span<const int32_t> ids, const char* field, const RequestLimits& limits) {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] >= 0 && ids[i] < limits.vocab_size) continue;
+    if (limits.vocab_size == kLimitUnknown)
+      return InvalidArgumentError(field, "[", i, "]: token id ", ids[i], " is negative");
+    return InvalidArgumentError(field, "[", i, "]: token id ", ids[i], " is outside the vocabulary (", limits.whose,
+                                " vocab_size ", limits.vocab_size, ")");
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
-Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits) {
+Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits,
+                       std::span<const int32_t> generated) {
   if (prompt.empty()) return InvalidArgumentError("prompt_ids: must not be empty");
-  for (size_t i = 0; i < prompt.size(); ++i) {
-    if (prompt[i] >= 0 && prompt[i] < limits.vocab_size) continue;
-    if (limits.vocab_size == kLimitUnknown)
-      return InvalidArgumentError("prompt_ids[", i, "]: token id ", prompt[i], " is negative");
-    return InvalidArgumentError("prompt_ids[", i, "]: token id ", prompt[i], " is outside the vocabulary (",
-                                limits.whose, " vocab_size ", limits.vocab_size, ")");
-  }
+  MLARUN_RETURN_IF_ERROR(CheckTokenIds(prompt, "prompt_ids", limits));
   if (Status st = ValidateSamplingParams(sampling, limits.vocab_size, limits.max_position_embeddings); !st.ok())
     return Status(st.code(), "sampling." + st.message());
+  MLARUN_RETURN_IF_ERROR(CheckTokenIds(generated, "generated_ids", limits));
+  // At least the next token is still to come.
+  if (static_cast<int64_t>(generated.size()) >= sampling.max_tokens)
+    return InvalidArgumentError("generated_ids: ", generated.size(), " tokens already generated, max_tokens is ",
+                                sampling.max_tokens);
   // Saturated: max_tokens may be anything up to INT64_MAX when no limit is known.
   int64_t total = 0;
   if (__builtin_add_overflow(static_cast<int64_t>(prompt.size()), sampling.max_tokens, &total))

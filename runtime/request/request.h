@@ -19,6 +19,12 @@ namespace mlarun {
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
+  // Tokens this request already generated elsewhere (a request migrated
+  // from another DP group, or resumed after its group went away): the
+  // engine computes prompt + generated and draws the next token as the
+  // (generated.size())-th, as the undisturbed request would have drawn it.
+  // max_tokens and min_tokens count them. Empty for a new request.
+  std::vector<int32_t> generated;
   // The prefix cache's salt (kv/prefix_hash.h): the request reuses and
   // publishes cached prefixes only among requests with the same salt. 0:
   // unsalted, shared by every request without one. The coordinator derives
@@ -46,12 +52,15 @@ struct RequestLimits {
 // coordinator with its groups' limits): INVALID_ARGUMENT whose message starts
 // with the field as the wire and the JSON lines name it ("prompt_ids[3]: ...",
 // "sampling.top_p: ..."). A non-empty prompt of ids in [0, vocab_size),
-// ValidateSamplingParams (max_tokens at most max_position_embeddings), prompt
-// + max_tokens within max_position_embeddings, and the cache blocks of
-// prompt + max_tokens within the whole cache.
-Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits);
+// ValidateSamplingParams (max_tokens at most max_position_embeddings), the
+// tokens already generated (GenerationRequest::generated) of ids in [0,
+// vocab_size) and fewer than max_tokens, prompt + max_tokens within
+// max_position_embeddings, and the cache blocks of prompt + max_tokens
+// within the whole cache.
+Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits,
+                       std::span<const int32_t> generated = {});
 inline Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits) {
-  return ValidateRequest(request.prompt, request.sampling, limits);
+  return ValidateRequest(request.prompt, request.sampling, limits, request.generated);
 }
 
 // One JSON object: "prompt_ids" (required) and the sampling fields

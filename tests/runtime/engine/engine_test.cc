@@ -329,6 +329,120 @@ TEST(Engine, PenaltiesFollowEachRequestsOwnHistory) {
   for (size_t i = 0; i < 5; ++i) EXPECT_NE(outs[1].tokens[i], base.tokens[3]) << "token " << i;
 }
 
+// Runs `request` undisturbed on a fresh engine, then, for each k, resumes it
+// on another fresh engine with its first k tokens as already generated
+// (GenerationRequest::generated): the resumed run must produce exactly the
+// rest, with the same logprobs, up to the same max_tokens and finish
+// reason. Returns the undisturbed output.
+GenerationOutput ExpectResumesContinueTheRun(Model& m, const GenerationRequest& request,
+                                             std::initializer_list<size_t> ks) {
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20};
+  const GenerationOutput whole = RunAll(m, ec, {request})[0];
+  EXPECT_EQ(whole.tokens.size(), static_cast<size_t>(request.sampling.max_tokens));
+  EXPECT_EQ(whole.finish_reason, FinishReason::kLength);
+  for (const size_t k : ks) {
+    SCOPED_TRACE("resumed after " + std::to_string(k) + " tokens");
+    if (k >= whole.tokens.size()) {
+      ADD_FAILURE() << "the undisturbed run has only " << whole.tokens.size() << " tokens";
+      continue;
+    }
+    GenerationRequest resumed = request;
+    resumed.generated.assign(whole.tokens.begin(), whole.tokens.begin() + static_cast<std::ptrdiff_t>(k));
+    const GenerationOutput rest = RunAll(m, ec, {resumed})[0];
+    EXPECT_EQ(rest.tokens,
+              std::vector<int64_t>(whole.tokens.begin() + static_cast<std::ptrdiff_t>(k), whole.tokens.end()));
+    EXPECT_EQ(rest.finish_reason, whole.finish_reason);
+    EXPECT_EQ(rest.logprobs.size(), rest.tokens.size());
+    for (size_t i = 0; i < rest.logprobs.size() && k + i < whole.logprobs.size(); ++i)
+      EXPECT_NEAR(rest.logprobs[i], whole.logprobs[k + i], 1e-5) << "token " << k + i;
+  }
+  return whole;
+}
+
+// A request resumed on a fresh engine with the tokens it generated
+// elsewhere (migrated, or recovered after its DP group died) goes on
+// exactly as the undisturbed run: greedy, and seeded sampling, whose
+// random stream skips the draws those tokens took.
+TEST(Engine, ResumedRequestContinuesTheUndisturbedRun) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const auto p = RandomPrompt(20, 81);
+  {
+    SCOPED_TRACE("greedy");
+    ExpectResumesContinueTheRun(*m, {p, Greedy(12)}, {1, 5, 11});
+  }
+  {
+    SCOPED_TRACE("seeded sampling");
+    const SamplingParams sampled{
+        .temperature = 0.8, .top_p = 0.9, .seed = 7, .max_tokens = 12, .stop_token_ids = {}, .ignore_eos = true};
+    ExpectResumesContinueTheRun(*m, {p, sampled}, {1, 5, 11});
+  }
+}
+
+// The penalties, min_tokens and bad words of a resumed request count the
+// tokens it generated elsewhere. The model's EOS (ignored, so it does not
+// end the request) is a token greedy decoding first picks at position j,
+// and min_tokens is j: a resumed request that did not count its earlier
+// tokens would still mask it there.
+TEST(Engine, ResumedRequestKeepsPenaltiesMinTokensAndBadWords) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const auto p = RandomPrompt(10, 83);
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20};
+  SamplingParams sp = Greedy(12);
+  sp.repetition_penalty = 1.3;
+  sp.frequency_penalty = 0.4;
+  sp.presence_penalty = 0.4;
+  const auto plain = RunAll(*m, ec, {{p, sp}})[0];
+  ASSERT_EQ(plain.tokens.size(), 12u);
+  sp.bad_words = {{plain.tokens[2], plain.tokens[3]}};
+  const auto worded = RunAll(*m, ec, {{p, sp}})[0];
+  ASSERT_EQ(worded.tokens.size(), 12u);
+  ASSERT_NE(worded.tokens, plain.tokens) << "the bad word was meant to change the run";
+  size_t j = 6;
+  auto seen_before = [&](size_t at) {
+    return std::find(worded.tokens.begin(), worded.tokens.begin() + static_cast<std::ptrdiff_t>(at),
+                     worded.tokens[at]) != worded.tokens.begin() + static_cast<std::ptrdiff_t>(at);
+  };
+  while (j < 10 && seen_before(j)) ++j;
+  ASSERT_FALSE(seen_before(j)) << "no new token among positions 6 to 10";
+  ModelConfig c = m->config();
+  c.eos_token_ids = {worded.tokens[j]};
+  auto m_eos = std::move(Model::Random(c, 1234)).value();
+  sp.min_tokens = static_cast<int64_t>(j);
+  const GenerationOutput whole = ExpectResumesContinueTheRun(*m_eos, {p, sp}, {1, 3, 5, 11});
+  EXPECT_EQ(whole.tokens, worded.tokens) << "min_tokens masks the EOS only where greedy did not pick it";
+}
+
+// A resumed request is recomputed after a preemption from its prompt and
+// every token it generated, here or before; its prompt's logprobs, which it
+// reported where it started, are not computed again.
+TEST(Engine, ResumedRequestsSurvivePreemption) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  std::vector<GenerationRequest> reqs;
+  for (uint32_t i = 0; i < 4; ++i) reqs.push_back({RandomPrompt(16, 90 + i), i % 2 ? Sampled(20, i) : Greedy(20)});
+  reqs[1].sampling.prompt_logprobs = 1;
+  const auto free_run = RunAll(*m, EngineConfig{.cache_budget_bytes = 16 << 20, .block_size = 16}, reqs);
+  ASSERT_EQ(free_run.size(), reqs.size());
+  ASSERT_EQ(free_run[1].prompt_logprobs.size(), 15u);
+  const size_t k = 3;
+  for (size_t i = 0; i < reqs.size(); ++i)
+    reqs[i].generated.assign(free_run[i].tokens.begin(), free_run[i].tokens.begin() + k);
+  const LatentCacheConfig cc = m->CacheConfig(0, 16);
+  const int64_t block_bytes = cc.num_layers * (cc.kv_lora_rank + cc.rope_dim) * 4 * 16;
+  EngineStats stats;
+  const auto tight = RunAll(*m, EngineConfig{.cache_budget_bytes = 8 * block_bytes, .block_size = 16}, reqs, &stats);
+  EXPECT_GT(stats.preemptions, 0) << "the cache was meant to run out";
+  ASSERT_EQ(tight.size(), reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    EXPECT_EQ(tight[i].tokens, std::vector<int64_t>(free_run[i].tokens.begin() + k, free_run[i].tokens.end()))
+        << "request " << i;
+    EXPECT_EQ(tight[i].finish_reason, FinishReason::kLength);
+    EXPECT_TRUE(tight[i].prompt_logprobs.empty()) << "request " << i;
+  }
+}
+
 // The tiny model whose Forward call `fail_call` (0-based) fails with INTERNAL.
 std::unique_ptr<Model> TinyFailingAt(int64_t fail_call) {
   ModelOptions o;
@@ -470,6 +584,41 @@ TEST(ValidateRequest, KnownLimitsNameFieldAndOwner) {
             "max_position_embeddings 20");
   s.max_tokens = 21;  // more than the context alone
   EXPECT_EQ(ValidateRequest(ok, s, limits).message().rfind("sampling.max_tokens must be in [1, 20]", 0), 0u);
+}
+
+// Tokens already generated are checked as the prompt's are, and at least
+// one token must be left to generate.
+TEST(ValidateRequest, GeneratedTokensAreInTheVocabularyAndFewerThanMaxTokens) {
+  const RequestLimits limits{.vocab_size = 100, .max_position_embeddings = 20};
+  SamplingParams s;
+  s.max_tokens = 5;
+  const std::vector<int32_t> prompt = {1, 2, 3};
+  EXPECT_TRUE(ValidateRequest(prompt, s, limits, std::vector<int32_t>{4, 5, 6, 99}).ok());
+  const Status out = ValidateRequest(prompt, s, limits, std::vector<int32_t>{4, 100});
+  EXPECT_EQ(out.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(out.message(), "generated_ids[1]: token id 100 is outside the vocabulary (the model's vocab_size 100)");
+  EXPECT_EQ(ValidateRequest(prompt, s, RequestLimits{}, std::vector<int32_t>{-3}).message(),
+            "generated_ids[0]: token id -3 is negative");
+  const Status all = ValidateRequest(prompt, s, limits, std::vector<int32_t>{4, 5, 6, 7, 8});
+  EXPECT_EQ(all.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(all.message(), "generated_ids: 5 tokens already generated, max_tokens is 5");
+}
+
+TEST(Engine, ResumedRequestsWithBadGeneratedTokensAreRejected) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  auto engine = std::move(Engine::Create(*m, EngineConfig{.cache_budget_bytes = 16 << 20})).value();
+  GenerationRequest outside{RandomPrompt(5, 1), Greedy(4)};
+  outside.generated = {7, 512};
+  const auto a = engine->Add(outside);
+  EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.status().message().rfind("generated_ids[1]: ", 0), 0u) << a.status();
+  GenerationRequest done{RandomPrompt(5, 2), Greedy(4)};
+  done.generated = {7, 8, 9, 10};
+  const auto b = engine->Add(done);
+  EXPECT_EQ(b.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(b.status().message(), "generated_ids: 4 tokens already generated, max_tokens is 4");
+  EXPECT_FALSE(engine->HasWork()) << "a refused request changes nothing";
 }
 
 }  // namespace

@@ -839,6 +839,48 @@ TEST(SamplerPenalties, DrawnTokensJoinTheHistory) {
   }
 }
 
+// A sampler resumed with the n tokens another one drew (history.output) and
+// the n draws they took behind it draws what that one draws next: plain and
+// filtered sampling, and penalties, min_tokens and bad words over the same
+// history.
+TEST(SamplerPenalties, AResumedSamplerDrawsWhatTheOriginalDrawsNext) {
+  std::mt19937_64 rng(5);
+  const int64_t vocab = 40;  // small: drawn tokens repeat, so the penalties bite
+  std::vector<std::vector<float>> rows;
+  for (int i = 0; i < 20; ++i) rows.push_back(RandomLogits(rng, vocab));
+  SamplingParams penalized = Params(0.8, 0, 0.9, 7);
+  penalized.presence_penalty = 0.5;
+  penalized.frequency_penalty = 0.3;
+  penalized.repetition_penalty = 1.2;
+  penalized.min_tokens = 6;
+  penalized.stop_token_ids = {4};
+  penalized.bad_words = {{3, 5}, {9}};
+  const std::vector<int32_t> prompt = {1, 5, 9, 5};
+  const std::vector<int64_t> eos = {2};
+  for (const SamplingParams& p :
+       {Params(1.0, 0, 1.0, 7), Params(0.8, 0, 0.9, 7), Params(0.7, 20, 0.95, 11), penalized}) {
+    SCOPED_TRACE("temperature " + std::to_string(p.temperature) + " top_p " + std::to_string(p.top_p));
+    Sampler original(p, {.prompt = prompt, .eos_token_ids = eos});
+    std::vector<SampledToken> drawn;
+    for (const auto& row : rows) drawn.push_back(original.Sample(row));
+    for (const size_t n : {size_t{1}, size_t{5}, size_t{11}}) {
+      std::vector<int32_t> output;
+      for (size_t i = 0; i < n; ++i) output.push_back(static_cast<int32_t>(drawn[i].token));
+      Sampler resumed(p, {.prompt = prompt, .eos_token_ids = eos, .output = output, .draws = static_cast<int64_t>(n)});
+      Sampler unskipped(p, {.prompt = prompt, .eos_token_ids = eos, .output = output});
+      int64_t differing = 0;
+      for (size_t i = n; i < rows.size(); ++i) {
+        const SampledToken t = resumed.Sample(rows[i]);
+        ASSERT_EQ(t.token, drawn[i].token) << "n " << n << " row " << i;
+        ASSERT_EQ(t.logprob, drawn[i].logprob) << "n " << n << " row " << i;
+        differing += unskipped.Sample(rows[i]).token != drawn[i].token;
+      }
+      // Guards the check above: a stream that does not skip the draws goes astray.
+      EXPECT_GT(differing, 0) << "n " << n;
+    }
+  }
+}
+
 // Tempered draws from the penalized logits: each draw from a fresh sampler
 // (its own seed) over the same history, against softmax(reference / T).
 TEST(SamplerPenalties, SampledDistributionMatchesReference) {
@@ -1059,6 +1101,51 @@ TEST(SamplerConstraint, AMarkerThatNeverComesLeavesTheConstraintAlone) {
   s.SetConstraint(std::move(owned));
   for (const int64_t want : {9, 8, 8, 7, 9, 50, 8}) EXPECT_EQ(s.Sample(LogitsPeakingAt(rng, 64, want)).token, want);
   EXPECT_TRUE(c->accepted.empty());
+}
+
+// A resumed sampler (the tokens another one drew as history.output, its
+// draws skipped) given its constraint with those tokens has it hear the
+// ones the original's heard, those after start_after's marker (all without
+// a marker), then each token it draws: the same tokens as the original's,
+// wherever the request was cut, before, inside or after the marker.
+TEST(SamplerConstraint, AResumedConstraintHearsWhatTheOriginalHeard) {
+  std::mt19937 rng(31);
+  const int64_t vocab = 500;
+  const std::vector<int64_t> allowed = {3, 41, 97, 260, 499};
+  for (const std::vector<int64_t>& marker :
+       {std::vector<int64_t>{}, std::vector<int64_t>{77}, std::vector<int64_t>{12, 13, 14}}) {
+    SCOPED_TRACE("marker of " + std::to_string(marker.size()) + " tokens");
+    SamplingParams p{.temperature = 0.0};
+    p.structured = {.kind = StructuredOutput::Kind::kRegex, .spec = "x", .start_after = marker};
+    // Free tokens with a false start of the marker, the marker one token a
+    // step, then peaks the constraint refuses (never allowed).
+    std::vector<int64_t> peaks = {200, 12, 13, 250, 5};
+    peaks.insert(peaks.end(), marker.begin(), marker.end());
+    for (int k = 0; k < 6; ++k) peaks.push_back(std::uniform_int_distribution<int64_t>(100, 200)(rng));
+    std::vector<std::vector<float>> rows;
+    for (const int64_t peak : peaks) rows.push_back(LogitsPeakingAt(rng, vocab, peak));
+    Sampler original(p);
+    auto owned = std::make_unique<FixedSet>(allowed);
+    const FixedSet* heard = owned.get();
+    original.SetConstraint(std::move(owned));
+    std::vector<int32_t> drawn;
+    std::vector<std::vector<int64_t>> heard_by;  // what the constraint heard after each draw
+    for (const auto& row : rows) {
+      drawn.push_back(static_cast<int32_t>(original.Sample(row).token));
+      heard_by.push_back(heard->accepted);
+    }
+    ASSERT_FALSE(heard->accepted.empty());
+    for (size_t n = 1; n < rows.size(); ++n) {
+      const std::vector<int32_t> output(drawn.begin(), drawn.begin() + static_cast<std::ptrdiff_t>(n));
+      Sampler resumed(p, {.output = output, .draws = static_cast<int64_t>(n)});
+      auto resumed_owned = std::make_unique<FixedSet>(allowed);
+      const FixedSet* c = resumed_owned.get();
+      resumed.SetConstraint(std::move(resumed_owned), output);
+      EXPECT_EQ(c->accepted, heard_by[n - 1]) << "cut after " << n;
+      for (size_t i = n; i < rows.size(); ++i) ASSERT_EQ(resumed.Sample(rows[i]).token, drawn[i]) << n << ", " << i;
+      EXPECT_EQ(c->accepted, heard->accepted) << "cut after " << n;
+    }
+  }
 }
 
 }  // namespace
