@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   commands::AddSimWorkerCommand(app, table);
   commands::AddSubmitCommand(app, table);
   commands::AddStatsCommand(app, table);
+  commands::AddMigrateCommand(app, table);
   commands::AddTokenizeCommand(app, table);
   commands::AddServeCommand(app, table);
   commands::AddQuantizeCommand(app, table);

@@ -59,6 +59,7 @@ void AddWorkerCommand(CLI::App& app, CommandTable& table);
 void AddSimWorkerCommand(CLI::App& app, CommandTable& table);
 void AddSubmitCommand(CLI::App& app, CommandTable& table);
 void AddStatsCommand(CLI::App& app, CommandTable& table);
+void AddMigrateCommand(CLI::App& app, CommandTable& table);
 void AddTokenizeCommand(CLI::App& app, CommandTable& table);
 void AddServeCommand(CLI::App& app, CommandTable& table);
 void AddQuantizeCommand(CLI::App& app, CommandTable& table);

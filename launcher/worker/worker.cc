@@ -78,8 +78,9 @@ class Worker {
   // A request of this leader's group, as the stream knows it.
   struct Live {
     std::string request_id;
-    size_t sent = 0;         // tokens sent
+    size_t sent = 0;         // tokens sent (of those generated here)
     size_t prompt_sent = 0;  // prompt logprobs sent
+    size_t before = 0;       // tokens it generated elsewhere (RouteRequest.generated_ids)
   };
 
   // Start-up, in this order.
@@ -102,6 +103,9 @@ class Worker {
   void DrainLink();
   void OnRoute(const v1::RouteRequest& route);
   void OnCancel(const std::string& request_id);
+  // MigrateOut: the request leaves this group now, between two steps (its
+  // tokens are all sent), and the coordinator hears how many it has.
+  void OnMigrateOut(const std::string& request_id);
   void OnStreamEnded(const WorkerLinkEvent& e);
   // The link (leaders), after each step: new tokens, completions, stats.
   void Report();
@@ -381,6 +385,8 @@ void Worker::DrainLink() {
       OnRoute(e.message.route());
     } else if (e.message.has_cancel()) {
       OnCancel(e.message.cancel().request_id());
+    } else if (e.message.has_migrate_out()) {
+      OnMigrateOut(e.message.migrate_out().request_id());
     } else if (e.ended) {
       OnStreamEnded(e);
     }
@@ -391,6 +397,7 @@ void Worker::OnRoute(const v1::RouteRequest& route) {
   const std::string rid = route.request_id();
   GenerationRequest req{.prompt = std::vector<int32_t>(route.prompt_ids().begin(), route.prompt_ids().end()),
                         .sampling = FromProto(route.sampling()),
+                        .generated = std::vector<int32_t>(route.generated_ids().begin(), route.generated_ids().end()),
                         .prefix_cache_salt = route.prefix_cache_salt()};
   auto id = runner_->Add(std::move(req));
   if (!id.ok()) {
@@ -402,7 +409,7 @@ void Worker::OnRoute(const v1::RouteRequest& route) {
     link_->Send(m);
     return;
   }
-  live_[*id] = Live{rid, 0};
+  live_[*id] = Live{.request_id = rid, .before = static_cast<size_t>(route.generated_ids_size())};
   by_request_id_[rid] = *id;
   stats_dirty_ = true;
 }
@@ -414,6 +421,21 @@ void Worker::OnCancel(const std::string& request_id) {
   (void)runner_->engine()->TakeOutput(it->second);  // forget it
   live_.erase(it->second);
   by_request_id_.erase(it);
+}
+
+void Worker::OnMigrateOut(const std::string& request_id) {
+  auto it = by_request_id_.find(request_id);
+  if (it == by_request_id_.end()) return;  // ended: its RequestDone answers
+  const Live& l = live_[it->second];
+  v1::WorkerMessage m;
+  m.mutable_exported()->set_request_id(request_id);
+  m.mutable_exported()->set_tokens(static_cast<int64_t>(l.before + l.sent));
+  (void)runner_->engine()->Cancel(it->second);  // its blocks are free
+  (void)runner_->engine()->TakeOutput(it->second);
+  live_.erase(it->second);
+  by_request_id_.erase(it);
+  link_->Send(m);
+  stats_dirty_ = true;
 }
 
 // The stream broke: the coordinator has ended or re-routed its requests.

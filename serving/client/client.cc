@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -111,7 +112,8 @@ void PrintStatsTable(const v1::GetStatsResponse& r, std::ostream& out) {
   out << "\ncoordinator: policy " << (c.policy().empty() ? "?" : c.policy()) << ", received " << c.requests_received()
       << ", completed " << c.requests_completed() << ", rejected " << c.requests_rejected() << ", failed "
       << c.requests_failed() << ", cancelled " << c.requests_cancelled() << ", queued " << c.requests_queued()
-      << ", rerouted " << c.requests_rerouted() << "\n";
+      << ", rerouted " << c.requests_rerouted() << ", migrated " << c.requests_migrated() << " (failed "
+      << c.migrations_failed() << ")\n";
 }
 
 }  // namespace
@@ -334,6 +336,34 @@ int RunStats(const StatsOptions& o, std::ostream& out, std::ostream& err) {
   } else {
     PrintStatsTable(resp, out);
   }
+  return 0;
+}
+
+int RunMigrate(const MigrateOptions& o, std::ostream& out, std::ostream& err) {
+  if (!CheckCommon("migrate", o.coordinator, o.timeout_s, err)) return 2;
+  if (o.request_id.empty()) {
+    err << "mlarun migrate: --request-id: must not be empty\n";
+    return 2;
+  }
+  auto stub = Connect(o.coordinator, o.security.tls, o.timeout_s);
+  grpc::ClientContext ctx;
+  SetDeadline(ctx, o.timeout_s);
+  client_internal::AddCredentials(ctx, o.security);
+  v1::MigrateRequest req;
+  req.set_request_id(o.request_id);
+  if (o.to_group >= 0) req.set_to_group(o.to_group);
+  req.set_to_worker_id(o.to_worker_id);
+  v1::MigrateResponse resp;
+  const grpc::Status st = stub->Migrate(&ctx, req, &resp);
+  if (!st.ok()) {
+    PrintGrpcError("migrate", st, err);
+    return 1;
+  }
+  char pause[32];
+  std::snprintf(pause, sizeof pause, "%.1f", resp.pause_ms());
+  out << "request '" << o.request_id << "' moved from DP group " << resp.from_group() << " of " << resp.from_worker_id()
+      << " to DP group " << resp.to_group() << " of " << resp.to_worker_id() << " after " << resp.tokens_before()
+      << " tokens; paused " << pause << " ms\n";
   return 0;
 }
 

@@ -1,4 +1,4 @@
-// Client-side commands of mlarun: `submit` and `stats`, and the deployment
+// Client-side commands of mlarun: `submit`, `stats` and `migrate`, and the deployment
 // file they share with `coordinator` and `worker`. No gRPC header is visible
 // here.
 #pragma once
@@ -62,5 +62,19 @@ struct StatsOptions {
   ClientSecurity security;
 };
 int RunStats(const StatsOptions& o, std::ostream& out, std::ostream& err);
+
+// `mlarun migrate`: moves a running request to another DP group (the
+// Migrate RPC) and returns once it runs there. Exit code: 0 moved, 1 the
+// coordinator refused or the request ended first (its gRPC status is
+// printed), 2 bad usage.
+struct MigrateOptions {
+  std::string coordinator = "127.0.0.1:50051";
+  std::string request_id;
+  int to_group = -1;         // -1: the coordinator picks
+  std::string to_worker_id;  // where several jobs have DP group to_group
+  double timeout_s = 60;
+  ClientSecurity security;
+};
+int RunMigrate(const MigrateOptions& o, std::ostream& out, std::ostream& err);
 
 }  // namespace mlarun

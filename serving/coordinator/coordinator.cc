@@ -138,8 +138,9 @@ class GenerateCall final : public grpc::ServerWriteReactor<grpc::ByteBuffer>, pu
   grpc::ByteBuffer write_buffer_;
 };
 
-using RawMlarunService = v1::Mlarun::WithRawCallbackMethod_Generate<v1::Mlarun::WithRawCallbackMethod_Cancel<
-    v1::Mlarun::WithRawCallbackMethod_GetStats<v1::Mlarun::WithRawCallbackMethod_Health<v1::Mlarun::Service>>>>;
+using RawMlarunService = v1::Mlarun::WithRawCallbackMethod_Generate<
+    v1::Mlarun::WithRawCallbackMethod_Cancel<v1::Mlarun::WithRawCallbackMethod_GetStats<
+        v1::Mlarun::WithRawCallbackMethod_Health<v1::Mlarun::WithRawCallbackMethod_Migrate<v1::Mlarun::Service>>>>>;
 
 class MlarunService final : public RawMlarunService {
  public:
@@ -157,6 +158,21 @@ class MlarunService final : public RawMlarunService {
     return Unary<v1::CancelRequest, v1::CancelResponse>(ctx, bytes, out, caller, [&](const auto& request, auto* r) {
       r->set_found(dispatcher_->Cancel(caller.principal, request.request_id()));
     });
+  }
+  // Answered when the move ends (the dispatcher calls back exactly once).
+  grpc::ServerUnaryReactor* Migrate(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
+                                    grpc::ByteBuffer* out) override {
+    const Caller caller = Identify(ctx);
+    if (!caller.refusal.ok()) return Done(ctx, caller.refusal);
+    v1::MigrateRequest request;
+    if (auto error = Parse(bytes, &request)) return Done(ctx, *error);
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    dispatcher_->Migrate(caller.principal, request,
+                         [reactor, out](const grpc::Status& status, const v1::MigrateResponse& response) {
+                           if (status.ok()) *out = Serialize(response);
+                           reactor->Finish(status);
+                         });
+    return reactor;
   }
   grpc::ServerUnaryReactor* GetStats(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* bytes,
                                      grpc::ByteBuffer* out) override {

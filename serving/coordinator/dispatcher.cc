@@ -184,7 +184,21 @@ struct Dispatcher::Request {
   int group = -1;                           // routed to groups_[group]; -1 while queued
   int64_t tokens_sent = 0;
   int64_t prompt_logprobs_sent = 0;  // prompt tokens 1 .. this have had their logprobs passed on
-  std::vector<int32_t> completion;   // generated ids, kept for prefix_affinity only
+  // The ids its client got: a request that leaves its group resumes from
+  // them (Resume), and prefix_affinity hashes them at the end.
+  std::vector<int32_t> completion;
+  // A Migrate in progress: from the MigrateOut to the first token (or the
+  // end) on the new group.
+  struct Move {
+    int from = -1, to = -1;  // group indexes; `to` is where it should go
+    int32_t from_group = 0;  // `from` as the caller names it (its slot may be reused)
+    std::string from_worker;
+    bool left = false;  // it left `from` (Exported, or `from` went away)
+    int64_t tokens_before = 0;
+    Clock::time_point paused_at;  // its last token before the move (or the call)
+    std::vector<MigrateDone> callers;
+  };
+  std::optional<Move> move;
   // Block-hash chains of the prompt, per block size seen (one in practice).
   std::vector<std::pair<int64_t, std::vector<uint64_t>>> chains;
 };
@@ -201,6 +215,7 @@ struct Dispatcher::Group {
   int64_t queued_tokens = 0;  // cost of its requests routed and not done, counted when routed
   int64_t in_flight = 0;
   int64_t routed = 0, completed = 0, tokens_generated = 0;
+  int64_t migrated_in = 0, migrated_out = 0;
   std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
   int64_t ranks_bytes = 0;           // their wire size as reported (counted in rank_stats_bytes_)
   PrefixIndex prefix;                // prefix_affinity only
@@ -227,11 +242,15 @@ class Dispatcher::Pending {
   void Note(std::string line) {
     if (log_) notes_.push_back(std::move(line));
   }
+  // A caller to answer (Migrate's), by Flush.
+  void Call(std::function<void()> call) { calls_.push_back(std::move(call)); }
   void Flush() {
     for (auto& o : links_) o->Flush();
     for (auto& o : clients_) o->Flush();
     for (const std::string& n : notes_) std::cerr << "mlarun coordinator: " << n << "\n";
     notes_.clear();
+    for (auto& call : calls_) call();
+    calls_.clear();
   }
 
  private:
@@ -239,6 +258,7 @@ class Dispatcher::Pending {
   std::vector<std::shared_ptr<ClientOutlet>> clients_;
   std::vector<std::shared_ptr<WorkerOutlet>> links_;
   std::vector<std::string> notes_;
+  std::vector<std::function<void()>> calls_;
 };
 
 namespace {
@@ -448,12 +468,12 @@ void Dispatcher::EndEarly(const std::string& wire_id, uint64_t serial, const std
     auto it = requests_.find(wire_id);
     if (it == requests_.end() || it->second->serial != serial) return;
     Request* r = it->second.get();
-    if (r->group < 0) {
-      // Not routed (re-queued after a loss): nothing was generated for it
-      // that a client could have stopped on; end it as the client's cancel.
+    if (r->group < 0 && r->tokens_sent == 0) {
+      // Not routed (re-queued after a loss) and nothing generated that a
+      // client could have stopped on: end it as the client's cancel.
       Fail(r, grpc::StatusCode::CANCELLED, "cancelled by the client", false, pending);
     } else {
-      CancelRoute(*r, pending);
+      if (r->group >= 0) CancelRoute(*r, pending);
       v1::RequestDone done;
       done.set_request_id(r->wire_id);
       done.set_finish_reason(finish_reason);
@@ -475,6 +495,44 @@ bool Dispatcher::Cancel(const std::string& principal, const std::string& id) {
   }
   pending.Flush();
   return true;
+}
+
+void Dispatcher::Migrate(const std::string& principal, const v1::MigrateRequest& request, MigrateDone done) {
+  Pending pending(options_.log_groups);
+  grpc::Status error;
+  {
+    MutexLock lock(mu_);
+    auto it = client_ids_.find({principal, request.request_id()});
+    if (shutting_down_) {
+      error = grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator shutting down");
+    } else if (it == client_ids_.end()) {
+      error = grpc::Status(grpc::StatusCode::NOT_FOUND,
+                           StrCat("request_id: no live request of yours is named '", request.request_id(), "'"));
+    } else if (Request* r = it->second; r->move) {
+      error = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, StrCat("request '", r->id, "' is moving already"));
+    } else if (r->group < 0) {
+      error = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                           StrCat("request '", r->id, "' waits for a DP group; it runs on none yet"));
+    } else if (const int to = MoveTarget(*r, request, &error); to >= 0) {
+      Group& from = *groups_[static_cast<size_t>(r->group)];
+      r->move = Request::Move{.from = r->group,
+                              .to = to,
+                              .from_group = from.dp_group,
+                              .from_worker = from.worker_id,
+                              .tokens_before = r->tokens_sent,
+                              .paused_at = r->tokens_sent > 0 ? r->last_token_at : Clock::now()};
+      r->move->callers.push_back(std::move(done));
+      v1::CoordinatorMessage msg;
+      msg.mutable_migrate_out()->set_request_id(r->wire_id);
+      from.link->Queue(std::move(msg));
+      pending.Add(from.link);
+      pending.Note(StrCat("request '", r->id, "' moves from DP group ", from.dp_group, " of worker ", from.worker_id,
+                          " to DP group ", groups_[static_cast<size_t>(to)]->dp_group, " of worker ",
+                          groups_[static_cast<size_t>(to)]->worker_id, " after ", r->tokens_sent, " tokens"));
+    }
+  }
+  pending.Flush();
+  if (!error.ok()) done(error, v1::MigrateResponse());
 }
 
 void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
@@ -509,6 +567,8 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
     s->set_tokens_generated(g->tokens_generated);
     s->set_free_blocks(g->free_blocks);
     s->set_queued_tokens(g->queued_tokens);
+    s->set_migrated_in(g->migrated_in);
+    s->set_migrated_out(g->migrated_out);
     std::string reason = g->disconnect_reason;
     if (!details) {
       for (size_t at; !g->worker_id.empty() && (at = reason.find(g->worker_id)) != std::string::npos;)
@@ -525,6 +585,8 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
   c->set_requests_cancelled(counters_.cancelled);
   c->set_requests_queued(static_cast<int64_t>(queue_.size()));
   c->set_requests_rerouted(counters_.rerouted);
+  c->set_requests_migrated(counters_.migrated);
+  c->set_migrations_failed(counters_.migrations_failed);
 }
 
 void Dispatcher::FillHealth(v1::HealthResponse* out) const {
@@ -665,6 +727,9 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
       case v1::WorkerMessage::kDone:
         violation = OnDone(index, msg.done(), pending);
         break;
+      case v1::WorkerMessage::kExported:
+        violation = OnExported(index, msg.exported(), pending);
+        break;
       case v1::WorkerMessage::kStats:
         if (msg.stats().free_blocks() < 0 || msg.stats().free_blocks() > kMaxBlocks) {
           violation = Violation{
@@ -794,8 +859,8 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
     r->client->Queue(std::move(out));
     pending.Add(r->client);
     ++g.tokens_generated;
-    if (router_.policy() == RoutingPolicy::kPrefixAffinity)
-      r->completion.push_back(static_cast<int32_t>(ev.token_id()));
+    r->completion.push_back(static_cast<int32_t>(ev.token_id()));
+    if (r->move && r->move->left) EndMove(r, grpc::Status::OK, pending);
   }
   return std::nullopt;
 }
@@ -823,6 +888,22 @@ std::optional<Dispatcher::Violation> Dispatcher::OnDone(int group, const v1::Req
                      .what = StrCat("done.prefix_hit_tokens ", done.prefix_hit_tokens(), " for request '", r->id,
                                     "' is outside [0, prompt tokens = ", r->prompt_tokens, "]")};
   Complete(r, done, pending);
+  return std::nullopt;
+}
+
+std::optional<Dispatcher::Violation> Dispatcher::OnExported(int group, const v1::Exported& exported, Pending& pending) {
+  auto it = requests_.find(exported.request_id());
+  // A request that ended or moved on meanwhile.
+  if (it == requests_.end() || it->second->group != group || !it->second->move || it->second->move->left)
+    return std::nullopt;
+  Request* r = it->second.get();
+  if (exported.tokens() != r->tokens_sent)
+    return Violation{.request_id = r->wire_id,
+                     .what = StrCat("exported.tokens ", exported.tokens(), " for request '", r->id, "', which had ",
+                                    r->tokens_sent, " tokens")};
+  ++groups_[static_cast<size_t>(group)]->migrated_out;
+  r->move->left = true;
+  Resume(r, pending);
   return std::nullopt;
 }
 
@@ -913,9 +994,12 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
     candidates.push_back(c);
   }
   if (candidates.empty()) return false;
-  const int index = candidates[router_.Pick(candidates)].index;
-  Group& g = *groups_[static_cast<size_t>(index)];
+  RouteTo(r, candidates[router_.Pick(candidates)].index, pending);
+  return true;
+}
 
+void Dispatcher::RouteTo(Request* r, int index, Pending& pending) {
+  Group& g = *groups_[static_cast<size_t>(index)];
   if (r->queued) {
     queue_.erase(r->queue_pos);
     r->queued = false;
@@ -936,7 +1020,74 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
   *msg.mutable_route() = r->route;
   g.link->Queue(std::move(msg));
   pending.Add(g.link);
-  return true;
+}
+
+void Dispatcher::Resume(Request* r, Pending& pending) {
+  ReleaseFromGroup(r);
+  r->route.mutable_generated_ids()->Assign(r->completion.begin(), r->completion.end());
+  const int to = r->move ? r->move->to : -1;
+  if (to >= 0 && groups_[static_cast<size_t>(to)]->link != nullptr) {
+    RouteTo(r, to, pending);
+  } else if (!TryRoute(r, pending)) {
+    r->queued = true;
+    r->queue_pos = queue_.insert(queue_.begin(), r);
+  }
+}
+
+int Dispatcher::MoveTarget(const Request& r, const v1::MigrateRequest& m, grpc::Status* error) {
+  if (!m.has_to_group()) {
+    std::vector<Candidate> candidates;
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      const Group& g = *groups_[i];
+      if (g.link == nullptr || static_cast<int>(i) == r.group) continue;
+      candidates.push_back(
+          {.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks});
+    }
+    if (!candidates.empty()) return candidates[router_.Pick(candidates)].index;
+    *error = grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          StrCat("no DP group but its own is connected to move request '", r.id, "' to"));
+    return -1;
+  }
+  std::vector<int> named;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (g.link != nullptr && g.dp_group == m.to_group() &&
+        (m.to_worker_id().empty() || g.worker_id == m.to_worker_id()))
+      named.push_back(static_cast<int>(i));
+  }
+  const std::string which =
+      StrCat("DP group ", m.to_group(), m.to_worker_id().empty() ? "" : StrCat(" of worker '", m.to_worker_id(), "'"));
+  if (named.size() == 1 && named[0] != r.group) return named[0];
+  *error = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                        named.empty()      ? StrCat("to_group: no connected ", which)
+                        : named.size() > 1 ? StrCat("to_group: ", which,
+                                                    " is connected in several worker jobs; name one with to_worker_id")
+                                           : StrCat("to_group: request '", r.id, "' runs on ", which, " already"));
+  return -1;
+}
+
+void Dispatcher::EndMove(Request* r, const grpc::Status& status, Pending& pending) {
+  Request::Move m = std::move(*r->move);
+  r->move.reset();
+  v1::MigrateResponse response;
+  response.set_from_group(m.from_group);
+  response.set_from_worker_id(m.from_worker);
+  response.set_tokens_before(m.tokens_before);
+  if (status.ok()) {
+    Group& to = *groups_[static_cast<size_t>(r->group)];
+    ++to.migrated_in;
+    ++counters_.migrated;
+    response.set_to_group(to.dp_group);
+    response.set_to_worker_id(to.worker_id);
+    if (r->tokens_sent > m.tokens_before) {
+      response.set_pause_ms(Ms(r->last_token_at - m.paused_at));
+      if (observer_ != nullptr) observer_->OnMigrated(response.pause_ms() / 1e3);
+    }
+  } else {
+    ++counters_.migrations_failed;
+  }
+  for (MigrateDone& caller : m.callers)
+    pending.Call([caller = std::move(caller), status, response] { caller(status, response); });
 }
 
 void Dispatcher::DrainQueue(Pending& pending) {
@@ -1052,6 +1203,9 @@ void Dispatcher::CancelRoute(const Request& r, Pending& pending) {
 
 void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route, Pending& pending) {
   if (cancel_route && r->group >= 0) CancelRoute(*r, pending);
+  if (r->move)
+    EndMove(r, grpc::Status(code, StrCat("request '", r->id, "' ended before it ran on its new group: ", message)),
+            pending);
   Count(code);
   Observe(*r, code, "", 0, Clock::now());
   r->client->Close(code, std::move(message));
@@ -1061,23 +1215,38 @@ void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bo
 
 void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pending) {
   const Clock::time_point now = Clock::now();
-  Group& g = *groups_[static_cast<size_t>(r->group)];
-  ++g.completed;
+  if (r->move) {
+    if (r->move->left && r->group >= 0) {
+      EndMove(r, grpc::Status::OK, pending);  // it ended on its new group
+    } else {
+      EndMove(r,
+              grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
+                           StrCat("request '", r->id, "' finished (", done.finish_reason(), ") before it could move")),
+              pending);
+    }
+  }
   Count(grpc::StatusCode::OK);
   Observe(*r, grpc::StatusCode::OK, done.finish_reason(), done.prefix_hit_tokens(), now);
-  if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() && g.block_size > 0) {
-    // The group's cache now also holds the generated tokens' blocks (all but
-    // the last token, whose row is never written): a follow-up turn that
-    // resends prompt + answer should find them.
-    std::vector<int32_t> seq(r->route.prompt_ids().begin(), r->route.prompt_ids().end());
-    seq.insert(seq.end(), r->completion.begin(), r->completion.end() - 1);
-    g.prefix.Insert(PrefixBlockHashes(seq, g.block_size, r->route.prefix_cache_salt()));
+  // The group that served it: its own, or the one it lost while it waits to
+  // resume (ended early by its client meanwhile).
+  const int served = r->group >= 0 ? r->group : r->lost_group;
+  if (r->group >= 0) {
+    Group& g = *groups_[static_cast<size_t>(r->group)];
+    ++g.completed;
+    if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() && g.block_size > 0) {
+      // The group's cache now also holds the generated tokens' blocks (all
+      // but the last token, whose row is never written): a follow-up turn
+      // that resends prompt + answer should find them.
+      std::vector<int32_t> seq(r->route.prompt_ids().begin(), r->route.prompt_ids().end());
+      seq.insert(seq.end(), r->completion.begin(), r->completion.end() - 1);
+      g.prefix.Insert(PrefixBlockHashes(seq, g.block_size, r->route.prefix_cache_salt()));
+    }
   }
   v1::GenerateResponse out;
   out.set_request_id(r->id);
   v1::Finished* f = out.mutable_finished();
   f->set_finish_reason(done.finish_reason());
-  f->set_dp_group(g.dp_group);
+  f->set_dp_group(served >= 0 ? groups_[static_cast<size_t>(served)]->dp_group : -1);
   f->set_prompt_tokens(r->prompt_tokens);
   f->set_completion_tokens(r->tokens_sent);
   f->set_prefix_hit_tokens(done.prefix_hit_tokens());
@@ -1102,8 +1271,11 @@ void Dispatcher::Forget(Request* r) {
 std::string Dispatcher::NoGroupMessage(const Request& r, Clock::time_point now) const {
   if (r.lost_group >= 0) {
     const Group& g = *groups_[static_cast<size_t>(r.lost_group)];
+    const std::string before = r.tokens_sent == 0
+                                   ? std::string("before answering")
+                                   : StrCat("after sending ", r.tokens_sent, r.tokens_sent == 1 ? " token" : " tokens");
     return StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away ", Seconds(now - g.left_at),
-                  " s ago before answering (", g.disconnect_reason,
+                  " s ago ", before, " (", g.disconnect_reason,
                   "), and no DP group connected to take the request over");
   }
   // The group that went away last, if any ever registered.
@@ -1142,19 +1314,18 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
   std::sort(affected.begin(), affected.end(), [](Request* a, Request* b) { return a->serial < b->serial; });
   auto head = queue_.begin();
   for (Request* r : affected) {
-    if (r->tokens_sent > 0) {
-      // The client saw part of the answer: another group cannot continue it.
-      Fail(r, grpc::StatusCode::UNAVAILABLE,
-           StrCat("DP group ", g.dp_group, " of worker '", g.worker_id, "' went away after sending ", r->tokens_sent,
-                  r->tokens_sent == 1 ? " token: " : " tokens: ", g.disconnect_reason),
-           false, pending);
-    } else {
-      ReleaseFromGroup(r);
-      ++counters_.rerouted;
-      r->queued = true;
-      r->queue_pos = queue_.insert(head, r);
-      r->lost_group = group;
+    ReleaseFromGroup(r);
+    ++counters_.rerouted;
+    r->lost_group = group;
+    if (r->move && !r->move->left && r->move->from == group) {
+      r->move->left = true;  // it moves on as asked, from the tokens its client has
+      ++g.migrated_out;
     }
+    // Tokens the group made that never arrived are made again: the new
+    // group resumes from the ones the client has (Resume, from the queue).
+    r->route.mutable_generated_ids()->Assign(r->completion.begin(), r->completion.end());
+    r->queued = true;
+    r->queue_pos = queue_.insert(head, r);
   }
   // Nothing of the group is in flight any more (ReleaseFromGroup / Fail).
   if (ConnectedGroups() > 0) return;

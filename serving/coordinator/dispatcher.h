@@ -25,9 +25,10 @@
 // Every accepted request ends, deadline or not (CoordinatorOptions says each
 // bound): routed, it ends with its group's answer, its own deadline, or its
 // group's loss (the stream breaks, the group leaves, or it stalls: nothing
-// from it for stall_timeout_s with work in flight); on that loss a request
-// without a token is re-queued at the head and re-routed, one with tokens
-// ends UNAVAILABLE naming the group and what happened. Queued with no group
+// from it for stall_timeout_s with work in flight); on that loss the request
+// is re-queued at the head and re-routed, one with tokens with those tokens
+// (Resume: the new group computes them again and goes on from there, so the
+// client's stream has no gap and no repeat). Queued with no group
 // connected, it waits at most queue_timeout_s from its arrival, or
 // lost_group_wait_s from the loss of the last group, then ends UNAVAILABLE
 // saying which group went away and why (or that none ever registered).
@@ -37,6 +38,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -99,6 +101,12 @@ class Dispatcher final : public WorkerLinkHandler {
   // The Cancel RPC of `principal`: false if it has no live request with this
   // id (another principal's is not even looked at).
   bool Cancel(const std::string& principal, const std::string& id);
+  // The Migrate RPC of `principal` (mlarun.proto says what it does and its
+  // errors). `done` is called exactly once, outside the dispatcher's lock:
+  // with OK and the response once the request runs on its new group (its
+  // first token or its end there), or with the error.
+  using MigrateDone = std::function<void(const grpc::Status&, const v1::MigrateResponse&)>;
+  void Migrate(const std::string& principal, const v1::MigrateRequest& request, MigrateDone done);
   // GetStats. Without `details` (a caller that is not authenticated) the
   // ranks' hosts and model paths are left out and worker ids are replaced by
   // "worker-<k>".
@@ -127,7 +135,7 @@ class Dispatcher final : public WorkerLinkHandler {
   // longer) attached; the caller stops reading.
   bool OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessage& msg) override;
   // The link's stream ended or broke: the group is disconnected, its requests
-  // without a token are re-routed, the others end with UNAVAILABLE.
+  // are re-routed (those with tokens resume from them).
   // Idempotent; a no-op for a link that is not attached. (A `leaving`
   // message does the same through OnWorkerMessage, with the group's reason,
   // and closes the link.)
@@ -150,6 +158,19 @@ class Dispatcher final : public WorkerLinkHandler {
   int64_t ConnectedGroups() const MLARUN_REQUIRES(mu_);
   bool Eligible(const Group& g) const MLARUN_REQUIRES(mu_);
   bool TryRoute(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Routes `r` (not routed now) to groups_[index], which is connected.
+  void RouteTo(Request* r, int index, Pending& pending) MLARUN_REQUIRES(mu_);
+  // `r` left its group with the tokens its client has (it moved, or the
+  // group went away): routed anew with them as RouteRequest.generated_ids,
+  // to its move's target while that is connected, else as the router picks;
+  // queued at the head when no group can take it.
+  void Resume(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Migrate's destination for `r`: the group `m` names, or the router's
+  // pick among the other connected groups; -1 with `error` set otherwise.
+  int MoveTarget(const Request& r, const v1::MigrateRequest& m, grpc::Status* error) MLARUN_REQUIRES(mu_);
+  // The move of `r` is over: its callers get `status` (OK: it runs on its
+  // new group) and the counters count it.
+  void EndMove(Request* r, const grpc::Status& status, Pending& pending) MLARUN_REQUIRES(mu_);
   void DrainQueue(Pending& pending) MLARUN_REQUIRES(mu_);
   void ArmTimer(Request* r, Clock::time_point at) MLARUN_REQUIRES(mu_);
   // A timer of `r` fired: DEADLINE_EXCEEDED at its deadline, UNAVAILABLE
@@ -189,7 +210,7 @@ class Dispatcher final : public WorkerLinkHandler {
   void Complete(Request* r, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
   void Forget(Request* r) MLARUN_REQUIRES(mu_);  // unlinks and destroys r
   // The group went away (`reason` says how, for messages and GetStats): its
-  // requests with tokens fail, the others are re-queued at the head. When no
+  // requests are re-queued at the head (Resume for those with tokens). When no
   // group is connected any more, everything queued waits at most
   // lost_group_wait_s more (or until its own deadline) for one.
   void Disconnect(int group, std::string reason, Pending& pending) MLARUN_REQUIRES(mu_);
@@ -209,6 +230,8 @@ class Dispatcher final : public WorkerLinkHandler {
   std::optional<Violation> OnTokens(Group& g, int group, const v1::TokenBatch& batch, Pending& pending)
       MLARUN_REQUIRES(mu_);
   std::optional<Violation> OnDone(int group, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
+  // A group's answer to MigrateOut: the request resumes on its target.
+  std::optional<Violation> OnExported(int group, const v1::Exported& exported, Pending& pending) MLARUN_REQUIRES(mu_);
   // The group broke the protocol: the request concerned fails (INTERNAL,
   // naming the group and the violation), the group is disconnected as on a
   // loss (`reason` says what it did) and its stream closed with
@@ -246,6 +269,7 @@ class Dispatcher final : public WorkerLinkHandler {
   uint64_t next_serial_ MLARUN_GUARDED_BY(mu_) = 0;
   struct Counters {
     int64_t received = 0, completed = 0, rejected = 0, failed = 0, cancelled = 0, rerouted = 0;
+    int64_t migrated = 0, migrations_failed = 0;
   } counters_ MLARUN_GUARDED_BY(mu_);
 
   std::thread timer_thread_;  // started in the constructor, joined by Shutdown

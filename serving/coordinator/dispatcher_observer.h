@@ -47,6 +47,10 @@ class DispatcherObserver {
   // A request that the dispatcher accepted ended (rejections at Submit are
   // ends too, never routed).
   virtual void OnEnd(const RequestEnd& end) = 0;
+  // A request moved to another group (Migrate) and its first token from
+  // there left for the client `pause_s` after its last one from the old
+  // group (or the Migrate call, when it had none).
+  virtual void OnMigrated(double pause_s) {}
 };
 
 }  // namespace mlarun::coord

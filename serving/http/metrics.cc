@@ -113,6 +113,12 @@ struct Metrics::Impl {
           .Help("From a request's arrival to its routing to a DP group, for requests that finished")
           .Register(*registry);
 
+  prometheus::Family<prometheus::Histogram>& migration_pause =
+      prometheus::BuildHistogram()
+          .Name("mlarun:migration_pause_seconds")
+          .Help("A moved request's last token from its old DP group to its first from the new one")
+          .Register(*registry);
+
   std::array<prometheus::Counter*, kFinishReasons.size()> success_by_reason{};
   std::array<prometheus::Counter*, kCodes> error_by_code{};
   prometheus::Counter* prompt = &prompt_tokens.Add({});
@@ -123,6 +129,7 @@ struct Metrics::Impl {
   prometheus::Histogram* itl_h = &itl.Add({}, kItlBuckets);
   prometheus::Histogram* e2e_h = &e2e.Add({}, kE2eBuckets);
   prometheus::Histogram* queue_h = &queue_time.Add({}, kE2eBuckets);
+  prometheus::Histogram* pause_h = &migration_pause.Add({}, kItlBuckets);
 
   // Worker aliases and the routing counters' cache, under mu (a lock of its
   // own: OnRouted runs under the dispatcher's mutex, Render does not).
@@ -178,6 +185,8 @@ void Metrics::OnEnd(const coord::RequestEnd& end) {
   if (end.queued_s >= 0) impl_->queue_h->Observe(end.queued_s);
 }
 
+void Metrics::OnMigrated(double pause_s) { impl_->pause_h->Observe(pause_s); }
+
 Metrics::Totals Metrics::totals() const {
   auto count = [](const prometheus::Counter* c) { return static_cast<int64_t>(c->Value()); };
   return Totals{.prompt_tokens = count(impl_->prompt),
@@ -225,13 +234,25 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
                        .Register(now);
   auto& rerouted = prometheus::BuildCounter()
                        .Name("mlarun:requests_rerouted_total")
-                       .Help("Requests moved to another DP group after theirs went away before their first token")
+                       .Help(
+                           "Requests re-queued for another DP group after theirs went away (those with tokens "
+                           "resume from them)")
                        .Register(now);
+  auto& migrated = prometheus::BuildCounter()
+                       .Name("mlarun:requests_migrated_total")
+                       .Help("Running requests moved to another DP group (Migrate) that run there")
+                       .Register(now);
+  auto& migrations_failed = prometheus::BuildCounter()
+                                .Name("mlarun:migrations_failed_total")
+                                .Help("Moves that did not happen: the request ended first, or no group took it")
+                                .Register(now);
 
   queued.Add({}).Set(static_cast<double>(stats.coordinator().requests_queued()));
   live.Add({}).Set(static_cast<double>(live_requests));
   received.Add({}).Increment(static_cast<double>(stats.coordinator().requests_received()));
   rerouted.Add({}).Increment(static_cast<double>(stats.coordinator().requests_rerouted()));
+  migrated.Add({}).Increment(static_cast<double>(stats.coordinator().requests_migrated()));
+  migrations_failed.Add({}).Increment(static_cast<double>(stats.coordinator().migrations_failed()));
   int64_t n_connected = 0;
   std::map<std::string, std::string> shown;  // alias -> worker id, for worker_info
   {

@@ -36,6 +36,7 @@ class Metrics final : public coord::DispatcherObserver {
   void OnRouted(std::string_view worker_id, int32_t dp_group) override;
   void OnToken(bool first, double since_s) override;
   void OnEnd(const coord::RequestEnd& end) override;
+  void OnMigrated(double pause_s) override;
 
   // The token counters so far (the stats line of serving/coordinator/
   // server_log.h reads them, so the log and /metrics count once).

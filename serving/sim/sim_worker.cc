@@ -105,6 +105,9 @@ struct SimRequest {
   int64_t prefix_hit_tokens = 0;
   int64_t generated = 0;
   int64_t last_token = -1;
+  // Tokens it generated on another group before it was routed here: their
+  // rows (but the last's) are written at admission, as prompt rows are.
+  std::vector<int32_t> resumed;
   std::vector<int64_t> output;  // the tokens sent (with sampling.bad_words only)
   // Cache blocks this request may still take (its prompt + max_tokens - 1
   // rows were reserved at admission, so decoding never runs out of blocks).
@@ -309,6 +312,17 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
     if (it != live_.end()) Drop(*it->second);  // unknown ids finished already: nothing to do
     return;
   }
+  if (m.has_migrate_out()) {
+    // Between two steps, every token of this request sent: it leaves.
+    auto it = live_.find(m.migrate_out().request_id());
+    if (it == live_.end()) return;  // finished already; its RequestDone answered
+    v1::WorkerMessage x;
+    x.mutable_exported()->set_request_id(it->first);
+    x.mutable_exported()->set_tokens(it->second->generated);
+    link_.Send(x);
+    Drop(*it->second);
+    return;
+  }
   if (!m.has_route()) return;
   v1::RouteRequest& r = *m.mutable_route();
   if (live_.count(r.request_id())) {
@@ -318,7 +332,8 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
     return;
   }
   GenerationRequest gen{.prompt = std::vector<int32_t>(r.prompt_ids().begin(), r.prompt_ids().end()),
-                        .sampling = FromProto(r.sampling())};
+                        .sampling = FromProto(r.sampling()),
+                        .generated = std::vector<int32_t>(r.generated_ids().begin(), r.generated_ids().end())};
   // The checks of Engine::Add, with its messages.
   Status st = ValidateGenerationRequest(gen, {.vocab_size = o_.vocab_size,
                                               .max_position_embeddings = o_.max_position_embeddings,
@@ -339,6 +354,10 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   req->prompt = std::move(gen.prompt);
   req->sampling = std::move(gen.sampling);
   req->prefix_cache_salt = r.prefix_cache_salt();
+  req->resumed = std::move(gen.generated);
+  req->generated = static_cast<int64_t>(req->resumed.size());
+  if (!req->resumed.empty()) req->last_token = req->resumed.back();
+  if (!req->sampling.bad_words.empty()) req->output.assign(req->resumed.begin(), req->resumed.end());
   waiting_.push_back(req.get());
   live_[req->id] = std::move(req);
 }
@@ -377,8 +396,11 @@ void SimGroup::Admit() {
     }
     const auto rest = std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(*hit));
     st = cache_->Append(r.seq, rest);
+    // A resumed request's generated tokens but the last (the next step's).
+    if (st.ok() && r.resumed.size() > 1)
+      st = cache_->Append(r.seq, std::span<const int32_t>(r.resumed).first(r.resumed.size() - 1));
     if (st.ok()) st = cache_->Commit(r.seq);
-    auto left = cache_->BlocksNeeded(r.seq, r.sampling.max_tokens - 1);
+    auto left = cache_->BlocksNeeded(r.seq, r.sampling.max_tokens - 1 - std::max<int64_t>(0, r.generated - 1));
     if (!st.ok() || !left.ok()) {
       log_("sim-worker: internal: ", st.ok() ? left.status() : st);
       Drop(r);

@@ -62,7 +62,11 @@ struct SimWorkerOptions {
 // the RequestDone of those that finished; steps are paced so a group makes
 // `tokens_per_s` tokens per second in total. WorkerStats every 200 ms
 // (free_blocks = allocatable blocks not reserved by running requests). A
-// CancelRoute drops the request before the next step. When the stream breaks,
+// CancelRoute drops the request before the next step; a MigrateOut answers
+// Exported with the tokens generated and drops it. A request routed with
+// generated_ids (it moved, or its group went away) writes their rows at
+// admission and goes on from token index len(generated_ids), so its tokens
+// are those it would have had on one group. When the stream breaks,
 // the group drops its in-flight requests and reconnects with back-off 100 ms
 // doubling to 2 s. Returns 0 once `*stop` is seen (polled every 20 ms), 2 for
 // bad options (message on `log`). Blocks; thread-safe to call concurrently.
