@@ -65,6 +65,9 @@ StatusOr<int64_t> Engine::Add(GenerationRequest request) {
           "worker's start-up log says which)");
     MLARUN_RETURN_IF_ERROR(config_.grammar->Check(so));
   }
+  // Without importers the rows are computed; so are those of a prompt
+  // whose logprobs are wanted (each row scores a prompt token).
+  if (!config_.imports || (request.generated.empty() && request.sampling.prompt_logprobs >= 0)) request.import.reset();
   auto r = std::make_unique<Req>();
   r->id = next_id_++;
   r->tokens = request.prompt;
@@ -115,9 +118,46 @@ Status Engine::Cancel(int64_t id) {
   r.in_cache = false;
   if (auto w = std::find(waiting_.begin(), waiting_.end(), &r); w != waiting_.end()) waiting_.erase(w);
   if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
+  if (auto m = std::find(importing_.begin(), importing_.end(), &r); m != importing_.end()) importing_.erase(m);
   r.out.finish_reason = FinishReason::kCancelled;
   if (r.grammar_abandoned) r.grammar_abandoned->store(true);
   return Status::Ok();
+}
+
+StatusOr<ExportedRequest> Engine::Export(int64_t id) {
+  auto it = requests_.find(id);
+  if (it == requests_.end() || it->second->out.finish_reason != FinishReason::kNone)
+    return NotFoundError("engine: no live request ", id);
+  Req& r = *it->second;
+  ExportedRequest out;
+  const auto m = std::find(importing_.begin(), importing_.end(), &r);
+  const bool importing = m != importing_.end();
+  if (importing) importing_.erase(m);
+  if (r.in_cache && !importing && r.computed > 0) {
+    // Between steps every appended row is computed and committed: the table
+    // is the computed rows' blocks.
+    const std::span<const int32_t> table = cache_->BlockTable(r.id);
+    const int64_t n = (r.computed + config_.block_size - 1) / config_.block_size;
+    if (n > std::ssize(table))
+      return InternalError("engine: request ", id, " has ", r.computed, " rows in ", table.size(), " blocks");
+    out.blocks.assign(table.begin(), table.begin() + n);
+    out.rows = r.computed;
+    exported_.insert(r.id);
+  } else if (r.in_cache) {
+    MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
+  }
+  r.in_cache = false;
+  if (auto w = std::find(waiting_.begin(), waiting_.end(), &r); w != waiting_.end()) waiting_.erase(w);
+  if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
+  r.out.finish_reason = FinishReason::kCancelled;
+  if (r.grammar_abandoned) r.grammar_abandoned->store(true);
+  ++stats_.exported;
+  return out;
+}
+
+Status Engine::ReleaseExport(int64_t id) {
+  if (exported_.erase(id) == 0) return NotFoundError("engine: request ", id, " has no exported blocks");
+  return cache_->Release(id);
 }
 
 void Engine::Preempt(Req& r) {
@@ -160,6 +200,65 @@ Status Engine::Admit(Req& r) {
   return Status::Ok();
 }
 
+Status Engine::Unadmit(Req& r) {
+  MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
+  r.in_cache = false;
+  r.out.prefix_hit_tokens -= PromptTokens(r, r.computed);
+  r.computed = 0;
+  return Status::Ok();
+}
+
+StatusOr<Engine::ImportStart> Engine::StartImport(Req& r, StepPlan& plan) {
+  const ImportSource& source = *r.request.import;
+  if (r.computed >= source.rows) {  // the local prefix cache has them all
+    r.request.import.reset();
+    return ImportStart::kLocal;
+  }
+  // The cached prefix is whole blocks: the import starts at a block's start.
+  const int64_t n = source.rows - r.computed, first = r.computed / config_.block_size;
+  MLARUN_ASSIGN_OR_RETURN(const int64_t need, cache_->BlocksNeeded(r.id, n));
+  if (need > cache_->stats().blocks_allocatable()) {
+    MLARUN_RETURN_IF_ERROR(Unadmit(r));
+    return ImportStart::kNoRoom;
+  }
+  MLARUN_RETURN_IF_ERROR(Append(r, n));
+  MLARUN_RETURN_IF_ERROR(cache_->CheckWritable(r.id, r.computed, n));
+  const std::span<const int32_t> table = cache_->BlockTable(r.id);
+  if (r.computed % config_.block_size != 0 || table.size() != source.blocks.size())
+    return InternalError("engine: request ", r.id, " imports ", source.blocks.size(), " blocks into ", table.size(),
+                         " from row ", r.computed);
+  plan.imports.push_back(
+      StepPlan::Import{.id = r.id,
+                       .descriptors = source.descriptors,
+                       .src = std::vector<int32_t>(source.blocks.begin() + first, source.blocks.end()),
+                       .dst = std::vector<int32_t>(table.begin() + first, table.end())});
+  importing_.push_back(&r);
+  return ImportStart::kStarted;
+}
+
+Status Engine::FinishImports(const StepPlan& plan, bool ok) {
+  size_t requeued = 0;  // failed ones go to the front of the queue, in plan order
+  for (const StepPlan::Import& m : plan.imports) {
+    const auto it = std::find_if(importing_.begin(), importing_.end(), [&](const Req* r) { return r->id == m.id; });
+    if (it == importing_.end()) continue;  // exported or cancelled since
+    Req& r = **it;
+    importing_.erase(it);
+    const int64_t rows = r.request.import->rows;
+    r.request.import.reset();  // once: a later preemption computes the rows
+    if (ok) {
+      MLARUN_RETURN_IF_ERROR(cache_->Commit(r.id));
+      stats_.imported_tokens += rows - r.computed;
+      r.computed = rows;
+      running_.push_back(&r);
+      continue;
+    }
+    MLARUN_RETURN_IF_ERROR(Unadmit(r));
+    waiting_.insert(waiting_.begin() + static_cast<std::ptrdiff_t>(requeued++), &r);
+    ++stats_.import_failures;
+  }
+  return Status::Ok();
+}
+
 void Engine::CollectGrammars() {
   for (auto it = waiting_.begin(); it != waiting_.end();) {
     Req& r = **it;
@@ -192,7 +291,10 @@ void Engine::WaitForGrammar(std::chrono::milliseconds most) const {
 }
 
 StatusOr<StepPlan> Engine::Schedule() {
+  if (!importing_.empty())
+    return FailedPreconditionError("engine: the last plan's imports were not finished (FinishImports)");
   CollectGrammars();
+  StepPlan plan;
   struct Scheduled {
     Req* r;
     int64_t n;
@@ -224,8 +326,9 @@ StatusOr<StepPlan> Engine::Schedule() {
   }
   // 2. Waiting requests, in order, while the budget and the cache allow;
   // those whose grammar is still compiling are passed over.
-  for (size_t w = 0;
-       budget > 0 && w < waiting_.size() && static_cast<int64_t>(running_.size()) < config_.max_num_seqs;) {
+  // One with an import source takes blocks for the rows to import and
+  // waits for them instead (no tokens this step).
+  for (size_t w = 0; budget > 0 && w < waiting_.size() && num_seqs() < config_.max_num_seqs;) {
     Req& r = *waiting_[w];
     if (r.grammar.valid()) {
       ++w;
@@ -234,13 +337,18 @@ StatusOr<StepPlan> Engine::Schedule() {
     const bool scores = ScoresPending(r);
     if (scores && score_budget == 0) break;
     MLARUN_RETURN_IF_ERROR(Admit(r));
+    if (r.request.import) {
+      MLARUN_ASSIGN_OR_RETURN(const ImportStart start, StartImport(r, plan));
+      if (start == ImportStart::kNoRoom) break;  // wait for running requests to free blocks
+      if (start == ImportStart::kStarted) {
+        waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(w));
+        continue;
+      }
+    }
     const int64_t n = chunk(r, scores);
     MLARUN_ASSIGN_OR_RETURN(const int64_t need, cache_->BlocksNeeded(r.id, n));
     if (need > cache_->stats().blocks_allocatable()) {  // wait for running requests to free blocks
-      MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
-      r.in_cache = false;
-      r.out.prefix_hit_tokens -= PromptTokens(r, r.computed);
-      r.computed = 0;
+      MLARUN_RETURN_IF_ERROR(Unadmit(r));
       break;
     }
     MLARUN_RETURN_IF_ERROR(Append(r, n));
@@ -250,10 +358,9 @@ StatusOr<StepPlan> Engine::Schedule() {
     budget -= n;
     if (scores) score_budget -= n;
   }
-  if (scheduled.empty() && HasWork() && !GrammarsPending())
+  if (scheduled.empty() && plan.imports.empty() && HasWork() && !GrammarsPending())
     return InternalError("engine: no request could be scheduled although work is pending");
 
-  StepPlan plan;
   for (const Scheduled& s : scheduled) {
     Req& r = *s.r;
     // What the runners will write must be this sequence's alone.
@@ -385,6 +492,7 @@ StatusOr<std::vector<int64_t>> Engine::Step() {
   if (runner_ == nullptr)
     return FailedPreconditionError("engine: a scheduler alone does not step; its ranks' runners do");
   MLARUN_ASSIGN_OR_RETURN(const StepPlan plan, Schedule());
+  if (!plan.imports.empty()) MLARUN_RETURN_IF_ERROR(FinishImports(plan, runner_->Import(plan, 0).ok()));
   if (plan.seqs.empty()) {
     WaitForGrammar(std::chrono::milliseconds(2));
     return std::vector<int64_t>{};

@@ -17,6 +17,13 @@
 // it would have undisturbed: its sampler starts with their penalty history,
 // grammar state and random draws behind it.
 //
+// Moving a request between DP groups without recomputing it: the old group
+// exports it (Export), keeping its blocks pinned, and the new group admits
+// it with those blocks as its import source (GenerationRequest::import): it
+// takes blocks for the rows, every rank of the group fetches them through
+// its runner's BlockImporter (StepPlan::imports), and the request decodes on
+// from there (FinishImports). A failed fetch only costs the recompute.
+//
 // A step whose computation fails (Model::last_step_failure()) is a failed
 // request, not a failed engine: the requests of that step end with
 // FinishReason::kError and the step's Status, their blocks are released, and
@@ -32,6 +39,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,6 +70,11 @@ struct EngineConfig {
   // and compile cache, on the engine that samples (a group's leader).
   // nullptr: no tokenizer; a request asking for structured output is refused.
   std::shared_ptr<GrammarCompiler> grammar;
+  // The group's runners can fetch blocks from other groups' pools (each has
+  // a BlockImporter): a request with an import source is admitted by
+  // importing its rows (StepPlan::imports, then FinishImports). When false,
+  // Add drops a request's import source and its rows are computed.
+  bool imports = false;
 };
 
 // kError: a step the request was part of failed (GenerationOutput::error).
@@ -96,6 +109,17 @@ struct EngineStats {
   int64_t preemptions = 0;
   Model::StepTimes time;  // summed over steps (the runner's)
   double forward_seconds = 0;
+  int64_t imported_tokens = 0;  // rows fetched from other groups' pools (FinishImports that succeeded)
+  int64_t import_failures = 0;  // requests whose fetch failed (computed instead)
+  int64_t exported = 0;         // requests that left by Export
+};
+
+// What Export hands over of a request leaving the engine: the blocks that
+// hold its first `rows` tokens' rows (prompt + generated, in token order),
+// pinned until ReleaseExport. Empty and 0 when it held none.
+struct ExportedRequest {
+  std::vector<int32_t> blocks;
+  int64_t rows = 0;
 };
 
 class Engine {
@@ -123,7 +147,10 @@ class Engine {
   // kError and that Status. The request ends with kStop once its grammar
   // is complete. A resumed request (GenerationRequest::generated) has its
   // earlier tokens count toward max_tokens and min_tokens; its output
-  // lists only the tokens generated here.
+  // lists only the tokens generated here. Its import source
+  // (GenerationRequest::import, checked against config().block_size) is
+  // dropped, and its rows computed, when EngineConfig::imports is off or
+  // the request wants its prompt's logprobs.
   StatusOr<int64_t> Add(GenerationRequest request);
 
   // One step: schedule, run the model, sample. Returns the ids of the requests
@@ -150,17 +177,44 @@ class Engine {
   // failed step wrote are never committed, so no later request reuses them.
   // Returns the ids of the requests it ended, in plan order.
   StatusOr<std::vector<int64_t>> FailStep(const StepPlan& plan, const Status& error);
+  // For a plan with imports (StepPlan::imports), once every rank of the
+  // group ran them (ModelRunner::Import) and the group agreed on `ok` (all
+  // succeeded): the leader calls it before the next Schedule (which refuses
+  // to run before). ok: each imported request's rows count as computed and
+  // committed (its full blocks are published for prefix reuse), and it runs
+  // from the next step. Not ok: its blocks are released and it goes back to
+  // the front of the queue without its import source, to be computed as a
+  // preempted request is (the same output). A request exported or cancelled
+  // meanwhile is skipped.
+  Status FinishImports(const StepPlan& plan, bool ok);
   // Adds a step's times (the runner's forward pass and its parts) to stats().
   void RecordStepTimes(double forward_seconds, const Model::StepTimes& parts);
   const EngineConfig& config() const { return config_; }
 
-  bool HasWork() const { return !running_.empty() || !waiting_.empty(); }
+  bool HasWork() const { return !running_.empty() || !waiting_.empty() || !importing_.empty(); }
   // Ends a queued or running request now: its blocks are released and it will
   // produce no more tokens (finish_reason kCancelled). NOT_FOUND if it is
   // unknown or already finished.
   Status Cancel(int64_t id);
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  // Requests whose import the last plan started and FinishImports has not
+  // ended; they count against max_num_seqs.
+  int64_t num_importing() const { return static_cast<int64_t>(importing_.size()); }
+
+  // A live request leaves the engine between steps, to go on in another DP
+  // group: its output so far stays here (finish_reason kCancelled, for
+  // TakeOutput), and, when it holds blocks, the rows of its computed tokens
+  // (prompt + generated, the last generated token excepted) stay in them,
+  // pinned until ReleaseExport, for the new group to import. A waiting
+  // request, or one whose import has not finished, exports no blocks (rows
+  // 0; the latter's are released). NOT_FOUND if unknown or finished.
+  StatusOr<ExportedRequest> Export(int64_t id);
+  // Unpins an exported request's blocks (as Release: its full published
+  // blocks stay cached for prefix reuse). NOT_FOUND if `id` holds none.
+  Status ReleaseExport(int64_t id);
+  // Exported requests whose blocks are still pinned.
+  int64_t num_exported() const { return static_cast<int64_t>(exported_.size()); }
   // Output so far of request `id` (complete once it finished). nullptr if unknown.
   const GenerationOutput* Output(int64_t id) const;
   // Hands over the output of a finished or cancelled request and forgets the
@@ -173,6 +227,9 @@ class Engine {
   // instead of spinning.
   void WaitForGrammar(std::chrono::milliseconds most) const;
   const LatentCache& cache() const { return *cache_; }
+  // Create's runner (its pool; SetImporter for imports); nullptr for a
+  // scheduler alone.
+  ModelRunner* runner() { return runner_.get(); }
 
   // Runs Add for each request and steps until all finish. Outputs in input
   // order; a rejected request, or one whose step failed (kError), gets its
@@ -223,6 +280,16 @@ class Engine {
   static bool ScoresPending(const Req& r);
   // Reserves slots for r.tokens[r.computed, + n).
   Status Append(Req& r, int64_t n);
+  // Undoes Admit of a request that stays waiting.
+  Status Unadmit(Req& r);
+  // For an admitted request with an import source: kLocal when its cached
+  // prefix already holds the rows (the source is dropped), kNoRoom when the
+  // blocks for the rest do not fit (unadmitted), else kStarted: blocks
+  // reserved, the import added to `plan`, the request moved to importing_.
+  enum class ImportStart : uint8_t { kLocal, kNoRoom, kStarted };
+  StatusOr<ImportStart> StartImport(Req& r, StepPlan& plan);
+  // Requests that hold a sequence slot: running and importing.
+  int64_t num_seqs() const { return static_cast<int64_t>(running_.size() + importing_.size()); }
 
   ModelConfig model_;
   EngineConfig config_;
@@ -231,7 +298,9 @@ class Engine {
   int64_t next_id_ = 0;
   std::map<int64_t, std::unique_ptr<Req>> requests_;
   std::deque<Req*> waiting_;
-  std::vector<Req*> running_;  // in admission order: the back is the newest
+  std::vector<Req*> running_;    // in admission order: the back is the newest
+  std::vector<Req*> importing_;  // the last plan's imports, until FinishImports
+  std::set<int64_t> exported_;   // exported requests whose sequences still pin their blocks
   EngineStats stats_;
 };
 

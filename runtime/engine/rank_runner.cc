@@ -6,13 +6,17 @@
 namespace mlarun {
 
 StatusOr<std::unique_ptr<RankRunner>> RankRunner::Create(Model& model, const EngineConfig& config,
-                                                         ProcessGroups& groups, std::string rank_name) {
+                                                         ProcessGroups& groups, std::string rank_name,
+                                                         BlockImporter* importer) {
   MLARUN_ASSIGN_OR_RETURN(const LatentCacheConfig pool, Engine::CacheConfig(model.config(), config));
   if (rank_name.empty()) rank_name = "rank " + std::to_string(groups.rank);
   MLARUN_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(model, pool, &groups, std::move(rank_name)));
+  runner->SetImporter(importer);
   std::unique_ptr<Engine> engine;
   if (groups.is_leader()) {
-    MLARUN_ASSIGN_OR_RETURN(engine, Engine::CreateScheduler(model.config(), config));
+    EngineConfig leader = config;
+    leader.imports = importer != nullptr;
+    MLARUN_ASSIGN_OR_RETURN(engine, Engine::CreateScheduler(model.config(), leader));
   }
   std::unique_ptr<RankRunner> r(new RankRunner(groups, std::move(engine), std::move(runner)));
   r->UpdateCacheStats(nullptr, /*written=*/false);
@@ -58,6 +62,23 @@ void RankRunner::UpdateCacheStats(const StepPlan* plan, bool written) {
   if (written && plan) cache_stats_.bytes_written += plan->num_tokens() * now.bytes_per_token;
 }
 
+Status RankRunner::RunImports(const StepPlan& plan) {
+  const Status mine = runner_->Import(plan, groups_.attn_tp_rank());
+  int64_t failed = mine.ok() ? 0 : 1;
+  Communicator& group = *groups_.attn_tp;
+  if (group.size() > 1) MLARUN_RETURN_IF_ERROR(group.AllReduceSum(&failed, 1, CommType::kI64));
+  if (failed > 0) {
+    ++import_failures_;
+    last_import_failure_ = mine.ok()
+                               ? Status(StatusCode::kAborted, "import: " + std::to_string(failed) +
+                                                                  " other rank(s) of the DP group failed to fetch "
+                                                                  "the blocks")
+                               : mine;
+  }
+  if (is_leader()) MLARUN_RETURN_IF_ERROR(engine_->FinishImports(plan, failed == 0));
+  return Status::Ok();
+}
+
 StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(int stop) {
   last_failure_ = Status::Ok();
   // 1. The plan: made by the leader, run by the whole group.
@@ -80,16 +101,22 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(int stop) {
       MLARUN_ASSIGN_OR_RETURN(plan, StepPlan::Decode(encoded));
     }
   }
+  if (!plan.imports.empty()) MLARUN_RETURN_IF_ERROR(RunImports(plan));
   // 2. Lockstep: every rank's report, with this step's blocks already taken.
   UpdateCacheStats(&plan, /*written=*/false);
   Communicator& world = *groups_.world;
   const LatentCacheStats& cs = cache_stats_.now;
+  const BlockImporter::Counters imports =
+      runner_->importer() != nullptr ? runner_->importer()->counters() : BlockImporter::Counters{};
   const LockstepReport mine{.tokens = plan.num_tokens(),
                             .has_work = plan.has_work || !plan.seqs.empty() ? 1 : 0,
                             .stop = stop,
                             .blocks_used = cs.blocks_used,
                             .peak_blocks_used = cache_stats_.peak_blocks_used,
-                            .blocks_retired = cs.blocks_retired};
+                            .blocks_retired = cs.blocks_retired,
+                            .import_fetches = imports.fetches,
+                            .import_bytes = imports.bytes,
+                            .import_failures = imports.failures};
   std::vector<LockstepReport> all(static_cast<size_t>(world.size()));
   MLARUN_RETURN_IF_ERROR(world.AllGather(&mine, LockstepReport::kWords, all.data(), CommType::kI64));
   bool any_work = false;
@@ -98,9 +125,12 @@ StatusOr<RankRunner::StepResult> RankRunner::StepOrStop(int stop) {
   for (size_t r = 0; r < all.size(); ++r) {
     any_work |= all[r].has_work != 0;
     stop_code = std::max(stop_code, all[r].stop);
-    world_cache_[r] = {.blocks_used = all[r].blocks_used,
-                       .peak_blocks_used = all[r].peak_blocks_used,
-                       .blocks_retired = all[r].blocks_retired};
+    world_cache_[r] = {
+        .blocks_used = all[r].blocks_used,
+        .peak_blocks_used = all[r].peak_blocks_used,
+        .blocks_retired = all[r].blocks_retired,
+        .imports = {
+            .fetches = all[r].import_fetches, .bytes = all[r].import_bytes, .failures = all[r].import_failures}};
   }
   if (stop_code > 0) {
     stop_code_ = static_cast<int>(stop_code);

@@ -4,7 +4,12 @@
 //  1. the DP group's leader (attn_tp_rank 0) schedules with its Engine (the
 //     group's only scheduler) and broadcasts the step plan to its group: the
 //     sequences' tokens, positions and block tables. Members run plans and
-//     never schedule;
+//     never schedule. When the plan imports blocks (StepPlan::imports:
+//     requests moved from another group), every rank of the group fetches
+//     them into its pool with its BlockImporter, the group agrees whether
+//     all succeeded (a sum over the group), and the leader ends the imports
+//     (Engine::FinishImports): imported requests run from the next step, a
+//     failed import's requests are computed instead;
 //  2. all ranks exchange [this group's tokens, work left] (one small
 //     all-gather over the world): every rank learns every DP group's token
 //     count, and when no rank has work they all stop together;
@@ -46,8 +51,9 @@ struct RankCacheStats {
 // (the numbers ride on the step's all-gather, so they cost no extra message).
 struct RankCacheSnapshot {
   int64_t blocks_used = 0;
-  int64_t peak_blocks_used = 0;  // RankCacheStats::peak_blocks_used
-  int64_t blocks_retired = 0;    // LatentCacheStats::blocks_retired
+  int64_t peak_blocks_used = 0;     // RankCacheStats::peak_blocks_used
+  int64_t blocks_retired = 0;       // LatentCacheStats::blocks_retired
+  BlockImporter::Counters imports;  // its importer's (zero without one)
 };
 
 // One rank's part of the lock-step exchange before every step: a world
@@ -55,13 +61,16 @@ struct RankCacheSnapshot {
 // work or asks to stop, each DP group's token count (from its leader) for the
 // hidden-state all-gather, and each rank's cache use for GetStats.
 struct LockstepReport {
-  static constexpr int64_t kWords = 6;
+  static constexpr int64_t kWords = 9;
   int64_t tokens = 0;            // tokens this rank's group runs in the step
   int64_t has_work = 0;          // 1 when requests are left
   int64_t stop = 0;              // nonzero when this rank asks the job to stop: why
   int64_t blocks_used = 0;       // LatentCacheStats::blocks_used, this step's blocks taken
   int64_t peak_blocks_used = 0;  // the most blocks_used so far
   int64_t blocks_retired = 0;    // LatentCacheStats::blocks_retired
+  int64_t import_fetches = 0;    // BlockImporter::Counters
+  int64_t import_bytes = 0;
+  int64_t import_failures = 0;
 };
 static_assert(sizeof(LockstepReport) == LockstepReport::kWords * sizeof(int64_t) &&
                   std::is_trivially_copyable_v<LockstepReport>,
@@ -73,9 +82,13 @@ class RankRunner {
   // `rank_name` is how errors name this rank (ParallelStep::rank_name), e.g.
   // "rank 3 (node1)"; empty: "rank <groups.rank>". Leaders get the group's
   // scheduler and a runner; members a runner only, its pool configured as
-  // the scheduler's (the same config on every rank).
+  // the scheduler's (the same config on every rank). `importer` (not owned,
+  // outliving the runner): how this rank fetches blocks from other groups'
+  // pools; every rank of a group passes one, or none does. It decides
+  // imports: the leader's scheduler gets EngineConfig::imports = (importer
+  // != nullptr), whatever `config` says.
   static StatusOr<std::unique_ptr<RankRunner>> Create(Model& model, const EngineConfig& config, ProcessGroups& groups,
-                                                      std::string rank_name = {});
+                                                      std::string rank_name = {}, BlockImporter* importer = nullptr);
 
   bool is_leader() const { return groups_.is_leader(); }
   // Leaders only: queue a request for this DP group.
@@ -107,6 +120,12 @@ class RankRunner {
   // on every rank, naming the rank that failed).
   const Status& last_step_failure() const { return last_failure_; }
   const std::string& rank_name() const { return runner_->rank_name(); }
+  // Steps whose imports failed on some rank of the group (counted on every
+  // rank of it; the requests were computed instead), and the last such
+  // failure: this rank's importer's Status, or ABORTED when only another
+  // rank's failed. OK until one fails. Not fatal: for the worker to report.
+  int64_t import_failures() const { return import_failures_; }
+  const Status& last_import_failure() const { return last_import_failure_; }
 
   // This rank's cache: its pool's size and the blocks in use, from the
   // group's scheduler: on the leader as they are now, on a member as of the
@@ -125,11 +144,16 @@ class RankRunner {
   // block manager (the leader's); `written`: the plan's step ran to its end,
   // so its rows count in bytes_written.
   void UpdateCacheStats(const StepPlan* plan, bool written);
+  // Step 1's imports on this rank, the group's agreement, FinishImports on
+  // the leader. An error returned is a collective's or the engine's (fatal).
+  Status RunImports(const StepPlan& plan);
 
   ProcessGroups& groups_;
   std::unique_ptr<Engine> engine_;  // leaders
   std::unique_ptr<ModelRunner> runner_;
   Status last_failure_;
+  int64_t import_failures_ = 0;
+  Status last_import_failure_;
   int stop_code_ = 0;
   std::vector<int64_t> dp_tokens_;
   mutable RankCacheStats cache_stats_;  // the leader's `now` is refreshed when read

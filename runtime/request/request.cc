@@ -84,6 +84,31 @@ Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sa
   return Status::Ok();
 }
 
+Status ValidateImportSource(const ImportSource& import, int64_t tokens, const RequestLimits& limits) {
+  if (import.rows < 1 || import.rows > tokens - 1)
+    return InvalidArgumentError("import.rows: ", import.rows, " is outside [1, ", tokens - 1,
+                                "] (prompt + generated tokens, less the one still to compute)");
+  if (limits.block_size > 0 && limits.block_size != kLimitUnknown) {
+    const int64_t want = (import.rows + limits.block_size - 1) / limits.block_size;
+    if (static_cast<int64_t>(import.blocks.size()) != want)
+      return InvalidArgumentError("import.blocks: ", import.blocks.size(), " blocks for ", import.rows, " rows, want ",
+                                  want, " (block_size ", limits.block_size, ")");
+  } else if (import.blocks.empty()) {
+    return InvalidArgumentError("import.blocks: none for ", import.rows, " rows");
+  }
+  for (size_t i = 0; i < import.blocks.size(); ++i)
+    if (import.blocks[i] < 0)
+      return InvalidArgumentError("import.blocks[", i, "]: block id ", import.blocks[i], " is negative");
+  if (import.descriptors.empty()) return InvalidArgumentError("import.descriptors: must not be empty");
+  return Status::Ok();
+}
+
+Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits) {
+  MLARUN_RETURN_IF_ERROR(ValidateRequest(request.prompt, request.sampling, limits, request.generated));
+  if (!request.import) return Status::Ok();
+  return ValidateImportSource(*request.import, std::ssize(request.prompt) + std::ssize(request.generated), limits);
+}
+
 namespace {
 
 // "structured": {"kind": "json_object" | "json_schema" | "regex" | "choice"

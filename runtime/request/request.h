@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -16,6 +17,17 @@
 
 namespace mlarun {
 
+// Where a moved request's cache rows are (GenerationRequest::import): the
+// old group's pools, read by block id.
+struct ImportSource {
+  // Opaque, one per rank of the old group (its transfer descriptors, by attn_tp rank); non-empty.
+  std::vector<std::string> descriptors;
+  // Its block table there, in token order: block i holds positions [i * block_size, (i + 1) * block_size).
+  std::vector<int32_t> blocks;
+  // Tokens of prompt + generated whose rows those blocks hold (a prefix of them), 0 < rows < prompt + generated size.
+  int64_t rows = 0;
+};
+
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
@@ -25,6 +37,12 @@ struct GenerationRequest {
   // (generated.size())-th, as the undisturbed request would have drawn it.
   // max_tokens and min_tokens count them. Empty for a new request.
   std::vector<int32_t> generated;
+  // Where the rows of the first import->rows tokens of prompt + generated
+  // already are (another group's pools, which keep them for this request):
+  // a group that can import (EngineConfig::imports) fetches them instead of
+  // computing them; one that cannot, or whose fetch fails, computes them.
+  // Empty for a request computed from its tokens alone.
+  std::optional<ImportSource> import;
   // The prefix cache's salt (kv/prefix_hash.h): the request reuses and
   // publishes cached prefixes only among requests with the same salt. 0:
   // unsalted, shared by every request without one. The coordinator derives
@@ -59,9 +77,13 @@ struct RequestLimits {
 // within the whole cache.
 Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sampling, const RequestLimits& limits,
                        std::span<const int32_t> generated = {});
-inline Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits) {
-  return ValidateRequest(request.prompt, request.sampling, limits, request.generated);
-}
+// An import source for a request of `tokens` tokens (prompt + generated):
+// rows in [1, tokens - 1], one block per block_size rows (rounded up) when
+// limits.block_size is known, at least one descriptor. INVALID_ARGUMENT
+// naming import.rows, import.blocks or import.descriptors.
+Status ValidateImportSource(const ImportSource& import, int64_t tokens, const RequestLimits& limits);
+// ValidateRequest, then the import source if there is one.
+Status ValidateGenerationRequest(const GenerationRequest& request, const RequestLimits& limits);
 
 // One JSON object: "prompt_ids" (required) and the sampling fields
 // "max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",

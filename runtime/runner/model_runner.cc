@@ -38,6 +38,26 @@ ModelRunner::ModelRunner(Model& model, std::unique_ptr<LatentPool> pool, Process
   }
 }
 
+Status ModelRunner::Import(const StepPlan& plan, int rank_in_group) {
+  if (plan.imports.empty()) return Status::Ok();
+  if (importer_ == nullptr)
+    return FailedPreconditionError("model runner: the plan imports blocks of ", plan.imports.size(), " requests and ",
+                                   step_.rank_name, " has no block importer");
+  for (const StepPlan::Import& m : plan.imports) {
+    if (m.src.size() != m.dst.size() || m.descriptors.empty())
+      return InvalidArgumentError("model runner: the import of request ", m.id, " has ", m.src.size(),
+                                  " source blocks, ", m.dst.size(), " destination blocks and ", m.descriptors.size(),
+                                  " descriptors");
+    for (const int32_t b : m.dst)
+      if (b < 0 || b >= pool_->num_blocks())
+        return InvalidArgumentError("model runner: the import of request ", m.id, " writes block ", b, " outside [0, ",
+                                    pool_->num_blocks(), ")");
+    if (Status st = importer_->Import(m, rank_in_group, *pool_); !st.ok())
+      return st.WithContext("import of request " + std::to_string(m.id) + " on " + step_.rank_name);
+  }
+  return Status::Ok();
+}
+
 StatusOr<std::span<const SampledToken>> ModelRunner::Execute(const StepPlan& plan, std::span<const int64_t> dp_tokens) {
   seqs_.clear();
   bool any_all = false;

@@ -26,6 +26,27 @@
 
 namespace mlarun {
 
+// Fills blocks of this rank's pool from another group's pools (the worker's
+// UCX transfer plane; tests copy between pools). Called on every rank of a
+// group for each StepPlan::Import before the step runs.
+class BlockImporter {
+ public:
+  virtual ~BlockImporter() = default;
+  // `rank_in_group`: this rank's attn_tp rank (pick descriptors[rank_in_group % size] to spread the load).
+  // Copies the rows of block import.src[i] of the old group's pool, every
+  // layer, into block import.dst[i] of `pool` (ids ModelRunner::Import has
+  // checked against `pool`). A failure is the import's, not the step's: the
+  // scheduler then computes the request's rows instead.
+  virtual Status Import(const StepPlan::Import& import, int rank_in_group, LatentPool& pool) = 0;
+
+  // What it moved so far, for the ranks' stats: imports that landed, their
+  // bytes, imports that failed.
+  struct Counters {
+    int64_t fetches = 0, bytes = 0, failures = 0;
+  };
+  virtual Counters counters() const { return {}; }
+};
+
 class ModelRunner {
  public:
   // `model`: this rank's shard (ModelShard::For(groups->layout,
@@ -50,6 +71,20 @@ class ModelRunner {
   // score_tokens entry (empty for a sequence without). Valid as Execute's.
   std::span<const std::span<const SampledToken>> last_scores() const { return scores_; }
 
+  // The importer Import hands the plan's imports to (not owned; it outlives
+  // the runner or is unset first). nullptr: none.
+  void SetImporter(BlockImporter* importer) { importer_ = importer; }
+  const BlockImporter* importer() const { return importer_; }
+  // Fills this rank's pool with every import of `plan` (StepPlan::imports),
+  // in order, through the importer, before the plan is executed; stops at
+  // the first failure and returns it, naming the request. OK when the plan
+  // has none; FAILED_PRECONDITION when it has some and no importer is set;
+  // INVALID_ARGUMENT for an import whose blocks do not pair up or whose
+  // destination is outside the pool (the importer is not called). No
+  // collective: every rank of the group calls it, and the group agrees on
+  // the outcome (RankRunner).
+  Status Import(const StepPlan& plan, int rank_in_group);
+
   // OK, or the computation failure of the last Execute (see Execute).
   const Status& last_step_failure() const { return model_.last_step_failure(); }
   // Wall time of the last Execute's forward pass.
@@ -64,6 +99,7 @@ class ModelRunner {
   Model& model_;
   std::unique_ptr<LatentPool> pool_;
   ProcessGroups* const groups_;
+  BlockImporter* importer_ = nullptr;
   ParallelStep step_;  // reused: the groups' communicators, this step's dp_tokens
   std::vector<ForwardSeq> seqs_;
   std::vector<SampledToken> sampled_;

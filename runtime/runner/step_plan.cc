@@ -1,5 +1,6 @@
 #include "runtime/runner/step_plan.h"
 
+#include <cstring>
 #include <limits>
 
 namespace mlarun {
@@ -16,7 +17,22 @@ int64_t StepPlan::num_sampled() const {
   return n;
 }
 
-// [has_work, cache use (5), n_seqs, per seq: id, start_pos, n_tokens, tokens..., n_blocks, blocks...]
+namespace {
+
+// A string as [byte length, its bytes packed 8 to a word, the last one
+// zero-padded].
+void PutString(const std::string& s, std::vector<int64_t>& out) {
+  out.push_back(static_cast<int64_t>(s.size()));
+  const size_t at = out.size();
+  out.resize(at + (s.size() + 7) / 8, 0);
+  if (!s.empty()) std::memcpy(&out[at], s.data(), s.size());
+}
+
+}  // namespace
+
+// [has_work, cache use (5), n_seqs, per seq: id, start_pos, n_tokens,
+// tokens..., n_blocks, blocks...; n_imports, per import: id, n_descriptors,
+// per descriptor: n_bytes, words...; n_src, src..., n_dst, dst...]
 std::vector<int64_t> StepPlan::Encode() const {
   std::vector<int64_t> out = {has_work ? 1 : 0,
                               cache.blocks_used,
@@ -30,6 +46,15 @@ std::vector<int64_t> StepPlan::Encode() const {
     out.insert(out.end(), s.tokens.begin(), s.tokens.end());
     out.push_back(static_cast<int64_t>(s.block_table.size()));
     out.insert(out.end(), s.block_table.begin(), s.block_table.end());
+  }
+  out.push_back(static_cast<int64_t>(imports.size()));
+  for (const Import& m : imports) {
+    out.insert(out.end(), {m.id, static_cast<int64_t>(m.descriptors.size())});
+    for (const std::string& d : m.descriptors) PutString(d, out);
+    out.push_back(static_cast<int64_t>(m.src.size()));
+    out.insert(out.end(), m.src.begin(), m.src.end());
+    out.push_back(static_cast<int64_t>(m.dst.size()));
+    out.insert(out.end(), m.dst.begin(), m.dst.end());
   }
   return out;
 }
@@ -64,6 +89,29 @@ StatusOr<StepPlan> StepPlan::Decode(std::span<const int64_t> d) {
     if (!take(&s.id) || !take(&s.start_pos) || !take_ints(s.tokens) || !take_ints(s.block_table))
       return InvalidArgumentError("step plan: sequence ", k, " is truncated or holds a value outside int32");
     p.seqs.push_back(std::move(s));
+  }
+  // A string: its byte length, then as many words as its bytes fill.
+  auto take_string = [&](std::string& out) {
+    int64_t n = 0;
+    if (!take(&n) || n < 0 || static_cast<uint64_t>(n) > 8 * (d.size() - i)) return false;
+    out.resize(static_cast<size_t>(n));
+    if (n > 0) std::memcpy(out.data(), &d[i], static_cast<size_t>(n));
+    i += static_cast<size_t>((n + 7) / 8);
+    return true;
+  };
+  int64_t n_imports = 0;
+  if (!take(&n_imports) || n_imports < 0) return InvalidArgumentError("step plan: truncated import count");
+  for (int64_t k = 0; k < n_imports; ++k) {
+    Import m;
+    int64_t n_desc = 0;
+    bool ok = take(&m.id) && take(&n_desc) && n_desc >= 0 && static_cast<uint64_t>(n_desc) <= d.size() - i;
+    for (int64_t j = 0; ok && j < n_desc; ++j) ok = take_string(m.descriptors.emplace_back());
+    if (!ok || !take_ints(m.src) || !take_ints(m.dst))
+      return InvalidArgumentError("step plan: import ", k, " is truncated or holds a value outside int32");
+    if (m.src.size() != m.dst.size())
+      return InvalidArgumentError("step plan: import ", k, " has ", m.src.size(), " source blocks and ", m.dst.size(),
+                                  " destination blocks");
+    p.imports.push_back(std::move(m));
   }
   if (i != d.size()) return InvalidArgumentError("step plan: ", d.size() - i, " trailing values");
   return p;

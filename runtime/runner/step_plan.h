@@ -5,11 +5,14 @@
 // Per sequence: its new tokens, where they sit, and the whole block table
 // that holds its latent rows, so a runner writes and reads its cache pool by
 // block id and needs no block manager of its own; and, on the leader only,
-// the sampler of a sequence whose next token this step draws.
+// the sampler of a sequence whose next token this step draws. Per request
+// moved from another DP group whose rows that group's pools still hold: the
+// blocks every rank fetches before the step (Import).
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "base/status.h"
@@ -42,7 +45,19 @@ struct StepPlan {
     friend bool operator==(const CacheUse&, const CacheUse&) = default;
   };
 
+  // Blocks every rank of the group fetches into its pool before this step:
+  // src[i] of the old group's pools into dst[i] of its own (the same count),
+  // through a BlockImporter (runtime/runner/model_runner.h). The request is
+  // in no Seq of this plan; it joins the next plans once the group's import
+  // succeeded (Engine::FinishImports).
+  struct Import {
+    int64_t id = 0;                        // the request
+    std::vector<std::string> descriptors;  // ImportSource::descriptors: the old group's ranks
+    std::vector<int32_t> src, dst;
+  };
+
   std::vector<Seq> seqs;
+  std::vector<Import> imports;
   CacheUse cache;
   bool has_work = false;  // requests remain after this step
 

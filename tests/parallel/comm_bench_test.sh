@@ -39,7 +39,7 @@ doc = json.load(open(sys.argv[1]))
 H, L = int(sys.argv[2]), int(sys.argv[3])
 dp, tp = int(sys.argv[4]), int(sys.argv[5])
 world = dp * tp
-words = 6                       # LockstepReport::kWords
+words = 9                       # LockstepReport::kWords
 blocks = (512 + 1 + 63) // 64   # a plan sequence's blocks (512 cached tokens + 1, 64 per block)
 bad = []
 def check(what, got, want):

@@ -14,6 +14,7 @@
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
 #include "tests/parallel/mpi_gtest_main.h"
+#include "tests/runtime/engine/pool_copy_importer.h"
 #include "tests/test_paths.h"
 
 namespace mlarun {
@@ -357,6 +358,118 @@ TEST(Parallel, FailedStepFailsItsRequestsAndTheRanksGoOn) {
     EXPECT_EQ(tokens[i], ref[i]->tokens) << "second-wave request " << i << " under " << g_layout;
   }
 }
+
+// Requests moved to this layout's groups from an old group: on every rank,
+// an engine over the whole model (the same on every rank) runs each request
+// alone for k tokens and exports it, keeping its blocks; each rank's
+// importer reads that engine's pool, as the worker's transfer plane reads
+// the old group's. Every rank's own pool starts poisoned (NaN rows), so a
+// rank that did not import shows in the tokens. With `failing_rank` >= 0,
+// that rank's fetch fails: its whole group computes the rows instead, and
+// every rank of that group counts the failure.
+void ExpectImportsGoOnAsOneRank(int failing_rank) {
+  ProcessGroups g;
+  ASSERT_TRUE(Groups(&g));
+  auto model = LoadTiny(ModelShard::For(g_layout, g.rank));
+  auto whole = LoadTiny(ModelShard{});
+  ASSERT_TRUE(model && whole);
+  const EngineConfig ec{.max_num_batched_tokens = 64, .cache_budget_bytes = 16 << 20, .block_size = 16};
+  std::vector<GenerationRequest> reqs;
+  const int lens[] = {23, 40, 9, 17};
+  for (int i = 0; i < 4; ++i) {
+    SamplingParams sp{.max_tokens = 8, .ignore_eos = true};
+    if (i == 1) sp.temperature = 0.8, sp.top_p = 0.9, sp.seed = 5;
+    reqs.push_back({Prompt(lens[i], static_cast<uint32_t>(50 + i)), sp});
+  }
+  const size_t k = 3;
+  auto ref_engine = Engine::Create(*whole, ec);
+  ASSERT_TRUE(ref_engine.ok()) << ref_engine.status();
+  const auto ref = (*ref_engine)->Generate(reqs);
+  auto old = Engine::Create(*whole, ec);
+  ASSERT_TRUE(old.ok()) << old.status();
+  std::vector<GenerationRequest> moved;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    ASSERT_TRUE(ref[i].ok()) << ref[i].status();
+    const int64_t id = *(*old)->Add(reqs[i]);
+    while ((*old)->Output(id)->tokens.size() < k) ASSERT_TRUE((*old)->Step().ok());
+    auto exported = (*old)->Export(id);
+    ASSERT_TRUE(exported.ok()) << exported.status();
+    ASSERT_EQ(exported->rows, static_cast<int64_t>(reqs[i].prompt.size() + k) - 1);
+    GenerationRequest m = reqs[i];
+    m.generated.assign(ref[i]->tokens.begin(), ref[i]->tokens.begin() + k);
+    m.import = ImportSource{.descriptors = {"old0", "old1"}, .blocks = exported->blocks, .rows = exported->rows};
+    moved.push_back(std::move(m));
+  }
+  PoolCopyImporter importer(&(*old)->runner()->pool());
+  importer.fail = g.rank == failing_rank;
+  auto runner = RankRunner::Create(*model, ec, g, "rank " + std::to_string(g.rank) + " (test)", &importer);
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  PoisonPool((*runner)->runner().pool());
+  std::vector<std::pair<size_t, int64_t>> mine;
+  for (size_t i = 0; i < moved.size(); ++i) {
+    if (static_cast<int>(i) % g_layout.dp != g.dp_rank() || !g.is_leader()) continue;
+    auto id = (*runner)->Add(moved[i]);
+    ASSERT_TRUE(id.ok()) << id.status();
+    mine.emplace_back(i, *id);
+  }
+  for (;;) {
+    auto more = (*runner)->Step();
+    ASSERT_TRUE(more.ok()) << "a failed import must not be fatal: " << more.status();
+    if (!*more) break;
+  }
+  // This group's requests, and whether its import failed.
+  int64_t group_requests = 0, group_rows = 0;
+  for (size_t i = 0; i < moved.size(); ++i)
+    if (static_cast<int>(i) % g_layout.dp == g.dp_rank()) {
+      ++group_requests;
+      group_rows += moved[i].import->rows;
+    }
+  const bool group_fails = failing_rank >= 0 && g_layout.dp_rank(failing_rank) == g.dp_rank() && group_requests > 0;
+  EXPECT_EQ((*runner)->import_failures(), group_fails ? 1 : 0) << "on rank " << g.rank;
+  const Status& failure = (*runner)->last_import_failure();
+  if (!group_fails) {
+    EXPECT_TRUE(failure.ok()) << failure;
+    EXPECT_EQ(static_cast<int64_t>(importer.calls.size()), group_requests) << "on rank " << g.rank;
+  } else if (g.rank == failing_rank) {
+    EXPECT_EQ(failure.code(), StatusCode::kUnavailable) << failure;
+    EXPECT_NE(failure.message().find("rank " + std::to_string(g.rank) + " (test)"), std::string::npos) << failure;
+  } else {
+    EXPECT_EQ(failure.code(), StatusCode::kAborted) << failure;
+  }
+  for (const int r : importer.ranks) EXPECT_EQ(r, g.attn_tp_rank());
+  if (g.is_leader()) {
+    const EngineStats& st = (*runner)->engine()->stats();
+    EXPECT_EQ(st.imported_tokens, group_fails ? 0 : group_rows) << "group " << g.dp_rank();
+    EXPECT_EQ(st.import_failures, group_fails ? group_requests : 0) << "group " << g.dp_rank();
+    if (!group_fails) EXPECT_EQ(st.prefill_tokens, group_requests) << "one row computed per imported request";
+  }
+  EXPECT_EQ((*runner)->cache_stats().now.blocks_used, 0) << "on rank " << g.rank;
+  std::vector<int64_t> out;
+  for (const auto& [i, id] : mine) {
+    const GenerationOutput* o = (*runner)->Output(id);
+    out.push_back(static_cast<int64_t>(i));
+    out.push_back(static_cast<int64_t>(o->tokens.size()));
+    out.insert(out.end(), o->tokens.begin(), o->tokens.end());
+  }
+  const auto all = GatherAll(*g.world, out, CommType::kI64);
+  if (g.rank != 0) return;
+  std::vector<bool> seen(moved.size(), false);
+  for (const auto& v : all)
+    for (size_t at = 0; at < v.size(); at += 2 + static_cast<size_t>(v[at + 1])) {
+      const size_t i = static_cast<size_t>(v[at]);
+      ASSERT_LT(i, moved.size());
+      seen[i] = true;
+      const std::vector<int64_t> got(v.begin() + static_cast<int64_t>(at) + 2,
+                                     v.begin() + static_cast<int64_t>(at) + 2 + v[at + 1]);
+      EXPECT_EQ(got, std::vector<int64_t>(ref[i]->tokens.begin() + k, ref[i]->tokens.end()))
+          << "request " << i << " under " << g_layout;
+    }
+  for (size_t i = 0; i < moved.size(); ++i) EXPECT_TRUE(seen[i]) << "request " << i << " was not reported";
+}
+
+TEST(Parallel, ImportedRequestsGoOnAsOneRank) { ExpectImportsGoOnAsOneRank(-1); }
+
+TEST(Parallel, OneRanksFailedImportIsRecomputedByItsGroup) { ExpectImportsGoOnAsOneRank(g_layout.world() - 1); }
 
 }  // namespace
 }  // namespace mlarun

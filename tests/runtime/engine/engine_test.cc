@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 
+#include "tests/runtime/engine/pool_copy_importer.h"
 #include "tests/test_paths.h"
 
 namespace mlarun {
@@ -540,6 +541,319 @@ TEST(Engine, GenerateReportsAFailedStepInItsRequestsSlots) {
   EXPECT_EQ((*engine)->cache().stats().blocks_used, 0);
 }
 
+// ---- Moving a request between groups with its cache rows ----------------
+
+// Runs `request` alone on `a` until it has generated `k` tokens, then
+// exports it; `id` gets its id there.
+ExportedRequest RunThenExport(Engine& a, const GenerationRequest& request, size_t k, int64_t* id) {
+  auto added = a.Add(request);
+  EXPECT_TRUE(added.ok()) << added.status();
+  if (!added.ok()) return {};
+  *id = *added;
+  for (int steps = 0; a.Output(*id)->tokens.size() < k && steps < 100; ++steps) {
+    auto step = a.Step();
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (!step.ok()) return {};
+  }
+  EXPECT_EQ(a.Output(*id)->tokens.size(), k);
+  auto exported = a.Export(*id);
+  EXPECT_TRUE(exported.ok()) << exported.status();
+  return exported.ok() ? *exported : ExportedRequest{};
+}
+
+// `request` as the new group gets it: the first k tokens of `whole`
+// generated, the rows where `exported` says.
+GenerationRequest Moved(GenerationRequest request, const GenerationOutput& whole, size_t k,
+                        const ExportedRequest& exported) {
+  request.generated.assign(whole.tokens.begin(), whole.tokens.begin() + static_cast<std::ptrdiff_t>(k));
+  request.import = ImportSource{.descriptors = {"a"}, .blocks = exported.blocks, .rows = exported.rows};
+  return request;
+}
+
+// Engine B of `ec` with imports, its pool poisoned (NaN rows), fetching
+// through `importer`.
+std::unique_ptr<Engine> Importing(Model& m, EngineConfig ec, BlockImporter* importer) {
+  ec.imports = true;
+  auto b = Engine::Create(m, ec);
+  EXPECT_TRUE(b.ok()) << b.status();
+  if (!b.ok()) return nullptr;
+  PoisonPool((*b)->runner()->pool());
+  (*b)->runner()->SetImporter(importer);
+  return std::move(b).value();
+}
+
+void ExpectTail(const GenerationOutput& rest, const GenerationOutput& whole, size_t k) {
+  EXPECT_EQ(rest.tokens,
+            std::vector<int64_t>(whole.tokens.begin() + static_cast<std::ptrdiff_t>(k), whole.tokens.end()));
+  EXPECT_EQ(rest.finish_reason, whole.finish_reason);
+  ASSERT_EQ(rest.logprobs.size(), rest.tokens.size());
+  for (size_t i = 0; i < rest.logprobs.size() && k + i < whole.logprobs.size(); ++i)
+    EXPECT_NEAR(rest.logprobs[i], whole.logprobs[k + i], 1e-5) << "token " << k + i;
+}
+
+// A request exported by engine A after k tokens and imported by engine B
+// (its rows fetched from A's pool, not computed) goes on exactly as the
+// undisturbed run, greedy and seeded; B computes only the one row after
+// them. Block sizes 4 and 16 on a 23-token prompt: the imported rows span
+// several blocks and end in a partial one. A then unpins the blocks.
+TEST(Engine, ImportedRequestContinuesTheUndisturbedRun) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const auto p = RandomPrompt(23, 85);
+  for (const int64_t bs : {4, 16}) {
+    const EngineConfig ec{.cache_budget_bytes = 16 << 20, .block_size = bs};
+    for (const GenerationRequest& request : {GenerationRequest{p, Greedy(12)}, GenerationRequest{p, Sampled(12, 7)}}) {
+      const GenerationOutput whole = RunAll(*m, ec, {request})[0];
+      ASSERT_EQ(whole.tokens.size(), 12u);
+      for (const size_t k : {1, 5, 11}) {
+        SCOPED_TRACE("block_size " + std::to_string(bs) + ", temperature " +
+                     std::to_string(request.sampling.temperature) + ", moved after " + std::to_string(k));
+        auto a = std::move(Engine::Create(*m, ec)).value();
+        int64_t id = -1;
+        const ExportedRequest exported = RunThenExport(*a, request, k, &id);
+        const int64_t rows = static_cast<int64_t>(p.size() + k) - 1;  // the last token's row is not computed yet
+        ASSERT_EQ(exported.rows, rows);
+        ASSERT_EQ(std::ssize(exported.blocks), (rows + bs - 1) / bs);
+        EXPECT_EQ(a->num_exported(), 1);
+        EXPECT_FALSE(a->HasWork());
+        EXPECT_EQ(a->Cancel(id).code(), StatusCode::kNotFound) << "an exported request is no longer live";
+        EXPECT_EQ(a->Export(id).status().code(), StatusCode::kNotFound);
+        auto left = a->TakeOutput(id);
+        ASSERT_TRUE(left.ok()) << left.status();
+        EXPECT_EQ(left->finish_reason, FinishReason::kCancelled);
+        EXPECT_EQ(left->tokens, std::vector<int64_t>(whole.tokens.begin(), whole.tokens.begin() + k));
+        EXPECT_EQ(a->cache().stats().blocks_used, std::ssize(exported.blocks)) << "the exported blocks stay pinned";
+
+        PoolCopyImporter importer(&a->runner()->pool());
+        auto b = Importing(*m, ec, &importer);
+        ASSERT_TRUE(b);
+        const auto rest = b->Generate({Moved(request, whole, k, exported)});
+        ASSERT_TRUE(rest[0].ok()) << rest[0].status();
+        ExpectTail(*rest[0], whole, k);
+        ASSERT_EQ(importer.calls.size(), 1u);
+        EXPECT_EQ(importer.calls[0].src, exported.blocks);
+        EXPECT_EQ(importer.calls[0].dst.size(), exported.blocks.size());
+        EXPECT_EQ(importer.calls[0].descriptors, std::vector<std::string>{"a"});
+        EXPECT_EQ(importer.ranks, std::vector<int>{0});
+        EXPECT_EQ(b->stats().imported_tokens, rows);
+        EXPECT_EQ(b->stats().prefill_tokens, 1) << "only the row after the imported ones is computed";
+        EXPECT_EQ(b->stats().import_failures, 0);
+        EXPECT_EQ(b->cache().stats().blocks_used, 0);
+
+        ASSERT_TRUE(a->ReleaseExport(id).ok());
+        EXPECT_EQ(a->cache().stats().blocks_used, 0);
+        EXPECT_EQ(a->num_exported(), 0);
+        EXPECT_EQ(a->ReleaseExport(id).code(), StatusCode::kNotFound);
+        EXPECT_EQ(a->stats().exported, 1);
+      }
+    }
+  }
+}
+
+// The new group imports only the rows its prefix cache lacks: with the
+// prompt's five full blocks of 4 cached, the request imports from block 5
+// on; with every imported row cached, it imports nothing and runs as a
+// resumed request.
+TEST(Engine, ImportSkipsTheLocallyCachedPrefix) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20, .block_size = 4};
+  {
+    SCOPED_TRACE("part cached");
+    const GenerationRequest request{RandomPrompt(23, 86), Sampled(12, 9)};
+    const GenerationOutput whole = RunAll(*m, ec, {request})[0];
+    auto a = std::move(Engine::Create(*m, ec)).value();
+    int64_t id = -1;
+    const size_t k = 5;
+    const ExportedRequest exported = RunThenExport(*a, request, k, &id);
+    ASSERT_EQ(exported.rows, 27);
+    ASSERT_EQ(exported.blocks.size(), 7u);
+    PoolCopyImporter importer(&a->runner()->pool());
+    auto b = Importing(*m, ec, &importer);
+    ASSERT_TRUE(b);
+    ASSERT_TRUE(b->Generate({{request.prompt, Greedy(1)}})[0].ok());  // caches the prompt's 5 full blocks
+    const auto rest = b->Generate({Moved(request, whole, k, exported)});
+    ASSERT_TRUE(rest[0].ok()) << rest[0].status();
+    ExpectTail(*rest[0], whole, k);
+    EXPECT_EQ(rest[0]->prefix_hit_tokens, 20);
+    ASSERT_EQ(importer.calls.size(), 1u);
+    EXPECT_EQ(importer.calls[0].src, std::vector<int32_t>(exported.blocks.begin() + 5, exported.blocks.end()));
+    EXPECT_EQ(importer.calls[0].dst.size(), 2u);
+    EXPECT_EQ(b->stats().imported_tokens, 7);
+    EXPECT_EQ(b->stats().prefill_tokens, 23 + 1);
+    EXPECT_EQ(b->cache().stats().blocks_used, 0);
+  }
+  {
+    SCOPED_TRACE("all cached");
+    const GenerationRequest request{RandomPrompt(24, 87), Greedy(6)};
+    const GenerationOutput whole = RunAll(*m, ec, {request})[0];
+    auto a = std::move(Engine::Create(*m, ec)).value();
+    int64_t id = -1;
+    const ExportedRequest exported = RunThenExport(*a, request, 1, &id);
+    ASSERT_EQ(exported.rows, 24);
+    PoolCopyImporter importer(&a->runner()->pool());
+    auto b = Importing(*m, ec, &importer);
+    ASSERT_TRUE(b);
+    ASSERT_TRUE(b->Generate({{request.prompt, Greedy(1)}})[0].ok());  // caches all 6 blocks of the prompt
+    const auto rest = b->Generate({Moved(request, whole, 1, exported)});
+    ASSERT_TRUE(rest[0].ok()) << rest[0].status();
+    ExpectTail(*rest[0], whole, 1);
+    EXPECT_TRUE(importer.calls.empty());
+    EXPECT_EQ(b->stats().imported_tokens, 0);
+    EXPECT_EQ(b->stats().prefill_tokens, 24 + 1);
+  }
+}
+
+// A fetch that fails (half-way) costs only the recompute: the request is
+// computed from its tokens, gives the same output, is not imported again,
+// and B keeps no block of it. A group without importers (imports off)
+// computes the rows without asking.
+TEST(Engine, AFailedOrDisabledImportIsRecomputed) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20, .block_size = 4};
+  const GenerationRequest request{RandomPrompt(23, 88), Sampled(12, 3)};
+  const GenerationOutput whole = RunAll(*m, ec, {request})[0];
+  auto a = std::move(Engine::Create(*m, ec)).value();
+  int64_t id = -1;
+  const size_t k = 5;
+  const ExportedRequest exported = RunThenExport(*a, request, k, &id);
+  ASSERT_EQ(exported.rows, 27);
+  {
+    SCOPED_TRACE("failed");
+    PoolCopyImporter importer(&a->runner()->pool());
+    importer.fail = true;
+    auto b = Importing(*m, ec, &importer);
+    ASSERT_TRUE(b);
+    // Beside it, a request that runs throughout.
+    const auto out = b->Generate({Moved(request, whole, k, exported), {RandomPrompt(9, 89), Greedy(8)}});
+    ASSERT_TRUE(out[0].ok()) << out[0].status();
+    ExpectTail(*out[0], whole, k);
+    ASSERT_TRUE(out[1].ok()) << out[1].status();
+    EXPECT_EQ(out[1]->tokens, RunAll(*m, ec, {{RandomPrompt(9, 89), Greedy(8)}})[0].tokens);
+    EXPECT_EQ(importer.calls.size(), 1u) << "a failed import is not tried again";
+    EXPECT_EQ(b->stats().import_failures, 1);
+    EXPECT_EQ(b->stats().imported_tokens, 0);
+    EXPECT_EQ(b->stats().prefill_tokens, 23 + 5 + 9);
+    EXPECT_EQ(b->cache().stats().blocks_used, 0) << "no block of the failed import is kept";
+  }
+  {
+    SCOPED_TRACE("no importer set");
+    auto b = Importing(*m, ec, nullptr);
+    ASSERT_TRUE(b);
+    const auto out = b->Generate({Moved(request, whole, k, exported)});
+    ASSERT_TRUE(out[0].ok()) << out[0].status();
+    ExpectTail(*out[0], whole, k);
+    EXPECT_EQ(b->stats().import_failures, 1);
+    EXPECT_EQ(b->cache().stats().blocks_used, 0);
+  }
+  {
+    SCOPED_TRACE("imports off");
+    PoolCopyImporter importer(&a->runner()->pool());
+    auto b = std::move(Engine::Create(*m, ec)).value();
+    PoisonPool(b->runner()->pool());
+    b->runner()->SetImporter(&importer);
+    const auto out = b->Generate({Moved(request, whole, k, exported)});
+    ASSERT_TRUE(out[0].ok()) << out[0].status();
+    ExpectTail(*out[0], whole, k);
+    EXPECT_TRUE(importer.calls.empty());
+    EXPECT_EQ(b->stats().import_failures, 0);
+    EXPECT_EQ(b->stats().prefill_tokens, 23 + 5);
+  }
+  ASSERT_TRUE(a->ReleaseExport(id).ok());
+  EXPECT_EQ(a->cache().stats().blocks_used, 0);
+}
+
+// The scheduler's side, step by step: an importing request holds a
+// sequence slot and its blocks but is in no plan's sequences; Schedule
+// refuses to go on before FinishImports; one exported while importing
+// leaves with no blocks. Requests without blocks export none.
+TEST(Engine, ImportsAndExportsBetweenSteps) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  EngineConfig ec{.max_num_seqs = 1, .cache_budget_bytes = 16 << 20, .block_size = 4};
+  ec.imports = true;
+  auto s = std::move(Engine::CreateScheduler(m->config(), ec)).value();
+  const GenerationRequest base{RandomPrompt(10, 90), Greedy(6)};
+  GenerationRequest moved = base;
+  moved.generated = {5, 6};
+  moved.import = ImportSource{.descriptors = {"x", "y"}, .blocks = {40, 41, 42}, .rows = 11};
+  const int64_t first = *s->Add(moved), second = *s->Add(moved);
+  auto plan = s->Schedule();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->seqs.empty());
+  ASSERT_EQ(plan->imports.size(), 1u) << "max_num_seqs 1: the importing request holds the one slot";
+  const StepPlan::Import& imp = plan->imports[0];
+  EXPECT_EQ(imp.id, first);
+  EXPECT_EQ(imp.descriptors, (std::vector<std::string>{"x", "y"}));
+  EXPECT_EQ(imp.src, (std::vector<int32_t>{40, 41, 42}));
+  EXPECT_EQ(imp.dst, std::vector<int32_t>(s->cache().BlockTable(first).begin(), s->cache().BlockTable(first).end()));
+  EXPECT_EQ(s->num_importing(), 1);
+  EXPECT_EQ(s->num_waiting(), 1);
+  EXPECT_TRUE(s->HasWork());
+  EXPECT_EQ(s->Schedule().status().code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(s->FinishImports(*plan, true).ok());
+  EXPECT_EQ(s->num_importing(), 0);
+  EXPECT_EQ(s->num_running(), 1);
+  EXPECT_EQ(s->stats().imported_tokens, 11);
+  plan = s->Schedule();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->seqs.size(), 1u);
+  EXPECT_EQ(plan->seqs[0].start_pos, 11);
+  EXPECT_EQ(plan->seqs[0].tokens, std::vector<int32_t>{6});
+  EXPECT_TRUE(plan->imports.empty());
+  // Exported mid-step is not what a server does; here the plan is done with.
+  ASSERT_TRUE(s->FailStep(*plan, InternalError("test: dropped")).ok());
+  // The second one now imports; exported before FinishImports, it leaves
+  // with nothing and its blocks go back.
+  plan = s->Schedule();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->imports.size(), 1u);
+  EXPECT_EQ(plan->imports[0].id, second);
+  EXPECT_GT(s->cache().stats().blocks_used, 0);
+  auto out = s->Export(second);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->blocks.empty());
+  EXPECT_EQ(out->rows, 0);
+  EXPECT_EQ(s->num_exported(), 0);
+  ASSERT_TRUE(s->FinishImports(*plan, true).ok());
+  EXPECT_EQ(s->num_running(), 0);
+  EXPECT_EQ(s->cache().stats().blocks_used, 0);
+  EXPECT_EQ(s->stats().imported_tokens, 11) << "the exported request imported nothing";
+  EXPECT_FALSE(s->HasWork());
+  // A waiting request exports no blocks; unknown ids are NOT_FOUND.
+  const int64_t waiting = *s->Add(base);
+  out = s->Export(waiting);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(out->blocks.empty());
+  EXPECT_EQ(out->rows, 0);
+  EXPECT_EQ(s->ReleaseExport(waiting).code(), StatusCode::kNotFound);
+  EXPECT_EQ(s->Export(12345).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s->stats().exported, 2);
+  EXPECT_FALSE(s->HasWork());
+  // A failed import goes back to the front of the queue, without its
+  // source: the next step computes it, from the first import's two full
+  // blocks on (published when its import succeeded).
+  const int64_t third = *s->Add(moved), fourth = *s->Add(moved);
+  plan = s->Schedule();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->imports.size(), 1u);
+  EXPECT_EQ(plan->imports[0].id, third);
+  ASSERT_TRUE(s->FinishImports(*plan, false).ok());
+  EXPECT_EQ(s->num_waiting(), 2);
+  EXPECT_EQ(s->stats().import_failures, 1);
+  EXPECT_EQ(s->cache().stats().blocks_used, 0);
+  plan = s->Schedule();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->imports.empty());
+  ASSERT_EQ(plan->seqs.size(), 1u);
+  EXPECT_EQ(plan->seqs[0].id, third);
+  EXPECT_EQ(plan->seqs[0].start_pos, 8);
+  EXPECT_EQ(plan->seqs[0].tokens.size(), 4u);
+  ASSERT_TRUE(s->Cancel(third).ok());
+  ASSERT_TRUE(s->Cancel(fourth).ok());
+}
+
 }  // namespace
 }  // namespace mlarun
 
@@ -602,6 +916,47 @@ TEST(ValidateRequest, GeneratedTokensAreInTheVocabularyAndFewerThanMaxTokens) {
   const Status all = ValidateRequest(prompt, s, limits, std::vector<int32_t>{4, 5, 6, 7, 8});
   EXPECT_EQ(all.code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(all.message(), "generated_ids: 5 tokens already generated, max_tokens is 5");
+}
+
+// An import source names the rows of a prefix of prompt + generated (at
+// least one, not all), one block per block_size of them, and the old
+// group's ranks.
+TEST(ValidateRequest, ImportSourcesNameTheirField) {
+  const RequestLimits limits{.vocab_size = 100, .block_size = 4};
+  GenerationRequest r{{1, 2, 3, 4, 5, 6}, SamplingParams{.max_tokens = 5}};
+  r.generated = {7, 8};  // 8 tokens: rows in [1, 7]
+  r.import = ImportSource{.descriptors = {"d"}, .blocks = {3, 9}, .rows = 7};
+  EXPECT_TRUE(ValidateGenerationRequest(r, limits).ok());
+  auto with = [&](ImportSource i) {
+    GenerationRequest c = r;
+    c.import = std::move(i);
+    return ValidateGenerationRequest(c, limits);
+  };
+  const Status all = with({.descriptors = {"d"}, .blocks = {3, 9}, .rows = 8});
+  EXPECT_EQ(all.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(all.message().rfind("import.rows: 8 is outside [1, 7]", 0), 0u) << all;
+  EXPECT_EQ(with({.descriptors = {"d"}, .blocks = {}, .rows = 0}).message().rfind("import.rows: ", 0), 0u);
+  EXPECT_EQ(with({.descriptors = {"d"}, .blocks = {3}, .rows = 5}).message(),
+            "import.blocks: 1 blocks for 5 rows, want 2 (block_size 4)");
+  EXPECT_EQ(with({.descriptors = {"d"}, .blocks = {3, 9}, .rows = 4}).message().rfind("import.blocks: ", 0), 0u);
+  EXPECT_EQ(with({.descriptors = {"d"}, .blocks = {3, -1}, .rows = 5}).message().rfind("import.blocks[1]: ", 0), 0u);
+  EXPECT_EQ(with({.descriptors = {}, .blocks = {3, 9}, .rows = 5}).message(), "import.descriptors: must not be empty");
+  // The request's own fields come first.
+  GenerationRequest bad = r;
+  bad.prompt.clear();
+  EXPECT_EQ(ValidateGenerationRequest(bad, limits).message(), "prompt_ids: must not be empty");
+}
+
+TEST(Engine, RequestsWithBadImportSourcesAreRejected) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  auto engine = std::move(Engine::Create(*m, EngineConfig{.cache_budget_bytes = 16 << 20, .block_size = 16})).value();
+  GenerationRequest r{RandomPrompt(20, 1), Greedy(4)};
+  r.import = ImportSource{.descriptors = {"d"}, .blocks = {1}, .rows = 17};  // 17 rows are two blocks of 16
+  const auto a = engine->Add(r);
+  EXPECT_EQ(a.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(a.status().message().rfind("import.blocks: ", 0), 0u) << a.status();
+  EXPECT_FALSE(engine->HasWork());
 }
 
 TEST(Engine, ResumedRequestsWithBadGeneratedTokensAreRejected) {

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "runtime/engine/engine.h"
+#include "tests/runtime/engine/pool_copy_importer.h"
 #include "tests/test_paths.h"
 
 namespace mlarun {
@@ -46,6 +47,21 @@ StepPlan RandomPlan(std::mt19937& rng) {
       s.block_table.push_back(int32_t(rng() % 100000));
     p.seqs.push_back(std::move(s));
   }
+  // Imports: none, or some, with descriptors of every length around a word
+  // (empty, 7, 8, 9 bytes, ...) and any bytes, NULs included.
+  for (int i = 0, n_imports = static_cast<int>(rng() % 3); i < n_imports; ++i) {
+    StepPlan::Import m{.id = int64_t(rng()) << 4};
+    for (int d = 0, nd = 1 + static_cast<int>(rng() % 3); d < nd; ++d) {
+      std::string desc(rng() % 20, '\0');
+      for (char& c : desc) c = static_cast<char>(rng() % 256);
+      m.descriptors.push_back(std::move(desc));
+    }
+    for (int b = 0, nb = static_cast<int>(rng() % 9); b < nb; ++b) {
+      m.src.push_back(int32_t(rng() % 100000));
+      m.dst.push_back(int32_t(rng() % 100000));
+    }
+    p.imports.push_back(std::move(m));
+  }
   return p;
 }
 
@@ -68,7 +84,23 @@ TEST(StepPlan, EncodeDecodeRoundTrip) {
       EXPECT_EQ(back->seqs[i].sampler, nullptr) << "samplers stay with the scheduler";
     }
     EXPECT_EQ(back->num_tokens(), p.num_tokens());
+    ASSERT_EQ(back->imports.size(), p.imports.size());
+    for (size_t i = 0; i < p.imports.size(); ++i) {
+      EXPECT_EQ(back->imports[i].id, p.imports[i].id);
+      EXPECT_EQ(back->imports[i].descriptors, p.imports[i].descriptors);
+      EXPECT_EQ(back->imports[i].src, p.imports[i].src);
+      EXPECT_EQ(back->imports[i].dst, p.imports[i].dst);
+    }
   }
+}
+
+// A plan with an import whose descriptors fill words exactly and not.
+StepPlan PlanWithImports() {
+  StepPlan p;
+  p.seqs.push_back({.id = 3, .start_pos = 0, .tokens = {5, 6}, .block_table = {1}});
+  p.imports.push_back({.id = 4, .descriptors = {"", "12345678", std::string("a\0b", 3)}, .src = {7, 8}, .dst = {1, 2}});
+  p.imports.push_back({.id = 5, .descriptors = {"ucx:0123456789"}, .src = {9}, .dst = {3}});
+  return p;
 }
 
 TEST(StepPlan, DecodeRefusesWhatIsNotAPlan) {
@@ -87,6 +119,35 @@ TEST(StepPlan, DecodeRefusesWhatIsNotAPlan) {
   std::vector<int64_t> negative = full;
   negative[9] = -3;  // the first sequence's token count
   EXPECT_EQ(StepPlan::Decode(negative).status().code(), StatusCode::kInvalidArgument);
+
+  // The imports: every truncation, and each count out of range, is refused
+  // naming the import.
+  const std::vector<int64_t> with = PlanWithImports().Encode();
+  ASSERT_TRUE(StepPlan::Decode(with).ok()) << StepPlan::Decode(with).status();
+  for (size_t n = 0; n < with.size(); ++n)
+    EXPECT_EQ(StepPlan::Decode(std::span<const int64_t>(with.data(), n)).status().code(), StatusCode::kInvalidArgument)
+        << n << " of " << with.size() << " words";
+  // [header 7][seq: id, pos, 2, 5, 6, 1, 1][n_imports][id 4, 3 descriptors: 0; 8, w; 3, w][2, 7, 8][2, 1, 2]...
+  const size_t at = 14;
+  ASSERT_EQ(with[at], 2);
+  ASSERT_EQ(with[at + 1], 4);
+  ASSERT_EQ(with[at + 2], 3);
+  auto refused = [&](size_t word, int64_t value, const std::string& says) {
+    std::vector<int64_t> bad = with;
+    bad[word] = value;
+    const Status st = StepPlan::Decode(bad).status();
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << "word " << word << " = " << value;
+    EXPECT_NE(st.message().find(says), std::string::npos) << st;
+  };
+  refused(at, -1, "import count");
+  refused(at, 3, "import 2");  // one more than there are
+  refused(at + 2, -1, "import 0");
+  refused(at + 2, int64_t{1} << 40, "import 0");
+  refused(at + 4, -8, "import 0");  // the second descriptor's byte length
+  refused(at + 4, int64_t{1} << 62, "import 0");
+  refused(at + 8, 3, "import 0");                 // src count 3 of what is 2: dst comes out short
+  refused(at + 9, int64_t{1} << 33, "import 0");  // a source block id outside int32
+  refused(at + 11, 1, "import 0 has 2 source blocks and 1 destination");
 }
 
 // A DP group of two ranks in one process: the leader's scheduler makes the
@@ -182,6 +243,54 @@ TEST(ModelRunner, ABadPlanIsAnErrorAndTheNextRuns) {
   ASSERT_TRUE(want.ok()) << want.status();
   EXPECT_EQ(a.token, (*want)[0].token);
   EXPECT_EQ(a.logprob, (*want)[0].logprob);
+}
+
+// Import fills the pool through the importer, each import checked first;
+// without an importer a plan with imports is refused, one without runs.
+TEST(ModelRunner, ImportGoesThroughTheImporter) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const LatentCacheConfig pool = m->CacheConfig(2 << 20, 16);
+  auto from = std::move(LatentPool::Create(pool)).value();
+  auto runner = std::move(ModelRunner::Create(*m, pool, nullptr, "rank 5 (test)")).value();
+  const int64_t row = from->row_width(), per_block = pool.block_size * row;
+  for (int64_t l = 0; l < pool.num_layers; ++l) {
+    float* p = static_cast<float*>(from->LayerData(l));
+    for (int64_t i = 0; i < from->num_blocks() * per_block; ++i) p[i] = static_cast<float>(l * 1000003 + i);
+  }
+  PoisonPool(runner->pool());
+  StepPlan plan;
+  EXPECT_TRUE(runner->Import(plan, 0).ok()) << "nothing to import";
+  plan.imports.push_back({.id = 8, .descriptors = {"a", "b"}, .src = {3, 1}, .dst = {6, 2}});
+  const Status none = runner->Import(plan, 1);
+  EXPECT_EQ(none.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(none.message().find("rank 5 (test)"), std::string::npos) << none;
+  PoolCopyImporter importer(from.get());
+  runner->SetImporter(&importer);
+  ASSERT_TRUE(runner->Import(plan, 1).ok());
+  ASSERT_EQ(importer.calls.size(), 1u);
+  EXPECT_EQ(importer.ranks, std::vector<int>{1});
+  for (int64_t l = 0; l < pool.num_layers; ++l)
+    for (const auto& [src, dst] : {std::pair{3, 6}, std::pair{1, 2}}) {
+      const float* a = static_cast<const float*>(from->LayerData(l)) + src * per_block;
+      const float* b = static_cast<const float*>(runner->pool().LayerData(l)) + dst * per_block;
+      ASSERT_EQ(std::memcmp(a, b, static_cast<size_t>(per_block) * sizeof(float)), 0) << "layer " << l;
+    }
+  StepPlan bad = plan;
+  bad.imports[0].dst = {6, int32_t(runner->pool().num_blocks())};
+  Status st = runner->Import(bad, 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("outside"), std::string::npos) << st;
+  bad.imports[0].dst = {6};
+  EXPECT_EQ(runner->Import(bad, 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(importer.calls.size(), 1u) << "a bad import never reaches the importer";
+  importer.fail = true;
+  st = runner->Import(plan, 0);
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable);
+  EXPECT_NE(st.message().find("import of request 8 on rank 5 (test)"), std::string::npos) << st;
+  EXPECT_NE(st.message().find("the old group is gone"), std::string::npos) << st;
+  runner->SetImporter(nullptr);
+  EXPECT_EQ(runner->Import(plan, 0).code(), StatusCode::kFailedPrecondition);
 }
 
 TEST(ModelRunner, ThePoolMustMatchTheModel) {
