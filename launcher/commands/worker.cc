@@ -97,6 +97,12 @@ void AddWorkerCommand(CLI::App& app, CommandTable& table) {
   AddDeviceFlag(worker, wo.deployment.device);
   AddFp8WeightsFlag(worker, wo.deployment.fp8_weights);
   AddLmHeadFlag(worker, wo.deployment.lm_head);
+  worker
+      ->add_option("--transfer", wo.transfer,
+                   "Move cache blocks of requests that move between DP groups over UCX: off (compute them "
+                   "again), shm (ranks of one host) or any (any transport UCX finds)")
+      ->check(CLI::IsMember({"off", "shm", "any"}))
+      ->capture_default_str();
   worker->add_option("--threads", f->threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   worker->add_option("--fail-forward-call", f->fail_forward_call,
                      "Fault injection for tests: model step N (0-based) fails with INTERNAL on world rank RANK "

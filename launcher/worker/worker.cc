@@ -19,6 +19,7 @@
 #include "base/cpu_isa.h"
 #include "base/cuda_device.h"
 #include "launcher/serve/serve.h"
+#include "launcher/worker/transfer_agent.h"
 #include "parallel/mpi/mpi_world.h"
 #include "runtime/engine/rank_runner.h"
 #include "runtime/grammar/grammar.h"
@@ -94,6 +95,9 @@ class Worker {
   }
   v1::RankStats OwnFacts() const;
   void ExchangeFacts(const v1::RankStats& me);
+  // Each rank's transfer descriptor to every rank; the leader keeps its
+  // group's, by attn_tp rank, for its registration.
+  void ExchangeDescriptors();
   void OpenLink();
   // The group's ranks as GetStats reports them: the facts of the start-up
   // exchange with the changing fields filled in.
@@ -106,6 +110,7 @@ class Worker {
   // MigrateOut: the request leaves this group now, between two steps (its
   // tokens are all sent), and the coordinator hears how many it has.
   void OnMigrateOut(const std::string& request_id);
+  void OnReleaseExported(const std::string& request_id);
   void OnStreamEnded(const WorkerLinkEvent& e);
   // The link (leaders), after each step: new tokens, completions, stats.
   void Report();
@@ -127,6 +132,9 @@ class Worker {
   PrefillWorkspace workspace_;
   WeightBytes weights_;
   std::unique_ptr<RankRunner> runner_;
+  // --transfer; nullptr: off. Declared after runner_, so it lets go of the
+  // pool (and stops its thread) before the pool goes.
+  std::unique_ptr<TransferAgent> transfer_;
   std::string worker_id_;                   // one for the job: rank 0's host:pid
   std::vector<v1::RankStats> group_ranks_;  // this DP group's ranks' static facts
 
@@ -143,6 +151,10 @@ class Worker {
   // The step loop's state.
   std::map<int64_t, Live> live_;  // engine id -> request (leaders)
   std::map<std::string, int64_t> by_request_id_;
+  // Requests that moved away with their blocks held for the new group
+  // (Engine::Export), until ReleaseExported: request id -> engine id.
+  std::map<std::string, int64_t> exported_;
+  std::vector<std::string> group_descriptors_;  // leaders: Register.transfer_descriptors
   std::chrono::steady_clock::time_point last_stats_;
   int64_t tokens_since_stats_ = 0;
   bool stats_dirty_ = false;  // requests arrived or ended since the last stats
@@ -168,11 +180,21 @@ void Worker::Start() {
                 << std::flush;
     }
   }
-  auto runner_or = RankRunner::Create(model_, engine_, groups_, rank_name_);
+  if (o_.transfer != "off") {
+    auto path = ParseTransferPath(o_.transfer);
+    if (!path.ok()) AbortStart(path.status().ToString());
+    transfer_ = std::make_unique<TransferAgent>(*path);
+    engine_.imports = true;
+  }
+  auto runner_or = RankRunner::Create(model_, engine_, groups_, rank_name_, transfer_.get());
   if (!runner_or.ok()) AbortStart(runner_or.status().ToString());
   runner_ = std::move(*runner_or);
+  if (transfer_) {
+    if (Status st = transfer_->Start(runner_->runner().pool()); !st.ok()) AbortStart(st.ToString());
+  }
   SayLoaded();
   ExchangeFacts(OwnFacts());
+  ExchangeDescriptors();
   waiting_said_ = std::chrono::steady_clock::now();
   if (runner_->is_leader()) OpenLink();
   if (session_.rank() == 0)
@@ -252,6 +274,7 @@ v1::RankStats Worker::OwnFacts() const {
   // f8_e4m3, int8 or int4 where the projections are held so.
   if (const auto d = model_.weight_format().projection_dtype) me.set_projection_dtype(std::string(DTypeName(*d)));
   me.set_lm_head_dtype(std::string(DTypeName(model_.lm_head_dtype())));
+  if (transfer_) me.set_transfer_path(std::string(TransferPathName(transfer_->path())));
   me.set_parallel(layout_os.str());
   me.set_resident_bytes(ResidentBytes());
   me.set_cpu_model_name(HostCpu().model_name);
@@ -291,6 +314,22 @@ void Worker::ExchangeFacts(const v1::RankStats& me) {
   }
 }
 
+void Worker::ExchangeDescriptors() {
+  auto all = AllGatherStrings(*groups_.world, transfer_ ? transfer_->Descriptor() : std::string());
+  if (!all.ok()) session_.Abort("start-up exchange failed: " + all.status().ToString(), 2);
+  std::vector<const v1::RankStats*> ranks;
+  for (const v1::RankStats& r : group_ranks_) ranks.push_back(&r);
+  std::sort(ranks.begin(), ranks.end(), [](auto* a, auto* b) { return a->attn_tp_rank() < b->attn_tp_rank(); });
+  for (const v1::RankStats* r : ranks) {
+    const std::string& d = (*all)[static_cast<size_t>(r->rank())];
+    if (d.empty()) {  // every rank has --transfer or none has
+      group_descriptors_.clear();
+      return;
+    }
+    group_descriptors_.push_back(d);
+  }
+}
+
 google::protobuf::RepeatedPtrField<v1::RankStats> Worker::GroupRankStats(double tokens_per_s) {
   google::protobuf::RepeatedPtrField<v1::RankStats> out;
   const LatentCacheStats& cs = runner_->cache_stats().now;
@@ -302,7 +341,7 @@ google::protobuf::RepeatedPtrField<v1::RankStats> Worker::GroupRankStats(double 
     // own numbers before the first).
     const bool seen = static_cast<size_t>(r.rank()) < runner_->world_cache().size();
     const RankCacheSnapshot snap = seen ? runner_->world_cache()[static_cast<size_t>(r.rank())]
-                                        : RankCacheSnapshot{cs.blocks_used, cs.blocks_used, cs.blocks_retired};
+                                        : RankCacheSnapshot{cs.blocks_used, cs.blocks_used, cs.blocks_retired, {}};
     s->set_cache_blocks_used(snap.blocks_used);
     s->set_cache_bytes_used(snap.blocks_used * r.cache_block_bytes());
     s->set_cache_bytes_peak(snap.peak_blocks_used * r.cache_block_bytes());
@@ -311,6 +350,9 @@ google::protobuf::RepeatedPtrField<v1::RankStats> Worker::GroupRankStats(double 
     s->set_requests_running(runner_->engine()->num_running());
     s->set_requests_waiting(runner_->engine()->num_waiting());
     s->set_tokens_per_s(tokens_per_s);
+    s->set_transfer_fetches(snap.imports.fetches);
+    s->set_transfer_bytes(snap.imports.bytes);
+    s->set_transfer_failures(snap.imports.failures);
   }
   return out;
 }
@@ -327,6 +369,7 @@ void Worker::OpenLink() {
   reg.set_block_size(engine_.block_size);
   reg.set_cache_blocks_total(runner_->cache_stats().now.blocks_total);
   *reg.mutable_ranks() = GroupRankStats(0);
+  reg.mutable_transfer_descriptors()->Assign(group_descriptors_.begin(), group_descriptors_.end());
   link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
       .coordinator = o_.coordinator, .registration = reg, .secret = o_.worker_secret, .tls = o_.tls});
 }
@@ -387,6 +430,8 @@ void Worker::DrainLink() {
       OnCancel(e.message.cancel().request_id());
     } else if (e.message.has_migrate_out()) {
       OnMigrateOut(e.message.migrate_out().request_id());
+    } else if (e.message.has_release_exported()) {
+      OnReleaseExported(e.message.release_exported().request_id());
     } else if (e.ended) {
       OnStreamEnded(e);
     }
@@ -399,6 +444,12 @@ void Worker::OnRoute(const v1::RouteRequest& route) {
                         .sampling = FromProto(route.sampling()),
                         .generated = std::vector<int32_t>(route.generated_ids().begin(), route.generated_ids().end()),
                         .prefix_cache_salt = route.prefix_cache_salt()};
+  if (transfer_ && route.has_move_source() && route.move_source().cached_tokens() > 0) {
+    const v1::MoveSource& from = route.move_source();
+    req.import = ImportSource{.descriptors = {from.descriptors().begin(), from.descriptors().end()},
+                              .blocks = {from.block_ids().begin(), from.block_ids().end()},
+                              .rows = from.cached_tokens()};
+  }
   auto id = runner_->Add(std::move(req));
   if (!id.ok()) {
     v1::WorkerMessage m;
@@ -428,13 +479,35 @@ void Worker::OnMigrateOut(const std::string& request_id) {
   if (it == by_request_id_.end()) return;  // ended: its RequestDone answers
   const Live& l = live_[it->second];
   v1::WorkerMessage m;
-  m.mutable_exported()->set_request_id(request_id);
-  m.mutable_exported()->set_tokens(static_cast<int64_t>(l.before + l.sent));
-  (void)runner_->engine()->Cancel(it->second);  // its blocks are free
-  (void)runner_->engine()->TakeOutput(it->second);
+  v1::Exported* x = m.mutable_exported();
+  x->set_request_id(request_id);
+  x->set_tokens(static_cast<int64_t>(l.before + l.sent));
+  Engine& engine = *runner_->engine();
+  if (transfer_ && !group_descriptors_.empty()) {
+    // Its blocks stay held for the new group to fetch, until ReleaseExported.
+    auto held = engine.Export(it->second);
+    if (!held.ok()) {
+      (void)engine.Cancel(it->second);
+    } else if (!held->blocks.empty()) {
+      x->mutable_block_ids()->Assign(held->blocks.begin(), held->blocks.end());
+      x->set_cached_tokens(held->rows);
+      exported_[request_id] = it->second;
+    }
+  } else {
+    (void)engine.Cancel(it->second);  // its blocks are free
+  }
+  (void)engine.TakeOutput(it->second);
   live_.erase(it->second);
   by_request_id_.erase(it);
   link_->Send(m);
+  stats_dirty_ = true;
+}
+
+void Worker::OnReleaseExported(const std::string& request_id) {
+  auto it = exported_.find(request_id);
+  if (it == exported_.end()) return;
+  (void)runner_->engine()->ReleaseExport(it->second);
+  exported_.erase(it);
   stats_dirty_ = true;
 }
 
@@ -472,6 +545,8 @@ void Worker::OnStreamEnded(const WorkerLinkEvent& e) {
   }
   live_.clear();
   by_request_id_.clear();
+  for (const auto& [rid, id] : exported_) (void)runner_->engine()->ReleaseExport(id);
+  exported_.clear();
 }
 
 // New tokens, completions, and the requests of a failed step.

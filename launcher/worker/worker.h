@@ -49,6 +49,11 @@ struct WorkerOptions {
   // client certificate, which a coordinator with --tls-ca takes instead of
   // the secret).
   TlsPem tls;
+  // The transfer plane for cache blocks (--transfer): "off" (a request that
+  // moves here is computed again from its tokens), "shm" (UCX shared
+  // memory: ranks of one host) or "any" (any transport UCX finds: TCP,
+  // verbs). Groups that both have it move a request's blocks instead.
+  std::string transfer = "off";
 };
 
 // Runs until a signal; returns the process exit code (0 on a clean stop).

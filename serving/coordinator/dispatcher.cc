@@ -52,6 +52,11 @@ constexpr size_t kMaxRankStatsBytes = 8 << 10;  // one RankStats (its strings, m
 // them), and the groups themselves with their disconnect reasons (1 KiB).
 constexpr int64_t kMaxRankStatsTotalBytes = int64_t{2} << 20;
 constexpr size_t kMaxReasonBytes = 1024;
+// A group's transfer descriptors (Register.transfer_descriptors): a UCX
+// worker address and remote key each, a few hundred bytes on TCP and
+// shared memory, more with verbs.
+constexpr size_t kMaxDescriptorBytes = 64 << 10;
+constexpr int64_t kMaxGroupDescriptorsBytes = 1 << 20;
 
 int64_t RanksBytes(const google::protobuf::RepeatedPtrField<v1::RankStats>& ranks) {
   int64_t n = 0;
@@ -134,6 +139,18 @@ std::optional<std::string> CheckRegister(const v1::Register& reg) {
     return StrCat("register.block_size: must be in [0, ", kMaxBlockSize, "], got ", reg.block_size());
   if (reg.cache_blocks_total() < 0 || reg.cache_blocks_total() > kMaxBlocks)
     return StrCat("register.cache_blocks_total: must be in [0, ", kMaxBlocks, "], got ", reg.cache_blocks_total());
+  const int n = reg.transfer_descriptors_size();
+  if (n != 0 && n != reg.attn_tp())
+    return StrCat("register.transfer_descriptors: none or attn_tp = ", reg.attn_tp(), " of them, got ", n);
+  int64_t bytes = 0;
+  for (int i = 0; i < n; ++i) {
+    const size_t b = reg.transfer_descriptors(i).size();
+    if (b == 0 || b > kMaxDescriptorBytes)
+      return StrCat("register.transfer_descriptors[", i, "]: 1 to ", kMaxDescriptorBytes, " bytes, got ", b);
+    bytes += static_cast<int64_t>(b);
+  }
+  if (bytes > kMaxGroupDescriptorsBytes)
+    return StrCat("register.transfer_descriptors: at most ", kMaxGroupDescriptorsBytes, " bytes in all, got ", bytes);
   return std::nullopt;
 }
 
@@ -156,6 +173,22 @@ std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v
     if (r.ByteSizeLong() > kMaxRankStatsBytes)
       return StrCat(at, ": at most ", kMaxRankStatsBytes, " bytes, got ", r.ByteSizeLong());
   }
+  return std::nullopt;
+}
+
+// What is wrong with the blocks a group exported for a request of
+// `tokens` tokens (prompt + generated) with blocks of `block_size` tokens:
+// cached_tokens outside [0, tokens), block ids that are negative or not
+// ceil(cached_tokens / block_size) of them; nullopt when they are right.
+std::optional<std::string> CheckExportedBlocks(const v1::Exported& e, int64_t tokens, int64_t block_size) {
+  if (e.cached_tokens() < 0 || e.cached_tokens() >= tokens)
+    return StrCat("exported.cached_tokens ", e.cached_tokens(), " is outside [0, ", tokens, ")");
+  const int64_t want = block_size > 0 ? (e.cached_tokens() + block_size - 1) / block_size : e.block_ids_size();
+  if (e.block_ids_size() != want)
+    return StrCat("exported.block_ids: ", e.block_ids_size(), " blocks for ", e.cached_tokens(),
+                  " tokens in blocks of ", block_size);
+  for (int i = 0; i < e.block_ids_size(); ++i)
+    if (e.block_ids(i) < 0) return StrCat("exported.block_ids[", i, "] ", e.block_ids(i), " is negative");
   return std::nullopt;
 }
 
@@ -196,6 +229,9 @@ struct Dispatcher::Request {
     bool left = false;  // it left `from` (Exported, or `from` went away)
     int64_t tokens_before = 0;
     Clock::time_point paused_at;  // its last token before the move (or the call)
+    // The group holding its blocks for the new group to fetch (Exported
+    // with blocks) until ReleaseExported; -1: none.
+    int export_group = -1;
     std::vector<MigrateDone> callers;
   };
   std::optional<Move> move;
@@ -216,6 +252,8 @@ struct Dispatcher::Group {
   int64_t in_flight = 0;
   int64_t routed = 0, completed = 0, tokens_generated = 0;
   int64_t migrated_in = 0, migrated_out = 0;
+  // Register.transfer_descriptors: empty when it does not move blocks.
+  std::vector<std::string> descriptors;
   std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
   int64_t ranks_bytes = 0;           // their wire size as reported (counted in rank_stats_bytes_)
   PrefixIndex prefix;                // prefix_affinity only
@@ -685,6 +723,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       g.dp = reg.dp();
       g.attn_tp = reg.attn_tp();
       g.free_blocks = reg.cache_blocks_total();
+      g.descriptors.assign(reg.transfer_descriptors().begin(), reg.transfer_descriptors().end());
       g.ranks.assign(reg.ranks().begin(), reg.ranks().end());
       for (auto& rank : g.ranks) {
         if (rank.worker_id().empty()) rank.set_worker_id(reg.worker_id());
@@ -901,8 +940,20 @@ std::optional<Dispatcher::Violation> Dispatcher::OnExported(int group, const v1:
     return Violation{.request_id = r->wire_id,
                      .what = StrCat("exported.tokens ", exported.tokens(), " for request '", r->id, "', which had ",
                                     r->tokens_sent, " tokens")};
-  ++groups_[static_cast<size_t>(group)]->migrated_out;
+  Group& g = *groups_[static_cast<size_t>(group)];
+  if (std::optional<std::string> bad = CheckExportedBlocks(exported, r->prompt_tokens + r->tokens_sent, g.block_size))
+    return Violation{.request_id = r->wire_id, .what = StrCat("request '", r->id, "': ", *bad)};
+  ++g.migrated_out;
   r->move->left = true;
+  if (exported.block_ids_size() > 0) {
+    r->move->export_group = group;
+    if (!g.descriptors.empty()) {
+      v1::MoveSource* source = r->route.mutable_move_source();
+      source->mutable_descriptors()->Assign(g.descriptors.begin(), g.descriptors.end());
+      *source->mutable_block_ids() = exported.block_ids();
+      source->set_cached_tokens(exported.cached_tokens());
+    }
+  }
   Resume(r, pending);
   return std::nullopt;
 }
@@ -1018,6 +1069,7 @@ void Dispatcher::RouteTo(Request* r, int index, Pending& pending) {
   if (router_.policy() == RoutingPolicy::kPrefixAffinity) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
   v1::CoordinatorMessage msg;
   *msg.mutable_route() = r->route;
+  if (g.descriptors.empty()) msg.mutable_route()->clear_move_source();  // it computes them
   g.link->Queue(std::move(msg));
   pending.Add(g.link);
 }
@@ -1069,6 +1121,18 @@ int Dispatcher::MoveTarget(const Request& r, const v1::MigrateRequest& m, grpc::
 void Dispatcher::EndMove(Request* r, const grpc::Status& status, Pending& pending) {
   Request::Move m = std::move(*r->move);
   r->move.reset();
+  // Its old group's blocks are no longer needed: its new group has them (or
+  // computed them), or the request ended.
+  r->route.clear_move_source();
+  if (m.export_group >= 0) {
+    Group& held = *groups_[static_cast<size_t>(m.export_group)];
+    if (held.link != nullptr) {
+      v1::CoordinatorMessage msg;
+      msg.mutable_release_exported()->set_request_id(r->wire_id);
+      held.link->Queue(std::move(msg));
+      pending.Add(held.link);
+    }
+  }
   v1::MigrateResponse response;
   response.set_from_group(m.from_group);
   response.set_from_worker_id(m.from_worker);

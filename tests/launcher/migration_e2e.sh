@@ -6,14 +6,18 @@
 # request runs on its new group, every request's tokens equal `mlarun
 # generate` on one rank (no gap, no repeat, no changed token), GetStats
 # counts the moves per group, a move of an unknown request fails naming it,
-# and no cache block stays in use. Leaves no process behind.
+# and no cache block stays in use. With `--transfer shm|any` (TRANSFER) the
+# groups fetch the moved requests' blocks over UCX instead of computing
+# them: every rank of the new group fetches, none fails, and the bytes
+# moved are the blocks' (printed against the tokens' own bytes). Leaves no
+# process behind.
 #
-#   migration_e2e.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS
+#   migration_e2e.sh MLARUN SOURCE_DIR LAYOUT NP GROUPS [TRANSFER]
 set -u
-mlarun=$1 src=$2 layout=$3 np=$4 groups=$5
+mlarun=$1 src=$2 layout=$3 np=$4 groups=$5 transfer=${6:-off}
 name=migration_e2e
 source "$src/scripts/lib/deployment.sh"
-start_deployment round_robin --parallel "$layout" --kv-dtype fp32 --cache-bytes 67108864
+start_deployment round_robin --parallel "$layout" --kv-dtype fp32 --cache-bytes 67108864 --transfer "$transfer"
 wait_for_groups
 
 # Long answers, so that each request is still running when it moves.
@@ -73,9 +77,9 @@ grep -q "NOT_FOUND.*move-0" "$work/gone.log" || fail "no NOT_FOUND naming the re
 timeout 180 "$mlarun" generate --model "$src/configs/models/tiny.yaml" --prompts "$work/requests.jsonl" --json \
   --kv-dtype fp32 >"$work/local.jsonl" 2>/dev/null || fail "local generate failed"
 wait_caches_empty || fail "cache blocks still in use: $(cat "$work/stats.json")"
-python3 - "$work" "$groups" "$moves" <<'PY' || fail "migrated results differ from one rank"
+python3 - "$work" "$groups" "$moves" "$transfer" <<'PY' || fail "migrated results differ from one rank"
 import json, sys
-work, groups, moves = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+work, groups, moves, transfer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 local = [json.loads(l) for l in open(f"{work}/local.jsonl")]
 for i, l in enumerate(local):
     s = json.load(open(f"{work}/served{i}.json"))
@@ -91,6 +95,20 @@ ins = sum(int(g["migrated_in"]) for g in d["groups"])
 outs = sum(int(g["migrated_out"]) for g in d["groups"])
 assert ins == outs == moves, (ins, outs, moves)
 assert all(int(g["migrated_in"]) > 0 for g in d["groups"]), d["groups"]
-print(f"8 requests of 3000 tokens, {moves} moves over {groups} DP groups: tokens equal one rank's")
+ranks = d["ranks"]
+fetches = [int(r.get("transfer_fetches", 0)) for r in ranks]
+moved = sum(int(r.get("transfer_bytes", 0)) for r in ranks)
+failures = sum(int(r.get("transfer_failures", 0)) for r in ranks)
+if transfer == "off":
+    assert sum(fetches) == 0 and all(r.get("transfer_path", "") == "" for r in ranks), ranks
+    how = "computed again on the new group"
+else:
+    assert all(r.get("transfer_path") == transfer for r in ranks), [r.get("transfer_path") for r in ranks]
+    assert failures == 0, f"{failures} fetches failed"
+    # A move back finds the blocks it left behind in the prefix cache: every
+    # first move fetches on every rank of its new group.
+    assert all(f > 0 for f in fetches), f"a rank fetched nothing: {fetches}"
+    how = f"{sum(fetches)} fetches, {moved} bytes over UCX ({transfer})"
+print(f"8 requests of 3000 tokens, {moves} moves over {groups} DP groups ({how}): tokens equal one rank's")
 PY
 echo "migration_e2e $layout: PASS"

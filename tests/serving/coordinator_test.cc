@@ -18,6 +18,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -57,7 +58,12 @@ struct FakeWorkerOptions {
   int64_t stall_after = -1;         // tokens per request before going silent forever; -1: never
   bool hold = false;                // routed requests stay silent until Release()
   bool ignore_migrate_out = false;  // never answer MigrateOut (a group that dies mid-move)
-  int32_t reject_code = 0;          // answer every request with this error (RequestDone.error_code)
+  // Register.transfer_descriptors (one per rank); with them, a move's
+  // Exported names blocks 100.. holding all but the last token.
+  std::vector<std::string> descriptors;
+  // Changes each Exported before it is sent (the forged-answer tests).
+  std::function<void(v1::Exported&)> edit_exported;
+  int32_t reject_code = 0;  // answer every request with this error (RequestDone.error_code)
   std::string reject_message;
   std::string secret;  // sent as the worker secret when not empty
   // Changes the registration before it is sent (the refusal tests).
@@ -113,6 +119,7 @@ class FakeWorker {
       s->set_attn_tp_rank(i);
       s->set_cache_blocks_total(options_.cache_blocks);
     }
+    for (const std::string& d : options_.descriptors) r.add_transfer_descriptors(d);
     if (options_.edit_register) options_.edit_register(r);
     link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
         .coordinator = address_, .registration = std::move(r), .reconnect = false, .secret = options_.secret});
@@ -171,6 +178,17 @@ class FakeWorker {
   std::vector<std::string> routes() {
     std::lock_guard lock(mu_);
     return routes_;
+  }
+  // The MoveSource a request was routed here with (nullopt: none).
+  std::optional<v1::MoveSource> source(const std::string& id) {
+    std::lock_guard lock(mu_);
+    auto it = sources_.find(id);
+    return it == sources_.end() ? std::nullopt : std::optional<v1::MoveSource>(it->second);
+  }
+  // Whether ReleaseExported came for `id`.
+  bool WaitReleased(const std::string& id, Ms timeout = 5s) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return released_.count(id) > 0; });
   }
   // The generated_ids a request was routed here with (empty: a new one).
   std::vector<int32_t> resumed(const std::string& id) {
@@ -245,6 +263,7 @@ class FakeWorker {
       } else {
         // A resumed request goes on from the tokens it has.
         resumed_[m.route().request_id()] = ToVector(m.route().generated_ids());
+        if (m.route().has_move_source()) sources_[m.route().request_id()] = m.route().move_source();
         jobs_.push_back(Job{.id = m.route().request_id(),
                             .prompt = ToVector(m.route().prompt_ids()),
                             .seed = m.route().sampling().seed(),
@@ -259,8 +278,17 @@ class FakeWorker {
       v1::WorkerMessage x;
       x.mutable_exported()->set_request_id(it->id);
       x.mutable_exported()->set_tokens(it->sent);
+      if (!options_.descriptors.empty()) {
+        const int64_t cached = static_cast<int64_t>(it->prompt.size()) + it->sent - 1;
+        x.mutable_exported()->set_cached_tokens(cached);
+        for (int64_t b = 0; b < (cached + options_.block_size - 1) / options_.block_size; ++b)
+          x.mutable_exported()->add_block_ids(static_cast<int32_t>(100 + b));
+      }
+      if (options_.edit_exported) options_.edit_exported(*x.mutable_exported());
       link_->Send(x);
       jobs_.erase(it);
+    } else if (m.has_release_exported()) {
+      released_.insert(m.release_exported().request_id());
     } else if (m.has_cancel()) {
       cancels_.insert(m.cancel().request_id());
       std::erase_if(jobs_, [&](const Job& j) { return j.id == m.cancel().request_id(); });
@@ -321,6 +349,8 @@ class FakeWorker {
   std::vector<Job> jobs_;
   std::vector<std::string> routes_;
   std::map<std::string, std::vector<int32_t>> resumed_;
+  std::map<std::string, v1::MoveSource> sources_;
+  std::set<std::string> released_;
   std::set<std::string> cancels_;
 };
 
@@ -1220,6 +1250,87 @@ TEST_F(CoordinatorTest, MigrateMovesARunningRequestWithoutGapOrRepeat) {
   EXPECT_EQ(FindGroup(s, "b", 1)->migrated_in(), 1);
   EXPECT_EQ(FindGroup(s, "a", 0)->requests_in_flight(), 0);
   EXPECT_EQ(FindGroup(s, "b", 1)->requests_in_flight(), 0);
+}
+
+// Groups that move blocks: the old group's blocks and descriptors reach the
+// new group with the move, the old group is told to release them once the
+// request runs on the new one; a group without descriptors gets no source.
+TEST_F(CoordinatorTest, MigrateHandsTheOldGroupsBlocksToTheNewGroup) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin});
+  FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .token_delay = 10ms, .descriptors = {"ucx-a"}});
+  FakeWorker& b = AddWorker({.worker_id = "b", .dp_group = 1, .token_delay = 10ms, .descriptors = {"ucx-b"}});
+  FakeWorker& c = AddWorker({.worker_id = "c", .dp_group = 2, .token_delay = 10ms});
+  UnboundedGenerate r(*stub_, MakeRequest({5, 6, 7, 8, 9}, 200, 1, "blocks"));
+  ASSERT_TRUE(r.WaitTokens(3));
+  ASSERT_FALSE(a.routes().empty());
+  v1::MigrateResponse m;
+  ASSERT_TRUE(MigrateRpc("blocks", 1, &m).ok());
+  const std::optional<v1::MoveSource> source = b.source("blocks");
+  ASSERT_TRUE(source.has_value());
+  ASSERT_EQ(source->descriptors_size(), 1);
+  EXPECT_EQ(source->descriptors(0), "ucx-a");
+  const int64_t cached = 5 + m.tokens_before() - 1;
+  EXPECT_EQ(source->cached_tokens(), cached);
+  EXPECT_EQ(source->block_ids_size(), (cached + 3) / 4);
+  EXPECT_EQ(source->block_ids(0), 100);
+  EXPECT_TRUE(a.WaitReleased("blocks"));
+  // To a group that does not move blocks: no source, and b releases its own.
+  ASSERT_TRUE(r.WaitTokens(static_cast<int>(m.tokens_before()) + 3));
+  ASSERT_TRUE(MigrateRpc("blocks", 2).ok());
+  EXPECT_FALSE(c.source("blocks").has_value());
+  EXPECT_TRUE(b.WaitReleased("blocks"));
+  ExpectServed(r.Get(), {5, 6, 7, 8, 9}, 1, 200);
+}
+
+// Exported blocks that cannot be right (more rows than the request has
+// tokens, too few blocks for them, a negative id) disconnect the group that
+// sent them; the request fails naming the violation.
+TEST_F(CoordinatorTest, ForgedExportedBlocksDisconnectTheGroup) {
+  const std::vector<std::pair<std::function<void(v1::Exported&)>, std::string>> forgeries = {
+      {[](v1::Exported& x) { x.set_cached_tokens(1 << 20); }, "exported.cached_tokens"},
+      {[](v1::Exported& x) { x.mutable_block_ids()->RemoveLast(); }, "exported.block_ids:"},
+      {[](v1::Exported& x) { x.set_block_ids(0, -3); }, "exported.block_ids[0] -3"},
+      {[](v1::Exported& x) { x.set_tokens(x.tokens() + 1); }, "exported.tokens"},
+  };
+  for (size_t i = 0; i < forgeries.size(); ++i) {
+    SCOPED_TRACE(forgeries[i].second);
+    StartCoordinator({.policy = RoutingPolicy::kRoundRobin});
+    FakeWorker& a = AddWorker({.worker_id = "a",
+                               .dp_group = 0,
+                               .token_delay = 10ms,
+                               .descriptors = {"ucx-a"},
+                               .edit_exported = forgeries[i].first});
+    AddWorker({.worker_id = "b", .dp_group = 1, .descriptors = {"ucx-b"}});
+    UnboundedGenerate r(*stub_, MakeRequest({1, 2, 3, 4, 5, 6}, 500, 0, "forged"));
+    ASSERT_TRUE(r.WaitTokens(3));
+    ASSERT_FALSE(a.routes().empty());
+    const grpc::Status st = MigrateRpc("forged", 1);
+    EXPECT_FALSE(st.ok());
+    EXPECT_EQ(r.Get().status.error_code(), grpc::StatusCode::INTERNAL) << r.Get().status.error_message();
+    EXPECT_NE(r.Get().status.error_message().find(forgeries[i].second), std::string::npos)
+        << r.Get().status.error_message();
+    EXPECT_EQ(a.WaitEnded().error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    TearDown();
+    workers_.clear();
+    coord_.reset();
+  }
+}
+
+// A registration's transfer descriptors: none or one per rank, each
+// non-empty and bounded; anything else is refused naming the field.
+TEST_F(CoordinatorTest, RegistrationDescriptorsAreBounded) {
+  StartCoordinator();
+  FakeWorker& w = AddWorker({.worker_id = "ok", .descriptors = {"x"}});
+  EXPECT_TRUE(w.end_status().ok());
+  FakeWorker bad(coord_->address(), {.worker_id = "two", .descriptors = {"x", "y"}});
+  EXPECT_FALSE(bad.ConnectOnce());
+  EXPECT_EQ(bad.end_status().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(bad.end_status().error_message().find("register.transfer_descriptors"), std::string::npos)
+      << bad.end_status().error_message();
+  FakeWorker empty(coord_->address(), {.worker_id = "empty", .descriptors = {""}});
+  EXPECT_FALSE(empty.ConnectOnce());
+  EXPECT_NE(empty.end_status().error_message().find("transfer_descriptors[0]"), std::string::npos)
+      << empty.end_status().error_message();
 }
 
 // What Migrate refuses, each error naming why; a move whose request ends

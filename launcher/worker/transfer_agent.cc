@@ -1,0 +1,93 @@
+#include "launcher/worker/transfer_agent.h"
+
+#include <chrono>
+#include <cstring>
+#include <span>
+#include <vector>
+
+namespace mlarun {
+namespace {
+
+// How long the progress thread sleeps between polls of an idle worker: a
+// connection or a TCP get waits at most this long for the old group's side.
+constexpr auto kProgressPeriod = std::chrono::microseconds(200);
+// An import that takes longer ends (the request is computed instead).
+constexpr auto kImportTimeout = std::chrono::seconds(30);
+
+}  // namespace
+
+StatusOr<TransferPath> ParseTransferPath(std::string_view name) {
+  if (name == "shm") return TransferPath::kSharedMemory;
+  if (name == "any") return TransferPath::kAny;
+  return InvalidArgumentError("--transfer: '", name,
+                              "' is not a transfer path: off, shm (ranks of one host) or any (any transport)");
+}
+
+std::string_view TransferPathName(TransferPath path) { return path == TransferPath::kSharedMemory ? "shm" : "any"; }
+
+TransferAgent::~TransferAgent() {
+  stop_ = true;
+  if (progress_.joinable()) progress_.join();
+}
+
+Status TransferAgent::Start(const LatentPool& pool) {
+  MLARUN_ASSIGN_OR_RETURN(auto transfer, BlockTransfer::Create(pool, BlockTransferOptions{.path = path_}));
+  {
+    MutexLock lock(mu_);
+    transfer_ = std::move(transfer);
+  }
+  pool_ = &pool;
+  progress_ = std::thread([this] { ProgressLoop(); });
+  return Status::Ok();
+}
+
+std::string TransferAgent::Descriptor() const {
+  MutexLock lock(mu_);
+  if (transfer_ == nullptr) return {};
+  const std::vector<std::byte> d = transfer_->Descriptor();
+  return std::string(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+void TransferAgent::ProgressLoop() {
+  while (!stop_.load()) {
+    {
+      MutexLock lock(mu_);
+      transfer_->Progress();
+    }
+    std::this_thread::sleep_for(kProgressPeriod);
+  }
+}
+
+Status TransferAgent::Import(const StepPlan::Import& import, int rank_in_group, LatentPool& pool) {
+  if (&pool != pool_) return FailedPreconditionError("transfer: an import into a pool this rank did not register");
+  if (import.descriptors.empty()) return InvalidArgumentError("transfer: an import without descriptors");
+  const std::string& descriptor = import.descriptors[static_cast<size_t>(rank_in_group) % import.descriptors.size()];
+  MutexLock lock(mu_);
+  auto it = peers_.find(descriptor);
+  if (it == peers_.end()) {
+    const auto* bytes = reinterpret_cast<const std::byte*>(descriptor.data());
+    StatusOr<int> peer = transfer_->Connect(std::span<const std::byte>(bytes, descriptor.size()));
+    if (!peer.ok()) {
+      ++failures_;
+      return peer.status().WithContext("transfer: connecting to the old group's rank");
+    }
+    it = peers_.emplace(descriptor, *peer).first;
+  }
+  Status st = transfer_->Fetch(it->second, import.src, import.dst,
+                               std::chrono::duration_cast<std::chrono::milliseconds>(kImportTimeout));
+  if (!st.ok()) {
+    ++failures_;
+    peers_.erase(it);  // connect again next time
+    return st.WithContext("transfer: fetching a moved request's blocks");
+  }
+  return Status::Ok();
+}
+
+BlockImporter::Counters TransferAgent::counters() const {
+  MutexLock lock(mu_);
+  if (transfer_ == nullptr) return {};
+  const BlockTransferStats& s = transfer_->stats();
+  return Counters{.fetches = s.fetches, .bytes = s.bytes, .failures = failures_};
+}
+
+}  // namespace mlarun
