@@ -338,7 +338,7 @@ Status BlockTransfer::WaitConnected(int id) {
   return Status::Ok();
 }
 
-void BlockTransfer::Progress() { ucp_worker_progress(ucx_->worker); }
+bool BlockTransfer::Progress() { return ucp_worker_progress(ucx_->worker) != 0; }
 
 namespace {
 

@@ -136,8 +136,9 @@ class BlockTransfer {
                std::chrono::milliseconds timeout = std::chrono::seconds(30));
 
   // Answers peers' gets where the transport needs it (see above); returns at
-  // once.
-  void Progress();
+  // once, true when it had something to do (a caller polling it can back
+  // off while it has not).
+  bool Progress();
 
   const BlockTransferStats& stats() const { return stats_; }
 

@@ -1,5 +1,6 @@
 #include "launcher/worker/transfer_agent.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <span>
@@ -8,9 +9,13 @@
 namespace mlarun {
 namespace {
 
-// How long the progress thread sleeps between polls of an idle worker: a
-// connection or a TCP get waits at most this long for the old group's side.
-constexpr auto kProgressPeriod = std::chrono::microseconds(200);
+// How long the progress thread sleeps between polls: kBusyPoll while peers
+// keep its worker busy (a TCP fetch waits for each of its gets' answers),
+// doubling while nothing happens up to kIdlePoll (a connection's first
+// handshake waits at most that long; polling a few thousand times a second
+// would take CPU from the rank's own steps).
+constexpr auto kBusyPoll = std::chrono::microseconds(50);
+constexpr auto kIdlePoll = std::chrono::microseconds(5000);
 // An import that takes longer ends (the request is computed instead).
 constexpr auto kImportTimeout = std::chrono::seconds(30);
 
@@ -49,12 +54,15 @@ std::string TransferAgent::Descriptor() const {
 }
 
 void TransferAgent::ProgressLoop() {
+  auto period = kBusyPoll;
   while (!stop_.load()) {
+    bool busy = false;
     {
       MutexLock lock(mu_);
-      transfer_->Progress();
+      busy = transfer_->Progress();
     }
-    std::this_thread::sleep_for(kProgressPeriod);
+    period = busy ? kBusyPoll : std::min<std::chrono::microseconds>(kIdlePoll, period * 2);
+    std::this_thread::sleep_for(period);
   }
 }
 
