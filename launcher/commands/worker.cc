@@ -103,6 +103,12 @@ void AddWorkerCommand(CLI::App& app, CommandTable& table) {
                    "again), shm (ranks of one host) or any (any transport UCX finds)")
       ->check(CLI::IsMember({"off", "shm", "any"}))
       ->capture_default_str();
+  worker
+      ->add_option("--role", wo.role,
+                   "What the job's DP groups serve: mixed, prefill (new requests, handed to a decode group after "
+                   "their first token) or decode (requests handed over)")
+      ->check(CLI::IsMember({"mixed", "prefill", "decode"}))
+      ->capture_default_str();
   worker->add_option("--threads", f->threads, "CPU threads per rank (default: all)")->check(CLI::NonNegativeNumber);
   worker->add_option("--fail-forward-call", f->fail_forward_call,
                      "Fault injection for tests: model step N (0-based) fails with INTERNAL on world rank RANK "

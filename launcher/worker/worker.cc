@@ -370,6 +370,7 @@ void Worker::OpenLink() {
   reg.set_cache_blocks_total(runner_->cache_stats().now.blocks_total);
   *reg.mutable_ranks() = GroupRankStats(0);
   reg.mutable_transfer_descriptors()->Assign(group_descriptors_.begin(), group_descriptors_.end());
+  reg.set_role(o_.role);
   link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
       .coordinator = o_.coordinator, .registration = reg, .secret = o_.worker_secret, .tls = o_.tls});
 }

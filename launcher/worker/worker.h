@@ -54,6 +54,10 @@ struct WorkerOptions {
   // memory: ranks of one host) or "any" (any transport UCX finds: TCP,
   // verbs). Groups that both have it move a request's blocks instead.
   std::string transfer = "off";
+  // What the job's groups serve (--role): "mixed" (new requests and moved
+  // ones), "prefill" (new requests, each handed to a decode group after its
+  // first token) or "decode" (requests handed over by prefill groups).
+  std::string role = "mixed";
 };
 
 // Runs until a signal; returns the process exit code (0 on a clean stop).

@@ -116,6 +116,26 @@ std::optional<std::string> CheckPromptLogprobs(const v1::PromptLogprobs& lp, con
   return std::nullopt;
 }
 
+// Register.role; nullopt for a name that is none.
+std::optional<GroupRole> ParseRole(const std::string& name) {
+  if (name.empty() || name == "mixed") return GroupRole::kMixed;
+  if (name == "prefill") return GroupRole::kPrefill;
+  if (name == "decode") return GroupRole::kDecode;
+  return std::nullopt;
+}
+
+const char* RoleName(GroupRole role) {
+  switch (role) {
+    case GroupRole::kPrefill:
+      return "prefill";
+    case GroupRole::kDecode:
+      return "decode";
+    case GroupRole::kMixed:
+      break;
+  }
+  return "mixed";
+}
+
 // The error of a Register that cannot be right, naming the field; nullopt
 // when it is in range.
 std::optional<std::string> CheckRegister(const v1::Register& reg) {
@@ -139,6 +159,8 @@ std::optional<std::string> CheckRegister(const v1::Register& reg) {
     return StrCat("register.block_size: must be in [0, ", kMaxBlockSize, "], got ", reg.block_size());
   if (reg.cache_blocks_total() < 0 || reg.cache_blocks_total() > kMaxBlocks)
     return StrCat("register.cache_blocks_total: must be in [0, ", kMaxBlocks, "], got ", reg.cache_blocks_total());
+  if (!ParseRole(reg.role()))
+    return StrCat("register.role: '", reg.role().substr(0, 64), "' is none of prefill, decode, mixed");
   const int n = reg.transfer_descriptors_size();
   if (n != 0 && n != reg.attn_tp())
     return StrCat("register.transfer_descriptors: none or attn_tp = ", reg.attn_tp(), " of them, got ", n);
@@ -254,6 +276,7 @@ struct Dispatcher::Group {
   int64_t migrated_in = 0, migrated_out = 0;
   // Register.transfer_descriptors: empty when it does not move blocks.
   std::vector<std::string> descriptors;
+  GroupRole role = GroupRole::kMixed;
   std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
   int64_t ranks_bytes = 0;           // their wire size as reported (counted in rank_stats_bytes_)
   PrefixIndex prefix;                // prefix_affinity only
@@ -552,21 +575,8 @@ void Dispatcher::Migrate(const std::string& principal, const v1::MigrateRequest&
       error = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                            StrCat("request '", r->id, "' waits for a DP group; it runs on none yet"));
     } else if (const int to = MoveTarget(*r, request, &error); to >= 0) {
-      Group& from = *groups_[static_cast<size_t>(r->group)];
-      r->move = Request::Move{.from = r->group,
-                              .to = to,
-                              .from_group = from.dp_group,
-                              .from_worker = from.worker_id,
-                              .tokens_before = r->tokens_sent,
-                              .paused_at = r->tokens_sent > 0 ? r->last_token_at : Clock::now()};
+      StartMove(r, to, pending);
       r->move->callers.push_back(std::move(done));
-      v1::CoordinatorMessage msg;
-      msg.mutable_migrate_out()->set_request_id(r->wire_id);
-      from.link->Queue(std::move(msg));
-      pending.Add(from.link);
-      pending.Note(StrCat("request '", r->id, "' moves from DP group ", from.dp_group, " of worker ", from.worker_id,
-                          " to DP group ", groups_[static_cast<size_t>(to)]->dp_group, " of worker ",
-                          groups_[static_cast<size_t>(to)]->worker_id, " after ", r->tokens_sent, " tokens"));
     }
   }
   pending.Flush();
@@ -607,6 +617,7 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
     s->set_queued_tokens(g->queued_tokens);
     s->set_migrated_in(g->migrated_in);
     s->set_migrated_out(g->migrated_out);
+    s->set_role(RoleName(g->role));
     std::string reason = g->disconnect_reason;
     if (!details) {
       for (size_t at; !g->worker_id.empty() && (at = reason.find(g->worker_id)) != std::string::npos;)
@@ -724,6 +735,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       g.attn_tp = reg.attn_tp();
       g.free_blocks = reg.cache_blocks_total();
       g.descriptors.assign(reg.transfer_descriptors().begin(), reg.transfer_descriptors().end());
+      g.role = *ParseRole(reg.role());
       g.ranks.assign(reg.ranks().begin(), reg.ranks().end());
       for (auto& rank : g.ranks) {
         if (rank.worker_id().empty()) rank.set_worker_id(reg.worker_id());
@@ -900,6 +912,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
     ++g.tokens_generated;
     r->completion.push_back(static_cast<int32_t>(ev.token_id()));
     if (r->move && r->move->left) EndMove(r, grpc::Status::OK, pending);
+    if (g.role == GroupRole::kPrefill && !r->move && r->tokens_sent < r->max_tokens) HandOff(r, pending);
   }
   return std::nullopt;
 }
@@ -1034,11 +1047,19 @@ bool Dispatcher::Eligible(const Group& g) const {
   return g.link != nullptr && g.in_flight < options_.max_in_flight_per_group;
 }
 
+bool Dispatcher::Suits(const Group& g, const Request& r) {
+  return g.role == GroupRole::kMixed || (g.role == GroupRole::kPrefill) == (r.tokens_sent == 0);
+}
+
 bool Dispatcher::TryRoute(Request* r, Pending& pending) {
+  // A new request goes to a prefill or mixed group, a resumed one to a
+  // decode or mixed group; to any group only while none of those is connected.
+  bool suited = false;
+  for (const auto& g : groups_) suited |= g->link != nullptr && Suits(*g, *r);
   std::vector<Candidate> candidates;
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = *groups_[i];
-    if (!Eligible(g)) continue;
+    if (!Eligible(g) || (suited && !Suits(g, *r))) continue;
     Candidate c{.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks};
     if (router_.policy() == RoutingPolicy::kPrefixAffinity)
       c.prefix_blocks = g.prefix.LeadingMatch(ChainFor(r->chains, r->route, g.block_size));
@@ -1116,6 +1137,35 @@ int Dispatcher::MoveTarget(const Request& r, const v1::MigrateRequest& m, grpc::
                                                     " is connected in several worker jobs; name one with to_worker_id")
                                            : StrCat("to_group: request '", r.id, "' runs on ", which, " already"));
   return -1;
+}
+
+void Dispatcher::StartMove(Request* r, int to, Pending& pending) {
+  Group& from = *groups_[static_cast<size_t>(r->group)];
+  r->move = Request::Move{.from = r->group,
+                          .to = to,
+                          .from_group = from.dp_group,
+                          .from_worker = from.worker_id,
+                          .tokens_before = r->tokens_sent,
+                          .paused_at = r->tokens_sent > 0 ? r->last_token_at : Clock::now()};
+  v1::CoordinatorMessage msg;
+  msg.mutable_migrate_out()->set_request_id(r->wire_id);
+  from.link->Queue(std::move(msg));
+  pending.Add(from.link);
+  pending.Note(StrCat("request '", r->id, "' moves from DP group ", from.dp_group, " of worker ", from.worker_id,
+                      " to DP group ", groups_[static_cast<size_t>(to)]->dp_group, " of worker ",
+                      groups_[static_cast<size_t>(to)]->worker_id, " after ", r->tokens_sent, " tokens"));
+}
+
+void Dispatcher::HandOff(Request* r, Pending& pending) {
+  std::vector<Candidate> candidates;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (g.link == nullptr || g.role != GroupRole::kDecode) continue;
+    candidates.push_back(
+        {.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks});
+  }
+  if (candidates.empty()) return;  // no decode group: it decodes where it is
+  StartMove(r, candidates[router_.Pick(candidates)].index, pending);
 }
 
 void Dispatcher::EndMove(Request* r, const grpc::Status& status, Pending& pending) {

@@ -64,6 +64,9 @@ using Clock = std::chrono::steady_clock;
 
 using ClientOutlet = Outlet<v1::GenerateResponse>;
 
+// What a DP group serves (Register.role).
+enum class GroupRole : uint8_t { kMixed, kPrefill, kDecode };
+
 class Dispatcher final : public WorkerLinkHandler {
  public:
   // Starts the deadline thread. `observer` (may be nullptr) hears of every
@@ -158,6 +161,9 @@ class Dispatcher final : public WorkerLinkHandler {
   int64_t ConnectedGroups() const MLARUN_REQUIRES(mu_);
   bool Eligible(const Group& g) const MLARUN_REQUIRES(mu_);
   bool TryRoute(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Whether `g`'s role takes `r`: a new request a prefill or mixed group, a
+  // resumed one (it has tokens) a decode or mixed group.
+  static bool Suits(const Group& g, const Request& r);
   // Routes `r` (not routed now) to groups_[index], which is connected.
   void RouteTo(Request* r, int index, Pending& pending) MLARUN_REQUIRES(mu_);
   // `r` left its group with the tokens its client has (it moved, or the
@@ -168,6 +174,12 @@ class Dispatcher final : public WorkerLinkHandler {
   // Migrate's destination for `r`: the group `m` names, or the router's
   // pick among the other connected groups; -1 with `error` set otherwise.
   int MoveTarget(const Request& r, const v1::MigrateRequest& m, grpc::Status* error) MLARUN_REQUIRES(mu_);
+  // Starts moving `r` (routed, not moving) to groups_[to]: MigrateOut to
+  // its group, which answers Exported.
+  void StartMove(Request* r, int to, Pending& pending) MLARUN_REQUIRES(mu_);
+  // `r` has its first token from a prefill group: it moves to a decode group
+  // the router picks (none connected: it stays).
+  void HandOff(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
   // The move of `r` is over: its callers get `status` (OK: it runs on its
   // new group) and the counters count it.
   void EndMove(Request* r, const grpc::Status& status, Pending& pending) MLARUN_REQUIRES(mu_);

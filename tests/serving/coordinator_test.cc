@@ -61,6 +61,7 @@ struct FakeWorkerOptions {
   // Register.transfer_descriptors (one per rank); with them, a move's
   // Exported names blocks 100.. holding all but the last token.
   std::vector<std::string> descriptors;
+  std::string role;  // Register.role
   // Changes each Exported before it is sent (the forged-answer tests).
   std::function<void(v1::Exported&)> edit_exported;
   int32_t reject_code = 0;  // answer every request with this error (RequestDone.error_code)
@@ -120,6 +121,7 @@ class FakeWorker {
       s->set_cache_blocks_total(options_.cache_blocks);
     }
     for (const std::string& d : options_.descriptors) r.add_transfer_descriptors(d);
+    r.set_role(options_.role);
     if (options_.edit_register) options_.edit_register(r);
     link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
         .coordinator = address_, .registration = std::move(r), .reconnect = false, .secret = options_.secret});
@@ -1327,10 +1329,48 @@ TEST_F(CoordinatorTest, RegistrationDescriptorsAreBounded) {
   EXPECT_EQ(bad.end_status().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_NE(bad.end_status().error_message().find("register.transfer_descriptors"), std::string::npos)
       << bad.end_status().error_message();
+  FakeWorker role(coord_->address(), {.worker_id = "role", .role = "encode"});
+  EXPECT_FALSE(role.ConnectOnce());
+  EXPECT_NE(role.end_status().error_message().find("register.role: 'encode'"), std::string::npos)
+      << role.end_status().error_message();
   FakeWorker empty(coord_->address(), {.worker_id = "empty", .descriptors = {""}});
   EXPECT_FALSE(empty.ConnectOnce());
   EXPECT_NE(empty.end_status().error_message().find("transfer_descriptors[0]"), std::string::npos)
       << empty.end_status().error_message();
+}
+
+// Prefill and decode groups: every new request goes to the prefill group
+// and, after its first token, on to a decode group (with its blocks where
+// both move blocks); the stream is whole. A decode group takes new requests
+// only while no prefill or mixed group is connected.
+TEST_F(CoordinatorTest, PrefillGroupsHandEachRequestToADecodeGroup) {
+  StartCoordinator({.policy = RoutingPolicy::kLeastLoaded});
+  FakeWorker& p =
+      AddWorker({.worker_id = "p", .dp_group = 0, .token_delay = 5ms, .descriptors = {"ucx-p"}, .role = "prefill"});
+  FakeWorker& d1 =
+      AddWorker({.worker_id = "d", .dp_group = 0, .token_delay = 5ms, .descriptors = {"ucx-d"}, .role = "decode"});
+  FakeWorker& d2 = AddWorker({.worker_id = "e", .dp_group = 0, .token_delay = 5ms, .role = "decode"});
+  std::vector<std::unique_ptr<AsyncGenerate>> calls;
+  for (int i = 0; i < 6; ++i)
+    calls.push_back(std::make_unique<AsyncGenerate>(*stub_, MakeRequest({1, 2, i}, 30, i, "pd" + std::to_string(i))));
+  for (int i = 0; i < 6; ++i) ExpectServed(calls[i]->Get(), {1, 2, i}, i, 30);
+  EXPECT_EQ(p.routes().size(), 6u);
+  EXPECT_EQ(d1.routes().size() + d2.routes().size(), 6u);
+  for (int i = 0; i < 6; ++i) {
+    const std::string id = "pd" + std::to_string(i);
+    EXPECT_FALSE((d1.resumed(id).empty() && d2.resumed(id).empty())) << id;
+    EXPECT_EQ(d1.source(id).has_value(), !d1.resumed(id).empty()) << id << ": blocks only to the group that moves them";
+    EXPECT_FALSE(d2.source(id).has_value()) << id;
+  }
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(FindGroup(s, "p", 0)->role(), "prefill");
+  EXPECT_EQ(FindGroup(s, "d", 0)->role(), "decode");
+  EXPECT_EQ(FindGroup(s, "p", 0)->migrated_out(), 6);
+  EXPECT_EQ(s.coordinator().requests_migrated(), 6);
+  // Without a prefill or mixed group, decode groups take new requests.
+  p.Stop();
+  ASSERT_TRUE(WaitStats([](const auto& st) { return !FindGroup(st, "p", 0)->connected(); }));
+  ExpectServed(Generate(*stub_, MakeRequest({9, 9}, 5, 3)), {9, 9}, 3, 5);
 }
 
 // What Migrate refuses, each error naming why; a move whose request ends
