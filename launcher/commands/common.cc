@@ -70,6 +70,18 @@ void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co) {
                   "A group with requests in flight that sends nothing this long is taken as stalled and dropped")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--rebalance-threshold", co.rebalance_threshold,
+                  "Move a running request from the busiest DP group to the least busy one when they differ by at "
+                  "least this many requests (0: never)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--rebalance-period-s", co.rebalance_period_s, "At most one rebalancing move this often")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--rebalance-cooldown-s", co.rebalance_cooldown_s,
+                  "A request that moved is not moved again by rebalancing for this long")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {

@@ -66,11 +66,20 @@ struct CoordinatorOptions {
   // step loop) for this long is taken as stalled, and so is an idle group
   // that reported stats on its stream before (a step that never ends, a rank
   // stopped or stuck in a collective): its stream is closed with UNAVAILABLE
-  // and it
-  // is treated as gone (requests without a token re-routed, the others
-  // UNAVAILABLE naming the group and the stall). A worker that was only slow
-  // reconnects and registers again. Default 30 s (`--stall-timeout-s`).
+  // and it is treated as gone (its requests re-routed, those with tokens
+  // resuming from them). A worker that was only slow reconnects and
+  // registers again. Default 30 s (`--stall-timeout-s`).
   double stall_timeout_s = 30;
+  // Rebalancing (`--rebalance-threshold`): when the busiest connected group
+  // that takes moved requests (mixed or decode) runs at least this many
+  // more requests than the least busy one, the coordinator moves one
+  // running request from the first to the second (the one with the most
+  // tokens left), at most one move at a time, at most one every
+  // rebalance_period_s; a request that moved is not moved again for
+  // rebalance_cooldown_s, so it is not bounced. 0: off.
+  int64_t rebalance_threshold = 0;
+  double rebalance_period_s = 0.5;
+  double rebalance_cooldown_s = 30;
   // DP groups the coordinator remembers (connected, and gone ones for
   // GetStats and the messages of requests that lost them). When a new group
   // registers into a full registry, the one that went away first is

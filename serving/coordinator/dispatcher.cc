@@ -254,9 +254,11 @@ struct Dispatcher::Request {
     // The group holding its blocks for the new group to fetch (Exported
     // with blocks) until ReleaseExported; -1: none.
     int export_group = -1;
+    bool rebalancing = false;  // started by MaybeRebalance
     std::vector<MigrateDone> callers;
   };
   std::optional<Move> move;
+  Clock::time_point moved_at;  // when its last move ended (rebalancing's cooldown)
   // Block-hash chains of the prompt, per block size seen (one in practice).
   std::vector<std::pair<int64_t, std::vector<uint64_t>>> chains;
 };
@@ -636,6 +638,7 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
   c->set_requests_rerouted(counters_.rerouted);
   c->set_requests_migrated(counters_.migrated);
   c->set_migrations_failed(counters_.migrations_failed);
+  c->set_rebalance_moves(counters_.rebalance_moves);
 }
 
 void Dispatcher::FillHealth(v1::HealthResponse* out) const {
@@ -839,6 +842,7 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
       attached = false;
     }
     DrainQueue(pending);
+    MaybeRebalance(Clock::now(), pending);
   }
   pending.Flush();
   return attached;
@@ -1168,9 +1172,44 @@ void Dispatcher::HandOff(Request* r, Pending& pending) {
   StartMove(r, candidates[router_.Pick(candidates)].index, pending);
 }
 
+void Dispatcher::MaybeRebalance(Clock::time_point now, Pending& pending) {
+  if (options_.rebalance_threshold <= 0 || rebalancing_ ||
+      now < last_rebalance_ + SecondsToDuration(options_.rebalance_period_s))
+    return;
+  last_rebalance_ = now;
+  int busiest = -1, idlest = -1;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (g.link == nullptr || g.role == GroupRole::kPrefill) continue;
+    if (busiest < 0 || g.in_flight > groups_[static_cast<size_t>(busiest)]->in_flight) busiest = static_cast<int>(i);
+    if (idlest < 0 || g.in_flight < groups_[static_cast<size_t>(idlest)]->in_flight) idlest = static_cast<int>(i);
+  }
+  if (busiest < 0 ||
+      groups_[static_cast<size_t>(busiest)]->in_flight - groups_[static_cast<size_t>(idlest)]->in_flight <
+          options_.rebalance_threshold)
+    return;
+  // The running request with the most tokens left, not moved lately.
+  Request* pick = nullptr;
+  const Clock::duration cooldown = SecondsToDuration(options_.rebalance_cooldown_s);
+  for (auto& [id, owned] : requests_) {
+    Request* r = owned.get();
+    if (r->group != busiest || r->move || r->tokens_sent == 0 ||
+        (r->moved_at != Clock::time_point{} && now < r->moved_at + cooldown))
+      continue;
+    if (pick == nullptr || r->max_tokens - r->tokens_sent > pick->max_tokens - pick->tokens_sent) pick = r;
+  }
+  if (pick == nullptr) return;
+  StartMove(pick, idlest, pending);
+  pick->move->rebalancing = true;
+  rebalancing_ = true;
+  ++counters_.rebalance_moves;
+}
+
 void Dispatcher::EndMove(Request* r, const grpc::Status& status, Pending& pending) {
   Request::Move m = std::move(*r->move);
   r->move.reset();
+  r->moved_at = Clock::now();
+  if (m.rebalancing) rebalancing_ = false;
   // Its old group's blocks are no longer needed: its new group has them (or
   // computed them), or the request ended.
   r->route.clear_move_source();

@@ -180,6 +180,11 @@ class Dispatcher final : public WorkerLinkHandler {
   // `r` has its first token from a prefill group: it moves to a decode group
   // the router picks (none connected: it stays).
   void HandOff(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Rebalancing (CoordinatorOptions::rebalance_threshold): at most once per
+  // period and with no other rebalancing move in flight, moves the running
+  // request with the most tokens left from the busiest group to the least
+  // busy one when their requests in flight differ by the threshold.
+  void MaybeRebalance(Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
   // The move of `r` is over: its callers get `status` (OK: it runs on its
   // new group) and the counters count it.
   void EndMove(Request* r, const grpc::Status& status, Pending& pending) MLARUN_REQUIRES(mu_);
@@ -279,9 +284,11 @@ class Dispatcher final : public WorkerLinkHandler {
   std::multimap<Clock::time_point, Request*> timers_ MLARUN_GUARDED_BY(mu_);  // one entry per live request
   int64_t rank_stats_bytes_ MLARUN_GUARDED_BY(mu_) = 0;  // wire size of every group's rank stats, kept
   uint64_t next_serial_ MLARUN_GUARDED_BY(mu_) = 0;
+  Clock::time_point last_rebalance_ MLARUN_GUARDED_BY(mu_);
+  bool rebalancing_ MLARUN_GUARDED_BY(mu_) = false;  // a rebalancing move is in flight
   struct Counters {
     int64_t received = 0, completed = 0, rejected = 0, failed = 0, cancelled = 0, rerouted = 0;
-    int64_t migrated = 0, migrations_failed = 0;
+    int64_t migrated = 0, migrations_failed = 0, rebalance_moves = 0;
   } counters_ MLARUN_GUARDED_BY(mu_);
 
   std::thread timer_thread_;  // started in the constructor, joined by Shutdown

@@ -242,6 +242,10 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
                        .Name("mlarun:requests_migrated_total")
                        .Help("Running requests moved to another DP group (Migrate) that run there")
                        .Register(now);
+  auto& rebalanced = prometheus::BuildCounter()
+                         .Name("mlarun:rebalance_moves_total")
+                         .Help("Moves the coordinator started to even out its DP groups (--rebalance-threshold)")
+                         .Register(now);
   auto& migrations_failed = prometheus::BuildCounter()
                                 .Name("mlarun:migrations_failed_total")
                                 .Help("Moves that did not happen: the request ended first, or no group took it")
@@ -252,6 +256,7 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
   received.Add({}).Increment(static_cast<double>(stats.coordinator().requests_received()));
   rerouted.Add({}).Increment(static_cast<double>(stats.coordinator().requests_rerouted()));
   migrated.Add({}).Increment(static_cast<double>(stats.coordinator().requests_migrated()));
+  rebalanced.Add({}).Increment(static_cast<double>(stats.coordinator().rebalance_moves()));
   migrations_failed.Add({}).Increment(static_cast<double>(stats.coordinator().migrations_failed()));
   int64_t n_connected = 0;
   std::map<std::string, std::string> shown;  // alias -> worker id, for worker_info

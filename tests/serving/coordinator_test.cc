@@ -1373,6 +1373,37 @@ TEST_F(CoordinatorTest, PrefillGroupsHandEachRequestToADecodeGroup) {
   ExpectServed(Generate(*stub_, MakeRequest({9, 9}, 5, 3)), {9, 9}, 3, 5);
 }
 
+// Rebalancing: six long requests pile up on group a before b connects; the
+// coordinator moves them over one at a time until the two differ by less
+// than the threshold, never the same request twice, and every stream is
+// whole.
+TEST_F(CoordinatorTest, RebalancingEvensOutGroupsWithoutBouncing) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin,
+                    .rebalance_threshold = 2,
+                    .rebalance_period_s = 0.05,
+                    .rebalance_cooldown_s = 60});
+  AddWorker({.worker_id = "a", .dp_group = 0, .token_delay = 5ms});
+  std::vector<std::unique_ptr<UnboundedGenerate>> calls;
+  for (int i = 0; i < 6; ++i)
+    calls.push_back(std::make_unique<UnboundedGenerate>(*stub_, MakeRequest({4, 4, i}, 300 + 20 * i, i)));
+  ASSERT_TRUE(calls[5]->WaitTokens(2));
+  FakeWorker& b = AddWorker({.worker_id = "b", .dp_group = 1, .token_delay = 5ms});
+  for (int i = 0; i < 6; ++i) ExpectServed(calls[i]->Get(), {4, 4, i}, i, 300 + 20 * i);
+  const v1::GetStatsResponse s = Stats();
+  // 6 on a, 0 on b: moves until the gap is below 2 (a 4, b 2: two moves,
+  // or a 3, b 3: three; requests that end meanwhile change the count).
+  EXPECT_GE(s.coordinator().rebalance_moves(), 2);
+  EXPECT_LE(s.coordinator().rebalance_moves(), 3);
+  EXPECT_EQ(s.coordinator().requests_migrated(), s.coordinator().rebalance_moves());
+  EXPECT_EQ(FindGroup(s, "b", 1)->migrated_in(), s.coordinator().rebalance_moves());
+  EXPECT_EQ(FindGroup(s, "b", 1)->migrated_out(), 0) << "moved back: bounced";
+  // The requests with the most tokens left went first: the longest ones.
+  std::set<int> moved;
+  for (int i = 0; i < 6; ++i)
+    if (!b.resumed(calls[i]->Get().ids.empty() ? "" : *calls[i]->Get().ids.begin()).empty()) moved.insert(i);
+  EXPECT_TRUE(moved.count(5)) << "the longest request stayed";
+}
+
 // What Migrate refuses, each error naming why; a move whose request ends
 // first answers with that end.
 TEST_F(CoordinatorTest, MigrateRefusesWhatItCannotDo) {
