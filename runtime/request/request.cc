@@ -84,21 +84,25 @@ Status ValidateRequest(std::span<const int32_t> prompt, const SamplingParams& sa
   return Status::Ok();
 }
 
+Status CheckBlockTable(std::span<const int32_t> blocks, int64_t rows, int64_t block_size, std::string_view field) {
+  if (block_size > 0 && block_size != kLimitUnknown) {
+    const int64_t want = (rows + block_size - 1) / block_size;
+    if (std::ssize(blocks) != want)
+      return InvalidArgumentError(field, ": ", blocks.size(), " blocks for ", rows, " rows, want ", want,
+                                  " (block_size ", block_size, ")");
+  } else if (blocks.empty() != (rows == 0)) {
+    return InvalidArgumentError(field, ": ", blocks.size(), " blocks for ", rows, " rows");
+  }
+  for (size_t i = 0; i < blocks.size(); ++i)
+    if (blocks[i] < 0) return InvalidArgumentError(field, "[", i, "]: block id ", blocks[i], " is negative");
+  return Status::Ok();
+}
+
 Status ValidateImportSource(const ImportSource& import, int64_t tokens, const RequestLimits& limits) {
   if (import.rows < 1 || import.rows > tokens - 1)
     return InvalidArgumentError("import.rows: ", import.rows, " is outside [1, ", tokens - 1,
                                 "] (prompt + generated tokens, less the one still to compute)");
-  if (limits.block_size > 0 && limits.block_size != kLimitUnknown) {
-    const int64_t want = (import.rows + limits.block_size - 1) / limits.block_size;
-    if (static_cast<int64_t>(import.blocks.size()) != want)
-      return InvalidArgumentError("import.blocks: ", import.blocks.size(), " blocks for ", import.rows, " rows, want ",
-                                  want, " (block_size ", limits.block_size, ")");
-  } else if (import.blocks.empty()) {
-    return InvalidArgumentError("import.blocks: none for ", import.rows, " rows");
-  }
-  for (size_t i = 0; i < import.blocks.size(); ++i)
-    if (import.blocks[i] < 0)
-      return InvalidArgumentError("import.blocks[", i, "]: block id ", import.blocks[i], " is negative");
+  MLARUN_RETURN_IF_ERROR(CheckBlockTable(import.blocks, import.rows, limits.block_size, "import.blocks"));
   if (import.descriptors.empty()) return InvalidArgumentError("import.descriptors: must not be empty");
   return Status::Ok();
 }

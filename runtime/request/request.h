@@ -65,6 +65,12 @@ struct RequestLimits {
   std::string_view whose = "the model's";
 };
 
+// A block table holding `rows` rows in blocks of `block_size` tokens:
+// ceil(rows / block_size) ids (any number but none for rows == 0 when the
+// block size is unknown), none negative. INVALID_ARGUMENT naming `field`
+// ("import.blocks", "exported.block_ids") otherwise.
+Status CheckBlockTable(std::span<const int32_t> blocks, int64_t rows, int64_t block_size, std::string_view field);
+
 // The one check of a request's prompt and sampling parameters, made by
 // everything that takes requests (Engine::Add, the simulated worker, and the
 // coordinator with its groups' limits): INVALID_ARGUMENT whose message starts

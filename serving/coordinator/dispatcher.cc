@@ -200,18 +200,15 @@ std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v
 
 // What is wrong with the blocks a group exported for a request of
 // `tokens` tokens (prompt + generated) with blocks of `block_size` tokens:
-// cached_tokens outside [0, tokens), block ids that are negative or not
-// ceil(cached_tokens / block_size) of them; nullopt when they are right.
+// cached_tokens outside [0, tokens), a block table that does not hold them
+// (CheckBlockTable); nullopt when they are right.
 std::optional<std::string> CheckExportedBlocks(const v1::Exported& e, int64_t tokens, int64_t block_size) {
   if (e.cached_tokens() < 0 || e.cached_tokens() >= tokens)
     return StrCat("exported.cached_tokens ", e.cached_tokens(), " is outside [0, ", tokens, ")");
-  const int64_t want = block_size > 0 ? (e.cached_tokens() + block_size - 1) / block_size : e.block_ids_size();
-  if (e.block_ids_size() != want)
-    return StrCat("exported.block_ids: ", e.block_ids_size(), " blocks for ", e.cached_tokens(),
-                  " tokens in blocks of ", block_size);
-  for (int i = 0; i < e.block_ids_size(); ++i)
-    if (e.block_ids(i) < 0) return StrCat("exported.block_ids[", i, "] ", e.block_ids(i), " is negative");
-  return std::nullopt;
+  const Status st = CheckBlockTable(std::span<const int32_t>(e.block_ids().data(), e.block_ids_size()),
+                                    e.cached_tokens(), block_size, "exported.block_ids");
+  if (st.ok()) return std::nullopt;
+  return st.message();
 }
 
 }  // namespace
@@ -1051,6 +1048,11 @@ bool Dispatcher::Eligible(const Group& g) const {
   return g.link != nullptr && g.in_flight < options_.max_in_flight_per_group;
 }
 
+Candidate Dispatcher::CandidateOf(int index) const {
+  const Group& g = *groups_[static_cast<size_t>(index)];
+  return Candidate{.index = index, .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks};
+}
+
 bool Dispatcher::Suits(const Group& g, const Request& r) {
   return g.role == GroupRole::kMixed || (g.role == GroupRole::kPrefill) == (r.tokens_sent == 0);
 }
@@ -1064,7 +1066,7 @@ bool Dispatcher::TryRoute(Request* r, Pending& pending) {
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = *groups_[i];
     if (!Eligible(g) || (suited && !Suits(g, *r))) continue;
-    Candidate c{.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks};
+    Candidate c = CandidateOf(static_cast<int>(i));
     if (router_.policy() == RoutingPolicy::kPrefixAffinity)
       c.prefix_blocks = g.prefix.LeadingMatch(ChainFor(r->chains, r->route, g.block_size));
     candidates.push_back(c);
@@ -1094,6 +1096,8 @@ void Dispatcher::RouteTo(Request* r, int index, Pending& pending) {
   if (router_.policy() == RoutingPolicy::kPrefixAffinity) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
   v1::CoordinatorMessage msg;
   *msg.mutable_route() = r->route;
+  // The tokens its client has: a request that ran elsewhere resumes from them.
+  msg.mutable_route()->mutable_generated_ids()->Assign(r->completion.begin(), r->completion.end());
   if (g.descriptors.empty()) msg.mutable_route()->clear_move_source();  // it computes them
   g.link->Queue(std::move(msg));
   pending.Add(g.link);
@@ -1101,7 +1105,6 @@ void Dispatcher::RouteTo(Request* r, int index, Pending& pending) {
 
 void Dispatcher::Resume(Request* r, Pending& pending) {
   ReleaseFromGroup(r);
-  r->route.mutable_generated_ids()->Assign(r->completion.begin(), r->completion.end());
   const int to = r->move ? r->move->to : -1;
   if (to >= 0 && groups_[static_cast<size_t>(to)]->link != nullptr) {
     RouteTo(r, to, pending);
@@ -1117,8 +1120,7 @@ int Dispatcher::MoveTarget(const Request& r, const v1::MigrateRequest& m, grpc::
     for (size_t i = 0; i < groups_.size(); ++i) {
       const Group& g = *groups_[i];
       if (g.link == nullptr || static_cast<int>(i) == r.group) continue;
-      candidates.push_back(
-          {.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks});
+      candidates.push_back(CandidateOf(static_cast<int>(i)));
     }
     if (!candidates.empty()) return candidates[router_.Pick(candidates)].index;
     *error = grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -1165,8 +1167,7 @@ void Dispatcher::HandOff(Request* r, Pending& pending) {
   for (size_t i = 0; i < groups_.size(); ++i) {
     const Group& g = *groups_[i];
     if (g.link == nullptr || g.role != GroupRole::kDecode) continue;
-    candidates.push_back(
-        {.index = static_cast<int>(i), .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks});
+    candidates.push_back(CandidateOf(static_cast<int>(i)));
   }
   if (candidates.empty()) return;  // no decode group: it decodes where it is
   StartMove(r, candidates[router_.Pick(candidates)].index, pending);
@@ -1475,8 +1476,7 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
       ++g.migrated_out;
     }
     // Tokens the group made that never arrived are made again: the new
-    // group resumes from the ones the client has (Resume, from the queue).
-    r->route.mutable_generated_ids()->Assign(r->completion.begin(), r->completion.end());
+    // group resumes from the ones the client has (RouteTo sends them).
     r->queued = true;
     r->queue_pos = queue_.insert(head, r);
   }

@@ -161,6 +161,8 @@ class Dispatcher final : public WorkerLinkHandler {
   int64_t ConnectedGroups() const MLARUN_REQUIRES(mu_);
   bool Eligible(const Group& g) const MLARUN_REQUIRES(mu_);
   bool TryRoute(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  // What the router weighs of groups_[index].
+  Candidate CandidateOf(int index) const MLARUN_REQUIRES(mu_);
   // Whether `g`'s role takes `r`: a new request a prefill or mixed group, a
   // resumed one (it has tokens) a decode or mixed group.
   static bool Suits(const Group& g, const Request& r);

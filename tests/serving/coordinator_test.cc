@@ -1291,7 +1291,7 @@ TEST_F(CoordinatorTest, ForgedExportedBlocksDisconnectTheGroup) {
   const std::vector<std::pair<std::function<void(v1::Exported&)>, std::string>> forgeries = {
       {[](v1::Exported& x) { x.set_cached_tokens(1 << 20); }, "exported.cached_tokens"},
       {[](v1::Exported& x) { x.mutable_block_ids()->RemoveLast(); }, "exported.block_ids:"},
-      {[](v1::Exported& x) { x.set_block_ids(0, -3); }, "exported.block_ids[0] -3"},
+      {[](v1::Exported& x) { x.set_block_ids(0, -3); }, "exported.block_ids[0]: block id -3"},
       {[](v1::Exported& x) { x.set_tokens(x.tokens() + 1); }, "exported.tokens"},
   };
   for (size_t i = 0; i < forgeries.size(); ++i) {
@@ -1322,8 +1322,7 @@ TEST_F(CoordinatorTest, ForgedExportedBlocksDisconnectTheGroup) {
 // non-empty and bounded; anything else is refused naming the field.
 TEST_F(CoordinatorTest, RegistrationDescriptorsAreBounded) {
   StartCoordinator();
-  FakeWorker& w = AddWorker({.worker_id = "ok", .descriptors = {"x"}});
-  EXPECT_TRUE(w.end_status().ok());
+  AddWorker({.worker_id = "ok", .descriptors = {"x"}});
   FakeWorker bad(coord_->address(), {.worker_id = "two", .descriptors = {"x", "y"}});
   EXPECT_FALSE(bad.ConnectOnce());
   EXPECT_EQ(bad.end_status().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
