@@ -115,13 +115,17 @@ Status Engine::Cancel(int64_t id) {
     return NotFoundError("engine: no live request ", id);
   Req& r = *it->second;
   if (r.in_cache) MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
+  Leave(r);
+  return Status::Ok();
+}
+
+void Engine::Leave(Req& r) {
   r.in_cache = false;
   if (auto w = std::find(waiting_.begin(), waiting_.end(), &r); w != waiting_.end()) waiting_.erase(w);
   if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
   if (auto m = std::find(importing_.begin(), importing_.end(), &r); m != importing_.end()) importing_.erase(m);
   r.out.finish_reason = FinishReason::kCancelled;
   if (r.grammar_abandoned) r.grammar_abandoned->store(true);
-  return Status::Ok();
 }
 
 StatusOr<ExportedRequest> Engine::Export(int64_t id) {
@@ -146,11 +150,7 @@ StatusOr<ExportedRequest> Engine::Export(int64_t id) {
   } else if (r.in_cache) {
     MLARUN_RETURN_IF_ERROR(cache_->Release(r.id));
   }
-  r.in_cache = false;
-  if (auto w = std::find(waiting_.begin(), waiting_.end(), &r); w != waiting_.end()) waiting_.erase(w);
-  if (auto q = std::find(running_.begin(), running_.end(), &r); q != running_.end()) running_.erase(q);
-  r.out.finish_reason = FinishReason::kCancelled;
-  if (r.grammar_abandoned) r.grammar_abandoned->store(true);
+  Leave(r);
   ++stats_.exported;
   return out;
 }

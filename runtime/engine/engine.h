@@ -280,6 +280,9 @@ class Engine {
   static bool ScoresPending(const Req& r);
   // Reserves slots for r.tokens[r.computed, + n).
   Status Append(Req& r, int64_t n);
+  // `r` leaves every queue, its blocks already dealt with (released, or
+  // pinned by Export): kCancelled, its grammar compile abandoned.
+  void Leave(Req& r);
   // Undoes Admit of a request that stays waiting.
   Status Unadmit(Req& r);
   // For an admitted request with an import source: kLocal when its cached
