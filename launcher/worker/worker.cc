@@ -183,8 +183,7 @@ void Worker::Start() {
   if (o_.transfer != "off") {
     auto path = ParseTransferPath(o_.transfer);
     if (!path.ok()) AbortStart(path.status().ToString());
-    transfer_ = std::make_unique<TransferAgent>(*path);
-    engine_.imports = true;
+    transfer_ = std::make_unique<TransferAgent>(*path);  // RankRunner turns the scheduler's imports on
   }
   auto runner_or = RankRunner::Create(model_, engine_, groups_, rank_name_, transfer_.get());
   if (!runner_or.ok()) AbortStart(runner_or.status().ToString());
