@@ -21,6 +21,8 @@ void AddSimWorkerCommand(CLI::App& app, CommandTable& table) {
   sim->add_option("--coordinator", so.coordinator, "Coordinator host:port")->capture_default_str();
   sim->add_option("--groups", so.groups, "DP groups to simulate")->capture_default_str()->check(CLI::PositiveNumber);
   sim->add_option("--tokens-per-s", so.tokens_per_s, "Per group; 0: as fast as possible")->capture_default_str();
+  sim->add_option("--step-ms", so.step_ms, "Fixed cost per step: a step of n tokens takes step-ms + n / tokens-per-s")
+      ->capture_default_str();
   sim->add_option("--worker-id", so.worker_id, "Worker id to register with")->capture_default_str();
   sim->add_option("--vocab-size", so.vocab_size, "Vocabulary size")->capture_default_str();
   AddSecurityFlags(sim, f->security, SecurityRole::kWorker);

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <deque>
 #include <map>
 #include <memory>
@@ -248,13 +249,14 @@ void SimGroup::Run() {
     if (!running_.empty() && now >= next_step_) {
       const int64_t n = static_cast<int64_t>(running_.size());
       Step();
-      if (o_.tokens_per_s > 0) {
-        // The group's throughput is tokens_per_s: a step of n tokens takes
-        // n / tokens_per_s. Lateness up to 20 ms is caught up; more (after
-        // idling) is forgiven, so there is no burst.
+      // A step of n tokens takes step_ms + n / tokens_per_s: a fixed cost
+      // (the weights read once) plus one per sequence.
+      const double step_s = 1e-3 * o_.step_ms + (o_.tokens_per_s > 0 ? static_cast<double>(n) / o_.tokens_per_s : 0.0);
+      if (step_s > 0) {
+        // Lateness up to 20 ms is caught up; more (after idling) is
+        // forgiven, so there is no burst.
         next_step_ = std::max(next_step_, now - std::chrono::milliseconds(20)) +
-                     std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(static_cast<double>(n) / o_.tokens_per_s));
+                     std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(step_s));
       } else {
         next_step_ = now;
       }
@@ -494,6 +496,8 @@ Status CheckOptions(const SimWorkerOptions& o) {
   if (o.worker_id.empty()) return InvalidArgumentError("--worker-id must not be empty");
   if (o.groups < 1 || o.groups > 1024) return InvalidArgumentError("--groups must be in [1, 1024], got ", o.groups);
   if (!(o.tokens_per_s >= 0)) return InvalidArgumentError("--tokens-per-s must be >= 0, got ", o.tokens_per_s);
+  if (!(o.step_ms >= 0) || !std::isfinite(o.step_ms))
+    return InvalidArgumentError("--step-ms must be a finite number >= 0, got ", o.step_ms);
   if (o.vocab_size < 1 || o.vocab_size > INT32_MAX)
     return InvalidArgumentError("--vocab-size must be in [1, 2^31), got ", o.vocab_size);
   if (o.max_position_embeddings < 2 || o.max_position_embeddings > INT32_MAX)
@@ -540,7 +544,8 @@ int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::
     groups.push_back(std::make_unique<SimGroup>(o, i, std::move(*cache), &stopping, &log));
   }
   log("sim-worker ", o.worker_id, ": ", o.groups, " groups connecting to ", o.coordinator, " (vocab ", o.vocab_size,
-      ", block size ", o.block_size, ", ", o.cache_blocks, " cache blocks, ", o.tokens_per_s, " tokens/s per group)");
+      ", block size ", o.block_size, ", ", o.cache_blocks, " cache blocks, ", o.tokens_per_s, " tokens/s per group",
+      o.step_ms > 0 ? internal::StrCat(" + ", o.step_ms, " ms per step") : std::string(), ")");
   std::vector<std::thread> threads;
   for (auto& g : groups) threads.emplace_back([g = g.get()] { g->Run(); });
   // `stop` is a plain flag (a signal handler may set it); poll it here, and

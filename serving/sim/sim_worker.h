@@ -32,6 +32,10 @@ struct SimWorkerOptions {
   TlsPem tls;  // TLS to the coordinator, as the worker's --tls-* flags
   int groups = 1;
   double tokens_per_s = 1000;  // per group; 0: as fast as possible
+  // A fixed cost per step on top of the per-token one: a step of n tokens
+  // takes step_ms + n / tokens_per_s, as a decode step reads the weights
+  // once and then costs per sequence. 0 (the default): per token only.
+  double step_ms = 0;
   int64_t vocab_size = 512;
   int64_t max_position_embeddings = 4096;
   int64_t block_size = kDefaultBlockSize;
@@ -59,9 +63,10 @@ struct SimWorkerOptions {
 // one prompt token recomputed). A token that would end one of the request's
 // bad_words becomes the next id that does not (so tests see them arrive). A
 // step emits one TokenBatch with one token of every running request, then
-// the RequestDone of those that finished; steps are paced so a group makes
-// `tokens_per_s` tokens per second in total. WorkerStats every 200 ms
-// (free_blocks = allocatable blocks not reserved by running requests). A
+// the RequestDone of those that finished; a step of n tokens takes step_ms +
+// n / tokens_per_s (no per-token part with tokens_per_s 0; with both 0 the
+// steps follow one another at once). WorkerStats every 200 ms (free_blocks
+// = allocatable blocks not reserved by running requests). A
 // CancelRoute drops the request before the next step; a MigrateOut answers
 // Exported with the tokens generated and drops it. A request routed with
 // generated_ids (it moved, or its group went away) writes their rows at

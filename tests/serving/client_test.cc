@@ -960,6 +960,24 @@ TEST(SimWorker, PacesTokensAndCancelStopsARequest) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s);
 }
 
+TEST(SimWorker, StepMsIsAFixedCostPerStep) {
+  FakeLink fake;
+  TestServer server(&fake);
+  ASSERT_TRUE(server.ok());
+  SimWorkerOptions o = SimOptions(server.address(), 1, 0);  // no cost per token
+  o.step_ms = 40;
+  SimWorker worker(o);
+  auto g = fake.WaitLink(0);
+  ASSERT_TRUE(g);
+  // 6 tokens are 6 steps (the first at once): at least 5 x 40 ms, where
+  // without step_ms the group answers as fast as it can.
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g->Route("a", {1, 2, 3}, 6));
+  ASSERT_TRUE(g->WaitDone("a"));
+  EXPECT_EQ(g->Tokens("a").size(), 6u);
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 190ms);
+}
+
 TEST(SimWorker, ReconnectsAfterTheCoordinatorRestarts) {
   auto fake = std::make_unique<FakeLink>();
   auto server = std::make_unique<TestServer>(fake.get());
@@ -1044,6 +1062,17 @@ TEST(SimWorker, BadOptionsExitTwo) {
   o.eos_token_id = o.vocab_size;
   EXPECT_EQ(RunSimWorker(o, &stop, log), 2);
   EXPECT_NE(log.str().find("--groups"), std::string::npos) << log.str();
+}
+
+TEST(SimWorker, StepMsMustBeFiniteAndNonNegative) {
+  std::atomic<bool> stop{true};
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    std::ostringstream log;
+    SimWorkerOptions o;
+    o.step_ms = bad;
+    EXPECT_EQ(RunSimWorker(o, &stop, log), 2) << bad;
+    EXPECT_NE(log.str().find("--step-ms must be a finite number >= 0"), std::string::npos) << log.str();
+  }
 }
 
 }  // namespace
