@@ -22,6 +22,11 @@ namespace {
 // Set once by MpiSession::Init; error messages name this rank.
 int g_world_rank = -1;
 
+// The ranks of this process's job: MPI_COMM_WORLD, or under an MPMD launch
+// (`mpirun -np 2 A : -np 2 B`) the ranks of this process's application
+// context (MPI_APPNUM), each context its own job. Set once by Init.
+MPI_Comm g_job = MPI_COMM_WORLD;
+
 const std::string& LocalHostName() {
   static const std::string host = [] {
     char buf[256] = {};
@@ -243,11 +248,24 @@ StatusOr<std::unique_ptr<Communicator>> Adopt(MPI_Comm comm) {
 // means the split itself only starts once every rank has arrived.
 StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) {
   MPI_Request request;
-  MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibarrier(MPI_COMM_WORLD, &request));
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Ibarrier(g_job, &request));
   MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
   MPI_Comm comm = MPI_COMM_NULL;
-  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_split(MPI_COMM_WORLD, color, key, &comm));
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_split(g_job, color, key, &comm));
   return Adopt(comm);
+}
+
+// This process's application context under an MPMD launch: MPI_APPNUM (0
+// when the launcher sets none), and whether the world has more than one.
+Status AppContext(int* appnum, bool* several) {
+  int* value = nullptr;
+  int flag = 0;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &value, &flag));
+  *appnum = flag != 0 && value != nullptr ? *value : 0;
+  int highest = 0;
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Allreduce(appnum, &highest, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  *several = highest > 0;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -270,8 +288,20 @@ StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) 
   }
   // Errors come back as codes (and then as a Status) instead of ending the job.
   MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
-  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_rank(MPI_COMM_WORLD, &session->rank_));
-  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_size(MPI_COMM_WORLD, &session->size_));
+  // Every context of an MPMD launch is a job of its own: its ranks, its
+  // layout, its world (as if each had been started by its own mpirun).
+  int appnum = 0;
+  bool several = false;
+  MLARUN_RETURN_IF_ERROR(AppContext(&appnum, &several));
+  session->appnum_ = appnum;
+  if (several) {
+    int world_rank = 0;
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_split(MPI_COMM_WORLD, appnum, world_rank, &g_job));
+    MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_set_errhandler(g_job, MPI_ERRORS_RETURN));
+  }
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_rank(g_job, &session->rank_));
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_size(g_job, &session->size_));
   g_world_rank = session->rank_;
   char name[MPI_MAX_PROCESSOR_NAME] = {};
   int len = 0;
@@ -286,14 +316,17 @@ StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) 
 MpiSession::~MpiSession() {
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  if (finalized) return;
+  if (g_job != MPI_COMM_WORLD) MPI_Comm_free(&g_job);
+  g_job = MPI_COMM_WORLD;
+  MPI_Finalize();
 }
 
 StatusOr<std::unique_ptr<Communicator>> MpiSession::World() const {
   // The non-blocking dup lets ranks that arrive early sleep instead of spin.
   MPI_Comm comm = MPI_COMM_NULL;
   MPI_Request request;
-  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_idup(MPI_COMM_WORLD, &comm, &request));
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_idup(g_job, &comm, &request));
   MLARUN_RETURN_IF_ERROR(WaitForRequest(&request));
   return Adopt(comm);
 }

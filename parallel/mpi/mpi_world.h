@@ -15,15 +15,23 @@ namespace mlarun {
 class MpiSession {
  public:
   // Initializes MPI (with MPI_THREAD_FUNNELED). Safe to call when the process
-  // was not started by mpirun: it is then a world of one rank.
+  // was not started by mpirun: it is then a world of one rank. Under an MPMD
+  // launch (`mpirun -np P mlarun worker ... : -np D mlarun worker ...`) each
+  // application context is a job of its own: rank(), size(), World() and
+  // Groups() are its ranks only, so one mpirun can start several worker jobs
+  // (a prefill job and a decode job). Abort still ends the whole launch.
   static StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv);
   ~MpiSession();  // MPI_Finalize
 
+  // Within this process's job (its application context).
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // The application context (MPI_APPNUM; 0 without an MPMD launch).
+  int appnum() const { return appnum_; }
   std::string host() const { return host_; }
 
-  // MPI_COMM_WORLD as a Communicator (a duplicate; owned by the caller).
+  // The job's ranks as a Communicator (a duplicate of MPI_COMM_WORLD, or of
+  // this application context's part of it; owned by the caller).
   StatusOr<std::unique_ptr<Communicator>> World() const;
 
   // Splits the world into the layout's groups. The layout's world size must
@@ -37,7 +45,7 @@ class MpiSession {
 
  private:
   MpiSession() = default;
-  int rank_ = 0, size_ = 1;
+  int rank_ = 0, size_ = 1, appnum_ = 0;
   std::string host_;
 };
 

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -36,6 +37,8 @@ namespace {
 
 MpiSession* g_session = nullptr;
 Communicator* g_world = nullptr;
+// --expect-job=APPNUM:SIZE: this rank's application context under an MPMD launch.
+int g_expect_appnum = -1, g_expect_size = 0;
 
 int Rank() { return g_world->rank(); }
 int Size() { return g_world->size(); }
@@ -81,6 +84,23 @@ TEST(MpiWorld, SessionAndWorld) {
   ASSERT_TRUE(world2.ok()) << world2.status();
   EXPECT_EQ((*world2)->rank(), Rank());
   EXPECT_TRUE((*world2)->Barrier().ok());
+}
+
+// Under an MPMD launch (`mpirun -np 1 comm_test --expect-job=0:1 : -np 2
+// comm_test --expect-job=1:2`) each application context is its own job: its
+// rank and size, and a world whose collectives span its ranks only (the sum
+// of 1 over the world is the context's size, not the launch's).
+TEST(MpiWorld, ApplicationContextIsTheJob) {
+  if (g_expect_appnum < 0) GTEST_SKIP() << "not under an MPMD launch (--expect-job=APPNUM:SIZE)";
+  EXPECT_EQ(g_session->appnum(), g_expect_appnum);
+  EXPECT_EQ(g_session->size(), g_expect_size);
+  EXPECT_EQ(g_world->size(), g_expect_size);
+  int32_t one = 1;
+  ASSERT_TRUE(g_world->AllReduceSum(&one, 1, CommType::kI32).ok());
+  EXPECT_EQ(one, g_expect_size);
+  auto groups = g_session->Groups(ParallelLayout{.dp = g_expect_size, .attn_tp = 1});
+  ASSERT_TRUE(groups.ok()) << groups.status();
+  EXPECT_EQ(groups->dp_peers->size(), g_expect_size);
 }
 
 TEST(MpiComm, AllReduceSumF32) {
@@ -556,6 +576,14 @@ int main(int argc, char** argv) {
   mlarun::g_world = world->get();
 
   ::testing::InitGoogleTest(&argc, argv);
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.starts_with("--expect-job=") &&
+        std::sscanf(a.c_str(), "--expect-job=%d:%d", &mlarun::g_expect_appnum, &mlarun::g_expect_size) != 2) {
+      std::fprintf(stderr, "comm_test: --expect-job=APPNUM:SIZE, got %s\n", a.c_str());
+      return 2;
+    }
+  }
   const int result = mlarun::mpi_test::RunAllTestsOnEveryRank(**session, **world, "comm_test");
   world->reset();    // frees the communicator before MPI_Finalize
   session->reset();  // MPI_Finalize
