@@ -31,8 +31,8 @@
 #include <sstream>
 #include <thread>
 
-#include "base/block_size.h"
 #include "bench/http_bench.h"
+#include "bench/sim_target.h"
 #include "bench/timing.h"
 #include "bench/workload.h"
 #include "mlarun.grpc.pb.h"
@@ -49,22 +49,31 @@ namespace v1 = ::mlarun::v1;
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 using serve_bench::BenchRequest;
+using serve_bench::CallGenerate;
+using serve_bench::CheckEnd;
+using serve_bench::CheckToken;
+using serve_bench::Expect;
+using serve_bench::GetStats;
+using serve_bench::InProcessTarget;
+using serve_bench::kCallTimeout_s;
+using serve_bench::kSimThreadName;
+using serve_bench::kStartTimeout_s;
 using serve_bench::MeanOfFinite;
+using serve_bench::MsSince;
+using serve_bench::Outcome;
 using serve_bench::Percentile;
+using serve_bench::Sampling;
+using serve_bench::SimOptions;
+using serve_bench::WaitForGroups;
 // MakeChannel gives each channel its own connection (not shared with other
 // channels of this process), so clients spread over several connections
 // really do.
 using client_internal::AwaitConnection;
 using client_internal::ConnectChannel;
-using client_internal::GrpcCodeName;
 using client_internal::MakeChannel;
-using client_internal::SetDeadline;
 
-// The simulated groups' vocabulary and block size: the tiny model's vocabulary
-// (configs/models/tiny.yaml), so the same prompts are valid against a real
-// deployment of it, and the engine's default block size.
-constexpr int64_t kVocabSize = 512;
-constexpr int64_t kBlockSize = kDefaultBlockSize;
+constexpr int64_t kVocabSize = serve_bench::kSimVocabSize;
+constexpr int64_t kBlockSize = serve_bench::kSimBlockSize;
 // Prompts of the load rows: uniform lengths, so requests differ in cost (a
 // policy that ignores cost shows it in the imbalance).
 constexpr int64_t kPromptMin = 16, kPromptMax = 256;
@@ -75,8 +84,6 @@ constexpr int kClientsPerGroup = 4;
 constexpr int64_t kRequestsPerClient = 8;
 constexpr int kMaxConnections = 64;
 constexpr auto kSamplePeriod = std::chrono::milliseconds(25);
-constexpr double kCallTimeout_s = 120;  // one Generate call, queueing included
-constexpr double kStartTimeout_s = 60;  // every group registered
 // The prefix workload (SGLang's router benchmark shape, scaled down): 8
 // groups whose caches (24 blocks) cannot hold all 8 system prompts (32
 // blocks), so where each prompt goes decides whether it stays cached.
@@ -85,21 +92,8 @@ constexpr int64_t kPrefixCacheBlocks = 24;
 constexpr int kSystemPrompts = 8;
 constexpr int64_t kSystemPromptBlocks = 4;
 
-double MsSince(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double, std::milli>(b - a).count();
-}
-
 Json P50P99(const std::vector<double>& v) {
   return {{"p50", OrNull(Percentile(v, 50))}, {"p99", OrNull(Percentile(v, 99))}};
-}
-
-// The 1-minute load average: other work on the machine (builds, tests) shares
-// its cores with everything measured here, so the report says how busy it was.
-double LoadAverage() {
-  std::ifstream f("/proc/loadavg");
-  double v = NAN;
-  f >> v;
-  return v;
 }
 
 // CPU time of this whole process (clients, coordinator and groups together).
@@ -110,10 +104,9 @@ double ProcessCpuSeconds() {
   return s(u.ru_utime) + s(u.ru_stime);
 }
 
-// Thread names, so CPU time can be attributed by thread (/proc/self/task).
-// RunSimWorker's threads inherit the name of the thread that calls it.
+// Thread names, so CPU time can be attributed by thread (/proc/self/task);
+// InProcessTarget names its simulated groups' threads kSimThreadName.
 constexpr char kClientThreadName[] = "sb-client";
-constexpr char kSimThreadName[] = "sb-sim";
 
 double ThisThreadCpuSeconds() {
   timespec ts{};
@@ -157,216 +150,6 @@ double CpuSince(const std::map<int, double>& before, const std::string& name) {
 std::vector<BenchRequest> MixedRequests(int64_t n, int64_t max_tokens, uint64_t seed) {
   return serve_bench::RandomRequests(n, max_tokens, kVocabSize, seed, kPromptMin, kPromptMax);
 }
-
-// ---- One request ------------------------------------------------------------
-
-// What the client saw of one request, and whether it passed verification.
-struct Outcome {
-  bool ok = false;
-  std::string error;  // why not
-  double ttft_ms = NAN, total_ms = NAN;
-  std::vector<double> gaps_ms;  // between consecutive tokens
-  int64_t tokens = 0;
-  int64_t prompt_tokens = 0, prefix_hit_tokens = 0;
-  double coordinator_total_ms = NAN;  // Finished.timings.total_ms: arrival to finished, inside the coordinator
-
-  // A token arrived at `now`, for a request sent at `t0`; `last` is the
-  // previous token's arrival (t0 before the first).
-  void Token(Clock::time_point t0, Clock::time_point& last, Clock::time_point now) {
-    if (tokens == 0) {
-      ttft_ms = MsSince(t0, now);
-    } else {
-      gaps_ms.push_back(MsSince(last, now));
-    }
-    last = now;
-    ++tokens;
-  }
-};
-
-// Whether token values are checked: against simulated groups they must be
-// SimWorkerToken's; a real model's are only checked for count and order.
-struct Expect {
-  bool sim_tokens = false;
-};
-
-std::string CheckToken(const BenchRequest& rq, const Expect& ex, int64_t index, int64_t token, double logprob) {
-  if (!ex.sim_tokens) return "";
-  const SimToken want = SimWorkerToken(rq.prompt, rq.seed, index, kVocabSize);
-  if (want.token == token && want.logprob == logprob) return "";
-  return internal::StrCat("token ", index, " is ", token, " (logprob ", logprob, "), the simulated group makes ",
-                          want.token, " (", want.logprob, ")");
-}
-
-v1::SamplingParams Sampling(const BenchRequest& rq) {
-  v1::SamplingParams s;
-  s.set_seed(rq.seed);
-  s.set_max_tokens(rq.max_tokens);
-  s.set_ignore_eos(true);  // every request makes exactly max_tokens tokens
-  return s;
-}
-
-// Common end-of-request checks; `error` is the first problem seen so far.
-void CheckEnd(const BenchRequest& rq, std::string error, bool finished, const std::string& finish_reason,
-              int64_t completion_tokens, Outcome& o) {
-  if (error.empty() && !finished) error = "no finished message";
-  if (error.empty() && o.tokens != rq.max_tokens)
-    error = internal::StrCat(o.tokens, " tokens, expected max_tokens = ", rq.max_tokens);
-  if (error.empty() && completion_tokens != o.tokens)
-    error = internal::StrCat("finished says ", completion_tokens, " completion tokens, ", o.tokens, " arrived");
-  if (error.empty() && o.prompt_tokens != static_cast<int64_t>(rq.prompt.size()))
-    error = internal::StrCat("finished says ", o.prompt_tokens, " prompt tokens, the prompt has ", rq.prompt.size());
-  if (error.empty() && finish_reason != "length") error = "finish_reason '" + finish_reason + "', expected 'length'";
-  o.ok = error.empty();
-  o.error = std::move(error);
-}
-
-// One streaming Generate call through the coordinator, verified.
-Outcome CallGenerate(v1::Mlarun::Stub& stub, const BenchRequest& rq, const Expect& ex,
-                     const ClientSecurity& security = ClientSecurity{}) {
-  v1::GenerateRequest req;
-  req.mutable_prompt_ids()->Add(rq.prompt.begin(), rq.prompt.end());
-  *req.mutable_sampling() = Sampling(rq);
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(static_cast<int64_t>(kCallTimeout_s)));
-  client_internal::AddCredentials(ctx, security);
-  Outcome o;
-  std::string error, finish_reason;
-  bool finished = false;
-  int64_t completion_tokens = -1;
-  const Clock::time_point t0 = Clock::now();
-  Clock::time_point last = t0;
-  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader = stub.Generate(&ctx, req);
-  v1::GenerateResponse resp;
-  while (reader->Read(&resp)) {
-    const Clock::time_point now = Clock::now();
-    if (!error.empty()) continue;  // drain until the cancellation lands
-    if (resp.has_token()) {
-      const v1::Token& t = resp.token();
-      if (finished || t.index() != o.tokens) {
-        error = finished ? "a token after the finished message"
-                         : internal::StrCat("token index ", t.index(), " at position ", o.tokens);
-      } else {
-        error = CheckToken(rq, ex, t.index(), t.token_id(), t.logprob());
-      }
-      if (!error.empty()) {
-        ctx.TryCancel();
-        continue;
-      }
-      o.Token(t0, last, now);
-    } else if (resp.has_finished()) {
-      if (finished) {
-        error = "two finished messages";
-        ctx.TryCancel();
-        continue;
-      }
-      const v1::Finished& f = resp.finished();
-      finished = true;
-      finish_reason = f.finish_reason();
-      completion_tokens = f.completion_tokens();
-      o.prompt_tokens = f.prompt_tokens();
-      o.prefix_hit_tokens = f.prefix_hit_tokens();
-      o.coordinator_total_ms = f.timings().total_ms();
-      o.total_ms = MsSince(t0, now);
-    }
-  }
-  const grpc::Status st = reader->Finish();
-  if (error.empty() && !st.ok()) error = internal::StrCat(GrpcCodeName(st.error_code()), ": ", st.error_message());
-  CheckEnd(rq, std::move(error), finished, finish_reason, completion_tokens, o);
-  return o;
-}
-
-// ---- Talking to a coordinator ---------------------------------------------
-
-StatusOr<v1::GetStatsResponse> GetStats(v1::Mlarun::Stub& stub, const ClientSecurity& security = ClientSecurity{}) {
-  grpc::ClientContext ctx;
-  SetDeadline(ctx, 10);
-  client_internal::AddCredentials(ctx, security);
-  v1::GetStatsResponse resp;
-  const grpc::Status st = stub.GetStats(&ctx, v1::GetStatsRequest(), &resp);
-  if (!st.ok()) return UnavailableError("GetStats: ", GrpcCodeName(st.error_code()), ": ", st.error_message());
-  return resp;
-}
-
-// Polls Health until at least `want` groups are connected; returns how many are.
-StatusOr<int> WaitForGroups(v1::Mlarun::Stub& stub, int want, double timeout_s) {
-  const Clock::time_point end =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  std::string last = "no answer";
-  while (true) {
-    grpc::ClientContext ctx;
-    SetDeadline(ctx, 2);
-    v1::HealthResponse resp;
-    const grpc::Status st = stub.Health(&ctx, v1::HealthRequest(), &resp);
-    if (st.ok() && resp.groups_connected() >= want) return resp.groups_connected();
-    last = st.ok() ? internal::StrCat(resp.groups_connected(), " of ", want, " groups connected")
-                   : internal::StrCat("Health: ", GrpcCodeName(st.error_code()), ": ", st.error_message());
-    if (Clock::now() > end)
-      return UnavailableError("the coordinator was not ready within ", timeout_s, " s (", last, ")");
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-}
-
-// ---- In-process target: a coordinator and simulated groups -----------------
-
-SimWorkerOptions SimOptions(int groups, double tokens_per_s, int64_t cache_blocks) {
-  SimWorkerOptions s;
-  s.worker_id = "serve-bench";
-  s.groups = groups;
-  s.tokens_per_s = tokens_per_s;
-  s.vocab_size = kVocabSize;
-  s.block_size = kBlockSize;
-  s.cache_blocks = cache_blocks;
-  return s;
-}
-
-// A Coordinator on 127.0.0.1:0 and one RunSimWorker whose groups have all
-// registered. Stop() (or the destructor) stops the groups, then the
-// coordinator.
-class InProcessTarget {
- public:
-  static StatusOr<std::unique_ptr<InProcessTarget>> Start(RoutingPolicy policy, SimWorkerOptions sim) {
-    std::unique_ptr<InProcessTarget> t(new InProcessTarget());
-    CoordinatorOptions co;
-    co.listen = "127.0.0.1:0";
-    co.policy = policy;
-    MLARUN_ASSIGN_OR_RETURN(t->coordinator_, Coordinator::Start(co));
-    sim.coordinator = t->coordinator_->address();
-    t->sim_ = sim;
-    t->thread_ = std::thread([p = t.get()] {
-      pthread_setname_np(pthread_self(), kSimThreadName);
-      p->sim_rc_ = RunSimWorker(p->sim_, &p->stop_, p->log_);
-    });
-    auto stub = v1::Mlarun::NewStub(MakeChannel(t->address()));
-    const auto ready = WaitForGroups(*stub, sim.groups, kStartTimeout_s);
-    if (!ready.ok()) {
-      t->Stop();  // the log is ours to read once the simulated groups are joined
-      return ready.status().WithContext(
-          internal::StrCat("simulated groups (RunSimWorker returned ", t->sim_rc_, "; log: ", t->log_.str(), ")"));
-    }
-    return t;
-  }
-  ~InProcessTarget() { Stop(); }
-  std::string address() const { return coordinator_->address(); }
-  void Stop() {
-    if (thread_.joinable()) {
-      stop_ = true;
-      thread_.join();
-    }
-    if (coordinator_ != nullptr) coordinator_->Shutdown();
-  }
-
- private:
-  InProcessTarget() = default;
-  std::unique_ptr<Coordinator> coordinator_;
-  SimWorkerOptions sim_;
-  // RunSimWorker's stop flag (a signal-handler style plain flag it polls).
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
-  // Written by the simulated groups' threads (whole lines, under their
-  // logger's lock); read only after thread_ is joined.
-  std::ostringstream log_;
-  int sim_rc_ = 0;  // RunSimWorker's exit code; read after thread_ is joined
-};
 
 // ---- Direct path: the benchmark as the group's WorkerLink peer -------------
 

@@ -329,6 +329,13 @@ std::string CpuModel() {
   return "unknown";
 }
 
+double LoadAverage() {
+  std::ifstream f("/proc/loadavg");
+  double v = NAN;
+  f >> v;
+  return v;
+}
+
 const char* IntDotModeName(cpu::IntDotMode m) {
   return m == cpu::IntDotMode::kOn ? "on" : m == cpu::IntDotMode::kOff ? "off" : "auto";
 }

@@ -117,6 +117,10 @@ StatusOr<WeightStreaming> MeasureWeightStreaming(int64_t k, int64_t bf16_bytes, 
 // For the reports: the CPU's model name (/proc/cpuinfo), today's date
 // (UTC, YYYY-MM-DD), and `v` with `prec` decimals ("-" when not finite).
 std::string CpuModel();
+// The 1-minute load average (/proc/loadavg; NaN where there is none): other
+// work on the machine shares its cores with what a benchmark measures, so a
+// report says how busy it was.
+double LoadAverage();
 // This process's CPU for a report's JSON: model, vendor, the usable flags,
 // the kernel family in use and the best the CPU supports.
 nlohmann::json CpuJson();

@@ -88,6 +88,42 @@ std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t 
   return out;
 }
 
+std::vector<double> PoissonArrivals(double rate_per_s, double duration_s, uint64_t seed) {
+  std::vector<double> t;
+  if (!(rate_per_s > 0) || !(duration_s > 0)) return t;
+  std::mt19937_64 rng(seed);
+  std::exponential_distribution<double> gap(rate_per_s);
+  for (double now = gap(rng); now < duration_s; now += gap(rng)) t.push_back(now);
+  return t;
+}
+
+double GroupBalance(std::span<const int64_t> in_flight) {
+  int64_t max = 0;
+  double sum = 0;
+  for (int64_t n : in_flight) {
+    max = std::max(max, n);
+    sum += static_cast<double>(n);
+  }
+  if (max <= 0) return NAN;
+  return sum / static_cast<double>(in_flight.size()) / static_cast<double>(max);
+}
+
+std::vector<TimedRequest> MakeSkewedWorkload(const SkewedSpec& spec) {
+  const std::vector<double> arrivals = PoissonArrivals(spec.rate_per_s, spec.duration_s, spec.seed);
+  std::vector<BenchRequest> requests = RandomRequests(static_cast<int64_t>(arrivals.size()), spec.short_tokens,
+                                                      spec.vocab_size, spec.seed, spec.prompt_min, spec.prompt_max);
+  // Its own stream, so the mix does not shift the prompts or the arrivals.
+  std::mt19937_64 rng(spec.seed ^ 0x6c6f6e67ull);  // "long"
+  std::bernoulli_distribution is_long(std::clamp(spec.long_fraction, 0.0, 1.0));
+  std::vector<TimedRequest> out(arrivals.size());
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    out[i].arrival_s = arrivals[i];
+    out[i].request = std::move(requests[i]);
+    if (is_long(rng)) out[i].request.max_tokens = spec.long_tokens;
+  }
+  return out;
+}
+
 }  // namespace serve_bench
 
 }  // namespace mlarun

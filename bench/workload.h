@@ -31,6 +31,37 @@ struct BenchRequest {
 std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t vocab_size, uint64_t seed,
                                          int64_t prompt_min = 16, int64_t prompt_max = 256);
 
+// Arrival times in [0, duration_s) of a Poisson process of `rate_per_s`
+// arrivals per second (independent exponential gaps), ascending. Empty when
+// either is not positive. Deterministic in `seed`.
+std::vector<double> PoissonArrivals(double rate_per_s, double duration_s, uint64_t seed);
+
+// Group balance of one GetStats sample: mean / max of the groups' requests
+// in flight, 1 when all run as many, 1/groups when one runs them all. NaN
+// when none has any (an idle sample says nothing about balance; callers
+// skip it).
+double GroupBalance(std::span<const int64_t> in_flight);
+
+// A skewed open-loop workload (`mlarun bench rebalance`): Poisson arrivals
+// at rate_per_s over duration_s; each request long (long_tokens) with
+// probability long_fraction, else short (short_tokens); prompts of
+// prompt_min..prompt_max random ids in [2, vocab_size) as RandomRequests
+// makes them. Deterministic in `seed`.
+struct SkewedSpec {
+  double rate_per_s = 16;
+  double duration_s = 20;
+  double long_fraction = 0.1;
+  int64_t short_tokens = 32, long_tokens = 1024;
+  int64_t vocab_size = 512;
+  int64_t prompt_min = 16, prompt_max = 256;
+  uint64_t seed = 1;
+};
+struct TimedRequest {
+  double arrival_s = 0;  // from the start of the run
+  BenchRequest request;
+};
+std::vector<TimedRequest> MakeSkewedWorkload(const SkewedSpec& spec);
+
 // Mean of the finite values (the skipped samples are NaN). NaN when none.
 double MeanOfFinite(std::span<const double> values);
 

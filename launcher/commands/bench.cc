@@ -1,4 +1,4 @@
-// `mlarun bench attention|decode|accuracy|memory|gemm|comm|transfer|serve|tokenize`:
+// `mlarun bench attention|decode|accuracy|memory|gemm|comm|transfer|serve|rebalance|tokenize`:
 // the benchmarks of bench/, one subcommand each.
 #include <omp.h>
 
@@ -12,6 +12,7 @@
 #include "bench/decode_bench.h"
 #include "bench/gemm_bench.h"
 #include "bench/memory_bench.h"
+#include "bench/rebalance_bench.h"
 #include "bench/serve_bench.h"
 #include "bench/tokenize_bench.h"
 #include "bench/transfer_bench.h"
@@ -270,6 +271,33 @@ void AddBenchServe(CLI::App* bench, CommandTable& table) {
   });
 }
 
+void AddBenchRebalance(CLI::App* bench, CommandTable& table) {
+  auto rb = std::make_shared<RebalanceBenchOptions>();
+  auto* cmd = bench->add_subcommand(
+      "rebalance", "Coordinator rebalancing off vs on: a skewed open-loop workload on simulated DP groups");
+  cmd->add_option("--groups", rb->groups, "Simulated DP group counts (default 2,4)")->delimiter(',');
+  cmd->add_option("--rounds", rb->rounds,
+                  "Off/on pairs per group count, the same workload (default 3; 1 with --quick)");
+  cmd->add_option("--duration-s", rb->duration_s, "Arrival window of one run in seconds (default 20; 2 with --quick)");
+  cmd->add_option("--rate", rb->rate, "Poisson arrivals per second per group (default 8)");
+  cmd->add_option("--long-fraction", rb->long_fraction, "Share of long requests")->capture_default_str();
+  cmd->add_option("--short-tokens", rb->short_tokens, "Tokens of a short request (default 32; 16 with --quick)");
+  cmd->add_option("--long-tokens", rb->long_tokens, "Tokens of a long request (default 1024; 128 with --quick)");
+  cmd->add_option("--tokens-per-s", rb->tokens_per_s, "Per simulated group: the per-token part of a step")
+      ->capture_default_str();
+  cmd->add_option("--step-ms", rb->step_ms, "Per simulated step: its fixed part")->capture_default_str();
+  cmd->add_option("--threshold", rb->threshold, "The coordinator's rebalance threshold when on (requests in flight)")
+      ->capture_default_str();
+  cmd->add_option("--policy", rb->policy, "Routing: round_robin, least_loaded or prefix_affinity")
+      ->capture_default_str();
+  cmd->add_option("--seed", rb->seed, "Workload seed (arrivals, prompts, long or short)")->capture_default_str();
+  cmd->add_flag("--quick", rb->quick, "Small numbers (well under 30 s)");
+  cmd->add_flag("--json", rb->json, "One JSON document on stdout (the tables go to stderr)");
+  table.Add(cmd, [rb](ProcessArgs) {
+    return ExitStatus("bench rebalance", RunRebalanceBench(*rb, std::cout, rb->json ? std::cerr : std::cout));
+  });
+}
+
 void AddBenchTokenize(CLI::App* bench, CommandTable& table) {
   auto tb = std::make_shared<text::TokenizeBenchOptions>();
   auto* tok_bench = bench->add_subcommand("tokenize", "Encoding speed of the model's tokenizer");
@@ -301,6 +329,7 @@ void AddBenchCommands(CLI::App& app, CommandTable& table) {
   AddBenchComm(bench, table);
   AddBenchTransfer(bench, table);
   AddBenchServe(bench, table);
+  AddBenchRebalance(bench, table);
   AddBenchTokenize(bench, table);
 }
 

@@ -1,16 +1,20 @@
 // `mlarun bench serve`: the report's arithmetic on hand-made inputs, the
-// shared-prefix workload, and the quick mode end to end in process (a real
-// coordinator on 127.0.0.1:0 and simulated groups).
+// shared-prefix and skewed workloads, and the quick mode end to end in
+// process (a real coordinator on 127.0.0.1:0 and simulated groups); `mlarun
+// bench rebalance`'s option checks (its run: rebalance_bench_test.sh).
 #include "bench/serve_bench.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
+#include "bench/rebalance_bench.h"
 #include "serving/coordinator/coordinator.h"
 #include "tests/serving/sim_worker_thread.h"
 
@@ -99,6 +103,86 @@ TEST(ServeBenchWorkload, SharedPrefixes) {
   EXPECT_EQ(serve_bench::MakeSharedPrefixWorkload(spec).prompts, w.prompts);
 }
 
+TEST(ServeBenchArithmetic, BalanceIsMeanOverMax) {
+  const std::vector<int64_t> even = {5, 5, 5, 5}, one_hot = {8, 0, 0, 0}, skew = {6, 2}, idle = {0, 0};
+  EXPECT_DOUBLE_EQ(serve_bench::GroupBalance(even), 1.0);
+  EXPECT_DOUBLE_EQ(serve_bench::GroupBalance(one_hot), 0.25);  // one of four groups runs everything
+  EXPECT_DOUBLE_EQ(serve_bench::GroupBalance(skew), 4.0 / 6.0);
+  EXPECT_TRUE(std::isnan(serve_bench::GroupBalance(idle)));  // nothing in flight: skipped
+  EXPECT_TRUE(std::isnan(serve_bench::GroupBalance({})));
+}
+
+TEST(ServeBenchWorkload, PoissonArrivals) {
+  const std::vector<double> t = serve_bench::PoissonArrivals(50, 100, 7);
+  // About rate x duration arrivals (5000, standard deviation ~71).
+  EXPECT_GT(t.size(), 4600u);
+  EXPECT_LT(t.size(), 5400u);
+  ASSERT_FALSE(t.empty());
+  EXPECT_GE(t.front(), 0);
+  EXPECT_LT(t.back(), 100);
+  EXPECT_TRUE(std::is_sorted(t.begin(), t.end()));
+  // Exponential gaps: mean 1 / rate, and about e^-1 of them longer than it.
+  double sum = 0;
+  int64_t longer = 0;
+  for (size_t i = 1; i < t.size(); ++i) {
+    sum += t[i] - t[i - 1];
+    longer += t[i] - t[i - 1] > 1.0 / 50;
+  }
+  const double n = static_cast<double>(t.size() - 1);
+  EXPECT_NEAR(sum / n, 1.0 / 50, 0.002);
+  EXPECT_NEAR(static_cast<double>(longer) / n, std::exp(-1.0), 0.03);
+  // Deterministic in the seed, and the seed matters.
+  EXPECT_EQ(serve_bench::PoissonArrivals(50, 100, 7), t);
+  EXPECT_NE(serve_bench::PoissonArrivals(50, 100, 8), t);
+  EXPECT_TRUE(serve_bench::PoissonArrivals(0, 100, 7).empty());
+  EXPECT_TRUE(serve_bench::PoissonArrivals(50, 0, 7).empty());
+}
+
+TEST(ServeBenchWorkload, SkewedMix) {
+  const serve_bench::SkewedSpec spec{.rate_per_s = 40,
+                                     .duration_s = 50,
+                                     .long_fraction = 0.1,
+                                     .short_tokens = 32,
+                                     .long_tokens = 1024,
+                                     .vocab_size = 512,
+                                     .prompt_min = 16,
+                                     .prompt_max = 256,
+                                     .seed = 3};
+  const auto w = serve_bench::MakeSkewedWorkload(spec);
+  ASSERT_GT(w.size(), 1800u);
+  EXPECT_EQ(w.size(), serve_bench::PoissonArrivals(40, 50, 3).size());
+  int64_t longs = 0;
+  std::set<uint64_t> seeds;
+  for (size_t i = 0; i < w.size(); ++i) {
+    const auto& r = w[i].request;
+    ASSERT_TRUE(r.max_tokens == 32 || r.max_tokens == 1024) << r.max_tokens;
+    longs += r.max_tokens == 1024;
+    ASSERT_GE(r.prompt.size(), 16u);
+    ASSERT_LE(r.prompt.size(), 256u);
+    for (int32_t t : r.prompt) ASSERT_TRUE(t >= 2 && t < 512) << t;
+    if (i > 0) {
+      EXPECT_GE(w[i].arrival_s, w[i - 1].arrival_s);
+    }
+    seeds.insert(r.seed);
+  }
+  EXPECT_EQ(seeds.size(), w.size());  // every request its own seed
+  EXPECT_NEAR(static_cast<double>(longs) / static_cast<double>(w.size()), 0.1, 0.025);
+  // Deterministic in the seed: the same arrivals, prompts and lengths.
+  const auto again = serve_bench::MakeSkewedWorkload(spec);
+  ASSERT_EQ(again.size(), w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    EXPECT_EQ(again[i].arrival_s, w[i].arrival_s);
+    EXPECT_EQ(again[i].request.prompt, w[i].request.prompt);
+    EXPECT_EQ(again[i].request.seed, w[i].request.seed);
+    EXPECT_EQ(again[i].request.max_tokens, w[i].request.max_tokens);
+  }
+  // All short or all long at the ends of the range.
+  serve_bench::SkewedSpec none = spec, all = spec;
+  none.long_fraction = 0, all.long_fraction = 1;
+  for (const auto& r : serve_bench::MakeSkewedWorkload(none)) ASSERT_EQ(r.request.max_tokens, 32);
+  for (const auto& r : serve_bench::MakeSkewedWorkload(all)) ASSERT_EQ(r.request.max_tokens, 1024);
+}
+
 TEST(ServeBench, RejectsBadOptions) {
   std::ostringstream out, table;
   ServeBenchOptions o{.quick = true};
@@ -107,6 +191,39 @@ TEST(ServeBench, RejectsBadOptions) {
   o.policies = {};
   o.groups = {0};
   EXPECT_EQ(RunServeBench(o, out, table).code(), StatusCode::kInvalidArgument);
+}
+
+// Bad options of `mlarun bench rebalance` are refused, naming the option,
+// before anything starts.
+TEST(RebalanceBench, RejectsBadOptions) {
+  // `bad` spoils the default options; the refusal must name `option`.
+  auto refused = [](const std::function<void(RebalanceBenchOptions&)>& bad, const std::string& option) {
+    RebalanceBenchOptions o;
+    bad(o);
+    std::ostringstream out, table;
+    const Status st = RunRebalanceBench(o, out, table);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << option << ": " << st;
+    EXPECT_NE(st.message().find(option), std::string::npos) << st;
+    EXPECT_TRUE(out.str().empty());
+  };
+  refused([](auto& o) { o.groups = {0}; }, "--groups");
+  refused([](auto& o) { o.rounds = 0; }, "--rounds");
+  refused([](auto& o) { o.duration_s = -1; }, "--duration-s");
+  refused([](auto& o) { o.rate = 0; }, "--rate");
+  refused([](auto& o) { o.rate = std::nan(""); }, "--rate");
+  refused([](auto& o) { o.long_fraction = 1.5; }, "--long-fraction");
+  refused([](auto& o) { o.short_tokens = 0; }, "--short-tokens");
+  refused([](auto& o) { o.long_tokens = 100000; }, "--long-tokens");
+  refused([](auto& o) { o.tokens_per_s = -1; }, "--tokens-per-s");
+  refused([](auto& o) { o.step_ms = HUGE_VAL; }, "--step-ms");
+  refused(
+      [](auto& o) {
+        o.tokens_per_s = 0;
+        o.step_ms = 0;
+      },
+      "--step-ms");
+  refused([](auto& o) { o.threshold = 0; }, "--threshold");
+  refused([](auto& o) { o.policy = "fastest"; }, "--policy");
 }
 
 TEST(ServeBench, QuickRunInProcess) {
