@@ -173,7 +173,11 @@ int RunServeCommand(ServeFlags& f) {
   int threads = f.threads;
   if (threads == 0) {
     auto layout = ParseParallelLayout(sv.parallel);
-    const int ranks = layout.ok() ? layout->world() : 1;
+    int ranks = layout.ok() ? layout->world() : 1;
+    if (!sv.prefill_parallel.empty()) {
+      auto prefill = ParseParallelLayout(sv.prefill_parallel);
+      ranks += prefill.ok() ? prefill->world() : 0;
+    }
     threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks);
   }
   sv.worker_args.insert(sv.worker_args.begin(), {"--threads", std::to_string(threads)});
@@ -246,6 +250,9 @@ void AddServeCommand(CLI::App& app, CommandTable& table) {
   serve_cmd->add_option("--model", sv.model, "Checkpoint directory or configs/models/*.yaml");
   f->parallel = serve_cmd->add_option("--parallel", sv.parallel, "The worker job's layout: dp=D,attn_tp=T[,moe=...]")
                     ->capture_default_str();
+  serve_cmd->add_option("--prefill-parallel", sv.prefill_parallel,
+                        "Disaggregate: a prefill job of this layout beside the decode job (--parallel), blocks "
+                        "handed over UCX (the workers' --role and --transfer)");
   serve_cmd->add_option("--tensor-parallel-size", f->tensor_parallel, "-tp N: attention TP over N ranks (--parallel)")
       ->check(CLI::Range(1, 4096));
   serve_cmd->add_option("--data-parallel-size", f->data_parallel, "-dp D: D DP-attention groups (--parallel dp=D)")

@@ -173,6 +173,15 @@ class Serve {
     auto layout = ParseParallelLayout(o_.parallel);
     if (!layout.ok()) return Fail("--parallel: " + std::string(layout.status().message())), 2;
     layout_ = *layout;
+    if (!o_.prefill_parallel.empty()) {
+      auto prefill = ParseParallelLayout(o_.prefill_parallel);
+      if (!prefill.ok()) return Fail("--prefill-parallel: " + std::string(prefill.status().message())), 2;
+      prefill_layout_ = *prefill;
+      for (const std::string& a : o_.worker_args) {
+        if (a == "--role" || a.starts_with("--role="))
+          return Fail("--prefill-parallel sets each job's --role: drop --worker-arg=--role"), 2;
+      }
+    }
     if (o_.model.empty()) return Fail("--model is required"), 2;
     if (Status st = CheckModelPath(o_.model); !st.ok()) return Fail("--model: " + std::string(st.message())), 2;
     if (!o_.coordinator.tls.cert.empty())
@@ -277,22 +286,51 @@ class Serve {
     return std::filesystem::read_symlink("/proc/self/exe", ec).string();
   }
 
+  bool Disaggregated() const { return !o_.prefill_parallel.empty(); }
+  // Every rank and every DP group of the job (both of its worker jobs).
+  int Ranks() const { return layout_.world() + (Disaggregated() ? prefill_layout_.world() : 0); }
+  int Groups() const { return layout_.dp + (Disaggregated() ? prefill_layout_.dp : 0); }
+  std::string Describe() const {
+    return Disaggregated() ? "prefill " + o_.prefill_parallel + " + decode " + o_.parallel : o_.parallel;
+  }
+
   std::vector<std::string> JobArgv() const {
     std::vector<std::string> argv{o_.mpirun};
     for (const std::string& a : o_.mpirun_args) argv.push_back(a);
     const unsigned cores = std::thread::hardware_concurrency();
     const bool oversubscribe_given =
         std::find(o_.mpirun_args.begin(), o_.mpirun_args.end(), "--oversubscribe") != o_.mpirun_args.end();
-    if (!oversubscribe_given && static_cast<unsigned>(layout_.world()) > cores) argv.push_back("--oversubscribe");
+    if (!oversubscribe_given && static_cast<unsigned>(Ranks()) > cores) argv.push_back("--oversubscribe");
     for (const LoopbackMca& m : kLoopbackMca) {
       if (!McaGiven(o_.mpirun_args, m.name) && (m.exclusive == nullptr || !McaGiven(o_.mpirun_args, m.exclusive)))
         argv.insert(argv.end(), {"--mca", m.name, m.value});
     }
-    argv.insert(argv.end(),
-                {"-np", std::to_string(layout_.world()), SelfExe(), "worker", "--coordinator", coordinator_->address(),
-                 "--model", o_.model, "--parallel", o_.parallel, "--worker-secret-file", secret_path_});
-    for (const std::string& a : o_.worker_args) argv.push_back(a);
+    if (!Disaggregated()) {
+      AppendWorker(argv, layout_, o_.parallel, {});
+      return argv;
+    }
+    // One MPMD launch, each application context a worker job of its own
+    // (MpiSession splits the world by context).
+    std::vector<std::string> extra;
+    const bool transfer_given = std::any_of(o_.worker_args.begin(), o_.worker_args.end(), [](const std::string& a) {
+      return a == "--transfer" || a.starts_with("--transfer=");
+    });
+    if (!transfer_given) extra = {"--transfer", "any"};
+    extra.insert(extra.end(), {"--role", "prefill"});
+    AppendWorker(argv, prefill_layout_, o_.prefill_parallel, extra);
+    argv.push_back(":");
+    extra.back() = "decode";
+    AppendWorker(argv, layout_, o_.parallel, extra);
     return argv;
+  }
+  // `-np N mlarun worker ...` of one layout, then `extra`.
+  void AppendWorker(std::vector<std::string>& argv, const ParallelLayout& layout, const std::string& parallel,
+                    const std::vector<std::string>& extra) const {
+    argv.insert(argv.end(),
+                {"-np", std::to_string(layout.world()), SelfExe(), "worker", "--coordinator", coordinator_->address(),
+                 "--model", o_.model, "--parallel", parallel, "--worker-secret-file", secret_path_});
+    for (const std::string& a : o_.worker_args) argv.push_back(a);
+    argv.insert(argv.end(), extra.begin(), extra.end());
   }
 
   // The job's environment: ours, with the pid the ranks watch
@@ -428,20 +466,20 @@ class Serve {
         if ((ended = ReapAll(job_))) break;
         if (!ready) {
           const int connected = GroupsConnected();
-          if (connected >= layout_.dp) {
+          if (connected >= Groups()) {
             ready = ever_ready = true;
-            Say("ready: " + std::to_string(layout_.dp) + " DP group(s) of " + o_.parallel + " registered after " +
+            Say("ready: " + std::to_string(Groups()) + " DP group(s) of " + Describe() + " registered after " +
                 Format(Seconds(Clock::now() - job_started_)) + " s; gRPC client API at " + coordinator_->address() +
                 (coordinator_->http_address().empty()
                      ? std::string()
                      : ", OpenAI-compatible HTTP API at http://" + coordinator_->http_address() + "/v1"));
           } else if (Clock::now() >= ready_deadline) {
             Fail("the worker job's groups did not all register within " + Format(o_.ready_timeout_s) + " s (" +
-                 std::to_string(std::max(connected, 0)) + " of " + std::to_string(layout_.dp) + ")");
+                 std::to_string(std::max(connected, 0)) + " of " + std::to_string(Groups()) + ")");
             return 1;
           } else if (Clock::now() - last_note >= std::chrono::seconds(10)) {
             Say("waiting for the worker job: " + std::to_string(std::max(connected, 0)) + " of " +
-                std::to_string(layout_.dp) + " DP group(s) registered");
+                std::to_string(Groups()) + " DP group(s) registered");
             last_note = Clock::now();
           }
         }
@@ -487,6 +525,7 @@ class Serve {
   std::atomic<bool>* const stop_;
   std::ostream& log_;
   ParallelLayout layout_;
+  ParallelLayout prefill_layout_;  // with prefill_parallel
   static constexpr char kPidFile[] = "serve-pid";
   std::string dir_, secret_, secret_path_;
   std::string failure_;  // the first fatal problem, for the last line

@@ -35,6 +35,11 @@ struct ServeOptions {
   std::string model;                     // checkpoint directory or configs/models/*.yaml
   std::string parallel = "dp=1";         // the worker job's layout: dp x attn_tp ranks
   std::vector<std::string> worker_args;  // more `mlarun worker` flags (--kv-dtype, --memory-gib, ...)
+  // Non-empty: prefill/decode disaggregation. The job is then one MPMD
+  // mpirun of two worker jobs, this layout's with `--role prefill` and
+  // `parallel`'s with `--role decode`, both with `--transfer any` unless
+  // worker_args name a --transfer.
+  std::string prefill_parallel;
   std::string mpirun = "mpirun";         // the launcher, found on PATH
   std::vector<std::string> mpirun_args;  // before -np; --oversubscribe is added when ranks exceed cores
   std::string self_exe;                  // the mlarun binary the ranks run (default: /proc/self/exe)
