@@ -23,6 +23,13 @@ void AddSimWorkerCommand(CLI::App& app, CommandTable& table) {
   sim->add_option("--tokens-per-s", so.tokens_per_s, "Per group; 0: as fast as possible")->capture_default_str();
   sim->add_option("--step-ms", so.step_ms, "Fixed cost per step: a step of n tokens takes step-ms + n / tokens-per-s")
       ->capture_default_str();
+  sim->add_option("--prefill-tokens-per-s", so.prefill_tokens_per_s,
+                  "Per group: the cost of prompt tokens, computed in chunks of --max-batched-tokens per step; 0: "
+                  "prompts are free")
+      ->capture_default_str();
+  sim->add_option("--max-batched-tokens", so.max_batched_tokens,
+                  "Prompt tokens computed per step at most (with --prefill-tokens-per-s)")
+      ->capture_default_str();
   sim->add_option("--worker-id", so.worker_id, "Worker id to register with")->capture_default_str();
   sim->add_option("--vocab-size", so.vocab_size, "Vocabulary size")->capture_default_str();
   AddSecurityFlags(sim, f->security, SecurityRole::kWorker);

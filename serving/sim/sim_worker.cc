@@ -73,6 +73,10 @@ constexpr int64_t kSimCacheBytesPerToken = 1024;
 // Running requests per group at most (vLLM's max_num_seqs default); more wait.
 constexpr size_t kMaxRunning = 256;
 constexpr auto kStatsPeriod = std::chrono::milliseconds(200);
+// A step that ends later than planned starts the next one up to this much
+// early, so short delays are caught up; longer ones (idling) are forgiven,
+// so there is no burst.
+constexpr auto kCatchUp = std::chrono::milliseconds(20);
 
 // Log lines from every group thread, whole lines at a time.
 class Logger {
@@ -104,11 +108,15 @@ struct SimRequest {
   SeqId seq = -1;
   bool in_cache = false;
   int64_t prefix_hit_tokens = 0;
-  int64_t generated = 0;
-  int64_t last_token = -1;
-  // Tokens it generated on another group before it was routed here: their
-  // rows (but the last's) are written at admission, as prompt rows are.
-  std::vector<int32_t> resumed;
+  // The prompt, then every generated token (first those it generated on
+  // another group before it was routed here). Token `generated` comes once
+  // the rows of all of them are computed.
+  std::vector<int32_t> tokens;
+  int64_t generated = 0;  // tokens.size() - prompt.size()
+  int64_t computed = 0;   // rows of `tokens` in the cache
+  // Its prefill is over (it emitted a token here): one decode row a step.
+  bool decoding = false;
+  int64_t step_rows = 0;        // rows the step in flight computes for it; 0: not in that step
   std::vector<int64_t> output;  // the tokens sent (with sampling.bad_words only)
   // Cache blocks this request may still take (its prompt + max_tokens - 1
   // rows were reserved at admission, so decoding never runs out of blocks).
@@ -159,8 +167,19 @@ class SimGroup {
   void Handle(WorkerLinkEvent& e);
   // Moves waiting requests into the running set while there is room.
   void Admit();
-  // One decode step over every running request.
-  void Step();
+  // Plans a step over the running requests (their rows), due at `base` +
+  // its duration.
+  void StartStep(Clock::time_point base);
+  // Ends the step in flight: writes its rows, sends its tokens and the
+  // RequestDone of the requests that finished.
+  void FinishStep();
+  // Writes rows computed + [0, n) of `r`'s tokens to the cache.
+  void Compute(SimRequest& r, int64_t n);
+  // Token `r.generated` of `r` into `batch`; `r` into `finished` (its
+  // RequestDone into `dones`) when it was the last.
+  void Emit(SimRequest& r, v1::TokenBatch& batch, std::vector<v1::WorkerMessage>& dones,
+            std::vector<SimRequest*>& finished);
+  void SendStats(Clock::time_point now);
   void Drop(SimRequest& r);
   void DropAll();
   v1::RankStats Rank() const;
@@ -184,7 +203,8 @@ class SimGroup {
   int64_t tokens_since_stats_ = 0;
   double tokens_per_s_ = 0;
   bool connected_ = false;  // the link's stream is registered (its Registered drained)
-  Clock::time_point next_step_, next_stats_, last_stats_;
+  bool in_step_ = false;    // a step is in flight, due at step_end_
+  Clock::time_point step_end_, next_stats_, last_stats_;
   std::string last_failure_;  // of the previous attempt, if it never registered
 
   // Last: it connects at once, registering the state above. Thread-safe.
@@ -244,39 +264,32 @@ void SimGroup::Run() {
       link_.WaitUntil(Clock::now() + kStatsPeriod);
       continue;
     }
-    Admit();
     auto now = Clock::now();
-    if (!running_.empty() && now >= next_step_) {
-      const int64_t n = static_cast<int64_t>(running_.size());
-      Step();
-      // A step of n tokens takes step_ms + n / tokens_per_s: a fixed cost
-      // (the weights read once) plus one per sequence.
-      const double step_s = 1e-3 * o_.step_ms + (o_.tokens_per_s > 0 ? static_cast<double>(n) / o_.tokens_per_s : 0.0);
-      if (step_s > 0) {
-        // Lateness up to 20 ms is caught up; more (after idling) is
-        // forgiven, so there is no burst.
-        next_step_ = std::max(next_step_, now - std::chrono::milliseconds(20)) +
-                     std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(step_s));
-      } else {
-        next_step_ = now;
-      }
+    bool chained = false;  // a step just ended: the next one follows it
+    if (in_step_ && now >= step_end_) {
+      FinishStep();
+      chained = true;
     }
+    Admit();
+    if (!in_step_ && !running_.empty()) StartStep(chained ? std::max(step_end_, now - kCatchUp) : now);
     now = Clock::now();
-    if (now >= next_stats_) {
-      const double dt = std::chrono::duration<double>(now - last_stats_).count();
-      tokens_per_s_ = dt > 0 ? static_cast<double>(tokens_since_stats_) / dt : 0;
-      tokens_since_stats_ = 0;
-      last_stats_ = now;
-      next_stats_ = std::max(next_stats_ + kStatsPeriod, now);
-      const LatentCacheStats cs = cache_->stats();
-      v1::WorkerMessage m;
-      v1::WorkerStats* s = m.mutable_stats();
-      s->set_free_blocks(std::max<int64_t>(0, cs.blocks_allocatable() - reserved_blocks_));
-      *s->add_ranks() = Rank();
-      link_.Send(m);
-    }
-    link_.WaitUntil(running_.empty() ? next_stats_ : std::min(next_stats_, next_step_));
+    if (now >= next_stats_) SendStats(now);
+    link_.WaitUntil(in_step_ ? std::min(next_stats_, step_end_) : next_stats_);
   }
+}
+
+void SimGroup::SendStats(Clock::time_point now) {
+  const double dt = std::chrono::duration<double>(now - last_stats_).count();
+  tokens_per_s_ = dt > 0 ? static_cast<double>(tokens_since_stats_) / dt : 0;
+  tokens_since_stats_ = 0;
+  last_stats_ = now;
+  next_stats_ = std::max(next_stats_ + kStatsPeriod, now);
+  const LatentCacheStats cs = cache_->stats();
+  v1::WorkerMessage m;
+  v1::WorkerStats* s = m.mutable_stats();
+  s->set_free_blocks(std::max<int64_t>(0, cs.blocks_allocatable() - reserved_blocks_));
+  *s->add_ranks() = Rank();
+  link_.Send(m);
 }
 
 void SimGroup::Handle(WorkerLinkEvent& e) {
@@ -305,7 +318,8 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
     log_("sim-worker ", o_.worker_id, " group ", index_, ": registered with coordinator ",
          m.registered().coordinator_id(), " at ", o_.coordinator);
     connected_ = true;
-    next_step_ = last_stats_ = Clock::now();
+    in_step_ = false;
+    last_stats_ = Clock::now();
     next_stats_ = last_stats_ + kStatsPeriod;
     return;
   }
@@ -356,10 +370,10 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   req->prompt = std::move(gen.prompt);
   req->sampling = std::move(gen.sampling);
   req->prefix_cache_salt = r.prefix_cache_salt();
-  req->resumed = std::move(gen.generated);
-  req->generated = static_cast<int64_t>(req->resumed.size());
-  if (!req->resumed.empty()) req->last_token = req->resumed.back();
-  if (!req->sampling.bad_words.empty()) req->output.assign(req->resumed.begin(), req->resumed.end());
+  req->generated = static_cast<int64_t>(gen.generated.size());
+  if (!req->sampling.bad_words.empty()) req->output.assign(gen.generated.begin(), gen.generated.end());
+  req->tokens = req->prompt;
+  req->tokens.insert(req->tokens.end(), gen.generated.begin(), gen.generated.end());
   waiting_.push_back(req.get());
   live_[req->id] = std::move(req);
 }
@@ -379,11 +393,11 @@ void SimGroup::Admit() {
       continue;
     }
     r.in_cache = true;
-    // As Engine::Admit: reuse cached full blocks, keeping one prompt token to compute.
-    auto hit = cache_->AttachPrefix(r.seq, r.prompt, len - 1);
-    // Rows written over the request's life: the rest of the prompt and every
-    // generated token but the last (its row is never computed).
-    auto need = hit.ok() ? cache_->BlocksNeeded(r.seq, len - *hit + r.sampling.max_tokens - 1) : hit.status();
+    // As Engine::Admit: reuse cached full blocks, keeping one token to compute.
+    auto hit = cache_->AttachPrefix(r.seq, r.tokens, static_cast<int64_t>(r.tokens.size()) - 1);
+    // Rows written over the request's life, from here: every token's but
+    // the last generated one's (its row is never computed).
+    auto need = hit.ok() ? cache_->BlocksNeeded(r.seq, len + r.sampling.max_tokens - 1 - *hit) : hit.status();
     if (!need.ok()) {
       log_("sim-worker: internal: ", need.status());
       Drop(r);
@@ -396,86 +410,112 @@ void SimGroup::Admit() {
       r.in_cache = false;
       break;
     }
-    const auto rest = std::span<const int32_t>(r.prompt).subspan(static_cast<size_t>(*hit));
-    st = cache_->Append(r.seq, rest);
-    // A resumed request's generated tokens but the last (the next step's).
-    if (st.ok() && r.resumed.size() > 1)
-      st = cache_->Append(r.seq, std::span<const int32_t>(r.resumed).first(r.resumed.size() - 1));
-    if (st.ok()) st = cache_->Commit(r.seq);
-    auto left = cache_->BlocksNeeded(r.seq, r.sampling.max_tokens - 1 - std::max<int64_t>(0, r.generated - 1));
-    if (!st.ok() || !left.ok()) {
-      log_("sim-worker: internal: ", st.ok() ? left.status() : st);
-      Drop(r);
-      continue;
-    }
-    r.prefix_hit_tokens = *hit;
-    r.reserved_blocks = *left;
-    reserved_blocks_ += *left;
+    r.computed = *hit;
+    r.decoding = false;
+    r.prefix_hit_tokens = std::min(*hit, len);  // prompt tokens, as the engine counts them
+    r.reserved_blocks = *need;
+    reserved_blocks_ += *need;
     waiting_.pop_front();
-    if (running_.empty()) next_step_ = std::max(next_step_, Clock::now());
     running_.push_back(&r);
     peak_blocks_used_ = std::max(peak_blocks_used_, cache_->stats().blocks_used);
   }
 }
 
-void SimGroup::Step() {
+void SimGroup::StartStep(Clock::time_point base) {
+  const bool chunked = o_.prefill_tokens_per_s > 0;
+  int64_t budget = o_.max_batched_tokens, decode = 0, prefill = 0;
+  for (SimRequest* r : running_) {
+    const int64_t left = static_cast<int64_t>(r->tokens.size()) - r->computed;
+    if (r->decoding) {  // the row of its last token (left is 1)
+      r->step_rows = left;
+      decode += left;
+      continue;
+    }
+    // The next chunk of its prefill, in admission order while the budget lasts.
+    r->step_rows = chunked ? std::min(left, budget) : left;
+    if (chunked) budget -= r->step_rows;
+    prefill += r->step_rows;
+  }
+  const double step_s = 1e-3 * o_.step_ms +
+                        (o_.tokens_per_s > 0 ? static_cast<double>(decode) / o_.tokens_per_s : 0.0) +
+                        (chunked ? static_cast<double>(prefill) / o_.prefill_tokens_per_s : 0.0);
+  step_end_ = base + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(step_s));
+  in_step_ = true;
+}
+
+void SimGroup::Compute(SimRequest& r, int64_t n) {
+  const size_t before = cache_->BlockTable(r.seq).size();
+  const auto rows = std::span<const int32_t>(r.tokens).subspan(static_cast<size_t>(r.computed), static_cast<size_t>(n));
+  Status st = cache_->Append(r.seq, rows);
+  if (st.ok()) st = cache_->Commit(r.seq);
+  // Cannot fail (the blocks were reserved at admission); the tokens do not
+  // depend on the cache, so a bug here is only logged.
+  if (!st.ok()) log_("sim-worker: internal: ", st);
+  const int64_t taken = static_cast<int64_t>(cache_->BlockTable(r.seq).size() - before);
+  r.reserved_blocks -= taken;
+  reserved_blocks_ -= taken;
+  r.computed += n;
+}
+
+void SimGroup::FinishStep() {
+  in_step_ = false;
   v1::WorkerMessage batch_msg;
   v1::TokenBatch* batch = batch_msg.mutable_tokens();
   std::vector<v1::WorkerMessage> dones;
   std::vector<SimRequest*> finished;
   for (SimRequest* r : running_) {
-    if (r->generated > 0) {
-      // This step computes the previous token's row, as a decode step does.
-      const size_t before = cache_->BlockTable(r->seq).size();
-      const int32_t t = static_cast<int32_t>(r->last_token);
-      if (cache_->Append(r->seq, std::span<const int32_t>(&t, 1)).ok()) (void)cache_->Commit(r->seq);
-      const int64_t taken = static_cast<int64_t>(cache_->BlockTable(r->seq).size() - before);
-      r->reserved_blocks -= taken;
-      reserved_blocks_ -= taken;
-    }
-    if (r->generated == 0 && r->sampling.prompt_logprobs >= 0 && r->prompt.size() > 1) {
-      v1::PromptLogprobsEvent* pe = batch->add_prompt_logprobs();
-      pe->set_request_id(r->id);
-      pe->mutable_logprobs()->set_start(1);
-      for (int64_t i = 1; i < static_cast<int64_t>(r->prompt.size()); ++i) {
-        const SimToken pt = SimWorkerPromptToken(r->prompt, i);
-        v1::PromptTokenLogprob* entry = pe->mutable_logprobs()->add_entries();
-        entry->set_token_id(pt.token);
-        entry->set_logprob(pt.logprob);
-        AddTopLogprobs(SimWorkerTop(pt, r->sampling.prompt_logprobs, o_.vocab_size), entry);
-      }
-    }
-    SimToken tok = SimWorkerToken(r->prompt, r->sampling.seed, r->generated, o_.vocab_size);
-    const bool scripted = !o_.script.empty();
-    if (scripted) tok.token = o_.script[static_cast<size_t>(r->generated)];
-    tok.token = AvoidBadWords(*r, tok.token, o_.vocab_size);
-    v1::TokenEvent* e = batch->add_events();
-    e->set_request_id(r->id);
-    e->set_token_id(tok.token);
-    e->set_logprob(tok.logprob);
-    AddTopLogprobs(SimWorkerTop(tok, r->sampling.logprobs, o_.vocab_size), e);
-    ++r->generated;
-    r->last_token = tok.token;
-    const auto& stops = r->sampling.stop_token_ids;
-    const bool stop = (o_.eos_token_id >= 0 && tok.token == o_.eos_token_id && !r->sampling.ignore_eos) ||
-                      std::find(stops.begin(), stops.end(), tok.token) != stops.end() ||
-                      (scripted && r->generated >= static_cast<int64_t>(o_.script.size()));
-    if (stop || r->generated >= r->sampling.max_tokens) {
-      v1::WorkerMessage d;
-      v1::RequestDone* done = d.mutable_done();
-      done->set_request_id(r->id);
-      done->set_finish_reason(stop ? "stop" : "length");
-      done->set_prefix_hit_tokens(r->prefix_hit_tokens);
-      dones.push_back(std::move(d));
-      finished.push_back(r);
-    }
+    if (r->step_rows == 0) continue;  // admitted during the step, or no budget left for it
+    Compute(*r, std::exchange(r->step_rows, 0));
+    if (r->computed < static_cast<int64_t>(r->tokens.size())) continue;  // more of its prefill to go
+    r->decoding = true;
+    Emit(*r, *batch, dones, finished);
   }
   peak_blocks_used_ = std::max(peak_blocks_used_, cache_->stats().blocks_used);
   tokens_since_stats_ += batch->events_size();
   for (SimRequest* r : finished) Drop(*r);
   // Tokens first: a request's RequestDone must follow its last token.
-  link_.Send(batch_msg);
+  if (batch->events_size() > 0) link_.Send(batch_msg);
   for (const auto& d : dones) link_.Send(d);
+}
+
+void SimGroup::Emit(SimRequest& r, v1::TokenBatch& batch, std::vector<v1::WorkerMessage>& dones,
+                    std::vector<SimRequest*>& finished) {
+  if (r.generated == 0 && r.sampling.prompt_logprobs >= 0 && r.prompt.size() > 1) {
+    v1::PromptLogprobsEvent* pe = batch.add_prompt_logprobs();
+    pe->set_request_id(r.id);
+    pe->mutable_logprobs()->set_start(1);
+    for (int64_t i = 1; i < static_cast<int64_t>(r.prompt.size()); ++i) {
+      const SimToken pt = SimWorkerPromptToken(r.prompt, i);
+      v1::PromptTokenLogprob* entry = pe->mutable_logprobs()->add_entries();
+      entry->set_token_id(pt.token);
+      entry->set_logprob(pt.logprob);
+      AddTopLogprobs(SimWorkerTop(pt, r.sampling.prompt_logprobs, o_.vocab_size), entry);
+    }
+  }
+  SimToken tok = SimWorkerToken(r.prompt, r.sampling.seed, r.generated, o_.vocab_size);
+  const bool scripted = !o_.script.empty();
+  if (scripted) tok.token = o_.script[static_cast<size_t>(r.generated)];
+  tok.token = AvoidBadWords(r, tok.token, o_.vocab_size);
+  v1::TokenEvent* e = batch.add_events();
+  e->set_request_id(r.id);
+  e->set_token_id(tok.token);
+  e->set_logprob(tok.logprob);
+  AddTopLogprobs(SimWorkerTop(tok, r.sampling.logprobs, o_.vocab_size), e);
+  ++r.generated;
+  r.tokens.push_back(static_cast<int32_t>(tok.token));
+  const auto& stops = r.sampling.stop_token_ids;
+  const bool stop = (o_.eos_token_id >= 0 && tok.token == o_.eos_token_id && !r.sampling.ignore_eos) ||
+                    std::find(stops.begin(), stops.end(), tok.token) != stops.end() ||
+                    (scripted && r.generated >= static_cast<int64_t>(o_.script.size()));
+  if (stop || r.generated >= r.sampling.max_tokens) {
+    v1::WorkerMessage d;
+    v1::RequestDone* done = d.mutable_done();
+    done->set_request_id(r.id);
+    done->set_finish_reason(stop ? "stop" : "length");
+    done->set_prefix_hit_tokens(r.prefix_hit_tokens);
+    dones.push_back(std::move(d));
+    finished.push_back(&r);
+  }
 }
 
 void SimGroup::Drop(SimRequest& r) {
@@ -489,6 +529,7 @@ void SimGroup::Drop(SimRequest& r) {
 void SimGroup::DropAll() {
   while (!live_.empty()) Drop(*live_.begin()->second);
   reserved_blocks_ = 0;
+  in_step_ = false;
 }
 
 Status CheckOptions(const SimWorkerOptions& o) {
@@ -498,6 +539,10 @@ Status CheckOptions(const SimWorkerOptions& o) {
   if (!(o.tokens_per_s >= 0)) return InvalidArgumentError("--tokens-per-s must be >= 0, got ", o.tokens_per_s);
   if (!(o.step_ms >= 0) || !std::isfinite(o.step_ms))
     return InvalidArgumentError("--step-ms must be a finite number >= 0, got ", o.step_ms);
+  if (!(o.prefill_tokens_per_s >= 0) || !std::isfinite(o.prefill_tokens_per_s))
+    return InvalidArgumentError("--prefill-tokens-per-s must be a finite number >= 0, got ", o.prefill_tokens_per_s);
+  if (o.max_batched_tokens < 1 || o.max_batched_tokens > INT32_MAX)
+    return InvalidArgumentError("--max-batched-tokens must be in [1, 2^31), got ", o.max_batched_tokens);
   if (o.vocab_size < 1 || o.vocab_size > INT32_MAX)
     return InvalidArgumentError("--vocab-size must be in [1, 2^31), got ", o.vocab_size);
   if (o.max_position_embeddings < 2 || o.max_position_embeddings > INT32_MAX)
@@ -545,7 +590,11 @@ int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::
   }
   log("sim-worker ", o.worker_id, ": ", o.groups, " groups connecting to ", o.coordinator, " (vocab ", o.vocab_size,
       ", block size ", o.block_size, ", ", o.cache_blocks, " cache blocks, ", o.tokens_per_s, " tokens/s per group",
-      o.step_ms > 0 ? internal::StrCat(" + ", o.step_ms, " ms per step") : std::string(), ")");
+      o.step_ms > 0 ? internal::StrCat(" + ", o.step_ms, " ms per step") : std::string(),
+      o.prefill_tokens_per_s > 0
+          ? internal::StrCat(", prefill ", o.prefill_tokens_per_s, " tokens/s in chunks of ", o.max_batched_tokens)
+          : std::string(),
+      ")");
   std::vector<std::thread> threads;
   for (auto& g : groups) threads.emplace_back([g = g.get()] { g->Run(); });
   // `stop` is a plain flag (a signal handler may set it); poll it here, and

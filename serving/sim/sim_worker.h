@@ -36,6 +36,16 @@ struct SimWorkerOptions {
   // takes step_ms + n / tokens_per_s, as a decode step reads the weights
   // once and then costs per sequence. 0 (the default): per token only.
   double step_ms = 0;
+  // The cost of prompts: the rows a request computes before its first
+  // token (its prompt less what the prefix cache holds; a resumed request's
+  // prompt and generated tokens) are computed in chunks, at most
+  // max_batched_tokens of them per step over the requests still
+  // prefilling, in admission order, beside one decode token of every
+  // request past its prefill; such a step takes prefill rows /
+  // prefill_tokens_per_s more. 0 (the default): prompts cost nothing and
+  // are never chunked (max_batched_tokens does not apply).
+  double prefill_tokens_per_s = 0;
+  int64_t max_batched_tokens = 2048;
   int64_t vocab_size = 512;
   int64_t max_position_embeddings = 4096;
   int64_t block_size = kDefaultBlockSize;
@@ -60,19 +70,24 @@ struct SimWorkerOptions {
 // rows) fit and fewer than 256 run. The cache is a LatentCache with tiny rows,
 // so prefix hits follow the engine's rules exactly (PrefixChainHash over full
 // blocks under the route's prefix_cache_salt, LRU of released blocks, at least
-// one prompt token recomputed). A token that would end one of the request's
-// bad_words becomes the next id that does not (so tests see them arrive). A
-// step emits one TokenBatch with one token of every running request, then
-// the RequestDone of those that finished; a step of n tokens takes step_ms +
-// n / tokens_per_s (no per-token part with tokens_per_s 0; with both 0 the
-// steps follow one another at once). WorkerStats every 200 ms (free_blocks
-// = allocatable blocks not reserved by running requests). A
-// CancelRoute drops the request before the next step; a MigrateOut answers
-// Exported with the tokens generated and drops it. A request routed with
-// generated_ids (it moved, or its group went away) writes their rows at
-// admission and goes on from token index len(generated_ids), so its tokens
-// are those it would have had on one group. When the stream breaks,
-// the group drops its in-flight requests and reconnects with back-off 100 ms
+// one token recomputed). A token that would end one of the request's
+// bad_words becomes the next id that does not (so tests see them arrive).
+// Steps: a step is planned when it starts (every running request's rows:
+// a chunk of its prefill, or one decode row) and takes step_ms + decode
+// rows / tokens_per_s + prefill rows / prefill_tokens_per_s (no per-token
+// part for a rate of 0; with all 0 the steps follow one another at once);
+// when it ends, its rows are written to the cache and it emits one
+// TokenBatch with a token of every request whose rows are all computed
+// (the end of its prefill, or a decode row), then the RequestDone of those
+// that finished. A request routed while a step runs joins the next one.
+// WorkerStats every 200 ms (free_blocks = allocatable blocks not reserved by
+// running requests). A CancelRoute drops the request at once (the step in
+// flight emits nothing for it); a MigrateOut answers Exported with the
+// tokens generated and drops it. A request routed with generated_ids (it
+// moved, or its group went away) computes prompt + those tokens as its
+// prefill and goes on from token index len(generated_ids), so its tokens
+// are those it would have had on one group. When the stream breaks, the
+// group drops its in-flight requests and reconnects with back-off 100 ms
 // doubling to 2 s. Returns 0 once `*stop` is seen (polled every 20 ms), 2 for
 // bad options (message on `log`). Blocks; thread-safe to call concurrently.
 int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::ostream& log);

@@ -969,13 +969,122 @@ TEST(SimWorker, StepMsIsAFixedCostPerStep) {
   SimWorker worker(o);
   auto g = fake.WaitLink(0);
   ASSERT_TRUE(g);
-  // 6 tokens are 6 steps (the first at once): at least 5 x 40 ms, where
+  // 6 tokens are 6 steps, each token at its step's end: at least 5 x 40 ms, where
   // without step_ms the group answers as fast as it can.
   const auto t0 = std::chrono::steady_clock::now();
   ASSERT_TRUE(g->Route("a", {1, 2, 3}, 6));
   ASSERT_TRUE(g->WaitDone("a"));
   EXPECT_EQ(g->Tokens("a").size(), 6u);
   EXPECT_GE(std::chrono::steady_clock::now() - t0, 190ms);
+}
+
+// Messages group `g` sent so far.
+size_t Received(Link& g) {
+  size_t n = 0;
+  while (g.peer->Read(n, 0ms)) ++n;
+  return n;
+}
+
+// Steps of group `g` from message `from` on until the first token of `id`:
+// the batches that carry a token of `clock` (a request decoding all along,
+// one token a step) up to and including the one with that first token; -1
+// if none comes within 10 s.
+int StepsUntilFirstToken(Link& g, size_t from, const std::string& clock, const std::string& id) {
+  int steps = 0;
+  for (size_t i = from;; ++i) {
+    const std::optional<v1::WorkerMessage> m = g.peer->Read(i, 10s);
+    if (!m) return -1;
+    bool ticked = false, first = false;
+    for (const auto& e : m->tokens().events()) {
+      ticked |= e.request_id() == clock;
+      first |= e.request_id() == id;
+    }
+    steps += ticked;
+    if (first) return steps;
+  }
+}
+
+// A route with the tokens the request generated elsewhere (a resumed request).
+v1::CoordinatorMessage ResumeRoute(const std::string& id, const std::vector<int32_t>& prompt, int64_t max_tokens,
+                                   const std::vector<int64_t>& generated) {
+  v1::CoordinatorMessage m;
+  v1::RouteRequest* r = m.mutable_route();
+  r->set_request_id(id);
+  for (int32_t t : prompt) r->add_prompt_ids(t);
+  r->mutable_sampling()->set_max_tokens(max_tokens);
+  for (int64_t t : generated) r->add_generated_ids(static_cast<int32_t>(t));
+  return m;
+}
+
+TEST(SimWorker, PrefillIsComputedInChunksOfMaxBatchedTokens) {
+  FakeLink fake;
+  TestServer server(&fake);
+  ASSERT_TRUE(server.ok());
+  SimWorkerOptions o = SimOptions(server.address(), 1, 0);
+  o.step_ms = 40;                // steps long enough to count
+  o.prefill_tokens_per_s = 1e9;  // prompts chunked, at no noticeable cost
+  o.max_batched_tokens = 16;
+  o.cache_blocks = 1024;  // no request waits for blocks
+  SimWorker worker(o);
+  auto g = fake.WaitLink(0);
+  ASSERT_TRUE(g);
+  // "clock" decodes one token a step beside the others' prefill.
+  ASSERT_TRUE(g->Route("clock", {1, 2, 3}, 200));
+  ASSERT_TRUE(g->Find([](const v1::WorkerMessage& m) { return m.tokens().events_size() > 0; }, 5s));
+  // A prompt of N tokens takes ceil(N / 16) steps to its first token (one
+  // more when it arrives during a step: it joins the next one).
+  for (const auto& [id, n] : {std::pair<const char*, int32_t>{"p64", 64}, {"p16", 16}, {"p17", 17}}) {
+    const size_t mark = Received(*g);
+    ASSERT_TRUE(g->Route(id, Iota(100, n), 2));
+    const int want = (n + 15) / 16;
+    const int steps = StepsUntilFirstToken(*g, mark, "clock", id);
+    EXPECT_GE(steps, want) << id;
+    EXPECT_LE(steps, want + 1) << id;
+    ASSERT_TRUE(g->WaitDone(id)) << id;
+    EXPECT_EQ(TokenIds(g->Tokens(id)), Expect(Iota(100, n), 0, 2, kVocab).tokens) << id;
+  }
+  // A resumed request computes its prompt and the tokens it generated
+  // elsewhere (16 + 16 rows: 2 steps), then goes on from token 16.
+  const std::vector<int32_t> prompt = Iota(300, 16);
+  const Expected full = Expect(prompt, 0, 20, kVocab);
+  const size_t mark = Received(*g);
+  ASSERT_TRUE(g->peer->Send(
+      ResumeRoute("resumed", prompt, 20, std::vector<int64_t>(full.tokens.begin(), full.tokens.begin() + 16))));
+  const int steps = StepsUntilFirstToken(*g, mark, "clock", "resumed");
+  EXPECT_GE(steps, 2);
+  EXPECT_LE(steps, 3);
+  ASSERT_TRUE(g->WaitDone("resumed"));
+  EXPECT_EQ(TokenIds(g->Tokens("resumed")), std::vector<int64_t>(full.tokens.begin() + 16, full.tokens.end()));
+  EXPECT_EQ(worker.Stop(), 0);
+}
+
+TEST(SimWorker, PrefillTakesItsTokensAtPrefillTokensPerS) {
+  FakeLink fake;
+  TestServer server(&fake);
+  ASSERT_TRUE(server.ok());
+  SimWorkerOptions o = SimOptions(server.address(), 1, 0);  // decode rows cost nothing
+  o.prefill_tokens_per_s = 1000;
+  o.max_batched_tokens = 64;
+  SimWorker worker(o);
+  auto g = fake.WaitLink(0);
+  ASSERT_TRUE(g);
+  // 200 prompt tokens at 1000/s: 200 ms before the first token (4 chunks);
+  // the next request's prompt shares its first 48 tokens (12 full blocks
+  // cached), so it computes only the rest.
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g->Route("a", Iota(10, 200), 3));
+  ASSERT_TRUE(g->Find([](const v1::WorkerMessage& m) { return m.tokens().events_size() > 0; }, 5s));
+  EXPECT_GE(std::chrono::steady_clock::now() - t0, 190ms);
+  auto da = g->WaitDone("a");
+  ASSERT_TRUE(da);
+  EXPECT_EQ(TokenIds(g->Tokens("a")), Expect(Iota(10, 200), 0, 3, kVocab).tokens);
+  std::vector<int32_t> shared = Iota(10, 48);
+  shared.push_back(500);
+  ASSERT_TRUE(g->Route("b", shared, 2));
+  auto db = g->WaitDone("b");
+  ASSERT_TRUE(db);
+  EXPECT_EQ(db->prefix_hit_tokens(), 48);
+  EXPECT_EQ(worker.Stop(), 0);
 }
 
 TEST(SimWorker, ReconnectsAfterTheCoordinatorRestarts) {
@@ -1062,6 +1171,24 @@ TEST(SimWorker, BadOptionsExitTwo) {
   o.eos_token_id = o.vocab_size;
   EXPECT_EQ(RunSimWorker(o, &stop, log), 2);
   EXPECT_NE(log.str().find("--groups"), std::string::npos) << log.str();
+}
+
+TEST(SimWorker, PrefillOptionsAreChecked) {
+  std::atomic<bool> stop{true};
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    std::ostringstream log;
+    SimWorkerOptions o;
+    o.prefill_tokens_per_s = bad;
+    EXPECT_EQ(RunSimWorker(o, &stop, log), 2) << bad;
+    EXPECT_NE(log.str().find("--prefill-tokens-per-s must be a finite number >= 0"), std::string::npos) << log.str();
+  }
+  for (int64_t bad : {int64_t{0}, int64_t{-5}, int64_t{1} << 31}) {
+    std::ostringstream log;
+    SimWorkerOptions o;
+    o.max_batched_tokens = bad;
+    EXPECT_EQ(RunSimWorker(o, &stop, log), 2) << bad;
+    EXPECT_NE(log.str().find("--max-batched-tokens must be in [1, 2^31)"), std::string::npos) << log.str();
+  }
 }
 
 TEST(SimWorker, StepMsMustBeFiniteAndNonNegative) {
