@@ -30,6 +30,15 @@ void AddSimWorkerCommand(CLI::App& app, CommandTable& table) {
   sim->add_option("--max-batched-tokens", so.max_batched_tokens,
                   "Prompt tokens computed per step at most (with --prefill-tokens-per-s)")
       ->capture_default_str();
+  sim->add_option("--role", so.role,
+                  "What the groups serve: mixed, prefill (new requests, handed to a decode group after their first "
+                  "token) or decode (requests handed over)")
+      ->check(CLI::IsMember({"mixed", "prefill", "decode"}))
+      ->capture_default_str();
+  sim->add_option("--transfer-gbps", so.transfer_gbps,
+                  "Simulated block moves between groups at this many Gbit/s (a moved request's blocks are fetched, "
+                  "not computed); 0: off")
+      ->capture_default_str();
   sim->add_option("--worker-id", so.worker_id, "Worker id to register with")->capture_default_str();
   sim->add_option("--vocab-size", so.vocab_size, "Vocabulary size")->capture_default_str();
   AddSecurityFlags(sim, f->security, SecurityRole::kWorker);

@@ -117,6 +117,8 @@ struct SimRequest {
   // Its prefill is over (it emitted a token here): one decode row a step.
   bool decoding = false;
   int64_t step_rows = 0;        // rows the step in flight computes for it; 0: not in that step
+  int64_t source_rows = 0;      // rows its MoveSource holds (another group's blocks); 0: none
+  int64_t import_rows = 0;      // of those, the rows it fetches in its first step (not cached here)
   std::vector<int64_t> output;  // the tokens sent (with sampling.bad_words only)
   // Cache blocks this request may still take (its prompt + max_tokens - 1
   // rows were reserved at admission, so decoding never runs out of blocks).
@@ -180,6 +182,12 @@ class SimGroup {
   void Emit(SimRequest& r, v1::TokenBatch& batch, std::vector<v1::WorkerMessage>& dones,
             std::vector<SimRequest*>& finished);
   void SendStats(Clock::time_point now);
+  // Answers a MigrateOut of `r` (Exported) and drops it, keeping the blocks
+  // of its computed rows with block moves.
+  void Export(SimRequest& r);
+  // Frees the blocks an Exported named for `request_id`, if still held.
+  void ReleaseExport(const std::string& request_id);
+  void Route(v1::RouteRequest& r);
   void Drop(SimRequest& r);
   void DropAll();
   v1::RankStats Rank() const;
@@ -197,7 +205,9 @@ class SimGroup {
   std::map<std::string, std::unique_ptr<SimRequest>> live_;  // by request id
   std::deque<SimRequest*> waiting_;
   std::vector<SimRequest*> running_;
-  int64_t reserved_blocks_ = 0;  // sum of running requests' reserved_blocks
+  std::map<std::string, SeqId> exported_;  // blocks held for a moved request until ReleaseExported
+  int64_t reserved_blocks_ = 0;            // sum of running requests' reserved_blocks
+  int64_t transfer_fetches_ = 0, transfer_bytes_ = 0;
   SeqId next_seq_ = 1;
   int64_t peak_blocks_used_ = 0;
   int64_t tokens_since_stats_ = 0;
@@ -235,6 +245,11 @@ v1::RankStats SimGroup::Rank() const {
   r.set_requests_running(static_cast<int64_t>(running_.size()));
   r.set_requests_waiting(static_cast<int64_t>(waiting_.size()));
   r.set_tokens_per_s(tokens_per_s_);
+  if (o_.transfer_gbps > 0) {
+    r.set_transfer_path("sim");
+    r.set_transfer_fetches(transfer_fetches_);
+    r.set_transfer_bytes(transfer_bytes_);
+  }
   // The machine it runs on, as a worker's rank reports its own.
   const CpuFeatures& cpu = HostCpu();
   r.set_cpu_model_name(cpu.model_name);
@@ -254,6 +269,9 @@ v1::Register SimGroup::Registration() const {
   reg.set_block_size(o_.block_size);
   reg.set_cache_blocks_total(cache_->stats().blocks_total);
   *reg.add_ranks() = Rank();
+  reg.set_role(o_.role);
+  // Any bytes do: only another simulated group "reads" them.
+  if (o_.transfer_gbps > 0) reg.add_transfer_descriptors(internal::StrCat("sim-transfer:", o_.worker_id, "/", index_));
   return reg;
 }
 
@@ -326,21 +344,23 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   if (m.has_cancel()) {
     auto it = live_.find(m.cancel().request_id());
     if (it != live_.end()) Drop(*it->second);  // unknown ids finished already: nothing to do
+    ReleaseExport(m.cancel().request_id());
     return;
   }
   if (m.has_migrate_out()) {
-    // Between two steps, every token of this request sent: it leaves.
+    // Every token of this request sent (the step in flight emits none for it): it leaves.
     auto it = live_.find(m.migrate_out().request_id());
-    if (it == live_.end()) return;  // finished already; its RequestDone answered
-    v1::WorkerMessage x;
-    x.mutable_exported()->set_request_id(it->first);
-    x.mutable_exported()->set_tokens(it->second->generated);
-    link_.Send(x);
-    Drop(*it->second);
+    if (it != live_.end()) Export(*it->second);  // else finished already; its RequestDone answered
     return;
   }
-  if (!m.has_route()) return;
-  v1::RouteRequest& r = *m.mutable_route();
+  if (m.has_release_exported()) {
+    ReleaseExport(m.release_exported().request_id());
+    return;
+  }
+  if (m.has_route()) Route(*m.mutable_route());
+}
+
+void SimGroup::Route(v1::RouteRequest& r) {
   if (live_.count(r.request_id())) {
     // The coordinator keeps ids unique; answering would end the live request
     // on its side, so the duplicate is only logged.
@@ -350,6 +370,13 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   GenerationRequest gen{.prompt = std::vector<int32_t>(r.prompt_ids().begin(), r.prompt_ids().end()),
                         .sampling = FromProto(r.sampling()),
                         .generated = std::vector<int32_t>(r.generated_ids().begin(), r.generated_ids().end())};
+  if (o_.transfer_gbps > 0 && r.has_move_source() && r.move_source().cached_tokens() > 0) {
+    // As the worker: the blocks are fetched instead of computed.
+    const v1::MoveSource& from = r.move_source();
+    gen.import = ImportSource{.descriptors = {from.descriptors().begin(), from.descriptors().end()},
+                              .blocks = {from.block_ids().begin(), from.block_ids().end()},
+                              .rows = from.cached_tokens()};
+  }
   // The checks of Engine::Add, with its messages.
   Status st = ValidateGenerationRequest(gen, {.vocab_size = o_.vocab_size,
                                               .max_position_embeddings = o_.max_position_embeddings,
@@ -374,8 +401,40 @@ void SimGroup::Handle(WorkerLinkEvent& e) {
   if (!req->sampling.bad_words.empty()) req->output.assign(gen.generated.begin(), gen.generated.end());
   req->tokens = req->prompt;
   req->tokens.insert(req->tokens.end(), gen.generated.begin(), gen.generated.end());
+  if (gen.import) req->source_rows = gen.import->rows;
   waiting_.push_back(req.get());
   live_[req->id] = std::move(req);
+}
+
+void SimGroup::Export(SimRequest& r) {
+  v1::WorkerMessage x;
+  v1::Exported* e = x.mutable_exported();
+  e->set_request_id(r.id);
+  e->set_tokens(r.generated);
+  // As Engine::Export: the blocks of its computed rows stay held for the new
+  // group; a request whose fetch has not happened yet exports none.
+  if (o_.transfer_gbps > 0 && r.in_cache && r.computed > 0 && r.import_rows == 0) {
+    const std::span<const int32_t> table = cache_->BlockTable(r.seq);
+    const size_t n = static_cast<size_t>((r.computed + o_.block_size - 1) / o_.block_size);
+    if (n == table.size()) {
+      e->mutable_block_ids()->Assign(table.begin(), table.end());
+      e->set_cached_tokens(r.computed);
+      ReleaseExport(r.id);  // (a request exported here before is long released)
+      exported_[r.id] = r.seq;
+      r.in_cache = false;  // Drop leaves its blocks held
+    } else {
+      log_("sim-worker: internal: request ", r.id, " has ", r.computed, " rows in ", table.size(), " blocks");
+    }
+  }
+  link_.Send(x);
+  Drop(r);
+}
+
+void SimGroup::ReleaseExport(const std::string& request_id) {
+  auto it = exported_.find(request_id);
+  if (it == exported_.end()) return;
+  (void)cache_->Release(it->second);  // its full blocks stay cached for prefix reuse
+  exported_.erase(it);
 }
 
 void SimGroup::Admit() {
@@ -412,6 +471,8 @@ void SimGroup::Admit() {
     }
     r.computed = *hit;
     r.decoding = false;
+    // As Engine::StartImport: only the rows its own prefix cache lacks are fetched.
+    r.import_rows = std::max<int64_t>(0, r.source_rows - *hit);
     r.prefix_hit_tokens = std::min(*hit, len);  // prompt tokens, as the engine counts them
     r.reserved_blocks = *need;
     reserved_blocks_ += *need;
@@ -423,9 +484,14 @@ void SimGroup::Admit() {
 
 void SimGroup::StartStep(Clock::time_point base) {
   const bool chunked = o_.prefill_tokens_per_s > 0;
-  int64_t budget = o_.max_batched_tokens, decode = 0, prefill = 0;
+  int64_t budget = o_.max_batched_tokens, decode = 0, prefill = 0, fetched = 0;
   for (SimRequest* r : running_) {
     const int64_t left = static_cast<int64_t>(r->tokens.size()) - r->computed;
+    if (r->import_rows > 0) {  // its blocks, fetched before the step computes
+      r->step_rows = r->import_rows;
+      fetched += r->import_rows;
+      continue;
+    }
     if (r->decoding) {  // the row of its last token (left is 1)
       r->step_rows = left;
       decode += left;
@@ -436,9 +502,11 @@ void SimGroup::StartStep(Clock::time_point base) {
     if (chunked) budget -= r->step_rows;
     prefill += r->step_rows;
   }
-  const double step_s = 1e-3 * o_.step_ms +
-                        (o_.tokens_per_s > 0 ? static_cast<double>(decode) / o_.tokens_per_s : 0.0) +
-                        (chunked ? static_cast<double>(prefill) / o_.prefill_tokens_per_s : 0.0);
+  const double step_s =
+      1e-3 * o_.step_ms + (o_.tokens_per_s > 0 ? static_cast<double>(decode) / o_.tokens_per_s : 0.0) +
+      (chunked ? static_cast<double>(prefill) / o_.prefill_tokens_per_s : 0.0) +
+      (o_.transfer_gbps > 0 ? static_cast<double>(fetched * kSimCacheBytesPerToken) * 8 / (o_.transfer_gbps * 1e9)
+                            : 0.0);
   step_end_ = base + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(step_s));
   in_step_ = true;
 }
@@ -465,7 +533,17 @@ void SimGroup::FinishStep() {
   std::vector<SimRequest*> finished;
   for (SimRequest* r : running_) {
     if (r->step_rows == 0) continue;  // admitted during the step, or no budget left for it
-    Compute(*r, std::exchange(r->step_rows, 0));
+    const int64_t rows = std::exchange(r->step_rows, 0);
+    Compute(*r, rows);
+    if (r->import_rows > 0) {
+      // Fetched: with the rows of every token but the last (the usual
+      // export) it decodes from the next step, else it computes the rest.
+      r->import_rows = 0;
+      r->decoding = r->computed == static_cast<int64_t>(r->tokens.size()) - 1;
+      ++transfer_fetches_;
+      transfer_bytes_ += rows * kSimCacheBytesPerToken;
+      continue;
+    }
     if (r->computed < static_cast<int64_t>(r->tokens.size())) continue;  // more of its prefill to go
     r->decoding = true;
     Emit(*r, *batch, dones, finished);
@@ -528,6 +606,7 @@ void SimGroup::Drop(SimRequest& r) {
 
 void SimGroup::DropAll() {
   while (!live_.empty()) Drop(*live_.begin()->second);
+  while (!exported_.empty()) ReleaseExport(exported_.begin()->first);
   reserved_blocks_ = 0;
   in_step_ = false;
 }
@@ -543,6 +622,10 @@ Status CheckOptions(const SimWorkerOptions& o) {
     return InvalidArgumentError("--prefill-tokens-per-s must be a finite number >= 0, got ", o.prefill_tokens_per_s);
   if (o.max_batched_tokens < 1 || o.max_batched_tokens > INT32_MAX)
     return InvalidArgumentError("--max-batched-tokens must be in [1, 2^31), got ", o.max_batched_tokens);
+  if (o.role != "mixed" && o.role != "prefill" && o.role != "decode")
+    return InvalidArgumentError("--role must be mixed, prefill or decode, got '", o.role, "'");
+  if (!(o.transfer_gbps >= 0) || !std::isfinite(o.transfer_gbps))
+    return InvalidArgumentError("--transfer-gbps must be a finite number >= 0, got ", o.transfer_gbps);
   if (o.vocab_size < 1 || o.vocab_size > INT32_MAX)
     return InvalidArgumentError("--vocab-size must be in [1, 2^31), got ", o.vocab_size);
   if (o.max_position_embeddings < 2 || o.max_position_embeddings > INT32_MAX)
@@ -594,7 +677,8 @@ int RunSimWorker(const SimWorkerOptions& o, const std::atomic<bool>* stop, std::
       o.prefill_tokens_per_s > 0
           ? internal::StrCat(", prefill ", o.prefill_tokens_per_s, " tokens/s in chunks of ", o.max_batched_tokens)
           : std::string(),
-      ")");
+      "; role ", o.role,
+      o.transfer_gbps > 0 ? internal::StrCat(", block moves at ", o.transfer_gbps, " Gbit/s") : std::string(), ")");
   std::vector<std::thread> threads;
   for (auto& g : groups) threads.emplace_back([g = g.get()] { g->Run(); });
   // `stop` is a plain flag (a signal handler may set it); poll it here, and

@@ -46,6 +46,21 @@ struct SimWorkerOptions {
   // are never chunked (max_batched_tokens does not apply).
   double prefill_tokens_per_s = 0;
   int64_t max_batched_tokens = 2048;
+  // What the groups serve (Register.role, as mlarun worker --role): "mixed"
+  // (the default), "prefill" (new requests, each handed to a decode group
+  // by the coordinator after its first token) or "decode".
+  std::string role = "mixed";
+  // Simulated block moves, as mlarun worker --transfer: > 0 registers a
+  // transfer descriptor per group, so the coordinator moves a request's
+  // cache blocks between such groups instead of having them computed again.
+  // A MigrateOut then answers Exported with the blocks of the request's
+  // computed rows, held until ReleaseExported (or a CancelRoute of it, or
+  // the stream's end); a route with a MoveSource attaches what the group's
+  // own prefix cache holds and fetches the rest of those rows in its next
+  // step, which takes rows x cache_bytes_per_token / (transfer_gbps Gbit/s)
+  // more, and decodes from the step after. 0 (the default): no descriptor;
+  // moved requests are computed again.
+  double transfer_gbps = 0;
   int64_t vocab_size = 512;
   int64_t max_position_embeddings = 4096;
   int64_t block_size = kDefaultBlockSize;
@@ -64,7 +79,9 @@ struct SimWorkerOptions {
 // gethostname()) whose fixed numbers are recognizably fake: weights 16 MiB
 // attention, 64 MiB MoE, 8 MiB dense MLP, 4 MiB embedding + head;
 // cache_bytes_per_token 1 KiB, so cache_block_bytes = block_size KiB. Cache
-// used/peak/running/waiting/tokens_per_s are the simulation's real values.
+// used/peak/running/waiting/tokens_per_s are the simulation's real values,
+// and with transfer_gbps the rank's transfer_path is "sim" and its
+// transfer_fetches / transfer_bytes count the simulated fetches.
 // Routed requests get Engine::Add's checks (RequestDone with error_code 3 and
 // its message), then wait FIFO until their blocks (prompt + max_tokens - 1
 // rows) fit and fewer than 256 run. The cache is a LatentCache with tiny rows,
@@ -83,7 +100,7 @@ struct SimWorkerOptions {
 // WorkerStats every 200 ms (free_blocks = allocatable blocks not reserved by
 // running requests). A CancelRoute drops the request at once (the step in
 // flight emits nothing for it); a MigrateOut answers Exported with the
-// tokens generated and drops it. A request routed with generated_ids (it
+// tokens generated (and its blocks with transfer_gbps) and drops it. A request routed with generated_ids (it
 // moved, or its group went away) computes prompt + those tokens as its
 // prefill and goes on from token index len(generated_ids), so its tokens
 // are those it would have had on one group. When the stream breaks, the

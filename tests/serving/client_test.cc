@@ -27,6 +27,7 @@
 
 #include "base/cpu_isa.h"
 #include "mlarun.grpc.pb.h"
+#include "runtime/request/request.h"
 #include "serving/link/link_server.h"
 #include "serving/proto/proto_sampling.h"
 #include "serving/sim/sim_worker.h"
@@ -830,6 +831,10 @@ TEST(SimWorker, RegistersServesAndRejects) {
   EXPECT_EQ(g1->reg.ranks(0).dp_group(), 1);
   EXPECT_EQ(g1->reg.ranks(0).cache_bytes_per_token(), 1024);
   EXPECT_FALSE(g1->reg.ranks(0).host().empty());
+  // Mixed, without block moves, unless asked.
+  EXPECT_EQ(g0->reg.role(), "mixed");
+  EXPECT_EQ(g0->reg.transfer_descriptors_size(), 0);
+  EXPECT_EQ(g0->reg.ranks(0).transfer_path(), "");
 
   // Deterministic tokens: equal requests on different groups agree.
   const std::vector<int32_t> prompt = Iota(10, 10);
@@ -1087,6 +1092,137 @@ TEST(SimWorker, PrefillTakesItsTokensAtPrefillTokensPerS) {
   EXPECT_EQ(worker.Stop(), 0);
 }
 
+// The first WorkerStats of group `g` from message `from` on for which `pick`
+// is true, waiting up to 5 s for it.
+template <typename Pick>
+std::optional<v1::WorkerStats> StatsFrom(Link& g, size_t from, Pick pick) {
+  for (size_t i = from;; ++i) {
+    const std::optional<v1::WorkerMessage> m = g.peer->Read(i, 5s);
+    if (!m) return std::nullopt;
+    if (m->has_stats() && pick(m->stats())) return m->stats();
+  }
+}
+
+int64_t BlocksUsed(const v1::WorkerStats& s) { return s.ranks(0).cache_blocks_used(); }
+
+// Group `g`'s Exported of `id` from message `from` on, and the message's index.
+std::optional<std::pair<v1::Exported, size_t>> WaitExported(Link& g, size_t from, const std::string& id) {
+  for (size_t i = from;; ++i) {
+    const std::optional<v1::WorkerMessage> m = g.peer->Read(i, 5s);
+    if (!m) return std::nullopt;
+    if (m->has_exported() && m->exported().request_id() == id) return std::pair{m->exported(), i};
+  }
+}
+
+v1::CoordinatorMessage Migrate(const std::string& id) {
+  v1::CoordinatorMessage m;
+  m.mutable_migrate_out()->set_request_id(id);
+  return m;
+}
+
+v1::CoordinatorMessage Release(const std::string& id) {
+  v1::CoordinatorMessage m;
+  m.mutable_release_exported()->set_request_id(id);
+  return m;
+}
+
+TEST(SimWorker, RegistersItsRoleAndADescriptorWithBlockMoves) {
+  FakeLink fake;
+  TestServer server(&fake);
+  ASSERT_TRUE(server.ok());
+  SimWorkerOptions o = SimOptions(server.address(), 1, 0);
+  o.role = "decode";
+  o.transfer_gbps = 25;
+  SimWorker worker(o);
+  auto g = fake.WaitLink(0);
+  ASSERT_TRUE(g) << worker.log();
+  EXPECT_EQ(g->reg.role(), "decode");
+  // One per rank (attn_tp = 1), within the coordinator's 64 KiB.
+  ASSERT_EQ(g->reg.transfer_descriptors_size(), 1);
+  EXPECT_GT(g->reg.transfer_descriptors(0).size(), 0u);
+  EXPECT_LE(g->reg.transfer_descriptors(0).size(), size_t{64} << 10);
+  EXPECT_EQ(g->reg.ranks(0).transfer_path(), "sim");
+  EXPECT_EQ(worker.Stop(), 0);
+}
+
+TEST(SimWorker, ExportsBlocksUntilReleasedAndImportsThem) {
+  FakeLink fake;
+  TestServer server(&fake);
+  ASSERT_TRUE(server.ok());
+  SimWorkerOptions o = SimOptions(server.address(), 2, 0);
+  o.step_ms = 20;
+  o.transfer_gbps = 0.001;  // 1 Mbit/s: a fetch of ~13 rows of 1 KiB takes ~100 ms
+  SimWorker worker(o);
+  auto g0 = fake.WaitLink(0), g1 = fake.WaitLink(1);
+  ASSERT_TRUE(g0 && g1) << worker.log();
+  const std::vector<int32_t> prompt = Iota(10, 10);
+  const Expected want = Expect(prompt, 0, 40, kVocab);
+  ASSERT_TRUE(g0->Route("a", prompt, 40));
+  ASSERT_TRUE(g0->Find([](const v1::WorkerMessage& m) { return m.tokens().events_size() > 0; }, 5s));
+  std::this_thread::sleep_for(50ms);  // a few more tokens
+
+  // Exported names the blocks of its computed rows: every token's but the last.
+  ASSERT_TRUE(g0->peer->Send(Migrate("a")));
+  const auto exported = WaitExported(*g0, 0, "a");
+  ASSERT_TRUE(exported) << worker.log();
+  const v1::Exported& x = exported->first;
+  const int64_t k = static_cast<int64_t>(g0->Tokens("a").size());
+  EXPECT_EQ(x.tokens(), k);
+  EXPECT_GE(k, 2);
+  EXPECT_EQ(x.cached_tokens(), 10 + k - 1);
+  const std::vector<int32_t> blocks(x.block_ids().begin(), x.block_ids().end());
+  EXPECT_TRUE(CheckBlockTable(blocks, x.cached_tokens(), 4, "exported.block_ids").ok());
+  // Held until ReleaseExported, and no token of it comes after the Exported.
+  auto held = StatsFrom(*g0, exported->second, [](const v1::WorkerStats&) { return true; });
+  ASSERT_TRUE(held);
+  EXPECT_EQ(BlocksUsed(*held), std::ssize(blocks));
+
+  // Its new group fetches them (not computing them) and goes on from token k.
+  v1::CoordinatorMessage route =
+      ResumeRoute("a", prompt, 40, std::vector<int64_t>(want.tokens.begin(), want.tokens.begin() + k));
+  v1::MoveSource* source = route.mutable_route()->mutable_move_source();
+  *source->mutable_descriptors() = g0->reg.transfer_descriptors();
+  *source->mutable_block_ids() = x.block_ids();
+  source->set_cached_tokens(x.cached_tokens());
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g1->peer->Send(route));
+  ASSERT_TRUE(g1->Find([](const v1::WorkerMessage& m) { return m.tokens().events_size() > 0; }, 5s));
+  const double fetch_s = static_cast<double>(x.cached_tokens() * 1024 * 8) / 1e6;
+  EXPECT_GE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), fetch_s - 0.005);
+  ASSERT_TRUE(g1->WaitDone("a"));
+  EXPECT_EQ(TokenIds(g1->Tokens("a")), std::vector<int64_t>(want.tokens.begin() + k, want.tokens.end()));
+  const size_t after_done = Received(*g1);
+  auto moved = StatsFrom(*g1, after_done, [](const v1::WorkerStats&) { return true; });
+  ASSERT_TRUE(moved);
+  EXPECT_EQ(moved->ranks(0).transfer_fetches(), 1);
+  EXPECT_EQ(moved->ranks(0).transfer_bytes(), x.cached_tokens() * 1024);
+  EXPECT_EQ(BlocksUsed(*moved), 0);
+  EXPECT_EQ(g0->Mentions("a"), k);  // its tokens, and nothing after the Exported
+
+  const size_t before_release = Received(*g0);
+  ASSERT_TRUE(g0->peer->Send(Release("a")));
+  EXPECT_TRUE(StatsFrom(*g0, before_release, [](const v1::WorkerStats& s) { return BlocksUsed(s) == 0; }));
+
+  // A CancelRoute of an exported request frees its blocks too.
+  ASSERT_TRUE(g0->Route("b", Iota(200, 10), 40));
+  ASSERT_TRUE(g0->Find(
+      [](const v1::WorkerMessage& m) {
+        for (const auto& e : m.tokens().events())
+          if (e.request_id() == "b") return true;
+        return false;
+      },
+      5s));
+  const size_t before_b = Received(*g0);
+  ASSERT_TRUE(g0->peer->Send(Migrate("b")));
+  const auto xb = WaitExported(*g0, before_b, "b");
+  ASSERT_TRUE(xb);
+  EXPECT_GT(xb->first.block_ids_size(), 0);
+  ASSERT_TRUE(g0->Cancel("b"));
+  const size_t after_cancel = Received(*g0);
+  EXPECT_TRUE(StatsFrom(*g0, after_cancel, [](const v1::WorkerStats& s) { return BlocksUsed(s) == 0; }));
+  EXPECT_EQ(worker.Stop(), 0);
+}
+
 TEST(SimWorker, ReconnectsAfterTheCoordinatorRestarts) {
   auto fake = std::make_unique<FakeLink>();
   auto server = std::make_unique<TestServer>(fake.get());
@@ -1188,6 +1324,24 @@ TEST(SimWorker, PrefillOptionsAreChecked) {
     o.max_batched_tokens = bad;
     EXPECT_EQ(RunSimWorker(o, &stop, log), 2) << bad;
     EXPECT_NE(log.str().find("--max-batched-tokens must be in [1, 2^31)"), std::string::npos) << log.str();
+  }
+}
+
+TEST(SimWorker, RoleAndTransferOptionsAreChecked) {
+  std::atomic<bool> stop{true};
+  {
+    std::ostringstream log;
+    SimWorkerOptions o;
+    o.role = "both";
+    EXPECT_EQ(RunSimWorker(o, &stop, log), 2);
+    EXPECT_NE(log.str().find("--role must be mixed, prefill or decode, got 'both'"), std::string::npos) << log.str();
+  }
+  for (double bad : {-1.0, std::nan(""), HUGE_VAL}) {
+    std::ostringstream log;
+    SimWorkerOptions o;
+    o.transfer_gbps = bad;
+    EXPECT_EQ(RunSimWorker(o, &stop, log), 2) << bad;
+    EXPECT_NE(log.str().find("--transfer-gbps must be a finite number >= 0"), std::string::npos) << log.str();
   }
 }
 
