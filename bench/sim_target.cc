@@ -152,24 +152,40 @@ SimWorkerOptions SimOptions(int groups, double tokens_per_s, int64_t cache_block
   return s;
 }
 
-StatusOr<std::unique_ptr<InProcessTarget>> InProcessTarget::Start(CoordinatorOptions co, SimWorkerOptions sim) {
+StatusOr<std::unique_ptr<InProcessTarget>> InProcessTarget::Start(CoordinatorOptions co,
+                                                                  std::vector<SimWorkerOptions> jobs) {
   std::unique_ptr<InProcessTarget> t(new InProcessTarget());
   co.listen = "127.0.0.1:0";
   MLARUN_ASSIGN_OR_RETURN(t->coordinator_, Coordinator::Start(co));
-  sim.coordinator = t->coordinator_->address();
-  t->sim_ = sim;
-  t->thread_ = std::thread([p = t.get()] {
-    pthread_setname_np(pthread_self(), kSimThreadName);
-    p->sim_rc_ = RunSimWorker(p->sim_, &p->stop_, p->log_);
-  });
+  int groups = 0;
+  for (SimWorkerOptions& sim : jobs) {
+    auto job = std::make_unique<Job>();
+    job->options = std::move(sim);
+    job->options.coordinator = t->coordinator_->address();
+    groups += job->options.groups;
+    job->thread = std::thread([j = job.get(), stop = &t->stop_] {
+      pthread_setname_np(pthread_self(), kSimThreadName);
+      j->rc = RunSimWorker(j->options, stop, j->log);
+    });
+    t->jobs_.push_back(std::move(job));
+  }
   auto stub = v1::Mlarun::NewStub(MakeChannel(t->address()));
-  const auto ready = WaitForGroups(*stub, sim.groups, kStartTimeout_s);
+  const auto ready = WaitForGroups(*stub, groups, kStartTimeout_s);
   if (!ready.ok()) {
-    t->Stop();  // the log is ours to read once the simulated groups are joined
-    return ready.status().WithContext(
-        internal::StrCat("simulated groups (RunSimWorker returned ", t->sim_rc_, "; log: ", t->log_.str(), ")"));
+    t->Stop();  // the logs are ours to read once the simulated groups are joined
+    std::string why;
+    for (const auto& j : t->jobs_)
+      why += internal::StrCat(why.empty() ? "" : "; ", j->options.worker_id, ": RunSimWorker returned ", j->rc,
+                              ", log: ", j->log.str());
+    return ready.status().WithContext(internal::StrCat("simulated groups (", why, ")"));
   }
   return t;
+}
+
+StatusOr<std::unique_ptr<InProcessTarget>> InProcessTarget::Start(CoordinatorOptions co, SimWorkerOptions sim) {
+  std::vector<SimWorkerOptions> jobs;
+  jobs.push_back(std::move(sim));
+  return Start(std::move(co), std::move(jobs));
 }
 
 StatusOr<std::unique_ptr<InProcessTarget>> InProcessTarget::Start(RoutingPolicy policy, SimWorkerOptions sim) {
@@ -179,10 +195,9 @@ StatusOr<std::unique_ptr<InProcessTarget>> InProcessTarget::Start(RoutingPolicy 
 }
 
 void InProcessTarget::Stop() {
-  if (thread_.joinable()) {
-    stop_ = true;
-    thread_.join();
-  }
+  stop_ = true;
+  for (auto& j : jobs_)
+    if (j->thread.joinable()) j->thread.join();
   if (coordinator_ != nullptr) coordinator_->Shutdown();
 }
 

@@ -91,12 +91,14 @@ StatusOr<int> WaitForGroups(v1::Mlarun::Stub& stub, int want, double timeout_s);
 // `tokens_per_s` each (0: as fast as possible).
 SimWorkerOptions SimOptions(int groups, double tokens_per_s, int64_t cache_blocks);
 
-// A Coordinator on 127.0.0.1:0 and one RunSimWorker whose groups have all
-// registered. Stop() (or the destructor) stops the groups, then the
-// coordinator.
+// A Coordinator on 127.0.0.1:0 and one RunSimWorker per simulated worker
+// job (each of its own worker_id: a prefill job and a decode job, say),
+// whose groups have all registered. Stop() (or the destructor) stops the
+// groups, then the coordinator.
 class InProcessTarget {
  public:
   // `co` as given but for its listen address (127.0.0.1:0).
+  static StatusOr<std::unique_ptr<InProcessTarget>> Start(CoordinatorOptions co, std::vector<SimWorkerOptions> jobs);
   static StatusOr<std::unique_ptr<InProcessTarget>> Start(CoordinatorOptions co, SimWorkerOptions sim);
   static StatusOr<std::unique_ptr<InProcessTarget>> Start(RoutingPolicy policy, SimWorkerOptions sim);
   ~InProcessTarget() { Stop(); }
@@ -104,16 +106,20 @@ class InProcessTarget {
   void Stop();
 
  private:
+  // One RunSimWorker on its own thread.
+  struct Job {
+    SimWorkerOptions options;
+    std::thread thread;
+    // Written by the job's group threads (whole lines, under their logger's
+    // lock); read only after `thread` is joined.
+    std::ostringstream log;
+    int rc = 0;  // RunSimWorker's exit code; read after `thread` is joined
+  };
   InProcessTarget() = default;
   std::unique_ptr<Coordinator> coordinator_;
-  SimWorkerOptions sim_;
-  // RunSimWorker's stop flag (a signal-handler style plain flag it polls).
+  // RunSimWorker's stop flag (a signal-handler style plain flag it polls), shared by the jobs.
   std::atomic<bool> stop_{false};
-  std::thread thread_;
-  // Written by the simulated groups' threads (whole lines, under their
-  // logger's lock); read only after thread_ is joined.
-  std::ostringstream log_;
-  int sim_rc_ = 0;  // RunSimWorker's exit code; read after thread_ is joined
+  std::vector<std::unique_ptr<Job>> jobs_;
 };
 
 }  // namespace serve_bench
