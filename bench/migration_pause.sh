@@ -13,10 +13,17 @@
 # Usage: bench/migration_pause.sh --model DIR|YAML [--tokens 1024,4096,16384]
 #          [--modes off,shm] [--rounds 3] [--mlarun PATH] [--threads 1]
 #          [--max-tokens 48]   (each request's; enough to still run when moved)
+#          [--run-prefix WORDS] [--listen-host HOST] [--mpirun-args WORDS]
+# Across hosts (tests/multihost/migration_pause_hosts.sh): --run-prefix runs
+# every command (coordinator, mpirun, clients) through it, e.g. an agent that
+# enters one host's network namespace; --listen-host is the coordinator's
+# address there; --mpirun-args replace the one-host defaults (a hostfile, the
+# agent, the interfaces).
 set -eu -o pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 MLARUN=${MLARUN:-$here/../build/release/mlarun}
 MODEL="" TOKENS=1024,4096,16384 MODES=off,shm ROUNDS=3 THREADS=1 MAX_TOKENS=48
+RUN_PREFIX="" LISTEN_HOST=127.0.0.1 MPIRUN_ARGS="--oversubscribe --mca pml ob1 --mca btl self,vader,tcp"
 while [ $# -gt 0 ]; do
   case "$1" in
     --model) MODEL=$2; shift 2 ;;
@@ -26,6 +33,9 @@ while [ $# -gt 0 ]; do
     --mlarun) MLARUN=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --max-tokens) MAX_TOKENS=$2; shift 2 ;;
+    --run-prefix) RUN_PREFIX=$2; shift 2 ;;
+    --listen-host) LISTEN_HOST=$2; shift 2 ;;
+    --mpirun-args) MPIRUN_ARGS=$2; shift 2 ;;
     *) echo "migration_pause: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -36,16 +46,23 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap 'cleanup; rm -rf "$work"' EXIT
 
-stats() { "$MLARUN" stats --coordinator "$addr" --json 2>/dev/null; }
+# Words split on any whitespace, newlines included.
+read -r -d '' -a run <<<"$RUN_PREFIX" || true
+read -r -d '' -a mpirun_args <<<"$MPIRUN_ARGS" || true
+stats() { "${run[@]}" "$MLARUN" stats --coordinator "$addr" --json 2>/dev/null; }
 
 start() {  # $1: transfer mode
   local port
   port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  addr=127.0.0.1:$port
-  "$MLARUN" coordinator --listen "$addr" --policy round_robin 2>"$work/coord.log" &
+  addr=$LISTEN_HOST:$port
+  # A worker secret: a coordinator beyond loopback (--listen-host) needs one.
+  [ -s "$work/secret" ] || (umask 077 && head -c 32 /dev/urandom | base64 >"$work/secret")
+  "${run[@]}" "$MLARUN" coordinator --listen "$addr" --policy round_robin --worker-secret-file "$work/secret" \
+    2>"$work/coord.log" &
   pids=($!)
-  mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np 2 "$MLARUN" worker --coordinator "$addr" \
+  "${run[@]}" mpirun "${mpirun_args[@]}" -np 2 "$MLARUN" worker --coordinator "$addr" \
     --model "$MODEL" --parallel dp=2 --threads "$THREADS" --cache-bytes 1073741824 --transfer "$1" \
+    --worker-secret-file "$work/secret" \
     2>"$work/worker.log" &
   pids+=($!)
   for _ in $(seq 300); do
@@ -61,7 +78,7 @@ one() {  # $1: mode, $2: prompt tokens, $3: round -> one line
   before=$(stats | python3 -c "import json,sys; print(sum(int(r.get('transfer_bytes', 0)) for r in json.load(sys.stdin)['ranks']))")
   local prompt
   prompt=$(python3 -c "import random; r = random.Random($2 + $3); print(','.join(str(r.randrange(2, 500)) for _ in range($2)))")
-  "$MLARUN" submit --coordinator "$addr" --request-id "$id" --prompt-ids "$prompt" --max-tokens "$MAX_TOKENS" --ignore-eos \
+  "${run[@]}" "$MLARUN" submit --coordinator "$addr" --request-id "$id" --prompt-ids "$prompt" --max-tokens "$MAX_TOKENS" --ignore-eos \
     --timeout 600 >"$work/$id.out" 2>"$work/$id.err" &
   local submit=$!
   # Moved once it has a few tokens, so the pause is a decode's gap.
@@ -70,7 +87,7 @@ one() {  # $1: mode, $2: prompt tokens, $3: round -> one line
     stats | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(0 if sum(int(g.get('tokens_generated', 0)) for g in d['groups']) >= $(cat "$work/tokens") + 4 else 1)" && break
     sleep 0.02
   done
-  "$MLARUN" migrate --coordinator "$addr" --request-id "$id" --timeout 600 >"$work/$id.move" 2>&1 ||
+  "${run[@]}" "$MLARUN" migrate --coordinator "$addr" --request-id "$id" --timeout 600 >"$work/$id.move" 2>&1 ||
     { echo "migration_pause: migrate failed: $(cat "$work/$id.move")" >&2; exit 1; }
   wait "$submit" || { echo "migration_pause: submit failed: $(cat "$work/$id.err")" >&2; exit 1; }
   stats >"$work/stats.json"
