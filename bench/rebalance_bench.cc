@@ -1,46 +1,26 @@
 // `mlarun bench rebalance` (rebalance_bench.h says what is measured).
 //
-// Threads: the calling thread sends each request at its arrival time to a
-// pool of client threads that grows whenever none is idle, so no request
-// waits for a thread (open loop); each client thread runs one streaming
-// Generate at a time with a blocking stub, on one of kConnections
-// connections. A sampler thread polls GetStats. The coordinator runs on
-// gRPC's callback threads and the simulated groups on RunSimWorker's.
+// Threads: the load is open_loop.h's (client threads and a GetStats
+// sampler); the coordinator runs on gRPC's callback threads and the
+// simulated groups on RunSimWorker's.
 #include "bench/rebalance_bench.h"
 
-#include <grpcpp/grpcpp.h>
-
-#include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <deque>
-#include <functional>
-#include <iomanip>
-#include <latch>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <ostream>
-#include <thread>
 
+#include "bench/open_loop.h"
 #include "bench/sim_target.h"
 #include "bench/timing.h"
 #include "bench/workload.h"
-#include "serving/client/grpc_util.h"
 
 namespace mlarun {
 
 namespace {
 
 using Json = nlohmann::json;
-using serve_bench::CallGenerate;
-using serve_bench::Clock;
-using serve_bench::GetStats;
 using serve_bench::InProcessTarget;
-using serve_bench::MsSince;
-using serve_bench::Outcome;
-using serve_bench::Percentile;
 using serve_bench::TimedRequest;
 
 constexpr int64_t kPromptMin = 16, kPromptMax = 256;
@@ -52,7 +32,6 @@ constexpr int64_t kMaxTokens = 4096 - kPromptMax;
 // blocks (each reserves its prompt and max_tokens rows at admission), so
 // what is measured is the steps' pacing alone.
 constexpr int64_t kCacheBlocks = 16384;
-constexpr int kConnections = 8;
 constexpr auto kSamplePeriod = std::chrono::milliseconds(25);
 
 // ---- Options ------------------------------------------------------------------
@@ -101,88 +80,14 @@ StatusOr<Resolved> Resolve(const RebalanceBenchOptions& o) {
   return r;
 }
 
-// ---- Open-loop clients -----------------------------------------------------------
-
-// Runs each job on an idle thread, or on a new one when none is idle, so a
-// job never waits for another to end. The destructor joins every thread
-// once the jobs handed to it have run.
-class ClientPool {
- public:
-  ClientPool() = default;
-  ClientPool(const ClientPool&) = delete;
-  ClientPool& operator=(const ClientPool&) = delete;
-  ~ClientPool() {
-    {
-      std::lock_guard lock(mu_);
-      closed_ = true;
-    }
-    cv_.notify_all();
-    for (std::thread& t : threads_) t.join();
-  }
-
-  void Run(std::function<void()> job) {
-    std::lock_guard lock(mu_);
-    // Each queued job will be taken by one idle thread: the idle threads not
-    // yet claimed are idle_ - jobs_.size().
-    const bool spawn = idle_ <= jobs_.size();
-    jobs_.push_back(std::move(job));
-    if (spawn) {
-      threads_.emplace_back([this] { Loop(); });
-    } else {
-      cv_.notify_one();
-    }
-  }
-  size_t threads() const { return threads_.size(); }  // from the thread that calls Run
-
- private:
-  void Loop() {
-    std::unique_lock lock(mu_);
-    while (true) {
-      ++idle_;
-      cv_.wait(lock, [this] { return !jobs_.empty() || closed_; });
-      --idle_;
-      if (jobs_.empty()) return;  // closed
-      std::function<void()> job = std::move(jobs_.front());
-      jobs_.pop_front();
-      lock.unlock();
-      job();
-      lock.lock();
-    }
-  }
-
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;
-  size_t idle_ = 0;
-  bool closed_ = false;
-  std::vector<std::thread> threads_;  // touched by Run's caller and the destructor only
-};
-
 // ---- One run ----------------------------------------------------------------------
 
 // What one run (a group count, rebalancing off or on, a round) measured.
-struct RunResult {
+struct RunResult : serve_bench::LoadFigures {
   int groups = 0, round = 0;
   bool rebalance = false;
-  int64_t requests = 0, failed = 0, tokens = 0;
-  std::string first_error;
-  bool verified = false;
-  // The figures the report summarizes over rounds (kMetrics).
-  double decode_tokens_per_s = NAN, itl_p50_ms = NAN, itl_p99_ms = NAN, ttft_p50_ms = NAN, ttft_p99_ms = NAN,
-         balance = NAN, moves = 0;
-  int64_t balance_samples = 0, migrated = 0, migrations_failed = 0, client_threads = 0;
-  double span_s = NAN;              // first arrival to last completion
-  double max_dispatch_late_ms = 0;  // how late the latest request was sent
-};
-
-// What the load itself saw, before it is summarized.
-struct Load {
-  std::vector<Outcome> outcomes;
-  std::vector<Clock::time_point> sent_at;
-  std::vector<double> balance;  // one per sample with a request in flight
-  double max_late_ms = 0;
-  size_t client_threads = 0;
-  v1::GetStatsResponse before, after;
+  double balance = NAN, moves = 0;
+  int64_t balance_samples = 0;
 };
 
 double SampleBalance(const v1::GetStatsResponse& s) {
@@ -190,104 +95,6 @@ double SampleBalance(const v1::GetStatsResponse& s) {
   for (const v1::GroupStats& g : s.groups())
     if (g.connected()) in_flight.push_back(g.requests_in_flight());
   return serve_bench::GroupBalance(in_flight);
-}
-
-// Sends every request of `work` at its arrival time and waits for them all,
-// sampling the groups' balance meanwhile.
-StatusOr<Load> DriveLoad(const std::string& address, const std::vector<TimedRequest>& work) {
-  const size_t n = work.size();
-  std::vector<std::unique_ptr<v1::Mlarun::Stub>> stubs;
-  for (int c = 0; c < kConnections; ++c) {
-    auto channel = client_internal::MakeChannel(address);
-    // Connect before the clock starts, so no request pays the handshake.
-    if (!client_internal::AwaitConnection(*channel, 10))
-      return UnavailableError("cannot connect to the coordinator at ", address);
-    stubs.push_back(v1::Mlarun::NewStub(channel));
-  }
-  auto control = v1::Mlarun::NewStub(client_internal::MakeChannel(address));
-  Load load;
-  MLARUN_ASSIGN_OR_RETURN(load.before, GetStats(*control));
-  load.outcomes.resize(n);
-  load.sent_at.resize(n);
-  std::atomic<bool> sampling{true};
-  std::thread sampler([&] {
-    while (sampling.load()) {
-      auto s = GetStats(*control);
-      if (s.ok()) {
-        const double b = SampleBalance(*s);
-        if (std::isfinite(b)) load.balance.push_back(b);
-      }
-      std::this_thread::sleep_for(kSamplePeriod);
-    }
-  });
-  std::latch done(static_cast<std::ptrdiff_t>(n));
-  {
-    ClientPool pool;
-    const Clock::time_point t0 = Clock::now();
-    for (size_t i = 0; i < n; ++i) {
-      const Clock::time_point due =
-          t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(work[i].arrival_s));
-      std::this_thread::sleep_until(due);
-      load.max_late_ms = std::max(load.max_late_ms, MsSince(due, Clock::now()));
-      pool.Run([&, i, stub = stubs[i % stubs.size()].get()] {
-        load.sent_at[i] = Clock::now();
-        load.outcomes[i] = CallGenerate(*stub, work[i].request, {.sim_tokens = true});
-        done.count_down();
-      });
-    }
-    load.client_threads = pool.threads();
-    done.wait();
-  }
-  sampling = false;
-  sampler.join();
-  MLARUN_ASSIGN_OR_RETURN(load.after, GetStats(*control));
-  return load;
-}
-
-// The figures of one run from what its load saw.
-RunResult Summarize(const Load& load, int groups, bool rebalance, int round) {
-  RunResult r{.groups = groups, .round = round, .rebalance = rebalance};
-  r.requests = static_cast<int64_t>(load.outcomes.size());
-  std::vector<double> itl, ttft;
-  Clock::time_point first = Clock::time_point::max(), last = Clock::time_point::min();
-  for (size_t i = 0; i < load.outcomes.size(); ++i) {
-    const Outcome& o = load.outcomes[i];
-    first = std::min(first, load.sent_at[i]);
-    if (!o.ok) {
-      ++r.failed;
-      if (r.first_error.empty()) r.first_error = o.error;
-      continue;
-    }
-    r.tokens += o.tokens;
-    ttft.push_back(o.ttft_ms);
-    itl.insert(itl.end(), o.gaps_ms.begin(), o.gaps_ms.end());
-    last = std::max(last, o.finished_at);
-  }
-  const v1::CoordinatorStats &c0 = load.before.coordinator(), &c1 = load.after.coordinator();
-  const int64_t received = c1.requests_received() - c0.requests_received();
-  const int64_t completed = c1.requests_completed() - c0.requests_completed();
-  // Exactly once: every request verified on the client, and the coordinator
-  // (this benchmark its only client) received and completed each once.
-  r.verified = r.failed == 0 && received == r.requests && completed == r.requests;
-  if (!r.verified && r.first_error.empty())
-    r.first_error = internal::StrCat("the coordinator counted ", received, " received and ", completed,
-                                     " completed for ", r.requests, " requests");
-  if (r.failed < r.requests) {
-    r.span_s = std::chrono::duration<double>(last - first).count();
-    r.decode_tokens_per_s = static_cast<double>(r.tokens) / r.span_s;
-  }
-  r.itl_p50_ms = Percentile(itl, 50);
-  r.itl_p99_ms = Percentile(itl, 99);
-  r.ttft_p50_ms = Percentile(ttft, 50);
-  r.ttft_p99_ms = Percentile(ttft, 99);
-  r.balance = serve_bench::MeanOfFinite(load.balance);
-  r.balance_samples = static_cast<int64_t>(load.balance.size());
-  r.moves = static_cast<double>(c1.rebalance_moves() - c0.rebalance_moves());
-  r.migrated = c1.requests_migrated() - c0.requests_migrated();
-  r.migrations_failed = c1.migrations_failed() - c0.migrations_failed();
-  r.client_threads = static_cast<int64_t>(load.client_threads);
-  r.max_dispatch_late_ms = load.max_late_ms;
-  return r;
 }
 
 // One run on a fresh coordinator and fresh simulated groups.
@@ -300,10 +107,27 @@ StatusOr<RunResult> RunOnce(const RebalanceBenchOptions& o, const Resolved& r, i
   sim.worker_id = "rebalance-bench";
   sim.step_ms = o.step_ms;
   MLARUN_ASSIGN_OR_RETURN(auto target, InProcessTarget::Start(co, sim));
-  auto load = DriveLoad(target->address(), work);
+  // The groups' balance, one per sample with a request in flight.
+  std::vector<double> balance;
+  auto load = serve_bench::DriveOpenLoop(
+      target->address(), work,
+      [&](const v1::GetStatsResponse& s) {
+        const double b = SampleBalance(s);
+        if (std::isfinite(b)) balance.push_back(b);
+      },
+      kSamplePeriod);
   target->Stop();
   if (!load.ok()) return load.status();
-  return Summarize(*load, groups, rebalance, round);
+  RunResult run;
+  static_cast<serve_bench::LoadFigures&>(run) = serve_bench::SummarizeLoad(*load);
+  run.groups = groups;
+  run.round = round;
+  run.rebalance = rebalance;
+  run.balance = serve_bench::MeanOfFinite(balance);
+  run.balance_samples = static_cast<int64_t>(balance.size());
+  const v1::CoordinatorStats &c0 = load->before.coordinator(), &c1 = load->after.coordinator();
+  run.moves = static_cast<double>(c1.rebalance_moves() - c0.rebalance_moves());
+  return run;
 }
 
 // ---- The report -------------------------------------------------------------------
@@ -311,58 +135,34 @@ StatusOr<RunResult> RunOnce(const RebalanceBenchOptions& o, const Resolved& r, i
 // The figures summarized over rounds: median, spread and (where `ratio`)
 // the same-round ratio on / off.
 struct Metric {
-  const char* key;
-  const char* header;
-  int precision;
+  serve_bench::PairMetric m;
   double RunResult::*field;
-  bool ratio;
 };
 // Those without a ratio come last (the ratio row leaves them out).
-constexpr Metric kMetrics[] = {
-    {"decode_tokens_per_s", "decode tok/s", 0, &RunResult::decode_tokens_per_s, true},
-    {"itl_p50_ms", "ITL p50 ms", 2, &RunResult::itl_p50_ms, true},
-    {"itl_p99_ms", "ITL p99 ms", 2, &RunResult::itl_p99_ms, true},
-    {"ttft_p50_ms", "TTFT p50 ms", 2, &RunResult::ttft_p50_ms, true},
-    {"ttft_p99_ms", "TTFT p99 ms", 2, &RunResult::ttft_p99_ms, true},
-    {"balance", "balance", 3, &RunResult::balance, true},
-    {"rebalance_moves", "moves", 0, &RunResult::moves, false},
+const Metric kMetrics[] = {
+    {{"decode_tokens_per_s", "decode tok/s", 0, true}, &RunResult::decode_tokens_per_s},
+    {{"itl_p50_ms", "ITL p50 ms", 2, true}, &RunResult::itl_p50_ms},
+    {{"itl_p99_ms", "ITL p99 ms", 2, true}, &RunResult::itl_p99_ms},
+    {{"ttft_p50_ms", "TTFT p50 ms", 2, true}, &RunResult::ttft_p50_ms},
+    {{"ttft_p99_ms", "TTFT p99 ms", 2, true}, &RunResult::ttft_p99_ms},
+    {{"balance", "balance", 3, true}, &RunResult::balance},
+    {{"rebalance_moves", "moves", 0, false}, &RunResult::moves},
 };
 
-struct Spread {
-  double median = NAN, min = NAN, max = NAN;
-};
-Spread SpreadOf(const std::vector<double>& v) {
-  std::vector<double> finite;
-  for (double x : v)
-    if (std::isfinite(x)) finite.push_back(x);
-  if (finite.empty()) return {};
-  const auto [lo, hi] = std::minmax_element(finite.begin(), finite.end());
-  return {.median = Median(finite), .min = *lo, .max = *hi};
-}
-Json ToJson(const Spread& s) { return {{"median", OrNull(s.median)}, {"min", OrNull(s.min)}, {"max", OrNull(s.max)}}; }
-
-// "median" or, over several rounds, "median (min..max)".
-std::string Cell(const Spread& s, int precision, bool spread) {
-  if (!spread || !std::isfinite(s.median)) return Fmt(s.median, precision);
-  return Fmt(s.median, precision) + " (" + Fmt(s.min, precision) + ".." + Fmt(s.max, precision) + ")";
+serve_bench::PairTable Table(int rounds) {
+  serve_bench::PairTable t{
+      .case_header = "groups", .side_key = "rebalance", .sides = {"off", "on"}, .ratio = "on/off", .rounds = rounds};
+  for (const Metric& m : kMetrics) t.metrics.push_back(m.m);
+  return t;
 }
 
 Json RunJson(const RunResult& r) {
   Json j = {{"groups", r.groups},
             {"rebalance", r.rebalance ? "on" : "off"},
             {"round", r.round},
-            {"requests", r.requests},
-            {"failed", r.failed},
-            {"verified", r.verified},
-            {"first_error", r.first_error.empty() ? Json(nullptr) : Json(r.first_error)},
-            {"tokens", r.tokens},
-            {"span_s", OrNull(r.span_s)},
-            {"balance_samples", r.balance_samples},
-            {"requests_migrated", r.migrated},
-            {"migrations_failed", r.migrations_failed},
-            {"client_threads", r.client_threads},
-            {"max_dispatch_late_ms", r.max_dispatch_late_ms}};
-  for (const Metric& m : kMetrics) j[m.key] = OrNull(r.*m.field);
+            {"balance_samples", r.balance_samples}};
+  serve_bench::AddFiguresJson(r, j);
+  for (const Metric& m : kMetrics) j[m.m.key] = OrNull(r.*m.field);
   j["rebalance_moves"] = static_cast<int64_t>(r.moves);
   return j;
 }
@@ -370,53 +170,15 @@ Json RunJson(const RunResult& r) {
 // The rows of one group count (both modes, then the ratio) into the table
 // and the document.
 void Report(const std::vector<RunResult>& runs, int groups, int rounds, std::ostream& t, Json& doc) {
-  const bool spread = rounds > 1;
-  const int w = spread ? 24 : 12;
-  for (bool on : {false, true}) {
-    Json row = {{"groups", groups}, {"rebalance", on ? "on" : "off"}, {"rounds", rounds}};
-    int64_t requests = 0;
-    bool verified = true;
-    for (const RunResult& r : runs)
-      if (r.groups == groups && r.rebalance == on) requests = r.requests, verified = verified && r.verified;
-    row["requests"] = requests;
-    row["verified"] = verified;
-    t << "  " << std::setw(6) << groups << "  " << std::left << std::setw(9) << (on ? "on" : "off") << std::right
-      << "  " << std::setw(8) << requests;
-    for (const Metric& m : kMetrics) {
-      std::vector<double> v;
-      for (const RunResult& r : runs)
-        if (r.groups == groups && r.rebalance == on) v.push_back(r.*m.field);
-      const Spread s = SpreadOf(v);
-      row[m.key] = ToJson(s);
-      t << "  " << std::setw(w) << Cell(s, m.precision, spread);
-    }
-    t << "  " << (verified ? "yes" : "NO") << "\n";
-    doc["rows"].push_back(row);
+  std::vector<serve_bench::PairRun> pair;
+  for (const RunResult& r : runs) {
+    if (r.groups != groups) continue;
+    serve_bench::PairRun p{
+        .round = r.round, .side = r.rebalance ? 1 : 0, .requests = r.requests, .verified = r.verified};
+    for (const Metric& m : kMetrics) p.values.push_back(r.*m.field);
+    pair.push_back(std::move(p));
   }
-  Json ratio = {{"groups", groups}, {"rounds", rounds}};
-  t << "  " << std::setw(6) << groups << "  " << std::left << std::setw(9) << "on/off" << std::right << "  "
-    << std::setw(8) << "";
-  for (const Metric& m : kMetrics) {
-    if (!m.ratio) continue;  // the last columns (moves): off makes none
-    std::vector<double> v;
-    for (const RunResult& on : runs) {
-      if (on.groups != groups || !on.rebalance) continue;
-      for (const RunResult& off : runs)
-        if (off.groups == groups && !off.rebalance && off.round == on.round) v.push_back(on.*m.field / off.*m.field);
-    }
-    const Spread s = SpreadOf(v);
-    ratio[m.key] = ToJson(s);
-    t << "  " << std::setw(w) << Cell(s, 3, spread);
-  }
-  t << "\n";
-  doc["ratios"].push_back(ratio);
-}
-
-void PrintHeader(std::ostream& t, int rounds) {
-  const int w = rounds > 1 ? 24 : 12;
-  t << "  groups  rebalance  requests";
-  for (const Metric& m : kMetrics) t << "  " << std::setw(w) << m.header;
-  t << "  verified\n";
+  serve_bench::ReportPair(Table(rounds), std::to_string(groups), {{"groups", groups}}, pair, t, doc);
 }
 
 // The document's leading fields and the table's first lines.
@@ -424,10 +186,7 @@ void Describe(const RebalanceBenchOptions& o, const Resolved& r, std::ostream& t
   const CoordinatorOptions defaults;
   doc["benchmark"] = "rebalance";
   doc["date"] = Today();
-  doc["machine"] = {{"cpu", CpuModel()},
-                    {"cores", std::thread::hardware_concurrency()},
-                    {"network", "loopback (127.0.0.1)"},
-                    {"load_average_1min_at_start", OrNull(LoadAverage())}};
+  doc["machine"] = serve_bench::LoopbackMachineJson();
   doc["config"] = {{"groups", r.groups},
                    {"rounds", r.rounds},
                    {"duration_s", r.duration_s},
@@ -446,9 +205,7 @@ void Describe(const RebalanceBenchOptions& o, const Resolved& r, std::ostream& t
                    {"quick", o.quick},
                    {"vocab_size", serve_bench::kSimVocabSize},
                    {"sample_period_ms", kSamplePeriod.count()}};
-  t << "mlarun bench rebalance: in-process coordinator and simulated groups, over loopback (127.0.0.1); " << CpuModel()
-    << ", " << std::thread::hardware_concurrency() << " cores shared by clients, coordinator and groups; load average "
-    << Fmt(LoadAverage(), 1) << " at start; " << Today() << "\n";
+  t << "mlarun bench rebalance: " << serve_bench::LoopbackMachineLine() << "\n";
   t << "coordinator: policy " << RoutingPolicyName(r.policy) << "; rebalancing on = threshold " << o.threshold
     << " requests in flight, at most one move every " << defaults.rebalance_period_s << " s, cooldown "
     << defaults.rebalance_cooldown_s << " s\n";
@@ -494,7 +251,7 @@ Status RunRebalanceBench(const RebalanceBenchOptions& o, std::ostream& out, std:
   }
   t << "\nmedians over rounds" << (r.rounds > 1 ? " (min..max)" : "")
     << "; on/off: the same round's ratio; balance = mean / max of the groups' requests in flight\n";
-  PrintHeader(t, r.rounds);
+  serve_bench::PrintPairHeader(Table(r.rounds), t);
   doc["rows"] = Json::array();
   doc["ratios"] = Json::array();
   for (int groups : r.groups) Report(runs, groups, r.rounds, t, doc);
