@@ -72,17 +72,29 @@ SharedPrefixWorkload MakeSharedPrefixWorkload(const SharedPrefixSpec& spec) {
   return w;
 }
 
+namespace {
+
+// `len` random ids in [2, vocab_size).
+std::vector<int32_t> RandomPrompt(std::mt19937_64& rng, int64_t len, int64_t vocab_size) {
+  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(vocab_size - 1));
+  std::vector<int32_t> prompt(static_cast<size_t>(len));
+  for (int32_t& t : prompt) t = token(rng);
+  return prompt;
+}
+
+uint64_t RequestSeed(uint64_t seed, size_t i) { return seed * 1000003 + static_cast<uint64_t>(i); }
+
+}  // namespace
+
 std::vector<BenchRequest> RandomRequests(int64_t n, int64_t max_tokens, int64_t vocab_size, uint64_t seed,
                                          int64_t prompt_min, int64_t prompt_max) {
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int64_t> len(prompt_min, prompt_max);
-  std::uniform_int_distribution<int32_t> token(2, static_cast<int32_t>(vocab_size - 1));
   std::vector<BenchRequest> out(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    BenchRequest& r = out[static_cast<size_t>(i)];
-    r.prompt.resize(static_cast<size_t>(len(rng)));
-    for (int32_t& t : r.prompt) t = token(rng);
-    r.seed = seed * 1000003 + static_cast<uint64_t>(i);
+  for (size_t i = 0; i < out.size(); ++i) {
+    BenchRequest& r = out[i];
+    r.prompt = RandomPrompt(rng, len(rng), vocab_size);
+    r.seed = RequestSeed(seed, i);
     r.max_tokens = max_tokens;
   }
   return out;
@@ -120,6 +132,25 @@ std::vector<TimedRequest> MakeSkewedWorkload(const SkewedSpec& spec) {
     out[i].arrival_s = arrivals[i];
     out[i].request = std::move(requests[i]);
     if (is_long(rng)) out[i].request.max_tokens = spec.long_tokens;
+  }
+  return out;
+}
+
+std::vector<TimedRequest> MakePromptMixWorkload(const PromptMixSpec& spec) {
+  const std::vector<double> arrivals = PoissonArrivals(spec.rate_per_s, spec.duration_s, spec.seed);
+  std::mt19937_64 rng(spec.seed ^ 0x6d6978ull);  // "mix": its own stream, apart from the arrivals'
+  std::bernoulli_distribution is_short(std::clamp(spec.short_fraction, 0.0, 1.0));
+  std::uniform_int_distribution<int64_t> short_len(spec.short_min, std::max(spec.short_min, spec.short_max));
+  std::uniform_int_distribution<int64_t> long_len(spec.long_min, std::max(spec.long_min, spec.long_max));
+  std::uniform_int_distribution<int64_t> output(spec.output_min, std::max(spec.output_min, spec.output_max));
+  std::vector<TimedRequest> out(arrivals.size());
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    out[i].arrival_s = arrivals[i];
+    BenchRequest& r = out[i].request;
+    const int64_t len = is_short(rng) ? short_len(rng) : long_len(rng);
+    r.prompt = RandomPrompt(rng, len, spec.vocab_size);
+    r.seed = RequestSeed(spec.seed, i);
+    r.max_tokens = output(rng);
   }
   return out;
 }

@@ -62,6 +62,23 @@ struct TimedRequest {
 };
 std::vector<TimedRequest> MakeSkewedWorkload(const SkewedSpec& spec);
 
+// A prompt-length mix (`mlarun bench disagg`): Poisson arrivals at
+// rate_per_s over duration_s; each prompt short (short_min..short_max
+// random ids in [2, vocab_size)) with probability short_fraction, else long
+// (long_min..long_max); max_tokens uniform in output_min..output_max;
+// request i seeded seed * 1000003 + i. Deterministic in `seed`.
+struct PromptMixSpec {
+  double rate_per_s = 8;
+  double duration_s = 20;
+  double short_fraction = 0.3;
+  int64_t short_min = 64, short_max = 256;
+  int64_t long_min = 1024, long_max = 4096;
+  int64_t output_min = 64, output_max = 256;
+  int64_t vocab_size = 512;
+  uint64_t seed = 1;
+};
+std::vector<TimedRequest> MakePromptMixWorkload(const PromptMixSpec& spec);
+
 // Mean of the finite values (the skipped samples are NaN). NaN when none.
 double MeanOfFinite(std::span<const double> values);
 

@@ -1,4 +1,4 @@
-// `mlarun bench attention|decode|accuracy|memory|gemm|comm|transfer|serve|rebalance|tokenize`:
+// `mlarun bench attention|decode|accuracy|memory|gemm|comm|transfer|serve|rebalance|disagg|tokenize`:
 // the benchmarks of bench/, one subcommand each.
 #include <omp.h>
 
@@ -10,6 +10,7 @@
 #include "bench/attention_bench.h"
 #include "bench/comm_bench.h"
 #include "bench/decode_bench.h"
+#include "bench/disagg_bench.h"
 #include "bench/gemm_bench.h"
 #include "bench/memory_bench.h"
 #include "bench/rebalance_bench.h"
@@ -298,6 +299,43 @@ void AddBenchRebalance(CLI::App* bench, CommandTable& table) {
   });
 }
 
+void AddBenchDisagg(CLI::App* bench, CommandTable& table) {
+  auto db = std::make_shared<DisaggBenchOptions>();
+  auto* cmd = bench->add_subcommand(
+      "disagg", "Prefill + decode groups vs as many mixed groups: open-loop prompt mixes on simulated DP groups");
+  cmd->add_option("--groups", db->groups, "Simulated DP groups in each layout (disagg: half prefill, the rest decode)")
+      ->capture_default_str();
+  cmd->add_option("--rounds", db->rounds,
+                  "Mixed/disagg pairs per workload, the same requests (default 3; 1 with --quick)");
+  cmd->add_option("--duration-s", db->duration_s,
+                  "Arrival window of one run in seconds (default 20; 1.5 with --quick)");
+  cmd->add_option("--rate", db->rate, "Poisson arrivals per second, across the groups")->capture_default_str();
+  cmd->add_option("--prefill-tokens-per-s", db->prefill_tokens_per_s, "Per simulated group: the cost of prompt tokens")
+      ->capture_default_str();
+  cmd->add_option("--max-batched-tokens", db->max_batched_tokens, "Prompt tokens a simulated step computes at most")
+      ->capture_default_str();
+  cmd->add_option("--tokens-per-s", db->tokens_per_s, "Per simulated group: the per-token part of a decode step")
+      ->capture_default_str();
+  cmd->add_option("--step-ms", db->step_ms, "Per simulated step: its fixed part")->capture_default_str();
+  cmd->add_option("--transfer-gbps", db->transfer_gbps,
+                  "Simulated block moves (0: moved requests are computed again on their decode group)")
+      ->capture_default_str();
+  cmd->add_option("--short-fraction", db->short_fraction, "Share of short prompts in the prefill-heavy workload")
+      ->capture_default_str();
+  cmd->add_option("--long-prompt-min", db->long_prompt_min, "Shortest long prompt (default 1024; 512 with --quick)");
+  cmd->add_option("--long-prompt-max", db->long_prompt_max, "Longest long prompt (default 4096; 1024 with --quick)");
+  cmd->add_option("--short-prompt-min", db->short_prompt_min, "Shortest short prompt")->capture_default_str();
+  cmd->add_option("--short-prompt-max", db->short_prompt_max, "Longest short prompt")->capture_default_str();
+  cmd->add_option("--output-min", db->output_min, "Fewest tokens generated (default 64; 16 with --quick)");
+  cmd->add_option("--output-max", db->output_max, "Most tokens generated (default 256; 32 with --quick)");
+  cmd->add_option("--seed", db->seed, "Workload seed (arrivals, prompts, outputs)")->capture_default_str();
+  cmd->add_flag("--quick", db->quick, "Small numbers (well under 30 s)");
+  cmd->add_flag("--json", db->json, "One JSON document on stdout (the tables go to stderr)");
+  table.Add(cmd, [db](ProcessArgs) {
+    return ExitStatus("bench disagg", RunDisaggBench(*db, std::cout, db->json ? std::cerr : std::cout));
+  });
+}
+
 void AddBenchTokenize(CLI::App* bench, CommandTable& table) {
   auto tb = std::make_shared<text::TokenizeBenchOptions>();
   auto* tok_bench = bench->add_subcommand("tokenize", "Encoding speed of the model's tokenizer");
@@ -330,6 +368,7 @@ void AddBenchCommands(CLI::App& app, CommandTable& table) {
   AddBenchTransfer(bench, table);
   AddBenchServe(bench, table);
   AddBenchRebalance(bench, table);
+  AddBenchDisagg(bench, table);
   AddBenchTokenize(bench, table);
 }
 

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "bench/disagg_bench.h"
 #include "bench/rebalance_bench.h"
 #include "serving/coordinator/coordinator.h"
 #include "tests/serving/sim_worker_thread.h"
@@ -183,6 +184,58 @@ TEST(ServeBenchWorkload, SkewedMix) {
   for (const auto& r : serve_bench::MakeSkewedWorkload(all)) ASSERT_EQ(r.request.max_tokens, 1024);
 }
 
+TEST(ServeBenchWorkload, PromptMix) {
+  const serve_bench::PromptMixSpec spec{.rate_per_s = 40,
+                                        .duration_s = 50,
+                                        .short_fraction = 0.3,
+                                        .short_min = 64,
+                                        .short_max = 256,
+                                        .long_min = 1024,
+                                        .long_max = 4096,
+                                        .output_min = 64,
+                                        .output_max = 256,
+                                        .vocab_size = 512,
+                                        .seed = 5};
+  const auto w = serve_bench::MakePromptMixWorkload(spec);
+  ASSERT_GT(w.size(), 1800u);
+  EXPECT_EQ(w.size(), serve_bench::PoissonArrivals(40, 50, 5).size());
+  int64_t shorts = 0;
+  std::set<uint64_t> seeds;
+  std::set<int64_t> outputs;
+  for (size_t i = 0; i < w.size(); ++i) {
+    const auto& r = w[i].request;
+    const int64_t len = static_cast<int64_t>(r.prompt.size());
+    ASSERT_TRUE((len >= 64 && len <= 256) || (len >= 1024 && len <= 4096)) << len;
+    shorts += len <= 256;
+    ASSERT_GE(r.max_tokens, 64);
+    ASSERT_LE(r.max_tokens, 256);
+    outputs.insert(r.max_tokens);
+    for (int32_t t : r.prompt) ASSERT_TRUE(t >= 2 && t < 512) << t;
+    if (i > 0) EXPECT_GE(w[i].arrival_s, w[i - 1].arrival_s);
+    seeds.insert(r.seed);
+  }
+  EXPECT_EQ(seeds.size(), w.size());
+  EXPECT_GT(outputs.size(), 150u);  // spread over the range
+  EXPECT_NEAR(static_cast<double>(shorts) / static_cast<double>(w.size()), 0.3, 0.03);
+  // Deterministic in the seed.
+  const auto again = serve_bench::MakePromptMixWorkload(spec);
+  ASSERT_EQ(again.size(), w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    EXPECT_EQ(again[i].arrival_s, w[i].arrival_s);
+    EXPECT_EQ(again[i].request.prompt, w[i].request.prompt);
+    EXPECT_EQ(again[i].request.max_tokens, w[i].request.max_tokens);
+  }
+  // Every prompt short with short_fraction 1, the same arrivals.
+  serve_bench::PromptMixSpec all_short = spec;
+  all_short.short_fraction = 1;
+  const auto s = serve_bench::MakePromptMixWorkload(all_short);
+  ASSERT_EQ(s.size(), w.size());
+  for (size_t i = 0; i < s.size(); ++i) {
+    EXPECT_EQ(s[i].arrival_s, w[i].arrival_s);
+    ASSERT_LE(s[i].request.prompt.size(), 256u);
+  }
+}
+
 TEST(ServeBench, RejectsBadOptions) {
   std::ostringstream out, table;
   ServeBenchOptions o{.quick = true};
@@ -224,6 +277,46 @@ TEST(RebalanceBench, RejectsBadOptions) {
       "--step-ms");
   refused([](auto& o) { o.threshold = 0; }, "--threshold");
   refused([](auto& o) { o.policy = "fastest"; }, "--policy");
+}
+
+// Bad options of `mlarun bench disagg` are refused, naming the option,
+// before anything starts.
+TEST(DisaggBench, RejectsBadOptions) {
+  auto refused = [](const std::function<void(DisaggBenchOptions&)>& bad, const std::string& option) {
+    DisaggBenchOptions o;
+    bad(o);
+    std::ostringstream out, table;
+    const Status st = RunDisaggBench(o, out, table);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << option << ": " << st;
+    EXPECT_NE(st.message().find(option), std::string::npos) << st;
+    EXPECT_TRUE(out.str().empty());
+  };
+  refused([](auto& o) { o.groups = 1; }, "--groups");
+  refused([](auto& o) { o.rounds = 0; }, "--rounds");
+  refused([](auto& o) { o.duration_s = 0; }, "--duration-s");
+  refused([](auto& o) { o.rate = std::nan(""); }, "--rate");
+  refused([](auto& o) { o.prefill_tokens_per_s = -1; }, "--prefill-tokens-per-s");
+  refused([](auto& o) { o.max_batched_tokens = 0; }, "--max-batched-tokens");
+  refused([](auto& o) { o.tokens_per_s = HUGE_VAL; }, "--tokens-per-s");
+  refused([](auto& o) { o.step_ms = -1; }, "--step-ms");
+  refused(
+      [](auto& o) {
+        o.tokens_per_s = 0;
+        o.step_ms = 0;
+      },
+      "--step-ms");
+  refused([](auto& o) { o.transfer_gbps = std::nan(""); }, "--transfer-gbps");
+  refused([](auto& o) { o.short_fraction = -0.1; }, "--short-fraction");
+  refused([](auto& o) { o.long_prompt_min = 0; }, "--long-prompt-min");
+  refused([](auto& o) { o.long_prompt_max = 100000; }, "--long-prompt-max");
+  refused([](auto& o) { o.short_prompt_min = 300; }, "--short-prompt-min");
+  refused([](auto& o) { o.output_max = 8; }, "--output-max");
+  refused(
+      [](auto& o) {
+        o.long_prompt_max = 32768;
+        o.output_max = 256;
+      },
+      "--output-max");
 }
 
 TEST(ServeBench, QuickRunInProcess) {
