@@ -76,7 +76,9 @@ struct CoordinatorOptions {
   // running request from the first to the second (the one with the most
   // tokens left), at most one move at a time, at most one every
   // rebalance_period_s; a request that moved is not moved again for
-  // rebalance_cooldown_s, so it is not bounced. 0: off.
+  // rebalance_cooldown_s, so it is not bounced. With least_loaded or
+  // prefix_affinity routing, never a move that leaves the target with more
+  // queued tokens than the source (routing would undo it). 0: off.
   int64_t rebalance_threshold = 0;
   double rebalance_period_s = 0.5;
   double rebalance_cooldown_s = 30;

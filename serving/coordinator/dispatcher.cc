@@ -1189,7 +1189,14 @@ void Dispatcher::MaybeRebalance(Clock::time_point now, Pending& pending) {
       groups_[static_cast<size_t>(busiest)]->in_flight - groups_[static_cast<size_t>(idlest)]->in_flight <
           options_.rebalance_threshold)
     return;
-  // The running request with the most tokens left, not moved lately.
+  // The running request with the most tokens left, not moved lately. With a
+  // policy that routes by queued tokens, not one whose move would leave the
+  // target with more of them than the source: the router would then send the
+  // next requests to the source, undoing the move (and moving again would
+  // chase it, leaving the groups further apart than without rebalancing).
+  const int64_t source_queued = groups_[static_cast<size_t>(busiest)]->queued_tokens;
+  const int64_t target_queued = groups_[static_cast<size_t>(idlest)]->queued_tokens;
+  const bool load_aware = router_.policy() != RoutingPolicy::kRoundRobin;
   Request* pick = nullptr;
   const Clock::duration cooldown = SecondsToDuration(options_.rebalance_cooldown_s);
   for (auto& [id, owned] : requests_) {
@@ -1197,6 +1204,7 @@ void Dispatcher::MaybeRebalance(Clock::time_point now, Pending& pending) {
     if (r->group != busiest || r->move || r->tokens_sent == 0 ||
         (r->moved_at != Clock::time_point{} && now < r->moved_at + cooldown))
       continue;
+    if (load_aware && target_queued + r->cost > source_queued - r->cost) continue;
     if (pick == nullptr || r->max_tokens - r->tokens_sent > pick->max_tokens - pick->tokens_sent) pick = r;
   }
   if (pick == nullptr) return;

@@ -1403,6 +1403,34 @@ TEST_F(CoordinatorTest, RebalancingEvensOutGroupsWithoutBouncing) {
   EXPECT_TRUE(moved.count(5)) << "the longest request stayed";
 }
 
+// Rebalancing against least_loaded routing: one long request on a, three
+// short ones on b (least_loaded put them there: fewer queued tokens). b has
+// the most requests in flight, but moving one to a would leave a with more
+// queued tokens than b, and the router would send the next requests back to
+// b: no move. (Moving by request count alone moves one at once.)
+TEST_F(CoordinatorTest, RebalancingDoesNotMoveAgainstLeastLoadedRouting) {
+  StartCoordinator({.policy = RoutingPolicy::kLeastLoaded,
+                    .rebalance_threshold = 2,
+                    .rebalance_period_s = 0.02,
+                    .rebalance_cooldown_s = 60});
+  AddWorker({.worker_id = "a", .dp_group = 0, .token_delay = 2ms});
+  AddWorker({.worker_id = "b", .dp_group = 1, .token_delay = 2ms});
+  std::vector<std::unique_ptr<UnboundedGenerate>> calls;
+  calls.push_back(std::make_unique<UnboundedGenerate>(*stub_, MakeRequest({5, 5}, 600, 1)));
+  ASSERT_TRUE(calls[0]->WaitTokens(1));
+  for (int i = 1; i <= 3; ++i) {
+    calls.push_back(std::make_unique<UnboundedGenerate>(*stub_, MakeRequest({5, 6, i}, 150, i)));
+    ASSERT_TRUE(calls.back()->WaitTokens(1));
+  }
+  ExpectServed(calls[0]->Get(), {5, 5}, 1, 600);
+  for (int i = 1; i <= 3; ++i) {
+    ExpectServed(calls[i]->Get(), {5, 6, i}, i, 150);
+    EXPECT_EQ(calls[i]->Get().finished->dp_group(), 1) << "request " << i;
+  }
+  EXPECT_EQ(calls[0]->Get().finished->dp_group(), 0);
+  EXPECT_EQ(Stats().coordinator().rebalance_moves(), 0);
+}
+
 // What Migrate refuses, each error naming why; a move whose request ends
 // first answers with that end.
 TEST_F(CoordinatorTest, MigrateRefusesWhatItCannotDo) {
