@@ -45,8 +45,22 @@ void AddMemoryCommand(CLI::App& app, CommandTable& table) {
       "memory", "Per-rank memory under TP and DP-attention layouts: predicted, or beside a live run");
   memory->add_option("--model", mem.model, "Checkpoint directory, config.json, or configs/models/*.yaml");
   memory->add_option("--world", mem.world, "Ranks")->capture_default_str()->check(CLI::PositiveNumber);
-  memory->add_option("--layouts", mem.layouts, "tpN, dpN, dpAxtpB or dp=A,attn_tp=B (default: tpW, dpW, dp2xtpW/2)")
+  memory
+      ->add_option("--layouts", mem.layouts,
+                   "tpN, dpN, dpAxtpB or dp=A,attn_tp=B (default: tpW, dpW, dp2xtpW/2); a prefill/decode split "
+                   "p:LAYOUT+d:LAYOUT, short pN+dN or pAxtpB+dCxtpD (p2+d2 = p:dp2+d:dp2), its jobs' ranks adding "
+                   "up to --world, each job sharding the MoE over its own ranks (mlarun serve --prefill-parallel)")
       ->delimiter(',');
+  memory
+      ->add_option("--prompt-tokens", mem.prompt_tokens,
+                   "A prefill group's cache counted in prompts of this many tokens held at once")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  memory
+      ->add_option("--context-tokens", mem.context_tokens,
+                   "A decode or mixed group's cache counted in running sequences of this many tokens (default: "
+                   "--prompt-tokens + 1024)")
+      ->check(CLI::PositiveNumber);
   memory->add_option("--hbm-gib,--memory-gib", mem.memory_gib, "Memory per rank in GiB (H200: 141)")
       ->capture_default_str();
   memory->add_option("--kv-dtype", mem.kv_dtype, "Latent cache dtype: bf16 or fp32 (default: the model's)");

@@ -19,7 +19,7 @@ namespace mlarun {
 struct MemoryOptions {
   std::string model;                 // checkpoint dir, config.json, or configs/models/*.yaml
   int world = 8;                     // ranks
-  std::vector<std::string> layouts;  // "tp8", "dp8", "dp2xtp4" or "dp=2,attn_tp=4"; empty: tpW, dpW and a mix
+  std::vector<std::string> layouts;  // "tp8", "dp8", "dp2xtp4", "dp=2,attn_tp=4", split "p4+d4"; empty: tpW, dpW, a mix
   double memory_gib = 141;           // per rank (H200: 141)
   std::string kv_dtype;              // "" keeps the model's
   std::string weight_dtype;          // "" what mlarun holds (the model's); "fp8": the release's block-fp8;
@@ -32,6 +32,12 @@ struct MemoryOptions {
   bool json = false;           // one JSON document instead of the tables
   std::string json_path;       // also write that document to this file (the tables still print)
   std::string svg_path;        // the chart, if set
+
+  // What a group's cache holds at once, whole blocks each: a prefill group's
+  // prompts of prompt_tokens, a decode or mixed group's running sequences of
+  // context_tokens (0: prompt_tokens + 1024).
+  int64_t prompt_tokens = 4096;
+  int64_t context_tokens = 0;
 
   // --measure: compare with a live deployment.
   bool measure = false;

@@ -123,8 +123,16 @@ struct Report {
   std::string weight_dtype_name;  // as held
   MemoryOptions opt;
   int64_t memory_bytes = 0;
+  // The single-job (mixed) layouts, in order.
   std::vector<std::string> names;
   std::vector<RankMemory> plans;
+  // Prefill/decode splits: each job planned over its own ranks.
+  struct Split {
+    std::string name;
+    RankMemory prefill, decode;
+  };
+  std::vector<Split> splits;
+  int64_t prompt_tokens = 0, context_tokens = 0;  // what a group's cache is counted in
   // Cache per token.
   int64_t latent_layer = 0, latent_token = 0, expanded_token = 0, cache_token = 0;
   int64_t indexer_layer = 0, indexer_token = 0;  // V3.2's key, over this model's layers
@@ -144,6 +152,82 @@ struct Report {
 
 constexpr double kKiB = 1024.0, kMiB = 1024.0 * 1024.0, kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// --layouts as the CLI split it on commas, rejoined: a key=value part
+// continues the layout before it unless that has the key already
+// ("dp=2,attn_tp=4,moe=..."; "dp2xtp4,moe=intermediate" too: dp2xtp4 holds
+// dp and attn_tp). In a split only its last job counts ("p:dp=2,attn_tp=1+
+// d:dp=2,attn_tp=1" arrives as "p:dp=2", "attn_tp=1+d:dp=2", "attn_tp=1").
+std::vector<std::string> JoinLayoutParts(const std::vector<std::string>& parts) {
+  std::vector<std::string> names;
+  for (const std::string& part : parts) {
+    const size_t eq = part.find('=');
+    const std::string last = names.empty() ? std::string() : names.back().substr(names.back().rfind('+') + 1);
+    const bool joins = eq != std::string::npos && !names.empty() &&
+                       (last.find('=') != std::string::npos || part.starts_with("moe=")) &&
+                       last.find(part.substr(0, eq + 1)) == std::string::npos;
+    if (joins) {
+      names.back() += "," + part;
+    } else {
+      names.push_back(part);
+    }
+  }
+  return names;
+}
+
+// The plan of one job of a split (`role` names it in errors).
+StatusOr<RankMemory> PlanJob(const ModelConfig& c, const std::string& split, const char* role, const ParallelLayout& l,
+                             const MemoryPlanOptions& mo) {
+  auto plan = PlanRankMemory(c, l, mo);
+  if (!plan.ok()) return InvalidArgumentError("layout ", split, ", ", role, " job: ", plan.status().message());
+  return *plan;
+}
+
+// Plans every layout of --layouts into r.names / r.plans and r.splits. When
+// only splits are named, the default mixed layouts of the world (and the
+// mixed layout of the split's own groups) go beside them for comparison.
+Status PlanLayouts(Report& r, const MemoryPlanOptions& mo) {
+  const int world = r.opt.world;
+  std::vector<std::string> names = JoinLayoutParts(r.opt.layouts), mixed;
+  std::vector<memory_internal::SplitLayout> splits;
+  for (const std::string& n : names) {
+    if (memory_internal::IsSplitName(n)) {
+      MLARUN_ASSIGN_OR_RETURN(const memory_internal::SplitLayout s, memory_internal::ParseSplitName(n, world));
+      splits.push_back(s);
+    } else {
+      mixed.push_back(n);
+    }
+  }
+  if (mixed.empty()) {
+    mixed = {"tp" + std::to_string(world), "dp" + std::to_string(world)};
+    if (world >= 4 && world % 2 == 0) mixed.push_back("dp2xtp" + std::to_string(world / 2));
+    for (const memory_internal::SplitLayout& s : splits) {
+      if (s.prefill.attn_tp != s.decode.attn_tp || s.prefill.moe != s.decode.moe) continue;
+      const ParallelLayout same{.dp = s.prefill.dp + s.decode.dp, .attn_tp = s.prefill.attn_tp, .moe = s.prefill.moe};
+      const std::string name = "dp=" + std::to_string(same.dp) + ",attn_tp=" + std::to_string(same.attn_tp) +
+                               (same.moe == MoeSharding::kByIntermediate ? ",moe=intermediate" : "");
+      const bool listed = std::any_of(mixed.begin(), mixed.end(), [&](const std::string& m) {
+        auto l = memory_internal::ParseLayoutName(m, 0);
+        return l.ok() && *l == same;
+      });
+      if (!listed) mixed.push_back(name);
+    }
+  }
+  for (const std::string& n : mixed) {
+    MLARUN_ASSIGN_OR_RETURN(const ParallelLayout l, memory_internal::ParseLayoutName(n, world));
+    auto plan = PlanRankMemory(r.config, l, mo);
+    if (!plan.ok()) return InvalidArgumentError("layout ", n, ": ", plan.status().message());
+    r.names.push_back(LayoutName(l));
+    r.plans.push_back(*plan);
+  }
+  for (const memory_internal::SplitLayout& s : splits) {
+    Report::Split split{.name = memory_internal::SplitName(s)};
+    MLARUN_ASSIGN_OR_RETURN(split.prefill, PlanJob(r.config, split.name, "prefill", s.prefill, mo));
+    MLARUN_ASSIGN_OR_RETURN(split.decode, PlanJob(r.config, split.name, "decode", s.decode, mo));
+    r.splits.push_back(std::move(split));
+  }
+  return Status::Ok();
+}
+
 StatusOr<Report> Build(const MemoryOptions& o) {
   Report r;
   r.opt = o;
@@ -158,38 +242,18 @@ StatusOr<Report> Build(const MemoryOptions& o) {
   if (!(o.memory_gib > 0) || o.memory_gib > 1e6)
     return InvalidArgumentError("--hbm-gib must be in (0, 1e6], got ", o.memory_gib);
   r.memory_bytes = static_cast<int64_t>(o.memory_gib * kGiB);
-  // Split on commas by the CLI: rejoin the parts of "dp=2,attn_tp=4,moe=..."
-  // (a key=value part continues the layout before it unless it repeats a key).
-  std::vector<std::string> names;
-  for (const std::string& part : o.layouts) {
-    const size_t eq = part.find('=');
-    // A key=value part joins the layout before it unless that has the key
-    // already ("dp2xtp4,moe=intermediate" too: dp2xtp4 holds dp and attn_tp).
-    const bool joins = eq != std::string::npos && !names.empty() &&
-                       (names.back().find('=') != std::string::npos || part.starts_with("moe=")) &&
-                       names.back().find(part.substr(0, eq + 1)) == std::string::npos;
-    if (joins) {
-      names.back() += "," + part;
-    } else {
-      names.push_back(part);
-    }
-  }
-  if (names.empty()) {
-    names = {"tp" + std::to_string(o.world), "dp" + std::to_string(o.world)};
-    if (o.world >= 4 && o.world % 2 == 0) names.push_back("dp2xtp" + std::to_string(o.world / 2));
-  }
+  if (o.prompt_tokens < 1) return InvalidArgumentError("--prompt-tokens must be at least 1, got ", o.prompt_tokens);
+  if (o.context_tokens < 0)
+    return InvalidArgumentError("--context-tokens must be positive (or 0: --prompt-tokens + 1024), got ",
+                                o.context_tokens);
+  r.prompt_tokens = o.prompt_tokens;
+  r.context_tokens = o.context_tokens > 0 ? o.context_tokens : o.prompt_tokens + 1024;
   const MemoryPlanOptions mo{.memory_bytes = r.memory_bytes,
                              .block_size = o.block_size,
                              .chunk_rows = o.chunk_rows,
                              .projection_dtype = std::nullopt,
                              .weight_format = format};
-  for (const std::string& n : names) {
-    MLARUN_ASSIGN_OR_RETURN(const ParallelLayout l, memory_internal::ParseLayoutName(n, o.world));
-    auto plan = PlanRankMemory(r.config, l, mo);
-    if (!plan.ok()) return InvalidArgumentError("layout ", n, ": ", plan.status().message());
-    r.names.push_back(LayoutName(l));
-    r.plans.push_back(*plan);
-  }
+  MLARUN_RETURN_IF_ERROR(PlanLayouts(r, mo));
   const ModelConfig& c = r.config;
   r.latent_layer = LatentBytesPerTokenLayer(c);
   r.latent_token = LatentBytesPerToken(c);
@@ -229,34 +293,77 @@ Json WeightsJson(const WeightBytes& w) {
               {"total", w.total()}};
 }
 
+// What a group's cache holds at once (memory_internal::HeldBy), as JSON.
+Json HeldJson(const RankMemory& p, const char* unit, int64_t tokens_each) {
+  const memory_internal::Held h = memory_internal::HeldBy(p, tokens_each);
+  return Json{{"unit", unit},
+              {"tokens_each", h.tokens_each},
+              {"blocks_each", h.blocks_each},
+              {"per_group", h.per_group},
+              {"cluster", h.cluster}};
+}
+
+// One job's layout: its per-rank breakdown, the cluster (or job) view, and
+// what its groups hold in the units of `role`.
+Json LayoutJson(const Report& r, const std::string& name, const RankMemory& p, const std::string& role) {
+  const bool prompts = role == "prefill";
+  return Json{{"name", name},
+              {"role", role},
+              {"dp", p.layout.dp},
+              {"attn_tp", p.layout.attn_tp},
+              {"ranks", p.layout.world()},
+              {"moe", p.layout.moe == MoeSharding::kByExpert ? "expert" : "intermediate"},
+              {"per_rank",
+               {{"weights", WeightsJson(p.weights)},
+                {"prefill_workspace_bytes", p.workspace.total()},
+                {"prefill_workspace",
+                 {{"rows", p.workspace.rows},
+                  {"heads", p.workspace.heads},
+                  {"latent_bytes", p.workspace.latent_bytes},
+                  {"key_bytes", p.workspace.key_bytes},
+                  {"value_bytes", p.workspace.value_bytes}}},
+                {"cache_bytes_per_token", p.cache_bytes_per_token},
+                {"cache_budget_bytes", p.cache_budget_bytes},
+                {"cache_blocks", p.cache_blocks},
+                {"max_cached_tokens", p.max_cached_tokens},
+                {"fits", p.fits()}}},
+              {"cluster",
+               {{"distinct_cached_tokens", p.cluster_cached_tokens()},
+                {"copies_per_token", p.layout.attn_tp},
+                {"cache_bytes_per_distinct_token", p.cache_bytes_per_token * p.layout.attn_tp}}},
+              {"groups", p.layout.dp},
+              {"held", HeldJson(p, prompts ? "prompt" : "sequence", prompts ? r.prompt_tokens : r.context_tokens)}};
+}
+
+// A split: both jobs, and each job against every mixed layout of the report.
+Json SplitJson(const Report& r, const Report::Split& s) {
+  Json vs = Json::array();
+  const memory_internal::Held decode = memory_internal::HeldBy(s.decode, r.context_tokens);
+  for (size_t i = 0; i < r.plans.size(); ++i) {
+    const RankMemory& m = r.plans[i];
+    vs.push_back(Json{{"mixed", r.names[i]},
+                      {"prefill_extra_weight_bytes_per_rank", s.prefill.weights.total() - m.weights.total()},
+                      {"decode_extra_weight_bytes_per_rank", s.decode.weights.total() - m.weights.total()},
+                      {"decode_sequences", decode.cluster},
+                      {"mixed_sequences", memory_internal::HeldBy(m, r.context_tokens).cluster}});
+  }
+  return Json{{"name", s.name},
+              {"world", s.prefill.layout.world() + s.decode.layout.world()},
+              {"jobs",
+               {LayoutJson(r, LayoutName(s.prefill.layout), s.prefill, "prefill"),
+                LayoutJson(r, LayoutName(s.decode.layout), s.decode, "decode")}},
+              // The transfer plane reads blocks straight into the decode
+              // pool's own blocks: no staging buffer on either side.
+              {"transfer_staging_bytes_per_rank", 0},
+              {"vs_mixed", vs}};
+}
+
 Json ToJson(const Report& r) {
   const ModelConfig& c = r.config;
   Json layouts = Json::array();
-  for (size_t i = 0; i < r.plans.size(); ++i) {
-    const RankMemory& p = r.plans[i];
-    layouts.push_back(Json{{"name", r.names[i]},
-                           {"dp", p.layout.dp},
-                           {"attn_tp", p.layout.attn_tp},
-                           {"moe", p.layout.moe == MoeSharding::kByExpert ? "expert" : "intermediate"},
-                           {"per_rank",
-                            {{"weights", WeightsJson(p.weights)},
-                             {"prefill_workspace_bytes", p.workspace.total()},
-                             {"prefill_workspace",
-                              {{"rows", p.workspace.rows},
-                               {"heads", p.workspace.heads},
-                               {"latent_bytes", p.workspace.latent_bytes},
-                               {"key_bytes", p.workspace.key_bytes},
-                               {"value_bytes", p.workspace.value_bytes}}},
-                             {"cache_bytes_per_token", p.cache_bytes_per_token},
-                             {"cache_budget_bytes", p.cache_budget_bytes},
-                             {"cache_blocks", p.cache_blocks},
-                             {"max_cached_tokens", p.max_cached_tokens},
-                             {"fits", p.fits()}}},
-                           {"cluster",
-                            {{"distinct_cached_tokens", p.cluster_cached_tokens()},
-                             {"copies_per_token", p.layout.attn_tp},
-                             {"cache_bytes_per_distinct_token", p.cache_bytes_per_token * p.layout.attn_tp}}}});
-  }
+  for (size_t i = 0; i < r.plans.size(); ++i) layouts.push_back(LayoutJson(r, r.names[i], r.plans[i], "mixed"));
+  Json splits = Json::array();
+  for (const Report::Split& s : r.splits) splits.push_back(SplitJson(r, s));
   Json break_even = Json::array();
   for (const Report::BreakEven& e : r.break_even) {
     break_even.push_back(Json{{"less_dp", r.names[e.less_dp]},
@@ -305,7 +412,10 @@ Json ToJson(const Report& r) {
                 {"latent_bytes", r.workspace_tp1.latent_bytes},
                 {"key_bytes", r.workspace_tp1.key_bytes},
                 {"value_bytes", r.workspace_tp1.value_bytes}}},
+              {"prompt_tokens", r.prompt_tokens},
+              {"context_tokens", r.context_tokens},
               {"layouts", layouts},
+              {"disaggregated", splits},
               {"break_even", break_even},
               {"gqa_comparison",
                {{"model", r.gqa.name},
@@ -319,6 +429,152 @@ Json ToJson(const Report& r) {
 }
 
 // ---- Text ----------------------------------------------------------------------
+
+// One column of the per-rank table: a mixed layout, or one job of a split
+// (the split's name above its prefill job).
+struct Column {
+  std::string top, label, role;
+  const RankMemory* plan = nullptr;
+};
+
+std::vector<Column> Columns(const Report& r) {
+  std::vector<Column> cols;
+  for (size_t i = 0; i < r.plans.size(); ++i) cols.push_back({"", r.names[i], "mixed", &r.plans[i]});
+  for (const Report::Split& s : r.splits) {
+    cols.push_back({s.name, "prefill " + LayoutName(s.prefill.layout), "prefill", &s.prefill});
+    cols.push_back({"", "decode " + LayoutName(s.decode.layout), "decode", &s.decode});
+  }
+  return cols;
+}
+
+// What one group of `col` holds at once: prompts on a prefill group, running
+// sequences on the others.
+memory_internal::Held HeldOf(const Report& r, const Column& col) {
+  return memory_internal::HeldBy(*col.plan, col.role == "prefill" ? r.prompt_tokens : r.context_tokens);
+}
+
+// Per rank, one column per mixed layout and per job of a split.
+void PrintPerRankTable(const Report& r, std::ostream& out) {
+  const std::vector<Column> cols = Columns(r);
+  std::vector<std::vector<std::string>> rows;
+  auto row = [&](const std::string& label, auto&& cell) {
+    std::vector<std::string> v{label};
+    for (const Column& col : cols) v.push_back(cell(col));
+    rows.push_back(v);
+  };
+  auto plan_row = [&](const std::string& label, auto&& cell) {
+    row(label, [&](const Column& col) { return cell(*col.plan); });
+  };
+  std::vector<std::string> head{"Per rank (" + Decimal(r.opt.memory_gib) + " GiB)"};
+  for (const Column& col : cols) head.push_back(col.label);
+  rows.push_back(head);
+  plan_row("  attention, replicated", [](const RankMemory& p) { return Human(p.weights.attention_replicated); });
+  plan_row("  attention, split by head",
+           [](const RankMemory& p) { return Human(p.weights.attention - p.weights.attention_replicated); });
+  plan_row("  MoE experts and routers", [](const RankMemory& p) { return Human(p.weights.moe); });
+  plan_row("  dense MLP", [](const RankMemory& p) { return Human(p.weights.dense_mlp); });
+  plan_row("  embeddings and head", [](const RankMemory& p) { return Human(p.weights.embedding_and_head); });
+  plan_row("  weights", [](const RankMemory& p) { return Human(p.weights.total()); });
+  plan_row("  prefill workspace", [](const RankMemory& p) { return Human(p.workspace.total()); });
+  plan_row("  left for the cache", [](const RankMemory& p) {
+    return p.cache_budget_bytes < 0 ? Human(p.cache_budget_bytes) + " (does not fit)" : Human(p.cache_budget_bytes);
+  });
+  plan_row("  cache per token", [](const RankMemory& p) { return Thousands(p.cache_bytes_per_token) + " B"; });
+  plan_row("  cache blocks", [](const RankMemory& p) { return Thousands(p.cache_blocks); });
+  plan_row("  max cached tokens", [](const RankMemory& p) { return Thousands(p.max_cached_tokens); });
+  rows.push_back({r.splits.empty() ? "Cluster" : "Cluster (a split: each job)"});
+  plan_row("  copies of each token", [](const RankMemory& p) { return std::to_string(p.layout.attn_tp); });
+  plan_row("  distinct cached tokens", [](const RankMemory& p) { return Thousands(p.cluster_cached_tokens()); });
+  rows.push_back({"Groups"});
+  row("  role", [](const Column& col) { return col.role; });
+  plan_row("  groups", [](const RankMemory& p) { return std::to_string(p.layout.dp); });
+  // Prompts on prefill groups, running sequences on the others ("-" where
+  // the group does not hold that kind).
+  auto held = [&](bool prompts, bool all) {
+    return [&r, prompts, all](const Column& col) {
+      if ((col.role == "prefill") != prompts) return std::string("-");
+      const memory_internal::Held h = HeldOf(r, col);
+      return Thousands(all ? h.cluster : h.per_group);
+    };
+  };
+  row("  prompts per group", held(true, false));
+  row("  prompts, all groups", held(true, true));
+  row("  sequences per group", held(false, false));
+  row("  sequences, all groups", held(false, true));
+  std::vector<size_t> width(cols.size() + 1, 0);
+  for (const auto& v : rows)
+    for (size_t i = 0; i < v.size(); ++i) width[i] = std::max(width[i], v[i].size());
+  // A split's name spans its two columns.
+  for (size_t i = 0; i + 1 < cols.size(); ++i) {
+    const size_t span = width[i + 1] + 2 + width[i + 2];
+    if (span < cols[i].top.size()) width[i + 2] += cols[i].top.size() - span;
+  }
+  out << "\n";
+  if (!r.splits.empty()) {
+    std::string line;
+    size_t pos = width[0];
+    for (size_t i = 0; i < cols.size(); ++i) {
+      pos += 2;
+      if (!cols[i].top.empty()) {
+        line.resize(pos, ' ');
+        line += cols[i].top;
+      }
+      pos += width[i + 1];
+    }
+    out << line << "\n";
+  }
+  for (const auto& v : rows) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (v.size() == 1) {
+        out << v[0];  // a section's title: no padding after it
+      } else if (i == 0) {
+        out << std::left << std::setw(static_cast<int>(width[0])) << v[0];
+      } else {
+        out << "  " << std::right << std::setw(static_cast<int>(width[i])) << v[i];
+      }
+    }
+    out << std::left << "\n";
+  }
+  out << "  (held at once: prompts of " << Thousands(r.prompt_tokens) << " tokens on a prefill group, --prompt-tokens; "
+      << "running sequences of " << Thousands(r.context_tokens)
+      << " tokens on a decode or mixed group, --context-tokens; whole blocks each)\n";
+}
+
+// Each split: what its two jobs' groups hold, the transfer plane's share
+// (nothing), and each job against the mixed layouts of the same world.
+void PrintSplits(const Report& r, std::ostream& out) {
+  if (r.splits.empty()) return;
+  out << "\nDisaggregated: a prefill job and a decode job, each its own world, each sharding the MoE and dense MLP "
+         "over its own ranks only\n";
+  auto job = [&](const char* role, const RankMemory& p, int64_t tokens, const char* unit, const char* all) {
+    const memory_internal::Held h = memory_internal::HeldBy(p, tokens);
+    out << "    " << role << LayoutName(p.layout) << ": ";
+    if (!p.fits()) {
+      out << "does not fit (weights and workspace exceed " << Decimal(r.opt.memory_gib) << " GiB per rank)\n";
+      return;
+    }
+    out << p.layout.dp << (p.layout.dp == 1 ? " group x " : " groups x ") << Thousands(h.per_group) << " " << unit
+        << " of " << Thousands(tokens) << " tokens = " << Thousands(h.cluster) << " " << all << "\n";
+  };
+  for (const Report::Split& s : r.splits) {
+    out << "  " << s.name << " (" << s.prefill.layout.world() << " + " << s.decode.layout.world() << " ranks)\n";
+    job("prefill ", s.prefill, r.prompt_tokens, "prompts", "prompts in flight");
+    job("decode  ", s.decode, r.context_tokens, "sequences", "running sequences");
+    out << "    transfer staging: 0 B per rank (blocks are fetched straight into the decode pool's own blocks)\n";
+    const int64_t decode = memory_internal::HeldBy(s.decode, r.context_tokens).cluster;
+    auto more = [](int64_t d) {
+      std::string s = d >= 0 ? "+" : "";
+      return s += Human(d);
+    };
+    for (size_t i = 0; i < r.plans.size(); ++i) {
+      const RankMemory& m = r.plans[i];
+      out << "    vs " << r.names[i] << ": weights per rank " << more(s.prefill.weights.total() - m.weights.total())
+          << " (prefill), " << more(s.decode.weights.total() - m.weights.total()) << " (decode); running sequences "
+          << Thousands(decode) << " against " << Thousands(memory_internal::HeldBy(m, r.context_tokens).cluster)
+          << " on " << m.layout.dp << " mixed " << (m.layout.dp == 1 ? "group" : "groups") << " (which also prefill)\n";
+    }
+  }
+}
 
 void PrintText(const Report& r, std::ostream& out) {
   const ModelConfig& c = r.config;
@@ -356,48 +612,8 @@ void PrintText(const Report& r, std::ostream& out) {
   out << "  up-projected values        " << Thousands(w.rows) << " x " << c.num_attention_heads << " x " << c.v_head_dim
       << " x " << e << " B = " << Thousands(w.value_bytes) << " B\n";
 
-  // Per rank, one column per layout.
-  const size_t k = r.plans.size();
-  std::vector<std::vector<std::string>> rows;
-  auto row = [&](const std::string& label, auto&& cell) {
-    std::vector<std::string> v{label};
-    for (size_t i = 0; i < k; ++i) v.push_back(cell(r.plans[i]));
-    rows.push_back(v);
-  };
-  std::vector<std::string> head{"Per rank (" + Decimal(r.opt.memory_gib) + " GiB)"};
-  for (const std::string& s : r.names) head.push_back(s);
-  rows.push_back(head);
-  row("  attention, replicated", [](const RankMemory& p) { return Human(p.weights.attention_replicated); });
-  row("  attention, split by head",
-      [](const RankMemory& p) { return Human(p.weights.attention - p.weights.attention_replicated); });
-  row("  MoE experts and routers", [](const RankMemory& p) { return Human(p.weights.moe); });
-  row("  dense MLP", [](const RankMemory& p) { return Human(p.weights.dense_mlp); });
-  row("  embeddings and head", [](const RankMemory& p) { return Human(p.weights.embedding_and_head); });
-  row("  weights", [](const RankMemory& p) { return Human(p.weights.total()); });
-  row("  prefill workspace", [](const RankMemory& p) { return Human(p.workspace.total()); });
-  row("  left for the cache", [](const RankMemory& p) {
-    return p.cache_budget_bytes < 0 ? Human(p.cache_budget_bytes) + " (does not fit)" : Human(p.cache_budget_bytes);
-  });
-  row("  cache per token", [](const RankMemory& p) { return Thousands(p.cache_bytes_per_token) + " B"; });
-  row("  cache blocks", [](const RankMemory& p) { return Thousands(p.cache_blocks); });
-  row("  max cached tokens", [](const RankMemory& p) { return Thousands(p.max_cached_tokens); });
-  rows.push_back({"Cluster"});
-  row("  copies of each token", [](const RankMemory& p) { return std::to_string(p.layout.attn_tp); });
-  row("  distinct cached tokens", [](const RankMemory& p) { return Thousands(p.cluster_cached_tokens()); });
-  std::vector<size_t> width(k + 1, 0);
-  for (const auto& v : rows)
-    for (size_t i = 0; i < v.size(); ++i) width[i] = std::max(width[i], v[i].size());
-  out << "\n";
-  for (const auto& v : rows) {
-    for (size_t i = 0; i < v.size(); ++i) {
-      if (i == 0) {
-        out << std::left << std::setw(static_cast<int>(width[0])) << v[0];
-      } else {
-        out << "  " << std::right << std::setw(static_cast<int>(width[i])) << v[i];
-      }
-    }
-    out << std::left << "\n";
-  }
+  PrintPerRankTable(r, out);
+  PrintSplits(r, out);
 
   if (std::none_of(r.plans.begin(), r.plans.end(), [](const RankMemory& p) { return p.fits(); })) {
     out << "\nNo layout leaves room for the cache: the weights need more than " << Decimal(r.opt.memory_gib)
@@ -461,7 +677,9 @@ Status WriteSvg(const Report& r, const std::string& path) {
   // beside it (never under it: the line sits anywhere from the top of the
   // plot, when the weights alone exceed the memory, to its bottom).
   const int label_w = 120, legend_w = 180;
-  const int width = left + k * (bar_w + gap) + label_w + legend_w, height = top + plot_h + 110;
+  // A split is two jobs of their own worlds: not drawn, a line says so.
+  const int width = left + k * (bar_w + gap) + label_w + legend_w,
+            height = top + plot_h + 110 + (r.splits.empty() ? 0 : 18);
   double max_bytes = static_cast<double>(r.memory_bytes);
   for (const RankMemory& p : r.plans)
     max_bytes = std::max(max_bytes, static_cast<double>(p.weights.total() + p.workspace.total()));
@@ -520,6 +738,12 @@ Status WriteSvg(const Report& r, const std::string& path) {
     f << "<rect x='" << x << "' y='" << y << "' width='12' height='12' fill='" << parts[j].color << "'/>\n<text x='"
       << x + 18 << "' y='" << y + 11 << "'>" << parts[j].name << "</text>\n";
   }
+  if (!r.splits.empty()) {
+    std::string names;
+    for (const Report::Split& s : r.splits) names += (names.empty() ? "" : ", ") + s.name;
+    f << "<text x='" << left << "' y='" << height - 48 << "'>not drawn: " << names
+      << " (a prefill job and a decode job, each its own world; see the tables)</text>\n";
+  }
   f << "<text x='" << left << "' y='" << height - 30 << "'>latent cache: " << Thousands(r.cache_token)
     << " B per token on every rank that holds it</text>\n";
   f << "<text x='" << left << "' y='" << height - 12
@@ -535,7 +759,9 @@ Status RunMemory(const MemoryOptions& opt, std::ostream& out) {
   if (!opt.svg_path.empty()) MLARUN_RETURN_IF_ERROR(WriteSvg(r, opt.svg_path));
   std::ostringstream text;
   PrintText(r, text);
-  if (!opt.svg_path.empty()) text << "\nchart written to " << opt.svg_path << "\n";
+  if (!opt.svg_path.empty())
+    text << "\nchart written to " << opt.svg_path
+         << (r.splits.empty() ? "" : " (the mixed layouts; a split is two jobs, in the tables only)") << "\n";
   return memory_internal::Emit(opt, ToJson(r).dump(2) + "\n", text.str(), out);
 }
 

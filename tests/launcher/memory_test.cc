@@ -255,5 +255,197 @@ TEST(MemoryCommand, LayoutsInTheParallelForm) {
   EXPECT_EQ(k["layouts"][1]["name"], "tp8");
 }
 
+// ---- Prefill/decode splits ----------------------------------------------------
+
+// The `disaggregated` entry of a report by name, and its job of `role`.
+const Json& SplitEntry(const Json& j, const std::string& name) {
+  for (const Json& s : j["disaggregated"])
+    if (s["name"] == name) return s;
+  ADD_FAILURE() << "no split " << name << " in " << j["disaggregated"].dump();
+  static const Json none = Json::object();
+  return none;
+}
+const Json& Job(const Json& split, const std::string& role) {
+  for (const Json& job : split["jobs"])
+    if (job["role"] == role) return job;
+  ADD_FAILURE() << "no " << role << " job in " << split.dump();
+  static const Json none = Json::object();
+  return none;
+}
+
+// DeepSeek-V3 (fp8) on 16 ranks split 8 + 8: each job is its own world of 8,
+// so each of its ranks holds exactly what a dp8 rank of an 8-rank world
+// holds (tests/ref/deepseek_v3_by_hand.h), twice the MoE of a dp16 rank.
+TEST(MemorySplit, EachJobShardsTheMoeOverItsOwnRanks) {
+  MemoryOptions o = V3Options();
+  o.world = 16;
+  o.weight_dtype = "fp8";
+  o.layouts = {"dp16", "p8+d8"};
+  o.json = true;
+  const Json j = Json::parse(Report(o));
+  ASSERT_EQ(j["layouts"].size(), 1u);
+  ASSERT_EQ(j["disaggregated"].size(), 1u);
+  const Json& split = SplitEntry(j, "p:dp8+d:dp8");
+  EXPECT_EQ(split["world"], 16);
+  EXPECT_EQ(split["transfer_staging_bytes_per_rank"], 0);
+  // MoE per rank of a world of w ranks, by hand: 58 MoE layers of 256 / w
+  // whole routed experts, 1/w of the shared expert's width, the fp32 router
+  // [256, 7168] and score bias [256] whole.
+  auto moe = [](int64_t w) {
+    return v3_by_hand::kMoeLayers * ((256 / w) * v3_by_hand::Mlp(2048, true) + v3_by_hand::Mlp(2048 / w, true) +
+                                     256 * v3_by_hand::kHidden * 4 + 256 * 4);
+  };
+  const int64_t memory = int64_t{141} << 30;
+  const v3_by_hand::Rank dp8 = v3_by_hand::ByHand(1, /*fp8=*/true);  // a rank of dp=8 over 8 ranks
+  ASSERT_EQ(dp8.moe, moe(8));
+  const v3_by_hand::Cache cache = v3_by_hand::CacheOf(dp8, memory);
+  for (const char* role : {"prefill", "decode"}) {
+    const Json& job = Job(split, role);
+    EXPECT_EQ(job["name"], "dp8") << role;
+    EXPECT_EQ(job["ranks"], 8) << role;
+    EXPECT_EQ(job["dp"], 8) << role;
+    ExpectRank(job["per_rank"], dp8, memory, role);
+    // Sharded over the whole world of 16 it would be half as much.
+    EXPECT_NE(job["per_rank"]["weights"]["moe"], moe(16)) << role << ": MoE sharded over the whole world";
+    EXPECT_EQ(job["per_rank"]["weights"]["dense_mlp"], 3 * v3_by_hand::Mlp(18432 / 8, true)) << role;
+  }
+  EXPECT_EQ(j["layouts"][0]["per_rank"]["weights"]["moe"], moe(16));
+  // Prompts of 4,096 tokens (64 blocks) on a prefill group, running
+  // sequences of 5,120 (80 blocks) on a decode group.
+  EXPECT_EQ(j["prompt_tokens"], 4096);
+  EXPECT_EQ(j["context_tokens"], 4096 + 1024);
+  const Json& prompts = Job(split, "prefill")["held"];
+  EXPECT_EQ(prompts["unit"], "prompt");
+  EXPECT_EQ(prompts["blocks_each"], 64);
+  EXPECT_EQ(prompts["per_group"], cache.blocks / 64);
+  EXPECT_EQ(prompts["cluster"], cache.blocks / 64 * 8);
+  const Json& sequences = Job(split, "decode")["held"];
+  EXPECT_EQ(sequences["unit"], "sequence");
+  EXPECT_EQ(sequences["blocks_each"], 80);
+  EXPECT_EQ(sequences["per_group"], cache.blocks / 80);
+  // Beside the mixed dp16: the split's ranks hold more weight, its decode
+  // groups fewer running sequences.
+  ASSERT_EQ(split["vs_mixed"].size(), 1u);
+  const Json& vs = split["vs_mixed"][0];
+  EXPECT_EQ(vs["mixed"], "dp16");
+  EXPECT_EQ(vs["decode_extra_weight_bytes_per_rank"],
+            dp8.weights() - j["layouts"][0]["per_rank"]["weights"]["total"].get<int64_t>());
+  EXPECT_EQ(vs["decode_sequences"], cache.blocks / 80 * 8);
+  EXPECT_LT(vs["decode_sequences"].get<int64_t>(), vs["mixed_sequences"].get<int64_t>());
+
+  o.json = false;
+  const std::string text = Report(o);
+  for (const char* want : {"p:dp8+d:dp8", "prefill dp8", "decode dp8", "transfer staging: 0 B per rank",
+                           "prompts of 4,096 tokens", "sequences of 5,120 tokens", "vs dp16: weights per rank +"}) {
+    EXPECT_NE(text.find(want), std::string::npos) << "missing '" << want << "' in:\n" << text;
+  }
+}
+
+// The tiny model split 2 + 2 over 4 ranks, by hand from configs/models/tiny.yaml:
+// hidden 64, fp32 weights, 4 layers (the first dense, intermediate 128), 8
+// routed experts and 1 shared, each 32 wide, a router [8, 64] and a bias [8].
+TEST(MemorySplit, TinyByHand) {
+  MemoryOptions o;
+  o.model = kModels + "tiny.yaml";
+  o.world = 4;
+  o.memory_gib = 0.0625;
+  o.block_size = 16;
+  o.prompt_tokens = 100;   // 7 blocks of 16
+  o.context_tokens = 300;  // 19 blocks
+  o.layouts = {"p2+d2"};
+  o.json = true;
+  const Json j = Json::parse(Report(o));
+  const int64_t H = 64, f = 4, experts = 8;
+  auto mlp = [&](int64_t width) { return 3 * width * H * f; };  // gate, up [width, H]; down [H, width]
+  auto moe = [&](int64_t w) { return 3 * ((experts / w) * mlp(32) + mlp(32 / w) + experts * H * f + experts * f); };
+  // Only a split named: the mixed layouts of the world go beside it.
+  std::vector<std::string> mixed;
+  for (const Json& l : j["layouts"]) {
+    mixed.push_back(l["name"]);
+    EXPECT_EQ(l["role"], "mixed");
+    EXPECT_EQ(l["per_rank"]["weights"]["moe"], moe(4)) << l["name"];
+  }
+  EXPECT_EQ(mixed, (std::vector<std::string>{"tp4", "dp4", "dp2xtp2"}));
+  const Json& split = SplitEntry(j, "p:dp2+d:dp2");
+  for (const char* role : {"prefill", "decode"}) {
+    const Json& rank = Job(split, role)["per_rank"];
+    EXPECT_EQ(rank["weights"]["moe"], moe(2)) << role;
+    EXPECT_NE(rank["weights"]["moe"], moe(4)) << role << ": MoE sharded over the whole world";
+    EXPECT_EQ(rank["weights"]["dense_mlp"], mlp(128 / 2)) << role;
+  }
+  const int64_t blocks = Job(split, "decode")["per_rank"]["cache_blocks"];
+  ASSERT_GT(blocks, 0);
+  EXPECT_EQ(Job(split, "prefill")["held"]["blocks_each"], 7);
+  EXPECT_EQ(Job(split, "prefill")["held"]["per_group"], blocks / 7);
+  EXPECT_EQ(Job(split, "decode")["held"]["blocks_each"], 19);
+  EXPECT_EQ(Job(split, "decode")["held"]["cluster"], blocks / 19 * 2);
+}
+
+// Every spelling of a split names the same two jobs; a moe= after a job
+// applies to that job.
+TEST(MemorySplit, Spellings) {
+  MemoryOptions o = V3Options();
+  o.world = 4;
+  o.model = kModels + "tiny.yaml";
+  o.json = true;
+  auto names = [&](std::vector<std::string> layouts) {
+    o.layouts = std::move(layouts);
+    std::vector<std::string> out;
+    const Json j = Json::parse(Report(o));
+    for (const Json& s : j["disaggregated"]) out.push_back(s["name"]);
+    return out;
+  };
+  using Names = std::vector<std::string>;
+  // "p:dp=2,attn_tp=1+d:dp=2,attn_tp=1" as the CLI splits it on commas.
+  EXPECT_EQ(names({"p:dp=2", "attn_tp=1+d:dp=2", "attn_tp=1"}), Names{"p:dp2+d:dp2"});
+  EXPECT_EQ(names({"p2+d2"}), Names{"p:dp2+d:dp2"});
+  EXPECT_EQ(names({"d:dp2+p:dp2"}), Names{"p:dp2+d:dp2"});
+  EXPECT_EQ(names({"prefill:dp2+decode:dp2"}), Names{"p:dp2+d:dp2"});
+  EXPECT_EQ(names({"p1xtp2+d2", "p:tp2+d:tp2", "dp4"}), (Names{"p:tp2+d:dp2", "p:tp2+d:tp2"}));
+  EXPECT_EQ(names({"p2+d2", "moe=intermediate"}), Names{"p:dp2+d:dp2(moe=intermediate)"});
+  EXPECT_EQ(names({"p:dp=2", "moe=intermediate+d:dp=2", "attn_tp=1"}), Names{"p:dp2(moe=intermediate)+d:dp2"});
+  // A mixed layout named beside a split is the only one shown.
+  o.layouts = {"p2+d2", "dp4"};
+  const Json j = Json::parse(Report(o));
+  ASSERT_EQ(j["layouts"].size(), 1u);
+  EXPECT_EQ(j["layouts"][0]["name"], "dp4");
+}
+
+TEST(MemorySplit, BadSplitsNameWhatIsWrong) {
+  auto error = [](const MemoryOptions& o) {
+    std::ostringstream out;
+    const Status st = RunMemory(o, out);
+    EXPECT_FALSE(st.ok());
+    EXPECT_TRUE(out.str().empty()) << "printed a report for bad input";
+    return st.ToString();
+  };
+  MemoryOptions o;
+  o.model = kModels + "tiny.yaml";
+  o.world = 4;
+  auto bad = [&](const std::string& layout, std::vector<std::string> wants) {
+    o.layouts = {layout};
+    const std::string e = error(o);
+    for (const std::string& want : wants) EXPECT_NE(e.find(want), std::string::npos) << layout << ": " << e;
+  };
+  // The two jobs' ranks must add up to --world: the layout and both numbers.
+  bad("p2+d4", {"'p2+d4'", "6 ranks", "prefill dp2: 2", "decode dp4: 4", "--world is 4"});
+  bad("p1+d1", {"'p1+d1'", "2 ranks", "--world is 4"});
+  bad("p2+p2", {"'p2+p2'", "one prefill job", "two prefill jobs"});
+  bad("d2+d2", {"two decode jobs"});
+  bad("p2+d1+d1", {"'p2+d1+d1'", "one '+'"});
+  bad("x2+d2", {"'x2+d2'", "'x2'"});
+  bad("p2+", {"'p2+'"});
+  bad("p:+d2", {"no layout after 'p:'"});
+  bad("p2x+d2", {"'p2x+d2'", "prefill job"});
+  bad("p2+d:pp2", {"decode job", "pp2"});
+  bad("p:tp3+d1", {"prefill job", "num_attention_heads"});
+  o.layouts = {"p2+d2"};
+  o.prompt_tokens = 0;
+  EXPECT_NE(error(o).find("--prompt-tokens"), std::string::npos);
+  o.prompt_tokens = 4096;
+  o.context_tokens = -1;
+  EXPECT_NE(error(o).find("--context-tokens"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace mlarun
