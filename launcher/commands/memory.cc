@@ -87,7 +87,9 @@ void AddMemoryCommand(CLI::App& app, CommandTable& table) {
   memory->add_option("--json-out", mem.json_path, "Also write the JSON document to this file");
   memory->add_option("--svg", mem.svg_path,
                      "Draw per-rank memory by category and the max cached tokens into this SVG file");
-  memory->add_flag("--measure", mem.measure, "Compare with a live deployment (GetStats from --coordinator)");
+  memory->add_flag("--measure", mem.measure,
+                   "Compare with a live deployment (GetStats from --coordinator): each worker job against its own "
+                   "layout, a split's prefill and decode jobs too");
   f->coordinator = memory->add_option("--coordinator", mem.coordinator, "Coordinator host:port (with --measure)");
   memory->add_option("--requests", mem.requests_path, "With --measure: the request set submitted (JSON lines)");
   memory->add_option("--results", mem.results_path, "With --measure: its `mlarun submit --json` output");

@@ -243,8 +243,10 @@ void CompareRank(const MemoryOptions& opt, const std::string& model, const Model
 
 // One worker job (one mpirun): every rank predicted and compared, its tables
 // onto `text`; its JSON object, with `all_agree` cleared when anything
-// differs.
-StatusOr<Json> MeasureJob(const MemoryOptions& opt, const std::string& worker_id,
+// differs. `role` is its groups' (GetStats groups[].role): a prefill or
+// decode job of a split is its own world, predicted from its own layout
+// like any job (its MoE over its own ranks).
+StatusOr<Json> MeasureJob(const MemoryOptions& opt, const std::string& worker_id, const std::string& role,
                           std::vector<const v1::RankStats*>& ranks, std::ostringstream& text, bool& all_agree) {
   std::sort(ranks.begin(), ranks.end(), [](auto* a, auto* b) { return a->rank() < b->rank(); });
   const v1::RankStats& first = *ranks.front();
@@ -264,9 +266,10 @@ StatusOr<Json> MeasureJob(const MemoryOptions& opt, const std::string& worker_id
     MLARUN_ASSIGN_OR_RETURN(RequestSet s, ReadRequestSet(opt.requests_path, opt.results_path, first.block_size()));
     set = std::move(s);
   }
-  text << "mlarun memory --measure: " << opt.coordinator << ", job " << worker_id << ", " << model << " ("
-       << c.num_hidden_layers << " layers, cache " << DTypeName(c.kv_dtype) << "), "
-       << memory_internal::LayoutName(layout) << " (" << first.parallel() << ")\n";
+  text << "mlarun memory --measure: " << opt.coordinator << ", job " << worker_id
+       << (role.empty() ? std::string() : " (" + role + ")") << ", " << model << " (" << c.num_hidden_layers
+       << " layers, cache " << DTypeName(c.kv_dtype) << "), " << memory_internal::LayoutName(layout) << " ("
+       << first.parallel() << ")\n";
   if (first.memory_budget_bytes() > 0) {
     text << "  cache sized from " << Thousands(first.memory_budget_bytes())
          << " B per rank minus weights and prefill workspace\n";
@@ -286,9 +289,13 @@ StatusOr<Json> MeasureJob(const MemoryOptions& opt, const std::string& worker_id
     PrintTable(text, {"rank", "device", "predicted (B)", "allocated (B)", "other (B)", "free", "total", "agree"},
                {true, true, false, false, false, false, false, true}, cmp.gpu_rows, "  ");
   }
-  Json job{{"worker_id", worker_id},           {"model", model},
-           {"parallel", first.parallel()},     {"layout", memory_internal::LayoutName(layout)},
-           {"block_size", first.block_size()}, {"memory_budget_bytes", first.memory_budget_bytes()},
+  Json job{{"worker_id", worker_id},
+           {"role", role.empty() ? "mixed" : role},
+           {"model", model},
+           {"parallel", first.parallel()},
+           {"layout", memory_internal::LayoutName(layout)},
+           {"block_size", first.block_size()},
+           {"memory_budget_bytes", first.memory_budget_bytes()},
            {"ranks", cmp.ranks_json}};
   if (set) {
     const int64_t predicted = set->blocks_total * layout.attn_tp;
@@ -323,6 +330,10 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   // One prediction per worker job (one mpirun).
   std::map<std::string, std::vector<const v1::RankStats*>> jobs;
   for (const v1::RankStats& k : stats.ranks()) jobs[k.worker_id()].push_back(&k);
+  // Each job's role, from its groups (one role per job: mlarun worker --role).
+  std::map<std::string, std::string> roles;
+  for (const v1::GroupStats& g : stats.groups())
+    if (!g.role().empty()) roles[g.worker_id()] = g.role();
   if (!opt.requests_path.empty() && jobs.size() > 1)
     return InvalidArgumentError("--requests/--results: the coordinator has ", jobs.size(),
                                 " worker jobs, and submit's dp_group does not "
@@ -332,7 +343,9 @@ Status RunMemoryMeasure(const MemoryOptions& opt, std::ostream& out) {
   Json jobs_json = Json::array();
   std::ostringstream text;
   for (auto& [worker_id, ranks] : jobs) {
-    MLARUN_ASSIGN_OR_RETURN(Json job, MeasureJob(opt, worker_id, ranks, text, all_agree));
+    const auto role = roles.find(worker_id);
+    MLARUN_ASSIGN_OR_RETURN(
+        Json job, MeasureJob(opt, worker_id, role == roles.end() ? "" : role->second, ranks, text, all_agree));
     jobs_json.push_back(std::move(job));
   }
   text << (all_agree ? "predicted and measured agree: weights to the byte, latent "
