@@ -17,6 +17,10 @@
 #                   911 blocks of 64 tokens x 576 bf16 values
 #   SHAPED_ROUNDS   [3]
 #   SHAPED_OUT      a folder to keep the table and every run's output
+#   SHAPED_PERFTEST_ARGS  more ucx_perftest arguments on both sides, e.g. -e
+#                   (endpoints with peer error handling, as mlarun's any path)
+#   SHAPED_MLARUN_ARGS    more `mlarun bench transfer` arguments, e.g.
+#                   --process-memory
 #
 # Needs root and ucx_perftest (Debian ucx-utils); exits 77 otherwise. Cleans
 # up as tests/multihost/netns_lib.sh does; ends within SHAPED_BUDGET_S [1800] s.
@@ -70,23 +74,28 @@ port=$((20000 + RANDOM % 10000))
 perftest_us() {  # perftest_us NETWORK BYTES: median us of one get
   local s=$1 size=$2 env
   env=(env UCX_TLS=tcp UCX_NET_DEVICES="${dev[$s]}")
-  on_host host1 "${env[@]}" timeout 120 ucx_perftest -t ucp_get -s "$size" -n 50 -p "$port" \
+  # shellcheck disable=SC2086
+  on_host host1 "${env[@]}" timeout 120 ucx_perftest -t ucp_get -s "$size" -n 50 -p "$port" ${SHAPED_PERFTEST_ARGS:-} \
     >>"$out/perftest-server.log" 2>&1 &
   local server_pid=$!
   pids+=("$server_pid")
   sleep 1
+  # shellcheck disable=SC2086
   on_host host2 "${env[@]}" timeout 120 ucx_perftest "${server[$s]}" -t ucp_get -s "$size" -n 50 -p "$port" \
+    ${SHAPED_PERFTEST_ARGS:-} \
     2>>"$out/perftest-client.log" | tee -a "$out/perftest-client.log" | awk '/^Final:/ {print $3}'
   wait "$server_pid" || true
   port=$((port + 1))
 }
 mlarun_us() {  # mlarun_us NETWORK BYTES
   local s=$1 size=$2
+  # shellcheck disable=SC2086
   on_host host1 timeout --kill-after=5 300 mpirun --hostfile "$work/hostfile" -np 2 --bind-to none \
     --mca plm_rsh_agent "$agent" --mca plm_rsh_no_tree_spawn 1 \
     --mca oob_tcp_if_include "$subnet" --mca btl_tcp_if_include "$subnet" --mca pml ob1 --mca btl self,vader,tcp \
     -x UCX_TLS=tcp,self -x UCX_NET_DEVICES="${dev[$s]}" \
-    "$mlarun" bench transfer --path any --sizes "$size" --repetitions 50 --json 2>>"$out/mlarun.log" |
+    "$mlarun" bench transfer --path any --sizes "$size" --repetitions 50 ${SHAPED_MLARUN_ARGS:-} --json \
+    2>>"$out/mlarun.log" |
     tee -a "$out/mlarun.json" | python3 -c 'import json,sys; print(json.load(sys.stdin)["rows"][0]["median_us"])'
 }
 
