@@ -764,6 +764,48 @@ TEST(Engine, AFailedOrDisabledImportIsRecomputed) {
   EXPECT_EQ(a->cache().stats().blocks_used, 0);
 }
 
+// A move into a destination whose cache is full: the moved request waits
+// (its blocks are not taken, nothing is preempted) until a running request
+// frees room, then imports and goes on exactly as the undisturbed run. B
+// holds 20 blocks of 4 tokens; a 60-token request beside it takes 15 at
+// once and 17 by its end, the import needs 7.
+TEST(Engine, AMoveIntoAFullCacheWaitsForRoom) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const EngineConfig roomy{.cache_budget_bytes = 16 << 20, .block_size = 4};
+  const int64_t block_bytes = [&] {
+    auto e = std::move(Engine::Create(*m, roomy)).value();
+    return roomy.cache_budget_bytes / e->cache().stats().blocks_total;
+  }();
+  EngineConfig small = roomy;
+  small.cache_budget_bytes = 20 * block_bytes;
+  const GenerationRequest request{RandomPrompt(23, 91), Sampled(12, 5)};
+  const GenerationRequest filler{RandomPrompt(60, 92), Greedy(8)};
+  const GenerationOutput whole = RunAll(*m, roomy, {request})[0];
+  auto a = std::move(Engine::Create(*m, roomy)).value();
+  int64_t id = -1;
+  const size_t k = 5;
+  const ExportedRequest exported = RunThenExport(*a, request, k, &id);
+  ASSERT_EQ(exported.rows, 27);
+  PoolCopyImporter importer(&a->runner()->pool());
+  auto b = Importing(*m, small, &importer);
+  ASSERT_TRUE(b);
+  ASSERT_EQ(b->cache().stats().blocks_total, 20);
+  const auto out = b->Generate({filler, Moved(request, whole, k, exported)});
+  ASSERT_TRUE(out[0].ok()) << out[0].status();
+  EXPECT_EQ(out[0]->tokens, RunAll(*m, roomy, {filler})[0].tokens);
+  ASSERT_TRUE(out[1].ok()) << out[1].status();
+  ExpectTail(*out[1], whole, k);
+  EXPECT_EQ(out[1]->preemptions, 0);
+  EXPECT_EQ(b->stats().preemptions, 0);
+  ASSERT_EQ(importer.calls.size(), 1u) << "one import, once there was room";
+  EXPECT_EQ(b->stats().import_failures, 0);
+  EXPECT_EQ(b->stats().imported_tokens, 27);
+  EXPECT_EQ(b->stats().prefill_tokens, 60 + 1);
+  EXPECT_EQ(b->cache().stats().blocks_used, 0);
+  ASSERT_TRUE(a->ReleaseExport(id).ok());
+}
+
 // The scheduler's side, step by step: an importing request holds a
 // sequence slot and its blocks but is in no plan's sequences; Schedule
 // refuses to go on before FinishImports; one exported while importing
