@@ -56,7 +56,9 @@ int RunWorkerCommand(WorkerFlags& f, ProcessArgs args) {
     }
   }
   if (f.threads > 0) omp_set_num_threads(f.threads);
-  auto session = MpiSession::Init(args.argc, args.argv);
+  // A prefill or decode job may share one MPMD launch with the other role's
+  // job (`mlarun serve --prefill-parallel`): each context its own job.
+  auto session = MpiSession::Init(args.argc, args.argv, wo.role != "mixed");
   if (!session.ok()) {
     std::fprintf(stderr, "mlarun worker: %s\n", session.status().ToString().c_str());
     return 2;

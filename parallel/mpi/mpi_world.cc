@@ -256,21 +256,22 @@ StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) {
 }
 
 // This process's application context under an MPMD launch: MPI_APPNUM (0
-// when the launcher sets none), and whether the world has more than one.
-Status AppContext(int* appnum, bool* several) {
+// when the launcher sets none), and whether the world is to be split into
+// one job per context: it has more than one and any rank asked for it.
+Status AppContext(bool job_per_context, int* appnum, bool* split) {
   int* value = nullptr;
   int flag = 0;
   MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_APPNUM, &value, &flag));
   *appnum = flag != 0 && value != nullptr ? *value : 0;
-  int highest = 0;
-  MLARUN_MPI_RETURN_IF_ERROR(MPI_Allreduce(appnum, &highest, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
-  *several = highest > 0;
+  int mine[2] = {*appnum, job_per_context ? 1 : 0}, highest[2] = {0, 0};
+  MLARUN_MPI_RETURN_IF_ERROR(MPI_Allreduce(mine, highest, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD));
+  *split = highest[0] > 0 && highest[1] > 0;
   return Status::Ok();
 }
 
 }  // namespace
 
-StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) {
+StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv, bool job_per_context) {
   int initialized = 0;
   MLARUN_MPI_RETURN_IF_ERROR(MPI_Initialized(&initialized));
   if (initialized) return FailedPreconditionError("MPI is already initialized: one MpiSession per process");
@@ -288,13 +289,13 @@ StatusOr<std::unique_ptr<MpiSession>> MpiSession::Init(int* argc, char*** argv) 
   }
   // Errors come back as codes (and then as a Status) instead of ending the job.
   MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
-  // Every context of an MPMD launch is a job of its own: its ranks, its
-  // layout, its world (as if each had been started by its own mpirun).
+  // Asked for, every context of an MPMD launch is a job of its own: its
+  // ranks, its layout, its world (as if each had its own mpirun).
   int appnum = 0;
-  bool several = false;
-  MLARUN_RETURN_IF_ERROR(AppContext(&appnum, &several));
+  bool split = false;
+  MLARUN_RETURN_IF_ERROR(AppContext(job_per_context, &appnum, &split));
   session->appnum_ = appnum;
-  if (several) {
+  if (split) {
     int world_rank = 0;
     MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
     MLARUN_MPI_RETURN_IF_ERROR(MPI_Comm_split(MPI_COMM_WORLD, appnum, world_rank, &g_job));

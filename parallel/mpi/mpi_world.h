@@ -16,11 +16,14 @@ class MpiSession {
  public:
   // Initializes MPI (with MPI_THREAD_FUNNELED). Safe to call when the process
   // was not started by mpirun: it is then a world of one rank. Under an MPMD
-  // launch (`mpirun -np P mlarun worker ... : -np D mlarun worker ...`) each
-  // application context is a job of its own: rank(), size(), World() and
-  // Groups() are its ranks only, so one mpirun can start several worker jobs
-  // (a prefill job and a decode job). Abort still ends the whole launch.
-  static StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv);
+  // launch (`mpirun -np P mlarun worker ... : -np D mlarun worker ...`) the
+  // contexts form one job (per-rank environment or arguments for one job),
+  // unless any rank passes `job_per_context`: then each application context
+  // is a job of its own, and rank(), size(), World() and Groups() are its
+  // ranks only, so one mpirun can start several worker jobs (a prefill job
+  // and a decode job). Abort still ends the whole launch. Every rank must
+  // call Init (the choice is agreed on collectively).
+  static StatusOr<std::unique_ptr<MpiSession>> Init(int* argc, char*** argv, bool job_per_context = false);
   ~MpiSession();  // MPI_Finalize
 
   // Within this process's job (its application context).

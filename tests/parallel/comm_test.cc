@@ -562,7 +562,10 @@ TEST(NcclComm, DeviceCollectives) {
 }  // namespace mlarun
 
 int main(int argc, char** argv) {
-  auto session = mlarun::MpiSession::Init(&argc, &argv);
+  // --expect-job asks for one job per application context.
+  bool job_per_context = false;
+  for (int i = 1; i < argc; ++i) job_per_context |= std::string(argv[i]).starts_with("--expect-job=");
+  auto session = mlarun::MpiSession::Init(&argc, &argv, job_per_context);
   if (!session.ok()) {
     std::fprintf(stderr, "comm_test: %s\n", session.status().ToString().c_str());
     return 1;
