@@ -177,10 +177,8 @@ class Serve {
       auto prefill = ParseParallelLayout(o_.prefill_parallel);
       if (!prefill.ok()) return Fail("--prefill-parallel: " + std::string(prefill.status().message())), 2;
       prefill_layout_ = *prefill;
-      for (const std::string& a : o_.worker_args) {
-        if (a == "--role" || a.starts_with("--role="))
-          return Fail("--prefill-parallel sets each job's --role: drop --worker-arg=--role"), 2;
-      }
+      if (WorkerArgGiven("--role"))
+        return Fail("--prefill-parallel sets each job's --role: drop --worker-arg=--role"), 2;
     }
     if (o_.model.empty()) return Fail("--model is required"), 2;
     if (Status st = CheckModelPath(o_.model); !st.ok()) return Fail("--model: " + std::string(st.message())), 2;
@@ -287,6 +285,11 @@ class Serve {
   }
 
   bool Disaggregated() const { return !o_.prefill_parallel.empty(); }
+  // Whether a --worker-arg names `flag` (as `flag VALUE` or `flag=VALUE`).
+  bool WorkerArgGiven(const std::string& flag) const {
+    return std::any_of(o_.worker_args.begin(), o_.worker_args.end(),
+                       [&](const std::string& a) { return a == flag || a.starts_with(flag + "="); });
+  }
   // Every rank and every DP group of the job (both of its worker jobs).
   int Ranks() const { return layout_.world() + (Disaggregated() ? prefill_layout_.world() : 0); }
   int Groups() const { return layout_.dp + (Disaggregated() ? prefill_layout_.dp : 0); }
@@ -312,10 +315,7 @@ class Serve {
     // One MPMD launch, each application context a worker job of its own
     // (MpiSession splits the world by context).
     std::vector<std::string> extra;
-    const bool transfer_given = std::any_of(o_.worker_args.begin(), o_.worker_args.end(), [](const std::string& a) {
-      return a == "--transfer" || a.starts_with("--transfer=");
-    });
-    if (!transfer_given) extra = {"--transfer", "any"};
+    if (!WorkerArgGiven("--transfer")) extra = {"--transfer", "any"};
     extra.insert(extra.end(), {"--role", "prefill"});
     AppendWorker(argv, prefill_layout_, o_.prefill_parallel, extra);
     argv.push_back(":");

@@ -22,9 +22,9 @@ namespace {
 // Set once by MpiSession::Init; error messages name this rank.
 int g_world_rank = -1;
 
-// The ranks of this process's job: MPI_COMM_WORLD, or under an MPMD launch
-// (`mpirun -np 2 A : -np 2 B`) the ranks of this process's application
-// context (MPI_APPNUM), each context its own job. Set once by Init.
+// The ranks of this process's job: MPI_COMM_WORLD, or, when Init was asked
+// to split an MPMD launch (`mpirun -np 2 A : -np 2 B`), the ranks of this
+// process's application context (MPI_APPNUM). Set once by Init.
 MPI_Comm g_job = MPI_COMM_WORLD;
 
 const std::string& LocalHostName() {
