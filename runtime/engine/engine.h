@@ -109,9 +109,10 @@ struct EngineStats {
   int64_t preemptions = 0;
   Model::StepTimes time;  // summed over steps (the runner's)
   double forward_seconds = 0;
-  int64_t imported_tokens = 0;  // rows fetched from other groups' pools (FinishImports that succeeded)
-  int64_t import_failures = 0;  // requests whose fetch failed (computed instead)
-  int64_t exported = 0;         // requests that left by Export
+  int64_t imported_tokens = 0;    // rows fetched from other groups' pools (FinishImports that succeeded)
+  int64_t import_failures = 0;    // requests whose fetch failed (computed instead)
+  int64_t exported = 0;           // requests that left by Export
+  int64_t exported_prefixes = 0;  // ExportPrefix calls that pinned blocks
 };
 
 // What Export hands over of a request leaving the engine: the blocks that
@@ -210,8 +211,20 @@ class Engine {
   // request, or one whose import has not finished, exports no blocks (rows
   // 0; the latter's are released). NOT_FOUND if unknown or finished.
   StatusOr<ExportedRequest> Export(int64_t id);
-  // Unpins an exported request's blocks (as Release: its full published
-  // blocks stay cached for prefix reuse). NOT_FOUND if `id` holds none.
+  // Pins the cached full blocks of the longest prefix of `tokens` under
+  // `salt` (the blocks a new request with that prompt and salt would attach,
+  // all of `tokens` at most) for another group to import. Returns a handle
+  // for ReleaseExport (never a request's id) and the blocks with the rows
+  // they hold, a multiple of the block size; rows 0, no blocks and handle -1
+  // when none is cached or prefix caching is off.
+  struct ExportedPrefix {
+    int64_t handle = -1;
+    ExportedRequest held;
+  };
+  StatusOr<ExportedPrefix> ExportPrefix(std::span<const int32_t> tokens, uint64_t salt);
+  // Unpins an exported request's blocks, or an exported prefix's (as
+  // Release: full published blocks stay cached for prefix reuse). NOT_FOUND
+  // if `id` holds none.
   Status ReleaseExport(int64_t id);
   // Exported requests whose blocks are still pinned.
   int64_t num_exported() const { return static_cast<int64_t>(exported_.size()); }
@@ -303,7 +316,7 @@ class Engine {
   std::deque<Req*> waiting_;
   std::vector<Req*> running_;    // in admission order: the back is the newest
   std::vector<Req*> importing_;  // the last plan's imports, until FinishImports
-  std::set<int64_t> exported_;   // exported requests whose sequences still pin their blocks
+  std::set<int64_t> exported_;   // exported requests' and prefixes' sequences that still pin their blocks
   EngineStats stats_;
 };
 

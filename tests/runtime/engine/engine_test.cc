@@ -704,6 +704,76 @@ TEST(Engine, ImportSkipsTheLocallyCachedPrefix) {
   }
 }
 
+// Another group's cached prefix, imported instead of computed: engine A
+// serves a prompt, pins what its cache holds of a second prompt that shares
+// its first 30 tokens (ExportPrefix: 7 whole blocks of 4), and engine B
+// (NaN-poisoned pool) imports them and computes only the 7 rows after. The
+// tokens equal those of one engine serving both prompts in turn (whose
+// second one reuses the first's rows from its own cache). Another salt, an
+// uncached prompt or prefix caching off export nothing; A unpins the blocks
+// on ReleaseExport and keeps them cached.
+TEST(Engine, AnExportedPrefixIsImportedInsteadOfComputed) {
+  auto m = Tiny();
+  ASSERT_TRUE(m);
+  const EngineConfig ec{.cache_budget_bytes = 16 << 20, .block_size = 4};
+  const auto shared = RandomPrompt(30, 88);
+  auto first = shared, second = shared;
+  for (int32_t t : RandomPrompt(2, 89)) first.push_back(t);
+  for (int32_t t : RandomPrompt(5, 90)) second.push_back(t);
+  for (const SamplingParams& sampling : {Greedy(8), Sampled(8, 5)}) {
+    SCOPED_TRACE("temperature " + std::to_string(sampling.temperature));
+    auto one = std::move(Engine::Create(*m, ec)).value();
+    ASSERT_TRUE(one->Generate({{first, Greedy(2)}})[0].ok());
+    const auto want = one->Generate({{second, sampling}});
+    ASSERT_TRUE(want[0].ok()) << want[0].status();
+    ASSERT_EQ(want[0]->prefix_hit_tokens, 28);
+
+    auto a = std::move(Engine::Create(*m, ec)).value();
+    ASSERT_TRUE(a->Generate({{first, Greedy(2)}})[0].ok());
+    const std::span<const int32_t> asked(second.data(), 32);  // whole blocks, one token left to compute
+    auto held = a->ExportPrefix(asked, 0);
+    ASSERT_TRUE(held.ok()) << held.status();
+    ASSERT_GE(held->handle, 0);
+    ASSERT_EQ(held->held.rows, 28);
+    ASSERT_EQ(held->held.blocks.size(), 7u);
+    EXPECT_EQ(a->num_exported(), 1);
+    EXPECT_EQ(a->stats().exported_prefixes, 1);
+    EXPECT_EQ(a->cache().stats().blocks_used, 7) << "the exported blocks stay pinned";
+    EXPECT_FALSE(a->HasWork());
+    EXPECT_EQ(a->ExportPrefix(asked, 7)->handle, -1) << "another salt shares nothing";
+    EXPECT_EQ(a->ExportPrefix(RandomPrompt(32, 91), 0)->held.rows, 0);
+
+    PoolCopyImporter importer(&a->runner()->pool());
+    auto b = Importing(*m, ec, &importer);
+    ASSERT_TRUE(b);
+    GenerationRequest request{second, sampling};
+    request.import = ImportSource{.descriptors = {"a"}, .blocks = held->held.blocks, .rows = held->held.rows};
+    const auto got = b->Generate({request});
+    ASSERT_TRUE(got[0].ok()) << got[0].status();
+    EXPECT_EQ(got[0]->tokens, want[0]->tokens);
+    ASSERT_EQ(got[0]->logprobs.size(), want[0]->logprobs.size());
+    for (size_t i = 0; i < got[0]->logprobs.size(); ++i)
+      EXPECT_NEAR(got[0]->logprobs[i], want[0]->logprobs[i], 1e-5) << "token " << i;
+    ASSERT_EQ(importer.calls.size(), 1u);
+    EXPECT_EQ(importer.calls[0].src, held->held.blocks);
+    EXPECT_EQ(b->stats().imported_tokens, 28);
+    EXPECT_EQ(b->stats().prefill_tokens, 7) << "only the rows after the imported ones are computed";
+    EXPECT_EQ(b->cache().MatchPrefix(asked), 32) << "B caches the imported blocks and the one it computed";
+
+    ASSERT_TRUE(a->ReleaseExport(held->handle).ok());
+    EXPECT_EQ(a->cache().stats().blocks_used, 0);
+    EXPECT_EQ(a->num_exported(), 0);
+    EXPECT_EQ(a->ReleaseExport(held->handle).code(), StatusCode::kNotFound);
+    EXPECT_EQ(a->cache().MatchPrefix(asked), 28) << "released, the blocks stay cached";
+  }
+  EngineConfig off = ec;
+  off.enable_prefix_caching = false;
+  auto c = std::move(Engine::Create(*m, off)).value();
+  ASSERT_TRUE(c->Generate({{first, Greedy(2)}})[0].ok());
+  EXPECT_EQ(c->ExportPrefix(std::span<const int32_t>(second.data(), 32), 0)->handle, -1);
+  EXPECT_EQ(c->num_exported(), 0);
+}
+
 // A fetch that fails (half-way) costs only the recompute: the request is
 // computed from its tokens, gives the same output, is not imported again,
 // and B keeps no block of it. A group without importers (imports off)
