@@ -82,6 +82,11 @@ void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co) {
                   "A request that moved is not moved again by rebalancing for this long")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--prefix-fetch-min-tokens", co.prefix_fetch_min_tokens,
+                  "Fetch a prompt prefix another DP group caches (both with --transfer) when it holds at least this "
+                  "many more tokens of it than the request's own group (0: never)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddHttpFlags(CLI::App* cmd, CoordinatorOptions& co) {

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <vector>
 
@@ -111,6 +112,10 @@ class Worker {
   // tokens are all sent), and the coordinator hears how many it has.
   void OnMigrateOut(const std::string& request_id);
   void OnReleaseExported(const std::string& request_id);
+  // ExportPrefix: pins what the prefix cache holds of the tokens for another
+  // group to fetch, and answers PrefixExported.
+  void OnExportPrefix(const v1::ExportPrefix& ask);
+  void OnReleasePrefix(uint64_t export_id);
   void OnStreamEnded(const WorkerLinkEvent& e);
   // The link (leaders), after each step: new tokens, completions, stats.
   void Report();
@@ -154,6 +159,7 @@ class Worker {
   // Requests that moved away with their blocks held for the new group
   // (Engine::Export), until ReleaseExported: request id -> engine id.
   std::map<std::string, int64_t> exported_;
+  std::map<uint64_t, int64_t> prefix_exports_;  // ExportPrefix.export_id -> Engine::ExportPrefix's handle
   std::vector<std::string> group_descriptors_;  // leaders: Register.transfer_descriptors
   std::chrono::steady_clock::time_point last_stats_;
   int64_t tokens_since_stats_ = 0;
@@ -370,6 +376,7 @@ void Worker::OpenLink() {
   *reg.mutable_ranks() = GroupRankStats(0);
   reg.mutable_transfer_descriptors()->Assign(group_descriptors_.begin(), group_descriptors_.end());
   reg.set_role(o_.role);
+  reg.set_exports_prefixes(!group_descriptors_.empty());
   link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
       .coordinator = o_.coordinator, .registration = reg, .secret = o_.worker_secret, .tls = o_.tls});
 }
@@ -432,6 +439,10 @@ void Worker::DrainLink() {
       OnMigrateOut(e.message.migrate_out().request_id());
     } else if (e.message.has_release_exported()) {
       OnReleaseExported(e.message.release_exported().request_id());
+    } else if (e.message.has_export_prefix()) {
+      OnExportPrefix(e.message.export_prefix());
+    } else if (e.message.has_release_prefix()) {
+      OnReleasePrefix(e.message.release_prefix().export_id());
     } else if (e.ended) {
       OnStreamEnded(e);
     }
@@ -511,6 +522,33 @@ void Worker::OnReleaseExported(const std::string& request_id) {
   stats_dirty_ = true;
 }
 
+void Worker::OnExportPrefix(const v1::ExportPrefix& ask) {
+  v1::WorkerMessage m;
+  v1::PrefixExported* x = m.mutable_prefix_exported();
+  x->set_export_id(ask.export_id());
+  OnReleasePrefix(ask.export_id());  // asked again: the newer ask holds
+  if (transfer_ && !group_descriptors_.empty()) {
+    auto held = runner_->engine()->ExportPrefix(
+        std::span<const int32_t>(ask.token_ids().data(), static_cast<size_t>(ask.token_ids_size())),
+        ask.prefix_cache_salt());
+    if (held.ok() && held->handle >= 0) {
+      x->mutable_block_ids()->Assign(held->held.blocks.begin(), held->held.blocks.end());
+      x->set_cached_tokens(held->held.rows);
+      prefix_exports_[ask.export_id()] = held->handle;
+    }
+  }
+  link_->Send(m);
+  stats_dirty_ = true;
+}
+
+void Worker::OnReleasePrefix(uint64_t export_id) {
+  auto it = prefix_exports_.find(export_id);
+  if (it == prefix_exports_.end()) return;
+  (void)runner_->engine()->ReleaseExport(it->second);
+  prefix_exports_.erase(it);
+  stats_dirty_ = true;
+}
+
 // The stream broke: the coordinator has ended or re-routed its requests.
 void Worker::OnStreamEnded(const WorkerLinkEvent& e) {
   // A refusal (wrong or missing --worker-secret-file, a registration
@@ -547,6 +585,8 @@ void Worker::OnStreamEnded(const WorkerLinkEvent& e) {
   by_request_id_.clear();
   for (const auto& [rid, id] : exported_) (void)runner_->engine()->ReleaseExport(id);
   exported_.clear();
+  for (const auto& [export_id, handle] : prefix_exports_) (void)runner_->engine()->ReleaseExport(handle);
+  prefix_exports_.clear();
 }
 
 // New tokens, completions, and the requests of a failed step.

@@ -113,7 +113,8 @@ void PrintStatsTable(const v1::GetStatsResponse& r, std::ostream& out) {
       << ", completed " << c.requests_completed() << ", rejected " << c.requests_rejected() << ", failed "
       << c.requests_failed() << ", cancelled " << c.requests_cancelled() << ", queued " << c.requests_queued()
       << ", rerouted " << c.requests_rerouted() << ", migrated " << c.requests_migrated() << " (failed "
-      << c.migrations_failed() << ")\n";
+      << c.migrations_failed() << "), prefix fetches " << c.prefix_fetches() << " (" << c.prefix_fetch_tokens()
+      << " tokens)\n";
 }
 
 }  // namespace

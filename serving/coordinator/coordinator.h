@@ -82,6 +82,14 @@ struct CoordinatorOptions {
   int64_t rebalance_threshold = 0;
   double rebalance_period_s = 0.5;
   double rebalance_cooldown_s = 30;
+  // Prefix fetch (`--prefix-fetch-min-tokens`): when a request goes to a
+  // group that moves blocks, and another such group's prefix index holds at
+  // least this many more leading tokens of its prompt, the coordinator asks
+  // that group to pin them (ExportPrefix) and routes the request with them
+  // as its move source: its group fetches those rows instead of computing
+  // them. Costs the source group's answer (its current step) before the
+  // route goes. 0: off.
+  int64_t prefix_fetch_min_tokens = 256;
   // DP groups the coordinator remembers (connected, and gone ones for
   // GetStats and the messages of requests that lost them). When a new group
   // registers into a full registry, the one that went away first is

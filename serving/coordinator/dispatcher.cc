@@ -255,6 +255,17 @@ struct Dispatcher::Request {
     std::vector<MigrateDone> callers;
   };
   std::optional<Move> move;
+  // Rows of its prompt's prefix that another group's cache holds
+  // (AskForPrefix): groups_[source] was asked with `export_id`; until it
+  // answers, the route to the request's group waits. `held`: it answered
+  // with blocks, pinned for that group to fetch until the request's first
+  // token there (or until it leaves the group).
+  struct PrefixFetch {
+    int source = -1;
+    uint64_t export_id = 0;
+    bool held = false;
+  };
+  std::optional<PrefixFetch> prefix;
   Clock::time_point moved_at;  // when its last move ended (rebalancing's cooldown)
   // Block-hash chains of the prompt, per block size seen (one in practice).
   std::vector<std::pair<int64_t, std::vector<uint64_t>>> chains;
@@ -275,6 +286,7 @@ struct Dispatcher::Group {
   int64_t migrated_in = 0, migrated_out = 0;
   // Register.transfer_descriptors: empty when it does not move blocks.
   std::vector<std::string> descriptors;
+  bool exports_prefixes = false;  // Register.exports_prefixes (with descriptors)
   GroupRole role = GroupRole::kMixed;
   std::vector<v1::RankStats> ranks;  // as last reported, worker_id filled in
   int64_t ranks_bytes = 0;           // their wire size as reported (counted in rank_stats_bytes_)
@@ -570,7 +582,7 @@ void Dispatcher::Migrate(const std::string& principal, const v1::MigrateRequest&
                            StrCat("request_id: no live request of yours is named '", request.request_id(), "'"));
     } else if (Request* r = it->second; r->move) {
       error = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, StrCat("request '", r->id, "' is moving already"));
-    } else if (r->group < 0) {
+    } else if (r->group < 0 || (r->prefix && !r->prefix->held)) {
       error = grpc::Status(grpc::StatusCode::FAILED_PRECONDITION,
                            StrCat("request '", r->id, "' waits for a DP group; it runs on none yet"));
     } else if (const int to = MoveTarget(*r, request, &error); to >= 0) {
@@ -636,6 +648,8 @@ void Dispatcher::FillStats(v1::GetStatsResponse* out, bool details) const {
   c->set_requests_migrated(counters_.migrated);
   c->set_migrations_failed(counters_.migrations_failed);
   c->set_rebalance_moves(counters_.rebalance_moves);
+  c->set_prefix_fetches(counters_.prefix_fetches);
+  c->set_prefix_fetch_tokens(counters_.prefix_fetch_tokens);
 }
 
 void Dispatcher::FillHealth(v1::HealthResponse* out) const {
@@ -735,6 +749,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       g.attn_tp = reg.attn_tp();
       g.free_blocks = reg.cache_blocks_total();
       g.descriptors.assign(reg.transfer_descriptors().begin(), reg.transfer_descriptors().end());
+      g.exports_prefixes = reg.exports_prefixes() && !g.descriptors.empty();
       g.role = *ParseRole(reg.role());
       g.ranks.assign(reg.ranks().begin(), reg.ranks().end());
       for (auto& rank : g.ranks) {
@@ -780,6 +795,9 @@ bool Dispatcher::OnWorkerMessage(const WorkerOutlet* link, const v1::WorkerMessa
         break;
       case v1::WorkerMessage::kExported:
         violation = OnExported(index, msg.exported(), pending);
+        break;
+      case v1::WorkerMessage::kPrefixExported:
+        violation = OnPrefixExported(index, msg.prefix_exported(), pending);
         break;
       case v1::WorkerMessage::kStats:
         if (msg.stats().free_blocks() < 0 || msg.stats().free_blocks() > kMaxBlocks) {
@@ -913,6 +931,7 @@ std::optional<Dispatcher::Violation> Dispatcher::OnTokens(Group& g, int group, c
     ++g.tokens_generated;
     r->completion.push_back(static_cast<int32_t>(ev.token_id()));
     if (r->move && r->move->left) EndMove(r, grpc::Status::OK, pending);
+    if (r->prefix && r->prefix->held) DropPrefix(r, pending);  // its group has the rows it fetched
     if (g.role == GroupRole::kPrefill && !r->move && r->tokens_sent < r->max_tokens) HandOff(r, pending);
   }
   return std::nullopt;
@@ -1093,17 +1112,124 @@ void Dispatcher::RouteTo(Request* r, int index, Pending& pending) {
   }
   ++g.routed;
   if (observer_ != nullptr) observer_->OnRouted(g.worker_id, g.dp_group);
-  if (router_.policy() == RoutingPolicy::kPrefixAffinity) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
+  // Asked before the target's index learns the chain, which would hide
+  // what the target lacks.
+  const bool asked = AskForPrefix(r, index, pending);
+  if (IndexesPrefixes()) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
+  if (!asked) SendRoute(r, nullptr, pending);
+}
+
+void Dispatcher::SendRoute(Request* r, const v1::MoveSource* prefix, Pending& pending) {
+  Group& g = *groups_[static_cast<size_t>(r->group)];
   v1::CoordinatorMessage msg;
   *msg.mutable_route() = r->route;
   // The tokens its client has: a request that ran elsewhere resumes from them.
   msg.mutable_route()->mutable_generated_ids()->Assign(r->completion.begin(), r->completion.end());
+  if (prefix != nullptr) *msg.mutable_route()->mutable_move_source() = *prefix;
   if (g.descriptors.empty()) msg.mutable_route()->clear_move_source();  // it computes them
   g.link->Queue(std::move(msg));
   pending.Add(g.link);
 }
 
+bool Dispatcher::AskForPrefix(Request* r, int target, Pending& pending) {
+  const Group& t = *groups_[static_cast<size_t>(target)];
+  const int64_t bs = t.block_size;
+  // A move brings its rows; prompt logprobs need every row computed.
+  if (options_.prefix_fetch_min_tokens <= 0 || t.descriptors.empty() || bs <= 0 || r->route.has_move_source() ||
+      (r->completion.empty() && r->route.sampling().has_prompt_logprobs()))
+    return false;
+  // Whole blocks, leaving at least one prompt token to compute (the
+  // engine's own rule for a cached prefix).
+  const std::vector<uint64_t>& chain = ChainFor(r->chains, r->route, bs);
+  const auto usable =
+      std::span<const uint64_t>(chain).first(std::min(chain.size(), static_cast<size_t>((r->prompt_tokens - 1) / bs)));
+  const int64_t own = t.prefix.LeadingMatch(usable);
+  int source = -1;
+  int64_t best = own;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (static_cast<int>(i) == target || g.link == nullptr || !g.exports_prefixes || g.block_size != bs) continue;
+    if (const int64_t m = g.prefix.LeadingMatch(usable); m > best) {
+      best = m;
+      source = static_cast<int>(i);
+    }
+  }
+  if (source < 0 || (best - own) * bs < options_.prefix_fetch_min_tokens) return false;
+  const uint64_t export_id = next_export_id_++;
+  r->prefix = Request::PrefixFetch{.source = source, .export_id = export_id};
+  prefix_asks_[export_id] = r;
+  Group& s = *groups_[static_cast<size_t>(source)];
+  v1::CoordinatorMessage msg;
+  v1::ExportPrefix* ask = msg.mutable_export_prefix();
+  ask->set_export_id(export_id);
+  ask->mutable_token_ids()->Assign(r->route.prompt_ids().begin(), r->route.prompt_ids().begin() + best * bs);
+  ask->set_prefix_cache_salt(r->route.prefix_cache_salt());
+  s.link->Queue(std::move(msg));
+  pending.Add(s.link);
+  return true;
+}
+
+void Dispatcher::DropPrefix(Request* r, Pending& pending) {
+  if (!r->prefix) return;
+  const Request::PrefixFetch f = *r->prefix;
+  r->prefix.reset();
+  if (!f.held) {
+    prefix_asks_.erase(f.export_id);  // its answer, when it comes, is released
+    return;
+  }
+  Group& s = *groups_[static_cast<size_t>(f.source)];
+  if (s.link == nullptr) return;
+  v1::CoordinatorMessage msg;
+  msg.mutable_release_prefix()->set_export_id(f.export_id);
+  s.link->Queue(std::move(msg));
+  pending.Add(s.link);
+}
+
+std::optional<Dispatcher::Violation> Dispatcher::OnPrefixExported(int group, const v1::PrefixExported& x,
+                                                                  Pending& pending) {
+  Group& s = *groups_[static_cast<size_t>(group)];
+  auto it = prefix_asks_.find(x.export_id());
+  if (it == prefix_asks_.end() || it->second->prefix->source != group) {
+    // Its request ended, or left the group it was for, meanwhile.
+    if (x.block_ids_size() > 0) {
+      v1::CoordinatorMessage msg;
+      msg.mutable_release_prefix()->set_export_id(x.export_id());
+      s.link->Queue(std::move(msg));
+      pending.Add(s.link);
+    }
+    return std::nullopt;
+  }
+  Request* r = it->second;
+  prefix_asks_.erase(it);
+  const int64_t asked = (r->prompt_tokens - 1) / s.block_size * s.block_size;
+  const Status st = CheckBlockTable(std::span<const int32_t>(x.block_ids().data(), x.block_ids_size()),
+                                    x.cached_tokens(), s.block_size, "prefix_exported.block_ids");
+  if (x.cached_tokens() < 0 || x.cached_tokens() > asked || x.cached_tokens() % s.block_size != 0 || !st.ok()) {
+    r->prefix.reset();
+    SendRoute(r, nullptr, pending);  // computed; the group is disconnected for it
+    return Violation{.what = x.cached_tokens() % s.block_size != 0 || x.cached_tokens() < 0 || x.cached_tokens() > asked
+                                 ? StrCat("prefix_exported.cached_tokens ", x.cached_tokens(),
+                                          " is not a multiple of the block size ", s.block_size, " in [0, ", asked, "]")
+                                 : st.message()};
+  }
+  if (x.cached_tokens() == 0) {  // evicted meanwhile: computed
+    r->prefix.reset();
+    SendRoute(r, nullptr, pending);
+    return std::nullopt;
+  }
+  r->prefix->held = true;
+  ++counters_.prefix_fetches;
+  counters_.prefix_fetch_tokens += x.cached_tokens();
+  v1::MoveSource source;
+  source.mutable_descriptors()->Assign(s.descriptors.begin(), s.descriptors.end());
+  *source.mutable_block_ids() = x.block_ids();
+  source.set_cached_tokens(x.cached_tokens());
+  SendRoute(r, &source, pending);
+  return std::nullopt;
+}
+
 void Dispatcher::Resume(Request* r, Pending& pending) {
+  DropPrefix(r, pending);
   ReleaseFromGroup(r);
   const int to = r->move ? r->move->to : -1;
   if (to >= 0 && groups_[static_cast<size_t>(to)]->link != nullptr) {
@@ -1372,7 +1498,7 @@ void Dispatcher::Fail(Request* r, grpc::StatusCode code, std::string message, bo
   Observe(*r, code, "", 0, Clock::now());
   r->client->Close(code, std::move(message));
   pending.Add(r->client);
-  Forget(r);
+  Forget(r, pending);
 }
 
 void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pending) {
@@ -1395,7 +1521,7 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
   if (r->group >= 0) {
     Group& g = *groups_[static_cast<size_t>(r->group)];
     ++g.completed;
-    if (router_.policy() == RoutingPolicy::kPrefixAffinity && !r->completion.empty() && g.block_size > 0) {
+    if (IndexesPrefixes() && !r->completion.empty() && g.block_size > 0) {
       // The group's cache now also holds the generated tokens' blocks (all
       // but the last token, whose row is never written): a follow-up turn
       // that resends prompt + answer should find them.
@@ -1419,10 +1545,11 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
   r->client->Queue(std::move(out));
   r->client->Close(grpc::StatusCode::OK, "");
   pending.Add(r->client);
-  Forget(r);
+  Forget(r, pending);
 }
 
-void Dispatcher::Forget(Request* r) {
+void Dispatcher::Forget(Request* r, Pending& pending) {
+  DropPrefix(r, pending);
   ReleaseFromGroup(r);
   if (r->queued) queue_.erase(r->queue_pos);
   if (r->armed) timers_.erase(r->timer);
@@ -1476,6 +1603,7 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
   std::sort(affected.begin(), affected.end(), [](Request* a, Request* b) { return a->serial < b->serial; });
   auto head = queue_.begin();
   for (Request* r : affected) {
+    DropPrefix(r, pending);
     ReleaseFromGroup(r);
     ++counters_.rerouted;
     r->lost_group = group;
@@ -1487,6 +1615,15 @@ void Dispatcher::Disconnect(int group, std::string reason, Pending& pending) {
     // group resumes from the ones the client has (RouteTo sends them).
     r->queued = true;
     r->queue_pos = queue_.insert(head, r);
+  }
+  // Requests whose prefix it held or was asked for: one still waiting for
+  // its answer goes to its group now, which computes the rows; one whose
+  // group fetches them meanwhile finds the source gone and computes them.
+  for (auto& [id, r] : requests_) {
+    if (!r->prefix || r->prefix->source != group) continue;
+    const bool waited = !r->prefix->held;
+    DropPrefix(r.get(), pending);
+    if (waited) SendRoute(r.get(), nullptr, pending);
   }
   // Nothing of the group is in flight any more (ReleaseFromGroup / Fail).
   if (ConnectedGroups() > 0) return;

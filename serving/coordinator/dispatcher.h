@@ -166,8 +166,26 @@ class Dispatcher final : public WorkerLinkHandler {
   // Whether `g`'s role takes `r`: a new request a prefill or mixed group, a
   // resumed one (it has tokens) a decode or mixed group.
   static bool Suits(const Group& g, const Request& r);
-  // Routes `r` (not routed now) to groups_[index], which is connected.
+  // Routes `r` (not routed now) to groups_[index], which is connected: the
+  // route goes now, or once the group AskForPrefix asked has answered.
   void RouteTo(Request* r, int index, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Sends `r`'s RouteRequest to its group, with `prefix` (may be nullptr)
+  // as its move source.
+  void SendRoute(Request* r, const v1::MoveSource* prefix, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Whether the prefix indexes are kept: for prefix_affinity routing, and
+  // for fetching prefixes between groups.
+  bool IndexesPrefixes() const {
+    return router_.policy() == RoutingPolicy::kPrefixAffinity || options_.prefix_fetch_min_tokens > 0;
+  }
+  // Prefix fetch (CoordinatorOptions::prefix_fetch_min_tokens): when another
+  // group's prefix index holds at least that many more leading prompt
+  // tokens of `r` than groups_[target]'s, asks the one holding the most for
+  // them (ExportPrefix) and returns true: the route waits for its answer
+  // (OnPrefixExported). False: route now.
+  bool AskForPrefix(Request* r, int target, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Ends `r`'s prefix fetch: an ask not answered yet is forgotten (its
+  // answer is then released), held blocks are released (ReleasePrefix).
+  void DropPrefix(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
   // `r` left its group with the tokens its client has (it moved, or the
   // group went away): routed anew with them as RouteRequest.generated_ids,
   // to its move's target while that is connected, else as the router picks;
@@ -227,7 +245,7 @@ class Dispatcher final : public WorkerLinkHandler {
   void Fail(Request* r, grpc::StatusCode code, std::string message, bool cancel_route, Pending& pending)
       MLARUN_REQUIRES(mu_);
   void Complete(Request* r, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
-  void Forget(Request* r) MLARUN_REQUIRES(mu_);  // unlinks and destroys r
+  void Forget(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);  // unlinks and destroys r
   // The group went away (`reason` says how, for messages and GetStats): its
   // requests are re-queued at the head (Resume for those with tokens). When no
   // group is connected any more, everything queued waits at most
@@ -251,6 +269,10 @@ class Dispatcher final : public WorkerLinkHandler {
   std::optional<Violation> OnDone(int group, const v1::RequestDone& done, Pending& pending) MLARUN_REQUIRES(mu_);
   // A group's answer to MigrateOut: the request resumes on its target.
   std::optional<Violation> OnExported(int group, const v1::Exported& exported, Pending& pending) MLARUN_REQUIRES(mu_);
+  // A group's answer to ExportPrefix: the waiting route goes to its group,
+  // with the blocks as its move source when there are any.
+  std::optional<Violation> OnPrefixExported(int group, const v1::PrefixExported& x, Pending& pending)
+      MLARUN_REQUIRES(mu_);
   // The group broke the protocol: the request concerned fails (INTERNAL,
   // naming the group and the violation), the group is disconnected as on a
   // loss (`reason` says what it did) and its stream closed with
@@ -288,9 +310,12 @@ class Dispatcher final : public WorkerLinkHandler {
   uint64_t next_serial_ MLARUN_GUARDED_BY(mu_) = 0;
   Clock::time_point last_rebalance_ MLARUN_GUARDED_BY(mu_);
   bool rebalancing_ MLARUN_GUARDED_BY(mu_) = false;  // a rebalancing move is in flight
+  uint64_t next_export_id_ MLARUN_GUARDED_BY(mu_) = 1;
+  std::unordered_map<uint64_t, Request*> prefix_asks_ MLARUN_GUARDED_BY(mu_);  // ExportPrefix not answered yet
   struct Counters {
     int64_t received = 0, completed = 0, rejected = 0, failed = 0, cancelled = 0, rerouted = 0;
     int64_t migrated = 0, migrations_failed = 0, rebalance_moves = 0;
+    int64_t prefix_fetches = 0, prefix_fetch_tokens = 0;
   } counters_ MLARUN_GUARDED_BY(mu_);
 
   std::thread timer_thread_;  // started in the constructor, joined by Shutdown

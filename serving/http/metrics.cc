@@ -251,6 +251,16 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
                                 .Help("Moves that did not happen: the request ended first, or no group took it")
                                 .Register(now);
 
+  auto& prefix_fetches =
+      prometheus::BuildCounter()
+          .Name("mlarun:prefix_fetches_total")
+          .Help("Requests whose DP group fetched a cached prompt prefix from another group instead of computing it")
+          .Register(now);
+  auto& prefix_fetch_tokens = prometheus::BuildCounter()
+                                  .Name("mlarun:prefix_fetch_tokens_total")
+                                  .Help("Prompt tokens whose cache rows were fetched from another DP group")
+                                  .Register(now);
+
   queued.Add({}).Set(static_cast<double>(stats.coordinator().requests_queued()));
   live.Add({}).Set(static_cast<double>(live_requests));
   received.Add({}).Increment(static_cast<double>(stats.coordinator().requests_received()));
@@ -258,6 +268,8 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
   migrated.Add({}).Increment(static_cast<double>(stats.coordinator().requests_migrated()));
   rebalanced.Add({}).Increment(static_cast<double>(stats.coordinator().rebalance_moves()));
   migrations_failed.Add({}).Increment(static_cast<double>(stats.coordinator().migrations_failed()));
+  prefix_fetches.Add({}).Increment(static_cast<double>(stats.coordinator().prefix_fetches()));
+  prefix_fetch_tokens.Add({}).Increment(static_cast<double>(stats.coordinator().prefix_fetch_tokens()));
   int64_t n_connected = 0;
   std::map<std::string, std::string> shown;  // alias -> worker id, for worker_info
   {

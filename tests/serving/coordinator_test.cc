@@ -62,6 +62,13 @@ struct FakeWorkerOptions {
   // Exported names blocks 100.. holding all but the last token.
   std::vector<std::string> descriptors;
   std::string role;  // Register.role
+  // Register.exports_prefixes: ExportPrefix is answered with every token
+  // asked for as cached, in blocks 200.. (unless hold_prefixes).
+  bool exports_prefixes = false;
+  // Asks are kept unanswered until AnswerPrefixes() (a slow or dying source).
+  bool hold_prefixes = false;
+  // Changes each PrefixExported before it is sent (the forged-answer tests).
+  std::function<void(v1::PrefixExported&)> edit_prefix_exported;
   // Changes each Exported before it is sent (the forged-answer tests).
   std::function<void(v1::Exported&)> edit_exported;
   int32_t reject_code = 0;  // answer every request with this error (RequestDone.error_code)
@@ -122,6 +129,7 @@ class FakeWorker {
     }
     for (const std::string& d : options_.descriptors) r.add_transfer_descriptors(d);
     r.set_role(options_.role);
+    r.set_exports_prefixes(options_.exports_prefixes);
     if (options_.edit_register) options_.edit_register(r);
     link_ = std::make_unique<WorkerLinkClient>(WorkerLinkClient::Options{
         .coordinator = address_, .registration = std::move(r), .reconnect = false, .secret = options_.secret});
@@ -200,6 +208,26 @@ class FakeWorker {
   std::set<std::string> cancels() {
     std::lock_guard lock(mu_);
     return cancels_;
+  }
+  // ExportPrefix asks received (answered or held), in order.
+  std::vector<v1::ExportPrefix> prefix_asks() {
+    std::lock_guard lock(mu_);
+    return prefix_asks_;
+  }
+  bool WaitPrefixAsks(size_t n, Ms timeout = 5s) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return prefix_asks_.size() >= n; });
+  }
+  // Answers the asks held so far (FakeWorkerOptions::hold_prefixes).
+  void AnswerPrefixes() {
+    std::lock_guard lock(mu_);
+    for (const v1::ExportPrefix& ask : held_asks_) AnswerPrefix(ask);
+    held_asks_.clear();
+  }
+  // Whether ReleasePrefix came for `export_id`.
+  bool WaitPrefixReleased(uint64_t export_id, Ms timeout = 5s) {
+    std::unique_lock lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return prefix_released_.count(export_id) > 0; });
   }
   std::string coordinator_id() {
     std::lock_guard lock(mu_);
@@ -291,10 +319,31 @@ class FakeWorker {
       jobs_.erase(it);
     } else if (m.has_release_exported()) {
       released_.insert(m.release_exported().request_id());
+    } else if (m.has_export_prefix()) {
+      prefix_asks_.push_back(m.export_prefix());
+      if (options_.hold_prefixes) {
+        held_asks_.push_back(m.export_prefix());
+      } else {
+        AnswerPrefix(m.export_prefix());
+      }
+    } else if (m.has_release_prefix()) {
+      prefix_released_.insert(m.release_prefix().export_id());
     } else if (m.has_cancel()) {
       cancels_.insert(m.cancel().request_id());
       std::erase_if(jobs_, [&](const Job& j) { return j.id == m.cancel().request_id(); });
     }
+  }
+
+  // REQUIRES mu_.
+  void AnswerPrefix(const v1::ExportPrefix& ask) {
+    v1::WorkerMessage x;
+    v1::PrefixExported* e = x.mutable_prefix_exported();
+    e->set_export_id(ask.export_id());
+    e->set_cached_tokens(ask.token_ids_size());
+    for (int64_t b = 0; b < ask.token_ids_size() / options_.block_size; ++b)
+      e->add_block_ids(static_cast<int32_t>(200 + b));
+    if (options_.edit_prefix_exported) options_.edit_prefix_exported(*e);
+    link_->Send(x);
   }
 
   void StepLoop() {
@@ -354,6 +403,8 @@ class FakeWorker {
   std::map<std::string, v1::MoveSource> sources_;
   std::set<std::string> released_;
   std::set<std::string> cancels_;
+  std::vector<v1::ExportPrefix> prefix_asks_, held_asks_;
+  std::set<uint64_t> prefix_released_;
 };
 
 // ---- Client helpers ------------------------------------------------------------
@@ -1320,6 +1371,136 @@ TEST_F(CoordinatorTest, ForgedExportedBlocksDisconnectTheGroup) {
 
 // A registration's transfer descriptors: none or one per rank, each
 // non-empty and bounded; anything else is refused naming the field.
+// ---- Prefix fetch between groups ----------------------------------------------
+
+std::vector<int32_t> Iota(int32_t first, int n) {
+  std::vector<int32_t> v(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = first + i;
+  return v;
+}
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// A request routed (round robin) away from the group whose cache holds its
+// prompt's first 40 tokens goes with that group's blocks as its move source;
+// the blocks are released after its first token. A shared prefix shorter
+// than --prefix-fetch-min-tokens, a group that does not export, and a
+// request that wants prompt logprobs are routed without asking.
+TEST_F(CoordinatorTest, PrefixFetchRoutesWithTheBlocksOfTheGroupHoldingThePrefix) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .prefix_fetch_min_tokens = 12});
+  FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .descriptors = {"ucx-a"}, .exports_prefixes = true});
+  FakeWorker& b = AddWorker({.worker_id = "b", .dp_group = 1, .descriptors = {"ucx-b"}, .exports_prefixes = true});
+  const std::vector<int32_t> shared = Iota(10, 40);
+  ExpectServed(Generate(*stub_, MakeRequest(Concat(shared, {1, 2}), 3, 1, "first")), Concat(shared, {1, 2}), 1, 3);
+  ASSERT_EQ(a.routes(), std::vector<std::string>{"first"});
+  // To b, which has none of it: a is asked for the 40 tokens (10 blocks).
+  const std::vector<int32_t> second = Concat(shared, {7, 8, 9, 5, 4});
+  ExpectServed(Generate(*stub_, MakeRequest(second, 4, 2, "second")), second, 2, 4);
+  ASSERT_EQ(b.routes(), std::vector<std::string>{"second"});
+  ASSERT_EQ(a.prefix_asks().size(), 1u);
+  const v1::ExportPrefix ask = a.prefix_asks()[0];
+  EXPECT_EQ(ToVector(ask.token_ids()), shared);
+  const std::optional<v1::MoveSource> source = b.source("second");
+  ASSERT_TRUE(source.has_value());
+  ASSERT_EQ(source->descriptors_size(), 1);
+  EXPECT_EQ(source->descriptors(0), "ucx-a");
+  EXPECT_EQ(source->cached_tokens(), 40);
+  ASSERT_EQ(source->block_ids_size(), 10);
+  EXPECT_EQ(source->block_ids(9), 209);
+  EXPECT_TRUE(b.resumed("second").empty());
+  EXPECT_TRUE(a.WaitPrefixReleased(ask.export_id()));
+  v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().prefix_fetches(), 1);
+  EXPECT_EQ(s.coordinator().prefix_fetch_tokens(), 40);
+  // 8 tokens in common with what a holds: below 12, computed.
+  ExpectServed(Generate(*stub_, MakeRequest(Concat(Iota(300, 8), Iota(900, 30)), 2, 3, "third")),
+               Concat(Iota(300, 8), Iota(900, 30)), 3, 2);
+  const std::vector<int32_t> fourth = Concat(Iota(300, 8), Iota(600, 30));
+  ExpectServed(Generate(*stub_, MakeRequest(fourth, 2, 4, "fourth")), fourth, 4, 2);
+  EXPECT_FALSE(b.source("fourth").has_value());
+  // 36 tokens b holds and a does not, but prompt logprobs need every row
+  // computed.
+  v1::GenerateRequest scored = MakeRequest(Concat(fourth, {1}), 2, 5, "fifth");
+  scored.mutable_sampling()->set_prompt_logprobs(0);
+  (void)Generate(*stub_, scored);
+  ASSERT_EQ(a.routes().back(), "fifth");
+  EXPECT_FALSE(a.source("fifth").has_value());
+  EXPECT_EQ(a.prefix_asks().size() + b.prefix_asks().size(), 1u);
+  EXPECT_EQ(Stats().coordinator().prefix_fetches(), 1);
+}
+
+// The source that never answers goes away: the waiting request is routed
+// without a source and served. One whose client leaves while its source
+// has not answered ends; the late answer's blocks are released.
+TEST_F(CoordinatorTest, FaultPrefixSourceThatGoesAwayOrAnswersLate) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .prefix_fetch_min_tokens = 4});
+  FakeWorker& a = AddWorker(
+      {.worker_id = "a", .dp_group = 0, .descriptors = {"ucx-a"}, .exports_prefixes = true, .hold_prefixes = true});
+  FakeWorker& b = AddWorker({.worker_id = "b", .dp_group = 1, .descriptors = {"ucx-b"}, .exports_prefixes = true});
+  const std::vector<int32_t> shared = Iota(10, 20);
+  (void)Generate(*stub_, MakeRequest(Concat(shared, {1}), 2, 1, "warm"));
+  {
+    // Cancelled while a holds the ask.
+    grpc::ClientContext ctx;
+    v1::GenerateRequest req = MakeRequest(Concat(shared, {2}), 2, 2, "gone");
+    auto reader = stub_->Generate(&ctx, req);
+    ASSERT_TRUE(a.WaitPrefixAsks(1));
+    EXPECT_TRUE(b.routes().empty());
+    ctx.TryCancel();
+    v1::GenerateResponse resp;
+    while (reader->Read(&resp)) {
+    }
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_cancelled() == 1; }));
+  a.AnswerPrefixes();
+  EXPECT_TRUE(a.WaitPrefixReleased(a.prefix_asks()[0].export_id()));
+  // The next one (round robin: to a) brings a prefix only a holds; the one
+  // after goes to b, asks a, and a breaks before answering.
+  const std::vector<int32_t> other = Iota(700, 20);
+  (void)Generate(*stub_, MakeRequest(Concat(other, {3}), 2, 3, "on-a"));
+  AsyncGenerate late(*stub_, MakeRequest(Concat(other, {4}), 3, 4, "orphan"));
+  ASSERT_TRUE(a.WaitPrefixAsks(2));
+  a.Break();
+  ExpectServed(late.Get(), Concat(other, {4}), 4, 3);
+  EXPECT_EQ(b.routes().back(), "orphan");
+  EXPECT_FALSE(b.source("orphan").has_value());
+  EXPECT_EQ(Stats().coordinator().prefix_fetches(), 0);
+}
+
+// A PrefixExported that cannot be right (rows not whole blocks, more rows
+// than were asked for, too few blocks, a negative id) disconnects the
+// group that sent it; the request it was for is served without it.
+TEST_F(CoordinatorTest, ForgedPrefixExportedDisconnectsTheGroup) {
+  const std::vector<std::pair<std::function<void(v1::PrefixExported&)>, std::string>> forgeries = {
+      {[](v1::PrefixExported& x) { x.set_cached_tokens(x.cached_tokens() - 1); }, "prefix_exported.cached_tokens"},
+      {[](v1::PrefixExported& x) { x.set_cached_tokens(x.cached_tokens() + 4); }, "prefix_exported.cached_tokens"},
+      {[](v1::PrefixExported& x) { x.mutable_block_ids()->RemoveLast(); }, "prefix_exported.block_ids:"},
+      {[](v1::PrefixExported& x) { x.set_block_ids(0, -3); }, "prefix_exported.block_ids[0]: block id -3"},
+  };
+  for (size_t i = 0; i < forgeries.size(); ++i) {
+    SCOPED_TRACE(forgeries[i].second);
+    StartCoordinator({.policy = RoutingPolicy::kRoundRobin, .prefix_fetch_min_tokens = 4});
+    FakeWorker& a = AddWorker({.worker_id = "a",
+                               .dp_group = 0,
+                               .descriptors = {"ucx-a"},
+                               .exports_prefixes = true,
+                               .edit_prefix_exported = forgeries[i].first});
+    FakeWorker& b = AddWorker({.worker_id = "b", .dp_group = 1, .descriptors = {"ucx-b"}, .exports_prefixes = true});
+    const std::vector<int32_t> shared = Iota(10, 20);
+    (void)Generate(*stub_, MakeRequest(Concat(shared, {1}), 2, 1, "warm"));
+    ExpectServed(Generate(*stub_, MakeRequest(Concat(shared, {2}), 3, 2, "forged")), Concat(shared, {2}), 2, 3);
+    EXPECT_FALSE(b.source("forged").has_value());
+    const grpc::Status ended = a.WaitEnded();
+    EXPECT_EQ(ended.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_NE(ended.error_message().find(forgeries[i].second), std::string::npos) << ended.error_message();
+    workers_.clear();
+    coord_->Shutdown();
+  }
+}
+
 TEST_F(CoordinatorTest, RegistrationDescriptorsAreBounded) {
   StartCoordinator();
   AddWorker({.worker_id = "ok", .descriptors = {"x"}});
