@@ -120,8 +120,18 @@ Status RunTransferBench(const TransferBenchOptions& o, MpiSession& session, std:
   MLARUN_RETURN_IF_ERROR(world->Broadcast(descriptor.data(), length, CommType::kU8, 0));
   if (source) {  // answer until rank 1 is done (MPI stays on this thread)
     std::atomic<bool> done{false};
+    // As a worker rank's agent answers: woken by its peer's messages, not
+    // polling (a spinning answerer takes a core that the transport, or a
+    // user-space link, needs on a small host).
     std::thread answer([&] {
-      while (!done.load(std::memory_order_relaxed)) t->Progress();
+      while (!done.load(std::memory_order_relaxed)) {
+        const BlockTransfer::Wakeup w = t->ArmForWakeup();
+        if (w.fd >= 0) {
+          WaitForWakeup(w.fd, std::chrono::milliseconds(1));
+        } else if (!w.busy) {
+          t->Progress();
+        }
+      }
     });
     const Status st = world->Barrier();
     done.store(true);

@@ -1,5 +1,6 @@
 #include "transfer/block_transfer.h"
 
+#include <poll.h>
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
@@ -41,7 +42,9 @@ StatusOr<ucp_context_h> MakeContext(TransferPath path) {
     }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA;
+  // WAKEUP: a source waits for its peers' messages on the worker's event
+  // fd (ArmForWakeup) instead of polling.
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
   ucp_context_h context = nullptr;
   const ucs_status_t init = ucp_init(&params, config, &context);
   ucp_config_release(config);
@@ -93,6 +96,7 @@ struct BlockTransfer::Ucx {
   size_t rkey_bytes = 0;
   ucp_address_t* address = nullptr;
   size_t address_bytes = 0;
+  int event_fd = -1;  // the worker's (ucp_worker_get_efd); -1 where the transports cannot wake anyone
   std::vector<std::unique_ptr<Peer>> peers;  // stable addresses: the error handler's argument
 
   ~Ucx() {
@@ -229,6 +233,7 @@ StatusOr<std::unique_ptr<BlockTransfer>> BlockTransfer::Create(const LatentPool&
     return UcxError("packing the pool's key", st);
   if (ucs_status_t st = ucp_worker_get_address(u.worker, &u.address, &u.address_bytes); st != UCS_OK)
     return UcxError("worker address", st);
+  if (ucp_worker_get_efd(u.worker, &u.event_fd) != UCS_OK) u.event_fd = -1;
   return t;
 }
 
@@ -339,6 +344,24 @@ Status BlockTransfer::WaitConnected(int id) {
 }
 
 bool BlockTransfer::Progress() { return ucp_worker_progress(ucx_->worker) != 0; }
+
+BlockTransfer::Wakeup BlockTransfer::ArmForWakeup() {
+  Ucx& u = *ucx_;
+  if (u.event_fd < 0) return {};
+  while (ucp_worker_progress(u.worker) != 0) {
+  }
+  const ucs_status_t st = ucp_worker_arm(u.worker);
+  if (st == UCS_OK) return {.fd = u.event_fd};
+  return {.busy = st == UCS_ERR_BUSY};
+}
+
+bool WaitForWakeup(int fd, std::chrono::microseconds most) {
+  pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+  const auto s = std::chrono::duration_cast<std::chrono::seconds>(most);
+  const timespec ts{.tv_sec = static_cast<time_t>(s.count()),
+                    .tv_nsec = static_cast<long>(std::chrono::nanoseconds(most - s).count())};
+  return ppoll(&p, 1, &ts, nullptr) > 0;
+}
 
 namespace {
 

@@ -105,6 +105,10 @@ class TransferMemory final : public DeviceMemory {
   std::unique_ptr<Ucx> ucx_;
 };
 
+// Waits until `fd` (BlockTransfer::Wakeup::fd) is readable or `most`
+// passes; true when it is readable.
+bool WaitForWakeup(int fd, std::chrono::microseconds most);
+
 class BlockTransfer {
  public:
   // Registers `pool` (which must outlive this) with a UCX context and worker
@@ -139,6 +143,19 @@ class BlockTransfer {
   // once, true when it had something to do (a caller polling it can back
   // off while it has not).
   bool Progress();
+
+  // For a source that waits for its peers instead of polling: progresses
+  // until nothing is left, then arms the worker so that its event fd turns
+  // readable when a peer sends something (a get to answer over TCP, a
+  // handshake). `fd` >= 0: armed; wait on it (WaitForWakeup) without holding
+  // whatever lock guards this object, then call this again. `busy`: a
+  // message came meanwhile; call this again at once. Neither: the
+  // transports cannot wake a waiter; poll Progress with a back-off.
+  struct Wakeup {
+    int fd = -1;
+    bool busy = false;
+  };
+  Wakeup ArmForWakeup();
 
   const BlockTransferStats& stats() const { return stats_; }
 

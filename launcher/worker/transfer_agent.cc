@@ -8,11 +8,13 @@
 namespace mlarun {
 namespace {
 
-// How long the progress thread sleeps between polls: kBusyPoll while peers
-// keep its worker busy (a TCP fetch waits for each of its gets' answers),
-// doubling while nothing happens up to kIdlePoll (a connection's first
-// handshake waits at most that long; polling a few thousand times a second
-// would take CPU from the rank's own steps).
+// The progress thread waits on its worker's event fd for peers' messages,
+// at most kIdlePoll at a time (so it sees a stop). Where the transports
+// cannot wake it, it polls instead, sleeping kBusyPoll while peers keep its
+// worker busy (a TCP fetch waits for each of its gets' answers), doubling
+// while nothing happens up to kIdlePoll (a connection's first handshake
+// waits at most that long; polling a few thousand times a second would
+// take CPU from the rank's own steps).
 constexpr auto kBusyPoll = std::chrono::microseconds(50);
 constexpr auto kIdlePoll = std::chrono::microseconds(5000);
 // An import that takes longer ends (the request is computed instead).
@@ -55,6 +57,18 @@ std::string TransferAgent::Descriptor() const {
 void TransferAgent::ProgressLoop() {
   auto period = kBusyPoll;
   while (!stop_.load()) {
+    // Woken by a peer's message where the transports can (no lock held
+    // while waiting: an import may use the worker meanwhile); else polled.
+    BlockTransfer::Wakeup wake;
+    {
+      MutexLock lock(mu_);
+      wake = transfer_->ArmForWakeup();
+    }
+    if (wake.busy) continue;
+    if (wake.fd >= 0) {
+      WaitForWakeup(wake.fd, kIdlePoll);
+      continue;
+    }
     bool busy = false;
     {
       MutexLock lock(mu_);

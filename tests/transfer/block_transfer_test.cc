@@ -72,29 +72,47 @@ class ScopedEnv {
   std::string old_;
 };
 
-// Answers the source's side of the gets from a thread while it lives.
+// Answers the source's side of the gets from a thread while it lives:
+// polling Progress, or (`wake`) sleeping on the worker's event fd between
+// peers' messages, as a worker rank's agent does.
 class Answering {
  public:
-  explicit Answering(BlockTransfer& t)
-      : thread_([this, &t] {
-          while (!stop_.load()) t.Progress();
+  explicit Answering(BlockTransfer& t, bool wake = false)
+      : thread_([this, &t, wake] {
+          while (!stop_.load()) {
+            ++rounds_;
+            if (!wake) {
+              t.Progress();
+              continue;
+            }
+            const BlockTransfer::Wakeup w = t.ArmForWakeup();
+            if (w.fd >= 0) {
+              ++sleeps_;
+              WaitForWakeup(w.fd, std::chrono::milliseconds(50));
+            } else if (!w.busy) {
+              t.Progress();
+            }
+          }
         }) {}
   ~Answering() {
     stop_.store(true);
     thread_.join();
   }
+  int64_t rounds() const { return rounds_.load(); }
+  int64_t sleeps() const { return sleeps_.load(); }
 
  private:
   std::atomic<bool> stop_{false};
+  std::atomic<int64_t> rounds_{0}, sleeps_{0};
   std::thread thread_;
 };
 
 // Fetches a set of blocks (runs and single blocks, out of order) from a
 // 40-block pool into a 25-block one and checks every block of every layer:
 // the named ones equal their source, the others still poisoned.
-void FetchAndCheck(DType dtype, TransferPath path, bool ucx_memory = false) {
+void FetchAndCheck(DType dtype, TransferPath path, bool ucx_memory = false, bool wake = false) {
   SCOPED_TRACE(std::string(DTypeName(dtype)) + (path == TransferPath::kAny ? " any" : " shared memory") +
-               (ucx_memory ? ", pools in TransferMemory" : ""));
+               (ucx_memory ? ", pools in TransferMemory" : "") + (wake ? ", the source woken" : ""));
   std::unique_ptr<TransferMemory> src_mem, dst_mem;
   if (ucx_memory) {
     auto s = TransferMemory::Create({.path = path}), d = TransferMemory::Create({.path = path});
@@ -112,11 +130,19 @@ void FetchAndCheck(DType dtype, TransferPath path, bool ucx_memory = false) {
   ASSERT_TRUE(dst.ok()) << dst.status();
   const std::vector<int32_t> from = {7, 8, 9, 3, 20, 21, 39}, to = {0, 1, 2, 10, 11, 12, 24};
   {
-    Answering answer(**src);
+    Answering answer(**src, wake);
     auto peer = (*dst)->Connect((*src)->Descriptor());
     ASSERT_TRUE(peer.ok()) << peer.status();
     const Status st = (*dst)->Fetch(*peer, from, to);
     ASSERT_TRUE(st.ok()) << st;
+    if (wake) {
+      // Idle now: the source sleeps until its 50 ms waits run out, instead
+      // of polling (which makes millions of rounds in the same time).
+      EXPECT_GT(answer.sleeps(), 0) << "the transports could not wake the source";
+      const int64_t before = answer.rounds();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      EXPECT_LE(answer.rounds() - before, 20) << "the source polled while nothing came";
+    }
   }
   for (int64_t layer = 0; layer < 3; ++layer)
     for (int64_t b = 0; b < 25; ++b) {
@@ -167,6 +193,15 @@ TEST(BlockTransfer, TransferMemoryMustHoldThePool) {
 TEST(BlockTransfer, FetchOverTcp) {
   ScopedEnv tls("UCX_TLS", "tcp");
   FetchAndCheck(DType::kBF16, TransferPath::kAny);
+}
+
+// A source that sleeps on its worker's event fd (ArmForWakeup,
+// WaitForWakeup) answers every get over TCP, and stays asleep while no
+// peer sends anything.
+TEST(BlockTransfer, ASourceWokenByItsPeersAnswersEveryGet) {
+  ScopedEnv tls("UCX_TLS", "tcp");
+  FetchAndCheck(DType::kBF16, TransferPath::kAny, /*ucx_memory=*/false, /*wake=*/true);
+  FetchAndCheck(DType::kF32, TransferPath::kAny, /*ucx_memory=*/true, /*wake=*/true);
 }
 
 // kSharedMemory connects only once the source answers: a source that never
