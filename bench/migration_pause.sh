@@ -41,37 +41,15 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$MODEL" ] || { echo "migration_pause: --model is required" >&2; exit 2; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+name=migration_pause
 work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap 'cleanup; rm -rf "$work"' EXIT
-
 # Words split on any whitespace, newlines included.
 read -r -d '' -a run <<<"$RUN_PREFIX" || true
 read -r -d '' -a mpirun_args <<<"$MPIRUN_ARGS" || true
-stats() { "${run[@]}" "$MLARUN" stats --coordinator "$addr" --json 2>/dev/null; }
+source "$here/lib/two_groups.sh"
+trap 'stop_two_groups; rm -rf "$work"' EXIT
 
-start() {  # $1: transfer mode
-  local port
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  addr=$LISTEN_HOST:$port
-  # A worker secret: a coordinator beyond loopback (--listen-host) needs one.
-  [ -s "$work/secret" ] || (umask 077 && head -c 32 /dev/urandom | base64 >"$work/secret")
-  "${run[@]}" "$MLARUN" coordinator --listen "$addr" --policy round_robin --worker-secret-file "$work/secret" \
-    2>"$work/coord.log" &
-  pids=($!)
-  "${run[@]}" mpirun "${mpirun_args[@]}" -np 2 "$MLARUN" worker --coordinator "$addr" \
-    --model "$MODEL" --parallel dp=2 --threads "$THREADS" --cache-bytes 1073741824 --transfer "$1" \
-    --worker-secret-file "$work/secret" \
-    2>"$work/worker.log" &
-  pids+=($!)
-  for _ in $(seq 300); do
-    stats | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(0 if sum(g.get('connected', False) for g in d['groups']) == 2 else 1)" 2>/dev/null && return 0
-    sleep 0.2
-  done
-  echo "migration_pause: the groups did not register: $(tail -3 "$work/worker.log")" >&2
-  exit 1
-}
+start() { start_two_groups --policy round_robin -- --transfer "$1"; }  # $1: transfer mode
 
 one() {  # $1: mode, $2: prompt tokens, $3: round -> one line
   local id="pause-$1-$2-$3" before after
@@ -119,8 +97,7 @@ for round in $(seq "$ROUNDS"); do
       one "$mode" "$n" "$round" >>"$work/runs.jsonl"
       tail -1 "$work/runs.jsonl"
     done
-    cleanup
-    pids=()
+    stop_two_groups
   done
 done
 python3 - "$work/runs.jsonl" <<'PY'

@@ -33,29 +33,17 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$MODEL" ] || { echo "prefix_fetch: --model is required" >&2; exit 2; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+name=prefix_fetch
 work=$(mktemp -d)
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap 'cleanup; rm -rf "$work"' EXIT
-stats() { "$MLARUN" stats --coordinator "$addr" --json 2>/dev/null; }
+run=()
+mpirun_args=(--oversubscribe --mca pml ob1 --mca btl self,vader,tcp)
+source "$here/lib/two_groups.sh"
+trap 'stop_two_groups; rm -rf "$work"' EXIT
 
 start() {  # $1: mode
-  local port min=1
+  local min=1
   [ "$1" = off ] && min=0
-  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  addr=127.0.0.1:$port
-  "$MLARUN" coordinator --listen "$addr" --policy round_robin --prefix-fetch-min-tokens "$min" 2>"$work/coord.log" &
-  pids=($!)
-  mpirun --oversubscribe --mca pml ob1 --mca btl self,vader,tcp -np 2 "$MLARUN" worker --coordinator "$addr" \
-    --model "$MODEL" --parallel dp=2 --threads "$THREADS" --cache-bytes 1073741824 --transfer shm \
-    2>"$work/worker.log" &
-  pids+=($!)
-  for _ in $(seq 300); do
-    stats | python3 -c "import json,sys; d=json.load(sys.stdin); sys.exit(0 if sum(g.get('connected', False) for g in d['groups']) == 2 else 1)" 2>/dev/null && return 0
-    sleep 0.2
-  done
-  echo "prefix_fetch: the groups did not register: $(tail -3 "$work/worker.log")" >&2
-  exit 1
+  start_two_groups --policy round_robin --prefix-fetch-min-tokens "$min" -- --transfer shm
 }
 
 ttft() {  # $1: request id, $2: prompt ids -> ms
@@ -96,8 +84,7 @@ for round in $(seq "$ROUNDS"); do
       one "$mode" "$n" "$round" >>"$work/runs.jsonl"
       tail -1 "$work/runs.jsonl"
     done
-    cleanup
-    pids=()
+    stop_two_groups
   done
 done
 python3 - "$work/runs.jsonl" <<'PY'
