@@ -9,14 +9,21 @@
 #include "transfer/block_transfer.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <spawn.h>
 #include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstring>
+#include <future>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
+
+extern char** environ;
 
 namespace mlarun {
 namespace {
@@ -290,6 +297,90 @@ TEST(BlockTransfer, UnansweredFetchEndsAtItsDeadline) {
   for (int32_t b : blocks)
     EXPECT_EQ(std::memcmp(Block(*dst_pool, 2, b).data(), Block(*src_pool, 2, b).data(), Block(*src_pool, 2, b).size()),
               0);
+}
+
+// The source of FaultASourceKilledMidFetchEndsIt, in a process of its own
+// (this binary again, started with MLARUN_TEST_SOURCE_FD): a 40-block pool
+// of random bytes (seed 7), its descriptor written to that fd, then its
+// worker answering until it is killed (at most a minute).
+TEST(BlockTransferChild, Source) {
+  const char* fd_text = getenv("MLARUN_TEST_SOURCE_FD");
+  if (fd_text == nullptr) GTEST_SKIP() << "the source process of FaultASourceKilledMidFetchEndsIt";
+  const int fd = atoi(fd_text);
+  auto pool = Pool(Config(40));
+  ASSERT_TRUE(pool);
+  FillRandom(*pool, 7);
+  auto t = BlockTransfer::Create(*pool);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const std::vector<std::byte> d = (*t)->Descriptor();
+  const uint64_t n = d.size();
+  ASSERT_EQ(write(fd, &n, sizeof(n)), static_cast<ssize_t>(sizeof(n)));
+  ASSERT_EQ(write(fd, d.data(), d.size()), static_cast<ssize_t>(d.size()));
+  close(fd);
+  const auto end = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+  while (std::chrono::steady_clock::now() < end) (*t)->Progress();
+}
+
+// A source rank killed while a fetch from it is under way, over TCP: the
+// source process is stopped (SIGSTOP) with the fetch's gets sent, then
+// killed. The fetch ends UNAVAILABLE (UCX's peer failure), long before its
+// 20 s deadline, and returns only once no get can write into the pool;
+// the peer is refused from then on. Blocks fetched before the kill are
+// the source's.
+TEST(BlockTransfer, FaultASourceKilledMidFetchEndsIt) {
+  ScopedEnv tls("UCX_TLS", "tcp");
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  const std::string fd_env = "MLARUN_TEST_SOURCE_FD=" + std::to_string(pipe_fds[1]);
+  std::vector<char*> env;
+  for (char** e = environ; *e != nullptr; ++e) env.push_back(*e);
+  env.push_back(const_cast<char*>(fd_env.c_str()));
+  env.push_back(nullptr);
+  char self[] = "/proc/self/exe", filter[] = "--gtest_filter=BlockTransferChild.Source";
+  char* argv[] = {self, filter, nullptr};
+  pid_t child = -1;
+  ASSERT_EQ(posix_spawn(&child, "/proc/self/exe", nullptr, nullptr, argv, env.data()), 0);
+  close(pipe_fds[1]);
+  uint64_t n = 0;
+  ASSERT_EQ(read(pipe_fds[0], &n, sizeof(n)), static_cast<ssize_t>(sizeof(n)));
+  std::vector<std::byte> descriptor(n);
+  for (size_t got = 0; got < n;) {
+    const ssize_t r = read(pipe_fds[0], descriptor.data() + got, n - got);
+    ASSERT_GT(r, 0);
+    got += static_cast<size_t>(r);
+  }
+  close(pipe_fds[0]);
+
+  auto dst_pool = Pool(Config(40)), want = Pool(Config(40));
+  ASSERT_TRUE(dst_pool && want);
+  FillRandom(*want, 7);  // the source's bytes
+  Poison(*dst_pool);
+  auto dst = BlockTransfer::Create(*dst_pool);
+  ASSERT_TRUE(dst.ok()) << dst.status();
+  auto peer = (*dst)->Connect(descriptor);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::vector<int32_t> first = {0, 1, 2};
+  ASSERT_TRUE((*dst)->Fetch(*peer, first, first).ok());
+  for (int32_t b : first)
+    EXPECT_EQ(std::memcmp(Block(*dst_pool, 1, b).data(), Block(*want, 1, b).data(), Block(*want, 1, b).size()), 0);
+
+  ASSERT_EQ(kill(child, SIGSTOP), 0);
+  std::vector<int32_t> rest(37);
+  for (int32_t i = 0; i < 37; ++i) rest[static_cast<size_t>(i)] = 3 + i;
+  auto fetch =
+      std::async(std::launch::async, [&] { return (*dst)->Fetch(*peer, rest, rest, std::chrono::seconds(20)); });
+  EXPECT_EQ(fetch.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "the fetch ended while its source was stopped";
+  const auto killed = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(child, SIGKILL), 0);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(child, &wstatus, 0), child);
+  const Status st = fetch.get();
+  EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st;
+  EXPECT_LT(std::chrono::steady_clock::now() - killed, std::chrono::seconds(15))
+      << "ended by its deadline, not the failure";
+  EXPECT_EQ((*dst)->stats().failures, 1);
+  EXPECT_EQ((*dst)->Fetch(*peer, first, first).code(), StatusCode::kUnavailable);
 }
 
 }  // namespace
