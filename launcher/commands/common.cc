@@ -75,6 +75,11 @@ void AddQueueFlags(CLI::App* cmd, CoordinatorOptions& co) {
                   "least this many requests (0: never)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--rebalance-cache-fraction", co.rebalance_cache_fraction,
+                  "Move the running request holding the most cache rows from the DP group whose cache is fullest to "
+                  "the emptiest one when their cache use differs by at least this fraction (0: never)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--rebalance-period-s", co.rebalance_period_s, "At most one rebalancing move this often")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

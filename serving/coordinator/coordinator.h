@@ -82,6 +82,13 @@ struct CoordinatorOptions {
   int64_t rebalance_threshold = 0;
   double rebalance_period_s = 0.5;
   double rebalance_cooldown_s = 30;
+  // Rebalancing by cache use (`--rebalance-cache-fraction`): when the
+  // fullest such group's latent cache (blocks in use over its blocks, as
+  // last reported) is fuller than the emptiest one's by at least this
+  // fraction, the running request holding the most rows moves from the
+  // first to the second, unless that would leave the second fuller than
+  // the first; the same period, one move at a time and cooldown. 0: off.
+  double rebalance_cache_fraction = 0;
   // Prefix fetch (`--prefix-fetch-min-tokens`): when a request goes to a
   // group that moves blocks, and another such group's prefix index holds at
   // least this many more leading tokens of its prompt, the coordinator asks

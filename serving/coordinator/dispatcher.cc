@@ -280,6 +280,7 @@ struct Dispatcher::Group {
   int64_t vocab_size = 0, max_position_embeddings = 0, block_size = 0;
   int32_t dp = 1, attn_tp = 1;  // as registered (bounds its rank lists)
   int64_t free_blocks = 0;
+  int64_t cache_blocks = 0;   // Register.cache_blocks_total
   int64_t queued_tokens = 0;  // cost of its requests routed and not done, counted when routed
   int64_t in_flight = 0;
   int64_t routed = 0, completed = 0, tokens_generated = 0;
@@ -748,6 +749,7 @@ bool Dispatcher::Attach(std::shared_ptr<WorkerOutlet> link, const v1::Register& 
       g.dp = reg.dp();
       g.attn_tp = reg.attn_tp();
       g.free_blocks = reg.cache_blocks_total();
+      g.cache_blocks = reg.cache_blocks_total();
       g.descriptors.assign(reg.transfer_descriptors().begin(), reg.transfer_descriptors().end());
       g.exports_prefixes = reg.exports_prefixes() && !g.descriptors.empty();
       g.role = *ParseRole(reg.role());
@@ -1299,45 +1301,88 @@ void Dispatcher::HandOff(Request* r, Pending& pending) {
   StartMove(r, candidates[router_.Pick(candidates)].index, pending);
 }
 
+double Dispatcher::CacheUse(const Group& g) {
+  if (g.cache_blocks <= 0) return 0;
+  return 1.0 - static_cast<double>(std::min(g.free_blocks, g.cache_blocks)) / static_cast<double>(g.cache_blocks);
+}
+
 void Dispatcher::MaybeRebalance(Clock::time_point now, Pending& pending) {
-  if (options_.rebalance_threshold <= 0 || rebalancing_ ||
+  if ((options_.rebalance_threshold <= 0 && options_.rebalance_cache_fraction <= 0) || rebalancing_ ||
       now < last_rebalance_ + SecondsToDuration(options_.rebalance_period_s))
     return;
   last_rebalance_ = now;
-  int busiest = -1, idlest = -1;
-  for (size_t i = 0; i < groups_.size(); ++i) {
-    const Group& g = *groups_[i];
-    if (g.link == nullptr || g.role == GroupRole::kPrefill) continue;
-    if (busiest < 0 || g.in_flight > groups_[static_cast<size_t>(busiest)]->in_flight) busiest = static_cast<int>(i);
-    if (idlest < 0 || g.in_flight < groups_[static_cast<size_t>(idlest)]->in_flight) idlest = static_cast<int>(i);
+  // The groups that take moved requests (mixed or decode) with the most
+  // and the least of `load`; -1 when there are none.
+  auto extremes = [&](auto load) {
+    int most = -1, least = -1;
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      const Group& g = *groups_[i];
+      if (g.link == nullptr || g.role == GroupRole::kPrefill) continue;
+      if (most < 0 || load(g) > load(*groups_[static_cast<size_t>(most)])) most = static_cast<int>(i);
+      if (least < 0 || load(g) < load(*groups_[static_cast<size_t>(least)])) least = static_cast<int>(i);
+    }
+    return std::pair(most, least);
+  };
+  if (options_.rebalance_threshold > 0) {
+    const auto [busiest, idlest] = extremes([](const Group& g) { return static_cast<double>(g.in_flight); });
+    if (busiest >= 0 &&
+        groups_[static_cast<size_t>(busiest)]->in_flight - groups_[static_cast<size_t>(idlest)]->in_flight >=
+            options_.rebalance_threshold)
+      if (MoveOne(busiest, idlest, /*by_cache=*/false, now, pending)) return;
   }
-  if (busiest < 0 ||
-      groups_[static_cast<size_t>(busiest)]->in_flight - groups_[static_cast<size_t>(idlest)]->in_flight <
-          options_.rebalance_threshold)
-    return;
-  // The running request with the most tokens left, not moved lately. With a
-  // policy that routes by queued tokens, not one whose move would leave the
-  // target with more of them than the source: the router would then send the
-  // next requests to the source, undoing the move (and moving again would
-  // chase it, leaving the groups further apart than without rebalancing).
-  const int64_t source_queued = groups_[static_cast<size_t>(busiest)]->queued_tokens;
-  const int64_t target_queued = groups_[static_cast<size_t>(idlest)]->queued_tokens;
+  if (options_.rebalance_cache_fraction > 0) {
+    const auto [fullest, emptiest] = extremes(CacheUse);
+    if (fullest >= 0 &&
+        CacheUse(*groups_[static_cast<size_t>(fullest)]) - CacheUse(*groups_[static_cast<size_t>(emptiest)]) >=
+            options_.rebalance_cache_fraction)
+      MoveOne(fullest, emptiest, /*by_cache=*/true, now, pending);
+  }
+}
+
+bool Dispatcher::MoveOne(int source, int target, bool by_cache, Clock::time_point now, Pending& pending) {
+  Group& from = *groups_[static_cast<size_t>(source)];
+  Group& to = *groups_[static_cast<size_t>(target)];
+  // With a policy that routes by queued tokens, not one whose move would
+  // leave the target with more of them than the source: the router would
+  // then send the next requests to the source, undoing the move (and
+  // moving again would chase it, leaving the groups further apart than
+  // without rebalancing). By cache use, likewise not one that would leave
+  // the target's cache fuller than the source's.
   const bool load_aware = router_.policy() != RoutingPolicy::kRoundRobin;
-  Request* pick = nullptr;
   const Clock::duration cooldown = SecondsToDuration(options_.rebalance_cooldown_s);
+  auto rows = [](const Request& r) { return r.prompt_tokens + r.tokens_sent; };
+  Request* pick = nullptr;
   for (auto& [id, owned] : requests_) {
     Request* r = owned.get();
-    if (r->group != busiest || r->move || r->tokens_sent == 0 ||
+    if (r->group != source || r->move || r->tokens_sent == 0 || (r->prefix && !r->prefix->held) ||
         (r->moved_at != Clock::time_point{} && now < r->moved_at + cooldown))
       continue;
-    if (load_aware && target_queued + r->cost > source_queued - r->cost) continue;
-    if (pick == nullptr || r->max_tokens - r->tokens_sent > pick->max_tokens - pick->tokens_sent) pick = r;
+    if (!by_cache && load_aware && to.queued_tokens + r->cost > from.queued_tokens - r->cost) continue;
+    if (by_cache && from.block_size > 0 && to.cache_blocks > 0 && from.cache_blocks > 0) {
+      const double blocks = static_cast<double>((rows(*r) + from.block_size - 1) / from.block_size);
+      const double to_use = CacheUse(to) + blocks / static_cast<double>(to.cache_blocks);
+      const double from_use = CacheUse(from) - blocks / static_cast<double>(from.cache_blocks);
+      if (to_use > from_use) continue;
+    }
+    // By requests: the one with the most tokens left; by cache: the one
+    // holding the most rows.
+    if (pick == nullptr ||
+        (by_cache ? rows(*r) > rows(*pick) : r->max_tokens - r->tokens_sent > pick->max_tokens - pick->tokens_sent))
+      pick = r;
   }
-  if (pick == nullptr) return;
-  StartMove(pick, idlest, pending);
+  if (pick == nullptr) return false;
+  StartMove(pick, target, pending);
+  if (by_cache && from.block_size > 0) {
+    // Until the groups next report, the view counts the move done, so that
+    // the next period does not move more for the same gap.
+    const int64_t blocks = (rows(*pick) + from.block_size - 1) / from.block_size;
+    from.free_blocks = std::min(from.cache_blocks, from.free_blocks + blocks);
+    to.free_blocks = std::max<int64_t>(0, to.free_blocks - blocks);
+  }
   pick->move->rebalancing = true;
   rebalancing_ = true;
   ++counters_.rebalance_moves;
+  return true;
 }
 
 void Dispatcher::EndMove(Request* r, const grpc::Status& status, Pending& pending) {

@@ -200,11 +200,20 @@ class Dispatcher final : public WorkerLinkHandler {
   // `r` has its first token from a prefill group: it moves to a decode group
   // the router picks (none connected: it stays).
   void HandOff(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
-  // Rebalancing (CoordinatorOptions::rebalance_threshold): at most once per
-  // period and with no other rebalancing move in flight, moves the running
-  // request with the most tokens left from the busiest group to the least
-  // busy one when their requests in flight differ by the threshold.
+  // Rebalancing (CoordinatorOptions::rebalance_threshold and
+  // rebalance_cache_fraction): at most once per period and with no other
+  // rebalancing move in flight, moves one running request from the busiest
+  // group to the least busy one, by requests in flight first, then by cache
+  // use (MoveOne).
   void MaybeRebalance(Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Starts moving one running request of groups_[source] (not moved within
+  // the cooldown) to groups_[target]: by requests in flight the one with
+  // the most tokens left, by cache (`by_cache`) the one holding the most
+  // rows; false when none qualifies.
+  bool MoveOne(int source, int target, bool by_cache, Clock::time_point now, Pending& pending) MLARUN_REQUIRES(mu_);
+  // Fraction of `g`'s cache blocks in use, as it last reported (free and
+  // evictable blocks count as unused).
+  static double CacheUse(const Group& g);
   // The move of `r` is over: its callers get `status` (OK: it runs on its
   // new group) and the counters count it.
   void EndMove(Request* r, const grpc::Status& status, Pending& pending) MLARUN_REQUIRES(mu_);

@@ -1589,6 +1589,47 @@ TEST_F(CoordinatorTest, RebalancingEvensOutGroupsWithoutBouncing) {
 // the most requests in flight, but moving one to a would leave a with more
 // queued tokens than b, and the router would send the next requests back to
 // b: no move. (Moving by request count alone moves one at once.)
+// Rebalancing by cache use: a holds a 400-token request (100 blocks of 4)
+// and a short one, b a short one; a reports 92% of its 256 blocks in use,
+// b 2%. The request holding the most rows (the long one) moves to b, once;
+// requests in flight (2 against 1) would not have moved anything at this
+// threshold. When b then reports itself 92% full and a 2%, the long one
+// is in its cooldown: the short one on b moves instead.
+TEST_F(CoordinatorTest, RebalancingByCacheUseMovesTheRequestHoldingTheMostRows) {
+  StartCoordinator({.policy = RoutingPolicy::kRoundRobin,
+                    .rebalance_threshold = 5,
+                    .rebalance_period_s = 0.02,
+                    .rebalance_cooldown_s = 60,
+                    .rebalance_cache_fraction = 0.3});
+  FakeWorker& a = AddWorker({.worker_id = "a", .dp_group = 0, .token_delay = 5ms});
+  FakeWorker& b = AddWorker({.worker_id = "b", .dp_group = 1, .token_delay = 5ms});
+  std::vector<int32_t> long_prompt(400);
+  for (int i = 0; i < 400; ++i) long_prompt[static_cast<size_t>(i)] = 10 + i % 300;
+  UnboundedGenerate big(*stub_, MakeRequest(long_prompt, 400, 1, "big"));  // round robin: a
+  ASSERT_TRUE(big.WaitTokens(1));
+  UnboundedGenerate small_b(*stub_, MakeRequest({7, 7}, 300, 2, "small-b"));  // b
+  ASSERT_TRUE(small_b.WaitTokens(1));
+  UnboundedGenerate small_a(*stub_, MakeRequest({8, 8}, 300, 3, "small-a"));  // a
+  ASSERT_TRUE(small_a.WaitTokens(1));
+  EXPECT_EQ(Stats().coordinator().rebalance_moves(), 0) << "nothing reported yet";
+  b.SendStats(250);
+  a.SendStats(20);
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_migrated() == 1; }));
+  EXPECT_FALSE(b.resumed("big").empty()) << "the long request moved to b; b has: "
+                                         << testing::PrintToString(b.routes());
+  a.SendStats(250);
+  b.SendStats(20);
+  ASSERT_TRUE(WaitStats([](const auto& s) { return s.coordinator().requests_migrated() == 2; }));
+  EXPECT_FALSE(a.resumed("small-b").empty()) << "a has: " << testing::PrintToString(a.routes());
+  ExpectServed(big.Get(), long_prompt, 1, 400);
+  ExpectServed(small_a.Get(), {8, 8}, 3, 300);
+  ExpectServed(small_b.Get(), {7, 7}, 2, 300);
+  const v1::GetStatsResponse s = Stats();
+  EXPECT_EQ(s.coordinator().rebalance_moves(), 2);
+  EXPECT_EQ(FindGroup(s, "a", 0)->migrated_out(), 1);
+  EXPECT_EQ(FindGroup(s, "b", 1)->migrated_out(), 1) << "big was not moved back";
+}
+
 TEST_F(CoordinatorTest, RebalancingDoesNotMoveAgainstLeastLoadedRouting) {
   StartCoordinator({.policy = RoutingPolicy::kLeastLoaded,
                     .rebalance_threshold = 2,
