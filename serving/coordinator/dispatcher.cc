@@ -1306,32 +1306,31 @@ double Dispatcher::CacheUse(const Group& g) {
   return 1.0 - static_cast<double>(std::min(g.free_blocks, g.cache_blocks)) / static_cast<double>(g.cache_blocks);
 }
 
+std::pair<int, int> Dispatcher::Extremes(double (*load)(const Group&)) const {
+  int most = -1, least = -1;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    const Group& g = *groups_[i];
+    if (g.link == nullptr || g.role == GroupRole::kPrefill) continue;
+    if (most < 0 || load(g) > load(*groups_[static_cast<size_t>(most)])) most = static_cast<int>(i);
+    if (least < 0 || load(g) < load(*groups_[static_cast<size_t>(least)])) least = static_cast<int>(i);
+  }
+  return {most, least};
+}
+
 void Dispatcher::MaybeRebalance(Clock::time_point now, Pending& pending) {
   if ((options_.rebalance_threshold <= 0 && options_.rebalance_cache_fraction <= 0) || rebalancing_ ||
       now < last_rebalance_ + SecondsToDuration(options_.rebalance_period_s))
     return;
   last_rebalance_ = now;
-  // The groups that take moved requests (mixed or decode) with the most
-  // and the least of `load`; -1 when there are none.
-  auto extremes = [&](auto load) {
-    int most = -1, least = -1;
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      const Group& g = *groups_[i];
-      if (g.link == nullptr || g.role == GroupRole::kPrefill) continue;
-      if (most < 0 || load(g) > load(*groups_[static_cast<size_t>(most)])) most = static_cast<int>(i);
-      if (least < 0 || load(g) < load(*groups_[static_cast<size_t>(least)])) least = static_cast<int>(i);
-    }
-    return std::pair(most, least);
-  };
   if (options_.rebalance_threshold > 0) {
-    const auto [busiest, idlest] = extremes([](const Group& g) { return static_cast<double>(g.in_flight); });
+    const auto [busiest, idlest] = Extremes([](const Group& g) { return static_cast<double>(g.in_flight); });
     if (busiest >= 0 &&
         groups_[static_cast<size_t>(busiest)]->in_flight - groups_[static_cast<size_t>(idlest)]->in_flight >=
             options_.rebalance_threshold)
       if (MoveOne(busiest, idlest, /*by_cache=*/false, now, pending)) return;
   }
   if (options_.rebalance_cache_fraction > 0) {
-    const auto [fullest, emptiest] = extremes(CacheUse);
+    const auto [fullest, emptiest] = Extremes(CacheUse);
     if (fullest >= 0 &&
         CacheUse(*groups_[static_cast<size_t>(fullest)]) - CacheUse(*groups_[static_cast<size_t>(emptiest)]) >=
             options_.rebalance_cache_fraction)

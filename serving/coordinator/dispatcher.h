@@ -174,7 +174,7 @@ class Dispatcher final : public WorkerLinkHandler {
   void SendRoute(Request* r, const v1::MoveSource* prefix, Pending& pending) MLARUN_REQUIRES(mu_);
   // Whether the prefix indexes are kept: for prefix_affinity routing, and
   // for fetching prefixes between groups.
-  bool IndexesPrefixes() const {
+  bool IndexesPrefixes() const MLARUN_REQUIRES(mu_) {
     return router_.policy() == RoutingPolicy::kPrefixAffinity || options_.prefix_fetch_min_tokens > 0;
   }
   // Prefix fetch (CoordinatorOptions::prefix_fetch_min_tokens): when another
@@ -214,6 +214,9 @@ class Dispatcher final : public WorkerLinkHandler {
   // Fraction of `g`'s cache blocks in use, as it last reported (free and
   // evictable blocks count as unused).
   static double CacheUse(const Group& g);
+  // Of the connected groups that take moved requests (mixed or decode),
+  // those with the most and the least `load`; -1, -1 when there are none.
+  std::pair<int, int> Extremes(double (*load)(const Group&)) const MLARUN_REQUIRES(mu_);
   // The move of `r` is over: its callers get `status` (OK: it runs on its
   // new group) and the counters count it.
   void EndMove(Request* r, const grpc::Status& status, Pending& pending) MLARUN_REQUIRES(mu_);
