@@ -228,6 +228,15 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
   auto& blocks_used = gauge("mlarun:cache_blocks_used", "Latent cache blocks in use on the rank, as last reported");
   auto& blocks_total = gauge("mlarun:cache_blocks_total", "Latent cache blocks of the rank");
   auto& usage = gauge("mlarun:cache_usage_perc", "Fraction of the rank's latent cache blocks in use (0 to 1)");
+  auto rank_counter = [&now](const char* name, const char* help) -> prometheus::Family<prometheus::Counter>& {
+    return prometheus::BuildCounter().Name(name).Help(help).Register(now);
+  };
+  auto& transfer_fetches = rank_counter("mlarun:transfer_fetches_total",
+                                        "Block fetches from other DP groups' pools that landed on the rank");
+  auto& transfer_bytes =
+      rank_counter("mlarun:transfer_bytes_total", "Bytes of cache blocks the rank fetched from other DP groups' pools");
+  auto& transfer_failures = rank_counter("mlarun:transfer_failures_total",
+                                         "Block fetches of the rank that failed (their requests computed instead)");
   auto& received = prometheus::BuildCounter()
                        .Name("mlarun:requests_received_total")
                        .Help("Generate requests received by the coordinator (gRPC and HTTP)")
@@ -292,6 +301,9 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
         const prometheus::Labels rank_labels = {
             {"worker", alias}, {"dp_group", std::to_string(r.dp_group())}, {"rank", std::to_string(r.rank())}};
         blocks_used.Add(rank_labels).Set(static_cast<double>(r.cache_blocks_used()));
+        transfer_fetches.Add(rank_labels).Increment(static_cast<double>(r.transfer_fetches()));
+        transfer_bytes.Add(rank_labels).Increment(static_cast<double>(r.transfer_bytes()));
+        transfer_failures.Add(rank_labels).Increment(static_cast<double>(r.transfer_failures()));
         blocks_total.Add(rank_labels).Set(static_cast<double>(r.cache_blocks_total()));
         usage.Add(rank_labels)
             .Set(r.cache_blocks_total() > 0

@@ -1228,6 +1228,13 @@ TEST_F(HttpApiTest, MetricsCountRequestsOfBothApis) {
   EXPECT_GT(Sample(after, "mlarun:cache_blocks_total{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"), 0);
   EXPECT_TRUE(after.contains("mlarun:num_requests_running{dp_group=\"1\",worker=\"worker-0\"}"));
   EXPECT_EQ(Sample(after, "mlarun:num_requests_queued"), 0);
+  // Each rank's transfer counters, and the coordinator's prefix fetches
+  // (nothing moved here: zero, but there).
+  for (const char* name : {"transfer_fetches_total", "transfer_bytes_total", "transfer_failures_total"})
+    EXPECT_TRUE(after.contains(std::string("mlarun:") + name + "{dp_group=\"0\",rank=\"0\",worker=\"worker-0\"}"))
+        << name;
+  EXPECT_TRUE(after.contains("mlarun:prefix_fetches_total"));
+  EXPECT_TRUE(after.contains("mlarun:prefix_fetch_tokens_total"));
 }
 
 // cache_salt (vLLM's): a request reuses the cached prompt prefix only of
