@@ -198,15 +198,19 @@ std::optional<std::string> CheckRanks(const google::protobuf::RepeatedPtrField<v
   return std::nullopt;
 }
 
-// What is wrong with the blocks a group exported for a request of
-// `tokens` tokens (prompt + generated) with blocks of `block_size` tokens:
-// cached_tokens outside [0, tokens), a block table that does not hold them
-// (CheckBlockTable); nullopt when they are right.
-std::optional<std::string> CheckExportedBlocks(const v1::Exported& e, int64_t tokens, int64_t block_size) {
-  if (e.cached_tokens() < 0 || e.cached_tokens() >= tokens)
-    return StrCat("exported.cached_tokens ", e.cached_tokens(), " is outside [0, ", tokens, ")");
-  const Status st = CheckBlockTable(std::span<const int32_t>(e.block_ids().data(), e.block_ids_size()),
-                                    e.cached_tokens(), block_size, "exported.block_ids");
+// What is wrong with blocks a group holds for another to fetch (`message`:
+// "exported" for a moving request, "prefix_exported" for a prefix): rows
+// (its cached_tokens) outside [0, most], rows that are not whole blocks of
+// `block_size` tokens when `whole_blocks`, or a block table that does not
+// hold them (CheckBlockTable); nullopt when they are right.
+std::optional<std::string> CheckHeldBlocks(std::string_view message,
+                                           const google::protobuf::RepeatedField<int32_t>& block_ids, int64_t rows,
+                                           int64_t most, int64_t block_size, bool whole_blocks) {
+  if (rows < 0 || rows > most) return StrCat(message, ".cached_tokens ", rows, " is outside [0, ", most, "]");
+  if (whole_blocks && rows % block_size != 0)
+    return StrCat(message, ".cached_tokens ", rows, " is not a multiple of the block size ", block_size);
+  const Status st = CheckBlockTable(std::span<const int32_t>(block_ids.data(), block_ids.size()), rows, block_size,
+                                    StrCat(message, ".block_ids"));
   if (st.ok()) return std::nullopt;
   return st.message();
 }
@@ -976,7 +980,9 @@ std::optional<Dispatcher::Violation> Dispatcher::OnExported(int group, const v1:
                      .what = StrCat("exported.tokens ", exported.tokens(), " for request '", r->id, "', which had ",
                                     r->tokens_sent, " tokens")};
   Group& g = *groups_[static_cast<size_t>(group)];
-  if (std::optional<std::string> bad = CheckExportedBlocks(exported, r->prompt_tokens + r->tokens_sent, g.block_size))
+  if (std::optional<std::string> bad =
+          CheckHeldBlocks("exported", exported.block_ids(), exported.cached_tokens(),
+                          r->prompt_tokens + r->tokens_sent - 1, g.block_size, /*whole_blocks=*/false))
     return Violation{.request_id = r->wire_id, .what = StrCat("request '", r->id, "': ", *bad)};
   ++g.migrated_out;
   r->move->left = true;
@@ -1074,6 +1080,11 @@ Candidate Dispatcher::CandidateOf(int index) const {
   return Candidate{.index = index, .queued_tokens = g.queued_tokens, .free_blocks = g.free_blocks};
 }
 
+bool Dispatcher::IndexesPrefixes(const Group& g) const {
+  return router_.policy() == RoutingPolicy::kPrefixAffinity ||
+         (options_.prefix_fetch_min_tokens > 0 && g.exports_prefixes);
+}
+
 bool Dispatcher::Suits(const Group& g, const Request& r) {
   return g.role == GroupRole::kMixed || (g.role == GroupRole::kPrefill) == (r.tokens_sent == 0);
 }
@@ -1117,7 +1128,7 @@ void Dispatcher::RouteTo(Request* r, int index, Pending& pending) {
   // Asked before the target's index learns the chain, which would hide
   // what the target lacks.
   const bool asked = AskForPrefix(r, index, pending);
-  if (IndexesPrefixes()) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
+  if (IndexesPrefixes(g)) g.prefix.Insert(ChainFor(r->chains, r->route, g.block_size));
   if (!asked) SendRoute(r, nullptr, pending);
 }
 
@@ -1145,7 +1156,7 @@ bool Dispatcher::AskForPrefix(Request* r, int target, Pending& pending) {
   const std::vector<uint64_t>& chain = ChainFor(r->chains, r->route, bs);
   const auto usable =
       std::span<const uint64_t>(chain).first(std::min(chain.size(), static_cast<size_t>((r->prompt_tokens - 1) / bs)));
-  const int64_t own = t.prefix.LeadingMatch(usable);
+  const int64_t own = IndexesPrefixes(t) ? t.prefix.LeadingMatch(usable) : 0;
   int source = -1;
   int64_t best = own;
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -1179,12 +1190,15 @@ void Dispatcher::DropPrefix(Request* r, Pending& pending) {
     prefix_asks_.erase(f.export_id);  // its answer, when it comes, is released
     return;
   }
-  Group& s = *groups_[static_cast<size_t>(f.source)];
-  if (s.link == nullptr) return;
+  ReleasePrefix(*groups_[static_cast<size_t>(f.source)], f.export_id, pending);
+}
+
+void Dispatcher::ReleasePrefix(Group& source, uint64_t export_id, Pending& pending) {
+  if (source.link == nullptr) return;
   v1::CoordinatorMessage msg;
-  msg.mutable_release_prefix()->set_export_id(f.export_id);
-  s.link->Queue(std::move(msg));
-  pending.Add(s.link);
+  msg.mutable_release_prefix()->set_export_id(export_id);
+  source.link->Queue(std::move(msg));
+  pending.Add(source.link);
 }
 
 std::optional<Dispatcher::Violation> Dispatcher::OnPrefixExported(int group, const v1::PrefixExported& x,
@@ -1193,30 +1207,18 @@ std::optional<Dispatcher::Violation> Dispatcher::OnPrefixExported(int group, con
   auto it = prefix_asks_.find(x.export_id());
   if (it == prefix_asks_.end() || it->second->prefix->source != group) {
     // Its request ended, or left the group it was for, meanwhile.
-    if (x.block_ids_size() > 0) {
-      v1::CoordinatorMessage msg;
-      msg.mutable_release_prefix()->set_export_id(x.export_id());
-      s.link->Queue(std::move(msg));
-      pending.Add(s.link);
-    }
+    if (x.block_ids_size() > 0) ReleasePrefix(s, x.export_id(), pending);
     return std::nullopt;
   }
   Request* r = it->second;
   prefix_asks_.erase(it);
-  const int64_t asked = (r->prompt_tokens - 1) / s.block_size * s.block_size;
-  const Status st = CheckBlockTable(std::span<const int32_t>(x.block_ids().data(), x.block_ids_size()),
-                                    x.cached_tokens(), s.block_size, "prefix_exported.block_ids");
-  if (x.cached_tokens() < 0 || x.cached_tokens() > asked || x.cached_tokens() % s.block_size != 0 || !st.ok()) {
-    r->prefix.reset();
-    SendRoute(r, nullptr, pending);  // computed; the group is disconnected for it
-    return Violation{.what = x.cached_tokens() % s.block_size != 0 || x.cached_tokens() < 0 || x.cached_tokens() > asked
-                                 ? StrCat("prefix_exported.cached_tokens ", x.cached_tokens(),
-                                          " is not a multiple of the block size ", s.block_size, " in [0, ", asked, "]")
-                                 : st.message()};
-  }
-  if (x.cached_tokens() == 0) {  // evicted meanwhile: computed
+  const std::optional<std::string> bad =
+      CheckHeldBlocks("prefix_exported", x.block_ids(), x.cached_tokens(),
+                      (r->prompt_tokens - 1) / s.block_size * s.block_size, s.block_size, /*whole_blocks=*/true);
+  if (bad || x.cached_tokens() == 0) {  // forged (the group is disconnected for it), or evicted meanwhile: computed
     r->prefix.reset();
     SendRoute(r, nullptr, pending);
+    if (bad) return Violation{.what = *bad};
     return std::nullopt;
   }
   r->prefix->held = true;
@@ -1350,6 +1352,7 @@ bool Dispatcher::MoveOne(int source, int target, bool by_cache, Clock::time_poin
   const bool load_aware = router_.policy() != RoutingPolicy::kRoundRobin;
   const Clock::duration cooldown = SecondsToDuration(options_.rebalance_cooldown_s);
   auto rows = [](const Request& r) { return r.prompt_tokens + r.tokens_sent; };
+  auto blocks = [&](const Request& r) { return (rows(r) + from.block_size - 1) / from.block_size; };
   Request* pick = nullptr;
   for (auto& [id, owned] : requests_) {
     Request* r = owned.get();
@@ -1358,9 +1361,9 @@ bool Dispatcher::MoveOne(int source, int target, bool by_cache, Clock::time_poin
       continue;
     if (!by_cache && load_aware && to.queued_tokens + r->cost > from.queued_tokens - r->cost) continue;
     if (by_cache && from.block_size > 0 && to.cache_blocks > 0 && from.cache_blocks > 0) {
-      const double blocks = static_cast<double>((rows(*r) + from.block_size - 1) / from.block_size);
-      const double to_use = CacheUse(to) + blocks / static_cast<double>(to.cache_blocks);
-      const double from_use = CacheUse(from) - blocks / static_cast<double>(from.cache_blocks);
+      const double b = static_cast<double>(blocks(*r));
+      const double to_use = CacheUse(to) + b / static_cast<double>(to.cache_blocks);
+      const double from_use = CacheUse(from) - b / static_cast<double>(from.cache_blocks);
       if (to_use > from_use) continue;
     }
     // By requests: the one with the most tokens left; by cache: the one
@@ -1374,9 +1377,8 @@ bool Dispatcher::MoveOne(int source, int target, bool by_cache, Clock::time_poin
   if (by_cache && from.block_size > 0) {
     // Until the groups next report, the view counts the move done, so that
     // the next period does not move more for the same gap.
-    const int64_t blocks = (rows(*pick) + from.block_size - 1) / from.block_size;
-    from.free_blocks = std::min(from.cache_blocks, from.free_blocks + blocks);
-    to.free_blocks = std::max<int64_t>(0, to.free_blocks - blocks);
+    from.free_blocks = std::min(from.cache_blocks, from.free_blocks + blocks(*pick));
+    to.free_blocks = std::max<int64_t>(0, to.free_blocks - blocks(*pick));
   }
   pick->move->rebalancing = true;
   rebalancing_ = true;
@@ -1565,7 +1567,7 @@ void Dispatcher::Complete(Request* r, const v1::RequestDone& done, Pending& pend
   if (r->group >= 0) {
     Group& g = *groups_[static_cast<size_t>(r->group)];
     ++g.completed;
-    if (IndexesPrefixes() && !r->completion.empty() && g.block_size > 0) {
+    if (IndexesPrefixes(g) && !r->completion.empty() && g.block_size > 0) {
       // The group's cache now also holds the generated tokens' blocks (all
       // but the last token, whose row is never written): a follow-up turn
       // that resends prompt + answer should find them.

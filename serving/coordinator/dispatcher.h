@@ -172,11 +172,9 @@ class Dispatcher final : public WorkerLinkHandler {
   // Sends `r`'s RouteRequest to its group, with `prefix` (may be nullptr)
   // as its move source.
   void SendRoute(Request* r, const v1::MoveSource* prefix, Pending& pending) MLARUN_REQUIRES(mu_);
-  // Whether the prefix indexes are kept: for prefix_affinity routing, and
-  // for fetching prefixes between groups.
-  bool IndexesPrefixes() const MLARUN_REQUIRES(mu_) {
-    return router_.policy() == RoutingPolicy::kPrefixAffinity || options_.prefix_fetch_min_tokens > 0;
-  }
+  // Whether `g`'s prefix index is kept: for prefix_affinity routing, and
+  // for fetching prefixes from the groups that export them.
+  bool IndexesPrefixes(const Group& g) const MLARUN_REQUIRES(mu_);
   // Prefix fetch (CoordinatorOptions::prefix_fetch_min_tokens): when another
   // group's prefix index holds at least that many more leading prompt
   // tokens of `r` than groups_[target]'s, asks the one holding the most for
@@ -186,6 +184,8 @@ class Dispatcher final : public WorkerLinkHandler {
   // Ends `r`'s prefix fetch: an ask not answered yet is forgotten (its
   // answer is then released), held blocks are released (ReleasePrefix).
   void DropPrefix(Request* r, Pending& pending) MLARUN_REQUIRES(mu_);
+  // ReleasePrefix of `export_id` to `source`, if its link is up.
+  void ReleasePrefix(Group& source, uint64_t export_id, Pending& pending) MLARUN_REQUIRES(mu_);
   // `r` left its group with the tokens its client has (it moved, or the
   // group went away): routed anew with them as RouteRequest.generated_ids,
   // to its move's target while that is connected, else as the router picks;
