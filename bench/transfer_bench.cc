@@ -124,14 +124,7 @@ Status RunTransferBench(const TransferBenchOptions& o, MpiSession& session, std:
     // polling (a spinning answerer takes a core that the transport, or a
     // user-space link, needs on a small host).
     std::thread answer([&] {
-      while (!done.load(std::memory_order_relaxed)) {
-        const BlockTransfer::Wakeup w = t->ArmForWakeup();
-        if (w.fd >= 0) {
-          WaitForWakeup(w.fd, std::chrono::milliseconds(1));
-        } else if (!w.busy) {
-          t->Progress();
-        }
-      }
+      while (!done.load(std::memory_order_relaxed)) t->AnswerPeers(std::chrono::milliseconds(1));
     });
     const Status st = world->Barrier();
     done.store(true);

@@ -355,6 +355,15 @@ BlockTransfer::Wakeup BlockTransfer::ArmForWakeup() {
   return {.busy = st == UCS_ERR_BUSY};
 }
 
+void BlockTransfer::AnswerPeers(std::chrono::microseconds most) {
+  const Wakeup w = ArmForWakeup();
+  if (w.fd >= 0) {
+    WaitForWakeup(w.fd, most);
+  } else if (!w.busy) {
+    Progress();
+  }
+}
+
 bool WaitForWakeup(int fd, std::chrono::microseconds most) {
   pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
   const auto s = std::chrono::duration_cast<std::chrono::seconds>(most);

@@ -156,6 +156,10 @@ class BlockTransfer {
     bool busy = false;
   };
   Wakeup ArmForWakeup();
+  // For a source that owns this object alone (no lock around it): answers
+  // what peers sent, then sleeps until a peer sends more or `most` passes;
+  // where the transports cannot wake it, one Progress instead.
+  void AnswerPeers(std::chrono::microseconds most);
 
   const BlockTransferStats& stats() const { return stats_; }
 
