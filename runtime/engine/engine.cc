@@ -157,18 +157,17 @@ StatusOr<ExportedRequest> Engine::Export(int64_t id) {
 
 StatusOr<Engine::ExportedPrefix> Engine::ExportPrefix(std::span<const int32_t> tokens, uint64_t salt) {
   ExportedPrefix out;
-  if (!config_.enable_prefix_caching || cache_->MatchPrefix(tokens, salt) == 0) return out;
+  if (!config_.enable_prefix_caching) return out;
   // A sequence of its own (an id no request gets) holds the blocks, so
   // eviction passes them over until ReleaseExport.
   const int64_t handle = next_id_++;
   MLARUN_RETURN_IF_ERROR(cache_->AddSequence(handle, salt));
   MLARUN_ASSIGN_OR_RETURN(const int64_t rows, cache_->AttachPrefix(handle, tokens, std::ssize(tokens)));
-  const std::span<const int32_t> table = cache_->BlockTable(handle);
-  if (rows == 0 || rows % config_.block_size != 0 || std::ssize(table) != rows / config_.block_size) {
+  if (rows == 0) {
     MLARUN_RETURN_IF_ERROR(cache_->Release(handle));
-    if (rows == 0) return out;
-    return InternalError("engine: a prefix of ", rows, " rows attached ", table.size(), " blocks");
+    return out;
   }
+  const std::span<const int32_t> table = cache_->BlockTable(handle);  // whole blocks: AttachPrefix's
   out.handle = handle;
   out.held = ExportedRequest{.blocks = {table.begin(), table.end()}, .rows = rows};
   exported_.insert(handle);

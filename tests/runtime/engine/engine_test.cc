@@ -750,10 +750,7 @@ TEST(Engine, AnExportedPrefixIsImportedInsteadOfComputed) {
     request.import = ImportSource{.descriptors = {"a"}, .blocks = held->held.blocks, .rows = held->held.rows};
     const auto got = b->Generate({request});
     ASSERT_TRUE(got[0].ok()) << got[0].status();
-    EXPECT_EQ(got[0]->tokens, want[0]->tokens);
-    ASSERT_EQ(got[0]->logprobs.size(), want[0]->logprobs.size());
-    for (size_t i = 0; i < got[0]->logprobs.size(); ++i)
-      EXPECT_NEAR(got[0]->logprobs[i], want[0]->logprobs[i], 1e-5) << "token " << i;
+    ExpectTail(*got[0], *want[0], 0);
     ASSERT_EQ(importer.calls.size(), 1u);
     EXPECT_EQ(importer.calls[0].src, held->held.blocks);
     EXPECT_EQ(b->stats().imported_tokens, 28);
