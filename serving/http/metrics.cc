@@ -228,47 +228,32 @@ std::string Metrics::Render(const v1::GetStatsResponse& stats, int64_t live_requ
   auto& blocks_used = gauge("mlarun:cache_blocks_used", "Latent cache blocks in use on the rank, as last reported");
   auto& blocks_total = gauge("mlarun:cache_blocks_total", "Latent cache blocks of the rank");
   auto& usage = gauge("mlarun:cache_usage_perc", "Fraction of the rank's latent cache blocks in use (0 to 1)");
-  auto rank_counter = [&now](const char* name, const char* help) -> prometheus::Family<prometheus::Counter>& {
+  auto counter = [&now](const char* name, const char* help) -> prometheus::Family<prometheus::Counter>& {
     return prometheus::BuildCounter().Name(name).Help(help).Register(now);
   };
-  auto& transfer_fetches = rank_counter("mlarun:transfer_fetches_total",
-                                        "Block fetches from other DP groups' pools that landed on the rank");
+  auto& transfer_fetches =
+      counter("mlarun:transfer_fetches_total", "Block fetches from other DP groups' pools that landed on the rank");
   auto& transfer_bytes =
-      rank_counter("mlarun:transfer_bytes_total", "Bytes of cache blocks the rank fetched from other DP groups' pools");
-  auto& transfer_failures = rank_counter("mlarun:transfer_failures_total",
-                                         "Block fetches of the rank that failed (their requests computed instead)");
-  auto& received = prometheus::BuildCounter()
-                       .Name("mlarun:requests_received_total")
-                       .Help("Generate requests received by the coordinator (gRPC and HTTP)")
-                       .Register(now);
-  auto& rerouted = prometheus::BuildCounter()
-                       .Name("mlarun:requests_rerouted_total")
-                       .Help(
-                           "Requests re-queued for another DP group after theirs went away (those with tokens "
-                           "resume from them)")
-                       .Register(now);
-  auto& migrated = prometheus::BuildCounter()
-                       .Name("mlarun:requests_migrated_total")
-                       .Help("Running requests moved to another DP group (Migrate) that run there")
-                       .Register(now);
-  auto& rebalanced = prometheus::BuildCounter()
-                         .Name("mlarun:rebalance_moves_total")
-                         .Help("Moves the coordinator started to even out its DP groups (--rebalance-threshold)")
-                         .Register(now);
-  auto& migrations_failed = prometheus::BuildCounter()
-                                .Name("mlarun:migrations_failed_total")
-                                .Help("Moves that did not happen: the request ended first, or no group took it")
-                                .Register(now);
-
-  auto& prefix_fetches =
-      prometheus::BuildCounter()
-          .Name("mlarun:prefix_fetches_total")
-          .Help("Requests whose DP group fetched a cached prompt prefix from another group instead of computing it")
-          .Register(now);
-  auto& prefix_fetch_tokens = prometheus::BuildCounter()
-                                  .Name("mlarun:prefix_fetch_tokens_total")
-                                  .Help("Prompt tokens whose cache rows were fetched from another DP group")
-                                  .Register(now);
+      counter("mlarun:transfer_bytes_total", "Bytes of cache blocks the rank fetched from other DP groups' pools");
+  auto& transfer_failures = counter("mlarun:transfer_failures_total",
+                                    "Block fetches of the rank that failed (their requests computed instead)");
+  auto& received =
+      counter("mlarun:requests_received_total", "Generate requests received by the coordinator (gRPC and HTTP)");
+  auto& rerouted = counter("mlarun:requests_rerouted_total",
+                           "Requests re-queued for another DP group after theirs went away (those with tokens resume "
+                           "from them)");
+  auto& migrated =
+      counter("mlarun:requests_migrated_total", "Running requests moved to another DP group (Migrate) that run there");
+  auto& rebalanced = counter("mlarun:rebalance_moves_total",
+                             "Moves the coordinator started to even out its DP groups (--rebalance-threshold, "
+                             "--rebalance-cache-fraction)");
+  auto& migrations_failed = counter("mlarun:migrations_failed_total",
+                                    "Moves that did not happen: the request ended first, or no group took it");
+  auto& prefix_fetches = counter("mlarun:prefix_fetches_total",
+                                 "Requests whose DP group fetched a cached prompt prefix from another group instead of "
+                                 "computing it");
+  auto& prefix_fetch_tokens =
+      counter("mlarun:prefix_fetch_tokens_total", "Prompt tokens whose cache rows were fetched from another DP group");
 
   queued.Add({}).Set(static_cast<double>(stats.coordinator().requests_queued()));
   live.Add({}).Set(static_cast<double>(live_requests));
