@@ -167,25 +167,12 @@ for i in 0 1 2 3 4 5 0 1 2; do
 done
 for p in "${submits[@]}"; do wait "$p" || fail "migrate: a submit failed: $(cat "$work"/submit*.log)"; done
 wait_caches_empty migrate
-python3 - "$work" "$moves" <<'PY' || fail "migrate: results"
-import json, re, sys
+python3 - "$work" "$moves" "$src/tests/launcher" <<'PY' || fail "migrate: results"
+import json, sys
 work, moves = sys.argv[1], int(sys.argv[2])
-local = [json.loads(l) for l in open(f"{work}/local-migrate.jsonl")]
-before_move = []
-for i, l in enumerate(local):
-    s = json.load(open(f"{work}/served{i}.json"))
-    assert s["finish_reason"] == l["finish_reason"], (i, s["finish_reason"], l["finish_reason"])
-    assert len(s["tokens"]) == len(l["tokens"]), (i, len(s["tokens"]), len(l["tokens"]))
-    first_move = int(re.search(r"after (\d+) tokens", open(f"{work}/move{i}.out").read()).group(1))
-    differ = [k for k, (a, b) in enumerate(zip(s["tokens"], l["tokens"])) if a != b]
-    # As migration_e2e.sh: a decode step's rows can round differently with
-    # the batch it shares; one request differing before its first move is
-    # not the move's doing.
-    if differ and differ[0] < first_move:
-        before_move.append((i, differ[0], first_move))
-        continue
-    assert not differ, (i, "tokens differ from one process's from", differ[0], "moved after", first_move)
-assert len(before_move) <= 1, ("requests that differ before their first move", before_move)
+sys.path.insert(0, sys.argv[3])
+import moved_tokens
+before_move = moved_tokens.check(work, f"{work}/local-migrate.jsonl")
 d = json.load(open(f"{work}/stats-migrate.json"))
 c = d["coordinator"]
 assert int(c["requests_migrated"]) == moves and int(c["migrations_failed"]) == 0, c
@@ -195,7 +182,8 @@ for r in ranks:
     assert r.get("transfer_path") == "any", r
     assert int(r.get("transfer_fetches", 0)) > 0 and int(r.get("transfer_failures", 0)) == 0, r
 moved = sum(int(r.get("transfer_bytes", 0)) for r in ranks)
-print(f"6 requests, {moves} moves between host2 and host3, {moved} bytes over UCX TCP: tokens equal one process's")
+same = "" if before_move is None else f" (request {before_move[0]} differed at token {before_move[1]}, before its move)"
+print(f"6 requests, {moves} moves between host2 and host3, {moved} bytes over UCX TCP: tokens equal one process's{same}")
 PY
 netns_stop_processes
 echo "$name: migrate: PASS ($((SECONDS - t0)) s)"
