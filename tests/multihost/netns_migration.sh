@@ -215,9 +215,13 @@ roles = {g["role"]: g for g in d["groups"]}
 assert set(roles) == {"prefill", "decode"}, d["groups"]
 p, q = roles["prefill"], roles["decode"]
 # The prefill group decodes on while the hand-off is on its way: a request
-# may end there first (the move then ends with it).
+# may end there first (the move then ends with it). The tiny model makes
+# hundreds of tokens a second, so how many get away first depends on the
+# load of the machine (a CI run saw 7 of 12 end on the prefill group while
+# the coordinator was held up 0.2 s); at least one must move, and every
+# move must have fetched its blocks.
 moved = int(q["migrated_in"])
-assert int(p["requests_routed"]) == 12 and int(p["migrated_out"]) == moved >= 9, d["groups"]
+assert int(p["requests_routed"]) == 12 and int(p["migrated_out"]) == moved >= 1, d["groups"]
 assert int(p["requests_completed"]) + int(q["requests_completed"]) == 12, d["groups"]
 decode = [r for r in d["ranks"] if r.get("host") == "host3"]
 assert len(decode) == 1 and int(decode[0].get("transfer_fetches", 0)) == moved, d["ranks"]
