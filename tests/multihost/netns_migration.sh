@@ -172,7 +172,7 @@ import json, sys
 work, moves = sys.argv[1], int(sys.argv[2])
 sys.path.insert(0, sys.argv[3])
 import moved_tokens
-before_move = moved_tokens.check(work, f"{work}/local-migrate.jsonl")
+differed = moved_tokens.check(work, f"{work}/local-migrate.jsonl")
 d = json.load(open(f"{work}/stats-migrate.json"))
 c = d["coordinator"]
 assert int(c["requests_migrated"]) == moves and int(c["migrations_failed"]) == 0, c
@@ -182,7 +182,7 @@ for r in ranks:
     assert r.get("transfer_path") == "any", r
     assert int(r.get("transfer_fetches", 0)) > 0 and int(r.get("transfer_failures", 0)) == 0, r
 moved = sum(int(r.get("transfer_bytes", 0)) for r in ranks)
-same = "" if before_move is None else f" (request {before_move[0]} differed at token {before_move[1]}, before its move)"
+same = "" if differed is None else f" (request {differed[0]} differed at token {differed[1]}, first move at {differed[2]})"
 print(f"6 requests, {moves} moves between host2 and host3, {moved} bytes over UCX TCP: tokens equal one process's{same}")
 PY
 netns_stop_processes
