@@ -41,8 +41,8 @@ bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group) {
 bool UsePackedIntDot(const CpuKernels& k, DType b_type, int64_t k_dim, int64_t b_group) {
   if (k.gemm_packed_int_dot == nullptr) return false;
   if (b_type == DType::kInt4) return UseIntDot(k.isa, b_type, k_dim, b_group);
-  return b_type == DType::kInt8 && k.isa >= CpuIsa::kAvx512 && UseVnni() &&
-         g_int_dot.load(std::memory_order_relaxed) != IntDotMode::kOff && WholeBlocks(k_dim, b_group);
+  return b_type == DType::kInt8 && g_int_dot.load(std::memory_order_relaxed) != IntDotMode::kOff &&
+         WholeBlocks(k_dim, b_group);
 }
 
 IntDotMode SetIntDotMode(IntDotMode mode) { return g_int_dot.exchange(mode); }

@@ -84,9 +84,9 @@ struct CpuKernels {
   size_t (*int_dot_prepared_a_bytes)(int64_t m, int64_t k, int64_t b_group) = nullptr;
   // Many rows with an int4 B, A rounded the same way (in k order): panels of
   // weight rows unpacked to bytes, 8-bit products summed per block
-  // (int_dot.inc; with AVX512-VNNI where UseVnni); with an int8 B (where
-  // UsePackedIntDot: AVX512-VNNI only), A rounded to int16 and B widened to
-  // int16 per panel. Its prepare writes rows [r_begin, r_end) of A's rounded
+  // (int_dot.inc; with AVX512-VNNI where UseVnni); with an int8 B, A
+  // rounded to int16 and B widened to int16 per panel (vpmaddwd, or
+  // vpdpwssd where UseVnni). Its prepare writes rows [r_begin, r_end) of A's rounded
   // copy into `out` (packed_int_dot_prepared_a_bytes, shared by the
   // threads); each thread's scratch is packed_int_dot_scratch_bytes. The
   // SIMD families only (nullptr in scalar's table).
@@ -193,10 +193,10 @@ enum class IntDotMode : uint8_t { kAuto, kOn, kOff };
 // blocks of 32 that divide k.
 bool UseIntDot(CpuIsa isa, DType b_type, int64_t k, int64_t b_group);
 // Whether a product of many rows with B of `b_type` takes k's
-// gemm_packed_int_dot: int4 where UseIntDot; int8 where the family is
-// avx512 or amx, UseVnni, the mode is not kOff, and its groups are whole
-// blocks of 32 that divide k (its int16 A keeps the fp32 activations'
-// accuracy, so kAuto allows it).
+// gemm_packed_int_dot: int4 where UseIntDot; int8 on the SIMD families
+// where the mode is not kOff and its groups are whole blocks of 32 that
+// divide k (its int16 A keeps the fp32 activations' accuracy, so kAuto
+// allows it).
 bool UsePackedIntDot(const CpuKernels& k, DType b_type, int64_t k_dim, int64_t b_group);
 // For tests and MLARUN_INT_DOT (launcher/env.h). Returns the previous mode.
 // Products prepared before keep what they were prepared with.

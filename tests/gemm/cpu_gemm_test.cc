@@ -521,12 +521,13 @@ TEST(CpuGemm, PackedIntDotAnyRowsOnBothByteProducts) {
     }
 }
 
-// Many rows of an int8 B on AVX512-VNNI (the avx512 and amx families) take
-// the packed kernel with A rounded to int16 per block of 32 (d = max|x| /
-// 32767); elsewhere, or with MLARUN_INT_DOT=off, the fp32 panels with A as
-// it is. Every row count modulo 6, a short last panel, groups of 32, 128
-// and per channel, a zero point or offsets, B's bytes over all of -128..127:
-// against float64 of the A each path specifies.
+// Many rows of an int8 B on the SIMD families take the packed kernel with A
+// rounded to int16 per block of 32 (d = max|x| / 32767): vpmaddwd panels,
+// or vpdpwssd ones on AVX512-VNNI, which must give the same C bit for bit;
+// the scalar family, or MLARUN_INT_DOT=off, the fp32 panels with A as it
+// is. Every row count modulo 4 and 6, a short last panel, groups of 32, 128
+// and per channel, a zero point or offsets, B's bytes over all of
+// -128..127: against float64 of the A each path specifies.
 TEST(CpuGemm, PackedInt8WithInt16ActivationsAnyRows) {
   const int64_t n = 70, k = 256;
   std::mt19937 rng(13);
@@ -535,6 +536,7 @@ TEST(CpuGemm, PackedInt8WithInt16ActivationsAnyRows) {
   for (uint8_t& v : b) v = static_cast<uint8_t>(rng());
   std::vector<float> scale(static_cast<size_t>(n * (k / 32))), offset(scale.size());
   for (size_t i = 0; i < scale.size(); ++i) scale[i] = 0.01f * u(rng), offset[i] = 0.1f * u(rng);
+  const bool simd = ActiveCpuIsa() >= CpuIsa::kAvx2;
   const bool vnni = cpu::UseVnni() && ActiveCpuIsa() >= CpuIsa::kAvx512;
   for (cpu::IntDotMode mode : {cpu::IntDotMode::kAuto, cpu::IntDotMode::kOff})
     for (int64_t group : {int64_t{32}, int64_t{128}, k})
@@ -547,27 +549,39 @@ TEST(CpuGemm, PackedInt8WithInt16ActivationsAnyRows) {
           const size_t i = static_cast<size_t>(j * scale_ld + p / group);
           return offsets ? q * scale[i] + offset[i] : (q - 3) * scale[i];
         };
-        for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 40, 47}) {
+        for (int64_t m : {1, 2, 3, 4, 5, 6, 7, 9, 40, 47}) {
           GemmDesc d = Product(DType::kF32, m, n, k);
           d.b_type = DType::kInt8, d.b_stride_n = k, d.b_group = group;
-          const cpu::IntDotMode was = cpu::SetIntDotMode(mode);
-          auto g = CpuGemm::Get(d, GemmImpl::kPacked);
-          cpu::SetIntDotMode(was);
-          ASSERT_TRUE(g.ok()) << g.status();
-          const bool int16 = (*g)->impl_name().find("int16a") != std::string::npos;
-          EXPECT_EQ(int16, vnni && mode == cpu::IntDotMode::kAuto) << (*g)->impl_name();
           std::vector<float> a(static_cast<size_t>(m * k));
           for (float& v : a) v = u(rng);
-          std::vector<double> want, bound;
-          RoundedProduct(a, m, n, k, int16 ? 32767.0f : 0.0f, w, want, bound);
-          std::vector<float> c(static_cast<size_t>(m * n), std::numeric_limits<float>::quiet_NaN());
-          std::vector<std::byte> scratch((*g)->scratch_bytes());
-          ASSERT_TRUE((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &sc).ok());
-          int bad = 0;
-          for (size_t i = 0; i < c.size(); ++i)
-            if (!(std::abs(c[i] - want[i]) <= 1e-6 * bound[i] + 1e-6) && ++bad <= 3)
-              ADD_FAILURE() << (*g)->impl_name() << " " << d << " group " << group << (offsets ? " offsets" : " zero")
-                            << ": C[" << i / n << "][" << i % n << "] = " << c[i] << ", want " << want[i];
+          std::vector<std::vector<float>> results;
+          for (bool allow : {false, true}) {
+            if (allow && !vnni) break;
+            const bool was_vnni = cpu::SetVnniAllowed(allow);
+            const cpu::IntDotMode was = cpu::SetIntDotMode(mode);
+            auto g = CpuGemm::Get(d, GemmImpl::kPacked);
+            cpu::SetIntDotMode(was);
+            ASSERT_TRUE(g.ok()) << g.status();
+            const bool int16 = (*g)->impl_name().find("int16a") != std::string::npos;
+            EXPECT_EQ(int16, simd && mode == cpu::IntDotMode::kAuto) << (*g)->impl_name();
+            std::vector<double> want, bound;
+            RoundedProduct(a, m, n, k, int16 ? 32767.0f : 0.0f, w, want, bound);
+            std::vector<float> c(static_cast<size_t>(m * n), std::numeric_limits<float>::quiet_NaN());
+            std::vector<std::byte> scratch((*g)->scratch_bytes());
+            ASSERT_TRUE((*g)->Run(a.data(), b.data(), c.data(), scratch.data(), &sc).ok());
+            cpu::SetVnniAllowed(was_vnni);
+            int bad = 0;
+            for (size_t i = 0; i < c.size(); ++i)
+              if (!(std::abs(c[i] - want[i]) <= 1e-6 * bound[i] + 1e-6) && ++bad <= 3)
+                ADD_FAILURE() << (*g)->impl_name() << (allow ? " vnni " : " ") << d << " group " << group
+                              << (offsets ? " offsets" : " zero") << ": C[" << i / n << "][" << i % n << "] = " << c[i]
+                              << ", want " << want[i];
+            if (int16) results.push_back(std::move(c));
+          }
+          if (results.size() == 2) {
+            EXPECT_EQ(0, std::memcmp(results[0].data(), results[1].data(), results[0].size() * sizeof(float)))
+                << "vpdpwssd and vpmaddwd panels differ: " << d << " group " << group;
+          }
         }
       }
 }
