@@ -31,8 +31,10 @@
 // An int8 / int4 B (a weight with group scales, b_stride_k == 1) times an
 // fp32 A too: few rows stream the packed integers once, unpacked in
 // registers, a dot product per group scaled once per group (the offsets
-// through each group's sum of A); more rows, the packed kernel with a panel
-// of B decoded once.
+// through each group's sum of A); more rows, integer panels of B unpacked
+// once against A rounded per block of 32 (int8 B: int16 A; int4 B: int8 A;
+// cpu::UsePackedIntDot), else the packed kernel with a panel of B decoded
+// to fp32 once.
 #pragma once
 
 #include <cstddef>

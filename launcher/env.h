@@ -32,8 +32,9 @@
 //                   instructions even where the CPU has AVX512-VNNI
 //                   (cpu::UseVnni; the same integer sums), few rows in
 //                   pairs of blocks instead of quads, and int8 products of
-//                   many rows go back to fp32 panels. For measuring and
-//                   testing both paths on one CPU. Default: on.
+//                   many rows take AVX2's vpmaddwd panels (the same C).
+//                   For measuring and testing both paths on one CPU.
+//                   Default: on.
 //   MLARUN_BF16_DOT on | off. Off, no product uses AVX512-BF16's dot
 //                   products (cpu::UseBf16Dot) even where the CPU has them:
 //                   bf16 products widen to fp32 in registers (few rows) or
