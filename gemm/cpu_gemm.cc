@@ -178,7 +178,9 @@ int64_t GemmSmallRowsLimit(const GemmDesc& d) {
   // decodes a panel once: under AVX2 even at 12-16 rows, the packed kernel
   // faster from 24; elsewhere as f8_e4m3, except where the packed int-dot
   // kernel runs AVX512-VNNI's dot products, which are faster from 24 rows
-  // too (figures: docs/cpu-kernels.md, 'int8 and int4 weights').
+  // too (figures: docs/cpu-kernels.md, 'int8 and int4 weights'). The AVX2
+  // limit was measured against fp32 panels for int8, before its packed
+  // products took int16 activations on every family.
   if (IsIntWeight(d.b_type)) {
     const CpuIsa isa = ActiveCpuIsa();
     const bool vnni_packed =
