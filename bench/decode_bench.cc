@@ -8,6 +8,7 @@
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "base/cpu_isa.h"
@@ -92,6 +93,9 @@ struct MachineReference {
   std::vector<float> pc;
   double peak_gflops = 0, chosen_gflops = 0, onednn_gflops = 0;
   std::string peak_impl;
+  // The instruction's peak where prefill's products run on fp32 FMAs or bf16
+  // dot products (f32, bf16 and f8_e4m3 weights; host only).
+  std::optional<ProductPeak> arithmetic;
 };
 
 // What the phases of one `mlarun bench decode` share: the options, the loaded
@@ -243,6 +247,8 @@ Status MeasureGemmPeak(DecodeRun& run) {
                                   Timing{.repetitions = 5, .min_time_s = 0.2, .warm_up = true}));
       return 2.0 * static_cast<double>(peak_m * H * H) / (ms * 1e-3) * 1e-9;
     };
+    if (wt == DType::kF32 || wt == DType::kBF16 || wt == DType::kF8E4M3)
+      m.arithmetic = MeasureProductPeak(wt != DType::kF32);
     MLARUN_ASSIGN_OR_RETURN(m.chosen_gflops, gflops_of(*m.peak_gemm));
     m.peak_gflops = m.chosen_gflops;
     if (m.peak_onednn) {
@@ -290,6 +296,10 @@ void DescribeJson(DecodeRun& run) {
                       {"gflop_per_s", m.peak_gflops},
                       {"chosen_impl", m.peak_gemm->impl_name()},
                       {"chosen_gflop_per_s", m.chosen_gflops}};
+  if (m.arithmetic)
+    doc["arithmetic_peak"] = {{"gflop_per_s", m.arithmetic->gflop_per_s},
+                              {"instruction", m.arithmetic->instruction},
+                              {"threads", m.arithmetic->threads}};
   if (m.peak_onednn) {
     doc["gemm_peak"]["onednn_impl"] = m.peak_onednn->impl_name();
     doc["gemm_peak"]["onednn_gflop_per_s"] = m.onednn_gflops;
@@ -324,6 +334,9 @@ void DescribeText(DecodeRun& run) {
                                   m.peak_onednn->impl_name() + " " + Fmt(m.onednn_gflops, 1)
                             : std::string())
           << ")\n";
+  if (m.arithmetic)
+    table << "  arithmetic peak: " << Fmt(m.arithmetic->gflop_per_s, 1) << " GFLOP/s (" << m.arithmetic->instruction
+          << " on registers, " << m.arithmetic->threads << " threads)\n";
 }
 
 // Host only: bf16 weights against fp8, measured, printed and added to the
@@ -608,6 +621,7 @@ void ReportPrefill(DecodeRun& run, const PrefillTimes& m) {
   const int64_t P = run.o.prefill_tokens;
   const bool on_device = run.ref.on_device;
   const double peak_gflops = run.ref.peak_gflops, prefill_ms = m.ms;
+  const double arith = run.ref.arithmetic ? run.ref.arithmetic->gflop_per_s : 0;
   const double prefill_tps = static_cast<double>(P) / (prefill_ms * 1e-3);
   const double gflops = m.cost.flops_per_step() / (prefill_ms * 1e-3) * 1e-9;
   const Json ps = m.shares.ToJson();
@@ -618,12 +632,14 @@ void ReportPrefill(DecodeRun& run, const PrefillTimes& m) {
                         {"flops_per_step", m.cost.flops_per_step()},
                         {"gflop_per_s", gflops},
                         {"fraction_of_gemm_peak", on_device ? Json() : Json(gflops / peak_gflops)},
+                        {"fraction_of_arithmetic_peak", arith > 0 ? Json(gflops / arith) : Json()},
                         {"share", ps}};
   run.table << "  prefill (a " << P << "-token prompt, no cached prefix, one step):\n"
             << "    tok/s " << Fmt(prefill_tps, 1) << ", step " << Fmt(prefill_ms, 1) << " ms (" << m.discarded
             << " warm-up steps discarded), " << Fmt(m.cost.flops_per_step() * 1e-9, 1) << " GFLOP/step at "
             << Fmt(gflops, 1) << " GFLOP/s"
-            << (on_device ? std::string() : " = " + Pct(gflops / peak_gflops) + " of the product peak") << "; attn "
+            << (on_device ? std::string() : " = " + Pct(gflops / peak_gflops) + " of the product peak")
+            << (arith > 0 ? ", " + Pct(gflops / arith) + " of the arithmetic peak" : std::string()) << "; attn "
             << Pct(ps["attention"]) << ", moe " << Pct(ps["moe"]) << ", dense " << Pct(ps["dense_mlp"]) << ", lm_head "
             << Pct(ps["lm_head"]) << ", other " << Pct(ps["other"]) << "; largest: " << m.shares.Largest() << "\n";
 }

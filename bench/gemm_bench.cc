@@ -223,12 +223,15 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
 
   InitBenchmarkLibrary();
   const int threads = std::max(1, omp_get_max_threads());
+  const ProductPeak peak = MeasureProductPeak(s.t == DType::kBF16);
   nlohmann::json doc;
   std::ostringstream table;
   table << "mlarun bench gemm: C[m, " << s.n << "] (f32) = A[m, " << s.k << "] x B, " << o.dtype << ", B "
         << (s.weight ? "a weight [n, k] (k contiguous)" : "[k, n] (n contiguous)") << " of " << s.b_bytes / (1 << 20)
         << " MiB, " << threads << " threads, median of " << o.repetitions << "\n"
         << "  cpu: " << CpuSummary() << "\n"
+        << "  arithmetic peak: " << Fmt(peak.gflop_per_s, 1) << " GFLOP/s (" << peak.instruction << ", " << peak.threads
+        << " threads)\n"
         << "  GFLOP/s (B's GB/s); '-': the implementation does not run here\n"
         << "   rows |";
   for (const std::string& name : o.impls) table << std::setw(18) << name << " |";
@@ -262,7 +265,8 @@ Status RunGemmBench(const GemmBenchOptions& o, std::ostream& out, std::ostream& 
                 {"layout", o.layout},
                 {"b_bytes", s.b_bytes},
                 {"threads", threads},
-                {"repetitions", o.repetitions}});
+                {"repetitions", o.repetitions},
+                {"arithmetic_peak", {{"gflop_per_s", peak.gflop_per_s}, {"instruction", peak.instruction}}}});
     out << doc.dump(2) << "\n";
   }
   return Status::Ok();

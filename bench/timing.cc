@@ -161,6 +161,38 @@ StatusOr<ReadBandwidth> BandwidthProbe::Pass() {
   return out;
 }
 
+namespace {
+// The instruction product_peak_loop runs on family `k`.
+const char* PeakInstruction(const cpu::CpuKernels& k, bool dot) {
+  if (dot) return "vdpbf16ps zmm";
+  if (k.isa == CpuIsa::kAvx512 || k.isa == CpuIsa::kAmx) return "vfmadd zmm";
+  return k.isa == CpuIsa::kAvx2 ? "vfmadd ymm" : "mulps + addps xmm";
+}
+}  // namespace
+
+ProductPeak MeasureProductPeak(bool bf16, double seconds) {
+  const cpu::CpuKernels& k = cpu::Kernels();
+  const bool dot = bf16 && cpu::UseBf16Dot(k);
+  ProductPeak peak{.instruction = PeakInstruction(k, dot), .threads = omp_get_max_threads()};
+  // Steps of one timed call, sized from a short one.
+  auto t0 = std::chrono::steady_clock::now();
+  k.product_peak_loop(int64_t{1} << 16, dot);
+  const double probe = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const int64_t steps = std::max<int64_t>(1 << 16, static_cast<int64_t>(seconds / std::max(probe, 1e-9) * (1 << 16)));
+  for (int pass = 0; pass < 3; ++pass) {
+    double gflops = 0;
+#pragma omp parallel reduction(+ : gflops)
+    {
+      const auto s0 = std::chrono::steady_clock::now();
+      const int64_t flop = k.product_peak_loop(steps, dot);
+      gflops += static_cast<double>(flop) /
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count() * 1e-9;
+    }
+    peak.gflop_per_s = std::max(peak.gflop_per_s, gflops);
+  }
+  return peak;
+}
+
 StatusOr<ReadBandwidth> BandwidthProbe::Best(int passes) {
   MLARUN_RETURN_IF_ERROR(Pass().status());
   ReadBandwidth best;

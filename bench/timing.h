@@ -90,6 +90,19 @@ class BandwidthProbe {
   std::vector<std::byte> scratch_;
 };
 
+// The arithmetic peak of the kernel family in force: every OpenMP thread runs
+// independent multiply-adds of the family's widest product instruction on
+// registers (vdpbf16ps for a bf16 product where the family's products use
+// it, else the fp32 FMA; kernels.h, product_peak_loop) for about
+// `seconds`; the best of three passes. A product's GFLOP/s over this is the
+// share of the instruction's peak it reaches, whatever kernel computes it.
+struct ProductPeak {
+  double gflop_per_s = 0;
+  std::string instruction;  // "vdpbf16ps zmm", "vfmadd ymm", ...
+  int threads = 0;
+};
+ProductPeak MeasureProductPeak(bool bf16, double seconds = 0.1);
+
 // Weight streaming by dtype: one [n, k] weight of `bf16_bytes` as bf16 and
 // the same values as f8_e4m3 with 128 x 128 block scales (the bf16 weight is
 // the fp8 one dequantized and rounded), each multiplied with `rows` fp32 rows

@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "base/cpu_isa.h"
+#include "bench/timing.h"
+#include "gemm/cpu/kernels.h"
 #include "gemm/cpu_gemm.h"
 
 namespace mlarun {
@@ -107,7 +109,39 @@ TEST(GemmBench, ReportsEveryImplementationRunOrNot) {
         EXPECT_EQ(row["fastest"], fastest);
       }
       EXPECT_NE(err.str().find("fastest"), std::string::npos) << err.str();  // the table, beside the JSON
+      // The arithmetic peak of the family in force, in the table and the JSON.
+      const auto& peak = doc["arithmetic_peak"];
+      EXPECT_GT(peak["gflop_per_s"].get<double>(), 0) << doc.dump();
+      EXPECT_TRUE(std::isfinite(peak["gflop_per_s"].get<double>())) << doc.dump();
+      EXPECT_NE(err.str().find("arithmetic peak: "), std::string::npos) << err.str();
+      EXPECT_NE(err.str().find(peak["instruction"].get<std::string>()), std::string::npos) << err.str();
     }
+}
+
+// Each family's peak loop counts the FLOP of its instruction: 12 chains of
+// multiply-adds a step (16 in AVX-512's registers), 2 FLOP per fp32 lane
+// (FMA), 4 per lane of vdpbf16ps
+// (two products and two adds); a family or instruction counted wrong, or a
+// loop that skips steps, would set every share of the peak off.
+TEST(GemmBench, PeakLoopsCountTheirInstructionsFlop) {
+  const struct {
+    CpuIsa isa;
+    int64_t lanes, chains;
+  } families[] = {{CpuIsa::kScalar, 4, 12}, {CpuIsa::kAvx2, 8, 12}, {CpuIsa::kAvx512, 16, 16}, {CpuIsa::kAmx, 16, 16}};
+  for (const auto& f : families) {
+    const cpu::CpuKernels* k = cpu::KernelsFor(f.isa);
+    if (k == nullptr) continue;  // this CPU cannot run the family
+    ASSERT_NE(k->product_peak_loop, nullptr) << CpuIsaName(f.isa);
+    EXPECT_EQ(k->product_peak_loop(1000, false), 1000 * f.chains * 2 * f.lanes) << CpuIsaName(f.isa);
+    const int64_t per_lane = cpu::UseBf16Dot(*k) ? 4 : 2;
+    EXPECT_EQ(k->product_peak_loop(1000, true), 1000 * f.chains * per_lane * f.lanes) << CpuIsaName(f.isa);
+  }
+  const ProductPeak bf16 = MeasureProductPeak(true, 0.01), f32 = MeasureProductPeak(false, 0.01);
+  EXPECT_GT(bf16.gflop_per_s, 0);
+  EXPECT_GT(f32.gflop_per_s, 0);
+  EXPECT_GE(bf16.threads, 1);
+  EXPECT_EQ(bf16.instruction == "vdpbf16ps zmm", cpu::UseBf16Dot(cpu::Kernels())) << bf16.instruction;
+  EXPECT_NE(f32.instruction, "vdpbf16ps zmm");
 }
 
 }  // namespace
