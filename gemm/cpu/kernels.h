@@ -152,10 +152,11 @@ struct CpuKernels {
   // returns a value that depends on every byte (so the reads cannot be elided).
   uint64_t (*stream_read)(const void* p, size_t bytes) = nullptr;
 
-  // `steps` x 12 (avx512, amx: 16) independent multiply-adds of the family's widest product
-  // instruction on registers (vdpbf16ps where `bf16_dot` and UseBf16Dot,
-  // else the fp32 FMA), nothing loaded: the arithmetic peak a product is
-  // set against, whatever kernel computes it. Returns the FLOP done.
+  // `steps` x 12 (avx512, amx: 16) independent multiply-adds of the
+  // family's widest product instruction on registers (vdpbf16ps where
+  // `bf16_dot` and UseBf16Dot, else the fp32 FMA), nothing loaded: the
+  // arithmetic peak a product is set against, whatever kernel computes it.
+  // Returns the FLOP done.
   int64_t (*product_peak_loop)(int64_t steps, bool bf16_dot) = nullptr;
 };
 

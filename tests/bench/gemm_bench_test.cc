@@ -120,9 +120,9 @@ TEST(GemmBench, ReportsEveryImplementationRunOrNot) {
 
 // Each family's peak loop counts the FLOP of its instruction: 12 chains of
 // multiply-adds a step (16 in AVX-512's registers), 2 FLOP per fp32 lane
-// (FMA), 4 per lane of vdpbf16ps
-// (two products and two adds); a family or instruction counted wrong, or a
-// loop that skips steps, would set every share of the peak off.
+// (FMA), 4 per lane of vdpbf16ps (two products and two adds), which it runs
+// exactly where UseBf16Dot; a family or instruction counted wrong would set
+// every share of the peak off.
 TEST(GemmBench, PeakLoopsCountTheirInstructionsFlop) {
   const struct {
     CpuIsa isa;
